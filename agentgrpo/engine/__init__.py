@@ -1,0 +1,18 @@
+"""Inference engines. `LocalEngine` and `SGLangEngine` are imported lazily so that importing the
+protocol pulls in neither torch nor httpx."""
+
+from agentgrpo.engine.base import Completion, Engine, EngineError, FinishReason, SamplingParams
+
+__all__ = ["Completion", "Engine", "EngineError", "FinishReason", "SamplingParams", "LocalEngine", "SGLangEngine"]
+
+
+def __getattr__(name: str):
+    if name == "LocalEngine":
+        from agentgrpo.engine.local import LocalEngine
+
+        return LocalEngine
+    if name == "SGLangEngine":
+        from agentgrpo.engine.sglang import SGLangEngine
+
+        return SGLangEngine
+    raise AttributeError(name)

@@ -1,0 +1,73 @@
+"""The inference-engine seam: what the rollout loop needs from any engine.
+
+Rollout code depends only on this module. Engines take token ids and return token ids (TITO): the
+caller never sends text, so what the learner trains on is exactly what the engine saw.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, runtime_checkable
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Sampling settings for one request.
+
+    `stop_token_ids` are added to the model's own end-of-turn/EOS ids; the matched stop token is
+    returned as the last sampled id (never trimmed). `temperature == 0` means greedy.
+    """
+
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclass
+class Completion:
+    """What an engine returns for one request.
+
+    `token_ids` are the sampled ids, including the stop/EOS token when `finish_reason == "stop"`;
+    `logprobs[i]` is the log-probability of `token_ids[i]` under the distribution it was sampled
+    from (after temperature). `weight_version` names the weights that produced it.
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason
+    weight_version: str | None = None
+    detail: str = ""  # why it finished when that is not obvious (context length, abort message)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if len(self.token_ids) != len(self.logprobs):
+            raise ValueError(
+                f"Completion: {len(self.token_ids)} token ids but {len(self.logprobs)} logprobs"
+            )
+
+
+class EngineError(RuntimeError):
+    """The engine failed for infrastructure reasons (after its own retries). Never a model error."""
+
+
+@runtime_checkable
+class Engine(Protocol):
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion: ...
+
+    async def update_weights(self, weights: Any, *, version: str) -> None:
+        """Load new policy weights. `weights` is a state dict (in-process engines) or a path to a
+        directory of safetensors files that the engine can read."""
+        ...
