@@ -1,21 +1,10 @@
 """agentgrpo: agentic, multi-turn GRPO for tool-using LLM agents."""
 
-from agentgrpo.types import Group, Message, StopReason, Task, ToolCall, Trajectory
+from agentgrpo.types import Group, Message, StopReason, Task, ToolCall, Trajectory  # noqa: I001
+from agentgrpo.tool import tool  # binds the name `tool` to the decorator, not the submodule
+from agentgrpo.env import Env, ToolEnv, check_env
 
 __all__ = [
     "Env", "Group", "Message", "StopReason", "Task", "ToolCall", "ToolEnv", "Trajectory",
     "check_env", "tool",
 ]
-
-
-def __getattr__(name: str):
-    # Env/ToolEnv/tool pull in gymnasium; load them on first use so `import agentgrpo` stays cheap.
-    if name in ("Env", "ToolEnv", "check_env"):
-        from agentgrpo import env
-
-        return getattr(env, name)
-    if name == "tool":
-        from agentgrpo.tool import tool
-
-        return tool
-    raise AttributeError(name)

@@ -1,0 +1,63 @@
+"""`agentgrpo` command line: train, check-env, and the servers.
+
+The CLI only parses arguments and calls one function per subcommand; settings live in the typed
+config (`agentgrpo.config`), overridden with `key.path=value` arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _train(args: argparse.Namespace) -> int:
+    from agentgrpo.config import load_config
+    from agentgrpo.train import train
+
+    cfg = load_config(args.config, args.overrides)
+    run_dir = train(cfg)
+    print(f"run directory: {run_dir}")
+    return 0
+
+
+def _check_env(args: argparse.Namespace) -> int:
+    from agentgrpo.env import EnvCheckError, check_env, get_env_class
+
+    cls = get_env_class(args.env)
+    try:
+        check_env(cls())
+    except EnvCheckError as e:
+        print(e, file=sys.stderr)
+        return 1
+    print(f"{args.env}: OK (Gymnasium check_env and the agentgrpo message/tool contract)")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="agentgrpo", description="Agentic multi-turn GRPO for tool-using LLMs")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser("train", help="train a policy: agentgrpo train CONFIG.yaml [key=value ...]")
+    t.add_argument("config", help="YAML config (see examples/)")
+    t.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=2 output_dir=runs/x")
+    t.set_defaults(fn=_train)
+
+    c = sub.add_parser("check-env", help="validate an environment: agentgrpo check-env NAME|MODULE:CLASS")
+    c.add_argument("env")
+    c.set_defaults(fn=_check_env)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from agentgrpo.config import ConfigError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

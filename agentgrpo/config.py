@@ -1,0 +1,122 @@
+"""Typed run configuration: YAML file + dotted command-line overrides, validated at start-up.
+
+Each component owns its config model next to its code (`RolloutConfig` in rollout.py, `LossConfig`
+in loss.py, ...); this module composes them. Every model forbids unknown keys, so a misspelt key
+is an error that names it instead of a setting silently ignored.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from agentgrpo.advantage import AdvantageConfig
+from agentgrpo.learner import LearnerConfig
+from agentgrpo.loss import LossConfig
+from agentgrpo.rollout import RolloutConfig
+from agentgrpo.shaping import ShapingConfig
+
+
+class ConfigError(ValueError):
+    """A config file or override is invalid; the message names each offending key."""
+
+
+class ModelConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    path: str | None = Field(None, description="model directory; None = the embedded SmolLM2-135M-Instruct")
+    chat_template: str | None = Field(None, description="Jinja template file overriding the tokenizer's")
+    tool_parser: str = Field("hermes", description="tool-call parser name (agentgrpo.chat.PARSERS)")
+
+
+class EnvConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field("calculator", description="registered env name or module:Class")
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="env constructor arguments")
+    tasks: dict[str, Any] = Field(default_factory=dict, description="arguments of Env.load_tasks")
+
+
+class EngineConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["local"] = Field("local", description="local: in-process transformers engine")
+    max_batch_size: int = Field(32, ge=1, description="local engine: sequences decoded together")
+
+
+class TrainLoopConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    steps: int = Field(20, ge=0, description="optimizer steps")
+    save_every: int = Field(0, ge=0, description="checkpoint every K steps (0 = only at the end)")
+    keep_checkpoints: int = Field(2, ge=1, description="newest checkpoints kept")
+
+
+class LogConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    tensorboard: bool = Field(True, description="write TensorBoard event files")
+    progress: bool = Field(True, description="show a progress bar")
+
+
+class RunConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    output_dir: str = Field("runs/default", description="run directory (resumed if it holds a checkpoint)")
+    seed: int = Field(0, description="seed of task order, sampling and initialisation")
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    env: EnvConfig = Field(default_factory=EnvConfig)
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
+    loss: LossConfig = Field(default_factory=LossConfig)
+    shaping: ShapingConfig = Field(default_factory=ShapingConfig)
+    learner: LearnerConfig = Field(default_factory=LearnerConfig)
+    train: TrainLoopConfig = Field(default_factory=TrainLoopConfig)
+    log: LogConfig = Field(default_factory=LogConfig)
+
+
+def apply_override(data: dict[str, Any], override: str) -> None:
+    """Apply `a.b.c=value` (value parsed as YAML) to a nested dict."""
+    if "=" not in override:
+        raise ConfigError(f"override {override!r} must look like key.path=value")
+    key, _, raw = override.partition("=")
+    parts = key.strip().split(".")
+    if not all(parts):
+        raise ConfigError(f"override {override!r}: empty key segment")
+    node = data
+    for p in parts[:-1]:
+        child = node.setdefault(p, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {override!r}: {p!r} is not a section")
+        node = child
+    node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
+    data: dict[str, Any] = {}
+    if path is not None:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f) or {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping")
+    for o in overrides:
+        apply_override(data, o)
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as e:
+        lines = []
+        for err in e.errors():
+            loc = ".".join(str(x) for x in err["loc"])
+            msg = "unknown key (not a setting of this section)" if err["type"] == "extra_forbidden" else err["msg"]
+            lines.append(f"  {loc}: {msg}")
+        raise ConfigError(f"invalid config{f' {path}' if path else ''}:\n" + "\n".join(lines)) from None
+
+
+def dump_config(cfg: RunConfig) -> str:
+    from agentgrpo.log import mask_secrets
+
+    return yaml.safe_dump(mask_secrets(cfg.model_dump(mode="json")), sort_keys=False)

@@ -1,0 +1,385 @@
+"""Environments: Gymnasium envs whose observations and actions are chat messages.
+
+One `Env` instance runs one trajectory. `reset(seed=..., options={"task": task})` returns the first
+messages; `step(assistant_message)` returns `(new_messages, reward, terminated, truncated, info)`.
+The rollout loop renders new messages with the chat template (loss mask 0) and asks the model for
+the next turn until the env terminates or a limit is hit.
+
+Decisions:
+- `reset()` without a task restarts the current task (Gymnasium's checker calls `reset()` with no
+  options). An env that was never given a task raises a ValueError saying how to pass one.
+- `step` (and `reset`) may be `async def`; the rollout awaits them natively, and runs sync ones in a
+  worker thread so they never block the event loop. `check_env` handles both.
+- All members of a group are reset with the same task and seed. An env whose outcome is not fixed by
+  the seed (a live web search, say) sets `stochastic = True` and documents what varies.
+- Tasks come from the env class: `load_tasks(split, seed)` returns the tasks the trainer iterates.
+
+Example (a plain env: one method):
+    >>> class Echo(Env):
+    ...     '''Reward 1 when the model repeats the task's answer.'''
+    ...     def step(self, action):
+    ...         ok = action.content.strip() == str(self.task.answer)
+    ...         return [], float(ok), True, False, {}
+    >>> env = Echo()
+    >>> msgs, _ = env.reset(seed=0, options={"task": Task(id="1", prompt="Say 7", answer=7)})
+    >>> env.step(Message(role="assistant", content="7"))[1]
+    1.0
+
+Example (a tool env): see `ToolEnv`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar
+
+import gymnasium
+import numpy as np
+
+from agentgrpo.tool import Tool, ToolError
+from agentgrpo.types import Message, Task, ToolCall
+
+_ALPHABET = np.array(list("abcdefghijklmnopqrstuvwxyz 0123456789+-*/=.,"))
+
+
+class String(gymnasium.spaces.Space):
+    """Any Python string (Unicode included). Gymnasium's `Text` admits only a small charset and
+    counts characters, which fits neither model output nor tokens."""
+
+    def __init__(self, max_sample_length: int = 32, seed: int | None = None) -> None:
+        super().__init__(shape=None, dtype=None, seed=seed)
+        self.max_sample_length = max_sample_length
+
+    def sample(self, mask: Any = None, probability: Any = None) -> str:
+        n = int(self.np_random.integers(1, self.max_sample_length + 1))
+        return "".join(self.np_random.choice(_ALPHABET, size=n))
+
+    def contains(self, x: Any) -> bool:
+        return isinstance(x, str)
+
+    @property
+    def is_np_flattenable(self) -> bool:
+        return False
+
+    def __eq__(self, other: Any) -> bool:
+        return isinstance(other, String)
+
+
+class MessageSpace(gymnasium.spaces.Space):
+    """One chat message (the action space: what the model said)."""
+
+    def __init__(self, role: str = "assistant", seed: int | None = None) -> None:
+        super().__init__(shape=None, dtype=None, seed=seed)
+        self.role = role
+        self._text = String()
+
+    def seed(self, seed: int | None = None) -> list[int]:
+        out = super().seed(seed)
+        self._text.seed(int(self.np_random.integers(2**31)))
+        return out
+
+    def sample(self, mask: Any = None, probability: Any = None) -> Message:
+        return Message(role=self.role, content=self._text.sample())
+
+    def contains(self, x: Any) -> bool:
+        return isinstance(x, Message)
+
+    @property
+    def is_np_flattenable(self) -> bool:
+        return False
+
+    def __eq__(self, other: Any) -> bool:
+        return isinstance(other, MessageSpace) and other.role == self.role
+
+
+class MessagesSpace(gymnasium.spaces.Space):
+    """A list of chat messages (the observation space: what the env says)."""
+
+    def __init__(self, seed: int | None = None) -> None:
+        super().__init__(shape=None, dtype=None, seed=seed)
+        self._msg = MessageSpace(role="user")
+
+    def seed(self, seed: int | None = None) -> list[int]:
+        out = super().seed(seed)
+        self._msg.seed(int(self.np_random.integers(2**31)))
+        return out
+
+    def sample(self, mask: Any = None, probability: Any = None) -> list[Message]:
+        return [self._msg.sample() for _ in range(int(self.np_random.integers(1, 3)))]
+
+    def contains(self, x: Any) -> bool:
+        return isinstance(x, list) and all(isinstance(m, Message) for m in x)
+
+    @property
+    def is_np_flattenable(self) -> bool:
+        return False
+
+    def __eq__(self, other: Any) -> bool:
+        return isinstance(other, MessagesSpace)
+
+
+class Env(gymnasium.Env):
+    """Base class of agentgrpo environments (a `gymnasium.Env` over chat messages).
+
+    Override `step` (and `reset` if the first messages are not just the task's prompt). The
+    default `reset` seeds `self.np_random`, stores the task in `self.task` and returns the task's
+    prompt as messages.
+    """
+
+    metadata: ClassVar[dict[str, Any]] = {"render_modes": []}
+    observation_space = MessagesSpace()
+    action_space = MessageSpace()
+    stochastic: ClassVar[bool] = False
+    task: Task | None = None
+
+    def reset(self, *, seed: int | None = None,
+              options: dict[str, Any] | None = None) -> tuple[list[Message], dict[str, Any]]:
+        super().reset(seed=seed)
+        task = (options or {}).get("task")
+        if task is not None:
+            if not isinstance(task, Task):
+                raise TypeError(f"options['task'] must be an agentgrpo Task, got {type(task).__name__}")
+            self.task = task
+        if self.task is None:
+            raise ValueError(f"{type(self).__name__}.reset needs a task: reset(options={{'task': Task(...)}})")
+        return self.task.prompt_messages(), {}
+
+    def step(self, action: Message) -> tuple[list[Message], float, bool, bool, dict[str, Any]]:
+        raise NotImplementedError(f"{type(self).__name__} must implement step(action)")
+
+    def tool_schemas(self) -> list[dict[str, Any]]:
+        """OpenAI-style tool schemas shown to the model (none for a plain env)."""
+        return []
+
+    @classmethod
+    def load_tasks(cls, split: str = "train", seed: int = 0, **kwargs: Any) -> Sequence[Task]:
+        """The tasks of a split. Override it to make the env trainable from a config."""
+        raise NotImplementedError(f"{cls.__name__}.load_tasks is not implemented: pass tasks explicitly")
+
+
+class ToolEnv(Env):
+    """An env whose model calls typed tools; tool dispatch is built in.
+
+    Declare tools as `@tool` methods or list `@tool` functions in `tools`. Write `reward` (and
+    optionally `prompt`). `step` runs every tool call of the assistant message concurrently and
+    returns one `tool` message per call; an assistant message without tool calls ends the episode
+    and is scored by `reward(task, messages)`. A call to an unknown tool, invalid arguments, a tool
+    that raises or times out, or too many calls in one turn all produce an error tool message the
+    model can react to; `info["tool_errors"]` counts them.
+
+    Example:
+        >>> class Calc(ToolEnv):
+        ...     system_prompt = "Use the calculator, then give the number."
+        ...     @tool
+        ...     def calculator(self, expression: str) -> str:
+        ...         '''Evaluate +, -, *, / on integers. Args: expression: e.g. "3*7"'''
+        ...         return str(safe_eval(expression))
+        ...     def reward(self, task, messages):
+        ...         return float(messages[-1].content.strip() == str(task.answer))
+    """
+
+    tools: ClassVar[Sequence[Tool]] = ()
+    system_prompt: ClassVar[str | None] = None
+    max_tool_calls_per_turn: ClassVar[int] = 8
+    tool_timeout_s: ClassVar[float] = 30.0
+
+    def prompt(self, task: Task) -> list[Message]:
+        msgs = task.prompt_messages()
+        if self.system_prompt and (not msgs or msgs[0].role != "system"):
+            msgs = [Message(role="system", content=self.system_prompt), *msgs]
+        return msgs
+
+    def reward(self, task: Task, messages: list[Message]) -> float:
+        raise NotImplementedError(f"{type(self).__name__} must implement reward(task, messages)")
+
+    def get_tools(self) -> dict[str, Tool]:
+        found: dict[str, Tool] = {}
+        for t in self.tools:
+            if not isinstance(t, Tool):
+                raise TypeError(f"{type(self).__name__}.tools must hold @tool functions, got {t!r}")
+            found[t.name] = t
+        for klass in reversed(type(self).__mro__):
+            for attr, value in vars(klass).items():
+                if isinstance(value, Tool):
+                    bound = getattr(self, attr)
+                    found[bound.name] = bound
+        return found
+
+    def tool_schemas(self) -> list[dict[str, Any]]:
+        return [t.schema for t in self.get_tools().values()]
+
+    def reset(self, *, seed: int | None = None,
+              options: dict[str, Any] | None = None) -> tuple[list[Message], dict[str, Any]]:
+        super().reset(seed=seed, options=options)
+        assert self.task is not None
+        self.messages = self.prompt(self.task)
+        return list(self.messages), {}
+
+    async def step(self, action: Message) -> tuple[list[Message], float, bool, bool, dict[str, Any]]:
+        self.messages.append(action)
+        calls = action.tool_calls or []
+        if not calls:
+            reward = self.reward(self.task, self.messages)
+            if inspect.isawaitable(reward):
+                reward = await reward
+            return [], float(reward), True, False, {}
+        tools = self.get_tools()
+        allowed, extra = calls[: self.max_tool_calls_per_turn], calls[self.max_tool_calls_per_turn:]
+        results = await asyncio.gather(*(self._run_call(tools, c) for c in allowed))
+        results += [(c, f"Error: too many tool calls in one turn (at most {self.max_tool_calls_per_turn}); "
+                        "this call was not run", True) for c in extra]
+        out = [Message(role="tool", content=text, tool_call_id=c.id or None, name=c.name)
+               for c, text, _ in results]
+        self.messages.extend(out)
+        return out, 0.0, False, False, {"tool_errors": sum(err for _, _, err in results)}
+
+    async def _run_call(self, tools: dict[str, Tool], call: ToolCall) -> tuple[ToolCall, str, bool]:
+        t = tools.get(call.name)
+        if t is None:
+            return call, f"Error: unknown tool {call.name!r}; available: {sorted(tools)}", True
+        try:
+            return call, await asyncio.wait_for(t.acall(call.arguments), self.tool_timeout_s), False
+        except ToolError as e:
+            return call, f"Error: {e}", True
+        except asyncio.TimeoutError:
+            return call, f"Error: {call.name} did not finish within {self.tool_timeout_s:g} s", True
+
+
+# ---------------------------------------------------------------------------------------------
+# Calling envs from the rollout (sync or async alike)
+
+
+async def call_env(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Await an async env method natively; run a sync one in a worker thread."""
+    if inspect.iscoroutinefunction(fn):
+        return await fn(*args, **kwargs)
+    result = await asyncio.to_thread(fn, *args, **kwargs)
+    return await result if inspect.isawaitable(result) else result
+
+
+def _run_sync(value: Any) -> Any:
+    return asyncio.run(value) if inspect.isawaitable(value) else value
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation
+
+
+class EnvCheckError(AssertionError):
+    """An environment breaks the Env contract; the message lists every problem found."""
+
+
+class _SyncView(gymnasium.Env):
+    """Presents an env with async reset/step to Gymnasium's (sync) checker."""
+
+    def __init__(self, env: Env) -> None:
+        self.inner = env
+        self.observation_space, self.action_space = env.observation_space, env.action_space
+        self.metadata = env.metadata
+
+    @property
+    def _np_random(self):  # the checker inspects the RNG of the env it was given
+        return self.inner._np_random
+
+    @_np_random.setter
+    def _np_random(self, value):
+        if hasattr(self, "inner"):
+            self.inner._np_random = value
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        return _run_sync(self.inner.reset(seed=seed, options=options))
+
+    def step(self, action: Message):
+        return _run_sync(self.inner.step(action))
+
+
+def check_env(env: Env, task: Task | None = None) -> None:
+    """Validate an environment: Gymnasium's `check_env` plus the message and tool contract.
+
+    Raises EnvCheckError listing each failure with what was expected. `task` defaults to the first
+    task of `env.load_tasks("train")`.
+    """
+    problems: list[str] = []
+    if not isinstance(env, Env):
+        raise EnvCheckError(f"{type(env).__name__} must subclass agentgrpo.Env (a gymnasium.Env)")
+    if task is None:
+        try:
+            task = next(iter(type(env).load_tasks("train", seed=0)))
+        except NotImplementedError as e:
+            raise EnvCheckError(f"no task given and {e}") from None
+    obs, info = _run_sync(env.reset(seed=0, options={"task": task}))
+    if not (isinstance(obs, list) and obs and all(isinstance(m, Message) for m in obs)):
+        problems.append(f"reset must return a non-empty list of Message first, got {obs!r:.200}")
+    if not isinstance(info, dict):
+        problems.append(f"reset must return (messages, info: dict), info was {type(info).__name__}")
+    for schema in env.tool_schemas():
+        fn = schema.get("function", {}) if isinstance(schema, dict) else {}
+        if schema.get("type") != "function" or not fn.get("name") or not fn.get("description"):
+            problems.append(f"tool schema needs type 'function', a name and a description: {schema!r:.200}")
+        elif fn.get("parameters", {}).get("type") != "object":
+            problems.append(f"tool {fn['name']!r}: parameters must be a JSON-schema object")
+    if isinstance(env, ToolEnv):
+        call = ToolCall(id="call_check", name="__no_such_tool__", arguments={})
+        out = _run_sync(env.step(Message(role="assistant", content="", tool_calls=[call])))
+        if len(out) != 5 or out[2] or not out[0] or "unknown tool" not in out[0][0].content:
+            problems.append("a call to an unknown tool must return an error tool message and go on, "
+                            f"got {out!r:.300}")
+        _run_sync(env.reset(seed=0, options={"task": task}))
+    result = _run_sync(env.step(Message(role="assistant", content="42")))
+    if not (isinstance(result, tuple) and len(result) == 5):
+        problems.append(f"step must return a 5-tuple (messages, reward, terminated, truncated, info), got {result!r:.200}")
+    else:
+        msgs, reward, terminated, truncated, info = result
+        if not (isinstance(msgs, list) and all(isinstance(m, Message) for m in msgs)):
+            problems.append(f"step's first value must be a list of Message, got {msgs!r:.200}")
+        if not isinstance(reward, (int, float)) or isinstance(reward, bool) or not math.isfinite(reward):
+            problems.append(f"step's reward must be a finite float, got {reward!r}")
+        if not isinstance(terminated, bool) or not isinstance(truncated, bool):
+            problems.append("step's terminated and truncated must be bools")
+        if not isinstance(info, dict):
+            problems.append("step's info must be a dict")
+    if not problems:
+        try:
+            from gymnasium.utils.env_checker import check_env as gym_check
+
+            view = env if not (inspect.iscoroutinefunction(env.step)
+                               or inspect.iscoroutinefunction(env.reset)) else _SyncView(env)
+            gym_check(view, skip_render_check=True, skip_close_check=True)
+        except Exception as e:  # noqa: BLE001 - reported, not swallowed
+            problems.append(f"gymnasium's check_env failed: {type(e).__name__}: {e}")
+    if problems:
+        raise EnvCheckError(f"{type(env).__name__} breaks the Env contract:\n- " + "\n- ".join(problems))
+
+
+# ---------------------------------------------------------------------------------------------
+# Registry
+
+ENVS: dict[str, type[Env]] = {}
+
+
+def register_env(name: str, cls: type[Env] | None = None) -> Any:
+    """Register an env class by name (usable as `@register_env("name")`)."""
+    def deco(c: type[Env]) -> type[Env]:
+        if not (isinstance(c, type) and issubclass(c, Env)):
+            raise TypeError(f"register_env({name!r}): {c!r} is not an Env subclass")
+        ENVS[name] = c
+        return c
+    return deco(cls) if cls is not None else deco
+
+
+def get_env_class(name: str) -> type[Env]:
+    """`name` is a registered name or `module:Class`."""
+    if ":" in name:
+        module, _, attr = name.partition(":")
+        cls = getattr(importlib.import_module(module), attr, None)
+        if not (isinstance(cls, type) and issubclass(cls, Env)):
+            raise ValueError(f"{name!r} does not name an agentgrpo Env class")
+        return cls
+    importlib.import_module("envs")  # registers the bundled environments
+    if name not in ENVS:
+        raise ValueError(f"unknown environment {name!r}; registered: {sorted(ENVS)} (or use module:Class)")
+    return ENVS[name]

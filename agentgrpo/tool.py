@@ -1,0 +1,165 @@
+"""Tools: typed Python functions the model can call.
+
+`@tool` turns a plain (sync or async) function into a `Tool`: its JSON schema comes from the
+signature (through pydantic) and its description from the docstring, so there is one source of
+truth. Calling a tool validates the model's arguments first; every failure (bad arguments, the
+tool raising) comes back as a `ToolError` whose message is meant for the model to read.
+
+Example:
+    >>> @tool
+    ... def add(a: int, b: int) -> int:
+    ...     '''Add two integers.
+    ...
+    ...     Args:
+    ...         a: the first term
+    ...         b: the second term
+    ...     '''
+    ...     return a + b
+    >>> add.schema["function"]["parameters"]["required"]
+    ['a', 'b']
+    >>> add(a=2, b=3)
+    5
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import re
+from collections.abc import Callable
+from typing import Any
+
+import pydantic
+
+
+class ToolError(Exception):
+    """A tool call that could not be completed; `str(err)` is shown to the model."""
+
+
+def _doc_parts(doc: str | None) -> tuple[str, dict[str, str]]:
+    """Split a Google-style docstring into (description, {arg: description})."""
+    doc = inspect.cleandoc(doc or "")
+    arg_docs: dict[str, str] = {}
+    m = re.search(r"^(Args|Arguments|Parameters):\s*$", doc, flags=re.MULTILINE)
+    if not m:
+        return doc.strip(), arg_docs
+    description = doc[: m.start()].strip()
+    current = None
+    for line in doc[m.end():].splitlines():
+        if not line.strip():
+            continue
+        if not line.startswith((" ", "\t")):
+            break  # next section (Returns:, Raises:, ...)
+        item = re.match(r"\s+(\w+)\s*(\([^)]*\))?:\s*(.*)", line)
+        if item and (current is None or len(line) - len(line.lstrip()) <= 4):
+            current = item.group(1)
+            arg_docs[current] = item.group(3).strip()
+        elif current:
+            arg_docs[current] += " " + line.strip()
+    return description, arg_docs
+
+
+class Tool:
+    """A callable tool with a JSON schema. Create it with `@tool`, not directly."""
+
+    def __init__(self, fn: Callable[..., Any], *, name: str | None = None,
+                 description: str | None = None) -> None:
+        self.fn = fn
+        self.name = name or fn.__name__
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_\-]{0,63}", self.name):
+            raise ValueError(f"tool name {self.name!r} must match [A-Za-z_][A-Za-z0-9_-]*, max 64 chars")
+        doc_description, arg_docs = _doc_parts(fn.__doc__)
+        self.description = description or doc_description
+        if not self.description:
+            raise ValueError(f"tool {self.name!r} needs a description (a docstring): the model reads it")
+        sig = inspect.signature(fn)
+        fields: dict[str, Any] = {}
+        params = list(sig.parameters.values())
+        if params and params[0].name == "self":
+            params = params[1:]
+        for p in params:
+            if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+                raise TypeError(f"tool {self.name!r}: *args/**kwargs cannot be described to the model")
+            if p.annotation is inspect.Parameter.empty:
+                raise TypeError(f"tool {self.name!r}: parameter {p.name!r} needs a type annotation")
+            default = ... if p.default is inspect.Parameter.empty else p.default
+            fields[p.name] = (p.annotation, pydantic.Field(default, description=arg_docs.get(p.name)))
+        self.params_model = pydantic.create_model(
+            f"{self.name}_args", __config__=pydantic.ConfigDict(extra="forbid"), **fields
+        )
+        parameters = self.params_model.model_json_schema()
+        parameters.pop("title", None)
+        for prop in parameters.get("properties", {}).values():
+            prop.pop("title", None)
+        parameters.setdefault("required", [])
+        self.schema: dict[str, Any] = {
+            "type": "function",
+            "function": {"name": self.name, "description": self.description, "parameters": parameters},
+        }
+        self.is_async = inspect.iscoroutinefunction(fn)
+        self._bound_self: Any = None
+
+    def __get__(self, obj: Any, objtype: Any = None) -> Tool:
+        """Methods decorated with @tool bind like methods (so ToolEnv subclasses can use self)."""
+        if obj is None:
+            return self
+        bound = object.__new__(Tool)
+        bound.__dict__.update(self.__dict__)
+        bound._bound_self = obj
+        return bound
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._bound_self is not None:
+            return self.fn(self._bound_self, *args, **kwargs)
+        return self.fn(*args, **kwargs)
+
+    def validate(self, arguments: dict[str, Any]) -> dict[str, Any]:
+        """Check the model's arguments against the signature; raise ToolError naming the problem."""
+        if not isinstance(arguments, dict):
+            raise ToolError(f"arguments of {self.name} must be a JSON object, got {type(arguments).__name__}")
+        try:
+            parsed = self.params_model.model_validate(arguments)
+        except pydantic.ValidationError as e:
+            problems = "; ".join(
+                f"{'.'.join(str(x) for x in err['loc']) or '(arguments)'}: {err['msg']}" for err in e.errors()
+            )
+            raise ToolError(f"invalid arguments for {self.name}: {problems}") from None
+        return {k: getattr(parsed, k) for k in type(parsed).model_fields}
+
+    async def acall(self, arguments: dict[str, Any]) -> str:
+        """Validate, run (sync tools in a worker thread), and render the result as text.
+
+        Any exception raised by the tool body becomes a ToolError: tool code is user code called
+        with model-chosen arguments, and its failure is information for the model, not a crash.
+        """
+        kwargs = self.validate(arguments)
+        try:
+            if self.is_async:
+                result = await self(**kwargs)
+            else:
+                result = await asyncio.to_thread(self, **kwargs)
+        except ToolError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the trust boundary: tool code with model arguments
+            raise ToolError(f"{self.name} raised {type(e).__name__}: {e}") from e
+        return render_result(result)
+
+
+def render_result(result: Any) -> str:
+    if isinstance(result, str):
+        return result
+    if isinstance(result, pydantic.BaseModel):
+        return result.model_dump_json()
+    try:
+        return json.dumps(result, ensure_ascii=False)
+    except TypeError:
+        return str(result)
+
+
+def tool(fn: Callable[..., Any] | None = None, *, name: str | None = None,
+         description: str | None = None) -> Any:
+    """Decorator: `@tool` or `@tool(name=..., description=...)`. See the module docstring."""
+    if fn is None:
+        return lambda f: Tool(f, name=name, description=description)
+    return Tool(fn, name=name, description=description)

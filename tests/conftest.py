@@ -1,0 +1,70 @@
+"""Shared fixtures: the real SmolLM2 tokenizer, a tiny random model with its vocabulary."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+SHARED = Path(__file__).resolve().parents[2] / "shared"
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def smol_path() -> Path:
+    from agentgrpo.models import default_model_path
+
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def smol_tokenizer(smol_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smol_path)
+
+
+@pytest.fixture(scope="session")
+def chat(smol_tokenizer):
+    from agentgrpo.chat import ChatFormat
+
+    return ChatFormat(smol_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, smol_tokenizer) -> Path:
+    """A randomly initialised 2-layer Llama with SmolLM2's vocabulary, saved like a real model."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(smol_tokenizer), hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=1024, tie_word_embeddings=True,
+                      eos_token_id=smol_tokenizer.eos_token_id, pad_token_id=smol_tokenizer.pad_token_id)
+    d = tmp_path_factory.mktemp("tiny-llama")
+    LlamaForCausalLM(cfg).save_pretrained(d)
+    smol_tokenizer.save_pretrained(d)
+    return d
+
+
+def shared_template(name: str) -> str:
+    path = SHARED / "chat_templates" / name
+    if not path.exists():
+        pytest.skip(f"{path} is not present (shared/ lies beside the checkout in CI)")
+    return path.read_text()

@@ -1,0 +1,53 @@
+"""Test doubles: a scripted engine that returns pre-written turns as token ids."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Callable, Sequence
+
+from agentgrpo.engine.base import Completion, EngineError, SamplingParams
+
+
+class ScriptedEngine:
+    """Returns scripted assistant turns (text, tokenized once) with deterministic fake logprobs.
+
+    `script(prompt_ids, call_index) -> str | Exception`; the text is encoded and the end-of-turn id
+    appended unless the text already ends with it. Logprobs are fixed negative numbers so tests can
+    check they land in the trajectory unchanged.
+    """
+
+    def __init__(self, tokenizer, script: Callable[[list[int], int], str | Exception] | Sequence[str],
+                 eot_id: int, *, delay_s: float = 0.0) -> None:
+        self.tokenizer = tokenizer
+        self.script = script if callable(script) else (lambda _ids, i, s=list(script): s[i % len(s)])
+        self.eot_id = eot_id
+        self.calls: list[list[int]] = []
+        self.delay_s = delay_s
+        self.version = "v0"
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
+        i = len(self.calls)
+        self.calls.append(list(prompt_ids))
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
+        out = self.script(prompt_ids, i)
+        if isinstance(out, Exception):
+            raise out
+        ids = self.tokenizer.encode(out, add_special_tokens=False)
+        finish = "stop"
+        if not ids or ids[-1] != self.eot_id:
+            ids.append(self.eot_id)
+        if len(ids) > params.max_new_tokens:
+            ids, finish = ids[: params.max_new_tokens], "length"
+        rng = random.Random(len(prompt_ids) * 7919 + i)
+        return Completion(token_ids=ids, logprobs=[-rng.uniform(0.01, 3.0) for _ in ids],
+                          finish_reason=finish, weight_version=self.version)
+
+    async def update_weights(self, weights, *, version: str) -> None:
+        self.version = version
+
+
+class FailingEngine(ScriptedEngine):
+    async def generate(self, prompt_ids, params):
+        raise EngineError("server unreachable after 3 retries")

@@ -1,0 +1,37 @@
+import pytest
+
+from agentgrpo.config import ConfigError, dump_config, load_config
+
+
+def test_unknown_key_is_named(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("rollout:\n  grup_size: 4\n")
+    with pytest.raises(ConfigError, match=r"rollout\.grup_size: unknown key"):
+        load_config(p)
+
+
+def test_overrides_are_typed_and_validated(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("train:\n  steps: 5\n")
+    cfg = load_config(p, ["train.steps=2", "output_dir=runs/x", "rollout.temperature=0.7"])
+    assert cfg.train.steps == 2 and cfg.output_dir == "runs/x" and cfg.rollout.temperature == 0.7
+    with pytest.raises(ConfigError, match=r"train\.stepz: unknown key"):
+        load_config(p, ["train.stepz=3"])
+    with pytest.raises(ConfigError, match=r"rollout\.group_size"):
+        load_config(p, ["rollout.group_size=0"])
+    with pytest.raises(ConfigError, match="must look like"):
+        load_config(p, ["train.steps"])
+
+
+def test_example_configs_load():
+    from pathlib import Path
+
+    for f in sorted(Path(__file__).parents[1].glob("examples/*.yaml")):
+        load_config(f)
+
+
+def test_secrets_are_masked():
+    from agentgrpo.log import mask_secrets
+
+    assert mask_secrets({"a": {"api_key": "sk-1", "n": 1}, "token": "t"}) == {"a": {"api_key": "***", "n": 1}, "token": "***"}
+    assert "***" not in dump_config(load_config(None))

@@ -1,0 +1,113 @@
+import asyncio
+import time
+
+import pytest
+
+from agentgrpo import Env, Message, Task, ToolCall, ToolEnv, check_env, tool
+from agentgrpo.env import EnvCheckError, MessagesSpace, String, get_env_class
+from envs.calculator import CalculatorEnv, last_number
+
+TASK = Task(id="t", prompt="Say 7", answer=7)
+
+
+class Echo(Env):
+    def step(self, action):
+        return [], float(action.content.strip() == str(self.task.answer)), True, False, {}
+
+
+class AsyncEcho(Env):
+    async def step(self, action):
+        await asyncio.sleep(0)
+        return [], 1.0, True, False, {}
+
+
+class Slow(ToolEnv):
+    tool_timeout_s = 0.2
+    max_tool_calls_per_turn = 2
+
+    @tool
+    def nap(self, seconds: float) -> str:
+        """Sleep, then say done."""
+        time.sleep(seconds)
+        return "done"
+
+    @tool
+    def fail(self) -> str:
+        """Always raises."""
+        raise RuntimeError("disk on fire")
+
+    def reward(self, task, messages):
+        return 1.0
+
+
+def test_plain_sync_and_async_envs_pass_check_env():
+    check_env(Echo(), TASK)
+    check_env(AsyncEcho(), TASK)
+    check_env(CalculatorEnv())
+
+
+def test_reset_without_task_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"needs a task: reset\(options="):
+        Echo().reset()
+
+
+def test_check_env_reports_contract_breaks():
+    class Bad(Env):
+        def step(self, action):
+            return "oops", 1, "yes", False, {}
+
+    with pytest.raises(EnvCheckError) as e:
+        check_env(Bad(), TASK)
+    msg = str(e.value)
+    assert "list of Message" in msg and "terminated and truncated must be bools" in msg
+
+
+def test_tool_env_errors_are_messages_not_crashes():
+    env = Slow()
+    env.reset(seed=0, options={"task": TASK})
+    calls = [ToolCall(id="1", name="nap", arguments={"seconds": 1.0}),
+             ToolCall(id="2", name="fail", arguments={}),
+             ToolCall(id="3", name="nap", arguments={"seconds": 0})]
+    out, reward, terminated, truncated, info = asyncio.run(env.step(Message(role="assistant", content="", tool_calls=calls)))
+    assert [m.tool_call_id for m in out] == ["1", "2", "3"]
+    assert "did not finish within 0.2 s" in out[0].content
+    assert "fail raised RuntimeError: disk on fire" in out[1].content
+    assert "too many tool calls" in out[2].content
+    assert info["tool_errors"] == 3 and not terminated and reward == 0.0
+
+
+def test_tool_calls_in_one_turn_run_concurrently():
+    class Par(Slow):
+        tool_timeout_s = 5.0
+        max_tool_calls_per_turn = 8
+
+    env = Par()
+    env.reset(options={"task": TASK})
+    calls = [ToolCall(id=str(i), name="nap", arguments={"seconds": 0.3}) for i in range(4)]
+    t0 = time.monotonic()
+    out, *_ = asyncio.run(env.step(Message(role="assistant", content="", tool_calls=calls)))
+    assert [m.content for m in out] == ["done"] * 4
+    assert time.monotonic() - t0 < 1.0  # 4 x 0.3 s sequentially would be 1.2 s
+
+
+def test_spaces_accept_unicode_and_nest():
+    import gymnasium
+
+    s = String()
+    assert s.contains("ünïcødé ✓") and not s.contains(3)
+    nested = gymnasium.spaces.Dict({"text": String(), "history": MessagesSpace()})
+    assert nested.contains({"text": "é", "history": [Message(role="user", content="x")]})
+
+
+def test_registry_and_calculator_tasks():
+    assert get_env_class("calculator") is CalculatorEnv
+    assert get_env_class("tests.test_env:Echo") is Echo
+    with pytest.raises(ValueError, match="unknown environment 'nope'"):
+        get_env_class("nope")
+    a = CalculatorEnv.load_tasks("train", seed=1, n=5)
+    assert a == CalculatorEnv.load_tasks("train", seed=1, n=5)
+    assert [t.prompt for t in a] != [t.prompt for t in CalculatorEnv.load_tasks("eval", seed=1, n=5)]
+    for t in a:
+        x, _, y = t.metadata["expression"].split()
+        assert int(t.answer) == int(x) + int(y)
+    assert last_number("so 1,234 then 56.") == 56 and last_number("none") is None
