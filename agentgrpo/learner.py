@@ -101,7 +101,7 @@ class Learner:
             return {"loss": 0.0, "skipped": 1.0}
         t0 = time.perf_counter()
         batches = make_micro_batches(trajs, advantages, self.cfg.micro_batch_tokens, self.pad_id)
-        num_tokens = sum(float(b.loss_mask_BT[:, 1:].sum()) for b in batches)
+        num_tokens = sum(float(b.loss_mask_BT.sum()) for b in batches)
         num_seqs = float(sum(t.num_sampled > 0 for t in trajs))
         world = self.accelerator.num_processes
         sums: dict[str, float] = {}

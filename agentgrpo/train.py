@@ -23,7 +23,7 @@ from agentgrpo.config import RunConfig, dump_config
 from agentgrpo.env import get_env_class
 from agentgrpo.learner import Learner
 from agentgrpo.log import RunLogger
-from agentgrpo.loss import describe_algorithm
+from agentgrpo.shaping import describe_algorithm
 from agentgrpo.rollout import collect
 from agentgrpo.types import Group, Task
 
