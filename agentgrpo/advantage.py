@@ -58,7 +58,9 @@ class GroupStats:
         self.informative_G = (self.count_G >= 2) & (self.max_G > self.min_G)
 
 
-def grpo_advantages(rewards_B: torch.Tensor, group_index_B: torch.Tensor, eps: float) -> torch.Tensor:
+def grpo_advantages(
+    rewards_B: torch.Tensor, group_index_B: torch.Tensor, eps: float
+) -> torch.Tensor:
     """GRPO: A_i = (r_i - mean_g) / (std_g + eps), std with Bessel's correction, eps = 1e-6.
 
     Same as verl's `grpo` (eps 1e-6). TRL uses eps 1e-4 and also has `scale_rewards="batch"`,
@@ -68,7 +70,9 @@ def grpo_advantages(rewards_B: torch.Tensor, group_index_B: torch.Tensor, eps: f
     return (rewards_B.double() - s.mean_G[group_index_B]) / (s.std_G[group_index_B] + eps)
 
 
-def dr_grpo_advantages(rewards_B: torch.Tensor, group_index_B: torch.Tensor, eps: float) -> torch.Tensor:
+def dr_grpo_advantages(
+    rewards_B: torch.Tensor, group_index_B: torch.Tensor, eps: float
+) -> torch.Tensor:
     """Dr. GRPO: A_i = r_i - mean_g (no division by the std, which favours easy and hard prompts).
 
     verl: `grpo` with `norm_adv_by_std_in_grpo=False`; TRL: `scale_rewards="none"`. The other half
@@ -78,7 +82,9 @@ def dr_grpo_advantages(rewards_B: torch.Tensor, group_index_B: torch.Tensor, eps
     return rewards_B.double() - s.mean_G[group_index_B]
 
 
-def rloo_advantages(rewards_B: torch.Tensor, group_index_B: torch.Tensor, eps: float) -> torch.Tensor:
+def rloo_advantages(
+    rewards_B: torch.Tensor, group_index_B: torch.Tensor, eps: float
+) -> torch.Tensor:
     """RLOO: A_i = r_i - mean of the other n - 1 scorable members = n / (n - 1) * (r_i - mean_g).
 
     Same as verl's `rloo`. n counts only scorable members, so a NaN reward neither enters the
@@ -187,7 +193,9 @@ def _check_rewards(rewards_B: torch.Tensor) -> torch.Tensor:
     return rewards_B.detach()
 
 
-def _stats(rewards_B: torch.Tensor, group_index_B: torch.Tensor, num_groups: int | None = None) -> GroupStats:
+def _stats(
+    rewards_B: torch.Tensor, group_index_B: torch.Tensor, num_groups: int | None = None
+) -> GroupStats:
     if num_groups is None:
         num_groups = int(group_index_B.max().item()) + 1 if group_index_B.numel() else 0
     return GroupStats(rewards_B, group_index_B, num_groups)
@@ -203,7 +211,9 @@ class AdvantageConfig(BaseModel):
         description="grpo: (r - group mean) / (group std + eps); dr_grpo: r - group mean; "
         "rloo: r - mean of the other members of the group.",
     )
-    eps: float = Field(1e-6, ge=0, description="Added to the std before dividing (verl: 1e-6, TRL: 1e-4).")
+    eps: float = Field(
+        1e-6, ge=0, description="Added to the std before dividing (verl: 1e-6, TRL: 1e-4)."
+    )
     batch_std: bool = Field(
         False,
         description="Divide group-centered advantages by the std of the whole batch's rewards "

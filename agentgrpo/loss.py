@@ -71,10 +71,21 @@ def aggregate(
         return (masked_BT.sum(-1) / tokens_B.clamp(min=1)).sum() / denom
     if agg == "seq-mean-token-sum-norm":
         if max_response_len is None or max_response_len <= 0:
-            raise ValueError("agg='seq-mean-token-sum-norm' needs max_response_len (a positive int)")
+            raise ValueError(
+                "agg='seq-mean-token-sum-norm' needs max_response_len (a positive int)"
+            )
         denom = _normaliser(num_seqs, (tokens_B > 0).sum(), "num_seqs")
         return masked_BT.sum() / (max_response_len * denom)
     raise ValueError(f"unknown agg {agg!r}; valid: {list(AGG_MODES)}")
+
+
+def step_normalisers(loss_masks_BT: list[torch.Tensor]) -> tuple[int, int]:
+    """(num_tokens, num_seqs) of an optimizer step from its micro-batches' loss masks, counted as
+    the defaults count them: loss tokens, and rows with at least one loss token. Across ranks, the
+    learner sums these over ranks (all-reduce) before passing them to every loss call."""
+    num_tokens = sum(int((m > 0).sum()) for m in loss_masks_BT)
+    num_seqs = sum(int(((m > 0).sum(-1) > 0).sum()) for m in loss_masks_BT)
+    return num_tokens, num_seqs
 
 
 def _normaliser(given: Normaliser, local: torch.Tensor, name: str) -> torch.Tensor | float:
@@ -83,8 +94,10 @@ def _normaliser(given: Normaliser, local: torch.Tensor, name: str) -> torch.Tens
         return local.clamp(min=1)  # an integer tensor: the quotient keeps the loss's dtype
     value = float(given)
     if value < float(local):
-        raise ValueError(f"{name}={value:g} is smaller than this call's own count {int(local)}; "
-                         f"it must count the whole optimizer step")
+        raise ValueError(
+            f"{name}={value:g} is smaller than this call's own count {int(local)}; "
+            f"it must count the whole optimizer step"
+        )
     return max(value, 1.0)
 
 
@@ -145,13 +158,23 @@ def policy_loss(
     rollout importance weights. Metrics: clipfrac, clipfrac_dual, ppo_kl (mean of old - new logp),
     loss_tokens.
     """
-    mask_BT, logp_BT, old_BT, adv_BT = _prepare(logprobs_BT, old_logprobs_BT, advantages_B, loss_mask_BT)
+    mask_BT, logp_BT, old_BT, adv_BT = _prepare(
+        logprobs_BT, old_logprobs_BT, advantages_B, loss_mask_BT
+    )
     log_ratio_BT = logp_BT - old_BT
-    loss_BT, clipped_BT, dual_BT = ppo_clip_token_loss(log_ratio_BT, adv_BT, clip_low, clip_high, dual_clip)
+    loss_BT, clipped_BT, dual_BT = ppo_clip_token_loss(
+        log_ratio_BT, adv_BT, clip_low, clip_high, dual_clip
+    )
     if tis_weights_BT is not None:
         loss_BT = loss_BT * tis_weights_BT.detach()
-    loss = aggregate(loss_BT, mask_BT, agg, max_response_len=max_response_len,
-                     num_tokens=num_tokens, num_seqs=num_seqs)
+    loss = aggregate(
+        loss_BT,
+        mask_BT,
+        agg,
+        max_response_len=max_response_len,
+        num_tokens=num_tokens,
+        num_seqs=num_seqs,
+    )
     metrics = {
         "pg_loss": loss.item(),
         "clipfrac": _masked_mean(clipped_BT, mask_BT),
@@ -187,7 +210,9 @@ def gspo_loss(
     and ignored. verl always aggregates GSPO with seq-mean-token-mean; here `agg` is honoured and
     defaults to it. Metrics as `policy_loss` (clipfrac_dual is always 0).
     """
-    mask_BT, logp_BT, old_BT, adv_BT = _prepare(logprobs_BT, old_logprobs_BT, advantages_B, loss_mask_BT)
+    mask_BT, logp_BT, old_BT, adv_BT = _prepare(
+        logprobs_BT, old_logprobs_BT, advantages_B, loss_mask_BT
+    )
     log_ratio_BT = logp_BT - old_BT
     seq_log_ratio_B = log_ratio_BT.sum(-1) / mask_BT.sum(-1).clamp(min=1)
     log_rho_BT = seq_log_ratio_B.detach().unsqueeze(-1) + logp_BT - logp_BT.detach()
@@ -197,8 +222,14 @@ def gspo_loss(
     loss_BT = torch.maximum(unclipped_BT, clipped_loss_BT)
     if tis_weights_BT is not None:
         loss_BT = loss_BT * tis_weights_BT.detach()
-    loss = aggregate(loss_BT, mask_BT, agg, max_response_len=max_response_len,
-                     num_tokens=num_tokens, num_seqs=num_seqs)
+    loss = aggregate(
+        loss_BT,
+        mask_BT,
+        agg,
+        max_response_len=max_response_len,
+        num_tokens=num_tokens,
+        num_seqs=num_seqs,
+    )
     metrics = {
         "pg_loss": loss.item(),
         "clipfrac": _masked_mean(clipped_loss_BT > unclipped_BT, mask_BT),
@@ -240,10 +271,16 @@ def k3(logprobs_BT: torch.Tensor, ref_logprobs_BT: torch.Tensor) -> torch.Tensor
     return (torch.exp(d) - d - 1).clamp(-K3_CLAMP, K3_CLAMP)
 
 
-KL_ESTIMATORS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {"k1": k1, "k2": k2, "k3": k3}
+KL_ESTIMATORS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "k1": k1,
+    "k2": k2,
+    "k3": k3,
+}
 
 
-def kl_penalty(logprobs_BT: torch.Tensor, ref_logprobs_BT: torch.Tensor, kind: str = "k3") -> torch.Tensor:
+def kl_penalty(
+    logprobs_BT: torch.Tensor, ref_logprobs_BT: torch.Tensor, kind: str = "k3"
+) -> torch.Tensor:
     """Per-token KL estimate [B, T] of the policy to the reference: kind in k1 | k2 | k3."""
     if kind not in KL_ESTIMATORS:
         raise ValueError(f"unknown KL estimator {kind!r}; valid: {sorted(KL_ESTIMATORS)}")
@@ -254,7 +291,10 @@ def kl_penalty(logprobs_BT: torch.Tensor, ref_logprobs_BT: torch.Tensor, kind: s
 
 
 def token_tis_weights(
-    old_logprobs_BT: torch.Tensor, rollout_logprobs_BT: torch.Tensor, loss_mask_BT: torch.Tensor, cap: float
+    old_logprobs_BT: torch.Tensor,
+    rollout_logprobs_BT: torch.Tensor,
+    loss_mask_BT: torch.Tensor,
+    cap: float,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Token-level TIS: w_t = min(exp(clamp(old_logp_t - rollout_logp_t, -20, 20)), cap).
 
@@ -276,7 +316,10 @@ def token_tis_weights(
 
 
 def sequence_tis_weights(
-    old_logprobs_BT: torch.Tensor, rollout_logprobs_BT: torch.Tensor, loss_mask_BT: torch.Tensor, cap: float
+    old_logprobs_BT: torch.Tensor,
+    rollout_logprobs_BT: torch.Tensor,
+    loss_mask_BT: torch.Tensor,
+    cap: float,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Sequence-level TIS: w_i = min(exp(clamp(sum_t (old_logp - rollout_logp), -20, 20)), cap),
     the same weight on every loss token of row i. Unbiased for whole-trajectory rewards but higher
@@ -306,7 +349,9 @@ def rollout_mismatch_metrics(
     mismatch/k3_kl = mean(exp(-d) + d - 1) both estimate KL(rollout || learner)."""
     mask_BT = loss_mask_BT > 0
     with torch.no_grad():
-        d_BT = torch.where(mask_BT, rollout_logprobs_BT - old_logprobs_BT, 0.0).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        d_BT = torch.where(mask_BT, rollout_logprobs_BT - old_logprobs_BT, 0.0).clamp(
+            -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP
+        )
         return {
             "mismatch/kl": _masked_mean(d_BT, mask_BT),
             "mismatch/k3_kl": _masked_mean(torch.exp(-d_BT) + d_BT - 1, mask_BT),
@@ -325,25 +370,42 @@ class LossConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    loss: Literal["ppo", "gspo"] = Field("ppo", description="ppo: per-token PPO-clip; gspo: sequence-level ratio.")
+    loss: Literal["ppo", "gspo"] = Field(
+        "ppo", description="ppo: per-token PPO-clip; gspo: sequence-level ratio."
+    )
     clip_low: float = Field(0.2, ge=0, lt=1, description="Ratio lower clip: rho >= 1 - clip_low.")
-    clip_high: float = Field(0.2, ge=0, description="Ratio upper clip: rho <= 1 + clip_high (DAPO clip-higher: 0.28).")
+    clip_high: float = Field(
+        0.2, ge=0, description="Ratio upper clip: rho <= 1 + clip_high (DAPO clip-higher: 0.28)."
+    )
     dual_clip: float | None = Field(
-        None, gt=1, description="Dual-clip constant c (> 1) bounding the loss of A < 0 tokens at -A*c; ppo only."
+        None,
+        gt=1,
+        description="Dual-clip constant c (> 1) bounding the loss of A < 0 tokens at -A*c; ppo only.",
     )
     agg: AggMode | None = Field(
-        None, description="Loss aggregation; None = the loss's default (ppo: token-mean, gspo: seq-mean-token-mean)."
+        None,
+        description="Loss aggregation; None = the loss's default (ppo: token-mean, gspo: seq-mean-token-mean).",
     )
     max_response_len: int | None = Field(
-        None, gt=0, description="Constant divisor of seq-mean-token-sum-norm (Dr. GRPO); required by that mode."
+        None,
+        gt=0,
+        description="Constant divisor of seq-mean-token-sum-norm (Dr. GRPO); required by that mode.",
     )
-    kl_coef: float = Field(0.0, ge=0, description="beta of the KL-to-reference term; 0 loads no reference model.")
-    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="Per-token KL estimator of the KL term.")
-    entropy_coef: float = Field(0.0, description="Weight of the entropy bonus (loss -= coef * aggregated entropy).")
+    kl_coef: float = Field(
+        0.0, ge=0, description="beta of the KL-to-reference term; 0 loads no reference model."
+    )
+    kl_estimator: Literal["k1", "k2", "k3"] = Field(
+        "k3", description="Per-token KL estimator of the KL term."
+    )
+    entropy_coef: float = Field(
+        0.0, description="Weight of the entropy bonus (loss -= coef * aggregated entropy)."
+    )
     tis: Literal["none", "token", "sequence"] = Field(
         "none", description="Truncated importance sampling against the rollout engine's logprobs."
     )
-    tis_cap: float = Field(2.0, gt=0, description="Cap C of the TIS weight min(pi_old / pi_rollout, C).")
+    tis_cap: float = Field(
+        2.0, gt=0, description="Cap C of the TIS weight min(pi_old / pi_rollout, C)."
+    )
 
     @model_validator(mode="after")
     def _check(self) -> LossConfig:
@@ -384,23 +446,38 @@ def compute_loss(
     rollout logprobs when tis != none); inputs it does not use are still logged when given (kl,
     entropy, mismatch/*).
     """
-    agg_kw = {"agg": cfg.effective_agg, "max_response_len": cfg.max_response_len,
-              "num_tokens": num_tokens, "num_seqs": num_seqs}
+    agg_kw = {
+        "agg": cfg.effective_agg,
+        "max_response_len": cfg.max_response_len,
+        "num_tokens": num_tokens,
+        "num_seqs": num_seqs,
+    }
     mask_BT = loss_mask_BT > 0
     metrics: dict[str, float] = {}
     tis_weights_BT = None
     if cfg.tis != "none":
         if rollout_logprobs_BT is None:
             raise ValueError(f"tis={cfg.tis!r} needs rollout_logprobs_BT")
-        tis_weights_BT, m = TIS_MODES[cfg.tis](old_logprobs_BT, rollout_logprobs_BT, mask_BT, cfg.tis_cap)
+        tis_weights_BT, m = TIS_MODES[cfg.tis](
+            old_logprobs_BT, rollout_logprobs_BT, mask_BT, cfg.tis_cap
+        )
         metrics.update(m)
     elif rollout_logprobs_BT is not None:
         metrics.update(rollout_mismatch_metrics(old_logprobs_BT, rollout_logprobs_BT, mask_BT))
 
     loss_fn = get_loss_fn(cfg.loss)
     dual = cfg.dual_clip if cfg.loss == "ppo" else None
-    loss, m = loss_fn(logprobs_BT, old_logprobs_BT, advantages_B, mask_BT, clip_low=cfg.clip_low,
-                      clip_high=cfg.clip_high, dual_clip=dual, tis_weights_BT=tis_weights_BT, **agg_kw)
+    loss, m = loss_fn(
+        logprobs_BT,
+        old_logprobs_BT,
+        advantages_B,
+        mask_BT,
+        clip_low=cfg.clip_low,
+        clip_high=cfg.clip_high,
+        dual_clip=dual,
+        tis_weights_BT=tis_weights_BT,
+        **agg_kw,
+    )
     metrics.update(m)
 
     if cfg.kl_coef > 0 and ref_logprobs_BT is None:
@@ -431,10 +508,17 @@ def compute_loss(
 
 
 def _prepare(
-    logprobs_BT: torch.Tensor, old_logprobs_BT: torch.Tensor, advantages_B: torch.Tensor, loss_mask_BT: torch.Tensor
+    logprobs_BT: torch.Tensor,
+    old_logprobs_BT: torch.Tensor,
+    advantages_B: torch.Tensor,
+    loss_mask_BT: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Check shapes, turn the mask into bool, zero every input at masked positions, broadcast A."""
-    if logprobs_BT.dim() != 2 or logprobs_BT.shape != old_logprobs_BT.shape or logprobs_BT.shape != loss_mask_BT.shape:
+    if (
+        logprobs_BT.dim() != 2
+        or logprobs_BT.shape != old_logprobs_BT.shape
+        or logprobs_BT.shape != loss_mask_BT.shape
+    ):
         raise ValueError(
             f"logprobs_BT, old_logprobs_BT and loss_mask_BT must share one [B, T] shape, got "
             f"{tuple(logprobs_BT.shape)}, {tuple(old_logprobs_BT.shape)}, {tuple(loss_mask_BT.shape)}"

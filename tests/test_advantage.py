@@ -18,7 +18,9 @@ from agentgrpo.advantage import (
 )
 
 NAN = math.nan
-S3 = math.sqrt(1 / 3)  # std of [1, 0, 0] with Bessel: deviations 2/3, -1/3, -1/3 -> (4+1+1)/9 / 2 = 1/3
+S3 = math.sqrt(
+    1 / 3
+)  # std of [1, 0, 0] with Bessel: deviations 2/3, -1/3, -1/3 -> (4+1+1)/9 / 2 = 1/3
 
 
 def adv(rewards, ids, estimator="grpo", **kw):
@@ -33,8 +35,13 @@ def test_grpo_hand_computed():
     #   A = (2/3) / 0.57735 = 1.1547, (-1/3) / 0.57735 = -0.57735 (x2)
     # group b = [2, 4]: mean 3, std sqrt((1 + 1) / 1) = 1.41421 -> A = -/+ 0.70711
     got = adv([1, 0, 0, 2, 4], ["a", "a", "a", "b", "b"])
-    want = [(2 / 3) / (S3 + 1e-6), (-1 / 3) / (S3 + 1e-6), (-1 / 3) / (S3 + 1e-6),
-            -1 / (math.sqrt(2) + 1e-6), 1 / (math.sqrt(2) + 1e-6)]
+    want = [
+        (2 / 3) / (S3 + 1e-6),
+        (-1 / 3) / (S3 + 1e-6),
+        (-1 / 3) / (S3 + 1e-6),
+        -1 / (math.sqrt(2) + 1e-6),
+        1 / (math.sqrt(2) + 1e-6),
+    ]
     torch.testing.assert_close(got, torch.tensor(want, dtype=torch.float64))
     assert got[0].item() == pytest.approx(1.1547, abs=1e-4)
 
@@ -90,7 +97,9 @@ def test_zero_variance_group_is_exactly_zero(estimator):
 
 @pytest.mark.parametrize("estimator", sorted(ESTIMATORS))
 def test_singleton_and_all_nan_groups_give_zero(estimator):
-    got = adv([5.0, NAN, NAN, 3.0, NAN, 1.0, 0.0], ["s", "n", "n", "one", "one", "ok", "ok"], estimator)
+    got = adv(
+        [5.0, NAN, NAN, 3.0, NAN, 1.0, 0.0], ["s", "n", "n", "one", "one", "ok", "ok"], estimator
+    )
     assert not torch.isnan(got).any()
     # singleton, all-NaN group, group with a single scorable reward: all exactly 0
     assert got[:5].tolist() == [0.0] * 5
@@ -101,7 +110,9 @@ def test_nan_left_out_of_statistics():
     # group [1, NaN, 0]: stats over [1, 0] only -> mean .5, std sqrt(.5) = .70711
     #   grpo: +-.5 / .70711 = +-.70711 ; rloo: n = 2 -> 2 * (+-.5) = +-1 ; NaN row -> 0
     r, ids = [1.0, NAN, 0.0], ["g", "g", "g"]
-    assert adv(r, ids, "grpo", eps=0.0).tolist() == pytest.approx([math.sqrt(0.5), 0.0, -math.sqrt(0.5)])
+    assert adv(r, ids, "grpo", eps=0.0).tolist() == pytest.approx(
+        [math.sqrt(0.5), 0.0, -math.sqrt(0.5)]
+    )
     assert adv(r, ids, "dr_grpo").tolist() == pytest.approx([0.5, 0.0, -0.5])
     assert adv(r, ids, "rloo").tolist() == pytest.approx([1.0, 0.0, -1.0])
 
@@ -211,7 +222,9 @@ def reference(rewards, ids, estimator, eps=1e-6):
 @pytest.mark.parametrize("seed", range(3))
 def test_matches_slow_reference(estimator, seed):
     rewards, ids = _random_batch(seed, n=60)
-    assert adv(rewards, ids, estimator).tolist() == pytest.approx(reference(rewards, ids, estimator), abs=1e-9)
+    assert adv(rewards, ids, estimator).tolist() == pytest.approx(
+        reference(rewards, ids, estimator), abs=1e-9
+    )
 
 
 def test_is_zero_variance():

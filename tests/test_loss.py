@@ -20,6 +20,7 @@ from agentgrpo.loss import (
     policy_loss,
     rollout_mismatch_metrics,
     sequence_tis_weights,
+    step_normalisers,
     token_tis_weights,
 )
 
@@ -136,11 +137,19 @@ def test_step_normalisers_override():
     (loss, _), _ = ppo([[0.0] * 4] * 3, ADV, MASK, num_tokens=10)
     assert loss.item() == pytest.approx(-0.5)
     # seq-mean-token-mean with num_seqs = 4: (-1 - 2) / 4 = -0.75 ; num_tokens is ignored there
-    (loss, _), _ = ppo([[0.0] * 4] * 3, ADV, MASK, agg="seq-mean-token-mean", num_seqs=4, num_tokens=99)
+    (loss, _), _ = ppo(
+        [[0.0] * 4] * 3, ADV, MASK, agg="seq-mean-token-mean", num_seqs=4, num_tokens=99
+    )
     assert loss.item() == pytest.approx(-0.75)
     # sum-norm with num_seqs = 5, L = 4: -5 / 20 = -0.25 ; a tensor normaliser works too
-    (loss, _), _ = ppo([[0.0] * 4] * 3, ADV, MASK, agg="seq-mean-token-sum-norm", max_response_len=4,
-                       num_seqs=torch.tensor(5))
+    (loss, _), _ = ppo(
+        [[0.0] * 4] * 3,
+        ADV,
+        MASK,
+        agg="seq-mean-token-sum-norm",
+        max_response_len=4,
+        num_seqs=torch.tensor(5),
+    )
     assert loss.item() == pytest.approx(-0.25)
 
 
@@ -176,8 +185,14 @@ def test_all_masked_row_adds_nothing():
 @pytest.mark.parametrize("agg", AGG_MODES)
 def test_all_masked_call_is_attached_zero(fn, agg):
     logp = t([[-math.inf, 0.5], [math.nan, -2.0]]).requires_grad_()
-    loss, m = fn(logp, t([[0.0, math.nan], [1.0, math.inf]]), t([1.0, -1.0]), torch.zeros(2, 2),
-                 agg=agg, max_response_len=8)
+    loss, m = fn(
+        logp,
+        t([[0.0, math.nan], [1.0, math.inf]]),
+        t([1.0, -1.0]),
+        torch.zeros(2, 2),
+        agg=agg,
+        max_response_len=8,
+    )
     assert loss.item() == 0.0 and loss.requires_grad
     loss.backward()
     assert logp.grad.tolist() == [[0.0, 0.0], [0.0, 0.0]]
@@ -243,14 +258,18 @@ def _batch(seed, B=7, T=6):
 def _split_equals_whole(call, seed=0):
     """call(logp, old, adv, mask, ref, ent, rollout, num_tokens, num_seqs) -> loss"""
     logp, old, adv, mask, ref, ent, rollout = _batch(seed)
-    n_tok, n_seq = int(mask.sum()), int((mask.sum(-1) > 0).sum())
+    slices = (slice(0, 2), slice(2, 3), slice(3, 7))  # the middle micro-batch is all masked
+    n_tok, n_seq = step_normalisers([mask[sl] for sl in slices])
+    assert (n_tok, n_seq) == (int(mask.sum()), int((mask.sum(-1) > 0).sum()))
     whole_p = logp.clone().requires_grad_()
     whole = call(whole_p, old, adv, mask, ref, ent, rollout, None, None)
     whole.backward()
     split_p = logp.clone().requires_grad_()
     total = 0.0
-    for sl in (slice(0, 2), slice(2, 3), slice(3, 7)):  # the middle micro-batch is all masked
-        part = call(split_p[sl], old[sl], adv[sl], mask[sl], ref[sl], ent[sl], rollout[sl], n_tok, n_seq)
+    for sl in slices:
+        part = call(
+            split_p[sl], old[sl], adv[sl], mask[sl], ref[sl], ent[sl], rollout[sl], n_tok, n_seq
+        )
         part.backward()
         total += part.item()
     assert total == pytest.approx(whole.item(), abs=1e-12)
@@ -262,8 +281,17 @@ def _split_equals_whole(call, seed=0):
 @pytest.mark.parametrize("agg", AGG_MODES)
 def test_micro_batches_add_up(name, agg):
     def call(logp, old, adv, mask, ref, ent, rollout, n_tok, n_seq):
-        return LOSSES[name](logp, old, adv, mask, agg=agg, max_response_len=6, num_tokens=n_tok,
-                            num_seqs=n_seq, clip_high=0.28)[0]
+        return LOSSES[name](
+            logp,
+            old,
+            adv,
+            mask,
+            agg=agg,
+            max_response_len=6,
+            num_tokens=n_tok,
+            num_seqs=n_seq,
+            clip_high=0.28,
+        )[0]
 
     _split_equals_whole(call)
 
@@ -271,12 +299,24 @@ def test_micro_batches_add_up(name, agg):
 @pytest.mark.parametrize("agg", AGG_MODES)
 @pytest.mark.parametrize("tis", ["token", "sequence"])
 def test_compute_loss_micro_batches_add_up(agg, tis):
-    cfg = LossConfig(agg=agg, max_response_len=6, kl_coef=0.1, entropy_coef=0.01, tis=tis, dual_clip=3.0)
+    cfg = LossConfig(
+        agg=agg, max_response_len=6, kl_coef=0.1, entropy_coef=0.01, tis=tis, dual_clip=3.0
+    )
 
     def call(logp, old, adv, mask, ref, ent, rollout, n_tok, n_seq):
         # entropy depends on logp so its gradient is part of the check
-        return compute_loss(cfg, logp, old, adv, mask, ref_logprobs_BT=ref, entropy_BT=ent * logp,
-                            rollout_logprobs_BT=rollout, num_tokens=n_tok, num_seqs=n_seq)[0]
+        return compute_loss(
+            cfg,
+            logp,
+            old,
+            adv,
+            mask,
+            ref_logprobs_BT=ref,
+            entropy_BT=ent * logp,
+            rollout_logprobs_BT=rollout,
+            num_tokens=n_tok,
+            num_seqs=n_seq,
+        )[0]
 
     _split_equals_whole(call)
 
@@ -317,12 +357,27 @@ def test_ppo_gradient_matches_reference(seed, dual):
     adv[0] = -abs(adv[0])
     for agg in AGG_MODES:
         p = logp.clone().requires_grad_()
-        loss, _ = policy_loss(p, old, adv, mask, clip_low=0.2, clip_high=0.28, dual_clip=dual,
-                              agg=agg, max_response_len=6)
+        loss, _ = policy_loss(
+            p,
+            old,
+            adv,
+            mask,
+            clip_low=0.2,
+            clip_high=0.28,
+            dual_clip=dual,
+            agg=agg,
+            max_response_len=6,
+        )
         (g_fast,) = torch.autograd.grad(loss, p)
         q = logp.clone().requires_grad_()
-        rows = [[ref_ppo_token(q[i, j], old[i, j], adv[i].item(), 0.2, 0.28, dual)
-                 for j in range(q.shape[1]) if mask[i, j]] for i in range(q.shape[0])]
+        rows = [
+            [
+                ref_ppo_token(q[i, j], old[i, j], adv[i].item(), 0.2, 0.28, dual)
+                for j in range(q.shape[1])
+                if mask[i, j]
+            ]
+            for i in range(q.shape[0])
+        ]
         ref = ref_aggregate(rows, 6)[agg]
         (g_ref,) = torch.autograd.grad(ref, q)
         assert loss.item() == pytest.approx(ref.item(), abs=1e-12)
@@ -430,8 +485,15 @@ def test_compute_loss_combines_terms_by_hand():
     # entropy [2, 4] -> mean 3 ; coef 0.01 -> -0.03 ;  total = -1 + 0.05 - 0.03 = -0.98
     logp = t([[-1.0, -2.0]])
     cfg = LossConfig(kl_coef=0.1, kl_estimator="k1", entropy_coef=0.01)
-    loss, m = compute_loss(cfg, logp, logp, t([1.0]), torch.ones(1, 2),
-                           ref_logprobs_BT=logp - 0.5, entropy_BT=t([[2.0, 4.0]]))
+    loss, m = compute_loss(
+        cfg,
+        logp,
+        logp,
+        t([1.0]),
+        torch.ones(1, 2),
+        ref_logprobs_BT=logp - 0.5,
+        entropy_BT=t([[2.0, 4.0]]),
+    )
     assert loss.item() == pytest.approx(-0.98)
     assert m["pg_loss"] == pytest.approx(-1) and m["kl_loss"] == pytest.approx(0.5)
     assert m["entropy"] == pytest.approx(3) and m["loss"] == pytest.approx(-0.98)
@@ -442,8 +504,15 @@ def test_compute_loss_applies_tis_to_policy_term_only():
     #   -> (-2 - 0.5) / 2 = -1.25 ; the KL term (k1 = 0.5, beta 1) is not weighted: -1.25 + 0.5
     logp = t([[LN(3), LN(0.5)]])
     cfg = LossConfig(tis="token", tis_cap=2.0, kl_coef=1.0, kl_estimator="k1")
-    loss, m = compute_loss(cfg, logp, logp, t([1.0]), torch.ones(1, 2), ref_logprobs_BT=logp - 0.5,
-                           rollout_logprobs_BT=torch.zeros(1, 2, dtype=F64))
+    loss, m = compute_loss(
+        cfg,
+        logp,
+        logp,
+        t([1.0]),
+        torch.ones(1, 2),
+        ref_logprobs_BT=logp - 0.5,
+        rollout_logprobs_BT=torch.zeros(1, 2, dtype=F64),
+    )
     assert m["pg_loss"] == pytest.approx(-1.25) and loss.item() == pytest.approx(-0.75)
     assert m["tis/clipped_frac"] == 0.5
 
@@ -457,8 +526,9 @@ def test_compute_loss_requires_what_the_config_uses():
     with pytest.raises(ValueError, match="rollout_logprobs_BT"):
         compute_loss(LossConfig(tis="sequence"), x, x, a, m)
     # given but unused inputs are logged, not added
-    loss, met = compute_loss(LossConfig(), x, x, a, m, ref_logprobs_BT=x - 1, entropy_BT=m,
-                             rollout_logprobs_BT=x + 0.1)
+    loss, met = compute_loss(
+        LossConfig(), x, x, a, m, ref_logprobs_BT=x - 1, entropy_BT=m, rollout_logprobs_BT=x + 0.1
+    )
     assert loss.item() == pytest.approx(-1.0)
     assert met["kl"] > 0 and met["entropy"] == 1.0 and met["mismatch/kl"] == pytest.approx(0.1)
 
@@ -479,9 +549,16 @@ def test_compute_loss_all_masked_everything_on(kl):
     logp = torch.full((2, 3), -math.inf, dtype=F64, requires_grad=True)
     ent = torch.full((2, 3), math.inf, dtype=F64, requires_grad=True)
     cfg = LossConfig(kl_coef=0.1, kl_estimator=kl, entropy_coef=0.01, tis="token", dual_clip=3.0)
-    loss, met = compute_loss(cfg, logp, torch.zeros(2, 3), t([1.0, -1.0]), torch.zeros(2, 3),
-                             ref_logprobs_BT=torch.zeros(2, 3), entropy_BT=ent,
-                             rollout_logprobs_BT=torch.full((2, 3), math.nan))
+    loss, met = compute_loss(
+        cfg,
+        logp,
+        torch.zeros(2, 3),
+        t([1.0, -1.0]),
+        torch.zeros(2, 3),
+        ref_logprobs_BT=torch.zeros(2, 3),
+        entropy_BT=ent,
+        rollout_logprobs_BT=torch.full((2, 3), math.nan),
+    )
     assert loss.item() == 0.0 and loss.requires_grad
     loss.backward()
     assert logp.grad.abs().sum() == 0 and ent.grad.abs().sum() == 0
