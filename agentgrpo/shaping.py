@@ -11,7 +11,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -74,7 +74,7 @@ def overlong_penalty(
 
 
 def truncated_rows(
-    stop_reasons: Iterable[StopReason | str], reasons=TRUNCATION_REASONS
+    stop_reasons: Iterable[StopReason | str], reasons: Collection[StopReason] = TRUNCATION_REASONS
 ) -> torch.Tensor:
     """[B] bool: which trajectories ended for one of `reasons` (default: the token limit)."""
     return torch.tensor([StopReason(s) in reasons for s in stop_reasons], dtype=torch.bool)
