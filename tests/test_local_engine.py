@@ -90,22 +90,27 @@ async def test_batched_logprobs_equal_a_fresh_forward(model, engine, temperature
 
 
 async def test_requests_joining_a_running_batch_keep_exact_logprobs(model, engine):
-    """Continuous batching: rows join mid-decode with shorter and longer prompts than the running
-    cache, and others leave early; every row still matches its own unbatched forward."""
-    params = SamplingParams(max_new_tokens=40, temperature=1.0)
-    first = asyncio.create_task(engine.generate([7, 8, 9, 10, 11, 12], params))
-    while engine.stats["steps"] < 3:
-        await asyncio.sleep(0.001)
-    short = asyncio.create_task(engine.generate([4], SamplingParams(max_new_tokens=5)))
-    long_prompt = list(range(50, 80))
+    """Continuous batching: rows join mid-decode with longer and shorter prompts than the running
+    cache, and leave early; every row still matches its own unbatched forward."""
+
+    async def until(stat: str, n: int) -> None:
+        while engine.stats[stat] < n:
+            await asyncio.sleep(0.001)
+
+    first_prompt, long_prompt = [7, 8, 9, 10, 11, 12, 13, 14], list(range(50, 80))
+    first = asyncio.create_task(engine.generate(first_prompt, SamplingParams(max_new_tokens=56)))
+    await until("steps", 3)  # the running cache is ~11 columns wide: the running row gets padded
     long = asyncio.create_task(engine.generate(long_prompt, SamplingParams(max_new_tokens=15)))
+    await until("prefills", 2)
+    await until("steps", engine.stats["steps"] + 2)  # ~33 columns: the one-token prompt gets padded
+    short = asyncio.create_task(engine.generate([4], SamplingParams(max_new_tokens=5)))
     out_short = await short
     assert not first.done()  # the short request did not wait for the long-running one
     out_first, out_long = await first, await long
-    assert engine.stats["max_rows"] == 3
-    assert_matches_fresh_forward(model, [7, 8, 9, 10, 11, 12], out_first, 1.0)
-    assert_matches_fresh_forward(model, [4], out_short, 1.0)
+    assert engine.stats["prefills"] == 3 and engine.stats["max_rows"] == 3
+    assert_matches_fresh_forward(model, first_prompt, out_first, 1.0)
     assert_matches_fresh_forward(model, long_prompt, out_long, 1.0)
+    assert_matches_fresh_forward(model, [4], out_short, 1.0)
 
 
 async def test_long_prompts_are_prefilled_in_chunks_with_the_same_result(model):
