@@ -721,3 +721,51 @@ def test_launcher_reports_a_server_that_dies_during_startup(tmp_path):
         with SGLangServer("m", port=0, module="tests.no_such_module", ready_timeout_s=30,
                           log_path=tmp_path / "server.log"):
             pass
+
+
+async def test_update_skips_a_dead_server_which_catches_up_when_it_returns(server, engine, tmp_path):
+    a, b = await server(), await server()
+    e = engine([a.url, b.url], probe_interval_s=0.02)
+    port = b.port
+    await b.stop()
+    await asyncio.gather(*(e.generate([1], SamplingParams(max_new_tokens=2)) for _ in range(4)))
+    assert not {s.url: s for s in e.servers()}[b.url].healthy
+    await e.update_weights_from_disk(tmp_path, version="3")  # goes to a only
+    assert a.weight_version == "3"
+    restarted = FakeSGLang(vocab=VOCAB)  # b comes back with its initial weights
+    await restarted.start(port=port)
+    try:
+        for _ in range(50):
+            await asyncio.gather(*(e.generate([1], SamplingParams(max_new_tokens=2)) for _ in range(4)))
+            if restarted.requests:
+                break
+            await asyncio.sleep(0.02)
+        assert ("/update_weights_from_disk",
+                {"model_path": str(tmp_path), "weight_version": "3", "flush_cache": True}) in restarted.calls
+        c = await e.generate([1], SamplingParams(max_new_tokens=2))
+        assert restarted.weight_version == "3" and c.weight_version == "3"
+    finally:
+        await restarted.stop()
+
+
+async def test_a_returning_server_that_cannot_catch_up_stays_out(server, engine, tmp_path):
+    a, b = await server(), await server()
+    e = engine([a.url, b.url], probe_interval_s=0.02)
+    port = b.port
+    await b.stop()
+    await asyncio.gather(*(e.generate([1], SamplingParams(max_new_tokens=2)) for _ in range(4)))
+    ckpt = tmp_path / "step_7"
+    ckpt.mkdir()
+    await e.update_weights_from_disk(ckpt, version="7")
+    ckpt.rmdir()  # the checkpoint is gone: replaying it on b fails
+    restarted = FakeSGLang(vocab=VOCAB)
+    await restarted.start(port=port)
+    try:
+        for _ in range(10):
+            await e.generate([1], SamplingParams(max_new_tokens=2))
+            await asyncio.sleep(0.03)
+        st = e.servers()[1]
+        assert not st.healthy and "could not bring it to weight version 7" in st.last_error
+        assert not restarted.requests and restarted.weight_version == "default"
+    finally:
+        await restarted.stop()

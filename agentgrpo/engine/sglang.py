@@ -19,9 +19,12 @@ Decisions (see PROTOCOL.md for the server side of each):
   ("... maximum context length ...") becomes a `length` Completion with no tokens and the server's
   message in `detail`. With `context_length` configured, `max_new_tokens` is clamped client-side
   first (SGLang rejects `prompt + max_new_tokens >= context_length`).
-- Weight updates follow pause -> flush_cache -> update -> continue on every server. Requests that
-  SGLang aborts because of our own pause are resubmitted once generation continues (their partial
-  tokens came from the old weights); new requests wait client-side until the update is done.
+- Weight updates follow pause -> flush_cache -> update -> continue on every server in rotation.
+  Requests that SGLang aborts because of our own pause are resubmitted once generation continues
+  (their partial tokens came from the old weights); new requests wait client-side until the update
+  is done. A server that was out of rotation during an update (or restarted) must serve the
+  current weight version to rejoin: after a disk update the client replays it on that server,
+  after an NCCL update the server stays out (it cannot rejoin the broadcast group by itself).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import asyncio
 import json
 import logging
 import os
+import sys
 import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -117,7 +121,8 @@ class ServerState:
     probe_delay: float = 0.0  # current probe backoff while unhealthy
     probing: bool = False
     version: str | None = None  # SGLang version from /server_info, once known
-    tp_size: int | None = None
+    tp_size: int | None = None  # GPUs it contributes to the NCCL weight-update group
+    dp_size: int = 1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -283,7 +288,10 @@ class SGLangEngine:
         self._resumed.set()
         self._epoch = 0  # bumped by every pause; lets generate() tell our aborts from others
         self._update_lock = asyncio.Lock()
-        self._weight_version: str | None = None  # fallback for servers without meta weight_version
+        self._weight_version: str | None = None  # last pushed version (also the fallback for
+        # servers without meta weight_version); a returning server must serve it to rejoin
+        self._last_disk_update: dict[str, Any] | None = None  # replayed on returning servers
+        self._update_targets: list[ServerState] | None = None
 
     @classmethod
     def from_config(cls, cfg: SGLangConfig) -> SGLangEngine:
@@ -377,8 +385,7 @@ class SGLangEngine:
         info = r.json()
         s.version = str(info.get("version")) if info.get("version") is not None else None
         s.tp_size = int(info.get("tp_size") or 1)
-        if info.get("dp_size", 1) not in (None, 1) and not info.get("enable_dp_attention"):
-            s.tp_size = -int(info["dp_size"])  # marks "NCCL weight sync unsupported" (dp > 1)
+        s.dp_size = 1 if info.get("enable_dp_attention") else int(info.get("dp_size") or 1)
         log.info("SGLang server %s: version %s, tp_size %s", s.url, s.version, s.tp_size)
 
     # -- generation --------------------------------------------------------------------------
@@ -542,31 +549,33 @@ class SGLangEngine:
     # -- balancing and health ----------------------------------------------------------------
 
     async def _acquire(self, deadline: float, last_error: str) -> tuple[ServerState, int]:
-        """Reserve a slot on the least loaded healthy server, waiting for one until `deadline`."""
+        """Reserve a slot on the least loaded healthy server, waiting for one until `deadline`.
+
+        The same scan starts the health probes of servers out of rotation whose time has come,
+        so a server returns as soon as it is healthy even while the others carry the load.
+        """
         loop = asyncio.get_running_loop()
         cap = self.config.max_inflight_per_server
+        servers = self._servers
+        n = len(servers)
         while True:
-            servers = self._servers
-            n = len(servers)
+            now = loop.time()
             best: ServerState | None = None
+            wake = deadline
             start = self._rr = (self._rr + 1) % n
             for i in range(n):
                 s = servers[(start + i) % n]
-                if s.healthy and s.outstanding < cap and (
-                    best is None or s.outstanding < best.outstanding
-                ):
-                    best = s
+                if s.healthy:
+                    if s.outstanding < cap and (best is None or s.outstanding < best.outstanding):
+                        best = s
+                    continue
+                if s.retry_at <= now and not s.probing:
+                    s.probing = True
+                    asyncio.ensure_future(self._reprobe(s))
+                wake = min(wake, max(s.retry_at, now + 0.001))
             if best is not None:
                 best.outstanding += 1
                 return best, self._slots[best.url].pop()
-            now = loop.time()
-            wake = deadline
-            for s in servers:
-                if not s.healthy:
-                    if s.retry_at <= now and not s.probing:
-                        s.probing = True
-                        asyncio.ensure_future(self._reprobe(s))
-                    wake = min(wake, max(s.retry_at, now + 0.001))
             if now >= deadline:
                 states = ", ".join(
                     f"{s.url} ({'healthy' if s.healthy else 'down: ' + s.last_error}, "
@@ -612,7 +621,7 @@ class SGLangEngine:
 
     async def _reprobe(self, s: ServerState) -> None:
         try:
-            err = await self._probe_once(s)
+            err = await self._probe_once(s) or await self._resync(s)
         finally:
             s.probing = False
         loop = asyncio.get_running_loop()
@@ -625,6 +634,26 @@ class SGLangEngine:
                 log.warning("SGLang server %s is healthy again", s.url)
             s.healthy, s.probe_delay = True, 0.0
         self._wake()
+
+    async def _resync(self, s: ServerState) -> str:
+        """Before a returning server rejoins: check that it serves the current weights, and
+        reload the last disk checkpoint if it does not (it missed an update, or restarted).
+        Returns "" when it may rejoin, else why not."""
+        if self._weight_version is None:
+            return ""
+        try:
+            r = await self._control(s, "GET", "/model_info")
+            if r.json().get("weight_version") == self._weight_version:
+                return ""
+            if self._last_disk_update is None:
+                return (f"serves weight version {r.json().get('weight_version')!r}, not "
+                        f"{self._weight_version!r}, and the last update was not from disk")
+            await self._control(s, "POST", "/update_weights_from_disk", self._last_disk_update,
+                                timeout=self.config.weight_update_timeout_s)
+        except EngineError as e:  # it stays out of rotation and is probed again later
+            return f"could not bring it to weight version {self._weight_version}: {e}"
+        log.warning("SGLang server %s reloaded weight version %s", s.url, self._weight_version)
+        return ""
 
     # -- control and weight updates ----------------------------------------------------------
 
@@ -655,9 +684,18 @@ class SGLangEngine:
             )
         return r
 
+    def _in_rotation(self) -> list[ServerState]:
+        """The servers a control call goes to: those of the update in progress, else the healthy
+        ones. Servers out of rotation catch up when they return (`_resync`)."""
+        servers = self._update_targets or [s for s in self._servers if s.healthy]
+        if not servers:
+            raise EngineError("no SGLang server in rotation: " + "; ".join(
+                f"{s.url}: {s.last_error}" for s in self._servers))
+        return servers
+
     async def _all(self, method: str, path: str, payload: Any = None, **kw: Any) -> list[Any]:
         return await asyncio.gather(
-            *(self._control(s, method, path, payload, **kw) for s in self._servers)
+            *(self._control(s, method, path, payload, **kw) for s in self._in_rotation())
         )
 
     async def flush_cache(self, timeout_s: float | None = None) -> None:
@@ -676,13 +714,15 @@ class SGLangEngine:
                         raise
                 await asyncio.sleep(0.2)
 
-        await asyncio.gather(*(one(s) for s in self._servers))
+        await asyncio.gather(*(one(s) for s in self._in_rotation()))
 
     @asynccontextmanager
     async def paused(self) -> AsyncIterator[None]:
-        """Pause generation on every server (in-flight requests are aborted and later resubmitted
-        by this client), flush the cache, run the body, and always continue generation."""
+        """Pause generation on the servers in rotation (in-flight requests are aborted and later
+        resubmitted by this client), flush their cache, run the body (the update), and always
+        continue generation. New generate() calls wait meanwhile."""
         async with self._update_lock:
+            self._update_targets = self._in_rotation()
             self._resumed.clear()
             self._epoch += 1
             try:
@@ -690,10 +730,16 @@ class SGLangEngine:
                 await self.flush_cache()
                 yield
             finally:
-                try:
-                    await self._all("POST", "/continue_generation", {})
-                finally:
-                    self._resumed.set()
+                results = await asyncio.gather(
+                    *(self._control(s, "POST", "/continue_generation", {})
+                      for s in self._update_targets),
+                    return_exceptions=True,
+                )
+                self._update_targets = None
+                self._resumed.set()
+                failed = [r for r in results if isinstance(r, BaseException)]
+                if failed and sys.exc_info()[0] is None:  # don't hide the body's own error
+                    raise failed[0]
 
     async def update_weights(self, weights: Any, *, version: str) -> None:
         """`Engine` protocol: `weights` must be a directory of safetensors files every server can
@@ -715,14 +761,14 @@ class SGLangEngine:
                 "POST", "/update_weights_from_disk", body,
                 timeout=self.config.weight_update_timeout_s,
             )
-        self._weight_version = str(version)
+        self._weight_version, self._last_disk_update = str(version), body
 
     async def gpus_per_server(self) -> list[int]:
         """TP size of each server, in `urls` order: the ranks each joins in the NCCL group."""
         for s in self._servers:
             if s.tp_size is None:
                 await self._read_server_info(s)
-        bad = [s.url for s in self._servers if (s.tp_size or 0) < 1]
+        bad = [s.url for s in self._servers if s.dp_size != 1]
         if bad:
             raise EngineError(
                 f"NCCL weight sync needs dp_size == 1 (or DP attention); not so on {bad}"
@@ -778,16 +824,16 @@ class SGLangEngine:
             timeout=self.config.weight_update_timeout_s,
         )
         if version is not None:
-            self._weight_version = str(version)
+            self._weight_version, self._last_disk_update = str(version), None
 
     async def destroy_weights_update_group(self, group_name: str) -> None:
         await self._all("POST", "/destroy_weights_update_group", {"group_name": group_name})
 
     async def weight_versions(self) -> dict[str, str | None]:
-        """Each server's current weight version, from `/model_info` (`/get_model_info` on old
-        servers)."""
+        """The weight version of each server in rotation, from `/model_info` (`/get_model_info`
+        on old servers)."""
         out: dict[str, str | None] = {}
-        for s in self._servers:
+        for s in self._in_rotation():
             r = await self._control(s, "GET", "/model_info", allow_404=True)
             if r is None:
                 r = await self._control(s, "GET", "/get_model_info")
@@ -795,5 +841,5 @@ class SGLangEngine:
         return out
 
 
-class _ContextLengthError(Exception):
+class _ContextLengthError(EngineError):
     """Internal: SGLang's 400 for a prompt that does not fit; becomes a `length` Completion."""
