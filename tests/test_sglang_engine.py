@@ -769,3 +769,18 @@ async def test_a_returning_server_that_cannot_catch_up_stays_out(server, engine,
         assert not restarted.requests and restarted.weight_version == "default"
     finally:
         await restarted.stop()
+
+
+async def test_a_cancelled_request_frees_its_slot(server, engine):
+    s = await server()
+    s.faults.generate_delay_s = 5.0
+    e = engine([s.url], max_inflight_per_server=2)
+    tasks = [asyncio.create_task(e.generate([1], SamplingParams(max_new_tokens=2))) for _ in range(3)]
+    await asyncio.sleep(0.1)
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    assert e.servers()[0].outstanding == 0
+    s.faults.generate_delay_s = 0.0
+    outs = await asyncio.gather(*(e.generate([1], SamplingParams(max_new_tokens=2)) for _ in range(2)))
+    assert [c.finish_reason for c in outs] == ["length", "length"]

@@ -484,15 +484,14 @@ class SGLangEngine:
             body["rid"] = uuid.uuid4().hex  # fresh per attempt: the old one may still be running
             url = s.url
             content = json.dumps(body, separators=(",", ":")).encode()
-            timeout = deadline - loop.time()
+            timeout = max(deadline - loop.time(), 0.001)
             try:
                 r = await self._pool(s, slot).post(
                     f"{url}/generate", content=content,
-                    timeout=httpx.Timeout(max(timeout, 0.001), connect=cfg.connect_timeout_s),
+                    timeout=httpx.Timeout(timeout, connect=cfg.connect_timeout_s),
                 )
             except httpx.TimeoutException as e:
                 # network boundary: the deadline is spent (read) or the server is unreachable (connect)
-                self._release(s, slot)
                 if isinstance(e, httpx.ConnectTimeout):
                     self._mark_unhealthy(s, f"connect timeout: {e}")
                 last_error = f"{url}: {type(e).__name__}"
@@ -503,24 +502,13 @@ class SGLangEngine:
                     ) from e
             except httpx.TransportError as e:
                 # network boundary: refused / dropped connection -> take the server out, retry
-                self._release(s, slot)
                 last_error = f"{url}: {type(e).__name__}: {e}"
                 self._mark_unhealthy(s, last_error)
             else:
-                self._release(s, slot)
                 status = r.status_code
                 if status == 200:
                     s.completed += 1
-                    s.failures = 0
-                    try:
-                        out = json.loads(r.content)
-                    except ValueError as e:  # trust boundary: a proxy's HTML page, a cut body
-                        raise EngineError(f"{url}/generate returned invalid JSON: {e}") from e
-                    if isinstance(out, list) and len(out) == 1:
-                        out = out[0]
-                    if not isinstance(out, dict):
-                        raise EngineError(f"{url}/generate returned {type(out).__name__}, not an object")
-                    return out
+                    return self._decode_output(url, r.content)
                 msg = error_message(r.content)
                 if status == 400 and is_context_length_error(msg):
                     raise _ContextLengthError(msg)
@@ -533,6 +521,8 @@ class SGLangEngine:
                     raise EngineError(f"{url}/generate answered HTTP {status}: {msg}")
                 last_error = f"{url}: HTTP {status}: {msg}"
                 self._mark_unhealthy(s, last_error)
+            finally:
+                self._release(s, slot)  # also when the caller is cancelled mid-request
             attempt += 1
             if attempt > cfg.max_retries:
                 raise EngineError(
@@ -545,6 +535,18 @@ class SGLangEngine:
                     f"{attempt} attempts (last: {last_error})"
                 )
             await asyncio.sleep(delay)
+
+    @staticmethod
+    def _decode_output(url: str, content: bytes) -> dict[str, Any]:
+        try:
+            out = json.loads(content)
+        except ValueError as e:  # trust boundary: a proxy's HTML page, a cut body
+            raise EngineError(f"{url}/generate returned invalid JSON: {e}") from e
+        if isinstance(out, list) and len(out) == 1:
+            out = out[0]
+        if not isinstance(out, dict):
+            raise EngineError(f"{url}/generate returned {type(out).__name__}, not an object")
+        return out
 
     # -- balancing and health ----------------------------------------------------------------
 
