@@ -397,8 +397,10 @@ async def test_request_body_is_section_9_with_known_keys_only(server, engine):
     assert set(body) <= set(fx) and body["input_ids"] == [1, 2, 3] and "text" not in body
     assert body["sampling_params"] == fx["sampling_params"] | {"max_new_tokens": 4}
     assert body["return_logprob"] is True and body["stream"] is False
-    await e.generate([1], SamplingParams(max_new_tokens=4))
+    await e.generate([1], SamplingParams(max_new_tokens=4, top_k=0, temperature=0.0))
     assert s.requests[-1]["rid"] != body["rid"]  # a fresh rid per request
+    assert s.requests[-1]["sampling_params"]["top_k"] == -1  # SGLang's "no top-k"
+    assert s.requests[-1]["sampling_params"]["temperature"] == 0.0  # greedy
 
 
 async def test_seed_needs_a_new_enough_server(server, engine):

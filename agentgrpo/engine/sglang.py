@@ -229,7 +229,7 @@ def sampling_body(params: SamplingParams, max_new_tokens: int) -> dict[str, Any]
         "max_new_tokens": max_new_tokens,
         "temperature": params.temperature,
         "top_p": params.top_p,
-        "top_k": params.top_k,
+        "top_k": params.top_k if params.top_k > 0 else -1,  # SGLang: -1 = whole vocabulary
         "stop_token_ids": list(params.stop_token_ids),
         "skip_special_tokens": False,
         "spaces_between_special_tokens": False,
