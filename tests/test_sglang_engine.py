@@ -307,6 +307,40 @@ async def test_fake_flush_is_refused_while_busy_and_release_is_fatal(server):
     await task
 
 
+async def test_fake_pause_retract_blocks_and_updates_run_at_once(server, tmp_path):
+    s = await server()
+    s.faults.token_delay_s = 0.01
+    gen = {"method": "POST", "path": "/generate", "json": {"input_ids": [1], "sampling_params": {"max_new_tokens": 20}}}
+    running = asyncio.create_task(send(s.url, gen))
+    await asyncio.sleep(0.05)
+    r = await send(s.url, {"method": "POST", "path": "/pause_generation", "json": {"mode": "retract"}})
+    assert r.json()["status"] == "ok"
+    new = asyncio.create_task(send(s.url, gen))  # blocks while paused
+    r = await send(s.url, {"method": "POST", "path": "/flush_cache"})
+    assert r.status_code == 400  # the retracted request is still waiting
+    upd = {"method": "POST", "path": "/update_weights_from_disk",
+           "json": {"model_path": str(tmp_path), "weight_version": "2"}}
+    r = await asyncio.wait_for(send(s.url, upd), 2)  # no writer-lock wait while paused
+    assert r.json()["success"] is True
+    await asyncio.sleep(0.1)
+    assert not running.done() and not new.done()
+    await send(s.url, {"method": "POST", "path": "/continue_generation", "json": {}})
+    for t in (running, new):
+        out = (await t).json()
+        assert out["meta_info"]["finish_reason"]["type"] == "length"
+        assert out["meta_info"]["weight_version"] == "2"
+
+
+async def test_fake_batch_stream_chunks_carry_an_index(server):
+    s = await server(script=lambda p: [5, 6, 151645])
+    req = {"method": "POST", "path": "/generate",
+           "json": {"input_ids": [[1, 2], [3]], "sampling_params": {"max_new_tokens": 8}, "stream": True}}
+    chunks = [json.loads(c[6:]) for c in (await send(s.url, req)).text.split("\n\n") if c and c != "data: [DONE]"]
+    finals = {c["index"]: c for c in chunks if c["meta_info"]["finish_reason"]}
+    assert sorted(finals) == [0, 1]
+    assert all(f["output_ids"] == [5, 6, 151645] and f["text"] == "\x05\x06" for f in finals.values())
+
+
 async def test_fake_destroy_missing_group(server):
     fx = fixture("destroy_weights_update_group.json")
     s = await server()
