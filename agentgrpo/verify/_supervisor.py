@@ -1,0 +1,1047 @@
+"""Supervisor process of the local sandbox backends: slots, deadlines, output caps, kill-all.
+
+One supervisor serves one `Sandbox` client over a socketpair. It is a separate process so the
+trainer's GIL and memory never sit on the path of a job, and so the fork server can be a child of
+a small, single-threaded process. It owns:
+- slots: at most `slots` jobs run at once, each slot with its own uid, network namespace and
+  cgroups (v1 memory and pids, v2 with `cgroup.kill`, or v2 memory/pids where delegated);
+- the wall deadline, enforced here (SIGKILL through a pidfd of the job's init, which takes its
+  whole PID namespace down, plus `cgroup.kill`), with the init's own deadline as a backstop;
+- output caps: stdout and stderr are read here and the job is killed once either passes its cap;
+- classification of the outcome into the typed statuses of `ExecResult`.
+
+Launchers: `namespaces` (the fork server, `_forkserver.py`), `bwrap` and `unsafe-local` (a fresh
+interpreter per job running `_runner.standalone_main`).
+
+Stdlib only; started as `python -I -c ... VERIFY_DIR CONFIG_JSON SOCKET_FD`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+
+try:
+    from . import _runner, _seccomp
+except ImportError:  # started as a plain script: siblings are top-level modules
+    import _runner
+    import _seccomp
+
+_FRAME = struct.Struct("!II")  # total length after this word, header length
+CLEAN_ENV = {
+    "PATH": "/usr/local/bin:/usr/bin:/bin",
+    "HOME": "/tmp",
+    "LANG": "C.UTF-8",
+    "PYTHONUNBUFFERED": "1",
+    "PYTHONDONTWRITEBYTECODE": "1",
+}
+
+
+def pack(header: dict, blobs: list[bytes]) -> bytes:
+    """One frame: lengths, a JSON header (which lists the blob sizes), then the raw blobs."""
+    h = json.dumps(dict(header, blobs=[len(b) for b in blobs])).encode()
+    body_len = 4 + len(h) + sum(len(b) for b in blobs)
+    return b"".join([_FRAME.pack(body_len, len(h)), h, *blobs])
+
+
+def unpack(body: bytes) -> tuple[dict, list[bytes]]:
+    """Inverse of `pack`, given the frame without its first length word."""
+    (hlen,) = struct.unpack_from("!I", body)
+    header = json.loads(body[4 : 4 + hlen])
+    blobs, off = [], 4 + hlen
+    for n in header.pop("blobs"):
+        blobs.append(body[off : off + n])
+        off += n
+    return header, blobs
+
+
+# ---- cgroups ------------------------------------------------------------------------------------
+
+
+def _write(path: str, text: str) -> bool:
+    try:
+        with open(path, "w") as f:
+            f.write(text)
+        return True
+    except OSError:
+        return False
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def _counter(path: str, key: str) -> int:
+    for line in _read(path).splitlines():
+        k, _, v = line.partition(" ")
+        if k == key:
+            return int(v)
+    return 0
+
+
+class Cgroups:
+    """Per-slot cgroups in every hierarchy this host lets us write; each part is optional.
+
+    Layout: <mount>/<our own cgroup>/agentgrpo-sandbox-<pid>/slot<i>. Hosts differ (this one has
+    v1 memory and pids plus a v2 tree without controllers but with `cgroup.kill`; a modern host
+    has only v2), so every feature is probed and recorded in `features`.
+    """
+
+    def __init__(self, slots: int, enabled: bool = True) -> None:
+        self.slots = slots
+        self.name = f"agentgrpo-sandbox-{os.getpid()}"
+        self.mem_v1: list[str] | None = None
+        self.pids_v1: list[str] | None = None
+        self.v2: list[str] | None = None
+        self.mem_v2 = self.pids_v2 = False
+        self._bases: list[str] = []
+        self._oom0 = [0] * slots
+        self.kill_v2 = False
+        if not enabled or slots == 0 or os.geteuid() != 0:
+            return
+        own: dict[str, str] = {}
+        for line in _read("/proc/self/cgroup").splitlines():
+            _, ctrls, path = line.split(":", 2)
+            for c in ctrls.split(",") if ctrls else [""]:
+                own[c] = path
+        mounts: dict[str, str] = {}
+        for line in _read("/proc/self/mountinfo").splitlines():
+            pre, _, post = line.partition(" - ")
+            fstype, _, opts = post.split(" ", 2)
+            mnt = pre.split(" ")[4]
+            if fstype == "cgroup2":
+                mounts.setdefault("", mnt)
+            elif fstype == "cgroup":
+                for c in ("memory", "pids"):
+                    if c in opts.split(",") or c in opts.split(" ")[-1].split(","):
+                        mounts.setdefault(c, mnt)
+        if "memory" in mounts and "memory" in own:
+            self.mem_v1 = self._make(mounts["memory"] + own["memory"], "memory.limit_in_bytes")
+        if "pids" in mounts and "pids" in own:
+            self.pids_v1 = self._make(mounts["pids"] + own["pids"], "pids.max")
+        if "" in mounts and "" in own:
+            parent = mounts[""] + own[""]
+            self.v2 = self._make(parent, "cgroup.procs", v2=True)
+            if self.v2:
+                self.mem_v2 = self.mem_v1 is None and os.path.exists(self.v2[0] + "/memory.max")
+                self.pids_v2 = self.pids_v1 is None and os.path.exists(self.v2[0] + "/pids.max")
+                self.kill_v2 = os.path.exists(self.v2[0] + "/cgroup.kill")
+
+    def _make(self, parent: str, probe: str, v2: bool = False) -> list[str] | None:
+        if not os.path.isdir(parent):
+            return None
+        self._reap_stale(parent)
+        base = os.path.join(parent, self.name)
+        try:
+            os.makedirs(base, exist_ok=True)
+            if v2:  # best effort: delegate memory/pids if our parent lets us (no error otherwise)
+                ctrls = _read(base + "/cgroup.controllers").split()
+                want = [c for c in ("memory", "pids") if c in ctrls]
+                if want:
+                    _write(base + "/cgroup.subtree_control", " ".join("+" + c for c in want))
+            dirs = []
+            for i in range(self.slots):
+                d = os.path.join(base, f"slot{i}")
+                os.makedirs(d, exist_ok=True)
+                dirs.append(d)
+        except OSError:
+            self._rmtree(base)
+            return None
+        if not os.path.exists(os.path.join(dirs[0], probe)):
+            self._rmtree(base)
+            return None
+        self._bases.append(base)
+        return dirs
+
+    @staticmethod
+    def _reap_stale(parent: str) -> None:
+        """Remove cgroups left by supervisors that died without cleaning up."""
+        for entry in os.listdir(parent):
+            if not entry.startswith("agentgrpo-sandbox-"):
+                continue
+            try:
+                pid = int(entry.rsplit("-", 1)[1])
+                os.kill(pid, 0)
+                continue  # still alive
+            except (ValueError, ProcessLookupError):
+                pass
+            except PermissionError:
+                continue
+            Cgroups._rmtree(os.path.join(parent, entry), kill=True)
+
+    @staticmethod
+    def _rmtree(base: str, kill: bool = False) -> None:
+        for root, _dirs, _ in os.walk(base, topdown=False):
+            if kill:
+                for pid in _read(root + "/cgroup.procs").split():
+                    try:
+                        os.kill(int(pid), signal.SIGKILL)
+                    except OSError:
+                        pass
+                _write(root + "/cgroup.kill", "1")
+            for _ in range(50):
+                try:
+                    os.rmdir(root)
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:
+                    time.sleep(0.01)
+
+    @property
+    def memory(self) -> bool:
+        return self.mem_v1 is not None or self.mem_v2
+
+    @property
+    def features(self) -> list[str]:
+        f = []
+        if self.mem_v1:
+            f.append("cgroup-v1-memory")
+        if self.pids_v1:
+            f.append("cgroup-v1-pids")
+        if self.v2:
+            f.append("cgroup-v2" + ("-kill" if self.kill_v2 else ""))
+        if self.mem_v2:
+            f.append("cgroup-v2-memory")
+        if self.pids_v2:
+            f.append("cgroup-v2-pids")
+        return f
+
+    def procs_paths(self, slot: int) -> list[str]:
+        return [d[slot] + "/cgroup.procs" for d in (self.mem_v1, self.pids_v1, self.v2) if d]
+
+    def prepare(self, slot: int, lim: dict) -> None:
+        mem = lim["memory_mb"] << 20
+        npids = str(lim["processes"] + 2)  # + the init and a margin for its fork
+        if self.mem_v1:
+            d = self.mem_v1[slot]
+            # memsw (memory+swap) must stay >= memory: try both orders
+            for _ in range(2):
+                ok = _write(d + "/memory.limit_in_bytes", str(mem))
+                if os.path.exists(d + "/memory.memsw.limit_in_bytes"):
+                    ok = _write(d + "/memory.memsw.limit_in_bytes", str(mem)) and ok
+                if ok:
+                    break
+            self._oom0[slot] = _counter(d + "/memory.oom_control", "oom_kill")
+        if self.pids_v1:
+            _write(self.pids_v1[slot] + "/pids.max", npids)
+        if self.v2:
+            d = self.v2[slot]
+            if self.mem_v2:
+                _write(d + "/memory.max", str(mem))
+                _write(d + "/memory.swap.max", "0")
+                self._oom0[slot] = _counter(d + "/memory.events", "oom_kill")
+            if self.pids_v2:
+                _write(d + "/pids.max", npids)
+
+    def oom_killed(self, slot: int) -> bool:
+        if self.mem_v1:
+            return (
+                _counter(self.mem_v1[slot] + "/memory.oom_control", "oom_kill") > self._oom0[slot]
+            )
+        if self.mem_v2:
+            return _counter(self.v2[slot] + "/memory.events", "oom_kill") > self._oom0[slot]
+        return False
+
+    def kill(self, slot: int) -> None:
+        if self.kill_v2 and _write(self.v2[slot] + "/cgroup.kill", "1"):
+            return
+        for d in (self.pids_v1, self.mem_v1):
+            if d:
+                for pid in _read(d[slot] + "/cgroup.procs").split():
+                    try:
+                        os.kill(int(pid), signal.SIGKILL)
+                    except OSError:
+                        pass
+
+    def empty(self, slot: int) -> bool:
+        if self.v2 and "populated 1" in _read(self.v2[slot] + "/cgroup.events"):
+            return False
+        return not any(
+            _read(d[slot] + "/cgroup.procs").strip() for d in (self.pids_v1, self.mem_v1) if d
+        )
+
+    def close(self) -> None:
+        for base in self._bases:
+            self._rmtree(base, kill=True)
+        self._bases = []
+
+
+# ---- launchers ----------------------------------------------------------------------------------
+
+
+class LaunchError(Exception):
+    """The sandbox could not start a job (an infrastructure failure, never the job's fault)."""
+
+
+class ForkServerLauncher:
+    """Jobs are forks of the fork server (see `_forkserver.py`); the strongest backend."""
+
+    name = "namespaces"
+
+    def __init__(self, cfg: dict, cgroups: Cgroups, verify_dir: str) -> None:
+        self.cfg, self.cg, self.verify_dir = cfg, cgroups, verify_dir
+        self.proc: subprocess.Popen | None = None
+        self.sock: socket.socket | None = None
+        self.pending: dict[int, asyncio.Future] = {}
+        self.next_id = 0
+        self.features: list[str] = []
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        slots = self.cfg["slots"]
+        fs_cfg = {
+            "slots": slots,
+            "uid_base": self.cfg["uid_base"],
+            "init_uid": self.cfg["uid_base"] - 1,
+            "cgroup_procs": [self.cg.procs_paths(i) for i in range(slots)],
+            "memory_cgroup": self.cg.memory,
+            "ro_paths": self.cfg["ro_paths"],
+            "preimport": self.cfg["preimport"],
+        }
+        boot = "import sys; sys.path.append(sys.argv[1]); import _forkserver; sys.exit(_forkserver.main(sys.argv[2:]))"
+        self.proc = subprocess.Popen(
+            [
+                self.cfg["python"],
+                "-I",
+                "-c",
+                boot,
+                self.verify_dir,
+                json.dumps(fs_cfg),
+                str(theirs.fileno()),
+            ],
+            pass_fds=[theirs.fileno()],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            env=CLEAN_ENV,
+            cwd="/",
+        )
+        theirs.close()
+        ours.setblocking(False)
+        try:
+            msg = await asyncio.wait_for(loop.sock_recv(ours, 1 << 16), 60)
+        except asyncio.TimeoutError:
+            msg = b""
+        hello = json.loads(msg) if msg else {"ready": False, "error": "fork server exited at start"}
+        if not hello.get("ready"):
+            ours.close()
+            self.proc.kill()
+            self.proc.wait()
+            raise LaunchError(hello.get("error", "fork server failed"))
+        self.sock = ours
+        loop.add_reader(ours.fileno(), self._on_reply)
+        self.features = [
+            "namespaces(mnt,pid,ipc,uts,net)",
+            "pivot_root",
+            "per-slot-uid",
+            "rlimits",
+            "no_new_privs",
+        ]
+        self.features += ["seccomp"] if hello.get("seccomp") else []
+        self.features += self.cg.features
+
+    def _on_reply(self) -> None:
+        while True:
+            try:
+                msg, fds, _, _ = socket.recv_fds(self.sock, 1 << 16, 2)
+            except BlockingIOError:
+                return
+            except OSError:
+                msg, fds = b"", []
+            if not msg:  # the fork server died: fail waiting launches, restart on next use
+                asyncio.get_running_loop().remove_reader(self.sock.fileno())
+                self.sock.close()
+                self.sock = None
+                for fut in self.pending.values():
+                    if not fut.done():
+                        fut.set_exception(LaunchError("fork server died"))
+                self.pending.clear()
+                if self.proc is not None:
+                    self.proc.kill()
+                    self.proc.wait()
+                    self.proc = None
+                return
+            rep = json.loads(msg)
+            fut = self.pending.pop(rep["id"], None)
+            if fut is None or fut.done():
+                for fd in fds:
+                    os.close(fd)
+            elif "error" in rep or not fds:
+                fut.set_exception(LaunchError(rep.get("error", "no pidfd")))
+            else:
+                fut.set_result(fds[0])
+
+    async def launch(self, slot: int, lim: dict, fds: list[int]) -> dict:
+        if self.sock is None:
+            await self.start()
+        self.next_id += 1
+        fut = asyncio.get_running_loop().create_future()
+        self.pending[self.next_id] = fut
+        socket.send_fds(
+            self.sock, [json.dumps({"id": self.next_id, "slot": slot, "limits": lim}).encode()], fds
+        )
+        pidfd = await fut
+        return {"pidfd": pidfd, "pid": None}
+
+    def reap(self, handle: dict) -> None:
+        """Nothing to do: the fork server is the parent of every init and reaps them."""
+
+    def kill(self, handle: dict, slot: int) -> None:
+        try:
+            signal.pidfd_send_signal(handle["pidfd"], signal.SIGKILL)
+        except OSError:
+            pass
+        self.cg.kill(slot)
+
+    def close(self) -> None:
+        if self.sock is not None:
+            try:
+                asyncio.get_running_loop().remove_reader(self.sock.fileno())
+            except RuntimeError:
+                pass
+            self.sock.close()
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+class SubprocessLauncher:
+    """A fresh interpreter per job, inside bubblewrap (`bwrap`) or nothing (`unsafe-local`)."""
+
+    def __init__(self, kind: str, cfg: dict, cgroups: Cgroups) -> None:
+        self.name, self.cfg, self.cg = kind, cfg, cgroups
+        with open(_runner.__file__) as f:
+            self.runner_src = f.read() + "\nstandalone_main()\n"
+        self.python = cfg["python"]
+        self.features = ["rlimits"]
+        self.seccomp = None
+        if kind == "bwrap":
+            self.bwrap = shutil.which("bwrap")
+            if self.bwrap is None:
+                raise LaunchError("bwrap not found (Debian: apt-get install bubblewrap)")
+            self.seccomp = _seccomp.build_filter() if _seccomp.supported() else None
+            self.features = ["bwrap(user,mnt,pid,ipc,uts,net,cgroup)", "rlimits", "cap-drop-all"]
+            self.features += ["seccomp"] if self.seccomp else []
+        self.tmpdirs: dict[int, str] = {}
+
+    async def start(self) -> None:
+        # A real job proves the backend works here (bwrap needs unprivileged user namespaces).
+        return None
+
+    def _bwrap_argv(self, lim: dict) -> list[str]:
+        argv = [
+            self.bwrap,
+            "--unshare-all",
+            "--die-with-parent",
+            "--new-session",
+            "--cap-drop",
+            "ALL",
+            "--clearenv",
+            "--hostname",
+            "sandbox",
+        ]
+        for k, v in CLEAN_ENV.items():
+            argv += ["--setenv", k, v]
+        for name in ("usr", "bin", "lib", "lib32", "lib64", "libx32", "sbin"):
+            host = "/" + name
+            if os.path.islink(host):
+                argv += ["--symlink", os.readlink(host), host]
+            elif os.path.isdir(host):
+                argv += ["--ro-bind", host, host]
+        for p in self._python_paths() + self.cfg["ro_paths"]:
+            argv += ["--ro-bind-try", p, p]
+        for p in ("/etc/ld.so.cache", "/etc/localtime"):
+            argv += ["--ro-bind-try", p, p]
+        argv += [
+            "--size",
+            str(lim["disk_mb"] << 20),
+            "--perms",
+            "1777",
+            "--tmpfs",
+            "/tmp",
+            "--proc",
+            "/proc",
+            "--dev",
+            "/dev",
+            "--chdir",
+            "/tmp",
+        ]
+        if self.seccomp:
+            argv += ["--seccomp", "5"]
+        return argv + ["--", self.python, "-I", "-c", self.runner_src]
+
+    def _python_paths(self) -> list[str]:
+        out = subprocess.run(
+            [self.python, "-I", "-c", "import sys; print(sys.prefix); print(sys.base_prefix)"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.split()
+        return sorted(
+            {os.path.realpath(p) for p in out + [os.path.dirname(os.path.realpath(self.python))]}
+        )
+
+    async def launch(self, slot: int, lim: dict, fds: list[int]) -> dict:
+        extra_fd = None
+        workdir = None
+        if self.name == "bwrap":
+            argv, cwd = self._bwrap_argv(lim), "/"
+            if self.seccomp:
+                r, w = os.pipe()
+                os.write(w, self.seccomp)
+                os.close(w)
+                extra_fd = r
+        else:
+            cwd = tempfile.mkdtemp(prefix="agentgrpo-unsafe-")
+            self.tmpdirs[slot] = cwd
+            argv = [self.python, "-I", "-c", self.runner_src]
+            workdir = cwd
+        uid = self.cfg["uid_base"] + slot if os.geteuid() == 0 else None
+        if uid is not None and self.name != "bwrap":
+            os.chown(cwd, uid, uid)
+        pid = os.fork()
+        if pid == 0:  # child: arrange fds 0-5, drop privileges, exec; nothing else may run here
+            try:
+                moved = [os.dup(fd) for fd in fds + ([extra_fd] if extra_fd is not None else [])]
+                for target, fd in enumerate(moved):
+                    os.dup2(fd, target)
+                os.closerange(len(moved), 1 << 16)
+                os.setsid()
+                if uid is not None:
+                    os.setgroups([])
+                    os.setresgid(uid, uid, uid)
+                    os.setresuid(uid, uid, uid)
+                os.chdir(cwd)
+                os.execve(argv[0], argv, CLEAN_ENV)
+            except BaseException as e:  # noqa: BLE001 - report on the status fd, then die
+                try:
+                    os.write(4, json.dumps({"error": f"exec {argv[0]}: {e}"}).encode() + b"\n")
+                finally:
+                    os._exit(127)
+        if extra_fd is not None:
+            os.close(extra_fd)
+        return {"pidfd": os.pidfd_open(pid), "pid": pid, "workdir": workdir}
+
+    def reap(self, handle: dict) -> None:
+        if handle.get("pid") is not None:
+            try:
+                os.waitpid(handle["pid"], 0)
+            except ChildProcessError:
+                pass
+            handle["pid"] = None
+
+    def kill(self, handle: dict, slot: int) -> None:
+        try:
+            signal.pidfd_send_signal(handle["pidfd"], signal.SIGKILL)
+        except OSError:
+            pass
+        if self.name == "unsafe-local":
+            try:
+                os.killpg(handle["pid"], signal.SIGKILL)
+            except OSError:
+                pass
+
+    def finish(self, slot: int) -> None:
+        d = self.tmpdirs.pop(slot, None)
+        if d:
+            shutil.rmtree(d, ignore_errors=True)
+
+    def close(self) -> None:
+        for slot in list(self.tmpdirs):
+            self.finish(slot)
+
+
+# ---- one job ------------------------------------------------------------------------------------
+
+
+class _Job:
+    """The supervisor's side of one running job: its pipes, deadline and output buffers."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, lim: dict) -> None:
+        self.loop, self.lim = loop, lim
+        self.cap = lim["output_bytes"]
+        self.out, self.err = bytearray(), bytearray()
+        self.truncated = False
+        self.killed_for: str | None = None
+        self.open_streams = 0
+        self.done = loop.create_future()  # init exited, or it reported and the streams closed
+        self.streams_closed = loop.create_future()
+        self.fds: set[int] = set()  # pipe ends this job still owns
+        self.status: list[dict] = []
+        self.final = False  # the init reported the job's end (wstatus or timeout)
+        self._status_buf = bytearray()
+        self._status_fd = -1
+        self._pidfd: int | None = None
+        self._init_exited = False
+
+    def _check_done(self) -> None:
+        if not self.done.done() and (self._init_exited or (self.final and self.open_streams == 0)):
+            self.done.set_result(None)
+
+    def watch_init(self, pidfd: int) -> None:
+        def on_exit() -> None:
+            self.loop.remove_reader(pidfd)
+            self._init_exited = True
+            self._check_done()
+
+        self.loop.add_reader(pidfd, on_exit)
+        self._pidfd = pidfd
+
+    def read_status(self, fd: int) -> None:
+        self._status_fd = fd
+        self.fds.add(fd)
+        self.loop.add_reader(fd, self.drain_status)
+
+    def drain_status(self) -> None:
+        """Collect the init's JSON lines; the job may end before its init does (see `done`)."""
+        fd = self._status_fd
+        while fd in self.fds:
+            try:
+                chunk = os.read(fd, 1 << 16)
+            except BlockingIOError:
+                break
+            if not chunk:
+                self._close_fd(fd)
+                break
+            self._status_buf.extend(chunk)
+        *lines, rest = bytes(self._status_buf).split(b"\n")
+        self._status_buf = bytearray(rest)
+        for line in lines:
+            try:
+                d = json.loads(line)
+            except ValueError:
+                d = {"error": "garbled status from the sandbox"}
+            self.status.append(d)
+            self.final = self.final or "wstatus" in d or "timeout" in d
+        self._check_done()
+
+    def _close_fd(self, fd: int) -> None:
+        if fd in self.fds:
+            self.fds.discard(fd)
+            self.loop.remove_reader(fd)
+            self.loop.remove_writer(fd)
+            os.close(fd)
+
+    def close(self) -> None:
+        for fd in list(self.fds):
+            self._close_fd(fd)
+        if self._pidfd is not None and not self._init_exited:
+            self.loop.remove_reader(self._pidfd)
+
+    def read_stream(self, fd: int, buf: bytearray, on_over) -> None:
+        self.open_streams += 1
+        self.fds.add(fd)
+
+        def on_readable() -> None:
+            try:
+                data = os.read(fd, 1 << 16)
+            except BlockingIOError:
+                return
+            except OSError:
+                data = b""
+            if not data:
+                self._close_fd(fd)
+                self.open_streams -= 1
+                if self.open_streams == 0 and not self.streams_closed.done():
+                    self.streams_closed.set_result(None)
+                self._check_done()
+                return
+            room = self.cap - len(buf)
+            if len(data) > room:
+                buf.extend(data[: max(room, 0)])
+                self.truncated = True
+                on_over()
+            else:
+                buf.extend(data)
+
+        self.loop.add_reader(fd, on_readable)
+
+    def write_all(self, fd: int, data: bytes) -> None:
+        view = memoryview(data)
+        self.fds.add(fd)
+
+        def on_writable() -> None:
+            nonlocal view
+            try:
+                n = os.write(fd, view[: 1 << 16])
+                view = view[n:]
+            except BlockingIOError:
+                return
+            except OSError:  # the job closed its end or died: stop feeding it
+                view = view[:0]
+            if not view:
+                self._close_fd(fd)
+
+        if not data:
+            self._close_fd(fd)
+            return
+        on_writable()  # usually all of it fits in the pipe at once: no loop round trip
+        if fd in self.fds:
+            self.loop.add_writer(fd, on_writable)
+
+
+async def _readable(fd: int, timeout: float) -> bool:
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+    loop.add_reader(fd, lambda: fut.done() or fut.set_result(True))
+    try:
+        return await asyncio.wait_for(fut, timeout)
+    except asyncio.TimeoutError:
+        return False
+    finally:
+        loop.remove_reader(fd)
+
+
+WARM_MAX_AGE_S = (
+    1800.0  # a pre-started job older than this is replaced (its init's backstop is 1 h)
+)
+
+
+def _warm_key(lim: dict) -> tuple:
+    """Limits a pre-started job has already applied (output_bytes is enforced here, not there)."""
+    return (
+        lim["memory_mb"],
+        lim["processes"],
+        lim["disk_mb"],
+        lim["open_files"],
+        int(lim["wall_s"]),
+    )
+
+
+class _Warm:
+    """A job started up to the point where it waits for its payload."""
+
+    def __init__(self, key: tuple, handle: dict, ours: list[int], born: float) -> None:
+        self.key, self.handle, self.ours, self.born = key, handle, ours, born
+
+    def dead(self) -> bool:
+        import select
+
+        return bool(select.select([self.handle["pidfd"]], [], [], 0)[0])
+
+    def close(self) -> None:
+        for i, fd in enumerate(self.ours):
+            if fd >= 0:
+                os.close(fd)
+                self.ours[i] = -1
+        if self.handle.get("pidfd", -1) >= 0:
+            os.close(self.handle["pidfd"])
+            self.handle["pidfd"] = -1
+
+
+def _classify(job: _Job, status: list[dict], oom: bool) -> dict:
+    """Map what happened to (status, exit_code, signal, detail); precedence matters here."""
+    errors = [s["error"] for s in status if "error" in s]
+    final = next((s for s in status if "wstatus" in s or "timeout" in s), None)
+    res = {
+        "exit_code": None,
+        "signal": None,
+        "detail": "",
+        "cpu_s": final.get("cpu_s") if final else None,
+        "maxrss_kb": final.get("maxrss_kb") if final else None,
+    }
+    if final is not None and "wstatus" in final:
+        st = final["wstatus"]
+        if os.WIFEXITED(st):
+            res["exit_code"] = os.WEXITSTATUS(st)
+        elif os.WIFSIGNALED(st):
+            res["signal"] = os.WTERMSIG(st)
+    if job.killed_for == "output":
+        return dict(res, status="output_limit", detail="output cap reached")
+    if job.killed_for == "timeout" or (final is not None and final.get("timeout")):
+        return dict(res, status="timeout", detail="wall-clock limit")
+    if errors:
+        return dict(res, status="sandbox_error", detail="; ".join(errors))
+    if oom:
+        return dict(res, status="memory_limit", detail="cgroup OOM kill")
+    if final is None:
+        return dict(res, status="sandbox_error", detail="no exit status from the sandbox init")
+    if res["signal"] is not None:
+        if res["signal"] == signal.SIGXCPU:
+            return dict(res, status="timeout", detail="CPU-time limit")
+        return dict(res, status="signaled", detail=signal.Signals(res["signal"]).name)
+    if res["exit_code"] == 0:
+        return dict(res, status="ok")
+    tail = bytes(job.err[-2048:]).rstrip().rsplit(b"\n", 1)[-1]
+    if tail.startswith(b"MemoryError"):
+        return dict(res, status="memory_limit", detail="MemoryError raised")
+    return dict(res, status="runtime_error")
+
+
+class Supervisor:
+    def __init__(self, cfg: dict, verify_dir: str) -> None:
+        self.cfg = cfg
+        self.slots = cfg["slots"]
+        self.cg = Cgroups(self.slots, enabled=cfg["backend"] == "namespaces")
+        if cfg["backend"] == "namespaces":
+            self.launcher = ForkServerLauncher(cfg, self.cg, verify_dir)
+        else:
+            self.launcher = SubprocessLauncher(cfg["backend"], cfg, self.cg)
+        self._free: list[int] = []
+        self._cv: asyncio.Condition | None = None
+        self._warm: dict[int, asyncio.Future] = {}  # slot -> pre-start in progress or done
+        self._warm_keys: dict[int, tuple] = {}
+        self._cleanups: set[asyncio.Task] = set()
+        self._closing = False
+        self.running: dict[int, tuple[_Job, dict]] = {}
+
+    async def start(self) -> dict:
+        self._cv = asyncio.Condition()
+        await self.launcher.start()
+        for slot in range(self.slots):  # pre-start every slot with the default limits
+            self._warm[slot] = asyncio.ensure_future(
+                self._prepare(slot, self.cfg["default_limits"])
+            )
+            self._warm[slot].add_done_callback(lambda t: t.cancelled() or t.exception())
+            self._free.append(slot)
+        return {
+            "backend": self.launcher.name,
+            "slots": self.slots,
+            "features": self.launcher.features,
+        }
+
+    async def run(self, req: dict, blobs: list[bytes]) -> tuple[dict, list[bytes]]:
+        lim = req["limits"]
+        key = _warm_key(lim)
+        slot = await self._acquire(key)
+        t0 = time.monotonic()
+        warm: _Warm | None = None
+        try:
+            warm = await self._take_warm(slot, key, lim)
+            res, out, err = await self._run(slot, warm, req, blobs)
+        except (OSError, LaunchError) as e:  # infrastructure failure: retried by the client
+            res, out, err = (
+                {
+                    "status": "sandbox_error",
+                    "detail": f"{type(e).__name__}: {e}",
+                    "exit_code": None,
+                    "signal": None,
+                },
+                b"",
+                b"",
+            )
+        finally:
+            # the reply goes out now; the slot is re-warmed once it is verifiably empty
+            t = asyncio.ensure_future(self._recycle(slot, lim, warm))
+            self._cleanups.add(t)
+            t.add_done_callback(self._cleanups.discard)
+        res.update(id=req["id"], wall_s=time.monotonic() - t0, backend=self.launcher.name)
+        return res, [out, err]
+
+    async def _acquire(self, key: tuple) -> int:
+        async with self._cv:
+            await self._cv.wait_for(lambda: bool(self._free))
+            slot = next((s for s in self._free if self._warm_keys.get(s) == key), self._free[0])
+            self._free.remove(slot)
+            return slot
+
+    async def _take_warm(self, slot: int, key: tuple, lim: dict) -> _Warm:
+        """The slot's pre-started job if it matches these limits and is alive, else a fresh one."""
+        task = self._warm.pop(slot, None)
+        warm = None
+        if task is not None:
+            try:
+                warm = await task
+            except (OSError, LaunchError):  # the pre-start failed: start afresh below
+                warm = None
+            if warm is not None and (
+                warm.key != key or warm.dead() or time.monotonic() - warm.born > WARM_MAX_AGE_S
+            ):
+                self._discard(slot, warm)
+                await self._wait_empty(slot)
+                warm = None
+        return warm if warm is not None else await self._prepare(slot, lim)
+
+    async def _prepare(self, slot: int, lim: dict) -> _Warm:
+        """Start a job up to the point where it waits for its payload (namespaces, limits, uid)."""
+        pipes = [os.pipe2(os.O_CLOEXEC) for _ in range(5)]  # stdin, stdout, stderr, payload, status
+        child = [pipes[0][0], pipes[1][1], pipes[2][1], pipes[3][0], pipes[4][1]]
+        ours = [pipes[0][1], pipes[1][0], pipes[2][0], pipes[3][1], pipes[4][0]]
+        self.cg.prepare(slot, lim)
+        self._warm_keys[slot] = _warm_key(lim)
+        try:
+            handle = await self.launcher.launch(slot, lim, child)
+        except BaseException:
+            for fd in ours:
+                os.close(fd)
+            raise
+        finally:
+            for fd in child:
+                os.close(fd)
+        for fd in ours:
+            os.set_blocking(fd, False)
+        return _Warm(_warm_key(lim), handle, ours, time.monotonic())
+
+    def _discard(self, slot: int, warm: _Warm) -> None:
+        self.launcher.kill(warm.handle, slot)
+        self.launcher.reap(warm.handle)
+        warm.close()
+
+    async def _wait_empty(self, slot: int) -> bool:
+        if not self.cg.procs_paths(slot):
+            return True
+        for i in range(500):
+            if self.cg.empty(slot):
+                return True
+            if i % 50 == 0:
+                self.cg.kill(slot)
+            await asyncio.sleep(0.001 if i < 20 else 0.01)
+        return False
+
+    async def _recycle(self, slot: int, lim: dict, used: _Warm | None) -> None:
+        if used is not None:  # its init may still be exiting: wait, kill if it lingers, reap
+            if not await _readable(used.handle["pidfd"], 1.0):
+                self.launcher.kill(used.handle, slot)
+                await _readable(used.handle["pidfd"], 5.0)
+            self.launcher.reap(used.handle)
+            used.close()
+        if isinstance(self.launcher, SubprocessLauncher):
+            self.launcher.finish(slot)
+        if not await self._wait_empty(slot):  # a process we cannot kill: keep the slot out of use
+            print(f"agentgrpo sandbox: slot {slot} could not be emptied; retired", file=sys.stderr)
+            return
+        if not self._closing:
+            self._warm[slot] = asyncio.ensure_future(self._prepare(slot, lim))
+            self._warm[slot].add_done_callback(lambda t: t.cancelled() or t.exception())
+        async with self._cv:
+            self._free.append(slot)
+            self._cv.notify()
+
+    async def _run(self, slot: int, warm: _Warm, req: dict, blobs: list[bytes]):
+        loop = asyncio.get_running_loop()
+        lim = req["limits"]
+        code, stdin, files = blobs[0], blobs[1], list(zip(req["files"], blobs[2:], strict=True))
+        job = _Job(loop, lim)
+        handle, ours = warm.handle, warm.ours
+        header = {
+            "limits": lim,
+            "code_len": len(code),
+            "files": [[n, len(b)] for n, b in files],
+            "workdir": handle.get("workdir"),
+        }
+        h = json.dumps(header).encode()
+        payload = b"".join([struct.pack("!I", len(h)), h, code] + [b for _, b in files])
+        self.running[slot] = (job, handle)
+
+        def kill(reason: str) -> None:
+            if job.killed_for is None:
+                job.killed_for = reason
+            self.launcher.kill(handle, slot)
+
+        try:
+            # the pipes now belong to the job (it closes them); the warm record keeps the pidfd
+            stdin_w, out_r, err_r, payload_w, status_r = ours
+            warm.ours = []
+            timer = loop.call_later(lim["wall_s"], kill, "timeout")
+            job.write_all(payload_w, payload)
+            job.write_all(stdin_w, stdin)
+            job.read_stream(out_r, job.out, lambda: kill("output"))
+            job.read_stream(err_r, job.err, lambda: kill("output"))
+            job.read_status(status_r)
+            job.watch_init(handle["pidfd"])
+            try:
+                await job.done
+            finally:
+                timer.cancel()
+            if job.open_streams:  # the init is gone, so are all the job's processes: EOF is near
+                try:
+                    await asyncio.wait_for(asyncio.shield(job.streams_closed), 2.0)
+                except asyncio.TimeoutError:
+                    kill(job.killed_for or "timeout")
+                    job.status.append({"error": "output pipes held open after the job ended"})
+            job.drain_status()
+            status = job.status
+            if handle.get("pid") is not None and not job.final:  # runner vanished (subprocess)
+                try:
+                    _, wstatus = os.waitpid(handle["pid"], 0)
+                    handle["pid"] = None
+                    status.append(self._runner_vanished(wstatus, job))
+                except ChildProcessError:
+                    pass
+            oom = self.cg.oom_killed(slot)
+            res = _classify(job, status, oom)
+            return res, bytes(job.out), bytes(job.err)
+        finally:
+            self.running.pop(slot, None)
+            job.close()
+
+    def _runner_vanished(self, wstatus: int, job: _Job) -> dict:
+        """A fresh-interpreter job ended without its runner's report (bwrap / unsafe-local).
+
+        bwrap failing to set up exits 1 and says "bwrap: ..." on stderr: an infrastructure error.
+        Otherwise the job took its own runner down (they share a uid there), which is the job's
+        failure and must not turn into an unscorable sample: report what bwrap passed on
+        (128+N means the runner died of signal N).
+        """
+        code = os.waitstatus_to_exitcode(wstatus)
+        if self.launcher.name == "bwrap" and code == 1 and job.err.startswith(b"bwrap:"):
+            return {"error": bytes(job.err[:500]).decode(errors="replace").strip()}
+        if code > 128:
+            return {"wstatus": (code - 128) & 0x7F}  # as if killed by that signal
+        return {"wstatus": wstatus}
+
+    def close(self) -> None:
+        self._closing = True
+        for slot, (_job, handle) in list(self.running.items()):
+            self.launcher.kill(handle, slot)
+        for slot, task in self._warm.items():
+            if task.done() and not task.cancelled() and task.exception() is None:
+                self._discard(slot, task.result())
+        self.launcher.close()
+        self.cg.close()
+
+
+async def _serve(sup: Supervisor, sock: socket.socket) -> None:
+    reader, writer = await asyncio.open_unix_connection(sock=sock)
+    try:
+        hello = await sup.start()
+    except (OSError, LaunchError, subprocess.SubprocessError) as e:
+        writer.write(pack({"op": "hello", "ok": False, "error": f"{type(e).__name__}: {e}"}, []))
+        await writer.drain()
+        return
+    writer.write(pack(dict(hello, op="hello", ok=True), []))
+    await writer.drain()
+    tasks: set[asyncio.Task] = set()
+
+    async def one(header: dict, blobs: list[bytes]) -> None:
+        res, out = await sup.run(header, blobs)
+        writer.write(pack(res, out))
+
+    while True:
+        try:
+            (n,) = struct.unpack("!I", await reader.readexactly(4))
+            body = await reader.readexactly(n)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            break  # the client went away: stop everything
+        header, blobs = unpack(body)
+        t = asyncio.ensure_future(one(header, blobs))
+        tasks.add(t)
+        t.add_done_callback(tasks.discard)
+    for t in tasks:
+        t.cancel()
+
+
+def main(argv: list[str]) -> int:
+    verify_dir, cfg, fd = argv[0], json.loads(argv[1]), int(argv[2])
+    sock = socket.socket(fileno=fd)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    sup = Supervisor(cfg, verify_dir)
+    try:
+        asyncio.run(_serve(sup, sock))
+    finally:
+        sup.close()
+    return 0
