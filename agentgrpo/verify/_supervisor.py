@@ -419,6 +419,16 @@ class ForkServerLauncher:
             self.proc.wait()
 
 
+def _world_readable(path: str) -> bool:
+    """True if any uid may execute `path` (every parent directory searchable by others)."""
+    path = os.path.realpath(path)
+    parts = path.split("/")
+    for i in range(2, len(parts)):
+        if not os.stat("/".join(parts[:i])).st_mode & 0o001:
+            return False
+    return bool(os.stat(path).st_mode & 0o005 == 0o005)
+
+
 class SubprocessLauncher:
     """A fresh interpreter per job, inside bubblewrap (`bwrap`) or nothing (`unsafe-local`)."""
 
@@ -427,6 +437,7 @@ class SubprocessLauncher:
         with open(_runner.__file__) as f:
             self.runner_src = f.read() + "\nstandalone_main()\n"
         self.python = cfg["python"]
+        self.python_world_readable = _world_readable(self.python)
         self.features = ["rlimits"]
         self.seccomp = None
         if kind == "bwrap":
@@ -436,6 +447,11 @@ class SubprocessLauncher:
             self.seccomp = _seccomp.build_filter() if _seccomp.supported() else None
             self.features = ["bwrap(user,mnt,pid,ipc,uts,net,cgroup)", "rlimits", "cap-drop-all"]
             self.features += ["seccomp"] if self.seccomp else []
+        if os.geteuid() == 0:
+            self.features.append(
+                "per-slot-uid" if self.python_world_readable else "host-uid-0-without-capabilities"
+            )
+        self.features += cgroups.features
         self.tmpdirs: dict[int, str] = {}
 
     async def start(self) -> None:
@@ -448,6 +464,7 @@ class SubprocessLauncher:
             "--unshare-all",
             "--die-with-parent",
             "--new-session",
+            *(["--unshare-user", "--uid", "65534", "--gid", "65534"] if os.geteuid() == 0 else []),
             "--cap-drop",
             "ALL",
             "--clearenv",
@@ -510,12 +527,23 @@ class SubprocessLauncher:
             self.tmpdirs[slot] = cwd
             argv = [self.python, "-I", "-c", self.runner_src]
             workdir = cwd
-        uid = self.cfg["uid_base"] + slot if os.geteuid() == 0 else None
+        # As root, run the job (or bwrap) as the slot's uid when that uid can reach the interpreter;
+        # a Python under /root cannot, and then bwrap keeps host uid 0 without capabilities
+        # (mapped to nobody inside). The namespaces backend is the one to use as root.
+        uid = (
+            self.cfg["uid_base"] + slot
+            if os.geteuid() == 0 and self.python_world_readable
+            else None
+        )
         if uid is not None and self.name != "bwrap":
             os.chown(cwd, uid, uid)
+        cg_paths = self.cg.procs_paths(slot)
         pid = os.fork()
         if pid == 0:  # child: arrange fds 0-5, drop privileges, exec; nothing else may run here
             try:
+                for path in cg_paths:  # join the slot's cgroups before anything can fork
+                    with open(path, "w") as f:
+                        f.write("0")
                 moved = [os.dup(fd) for fd in fds + ([extra_fd] if extra_fd is not None else [])]
                 for target, fd in enumerate(moved):
                     os.dup2(fd, target)
@@ -786,7 +814,7 @@ class Supervisor:
     def __init__(self, cfg: dict, verify_dir: str) -> None:
         self.cfg = cfg
         self.slots = cfg["slots"]
-        self.cg = Cgroups(self.slots, enabled=cfg["backend"] == "namespaces")
+        self.cg = Cgroups(self.slots, enabled=cfg["backend"] != "unsafe-local")
         if cfg["backend"] == "namespaces":
             self.launcher = ForkServerLauncher(cfg, self.cg, verify_dir)
         else:
@@ -957,7 +985,10 @@ class Supervisor:
                 await job.done
             finally:
                 timer.cancel()
-            if job.open_streams:  # the init is gone, so are all the job's processes: EOF is near
+            if job.open_streams:
+                # The job ended but something still holds its output open: leftovers (killed by
+                # the kernel with its init in the namespaces backend; killed here otherwise).
+                self.launcher.kill(handle, slot)
                 try:
                     await asyncio.wait_for(asyncio.shield(job.streams_closed), 2.0)
                 except asyncio.TimeoutError:
@@ -1007,6 +1038,8 @@ class Supervisor:
 
 async def _serve(sup: Supervisor, sock: socket.socket) -> None:
     reader, writer = await asyncio.open_unix_connection(sock=sock)
+    # SIGTERM (the client closing us) ends the read loop below; cleanup runs in main()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, writer.transport.abort)
     try:
         hello = await sup.start()
     except (OSError, LaunchError, subprocess.SubprocessError) as e:
@@ -1019,7 +1052,8 @@ async def _serve(sup: Supervisor, sock: socket.socket) -> None:
 
     async def one(header: dict, blobs: list[bytes]) -> None:
         res, out = await sup.run(header, blobs)
-        writer.write(pack(res, out))
+        if not writer.transport.is_closing():
+            writer.write(pack(res, out))
 
     while True:
         try:
@@ -1031,14 +1065,14 @@ async def _serve(sup: Supervisor, sock: socket.socket) -> None:
         t = asyncio.ensure_future(one(header, blobs))
         tasks.add(t)
         t.add_done_callback(tasks.discard)
-    for t in tasks:
+    for t in list(tasks):
         t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def main(argv: list[str]) -> int:
     verify_dir, cfg, fd = argv[0], json.loads(argv[1]), int(argv[2])
     sock = socket.socket(fileno=fd)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     sup = Supervisor(cfg, verify_dir)
     try:
         asyncio.run(_serve(sup, sock))

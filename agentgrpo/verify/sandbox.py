@@ -316,21 +316,25 @@ class _LocalClient:
             self._sock = None
             failed = list(self._inflight.values())
             self._inflight.clear()
-            self._kill_proc()
-        sock.close()
+            sock.close()  # EOF: a healthy supervisor kills its jobs, cleans up and exits
+            self._kill_proc(grace_s=5.0 if why == "sandbox closed" else 0.5)
         for fut, _ in failed:
             fut.set_result(sandbox_error(why, self.kind))
         self._pump()
 
-    def _kill_proc(self) -> None:
-        if self._proc is not None:
-            self._proc.terminate()
+    def _kill_proc(self, grace_s: float = 0.5) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        for stop in (None, proc.terminate, proc.kill):
+            if stop is not None:
+                stop()
             try:
-                self._proc.wait(5)
+                proc.wait(grace_s)
+                return
             except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait()
-            self._proc = None
+                continue
+        proc.wait()
 
     def close(self) -> None:
         with self._lock:
