@@ -162,7 +162,9 @@ class SandboxConfig(BaseModel):
         5.0, gt=0, description="client-side grace beyond wall_s before declaring the backend hung"
     )
     start_timeout_s: float = Field(60.0, gt=0, description="how long a backend may take to start")
-    max_inflight: int = Field(256, ge=1, description="remote: concurrent requests per server")
+    busy_wait_s: float = Field(
+        120.0, ge=0, description="remote: how long to keep retrying busy servers (429/503)"
+    )
 
 
 # ---- local backends: a supervisor process ---------------------------------------------------------
@@ -426,23 +428,40 @@ class _RemoteClient:
             return sandbox_error(f"{url}: HTTP {resp.status_code}: {resp.text[:200]}", "remote")
         try:
             d = resp.json()
+            d["backend"] = f"remote:{d.get('backend')}"
             return ExecResult(**{k: d[k] for k in ExecResult.__dataclass_fields__ if k in d})
         except (ValueError, TypeError, KeyError) as e:  # a broken server is an infrastructure error
             return sandbox_error(f"{url}: bad response: {e}", "remote")
 
+    def _busy_wait(self, resp, attempt: int, deadline: float) -> float | None:
+        """Seconds to wait before retrying a busy server (429/503), None to give up."""
+        if resp is None or resp.status_code not in (429, 503) or time.monotonic() >= deadline:
+            return None
+        try:
+            after = float(resp.headers.get("Retry-After", "0"))
+        except ValueError:
+            after = 0.0
+        return min(max(after, 0.05 * 2**attempt), 2.0, max(deadline - time.monotonic(), 0.0))
+
     def run(self, payload: dict, limits: Limits) -> ExecResult:
         import httpx
 
-        url = self._pick()
-        try:
-            resp = self._sync.post(
-                url + "/run", json=payload, timeout=limits.wall_s + self.cfg.margin_s + 30
-            )
-            return self._parse(resp, url)
-        except httpx.HTTPError as e:
-            return sandbox_error(f"{url}: {type(e).__name__}: {e}", "remote")
-        finally:
-            self._done(url)
+        deadline = time.monotonic() + self.cfg.busy_wait_s
+        for attempt in range(1000):
+            url, resp = self._pick(), None
+            try:
+                resp = self._sync.post(
+                    url + "/run", json=payload, timeout=limits.wall_s + self.cfg.margin_s + 30
+                )
+            except httpx.HTTPError as e:
+                return sandbox_error(f"{url}: {type(e).__name__}: {e}", "remote")
+            finally:
+                self._done(url)
+            wait = self._busy_wait(resp, attempt, deadline)
+            if wait is None:
+                return self._parse(resp, url)
+            time.sleep(wait)
+        return sandbox_error("servers busy", "remote")
 
     async def arun(self, payload: dict, limits: Limits) -> ExecResult:
         import httpx
@@ -451,16 +470,22 @@ class _RemoteClient:
         client = self._async.get(id(loop))
         if client is None or client.is_closed:
             client = self._async[id(loop)] = httpx.AsyncClient(headers=self.headers, timeout=None)
-        url = self._pick()
-        try:
-            resp = await client.post(
-                url + "/run", json=payload, timeout=limits.wall_s + self.cfg.margin_s + 30
-            )
-            return self._parse(resp, url)
-        except httpx.HTTPError as e:
-            return sandbox_error(f"{url}: {type(e).__name__}: {e}", "remote")
-        finally:
-            self._done(url)
+        deadline = time.monotonic() + self.cfg.busy_wait_s
+        for attempt in range(1000):
+            url, resp = self._pick(), None
+            try:
+                resp = await client.post(
+                    url + "/run", json=payload, timeout=limits.wall_s + self.cfg.margin_s + 30
+                )
+            except httpx.HTTPError as e:
+                return sandbox_error(f"{url}: {type(e).__name__}: {e}", "remote")
+            finally:
+                self._done(url)
+            wait = self._busy_wait(resp, attempt, deadline)
+            if wait is None:
+                return self._parse(resp, url)
+            await asyncio.sleep(wait)
+        return sandbox_error("servers busy", "remote")
 
     def close(self) -> None:
         self._sync.close()
