@@ -70,10 +70,13 @@ def _as_result(name: str, value: object) -> VerifierResult:
     )
 
 
+def _is_async(fn: Callable) -> bool:
+    return inspect.iscoroutinefunction(fn if inspect.isroutine(fn) else type(fn).__call__)
+
+
 def _takes_two_args(fn: Callable) -> bool:
-    target = fn if inspect.isfunction(fn) or inspect.ismethod(fn) else getattr(fn, "__call__", fn)  # noqa: B004
     try:
-        inspect.signature(target).bind(None, None)
+        inspect.signature(fn).bind(None, None)  # for an object, the signature of its __call__
         return True
     except TypeError:
         return False
@@ -140,9 +143,7 @@ class Rubric:
         self, name: str, fn: Callable, trajectory: Trajectory, task: Task
     ) -> tuple[VerifierResult, str]:
         try:
-            if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
-                getattr(fn, "__call__", None)
-            ):  # noqa: B004
+            if _is_async(fn):
                 value = await fn(trajectory, task)
             else:
                 value = await asyncio.to_thread(fn, trajectory, task)
