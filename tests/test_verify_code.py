@@ -173,3 +173,35 @@ def test_humaneval_loader_and_scoring(sb):
     )
     assert "pass" in humaneval_solution(p, chat)
     assert score_humaneval(p, chat, sandbox=sb).all_passed
+
+
+# ---- the python tool -------------------------------------------------------------------------
+
+
+def test_python_tool_messages(sb):
+    from tools.python import PythonToolConfig, make_python_tool
+
+    tool = make_python_tool(sb, PythonToolConfig(max_output_chars=300))
+    assert tool("print(2 ** 10)").startswith("status: ok (exit 0, ")
+    assert tool("print(2 ** 10)").endswith(" s)\nstdout:\n1024\n")
+    msg = tool("raise ValueError('bad')")
+    assert (
+        msg.startswith("status: runtime_error (exit 1)\nstderr:\nTraceback")
+        and "ValueError: bad" in msg
+    )
+    long = tool("print('a' * 5000)\nimport sys; print('z' * 10, file=sys.stderr)")
+    assert len(long) <= 300 and "characters cut]" in long and long.rstrip().endswith("z" * 10)
+    assert (
+        tool.__doc__.startswith("Run a Python 3 program")
+        and "Args:\n            code:" in tool.__doc__
+    )
+
+
+def test_python_tool_raises_on_sandbox_failure(monkeypatch, sb):
+    from agentgrpo.verify.sandbox import SandboxUnavailable
+    from tools.python import make_python_tool
+
+    failure = ExecResult("sandbox_error", None, None, "", "", False, 0.0, "test", "supervisor died")
+    monkeypatch.setattr(sb, "run", lambda *a, **k: failure)
+    with pytest.raises(SandboxUnavailable, match="supervisor died"):
+        make_python_tool(sb)("print(1)")

@@ -132,6 +132,13 @@ class ExecResult:
         return self.status == "ok"
 
 
+class SandboxUnavailable(RuntimeError):
+    """Raised by callers (e.g. the python tool) that cannot return a sandbox_error as a value.
+
+    It marks an infrastructure failure: the episode is unscorable, not the model's fault.
+    """
+
+
 def sandbox_error(detail: str, backend: str, wall_s: float = 0.0) -> ExecResult:
     return ExecResult("sandbox_error", None, None, "", "", False, wall_s, backend, detail)
 

@@ -1,0 +1,1 @@
+"""Tools that models call from environments (plain `@tool` functions)."""
