@@ -21,6 +21,14 @@ import sys
 import time
 
 _LEN = struct.Struct("!I")
+# The whole environment of every job (and of the fork server): nothing of the trainer's.
+CLEAN_ENV = {
+    "PATH": "/usr/local/bin:/usr/bin:/bin",
+    "HOME": "/tmp",
+    "LANG": "C.UTF-8",
+    "PYTHONUNBUFFERED": "1",
+    "PYTHONDONTWRITEBYTECODE": "1",
+}
 
 
 def _read_exact(fd: int, n: int) -> bytes:
