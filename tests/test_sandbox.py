@@ -552,6 +552,22 @@ def test_supervisor_death_is_retried():
     assert _wait_no_slot_processes() == []
 
 
+def test_fork_server_death_is_recovered():
+    if os.geteuid() != 0:
+        pytest.skip("the namespaces backend needs root (CAP_SYS_ADMIN); CI runs as root")
+    box = _start("namespaces", slots=2)
+    try:
+        assert box.run("print(1)", limits=FAST).stdout == "1\n"
+        sup = box._impl._proc.pid
+        with open(f"/proc/{sup}/task/{sup}/children") as f:
+            (fork_server,) = [int(p) for p in f.read().split()]
+        os.kill(fork_server, signal.SIGKILL)  # its pre-started jobs die with it (PDEATHSIG)
+        res = box.run("print(2)", limits=FAST)
+        assert (res.status, res.stdout) == ("ok", "2\n")
+    finally:
+        box.close()
+
+
 def test_no_retries_gives_sandbox_error_not_a_verdict():
     if os.geteuid() != 0:
         pytest.skip("the namespaces backend needs root (CAP_SYS_ADMIN); CI runs as root")

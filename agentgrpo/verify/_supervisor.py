@@ -5,8 +5,11 @@ trainer's GIL and memory never sit on the path of a job, and so the fork server 
 a small, single-threaded process. It owns:
 - slots: at most `slots` jobs run at once, each slot with its own uid, network namespace and
   cgroups (v1 memory and pids, v2 with `cgroup.kill`, or v2 memory/pids where delegated);
-- the wall deadline, enforced here (SIGKILL through a pidfd of the job's init, which takes its
-  whole PID namespace down, plus `cgroup.kill`), with the init's own deadline as a backstop;
+- pre-started jobs: every free slot holds a job already set up to the point of reading its
+  payload (namespaces, cgroups, limits, uid), with the limits of that slot's last job, so a
+  request only costs the payload write and the run; other limits start a job on demand;
+- the wall deadline, enforced here from the moment the payload is sent (SIGKILL through a
+  pidfd of the job's init, which takes its whole PID namespace down, plus `cgroup.kill`);
 - output caps: stdout and stderr are read here and the job is killed once either passes its cap;
 - classification of the outcome into the typed statuses of `ExecResult`.
 
