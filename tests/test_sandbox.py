@@ -568,6 +568,22 @@ def test_fork_server_death_is_recovered():
         box.close()
 
 
+def test_hung_supervisor_is_replaced_within_the_margin():
+    # never hang: a supervisor that stops answering is killed after wall_s + margin_s
+    if os.geteuid() != 0:
+        pytest.skip("the namespaces backend needs root (CAP_SYS_ADMIN); CI runs as root")
+    box = _start("namespaces", slots=2, margin_s=0.5, retries=1)
+    try:
+        os.kill(box._impl._proc.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        res = box.run("print('after')", limits=Limits(wall_s=0.5))
+        assert (res.status, res.stdout) == ("ok", "after\n")
+        assert 1.0 <= time.monotonic() - t0 < 6.0
+    finally:
+        box.close()
+    assert _wait_no_slot_processes() == []
+
+
 def test_no_retries_gives_sandbox_error_not_a_verdict():
     if os.geteuid() != 0:
         pytest.skip("the namespaces backend needs root (CAP_SYS_ADMIN); CI runs as root")

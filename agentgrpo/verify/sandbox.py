@@ -286,7 +286,8 @@ class _LocalClient:
                 self._drop(sock, "supervisor connection lost")
 
     def _reader(self, sock: socket.socket) -> None:
-        buf = b""
+        buf = bytearray()
+        checked = time.monotonic()
         while True:
             try:
                 chunk = sock.recv(1 << 20)
@@ -294,20 +295,22 @@ class _LocalClient:
                     break
                 buf += chunk
             except TimeoutError:
-                self._check_deadlines(sock)
-                continue
+                pass
             except OSError:
                 break
             while len(buf) >= 4:
                 (n,) = struct.unpack_from("!I", buf)
                 if len(buf) < 4 + n:
                     break
-                header, blobs = _supervisor.unpack(buf[4 : 4 + n])
-                buf = buf[4 + n :]
+                header, blobs = _supervisor.unpack(bytes(buf[4 : 4 + n]))
+                del buf[: 4 + n]
                 with self._lock:
                     entry = self._inflight.pop(header["id"], None)
                 if entry is not None:
                     entry[0].set_result(_result_from(header, blobs))
+            if time.monotonic() - checked > 0.25:
+                checked = time.monotonic()
+                self._check_deadlines(sock)
             self._pump()
         self._drop(sock, "supervisor exited")
 
