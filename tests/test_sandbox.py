@@ -54,7 +54,8 @@ def out(res: ExecResult) -> str:
 
 
 def _slot_processes() -> list[int]:
-    """Host pids running under a slot's job uid (pre-started jobs wait as root, inits as uid_base-1)."""
+    """Host pids running under a job uid of any sandbox (pre-started jobs wait as root; each
+    supervisor's block of 256 uids starts with its init's)."""
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
@@ -62,7 +63,7 @@ def _slot_processes() -> list[int]:
                 uid = int(next(line for line in f if line.startswith("Uid:")).split()[1])
         except (OSError, StopIteration):
             continue
-        if SLOT_UID_BASE <= uid < SLOT_UID_BASE + 64:
+        if SLOT_UID_BASE <= uid < SLOT_UID_BASE + 256 * 65536 and (uid - SLOT_UID_BASE) % 256:
             found.append(int(pid))
     return found
 

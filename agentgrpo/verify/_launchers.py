@@ -50,8 +50,8 @@ class ForkServerLauncher:
         slots = self.cfg["slots"]
         fs_cfg = {
             "slots": slots,
-            "uid_base": self.cfg["uid_base"],
-            "init_uid": self.cfg["uid_base"] - 1,
+            "uid_base": self.cfg["job_uid_base"],
+            "init_uid": self.cfg["init_uid"],
             "cgroup_procs": [self.cg.procs_paths(i) for i in range(slots)],
             "memory_cgroup": self.cg.memory,
             "ro_paths": self.cfg["ro_paths"],
@@ -275,7 +275,7 @@ class SubprocessLauncher:
         # a Python under /root cannot, and then bwrap keeps host uid 0 without capabilities
         # (mapped to nobody inside). The namespaces backend is the one to use as root.
         uid = (
-            self.cfg["uid_base"] + slot
+            self.cfg["job_uid_base"] + slot
             if os.geteuid() == 0 and self.python_world_readable
             else None
         )

@@ -203,6 +203,7 @@ async def _readable(fd: int, timeout: float) -> bool:
         loop.remove_reader(fd)
 
 
+UID_BLOCKS = 65536  # uid_base .. uid_base + 256 * UID_BLOCKS are reserved for sandboxes
 WARM_MAX_AGE_S = (
     1800.0  # a pre-started job older than this is replaced (its init's backstop is 1 h)
 )
@@ -281,6 +282,10 @@ def _classify(job: _Job, status: list[dict], oom: bool) -> dict:
 
 class Supervisor:
     def __init__(self, cfg: dict, verify_dir: str) -> None:
+        # Each supervisor gets its own block of 256 uids (its init, then one per slot), so jobs of
+        # two sandboxes on one host never share a uid (RLIMIT_NPROC and signals are per uid).
+        block = cfg["uid_base"] + (os.getpid() % UID_BLOCKS) * 256
+        cfg = dict(cfg, init_uid=block, job_uid_base=block + 1)
         self.cfg = cfg
         self.slots = cfg["slots"]
         self.cg = Cgroups(self.slots, enabled=cfg["backend"] != "unsafe-local")

@@ -149,7 +149,7 @@ class SandboxConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     slots: int | None = Field(
-        None, ge=1, le=256, description="jobs run at once (default 4 x CPUs, at least 4)"
+        None, ge=1, le=255, description="jobs run at once (default 4 x CPUs, at least 4)"
     )
     retries: int = Field(2, ge=0, le=10, description="extra attempts after a sandbox_error")
     python: str | None = Field(
@@ -163,7 +163,10 @@ class SandboxConfig(BaseModel):
         default_factory=list, description="modules imported once in the fork server (e.g. numpy)"
     )
     uid_base: int = Field(
-        1_500_000, ge=1000, description="slot i runs as uid_base+i; the init as uid_base-1"
+        1_500_000,
+        ge=1000,
+        le=(1 << 31) - (1 << 24) - 1,
+        description="uids from here on are the sandboxes': per supervisor a block of 256 (init, then slots)",
     )
     margin_s: float = Field(
         5.0, gt=0, description="client-side grace beyond wall_s before declaring the backend hung"
