@@ -71,12 +71,18 @@ def plain_print() -> None:
 
 
 def plain_tests() -> None:
-    spec = {"solution": SOLUTION, "tests": [{"kind": "assert", "code": t} for t in TESTS], "timeout_s": 3.0,
-            "capture_bytes": 1 << 16}
+    spec = {
+        "solution": SOLUTION,
+        "tests": [{"kind": "assert", "code": t} for t in TESTS],
+        "timeout_s": 3.0,
+        "capture_bytes": 1 << 16,
+    }
     with tempfile.TemporaryDirectory() as d:
         with open(os.path.join(d, "_spec.json"), "w") as f:
             json.dump(spec, f)
-        out = subprocess.run([PY, "-I", "-c", _HARNESS], cwd=d, capture_output=True, timeout=30, check=True)
+        out = subprocess.run(
+            [PY, "-I", "-c", _HARNESS], cwd=d, capture_output=True, timeout=30, check=True
+        )
     assert out.stdout.count(b'"passed"') == len(TESTS)
 
 
@@ -85,12 +91,16 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=200, help="samples per latency measurement")
     ap.add_argument("--seconds", type=float, default=5.0, help="duration of each throughput run")
     ap.add_argument("--backend", default="auto")
-    ap.add_argument("--humaneval", action="store_true", help="also time all 164 canonical HumanEval solutions")
+    ap.add_argument(
+        "--humaneval", action="store_true", help="also time all 164 canonical HumanEval solutions"
+    )
     args = ap.parse_args()
 
     sb = Sandbox(backend=args.backend)
     lim = Limits(wall_s=5)
-    print(f"backend={sb.backend} slots={sb.info['slots']} cpus={os.cpu_count()} features={sb.info['features']}")
+    print(
+        f"backend={sb.backend} slots={sb.info['slots']} cpus={os.cpu_count()} features={sb.info['features']}"
+    )
 
     def box_print() -> None:
         assert sb.run("print(1)", limits=lim).stdout == "1\n"
@@ -99,15 +109,31 @@ def main() -> None:
         assert run_tests(SOLUTION, TESTS, sandbox=sb).all_passed
 
     rows = []
-    for name, box, plain in (("print(1)", box_print, plain_print), ("5-assert unit-test job", box_tests, plain_tests)):
+    for name, box, plain in (
+        ("print(1)", box_print, plain_print),
+        ("5-assert unit-test job", box_tests, plain_tests),
+    ):
         b50, b95 = latency(box, args.n)
         p50, p95 = latency(plain, max(args.n // 4, 20))
-        rows.append((f"latency {name}", f"p50 {b50:6.2f} ms  p95 {b95:6.2f} ms", f"p50 {p50:6.2f} ms  p95 {p95:6.2f} ms",
-                     p50 / b50))
+        rows.append(
+            (
+                f"latency {name}",
+                f"p50 {b50:6.2f} ms  p95 {b95:6.2f} ms",
+                f"p50 {p50:6.2f} ms  p95 {p95:6.2f} ms",
+                p50 / b50,
+            )
+        )
     for workers in (2, 8):
         b = throughput(box_print, workers, args.seconds)
         p = throughput(plain_print, workers, args.seconds)
-        rows.append((f"jobs/s print(1), {workers} concurrent", f"{b:8.1f} jobs/s", f"{p:8.1f} jobs/s", b / p))
+        rows.append(
+            (
+                f"jobs/s print(1), {workers} concurrent",
+                f"{b:8.1f} jobs/s",
+                f"{p:8.1f} jobs/s",
+                b / p,
+            )
+        )
     print(f"\n{'':38} {'sandbox (' + sb.backend + ')':30} {'plain subprocess.run':30} speedup")
     for name, b, p, r in rows:
         print(f"{name:38} {b:30} {p:30} {r:5.2f}x")
@@ -116,10 +142,15 @@ def main() -> None:
         problems = load_humaneval()
         t0 = time.perf_counter()
         ok = sum(score_humaneval(p, p.canonical_solution, sandbox=sb).all_passed for p in problems)
-        print(f"\nHumanEval canonical solutions: {ok}/{len(problems)} pass, {time.perf_counter() - t0:.1f} s sequential")
+        print(
+            f"\nHumanEval canonical solutions: {ok}/{len(problems)} pass, {time.perf_counter() - t0:.1f} s sequential"
+        )
     sb.close()
 
-    pairs = [(f"so the answer is \\boxed{{\\frac{{{i}}}{{{i + 1}}}}}", f"{i}/{i + 1}") for i in range(1, 100000)]
+    pairs = [
+        (f"so the answer is \\boxed{{\\frac{{{i}}}{{{i + 1}}}}}", f"{i}/{i + 1}")
+        for i in range(1, 100000)
+    ]
     print()
     for workers in sorted({1, os.cpu_count() or 1}):
         pool = MathPool(workers=workers)
@@ -144,8 +175,10 @@ def main() -> None:
         for t in threads:
             t.join()
         rate = done[0] / (time.monotonic() - t0)
-        print(f"math_equal, {workers} worker process{'es' if workers > 1 else ''}: {rate:8.1f} pairs/s "
-              f"({statistics.fmean([1000 / rate]):.2f} ms/pair amortised)")
+        print(
+            f"math_equal, {workers} worker process{'es' if workers > 1 else ''}: {rate:8.1f} pairs/s "
+            f"({statistics.fmean([1000 / rate]):.2f} ms/pair amortised)"
+        )
         pool.close()
 
 
