@@ -726,3 +726,15 @@ def test_unsafe_local_is_opt_in_and_marked():
         assert res.status == "timeout"
     finally:
         box.close()
+
+
+@pytest.mark.parametrize("backend", ["namespaces", "bwrap"])
+def test_broken_backend_fails_at_construction(backend):
+    import shutil
+
+    if backend == "namespaces" and os.geteuid() != 0:
+        pytest.skip("the namespaces backend needs root (CAP_SYS_ADMIN); CI runs as root")
+    if backend == "bwrap" and shutil.which("bwrap") is None:
+        pytest.skip("bubblewrap is not installed (scripts/sandbox-deps.sh installs it)")
+    with pytest.raises(RuntimeError, match=f"{backend} sandbox backend unavailable"):
+        Sandbox(backend=backend, config=SandboxConfig(slots=1, python="/nonexistent/python3"))

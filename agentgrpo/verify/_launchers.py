@@ -199,10 +199,24 @@ class SubprocessLauncher:
         self.tmpdirs: dict[int, str] = {}
 
     async def start(self) -> None:
-        # A real job proves the backend works here (bwrap needs unprivileged user namespaces).
-        return None
+        """Prove bwrap can build its namespaces here (it needs unprivileged user namespaces)."""
+        if self.name != "bwrap":
+            return
+        argv = self._bwrap_argv(self.cfg["default_limits"], probe=True)
+        proc = await asyncio.create_subprocess_exec(
+            *argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=CLEAN_ENV
+        )
+        try:
+            _, err = await asyncio.wait_for(proc.communicate(), 30)
+        except asyncio.TimeoutError:
+            proc.kill()
+            raise LaunchError("bwrap probe timed out") from None
+        if proc.returncode != 0:
+            raise LaunchError(
+                f"bwrap cannot run here: {err.decode(errors='replace').strip()[:300]}"
+            )
 
-    def _bwrap_argv(self, lim: dict) -> list[str]:
+    def _bwrap_argv(self, lim: dict, probe: bool = False) -> list[str]:
         argv = [
             self.bwrap,
             "--unshare-all",
@@ -241,6 +255,8 @@ class SubprocessLauncher:
             "--chdir",
             "/tmp",
         ]
+        if probe:
+            return argv + ["--", self.python, "-I", "-c", "pass"]
         if self.seccomp:
             argv += ["--seccomp", "5"]
         return argv + ["--", self.python, "-I", "-c", self.runner_src]
