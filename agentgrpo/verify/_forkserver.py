@@ -33,6 +33,7 @@ import os
 import selectors
 import signal
 import socket
+import stat
 import sys
 import tempfile
 import time
@@ -100,11 +101,28 @@ def _mkdirs_in(root: str, path: str) -> str:
     return target
 
 
+def _staging_dir() -> str:
+    """Where the new root is assembled: one fixed, root-owned directory reused by every fork server.
+
+    The tmpfs is mounted over it only inside our private mount namespace, so the host sees an
+    empty directory; a fixed one does not leave a new empty directory behind at every start.
+    """
+    path = "/tmp/.agentgrpo-sandbox-root"
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != 0 or st.st_mode & 0o022:
+        return tempfile.mkdtemp(prefix="agentgrpo-root-")  # someone else's: do not mount over it
+    return path
+
+
 def build_root(ro_paths: list[str], uids: list[int], init_uid: int) -> None:
     """Enter a private mount namespace whose root is a minimal read-only tree; `/` afterwards."""
     _ok(_libc.unshare(CLONE_NEWNS), "unshare(NEWNS)")
     _mount(None, "/", None, MS_REC | MS_PRIVATE)
-    root = tempfile.mkdtemp(prefix="agentgrpo-root-")
+    root = _staging_dir()
     _mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=2m,nr_inodes=512,mode=755")
     for name in ("usr", "bin", "lib", "lib32", "lib64", "libx32", "sbin"):
         host = "/" + name

@@ -196,7 +196,7 @@ class SubprocessLauncher:
                 "per-slot-uid" if self.python_world_readable else "host-uid-0-without-capabilities"
             )
         self.features += cgroups.features
-        self.tmpdirs: dict[int, str] = {}
+        self.workdirs: set[str] = set()  # unsafe-local scratch dirs not yet removed
 
     async def start(self) -> None:
         """Prove bwrap can build its namespaces here (it needs unprivileged user namespaces)."""
@@ -284,7 +284,7 @@ class SubprocessLauncher:
                 extra_fd = r
         else:
             cwd = tempfile.mkdtemp(prefix="agentgrpo-unsafe-")
-            self.tmpdirs[slot] = cwd
+            self.workdirs.add(cwd)
             argv = [self.python, "-I", "-c", self.runner_src]
             workdir = cwd
         # As root, run the job (or bwrap) as the slot's uid when that uid can reach the interpreter;
@@ -322,32 +322,32 @@ class SubprocessLauncher:
                     os._exit(127)
         if extra_fd is not None:
             os.close(extra_fd)
-        return {"pidfd": os.pidfd_open(pid), "pid": pid, "workdir": workdir}
+        return {"pidfd": os.pidfd_open(pid), "pid": pid, "pgid": pid, "workdir": workdir}
 
     def reap(self, handle: dict) -> None:
+        """Collect the exit of what we forked, and remove an unsafe-local job's scratch dir."""
         if handle.get("pid") is not None:
             try:
                 os.waitpid(handle["pid"], 0)
             except ChildProcessError:
                 pass
             handle["pid"] = None
+        if handle.get("workdir") in self.workdirs:
+            self.workdirs.discard(handle["workdir"])
+            shutil.rmtree(handle["workdir"], ignore_errors=True)
 
     def kill(self, handle: dict, slot: int) -> None:
         try:
             signal.pidfd_send_signal(handle["pidfd"], signal.SIGKILL)
         except OSError:
             pass
-        if self.name == "unsafe-local":
+        if self.name == "unsafe-local":  # no PID namespace: take its process group down too
             try:
-                os.killpg(handle["pid"], signal.SIGKILL)
+                os.killpg(handle["pgid"], signal.SIGKILL)
             except OSError:
                 pass
 
-    def finish(self, slot: int) -> None:
-        d = self.tmpdirs.pop(slot, None)
-        if d:
-            shutil.rmtree(d, ignore_errors=True)
-
     def close(self) -> None:
-        for slot in list(self.tmpdirs):
-            self.finish(slot)
+        for d in list(self.workdirs):
+            shutil.rmtree(d, ignore_errors=True)
+        self.workdirs.clear()

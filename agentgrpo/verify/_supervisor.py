@@ -411,8 +411,6 @@ class Supervisor:
                 await _readable(used.handle["pidfd"], 5.0)
             self.launcher.reap(used.handle)
             used.close()
-        if isinstance(self.launcher, SubprocessLauncher):
-            self.launcher.finish(slot)
         if not await self._wait_empty(slot):  # a process we cannot kill: keep the slot out of use
             print(f"agentgrpo sandbox: slot {slot} could not be emptied; retired", file=sys.stderr)
             return
