@@ -42,7 +42,7 @@ def test_two_steps_with_a_tiny_model(tmp_path, tiny_model_dir):
     out = _run(tmp_path, tiny_model_dir)
     _check_run_dir(out, 2)
     weights_version = {r["weight_version"] for r in read_jsonl(out / "trajectories.jsonl") if r["step"] == 2}
-    assert weights_version == {"step-1"}  # step 2 was sampled with the weights after step 1
+    assert weights_version == {"1"}  # step 2 was sampled with the weights after step 1
 
 
 def test_rerun_resumes_instead_of_restarting(tmp_path, tiny_model_dir):
@@ -67,3 +67,25 @@ def test_one_step_with_the_embedded_model(tmp_path, smol_path):
     assert metrics[0]["sampled_tokens"] > 0
     rows = read_jsonl(out / "trajectories.jsonl")
     assert json.dumps(rows[0]["messages"])  # messages are plain JSON
+
+
+def test_dynamic_sampling_and_overlong_shaping_are_wired(tmp_path, tiny_model_dir):
+    # The random tiny model never answers right: every group has equal rewards, so dynamic sampling
+    # drops them all, samples one extra round, and the step trains on nothing (no NaN anywhere).
+    out = _run(tmp_path, tiny_model_dir, "train.steps=1", "shaping.dynamic_sampling=true",
+               "shaping.max_extra_rounds=1", "shaping.overlong_buffer_len=8")
+    m = read_jsonl(out / "metrics.jsonl")[0]
+    assert m["dynamic/extra_rounds"] == 1 and m["groups_sampled"] == 4 and m["dynamic/groups_kept"] == 0
+    assert m["skipped"] == 1.0
+    assert m["reward_mean"] is None  # no group was kept: logged as null, never as a fake 0
+
+
+def test_engine_blocks_that_would_be_ignored_are_rejected():
+    from agentgrpo.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="no engine.sglang block"):
+        load_config(None, ["engine.kind=sglang"])
+    with pytest.raises(ConfigError, match="engine.kind is local"):
+        load_config(None, ["engine.sglang.urls=[http://127.0.0.1:30000]"])
+    cfg = load_config(None, ["engine.kind=sglang", "engine.sglang.urls=[http://127.0.0.1:30000]"])
+    assert cfg.engine.sglang.urls == ["http://127.0.0.1:30000"]
