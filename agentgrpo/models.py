@@ -103,15 +103,19 @@ def convert_gguf(gguf: Path, target: Path) -> Path:
 
     Returns `target`. If another process finished the same conversion first, its result is kept.
     """
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a GGUF load must never reach for the hub
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     log.info("converting %s to %s (once; takes ~20 s)", gguf, target)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        # local_files_only: a local directory needs no hub, and this must work with no network.
+        tokenizer = AutoTokenizer.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, local_files_only=True
+        )
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, local_files_only=True
+        )
         model.hf_quantizer = None
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
@@ -139,7 +143,6 @@ def _publish(tmp: Path, target: Path) -> None:
 
 def load_model(path: Path | str, *, dtype: torch.dtype | str = "float32", **kwargs: Any):
     """Load a causal LM from a local directory without touching the network."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True, **kwargs)
@@ -147,7 +150,6 @@ def load_model(path: Path | str, *, dtype: torch.dtype | str = "float32", **kwar
 
 def load_tokenizer(path: Path | str, **kwargs: Any):
     """Load the tokenizer from a local directory without touching the network."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path, local_files_only=True, **kwargs)

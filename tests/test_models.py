@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import shutil
 import time
 
 import numpy as np
@@ -69,6 +70,7 @@ def test_default_model_path_converts_once_then_reloads_from_cache(tmp_path, monk
     with torch.inference_mode():
         out = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)
     assert "Paris" in tokenizer.decode(out[0, len(prompt) :])
+    shutil.rmtree(path)  # 540 MB; pytest would keep it around for the next runs
 
 
 def test_missing_package_says_how_to_install(tmp_path, monkeypatch):

@@ -136,8 +136,9 @@ class LocalEngine:
                 prompt = tok.apply_chat_template(
                     [{"role": "user", "content": "What is 2+3?"}], add_generation_prompt=True
                 )["input_ids"]
-                params = SamplingParams(max_new_tokens=32, temperature=1.0, seed=0)
-                outs = await asyncio.gather(*(engine.generate(prompt, params) for _ in range(8)))
+                # One group of 8 samples: distinct seeds (equal seeds would give equal samples).
+                params = [SamplingParams(max_new_tokens=32, seed=i) for i in range(8)]
+                outs = await asyncio.gather(*(engine.generate(prompt, p) for p in params))
                 for c in outs:
                     print(c.finish_reason, tok.decode(c.token_ids), sum(c.logprobs))
 
