@@ -32,6 +32,8 @@ from typing import Any
 
 import pydantic
 
+from agentgrpo.types import InfrastructureError
+
 
 class ToolError(Exception):
     """A tool call that could not be completed; `str(err)` is shown to the model."""
@@ -139,8 +141,8 @@ class Tool:
                 result = await self(**kwargs)
             else:
                 result = await asyncio.to_thread(self, **kwargs)
-        except ToolError:
-            raise
+        except (ToolError, InfrastructureError):
+            raise  # infrastructure failures end the episode as unscorable; never shown to the model
         except Exception as e:  # noqa: BLE001 - the trust boundary: tool code with model arguments
             raise ToolError(f"{self.name} raised {type(e).__name__}: {e}") from e
         return render_result(result)

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
+from agentgrpo.types import InfrastructureError
+
 FinishReason = Literal["stop", "length", "abort"]
 
 
@@ -59,7 +61,7 @@ class Completion:
             )
 
 
-class EngineError(RuntimeError):
+class EngineError(InfrastructureError):
     """The engine failed for infrastructure reasons (after its own retries). Never a model error."""
 
 

@@ -87,6 +87,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from agentgrpo.types import InfrastructureError
 from agentgrpo.verify import _supervisor
 
 Status = Literal[
@@ -133,7 +134,7 @@ class ExecResult:
         return self.status == "ok"
 
 
-class SandboxUnavailable(RuntimeError):
+class SandboxUnavailable(InfrastructureError):
     """Raised by callers (e.g. the python tool) that cannot return a sandbox_error as a value.
 
     It marks an infrastructure failure: the episode is unscorable, not the model's fault.
