@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("env")
     c.set_defaults(fn=_check_env)
     for name, (_, help_text) in FORWARDED.items():
-        sub.add_parser(name, help=help_text + " (see: agentgrpo %s --help)" % name, add_help=False)
+        sub.add_parser(name, help=f"{help_text} (see: agentgrpo {name} --help)", add_help=False)
     return p
 
 

@@ -25,7 +25,12 @@ from agentgrpo.env import Env, get_env_class
 from agentgrpo.learner import Learner
 from agentgrpo.log import RunLogger
 from agentgrpo.rollout import collect
-from agentgrpo.shaping import describe_algorithm, keep_informative_groups, overlong_penalty, truncated_rows
+from agentgrpo.shaping import (
+    describe_algorithm,
+    keep_informative_groups,
+    overlong_penalty,
+    truncated_rows,
+)
 from agentgrpo.types import Group, Task, Trajectory
 from agentgrpo.weight_sync import WeightSync
 
