@@ -14,6 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from agentgrpo.advantage import AdvantageConfig
+from agentgrpo.evaluate import EvalConfig
 from agentgrpo.learner import LearnerConfig
 from agentgrpo.loss import LossConfig
 from agentgrpo.rollout import RolloutConfig
@@ -76,6 +77,7 @@ class RunConfig(BaseModel):
     shaping: ShapingConfig = Field(default_factory=ShapingConfig)
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
     train: TrainLoopConfig = Field(default_factory=TrainLoopConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
     log: LogConfig = Field(default_factory=LogConfig)
 
 

@@ -191,7 +191,7 @@ class Trajectory:
             raise ValueError(f"trajectory {self.task_id!r}: loss_mask holds values other than 0/1")
         if any(self.loss_mask[: self.prompt_len]):
             raise ValueError(f"trajectory {self.task_id!r}: prompt tokens carry loss_mask 1")
-        if any(lp != 0.0 for lp, m in zip(self.logprobs, self.loss_mask) if not m):
+        if any(lp != 0.0 for lp, m in zip(self.logprobs, self.loss_mask, strict=True) if not m):
             raise ValueError(f"trajectory {self.task_id!r}: a masked-out token has a non-zero logprob")
 
     def to_dict(self) -> dict[str, Any]:

@@ -174,3 +174,14 @@ def test_check_env_explains_instead_of_crashing():
     assert "[FAIL] tool ping()" in text and "tool_call_id='call_ping'" in text
     ok = env_report(Slow(), TASK).format()
     assert "[ok] tool nap(seconds=1)" in ok and "[ok] call with invalid arguments" in ok
+
+
+def test_check_env_command(capsys):
+    from agentgrpo.cli import main
+
+    assert main(["check-env", "calculator"]) == 0
+    assert "[ok] tool calculator(expression='1')" in capsys.readouterr().out
+    assert main(["check-env", "tests.test_env:Echo"]) == 1  # no load_tasks: no task to run
+    assert "no task given and Echo.load_tasks is not implemented" in capsys.readouterr().err
+    assert main(["check-env", "no_such_module:Env"]) == 1
+    assert "cannot create the env: ModuleNotFoundError" in capsys.readouterr().err
