@@ -83,6 +83,28 @@ HERMES_CHATML_TEMPLATE = (
 )
 
 
+FAST_RENDER_CHECKS = 64  # renders per ChatFormat compared with apply_chat_template (see render)
+
+
+def _compiled_renderer(template: str, tokenizer: Any, template_kwargs: dict[str, Any]) -> Any:
+    """`render(dicts, tools, add_generation_prompt) -> str` calling transformers' cached compiled
+    template with the variables `apply_chat_template` passes, or None when that private helper is
+    not available (then the public path is used)."""
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+
+        compiled = _compile_jinja_template(template)
+    except (ImportError, AttributeError, jinja2.TemplateError):  # private API or a broken template
+        return None
+    variables = {**tokenizer.special_tokens_map, **template_kwargs}
+
+    def render(dicts: list[dict[str, Any]], tools: list[dict] | None, add_generation_prompt: bool) -> str:
+        return compiled.render(messages=dicts, tools=tools, documents=None,
+                               add_generation_prompt=add_generation_prompt, **variables)
+
+    return render
+
+
 class TemplateError(ValueError):
     """The chat template cannot produce token-exact multi-turn rollouts for this conversation."""
 
@@ -144,6 +166,8 @@ class ChatFormat:
         eot_ids = tokenizer.convert_tokens_to_ids([eot])
         if not eot_ids or eot_ids[0] is None or eot_ids[0] == tokenizer.unk_token_id:
             raise ValueError(f"end-of-turn token {eot!r} is not a single token of this tokenizer")
+        self._fast = _compiled_renderer(self.template, tokenizer, self.template_kwargs)
+        self._fast_checks_left = FAST_RENDER_CHECKS
         self.end_of_turn = eot
         self.end_of_turn_id: int = eot_ids[0]
         stops = {self.end_of_turn_id}
@@ -155,20 +179,36 @@ class ChatFormat:
 
     def render(self, messages: Sequence[Message], tools: list[dict] | None = None, *,
                add_generation_prompt: bool = False) -> str:
-        """The template's text for `messages`. Raises TemplateError when the template refuses the
-        conversation (e.g. Llama 3.1's "only supports single tool-calls")."""
+        """The template's text for `messages`, exactly as `tokenizer.apply_chat_template` renders it.
+
+        Raises TemplateError when the template refuses the conversation (e.g. Llama 3.1's "only
+        supports single tool-calls"). The compiled template is called directly when possible: it
+        is ~3x cheaper than `apply_chat_template`, whose input normalisation is the identity on the
+        plain dicts built here; the first renders are compared with `apply_chat_template` and any
+        difference switches the shortcut off for good.
+        """
+        return self._render_dicts([self._template_dict(m) for m in messages], tools, add_generation_prompt)
+
+    def _render_dicts(self, dicts: list[dict[str, Any]], tools: list[dict] | None, add_generation_prompt: bool) -> str:
         try:
-            return self.tokenizer.apply_chat_template(
-                [self._template_dict(m) for m in messages],
-                tools=tools or None,
-                chat_template=self.template,
-                add_generation_prompt=add_generation_prompt,
-                tokenize=False,
-                **self.template_kwargs,
-            )
+            if self._fast is None:
+                return self._render_public(dicts, tools, add_generation_prompt)
+            out = self._fast(dicts, tools or None, add_generation_prompt)
+            if self._fast_checks_left > 0:
+                self._fast_checks_left -= 1
+                public = self._render_public(dicts, tools, add_generation_prompt)
+                if out != public:
+                    self._fast = None
+                    return public
+            return out
         except (jinja2.TemplateError, TypeError) as e:  # template code is model-supplied: report it
-            raise TemplateError(f"the chat template cannot render {[m.role for m in messages]}: "
+            raise TemplateError(f"the chat template cannot render {[d['role'] for d in dicts]}: "
                                 f"{type(e).__name__}: {e}") from e
+
+    def _render_public(self, dicts: list[dict[str, Any]], tools: list[dict] | None, add_generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(dicts, tools=tools or None, chat_template=self.template,
+                                                  add_generation_prompt=add_generation_prompt, tokenize=False,
+                                                  **self.template_kwargs)
 
     @staticmethod
     def _template_dict(m: Message) -> dict[str, Any]:
@@ -201,8 +241,9 @@ class ChatFormat:
         """
         if not history or history[-1].role != "assistant":
             raise ValueError("suffix_ids: history must end with the assistant message just sampled")
-        before = self.render(history, tools, add_generation_prompt=False)
-        after = self.render(list(history) + list(new_messages), tools, add_generation_prompt=True)
+        history_dicts = [self._template_dict(m) for m in history]  # built once for both renders
+        before = self._render_dicts(history_dicts, tools, False)
+        after = self._render_dicts(history_dicts + [self._template_dict(m) for m in new_messages], tools, True)
         cut = before.rfind(self.end_of_turn)
         if cut < 0:
             raise TemplateError(

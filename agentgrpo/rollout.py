@@ -153,17 +153,23 @@ class Deadlines:
         if limit is None:
             return await aw
         at, which, detail = limit
-        remaining = at - time.monotonic()
-        if remaining <= 0:
+        if at <= time.monotonic():
             if inspect.iscoroutine(aw):
                 aw.close()  # never started: close it so Python does not warn it was never awaited
             raise DeadlineExpired(which, detail)
         try:
-            return await asyncio.wait_for(aw, remaining)
+            if _timeout_at is not None:  # Python >= 3.11: no extra task per await (wait_for makes one)
+                loop_time = asyncio.get_running_loop().time()  # the loop's clock may not be ours
+                async with _timeout_at(loop_time + at - time.monotonic()):
+                    return await aw
+            return await asyncio.wait_for(aw, at - time.monotonic())
         except asyncio.TimeoutError:
             if time.monotonic() < at - 1e-3:
                 raise  # raised by the awaited code itself, not by our deadline
             raise DeadlineExpired(which, detail) from None
+
+
+_timeout_at = getattr(asyncio, "timeout_at", None)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -344,9 +344,14 @@ def audit(chat: ChatFormat, *, tools: list[dict] | None = None,
                             template_kwargs=dict(chat.template_kwargs),
                             preserve_thinking_switch="preserve_thinking" in (chat.template or ""))
     render_tools = [SYNTHETIC_TOOL] if tools is None else (tools or None)
-    for name, conv in conversations(tools, prompt):
-        report.conversations += 1
-        _walk(chat, name, conv, render_tools, report)
+    # every render of the audit also checks ChatFormat's fast render path against transformers'
+    checks, chat._fast_checks_left = chat._fast_checks_left, 1 << 30
+    try:
+        for name, conv in conversations(tools, prompt):
+            report.conversations += 1
+            _walk(chat, name, conv, render_tools, report)
+    finally:
+        chat._fast_checks_left = min(checks, chat._fast_checks_left)
     return report
 
 

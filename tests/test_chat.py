@@ -206,3 +206,23 @@ def test_llama_template_round_trip_with_its_own_special_tokens(smol_tokenizer):
     suffix = chat.suffix_ids(hist, [Message(role="tool", content="84")], TOOLS)
     # the template JSON-encodes string tool results (a Jinja string is "iterable"): rendered as is
     assert chat.decode(suffix) == "<|start_header_id|>ipython<|end_header_id|>\n\n\"84\"<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
+
+
+@pytest.mark.parametrize("name", ["qwen2_5.jinja", "qwen3.jinja", "llama3_1.jinja", "gemma3.jinja",
+                                  "deepseekv3.jinja", "gptoss.jinja", "glm4moe.jinja", "phi3_5.jinja"])
+def test_fast_render_equals_apply_chat_template(smol_tokenizer, name):
+    from agentgrpo.template_audit import audit
+
+    chat = ChatFormat(smol_tokenizer, template=shared_template(name))
+    assert chat._fast is not None
+    audit(chat)  # every render of the audit is compared with apply_chat_template
+    assert chat._fast is not None  # no difference found, so the shortcut stayed on
+
+
+def test_fast_render_switches_itself_off_on_a_difference(smol_tokenizer):
+    chat = ChatFormat(smol_tokenizer)
+    msgs = [Message(role="user", content="hi")]
+    chat._fast = lambda *a: "something else"
+    assert chat.render(msgs) == smol_tokenizer.apply_chat_template(
+        [m.to_dict() for m in msgs], chat_template=chat.template, tokenize=False)
+    assert chat._fast is None
