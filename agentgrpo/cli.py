@@ -65,6 +65,13 @@ def _eval(args: argparse.Namespace) -> int:
     return 0
 
 
+# Subcommands whose argument parsing lives with their server module (they take their own flags).
+FORWARDED = {
+    "serve-sandbox": ("agentgrpo.verify.sandbox_server", "run the code sandbox as an HTTP server"),
+    "serve-sglang": ("agentgrpo.engine.sglang_launch", "start SGLang with RL settings: MODEL [sglang args]"),
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="agentgrpo", description="Agentic multi-turn GRPO for tool-using LLMs")
     sub = p.add_subparsers(dest="command", required=True)
@@ -94,12 +101,19 @@ def build_parser() -> argparse.ArgumentParser:
     ct.add_argument("--kwarg", action="append", default=[], metavar="KEY=VALUE",
                     help="a chat-template variable, e.g. --kwarg preserve_thinking=true (repeatable)")
     ct.set_defaults(fn=_check_template)
+    for name, (_, help_text) in FORWARDED.items():
+        sub.add_parser(name, help=help_text + " (see: agentgrpo %s --help)" % name, add_help=False)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    import importlib
+
     from agentgrpo.config import ConfigError
 
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in FORWARDED:
+        return int(importlib.import_module(FORWARDED[argv[0]][0]).main(argv[1:]) or 0)
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)

@@ -11,14 +11,16 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from agentgrpo.advantage import AdvantageConfig
+from agentgrpo.engine.sglang import SGLangConfig
 from agentgrpo.evaluate import EvalConfig
 from agentgrpo.learner import LearnerConfig
 from agentgrpo.loss import LossConfig
 from agentgrpo.rollout import RolloutConfig
 from agentgrpo.shaping import ShapingConfig
+from agentgrpo.weight_sync import WeightSyncConfig
 
 
 class ConfigError(ValueError):
@@ -44,8 +46,19 @@ class EnvConfig(BaseModel):
 class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    kind: Literal["local"] = Field("local", description="local: in-process transformers engine")
+    kind: Literal["local", "sglang"] = Field(
+        "local", description="local: in-process transformers engine; sglang: SGLang servers over HTTP")
     max_batch_size: int = Field(32, ge=1, description="local engine: sequences decoded together")
+    sglang: SGLangConfig | None = Field(None, description="kind=sglang: the servers and client settings")
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> EngineConfig:
+        # A block for the engine that is not used would be silently ignored: reject it instead.
+        if self.kind == "sglang" and self.sglang is None:
+            raise ValueError("engine.kind is sglang but there is no engine.sglang block (urls, ...)")
+        if self.kind == "local" and self.sglang is not None:
+            raise ValueError("engine.sglang is set but engine.kind is local; set engine.kind: sglang")
+        return self
 
 
 class TrainLoopConfig(BaseModel):
@@ -76,6 +89,7 @@ class RunConfig(BaseModel):
     loss: LossConfig = Field(default_factory=LossConfig)
     shaping: ShapingConfig = Field(default_factory=ShapingConfig)
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
+    weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
     train: TrainLoopConfig = Field(default_factory=TrainLoopConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     log: LogConfig = Field(default_factory=LogConfig)

@@ -165,20 +165,28 @@ def run_eval(cfg: RunConfig, *, engine: Engine | None = None) -> tuple[Path, Eva
     if not tasks:
         raise ValueError(f"{cfg.env.name} has no tasks in split {cfg.eval.split!r}")
     report = require_token_safe(chat, make_env(), tasks[0], seed=cfg.seed)
-    print(f"chat template: mode {report.mode}; evaluating {weights} (step {step}) on {len(tasks)} "
-          f"{cfg.eval.split} tasks x {cfg.eval.samples_per_task} samples", flush=True)
+    what = (f"{weights} (step {step})" if cfg.engine.kind == "local"
+            else "the weights loaded in the SGLang servers")  # eval.checkpoint applies to the local engine
+    print(f"chat template: mode {report.mode}; evaluating {what} on {len(tasks)} {cfg.eval.split} tasks x "
+          f"{cfg.eval.samples_per_task} samples", flush=True)
     context_len = getattr(AutoConfig.from_pretrained(weights), "max_position_embeddings", None)
-    owned = engine is None
-    if engine is None:
-        from agentgrpo.engine.local import LocalEngine
 
-        engine = LocalEngine(weights, tokenizer=tokenizer, max_batch_size=cfg.engine.max_batch_size)
-    try:
-        result = asyncio.run(evaluate(make_env, engine, chat, tasks, cfg.rollout, cfg.eval, seed=cfg.seed,
-                                      context_len=context_len))
-    finally:
-        if owned and hasattr(engine, "close"):
-            engine.close()
+    async def main(engine: Engine | None) -> EvalResult:
+        owned = engine is None
+        if engine is None:
+            from agentgrpo.train import build_engine
+
+            engine = build_engine(cfg, weights, tokenizer)
+        try:
+            return await evaluate(make_env, engine, chat, tasks, cfg.rollout, cfg.eval, seed=cfg.seed,
+                                  context_len=context_len)
+        finally:
+            if owned and (aclose := getattr(engine, "aclose", None)) is not None:
+                await aclose()
+            elif owned and (close := getattr(engine, "close", None)) is not None:
+                close()
+
+    result = asyncio.run(main(engine))
     out_dir = Path(cfg.eval.output_dir or Path(cfg.output_dir) / f"eval-{cfg.eval.split}")
     logger = RunLogger(out_dir, tensorboard=False)
     try:

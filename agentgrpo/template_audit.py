@@ -159,44 +159,47 @@ def _u(content: str) -> Message:
     return Message(role="user", content=content)
 
 
-def conversations(tools: list[dict] | None, prompt: list[Message] | None) -> list[tuple[str, list[Message]]]:
-    """The synthetic conversations the audit walks: plain shapes always, tool shapes when the env
-    has tools. `prompt` (the env's first messages) replaces the synthetic head when given."""
+def conversations(tools: list[dict] | None,
+                  prompt: list[Message] | None) -> list[tuple[str, list[Message], int]]:
+    """The synthetic conversations the audit walks, as (name, messages, length of the head that
+    the first prompt renders): plain shapes always, tool shapes when the env has tools. `prompt`
+    (the env's first messages, which may hold worked examples) replaces the synthetic heads."""
     head = list(prompt) if prompt else [Message(role="system", content="You are a careful assistant."),
                                         _u("What is 12 * 7 + 3?")]
+    short = list(prompt) if prompt else [_u("Hi!")]
     plain = [
-        ("chat", head + [_a("12 * 7 = 84, plus 3 is 87."), _u("Are you sure?"), _a("Yes: 87.")]),
-        ("chat without system", (list(prompt) if prompt else [_u("Hi!")]) + [_a("Hello! How can I help?"),
-                                                                             _u("Say 4."), _a("4")]),
-        ("feedback loop", head + [_a("86"), _u("No, try again."), _a("88"), _u("No, try again."), _a("87")]),
-        ("reasoning", head + [_a("<think>\n12 * 7 = 84.\n</think>\n\n87"), _u("Are you sure?"),
-                              _a("<think>\nCheck: 84 + 3 = 87.\n</think>\n\nYes, 87.")]),
+        ("chat", head, [_a("12 * 7 = 84, plus 3 is 87."), _u("Are you sure?"), _a("Yes: 87.")]),
+        ("chat without system", short, [_a("Hello! How can I help?"), _u("Say 4."), _a("4")]),
+        ("feedback loop", head, [_a("86"), _u("No, try again."), _a("88"), _u("No, try again."), _a("87")]),
+        ("reasoning", head, [_a("<think>\n12 * 7 = 84.\n</think>\n\n87"), _u("Are you sure?"),
+                             _a("<think>\nCheck: 84 + 3 = 87.\n</think>\n\nYes, 87.")]),
     ]
-    if tools == []:
-        return plain
-    from agentgrpo.env_check import example_arguments
+    with_tools = []
+    if tools != []:
+        from agentgrpo.env_check import example_arguments
 
-    fn = (tools or [SYNTHETIC_TOOL])[0]["function"]
-    args = example_arguments(fn.get("parameters", {})) if tools else {"expression": "12*7"}
+        fn = (tools or [SYNTHETIC_TOOL])[0]["function"]
+        args = example_arguments(fn.get("parameters", {})) if tools else {"expression": "12*7"}
 
-    def c(i: int) -> ToolCall:
-        return ToolCall(id=f"call_{i}", name=fn["name"], arguments=args)
+        def c(i: int) -> ToolCall:
+            return ToolCall(id=f"call_{i}", name=fn["name"], arguments=args)
 
-    return plain + [
-        ("tool call", head + [_a("", c(0)), _t("84", c(0)), _a("The answer is 87.")]),
-        ("text and tool call", head + [_a("Let me compute 12 * 7 first.", c(0)), _t('{"result": 84}', c(0)),
-                                       _a("87")]),
-        ("parallel tool calls", head + [_a("", c(0), c(1)), _t("84", c(0)), _t("3", c(1)), _a("87")]),
-        ("several tool turns", head + [_a("", c(0)), _t("84", c(0)), _a("", c(1)), _t("87", c(1)), _a("87")]),
-        ("tool then user feedback", head + [_a("", c(0)), _t("84", c(0)), _a("84"), _u("Add the 3."),
-                                            _a("", c(1)), _t("87", c(1)), _a("87")]),
-        ("reasoning with tools", head + [_a("<think>\nProduct first.\n</think>\n\n", c(0)), _t("84", c(0)),
-                                         _a("<think>\nNow add 3.\n</think>\n\n87"), _u("Sure?"),
-                                         _a("<think>\nYes.\n</think>\n\nYes.")]),
-        ("awkward tool output", head + [_a("", c(0)), _t('  line 1\n\tline 2: ünïcode ✓ {"k": [1, 2]}\n', c(0)),
-                                        _a("done")]),
-        ("empty tool output", head + [_a("", c(0)), _t("", c(0)), _a("done")]),
-    ]
+        with_tools = [
+            ("tool call", head, [_a("", c(0)), _t("84", c(0)), _a("The answer is 87.")]),
+            ("text and tool call", head, [_a("Let me compute 12 * 7 first.", c(0)), _t('{"result": 84}', c(0)),
+                                          _a("87")]),
+            ("parallel tool calls", head, [_a("", c(0), c(1)), _t("84", c(0)), _t("3", c(1)), _a("87")]),
+            ("several tool turns", head, [_a("", c(0)), _t("84", c(0)), _a("", c(1)), _t("87", c(1)), _a("87")]),
+            ("tool then user feedback", head, [_a("", c(0)), _t("84", c(0)), _a("84"), _u("Add the 3."),
+                                               _a("", c(1)), _t("87", c(1)), _a("87")]),
+            ("reasoning with tools", head, [_a("<think>\nProduct first.\n</think>\n\n", c(0)), _t("84", c(0)),
+                                            _a("<think>\nNow add 3.\n</think>\n\n87"), _u("Sure?"),
+                                            _a("<think>\nYes.\n</think>\n\nYes.")]),
+            ("awkward tool output", head, [_a("", c(0)), _t('  line 1\n\tline 2: ünïcode ✓ {"k": [1, 2]}\n', c(0)),
+                                           _a("done")]),
+            ("empty tool output", head, [_a("", c(0)), _t("", c(0)), _a("done")]),
+        ]
+    return [(name, h + rest, len(h)) for name, h, rest in plain + with_tools]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -244,10 +247,10 @@ def _common_prefix(a: str, b: str) -> int:
     return next((k for k, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
-def _walk(chat: ChatFormat, name: str, conv: list[Message], tools: list[dict] | None,
+def _walk(chat: ChatFormat, name: str, conv: list[Message], first: int, tools: list[dict] | None,
           report: TemplateReport) -> None:
-    """Replay one conversation turn by turn as the rollout would, recording every issue."""
-    first = next((k for k, m in enumerate(conv) if m.role == "assistant"), len(conv))
+    """Replay one conversation turn by turn as the rollout would (the first prompt renders
+    `conv[:first]`), recording every issue."""
     history = conv[:first]
     try:
         ids = chat.prompt_ids(history, tools)
@@ -347,9 +350,9 @@ def audit(chat: ChatFormat, *, tools: list[dict] | None = None,
     # every render of the audit also checks ChatFormat's fast render path against transformers'
     checks, chat._fast_checks_left = chat._fast_checks_left, 1 << 30
     try:
-        for name, conv in conversations(tools, prompt):
+        for name, conv, first in conversations(tools, prompt):
             report.conversations += 1
-            _walk(chat, name, conv, render_tools, report)
+            _walk(chat, name, conv, first, render_tools, report)
     finally:
         chat._fast_checks_left = min(checks, chat._fast_checks_left)
     return report

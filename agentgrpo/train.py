@@ -1,7 +1,6 @@
 """The training loop: rollouts -> rewards -> advantages -> policy update -> weight sync.
 
-Each line of a step is one call into one stage module; read this file top to bottom to know what
-a step does.
+Read `train()` top to bottom: each line of a step is one call into one stage module.
 """
 
 from __future__ import annotations
@@ -10,8 +9,9 @@ import asyncio
 import math
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -20,12 +20,14 @@ from agentgrpo import checkpoint
 from agentgrpo.advantage import compute_advantages
 from agentgrpo.chat import ChatFormat
 from agentgrpo.config import RunConfig, dump_config
-from agentgrpo.env import get_env_class
+from agentgrpo.engine.base import Engine
+from agentgrpo.env import Env, get_env_class
 from agentgrpo.learner import Learner
 from agentgrpo.log import RunLogger
-from agentgrpo.shaping import describe_algorithm
 from agentgrpo.rollout import collect
-from agentgrpo.types import Group, Task
+from agentgrpo.shaping import describe_algorithm, keep_informative_groups, overlong_penalty, truncated_rows
+from agentgrpo.types import Group, Task, Trajectory
+from agentgrpo.weight_sync import WeightSync
 
 
 def seed_everything(seed: int) -> None:
@@ -53,8 +55,52 @@ class TaskStream:
         return out
 
 
+def build_engine(cfg: RunConfig, model_path: Path, tokenizer: Any) -> Engine:
+    if cfg.engine.kind == "sglang":
+        from agentgrpo.engine.sglang import SGLangEngine
+
+        return SGLangEngine.from_config(cfg.engine.sglang)
+    from agentgrpo.engine.local import LocalEngine
+
+    return LocalEngine(model_path, tokenizer=tokenizer, max_batch_size=cfg.engine.max_batch_size)
+
+
+async def collect_step(cfg: RunConfig, make_env: Callable[[], Env], engine: Engine, chat: ChatFormat,
+                       stream: TaskStream, step: int, context_len: int | None) -> tuple[list[Group], dict[str, float]]:
+    """The step's groups. With dynamic sampling, groups whose rewards are all equal (no learning
+    signal) are dropped and more tasks are sampled, at most `max_extra_rounds` times."""
+    seed = cfg.seed * 100_003 + step * 101
+    groups = await collect(make_env, engine, chat, stream.take(cfg.rollout.tasks_per_step), cfg.rollout,
+                           seed=seed, context_len=context_len)
+    stats = {"groups_sampled": float(len(groups))}
+    if not cfg.shaping.dynamic_sampling:
+        return groups, stats
+    kept = [g for g, ok in zip(groups, keep_informative_groups([g.rewards for g in groups])) if ok]
+    rounds = 0
+    while len(kept) < cfg.rollout.tasks_per_step and rounds < cfg.shaping.max_extra_rounds:
+        rounds += 1
+        more = await collect(make_env, engine, chat, stream.take(cfg.rollout.tasks_per_step - len(kept)),
+                             cfg.rollout, seed=seed + rounds, context_len=context_len)
+        stats["groups_sampled"] += len(more)
+        kept += [g for g, ok in zip(more, keep_informative_groups([g.rewards for g in more])) if ok]
+    stats.update({"dynamic/extra_rounds": float(rounds), "dynamic/groups_kept": float(len(kept))})
+    return kept[: cfg.rollout.tasks_per_step], stats
+
+
+def shaped_rewards(cfg: RunConfig, trajs: Sequence[Trajectory]) -> torch.Tensor:
+    """[B] rewards after DAPO's overlong shaping (when configured); NaN stays NaN."""
+    rewards_B = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
+    if cfg.shaping.overlong_buffer_len:
+        lengths_B = torch.tensor([len(t.token_ids) - t.prompt_len for t in trajs], dtype=torch.float32)
+        rewards_B = rewards_B + overlong_penalty(lengths_B, cfg.rollout.max_tokens, cfg.shaping.overlong_buffer_len,
+                                                 cfg.shaping.overlong_penalty_factor)
+    return rewards_B
+
+
 def step_metrics(groups: Sequence[Group]) -> dict[str, float]:
     trajs = [t for g in groups for t in g.trajectories]
+    if not trajs:
+        return {"reward_mean": float("nan")}
     scored = [t.reward for t in trajs if math.isfinite(t.reward)]
     out = {
         "reward_mean": float(np.mean(scored)) if scored else float("nan"),
@@ -75,7 +121,6 @@ def step_metrics(groups: Sequence[Group]) -> dict[str, float]:
 def train(cfg: RunConfig) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from agentgrpo.engine.local import LocalEngine
     from agentgrpo.models import default_model_path
 
     run_dir = Path(cfg.output_dir)
@@ -89,29 +134,28 @@ def train(cfg: RunConfig) -> Path:
     template = Path(cfg.model.chat_template).read_text() if cfg.model.chat_template else None
     chat = ChatFormat(tokenizer, template=template, parser=cfg.model.tool_parser)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    context_len = getattr(model.config, "max_position_embeddings", None)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else chat.end_of_turn_id
     learner = Learner(model, cfg.learner, cfg.loss, temperature=cfg.rollout.temperature, pad_id=pad_id)
-    engine = LocalEngine(model_path, tokenizer=tokenizer, max_batch_size=cfg.engine.max_batch_size)
-    context_len = getattr(model.config, "max_position_embeddings", None)
-
+    engine = build_engine(cfg, model_path, tokenizer)
+    sync = WeightSync(engine, cfg.weight_sync)
     env_cls = get_env_class(cfg.env.name)
     make_env = lambda: env_cls(**cfg.env.kwargs)  # noqa: E731 - one env instance per trajectory
-    loop = asyncio.new_event_loop()  # one loop for the run: the engine's batching worker lives on it
     stream = TaskStream(env_cls.load_tasks("train", seed=cfg.seed, **cfg.env.tasks), cfg.seed)
-    ckpt_root = run_dir / "checkpoints"
-    start = 0
-    found = checkpoint.latest(ckpt_root)
-    if found is not None:
+    loop = asyncio.new_event_loop()  # one loop for the run: engine clients and workers live on it
+
+    ckpt_root, start = run_dir / "checkpoints", 0
+    if (found := checkpoint.latest(ckpt_root)) is not None:
         ckpt_dir, manifest = found
         learner.load(ckpt_dir)
         start, stream.position = int(manifest["step"]), int(manifest["data_position"])
         checkpoint.set_rng_state(manifest["rng"])
-        loop.run_until_complete(engine.update_weights(learner.unwrapped.state_dict(), version=f"step-{start}"))
+        loop.run_until_complete(sync.push(learner.unwrapped, start))
         print(f"resumed from {ckpt_dir} at step {start}", flush=True)
 
     def save(step: int) -> None:
         checkpoint.save(ckpt_root, step, learner.save,
-                        {"data_position": stream.position, "weight_version": f"step-{step}",
+                        {"data_position": stream.position, "weight_version": str(step),
                          "rng": checkpoint.rng_state()}, keep=cfg.train.keep_checkpoints)
 
     logger = RunLogger(run_dir, tensorboard=cfg.log.tensorboard)
@@ -123,25 +167,26 @@ def train(cfg: RunConfig) -> Path:
     try:
         for step in range(start, cfg.train.steps):
             t0 = time.perf_counter()
-            tasks = stream.take(cfg.rollout.tasks_per_step)
-            groups = loop.run_until_complete(collect(make_env, engine, chat, tasks, cfg.rollout,
-                                                     seed=cfg.seed * 100_003 + step, context_len=context_len))
+            groups, metrics = loop.run_until_complete(
+                collect_step(cfg, make_env, engine, chat, stream, step, context_len))
             t_rollout = time.perf_counter() - t0
             trajs = [t for g in groups for t in g.trajectories]
-            rewards_B = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
-            advantages_B = compute_advantages(rewards_B, [t.group_id for t in trajs],
-                                              estimator=cfg.advantage.estimator, eps=cfg.advantage.eps)
-            metrics = learner.train_step(trajs, advantages_B.tolist())
-            loop.run_until_complete(engine.update_weights(learner.unwrapped.state_dict(), version=f"step-{step + 1}"))
+            advantages_B = compute_advantages(shaped_rewards(cfg, trajs), [t.group_id for t in trajs],
+                                              estimator=cfg.advantage.estimator, eps=cfg.advantage.eps,
+                                              batch_std=cfg.advantage.batch_std)
+            if cfg.shaping.mask_truncated:  # truncated rows still counted in their group's statistics
+                advantages_B[truncated_rows([t.stop_reason for t in trajs])] = float("nan")
+            metrics.update(learner.train_step(trajs, advantages_B.tolist()))
+            loop.run_until_complete(sync.push(learner.unwrapped, step + 1))
             metrics.update(step_metrics(groups), rollout_s=t_rollout, step_s=time.perf_counter() - t0)
-            metrics["tokens_per_s"] = metrics["sampled_tokens"] / max(t_rollout, 1e-9)
+            metrics["tokens_per_s"] = metrics.get("sampled_tokens", 0.0) / max(t_rollout, 1e-9)
             logger.log_step(step + 1, metrics)
             logger.log_groups(step + 1, groups)
             if cfg.train.save_every and (step + 1) % cfg.train.save_every == 0:
                 save(step + 1)
             if bar is not None:
                 bar.update(1)
-                bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", loss=f"{metrics['loss']:.4f}",
+                bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", loss=f"{metrics.get('loss', 0.0):.4f}",
                                 tok_s=f"{metrics['tokens_per_s']:.0f}")
         if cfg.train.steps > start:
             save(cfg.train.steps)
@@ -149,5 +194,9 @@ def train(cfg: RunConfig) -> Path:
         if bar is not None:
             bar.close()
         logger.close()
+        loop.run_until_complete(sync.close())
+        close = getattr(engine, "aclose", None)
+        if close is not None:
+            loop.run_until_complete(close())
         loop.close()
     return run_dir

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from fractions import Fraction
 from typing import Any
 
-from agentgrpo import Message, Task, ToolEnv
+from agentgrpo import Message, Task, ToolCall, ToolEnv
 from tools.calculator import calculator, evaluate, format_number
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
@@ -43,6 +43,24 @@ class CalculatorEnv(ToolEnv):
         "You are a careful assistant. Call the calculator tool to compute the answer, "
         "then reply with only the final number."
     )
+
+    def __init__(self, demo: bool = True) -> None:
+        self.demo = demo
+
+    def prompt(self, task: Task) -> list[Message]:
+        """System prompt, then (with `demo`) one worked exchange showing the tool-call format: a
+        135M model has never seen Hermes tool calls and would otherwise never try one, leaving
+        GRPO nothing to reinforce."""
+        msgs = [Message(role="system", content=self.system_prompt)]
+        if self.demo:
+            msgs += [
+                Message(role="user", content="What is 12 + 30?"),
+                Message(role="assistant", content="", tool_calls=[
+                    ToolCall(id="call_demo", name="calculator", arguments={"expression": "12 + 30"})]),
+                Message(role="tool", content="42", tool_call_id="call_demo", name="calculator"),
+                Message(role="assistant", content="42"),
+            ]
+        return msgs + task.prompt_messages()
 
     def reward(self, task: Task, messages: list[Message]) -> float:
         answer = last_number(messages[-1].content)

@@ -21,11 +21,19 @@ from agentgrpo.rollout import (
 from envs.calculator import CalculatorEnv
 from tests.fakes import ScriptedEngine
 
-TASK = CalculatorEnv.load_tasks("train", seed=0, n=1)[0]  # "What is 56 + 55?" -> 111
+
+class Calc(CalculatorEnv):
+    """The calculator without its worked example in the prompt: the message checks stay short."""
+
+    def __init__(self) -> None:
+        super().__init__(demo=False)
+
+
+TASK = Calc.load_tasks("train", seed=0, n=1)[0]  # "What is 56 + 55?" -> 111
 CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "56+55"}}\n</tool_call>'
 
 
-def run(chat, script, *, env=CalculatorEnv, task=TASK, max_new_tokens=64, delay_s=0.0, **limits):
+def run(chat, script, *, env=Calc, task=TASK, max_new_tokens=64, delay_s=0.0, **limits):
     engine = ScriptedEngine(chat.tokenizer, script, chat.end_of_turn_id, delay_s=delay_s)
     traj = asyncio.run(run_episode(env(), engine, chat, task, SamplingParams(max_new_tokens=max_new_tokens),
                                    limits=EpisodeLimits(**limits)))
@@ -62,7 +70,7 @@ def test_tool_call_then_answer(chat):
     assert traj.messages[3].content == "111"
     assert_invariants(traj, engine, chat)
     # the full trajectory is exactly the template's rendering of the conversation
-    tools = CalculatorEnv().tool_schemas()
+    tools = Calc().tool_schemas()
     text = chat.decode(traj.token_ids)
     assert text == chat.render(traj.messages[:2], tools, add_generation_prompt=True) + chat.decode(traj.token_ids[traj.prompt_len:])
     assert traj.token_ids[-1] == chat.end_of_turn_id
@@ -105,7 +113,7 @@ def test_infrastructure_failures_are_unscorable_not_zero(chat):
     assert traj.stop_reason == StopReason.ENGINE_ERROR and math.isnan(traj.reward)
     assert "connection refused" in traj.stop_detail
 
-    class Broken(CalculatorEnv):
+    class Broken(Calc):
         async def step(self, action):
             raise KeyError("state")
 
@@ -113,7 +121,7 @@ def test_infrastructure_failures_are_unscorable_not_zero(chat):
     assert traj.stop_reason == StopReason.ENV_ERROR and math.isnan(traj.reward)
     assert "step raised KeyError" in traj.stop_detail
 
-    class BrokenReset(CalculatorEnv):
+    class BrokenReset(Calc):
         def reset(self, *, seed=None, options=None):
             raise OSError("dataset missing")
 
@@ -140,7 +148,7 @@ def test_plain_env_with_user_feedback(chat):
 def test_group_members_share_task_and_env_seed(chat):
     seeds = []
 
-    class Recording(CalculatorEnv):
+    class Recording(Calc):
         def reset(self, *, seed=None, options=None):
             seeds.append(seed)
             return super().reset(seed=seed, options=options)
@@ -154,9 +162,9 @@ def test_group_members_share_task_and_env_seed(chat):
 
 def test_collect_runs_groups_concurrently(chat):
     engine = ScriptedEngine(chat.tokenizer, by_turn(chat, CALL, "111"), chat.end_of_turn_id, delay_s=0.05)
-    tasks = CalculatorEnv.load_tasks("train", seed=0, n=4)
+    tasks = Calc.load_tasks("train", seed=0, n=4)
     done = []
-    groups = asyncio.run(collect(CalculatorEnv, engine, chat, tasks, RolloutConfig(group_size=4), on_done=done.append))
+    groups = asyncio.run(collect(Calc, engine, chat, tasks, RolloutConfig(group_size=4), on_done=done.append))
     assert len(groups) == 4 and len(done) == 16
     assert len({g.group_id for g in groups}) == 4
     assert engine.max_in_flight == 16  # every first turn was in the engine at once, not one by one
@@ -253,7 +261,7 @@ def test_tool_output_is_truncated_to_a_token_budget(chat):
 def test_step_deadline_ends_the_stragglers_and_keeps_the_rest(chat):
     engine = ScriptedEngine(chat.tokenizer, ["111"], chat.end_of_turn_id, delay_s=0.4)
     cfg = RolloutConfig(group_size=4, max_concurrent_trajectories=2, step_timeout_s=0.7)
-    groups = asyncio.run(collect(CalculatorEnv, engine, chat, [TASK], cfg))
+    groups = asyncio.run(collect(Calc, engine, chat, [TASK], cfg))
     reasons = sorted(t.stop_reason.value for t in groups[0].trajectories)
     assert reasons == ["completed", "completed", "timeout", "timeout"]  # 2 in flight, 0.4 s each
     metrics = rollout_metrics(groups)
@@ -263,13 +271,13 @@ def test_step_deadline_ends_the_stragglers_and_keeps_the_rest(chat):
 
 
 def test_in_flight_bounds(chat):
-    tasks = CalculatorEnv.load_tasks("train", seed=0, n=3)
+    tasks = Calc.load_tasks("train", seed=0, n=3)
     engine = ScriptedEngine(chat.tokenizer, by_turn(chat, CALL, "111"), chat.end_of_turn_id, delay_s=0.02)
-    asyncio.run(collect(CalculatorEnv, engine, chat, tasks, RolloutConfig(group_size=4, max_concurrent_requests=3)))
+    asyncio.run(collect(Calc, engine, chat, tasks, RolloutConfig(group_size=4, max_concurrent_requests=3)))
     assert engine.max_in_flight == 3 and len(engine.calls) == 24
     live, most = 0, 0
 
-    class Counting(CalculatorEnv):
+    class Counting(Calc):
         def reset(self, *, seed=None, options=None):
             nonlocal live, most
             live += 1
@@ -330,7 +338,7 @@ def test_env_factory_failure_ends_one_trajectory(chat):
     def factory():
         if next(made) == 1:
             raise RuntimeError("no GPU for the simulator")
-        return CalculatorEnv()
+        return Calc()
 
     engine = ScriptedEngine(chat.tokenizer, ["111"], chat.end_of_turn_id)
     g = asyncio.run(run_group(factory, engine, chat, TASK, 3, SamplingParams()))

@@ -1,0 +1,847 @@
+"""`SGLangEngine`: an httpx client of SGLang's native `/generate` API, for one or many servers.
+
+Token in, token out: the client sends `input_ids` and reads the sampled ids and their logprobs from
+`meta_info.output_token_logprobs` (every SGLang version has it; `output_ids` is missing before
+v0.5.0). It sends exactly the RL sampling settings of `shared/sglang/PROTOCOL.md` section 9 and no
+other `sampling_params` key, because SGLang answers an unknown key with a 500.
+
+Decisions (see PROTOCOL.md for the server side of each):
+- Balancing: least outstanding requests over the healthy servers, at most `max_inflight_per_server`
+  requests in flight per server (callers beyond that wait for a slot). Prefix-cache locality is not
+  considered; put sglang-router in front and give its one URL if you want cache-aware routing.
+- Failures: transport errors, 5xx and 429 take the server out of rotation and retry the request on
+  another one with exponential backoff, all within one per-request deadline. A server taken out is
+  re-probed on `/health_generate` and comes back when it answers 200. Every attempt gets a fresh
+  rid (a retried request may still be running on the old server and SGLang rejects duplicate rids).
+  When retries or the deadline run out the call raises `EngineError`: the rollout records an
+  ENGINE_ERROR trajectory, it never sees a made-up completion.
+- A prompt that does not fit the context window is not an infrastructure failure: SGLang's 400
+  ("... maximum context length ...") becomes a `length` Completion with no tokens and the server's
+  message in `detail`. With `context_length` configured, `max_new_tokens` is clamped client-side
+  first (SGLang rejects `prompt + max_new_tokens >= context_length`).
+- Weight updates follow pause -> flush_cache -> update -> continue on every server in rotation.
+  Requests that SGLang aborts because of our own pause are resubmitted once generation continues
+  (their partial tokens came from the old weights); new requests wait client-side until the update
+  is done. A server that was out of rotation during an update (or restarted) must serve the
+  current weight version to rejoin: after a disk update the client replays it on that server,
+  after an NCCL update the server stays out (it cannot rejoin the broadcast group by itself).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import sys
+import uuid
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from agentgrpo.engine.base import Completion, EngineError, SamplingParams
+
+log = logging.getLogger(__name__)
+
+_POOL_SIZE = 8  # connections per httpx pool, see SGLangEngine._pool
+_RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
+_FINISH_TYPES = frozenset({"stop", "length", "abort"})
+
+
+class SGLangConfig(BaseModel):
+    """Settings of `SGLangEngine` (the `engine:` block of a run config when `kind: sglang`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    urls: list[str] = Field(
+        min_length=1, description="Base URLs of the SGLang servers, e.g. http://10.0.0.5:30000."
+    )
+    api_key_env: str | None = Field(
+        "SGLANG_API_KEY",
+        description="Name of the environment variable holding the servers' --api-key. The key "
+        "itself never goes into a config file; unset variable = no Authorization header.",
+    )
+    request_timeout_s: float = Field(
+        900.0, gt=0, description="Deadline of one generate() call, retries and backoff included."
+    )
+    connect_timeout_s: float = Field(10.0, gt=0, description="TCP connect timeout per attempt.")
+    max_retries: int = Field(
+        6, ge=0, description="Retries of one request after transport errors / 5xx (within the deadline)."
+    )
+    backoff_initial_s: float = Field(0.2, ge=0, description="First retry delay; doubles per retry.")
+    backoff_max_s: float = Field(10.0, ge=0, description="Upper bound of one retry delay.")
+    max_inflight_per_server: int = Field(
+        256, ge=1, description="Requests in flight per server; more callers wait for a free slot."
+    )
+    probe_interval_s: float = Field(
+        5.0, gt=0, description="Longest wait between two health probes of a server taken out."
+    )
+    ready_timeout_s: float = Field(
+        900.0, gt=0, description="How long wait_ready() waits for /health_generate (model loading)."
+    )
+    ready_poll_s: float = Field(2.0, gt=0, description="Poll interval of wait_ready().")
+    context_length: int | None = Field(
+        None,
+        gt=1,
+        description="The servers' context window. When set, max_new_tokens is clamped so that "
+        "prompt + max_new_tokens < context_length; unset = rely on SGLang's 400.",
+    )
+    weight_update_timeout_s: float = Field(
+        1800.0, gt=0, description="Deadline of one weight-update HTTP call (disk load, broadcast)."
+    )
+
+    @field_validator("urls")
+    @classmethod
+    def _strip_urls(cls, urls: list[str]) -> list[str]:
+        out = [u.rstrip("/") for u in urls]
+        for u in out:
+            if not u.startswith(("http://", "https://")):
+                raise ValueError(f"SGLang url must start with http:// or https://, got {u!r}")
+        if len(set(out)) != len(out):
+            raise ValueError(f"duplicate SGLang urls: {out}")
+        return out
+
+
+@dataclass
+class ServerState:
+    """What the client knows about one server (also returned by `SGLangEngine.servers()`)."""
+
+    url: str
+    healthy: bool = True
+    outstanding: int = 0
+    completed: int = 0
+    failures: int = 0
+    last_error: str = ""
+    retry_at: float = 0.0  # loop time of the next health probe while unhealthy
+    probe_delay: float = 0.0  # current probe backoff while unhealthy
+    probing: bool = False
+    version: str | None = None  # SGLang version from /server_info, once known
+    tp_size: int | None = None  # GPUs it contributes to the NCCL weight-update group
+    dp_size: int = 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Response parsing (pure functions; the conformance tests run them on every fixture)
+
+
+def parse_generate_output(
+    obj: Mapping[str, Any], *, weight_version: str | None = None
+) -> Completion:
+    """Turn one `/generate` output object into a `Completion`.
+
+    Tolerates every shape in the fixtures: HEAD and v0.5.x meta keys (unknown keys ignored),
+    v0.4.x without `output_ids`, `--skip-tokenizer-init` without `text`, and a bare `meta_info`
+    object. `weight_version` is the fallback for servers older than v0.5.2, whose meta_info has
+    none. Raises `EngineError` when the output cannot be trusted (no logprobs, ids disagree).
+    """
+    meta = obj.get("meta_info")
+    if meta is None:
+        if "finish_reason" not in obj:
+            raise EngineError(f"SGLang output has no meta_info: keys {sorted(obj)}")
+        meta = obj  # some shapes put the meta keys at the top level
+    entries = meta.get("output_token_logprobs")
+    if entries is None:
+        raise EngineError(
+            "SGLang output has no output_token_logprobs (was return_logprob dropped by a proxy?)"
+        )
+    try:
+        token_ids = [int(e[1]) for e in entries]
+        logprobs = [float(e[0]) for e in entries]
+    except (TypeError, ValueError, IndexError) as e:  # a null logprob or a malformed tuple
+        raise EngineError(f"malformed output_token_logprobs from SGLang: {e}") from e
+    output_ids = obj.get("output_ids")
+    if output_ids is not None and list(output_ids) != token_ids:
+        raise EngineError(
+            f"SGLang output_ids {list(output_ids)[:8]}... disagree with the ids of "
+            f"output_token_logprobs {token_ids[:8]}..."
+        )
+    finish = meta.get("finish_reason")
+    if isinstance(finish, str):  # OpenAI-style string
+        ftype, finish = finish, {}
+    elif isinstance(finish, Mapping):
+        ftype = finish.get("type")
+    else:
+        raise EngineError(f"SGLang output without a finish_reason: {finish!r}")
+    if ftype not in _FINISH_TYPES:
+        raise EngineError(f"unknown SGLang finish_reason type {ftype!r}")
+    detail = ""
+    if ftype == "abort":
+        detail = f"aborted by the server: {finish.get('message') or 'no message'}"
+    meta_out = {
+        "rid": meta.get("id"),
+        "prompt_tokens": meta.get("prompt_tokens"),
+        "cached_tokens": meta.get("cached_tokens"),
+        "e2e_latency": meta.get("e2e_latency"),
+    }
+    if "matched" in finish:
+        meta_out["matched"] = finish["matched"]
+    return Completion(
+        token_ids=token_ids,
+        logprobs=logprobs,
+        finish_reason=ftype,
+        weight_version=meta.get("weight_version", weight_version),
+        detail=detail,
+        meta=meta_out,
+    )
+
+
+def parse_generate_response(
+    body: Any, *, weight_version: str | None = None
+) -> list[Completion]:
+    """Parse a whole `/generate` body: one object, or a list (batch input or `n > 1`)."""
+    items = body if isinstance(body, list) else [body]
+    if not all(isinstance(i, Mapping) for i in items):
+        raise EngineError(f"unexpected SGLang /generate body of type {type(body).__name__}")
+    return [parse_generate_output(i, weight_version=weight_version) for i in items]
+
+
+def error_message(body: bytes) -> str:
+    """The human message of an SGLang error body, whichever of its shapes it has."""
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return body.decode("utf-8", "replace").strip()[:500]
+    if isinstance(obj, Mapping):
+        err = obj.get("error")
+        if isinstance(err, Mapping) and "message" in err:
+            return str(err["message"])
+        if isinstance(err, str):
+            return err
+        if "message" in obj:
+            return str(obj["message"])
+    return str(obj)[:500]
+
+
+def is_context_length_error(message: str) -> bool:
+    """True for SGLang's prompt-too-long validation errors (the only 400 we turn into a finish)."""
+    m = message.lower()
+    return "context length" in m or "context_length" in m
+
+
+def sampling_body(params: SamplingParams, max_new_tokens: int) -> dict[str, Any]:
+    """The `sampling_params` object: PROTOCOL.md section 9's RL settings and known keys only."""
+    sp: dict[str, Any] = {
+        "max_new_tokens": max_new_tokens,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "top_k": params.top_k if params.top_k > 0 else -1,  # SGLang: -1 = whole vocabulary
+        "stop_token_ids": list(params.stop_token_ids),
+        "skip_special_tokens": False,
+        "spaces_between_special_tokens": False,
+        "no_stop_trim": True,
+    }
+    if params.seed is not None:
+        sp["sampling_seed"] = params.seed  # SGLang >= 0.5.9; checked against the server version
+    return sp
+
+
+def _version_tuple(v: str) -> tuple[int, ...]:
+    out = []
+    for part in v.split(".")[:3]:
+        digits = "".join(ch for ch in part if ch.isdigit())
+        out.append(int(digits) if digits else 0)
+    return tuple(out)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+class SGLangEngine:
+    """Client of one or more SGLang servers, implementing the `Engine` protocol.
+
+    Example:
+        ```python
+        engine = SGLangEngine(["http://10.0.0.5:30000", "http://10.0.0.6:30000"])
+        await engine.wait_ready()
+        c = await engine.generate(prompt_ids, SamplingParams(max_new_tokens=512,
+                                                             stop_token_ids=(151645,)))
+        c.token_ids, c.logprobs, c.finish_reason, c.weight_version
+        await engine.update_weights_from_disk("/shared/ckpt/step_10", version="10")
+        await engine.aclose()
+        ```
+
+    `api_key` (or the variable named by `SGLangConfig.api_key_env` with `from_config`) is sent as
+    `Authorization: Bearer`. Other keyword arguments are `SGLangConfig` fields.
+    """
+
+    def __init__(self, urls: Sequence[str], *, api_key: str | None = None, **settings: Any) -> None:
+        self.config = SGLangConfig(urls=list(urls), **settings)
+        cfg = self.config
+        self._servers = [ServerState(url=u) for u in cfg.urls]
+        headers = {"Content-Type": "application/json"}
+        if api_key:
+            headers["Authorization"] = f"Bearer {api_key}"
+        self._headers = headers
+        self._ssl = httpx.create_ssl_context()  # one context shared by every pool (costly to build)
+        self._client = self._new_client(4 * len(self._servers))  # control calls and probes
+        self._pools: dict[str, list[httpx.AsyncClient]] = {s.url: [] for s in self._servers}
+        # free in-flight places per server; the lowest slots (first pool) are reused first
+        self._slots = {s.url: list(range(cfg.max_inflight_per_server))[::-1] for s in self._servers}
+        self._waiters: list[asyncio.Future[None]] = []
+        self._rr = 0  # rotates the scan start so equally loaded servers share the work
+        self._resumed = asyncio.Event()
+        self._resumed.set()
+        self._epoch = 0  # bumped by every pause; lets generate() tell our aborts from others
+        self._update_lock = asyncio.Lock()
+        self._weight_version: str | None = None  # last pushed version (also the fallback for
+        # servers without meta weight_version); a returning server must serve it to rejoin
+        self._last_disk_update: dict[str, Any] | None = None  # replayed on returning servers
+        self._update_targets: list[ServerState] | None = None
+
+    @classmethod
+    def from_config(cls, cfg: SGLangConfig) -> SGLangEngine:
+        """Build from a validated config; the API key comes from the environment variable."""
+        api_key = os.environ.get(cfg.api_key_env) if cfg.api_key_env else None
+        return cls(cfg.urls, api_key=api_key, **cfg.model_dump(exclude={"urls"}))
+
+    async def __aenter__(self) -> SGLangEngine:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def _new_client(self, connections: int) -> httpx.AsyncClient:
+        return httpx.AsyncClient(
+            headers=self._headers,
+            timeout=httpx.Timeout(self.config.request_timeout_s, connect=self.config.connect_timeout_s),
+            limits=httpx.Limits(max_connections=connections, max_keepalive_connections=connections),
+            verify=self._ssl,
+            trust_env=False,  # never route cluster traffic through a proxy from the environment
+        )
+
+    def _pool(self, s: ServerState, slot: int) -> httpx.AsyncClient:
+        """The connection pool of request slot `slot` of server `s`.
+
+        httpcore scans every connection of a pool for every queued request, which costs O(n^2)
+        at high concurrency (measured: 3x the CPU per request at 64 connections). So each
+        server's connections are spread over small pools of `_POOL_SIZE`, created on demand, and
+        a request uses the pool of its slot (a slot = one of the server's in-flight places).
+        """
+        pools = self._pools[s.url]
+        i = slot // _POOL_SIZE
+        while len(pools) <= i:
+            pools.append(self._new_client(_POOL_SIZE))
+        return pools[i]
+
+    async def aclose(self) -> None:
+        clients = [self._client] + [c for pools in self._pools.values() for c in pools]
+        await asyncio.gather(*(c.aclose() for c in clients))
+
+    def servers(self) -> list[ServerState]:
+        """A snapshot of every server's state (for logs and metrics)."""
+        return [ServerState(**vars(s)) for s in self._servers]
+
+    # -- readiness ---------------------------------------------------------------------------
+
+    async def wait_ready(self, timeout_s: float | None = None) -> None:
+        """Wait until every server answers 200 on `/health_generate`, then read its version.
+
+        Raises `EngineError` naming each server that was not ready and what it last answered.
+        """
+        timeout_s = self.config.ready_timeout_s if timeout_s is None else timeout_s
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        last: dict[str, str] = {s.url: "no answer yet" for s in self._servers}
+        pending = list(self._servers)
+        while pending:
+            results = await asyncio.gather(*(self._probe_once(s) for s in pending))
+            for s, err in zip(pending, results, strict=True):
+                last[s.url] = err or "ready"
+            pending = [s for s, err in zip(pending, results, strict=True) if err]
+            if not pending:
+                break
+            if loop.time() >= deadline:
+                detail = "; ".join(f"{s.url}: {last[s.url]}" for s in pending)
+                raise EngineError(
+                    f"SGLang server(s) not ready after {timeout_s:.0f}s ({detail}). A server "
+                    "answers 503 while it loads the model and refuses connections before it "
+                    "binds; check its log for 'The server is fired up and ready to roll!' or "
+                    "raise ready_timeout_s."
+                )
+            await asyncio.sleep(min(self.config.ready_poll_s, max(0.0, deadline - loop.time())))
+        for s in self._servers:
+            s.healthy, s.retry_at, s.probe_delay = True, 0.0, 0.0
+        await asyncio.gather(*(self._read_server_info(s) for s in self._servers))
+
+    async def _probe_once(self, s: ServerState) -> str:
+        """One GET /health_generate; returns "" when healthy, else what went wrong."""
+        try:
+            r = await self._client.get(
+                f"{s.url}/health_generate", timeout=self.config.connect_timeout_s + 20.0
+            )
+        except httpx.HTTPError as e:  # network boundary: a refused or dropped probe means "not yet"
+            return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+        return "" if r.status_code == 200 else f"HTTP {r.status_code}"
+
+    async def _read_server_info(self, s: ServerState) -> None:
+        r = await self._control(s, "GET", "/server_info", allow_404=True)
+        if r is None:  # very old servers only have /get_server_info
+            r = await self._control(s, "GET", "/get_server_info")
+        info = r.json()
+        s.version = str(info.get("version")) if info.get("version") is not None else None
+        s.tp_size = int(info.get("tp_size") or 1)
+        s.dp_size = 1 if info.get("enable_dp_attention") else int(info.get("dp_size") or 1)
+        log.info("SGLang server %s: version %s, tp_size %s", s.url, s.version, s.tp_size)
+
+    # -- generation --------------------------------------------------------------------------
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
+        """Sample a completion of `prompt_ids` on the least loaded healthy server."""
+        if not prompt_ids:
+            raise ValueError("prompt_ids is empty (SGLang rejects empty input_ids)")
+        max_new = params.max_new_tokens
+        ctx = self.config.context_length
+        if ctx is not None:
+            max_new = min(max_new, ctx - len(prompt_ids) - 1)
+            if max_new < 1:
+                return Completion(
+                    [], [], "length", self._weight_version,
+                    detail=f"context length: the prompt has {len(prompt_ids)} tokens and the "
+                    f"servers' context length is {ctx}; no room for a new token",
+                )
+        if params.seed is not None:
+            self._check_seed_support()
+        body: dict[str, Any] = {
+            "rid": "",
+            "input_ids": prompt_ids,
+            "sampling_params": sampling_body(params, max_new),
+            "return_logprob": True,
+            "logprob_start_len": -1,
+            "stream": False,
+        }
+        while True:
+            await self._resumed.wait()
+            epoch = self._epoch
+            c = await self._request_generate(body)
+            if c.finish_reason == "abort" and (epoch != self._epoch or not self._resumed.is_set()):
+                continue  # aborted by our own weight-update pause: resubmit under the new weights
+            return c
+
+    async def score(
+        self, prompt_ids: list[int], completion_ids: list[int], temperature: float = 1.0
+    ) -> list[float]:
+        """Logprobs of `completion_ids` after `prompt_ids`, from the servers' prompt logprobs.
+
+        Used to verify a weight sync. At temperature 1 every SGLang version returns plain
+        log_softmax(logits); other temperatures depend on the server version.
+        """
+        if not prompt_ids or not completion_ids:
+            raise ValueError("score() needs a non-empty prompt and completion")
+        ids = list(prompt_ids) + list(completion_ids)
+        start = len(prompt_ids) - 1  # one position early: SGLang nulls the first entry
+        body = {
+            "rid": "",
+            "input_ids": ids,
+            "sampling_params": {"max_new_tokens": 1, "temperature": temperature},
+            "return_logprob": True,
+            "logprob_start_len": start,
+            "stream": False,
+        }
+        await self._resumed.wait()
+        raw = await self._request_raw(body)
+        meta = raw.get("meta_info", raw)
+        entries = meta.get("input_token_logprobs") or []
+        if len(entries) != len(ids) - start:
+            raise EngineError(
+                f"SGLang returned {len(entries)} prompt logprobs for logprob_start_len={start} "
+                f"and {len(ids)} input ids (expected {len(ids) - start})"
+            )
+        try:
+            return [float(e[0]) for e in entries[1:]]
+        except (TypeError, ValueError) as e:  # trust boundary: a null where a value belongs
+            raise EngineError(f"malformed input_token_logprobs from SGLang: {e}") from e
+
+    def _check_seed_support(self) -> None:
+        for s in self._servers:
+            if s.version is not None and _version_tuple(s.version) < (0, 5, 9):
+                raise EngineError(
+                    f"SamplingParams.seed needs SGLang >= 0.5.9 (sampling_seed); {s.url} runs "
+                    f"{s.version}. Use seed=None with this server."
+                )
+
+    async def _request_generate(self, body: dict[str, Any]) -> Completion:
+        try:
+            raw = await self._request_raw(body)
+        except _ContextLengthError as e:
+            return Completion([], [], "length", self._weight_version, detail=f"context length: {e}")
+        c = parse_generate_output(raw, weight_version=self._weight_version)
+        return c
+
+    async def _request_raw(self, body: dict[str, Any]) -> dict[str, Any]:
+        """POST /generate with balancing, retries and the deadline; returns the output object."""
+        cfg = self.config
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + cfg.request_timeout_s
+        attempt = 0
+        last_error = "no attempt made"
+        while True:
+            s, slot = await self._acquire(deadline, last_error)
+            body["rid"] = uuid.uuid4().hex  # fresh per attempt: the old one may still be running
+            url = s.url
+            content = json.dumps(body, separators=(",", ":")).encode()
+            timeout = max(deadline - loop.time(), 0.001)
+            try:
+                r = await self._pool(s, slot).post(
+                    f"{url}/generate", content=content,
+                    timeout=httpx.Timeout(timeout, connect=cfg.connect_timeout_s),
+                )
+            except httpx.TimeoutException as e:
+                # network boundary: the deadline is spent (read) or the server is unreachable (connect)
+                if isinstance(e, httpx.ConnectTimeout):
+                    self._mark_unhealthy(s, f"connect timeout: {e}")
+                last_error = f"{url}: {type(e).__name__}"
+                if loop.time() >= deadline:
+                    raise EngineError(
+                        f"SGLang request did not finish within its {cfg.request_timeout_s:.0f}s "
+                        f"deadline (last: {last_error})"
+                    ) from e
+            except httpx.TransportError as e:
+                # network boundary: refused / dropped connection -> take the server out, retry
+                last_error = f"{url}: {type(e).__name__}: {e}"
+                self._mark_unhealthy(s, last_error)
+            else:
+                status = r.status_code
+                if status == 200:
+                    s.completed += 1
+                    return self._decode_output(url, r.content)
+                msg = error_message(r.content)
+                if status == 400 and is_context_length_error(msg):
+                    raise _ContextLengthError(msg)
+                if status in (401, 403):
+                    raise EngineError(
+                        f"{url} refused the request with HTTP {status} ({msg}): the server runs "
+                        "with --api-key; pass api_key= (or set the variable named by api_key_env)"
+                    )
+                if status not in _RETRY_STATUS:
+                    raise EngineError(f"{url}/generate answered HTTP {status}: {msg}")
+                last_error = f"{url}: HTTP {status}: {msg}"
+                self._mark_unhealthy(s, last_error)
+            finally:
+                self._release(s, slot)  # also when the caller is cancelled mid-request
+            attempt += 1
+            if attempt > cfg.max_retries:
+                raise EngineError(
+                    f"SGLang request failed after {attempt} attempts (last: {last_error})"
+                )
+            delay = min(cfg.backoff_max_s, cfg.backoff_initial_s * 2 ** (attempt - 1))
+            if loop.time() + delay >= deadline:
+                raise EngineError(
+                    f"SGLang request deadline of {cfg.request_timeout_s:.0f}s reached after "
+                    f"{attempt} attempts (last: {last_error})"
+                )
+            await asyncio.sleep(delay)
+
+    @staticmethod
+    def _decode_output(url: str, content: bytes) -> dict[str, Any]:
+        try:
+            out = json.loads(content)
+        except ValueError as e:  # trust boundary: a proxy's HTML page, a cut body
+            raise EngineError(f"{url}/generate returned invalid JSON: {e}") from e
+        if isinstance(out, list) and len(out) == 1:
+            out = out[0]
+        if not isinstance(out, dict):
+            raise EngineError(f"{url}/generate returned {type(out).__name__}, not an object")
+        return out
+
+    # -- balancing and health ----------------------------------------------------------------
+
+    async def _acquire(self, deadline: float, last_error: str) -> tuple[ServerState, int]:
+        """Reserve a slot on the least loaded healthy server, waiting for one until `deadline`.
+
+        The same scan starts the health probes of servers out of rotation whose time has come,
+        so a server returns as soon as it is healthy even while the others carry the load.
+        """
+        loop = asyncio.get_running_loop()
+        cap = self.config.max_inflight_per_server
+        servers = self._servers
+        n = len(servers)
+        while True:
+            now = loop.time()
+            best: ServerState | None = None
+            wake = deadline
+            start = self._rr = (self._rr + 1) % n
+            for i in range(n):
+                s = servers[(start + i) % n]
+                if s.healthy:
+                    if s.outstanding < cap and (best is None or s.outstanding < best.outstanding):
+                        best = s
+                    continue
+                if s.retry_at <= now and not s.probing:
+                    s.probing = True
+                    asyncio.ensure_future(self._reprobe(s))
+                wake = min(wake, max(s.retry_at, now + 0.001))
+            if best is not None:
+                best.outstanding += 1
+                return best, self._slots[best.url].pop()
+            if now >= deadline:
+                states = ", ".join(
+                    f"{s.url} ({'healthy' if s.healthy else 'down: ' + s.last_error}, "
+                    f"{s.outstanding} in flight)" for s in servers
+                )
+                raise EngineError(
+                    f"no SGLang server available before the request deadline: {states}; "
+                    f"last error: {last_error}"
+                )
+            fut: asyncio.Future[None] = loop.create_future()
+            self._waiters.append(fut)
+            try:
+                await asyncio.wait_for(fut, timeout=max(0.0, wake - now))
+            except asyncio.TimeoutError:
+                pass
+            finally:
+                if fut in self._waiters:
+                    self._waiters.remove(fut)
+
+    def _wake(self, one: bool = False) -> None:
+        """Wake waiting callers: one per freed slot, all on a health change."""
+        while self._waiters:
+            f = self._waiters.pop(0)
+            if not f.done():
+                f.set_result(None)
+                if one:
+                    return
+
+    def _release(self, s: ServerState, slot: int) -> None:
+        s.outstanding -= 1
+        self._slots[s.url].append(slot)
+        if self._waiters:
+            self._wake(one=True)
+
+    def _mark_unhealthy(self, s: ServerState, error: str) -> None:
+        s.failures += 1
+        s.last_error = error
+        if s.healthy:
+            log.warning("SGLang server %s taken out of rotation: %s", s.url, error)
+            s.healthy = False
+            s.probe_delay = 0.0
+            s.retry_at = asyncio.get_running_loop().time()  # first probe right away
+
+    async def _reprobe(self, s: ServerState) -> None:
+        try:
+            err = await self._probe_once(s) or await self._resync(s)
+        finally:
+            s.probing = False
+        loop = asyncio.get_running_loop()
+        if err:
+            s.last_error = f"health probe: {err}"
+            s.probe_delay = min(self.config.probe_interval_s, max(0.05, s.probe_delay * 2))
+            s.retry_at = loop.time() + s.probe_delay
+        else:
+            if not s.healthy:
+                log.warning("SGLang server %s is healthy again", s.url)
+            s.healthy, s.probe_delay = True, 0.0
+        self._wake()
+
+    async def _resync(self, s: ServerState) -> str:
+        """Before a returning server rejoins: check that it serves the current weights, and
+        reload the last disk checkpoint if it does not (it missed an update, or restarted).
+        Returns "" when it may rejoin, else why not."""
+        if self._weight_version is None:
+            return ""
+        try:
+            r = await self._control(s, "GET", "/model_info")
+            if r.json().get("weight_version") == self._weight_version:
+                return ""
+            if self._last_disk_update is None:
+                return (f"serves weight version {r.json().get('weight_version')!r}, not "
+                        f"{self._weight_version!r}, and the last update was not from disk")
+            await self._control(s, "POST", "/update_weights_from_disk", self._last_disk_update,
+                                timeout=self.config.weight_update_timeout_s)
+        except EngineError as e:  # it stays out of rotation and is probed again later
+            return f"could not bring it to weight version {self._weight_version}: {e}"
+        log.warning("SGLang server %s reloaded weight version %s", s.url, self._weight_version)
+        return ""
+
+    # -- control and weight updates ----------------------------------------------------------
+
+    async def _control(
+        self,
+        s: ServerState,
+        method: str,
+        path: str,
+        payload: Any = None,
+        *,
+        timeout: float | None = None,
+        allow_404: bool = False,
+    ) -> httpx.Response | None:
+        """One control call to one server; raises `EngineError` on anything but 2xx."""
+        timeout = self.config.connect_timeout_s + 30.0 if timeout is None else timeout
+        try:
+            r = await self._client.request(
+                method, f"{s.url}{path}", json=payload,
+                timeout=httpx.Timeout(timeout, connect=self.config.connect_timeout_s),
+            )
+        except httpx.HTTPError as e:  # network boundary: name the server and the call
+            raise EngineError(f"{s.url}{path} failed: {type(e).__name__}: {e}") from e
+        if allow_404 and r.status_code == 404:
+            return None
+        if not 200 <= r.status_code < 300:
+            raise EngineError(
+                f"{s.url}{path} answered HTTP {r.status_code}: {error_message(r.content)}"
+            )
+        return r
+
+    def _in_rotation(self) -> list[ServerState]:
+        """The servers a control call goes to: those of the update in progress, else the healthy
+        ones. Servers out of rotation catch up when they return (`_resync`)."""
+        servers = self._update_targets or [s for s in self._servers if s.healthy]
+        if not servers:
+            raise EngineError("no SGLang server in rotation: " + "; ".join(
+                f"{s.url}: {s.last_error}" for s in self._servers))
+        return servers
+
+    async def _all(self, method: str, path: str, payload: Any = None, **kw: Any) -> list[Any]:
+        return await asyncio.gather(
+            *(self._control(s, method, path, payload, **kw) for s in self._in_rotation())
+        )
+
+    async def flush_cache(self, timeout_s: float | None = None) -> None:
+        """Flush the prefix cache on every server, retrying while requests are still in flight
+        (SGLang answers 400 then)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + (timeout_s or self.config.weight_update_timeout_s)
+
+        async def one(s: ServerState) -> None:
+            while True:
+                try:
+                    await self._control(s, "POST", "/flush_cache")
+                    return
+                except EngineError:
+                    if loop.time() >= deadline:
+                        raise
+                await asyncio.sleep(0.2)
+
+        await asyncio.gather(*(one(s) for s in self._in_rotation()))
+
+    @asynccontextmanager
+    async def paused(self) -> AsyncIterator[None]:
+        """Pause generation on the servers in rotation (in-flight requests are aborted and later
+        resubmitted by this client), flush their cache, run the body (the update), and always
+        continue generation. New generate() calls wait meanwhile."""
+        async with self._update_lock:
+            self._update_targets = self._in_rotation()
+            self._resumed.clear()
+            self._epoch += 1
+            try:
+                await self._all("POST", "/pause_generation", {"mode": "abort"})
+                await self.flush_cache()
+                yield
+            finally:
+                results = await asyncio.gather(
+                    *(self._control(s, "POST", "/continue_generation", {})
+                      for s in self._update_targets),
+                    return_exceptions=True,
+                )
+                self._update_targets = None
+                self._resumed.set()
+                failed = [r for r in results if isinstance(r, BaseException)]
+                if failed and sys.exc_info()[0] is None:  # don't hide the body's own error
+                    raise failed[0]
+
+    async def update_weights(self, weights: Any, *, version: str) -> None:
+        """`Engine` protocol: `weights` must be a directory of safetensors files every server can
+        read. An in-memory state dict cannot travel over HTTP: use `agentgrpo.weight_sync`."""
+        if isinstance(weights, str | os.PathLike):
+            await self.update_weights_from_disk(weights, version=version)
+            return
+        raise TypeError(
+            "SGLangEngine.update_weights takes a path to a safetensors directory; for a state "
+            "dict use agentgrpo.weight_sync.WeightSync (disk or distributed method)"
+        )
+
+    async def update_weights_from_disk(self, path: str | os.PathLike[str], version: str) -> None:
+        """Load new weights on every server from `path` (same path on every machine) and set the
+        weight version that later completions carry."""
+        body = {"model_path": str(Path(path)), "weight_version": str(version), "flush_cache": True}
+        async with self.paused():
+            await self._all(
+                "POST", "/update_weights_from_disk", body,
+                timeout=self.config.weight_update_timeout_s,
+            )
+        self._weight_version, self._last_disk_update = str(version), body
+
+    async def gpus_per_server(self) -> list[int]:
+        """TP size of each server, in `urls` order: the ranks each joins in the NCCL group."""
+        for s in self._servers:
+            if s.tp_size is None:
+                await self._read_server_info(s)
+        bad = [s.url for s in self._servers if s.dp_size != 1]
+        if bad:
+            raise EngineError(
+                f"NCCL weight sync needs dp_size == 1 (or DP attention); not so on {bad}"
+            )
+        return [int(s.tp_size or 1) for s in self._servers]
+
+    async def init_weights_update_group(
+        self, *, master_address: str, master_port: int, group_name: str, backend: str = "nccl"
+    ) -> None:
+        """Ask every server to join the weight-update process group (trainer = rank 0).
+
+        The calls block until the trainer joins too: run this as a task, join the group on the
+        trainer side, then await it.
+        """
+        gpus = await self.gpus_per_server()
+        world_size = 1 + sum(gpus)
+        offsets = [1 + sum(gpus[:i]) for i in range(len(gpus))]
+        await asyncio.gather(*(
+            self._control(
+                s, "POST", "/init_weights_update_group",
+                {
+                    "master_address": master_address, "master_port": int(master_port),
+                    "rank_offset": off, "world_size": world_size,
+                    "group_name": group_name, "backend": backend,
+                },
+                timeout=self.config.weight_update_timeout_s,
+            )
+            for s, off in zip(self._servers, offsets, strict=True)
+        ))
+
+    async def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        *,
+        group_name: str,
+        version: str | None,
+    ) -> None:
+        """Tell every server to receive these tensors by broadcast from rank 0, in this order.
+
+        Blocks until the trainer has broadcast them: run as a task while broadcasting. Call it
+        inside `paused()`. `version` (set on the last bucket only) becomes the weight version.
+        """
+        body: dict[str, Any] = {
+            "names": names, "dtypes": dtypes, "shapes": shapes,
+            "group_name": group_name, "flush_cache": version is not None,
+        }
+        if version is not None:
+            body["weight_version"] = str(version)
+        await self._all(
+            "POST", "/update_weights_from_distributed", body,
+            timeout=self.config.weight_update_timeout_s,
+        )
+        if version is not None:
+            self._weight_version, self._last_disk_update = str(version), None
+
+    async def destroy_weights_update_group(self, group_name: str) -> None:
+        await self._all("POST", "/destroy_weights_update_group", {"group_name": group_name})
+
+    async def weight_versions(self) -> dict[str, str | None]:
+        """The weight version of each server in rotation, from `/model_info` (`/get_model_info`
+        on old servers)."""
+        out: dict[str, str | None] = {}
+        for s in self._in_rotation():
+            r = await self._control(s, "GET", "/model_info", allow_404=True)
+            if r is None:
+                r = await self._control(s, "GET", "/get_model_info")
+            out[s.url] = r.json().get("weight_version")
+        return out
+
+
+class _ContextLengthError(EngineError):
+    """Internal: SGLang's 400 for a prompt that does not fit; becomes a `length` Completion."""

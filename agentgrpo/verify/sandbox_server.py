@@ -1,0 +1,336 @@
+"""`agentgrpo serve-sandbox`: the sandbox as an HTTP server for trainers on other machines.
+
+    # on the sandbox machine (as root for the namespaces backend)
+    export AGENTGRPO_SANDBOX_TOKEN=$(openssl rand -hex 32)     # or --token-file PATH
+    agentgrpo serve-sandbox --host 0.0.0.0 --port 8765
+    # on the trainer
+    AGENTGRPO_SANDBOX_URL=http://box1:8765,http://box2:8765 AGENTGRPO_SANDBOX_TOKEN=... agentgrpo train ...
+    # or Sandbox(url=["http://box1:8765", ...], token=...)
+
+Security: it executes code for whoever reaches it, so it binds 127.0.0.1 by default and refuses
+to bind anything else without a token (from AGENTGRPO_SANDBOX_TOKEN or --token-file, never the
+command line, where `ps` would show it). With a token every request needs
+`Authorization: Bearer <token>` (401 otherwise, compared in constant time). Bodies are bounded
+(413), the limits a request asks for are clamped to the server's maxima, and at most
+`--max-queue` requests are admitted at once (429 with Retry-After beyond: back-pressure the
+client retries). Plain HTTP: put it behind TLS (a reverse proxy or a private network) when the
+network between trainer and sandbox is not trusted.
+
+Endpoints:
+    GET  /health    backend, slots, isolation features
+    POST /run       {"code", "stdin" | "stdin_b64", "files" | "files_b64", "limits"} -> ExecResult
+    POST /run_code  SandboxFusion-compatible: {"code", "language": "python", "run_timeout",
+                    "memory_limit_MB", "stdin", "files": {name: base64}} -> {"status": "Success" |
+                    "Failed" | "SandboxError", "message", "compile_result", "run_result": {"status":
+                    "Finished" | "TimeLimitExceeded" | "Error", "execution_time", "return_code",
+                    "stdout", "stderr"}, "executor_pod_name", "files"}
+
+Stdlib only (`http.server`, one thread per request; each blocks on the thread-safe `Sandbox`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import binascii
+import dataclasses
+import hmac
+import ipaddress
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from pydantic import ValidationError
+
+from agentgrpo.verify.sandbox import Limits, Sandbox, SandboxConfig
+
+TOKEN_ENV = "AGENTGRPO_SANDBOX_TOKEN"
+
+
+class ServerLimits:
+    """The most a request may ask for; requests asking for more are clamped, not refused."""
+
+    def __init__(
+        self,
+        max_body_bytes: int,
+        max_queue: int,
+        max_wall_s: float,
+        max_memory_mb: int,
+        max_output_bytes: int,
+    ) -> None:
+        self.max_body_bytes, self.max_queue = max_body_bytes, max_queue
+        self.max_wall_s, self.max_memory_mb, self.max_output_bytes = (
+            max_wall_s,
+            max_memory_mb,
+            max_output_bytes,
+        )
+
+    def clamp(self, limits: Limits) -> Limits:
+        return limits.model_copy(
+            update={
+                "wall_s": min(limits.wall_s, self.max_wall_s),
+                "memory_mb": min(limits.memory_mb, self.max_memory_mb),
+                "output_bytes": min(limits.output_bytes, self.max_output_bytes),
+            }
+        )
+
+
+class BadRequest(Exception):
+    """A malformed request (400); the message goes back to the client."""
+
+
+def _b64(s: str, what: str) -> bytes:
+    try:
+        return base64.b64decode(s, validate=True)
+    except (binascii.Error, ValueError, TypeError):
+        raise BadRequest(f"{what} is not valid base64") from None
+
+
+def parse_run(body: dict, srv: ServerLimits) -> tuple[str, bytes, dict[str, bytes], Limits]:
+    """Validate a /run body into arguments of `Sandbox.run`."""
+    if not isinstance(body.get("code"), str):
+        raise BadRequest("'code' (a string) is required")
+    stdin = (
+        _b64(body["stdin_b64"], "stdin_b64")
+        if "stdin_b64" in body
+        else str(body.get("stdin") or "").encode()
+    )
+    files = {k: str(v).encode() for k, v in (body.get("files") or {}).items()}
+    files.update(
+        {k: _b64(v, f"files_b64[{k!r}]") for k, v in (body.get("files_b64") or {}).items()}
+    )
+    try:
+        limits = Limits(**(body.get("limits") or {}))
+    except ValidationError as e:
+        raise BadRequest(f"bad limits: {e.errors()[0]['loc']}: {e.errors()[0]['msg']}") from None
+    return body["code"], stdin, files, srv.clamp(limits)
+
+
+def parse_run_code(body: dict, srv: ServerLimits) -> tuple[str, bytes, dict[str, bytes], Limits]:
+    """Validate a SandboxFusion /run_code body (python only)."""
+    lang = body.get("language", "python")
+    if lang not in ("python", "python3"):
+        raise BadRequest(f"language {lang!r} is not supported here (python only)")
+    if not isinstance(body.get("code"), str):
+        raise BadRequest("'code' (a string) is required")
+    mem = body.get("memory_limit_MB", -1)
+    lim = {"wall_s": float(body.get("run_timeout", 10) or 10)}
+    if isinstance(mem, (int, float)) and mem > 0:
+        lim["memory_mb"] = int(mem)
+    try:
+        limits = Limits(**lim)
+    except ValidationError as e:
+        raise BadRequest(f"bad limits: {e.errors()[0]['msg']}") from None
+    files = {
+        k: _b64(v, f"files[{k!r}]") for k, v in (body.get("files") or {}).items() if v is not None
+    }
+    return body["code"], str(body.get("stdin") or "").encode(), files, srv.clamp(limits)
+
+
+def to_sandboxfusion(res) -> dict:
+    """An ExecResult in SandboxFusion's RunCodeResponse shape."""
+    if res.status == "sandbox_error":
+        return {
+            "status": "SandboxError",
+            "message": res.detail,
+            "compile_result": None,
+            "run_result": None,
+            "executor_pod_name": socket.gethostname(),
+            "files": {},
+        }
+    run_status = "TimeLimitExceeded" if res.status == "timeout" else "Finished"
+    rc = res.exit_code if res.exit_code is not None else (128 + res.signal if res.signal else -1)
+    return {
+        "status": "Success" if res.status == "ok" else "Failed",
+        "message": "" if res.status == "ok" else f"{res.status}: {res.detail}".rstrip(": "),
+        "compile_result": None,
+        "run_result": {
+            "status": run_status,
+            "execution_time": res.wall_s,
+            "return_code": rc,
+            "stdout": res.stdout,
+            "stderr": res.stderr,
+        },
+        "executor_pod_name": socket.gethostname(),
+        "files": {},
+    }
+
+
+def make_handler(sb: Sandbox, token: str | None, srv: ServerLimits) -> type[BaseHTTPRequestHandler]:
+    admitted = threading.BoundedSemaphore(srv.max_queue)
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+        server_version = "agentgrpo-sandbox"
+
+        def log_message(self, fmt: str, *args) -> None:  # one line per request, without bodies
+            sys.stderr.write(f"serve-sandbox: {self.address_string()} {fmt % args}\n")
+
+        def _send(self, code: int, obj: dict, headers: dict[str, str] | None = None) -> None:
+            data = json.dumps(obj).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            for k, v in (headers or {}).items():
+                self.send_header(k, v)
+            self.end_headers()
+            self.wfile.write(data)
+
+        def _authorized(self) -> bool:
+            if token is None:
+                return True
+            got = self.headers.get("Authorization", "")
+            ok = got.startswith("Bearer ") and hmac.compare_digest(
+                got[7:].strip().encode(), token.encode()
+            )
+            if not ok:
+                self._send(401, {"error": "unauthorized"}, {"WWW-Authenticate": "Bearer"})
+            return ok
+
+        def do_GET(self) -> None:
+            if not self._authorized():
+                return
+            if self.path != "/health":
+                return self._send(404, {"error": f"no such endpoint {self.path}"})
+            self._send(200, {"ok": True, **sb.info})
+
+        def do_POST(self) -> None:
+            if not self._authorized():
+                return
+            parser = {"/run": parse_run, "/run_code": parse_run_code}.get(self.path)
+            if parser is None:
+                return self._send(404, {"error": f"no such endpoint {self.path}"})
+            length = self.headers.get("Content-Length")
+            if length is None or not length.isdigit():
+                self.close_connection = True
+                return self._send(411, {"error": "Content-Length required"})
+            if int(length) > srv.max_body_bytes:
+                self.close_connection = True  # do not read it
+                return self._send(413, {"error": f"body over {srv.max_body_bytes} bytes"})
+            raw = self.rfile.read(int(length))
+            try:
+                body = json.loads(raw)
+                if not isinstance(body, dict):
+                    raise BadRequest("body must be a JSON object")
+                code, stdin, files, limits = parser(body, srv)
+            except (ValueError, BadRequest) as e:  # untrusted input: report, never crash
+                return self._send(400, {"error": str(e)})
+            if not admitted.acquire(blocking=False):
+                return self._send(429, {"error": "sandbox queue full"}, {"Retry-After": "1"})
+            try:
+                res = sb.run(code, stdin=stdin, files=files, limits=limits)
+            except ValueError as e:  # a bad file name
+                return self._send(400, {"error": str(e)})
+            finally:
+                admitted.release()
+            if self.path == "/run":
+                self._send(200, dataclasses.asdict(res))
+            else:
+                self._send(200, to_sandboxfusion(res))
+
+    return Handler
+
+
+def _read_token(token_file: str | None) -> str | None:
+    if token_file:
+        with open(token_file) as f:
+            tok = f.read().strip()
+        if not tok:
+            raise SystemExit(f"serve-sandbox: token file {token_file} is empty")
+        return tok
+    return os.environ.get(TOKEN_ENV) or None
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="agentgrpo serve-sandbox", description=__doc__.split("\n\n")[0]
+    )
+    p.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (non-loopback needs a token)"
+    )
+    p.add_argument("--port", type=int, default=8765)
+    p.add_argument("--token-file", help=f"file holding the bearer token (default: ${TOKEN_ENV})")
+    p.add_argument(
+        "--backend", default="auto", choices=["auto", "namespaces", "bwrap", "unsafe-local"]
+    )
+    p.add_argument("--slots", type=int, default=None, help="jobs run at once (default 4 x CPUs)")
+    p.add_argument(
+        "--max-queue", type=int, default=512, help="requests admitted at once; 429 beyond"
+    )
+    p.add_argument("--max-body-mb", type=float, default=16.0)
+    p.add_argument("--max-wall-s", type=float, default=60.0)
+    p.add_argument("--max-memory-mb", type=int, default=4096)
+    p.add_argument("--max-output-bytes", type=int, default=8 << 20)
+    return p
+
+
+def make_server(argv: list[str] | None = None) -> tuple[ThreadingHTTPServer, Sandbox]:
+    """Parse arguments, check the security rules, start the sandbox and bind (not yet serving)."""
+    args = build_parser().parse_args(argv)
+    token = _read_token(args.token_file)
+    if token is None and not _is_loopback(args.host):
+        raise SystemExit(
+            f"serve-sandbox: refusing to bind {args.host} without a token: anyone who can reach it could run "
+            f"code here. Set {TOKEN_ENV} or pass --token-file."
+        )
+    srv = ServerLimits(
+        int(args.max_body_mb * (1 << 20)),
+        args.max_queue,
+        args.max_wall_s,
+        args.max_memory_mb,
+        args.max_output_bytes,
+    )
+    sb = Sandbox(backend=args.backend, config=SandboxConfig(slots=args.slots))
+    ThreadingHTTPServer.daemon_threads = True
+    if ":" in args.host:
+        ThreadingHTTPServer.address_family = socket.AF_INET6
+    try:
+        server = ThreadingHTTPServer((args.host, args.port), make_handler(sb, token, srv))
+    except OSError:
+        sb.close()
+        raise
+    return server, sb
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        server, sb = make_server(argv)
+    except SystemExit as e:  # argparse (already printed) or a refused configuration
+        if isinstance(e.code, str):
+            print(e.code, file=sys.stderr)
+            return 2
+        return int(e.code or 0)
+    except (OSError, RuntimeError) as e:
+        print(f"serve-sandbox: {e}", file=sys.stderr)
+        return 1
+    host, port = server.server_address[:2]
+    print(
+        f"serve-sandbox: http://{host}:{port} backend={sb.backend} features={sb.info['features']}",
+        file=sys.stderr,
+    )
+    signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown).start())
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+        sb.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

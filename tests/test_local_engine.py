@@ -1,0 +1,409 @@
+"""LocalEngine: batched in-process generation whose logprobs match a fresh forward pass.
+
+Most tests use a tiny random Llama (2 layers, hidden 32); two use the real SmolLM2.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import threading
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from agentgrpo.engine import Engine, EngineError, LocalEngine, SamplingParams
+from agentgrpo.engine.local import sample
+
+VOCAB = 320
+CONTEXT = 64
+
+
+@pytest.fixture(autouse=True)
+def _offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+def tiny_model(seed: int = 0, eos: int = 2) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=CONTEXT,
+        bos_token_id=1, eos_token_id=eos, pad_token_id=0, tie_word_embeddings=True,
+        initializer_range=0.5,  # peaky distributions, so greedy and sampling differ visibly
+    )  # fmt: skip
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture
+def model():
+    return tiny_model()
+
+
+@pytest.fixture
+def engine(model):
+    """No EOS ids, so lengths are exact unless a test asks for stop ids."""
+    with LocalEngine(model, seed=0, eos_token_ids=()) as eng:
+        yield eng
+
+
+def fresh_logprobs(
+    model, prompt: list[int], completion: list[int], temperature: float
+) -> torch.Tensor:
+    """log_softmax(logits / T) at the completion ids, from one unbatched forward without a cache."""
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1 : -1]
+    logp = torch.log_softmax(logits / (temperature or 1.0), dim=-1)
+    return logp.gather(-1, torch.tensor(completion)[:, None])[:, 0]
+
+
+def assert_matches_fresh_forward(model, prompt, completion, temperature, atol=1e-4):
+    assert len(completion.token_ids) == len(completion.logprobs) > 0
+    expected = fresh_logprobs(model, prompt, completion.token_ids, temperature)
+    got = torch.tensor(completion.logprobs)
+    assert torch.allclose(got, expected, atol=atol, rtol=0), (got - expected).abs().max()
+
+
+# ------------------------------------------------------------------------------------- logprobs
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 0.0])
+async def test_batched_logprobs_equal_a_fresh_forward(model, engine, temperature):
+    prompts = [[5], list(range(10, 40)), [9] * 12, [3, 4, 7, 8, 100]]
+    max_new = [20, 12, 25, 7]
+    outs = await asyncio.gather(
+        *(
+            engine.generate(p, SamplingParams(max_new_tokens=n, temperature=temperature))
+            for p, n in zip(prompts, max_new, strict=True)
+        )
+    )
+    assert engine.stats["max_rows"] == 4  # they really were decoded together
+    for prompt, n, out in zip(prompts, max_new, outs, strict=True):
+        assert out.finish_reason == "length" and len(out.token_ids) == n
+        assert_matches_fresh_forward(model, prompt, out, temperature)
+    if temperature == 0:  # greedy: each token is the argmax of the fresh forward
+        for prompt, out in zip(prompts, outs, strict=True):
+            with torch.inference_mode():
+                logits = model(torch.tensor([prompt + out.token_ids])).logits[
+                    0, len(prompt) - 1 : -1
+                ]
+            assert logits.argmax(-1).tolist() == out.token_ids
+
+
+async def test_requests_joining_a_running_batch_keep_exact_logprobs(model, engine):
+    """Continuous batching: rows join mid-decode with longer and shorter prompts than the running
+    cache, and leave early; every row still matches its own unbatched forward."""
+
+    async def until(stat: str, n: int) -> None:
+        while engine.stats[stat] < n:
+            await asyncio.sleep(0.001)
+
+    first_prompt, long_prompt = [7, 8, 9, 10, 11, 12, 13, 14], list(range(50, 80))
+    first = asyncio.create_task(engine.generate(first_prompt, SamplingParams(max_new_tokens=56)))
+    await until("steps", 3)  # the running cache is ~11 columns wide: the running row gets padded
+    long = asyncio.create_task(engine.generate(long_prompt, SamplingParams(max_new_tokens=15)))
+    await until("prefills", 2)
+    await until("steps", engine.stats["steps"] + 2)  # ~33 columns: the one-token prompt gets padded
+    short = asyncio.create_task(engine.generate([4], SamplingParams(max_new_tokens=5)))
+    out_short = await short
+    assert not first.done()  # the short request did not wait for the long-running one
+    out_first, out_long = await first, await long
+    assert engine.stats["prefills"] == 3 and engine.stats["max_rows"] == 3
+    assert_matches_fresh_forward(model, first_prompt, out_first, 1.0)
+    assert_matches_fresh_forward(model, long_prompt, out_long, 1.0)
+    assert_matches_fresh_forward(model, [4], out_short, 1.0)
+
+
+async def test_long_prompts_are_prefilled_in_chunks_with_the_same_result(model):
+    prompt = list(range(3, 50))
+    params = SamplingParams(max_new_tokens=6, temperature=0.0)
+    with LocalEngine(model, eos_token_ids=(), prefill_tokens=8) as small:
+        chunked = await small.generate(prompt, params)
+        assert small.stats["prefills"] == 1
+    assert_matches_fresh_forward(model, prompt, chunked, 0.0)
+
+
+def test_sample_hand_computed_distribution():
+    # p = [0.5, 0.3, 0.15, 0.05]. top_p = 0.7 keeps {0.5, 0.3} (mass before 0.15 is 0.8 >= 0.7),
+    # renormalised to [0.625, 0.375]; so u < 0.625 picks token 0, u >= 0.625 picks token 1.
+    logits = torch.tensor([0.5, 0.3, 0.15, 0.05]).log().repeat(4, 1)
+    ids, logprobs = sample(
+        logits, temperature=[1.0, 1.0, 1.0, 0.0], top_k=[-1, -1, 3, -1], top_p=[0.7, 0.7, 0.9, 1.0],
+        uniforms=torch.tensor([0.6, 0.7, 0.99, 0.99], dtype=torch.float64),
+    )  # fmt: skip
+    assert ids.tolist() == [0, 1, 2, 0]
+    # row 2: top_k=3 renormalises to [0.5, 0.3, 0.15] / 0.95; mass before the third is 0.842 < 0.9,
+    # so top_p keeps it: log(0.15 / 0.95). Row 3 is greedy: argmax with the plain log(0.5).
+    expected = [math.log(0.625), math.log(0.375), math.log(0.15 / 0.95), math.log(0.5)]
+    assert logprobs.tolist() == pytest.approx(expected, abs=1e-6)
+
+
+def test_sample_follows_the_tempered_distribution_exactly():
+    # Inverse-CDF sampling on a uniform grid of u hits each token in proportion to its probability.
+    probs = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    temperature = 2.0  # softmax(log p / 2) ∝ sqrt(p)
+    tempered = probs.sqrt() / probs.sqrt().sum()
+    n = 10_000
+    uniforms = (torch.arange(n, dtype=torch.float64) + 0.5) / n
+    ids, logprobs = sample(
+        probs.log().repeat(n, 1), temperature=[temperature] * n, top_k=[-1] * n, top_p=[1.0] * n,
+        uniforms=uniforms,
+    )  # fmt: skip
+    counts = torch.bincount(ids, minlength=4) / n
+    assert torch.allclose(counts, tempered, atol=2e-4)
+    assert torch.allclose(logprobs, tempered.log()[ids], atol=1e-6)
+
+
+async def test_top_k_and_top_p_logprobs_are_of_the_truncated_distribution(model, engine):
+    prompt = [5, 6, 7]
+    out = await engine.generate(prompt, SamplingParams(max_new_tokens=10, top_k=3, temperature=0.8))
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1 : -1] / 0.8
+    top_vals, top_ids = logits.topk(3, dim=-1)
+    for i, tok in enumerate(out.token_ids):
+        assert tok in top_ids[i].tolist()
+        expected = torch.log_softmax(top_vals[i], -1)[top_ids[i].tolist().index(tok)]
+        assert out.logprobs[i] == pytest.approx(expected.item(), abs=1e-4)
+
+    out = await engine.generate(prompt, SamplingParams(max_new_tokens=10, top_p=0.5))
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1 : -1]
+    for i, tok in enumerate(out.token_ids):
+        probs, order = torch.softmax(logits[i], -1).sort(descending=True)
+        keep = int(((probs.cumsum(0) - probs) < 0.5).sum())  # smallest prefix reaching 0.5
+        kept = order[:keep].tolist()
+        assert tok in kept
+        expected = (probs[kept.index(tok)] / probs[:keep].sum()).log()
+        assert out.logprobs[i] == pytest.approx(expected.item(), abs=1e-4)
+
+
+# ------------------------------------------------------------------------------ finish reasons
+async def test_stop_token_is_returned_last_with_reason_stop(model, engine):
+    prompt = [11, 12, 13]
+    free = await engine.generate(prompt, SamplingParams(max_new_tokens=12, temperature=0.0))
+    assert free.finish_reason == "length" and free.detail == ""
+    stop_id = free.token_ids[4]
+    cut = free.token_ids.index(stop_id) + 1
+    out = await engine.generate(
+        prompt, SamplingParams(max_new_tokens=12, temperature=0.0, stop_token_ids=(stop_id,))
+    )
+    assert out.finish_reason == "stop"
+    assert out.token_ids == free.token_ids[:cut] and out.token_ids[-1] == stop_id
+    assert out.logprobs == pytest.approx(free.logprobs[:cut], abs=1e-5)
+
+
+async def test_model_eos_ends_a_request(model):
+    prompt = [11, 12, 13]
+    with LocalEngine(model, eos_token_ids=()) as eng:
+        free = await eng.generate(prompt, SamplingParams(max_new_tokens=12, temperature=0.0))
+    eos = free.token_ids[3]
+    model.config.eos_token_id = eos  # the engine reads the model's own EOS ids by default
+    model.generation_config.eos_token_id = eos
+    with LocalEngine(model) as eng:
+        assert eos in eng.eos_token_ids
+        out = await eng.generate(prompt, SamplingParams(max_new_tokens=12, temperature=0.0))
+    assert out.finish_reason == "stop" and out.token_ids[-1] == eos
+    assert out.token_ids == free.token_ids[: free.token_ids.index(eos) + 1]
+
+
+async def test_context_length_clamps_max_new_tokens(engine):
+    out = await engine.generate(list(range(3, 63)), SamplingParams(max_new_tokens=100))
+    assert out.finish_reason == "length" and len(out.token_ids) == CONTEXT - 60
+    assert "context length 64" in out.detail
+    full = await engine.generate([5] * CONTEXT, SamplingParams(max_new_tokens=4))
+    assert (full.token_ids, full.finish_reason) == ([], "length")
+    assert "fills the context length 64" in full.detail
+    # A budget that fits is not clamped and says nothing.
+    fits = await engine.generate(list(range(3, 63)), SamplingParams(max_new_tokens=4))
+    assert (len(fits.token_ids), fits.detail) == (4, "")
+
+
+async def test_bad_prompts_are_rejected_before_queueing(engine):
+    with pytest.raises(ValueError, match="vocabulary"):
+        await engine.generate([1, VOCAB], SamplingParams())
+    with pytest.raises(ValueError, match="empty"):
+        await engine.generate([], SamplingParams())
+    assert engine.stats["prefills"] == 0
+
+
+# --------------------------------------------------------------------------------- concurrency
+async def test_many_tasks_share_batches_off_the_event_loop(model):
+    forward_threads: set[int] = set()
+    model.register_forward_pre_hook(lambda *_: forward_threads.add(threading.get_ident()))
+    ticks = 0
+
+    async def ticker():
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0)
+
+    with LocalEngine(model, max_batch_size=8, eos_token_ids=()) as eng:
+        tick_task = asyncio.create_task(ticker())
+        prompts = [list(range(3, 3 + 1 + i % 9)) for i in range(40)]
+        params = [SamplingParams(max_new_tokens=5 + i % 13, seed=i) for i in range(40)]
+        outs = await asyncio.gather(
+            *(eng.generate(p, q) for p, q in zip(prompts, params, strict=True))
+        )
+        tick_task.cancel()
+        assert 1 < eng.stats["max_rows"] <= 8
+        assert threading.get_ident() not in forward_threads  # torch never ran on the loop thread
+        # The loop kept running other tasks while the engine worked (hundreds of thousands of
+        # ticks here; a generate that blocked the loop would leave about one tick per request).
+        assert ticks > 1000
+        for prompt, param, out in zip(prompts, params, outs, strict=True):
+            assert len(out.token_ids) == param.max_new_tokens
+            assert_matches_fresh_forward(model, prompt, out, 1.0)
+        # A seeded request gives the same tokens alone as it did inside a batch of 8.
+        alone = await eng.generate(prompts[17], params[17])
+        assert alone.token_ids == outs[17].token_ids
+
+
+async def test_seeds_make_requests_reproducible_and_distinct(engine):
+    prompt = [20, 21, 22]
+    a1 = await engine.generate(prompt, SamplingParams(max_new_tokens=20, seed=1))
+    a2 = await engine.generate(prompt, SamplingParams(max_new_tokens=20, seed=1))
+    b = await engine.generate(prompt, SamplingParams(max_new_tokens=20, seed=2))
+    unseeded = await asyncio.gather(
+        *(engine.generate(prompt, SamplingParams(max_new_tokens=20)) for _ in range(2))
+    )
+    assert a1.token_ids == a2.token_ids
+    assert a1.token_ids != b.token_ids
+    assert unseeded[0].token_ids != unseeded[1].token_ids
+
+
+async def test_cancelled_request_leaves_the_batch(engine):
+    slow = asyncio.create_task(engine.generate([5, 6], SamplingParams(max_new_tokens=60)))
+    other = asyncio.create_task(engine.generate([7, 8], SamplingParams(max_new_tokens=30)))
+    while engine.stats["steps"] < 2:
+        await asyncio.sleep(0.001)
+    slow.cancel()
+    out = await other
+    assert len(out.token_ids) == 30
+    with pytest.raises(asyncio.CancelledError):
+        await slow
+    await engine.update_weights({}, version="barrier")  # an update waits until no row is running
+    assert engine.stats["tokens"] < 60 + 30  # the cancelled row stopped decoding
+
+
+async def test_close_aborts_in_flight_requests(model):
+    eng = LocalEngine(model, eos_token_ids=())
+    task = asyncio.create_task(eng.generate([5, 6], SamplingParams(max_new_tokens=60)))
+    while eng.stats["steps"] < 2:
+        await asyncio.sleep(0.001)
+    await eng.aclose()
+    out = await task
+    assert out.finish_reason == "abort" and 0 < len(out.token_ids) < 60
+    assert out.detail == "engine closed"
+    with pytest.raises(EngineError):
+        await eng.generate([5, 6], SamplingParams(max_new_tokens=2))
+
+
+def test_local_engine_satisfies_the_engine_protocol(engine):
+    assert isinstance(engine, Engine)
+
+
+# ------------------------------------------------------------------------ weights and scoring
+async def test_update_weights_changes_outputs_and_version(model):
+    prompt = [30, 31, 32, 33]
+    greedy = SamplingParams(max_new_tokens=10, temperature=0.0)
+    new_model = tiny_model(seed=1)
+    with LocalEngine(model, eos_token_ids=(), weight_version="v0") as eng:
+        before = await eng.generate(prompt, greedy)
+        assert before.weight_version == "v0"
+        await eng.update_weights(new_model.state_dict(), version="v1")
+        after = await eng.generate(prompt, greedy)
+        assert after.weight_version == "v1" and eng.weight_version == "v1"
+        assert after.token_ids != before.token_ids
+        assert_matches_fresh_forward(new_model, prompt, after, 0.0)
+        assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+        scored = await eng.score(prompt, before.token_ids)
+        expected = fresh_logprobs(new_model, prompt, before.token_ids, 1.0)
+        assert torch.allclose(torch.tensor(scored), expected, atol=1e-4)
+
+
+async def test_update_weights_from_a_safetensors_directory(model, tmp_path):
+    from safetensors.torch import save_file
+
+    new_model = tiny_model(seed=3)
+    state = {k: v for k, v in new_model.state_dict().items() if k != "lm_head.weight"}  # tied
+    save_file(state, tmp_path / "model.safetensors")
+    with LocalEngine(model, eos_token_ids=()) as eng:
+        await eng.update_weights(tmp_path, version="3")
+        out = await eng.generate([9, 9], SamplingParams(max_new_tokens=6, temperature=0.0))
+    assert out.weight_version == "3"
+    assert_matches_fresh_forward(new_model, [9, 9], out, 0.0)
+
+
+async def test_bad_weights_are_rejected_without_changing_anything(model, engine):
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    good = tiny_model(seed=4).state_dict()
+    with pytest.raises(ValueError, match="unknown names"):
+        await engine.update_weights({**good, "nope.weight": torch.zeros(1)}, version="x")
+    wrong_shape = {**good, "model.norm.weight": torch.zeros(3)}
+    with pytest.raises(ValueError, match="shape"):
+        await engine.update_weights(wrong_shape, version="x")
+    assert engine.weight_version is None
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+async def test_update_waits_for_running_requests(model, engine):
+    """A completion comes from one weight version: the update lands after in-flight rows finish."""
+    params = SamplingParams(max_new_tokens=30, temperature=0.0)
+    running = asyncio.create_task(engine.generate([5, 6, 7], params))
+    while engine.stats["steps"] < 2:
+        await asyncio.sleep(0.001)
+    await engine.update_weights(tiny_model(seed=5).state_dict(), version="new")
+    assert running.done()
+    out = running.result()
+    assert out.weight_version is None and len(out.token_ids) == 30
+    assert_matches_fresh_forward(tiny_model(seed=0), [5, 6, 7], out, 0.0)
+
+
+async def test_score_matches_generation_logprobs(model, engine):
+    prompt = [40, 41]
+    for temperature in (1.0, 0.5, 0.0):
+        out = await engine.generate(
+            prompt, SamplingParams(max_new_tokens=8, temperature=temperature)
+        )
+        scored = await engine.score(prompt, out.token_ids, temperature=temperature)
+        assert scored == pytest.approx(out.logprobs, abs=1e-4)
+    assert await engine.score(prompt, []) == []
+
+
+# ------------------------------------------------------------------------- the embedded model
+@pytest.fixture(scope="module")
+def smollm2():
+    from agentgrpo.models import default_model_path
+
+    with LocalEngine(default_model_path(), seed=0) as eng:
+        yield eng
+
+
+async def test_smollm2_batched_logprobs_equal_a_fresh_forward(smollm2):
+    tok = smollm2.tokenizer
+    questions = [
+        "Hi",
+        "Name three colours of the rainbow.",
+        "What is 12 times 7? Explain your steps.",
+    ]
+    prompts = [
+        tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)[
+            "input_ids"
+        ]
+        for q in questions
+    ]
+    outs = await asyncio.gather(
+        *(smollm2.generate(p, SamplingParams(max_new_tokens=8, temperature=1.0)) for p in prompts)
+    )
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert_matches_fresh_forward(smollm2.model, prompt, out, 1.0)
+
+
+async def test_smollm2_stops_at_im_end(smollm2):
+    tok = smollm2.tokenizer
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    prompt = tok.apply_chat_template(question, add_generation_prompt=True)["input_ids"]
+    out = await smollm2.generate(prompt, SamplingParams(max_new_tokens=20, temperature=0.0))
+    assert out.finish_reason == "stop"
+    assert out.token_ids[-1] == tok.convert_tokens_to_ids("<|im_end|>") == 2
+    assert "Paris" in tok.decode(out.token_ids)

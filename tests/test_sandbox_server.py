@@ -1,0 +1,246 @@
+"""`serve-sandbox`: auth, bounds, back-pressure, the native and the SandboxFusion-compatible API,
+and `Sandbox(url=...)` against it. The server runs in a thread of this process on a free port.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+
+import httpx
+import pytest
+
+from agentgrpo.verify import sandbox_server
+from agentgrpo.verify.sandbox import Limits, Sandbox, SandboxConfig
+
+TOKEN = "s3cret-token-for-tests"
+
+
+def _serve(argv: list[str], env_token: str | None = None):
+    old = os.environ.pop(sandbox_server.TOKEN_ENV, None)
+    if env_token:
+        os.environ[sandbox_server.TOKEN_ENV] = env_token
+    try:
+        backend = "namespaces" if os.geteuid() == 0 else "auto"
+        server, sb = sandbox_server.make_server(
+            ["--port", "0", "--backend", backend, "--slots", "2", *argv]
+        )
+    except RuntimeError as e:
+        pytest.skip(f"no sandbox backend on this host: {e}")
+    finally:
+        os.environ.pop(sandbox_server.TOKEN_ENV, None)
+        if old is not None:
+            os.environ[sandbox_server.TOKEN_ENV] = old
+    t = threading.Thread(target=server.serve_forever, daemon=True)
+    t.start()
+    host, port = server.server_address[:2]
+    return f"http://{host}:{port}", server, sb
+
+
+@pytest.fixture(scope="module")
+def open_server():
+    url, server, sb = _serve(["--max-queue", "1", "--max-body-mb", "0.01", "--max-wall-s", "2"])
+    yield url
+    server.shutdown()
+    server.server_close()
+    sb.close()
+
+
+@pytest.fixture(scope="module")
+def token_server():
+    url, server, sb = _serve([], env_token=TOKEN)
+    yield url
+    server.shutdown()
+    server.server_close()
+    sb.close()
+
+
+def test_health_and_run(open_server):
+    r = httpx.get(open_server + "/health")
+    assert r.status_code == 200 and r.json()["ok"] is True and r.json()["features"]
+    r = httpx.post(
+        open_server + "/run",
+        json={
+            "code": "print(input() * 2)",
+            "stdin": "ab",
+            "files": {"a.txt": "x"},
+            "limits": {"wall_s": 1},
+        },
+    )
+    d = r.json()
+    assert r.status_code == 200 and (d["status"], d["stdout"], d["exit_code"]) == (
+        "ok",
+        "abab\n",
+        0,
+    )
+
+
+def test_client_against_server(open_server):
+    sb = Sandbox(url=open_server)
+    try:
+        res = sb.run(
+            "import sys; print(open('f.bin','rb').read()); sys.exit(4)",
+            files={"f.bin": b"\x00\x01"},
+        )
+        assert (res.status, res.exit_code, res.stdout) == ("runtime_error", 4, "b'\\x00\\x01'\n")
+        assert res.backend.startswith("remote:")
+        res = asyncio.run(sb.arun("print('async')"))
+        assert (res.status, res.stdout) == ("ok", "async\n")
+    finally:
+        sb.close()
+
+
+def test_limits_are_clamped_to_server_maxima(open_server):
+    # the server's --max-wall-s 2 wins over a request for 1000 s
+    r = httpx.post(
+        open_server + "/run",
+        json={"code": "import time; time.sleep(30)", "limits": {"wall_s": 1000}},
+        timeout=20,
+    )
+    d = r.json()
+    assert d["status"] == "timeout" and 2.0 <= d["wall_s"] < 6.0
+
+
+def test_bad_requests(open_server):
+    assert httpx.post(open_server + "/run", json={"nocode": 1}).status_code == 400
+    assert (
+        httpx.post(open_server + "/run", json={"code": "1", "limits": {"wall_s": -1}}).status_code
+        == 400
+    )
+    assert (
+        httpx.post(open_server + "/run", json={"code": "1", "stdin_b64": "%%%"}).status_code == 400
+    )
+    assert (
+        httpx.post(open_server + "/run", json={"code": "1", "files": {"../x": "y"}}).status_code
+        == 400
+    )
+    assert (
+        httpx.post(
+            open_server + "/run", content=b"[1]", headers={"Content-Type": "application/json"}
+        ).status_code
+        == 400
+    )
+    assert httpx.post(open_server + "/nope", json={}).status_code == 404
+    big = {"code": "x" * 20000}  # over --max-body-mb 0.01
+    assert httpx.post(open_server + "/run", json=big).status_code == 413
+
+
+def test_queue_full_gives_429(open_server):
+    # --max-queue 1: while one slow job runs, a second request is turned away with Retry-After
+    slow = threading.Thread(
+        target=lambda: httpx.post(
+            open_server + "/run",
+            json={"code": "import time; time.sleep(1.2)", "limits": {"wall_s": 2}},
+            timeout=10,
+        )
+    )
+    slow.start()
+    time.sleep(0.4)  # the slow job is admitted and running
+    try:
+        r = httpx.post(open_server + "/run", json={"code": "print(1)"})
+        assert r.status_code == 429 and r.headers["Retry-After"] == "1"
+    finally:
+        slow.join()
+
+
+def test_client_retries_busy_server(open_server):
+    # the client treats 429 as back-pressure: it waits and retries instead of failing the job
+    slow = threading.Thread(
+        target=lambda: httpx.post(
+            open_server + "/run",
+            json={"code": "import time; time.sleep(1.0)", "limits": {"wall_s": 2}},
+            timeout=10,
+        )
+    )
+    slow.start()
+    time.sleep(0.4)
+    try:
+        sb = Sandbox(url=open_server, config=SandboxConfig(busy_wait_s=10))
+        t0 = time.monotonic()
+        res = sb.run("print('eventually')", limits=Limits(wall_s=1))
+        assert (res.status, res.stdout) == ("ok", "eventually\n")
+        assert time.monotonic() - t0 > 0.3  # it did wait for the slow job to leave
+        sb.close()
+    finally:
+        slow.join()
+
+
+def test_sandboxfusion_run_code(open_server):
+    r = httpx.post(
+        open_server + "/run_code",
+        json={
+            "code": "print(open('in.txt').read())",
+            "language": "python",
+            "run_timeout": 1,
+            "files": {"in.txt": "aGk="},
+        },
+    )
+    d = r.json()
+    assert (
+        d["status"],
+        d["run_result"]["status"],
+        d["run_result"]["stdout"],
+        d["run_result"]["return_code"],
+    ) == ("Success", "Finished", "hi\n", 0)
+    d = httpx.post(
+        open_server + "/run_code", json={"code": "import time; time.sleep(5)", "run_timeout": 0.3}
+    ).json()
+    assert (d["status"], d["run_result"]["status"]) == ("Failed", "TimeLimitExceeded")
+    d = httpx.post(
+        open_server + "/run_code", json={"code": "raise SystemExit(2)", "language": "python"}
+    ).json()
+    assert (d["status"], d["run_result"]["return_code"]) == ("Failed", 2)
+    assert (
+        httpx.post(open_server + "/run_code", json={"code": "x", "language": "cpp"}).status_code
+        == 400
+    )
+
+
+def test_token_required_when_configured(token_server):
+    assert httpx.get(token_server + "/health").status_code == 401
+    r = httpx.post(
+        token_server + "/run", json={"code": "print(1)"}, headers={"Authorization": "Bearer wrong"}
+    )
+    assert r.status_code == 401 and r.headers["WWW-Authenticate"] == "Bearer"
+    ok = httpx.post(
+        token_server + "/run",
+        json={"code": "print(1)"},
+        headers={"Authorization": f"Bearer {TOKEN}"},
+    )
+    assert ok.status_code == 200 and ok.json()["stdout"] == "1\n"
+    sb = Sandbox(url=token_server, token=TOKEN)
+    try:
+        assert sb.run("print(2)").stdout == "2\n"
+    finally:
+        sb.close()
+    bad = Sandbox(url=token_server, token="nope", config=SandboxConfig(retries=0))
+    try:
+        res = bad.run("print(3)")
+        assert res.status == "sandbox_error" and "401" in res.detail
+    finally:
+        bad.close()
+
+
+def test_non_loopback_bind_needs_token(capsys, monkeypatch):
+    monkeypatch.delenv(sandbox_server.TOKEN_ENV, raising=False)
+    assert sandbox_server.main(["--host", "0.0.0.0", "--port", "0"]) == 2
+    assert "refusing to bind 0.0.0.0 without a token" in capsys.readouterr().err
+
+
+def test_token_file(tmp_path, monkeypatch):
+    monkeypatch.delenv(sandbox_server.TOKEN_ENV, raising=False)
+    f = tmp_path / "tok"
+    f.write_text(TOKEN + "\n")
+    url, server, sb = _serve(["--token-file", str(f)])
+    try:
+        assert httpx.get(url + "/health").status_code == 401
+        assert (
+            httpx.get(url + "/health", headers={"Authorization": f"Bearer {TOKEN}"}).status_code
+            == 200
+        )
+    finally:
+        server.shutdown()
+        server.server_close()
+        sb.close()

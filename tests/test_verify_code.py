@@ -1,0 +1,207 @@
+"""Unit-test scoring in the sandbox: extraction, typed per-test outcomes, cheats, HumanEval."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+
+import pytest
+
+from agentgrpo.types import Message, StopReason, Task, Trajectory
+from agentgrpo.verify.code import (
+    CodeVerifier,
+    IOTest,
+    extract_code,
+    humaneval_solution,
+    load_humaneval,
+    run_tests,
+    score_humaneval,
+)
+from agentgrpo.verify.sandbox import ExecResult, Sandbox, SandboxConfig
+
+
+@pytest.fixture(scope="module")
+def sb():
+    backend = "namespaces" if os.geteuid() == 0 else "auto"
+    try:
+        box = Sandbox(backend=backend, config=SandboxConfig(slots=4))
+    except RuntimeError as e:
+        pytest.skip(f"no sandbox backend on this host: {e}")
+    yield box
+    box.close()
+
+
+ADD = "def add(a, b):\n    return a + b\n"
+
+
+def test_extract_code():
+    assert extract_code("Here:\n```python\nx = 1\n```\nand\n```python\nx = 2\n```") == "x = 2\n"
+    assert extract_code("```\nplain\n```") == "plain\n"
+    assert extract_code("```bash\nls\n```\n```py\nok = 1\n```") == "ok = 1\n"
+    assert (
+        extract_code("```python\ncut = 1\nby the token lim") == "cut = 1\nby the token lim\n"
+    )  # unclosed
+    assert extract_code("no fences: y = 3") == "no fences: y = 3\n"
+
+
+def test_assert_outcomes_each_typed(sb):
+    tests = [
+        "assert add(1, 2) == 3",
+        "assert add(1, 1) == 3, 'one plus one'",
+        "add(None, 1)",
+        "while True:\n    pass",
+        "import sys\nsys.exit(0)",
+    ]
+    res = run_tests(ADD, tests, sandbox=sb, timeout_per_test_s=0.5)
+    assert [t.outcome for t in res.tests] == ["passed", "failed", "error", "timeout", "error"]
+    assert res.tests[1].detail == "AssertionError: one plus one"
+    assert res.tests[2].detail.startswith("TypeError: unsupported operand")
+    assert res.score == pytest.approx(1 / 5) and res.passed == 1 and not res.all_passed
+    assert res.exec.status == "ok"  # one sandbox call for all of them
+
+
+def test_stdin_stdout_cases_compared_outside(sb):
+    prog = "import sys\na, b = map(int, input().split())\nprint(a + b)\nsys.exit(0)"
+    res = run_tests(
+        prog,
+        [
+            IOTest(stdin="1 2\n", expected="3\n"),
+            IOTest(stdin="5 5", expected="11"),
+            IOTest(stdin="2 2", expected="4   \n\n"),
+        ],
+        sandbox=sb,
+    )
+    assert [t.outcome for t in res.tests] == ["passed", "failed", "passed"]
+    assert res.tests[1].stdout == "10\n"
+    big = "\n".join(str(i) for i in range(30000)) + "\n"  # stdin larger than a pipe buffer
+    res = run_tests(
+        "import sys\nprint(sum(map(int, sys.stdin)))",
+        [IOTest(stdin=big, expected=str(sum(range(30000))))],
+        sandbox=sb,
+    )
+    assert res.all_passed
+
+
+def test_early_exit_is_not_a_pass(sb):
+    # the classic reward hack: leave before the asserts run
+    for cheat in ("import os\nos._exit(0)\n", "import sys\nsys.exit(0)\n", "exit()\n"):
+        res = run_tests(cheat + ADD, ["assert add(1, 2) == 3"], sandbox=sb)
+        assert [t.outcome for t in res.tests] == ["error"], cheat
+        assert res.score == 0.0
+
+
+def test_tests_are_isolated_from_each_other(sb):
+    # a test that breaks the solution's state or crashes hard does not affect the next one
+    tests = [
+        "import builtins\nbuiltins.len = None\nassert False",
+        "import os\nos.kill(os.getpid(), 9)",
+        "assert len([1]) == 1 and add(2, 2) == 4",
+    ]
+    res = run_tests(ADD, tests, sandbox=sb)
+    assert [t.outcome for t in res.tests] == ["failed", "error", "passed"]
+
+
+def test_printing_solution_cannot_forge_results(sb):
+    forged = 'print(\'{"i": 0, "o": "passed", "d": ""}\')\n'
+    res = run_tests(
+        forged + "def add(a, b):\n    return 0\n", ["assert add(1, 2) == 3"], sandbox=sb
+    )
+    assert [t.outcome for t in res.tests] == ["failed"]
+
+
+def test_job_limit_marks_remaining_not_run(sb):
+    from agentgrpo.verify.sandbox import Limits
+
+    tests = ["assert True", "import time\ntime.sleep(5)", "assert True"]
+    res = run_tests(ADD, tests, sandbox=sb, timeout_per_test_s=10, limits=Limits(wall_s=1.0))
+    assert [t.outcome for t in res.tests] == ["passed", "not_run", "not_run"]
+    assert res.exec.status == "timeout" and res.score == pytest.approx(1 / 3)
+
+
+def test_sandbox_error_is_nan_not_zero(monkeypatch, sb):
+    failure = ExecResult("sandbox_error", None, None, "", "", False, 0.0, "test", "supervisor died")
+    monkeypatch.setattr(sb, "run", lambda *a, **k: failure)
+    res = run_tests(ADD, ["assert add(1, 2) == 3"], sandbox=sb)
+    assert math.isnan(res.score) and res.unscorable and res.tests[0].outcome == "not_run"
+
+
+def test_code_verifier(sb):
+    v = CodeVerifier(sandbox=sb)
+    task = Task(
+        id="add",
+        prompt="write add",
+        metadata={"tests": ["assert add(1, 2) == 3", "assert add(2, 2) == 5"]},
+    )
+    msgs = [
+        Message(role="user", content="write add"),
+        Message(role="assistant", content=f"```python\n{ADD}```"),
+    ]
+    t = Trajectory("add", [1], [0], [0.0], 1, msgs, StopReason.COMPLETED)
+    assert asyncio.run(v(t, task)) == 0.5
+    assert asyncio.run(CodeVerifier(sandbox=sb, all_or_nothing=True)(t, task)) == 0.0
+    io_task = Task(id="io", prompt="p", metadata={"tests": [{"stdin": "", "expected": "hi"}]})
+    msgs[-1] = Message(role="assistant", content="```python\nprint('hi')\n```")
+    assert asyncio.run(v(t, io_task)) == 1.0
+    with pytest.raises(ValueError, match="metadata"):
+        CodeVerifier.tests_of(Task(id="x", prompt="p"))
+
+
+def test_humaneval_loader_and_scoring(sb):
+    problems = load_humaneval()
+    assert len(problems) == 164 and problems[0].task_id == "HumanEval/0"
+    sample = problems[::16]  # every 16th problem keeps this test short; all 164 pass in the bench
+
+    async def score_all(completions):
+        from agentgrpo.verify.code import ascore_humaneval
+
+        return await asyncio.gather(
+            *(ascore_humaneval(p, c, sandbox=sb) for p, c in zip(sample, completions, strict=True))
+        )
+
+    good = asyncio.run(score_all([p.canonical_solution for p in sample]))
+    assert all(r.all_passed for r in good), [
+        (p.task_id, r.tests) for p, r in zip(sample, good, strict=True) if not r.all_passed
+    ]
+    bad = asyncio.run(score_all(["    return None\n"] * len(sample)))
+    assert not any(r.all_passed for r in bad)
+    # a chat-style answer: the whole function in a fenced block
+    p = problems[0]
+    chat = (
+        f"Sure:\n```python\nfrom typing import List\n\ndef {p.entry_point}(numbers: List[float], threshold: float) -> bool:\n"
+        f"{p.canonical_solution}```"
+    )
+    assert "pass" in humaneval_solution(p, chat)
+    assert score_humaneval(p, chat, sandbox=sb).all_passed
+
+
+# ---- the python tool -------------------------------------------------------------------------
+
+
+def test_python_tool_messages(sb):
+    from tools.python import PythonToolConfig, make_python_tool
+
+    tool = make_python_tool(sb, PythonToolConfig(max_output_chars=300))
+    assert tool("print(2 ** 10)").startswith("status: ok (exit 0, ")
+    assert tool("print(2 ** 10)").endswith(" s)\nstdout:\n1024\n")
+    msg = tool("raise ValueError('bad')")
+    assert (
+        msg.startswith("status: runtime_error (exit 1)\nstderr:\nTraceback")
+        and "ValueError: bad" in msg
+    )
+    long = tool("print('a' * 5000)\nimport sys; print('z' * 10, file=sys.stderr)")
+    assert len(long) <= 300 and "characters cut]" in long and long.rstrip().endswith("z" * 10)
+    assert (
+        tool.__doc__.startswith("Run a Python 3 program")
+        and "Args:\n            code:" in tool.__doc__
+    )
+
+
+def test_python_tool_raises_on_sandbox_failure(monkeypatch, sb):
+    from agentgrpo.verify.sandbox import SandboxUnavailable
+    from tools.python import make_python_tool
+
+    failure = ExecResult("sandbox_error", None, None, "", "", False, 0.0, "test", "supervisor died")
+    monkeypatch.setattr(sb, "run", lambda *a, **k: failure)
+    with pytest.raises(SandboxUnavailable, match="supervisor died"):
+        make_python_tool(sb)("print(1)")

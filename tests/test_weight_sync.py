@@ -1,0 +1,244 @@
+"""WeightSync: in-process, disk (against the fake SGLang server) and distributed (gloo, 2 processes).
+
+The learner is a tiny random Llama; the "engine" side runs a copy of it (`TinyModelBackend`), so a
+push is only verified when the engine really computes with the learner's new weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from agentgrpo.engine.base import EngineError, SamplingParams
+from agentgrpo.engine.sglang import SGLangEngine
+from agentgrpo.weight_sync import (
+    ProbeMismatchError,
+    WeightSync,
+    WeightSyncConfig,
+    WeightSyncError,
+    sequence_logprobs,
+)
+from tests.fake_sglang import FakeSGLang, FakeSGLangProcess, TinyModelBackend
+
+FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "sglang" / "fixtures"
+EOS = 127
+
+
+def tiny_model(seed: int = 0) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                      max_position_embeddings=128, tie_word_embeddings=False,
+                      eos_token_id=EOS, bos_token_id=1)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def train_step(model: torch.nn.Module, scale: float = 0.05) -> None:
+    """Stand-in for an optimizer step: move every weight a little."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(scale * torch.randn_like(p))
+
+
+def same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+class ConstantLM(torch.nn.Module):
+    """Logits [0, ln 3] at every position: p = [1/4, 3/4] whatever the input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.tensor([0.0, math.log(3.0)]))
+
+    def forward(self, ids: torch.Tensor) -> Any:
+        class Out:
+            logits = self.w.expand(ids.shape[0], ids.shape[1], 2)
+
+        return Out()
+
+
+def test_sequence_logprobs_hand_computed():
+    # log p(0) = log(1/4) = -1.386294, log p(1) = log(3/4) = -0.287682
+    lps = sequence_logprobs(ConstantLM(), [1, 0, 1, 1], start=1)
+    assert lps == pytest.approx([-1.386294, -0.287682, -0.287682], abs=1e-6)
+    assert sequence_logprobs(ConstantLM(), [1, 0, 1, 1], start=3) == pytest.approx([-0.287682], abs=1e-6)
+    with pytest.raises(ValueError, match="start"):
+        sequence_logprobs(ConstantLM(), [1], start=1)
+
+
+def test_sequence_logprobs_matches_the_model_and_keeps_train_mode():
+    model = tiny_model().train()
+    ids = [5, 17, 99, 3, 42]
+    logp = torch.log_softmax(model.eval()(torch.tensor([ids])).logits[0].float(), -1)
+    model.train()
+    expected = [logp[i - 1, ids[i]].item() for i in range(1, len(ids))]
+    assert sequence_logprobs(model, ids) == pytest.approx(expected, abs=1e-6)
+    assert model.training
+
+
+@pytest.fixture
+async def fake_with_model():
+    servers = []
+
+    async def make(model: torch.nn.Module, **kw: Any) -> tuple[FakeSGLang, SGLangEngine]:
+        s = FakeSGLang(backend=TinyModelBackend(copy.deepcopy(model)), eos_token_ids=(EOS,), **kw)
+        await s.start()
+        e = SGLangEngine([s.url], backoff_initial_s=0.01)
+        servers.append((s, e))
+        return s, e
+
+    yield make
+    for s, e in servers:
+        await e.aclose()
+        await s.stop()
+
+
+async def test_disk_push_loads_verifies_and_versions(fake_with_model, tmp_path):
+    learner = tiny_model()
+    server, engine = await fake_with_model(learner)
+    sync = WeightSync(engine, WeightSyncConfig(shared_dir=str(tmp_path), keep_last=2))
+    assert sync.method == "disk"
+    train_step(learner)
+    with pytest.raises(ProbeMismatchError):  # the probe sees that the engine is stale
+        await sync.verify(learner)
+    assert await sync.push(learner, 1) == "1"
+    assert same_weights(server.backend.model, learner)
+    assert sync.last_probe_error is not None and sync.last_probe_error < 1e-5
+    assert [p for p, _ in server.calls[-5:-1]] == ["/pause_generation", "/flush_cache",
+                                                   "/update_weights_from_disk", "/continue_generation"]
+    assert (tmp_path / "step_1" / "model.safetensors").exists()
+    assert (tmp_path / "step_1" / "config.json").exists()
+    c = await engine.generate([1, 2, 3], SamplingParams(max_new_tokens=4))
+    assert c.weight_version == "1"
+    for step in (2, 3):
+        train_step(learner)
+        await sync.push(learner, step)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_2", "step_3"]  # keep_last=2
+    assert same_weights(server.backend.model, learner)
+    with pytest.raises(ValueError, match="step must increase"):
+        await sync.push(learner, 3)
+
+
+async def test_probe_mismatch_names_both_numbers(fake_with_model, tmp_path):
+    learner = tiny_model()
+    server, engine = await fake_with_model(learner)
+    server.faults.ignore_weight_updates = True  # the server answers success but keeps old weights
+    sync = WeightSync(engine, WeightSyncConfig(shared_dir=str(tmp_path)))
+    train_step(learner, 0.2)
+    with pytest.raises(ProbeMismatchError, match=r"version 1.*engine -\d+\.\d{4} vs learner -\d+\.\d{4}"):
+        await sync.push(learner, 1)
+
+
+async def test_disk_push_in_bfloat16(fake_with_model, tmp_path):
+    from safetensors import safe_open
+
+    learner = tiny_model()
+    server, engine = await fake_with_model(learner)
+    sync = WeightSync(engine, WeightSyncConfig(shared_dir=str(tmp_path), dtype="bfloat16"))
+    train_step(learner)
+    await sync.push(learner, 1)
+    with safe_open(str(tmp_path / "step_1" / "model.safetensors"), "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
+    assert 0 < sync.last_probe_error < sync.cfg.probe_tolerance  # rounding, within tolerance
+
+
+async def test_in_process_push_sends_a_copy():
+    learner = tiny_model()
+    local = TinyModelBackend(copy.deepcopy(learner))  # an in-process engine: update_weights + score
+    sync = WeightSync(local, WeightSyncConfig())
+    assert sync.method == "in_process"
+    train_step(learner)
+    assert await sync.push(learner, 1) == "1"
+    assert same_weights(local.model, learner) and local.version == "1"
+    train_step(learner)  # the engine holds a copy, not the learner's tensors
+    assert not same_weights(local.model, learner)
+
+
+async def test_a_sync_that_hangs_times_out():
+    class Stuck:
+        async def update_weights(self, weights: Any, *, version: str) -> None:
+            await asyncio.sleep(30)
+
+    sync = WeightSync(Stuck(), WeightSyncConfig(timeout_s=0.2, probe_every=0))
+    with pytest.raises(WeightSyncError, match="did not finish within 0s"):
+        await sync.push(tiny_model(), 1)
+
+
+async def test_a_failed_disk_update_is_an_error(fake_with_model, tmp_path):
+    learner = tiny_model()
+    server, engine = await fake_with_model(learner)
+    sync = WeightSync(engine, WeightSyncConfig(shared_dir=str(tmp_path)))
+    server.backend.model.lm_head = torch.nn.Linear(32, 64, bias=False)  # shapes no longer fit
+    with pytest.raises(EngineError, match="update_weights_from_disk answered HTTP 400"):
+        await sync.push(learner, 1)
+    assert not server.paused
+
+
+def test_config_and_construction_errors(tmp_path):
+    with pytest.raises(ValueError, match="bucket"):
+        WeightSyncConfig(bucket=3)
+    engine = SGLangEngine(["http://127.0.0.1:9"])
+    with pytest.raises(ValueError, match="shared_dir"):
+        WeightSync(engine, WeightSyncConfig(method="disk"))
+    assert WeightSync(engine, WeightSyncConfig()).method == "distributed"
+    with pytest.raises(ValueError, match="needs an SGLang engine"):
+        WeightSync(TinyModelBackend(tiny_model()), WeightSyncConfig(method="disk", shared_dir=str(tmp_path)))
+
+    class NoScore:
+        async def update_weights(self, weights: Any, *, version: str) -> None: ...
+
+    with pytest.raises(ValueError, match="score"):
+        WeightSync(NoScore(), WeightSyncConfig())
+
+
+async def test_distributed_push_with_gloo_in_two_processes(tmp_path):
+    learner = tiny_model()
+    learner.save_pretrained(tmp_path / "init")
+    log = tmp_path / "calls.jsonl"
+    with FakeSGLangProcess("--backend", "model", "--model-path", str(tmp_path / "init"),
+                           "--eos", str(EOS), "--calls-log", str(log)) as proc:
+        engine = SGLangEngine([proc.url])
+        try:
+            await engine.wait_ready(timeout_s=60)
+            cfg = WeightSyncConfig(method="distributed", backend="gloo", timeout_s=120, bucket_mb=0.01)
+            sync = WeightSync(engine, cfg, probe_ids=[1, 5, 9, 33, 64, 100, 2])
+            for step in (1, 2):
+                train_step(learner)
+                assert await sync.push(learner, step) == str(step)
+                assert sync.last_probe_error < 1e-5
+            assert await engine.weight_versions() == {proc.url: "2"}
+            c = await engine.generate([1, 2, 3], SamplingParams(max_new_tokens=3))
+            assert c.weight_version == "2"
+            await sync.close()
+        finally:
+            await engine.aclose()
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    paths = [c["path"] for c in calls if c["path"] not in ("/health_generate", "/server_info", "/model_info")]
+    inits = [c["body"] for c in calls if c["path"] == "/init_weights_update_group"]
+    updates = [c["body"] for c in calls if c["path"] == "/update_weights_from_distributed"]
+    assert len(inits) == 1  # the group is created once
+    assert paths[0] == "/init_weights_update_group" and paths[-1] == "/destroy_weights_update_group"
+    assert paths[1:3] == ["/pause_generation", "/flush_cache"] and "/continue_generation" in paths
+    assert inits[0]["rank_offset"] == 1 and inits[0]["world_size"] == 2
+    sd = learner.state_dict()
+    per_push = len(updates) // 2
+    assert per_push > 1  # bucketed
+    names = [n for u in updates[:per_push] for n in u["names"]]
+    assert names == list(sd)
+    assert [u.get("weight_version") for u in updates[:per_push]] == [None] * (per_push - 1) + ["1"]
+    if (FIXTURES / "init_weights_update_group.json").exists():
+        fx_init = json.loads((FIXTURES / "init_weights_update_group.json").read_text())["request"]["json"]
+        fx_upd = json.loads((FIXTURES / "update_weights_from_distributed.json").read_text())["request"]["json"]
+        assert set(inits[0]) == set(fx_init)
+        assert set(updates[-1]) == set(fx_upd) and all(set(u) <= set(fx_upd) for u in updates)
