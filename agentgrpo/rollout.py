@@ -176,6 +176,12 @@ _timeout_at = getattr(asyncio, "timeout_at", None)
 # One episode
 
 
+# Endings an env may name in `info["stop_reason"]` when it ends an episode (default: completed when
+# terminated, truncated when truncated). Infrastructure endings are the rollout's to decide.
+ENV_STOP_REASONS = frozenset({StopReason.COMPLETED, StopReason.TRUNCATED, StopReason.PARSE_ERROR,
+                              StopReason.TOOL_ERROR})
+
+
 def _error_message(reason: str) -> Message:
     return Message(role="tool", content=f"Error: {reason}")
 
@@ -281,7 +287,11 @@ async def run_episode(env: Env, engine: Engine, chat: ChatFormat, task: Task, pa
                 new = [_truncate_tool_output(chat, m, limits, traj) for m in new]
             if terminated or truncated:
                 messages.extend(new)
-                return finish(StopReason.COMPLETED if terminated else StopReason.TRUNCATED)
+                reason = info.get("stop_reason", StopReason.COMPLETED if terminated else StopReason.TRUNCATED)
+                if not (isinstance(reason, str) and reason in ENV_STOP_REASONS):
+                    return finish(StopReason.ENV_ERROR, f"step's info['stop_reason'] is {reason!r}; an env may "
+                                  f"choose one of {sorted(r.value for r in ENV_STOP_REASONS)}")
+                return finish(StopReason(reason))
             if not new:
                 return finish(StopReason.ENV_ERROR, "step returned no messages but did not end the episode")
             try:

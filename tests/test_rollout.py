@@ -145,6 +145,19 @@ def test_plain_env_with_user_feedback(chat):
     assert_invariants(traj, engine, chat)
 
 
+def test_env_may_name_its_ending(chat):
+    class Strict(Env):
+        def step(self, action):
+            if not action.content.strip().isdigit():
+                return [], -1.0, True, False, {"stop_reason": "parse_error"}
+            return [], 1.0, True, False, {"stop_reason": "engine_error"}  # not the env's to say
+
+    traj, _ = run(chat, ["four"], env=Strict)
+    assert traj.stop_reason == StopReason.PARSE_ERROR and traj.reward == -1.0
+    traj, _ = run(chat, ["4"], env=Strict)
+    assert traj.stop_reason == StopReason.ENV_ERROR and "an env may choose one of" in traj.stop_detail
+
+
 def test_group_members_share_task_and_env_seed(chat):
     seeds = []
 
