@@ -110,7 +110,7 @@ def test_hermes_parser(text, calls, errors, content):
     turn = parse_hermes(text)
     assert [(c.name, c.arguments) for c in turn.message.tool_calls or []] == calls
     assert len(turn.errors) == len(errors)
-    for err, needle in zip(turn.errors, errors):
+    for err, needle in zip(turn.errors, errors, strict=True):
         assert needle in err.reason
     assert turn.message.content == content
 
