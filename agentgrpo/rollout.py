@@ -272,14 +272,18 @@ async def run_episode(env: Env, engine: Engine, chat: ChatFormat, task: Task, pa
             _add_counts(traj.tool_error_kinds, _kind_counts(parsed.errors))
             try:
                 if n_calls or not parsed.errors:
-                    new, reward, terminated, truncated, info = await clock.run(call_env(env.step, parsed.message))
+                    result = await clock.run(call_env(env.step, parsed.message))
                 else:  # only malformed calls: the env sees nothing, the model gets the errors
-                    new, reward, terminated, truncated, info = [], 0.0, False, False, {}
+                    result = ([], 0.0, False, False, {})
             except DeadlineExpired:
                 raise
             except Exception as e:  # noqa: BLE001 - env code is user code
                 return finish(StopReason.ENV_ERROR, f"step raised {type(e).__name__}: {e}")
-            traj.reward += float(reward)
+            try:
+                new, reward, terminated, truncated, info = _step_result(result)
+            except ValueError as e:
+                return finish(StopReason.ENV_ERROR, str(e))
+            traj.reward += reward
             traj.tool_errors += int(info.get("tool_errors", 0))
             _add_counts(traj.tool_error_kinds, info.get("tool_error_kinds", {}))
             new = list(new) + [_error_message(f"malformed tool call: {err.reason}") for err in parsed.errors]
@@ -304,6 +308,21 @@ async def run_episode(env: Env, engine: Engine, chat: ChatFormat, task: Task, pa
         traj.info["deadline"] = e.which
         return finish(StopReason.TIMEOUT, str(e))
     return finish(StopReason.MAX_TURNS, f"{limits.max_turns} turns")
+
+
+def _step_result(result: Any) -> tuple[list[Message], float, bool, bool, dict[str, Any]]:
+    """Check what `env.step` returned (user code) so a bad value ends the trajectory with a clear
+    ENV_ERROR instead of surfacing as an unrelated exception later."""
+    if not (isinstance(result, tuple) and len(result) == 5):
+        raise ValueError(f"step must return (messages, reward, terminated, truncated, info), got {result!r:.200}")
+    new, reward, terminated, truncated, info = result
+    if not (isinstance(new, list) and all(isinstance(m, Message) for m in new)):
+        raise ValueError(f"step's messages must be a list of Message, got {new!r:.200}")
+    if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
+        raise ValueError(f"step's reward must be a finite number, got {reward!r}")
+    if not isinstance(info, dict):
+        raise ValueError(f"step's info must be a dict, got {type(info).__name__}")
+    return new, float(reward), bool(terminated), bool(truncated), info
 
 
 def _kind_counts(errors: Sequence[Any]) -> dict[str, int]:
@@ -346,6 +365,15 @@ class BoundedEngine:
         await self.engine.update_weights(weights, version=version)
 
 
+async def _run_new_env(env_factory: Callable[[], Env], engine: Engine, chat: ChatFormat, task: Task,
+                       params: SamplingParams, **kwargs: Any) -> Trajectory:
+    try:
+        env = env_factory()
+    except Exception as e:  # noqa: BLE001 - the env's constructor is user code
+        return _empty_trajectory(task, StopReason.ENV_ERROR, f"creating the env raised {type(e).__name__}: {e}")
+    return await run_episode(env, engine, chat, task, params, **kwargs)
+
+
 async def run_group(env_factory: Callable[[], Env], engine: Engine, chat: ChatFormat, task: Task,
                     group_size: int, params: SamplingParams, *, seed: int | None = None,
                     group_id: str | None = None, limits: EpisodeLimits = EpisodeLimits(),
@@ -369,14 +397,11 @@ async def run_group(env_factory: Callable[[], Env], engine: Engine, chat: ChatFo
                 wait = None if deadline is None else max(0.0, deadline - time.monotonic())
                 await asyncio.wait_for(slots.acquire(), wait)
                 acquired = True
-            env = env_factory()
-            traj = await run_episode(env, engine, chat, task, p, seed=seed, limits=limits,
-                                     context_len=context_len, deadline=deadline)
+            traj = await _run_new_env(env_factory, engine, chat, task, p, seed=seed, limits=limits,
+                                      context_len=context_len, deadline=deadline)
         except asyncio.TimeoutError:
             traj = _empty_trajectory(task, StopReason.TIMEOUT, "step deadline expired before the episode started")
             traj.info["deadline"] = "step"
-        except Exception as e:  # noqa: BLE001 - the env factory is user code (constructor)
-            traj = _empty_trajectory(task, StopReason.ENV_ERROR, f"creating the env raised {type(e).__name__}: {e}")
         finally:
             if acquired:
                 slots.release()

@@ -128,6 +128,13 @@ def test_infrastructure_failures_are_unscorable_not_zero(chat):
     traj, _ = run(chat, ["111"], env=BrokenReset)
     assert traj.stop_reason == StopReason.ENV_ERROR and math.isnan(traj.reward) and traj.token_ids == []
 
+    class BadReward(Env):
+        def step(self, action):
+            return [], "1.0", True, False, {}
+
+    traj, _ = run(chat, ["111"], env=BadReward)
+    assert traj.stop_reason == StopReason.ENV_ERROR and "reward must be a finite number, got '1.0'" in traj.stop_detail
+
 
 def test_plain_env_with_user_feedback(chat):
     class Guess(Env):
