@@ -109,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     import importlib
 
+    from agentgrpo.chat import TemplateError
     from agentgrpo.config import ConfigError
 
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -117,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
-    except ConfigError as e:
+    except (ConfigError, TemplateError) as e:  # a setup the user must change: the message, no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
 

@@ -87,3 +87,20 @@ def test_latest_checkpoint_is_evaluated_by_default(tmp_path):
     assert resolve_weights(cfg, tmp_path / "base") == (ckpt, 3)
     cfg = load_config(None, [f"output_dir={tmp_path / 'fresh'}"])
     assert resolve_weights(cfg, tmp_path / "base") == (tmp_path / "base", 0)
+
+
+def test_eval_refuses_a_template_that_is_not_token_safe(tmp_path, capsys):
+    from agentgrpo.cli import main
+    from tests.conftest import SHARED, shared_template
+
+    shared_template("qwen3.jinja")  # skips when shared/ is absent
+    rc = main(["eval", str(_empty_config(tmp_path)), f"output_dir={tmp_path}",
+               f"model.chat_template={SHARED / 'chat_templates' / 'qwen3.jinja'}"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "not token-safe for this environment" in err and "template_fallback=keep_history" in err
+
+
+def _empty_config(tmp_path):
+    path = tmp_path / "config.yaml"
+    path.write_text("env: {name: calculator}\n")
+    return path
