@@ -13,26 +13,44 @@ sampled. This module is the one place that turns messages into ids and sampled i
   suffix and carries loss mask 0). Before using a suffix we check that the template is
   prefix-preserving for this conversation (`render(history + new)` starts with `render(history)`);
   if it is not (Qwen3 strips earlier `<think>` blocks when a user turn arrives) we raise
-  `TemplateError` instead of training on tokens the model never saw.
+  `TemplateError` instead of guessing, unless the user chose the explicit `keep_history` fallback
+  (see `ChatFormat`). `agentgrpo.template_audit` checks a template on many synthetic conversations
+  before training starts (`require_token_safe`, `agentgrpo check-template`).
+- `ChatFormat.truncate(text, max_tokens)`: tool output cut to a token budget, with a marker.
 
 Templates without tool support (SmolLM2 ships plain ChatML) get `HERMES_CHATML_TEMPLATE`, a
 Hermes-style tool-aware ChatML template: tools are described in the system message, calls are
 `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, results come back in a `tool` turn.
 
-Tool-call parsers are pluggable (`PARSERS`); a parser never raises on model output: malformed
-calls come back as `ParseError`s that the rollout turns into error tool messages.
+Tool-call parsers are pluggable (`PARSERS`, in `agentgrpo.parsers`, re-exported here); a parser
+never raises on model output: malformed calls come back as `ParseError`s that the rollout turns into
+error tool messages.
 """
 
 from __future__ import annotations
 
-import json
-import re
-import uuid
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Literal
 
-from agentgrpo.types import Message, ToolCall
+import jinja2
+
+from agentgrpo.parsers import (
+    PARSERS,
+    ParsedTurn,
+    ParseError,
+    get_parser,
+    parse_hermes,
+    parse_llama3_json,
+)
+from agentgrpo.types import Message
+
+__all__ = [
+    "HERMES_CHATML_TEMPLATE", "PARSERS", "ChatFormat", "ParseError", "ParsedTurn", "TemplateError",
+    "TemplateFallback", "get_parser", "parse_hermes", "parse_llama3_json", "template_supports_tools",
+]
+
+TemplateFallback = Literal["none", "keep_history"]
+TRUNCATION_MARKER = "\n[... {omitted} more tokens truncated]"
 
 HERMES_CHATML_TEMPLATE = (
     "{%- if tools %}"
@@ -65,79 +83,30 @@ HERMES_CHATML_TEMPLATE = (
 )
 
 
+FAST_RENDER_CHECKS = 64  # renders per ChatFormat compared with apply_chat_template (see render)
+
+
+def _compiled_renderer(template: str, tokenizer: Any, template_kwargs: dict[str, Any]) -> Any:
+    """`render(dicts, tools, add_generation_prompt) -> str` calling transformers' cached compiled
+    template with the variables `apply_chat_template` passes, or None when that private helper is
+    not available (then the public path is used)."""
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+
+        compiled = _compile_jinja_template(template)
+    except (ImportError, AttributeError, jinja2.TemplateError):  # private API or a broken template
+        return None
+    variables = {**tokenizer.special_tokens_map, **template_kwargs}
+
+    def render(dicts: list[dict[str, Any]], tools: list[dict] | None, add_generation_prompt: bool) -> str:
+        return compiled.render(messages=dicts, tools=tools, documents=None,
+                               add_generation_prompt=add_generation_prompt, **variables)
+
+    return render
+
+
 class TemplateError(ValueError):
     """The chat template cannot produce token-exact multi-turn rollouts for this conversation."""
-
-
-# ---------------------------------------------------------------------------------------------
-# Tool-call parsing
-
-
-@dataclass
-class ParseError:
-    """One malformed tool call: what the model wrote and why it could not be used."""
-
-    raw: str
-    reason: str
-
-
-@dataclass
-class ParsedTurn:
-    message: Message  # the assistant message (content + well-formed tool calls)
-    errors: list[ParseError] = field(default_factory=list)
-
-
-def _call_id() -> str:
-    return "call_" + uuid.uuid4().hex[:12]
-
-
-def _decode_call(raw: str) -> ToolCall | ParseError:
-    try:
-        obj = json.loads(raw)
-    except json.JSONDecodeError as e:
-        return ParseError(raw, f"the tool call is not valid JSON ({e.msg} at position {e.pos})")
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return ParseError(raw, 'a tool call must be a JSON object with a string "name"')
-    args = obj.get("arguments", obj.get("parameters", {}))
-    if isinstance(args, str):  # some models double-encode arguments
-        try:
-            args = json.loads(args)
-        except json.JSONDecodeError:
-            return ParseError(raw, '"arguments" must be a JSON object')
-    if not isinstance(args, dict):
-        return ParseError(raw, '"arguments" must be a JSON object')
-    return ToolCall(id=_call_id(), name=obj["name"], arguments=args)
-
-
-_HERMES_CALL = re.compile(r"<tool_call>(.*?)(</tool_call>|$)", re.DOTALL)
-
-
-def parse_hermes(text: str) -> ParsedTurn:
-    """Hermes/Qwen format: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, any number.
-
-    Text outside the tags is the message content. An unclosed `<tool_call>` at the end (the turn
-    hit its token limit) is a malformed call, not silently dropped.
-    """
-    calls: list[ToolCall] = []
-    errors: list[ParseError] = []
-    for m in _HERMES_CALL.finditer(text):
-        raw = m.group(1).strip()
-        if not m.group(2):
-            errors.append(ParseError(raw, "the tool call was not closed with </tool_call>"))
-            continue
-        call = _decode_call(raw)
-        (errors if isinstance(call, ParseError) else calls).append(call)
-    content = _HERMES_CALL.sub("", text).strip()
-    return ParsedTurn(Message(role="assistant", content=content, tool_calls=calls or None), errors)
-
-
-PARSERS: dict[str, Callable[[str], ParsedTurn]] = {"hermes": parse_hermes}
-
-
-def get_parser(name: str) -> Callable[[str], ParsedTurn]:
-    if name not in PARSERS:
-        raise ValueError(f"unknown tool-call parser {name!r}; valid: {sorted(PARSERS)}")
-    return PARSERS[name]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -158,6 +127,15 @@ class ChatFormat:
             choice is recorded in `self.template_source`).
         parser: name of the tool-call parser in `PARSERS`.
         end_of_turn: the token that ends an assistant turn; default the tokenizer's EOS token.
+        fallback: what `suffix_ids` does when the template rewrites earlier turns. "none" (default)
+            raises TemplateError. "keep_history" continues the token sequence the model actually
+            saw: the suffix is the template's rendering of the new messages (located after the last
+            assistant turn's end-of-turn token), and earlier turns stay verbatim, so the model keeps
+            seeing e.g. its earlier `<think>` blocks that this template would drop at inference.
+            The learner still trains only on tokens the model saw; the cost is a train/inference
+            difference in context, which is why it must be chosen explicitly.
+        template_kwargs: extra variables for the template (e.g. `{"preserve_thinking": True}` for
+            templates that have such a switch, `{"enable_thinking": False}`).
 
     Example:
         >>> chat = ChatFormat(tokenizer)
@@ -167,7 +145,8 @@ class ChatFormat:
     """
 
     def __init__(self, tokenizer: Any, *, template: str | None = None, parser: str = "hermes",
-                 end_of_turn: str | None = None) -> None:
+                 end_of_turn: str | None = None, fallback: TemplateFallback = "none",
+                 template_kwargs: dict[str, Any] | None = None) -> None:
         self.tokenizer = tokenizer
         if template is not None:
             self.template, self.template_source = template, "config"
@@ -177,12 +156,18 @@ class ChatFormat:
             self.template, self.template_source = HERMES_CHATML_TEMPLATE, "agentgrpo-hermes-chatml"
         self.parse = get_parser(parser)
         self.parser_name = parser
+        if fallback not in ("none", "keep_history"):
+            raise ValueError(f"fallback must be 'none' or 'keep_history', got {fallback!r}")
+        self.fallback: TemplateFallback = fallback
+        self.template_kwargs: dict[str, Any] = dict(template_kwargs or {})
         eot = end_of_turn or tokenizer.eos_token
         if eot is None:
             raise ValueError("the tokenizer has no EOS token: pass end_of_turn= explicitly")
         eot_ids = tokenizer.convert_tokens_to_ids([eot])
         if not eot_ids or eot_ids[0] is None or eot_ids[0] == tokenizer.unk_token_id:
             raise ValueError(f"end-of-turn token {eot!r} is not a single token of this tokenizer")
+        self._fast = _compiled_renderer(self.template, tokenizer, self.template_kwargs)
+        self._fast_checks_left = FAST_RENDER_CHECKS
         self.end_of_turn = eot
         self.end_of_turn_id: int = eot_ids[0]
         stops = {self.end_of_turn_id}
@@ -194,14 +179,36 @@ class ChatFormat:
 
     def render(self, messages: Sequence[Message], tools: list[dict] | None = None, *,
                add_generation_prompt: bool = False) -> str:
-        out = self.tokenizer.apply_chat_template(
-            [self._template_dict(m) for m in messages],
-            tools=tools or None,
-            chat_template=self.template,
-            add_generation_prompt=add_generation_prompt,
-            tokenize=False,
-        )
-        return out
+        """The template's text for `messages`, exactly as `tokenizer.apply_chat_template` renders it.
+
+        Raises TemplateError when the template refuses the conversation (e.g. Llama 3.1's "only
+        supports single tool-calls"). The compiled template is called directly when possible: it
+        is ~3x cheaper than `apply_chat_template`, whose input normalisation is the identity on the
+        plain dicts built here; the first renders are compared with `apply_chat_template` and any
+        difference switches the shortcut off for good.
+        """
+        return self._render_dicts([self._template_dict(m) for m in messages], tools, add_generation_prompt)
+
+    def _render_dicts(self, dicts: list[dict[str, Any]], tools: list[dict] | None, add_generation_prompt: bool) -> str:
+        try:
+            if self._fast is None:
+                return self._render_public(dicts, tools, add_generation_prompt)
+            out = self._fast(dicts, tools or None, add_generation_prompt)
+            if self._fast_checks_left > 0:
+                self._fast_checks_left -= 1
+                public = self._render_public(dicts, tools, add_generation_prompt)
+                if out != public:
+                    self._fast = None
+                    return public
+            return out
+        except (jinja2.TemplateError, TypeError) as e:  # template code is model-supplied: report it
+            raise TemplateError(f"the chat template cannot render {[d['role'] for d in dicts]}: "
+                                f"{type(e).__name__}: {e}") from e
+
+    def _render_public(self, dicts: list[dict[str, Any]], tools: list[dict] | None, add_generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(dicts, tools=tools or None, chat_template=self.template,
+                                                  add_generation_prompt=add_generation_prompt, tokenize=False,
+                                                  **self.template_kwargs)
 
     @staticmethod
     def _template_dict(m: Message) -> dict[str, Any]:
@@ -229,22 +236,14 @@ class ChatFormat:
         `render(history + new_messages, add_generation_prompt=True)` would.
 
         `history` must end with the assistant message whose sampled ids end with the end-of-turn
-        token. Raises TemplateError when the template rewrites earlier turns (not prefix-preserving)
-        or renders the assistant turn without the end-of-turn token.
+        token. Raises TemplateError when the template rewrites earlier turns (not prefix-preserving,
+        unless `fallback="keep_history"`) or renders the assistant turn without the end-of-turn token.
         """
         if not history or history[-1].role != "assistant":
             raise ValueError("suffix_ids: history must end with the assistant message just sampled")
-        before = self.render(history, tools, add_generation_prompt=False)
-        after = self.render(list(history) + list(new_messages), tools, add_generation_prompt=True)
-        if not after.startswith(before):
-            at = next((i for i, (a, b) in enumerate(zip(before, after)) if a != b), len(before))
-            raise TemplateError(
-                "the chat template is not prefix-preserving: adding "
-                f"{[m.role for m in new_messages]} messages changes earlier text at character {at} "
-                f"(before: {before[max(0, at - 40):at + 40]!r}, after: {after[max(0, at - 40):at + 40]!r}). "
-                "Training on this would use tokens the model never saw; use a template that keeps "
-                "earlier turns verbatim (see `agentgrpo check-template`)."
-            )
+        history_dicts = [self._template_dict(m) for m in history]  # built once for both renders
+        before = self._render_dicts(history_dicts, tools, False)
+        after = self._render_dicts(history_dicts + [self._template_dict(m) for m in new_messages], tools, True)
         cut = before.rfind(self.end_of_turn)
         if cut < 0:
             raise TemplateError(
@@ -252,16 +251,68 @@ class ChatFormat:
                 "cannot align the suffix with the sampled end-of-turn token"
             )
         glue = before[cut + len(self.end_of_turn):]
-        return self.encode(glue + after[len(before):])
+        if after.startswith(before):
+            return self.encode(glue + after[len(before):])
+        if self.fallback == "keep_history":
+            return self.encode(self._suffix_after_last_turn(before, after, glue))
+        at = next((i for i, (a, b) in enumerate(zip(before, after, strict=False)) if a != b), len(before))
+        raise TemplateError(
+            "the chat template is not prefix-preserving: adding "
+            f"{[m.role for m in new_messages]} messages changes earlier text at character {at} "
+            f"(before: {before[max(0, at - 40):at + 40]!r}, after: {after[max(0, at - 40):at + 40]!r}). "
+            "The tokens the model saw cannot be continued the way this template renders the "
+            "conversation. Use a template that keeps earlier turns verbatim (or its own switch, e.g. "
+            "chat_template_kwargs={preserve_thinking: true}), or choose the explicit fallback "
+            "rollout.template_fallback=keep_history. `agentgrpo check-template MODEL_DIR` shows "
+            "which turns break and why."
+        )
+
+    def _suffix_after_last_turn(self, before: str, after: str, glue: str) -> str:
+        """keep_history: the text `after` renders behind the last assistant turn.
+
+        The rewrite of earlier turns (dropping reasoning, reformatting) keeps their number of
+        end-of-turn markers, so the k-th marker of `after` (k = markers in `before`) ends the
+        assistant turn just sampled; the template's glue after it is checked to be unchanged.
+        """
+        k = before.count(self.end_of_turn)
+        pos = -len(self.end_of_turn)
+        for _ in range(k):
+            pos = after.find(self.end_of_turn, pos + len(self.end_of_turn))
+            if pos < 0:
+                break
+        tail = after[pos + len(self.end_of_turn):] if pos >= 0 else ""
+        if pos < 0 or not tail.startswith(glue) or tail == glue:
+            raise TemplateError(
+                "keep_history fallback: cannot locate the new messages in the template's rendering "
+                f"(it changes the number of {self.end_of_turn!r} markers in earlier turns)"
+            )
+        return tail
+
+    def truncate(self, text: str, max_tokens: int, marker: str = TRUNCATION_MARKER) -> tuple[str, int]:
+        """Cut `text` to its first `max_tokens` tokens plus `marker` (`{omitted}` is replaced by
+        the number of tokens dropped). Returns (text, tokens omitted). Used on tool output before
+        it is rendered, so the model sees that the output was cut rather than a silent end."""
+        if len(text.encode("utf-8")) <= max_tokens:  # a token covers at least one byte
+            return text, 0
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        if len(ids) <= max_tokens:
+            return text, 0
+        kept = self.tokenizer.decode(ids[:max_tokens], skip_special_tokens=False).rstrip("\ufffd")
+        omitted = len(ids) - max_tokens
+        return kept + marker.format(omitted=omitted), omitted
 
     # -- parsing ------------------------------------------------------------------------------
 
-    def parse_assistant(self, sampled_ids: Sequence[int]) -> ParsedTurn:
+    def parse_assistant(self, sampled_ids: Sequence[int], *, parse_tools: bool = True) -> ParsedTurn:
         """Turn one assistant turn's sampled ids into a Message (and malformed calls).
 
-        Decoding is for reading only: the ids themselves are what the trajectory keeps.
+        Decoding is for reading only: the ids themselves are what the trajectory keeps. With
+        `parse_tools=False` (an env without tools) the whole text is the content: tool-call syntax
+        means nothing there, and the env should judge exactly what the model wrote.
         """
         ids = list(sampled_ids)
         if ids and ids[-1] in self.stop_token_ids:
             ids = ids[:-1]
+        if not parse_tools:
+            return ParsedTurn(Message(role="assistant", content=self.decode(ids).strip()))
         return self.parse(self.decode(ids))

@@ -1,4 +1,4 @@
-"""`agentgrpo` command line: train, check-env, and the servers.
+"""`agentgrpo` command line: train, eval, check-env, check-template, and the servers.
 
 The CLI only parses arguments and calls one function per subcommand; settings live in the typed
 config (`agentgrpo.config`), overridden with `key.path=value` arguments.
@@ -21,15 +21,47 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _check_env(args: argparse.Namespace) -> int:
-    from agentgrpo.env import EnvCheckError, check_env, get_env_class
+    from agentgrpo.env import get_env_class
+    from agentgrpo.env_check import env_report
 
-    cls = get_env_class(args.env)
     try:
-        check_env(cls())
-    except EnvCheckError as e:
-        print(e, file=sys.stderr)
+        cls = get_env_class(args.env)
+        env = cls()
+    except Exception as e:  # noqa: BLE001 - the user's module or constructor: explain, do not trace
+        print(f"{args.env}: cannot create the env: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
-    print(f"{args.env}: OK (Gymnasium check_env and the agentgrpo message/tool contract)")
+    report = env_report(env)
+    print(report.format(), file=sys.stdout if report.ok else sys.stderr)
+    return 0 if report.ok else 1
+
+
+def _check_template(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from agentgrpo.config import apply_override
+    from agentgrpo.template_audit import audit_template
+
+    kwargs: dict = {}
+    for kv in args.kwarg:
+        apply_override(kwargs, kv)
+    tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
+    template = Path(args.template).read_text() if args.template else None
+    report = audit_template(tokenizer, template, parser=args.parser, end_of_turn=args.end_of_turn,
+                            fallback=args.fallback, template_kwargs=kwargs)
+    print(report.format())
+    return 1 if report.mode == "refuse" else 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from agentgrpo.config import load_config
+    from agentgrpo.evaluate import format_metrics, run_eval
+
+    cfg = load_config(args.config, args.overrides)
+    out_dir, result = run_eval(cfg)
+    print(format_metrics(result.metrics))
+    print(f"results: {out_dir}")
     return 0
 
 
@@ -52,6 +84,23 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("check-env", help="validate an environment: agentgrpo check-env NAME|MODULE:CLASS")
     c.add_argument("env")
     c.set_defaults(fn=_check_env)
+
+    e = sub.add_parser("eval", help="rollouts without training: agentgrpo eval CONFIG.yaml [key=value ...]")
+    e.add_argument("config", help="YAML config (the training config; eval.* settings pick split, n, k)")
+    e.add_argument("overrides", nargs="*", help="dotted overrides, e.g. eval.samples_per_task=8 eval.pass_k=[1,8]")
+    e.set_defaults(fn=_eval)
+
+    ct = sub.add_parser("check-template", help="audit a chat template for token-in/token-out safety: "
+                        "agentgrpo check-template MODEL_DIR")
+    ct.add_argument("model_dir", help="model directory with a tokenizer (and its chat template)")
+    ct.add_argument("--template", help="Jinja template file to audit instead of the tokenizer's")
+    ct.add_argument("--parser", default="hermes", help="tool-call parser name (default hermes)")
+    ct.add_argument("--end-of-turn", help="token that ends an assistant turn (default: the tokenizer's EOS)")
+    ct.add_argument("--fallback", default="none", choices=["none", "keep_history"],
+                    help="the rollout.template_fallback to audit with")
+    ct.add_argument("--kwarg", action="append", default=[], metavar="KEY=VALUE",
+                    help="a chat-template variable, e.g. --kwarg preserve_thinking=true (repeatable)")
+    ct.set_defaults(fn=_check_template)
     for name, (_, help_text) in FORWARDED.items():
         sub.add_parser(name, help=f"{help_text} (see: agentgrpo {name} --help)", add_help=False)
     return p
@@ -60,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     import importlib
 
+    from agentgrpo.chat import TemplateError
     from agentgrpo.config import ConfigError
 
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -68,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
-    except ConfigError as e:
+    except (ConfigError, TemplateError) as e:  # a setup the user must change: the message, no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
 

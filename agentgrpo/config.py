@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from agentgrpo.advantage import AdvantageConfig
 from agentgrpo.engine.sglang import SGLangConfig
+from agentgrpo.evaluate import EvalConfig
 from agentgrpo.learner import LearnerConfig
 from agentgrpo.loss import LossConfig
 from agentgrpo.rollout import RolloutConfig
@@ -90,6 +91,7 @@ class RunConfig(BaseModel):
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
     weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
     train: TrainLoopConfig = Field(default_factory=TrainLoopConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
     log: LogConfig = Field(default_factory=LogConfig)
 
 

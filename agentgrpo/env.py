@@ -10,8 +10,12 @@ Decisions:
   options). An env that was never given a task raises a ValueError saying how to pass one.
 - `step` (and `reset`) may be `async def`; the rollout awaits them natively, and runs sync ones in a
   worker thread so they never block the event loop. `check_env` handles both.
-- All members of a group are reset with the same task and seed. An env whose outcome is not fixed by
-  the seed (a live web search, say) sets `stochastic = True` and documents what varies.
+- All members of a group are reset with the same task and seed, so their differences come from the
+  policy alone. `reset` must seed everything random with it (`super().reset(seed=seed)` seeds
+  `self.np_random`; use that RNG). An env whose outcome is not fixed by the seed (a live web
+  search, a shared database, wall-clock time) sets `stochastic = True` and says in its docstring
+  what the seed fixes and what varies; `check_env` resets twice with one seed and flags an env that
+  differs without declaring it.
 - Tasks come from the env class: `load_tasks(split, seed)` returns the tasks the trainer iterates.
 
 Example (a plain env: one method):
@@ -33,7 +37,6 @@ from __future__ import annotations
 import asyncio
 import importlib
 import inspect
-import math
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
@@ -41,7 +44,7 @@ import gymnasium
 import numpy as np
 
 from agentgrpo.tool import Tool, ToolError
-from agentgrpo.types import Message, Task, ToolCall
+from agentgrpo.types import Message, Task, ToolCall, ToolErrorKind
 
 _ALPHABET = np.array(list("abcdefghijklmnopqrstuvwxyz 0123456789+-*/=.,"))
 
@@ -128,6 +131,10 @@ class Env(gymnasium.Env):
     Override `step` (and `reset` if the first messages are not just the task's prompt). The
     default `reset` seeds `self.np_random`, stores the task in `self.task` and returns the task's
     prompt as messages.
+
+    `stochastic`: False promises that `reset` and `step` are a function of (task, seed, actions),
+    which GRPO relies on to compare the members of a group. Set it to True when they are not, and
+    document what the seed still fixes.
     """
 
     metadata: ClassVar[dict[str, Any]] = {"render_modes": []}
@@ -169,7 +176,9 @@ class ToolEnv(Env):
     returns one `tool` message per call; an assistant message without tool calls ends the episode
     and is scored by `reward(task, messages)`. A call to an unknown tool, invalid arguments, a tool
     that raises or times out, or too many calls in one turn all produce an error tool message the
-    model can react to; `info["tool_errors"]` counts them.
+    model can react to; `info["tool_errors"]` counts them and `info["tool_error_kinds"]` counts
+    them by `ToolErrorKind`. The rollout config may override `tool_timeout_s` and
+    `max_tool_calls_per_turn` (`set_tool_limits`).
 
     Example:
         >>> class Calc(ToolEnv):
@@ -229,24 +238,44 @@ class ToolEnv(Env):
             return [], float(reward), True, False, {}
         tools = self.get_tools()
         allowed, extra = calls[: self.max_tool_calls_per_turn], calls[self.max_tool_calls_per_turn:]
-        results = await asyncio.gather(*(self._run_call(tools, c) for c in allowed))
+        results = list(await asyncio.gather(*(self._run_call(tools, c) for c in allowed)))
         results += [(c, f"Error: too many tool calls in one turn (at most {self.max_tool_calls_per_turn}); "
-                        "this call was not run", True) for c in extra]
+                        "this call was not run", ToolErrorKind.TOO_MANY_CALLS) for c in extra]
         out = [Message(role="tool", content=text, tool_call_id=c.id or None, name=c.name)
                for c, text, _ in results]
         self.messages.extend(out)
-        return out, 0.0, False, False, {"tool_errors": sum(err for _, _, err in results)}
+        kinds: dict[str, int] = {}
+        for _, _, kind in results:
+            if kind is not None:
+                kinds[kind.value] = kinds.get(kind.value, 0) + 1
+        return out, 0.0, False, False, {"tool_errors": sum(kinds.values()), "tool_error_kinds": kinds}
 
-    async def _run_call(self, tools: dict[str, Tool], call: ToolCall) -> tuple[ToolCall, str, bool]:
+    def set_tool_limits(self, *, timeout_s: float | None = None,
+                        max_calls_per_turn: int | None = None) -> None:
+        """Override this instance's per-call deadline and calls-per-turn limit (None keeps the
+        class's own value). The rollout calls it with the config's settings."""
+        if timeout_s is not None:
+            self.tool_timeout_s = timeout_s
+        if max_calls_per_turn is not None:
+            self.max_tool_calls_per_turn = max_calls_per_turn
+
+    async def _run_call(self, tools: dict[str, Tool],
+                        call: ToolCall) -> tuple[ToolCall, str, ToolErrorKind | None]:
         t = tools.get(call.name)
         if t is None:
-            return call, f"Error: unknown tool {call.name!r}; available: {sorted(tools)}", True
+            return call, f"Error: unknown tool {call.name!r}; available: {sorted(tools)}", ToolErrorKind.UNKNOWN_TOOL
         try:
-            return call, await asyncio.wait_for(t.acall(call.arguments), self.tool_timeout_s), False
+            t.validate(call.arguments)
         except ToolError as e:
-            return call, f"Error: {e}", True
+            return call, f"Error: {e}", ToolErrorKind.INVALID_ARGUMENTS
+        try:
+            return call, await asyncio.wait_for(t.acall(call.arguments), self.tool_timeout_s), None
+        except ToolError as e:
+            return call, f"Error: {e}", ToolErrorKind.TOOL_FAILED
         except asyncio.TimeoutError:
-            return call, f"Error: {call.name} did not finish within {self.tool_timeout_s:g} s", True
+            # A sync tool's thread cannot be killed: it runs on in the background, its result unused.
+            return (call, f"Error: {call.name} did not finish within {self.tool_timeout_s:g} s",
+                    ToolErrorKind.TOOL_TIMEOUT)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -273,86 +302,16 @@ class EnvCheckError(AssertionError):
     """An environment breaks the Env contract; the message lists every problem found."""
 
 
-class _SyncView(gymnasium.Env):
-    """Presents an env with async reset/step to Gymnasium's (sync) checker."""
-
-    def __init__(self, env: Env) -> None:
-        self.inner = env
-        self.observation_space, self.action_space = env.observation_space, env.action_space
-        self.metadata = env.metadata
-
-    @property
-    def _np_random(self):  # the checker inspects the RNG of the env it was given
-        return self.inner._np_random
-
-    @_np_random.setter
-    def _np_random(self, value):
-        if hasattr(self, "inner"):
-            self.inner._np_random = value
-
-    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
-        return _run_sync(self.inner.reset(seed=seed, options=options))
-
-    def step(self, action: Message):
-        return _run_sync(self.inner.step(action))
-
-
 def check_env(env: Env, task: Task | None = None) -> None:
-    """Validate an environment: Gymnasium's `check_env` plus the message and tool contract.
+    """Validate an environment: Gymnasium's `check_env` plus the message and tool contract, by
+    running it through scripted resets and steps (see `agentgrpo.env_check`).
 
     Raises EnvCheckError listing each failure with what was expected. `task` defaults to the first
     task of `env.load_tasks("train")`.
     """
-    problems: list[str] = []
-    if not isinstance(env, Env):
-        raise EnvCheckError(f"{type(env).__name__} must subclass agentgrpo.Env (a gymnasium.Env)")
-    if task is None:
-        try:
-            task = next(iter(type(env).load_tasks("train", seed=0)))
-        except NotImplementedError as e:
-            raise EnvCheckError(f"no task given and {e}") from None
-    obs, info = _run_sync(env.reset(seed=0, options={"task": task}))
-    if not (isinstance(obs, list) and obs and all(isinstance(m, Message) for m in obs)):
-        problems.append(f"reset must return a non-empty list of Message first, got {obs!r:.200}")
-    if not isinstance(info, dict):
-        problems.append(f"reset must return (messages, info: dict), info was {type(info).__name__}")
-    for schema in env.tool_schemas():
-        fn = schema.get("function", {}) if isinstance(schema, dict) else {}
-        if schema.get("type") != "function" or not fn.get("name") or not fn.get("description"):
-            problems.append(f"tool schema needs type 'function', a name and a description: {schema!r:.200}")
-        elif fn.get("parameters", {}).get("type") != "object":
-            problems.append(f"tool {fn['name']!r}: parameters must be a JSON-schema object")
-    if isinstance(env, ToolEnv):
-        call = ToolCall(id="call_check", name="__no_such_tool__", arguments={})
-        out = _run_sync(env.step(Message(role="assistant", content="", tool_calls=[call])))
-        if len(out) != 5 or out[2] or not out[0] or "unknown tool" not in out[0][0].content:
-            problems.append("a call to an unknown tool must return an error tool message and go on, "
-                            f"got {out!r:.300}")
-        _run_sync(env.reset(seed=0, options={"task": task}))
-    result = _run_sync(env.step(Message(role="assistant", content="42")))
-    if not (isinstance(result, tuple) and len(result) == 5):
-        problems.append(f"step must return a 5-tuple (messages, reward, terminated, truncated, info), got {result!r:.200}")
-    else:
-        msgs, reward, terminated, truncated, info = result
-        if not (isinstance(msgs, list) and all(isinstance(m, Message) for m in msgs)):
-            problems.append(f"step's first value must be a list of Message, got {msgs!r:.200}")
-        if not isinstance(reward, (int, float)) or isinstance(reward, bool) or not math.isfinite(reward):
-            problems.append(f"step's reward must be a finite float, got {reward!r}")
-        if not isinstance(terminated, bool) or not isinstance(truncated, bool):
-            problems.append("step's terminated and truncated must be bools")
-        if not isinstance(info, dict):
-            problems.append("step's info must be a dict")
-    if not problems:
-        try:
-            from gymnasium.utils.env_checker import check_env as gym_check
+    from agentgrpo.env_check import check_env as run_checks  # the checker imports this module
 
-            view = env if not (inspect.iscoroutinefunction(env.step)
-                               or inspect.iscoroutinefunction(env.reset)) else _SyncView(env)
-            gym_check(view, skip_render_check=True, skip_close_check=True)
-        except Exception as e:  # noqa: BLE001 - reported, not swallowed
-            problems.append(f"gymnasium's check_env failed: {type(e).__name__}: {e}")
-    if problems:
-        raise EnvCheckError(f"{type(env).__name__} breaks the Env contract:\n- " + "\n- ".join(problems))
+    run_checks(env, task)
 
 
 # ---------------------------------------------------------------------------------------------

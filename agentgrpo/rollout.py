@@ -1,39 +1,54 @@
-"""Rollouts: run multi-turn episodes against an engine, token-exact.
+"""Rollouts: run multi-turn episodes against an engine, token-exact, many at once, bounded in time.
 
 Each trajectory is its own asyncio task; a turn's request goes to the engine as soon as that
-trajectory is ready (no lock-step batching across trajectories). Per turn:
+trajectory is ready (no lock-step batching of turn k across trajectories), so one trajectory's tool
+latency overlaps with other trajectories' generation. Per turn:
 
     sampled = engine.generate(token_ids)          -> appended verbatim, loss_mask 1, engine logprobs
     message = chat.parse_assistant(sampled)       -> content + tool calls (+ malformed calls)
     env.step(message)                             -> tool/env messages, reward, terminated
     chat.suffix_ids(history, new messages)        -> appended, loss_mask 0, logprob 0
 
-The episode ends when the env terminates or truncates, or at `max_turns`, at `max_tokens` sampled
-plus suffix tokens after the prompt, at the model's context limit, or on an error. Failures of the
-environment or the engine end only that trajectory (`ENV_ERROR`/`ENGINE_ERROR`, reward NaN so the
-group statistics leave it out); malformed tool calls are answered with an error tool message and
-counted (`tool_errors`), and the episode goes on.
+Bounds (RolloutConfig): episodes in flight per step (`max_concurrent_trajectories`, each holds an
+env), engine requests in flight (`max_concurrent_requests`), turns and tokens per trajectory, tool
+calls per turn and tool output tokens (cut with a marker). Sync env methods and tools run in worker
+threads (`call_env`, `Tool.acall`), async ones natively.
+
+Deadlines: a tool call overrunning `tool_timeout_s` is an error tool message (the model chose the
+call and may retry). A turn (generation + env step), an episode, or the step's whole collection
+overrunning its deadline ends that trajectory with `StopReason.TIMEOUT` and `stop_detail` naming
+the deadline; what was generated so far is kept, the rest of the group and step go on. Timeouts,
+like env and engine failures, are unscorable (reward NaN, left out of the group statistics): they
+measure load, not the policy (see `StopReason.is_infra_error`). Sync env code cannot be killed: a
+step that overruns keeps running in its thread, and its result is discarded.
+
+Malformed tool calls (bad JSON, unknown tool, invalid arguments, too many calls, a tool that fails)
+are answered with an error tool message, counted per kind (`Trajectory.tool_error_kinds`), and
+optionally penalised (`tool_error_penalty` per error).
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import math
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import replace
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from agentgrpo.chat import ChatFormat, TemplateError
-from agentgrpo.engine.base import Engine, EngineError, SamplingParams
-from agentgrpo.env import Env, call_env
+from agentgrpo.chat import TRUNCATION_MARKER, ChatFormat, TemplateError
+from agentgrpo.engine.base import Completion, Engine, EngineError, SamplingParams
+from agentgrpo.env import Env, ToolEnv, call_env
 from agentgrpo.types import Group, Message, StopReason, Task, Trajectory
+
+T = TypeVar("T")
 
 
 class RolloutConfig(BaseModel):
-    """How trajectories are sampled."""
+    """How trajectories are sampled, bounded and timed."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -45,32 +60,167 @@ class RolloutConfig(BaseModel):
     temperature: float = Field(1.0, ge=0.0, description="sampling temperature (the learner uses the same)")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling")
     top_k: int = Field(-1, description="top-k sampling, -1 for all")
-    episode_timeout_s: float = Field(600.0, gt=0, description="deadline of one episode")
+    max_concurrent_trajectories: int | None = Field(
+        None, ge=1, description="episodes in flight at once in a step (None = all of them); each holds an env")
+    max_concurrent_requests: int | None = Field(
+        None, ge=1, description="engine requests in flight at once (None = unbounded; the engine queues)")
+    tool_timeout_s: float | None = Field(
+        None, gt=0, description="deadline of one tool call, answered with an error message (None = the env's tool_timeout_s)")
+    turn_timeout_s: float | None = Field(
+        None, gt=0, description="deadline of one turn, generation + env step; ends the episode with TIMEOUT (None = none)")
+    episode_timeout_s: float = Field(600.0, gt=0, description="deadline of one episode; ends it with TIMEOUT")
+    step_timeout_s: float | None = Field(
+        None, gt=0, description="deadline of a step's whole collection; unfinished episodes end with TIMEOUT (None = none)")
+    max_tool_calls_per_turn: int | None = Field(
+        None, ge=1, description="tool calls run per turn, extra ones answered with an error (None = the env's own limit)")
+    max_tool_output_tokens: int | None = Field(
+        None, ge=1, description="tool message content cut to this many tokens plus truncation_marker (None = no cut)")
+    truncation_marker: str = Field(
+        TRUNCATION_MARKER, description="appended to cut tool output; {omitted} becomes the number of tokens dropped")
     tool_error_penalty: float = Field(0.0, ge=0.0, description="subtracted from the reward per malformed or failed tool call")
+    template_fallback: Literal["none", "keep_history"] = Field(
+        "none", description="what to do when the chat template rewrites earlier turns: none = refuse, "
+        "keep_history = continue the tokens the model saw (see agentgrpo check-template)")
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="extra chat-template variables, e.g. {preserve_thinking: true}")
 
     def sampling_params(self) -> SamplingParams:
         return SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature,
                               top_p=self.top_p, top_k=self.top_k)
+
+    def limits(self) -> EpisodeLimits:
+        return EpisodeLimits(
+            max_turns=self.max_turns, max_tokens=self.max_tokens, turn_timeout_s=self.turn_timeout_s,
+            episode_timeout_s=self.episode_timeout_s, tool_timeout_s=self.tool_timeout_s,
+            max_tool_calls_per_turn=self.max_tool_calls_per_turn,
+            max_tool_output_tokens=self.max_tool_output_tokens, truncation_marker=self.truncation_marker,
+            tool_error_penalty=self.tool_error_penalty)
+
+
+@dataclass(frozen=True)
+class EpisodeLimits:
+    """The per-episode part of RolloutConfig (see its field descriptions); None = no limit."""
+
+    max_turns: int = 4
+    max_tokens: int = 512
+    turn_timeout_s: float | None = None
+    episode_timeout_s: float | None = None
+    tool_timeout_s: float | None = None
+    max_tool_calls_per_turn: int | None = None
+    max_tool_output_tokens: int | None = None
+    truncation_marker: str = TRUNCATION_MARKER
+    tool_error_penalty: float = 0.0
+
+
+# ---------------------------------------------------------------------------------------------
+# Deadlines
+
+
+class DeadlineExpired(Exception):
+    """Raised inside an episode when one of its deadlines passes; `str(e)` names the deadline."""
+
+    def __init__(self, which: str, detail: str) -> None:
+        super().__init__(detail)
+        self.which = which  # "turn" | "episode" | "step"
+
+
+class Deadlines:
+    """The absolute deadlines (time.monotonic) that bound every await of one episode."""
+
+    def __init__(self, limits: EpisodeLimits, step_deadline: float | None) -> None:
+        self.turn_timeout_s = limits.turn_timeout_s
+        now = time.monotonic()
+        self.fixed: list[tuple[float, str, str]] = []
+        if limits.episode_timeout_s is not None:
+            self.fixed.append((now + limits.episode_timeout_s, "episode",
+                               f"episode deadline of {limits.episode_timeout_s:g} s expired"))
+        if step_deadline is not None:
+            self.fixed.append((step_deadline, "step", "step deadline expired (rollout.step_timeout_s)"))
+        self.turn: tuple[float, str, str] | None = None
+
+    def start_turn(self, number: int) -> None:
+        if self.turn_timeout_s is not None:
+            self.turn = (time.monotonic() + self.turn_timeout_s, "turn",
+                         f"turn {number} exceeded its deadline of {self.turn_timeout_s:g} s")
+
+    def earliest(self) -> tuple[float, str, str] | None:
+        found = self.fixed + ([self.turn] if self.turn else [])
+        return min(found) if found else None
+
+    async def run(self, aw: Awaitable[T]) -> T:
+        """Await `aw` until the earliest deadline; raise DeadlineExpired when it passes first."""
+        limit = self.earliest()
+        if limit is None:
+            return await aw
+        at, which, detail = limit
+        if at <= time.monotonic():
+            if inspect.iscoroutine(aw):
+                aw.close()  # never started: close it so Python does not warn it was never awaited
+            raise DeadlineExpired(which, detail)
+        try:
+            if _timeout_at is not None:  # Python >= 3.11: no extra task per await (wait_for makes one)
+                loop_time = asyncio.get_running_loop().time()  # the loop's clock may not be ours
+                async with _timeout_at(loop_time + at - time.monotonic()):
+                    return await aw
+            return await asyncio.wait_for(aw, at - time.monotonic())
+        except asyncio.TimeoutError:
+            if time.monotonic() < at - 1e-3:
+                raise  # raised by the awaited code itself, not by our deadline
+            raise DeadlineExpired(which, detail) from None
+
+
+_timeout_at = getattr(asyncio, "timeout_at", None)
+
+
+# ---------------------------------------------------------------------------------------------
+# One episode
+
+
+# Endings an env may name in `info["stop_reason"]` when it ends an episode (default: completed when
+# terminated, truncated when truncated). Infrastructure endings are the rollout's to decide.
+ENV_STOP_REASONS = frozenset({StopReason.COMPLETED, StopReason.TRUNCATED, StopReason.PARSE_ERROR,
+                              StopReason.TOOL_ERROR})
 
 
 def _error_message(reason: str) -> Message:
     return Message(role="tool", content=f"Error: {reason}")
 
 
-async def run_episode(env: Env, engine: Engine, chat: ChatFormat, task: Task,
-                      params: SamplingParams, *, seed: int | None = None, max_turns: int = 4,
-                      max_tokens: int = 512, context_len: int | None = None,
-                      tool_error_penalty: float = 0.0) -> Trajectory:
-    """Run one episode and return its Trajectory (never raises for env or engine failures)."""
+def _empty_trajectory(task: Task, reason: StopReason, detail: str) -> Trajectory:
+    return Trajectory(task_id=task.id, token_ids=[], loss_mask=[], logprobs=[], prompt_len=0,
+                      messages=list(task.prompt_messages()), stop_reason=reason, stop_detail=detail)
+
+
+def _add_counts(into: dict[str, int], counts: dict[str, int]) -> None:
+    for k, v in counts.items():
+        into[k] = into.get(k, 0) + int(v)
+
+
+async def run_episode(env: Env, engine: Engine, chat: ChatFormat, task: Task, params: SamplingParams,
+                      *, seed: int | None = None, limits: EpisodeLimits = EpisodeLimits(),
+                      context_len: int | None = None, deadline: float | None = None) -> Trajectory:
+    """Run one episode and return its Trajectory; never raises for env, engine or deadline failures.
+
+    `deadline` is an absolute `time.monotonic()` time by which the episode must end (the step's
+    deadline); `limits` bound turns, tokens, tool calls and time.
+    """
+    clock = Deadlines(limits, deadline)
+    if isinstance(env, ToolEnv):
+        env.set_tool_limits(timeout_s=limits.tool_timeout_s, max_calls_per_turn=limits.max_tool_calls_per_turn)
     try:
-        obs, _ = await call_env(env.reset, seed=seed, options={"task": task})
+        obs, _ = await clock.run(call_env(env.reset, seed=seed, options={"task": task}))
         messages: list[Message] = list(obs)
         tools = env.tool_schemas()
-        token_ids = chat.prompt_ids(messages, tools)
+    except DeadlineExpired as e:
+        traj = _empty_trajectory(task, StopReason.TIMEOUT, f"reset: {e}")
+        traj.info["deadline"] = e.which
+        return traj
     except Exception as e:  # noqa: BLE001 - env code is user code: its failure ends this trajectory
-        return Trajectory(task_id=task.id, token_ids=[], loss_mask=[], logprobs=[], prompt_len=0,
-                          messages=list(task.prompt_messages()), stop_reason=StopReason.ENV_ERROR,
-                          stop_detail=f"reset raised {type(e).__name__}: {e}")
+        return _empty_trajectory(task, StopReason.ENV_ERROR, f"reset raised {type(e).__name__}: {e}")
+    try:
+        token_ids = chat.prompt_ids(messages, tools)
+    except TemplateError as e:
+        return _empty_trajectory(task, StopReason.ENV_ERROR, f"first prompt: {e}")
     traj = Trajectory(task_id=task.id, token_ids=token_ids, loss_mask=[0] * len(token_ids),
                       logprobs=[0.0] * len(token_ids), prompt_len=len(token_ids), messages=messages,
                       stop_reason=StopReason.MAX_TURNS, reward=0.0)
@@ -82,90 +232,179 @@ async def run_episode(env: Env, engine: Engine, chat: ChatFormat, task: Task,
         traj.loss_mask += [1 if lps is not None else 0] * len(ids)
         traj.logprobs += lps if lps is not None else [0.0] * len(ids)
 
-    def finish(reason: StopReason, detail: str = "", reward: float | None = None) -> Trajectory:
+    def finish(reason: StopReason, detail: str = "") -> Trajectory:
         traj.stop_reason, traj.stop_detail = reason, detail
         if reason.is_infra_error:
             traj.reward = math.nan
-        elif reward is not None:
-            traj.reward = reward
-        if traj.tool_errors and tool_error_penalty and not math.isnan(traj.reward):
-            traj.reward -= tool_error_penalty * traj.tool_errors
+        elif traj.tool_errors and limits.tool_error_penalty:
+            traj.reward -= limits.tool_error_penalty * traj.tool_errors
         traj.weight_version = ",".join(sorted(versions)) or None
         return traj
 
-    for turn in range(max_turns):
-        budget = min(params.max_new_tokens, max_tokens - (len(traj.token_ids) - traj.prompt_len))
-        if context_len is not None:
-            budget = min(budget, context_len - len(traj.token_ids))
-        if budget <= 0:
-            return finish(StopReason.MAX_TOKENS, "token budget used up before the turn")
-        try:
-            out = await engine.generate(list(traj.token_ids), replace(params, max_new_tokens=budget))
-        except EngineError as e:
-            return finish(StopReason.ENGINE_ERROR, str(e))
-        if out.weight_version is not None:
-            versions.add(out.weight_version)
-        traj.num_turns = turn + 1
-        extend(out.token_ids, out.logprobs)
-        if out.finish_reason == "abort":
-            return finish(StopReason.ABORTED, out.detail or "the engine aborted the request")
-        parsed = chat.parse_assistant(out.token_ids)
-        messages.append(parsed.message)
-        if out.finish_reason == "length":
-            # No end-of-turn token was sampled: the turn is cut, so the episode ends here (as verl
-            # and slime do) rather than appending an end-of-turn token the model never produced.
-            return finish(StopReason.MAX_TOKENS, out.detail or f"turn {turn + 1} hit the token limit")
-        n_calls = len(parsed.message.tool_calls or [])
-        traj.tool_calls += n_calls + len(parsed.errors)
-        traj.tool_errors += len(parsed.errors)
-        try:
-            if n_calls or not parsed.errors:
-                new, reward, terminated, truncated, info = await call_env(env.step, parsed.message)
-            else:  # only malformed calls: the env sees nothing, the model gets the errors
-                new, reward, terminated, truncated, info = [], 0.0, False, False, {}
-        except Exception as e:  # noqa: BLE001 - env code is user code
-            return finish(StopReason.ENV_ERROR, f"step raised {type(e).__name__}: {e}")
-        traj.reward += float(reward)
-        traj.tool_errors += int(info.get("tool_errors", 0))
-        new = list(new) + [_error_message(f"malformed tool call: {err.reason}") for err in parsed.errors]
-        if terminated or truncated:
+    try:
+        for turn in range(1, limits.max_turns + 1):
+            budget = min(params.max_new_tokens, limits.max_tokens - (len(traj.token_ids) - traj.prompt_len))
+            if context_len is not None:
+                budget = min(budget, context_len - len(traj.token_ids))
+            if budget <= 0:
+                return finish(StopReason.MAX_TOKENS, "token budget used up before the turn")
+            clock.start_turn(turn)
+            try:
+                out: Completion = await clock.run(
+                    engine.generate(list(traj.token_ids), replace(params, max_new_tokens=budget)))
+            except EngineError as e:
+                return finish(StopReason.ENGINE_ERROR, str(e))
+            if out.weight_version is not None:
+                versions.add(out.weight_version)
+            traj.num_turns = turn
+            extend(out.token_ids, out.logprobs)
+            if out.finish_reason == "abort":
+                return finish(StopReason.ABORTED, out.detail or "the engine aborted the request")
+            parsed = chat.parse_assistant(out.token_ids, parse_tools=bool(tools))
+            messages.append(parsed.message)
+            if out.finish_reason == "length":
+                # No end-of-turn token was sampled: the turn is cut, so the episode ends here (as verl
+                # and slime do) rather than appending an end-of-turn token the model never produced.
+                return finish(StopReason.MAX_TOKENS, out.detail or f"turn {turn} hit the token limit")
+            n_calls = len(parsed.message.tool_calls or [])
+            traj.tool_calls += n_calls + len(parsed.errors)
+            traj.tool_errors += len(parsed.errors)
+            _add_counts(traj.tool_error_kinds, _kind_counts(parsed.errors))
+            try:
+                if n_calls or not parsed.errors:
+                    result = await clock.run(call_env(env.step, parsed.message))
+                else:  # only malformed calls: the env sees nothing, the model gets the errors
+                    result = ([], 0.0, False, False, {})
+            except DeadlineExpired:
+                raise
+            except Exception as e:  # noqa: BLE001 - env code is user code
+                return finish(StopReason.ENV_ERROR, f"step raised {type(e).__name__}: {e}")
+            try:
+                new, reward, terminated, truncated, info = _step_result(result)
+            except ValueError as e:
+                return finish(StopReason.ENV_ERROR, str(e))
+            traj.reward += reward
+            traj.tool_errors += int(info.get("tool_errors", 0))
+            _add_counts(traj.tool_error_kinds, info.get("tool_error_kinds", {}))
+            new = list(new) + [_error_message(f"malformed tool call: {err.reason}") for err in parsed.errors]
+            if limits.max_tool_output_tokens is not None:
+                new = [_truncate_tool_output(chat, m, limits, traj) for m in new]
+            if terminated or truncated:
+                messages.extend(new)
+                reason = info.get("stop_reason", StopReason.COMPLETED if terminated else StopReason.TRUNCATED)
+                if not (isinstance(reason, str) and reason in ENV_STOP_REASONS):
+                    return finish(StopReason.ENV_ERROR, f"step's info['stop_reason'] is {reason!r}; an env may "
+                                  f"choose one of {sorted(r.value for r in ENV_STOP_REASONS)}")
+                return finish(StopReason(reason))
+            if not new:
+                return finish(StopReason.ENV_ERROR, "step returned no messages but did not end the episode")
+            try:
+                suffix = chat.suffix_ids(messages, new, tools)
+            except TemplateError as e:
+                return finish(StopReason.ENV_ERROR, str(e))
             messages.extend(new)
-            return finish(StopReason.COMPLETED if terminated else StopReason.TRUNCATED)
-        if not new:
-            return finish(StopReason.ENV_ERROR, "step returned no messages but did not end the episode")
-        try:
-            suffix = chat.suffix_ids(messages, new, tools)
-        except TemplateError as e:
-            return finish(StopReason.ENV_ERROR, str(e))
-        messages.extend(new)
-        extend(suffix, None)
-    return finish(StopReason.MAX_TURNS, f"{max_turns} turns")
+            extend(suffix, None)
+    except DeadlineExpired as e:
+        traj.info["deadline"] = e.which
+        return finish(StopReason.TIMEOUT, str(e))
+    return finish(StopReason.MAX_TURNS, f"{limits.max_turns} turns")
+
+
+def _step_result(result: Any) -> tuple[list[Message], float, bool, bool, dict[str, Any]]:
+    """Check what `env.step` returned (user code) so a bad value ends the trajectory with a clear
+    ENV_ERROR instead of surfacing as an unrelated exception later."""
+    if not (isinstance(result, tuple) and len(result) == 5):
+        raise ValueError(f"step must return (messages, reward, terminated, truncated, info), got {result!r:.200}")
+    new, reward, terminated, truncated, info = result
+    if not (isinstance(new, list) and all(isinstance(m, Message) for m in new)):
+        raise ValueError(f"step's messages must be a list of Message, got {new!r:.200}")
+    if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
+        raise ValueError(f"step's reward must be a finite number, got {reward!r}")
+    if not isinstance(info, dict):
+        raise ValueError(f"step's info must be a dict, got {type(info).__name__}")
+    return new, float(reward), bool(terminated), bool(truncated), info
+
+
+def _kind_counts(errors: Sequence[Any]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for e in errors:
+        out[e.kind.value] = out.get(e.kind.value, 0) + 1
+    return out
+
+
+def _truncate_tool_output(chat: ChatFormat, m: Message, limits: EpisodeLimits, traj: Trajectory) -> Message:
+    if m.role != "tool" or limits.max_tool_output_tokens is None:
+        return m
+    text, omitted = chat.truncate(m.content, limits.max_tool_output_tokens, limits.truncation_marker)
+    if not omitted:
+        return m
+    traj.info["tool_outputs_truncated"] = traj.info.get("tool_outputs_truncated", 0) + 1
+    return m.model_copy(update={"content": text})
+
+
+# ---------------------------------------------------------------------------------------------
+# Groups and steps
+
+
+class BoundedEngine:
+    """An Engine that lets at most `limit` requests of this process reach `engine` at once.
+
+    The bound keeps a remote server's queue (and our open connections) small when thousands of
+    trajectories are in flight; requests over it wait here, inside their turn's deadline.
+    """
+
+    def __init__(self, engine: Engine, limit: int) -> None:
+        self.engine = engine
+        self._slots = asyncio.Semaphore(limit)
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
+        async with self._slots:
+            return await self.engine.generate(prompt_ids, params)
+
+    async def update_weights(self, weights: Any, *, version: str) -> None:
+        await self.engine.update_weights(weights, version=version)
+
+
+async def _run_new_env(env_factory: Callable[[], Env], engine: Engine, chat: ChatFormat, task: Task,
+                       params: SamplingParams, **kwargs: Any) -> Trajectory:
+    try:
+        env = env_factory()
+    except Exception as e:  # noqa: BLE001 - the env's constructor is user code
+        return _empty_trajectory(task, StopReason.ENV_ERROR, f"creating the env raised {type(e).__name__}: {e}")
+    return await run_episode(env, engine, chat, task, params, **kwargs)
 
 
 async def run_group(env_factory: Callable[[], Env], engine: Engine, chat: ChatFormat, task: Task,
                     group_size: int, params: SamplingParams, *, seed: int | None = None,
-                    group_id: str | None = None, episode_timeout_s: float | None = None,
-                    on_done: Callable[[Trajectory], None] | None = None,
-                    **episode_kwargs: Any) -> Group:
+                    group_id: str | None = None, limits: EpisodeLimits = EpisodeLimits(),
+                    context_len: int | None = None, deadline: float | None = None,
+                    slots: asyncio.Semaphore | None = None,
+                    on_done: Callable[[Trajectory], None] | None = None) -> Group:
     """Sample `group_size` trajectories of one task concurrently, all from the same env seed.
 
     Each member gets its own sampling seed (`params.seed + i`) so members differ; the env seed is
-    shared so all members start from the same state.
+    shared so all members start from the same state. `slots` bounds the episodes in flight (shared
+    by all groups of a step); `deadline` is the step's absolute deadline.
     """
     gid = group_id or task.id
 
     async def one(i: int) -> Trajectory:
         p = params if params.seed is None else replace(params, seed=params.seed + i)
         start = time.monotonic()
+        acquired = False
         try:
-            traj = await asyncio.wait_for(
-                run_episode(env_factory(), engine, chat, task, p, seed=seed, **episode_kwargs),
-                timeout=episode_timeout_s,
-            )
+            if slots is not None:
+                wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+                await asyncio.wait_for(slots.acquire(), wait)
+                acquired = True
+            traj = await _run_new_env(env_factory, engine, chat, task, p, seed=seed, limits=limits,
+                                      context_len=context_len, deadline=deadline)
         except asyncio.TimeoutError:
-            traj = Trajectory(task_id=task.id, token_ids=[], loss_mask=[], logprobs=[], prompt_len=0,
-                              messages=task.prompt_messages(), stop_reason=StopReason.TIMEOUT,
-                              stop_detail=f"episode exceeded {episode_timeout_s:g} s")
+            traj = _empty_trajectory(task, StopReason.TIMEOUT, "step deadline expired before the episode started")
+            traj.info["deadline"] = "step"
+        finally:
+            if acquired:
+                slots.release()
         traj.group_id = gid
         traj.info["wall_s"] = round(time.monotonic() - start, 4)
         if on_done is not None:
@@ -178,15 +417,46 @@ async def run_group(env_factory: Callable[[], Env], engine: Engine, chat: ChatFo
 async def collect(env_factory: Callable[[], Env], engine: Engine, chat: ChatFormat,
                   tasks: Sequence[Task], cfg: RolloutConfig, *, seed: int = 0,
                   context_len: int | None = None, on_done: Callable[[Trajectory], None] | None = None) -> list[Group]:
-    """All groups of one step, concurrently. `on_done` is called as each trajectory finishes."""
+    """All groups of one step, concurrently, within the config's bounds and step deadline.
+
+    `on_done` is called as each trajectory finishes.
+    """
     params = replace(cfg.sampling_params(), seed=seed * 1_000_003)
+    deadline = None if cfg.step_timeout_s is None else time.monotonic() + cfg.step_timeout_s
+    slots = None if cfg.max_concurrent_trajectories is None else asyncio.Semaphore(cfg.max_concurrent_trajectories)
+    if cfg.max_concurrent_requests is not None:
+        engine = BoundedEngine(engine, cfg.max_concurrent_requests)
+    limits = cfg.limits()
 
     async def group(i: int, task: Task) -> Group:
         return await run_group(env_factory, engine, chat, task, cfg.group_size,
                                replace(params, seed=params.seed + i * cfg.group_size),
-                               seed=seed + i, group_id=f"{seed}:{i}:{task.id}",
-                               episode_timeout_s=cfg.episode_timeout_s, on_done=on_done,
-                               max_turns=cfg.max_turns, max_tokens=cfg.max_tokens,
-                               context_len=context_len, tool_error_penalty=cfg.tool_error_penalty)
+                               seed=seed + i, group_id=f"{seed}:{i}:{task.id}", limits=limits,
+                               context_len=context_len, deadline=deadline, slots=slots, on_done=on_done)
 
     return list(await asyncio.gather(*(group(i, t) for i, t in enumerate(tasks))))
+
+
+def rollout_metrics(groups: Sequence[Group]) -> dict[str, float]:
+    """Counts of a step's endings and errors, for metrics.jsonl.
+
+    `stop/<reason>`: trajectories per StopReason; `timeout/<turn|episode|step>`: which deadline
+    ended them; `tool_errors/<kind>`: malformed or failed tool calls per ToolErrorKind;
+    `tool_outputs_truncated`: tool messages cut to `max_tool_output_tokens`; `unscorable`:
+    trajectories with a NaN reward (left out of their group's statistics).
+    """
+    out: dict[str, float] = {}
+
+    def add(key: str, n: float = 1.0) -> None:
+        out[key] = out.get(key, 0.0) + n
+
+    for g in groups:
+        for t in g.trajectories:
+            add(f"stop/{t.stop_reason.value}")
+            if t.stop_reason == StopReason.TIMEOUT:
+                add(f"timeout/{t.info.get('deadline', 'episode')}")
+            for kind, n in t.tool_error_kinds.items():
+                add(f"tool_errors/{kind}", n)
+            add("tool_outputs_truncated", t.info.get("tool_outputs_truncated", 0))
+            add("unscorable", float(math.isnan(t.reward)))
+    return out

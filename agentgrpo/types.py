@@ -122,15 +122,36 @@ class StopReason(str, enum.Enum):
     MAX_TOKENS = "max_tokens"  # the trajectory's token budget or the model's context was used up
     PARSE_ERROR = "parse_error"  # the env ended the episode because the model's output was unusable
     TOOL_ERROR = "tool_error"  # the env ended the episode because of a tool failure
-    TIMEOUT = "timeout"  # a tool, turn, episode or step deadline expired
+    TIMEOUT = "timeout"  # a turn, episode or step deadline expired (tool deadlines are tool errors)
     ENV_ERROR = "env_error"  # the env raised in reset/step (a bug, not a model failure)
     ENGINE_ERROR = "engine_error"  # the inference engine failed after retries (infrastructure)
     ABORTED = "aborted"  # the engine aborted the request (weight update, shutdown)
 
     @property
     def is_infra_error(self) -> bool:
-        """Failures that say nothing about the policy: their reward is NaN (unscorable), never 0."""
-        return self in (StopReason.ENV_ERROR, StopReason.ENGINE_ERROR, StopReason.ABORTED)
+        """Endings that say nothing about the policy: their reward is NaN (unscorable), never 0.
+
+        TIMEOUT is one of them: how long a turn or an episode takes depends on engine load, queueing
+        and the other trajectories of the step, while the policy's own length is bounded (and scored)
+        by MAX_TURNS and MAX_TOKENS. A tool call that overruns its deadline is different: the model
+        chose the call, so it becomes an error tool message (`ToolErrorKind.TOOL_TIMEOUT`).
+        """
+        return self in (StopReason.ENV_ERROR, StopReason.ENGINE_ERROR, StopReason.ABORTED,
+                        StopReason.TIMEOUT)
+
+
+class ToolErrorKind(str, enum.Enum):
+    """Why a tool call failed. Each is an RL event: the model gets an error tool message, the
+    trajectory counts it (`Trajectory.tool_error_kinds`) and a config may penalise it."""
+
+    BAD_JSON = "bad_json"  # the call's payload is not valid JSON
+    BAD_CALL = "bad_call"  # valid JSON, but not {"name": str, "arguments": object}
+    UNCLOSED = "unclosed"  # the call was cut off (e.g. no closing tag)
+    UNKNOWN_TOOL = "unknown_tool"  # no tool of that name
+    INVALID_ARGUMENTS = "invalid_arguments"  # arguments fail the tool's schema
+    TOOL_FAILED = "tool_failed"  # the tool raised
+    TOOL_TIMEOUT = "tool_timeout"  # the tool overran its per-call deadline
+    TOO_MANY_CALLS = "too_many_calls"  # more calls in one turn than allowed; the extra ones were not run
 
 
 @dataclass
@@ -155,6 +176,7 @@ class Trajectory:
     num_turns: int = 0
     tool_calls: int = 0
     tool_errors: int = 0
+    tool_error_kinds: dict[str, int] = field(default_factory=dict)  # ToolErrorKind value -> count
     stop_detail: str = ""  # human-readable reason (the exception, the deadline that expired, ...)
     reward_parts: dict[str, float] = field(default_factory=dict)
     weight_version: str | None = None
@@ -194,6 +216,7 @@ class Trajectory:
             "num_turns": self.num_turns,
             "tool_calls": self.tool_calls,
             "tool_errors": self.tool_errors,
+            "tool_error_kinds": self.tool_error_kinds,
             "weight_version": self.weight_version,
             "info": self.info,
         }

@@ -13,24 +13,32 @@ class ScriptedEngine:
     """Returns scripted assistant turns (text, tokenized once) with deterministic fake logprobs.
 
     `script(prompt_ids, call_index) -> str | Exception`; the text is encoded and the end-of-turn id
-    appended unless the text already ends with it. Logprobs are fixed negative numbers so tests can
+    appended unless the text already ends with it. `delay_s` (seconds, or a function of the call
+    index) simulates generation time; `max_in_flight` records the most concurrent requests. Logprobs are fixed negative numbers so tests can
     check they land in the trajectory unchanged.
     """
 
     def __init__(self, tokenizer, script: Callable[[list[int], int], str | Exception] | Sequence[str],
-                 eot_id: int, *, delay_s: float = 0.0) -> None:
+                 eot_id: int, *, delay_s: float | Callable[[int], float] = 0.0) -> None:
         self.tokenizer = tokenizer
         self.script = script if callable(script) else (lambda _ids, i, s=list(script): s[i % len(s)])
         self.eot_id = eot_id
         self.calls: list[list[int]] = []
-        self.delay_s = delay_s
+        self.delay_s = delay_s if callable(delay_s) else (lambda _i, d=delay_s: d)
         self.version = "v0"
+        self.in_flight = 0
+        self.max_in_flight = 0  # most requests inside generate at once
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
         i = len(self.calls)
         self.calls.append(list(prompt_ids))
-        if self.delay_s:
-            await asyncio.sleep(self.delay_s)
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            if delay := self.delay_s(i):
+                await asyncio.sleep(delay)
+        finally:
+            self.in_flight -= 1
         out = self.script(prompt_ids, i)
         if isinstance(out, Exception):
             raise out

@@ -111,3 +111,77 @@ def test_registry_and_calculator_tasks():
         x, _, y = t.metadata["expression"].split()
         assert int(t.answer) == int(x) + int(y)
     assert last_number("so 1,234 then 56.") == 56 and last_number("none") is None
+
+
+def test_tool_errors_are_counted_by_kind():
+    env = Slow()
+    env.reset(seed=0, options={"task": TASK})
+    calls = [ToolCall(id="1", name="nap", arguments={"seconds": 0.4}),
+             ToolCall(id="2", name="nap", arguments={"minutes": 1}),
+             ToolCall(id="3", name="nope", arguments={})]
+    env.set_tool_limits(max_calls_per_turn=3)
+    *_, info = asyncio.run(env.step(Message(role="assistant", content="", tool_calls=calls + calls[:1])))
+    assert info["tool_error_kinds"] == {"tool_timeout": 1, "invalid_arguments": 1, "unknown_tool": 1,
+                                        "too_many_calls": 1}
+    assert info["tool_errors"] == 4
+
+
+def test_check_env_flags_undeclared_randomness():
+    import random
+
+    class Dice(Env):
+        def reset(self, *, seed=None, options=None):
+            super().reset(seed=seed, options=options)
+            return [Message(role="user", content=f"Roll: {random.random()}")], {}  # not from the seed
+
+        def step(self, action):
+            return [], 0.0, True, False, {}
+
+    with pytest.raises(EnvCheckError, match="two resets with seed=0 gave different messages"):
+        check_env(Dice(), TASK)
+
+    class DeclaredDice(Dice):
+        stochastic = True
+
+    check_env(DeclaredDice(), TASK)
+
+
+def test_check_env_explains_instead_of_crashing():
+    from agentgrpo.env_check import env_report
+
+    class Crashing(Env):
+        def step(self, action):
+            raise ZeroDivisionError("division by zero")
+
+    report = env_report(Crashing(), TASK)
+    assert not report.ok
+    assert "raised ZeroDivisionError: division by zero" in report.format() and "ENV_ERROR" in report.format()
+
+    class Forgetful(ToolEnv):  # answers tool calls without saying which call
+        @tool
+        def ping(self) -> str:
+            """Reply pong."""
+            return "pong"
+
+        async def step(self, action):
+            out, *rest = await super().step(action)
+            return [m.model_copy(update={"tool_call_id": None}) for m in out], *rest
+
+        def reward(self, task, messages):
+            return 0.0
+
+    text = env_report(Forgetful(), TASK).format()
+    assert "[FAIL] tool ping()" in text and "tool_call_id='call_ping'" in text
+    ok = env_report(Slow(), TASK).format()
+    assert "[ok] tool nap(seconds=1)" in ok and "[ok] call with invalid arguments" in ok
+
+
+def test_check_env_command(capsys):
+    from agentgrpo.cli import main
+
+    assert main(["check-env", "calculator"]) == 0
+    assert "[ok] tool calculator(expression='1')" in capsys.readouterr().out
+    assert main(["check-env", "tests.test_env:Echo"]) == 1  # no load_tasks: no task to run
+    assert "no task given and Echo.load_tasks is not implemented" in capsys.readouterr().err
+    assert main(["check-env", "no_such_module:Env"]) == 1
+    assert "cannot create the env: ModuleNotFoundError" in capsys.readouterr().err

@@ -3,24 +3,47 @@ invariants, and every way an episode can end."""
 
 import asyncio
 import math
+import time
 
 import pytest
 
-from agentgrpo import Env, Message, StopReason
+from agentgrpo import Env, Message, StopReason, ToolEnv, tool
 from agentgrpo.engine import SamplingParams
 from agentgrpo.engine.base import EngineError
-from agentgrpo.rollout import RolloutConfig, collect, run_episode, run_group
+from agentgrpo.rollout import (
+    EpisodeLimits,
+    RolloutConfig,
+    collect,
+    rollout_metrics,
+    run_episode,
+    run_group,
+)
 from envs.calculator import CalculatorEnv
 from tests.fakes import ScriptedEngine
 
-TASK = CalculatorEnv.load_tasks("train", seed=0, n=1)[0]  # "What is 56 + 55?" -> 111
+
+class Calc(CalculatorEnv):
+    """The calculator without its worked example in the prompt: the message checks stay short."""
+
+    def __init__(self) -> None:
+        super().__init__(demo=False)
+
+
+TASK = Calc.load_tasks("train", seed=0, n=1)[0]  # "What is 56 + 55?" -> 111
 CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "56+55"}}\n</tool_call>'
 
 
-def run(chat, script, *, env=CalculatorEnv, task=TASK, **kw):
-    engine = ScriptedEngine(chat.tokenizer, script, chat.end_of_turn_id)
-    traj = asyncio.run(run_episode(env(), engine, chat, task, SamplingParams(max_new_tokens=kw.pop("max_new_tokens", 64)), **kw))
+def run(chat, script, *, env=Calc, task=TASK, max_new_tokens=64, delay_s=0.0, **limits):
+    engine = ScriptedEngine(chat.tokenizer, script, chat.end_of_turn_id, delay_s=delay_s)
+    traj = asyncio.run(run_episode(env(), engine, chat, task, SamplingParams(max_new_tokens=max_new_tokens),
+                                   limits=EpisodeLimits(**limits)))
     return traj, engine
+
+
+def by_turn(chat, *texts):
+    """A script that answers by the turn of the trajectory asking (not by global call order, which
+    interleaves when many trajectories run at once)."""
+    return lambda ids, i: texts[min(chat.decode(ids).count("<|im_start|>assistant") - 1, len(texts) - 1)]
 
 
 def assert_invariants(traj, engine, chat):
@@ -36,7 +59,7 @@ def assert_invariants(traj, engine, chat):
         n = next(i for i in range(len(prompt), end + 1) if i == end or traj.loss_mask[i] == 0)
         sampled_positions += list(range(len(prompt), n))
     assert [i for i, m in enumerate(traj.loss_mask) if m] == sampled_positions
-    assert all(lp < 0 for lp, m in zip(traj.logprobs, traj.loss_mask) if m)
+    assert all(lp < 0 for lp, m in zip(traj.logprobs, traj.loss_mask, strict=True) if m)
 
 
 def test_tool_call_then_answer(chat):
@@ -47,7 +70,7 @@ def test_tool_call_then_answer(chat):
     assert traj.messages[3].content == "111"
     assert_invariants(traj, engine, chat)
     # the full trajectory is exactly the template's rendering of the conversation
-    tools = CalculatorEnv().tool_schemas()
+    tools = Calc().tool_schemas()
     text = chat.decode(traj.token_ids)
     assert text == chat.render(traj.messages[:2], tools, add_generation_prompt=True) + chat.decode(traj.token_ids[traj.prompt_len:])
     assert traj.token_ids[-1] == chat.end_of_turn_id
@@ -65,6 +88,7 @@ def test_malformed_calls_are_answered_and_counted(chat):
     assert "not valid JSON" in tool_msgs[0]
     assert "unknown tool 'abacus'" in tool_msgs[1]
     assert "expression: Field required" in tool_msgs[2]
+    assert traj.tool_error_kinds == {"bad_json": 1, "unknown_tool": 1, "invalid_arguments": 1}
     assert_invariants(traj, engine, chat)
 
 
@@ -89,7 +113,7 @@ def test_infrastructure_failures_are_unscorable_not_zero(chat):
     assert traj.stop_reason == StopReason.ENGINE_ERROR and math.isnan(traj.reward)
     assert "connection refused" in traj.stop_detail
 
-    class Broken(CalculatorEnv):
+    class Broken(Calc):
         async def step(self, action):
             raise KeyError("state")
 
@@ -97,12 +121,19 @@ def test_infrastructure_failures_are_unscorable_not_zero(chat):
     assert traj.stop_reason == StopReason.ENV_ERROR and math.isnan(traj.reward)
     assert "step raised KeyError" in traj.stop_detail
 
-    class BrokenReset(CalculatorEnv):
+    class BrokenReset(Calc):
         def reset(self, *, seed=None, options=None):
             raise OSError("dataset missing")
 
     traj, _ = run(chat, ["111"], env=BrokenReset)
     assert traj.stop_reason == StopReason.ENV_ERROR and math.isnan(traj.reward) and traj.token_ids == []
+
+    class BadReward(Env):
+        def step(self, action):
+            return [], "1.0", True, False, {}
+
+    traj, _ = run(chat, ["111"], env=BadReward)
+    assert traj.stop_reason == StopReason.ENV_ERROR and "reward must be a finite number, got '1.0'" in traj.stop_detail
 
 
 def test_plain_env_with_user_feedback(chat):
@@ -121,10 +152,23 @@ def test_plain_env_with_user_feedback(chat):
     assert_invariants(traj, engine, chat)
 
 
+def test_env_may_name_its_ending(chat):
+    class Strict(Env):
+        def step(self, action):
+            if not action.content.strip().isdigit():
+                return [], -1.0, True, False, {"stop_reason": "parse_error"}
+            return [], 1.0, True, False, {"stop_reason": "engine_error"}  # not the env's to say
+
+    traj, _ = run(chat, ["four"], env=Strict)
+    assert traj.stop_reason == StopReason.PARSE_ERROR and traj.reward == -1.0
+    traj, _ = run(chat, ["4"], env=Strict)
+    assert traj.stop_reason == StopReason.ENV_ERROR and "an env may choose one of" in traj.stop_detail
+
+
 def test_group_members_share_task_and_env_seed(chat):
     seeds = []
 
-    class Recording(CalculatorEnv):
+    class Recording(Calc):
         def reset(self, *, seed=None, options=None):
             seeds.append(seed)
             return super().reset(seed=seed, options=options)
@@ -137,14 +181,186 @@ def test_group_members_share_task_and_env_seed(chat):
 
 
 def test_collect_runs_groups_concurrently(chat):
-    engine = ScriptedEngine(chat.tokenizer, [CALL, "111"], chat.end_of_turn_id, delay_s=0.05)
-    tasks = CalculatorEnv.load_tasks("train", seed=0, n=4)
+    engine = ScriptedEngine(chat.tokenizer, by_turn(chat, CALL, "111"), chat.end_of_turn_id, delay_s=0.05)
+    tasks = Calc.load_tasks("train", seed=0, n=4)
     done = []
-    import time
-
-    t0 = time.monotonic()
-    groups = asyncio.run(collect(CalculatorEnv, engine, chat, tasks, RolloutConfig(group_size=4), on_done=done.append))
+    groups = asyncio.run(collect(Calc, engine, chat, tasks, RolloutConfig(group_size=4), on_done=done.append))
     assert len(groups) == 4 and len(done) == 16
     assert len({g.group_id for g in groups}) == 4
-    # 16 episodes x >= 2 turns x 50 ms would take >= 1.6 s one after another
-    assert time.monotonic() - t0 < 1.2
+    assert engine.max_in_flight == 16  # every first turn was in the engine at once, not one by one
+    assert all(t.num_turns == 2 for g in groups for t in g.trajectories)
+
+
+# ---------------------------------------------------------------------------------------------
+# Deadlines, bounds, tool limits
+
+
+class SlowTools(ToolEnv):
+    """`wait` sleeps (async); `dump` returns a long text; `hang` sleeps in a thread (sync)."""
+
+    @tool
+    async def wait(self, seconds: float) -> str:
+        """Sleep, then say done."""
+        await asyncio.sleep(seconds)
+        return "done"
+
+    @tool
+    def dump(self, n: int) -> str:
+        """Return n words."""
+        return " ".join(f"word{i}" for i in range(n))
+
+    def reward(self, task, messages):
+        return 1.0
+
+
+def _call(name, **args):
+    import json
+
+    return f'<tool_call>{{"name": "{name}", "arguments": {json.dumps(args)}}}</tool_call>'
+
+
+def test_turn_deadline_keeps_what_was_generated(chat):
+    # turn 1 is quick, the engine then stalls on turn 2: TIMEOUT, unscorable, turn 1 kept intact
+    traj, engine = run(chat, [_call("wait", seconds=0), "done"], env=SlowTools,
+                       delay_s=lambda i: 0 if i == 0 else 5.0, turn_timeout_s=0.3, max_turns=3)
+    assert traj.stop_reason == StopReason.TIMEOUT and math.isnan(traj.reward)
+    assert traj.info["deadline"] == "turn" and "turn 2 exceeded its deadline of 0.3 s" in traj.stop_detail
+    assert traj.num_turns == 1 and [m.role for m in traj.messages][-2:] == ["assistant", "tool"]
+    assert traj.token_ids == engine.calls[1]  # exactly the sequence the stalled request was sent
+    traj.check()
+
+
+def test_slow_env_step_hits_the_turn_deadline(chat):
+    class SlowStep(Env):
+        def step(self, action):  # sync: runs in a worker thread, cannot be killed
+            time.sleep(0.5)
+            return [], 1.0, True, False, {}
+
+    traj, engine = run(chat, ["hi"], env=SlowStep, turn_timeout_s=0.1)
+    assert traj.stop_reason == StopReason.TIMEOUT and traj.info["deadline"] == "turn"
+    assert traj.num_sampled == len(chat.encode("hi")) + 1  # the sampled turn is kept, nothing after it
+    assert_invariants(traj, engine, chat)
+
+
+def test_episode_deadline(chat):
+    traj, engine = run(chat, [_call("wait", seconds=0.1)], env=SlowTools, max_turns=50, episode_timeout_s=0.5)
+    assert traj.stop_reason == StopReason.TIMEOUT and traj.info["deadline"] == "episode"
+    assert 1 <= traj.num_turns < 50
+    assert_invariants(traj, engine, chat)
+
+
+def test_timeout_raised_by_env_code_is_an_env_error_not_a_deadline(chat):
+    class Flaky(Env):
+        async def step(self, action):
+            raise TimeoutError("upstream API timed out")
+
+    traj, _ = run(chat, ["hi"], env=Flaky, turn_timeout_s=30.0)
+    assert traj.stop_reason == StopReason.ENV_ERROR and "upstream API timed out" in traj.stop_detail
+
+
+def test_tool_deadline_and_call_limit_from_config_are_tool_errors(chat):
+    calls = _call("wait", seconds=5) + _call("dump", n=1) + _call("dump", n=2)
+    traj, engine = run(chat, [calls, "done"], env=SlowTools, tool_timeout_s=0.2, max_tool_calls_per_turn=2,
+                       max_new_tokens=200)
+    assert traj.stop_reason == StopReason.COMPLETED and traj.reward == 1.0  # the episode went on
+    assert traj.tool_error_kinds == {"tool_timeout": 1, "too_many_calls": 1} and traj.tool_errors == 2
+    outputs = [m.content for m in traj.messages if m.role == "tool"]
+    assert "did not finish within 0.2 s" in outputs[0] and outputs[1] == "word0" and "too many" in outputs[2]
+    assert_invariants(traj, engine, chat)
+
+
+def test_tool_output_is_truncated_to_a_token_budget(chat):
+    traj, engine = run(chat, [_call("dump", n=500), "done"], env=SlowTools, max_tool_output_tokens=12)
+    out = next(m.content for m in traj.messages if m.role == "tool")
+    assert out.startswith("word0 word1") and "more tokens truncated]" in out
+    assert len(chat.encode(out.split("\n[...")[0])) == 12 and traj.info["tool_outputs_truncated"] == 1
+    assert_invariants(traj, engine, chat)
+    assert "word499" not in chat.decode(traj.token_ids)  # the model saw the cut output only
+
+
+def test_step_deadline_ends_the_stragglers_and_keeps_the_rest(chat):
+    engine = ScriptedEngine(chat.tokenizer, ["111"], chat.end_of_turn_id, delay_s=0.4)
+    cfg = RolloutConfig(group_size=4, max_concurrent_trajectories=2, step_timeout_s=0.7)
+    groups = asyncio.run(collect(Calc, engine, chat, [TASK], cfg))
+    reasons = sorted(t.stop_reason.value for t in groups[0].trajectories)
+    assert reasons == ["completed", "completed", "timeout", "timeout"]  # 2 in flight, 0.4 s each
+    metrics = rollout_metrics(groups)
+    assert metrics["timeout/step"] == 2 and metrics["unscorable"] == 2 and metrics["stop/completed"] == 2
+    for t in groups[0].trajectories:
+        t.check()
+
+
+def test_in_flight_bounds(chat):
+    tasks = Calc.load_tasks("train", seed=0, n=3)
+    engine = ScriptedEngine(chat.tokenizer, by_turn(chat, CALL, "111"), chat.end_of_turn_id, delay_s=0.02)
+    asyncio.run(collect(Calc, engine, chat, tasks, RolloutConfig(group_size=4, max_concurrent_requests=3)))
+    assert engine.max_in_flight == 3 and len(engine.calls) == 24
+    live, most = 0, 0
+
+    class Counting(Calc):
+        def reset(self, *, seed=None, options=None):
+            nonlocal live, most
+            live += 1
+            most = max(most, live)
+            return super().reset(seed=seed, options=options)
+
+        def reward(self, task, messages):
+            nonlocal live
+            live -= 1
+            return super().reward(task, messages)
+
+    engine = ScriptedEngine(chat.tokenizer, by_turn(chat, CALL, "111"), chat.end_of_turn_id, delay_s=0.02)
+    groups = asyncio.run(collect(Counting, engine, chat, tasks, RolloutConfig(group_size=4, max_concurrent_trajectories=5)))
+    assert most == 5 and all(t.stop_reason == StopReason.COMPLETED for g in groups for t in g.trajectories)
+
+
+def test_no_lock_step_a_slow_tool_does_not_hold_back_other_trajectories(chat):
+    """Member 0's tool waits until member 1 has finished its whole episode. With lock-step turns
+    member 1's second turn would wait for member 0's tool, and the tool would time out instead."""
+    released = asyncio.Event()
+    order = []
+
+    class Blocking(ToolEnv):
+        tool_timeout_s = 5.0
+
+        @tool
+        async def wait(self, seconds: float) -> str:
+            """Wait for the other member (member 0) or not (member 1)."""
+            if self.member == 0:
+                await released.wait()
+                return "released"
+            return "quick"
+
+        def reward(self, task, messages):
+            order.append(self.member)
+            return 1.0
+
+    members = iter(range(2))
+
+    def factory():
+        env = Blocking()
+        env.member = next(members)
+        return env
+
+    def on_done(t):
+        released.set()
+
+    engine = ScriptedEngine(chat.tokenizer, lambda ids, i: _call("wait", seconds=0) if i < 2 else "ok",
+                            chat.end_of_turn_id)
+    group = asyncio.run(run_group(factory, engine, chat, TASK, 2, SamplingParams(), on_done=on_done))
+    assert order == [1, 0]
+    assert [m.content for m in group.trajectories[0].messages if m.role == "tool"] == ["released"]
+
+
+def test_env_factory_failure_ends_one_trajectory(chat):
+    made = iter(range(3))
+
+    def factory():
+        if next(made) == 1:
+            raise RuntimeError("no GPU for the simulator")
+        return Calc()
+
+    engine = ScriptedEngine(chat.tokenizer, ["111"], chat.end_of_turn_id)
+    g = asyncio.run(run_group(factory, engine, chat, TASK, 3, SamplingParams()))
+    assert [t.stop_reason for t in g.trajectories] == [StopReason.COMPLETED, StopReason.ENV_ERROR, StopReason.COMPLETED]
+    assert "no GPU for the simulator" in g.trajectories[1].stop_detail and math.isnan(g.trajectories[1].reward)

@@ -1,0 +1,106 @@
+"""The template audit on the real SmolLM2 tokenizer and the original templates of model families."""
+
+import copy
+
+import pytest
+
+from agentgrpo.chat import ChatFormat, TemplateError
+from agentgrpo.template_audit import audit, audit_template, require_token_safe
+from envs.calculator import CalculatorEnv
+from tests.conftest import SHARED, shared_template
+from tests.test_rollout import TASK
+
+
+def kinds(report):
+    return {(i.kind, i.fatal) for i in report.issues}
+
+
+@pytest.mark.parametrize("name", [None, "qwen2_5.jinja", "qwen3_instruct_2507.jinja"])
+def test_prefix_preserving_templates_are_exact(smol_tokenizer, name):
+    report = audit_template(smol_tokenizer, shared_template(name) if name else None)
+    assert report.mode == "exact" and report.prefix_preserving and not report.issues
+    assert report.conversations == 12 and report.turns == 29  # every turn of every conversation walked
+
+
+def test_qwen3_is_refused_with_the_reasons(smol_tokenizer):
+    report = audit_template(smol_tokenizer, shared_template("qwen3.jinja"))
+    assert report.mode == "refuse" and not report.prefix_preserving
+    whys = {i.why for i in report.issues}
+    assert whys == {"it drops the reasoning (<think>...</think>) of earlier assistant turns",
+                    "it renders an empty <think></think> block in the last assistant turn only"}
+    reasoning = next(i for i in report.issues if i.conversation == "reasoning")
+    assert reasoning.turn == 1 and "<think>\\n12 * 7 = 84.\\n</think>" in reasoning.detail
+    text = report.format()
+    assert "NOT token-safe" in text and "rollout.template_fallback=keep_history" in text
+    # tool turns without a new user message keep reasoning: that shape alone is fine
+    assert not any(i.conversation == "reasoning with tools" and i.turn == 1 for i in report.issues)
+
+
+def test_keep_history_is_accepted_only_when_chosen(smol_tokenizer):
+    report = audit_template(smol_tokenizer, shared_template("qwen3.jinja"), fallback="keep_history")
+    assert report.mode == "keep_history" and report.fallback_works
+    assert "[fallback] rewrites_history" in report.format()
+
+
+def test_preserve_thinking_switch_is_suggested(smol_tokenizer):
+    # a Qwen3 variant with the switch newer Qwen templates have
+    t = shared_template("qwen3.jinja").replace(
+        "{%- if loop.index0 > ns.last_query_index %}",
+        "{%- if (preserve_thinking is defined and preserve_thinking) or loop.index0 > ns.last_query_index %}")
+    report = audit_template(smol_tokenizer, t)
+    assert "chat_template_kwargs={preserve_thinking: true}" in report.format()
+    fixed = audit_template(smol_tokenizer, t, template_kwargs={"preserve_thinking": True})
+    # reasoning now survives; the empty think block of a last turn without reasoning still does not
+    assert {i.why for i in fixed.issues} == {"it renders an empty <think></think> block in the last assistant turn only"}
+
+
+def test_wrong_end_of_turn_and_missing_tool_support(smol_tokenizer):
+    llama = audit_template(smol_tokenizer, shared_template("llama3_1.jinja"))
+    assert llama.mode == "refuse" and ("no_end_of_turn", True) in kinds(llama)
+    assert "--end-of-turn" in llama.format()
+    phi = audit_template(smol_tokenizer, shared_template("phi3_5.jinja"))
+    assert phi.mode == "refuse" and not phi.fallback_works
+    assert any(i.why == "it puts '<|im_end|>' only after the final turn" for i in phi.issues)
+    assert "use a tool-aware template" in phi.format()
+    bad = audit_template(smol_tokenizer, end_of_turn="<|not_a_token|>")
+    assert bad.mode == "refuse" and ("end_of_turn", True) in kinds(bad)
+
+
+def test_llama_with_its_tokens_is_exact_and_the_parser_is_checked(smol_tokenizer):
+    tok = copy.deepcopy(smol_tokenizer)
+    tok.add_special_tokens({"additional_special_tokens": ["<|eot_id|>", "<|start_header_id|>",
+                                                         "<|end_header_id|>", "<|python_tag|>"]})
+    report = audit_template(tok, shared_template("llama3_1.jinja"), parser="llama3_json", end_of_turn="<|eot_id|>")
+    assert report.mode == "exact"
+    # warnings only: no parallel calls in Llama 3.1, and "\n\n" + "12" merge differently when the
+    # text is tokenized in one piece (harmless token-in/token-out, so not fatal)
+    assert kinds(report) == {("render_error", False), ("retokenizes", False)}
+    assert "max_tool_calls_per_turn=1" in report.format()
+    hermes = audit_template(tok, shared_template("llama3_1.jinja"), end_of_turn="<|eot_id|>")
+    assert ("parser_mismatch", False) in kinds(hermes) and "model.tool_parser=llama3_json" in hermes.format()
+
+
+def test_require_token_safe_uses_the_env_shape(smol_tokenizer, chat):
+    report = require_token_safe(chat, CalculatorEnv(), TASK)
+    assert report.mode == "exact" and report.conversations == 12  # tools: tool shapes included
+    qwen3 = ChatFormat(smol_tokenizer, template=shared_template("qwen3.jinja"))
+    with pytest.raises(TemplateError, match="not token-safe for this environment") as e:
+        require_token_safe(qwen3, CalculatorEnv(), TASK)
+    assert "rollout.template_fallback=keep_history" in str(e.value)
+    loose = ChatFormat(smol_tokenizer, template=shared_template("qwen3.jinja"), fallback="keep_history")
+    assert require_token_safe(loose, CalculatorEnv(), TASK).mode == "keep_history"
+    # without tools only the plain shapes are walked, headed by the env's own first messages
+    plain = audit(chat, tools=[], prompt=CalculatorEnv().reset(options={"task": TASK})[0])
+    assert plain.conversations == 4 and plain.mode == "exact"
+
+
+def test_check_template_command(smol_path, capsys):
+    from agentgrpo.cli import main
+
+    assert main(["check-template", str(smol_path)]) == 0
+    assert "mode: exact" in capsys.readouterr().out
+    shared_template("qwen3.jinja")  # skips when shared/ is absent
+    qwen3 = str(SHARED / "chat_templates" / "qwen3.jinja")
+    assert main(["check-template", str(smol_path), "--template", qwen3]) == 1
+    assert "NOT token-safe" in capsys.readouterr().out
+    assert main(["check-template", str(smol_path), "--template", qwen3, "--fallback", "keep_history"]) == 0
