@@ -24,13 +24,14 @@ from agentgrpo.engine.base import Engine
 from agentgrpo.env import Env, get_env_class
 from agentgrpo.learner import Learner
 from agentgrpo.log import RunLogger
-from agentgrpo.rollout import collect
+from agentgrpo.rollout import collect, rollout_metrics
 from agentgrpo.shaping import (
     describe_algorithm,
     keep_informative_groups,
     overlong_penalty,
     truncated_rows,
 )
+from agentgrpo.template_audit import require_token_safe
 from agentgrpo.types import Group, Task, Trajectory
 from agentgrpo.weight_sync import WeightSync
 
@@ -110,16 +111,12 @@ def step_metrics(groups: Sequence[Group]) -> dict[str, float]:
     out = {
         "reward_mean": float(np.mean(scored)) if scored else float("nan"),
         "reward_std": float(np.std(scored)) if scored else float("nan"),
-        "unscorable": float(len(trajs) - len(scored)),
         "turns_mean": float(np.mean([t.num_turns for t in trajs])),
         "tool_calls_mean": float(np.mean([t.tool_calls for t in trajs])),
         "tool_errors_mean": float(np.mean([t.tool_errors for t in trajs])),
         "response_tokens_mean": float(np.mean([t.num_sampled for t in trajs])),
         "sampled_tokens": float(sum(t.num_sampled for t in trajs)),
     }
-    for t in trajs:
-        key = f"stop/{t.stop_reason.value}"
-        out[key] = out.get(key, 0.0) + 1
     return out
 
 
@@ -137,7 +134,8 @@ def train(cfg: RunConfig) -> Path:
     model_path = Path(cfg.model.path) if cfg.model.path else default_model_path()
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     template = Path(cfg.model.chat_template).read_text() if cfg.model.chat_template else None
-    chat = ChatFormat(tokenizer, template=template, parser=cfg.model.tool_parser)
+    chat = ChatFormat(tokenizer, template=template, parser=cfg.model.tool_parser,
+                      fallback=cfg.rollout.template_fallback, template_kwargs=cfg.rollout.chat_template_kwargs)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     context_len = getattr(model.config, "max_position_embeddings", None)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else chat.end_of_turn_id
@@ -147,6 +145,9 @@ def train(cfg: RunConfig) -> Path:
     env_cls = get_env_class(cfg.env.name)
     make_env = lambda: env_cls(**cfg.env.kwargs)  # noqa: E731 - one env instance per trajectory
     stream = TaskStream(env_cls.load_tasks("train", seed=cfg.seed, **cfg.env.tasks), cfg.seed)
+    # Refuse a template that would make the learner see tokens the model never saw.
+    print(f"chat template: {chat.template_source}, token mode: "
+          f"{require_token_safe(chat, make_env(), stream.tasks[0], seed=cfg.seed).mode}", flush=True)
     loop = asyncio.new_event_loop()  # one loop for the run: engine clients and workers live on it
 
     ckpt_root, start = run_dir / "checkpoints", 0
@@ -183,7 +184,8 @@ def train(cfg: RunConfig) -> Path:
                 advantages_B[truncated_rows([t.stop_reason for t in trajs])] = float("nan")
             metrics.update(learner.train_step(trajs, advantages_B.tolist()))
             loop.run_until_complete(sync.push(learner.unwrapped, step + 1))
-            metrics.update(step_metrics(groups), rollout_s=t_rollout, step_s=time.perf_counter() - t0)
+            metrics.update(step_metrics(groups), **rollout_metrics(groups), rollout_s=t_rollout,
+                           step_s=time.perf_counter() - t0)
             metrics["tokens_per_s"] = metrics.get("sampled_tokens", 0.0) / max(t_rollout, 1e-9)
             logger.log_step(step + 1, metrics)
             logger.log_groups(step + 1, groups)
