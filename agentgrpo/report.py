@@ -195,8 +195,8 @@ def _series(metrics: dict[int, dict[str, float]], key: str) -> tuple[np.ndarray,
     pts = [(s, m[key]) for s, m in metrics.items() if key in m]
     if not pts or not any(math.isfinite(v) for _, v in pts):
         return None
-    x, y = zip(*pts)
-    return np.asarray(x, dtype=float), np.asarray(y, dtype=float)
+    x, y = np.asarray(pts, dtype=float).T
+    return x, y
 
 
 def _traj_series(scan: TrajScan, stat: str, fn) -> tuple[np.ndarray, np.ndarray] | None:
@@ -208,8 +208,8 @@ def _traj_series(scan: TrajScan, stat: str, fn) -> tuple[np.ndarray, np.ndarray]
             pts.append((s, fn(vals)))
     if not pts:
         return None
-    x, y = zip(*pts)
-    return np.asarray(x, dtype=float), np.asarray(y, dtype=float)
+    x, y = np.asarray(pts, dtype=float).T
+    return x, y
 
 
 def _figure(title: str):
@@ -335,7 +335,7 @@ def _decode_table(tokenizer, rows: list[dict[str, Any]], max_tokens: int) -> dic
     vocab = len(tokenizer)
     ids = sorted({i for r in rows for i in _shown_ids(r, max_tokens)[0] if isinstance(i, int) and 0 <= i < vocab})
     texts = tokenizer.batch_decode([[i] for i in ids], skip_special_tokens=False, clean_up_tokenization_spaces=False)
-    return dict(zip(ids, texts))
+    return dict(zip(ids, texts, strict=True))
 
 
 def _shown_ids(row: dict[str, Any], max_tokens: int) -> tuple[list[Any], int]:

@@ -113,7 +113,7 @@ def test_report_of_a_real_run_has_plots_and_coloured_tokens(run_copy):
         assert (run_copy / "plots" / f"{name}.png").read_bytes().startswith(PNG_MAGIC)
     rows = read_jsonl(run_copy / "trajectories.jsonl")
     assert len(page.articles) == len(rows) == 8
-    for art, row in zip(page.articles, rows):  # file order is kept
+    for art, row in zip(page.articles, rows, strict=True):  # file order is kept
         assert art["data-step"] == str(row["step"]) and art["data-stop"] == row["stop_reason"]
         assert float(art["data-reward"]) == row["reward"]
         # every token is shown once, in the colour its loss_mask says
