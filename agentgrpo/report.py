@@ -168,7 +168,7 @@ def scan_trajectories(path: Path, max_trajectories: int, notices: list[str]) -> 
                 scan.bad_lines += 1
                 continue
             step, reward = _step(row.get("step")), _num(row.get("reward"))
-            mask = row.get("loss_mask") if isinstance(row.get("loss_mask"), list) else []
+            mask = _list(row, "loss_mask")
             st = scan.stats[step]
             st["reward"].append(reward)
             st["response_tokens"].append(float(sum(1 for m in mask if m == 1)))
@@ -179,13 +179,17 @@ def scan_trajectories(path: Path, max_trajectories: int, notices: list[str]) -> 
             scan.total += 1
         for off in sorted(_choose(index, max_trajectories)):
             f.seek(off)
-            scan.rows.append(json.loads(f.readline()))
+            try:  # the line parsed a moment ago; only a file replaced in between fails here
+                scan.rows.append(json.loads(f.readline()))
+            except ValueError:
+                scan.bad_lines += 1
     if scan.bad_lines:
         notices.append(f"{path.name}: {scan.bad_lines} unreadable line(s) skipped")
     if scan.total > len(scan.rows):
         shown = sorted({_step(r.get("step")) for r in scan.rows})
+        which = ", ".join(map(str, shown)) if len(shown) <= 12 else f"{len(shown)} steps from {shown[0]} to {shown[-1]}"
         notices.append(f"{len(scan.rows)} of {scan.total} trajectories embedded (cap max_trajectories="
-                       f"{max_trajectories}), from steps {', '.join(map(str, shown))}")
+                       f"{max_trajectories}), from steps {which}")
     return scan
 
 
@@ -269,7 +273,7 @@ def _panel(metrics, scan: TrajScan, name: str, title: str, keys: list[str], stat
     return Plot(name, title, _png(fig))
 
 
-def _stop_panel(metrics, scan: TrajScan) -> Plot | None:
+def _stop_panel(metrics, scan: TrajScan, title: str) -> Plot | None:
     counts: dict[int, dict[str, float]] = {s: {k[5:]: v for k, v in m.items() if k.startswith("stop/") and math.isfinite(v)}
                                            for s, m in metrics.items()}
     counts = {s: c for s, c in counts.items() if c}
@@ -277,7 +281,6 @@ def _stop_panel(metrics, scan: TrajScan) -> Plot | None:
         counts = {s: dict(c) for s, c in scan.stops.items() if c}
     if not counts:
         return None
-    title = "Why episodes ended (StopReason counts)"
     fig, ax = _figure(title)
     steps = np.asarray(sorted(counts), dtype=float)
     width = 0.8 * (float(np.min(np.diff(steps))) if len(steps) > 1 else 1.0)
@@ -295,7 +298,7 @@ def _stop_panel(metrics, scan: TrajScan) -> Plot | None:
 def make_plots(metrics: dict[int, dict[str, float]], scan: TrajScan, notices: list[str]) -> list[Plot]:
     plots, missing = [], []
     for name, title, keys, stat in PANELS:
-        p = _stop_panel(metrics, scan) if name == "stop_reasons" else _panel(metrics, scan, name, title, keys, stat)
+        p = _stop_panel(metrics, scan, title) if name == "stop_reasons" else _panel(metrics, scan, name, title, keys, stat)
         if p is None:
             missing.append(name)
         else:
@@ -333,27 +336,31 @@ def _decode_table(tokenizer, rows: list[dict[str, Any]], max_tokens: int) -> dic
     if tokenizer is None:
         return {}
     vocab = len(tokenizer)
-    ids = sorted({i for r in rows for i in _shown_ids(r, max_tokens)[0] if isinstance(i, int) and 0 <= i < vocab})
+    shown = set()
+    for r in rows:
+        ids = _list(r, "token_ids")
+        head, tail = _window(len(ids), max_tokens)
+        shown.update(ids[:head] + ids[tail:])
+    ids = sorted(i for i in shown if isinstance(i, int) and 0 <= i < vocab)
     texts = tokenizer.batch_decode([[i] for i in ids], skip_special_tokens=False, clean_up_tokenization_spaces=False)
     return dict(zip(ids, texts, strict=True))
 
 
-def _shown_ids(row: dict[str, Any], max_tokens: int) -> tuple[list[Any], int]:
-    """The token ids to show (head + tail when over the cap) and the number left out."""
-    ids = row.get("token_ids") if isinstance(row.get("token_ids"), list) else []
-    if len(ids) <= max_tokens:
-        return ids, 0
-    head = max_tokens // 2
-    return ids[:head] + ids[len(ids) - (max_tokens - head):], len(ids) - max_tokens
+def _list(row: dict[str, Any], key: str) -> list[Any]:
+    return row[key] if isinstance(row.get(key), list) else []
+
+
+def _window(n: int, max_tokens: int) -> tuple[int, int]:
+    """Tokens shown: [0, head) and [tail, n); the middle is left out when n is over the cap."""
+    return (n, n) if n <= max_tokens else (max_tokens // 2, n - (max_tokens - max_tokens // 2))
 
 
 def _tokens_html(row: dict[str, Any], table: dict[int, str], max_tokens: int) -> str:
-    ids = row.get("token_ids") if isinstance(row.get("token_ids"), list) else []
-    mask = row.get("loss_mask") if isinstance(row.get("loss_mask"), list) else []
-    lps = row.get("logprobs") if isinstance(row.get("logprobs"), list) else []
+    ids = _list(row, "token_ids")
+    mask = _list(row, "loss_mask")
+    lps = _list(row, "logprobs")
     n = len(ids)
-    head = n if n <= max_tokens else max_tokens // 2
-    tail_start = n if n <= max_tokens else n - (max_tokens - head)
+    head, tail_start = _window(n, max_tokens)
     out, run_cls = [], None
     for i in [*range(head), *range(tail_start, n)]:
         if i == tail_start and tail_start > head:
@@ -398,8 +405,8 @@ def _message_html(m: Any) -> str:
 def _traj_html(row: dict[str, Any], table: dict[int, str], max_tokens: int) -> str:
     step, reward = _step(row.get("step")), _num(row.get("reward"))
     stop = str(row.get("stop_reason", "unknown"))
-    ids = row.get("token_ids") if isinstance(row.get("token_ids"), list) else []
-    mask = row.get("loss_mask") if isinstance(row.get("loss_mask"), list) else []
+    ids = _list(row, "token_ids")
+    mask = _list(row, "loss_mask")
     rcls = "reward-none" if math.isnan(reward) else ("reward-good" if reward > 0 else "reward-bad")
     rtext = "unscorable" if math.isnan(reward) else f"{reward:.4g}"
     parts = row.get("reward_parts")
@@ -413,7 +420,7 @@ def _traj_html(row: dict[str, Any], table: dict[int, str], max_tokens: int) -> s
     fields += [f"turns {e(str(row.get('num_turns', '?')))}",
                f"tool calls {e(str(row.get('tool_calls', '?')))} (errors {e(str(row.get('tool_errors', '?')))})",
                f"group {e(str(row.get('group_id', '')))}", f"weights {e(str(row.get('weight_version')))}"]
-    msgs = row.get("messages") if isinstance(row.get("messages"), list) else []
+    msgs = _list(row, "messages")
     notes = []
     if len(mask) != len(ids):
         notes.append(f"loss_mask has {len(mask)} entries for {len(ids)} tokens")
