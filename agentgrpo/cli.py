@@ -1,4 +1,4 @@
-"""`agentgrpo` command line: train, eval, check-env, check-template, and the servers.
+"""`agentgrpo` command line: train, eval, check-env, check-template, report, and the servers.
 
 The CLI only parses arguments and calls one function per subcommand; settings live in the typed
 config (`agentgrpo.config`), overridden with `key.path=value` arguments.
@@ -65,6 +65,19 @@ def _eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _report(args: argparse.Namespace) -> int:
+    from agentgrpo.report import write_report
+
+    try:
+        out = write_report(args.run_dir, args.out, max_trajectories=args.max_trajectories,
+                           max_tokens=args.max_tokens)
+    except FileNotFoundError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"report: {out}")
+    return 0
+
+
 # Subcommands whose argument parsing lives with their server module (they take their own flags).
 FORWARDED = {
     "serve-sandbox": ("agentgrpo.verify.sandbox_server", "run the code sandbox as an HTTP server"),
@@ -101,6 +114,13 @@ def build_parser() -> argparse.ArgumentParser:
     ct.add_argument("--kwarg", action="append", default=[], metavar="KEY=VALUE",
                     help="a chat-template variable, e.g. --kwarg preserve_thinking=true (repeatable)")
     ct.set_defaults(fn=_check_template)
+
+    r = sub.add_parser("report", help="write RUN_DIR/report.html (plots + trajectory viewer) and RUN_DIR/plots/")
+    r.add_argument("run_dir", help="a run directory (output_dir of a train run)")
+    r.add_argument("--out", default=None, help="HTML file to write (default: RUN_DIR/report.html)")
+    r.add_argument("--max-trajectories", type=int, default=200, help="trajectories embedded at most")
+    r.add_argument("--max-tokens", type=int, default=2048, help="tokens shown per trajectory at most")
+    r.set_defaults(fn=_report)
     for name, (_, help_text) in FORWARDED.items():
         sub.add_parser(name, help=f"{help_text} (see: agentgrpo {name} --help)", add_help=False)
     return p

@@ -73,7 +73,12 @@ class LogConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     tensorboard: bool = Field(True, description="write TensorBoard event files")
-    progress: bool = Field(True, description="show a progress bar")
+    progress: bool = Field(True, description="show a progress bar per step (one plain line per step when not a terminal)")
+    wandb_project: str | None = Field(
+        None, description="Weights & Biases project; set it to log there too (pip install 'agentgrpo[wandb]'; "
+                          "the API key comes from WANDB_API_KEY or `wandb login`, never from this config)")
+    wandb_entity: str | None = Field(None, description="W&B team or user; None = your default entity")
+    wandb_name: str | None = Field(None, description="W&B run name; None = the run directory's name")
 
 
 class RunConfig(BaseModel):

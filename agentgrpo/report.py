@@ -1,0 +1,539 @@
+"""`agentgrpo report RUN_DIR`: one self-contained HTML file with a run's curves and trajectories.
+
+The report is written to `RUN_DIR/report.html` and its plots also as PNG files to `RUN_DIR/plots/`.
+It works on any run directory, including one still being written, a killed one, or one with no
+metrics or no trajectories: whatever is missing is named in a notice at the top instead of failing.
+
+Decisions:
+- Self-contained: plots are PNGs (matplotlib's Agg canvas, never pyplot, so the caller's backend
+  is untouched) embedded as data URIs; the CSS and the small filter script are inlined from
+  `report_template.html`. Nothing is fetched from the network, so a report can be mailed or archived.
+- Trajectories are rendered as HTML on the server side (not built by script from embedded JSON), so
+  the viewer also works with scripts disabled and every piece of text passes through `html.escape`.
+- Curves come from `metrics.jsonl` (rows of the same step are merged: an eval row and a train row of
+  one step both count; a resumed run's repeated step keeps its last values). Per-trajectory spreads
+  (p10-p90 bands, stop reasons) come from all of `trajectories.jsonl`, read as a stream.
+- Size is bounded: at most `max_trajectories` trajectories are embedded, chosen from evenly spaced
+  steps (the last step always) and, within a step, spread over its reward range so the best and the
+  worst are both shown; each shows at most `max_tokens` tokens (its head and its tail) and messages
+  of at most `MAX_MESSAGE_CHARS` characters. Every cap that bites is stated in the report.
+- Tokens are decoded one by one with the run's tokenizer (`config.yaml`'s `model.path`; null means
+  the embedded model) so token boundaries stay visible; without a tokenizer the ids are shown.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+import math
+import os
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+from agentgrpo.log import mask_secrets
+
+DEFAULT_MAX_TRAJECTORIES = 200
+DEFAULT_MAX_TOKENS = 2048
+MAX_MESSAGE_CHARS = 20_000
+MIN_PER_STEP = 4  # when steps outnumber the budget, show fewer steps rather than 1 trajectory each
+MAX_EVAL_PANELS = 12
+
+# (file name, title, metrics keys, per-trajectory stat drawn as a p10-p90 band)
+PANELS: list[tuple[str, str, list[str], str | None]] = [
+    ("reward", "Reward per step (mean ± std)", ["reward_mean"], "reward"),
+    ("response_length", "Generated tokens per trajectory", ["response_tokens_mean"], "response_tokens"),
+    ("turns", "Turns per trajectory", ["turns_mean"], "turns"),
+    ("tool_calls", "Tool calls and tool errors per trajectory", ["tool_calls_mean", "tool_errors_mean"], "tool_calls"),
+    ("stop_reasons", "Why episodes ended (StopReason counts)", [], None),
+    ("loss", "Loss", ["loss", "pg_loss", "kl_loss", "entropy_loss"], None),
+    ("clipfrac", "Clip fraction", ["clipfrac", "clipfrac_dual"], None),
+    ("kl", "KL (ppo_kl: rollout policy vs updated; kl: vs reference)", ["ppo_kl", "kl"], None),
+    ("lr", "Learning rate", ["lr"], None),
+    ("logprob_gap", "Rollout vs learner logprob gap |Δ logp|", ["logprob_gap_mean", "logprob_gap_max"], None),
+    ("grad_norm", "Gradient norm (before clipping)", ["grad_norm"], None),
+    ("throughput", "Sampled tokens per second (rollout)", ["tokens_per_s"], None),
+    ("time", "Seconds per step", ["rollout_s", "learner_s", "step_s"], None),
+]
+STOP_COLOURS = {"completed": "#2f9a4b", "truncated": "#7aa6d8", "max_turns": "#c2a32f",
+                "max_tokens": "#e08a2c", "parse_error": "#b04ac2", "tool_error": "#d0508a",
+                "timeout": "#8c5a3c", "env_error": "#c03030", "engine_error": "#801818",
+                "aborted": "#555555"}
+
+
+@dataclass
+class Plot:
+    name: str
+    title: str
+    png: bytes
+
+
+@dataclass
+class TrajScan:
+    """What one streaming pass over trajectories.jsonl learns: per-step stats and the rows to show."""
+
+    total: int = 0
+    bad_lines: int = 0
+    stats: dict[int, dict[str, list[float]]] = field(default_factory=lambda: defaultdict(lambda: defaultdict(list)))
+    stops: dict[int, Counter] = field(default_factory=lambda: defaultdict(Counter))
+    rows: list[dict[str, Any]] = field(default_factory=list)
+
+
+def _num(v: Any) -> float:
+    """A metric value as a float; None, strings, bools and the like become NaN (a gap in a curve)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return math.nan
+    return float(v)
+
+
+def _step(v: Any) -> int:
+    return v if isinstance(v, int) and not isinstance(v, bool) else 0
+
+
+def load_metrics(path: Path, notices: list[str]) -> dict[int, dict[str, float]]:
+    """metrics.jsonl as {step: {key: value}}, rows of one step merged; unreadable lines counted."""
+    by_step: dict[int, dict[str, float]] = {}
+    if not path.is_file():
+        notices.append(f"{path.name} is missing: curves come from trajectories.jsonl only")
+        return by_step
+    bad = 0
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                bad += 1  # a killed run leaves a partial last line
+                continue
+            if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+                bad += 1
+                continue
+            merged = by_step.setdefault(row["step"], {})
+            merged.update({k: _num(v) for k, v in row.items() if k != "step" and isinstance(k, str)})
+    if bad:
+        notices.append(f"{path.name}: {bad} unreadable line(s) skipped")
+    return dict(sorted(by_step.items()))
+
+
+def _choose(by_step: dict[int, list[tuple[int, float]]], budget: int) -> list[int]:
+    """Offsets of the rows to embed: all if they fit; else evenly spaced steps (always the last)
+    and, within a step, rows evenly spread over its reward order (unscorable ones sort first)."""
+    steps = sorted(by_step)
+    if sum(len(v) for v in by_step.values()) <= budget:
+        return [off for s in steps for off, _ in by_step[s]]
+    if budget <= 0 or not steps:
+        return []
+    per_step = max(budget // len(steps), min(budget, MIN_PER_STEP))
+    n = max(1, min(len(steps), budget // per_step))
+    chosen = [steps[-1]] if n == 1 else [steps[round(i * (len(steps) - 1) / (n - 1))] for i in range(n)]
+    out = []
+    for s in chosen:
+        rows = sorted(by_step[s], key=lambda e: (not math.isnan(e[1]), e[1]))
+        if len(rows) > per_step:
+            idx = [0] if per_step == 1 else [round(i * (len(rows) - 1) / (per_step - 1)) for i in range(per_step)]
+            rows = [rows[i] for i in idx]
+        out += [off for off, _ in rows]
+    return out
+
+
+def scan_trajectories(path: Path, max_trajectories: int, notices: list[str]) -> TrajScan:
+    """Two passes with bounded memory: stats of every row and its byte offset, then the chosen rows."""
+    scan = TrajScan()
+    if not path.is_file():
+        notices.append(f"{path.name} is missing: no trajectory viewer")
+        return scan
+    index: dict[int, list[tuple[int, float]]] = defaultdict(list)
+    with open(path, "rb") as f:
+        while True:
+            off = f.tell()
+            line = f.readline()
+            if not line:
+                break
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                if not isinstance(row, dict):
+                    raise ValueError("not an object")
+            except ValueError:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+                scan.bad_lines += 1
+                continue
+            step, reward = _step(row.get("step")), _num(row.get("reward"))
+            mask = _list(row, "loss_mask")
+            st = scan.stats[step]
+            st["reward"].append(reward)
+            st["response_tokens"].append(float(sum(1 for m in mask if m == 1)))
+            for k in ("num_turns", "tool_calls", "tool_errors"):
+                st[k.removeprefix("num_")].append(_num(row.get(k)))
+            scan.stops[step][str(row.get("stop_reason", "unknown"))] += 1
+            index[step].append((off, reward))
+            scan.total += 1
+        for off in sorted(_choose(index, max_trajectories)):
+            f.seek(off)
+            try:  # the line parsed a moment ago; only a file replaced in between fails here
+                scan.rows.append(json.loads(f.readline()))
+            except ValueError:
+                scan.bad_lines += 1
+    if scan.bad_lines:
+        notices.append(f"{path.name}: {scan.bad_lines} unreadable line(s) skipped")
+    if scan.total > len(scan.rows):
+        shown = sorted({_step(r.get("step")) for r in scan.rows})
+        which = ", ".join(map(str, shown)) if len(shown) <= 12 else f"{len(shown)} steps from {shown[0]} to {shown[-1]}"
+        notices.append(f"{len(scan.rows)} of {scan.total} trajectories embedded (cap max_trajectories="
+                       f"{max_trajectories}), from steps {which}")
+    return scan
+
+
+# -- plots -------------------------------------------------------------------------------------
+
+def _series(metrics: dict[int, dict[str, float]], key: str) -> tuple[np.ndarray, np.ndarray] | None:
+    pts = [(s, m[key]) for s, m in metrics.items() if key in m]
+    if not pts or not any(math.isfinite(v) for _, v in pts):
+        return None
+    x, y = np.asarray(pts, dtype=float).T
+    return x, y
+
+
+def _traj_series(scan: TrajScan, stat: str, fn) -> tuple[np.ndarray, np.ndarray] | None:
+    pts = []
+    for s in sorted(scan.stats):
+        vals = np.asarray(scan.stats[s][stat], dtype=float)
+        vals = vals[np.isfinite(vals)]
+        if vals.size:
+            pts.append((s, fn(vals)))
+    if not pts:
+        return None
+    x, y = np.asarray(pts, dtype=float).T
+    return x, y
+
+
+def _figure(title: str):
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6.4, 3.3), dpi=100, layout="constrained")
+    ax = fig.add_subplot()
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel("step", fontsize=9)
+    ax.tick_params(labelsize=8)
+    ax.grid(alpha=0.3)
+    ax.xaxis.get_major_locator().set_params(integer=True)  # steps are whole numbers
+    return fig, ax
+
+
+def _png(fig) -> bytes:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    buf = io.BytesIO()
+    FigureCanvasAgg(fig).print_png(buf)
+    return buf.getvalue()
+
+
+def _line(ax, xy, label: str) -> None:
+    x, y = xy
+    ax.plot(x, y, label=label, marker="o" if len(x) <= 50 else None, markersize=3, linewidth=1.4)
+
+
+def _panel(metrics, scan: TrajScan, name: str, title: str, keys: list[str], stat: str | None):
+    fig, ax = _figure(title)
+    drawn = False
+    for key in keys:
+        xy = _series(metrics, key)
+        if xy is None and stat is not None and key == keys[0]:  # no metric: the trajectories' mean
+            xy = _traj_series(scan, stat, np.mean)
+            key = f"{key} (from trajectories)"
+        if xy is None:
+            continue
+        _line(ax, xy, key)
+        drawn = True
+        if name == "reward":
+            std = _series(metrics, "reward_std") or _traj_series(scan, "reward", np.std)
+            if std is not None and len(std[0]) == len(xy[0]):
+                ax.fill_between(xy[0], xy[1] - std[1], xy[1] + std[1], alpha=0.2, label="± std")
+    if stat is not None and drawn:
+        lo, hi = _traj_series(scan, stat, lambda v: np.percentile(v, 10)), _traj_series(scan, stat, lambda v: np.percentile(v, 90))
+        if lo is not None and hi is not None and name != "reward":
+            ax.fill_between(lo[0], lo[1], hi[1], alpha=0.15, color="grey", label="p10–p90 of trajectories")
+    if name == "reward" and (ev := _series(metrics, "eval/reward_mean")) is not None:
+        _line(ax, ev, "eval/reward_mean")
+        drawn = True
+    if name == "lr" and drawn:
+        ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
+    if not drawn:
+        return None
+    ax.legend(fontsize=7)
+    return Plot(name, title, _png(fig))
+
+
+def _stop_panel(metrics, scan: TrajScan, title: str) -> Plot | None:
+    counts: dict[int, dict[str, float]] = {s: {k[5:]: v for k, v in m.items() if k.startswith("stop/") and math.isfinite(v)}
+                                           for s, m in metrics.items()}
+    counts = {s: c for s, c in counts.items() if c}
+    if not counts:  # no stop/* metrics: count the logged trajectories
+        counts = {s: dict(c) for s, c in scan.stops.items() if c}
+    if not counts:
+        return None
+    fig, ax = _figure(title)
+    steps = np.asarray(sorted(counts), dtype=float)
+    width = 0.8 * (float(np.min(np.diff(steps))) if len(steps) > 1 else 1.0)
+    reasons = sorted({r for c in counts.values() for r in c}, key=lambda r: (r not in STOP_COLOURS, r))
+    bottom = np.zeros(len(steps))
+    for r in reasons:
+        vals = np.asarray([counts[int(s)].get(r, 0.0) for s in steps])
+        ax.bar(steps, vals, width=width, bottom=bottom, label=r, color=STOP_COLOURS.get(r))
+        bottom += vals
+    ax.set_ylabel("trajectories", fontsize=9)
+    ax.legend(fontsize=7)
+    return Plot("stop_reasons", title, _png(fig))
+
+
+def make_plots(metrics: dict[int, dict[str, float]], scan: TrajScan, notices: list[str]) -> list[Plot]:
+    plots, missing = [], []
+    for name, title, keys, stat in PANELS:
+        p = _stop_panel(metrics, scan, title) if name == "stop_reasons" else _panel(metrics, scan, name, title, keys, stat)
+        if p is None:
+            missing.append(name)
+        else:
+            plots.append(p)
+    eval_keys = sorted({k for m in metrics.values() for k in m if k.startswith("eval/")})
+    if len(eval_keys) > MAX_EVAL_PANELS:
+        notices.append(f"{len(eval_keys)} eval metrics: only the first {MAX_EVAL_PANELS} are plotted")
+    for key in eval_keys[:MAX_EVAL_PANELS]:
+        p = _panel(metrics, scan, "eval_" + key[5:].replace("/", "_"), key, [key], None)
+        if p is not None:
+            plots.append(p)
+    if missing:
+        notices.append(f"no data for plot(s): {', '.join(missing)}")
+    return plots
+
+
+# -- trajectories ------------------------------------------------------------------------------
+
+def load_run_tokenizer(run_dir: Path, config: dict[str, Any], notices: list[str]):
+    """The run's tokenizer (config.yaml's model.path; null = the embedded model) or None."""
+    model = config.get("model") if isinstance(config.get("model"), dict) else {}
+    try:
+        from agentgrpo.models import default_model_path, load_tokenizer
+
+        path = model.get("path")
+        if path:
+            path = Path(path) if Path(path).is_absolute() or Path(path).exists() else run_dir / path
+        return load_tokenizer(path or default_model_path())
+    except Exception as e:  # noqa: BLE001 - any failure (moved model, missing package) means: show ids
+        notices.append(f"tokens are shown as ids: the run's tokenizer could not be loaded ({type(e).__name__}: {e})")
+        return None
+
+
+def _decode_table(tokenizer, rows: list[dict[str, Any]], max_tokens: int) -> dict[int, str]:
+    if tokenizer is None:
+        return {}
+    vocab = len(tokenizer)
+    shown = set()
+    for r in rows:
+        ids = _list(r, "token_ids")
+        head, tail = _window(len(ids), max_tokens)
+        shown.update(ids[:head] + ids[tail:])
+    ids = sorted(i for i in shown if isinstance(i, int) and 0 <= i < vocab)
+    texts = tokenizer.batch_decode([[i] for i in ids], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    return dict(zip(ids, texts, strict=True))
+
+
+def _list(row: dict[str, Any], key: str) -> list[Any]:
+    return row[key] if isinstance(row.get(key), list) else []
+
+
+def _window(n: int, max_tokens: int) -> tuple[int, int]:
+    """Tokens shown: [0, head) and [tail, n); the middle is left out when n is over the cap."""
+    return (n, n) if n <= max_tokens else (max_tokens // 2, n - (max_tokens - max_tokens // 2))
+
+
+def _tokens_html(row: dict[str, Any], table: dict[int, str], max_tokens: int) -> str:
+    ids = _list(row, "token_ids")
+    mask = _list(row, "loss_mask")
+    lps = _list(row, "logprobs")
+    n = len(ids)
+    head, tail_start = _window(n, max_tokens)
+    out, run_cls = [], None
+    for i in [*range(head), *range(tail_start, n)]:
+        if i == tail_start and tail_start > head:
+            if run_cls:
+                out.append("</span>")
+            out.append(f'<span class="omitted"> … {tail_start - head} tokens omitted … </span>')
+            run_cls = None
+        cls = "tok-gen" if i < len(mask) and mask[i] == 1 else "tok-ctx"
+        if cls != run_cls:
+            out.append(("</span>" if run_cls else "") + f'<span class="{cls}">')
+            run_cls = cls
+        tid = ids[i]
+        text = table.get(tid) if isinstance(tid, int) else None
+        text = (f"⟨{tid}⟩" if text is None else text.replace("\n", "↵\n"))
+        tip = f"#{i} id {tid}" + (f" logp {_num(lps[i]):.3f}" if cls == "tok-gen" and i < len(lps) else "")
+        out.append(f'<i title="{html.escape(tip)}">{html.escape(text)}</i>')
+    if run_cls:
+        out.append("</span>")
+    return "".join(out)
+
+
+def _content(text: Any) -> str:
+    text = text if isinstance(text, str) else json.dumps(text)
+    if len(text) > MAX_MESSAGE_CHARS:
+        text = text[:MAX_MESSAGE_CHARS] + f"\n… {len(text) - MAX_MESSAGE_CHARS} characters omitted"
+    return html.escape(text)
+
+
+def _message_html(m: Any) -> str:
+    if not isinstance(m, dict):
+        return f'<div class="msg"><pre>{_content(m)}</pre></div>'
+    role = str(m.get("role", "?"))
+    body = _content(m.get("content") or "")
+    calls = m.get("tool_calls")
+    if calls:
+        body += "\n" + _content("tool_calls: " + json.dumps(calls, ensure_ascii=False))
+    extra = f" · {html.escape(str(m['name']))}" if m.get("name") else ""
+    return (f'<div class="msg role-{html.escape(role)}"><div class="role">{html.escape(role)}{extra}</div>'
+            f"<pre>{body}</pre></div>")
+
+
+def _traj_html(row: dict[str, Any], table: dict[int, str], max_tokens: int) -> str:
+    step, reward = _step(row.get("step")), _num(row.get("reward"))
+    stop = str(row.get("stop_reason", "unknown"))
+    ids = _list(row, "token_ids")
+    mask = _list(row, "loss_mask")
+    rcls = "reward-none" if math.isnan(reward) else ("reward-good" if reward > 0 else "reward-bad")
+    rtext = "unscorable" if math.isnan(reward) else f"{reward:.4g}"
+    parts = row.get("reward_parts")
+    if isinstance(parts, dict) and parts:
+        rtext += " (" + ", ".join(f"{k}: {_num(v):.3g}" for k, v in parts.items()) + ")"
+    e = html.escape
+    fields = [f"<b>step {step}</b>", f"task {e(str(row.get('task_id', '?')))}",
+              f'<span class="{rcls}">reward <b>{e(rtext)}</b></span>', f'<span class="stop">{e(stop)}</span>']
+    if row.get("stop_detail"):
+        fields.append(f'<span class="detail">{e(str(row["stop_detail"]))}</span>')
+    fields += [f"turns {e(str(row.get('num_turns', '?')))}",
+               f"tool calls {e(str(row.get('tool_calls', '?')))} (errors {e(str(row.get('tool_errors', '?')))})",
+               f"group {e(str(row.get('group_id', '')))}", f"weights {e(str(row.get('weight_version')))}"]
+    msgs = _list(row, "messages")
+    notes = []
+    if len(mask) != len(ids):
+        notes.append(f"loss_mask has {len(mask)} entries for {len(ids)} tokens")
+    if len(ids) > max_tokens:
+        notes.append(f"showing {max_tokens} of {len(ids)} tokens")
+    note = f' <span class="omitted">{e("; ".join(notes))}</span>' if notes else ""
+    return (f'<article class="traj" data-step="{step}" data-reward="{reward}" data-stop="{e(stop)}">'
+            f"<header>{' · '.join(fields)}</header>"
+            f'<div class="msgs">{"".join(_message_html(m) for m in msgs) or "<p>(no messages)</p>"}</div>'
+            f"<details class=\"tokens\"><summary>tokens: {len(ids)} ({sum(1 for m in mask if m == 1)} generated)"
+            f'<span class="legend"><span class="tok-gen">generated (loss_mask 1)</span>'
+            f'<span class="tok-ctx">not generated: prompt, tool/env output</span></span>{note}</summary>'
+            f'<div class="toks">{_tokens_html(row, table, max_tokens)}</div></details></article>')
+
+
+# -- the page ----------------------------------------------------------------------------------
+
+def _fmt(v: float) -> str:
+    return "—" if not math.isfinite(v) else f"{v:.6g}"
+
+
+def _body(run_dir: Path, config: dict[str, Any], config_text: str, metrics, scan: TrajScan,
+          plots: list[Plot], table: dict[int, str], max_tokens: int, notices: list[str]) -> str:
+    e = html.escape
+    env = (config.get("env") or {}).get("name", "?") if isinstance(config.get("env"), dict) else "?"
+    model = (config.get("model") or {}).get("path") if isinstance(config.get("model"), dict) else None
+    when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    out = [f"<header><h1>agentgrpo report · {e(run_dir.name)}</h1>"
+           f'<p class="meta">{e(str(run_dir))} · env {e(str(env))} · model {e(str(model or "embedded SmolLM2-135M-Instruct"))}'
+           f" · {len(metrics)} step(s) with metrics · {scan.total} trajectories · written {when}</p></header>"]
+    if notices:
+        out.append('<ul class="notices">' + "".join(f'<li class="notice">{e(n)}</li>' for n in notices) + "</ul>")
+    last = next(reversed(metrics.values()), {}) if metrics else {}
+    stops = Counter()
+    for c in scan.stops.values():
+        stops.update(c)
+    out.append('<section id="summary"><h2>Summary</h2>')
+    if stops:
+        out.append("<p>Episodes by stop reason: " + ", ".join(f"{e(k)} {v}" for k, v in stops.most_common()) + "</p>")
+    if last:
+        rows = "".join(f'<tr><td>{e(k)}</td><td class="num">{_fmt(v)}</td></tr>' for k, v in sorted(last.items()))
+        out.append(f"<details><summary>metrics at step {next(reversed(metrics))}</summary><table>{rows}</table></details>")
+    if config_text:
+        out.append(f"<details><summary>config.yaml</summary><pre>{e(config_text)}</pre></details>")
+    out.append("</section>")
+    out.append('<section id="plots"><h2>Training curves</h2><div class="grid">')
+    for p in plots:
+        src = "data:image/png;base64," + base64.b64encode(p.png).decode("ascii")
+        out.append(f'<figure class="plot" id="plot-{e(p.name)}"><img src="{src}" alt="{e(p.title)}">'
+                   f"<figcaption>{e(p.title)} · plots/{e(p.name)}.png</figcaption></figure>")
+    out.append("</div></section>")
+    out.append('<section id="trajectories"><h2>Trajectories</h2>')
+    if scan.rows:
+        steps = sorted({_step(r.get("step")) for r in scan.rows})
+        stops_shown = sorted({str(r.get("stop_reason", "unknown")) for r in scan.rows})
+        opts = "".join(f'<option value="{s}">{s}</option>' for s in steps)
+        sopts = "".join(f'<option value="{e(s)}">{e(s)}</option>' for s in stops_shown)
+        out.append(f'<div id="filters"><label>step <select id="f-step"><option value="">all</option>{opts}</select></label>'
+                   '<label>reward ≥ <input id="f-rmin" type="number" step="any"></label>'
+                   '<label>reward ≤ <input id="f-rmax" type="number" step="any"></label>'
+                   f'<label>stop <select id="f-stop"><option value="">all</option>{sopts}</select></label>'
+                   '<button type="button" id="f-tokens">open all token views</button>'
+                   f'<span id="shown">{len(scan.rows)} of {len(scan.rows)} shown</span></div>')
+        out += [_traj_html(r, table, max_tokens) for r in scan.rows]
+    else:
+        out.append("<p>No trajectories to show.</p>")
+    out.append("</section>")
+    return "\n".join(out)
+
+
+def write_report(run_dir: str | Path, out: str | Path | None = None, *,
+                 max_trajectories: int = DEFAULT_MAX_TRAJECTORIES, max_tokens: int = DEFAULT_MAX_TOKENS,
+                 tokenizer: Any = None) -> Path:
+    """Write the HTML report of `run_dir` (default `run_dir/report.html`) and `run_dir/plots/*.png`.
+
+    `tokenizer` overrides the run's own (useful when the caller has it loaded). Returns the path of
+    the HTML file. Raises FileNotFoundError only when `run_dir` is not a directory.
+
+    Example:
+        >>> from agentgrpo.report import write_report
+        >>> write_report("runs/calculator")  # doctest: +SKIP
+        PosixPath('runs/calculator/report.html')
+    """
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise FileNotFoundError(f"run directory {run_dir} does not exist")
+    out = Path(out) if out is not None else run_dir / "report.html"
+    notices: list[str] = []
+    config, config_text = {}, ""
+    if (run_dir / "config.yaml").is_file():
+        try:
+            config = mask_secrets(yaml.safe_load((run_dir / "config.yaml").read_text(encoding="utf-8")) or {})
+            config = config if isinstance(config, dict) else {}
+            config_text = yaml.safe_dump(config, sort_keys=False)
+        except yaml.YAMLError as e:
+            notices.append(f"config.yaml is unreadable: {e}")
+    else:
+        notices.append("config.yaml is missing: the embedded model's tokenizer is assumed")
+    metrics = load_metrics(run_dir / "metrics.jsonl", notices)
+    scan = scan_trajectories(run_dir / "trajectories.jsonl", max_trajectories, notices)
+    plots = make_plots(metrics, scan, notices)
+    if plots:
+        plots_dir = run_dir / "plots"
+        plots_dir.mkdir(exist_ok=True)
+        for p in plots:
+            (plots_dir / f"{p.name}.png").write_bytes(p.png)
+    if scan.rows and tokenizer is None:
+        tokenizer = load_run_tokenizer(run_dir, config, notices)
+    table = _decode_table(tokenizer, scan.rows, max_tokens)
+    body = _body(run_dir, config, config_text, metrics, scan, plots, table, max_tokens, notices)
+    page = (resources.files("agentgrpo") / "report_template.html").read_text(encoding="utf-8")
+    page = page.replace("<!--TITLE-->", html.escape(f"agentgrpo report · {run_dir.name}")).replace("<!--BODY-->", body, 1)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(page, encoding="utf-8")
+    os.replace(tmp, out)  # a reader (or a browser refresh) never sees a half-written report
+    return out
