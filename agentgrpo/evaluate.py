@@ -45,6 +45,7 @@ class EvalConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     split: str = Field("eval", description="task split passed to Env.load_tasks")
+    every: int = Field(0, ge=0, description="during training: evaluate every K steps, logged as eval/* (0 = never)")
     num_tasks: int | None = Field(100, ge=1, description="the first N tasks of the split (None = all)")
     samples_per_task: int = Field(4, ge=1, description="trajectories per task (the n of pass@k)")
     pass_k: list[int] = Field(default_factory=lambda: [1], description="k values of pass@k, each <= samples_per_task")

@@ -22,8 +22,10 @@ from agentgrpo.chat import ChatFormat
 from agentgrpo.config import RunConfig, dump_config
 from agentgrpo.engine.base import Engine
 from agentgrpo.env import Env, get_env_class
+from agentgrpo.evaluate import evaluate
 from agentgrpo.learner import Learner
-from agentgrpo.log import RunLogger
+from agentgrpo.log import Progress, RunLogger
+from agentgrpo.report import write_report
 from agentgrpo.rollout import collect, rollout_metrics
 from agentgrpo.shaping import (
     describe_algorithm,
@@ -72,12 +74,13 @@ def build_engine(cfg: RunConfig, model_path: Path, tokenizer: Any) -> Engine:
 
 
 async def collect_step(cfg: RunConfig, make_env: Callable[[], Env], engine: Engine, chat: ChatFormat,
-                       stream: TaskStream, step: int, context_len: int | None) -> tuple[list[Group], dict[str, float]]:
+                       stream: TaskStream, step: int, context_len: int | None,
+                       on_done: Callable[[Trajectory], None] | None = None) -> tuple[list[Group], dict[str, float]]:
     """The step's groups. With dynamic sampling, groups whose rewards are all equal (no learning
     signal) are dropped and more tasks are sampled, at most `max_extra_rounds` times."""
     seed = cfg.seed * 100_003 + step * 101
     groups = await collect(make_env, engine, chat, stream.take(cfg.rollout.tasks_per_step), cfg.rollout,
-                           seed=seed, context_len=context_len)
+                           seed=seed, context_len=context_len, on_done=on_done)
     stats = {"groups_sampled": float(len(groups))}
     if not cfg.shaping.dynamic_sampling:
         return groups, stats
@@ -86,7 +89,7 @@ async def collect_step(cfg: RunConfig, make_env: Callable[[], Env], engine: Engi
     while len(kept) < cfg.rollout.tasks_per_step and rounds < cfg.shaping.max_extra_rounds:
         rounds += 1
         more = await collect(make_env, engine, chat, stream.take(cfg.rollout.tasks_per_step - len(kept)),
-                             cfg.rollout, seed=seed + rounds, context_len=context_len)
+                             cfg.rollout, seed=seed + rounds, context_len=context_len, on_done=on_done)
         stats["groups_sampled"] += len(more)
         kept += [g for g, ok in zip(more, keep_informative_groups([g.rewards for g in more])) if ok]
     stats.update({"dynamic/extra_rounds": float(rounds), "dynamic/groups_kept": float(len(kept))})
@@ -164,17 +167,17 @@ def train(cfg: RunConfig) -> Path:
                         {"data_position": stream.position, "weight_version": str(step),
                          "rng": checkpoint.rng_state()}, keep=cfg.train.keep_checkpoints)
 
-    logger = RunLogger(run_dir, tensorboard=cfg.log.tensorboard)
-    bar = None
-    if cfg.log.progress:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=cfg.train.steps, initial=start, desc="train", unit="step", dynamic_ncols=True)
+    logger = RunLogger.from_config(run_dir, cfg)
+    progress = Progress(cfg.train.steps, start_step=start, enabled=cfg.log.progress,
+                        rollouts_per_step=cfg.rollout.tasks_per_step * cfg.rollout.group_size)
+    eval_tasks = (list(env_cls.load_tasks(cfg.eval.split, seed=cfg.seed, **cfg.env.tasks))[: cfg.eval.num_tasks]
+                  if cfg.eval.every else [])
     try:
         for step in range(start, cfg.train.steps):
             t0 = time.perf_counter()
+            progress.phase("rollout")
             groups, metrics = loop.run_until_complete(
-                collect_step(cfg, make_env, engine, chat, stream, step, context_len))
+                collect_step(cfg, make_env, engine, chat, stream, step, context_len, progress.rollout_done))
             t_rollout = time.perf_counter() - t0
             trajs = [t for g in groups for t in g.trajectories]
             advantages_B = compute_advantages(shaped_rewards(cfg, trajs), [t.group_id for t in trajs],
@@ -182,28 +185,36 @@ def train(cfg: RunConfig) -> Path:
                                               batch_std=cfg.advantage.batch_std)
             if cfg.shaping.mask_truncated:  # truncated rows still counted in their group's statistics
                 advantages_B[truncated_rows([t.stop_reason for t in trajs])] = float("nan")
+            progress.phase("train")
             metrics.update(learner.train_step(trajs, advantages_B.tolist()))
+            progress.phase("sync")
             loop.run_until_complete(sync.push(learner.unwrapped, step + 1))
             metrics.update(step_metrics(groups), **rollout_metrics(groups), rollout_s=t_rollout,
                            step_s=time.perf_counter() - t0)
             metrics["tokens_per_s"] = metrics.get("sampled_tokens", 0.0) / max(t_rollout, 1e-9)
+            if cfg.eval.every and (step + 1) % cfg.eval.every == 0:
+                progress.phase("eval", total=len(eval_tasks) * cfg.eval.samples_per_task)
+                result = loop.run_until_complete(evaluate(make_env, engine, chat, eval_tasks, cfg.rollout, cfg.eval,
+                                                          seed=cfg.seed, context_len=context_len,
+                                                          on_done=progress.rollout_done))
+                metrics.update({f"eval/{k}": v for k, v in result.metrics.items()})
+            metrics.update({f"phase_s/{k}": v for k, v in progress.phase_times().items()})
             logger.log_step(step + 1, metrics)
             logger.log_groups(step + 1, groups)
             if cfg.train.save_every and (step + 1) % cfg.train.save_every == 0:
+                progress.phase("checkpoint")
                 save(step + 1)
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", loss=f"{metrics.get('loss', 0.0):.4f}",
-                                tok_s=f"{metrics['tokens_per_s']:.0f}")
+            progress.step_done(step + 1, metrics)
         if cfg.train.steps > start:
+            progress.phase("checkpoint")
             save(cfg.train.steps)
     finally:
-        if bar is not None:
-            bar.close()
+        progress.close()
         logger.close()
         loop.run_until_complete(sync.close())
         close = getattr(engine, "aclose", None)
         if close is not None:
             loop.run_until_complete(close())
         loop.close()
+    write_report(run_dir)
     return run_dir

@@ -35,6 +35,7 @@ def _check_run_dir(out, steps):
         assert t.num_sampled > 0 and r["reward"] is not None
     assert (out / "config.yaml").exists() and list((out / "checkpoints").glob("step-*"))
     assert list((out / "tensorboard").iterdir())
+    assert (out / "report.html").stat().st_size > 1000  # every run ends with its report
     return metrics
 
 
@@ -89,3 +90,11 @@ def test_engine_blocks_that_would_be_ignored_are_rejected():
         load_config(None, ["engine.sglang.urls=[http://127.0.0.1:30000]"])
     cfg = load_config(None, ["engine.kind=sglang", "engine.sglang.urls=[http://127.0.0.1:30000]"])
     assert cfg.engine.sglang.urls == ["http://127.0.0.1:30000"]
+
+
+def test_periodic_evaluation_is_logged_beside_training(tmp_path, tiny_model_dir):
+    out = _run(tmp_path, tiny_model_dir, "eval.every=1", "eval.num_tasks=2", "eval.samples_per_task=2",
+               "eval.pass_k=[1,2]")
+    for m in read_jsonl(out / "metrics.jsonl"):
+        assert m["eval/tasks"] == 2 and m["eval/trajectories"] == 4
+        assert "eval/pass@2" in m and "eval/reward_mean" in m
