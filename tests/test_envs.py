@@ -15,12 +15,14 @@ from agentgrpo import StopReason, Task, check_env
 from agentgrpo.engine import SamplingParams
 from agentgrpo.env import ENVS, get_env_class
 from agentgrpo.rollout import run_episode
+from agentgrpo.verify.code import load_humaneval, run_tests
 from agentgrpo.verify.math import math_equal
 from agentgrpo.verify.sandbox import ExecResult
+from envs.code_tests import CodeTestsEnv, docstring_examples
 from envs.python_math import PythonMathEnv, final_answer
 from tests.fakes import ScriptedEngine
 
-NAMES = ["calculator", "python_math"]
+NAMES = ["calculator", "python_math", "code_tests"]
 
 
 class BrokenSandbox:
@@ -67,7 +69,7 @@ def test_registered_env_passes_check_env_and_loads_both_splits(name):
     assert "Example:" in (cls.__doc__ or "")
 
 
-@pytest.mark.parametrize("module", ["envs.python_math"])
+@pytest.mark.parametrize("module", ["envs.python_math", "envs.code_tests"])
 def test_docstring_examples_run(module):
     result = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)
     assert result.attempted >= 5 and result.failed == 0
@@ -141,3 +143,94 @@ def test_python_math_sandbox_failure_is_unscorable(chat, math_task):
     assert traj.stop_reason == StopReason.ENV_ERROR and math.isnan(traj.reward)
     assert "SandboxUnavailable" in traj.stop_detail and sandbox.jobs == 1
     assert len(engine.calls) == 1  # the failure was never shown to the model as its tool error
+
+
+# ---- code_tests ---------------------------------------------------------------------------------
+
+PROBLEMS = {p.task_id: p for p in load_humaneval()}
+
+
+def test_public_examples_hold_for_the_canonical_solutions():
+    """Every docstring example the env runs is satisfied by the reference solution (one sandbox job
+    per problem), and the parser still finds examples for most problems."""
+    with_examples, failures = 0, []
+    for p in PROBLEMS.values():
+        examples = docstring_examples(p)
+        if not examples:
+            continue
+        with_examples += 1
+        res = run_tests(p.prompt + p.canonical_solution, [e.as_test() for e in examples])
+        failures += [(p.task_id, examples[t.index].call, t.detail) for t in res.tests if t.outcome != "passed"]
+    assert failures == []
+    assert with_examples >= 135
+
+
+def test_code_tests_splits_are_fixed_and_cover_humaneval():
+    train, held_out = CodeTestsEnv.load_tasks("train"), CodeTestsEnv.load_tasks("eval", seed=7)
+    assert (len(train), len(held_out)) == (131, 33)
+    assert {t.id for t in train} | {t.id for t in held_out} == set(PROBLEMS)
+    assert all(int(t.id.split("/")[1]) % 5 == 0 for t in held_out)
+    assert held_out == CodeTestsEnv.load_tasks("eval", seed=0)
+    assert len(CodeTestsEnv.load_tasks("all")) == 164 and len(CodeTestsEnv.load_tasks("train", n=3)) == 3
+    with pytest.raises(ValueError, match="split"):
+        CodeTestsEnv.load_tasks("test")
+
+
+@pytest.fixture(scope="module")
+def code_task() -> Task:
+    return CodeTestsEnv.load_tasks("eval")[0]  # HumanEval/0 has_close_elements, 2 examples
+
+
+def _fence(code: str) -> str:
+    return f"Here it is:\n```python\n{code}```"
+
+
+CANONICAL = PROBLEMS["HumanEval/0"].prompt + PROBLEMS["HumanEval/0"].canonical_solution
+ALWAYS_TRUE = "def has_close_elements(numbers, threshold):\n    return True\n"  # passes example 2 only
+
+
+def test_code_tests_test_revise_submit(chat, code_task):
+    script = [call("run_tests", code=ALWAYS_TRUE), call("run_tests", code=CANONICAL), _fence(CANONICAL)]
+    traj, _ = episode(chat, CodeTestsEnv(), code_task, script)
+    assert (traj.stop_reason, traj.reward, traj.tool_calls) == (StopReason.COMPLETED, 1.0, 2)
+    first, second = traj.messages[3].content, traj.messages[5].content
+    assert first.startswith("1/2 examples passed") and "returned True, expected False" in first
+    assert second.startswith("2/2 examples passed")
+
+
+def test_code_tests_scores_the_tested_code_when_the_reply_has_none(chat, code_task):
+    traj, _ = episode(chat, CodeTestsEnv(), code_task, [call("run_tests", code=CANONICAL), "Done."])
+    assert (traj.stop_reason, traj.reward) == (StopReason.COMPLETED, 1.0)
+
+
+def test_code_tests_wrong_and_malformed_submissions(chat, code_task):
+    wrong, _ = episode(chat, CodeTestsEnv(), code_task, [_fence(ALWAYS_TRUE)])
+    assert (wrong.stop_reason, wrong.reward) == (StopReason.COMPLETED, 0.0)
+    partial, _ = episode(chat, CodeTestsEnv(public_credit=0.5), code_task, [_fence(ALWAYS_TRUE)])
+    assert partial.reward == 0.25  # 0.5 * (1 of 2 examples)
+    prose, _ = episode(chat, CodeTestsEnv(public_credit=0.5), code_task, ["I would sort the list first."])
+    assert (prose.stop_reason, prose.reward) == (StopReason.COMPLETED, 0.0)
+    broken_call = '<tool_call>{"name": "run_tests", "arguments": {"code": 1}}</tool_call>'
+    invalid, _ = episode(chat, CodeTestsEnv(), code_task, [broken_call, _fence(CANONICAL)])
+    assert (invalid.reward, invalid.tool_errors) == (1.0, 1)
+    assert "invalid arguments" in invalid.messages[3].content
+
+
+def test_code_tests_problem_without_examples_still_runs_the_code(chat):
+    task = next(t for t in CodeTestsEnv.load_tasks("all") if t.id == "HumanEval/38")  # decode_cyclic
+    assert task.metadata["examples"] == []
+    env = CodeTestsEnv()
+    env.reset(seed=0, options={"task": task})
+    ok = env.run_tests(code="def decode_cyclic(s):\n    return s\n")
+    assert ok.startswith("The docstring has no examples") and "example 1: passed" in ok
+    broken = env.run_tests(code="def decode_cyclic(s):\n    return s[\n")
+    assert "example 1: error: SyntaxError" in broken
+
+
+@pytest.mark.parametrize("where", ["run_tests", "scoring"])
+def test_code_tests_sandbox_failure_is_unscorable(chat, code_task, where):
+    sandbox = BrokenSandbox()
+    script = [call("run_tests", code=CANONICAL), _fence(CANONICAL)] if where == "run_tests" else [_fence(CANONICAL)]
+    traj, engine = episode(chat, CodeTestsEnv(sandbox=sandbox), code_task, script)
+    assert traj.stop_reason == StopReason.ENV_ERROR and math.isnan(traj.reward)
+    assert "SandboxUnavailable" in traj.stop_detail and sandbox.jobs == 1 and len(engine.calls) == 1
