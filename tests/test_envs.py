@@ -11,7 +11,7 @@ import math
 
 import pytest
 
-from agentgrpo import StopReason, Task, check_env
+from agentgrpo import Message, StopReason, Task, check_env
 from agentgrpo.engine import SamplingParams
 from agentgrpo.env import ENVS, get_env_class
 from agentgrpo.rollout import run_episode
@@ -19,10 +19,11 @@ from agentgrpo.verify.code import load_humaneval, run_tests
 from agentgrpo.verify.math import math_equal
 from agentgrpo.verify.sandbox import ExecResult
 from envs.code_tests import CodeTestsEnv, docstring_examples
+from envs.gym_text import GymTextEnv
 from envs.python_math import PythonMathEnv, final_answer
 from tests.fakes import ScriptedEngine
 
-NAMES = ["calculator", "python_math", "code_tests"]
+NAMES = ["calculator", "python_math", "code_tests", "gym_text"]
 
 
 class BrokenSandbox:
@@ -69,7 +70,7 @@ def test_registered_env_passes_check_env_and_loads_both_splits(name):
     assert "Example:" in (cls.__doc__ or "")
 
 
-@pytest.mark.parametrize("module", ["envs.python_math", "envs.code_tests"])
+@pytest.mark.parametrize("module", ["envs.python_math", "envs.code_tests", "envs.gym_text"])
 def test_docstring_examples_run(module):
     result = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)
     assert result.attempted >= 5 and result.failed == 0
@@ -234,3 +235,72 @@ def test_code_tests_sandbox_failure_is_unscorable(chat, code_task, where):
     traj, engine = episode(chat, CodeTestsEnv(sandbox=sandbox), code_task, script)
     assert traj.stop_reason == StopReason.ENV_ERROR and math.isnan(traj.reward)
     assert "SandboxUnavailable" in traj.stop_detail and sandbox.jobs == 1 and len(engine.calls) == 1
+
+
+# ---- gym_text -----------------------------------------------------------------------------------
+
+LAKE = ["SFFF", "FHFH", "FFFH", "HFFG"]  # Gymnasium's 4x4 map
+
+
+def lake_task(**make_kwargs) -> Task:
+    return Task(id="lake", prompt="Play FrozenLake-v1.", metadata={
+        "env_id": "FrozenLake-v1", "reset_seed": 0,
+        "make_kwargs": {"desc": LAKE, "is_slippery": False, **make_kwargs}})
+
+
+def test_gym_text_reaches_the_goal(chat):
+    moves = ["DOWN", "I go down", "right", "RIGHT.", "DOWN", "Not LEFT but RIGHT"]
+    traj, engine = episode(chat, GymTextEnv(), lake_task(), moves, max_turns=10)
+    assert (traj.stop_reason, traj.reward, traj.num_turns) == (StopReason.COMPLETED, 1.0, 6)
+    first = traj.messages[1].content
+    assert first.startswith("X F F F\nF H F H") and "row 1, column 1" in first
+    assert "row 3, column 1" in traj.messages[5].content  # after DOWN, DOWN
+    assert "episode is over (reward 1)" in traj.messages[-1].content
+    assert len(engine.calls) == 6
+
+
+def test_gym_text_hole_ends_the_episode_without_reward(chat):
+    traj, _ = episode(chat, GymTextEnv(), lake_task(), ["RIGHT", "DOWN"], max_turns=10)
+    assert (traj.stop_reason, traj.reward, traj.num_turns) == (StopReason.COMPLETED, 0.0, 2)
+
+
+def test_gym_text_invalid_replies_reprompt_then_end(chat):
+    traj, _ = episode(chat, GymTextEnv(), lake_task(), ["hmm", "DOWN", "what?", "no"], max_turns=10)
+    assert traj.stop_reason == StopReason.COMPLETED and traj.num_turns == 4
+    assert traj.reward == pytest.approx(-0.3)  # three invalid replies at 0.1 each; ended by the third
+    assert traj.messages[3].content == "That reply names no action. Reply with one action: LEFT, DOWN, RIGHT, UP."
+    ended, _ = episode(chat, GymTextEnv(on_invalid="end", invalid_penalty=0.5), lake_task(), ["hmm"])
+    assert (ended.stop_reason, ended.reward, ended.num_turns) == (StopReason.COMPLETED, -0.5, 1)
+
+
+def test_gym_text_time_limit_truncates(chat):
+    traj, _ = episode(chat, GymTextEnv(), lake_task(max_episode_steps=3), ["LEFT"], max_turns=10)
+    assert (traj.stop_reason, traj.reward, traj.num_turns) == (StopReason.TRUNCATED, 0.0, 3)
+
+
+def test_gym_text_tasks_fix_the_start_state():
+    tasks = GymTextEnv.load_tasks("train", seed=0, n=20, map_size=4)
+    maps = {tuple(t.metadata["make_kwargs"]["desc"]) for t in tasks}
+    assert len(maps) > 10 and tasks == GymTextEnv.load_tasks("train", seed=0, n=20, map_size=4)
+    env = GymTextEnv()
+    a, _ = env.reset(seed=1, options={"task": tasks[0]})
+    b, _ = env.reset(seed=2, options={"task": tasks[0]})
+    assert a == b  # the task, not the rollout's seed, fixes the start
+    with pytest.raises(ValueError, match="FrozenLake"):
+        GymTextEnv.load_tasks("train", env_id="Taxi-v4", map_size=4)
+
+
+def test_gym_text_other_toy_text_and_generic_envs():
+    env = GymTextEnv(on_invalid="end")
+    task = GymTextEnv.load_tasks("train", seed=0, n=1, env_id="Blackjack-v1")[0]
+    msgs, _ = env.reset(seed=0, options={"task": task})
+    assert msgs[1].content.startswith("Your cards total")
+    _, reward, terminated, _, info = env.step(Message(role="assistant", content="I STICK"))
+    assert terminated and reward in (-1.0, 0.0, 1.0) and info["action"] == "STICK"
+    cliff = GymTextEnv.load_tasks("train", seed=0, n=1, env_id="CliffWalking-v1")[0]
+    msgs, _ = env.reset(seed=0, options={"task": cliff})
+    assert "\x1b" not in msgs[1].content and "x  C  C" in msgs[1].content
+    assert msgs[0].content.endswith("Reply with one action: 0, 1, 2, 3.")
+    continuous = Task(id="c", prompt="-", metadata={"env_id": "MountainCarContinuous-v0", "reset_seed": 0})
+    with pytest.raises(TypeError, match="needs Discrete"):
+        env.reset(seed=0, options={"task": continuous})
