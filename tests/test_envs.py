@@ -1,5 +1,6 @@
 """The bundled environments: the Env contract, rewards and stop reasons of whole episodes (a scripted
-engine on the real SmolLM2 tokenizer, the real sandbox), sandbox failures as NaN."""
+engine on the real SmolLM2 tokenizer, the real sandbox), sandbox failures as NaN, and one training
+step of each env with a tiny random model through the command line."""
 
 from __future__ import annotations
 
@@ -8,12 +9,15 @@ import doctest
 import importlib
 import json
 import math
+from pathlib import Path
 
 import pytest
 
 from agentgrpo import Message, StopReason, Task, check_env
+from agentgrpo.cli import main
 from agentgrpo.engine import SamplingParams
 from agentgrpo.env import ENVS, get_env_class
+from agentgrpo.log import read_jsonl
 from agentgrpo.rollout import run_episode
 from agentgrpo.verify.code import load_humaneval, run_tests
 from agentgrpo.verify.math import math_equal
@@ -304,3 +308,75 @@ def test_gym_text_other_toy_text_and_generic_envs():
     continuous = Task(id="c", prompt="-", metadata={"env_id": "MountainCarContinuous-v0", "reset_seed": 0})
     with pytest.raises(TypeError, match="needs Discrete"):
         env.reset(seed=0, options={"task": continuous})
+
+
+# ---- one training step each ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def terse_model_dir(tmp_path_factory, smol_tokenizer, chat) -> Path:
+    """A tiny random Llama (SmolLM2's vocabulary) that ends its turn with probability about 0.3 at
+    every token, so its replies are a few random tokens and episodes reach the env's `step` and
+    `reward`. (A plain random model almost never samples the end-of-turn token: every episode would
+    run out of tokens before the env scores it.) How: a large bias on the last MLP output makes
+    the final hidden state nearly constant, and the end-of-turn embedding (tied to the output
+    layer) points along it with a logit of about 10, against about 0 for the 49k other tokens."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(smol_tokenizer), hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=1024, tie_word_embeddings=True, mlp_bias=True,
+                      eos_token_id=smol_tokenizer.eos_token_id, pad_token_id=smol_tokenizer.pad_token_id)
+    model = LlamaForCausalLM(cfg)
+    direction = torch.nn.functional.normalize(torch.randn(32), dim=0)
+    with torch.no_grad():
+        model.model.layers[-1].mlp.down_proj.bias.copy_(50 * direction)
+        model.model.embed_tokens.weight[chat.end_of_turn_id] = 10 / 32**0.5 * direction
+    d = tmp_path_factory.mktemp("terse-llama")
+    model.save_pretrained(d)
+    smol_tokenizer.save_pretrained(d)
+    return d
+
+
+SHORT = {
+    "python_math": ["env.tasks.n=8", "rollout.max_tokens=40"],
+    "code_tests": ["env.tasks.n=4", "rollout.max_tokens=40"],
+    "gym_text": ["env.tasks.n=4", "rollout.max_turns=3", "rollout.max_tokens=200"],
+}
+
+
+@pytest.mark.parametrize("name", list(SHORT))
+def test_one_training_step(tmp_path, terse_model_dir, name):
+    out = tmp_path / "run"
+    rc = main(["train", f"examples/{name}.yaml", f"output_dir={out}", "train.steps=1",
+               f"model.path={terse_model_dir}", "rollout.group_size=2", "rollout.tasks_per_step=2",
+               "rollout.max_new_tokens=12", "log.progress=false", "log.tensorboard=false", *SHORT[name]])
+    assert rc == 0
+    (metrics,) = read_jsonl(out / "metrics.jsonl")
+    assert metrics["step"] == 1 and math.isfinite(metrics["loss"]) and metrics["unscorable"] == 0
+    rows = read_jsonl(out / "trajectories.jsonl")
+    assert len(rows) == 4 and all(math.isfinite(r["reward"]) for r in rows)
+    assert all(sum(r["loss_mask"]) > 0 and len(r["token_ids"]) == len(r["loss_mask"]) for r in rows)
+    # the env scored episodes (python_math and code_tests through the sandbox and verifiers)
+    assert any(r["stop_reason"] == "completed" for r in rows)
+    assert all(r["stop_reason"] in ("completed", "max_tokens", "max_turns") for r in rows)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", NAMES)
+def test_one_step_with_the_embedded_model(tmp_path, name):
+    """Each env's example config runs a step with the embedded SmolLM2-135M-Instruct (real text,
+    real tool calls): nothing is unscorable and every trajectory is well formed."""
+    out = tmp_path / "run"
+    extra = SHORT.get(name, [])[:1]  # the task count
+    rc = main(["train", f"examples/{name}.yaml", f"output_dir={out}", "train.steps=1",
+               "rollout.group_size=2", "rollout.tasks_per_step=2", "rollout.max_turns=2",
+               "rollout.max_new_tokens=48", "rollout.max_tokens=128", "log.progress=false",
+               "log.tensorboard=false", *extra])
+    assert rc == 0
+    (metrics,) = read_jsonl(out / "metrics.jsonl")
+    assert math.isfinite(metrics["loss"]) and metrics["unscorable"] == 0 and metrics["sampled_tokens"] > 0
+    rows = read_jsonl(out / "trajectories.jsonl")
+    assert len(rows) == 4 and all(math.isfinite(r["reward"]) for r in rows)
