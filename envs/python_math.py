@@ -1,0 +1,166 @@
+"""Word problems solved with a sandboxed `python` tool; reward by symbolic/numeric equality.
+
+Tasks are generated offline by `reasoning-gym` from a seed (no downloads): `dataset` picks the
+generator (`gsm_symbolic`: GSM8K-style word problems with fresh numbers; `chain_sum`: `a + b - c`;
+`basic_arithmetic`: expressions with * / and parentheses), and any other `load_tasks` keyword is
+that generator's own setting (`min_terms`, `max_digits`, `difficulty`, ...).
+
+Splits: one reasoning-gym stream per seed, partitioned by a hash of the question text: a question
+belongs to `eval` when `sha256(question) % 10 == 0`, to `train` otherwise. So the splits never
+share a question, whatever `n` each asks for (a partition of the question space, not of indices).
+Small problem spaces (one-digit `chain_sum`) repeat questions within a split; that is their nature.
+
+Episode: the model may call `python(code)` any number of times (each call is a fresh sandboxed
+process: see `tools.python`); its first reply without a tool call ends the episode and is scored.
+
+Final answer: the content of the last `\\boxed{...}` in that reply when there is one, else the last
+number in it (`-1,234.5`, `3/4` and `1e3` forms; thousands separators dropped). That string is
+compared with the reference by `math_equal` (math-verify: `28080.0` equals `28080`, `1/2` equals
+`0.5`). Reward 1.0 when equal, 0.0 otherwise, also when the reply holds no number.
+
+Sandbox failure: a `sandbox_error` during a `python` call (after the sandbox's retries) is an
+infrastructure failure, not the model's: `step` raises `SandboxUnavailable`, so the rollout ends
+the trajectory as `ENV_ERROR` with reward NaN and the group statistics leave it out. It is never
+shown to the model as a tool error and never scored 0.
+
+Example:
+    >>> tasks = PythonMathEnv.load_tasks("train", seed=0, n=2, dataset="chain_sum", max_terms=3)
+    >>> env = PythonMathEnv()
+    >>> msgs, _ = env.reset(seed=0, options={"task": tasks[0]})
+    >>> [m.role for m in msgs]
+    ['system', 'user']
+    >>> final_answer("x = 3, so the total is \\\\boxed{12}")
+    '12'
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from agentgrpo import Message, Task, ToolEnv, tool
+from agentgrpo.verify.math import amath_equal
+from agentgrpo.verify.sandbox import Sandbox, SandboxUnavailable
+from tools.python import PythonToolConfig, make_python_tool
+
+DATASETS = ("gsm_symbolic", "chain_sum", "basic_arithmetic")
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:[eE][-+]?\d+)?(?:\s*/\s*\d+)?")
+_EVAL_BUCKET = 0  # sha256(question) % 10 == 0 -> eval
+
+
+def _last_boxed(text: str) -> str | None:
+    """The content of the last `\\boxed{...}`, braces balanced; None when there is none."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, i = 0, start + len("\\boxed")
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i + 1 : j].strip()
+    return None  # unclosed: the reply was cut
+
+
+def final_answer(text: str) -> str | None:
+    """The answer a reply commits to: its last `\\boxed{}` content, else its last number."""
+    boxed = _last_boxed(text)
+    if boxed:
+        return boxed
+    found = _NUMBER.findall(text)
+    return found[-1].replace(",", "").replace(" ", "") if found else None
+
+
+class PythonMathEnv(ToolEnv):
+    """Math word problems with a sandboxed `python` tool; reward 1 when the final answer is right.
+
+    Constructor: `sandbox` (default: the process-wide `default_sandbox()`, which honours
+    `AGENTGRPO_SANDBOX_URL`), `python` (a `PythonToolConfig` or its dict: limits and message size
+    of one tool call). See the module docstring for tasks, answer extraction and sandbox failures.
+
+    Example:
+        >>> env = PythonMathEnv(python={"max_output_chars": 1000})
+        >>> task = PythonMathEnv.load_tasks("eval", seed=0, n=1)[0]
+        >>> msgs, _ = env.reset(seed=0, options={"task": task})
+    """
+
+    system_prompt = (
+        "Solve the problem. You can run Python code with the python tool; it shows what the code "
+        "prints. When you know the answer, reply with the final answer as a number in "
+        "\\boxed{}, for example \\boxed{42}."
+    )
+
+    def __init__(self, sandbox: Sandbox | None = None,
+                 python: PythonToolConfig | dict[str, Any] | None = None) -> None:
+        cfg = python if isinstance(python, PythonToolConfig) or python is None else PythonToolConfig(**python)
+        self._run_python = make_python_tool(sandbox, cfg)
+        self._sandbox_failure: SandboxUnavailable | None = None
+
+    @tool
+    def python(self, code: str) -> str:
+        """Run a Python 3 program in a fresh, isolated sandbox and return what it printed.
+
+        Nothing persists between calls, there is no network, and only the standard library is
+        available. Use print() to show results.
+
+        Args:
+            code: the complete program to run.
+        """
+        try:
+            return self._run_python(code)
+        except SandboxUnavailable as e:
+            # The tool layer would turn this into an error message for the model; remember it so
+            # step() can end the episode as an infrastructure failure instead.
+            self._sandbox_failure = e
+            raise
+
+    async def step(self, action: Message) -> tuple[list[Message], float, bool, bool, dict[str, Any]]:
+        self._sandbox_failure = None
+        out = await super().step(action)
+        if self._sandbox_failure is not None:
+            raise SandboxUnavailable(f"python tool: {self._sandbox_failure}") from self._sandbox_failure
+        return out
+
+    async def reward(self, task: Task, messages: list[Message]) -> float:
+        answer = final_answer(messages[-1].content)
+        if answer is None:
+            return 0.0
+        return float(await amath_equal(answer, str(task.answer)))
+
+    @classmethod
+    def load_tasks(cls, split: str = "train", seed: int = 0, *, n: int = 2000,
+                   dataset: str = "gsm_symbolic", **dataset_kwargs: Any) -> Sequence[Task]:
+        """`n` problems of `split` ("train" or "eval") from reasoning-gym's `dataset` generator.
+
+        `dataset_kwargs` go to the generator's config (an unknown one is an error that names it).
+        """
+        import reasoning_gym
+        from reasoning_gym.factory import DATASETS as RG_DATASETS
+
+        if split not in ("train", "eval"):
+            raise ValueError(f"PythonMathEnv.load_tasks: split must be 'train' or 'eval', got {split!r}")
+        if dataset not in RG_DATASETS:
+            raise ValueError(f"unknown reasoning-gym dataset {dataset!r} (e.g. {', '.join(DATASETS)})")
+        if n < 1:
+            raise ValueError("n must be >= 1")
+        # Generation is lazy per index; the stream is long enough for the eval bucket (1 in 10) to
+        # fill n, and bounded so a tiny problem space cannot loop forever.
+        limit = 40 * n + 1000
+        try:
+            ds = reasoning_gym.create_dataset(dataset, seed=seed, size=limit, **dataset_kwargs)
+        except TypeError as e:
+            raise TypeError(f"PythonMathEnv.load_tasks: bad option for {dataset!r}: {e}") from None
+        want_eval = split == "eval"
+        tasks: list[Task] = []
+        for i in range(limit):
+            entry = ds[i]
+            bucket = int(hashlib.sha256(entry["question"].encode()).hexdigest(), 16) % 10
+            if (bucket == _EVAL_BUCKET) != want_eval:
+                continue
+            tasks.append(Task(id=f"{dataset}-{seed}-{i}", prompt=entry["question"],
+                              answer=str(entry["answer"]),
+                              metadata={"dataset": dataset, "split": split, "index": i}))
+            if len(tasks) == n:
+                break
+        return tasks
