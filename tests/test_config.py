@@ -26,7 +26,7 @@ def test_overrides_are_typed_and_validated(tmp_path):
 def test_example_configs_load():
     from pathlib import Path
 
-    for f in sorted(Path(__file__).parents[1].glob("examples/*.yaml")):
+    for f in sorted(Path(__file__).parents[1].glob("examples/**/*.yaml")):
         load_config(f)
 
 

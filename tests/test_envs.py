@@ -18,7 +18,7 @@ from agentgrpo.cli import main
 from agentgrpo.engine import SamplingParams
 from agentgrpo.env import ENVS, get_env_class
 from agentgrpo.log import read_jsonl
-from agentgrpo.rollout import run_episode
+from agentgrpo.rollout import EpisodeLimits, run_episode
 from agentgrpo.verify.code import load_humaneval, run_tests
 from agentgrpo.verify.math import math_equal
 from agentgrpo.verify.sandbox import ExecResult
@@ -52,7 +52,7 @@ class BrokenSandbox:
 def episode(chat, env, task, script, *, max_turns=4, max_tokens=1024, max_new_tokens=400):
     engine = ScriptedEngine(chat.tokenizer, script, chat.end_of_turn_id)
     traj = asyncio.run(run_episode(env, engine, chat, task, SamplingParams(max_new_tokens=max_new_tokens),
-                                   seed=0, max_turns=max_turns, max_tokens=max_tokens))
+                                   seed=0, limits=EpisodeLimits(max_turns=max_turns, max_tokens=max_tokens)))
     traj.check()
     return traj, engine
 
