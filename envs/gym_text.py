@@ -17,8 +17,8 @@ Action parsing: the action is the last action word in the reply (case-insensitiv
 `invalid_penalty` (subtracted from that turn's reward), and then either the env re-prompts with
 the list of valid words (`on_invalid="reprompt"`, the default: the model gets another chance and
 the wrapped env does not move) or ends the episode (`on_invalid="end"`). After `max_invalid`
-invalid replies in one episode it ends in both modes (terminated, `info["ended_by"] =
-"invalid_replies"`), so a model that never answers cannot fill its whole turn budget.
+invalid replies in one episode it ends in both modes (terminated, `info["stop_reason"] =
+"parse_error"`, which the rollout records as StopReason.PARSE_ERROR), so a model that never answers cannot fill its whole turn budget.
 
 Tasks: one task is one start state: `metadata` holds the env id, its `gymnasium.make` arguments and
 the seed of `reset`, so every draw of a task (and every member of a group) starts from the same
@@ -203,7 +203,7 @@ class GymTextEnv(Env):
             self.invalid += 1
             info = {"action": None, "invalid_replies": self.invalid}
             if self.on_invalid == "end" or self.invalid >= self.max_invalid:
-                return [], -self.invalid_penalty, True, False, {**info, "ended_by": "invalid_replies"}
+                return [], -self.invalid_penalty, True, False, {**info, "stop_reason": "parse_error"}
             msg = f"That reply names no action. {self._ask()}"
             return [Message(role="user", content=msg)], -self.invalid_penalty, False, False, info
         obs, reward, terminated, truncated, _ = self.game.step(idx)

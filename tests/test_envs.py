@@ -270,11 +270,11 @@ def test_gym_text_hole_ends_the_episode_without_reward(chat):
 
 def test_gym_text_invalid_replies_reprompt_then_end(chat):
     traj, _ = episode(chat, GymTextEnv(), lake_task(), ["hmm", "DOWN", "what?", "no"], max_turns=10)
-    assert traj.stop_reason == StopReason.COMPLETED and traj.num_turns == 4
+    assert traj.stop_reason == StopReason.PARSE_ERROR and traj.num_turns == 4
     assert traj.reward == pytest.approx(-0.3)  # three invalid replies at 0.1 each; ended by the third
     assert traj.messages[3].content == "That reply names no action. Reply with one action: LEFT, DOWN, RIGHT, UP."
     ended, _ = episode(chat, GymTextEnv(on_invalid="end", invalid_penalty=0.5), lake_task(), ["hmm"])
-    assert (ended.stop_reason, ended.reward, ended.num_turns) == (StopReason.COMPLETED, -0.5, 1)
+    assert (ended.stop_reason, ended.reward, ended.num_turns) == (StopReason.PARSE_ERROR, -0.5, 1)
 
 
 def test_gym_text_time_limit_truncates(chat):
