@@ -24,6 +24,7 @@ import torch
 
 from agentgrpo.batch import TrainBatch
 
+
 def causal_lm(model: torch.nn.Module) -> torch.nn.Module:
     """The `*ForCausalLM` inside `model` (itself, or the base model of a peft wrapper)."""
     get_base = getattr(model, "get_base_model", None)
