@@ -209,3 +209,14 @@ def test_sigterm_saves_the_finished_step_and_exits(tmp_path, tiny_model_dir, mon
     assert _train(out, tiny_model_dir, 4) == 0  # save_every=0: only the stop's checkpoint is written
     assert [m["step"] for m in read_jsonl(out / "metrics.jsonl")] == [1]
     assert checkpoint.latest(out / "checkpoints")[1]["step"] == 1
+
+
+def test_a_lora_run_checkpoints_its_adapter_and_resumes(tmp_path, stopping_model_dir):
+    out = tmp_path / "run"
+    lora = ["learner.lora.r=4", "loss.kl_coef=0.1", "learner.lr=1e-2"]
+    assert _train(out, stopping_model_dir, 2, *lora) == 0
+    files = {p.name for p in (out / "checkpoints" / "step-000002").iterdir()}
+    assert {"adapter_model.safetensors", "adapter_config.json", "learner.pt"} <= files
+    assert "model.safetensors" not in files  # the base weights come from model.path
+    assert _train(out, stopping_model_dir, 3, *lora) == 0  # every push verified the merged weights
+    assert [m["step"] for m in read_jsonl(out / "metrics.jsonl")] == [1, 2, 3]
