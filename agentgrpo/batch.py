@@ -1,70 +1,290 @@
-"""Trajectories -> micro-batches of tensors for the learner.
+"""Trajectories -> micro-batches for the learner: packed rows in, per-sequence loss tensors out.
 
-A micro-batch holds whole trajectories whose padded size (rows x longest row) stays within a token
-budget; trajectories are sorted by length first so rows of similar length share a micro-batch and
-padding stays small. Every tensor is [B, T] with right padding; `loss_mask_BT` is 0 on padding.
+A micro-batch has two layouts:
+
+- **model layout** `[B, T]`: what the model runs on. Sequences are *packed*: several lie one after
+  the other in a row, each with position ids starting again at 0, and an attention mask that lets a
+  token see only earlier tokens of its own sequence. Only the tail of a row is padding.
+- **loss layout** `[N, L]`: one row per trajectory, columns = the trajectory's span from its first
+  to its last loss token. This is what `loss.compute_loss` expects (its seq-mean modes assume one
+  sequence per row), so packing never changes what the loss sees.
+
+`pred_index_M` / `target_ids_M` / `dest_index_M` connect the two: loss token m is predicted by the
+hidden state at flat position `pred_index_M[m]` of `[B*T]`, is the token id `target_ids_M[m]`, and its
+logprob goes to flat position `dest_index_M[m]` of `[N*L]`. The learner therefore runs the LM head on
+the M loss positions only (not on all B*T), which is exact and saves most of the head's cost.
+
+Packing modes (`LearnerConfig.packing`):
+
+- `padded`: one trajectory per row, rows of similar length together, padded to the longest (the
+  classic layout; the benchmark's baseline).
+- `packed`: first-fit-decreasing bin packing of trajectories into rows as long as the longest one.
+- `shared_prefix` (default): as `packed`, but the members of a GRPO group are laid out as their
+  longest common prefix (the prompt, ~170 tokens for a tool env) followed by every member's own
+  continuation; each continuation sees the prefix and itself, with position ids continuing after
+  the prefix. A token's attention inputs, positions and therefore its output are exactly those of
+  the unshared layout, so logprobs and gradients are the same (the prefix's gradient is the sum of
+  its G uses, as it would be over G copies); the prefix is computed once instead of G times.
+
+Attention: with a 4D mask (sdpa, eager: the CPU path and the default GPU path) every mode is exact.
+Flash-attention kernels take no 4D mask but pack natively: `one_row=True` puts a whole micro-batch
+in a single row with position ids reset per sequence and no mask, which transformers turns into
+`flash_attn_varlen_func` calls (`shared_prefix` is not expressible there; the learner uses `packed`).
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
 from agentgrpo.types import Trajectory
 
+PackingMode = Literal["shared_prefix", "packed", "padded"]
+PACKING_MODES = ("shared_prefix", "packed", "padded")
+
 
 @dataclass
 class TrainBatch:
-    input_ids_BT: torch.Tensor  # [B, T] long
-    attention_mask_BT: torch.Tensor  # [B, T] long, 1 on real tokens
-    loss_mask_BT: torch.Tensor  # [B, T] float, 1 on sampled tokens
-    rollout_logprobs_BT: torch.Tensor  # [B, T] float, the engine's sampling logprobs (0 elsewhere)
-    advantages_B: torch.Tensor  # [B] float
-    rows: list[int]  # index of each row in the step's trajectory list
+    """One micro-batch in model layout [B, T] and loss layout [N, L] (see the module docstring)."""
+
+    input_ids_BT: torch.Tensor  # [B, T] long, pad_id in row tails
+    position_ids_BT: torch.Tensor  # [B, T] long, restarts at 0 for every sequence / prefix
+    segment_ids_BT: torch.Tensor  # [B, T] long, one id per sequence, prefix or row tail in a row
+    visible_ids_BT: torch.Tensor  # [B, T] long, the other segment a token may see (its prefix) or its own
+    pred_index_M: torch.Tensor  # [M] long, flat index into [B*T] of the hidden state predicting token m
+    target_ids_M: torch.Tensor  # [M] long, the token id of loss token m
+    dest_index_M: torch.Tensor  # [M] long, flat index into [N*L] of loss token m
+    loss_mask_NL: torch.Tensor  # [N, L] float, 1 on sampled tokens
+    rollout_logprobs_NL: torch.Tensor  # [N, L] float, the engine's sampling logprobs (0 elsewhere)
+    advantages_N: torch.Tensor  # [N] float
+    rows: list[int]  # index of each trajectory n in the list given to `make_micro_batches`
+    needs_mask: bool = True  # False when plain causal attention is already exact (padded, one row)
 
     @property
     def num_tokens(self) -> int:
-        return int(self.attention_mask_BT.sum())
+        """Token slots the model runs on (B*T, padding included)."""
+        return self.input_ids_BT.numel()
+
+    @property
+    def num_real_tokens(self) -> int:
+        """Slots holding a token (not row-tail padding); a shared prefix counts once."""
+        tail = self.segment_ids_BT == 0
+        return int((~tail).sum())
+
+    def attention_mask_B1TT(self) -> torch.Tensor | None:
+        """[B, 1, T, T] bool, True where query t may attend to key s: s <= t and s is in t's own
+        segment or in the prefix it continues. Row-tail padding is its own segment, so no query row
+        is all-masked (an all-masked row gives NaN that 0-weights would still spread). None when
+        causal attention alone is exact."""
+        if not self.needs_mask:
+            return None
+        T = self.input_ids_BT.shape[1]
+        seg_BT, vis_BT = self.segment_ids_BT, self.visible_ids_BT
+        key_B1T = seg_BT[:, None, :]
+        same_BTT = (key_B1T == seg_BT[:, :, None]) | (key_B1T == vis_BT[:, :, None])
+        causal_TT = torch.ones(T, T, dtype=torch.bool, device=seg_BT.device).tril()
+        return (same_BTT & causal_TT)[:, None]
 
     def to(self, device: torch.device | str) -> TrainBatch:
-        return TrainBatch(*(t.to(device) for t in (self.input_ids_BT, self.attention_mask_BT, self.loss_mask_BT,
-                                                   self.rollout_logprobs_BT, self.advantages_B)), self.rows)
+        fields = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in vars(self).items()}
+        return TrainBatch(**fields)
 
 
-def pad_batch(trajs: Sequence[Trajectory], advantages: Sequence[float], rows: list[int],
-              pad_id: int = 0) -> TrainBatch:
-    T = max(len(t.token_ids) for t in trajs)
-    B = len(trajs)
-    ids = torch.full((B, T), pad_id, dtype=torch.long)
-    attn = torch.zeros((B, T), dtype=torch.long)
-    mask = torch.zeros((B, T), dtype=torch.float32)
-    lps = torch.zeros((B, T), dtype=torch.float32)
-    for i, t in enumerate(trajs):
-        n = len(t.token_ids)
-        ids[i, :n] = torch.tensor(t.token_ids)
-        attn[i, :n] = 1
-        mask[i, :n] = torch.tensor(t.loss_mask, dtype=torch.float32)
-        lps[i, :n] = torch.tensor(t.logprobs, dtype=torch.float32)
-    return TrainBatch(ids, attn, mask, lps, torch.tensor(list(advantages), dtype=torch.float32), rows)
+@dataclass
+class _Unit:
+    """Trajectories laid out together in one row: a shared prefix, then each member's own tokens."""
+
+    members: list[int]
+    prefix_len: int  # 0 for a lone trajectory
+    length: int  # tokens the unit occupies in a row
 
 
-def make_micro_batches(trajs: Sequence[Trajectory], advantages: Sequence[float],
-                       token_budget: int, pad_id: int = 0) -> list[TrainBatch]:
-    """Split one step's trajectories into micro-batches of at most `token_budget` padded tokens
-    (a single trajectory longer than the budget gets a micro-batch of its own)."""
+def _common_prefix(seqs: Sequence[Sequence[int]]) -> int:
+    n = min(len(s) for s in seqs)
+    first = seqs[0]
+    for i in range(n):
+        t = first[i]
+        if any(s[i] != t for s in seqs[1:]):
+            return i
+    return n
+
+
+def _units(trajs: Sequence[Trajectory], idx: list[int], mode: PackingMode, budget: int) -> list[_Unit]:
+    lens = {i: len(trajs[i].token_ids) for i in idx}
+    if mode != "shared_prefix":
+        return [_Unit([i], 0, lens[i]) for i in idx]
+    groups: dict[str, list[int]] = defaultdict(list)
+    for i in idx:
+        groups[trajs[i].group_id].append(i)
+    units = []
+    for members in groups.values():
+        # Every member keeps >= 1 token of its own, so each has a row position after the prefix.
+        P = min(_common_prefix([trajs[i].token_ids for i in members]), min(lens[i] for i in members) - 1)
+        if len(members) < 2 or P < 1:
+            units += [_Unit([i], 0, lens[i]) for i in members]
+            continue
+        # A unit must sit in one row; a group too long for the budget is split, each part with its own
+        # copy of the prefix.
+        cur: list[int] = []
+        size = P
+        for i in sorted(members, key=lambda i: lens[i]):
+            if cur and size + lens[i] - P > budget:
+                units.append(_Unit(cur, P, size))
+                cur, size = [], P
+            cur.append(i)
+            size += lens[i] - P
+        units.append(_Unit(cur, P, size))
+    return [u if len(u.members) > 1 else _Unit(u.members, 0, lens[u.members[0]]) for u in units]
+
+
+def _first_fit_decreasing(units: list[_Unit], capacity: int) -> list[list[_Unit]]:
+    rows: list[list[_Unit]] = []
+    free: list[int] = []
+    for u in sorted(units, key=lambda u: -u.length):
+        for r, room in enumerate(free):
+            if u.length <= room:
+                rows[r].append(u)
+                free[r] -= u.length
+                break
+        else:
+            rows.append([u])
+            free.append(capacity - u.length)
+    return rows
+
+
+def make_micro_batches(
+    trajs: Sequence[Trajectory],
+    advantages: Sequence[float],
+    token_budget: int,
+    pad_id: int = 0,
+    *,
+    mode: PackingMode = "shared_prefix",
+    one_row: bool = False,
+) -> list[TrainBatch]:
+    """Split one step's trajectories into micro-batches of about `token_budget` token slots.
+
+    `padded`: rows sorted by length, as many per micro-batch as fit padded (a trajectory longer than
+    the budget gets a micro-batch of its own). `packed` / `shared_prefix`: units (trajectories, or
+    a group's prefix + continuations) are bin-packed into rows as long as the longest unit, and
+    `token_budget // row_length` rows make a micro-batch. `one_row`: each micro-batch is a single row
+    of up to `token_budget` tokens with no mask (flash-attention varlen; not with `shared_prefix`).
+    Every trajectory needs at least one loss token and none at position 0 (nothing predicts it).
+    """
     if len(trajs) != len(advantages):
         raise ValueError(f"{len(trajs)} trajectories but {len(advantages)} advantages")
-    order = sorted(range(len(trajs)), key=lambda i: len(trajs[i].token_ids))
-    batches: list[list[int]] = []
-    cur: list[int] = []
-    for i in order:
-        longest = len(trajs[i].token_ids)  # sorted ascending: the newest row is the longest
-        if cur and (len(cur) + 1) * longest > token_budget:
-            batches.append(cur)
-            cur = []
-        cur.append(i)
-    if cur:
+    if mode not in PACKING_MODES:
+        raise ValueError(f"unknown packing mode {mode!r}; valid: {list(PACKING_MODES)}")
+    if one_row and mode == "shared_prefix":
+        raise ValueError("one_row (flash varlen) cannot express a shared prefix; use mode='packed'")
+    for t in trajs:
+        if not any(t.loss_mask):
+            raise ValueError(f"trajectory {t.task_id!r} has no loss token")
+        if t.loss_mask[0]:
+            raise ValueError(f"trajectory {t.task_id!r}: token 0 carries loss but nothing predicts it")
+    idx = list(range(len(trajs)))
+    if not idx:
+        return []
+    units = _units(trajs, idx, mode, token_budget)
+    if mode == "padded":
+        rows = [[u] for u in sorted(units, key=lambda u: u.length)]
+        batches: list[list[list[_Unit]]] = []
+        cur: list[list[_Unit]] = []
+        for row in rows:  # ascending: the newest row is the longest
+            if cur and (len(cur) + 1) * row[0].length > token_budget:
+                batches.append(cur)
+                cur = []
+            cur.append(row)
         batches.append(cur)
-    return [pad_batch([trajs[i] for i in b], [advantages[i] for i in b], b, pad_id) for b in batches]
+    else:
+        capacity = token_budget if one_row else max(u.length for u in units)
+        rows = _first_fit_decreasing(units, max(capacity, max(u.length for u in units)))
+        per_batch = 1 if one_row else max(1, token_budget // capacity)
+        batches = [rows[i : i + per_batch] for i in range(0, len(rows), per_batch)]
+    needs_mask = mode != "padded" and not one_row
+    return [_build(trajs, advantages, b, pad_id, needs_mask) for b in batches]
+
+
+def _build(trajs: Sequence[Trajectory], advantages: Sequence[float], rows: list[list[_Unit]],
+           pad_id: int, needs_mask: bool) -> TrainBatch:
+    B = len(rows)
+    T = max(sum(u.length for u in row) for row in rows)
+    ids_BT = torch.full((B, T), pad_id, dtype=torch.long)
+    pos_BT = torch.arange(T).repeat(B, 1)  # row tails keep counting: they are one causal segment
+    seg_BT = torch.zeros((B, T), dtype=torch.long)  # 0 = row tail
+    vis_BT = torch.zeros((B, T), dtype=torch.long)
+    members = [i for row in rows for u in row for i in u.members]
+    spans = {}  # trajectory -> (first loss token, last loss token)
+    for i in members:
+        loss_pos = [j for j, m in enumerate(trajs[i].loss_mask) if m]
+        spans[i] = (loss_pos[0], loss_pos[-1])
+    N, L = len(members), max(b - a + 1 for a, b in spans.values())
+    loss_mask_NL = torch.zeros((N, L))
+    rollout_NL = torch.zeros((N, L))
+    pred, target, dest = [], [], []
+    n = 0
+    for b, row in enumerate(rows):
+        start, seg = 0, 0
+        for u in row:
+            P = u.prefix_len
+            first = trajs[u.members[0]]
+            if P:
+                seg += 1
+                prefix_seg = seg
+                ids_BT[b, start : start + P] = torch.tensor(first.token_ids[:P])
+                pos_BT[b, start : start + P] = torch.arange(P)
+                seg_BT[b, start : start + P] = prefix_seg
+                vis_BT[b, start : start + P] = prefix_seg
+            at = start + P
+            for i in u.members:
+                t = trajs[i]
+                own = len(t.token_ids) - P
+                seg += 1
+                ids_BT[b, at : at + own] = torch.tensor(t.token_ids[P:])
+                pos_BT[b, at : at + own] = torch.arange(P, P + own)
+                seg_BT[b, at : at + own] = seg
+                vis_BT[b, at : at + own] = prefix_seg if P else seg
+                # row position of token j of this trajectory
+                where = torch.cat([torch.arange(start, start + P), torch.arange(at, at + own)])
+                lo, hi = spans[i]
+                j_M = torch.tensor([j for j in range(lo, hi + 1) if t.loss_mask[j]])
+                pred.append(b * T + where[j_M - 1])
+                target.append(torch.tensor(t.token_ids)[j_M])
+                dest.append(n * L + (j_M - lo))
+                loss_mask_NL[n, : hi - lo + 1] = torch.tensor(t.loss_mask[lo : hi + 1], dtype=torch.float32)
+                rollout_NL[n, : hi - lo + 1] = torch.tensor(t.logprobs[lo : hi + 1], dtype=torch.float32)
+                at += own
+                n += 1
+            start = at
+    return TrainBatch(
+        input_ids_BT=ids_BT, position_ids_BT=pos_BT, segment_ids_BT=seg_BT, visible_ids_BT=vis_BT,
+        pred_index_M=torch.cat(pred), target_ids_M=torch.cat(target), dest_index_M=torch.cat(dest),
+        loss_mask_NL=loss_mask_NL, rollout_logprobs_NL=rollout_NL,
+        advantages_N=torch.tensor([float(advantages[i]) for i in members]), rows=members,
+        needs_mask=needs_mask,
+    )
+
+
+def shard(trajs: Sequence[Trajectory], rank: int, world: int) -> list[int]:
+    """Indices of the trajectories rank `rank` of `world` trains on.
+
+    Whole groups go to one rank (so a shared prefix stays together), the largest first to the rank
+    with the fewest tokens so far; with fewer groups than ranks, single trajectories are dealt
+    instead. Deterministic: every rank computes the same assignment from the same list.
+    """
+    if world == 1:
+        return list(range(len(trajs)))
+    groups: dict[str, list[int]] = defaultdict(list)
+    for i, t in enumerate(trajs):
+        groups[t.group_id].append(i)
+    parts = list(groups.values()) if len(groups) >= world else [[i] for i in range(len(trajs))]
+    load = [0] * world
+    owned: list[list[int]] = [[] for _ in range(world)]
+    for part in sorted(parts, key=lambda p: (-sum(len(trajs[i].token_ids) for i in p), p[0])):
+        r = min(range(world), key=lambda r: (load[r], r))
+        owned[r] += part
+        load[r] += sum(len(trajs[i].token_ids) for i in part)
+    return sorted(owned[rank])

@@ -1,98 +1,174 @@
-"""The learner: policy (and optional reference) model, optimizer, one GRPO step.
+"""The learner: policy (and at most one reference), optimizer, LR schedule, one GRPO step.
 
-torch + accelerate: the same code runs on one CPU, one GPU, or under `accelerate launch`.
-Memory holds the policy and, only when `kl_coef > 0`, a frozen reference copy; nothing else (no
-value model).
+torch + accelerate: the same code runs on one CPU, one GPU, or under `accelerate launch` (DDP, FSDP,
+DeepSpeed through accelerate's config). Memory holds the policy and, only when `kl_coef > 0`, a
+frozen reference (with LoRA: the same weights with the adapter disabled); no value model.
 
-One `train_step`:
-  1. micro-batches by token budget (`batch.make_micro_batches`);
-  2. the step's normalisers (loss tokens, sequences with a loss token) are counted once over the
-     whole step, so each micro-batch's loss is its share of the step loss and accumulated gradients
-     equal one big batch;
-  3. per micro-batch: policy logprobs at the rollout temperature, reference logprobs (no grad),
-     `loss.compute_loss`, backward scaled by the world size (DDP/FSDP average over ranks);
-  4. gradient clipping, optimizer step.
-Old logprobs are the rollout's own (on-policy, one pass); the gap between rollout and learner
-logprobs is logged (`logprob_gap_mean`, `logprob_gap_max`).
+One `train_step(trajectories, advantages)`:
+  1. scorable trajectories only (NaN advantage or reward, or no sampled token: left out);
+  2. the step's normalisers (loss tokens, sequences) are counted over the whole step, on every rank
+     alike, so each micro-batch's loss is its share of the step loss: accumulated gradients equal
+     one big batch, on one process or many (DDP/FSDP average over ranks, so each share is scaled
+     by the world size before backward);
+  3. this rank's shard (`batch.shard`) is packed into micro-batches (`batch.make_micro_batches`);
+     every rank runs the same number of micro-batches (a rank with fewer runs empty ones), since
+     DDP and FSDP forwards and backwards are collective;
+  4. one no-grad scoring pass when needed: recomputed old logprobs (`old_logprobs: recompute`)
+     and reference logprobs (`kl_coef > 0`), computed once for all passes;
+  5. `passes` optimisation passes over the batch, each one optimizer step (clip, step, schedule).
+
+Multi-process contract: every rank calls `train_step` with the *same* list (the rollouts come from
+rank 0's engine client and are broadcast; see docs/learner.md). Metrics are reduced over ranks.
+
+Old logprobs are the rollout's own by default (on-policy, one pass) or a recomputation by the
+learner (config); the rollout/learner gap is logged (`logprob_gap_mean`, `logprob_gap_max`, first
+pass) and, with recomputation, `mismatch/*`; `ratio_*` and `clipfrac` show how far later passes move.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
+import resource
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from accelerate import Accelerator
 from pydantic import BaseModel, ConfigDict, Field
 
-from agentgrpo.batch import TrainBatch, make_micro_batches
+from agentgrpo.batch import PackingMode, TrainBatch, make_micro_batches, shard
+from agentgrpo.logprobs import PolicyForward, to_loss_layout, token_logprobs, uses_flash
+from agentgrpo.lora import LoraConfig, MergedModel, apply_lora, load_adapter, merged_state_dict
 from agentgrpo.loss import LossConfig, compute_loss
 from agentgrpo.types import Trajectory
 
+__all__ = ["Learner", "LearnerConfig", "token_logprobs"]
+
 
 class LearnerConfig(BaseModel):
-    """Optimizer and batching of the policy update."""
+    """Optimizer, schedule, batching and precision of the policy update."""
 
     model_config = ConfigDict(extra="forbid")
 
-    lr: float = Field(1e-5, gt=0, description="AdamW learning rate")
+    lr: float = Field(1e-5, gt=0, description="AdamW peak learning rate")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas")
     grad_clip: float = Field(1.0, gt=0, description="max global gradient norm")
-    micro_batch_tokens: int = Field(4096, ge=16, description="padded tokens per micro-batch")
-    dtype: str = Field("float32", description="parameter dtype: float32 | bfloat16")
+    lr_schedule: Literal["constant", "linear", "cosine"] = Field(
+        "constant", description="after warm-up: constant, or linear / cosine decay to min_lr_ratio * lr "
+        "over the run's optimizer steps")
+    warmup_steps: int = Field(0, ge=0, description="optimizer steps of linear warm-up from 0 to lr")
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="final lr / peak lr of a decaying schedule")
+    micro_batch_tokens: int = Field(4096, ge=16, description="token slots (padding included) per micro-batch")
+    packing: PackingMode = Field(
+        "shared_prefix", description="shared_prefix: pack sequences, a group's common prompt computed "
+        "once; packed: pack sequences; padded: one sequence per row (see agentgrpo.batch)")
+    old_logprobs: Literal["rollout", "recompute"] = Field(
+        "rollout", description="pi_old of the ratio: the engine's sampling logprobs, or the learner's own "
+        "recomputed before the first pass (one extra no-grad forward)")
+    passes: int = Field(1, ge=1, description="optimisation passes over each batch (one optimizer step each)")
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="parameter dtype")
+    autocast: Literal["auto", "bf16", "none"] = Field(
+        "auto", description="bf16 autocast of the decoder; auto = on for CUDA, off on CPU (bf16 on CPU "
+        "is ~2.7x faster there but widens the rollout/learner logprob gap; see docs/learner.md)")
+    gradient_checkpointing: bool = Field(False, description="recompute activations in backward")
+    attn_implementation: str | None = Field(
+        None, description="set the model's attention kernel (sdpa, eager, flash_attention_2, ...); "
+        "flash kernels pack by position ids (varlen) instead of a mask")
+    ref_offload: bool = Field(False, description="keep the reference model on the CPU between steps")
+    lora: LoraConfig | None = Field(None, description="train LoRA adapters (peft) instead of all weights")
 
 
-def token_logprobs(model: torch.nn.Module, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor,
-                   temperature: float = 1.0) -> torch.Tensor:
-    """logprobs_BT[b, t] = log p(input_ids[b, t] | input_ids[b, :t]) at `temperature`; 0 at t = 0.
-
-    Temperature 0 (greedy sampling) scores with the plain distribution (T = 1).
-    """
-    logits = model(input_ids=input_ids_BT, attention_mask=attention_mask_BT).logits[:, :-1].float()
-    if temperature > 0 and temperature != 1.0:
-        logits = logits / temperature
-    targets = input_ids_BT[:, 1:].unsqueeze(-1)
-    lp = logits.gather(-1, targets).squeeze(-1) - torch.logsumexp(logits, dim=-1)  # [B, T-1]
-    return torch.cat([torch.zeros_like(lp[:, :1]), lp], dim=1)
+def _lr_lambda(cfg: LearnerConfig, total: int | None):
+    def f(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        if cfg.lr_schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps))
+        decay = 1 - progress if cfg.lr_schedule == "linear" else 0.5 * (1 + math.cos(math.pi * progress))
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * decay
+    return f
 
 
 class Learner:
-    """Owns the policy model and its optimizer.
+    """Owns the policy, its optimizer and schedule, and the reference when the loss needs one.
+
+    Args:
+        model: a transformers causal LM (fp32 weights are cast to `cfg.dtype`).
+        temperature: the rollout temperature; logprobs are computed at it.
+        pad_id: token id of row-tail padding (its value never reaches a loss).
+        total_steps: `train_step` calls of the run; needed by decaying LR schedules.
 
     Example:
         >>> learner = Learner(model, LearnerConfig(lr=1e-6), LossConfig(), temperature=1.0)
         >>> metrics = learner.train_step(trajectories, advantages)
+        >>> await sync.push(learner.export_model(), step)   # merged weights with LoRA
     """
 
     def __init__(self, model: torch.nn.Module, cfg: LearnerConfig, loss_cfg: LossConfig, *,
-                 temperature: float = 1.0, pad_id: int = 0, accelerator: Accelerator | None = None) -> None:
+                 temperature: float = 1.0, pad_id: int = 0, accelerator: Accelerator | None = None,
+                 total_steps: int | None = None) -> None:
+        if cfg.lr_schedule != "constant" and not total_steps:
+            raise ValueError(f"lr_schedule={cfg.lr_schedule!r} needs total_steps (the run's steps)")
         self.cfg, self.loss_cfg, self.temperature, self.pad_id = cfg, loss_cfg, temperature, pad_id
         self.accelerator = accelerator or Accelerator()
-        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(cfg.dtype)
-        if dtype is None:
-            raise ValueError(f"learner.dtype must be float32 or bfloat16, got {cfg.dtype!r}")
-        model = model.to(dtype)
-        # beta = 0 means no reference model at all (no memory, no forward passes).
-        self.ref_model = None
-        if loss_cfg.kl_coef > 0:
-            self.ref_model = copy.deepcopy(model).eval().requires_grad_(False).to(self.accelerator.device)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas,
-                                      weight_decay=cfg.weight_decay)
-        self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
+        device = self.accelerator.device
+        model = model.to(getattr(torch, cfg.dtype))
+        if cfg.attn_implementation:
+            model.set_attn_implementation(cfg.attn_implementation)
+        if cfg.gradient_checkpointing:
+            if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x's name
+                model.activation_checkpointing_enable({"use_reentrant": False})
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.flash = uses_flash(model)
+        self.packing: PackingMode = "packed" if self.flash and cfg.packing == "shared_prefix" else cfg.packing
+        bf16 = cfg.autocast == "bf16" or (cfg.autocast == "auto" and device.type == "cuda")
+        # kl_coef = 0 means no reference at all (no memory, no forward passes).
+        self.ref: PolicyForward | None = None
+        if loss_cfg.kl_coef > 0 and cfg.lora is None:
+            ref = PolicyForward(copy.deepcopy(model), autocast_bf16=bf16).eval().requires_grad_(False)
+            self.ref = ref.to("cpu" if cfg.ref_offload else device)
+        if cfg.lora is not None:
+            model = apply_lora(model, cfg.lora)
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, _lr_lambda(cfg, None if total_steps is None else total_steps * cfg.passes))
+        self.model, self.optimizer = self.accelerator.prepare(PolicyForward(model, autocast_bf16=bf16), optimizer)
         self.model.train()
         self.step = 0
 
     @property
     def unwrapped(self) -> torch.nn.Module:
-        return self.accelerator.unwrap_model(self.model)
+        """The trained model itself: the transformers model, or the peft model around it."""
+        return self.accelerator.unwrap_model(self.model).model
+
+    @property
+    def is_main(self) -> bool:
+        return self.accelerator.is_main_process
+
+    def export_model(self) -> torch.nn.Module:
+        """The model to hand to `WeightSync.push`: plain transformers names, LoRA merged in."""
+        return MergedModel(self.unwrapped) if self.cfg.lora else self.unwrapped
+
+    def export_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full weights under the base model's names (gathered under FSDP; adapters merged)."""
+        sd = {k.removeprefix("model."): v for k, v in self.accelerator.get_state_dict(self.model).items()}
+        if self.cfg.lora is None:
+            return sd
+        sd = {k.removeprefix("base_model.model."): v for k, v in sd.items()}
+        return merged_state_dict(self.unwrapped, sd)
+
+    # -- one step ----------------------------------------------------------------------------------
 
     def train_step(self, trajs: Sequence[Trajectory], advantages: Sequence[float]) -> dict[str, float]:
-        """One optimizer step on scorable trajectories (NaN advantages or rewards are skipped)."""
+        """Optimisation passes on the scorable trajectories of one step; returns metrics."""
         keep = [i for i, t in enumerate(trajs)
                 if t.num_sampled > 0 and math.isfinite(advantages[i]) and math.isfinite(t.reward)]
         trajs = [trajs[i] for i in keep]
@@ -100,66 +176,204 @@ class Learner:
         if not trajs:
             return {"loss": 0.0, "skipped": 1.0}
         t0 = time.perf_counter()
-        batches = make_micro_batches(trajs, advantages, self.cfg.micro_batch_tokens, self.pad_id)
-        num_tokens = sum(float(b.loss_mask_BT.sum()) for b in batches)
-        num_seqs = float(sum(t.num_sampled > 0 for t in trajs))
-        world = self.accelerator.num_processes
-        sums: dict[str, float] = {}
-        for mb in batches:
-            metrics = self._micro_step(mb.to(self.accelerator.device), num_tokens, num_seqs, world)
-            w = float(mb.loss_mask_BT.sum()) / max(num_tokens, 1.0)
-            for k, v in metrics.items():
-                sums[k] = sums.get(k, 0.0) + (v if k == "loss" else v * w)
-        grad_norm = self.accelerator.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        acc, device = self.accelerator, self.accelerator.device
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        num_tokens = float(sum(t.num_sampled for t in trajs))
+        num_seqs = float(len(trajs))
+        mine = shard(trajs, acc.process_index, acc.num_processes)
+        batches: list[TrainBatch | None] = [
+            b.to(device) for b in make_micro_batches(
+                [trajs[i] for i in mine], [advantages[i] for i in mine], self.cfg.micro_batch_tokens,
+                self.pad_id, mode=self.packing, one_row=self.flash)]
+        batches += [None] * (self._max_over_ranks(len(batches)) - len(batches))
+        olds, refs = self._score(batches)
+        passes: list[dict[str, float]] = []
+        for p in range(self.cfg.passes):
+            metrics = _Metrics()
+            for k, mb in enumerate(batches):
+                sync = k == len(batches) - 1  # gradients are all-reduced once per pass
+                with contextlib.nullcontext() if sync else acc.no_sync(self.model):
+                    m = self._micro_step(mb, olds[k], refs[k], num_tokens, num_seqs, first_pass=p == 0)
+                if mb is not None:
+                    metrics.add(m, float(mb.loss_mask_NL.sum()))
+            grad_norm = acc.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+            lr = self.scheduler.get_last_lr()[0]
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            passes.append(metrics.reduce(acc) | {"grad_norm": float(grad_norm), "lr": lr})
         self.step += 1
-        sums.update(grad_norm=float(grad_norm), lr=self.optimizer.param_groups[0]["lr"],
-                    train_tokens=float(sum(b.num_tokens for b in batches)),
-                    micro_batches=float(len(batches)), learner_s=time.perf_counter() - t0)
-        return sums
-
-    def _micro_step(self, mb: TrainBatch, num_tokens: float, num_seqs: float, world: int) -> dict[str, float]:
-        logprobs_BT = token_logprobs(self.model, mb.input_ids_BT, mb.attention_mask_BT, self.temperature)
-        ref_BT = None
-        if self.ref_model is not None:
-            with torch.no_grad():
-                ref_BT = token_logprobs(self.ref_model, mb.input_ids_BT, mb.attention_mask_BT, self.temperature)
-        old_BT = mb.rollout_logprobs_BT  # on-policy: the rollout's logprobs are the old policy's
-        loss, metrics = compute_loss(self.loss_cfg, logprobs_BT, old_BT, mb.advantages_B, mb.loss_mask_BT,
-                                     ref_logprobs_BT=ref_BT, num_tokens=num_tokens, num_seqs=num_seqs)
-        self.accelerator.backward(loss * world)
-        with torch.no_grad():
-            m = mb.loss_mask_BT.bool()
-            gap = (logprobs_BT.detach()[m] - old_BT[m]).abs()
-        out = {k: float(v) for k, v in metrics.items()}
-        out["loss"] = float(loss.detach())
-        if gap.numel():
-            out["logprob_gap_mean"] = float(gap.mean())
-            out["logprob_gap_max"] = float(gap.max())
+        out = _Metrics.over_passes(passes)
+        real = sum(b.num_real_tokens for b in batches if b is not None)
+        slots = sum(b.num_tokens for b in batches if b is not None)
+        out.update(train_tokens=float(sum(len(t.token_ids) for t in trajs)), packed_tokens=float(real),
+                   padding_frac=1 - real / max(slots, 1), micro_batches=float(len(batches)),
+                   learner_s=time.perf_counter() - t0, **self._peak_memory())
         return out
 
-    # -- checkpoints ----------------------------------------------------------------------------
+    def _score(self, batches: list[TrainBatch | None]) -> tuple[list, list]:
+        """No-grad pass: recomputed old logprobs and reference logprobs, [N, L] per micro-batch."""
+        olds: list[torch.Tensor | None] = [None] * len(batches)
+        refs: list[torch.Tensor | None] = [None] * len(batches)
+        recompute, kl = self.cfg.old_logprobs == "recompute", self.loss_cfg.kl_coef > 0
+        if not (recompute or kl):
+            return olds, refs
+        if self.ref is not None and self.cfg.ref_offload:
+            self.ref.to(self.accelerator.device)
+        with torch.no_grad():
+            for k, mb in enumerate(batches):
+                if recompute:
+                    olds[k] = self._forward_layout(self.model, mb)
+                if kl and self.ref is not None:
+                    refs[k] = self._forward_layout(self.ref, mb)
+                elif kl:  # LoRA: the reference is the base model, adapter off
+                    refs[k] = self._forward_layout(self.model, mb, disable_adapter=True)
+        if self.ref is not None and self.cfg.ref_offload:
+            self.ref.to("cpu")
+        return olds, refs
 
-    def state(self) -> dict[str, Any]:
-        return {"optimizer": self.optimizer.state_dict(), "step": self.step}
+    def _forward_layout(self, module, mb: TrainBatch | None, **kw) -> torch.Tensor | None:
+        lp_M, _ = module(mb or self._empty_batch(), self.temperature, **kw)
+        return None if mb is None else to_loss_layout(lp_M, mb)
+
+    def _micro_step(self, mb: TrainBatch | None, old_NL: torch.Tensor | None, ref_NL: torch.Tensor | None,
+                    num_tokens: float, num_seqs: float, *, first_pass: bool) -> dict[str, float]:
+        world = self.accelerator.num_processes
+        entropy_in_loss = self.loss_cfg.entropy_coef != 0
+        lp_M, ent_M = self.model(mb or self._empty_batch(), self.temperature, entropy_grad=entropy_in_loss)
+        if mb is None:  # this rank has no data left: a zero loss that still reaches every parameter
+            self.accelerator.backward(lp_M.sum() * 0.0)
+            return {}
+        lp_NL = to_loss_layout(lp_M, mb)
+        rollout_NL, mask_NL = mb.rollout_logprobs_NL, mb.loss_mask_NL
+        old_NL = rollout_NL if old_NL is None else old_NL
+        loss, metrics = compute_loss(
+            self.loss_cfg, lp_NL, old_NL, mb.advantages_N, mask_NL, ref_logprobs_BT=ref_NL,
+            entropy_BT=to_loss_layout(ent_M, mb) if entropy_in_loss else None,
+            rollout_logprobs_BT=rollout_NL if self.cfg.old_logprobs == "recompute" else None,
+            num_tokens=num_tokens, num_seqs=num_seqs)
+        self.accelerator.backward(loss * world)
+        with torch.no_grad():
+            m = mask_NL > 0
+            lp, old = lp_NL.detach()[m], old_NL[m]
+            ratio = torch.exp((lp - old).clamp(-20, 20))
+            out = dict(metrics, ratio_mean=float(ratio.mean()), ratio_min=float(ratio.min()),
+                       ratio_max=float(ratio.max()))
+            if not entropy_in_loss:
+                out["entropy"] = float(ent_M.detach().mean())
+            if first_pass:
+                gap = (lp - rollout_NL[m]).abs()
+                out.update(logprob_gap_mean=float(gap.mean()), logprob_gap_max=float(gap.max()))
+        return out
+
+    def _empty_batch(self) -> TrainBatch:
+        d = self.accelerator.device
+        empty = torch.zeros(0, dtype=torch.long, device=d)
+        two = torch.tensor([[0, 1]], device=d)
+        return TrainBatch(two * 0 + self.pad_id, two, two * 0, two * 0, empty, empty, empty,
+                          torch.zeros(0, 1, device=d), torch.zeros(0, 1, device=d),
+                          torch.zeros(0, device=d), [], needs_mask=False)
+
+    def _max_over_ranks(self, n: int) -> int:
+        if self.accelerator.num_processes == 1:
+            return n
+        t = torch.tensor([n], device=self.accelerator.device)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        return int(t.item())
+
+    def _peak_memory(self) -> dict[str, float]:
+        device = self.accelerator.device
+        if device.type == "cuda":
+            return {"mem/peak_gb": torch.cuda.max_memory_allocated(device) / 2**30}
+        # CPU: the process's peak resident size so far (Linux reports KiB); not reset per step.
+        return {"mem/rss_peak_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+
+    # -- checkpoints -------------------------------------------------------------------------------
 
     def save(self, directory: Path) -> None:
-        self.unwrapped.save_pretrained(directory, safe_serialization=True)
-        torch.save(self.state(), directory / "learner.pt")
+        """Model weights (or the LoRA adapter) as safetensors, and `learner.pt` (optimizer,
+        scheduler, step). Collective under FSDP (gathers the weights); rank 0 writes."""
+        sd = {k.removeprefix("model."): v for k, v in self.accelerator.get_state_dict(self.model).items()}
+        if not self.is_main:
+            return
+        self.unwrapped.save_pretrained(directory, state_dict=sd, safe_serialization=True)
+        torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                    "step": self.step}, directory / "learner.pt")
 
     def load(self, directory: Path) -> None:
-        from safetensors.torch import load_file
+        """Restore what `save` wrote; raises ValueError when it does not fit this model."""
+        if self.cfg.lora is not None:
+            load_adapter(self.unwrapped, directory)
+        else:
+            from safetensors.torch import load_file
 
-        weights = {}
-        for f in sorted(directory.glob("*.safetensors")):
-            weights.update(load_file(f))
-        missing, unexpected = self.unwrapped.load_state_dict(weights, strict=False)
-        # Tied embeddings (lm_head = embed_tokens) are saved once; anything else missing is corruption.
-        missing = [k for k in missing if k != "lm_head.weight"]
-        if missing or unexpected:
-            raise ValueError(f"checkpoint {directory} does not match the model: missing {missing[:5]}, "
-                             f"unexpected {unexpected[:5]}")
-        st = torch.load(directory / "learner.pt", weights_only=True)
+            weights: dict[str, Any] = {}
+            for f in sorted(directory.glob("*.safetensors")):
+                weights.update(load_file(f))
+            missing, unexpected = self.unwrapped.load_state_dict(weights, strict=False)
+            # Tied embeddings (lm_head = embed_tokens) are saved once; anything else missing is corruption.
+            missing = [k for k in missing if k != "lm_head.weight"]
+            if missing or unexpected:
+                raise ValueError(f"checkpoint {directory} does not match the model: missing {missing[:5]}, "
+                                 f"unexpected {unexpected[:5]}")
+        st = torch.load(directory / "learner.pt", weights_only=True, map_location=self.accelerator.device)
         self.optimizer.load_state_dict(st["optimizer"])
+        self.scheduler.load_state_dict(st["scheduler"])
         self.step = int(st["step"])
+
+
+class _Metrics:
+    """Micro-batch metrics -> step metrics: "*loss*" entries are shares of the step (summed),
+    `*_max` / `*_min` are extremes, the rest are means weighted by loss tokens (as loss.py says)."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = {}
+        self.weighted: dict[str, float] = {}
+        self.weight = 0.0
+        self.extremes: dict[str, float] = {}
+
+    def add(self, m: dict[str, float], weight: float) -> None:
+        self.weight += weight
+        for k, v in m.items():
+            if "loss" in k:
+                self.sums[k] = self.sums.get(k, 0.0) + v
+            elif k.endswith(("_max", "max_abs_diff")):
+                self.extremes[k] = max(self.extremes.get(k, -math.inf), v)
+            elif k.endswith("_min"):
+                self.extremes[k] = min(self.extremes.get(k, math.inf), v)
+            else:
+                self.weighted[k] = self.weighted.get(k, 0.0) + v * weight
+
+    def reduce(self, acc: Accelerator) -> dict[str, float]:
+        parts = [self]
+        if acc.num_processes > 1:
+            from accelerate.utils import gather_object
+
+            parts = gather_object([self])
+        total = _Metrics()
+        for p in parts:
+            total.weight += p.weight
+            for k, v in p.sums.items():
+                total.sums[k] = total.sums.get(k, 0.0) + v
+            for k, v in p.weighted.items():
+                total.weighted[k] = total.weighted.get(k, 0.0) + v
+            for k, v in p.extremes.items():
+                pick = min if k.endswith("_min") else max
+                total.extremes[k] = pick(total.extremes.get(k, v), v)
+        means = {k: v / max(total.weight, 1.0) for k, v in total.weighted.items()}
+        return total.sums | means | total.extremes
+
+    @staticmethod
+    def over_passes(passes: list[dict[str, float]]) -> dict[str, float]:
+        """Means over passes (extremes: extremes), and per-pass ratio/clip metrics when there are several."""
+        out: dict[str, float] = {}
+        for k in passes[0]:
+            vals = [p[k] for p in passes if k in p]
+            out[k] = max(vals) if k.endswith(("_max", "max_abs_diff")) else (
+                min(vals) if k.endswith("_min") else sum(vals) / len(vals))
+        if len(passes) > 1:
+            for i, p in enumerate(passes, 1):
+                out.update({f"pass{i}/{k}": p[k] for k in ("loss", "clipfrac", "ppo_kl", "ratio_mean",
+                                                           "ratio_max") if k in p})
+        return out

@@ -142,7 +142,8 @@ def train(cfg: RunConfig) -> Path:
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     context_len = getattr(model.config, "max_position_embeddings", None)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else chat.end_of_turn_id
-    learner = Learner(model, cfg.learner, cfg.loss, temperature=cfg.rollout.temperature, pad_id=pad_id)
+    learner = Learner(model, cfg.learner, cfg.loss, temperature=cfg.rollout.temperature, pad_id=pad_id,
+                      total_steps=cfg.train.steps)
     engine = build_engine(cfg, model_path, tokenizer)
     sync = WeightSync(engine, cfg.weight_sync)
     env_cls = get_env_class(cfg.env.name)
@@ -154,15 +155,18 @@ def train(cfg: RunConfig) -> Path:
     loop = asyncio.new_event_loop()  # one loop for the run: engine clients and workers live on it
 
     ckpt_root, start = run_dir / "checkpoints", 0
-    if (found := checkpoint.latest(ckpt_root)) is not None:
+    if (found := checkpoint.restore(ckpt_root, learner.load)) is not None:  # damaged ones: skipped
         ckpt_dir, manifest = found
-        learner.load(ckpt_dir)
         start, stream.position = int(manifest["step"]), int(manifest["data_position"])
         checkpoint.set_rng_state(manifest["rng"])
-        loop.run_until_complete(sync.push(learner.unwrapped, start))
+        loop.run_until_complete(sync.push(learner.export_model(), start))
         print(f"resumed from {ckpt_dir} at step {start}", flush=True)
 
+    saved = done = start
+
     def save(step: int) -> None:
+        nonlocal saved
+        saved = step
         checkpoint.save(ckpt_root, step, learner.save,
                         {"data_position": stream.position, "weight_version": str(step),
                          "rng": checkpoint.rng_state()}, keep=cfg.train.keep_checkpoints)
@@ -172,6 +176,7 @@ def train(cfg: RunConfig) -> Path:
                         rollouts_per_step=cfg.rollout.tasks_per_step * cfg.rollout.group_size)
     eval_tasks = (list(env_cls.load_tasks(cfg.eval.split, seed=cfg.seed, **cfg.env.tasks))[: cfg.eval.num_tasks]
                   if cfg.eval.every else [])
+    stop = checkpoint.StopRequested().install()  # SIGTERM/SIGINT: checkpoint after this step, exit
     try:
         for step in range(start, cfg.train.steps):
             t0 = time.perf_counter()
@@ -188,7 +193,7 @@ def train(cfg: RunConfig) -> Path:
             progress.phase("train")
             metrics.update(learner.train_step(trajs, advantages_B.tolist()))
             progress.phase("sync")
-            loop.run_until_complete(sync.push(learner.unwrapped, step + 1))
+            loop.run_until_complete(sync.push(learner.export_model(), step + 1))
             metrics.update(step_metrics(groups), **rollout_metrics(groups), rollout_s=t_rollout,
                            step_s=time.perf_counter() - t0)
             metrics["tokens_per_s"] = metrics.get("sampled_tokens", 0.0) / max(t_rollout, 1e-9)
@@ -201,14 +206,18 @@ def train(cfg: RunConfig) -> Path:
             metrics.update({f"phase_s/{k}": v for k, v in progress.phase_times().items()})
             logger.log_step(step + 1, metrics)
             logger.log_groups(step + 1, groups)
-            if cfg.train.save_every and (step + 1) % cfg.train.save_every == 0:
+            done = step + 1
+            if stop or (cfg.train.save_every and done % cfg.train.save_every == 0):
                 progress.phase("checkpoint")
-                save(step + 1)
-            progress.step_done(step + 1, metrics)
-        if cfg.train.steps > start:
+                save(done)
+            progress.step_done(done, metrics)
+            if stop:
+                break
+        if done > saved:  # at exit: the last finished step
             progress.phase("checkpoint")
-            save(cfg.train.steps)
+            save(done)
     finally:
+        stop.uninstall()
         progress.close()
         logger.close()
         loop.run_until_complete(sync.close())

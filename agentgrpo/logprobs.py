@@ -1,0 +1,132 @@
+"""Token logprobs of packed micro-batches, with the LM head run only where a loss needs it.
+
+`PolicyForward` wraps a causal LM (a transformers `*ForCausalLM` or a peft model around one) so that
+one `forward` call returns the logprobs of a micro-batch's loss tokens. It is the module accelerate
+prepares (DDP/FSDP wrap it), so gradient synchronisation hooks see every forward.
+
+Why not `model(...).logits`: the LM head maps every position to the vocabulary (V = 49k for SmolLM2,
+152k for Qwen), yet a GRPO loss needs the logprob of the next token at loss positions only (the
+responses: a minority of the tokens of a tool-use trajectory whose prompt holds the tool schema).
+Here the decoder runs on all packed tokens, then the head runs on the M hidden states that predict a
+loss token: exactly the same numbers, a fraction of the head's FLOPs and of the [*, V] memory.
+
+Precision: under autocast the decoder runs in bf16, but the head and the log-softmax run with
+autocast off, in the head's parameter dtype (fp32 unless the parameters were cast), then in fp32,
+so the only bf16 rounding is in the hidden states.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+
+import torch
+
+from agentgrpo.batch import TrainBatch
+
+
+def causal_lm(model: torch.nn.Module) -> torch.nn.Module:
+    """The `*ForCausalLM` inside `model` (itself, or the base model of a peft wrapper)."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if get_base is not None else model
+
+
+def attn_implementation(model: torch.nn.Module) -> str:
+    return str(getattr(causal_lm(model).config, "_attn_implementation", "eager") or "eager")
+
+
+def uses_flash(model: torch.nn.Module) -> bool:
+    """True for flash-attention kernels, which take no 4D mask but pack by position ids (varlen)."""
+    return "flash" in attn_implementation(model)
+
+
+class PolicyForward(torch.nn.Module):
+    """`forward(batch, temperature)` -> (logprobs_M, entropy_M) of the batch's loss tokens.
+
+    `logprobs_M[m] = log softmax(head(h[pred_index_M[m]]) / T)[target_ids_M[m]]`; temperature 0 (greedy
+    rollouts) scores with T = 1, as the engines report. `entropy_M` is the entropy of the same
+    distribution (always returned: it costs an elementwise pass over [M, V], small next to the
+    head's matmul; it carries a gradient only with `entropy_grad=True`).
+    `disable_adapter=True` runs a peft model's base weights (the LoRA reference).
+    """
+
+    def __init__(self, model: torch.nn.Module, *, autocast_bf16: bool = False) -> None:
+        super().__init__()
+        lm = causal_lm(model)
+        if getattr(lm.config, "final_logit_softcapping", None) or getattr(lm.config, "logit_scale", None):
+            raise ValueError("models whose head does more than lm_head(h) (logit soft-capping or "
+                             "scaling) are not supported by the head-only logprob path")
+        self.model = model
+        self.autocast_bf16 = autocast_bf16
+        # accelerate's FSDP auto-wrap policy reads this to find the transformer blocks.
+        self._no_split_modules = getattr(lm, "_no_split_modules", None)
+
+    def forward(self, batch: TrainBatch, temperature: float = 1.0, *, disable_adapter: bool = False,
+                entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        lm = causal_lm(self.model)
+        decoder, head = lm.get_decoder(), lm.get_output_embeddings()
+        device = batch.input_ids_BT.device
+        off = self.model.disable_adapter() if disable_adapter else contextlib.nullcontext()
+        amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.autocast_bf16)
+        with off:
+            with amp:
+                hidden_BTH = decoder(input_ids=batch.input_ids_BT, position_ids=batch.position_ids_BT,
+                                     attention_mask=_mask_for(lm, batch, self.autocast_bf16), use_cache=False).last_hidden_state
+            with torch.autocast(device.type, enabled=False):
+                h_MH = hidden_BTH.flatten(0, 1)[batch.pred_index_M]
+                logits_MV = head(h_MH.to(head.weight.dtype)).float()
+        if temperature > 0 and temperature != 1.0:
+            logits_MV = logits_MV / temperature
+        logz_M = torch.logsumexp(logits_MV, dim=-1)
+        logprobs_M = logits_MV.gather(-1, batch.target_ids_M[:, None])[:, 0] - logz_M
+        # Without its gradient the entropy is a metric: no [M, V] softmax is kept for backward.
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            probs_MV = torch.softmax(logits_MV, dim=-1)
+            entropy_M = logz_M - (probs_MV * logits_MV).sum(-1)
+        return logprobs_M, entropy_M
+
+
+def _mask_for(lm: torch.nn.Module, batch: TrainBatch, bf16: bool) -> torch.Tensor | None:
+    mask_B1TT = batch.attention_mask_B1TT()
+    if mask_B1TT is None:
+        return None
+    impl = attn_implementation(lm)
+    if "flash" in impl:
+        raise ValueError("flash attention takes no 4D mask: build micro-batches with one_row=True")
+    if impl == "eager":  # eager adds the mask to the scores
+        dtype = torch.bfloat16 if bf16 else next(lm.parameters()).dtype
+        return torch.zeros(mask_B1TT.shape, dtype=dtype, device=mask_B1TT.device).masked_fill(
+            ~mask_B1TT, torch.finfo(dtype).min)
+    return mask_B1TT
+
+
+def to_loss_layout(values_M: torch.Tensor, batch: TrainBatch) -> torch.Tensor:
+    """[M] values of the loss tokens -> [N, L] in the batch's loss layout (0 elsewhere); keeps grad."""
+    N, L = batch.loss_mask_NL.shape
+    out = values_M.new_zeros(N * L).index_put((batch.dest_index_M,), values_M)
+    return out.view(N, L)
+
+
+def token_logprobs(model: torch.nn.Module, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor,
+                   temperature: float = 1.0) -> torch.Tensor:
+    """Reference implementation on a right-padded batch: logprobs_BT[b, t] = log p(input_ids[b, t] |
+    input_ids[b, :t]) at `temperature` from the full logits; 0 at t = 0. Used by tests and benchmarks
+    to check the packed, head-only path."""
+    logits = model(input_ids=input_ids_BT, attention_mask=attention_mask_BT).logits[:, :-1].float()
+    if temperature > 0 and temperature != 1.0:
+        logits = logits / temperature
+    targets = input_ids_BT[:, 1:].unsqueeze(-1)
+    lp = logits.gather(-1, targets).squeeze(-1) - torch.logsumexp(logits, dim=-1)  # [B, T-1]
+    return torch.cat([torch.zeros_like(lp[:, :1]), lp], dim=1)
+
+
+def sequence_logprobs(model: torch.nn.Module, seqs: Sequence[Sequence[int]],
+                      temperature: float = 1.0) -> list[list[float]]:
+    """Per-sequence reference: each sequence alone, full logits; entry j = logprob of token j (0 at 0)."""
+    out = []
+    with torch.no_grad():
+        for s in seqs:
+            ids = torch.tensor([list(s)])
+            out.append(token_logprobs(model, ids, torch.ones_like(ids), temperature)[0].tolist())
+    return out
+

@@ -1,0 +1,118 @@
+"""LoRA through peft: adapters on the policy, the base weights as the reference, merged weights out.
+
+- `apply_lora(model, cfg)` wraps a transformers causal LM in a peft `PeftModel`; only the adapter
+  trains (the optimizer sees only trainable parameters).
+- The KL reference is the same model with the adapter disabled (`PolicyForward(...,
+  disable_adapter=True)`): no second copy of the weights in memory.
+- Engines (SGLang, `LocalEngine`) load plain checkpoints, so weight sync pushes *merged* weights
+  under the base model's names: `merged_state_dict` computes W + scaling * B @ A out of place (the
+  training weights are never merged and unmerged, which would drift them by float rounding), and
+  `MergedModel` presents them to `WeightSync` as an ordinary model.
+- Checkpoints hold the adapter only (`save_adapter` / `load_adapter`); the base comes from
+  `model.path` when the run resumes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class LoraConfig(BaseModel):
+    """LoRA adapter of the policy (peft). Set `learner.lora` to train adapters instead of all weights."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    r: int = Field(16, ge=1, description="adapter rank")
+    alpha: float = Field(32.0, gt=0, description="scaling numerator: delta W = alpha / r * B @ A")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapter input (0: exact "
+                           "old logprobs recomputation and a deterministic reference)")
+    target_modules: list[str] | str = Field(
+        "all-linear", description="module names to adapt, or 'all-linear' (every linear layer but the head)")
+
+
+def apply_lora(model: torch.nn.Module, cfg: LoraConfig) -> torch.nn.Module:
+    """`model` with LoRA adapters (a peft `PeftModel`); base weights frozen."""
+    try:
+        import peft
+    except ImportError as e:  # optional dependency: say which extra brings it
+        raise ImportError("learner.lora needs peft: pip install 'agentgrpo[lora]'") from e
+    pcfg = peft.LoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
+                           target_modules=cfg.target_modules, task_type="CAUSAL_LM")
+    return peft.get_peft_model(model, pcfg)
+
+
+def _lora_layers(peft_model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    from peft.tuners.lora import LoraLayer
+
+    base = peft_model.get_base_model()
+    return {name: m for name, m in base.named_modules() if isinstance(m, LoraLayer)}
+
+
+def merged_state_dict(peft_model: torch.nn.Module, state_dict: dict[str, torch.Tensor] | None = None
+                      ) -> dict[str, torch.Tensor]:
+    """The base model's state dict (its own parameter names) with every adapter merged in.
+
+    `state_dict` is the peft base model's state dict (names with `.base_layer.` and `lora_A/B`); by
+    default it is read from `peft_model`. Pass a gathered one under FSDP.
+    """
+    sd = state_dict if state_dict is not None else peft_model.get_base_model().state_dict()
+    adapter = peft_model.active_adapter
+    out: dict[str, torch.Tensor] = {}
+    for name, layer in _lora_layers(peft_model).items():
+        if not isinstance(layer.get_base_layer(), torch.nn.Linear):
+            raise ValueError(f"{name}: only LoRA on nn.Linear layers can be merged for weight sync")
+        w = sd[f"{name}.base_layer.weight"]
+        a = sd[f"{name}.lora_A.{adapter}.weight"].to(torch.float32)
+        b = sd[f"{name}.lora_B.{adapter}.weight"].to(torch.float32)
+        if getattr(layer, "fan_in_fan_out", False):
+            raise ValueError(f"{name}: fan_in_fan_out (Conv1D) layers are not supported")
+        delta = (b @ a) * layer.scaling[adapter]
+        out[f"{name}.weight"] = (w.to(torch.float32) + delta).to(w.dtype)
+    for key, t in sd.items():
+        if "lora_" in key or ".base_layer.weight" in key:
+            continue
+        out[key.replace(".base_layer.", ".")] = t
+    return out
+
+
+class MergedModel(torch.nn.Module):
+    """A LoRA policy as `WeightSync` needs it: `forward` runs the adapted model (numerically the
+    merged one), `state_dict()` / `save_pretrained()` give merged weights under the base names."""
+
+    def __init__(self, peft_model: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = peft_model
+        self.config = peft_model.get_base_model().config
+
+    def forward(self, *args, **kwargs):
+        return self.inner(*args, **kwargs)
+
+    def state_dict(self, *args, **kwargs) -> dict[str, torch.Tensor]:  # type: ignore[override]
+        return merged_state_dict(self.inner)
+
+    def save_pretrained(self, directory: str | Path, state_dict: dict[str, torch.Tensor] | None = None,
+                        **kwargs) -> None:
+        self.inner.get_base_model().save_pretrained(
+            directory, state_dict=state_dict if state_dict is not None else self.state_dict(), **kwargs)
+
+
+def save_adapter(peft_model: torch.nn.Module, directory: Path,
+                 state_dict: dict[str, torch.Tensor] | None = None) -> None:
+    """adapter_model.safetensors + adapter_config.json (peft's layout)."""
+    peft_model.save_pretrained(directory, state_dict=state_dict, safe_serialization=True)
+
+
+def load_adapter(peft_model: torch.nn.Module, directory: Path) -> None:
+    """Load adapter weights saved by `save_adapter`; raises if a tensor is missing."""
+    from peft.utils import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    weights = load_file(directory / "adapter_model.safetensors")
+    result = set_peft_model_state_dict(peft_model, weights)
+    missing = [k for k in result.missing_keys if "lora_" in k]
+    if missing or result.unexpected_keys:
+        raise ValueError(f"adapter in {directory} does not match the model: missing {missing[:5]}, "
+                         f"unexpected {list(result.unexpected_keys)[:5]}")

@@ -1,0 +1,172 @@
+"""GPU benchmark of the learner step (H200): tokens/s, MFU, packed vs padded, shared prompts, peak
+memory; every number a ratio against a baseline measured in the same run.
+
+Model: a random-initialised Qwen2-style network of ~0.5B parameters (Qwen2.5-0.5B's shape: hidden
+896, 24 layers, 14 heads / 2 KV, MLP 4864, vocab 151936, tied embeddings), so nothing is downloaded.
+fp32 master weights with bf16 autocast (the learner's default on CUDA), sdpa attention (packed rows
+use a 4D block mask; `--attn flash_attention_2` uses varlen packing when flash-attn is installed).
+
+Variants, each timed over interleaved repeats after a warm-up step:
+  - learner, packed        learner.train_step, packing=packed
+  - learner, padded        packing=padded (one trajectory per row, rows of similar length)
+  - learner, shared_prefix the default (a group's prompt computed once), on the GRPO-shaped batch
+  - bare fwd+bwd           the same packed micro-batches through the same head-only forward,
+                           -sum(logprob) backward and an AdamW step: the learner's overhead baseline
+
+MFU counts useful FLOPs only: 6 x body parameters per real token, 6 x head parameters per loss token
+(the head runs only there), and causal attention 6 x layers x hidden x (context / 2) x 2 per token,
+against the H200's dense bf16 peak (989 TFLOP/s; override with --peak-tflops).
+
+    python bench/learner_gpu.py                      # on the GPU machine
+    python bench/learner_gpu.py --tiny --device cpu  # smoke test of the script itself
+Writes the results as JSON to $OUT/learner_gpu.json when $OUT is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+from functools import partial
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from agentgrpo.batch import make_micro_batches  # noqa: E402
+from agentgrpo.learner import Learner, LearnerConfig  # noqa: E402
+from agentgrpo.loss import LossConfig  # noqa: E402
+from bench.learner import Bare, advantages, grpo_batch, spread_batch  # noqa: E402
+
+
+def qwen2_shaped(tiny: bool, attn: str):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    if tiny:
+        cfg = Qwen2Config(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                          max_position_embeddings=4096, attn_implementation=attn)
+    else:
+        cfg = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                          num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True,
+                          max_position_embeddings=32768, rope_theta=1e6, attn_implementation=attn)
+    return Qwen2ForCausalLM(cfg)
+
+
+def useful_flops(model, trajs) -> float:
+    cfg = model.config
+    head = cfg.vocab_size * cfg.hidden_size
+    body = sum(p.numel() for p in model.parameters()) - head  # tied: the embedding is the head
+    tokens = sum(len(t.token_ids) for t in trajs)
+    loss_tokens = sum(sum(t.loss_mask) for t in trajs)
+    attn = sum(12 * cfg.num_hidden_layers * cfg.hidden_size * (n * (n + 1) / 2)
+               for n in (len(t.token_ids) for t in trajs))
+    return 6 * body * tokens + 6 * head * loss_tokens + attn
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def measure(named: dict, repeats: int, device: str) -> dict[str, dict[str, float]]:
+    """Seconds per step (median of interleaved repeats) and the step's transient peak memory: the
+    peak during the step above what was allocated before it (weights, gradients and optimizer state
+    of every variant stay resident: 16 bytes per trained parameter each)."""
+    out: dict[str, dict[str, float]] = {}
+    times: dict[str, list[float]] = {k: [] for k in named}
+    for k, fn in named.items():  # warm-up (kernels, allocator) and peak memory, one variant at a time
+        before = 0
+        if device == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+        fn()
+        sync(device)
+        peak = (torch.cuda.max_memory_allocated() - before) / 2**30 if device == "cuda" else float("nan")
+        out[k] = {"step_peak_gb": peak}
+    for _ in range(repeats):
+        for k, fn in named.items():
+            sync(device)
+            t0 = time.perf_counter()
+            fn()
+            sync(device)
+            times[k].append(time.perf_counter() - t0)
+    for k, v in times.items():
+        out[k]["s"] = statistics.median(v)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tiny", action="store_true", help="a tiny config (smoke test on a CPU)")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--attn", default="sdpa")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--budget", type=int, default=16384, help="learner.micro_batch_tokens")
+    p.add_argument("--trajectories", type=int, default=128, help="length-spread batch size")
+    p.add_argument("--max-len", type=int, default=2048, help="length spread: 32..max-len tokens")
+    p.add_argument("--groups", type=int, default=32, help="GRPO-shaped batch: groups of 8")
+    p.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the GPU")
+    args = p.parse_args()
+    if args.tiny:
+        args.trajectories, args.max_len, args.groups, args.budget = 8, 200, 2, 1024
+    dev = args.device
+    model = qwen2_shaped(args.tiny, args.attn)
+    vocab = model.config.vocab_size
+    n_params = sum(p.numel() for p in model.parameters())
+    name = torch.cuda.get_device_name() if dev == "cuda" else "cpu"
+    print(f"{name}; Qwen2-shaped {n_params / 1e6:.0f}M params; attn {args.attn}; fp32 weights + bf16 "
+          f"autocast; micro_batch_tokens {args.budget}; {args.repeats} repeats", flush=True)
+
+    def learner(**kw) -> Learner:
+        cfg = LearnerConfig(lr=1e-6, micro_batch_tokens=args.budget, autocast="bf16", **kw)
+        return Learner(copy.deepcopy(model), cfg, LossConfig())
+
+    results: dict[str, object] = {"date": datetime.date.today().isoformat(), "device": name,
+                                  "params_M": n_params / 1e6, "attn": args.attn, "budget": args.budget}
+    spread = spread_batch(args.trajectories, 32, args.max_len, vocab=vocab)
+    grpo = grpo_batch(args.groups, 8, vocab=vocab)
+    for label, trajs, variants in (
+        ("spread", spread, {"learner packed": {"packing": "packed"}, "learner padded": {"packing": "padded"}}),
+        ("grpo", grpo, {"learner packed": {"packing": "packed"}, "learner shared_prefix": {}}),
+    ):
+        adv = advantages(trajs)
+        named = {k: partial(learner(**kw).train_step, trajs, adv) for k, kw in variants.items()}
+        bare = Bare(copy.deepcopy(model).to(dev), True, args.budget, autocast=True, device=dev)
+        named["bare fwd+bwd"] = partial(bare.step, trajs)
+        if dev == "cuda":
+            torch.cuda.empty_cache()
+        r = measure(named, args.repeats, dev)
+        tokens = sum(len(t.token_ids) for t in trajs)
+        flops = useful_flops(model, trajs)
+        mbs = {m: make_micro_batches(trajs, adv, args.budget, mode=m) for m in ("padded", "packed")}
+        waste = {m: 1 - tokens / sum(mb.num_tokens for mb in v) for m, v in mbs.items()}
+        print(f"\n{label}: {len(trajs)} trajectories, {tokens} tokens; padding waste padded "
+              f"{waste['padded']:.1%}, packed {waste['packed']:.1%}")
+        for k, v in r.items():
+            v["tok_s"] = tokens / v["s"]
+            v["mfu"] = flops / v["s"] / (args.peak_tflops * 1e12)
+            print(f"  {k:22s} {v['s']:7.3f} s  {v['tok_s']:9.0f} tok/s  MFU {v['mfu']:6.1%}  "
+                  f"step peak {v['step_peak_gb']:6.1f} GB")
+        ratios = {"learner/bare": r["learner packed"]["s"] / r["bare fwd+bwd"]["s"]}
+        if "learner padded" in r:
+            ratios["packed speed-up over padded"] = r["learner padded"]["s"] / r["learner packed"]["s"]
+        if "learner shared_prefix" in r:
+            ratios["shared_prefix speed-up over packed"] = r["learner packed"]["s"] / r["learner shared_prefix"]["s"]
+        for k, v in ratios.items():
+            print(f"  {k}: {v:.3f}x")
+        results[label] = {"variants": r, "ratios": ratios, "padding_waste": waste, "tokens": tokens}
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "learner_gpu.json"), "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,140 @@
+"""Packing: packed, head-only logprobs equal per-sequence logprobs; layouts, budgets and shards."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from agentgrpo.batch import make_micro_batches, shard
+from agentgrpo.logprobs import PolicyForward, sequence_logprobs, to_loss_layout
+from agentgrpo.types import StopReason, Trajectory
+from tests.tiny import groups_of_trajectories, tiny_llama, traj
+
+
+def packed_logprobs(model, batches, temperature):
+    """trajectory index -> {token position: logprob} from the packed, head-only path."""
+    pf = PolicyForward(model)
+    out: dict[int, dict[int, float]] = {}
+    with torch.no_grad():
+        for mb in batches:
+            lp_NL = to_loss_layout(pf(mb, temperature)[0], mb)
+            for n, i in enumerate(mb.rows):
+                out[i] = {"lp_NL": lp_NL[n], "mask_NL": mb.loss_mask_NL[n],
+                          "rollout_NL": mb.rollout_logprobs_NL[n]}
+    return out
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("mode", ["padded", "packed", "shared_prefix"])
+@pytest.mark.parametrize("budget", [40, 4096])
+def test_packed_logprobs_equal_per_sequence_logprobs(attn, mode, budget):
+    model = tiny_llama(attn)
+    trajs = groups_of_trajectories()
+    ref = sequence_logprobs(model, [t.token_ids for t in trajs], temperature=0.7)
+    got = packed_logprobs(model, make_micro_batches(trajs, [0.0] * len(trajs), budget, mode=mode), 0.7)
+    assert sorted(got) == list(range(len(trajs)))  # every trajectory exactly once
+    for i, t in enumerate(trajs):
+        first = t.loss_mask.index(1)
+        loss_pos = [j for j, m in enumerate(t.loss_mask) if m]
+        lp_NL, mask_NL, rollout_NL = got[i]["lp_NL"], got[i]["mask_NL"], got[i]["rollout_NL"]
+        for j in loss_pos:
+            assert lp_NL[j - first].item() == pytest.approx(ref[i][j], abs=2e-5)
+            assert rollout_NL[j - first].item() == t.logprobs[j]
+        assert mask_NL.sum().item() == len(loss_pos)  # tool tokens inside the span stay masked
+
+
+def test_one_row_packing_without_a_mask_is_exact_with_position_ids():
+    # The flash-attention layout (one row, positions reset, no mask); under sdpa transformers derives
+    # the block-diagonal mask from the position ids, so this checks the layout on a CPU.
+    model = tiny_llama("sdpa")
+    trajs = groups_of_trajectories(seed=1)
+    batches = make_micro_batches(trajs, [0.0] * len(trajs), 150, mode="packed", one_row=True)
+    assert all(mb.input_ids_BT.shape[0] == 1 and mb.attention_mask_B1TT() is None for mb in batches)
+    ref = sequence_logprobs(model, [t.token_ids for t in trajs])
+    got = packed_logprobs(model, batches, 1.0)
+    for i, t in enumerate(trajs):
+        first = t.loss_mask.index(1)
+        for j in (j for j, m in enumerate(t.loss_mask) if m):
+            assert got[i]["lp_NL"][j - first].item() == pytest.approx(ref[i][j], abs=2e-5)
+
+
+def test_shared_prefix_layout_by_hand():
+    # Two members share [1, 2, 3]; their own tokens are [4, 5] and [6], laid out shortest first:
+    # row = 1 2 3 | 6 | 4 5, each continuation's positions continuing after the prefix.
+    a = traj([1, 2, 3, 4, 5], [0, 0, 1, 1, 1], group="x")
+    b = traj([1, 2, 3, 6], [0, 0, 0, 1], group="x")
+    (mb,) = make_micro_batches([a, b], [1.0, -1.0], 64, mode="shared_prefix")
+    assert mb.input_ids_BT.tolist() == [[1, 2, 3, 6, 4, 5]]
+    assert mb.position_ids_BT.tolist() == [[0, 1, 2, 3, 3, 4]]
+    assert mb.num_real_tokens == 6  # 5 + 4 tokens unshared
+    allowed = mb.attention_mask_B1TT()[0, 0].int().tolist()
+    assert allowed == [[1, 0, 0, 0, 0, 0],
+                       [1, 1, 0, 0, 0, 0],
+                       [1, 1, 1, 0, 0, 0],
+                       [1, 1, 1, 1, 0, 0],
+                       [1, 1, 1, 0, 1, 0],   # 4 sees the prefix and itself, not 6
+                       [1, 1, 1, 0, 1, 1]]
+    # b (n=0): token 6 is predicted at row position 2. a (n=1): tokens 3, 4, 5 at positions 1, 2
+    # (both in the prefix) and 4 (a's own 4).
+    assert mb.rows == [1, 0] and mb.advantages_N.tolist() == [-1.0, 1.0]
+    assert mb.pred_index_M.tolist() == [2, 1, 2, 4]
+    assert mb.target_ids_M.tolist() == [6, 3, 4, 5]
+    assert mb.loss_mask_NL.tolist() == [[1, 0, 0], [1, 1, 1]]
+
+
+def test_packed_rows_never_attend_across_sequences():
+    a = traj([1, 2, 3], [0, 1, 1], group="a")
+    b = traj([4, 5], [0, 1], group="b")
+    (mb,) = make_micro_batches([a, b], [0.0, 0.0], 64, mode="packed")
+    assert mb.input_ids_BT.tolist() == [[1, 2, 3], [4, 5, 0]]  # rows as long as the longest unit
+    assert mb.position_ids_BT[1, :2].tolist() == [0, 1]
+    m = mb.attention_mask_B1TT()[:, 0].int().tolist()
+    assert m[1] == [[1, 0, 0], [1, 1, 0], [0, 0, 1]]  # the row-tail pad sees only itself
+
+
+def test_budgets_padding_and_counts():
+    trajs = groups_of_trajectories(n_groups=6, size=8, seed=3)
+    total_loss = sum(sum(t.loss_mask) for t in trajs)
+    for mode in ("padded", "packed", "shared_prefix"):
+        batches = make_micro_batches(trajs, [0.0] * len(trajs), 256, mode=mode)
+        longest = max(len(t.token_ids) for t in trajs)
+        assert all(mb.num_tokens <= max(256, longest * 8 + 20) for mb in batches)
+        assert sum(float(mb.loss_mask_NL.sum()) for mb in batches) == total_loss
+        assert sorted(i for mb in batches for i in mb.rows) == list(range(len(trajs)))
+        if mode != "shared_prefix":
+            assert all(mb.num_tokens <= 256 for mb in batches)
+    real = {m: sum(mb.num_real_tokens for mb in make_micro_batches(trajs, [0.0] * 48, 256, mode=m))
+            for m in ("packed", "shared_prefix")}
+    assert real["packed"] == sum(len(t.token_ids) for t in trajs)
+    assert real["shared_prefix"] < real["packed"]
+
+
+def test_a_group_longer_than_the_budget_is_split_with_its_prefix():
+    prompt = list(range(1, 11))
+    trajs = [traj(prompt + [20 + k] * 10, [0] * 10 + [1] * 10, group="g") for k in range(4)]
+    batches = make_micro_batches(trajs, [0.0] * 4, 45, mode="shared_prefix")
+    # prefix 10 + 3 x 10 = 40 fits, the fourth member gets a copy of the prefix in another unit.
+    assert sorted(mb.num_real_tokens for mb in batches) == [20, 40]
+
+
+def test_bad_input_is_rejected():
+    with pytest.raises(ValueError, match="token 0"):
+        make_micro_batches([Trajectory("t", [1, 2], [1, 1], [-1.0, -1.0], 0, [], StopReason.COMPLETED)],
+                           [0.0], 64)
+    with pytest.raises(ValueError, match="shared prefix"):
+        make_micro_batches([traj([1, 2], [0, 1])], [0.0], 64, mode="shared_prefix", one_row=True)
+    with pytest.raises(ValueError, match="advantages"):
+        make_micro_batches([traj([1, 2], [0, 1])], [], 64)
+
+
+def test_shard_keeps_groups_together_and_covers_everything():
+    trajs = groups_of_trajectories(n_groups=5, size=3, seed=2)
+    parts = [shard(trajs, r, 2) for r in range(2)]
+    assert sorted(parts[0] + parts[1]) == list(range(15)) and not set(parts[0]) & set(parts[1])
+    for p in parts:
+        groups = {trajs[i].group_id for i in p}
+        assert sum(1 for t in trajs if t.group_id in groups) == len(p)  # whole groups only
+    assert shard(trajs, 0, 2) == parts[0]  # deterministic
+    # fewer groups than ranks: trajectories are dealt one by one
+    one = groups_of_trajectories(n_groups=1, size=3)
+    assert sorted(shard(one, 0, 2) + shard(one, 1, 2)) == [0, 1, 2] and shard(one, 1, 2)

@@ -1,0 +1,222 @@
+"""Checkpoints: atomic, verified, the previous one used when the newest is damaged; a run killed
+after its step-2 checkpoint and resumed equals an uninterrupted run."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+from fractions import Fraction
+
+import numpy as np
+import pytest
+import torch
+
+from agentgrpo import checkpoint
+from agentgrpo.cli import main
+from agentgrpo.log import read_jsonl
+from envs.calculator import CalculatorEnv
+
+
+def _write(files: dict[str, bytes]):
+    def write(d):
+        for name, data in files.items():
+            (d / name).write_bytes(data)
+    return write
+
+
+def _save(root, step, payload=b"weights"):
+    return checkpoint.save(root, step, _write({"model.safetensors": payload, "learner.pt": b"opt" * step}),
+                           {"data_position": step * 4, "weight_version": str(step)}, keep=3)
+
+
+def test_save_is_complete_and_verified(tmp_path):
+    d = _save(tmp_path, 1)
+    manifest = checkpoint.verify(d)
+    assert manifest["step"] == 1 and manifest["data_position"] == 4
+    assert set(manifest["files"]) == {"model.safetensors", "learner.pt"}
+    assert not list(tmp_path.glob(".tmp-*"))
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "no_manifest", "missing_file", "bad_json"])
+def test_damaged_newest_checkpoint_falls_back_to_the_previous(tmp_path, damage):
+    _save(tmp_path, 1)
+    newest = _save(tmp_path, 2)
+    target = newest / "model.safetensors"
+    if damage == "truncate":
+        target.write_bytes(target.read_bytes()[:3])
+    elif damage == "flip":
+        data = bytearray(target.read_bytes())
+        data[0] ^= 1
+        target.write_bytes(bytes(data))
+    elif damage == "no_manifest":
+        (newest / checkpoint.MANIFEST).unlink()
+    elif damage == "missing_file":
+        (newest / "learner.pt").unlink()
+    else:
+        (newest / checkpoint.MANIFEST).write_text("{not json")
+    with pytest.warns(UserWarning, match="skipping checkpoint .*step-000002"):
+        found = checkpoint.latest(tmp_path)
+    assert found is not None and found[1]["step"] == 1
+
+
+def test_a_leftover_temp_dir_is_ignored_and_old_ones_pruned(tmp_path):
+    (tmp_path / ".tmp-step-000009").mkdir(parents=True)  # a save killed half-way
+    for s in range(1, 6):
+        _save(tmp_path, s)
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-000003", "step-000004", "step-000005"]
+    assert checkpoint.latest(tmp_path)[1]["step"] == 5
+
+
+def test_restore_skips_a_checkpoint_the_learner_rejects(tmp_path):
+    _save(tmp_path, 1)
+    _save(tmp_path, 2, payload=b"other model")
+    loaded = []
+
+    def load(d):
+        if (d / "model.safetensors").read_bytes() != b"weights":
+            raise ValueError("does not match the model")
+        loaded.append(d.name)
+
+    with pytest.warns(UserWarning, match="step-000002: ValueError: does not match"):
+        d, manifest = checkpoint.restore(tmp_path, load)
+    assert loaded == ["step-000001"] and manifest["step"] == 1
+    assert checkpoint.restore(tmp_path / "none", load) is None
+
+
+def test_rng_state_round_trip():
+    state = checkpoint.rng_state()
+    json.dumps(state)  # it goes into trainer.json
+    draws = (random.random(), np.random.rand(), torch.rand(1).item())
+    checkpoint.set_rng_state(state)
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == draws
+
+
+def test_stop_requested_turns_sigterm_into_a_flag():
+    with checkpoint.StopRequested() as stop:
+        assert not stop
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+# --- end to end: kill + resume == uninterrupted ------------------------------------------------
+
+
+class VariedRewardEnv(CalculatorEnv):
+    """The calculator env with a reward that varies with the (random) answer, so a tiny random model
+    gets non-zero advantages and its weights really move."""
+
+    def reward(self, task, messages) -> float:
+        return float(Fraction(len(messages[-1].content) % 3, 2))
+
+
+@pytest.fixture(scope="module")
+def stopping_model_dir(tiny_model_dir, tmp_path_factory):
+    """The tiny random model with 5,000 token ids declared as EOS: ~10% of its turns end within a
+    few tokens (and get a reward), the rest hit the token limit, so rewards and advantages vary."""
+    import shutil
+
+    d = tmp_path_factory.mktemp("stopping") / "model"
+    shutil.copytree(tiny_model_dir, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["eos_token_id"] = [cfg["eos_token_id"], *range(1000, 6000)]
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+def _train(out, model_dir, steps, *extra):
+    return main(["train", "examples/calculator.yaml", f"output_dir={out}", f"train.steps={steps}",
+                 f"model.path={model_dir}", "env.name=tests.test_checkpoint:VariedRewardEnv",
+                 "rollout.group_size=2", "rollout.tasks_per_step=2", "rollout.max_new_tokens=12",
+                 "rollout.max_tokens=40", "log.progress=false", "log.tensorboard=false",
+                 "learner.lr=1e-3", *extra])
+
+
+def _by_step(out):
+    rows = read_jsonl(out / "trajectories.jsonl")
+    return {s: sorted((r["group_id"], r["token_ids"], r["reward"]) for r in rows if r["step"] == s)
+            for s in {r["step"] for r in rows}}
+
+
+def _weights(out, step):
+    from safetensors.torch import load_file
+
+    return load_file(out / "checkpoints" / f"step-{step:06d}" / "model.safetensors")
+
+
+def test_four_steps_equal_two_steps_killed_and_resumed(tmp_path, stopping_model_dir, monkeypatch):
+    tiny_model_dir = stopping_model_dir
+    straight = tmp_path / "straight"
+    assert _train(straight, tiny_model_dir, 4, "train.save_every=2") == 0
+
+    from agentgrpo.learner import Learner
+
+    calls = {"n": 0}
+    real_step = Learner.train_step
+
+    def dies_in_step_3(self, *a, **kw):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("killed")  # the process dies in step 3, after the step-2 checkpoint
+        return real_step(self, *a, **kw)
+
+    killed = tmp_path / "killed"
+    monkeypatch.setattr(Learner, "train_step", dies_in_step_3)
+    with pytest.raises(RuntimeError, match="killed"):
+        _train(killed, tiny_model_dir, 4, "train.save_every=2")
+    monkeypatch.setattr(Learner, "train_step", real_step)
+    assert [m["step"] for m in read_jsonl(killed / "metrics.jsonl")] == [1, 2]
+    assert _train(killed, tiny_model_dir, 4, "train.save_every=2") == 0
+
+    assert [m["step"] for m in read_jsonl(killed / "metrics.jsonl")] == [1, 2, 3, 4]
+    a, b = _by_step(straight), _by_step(killed)
+    assert a == b  # same tasks, same sampled tokens, same rewards in every step
+    assert len({r for s in a.values() for (_, _, r) in s}) > 1  # rewards vary: weights really train
+    wa, wb = _weights(straight, 4), _weights(killed, 4)
+    assert not torch.equal(wa["model.embed_tokens.weight"], _weights(straight, 2)["model.embed_tokens.weight"])
+    for name, t in wa.items():
+        torch.testing.assert_close(wb[name], t, atol=1e-6, rtol=1e-5, msg=name)
+    ma = read_jsonl(straight / "metrics.jsonl")
+    mb = read_jsonl(killed / "metrics.jsonl")
+    assert [m["loss"] for m in ma] == pytest.approx([m["loss"] for m in mb], abs=1e-6)
+
+
+def test_resume_uses_the_previous_checkpoint_when_the_newest_is_truncated(tmp_path, tiny_model_dir):
+    out = tmp_path / "run"
+    assert _train(out, tiny_model_dir, 2, "train.save_every=1") == 0
+    newest = out / "checkpoints" / "step-000002" / "model.safetensors"
+    newest.write_bytes(newest.read_bytes()[:100])
+    with pytest.warns(UserWarning, match="step-000002"):
+        assert _train(out, tiny_model_dir, 3, "train.save_every=1") == 0
+    assert [m["step"] for m in read_jsonl(out / "metrics.jsonl")] == [1, 2, 2, 3]  # step 2 redone
+
+
+def test_sigterm_saves_the_finished_step_and_exits(tmp_path, tiny_model_dir, monkeypatch):
+    from agentgrpo.learner import Learner
+
+    real_step = Learner.train_step
+
+    def preempted(self, *a, **kw):
+        out = real_step(self, *a, **kw)
+        if self.step == 1:
+            os.kill(os.getpid(), signal.SIGTERM)  # arrives while step 1 is in progress
+        return out
+
+    monkeypatch.setattr(Learner, "train_step", preempted)
+    out = tmp_path / "run"
+    assert _train(out, tiny_model_dir, 4) == 0  # save_every=0: only the stop's checkpoint is written
+    assert [m["step"] for m in read_jsonl(out / "metrics.jsonl")] == [1]
+    assert checkpoint.latest(out / "checkpoints")[1]["step"] == 1
+
+
+def test_a_lora_run_checkpoints_its_adapter_and_resumes(tmp_path, stopping_model_dir):
+    out = tmp_path / "run"
+    lora = ["learner.lora.r=4", "loss.kl_coef=0.1", "learner.lr=1e-2"]
+    assert _train(out, stopping_model_dir, 2, *lora) == 0
+    files = {p.name for p in (out / "checkpoints" / "step-000002").iterdir()}
+    assert {"adapter_model.safetensors", "adapter_config.json", "learner.pt"} <= files
+    assert "model.safetensors" not in files  # the base weights come from model.path
+    assert _train(out, stopping_model_dir, 3, *lora) == 0  # every push verified the merged weights
+    assert [m["step"] for m in read_jsonl(out / "metrics.jsonl")] == [1, 2, 3]

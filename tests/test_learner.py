@@ -1,0 +1,270 @@
+"""Learner: accumulated gradients equal one big batch, passes, schedule, reference, LoRA,
+precision options, save/load, and 2 gloo processes equal 1 process."""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+
+import pytest
+import torch
+
+from agentgrpo.learner import Learner, LearnerConfig
+from agentgrpo.logprobs import sequence_logprobs, token_logprobs
+from agentgrpo.loss import LossConfig, compute_loss
+from tests.tiny import groups_of_trajectories, tiny_llama
+
+TEMPERATURE = 0.8
+
+
+def off_policy(trajs, model, seed=0):
+    """Rollout logprobs = the model's own plus noise, so ratios differ from 1 and clipping binds."""
+    g = torch.Generator().manual_seed(seed)
+    ref = sequence_logprobs(model, [t.token_ids for t in trajs], TEMPERATURE)
+    for t, lps in zip(trajs, ref, strict=True):
+        noise = (torch.randn(len(lps), generator=g) * 0.3).tolist()
+        t.logprobs = [lp + e if m else 0.0 for lp, e, m in zip(lps, noise, t.loss_mask, strict=True)]
+    return trajs
+
+
+def batch_and_advantages(seed=0, model=None):
+    trajs = off_policy(groups_of_trajectories(n_groups=3, size=4, seed=seed), model or tiny_llama())
+    advantages = [((i * 7) % 5 - 2) / 2 for i in range(len(trajs))]  # mixed signs, some zeros
+    return trajs, advantages
+
+
+def record_grads(learner):
+    """Capture the gradient the optimizer is about to apply (after accumulation and clipping)."""
+    grads: list[dict[str, torch.Tensor]] = []
+    step = learner.optimizer.step
+
+    def recording(*a, **kw):
+        grads.append({n: p.grad.clone() for n, p in learner.unwrapped.named_parameters() if p.grad is not None})
+        return step(*a, **kw)
+
+    learner.optimizer.step = recording
+    return grads
+
+
+def one_big_batch_grads(trajs, advantages, loss_cfg):
+    """The plain reference: every trajectory in one right-padded batch, full logits, one loss call
+    with its own (whole-batch) normalisers, one backward."""
+    model = tiny_llama().train()
+    T = max(len(t.token_ids) for t in trajs)
+    ids = torch.zeros(len(trajs), T, dtype=torch.long)
+    attn, mask, old = torch.zeros_like(ids), torch.zeros(len(trajs), T), torch.zeros(len(trajs), T)
+    for i, t in enumerate(trajs):
+        n = len(t.token_ids)
+        ids[i, :n], attn[i, :n] = torch.tensor(t.token_ids), 1
+        mask[i, :n], old[i, :n] = torch.tensor(t.loss_mask, dtype=torch.float), torch.tensor(t.logprobs)
+    lp = token_logprobs(model, ids, attn, TEMPERATURE)
+    ref = token_logprobs(tiny_llama(), ids, attn, TEMPERATURE).detach() if loss_cfg.kl_coef else None
+    loss, _ = compute_loss(loss_cfg, lp, old, torch.tensor(advantages), mask, ref_logprobs_BT=ref)
+    loss.backward()
+    return {n: p.grad for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("loss_cfg", [
+    LossConfig(),
+    LossConfig(agg="seq-mean-token-mean", kl_coef=0.1, dual_clip=3.0),
+    LossConfig(agg="seq-mean-token-sum-norm", max_response_len=24, loss="gspo"),
+], ids=["token-mean", "seq-mean+kl", "dr-grpo+gspo"])
+@pytest.mark.parametrize("packing,budget", [("shared_prefix", 48), ("packed", 64), ("padded", 64),
+                                            ("shared_prefix", 100_000)])
+def test_accumulated_gradient_equals_one_big_batch(loss_cfg, packing, budget):
+    trajs, adv = batch_and_advantages()
+    learner = Learner(tiny_llama(), LearnerConfig(micro_batch_tokens=budget, packing=packing, grad_clip=1e9),
+                      loss_cfg, temperature=TEMPERATURE)
+    grads = record_grads(learner)
+    metrics = learner.train_step(trajs, adv)
+    assert metrics["micro_batches"] > (1 if budget < 1000 else 0)
+    expected = one_big_batch_grads(trajs, adv, loss_cfg)
+    assert grads[0].keys() == expected.keys()
+    for name, g in expected.items():
+        torch.testing.assert_close(grads[0][name], g, atol=1e-6, rtol=1e-4, msg=name)
+    if loss_cfg.loss == "ppo":  # the noise makes the token clip bind somewhere: not a trivial test
+        assert metrics["clipfrac"] > 0
+
+
+def test_scorable_filter_and_empty_step():
+    trajs, adv = batch_and_advantages()
+    learner = Learner(tiny_llama(), LearnerConfig(), LossConfig(), temperature=TEMPERATURE)
+    adv = [math.nan] * len(trajs)
+    assert learner.train_step(trajs, adv) == {"loss": 0.0, "skipped": 1.0}
+    assert learner.step == 0 and learner.scheduler.last_epoch == 0
+
+
+def test_recomputed_old_logprobs_and_several_passes():
+    trajs, adv = batch_and_advantages()
+    learner = Learner(tiny_llama(), LearnerConfig(passes=3, old_logprobs="recompute", lr=1e-2),
+                      LossConfig(), temperature=TEMPERATURE)
+    m = learner.train_step(trajs, adv)
+    # pass 1: pi == pi_old exactly, so every ratio is 1 and nothing clips; later passes move away.
+    assert m["pass1/ratio_mean"] == pytest.approx(1.0, abs=1e-6) and m["pass1/clipfrac"] == 0.0
+    assert m["pass1/ratio_max"] == pytest.approx(1.0, abs=1e-5)
+    assert m["pass3/ratio_max"] > 1.01 and m["pass3/ppo_kl"] != 0
+    assert m["mismatch/k3_kl"] > 1e-3  # the rollout logprobs (noisy) vs the recomputed old ones
+    assert learner.scheduler.last_epoch == 3 and learner.step == 1  # one optimizer step per pass
+
+
+def test_logprobs_are_at_the_rollout_temperature():
+    trajs = groups_of_trajectories()
+    adv = [1.0] * len(trajs)
+    own = sequence_logprobs(tiny_llama(), [t.token_ids for t in trajs], TEMPERATURE)
+    for t, lps in zip(trajs, own, strict=True):  # on-policy rollout logprobs at T = 0.8
+        t.logprobs = [lp if m else 0.0 for lp, m in zip(lps, t.loss_mask, strict=True)]
+    m = Learner(tiny_llama(), LearnerConfig(), LossConfig(), temperature=TEMPERATURE).train_step(trajs, adv)
+    assert m["logprob_gap_max"] < 1e-5 and m["ratio_max"] == pytest.approx(1.0, abs=1e-5)
+    wrong = Learner(tiny_llama(), LearnerConfig(), LossConfig(), temperature=1.0).train_step(trajs, adv)
+    assert wrong["logprob_gap_mean"] > 1e-2
+
+
+def test_lr_schedule_warmup_then_cosine():
+    cfg = LearnerConfig(lr=1.0, warmup_steps=2, lr_schedule="cosine", min_lr_ratio=0.1)
+    learner = Learner(tiny_llama(), cfg, LossConfig(), total_steps=6)
+    lrs = []
+    for _ in range(6):
+        lrs.append(learner.scheduler.get_last_lr()[0])
+        learner.optimizer.step()
+        learner.scheduler.step()
+    # warm-up 1/2, 2/2; then cosine over 4 steps: 0.1 + 0.9 * 0.5 * (1 + cos(pi * k / 4)), k = 0..3
+    expected = [0.5, 1.0] + [0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * k / 4)) for k in range(4)]
+    assert lrs == pytest.approx(expected)
+    with pytest.raises(ValueError, match="total_steps"):
+        Learner(tiny_llama(), LearnerConfig(lr_schedule="linear"), LossConfig())
+
+
+def test_reference_only_with_kl_frozen_and_equal_to_the_initial_policy():
+    assert Learner(tiny_llama(), LearnerConfig(), LossConfig()).ref is None
+    trajs, adv = batch_and_advantages()
+    learner = Learner(tiny_llama(), LearnerConfig(lr=1e-2), LossConfig(kl_coef=0.5), temperature=TEMPERATURE)
+    assert not learner.ref.training and not any(p.requires_grad for p in learner.ref.parameters())
+    assert learner.train_step(trajs, adv)["kl"] == pytest.approx(0.0, abs=1e-7)  # policy == reference
+    assert learner.train_step(trajs, adv)["kl"] > 1e-6  # the policy moved, the reference did not
+    offloaded = Learner(tiny_llama(), LearnerConfig(ref_offload=True), LossConfig(kl_coef=0.5))
+    offloaded.train_step(trajs, adv)
+    assert next(offloaded.ref.parameters()).device.type == "cpu"
+
+
+def test_lora_reference_is_the_base_model_and_export_merges():
+    from transformers import LlamaForCausalLM
+
+    trajs, adv = batch_and_advantages()
+    cfg = LearnerConfig(lr=5e-2, lora={"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "up_proj"]})
+    learner = Learner(tiny_llama(), cfg, LossConfig(kl_coef=0.1), temperature=TEMPERATURE)
+    assert learner.ref is None  # no second copy: the reference is the adapter switched off
+    trainable = {n for n, p in learner.unwrapped.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+    m1 = learner.train_step(trajs, adv)
+    m2 = learner.train_step(trajs, adv)
+    assert m1["kl"] == pytest.approx(0.0, abs=1e-7) and m2["kl"] > 1e-7  # LoRA B starts at 0
+    merged = learner.export_state_dict()
+    base = tiny_llama()
+    assert set(merged) == set(base.state_dict())
+    plain = LlamaForCausalLM(base.config)
+    plain.load_state_dict(merged)
+    ids = [trajs[0].token_ids]
+
+    def lps(model):
+        return sequence_logprobs(model, ids)[0]
+
+    assert lps(plain) == pytest.approx(lps(learner.unwrapped), abs=1e-5)
+    assert lps(plain) != pytest.approx(lps(base), abs=1e-4)  # the adapter did change the policy
+    exported = learner.export_model()  # what WeightSync gets
+    assert set(exported.state_dict()) == set(merged)
+    with learner.unwrapped.disable_adapter():  # the base weights never moved
+        assert lps(learner.unwrapped) == pytest.approx(lps(base), abs=1e-6)
+
+
+def test_gradient_checkpointing_and_eager_attention_give_the_same_gradient():
+    trajs, adv = batch_and_advantages()
+    grads = []
+    for cfg in (LearnerConfig(grad_clip=1e9), LearnerConfig(grad_clip=1e9, gradient_checkpointing=True),
+                LearnerConfig(grad_clip=1e9, attn_implementation="eager")):
+        learner = Learner(tiny_llama(), cfg, LossConfig(), temperature=TEMPERATURE)
+        grads.append(record_grads(learner))
+        learner.train_step(trajs, adv)
+    for other in grads[1:]:
+        for name, g in grads[0][0].items():
+            torch.testing.assert_close(other[0][name], g, atol=1e-6, rtol=1e-4)
+
+
+def test_bf16_autocast_on_cpu_is_close_to_fp32():
+    trajs, adv = batch_and_advantages()
+    fp32 = Learner(tiny_llama(), LearnerConfig(), LossConfig(), temperature=TEMPERATURE)
+    bf16 = Learner(tiny_llama(), LearnerConfig(autocast="bf16"), LossConfig(), temperature=TEMPERATURE)
+    a, b = fp32.train_step(trajs, adv), bf16.train_step(trajs, adv)
+    assert a["logprob_gap_mean"] != b["logprob_gap_mean"]  # bf16 really ran
+    assert abs(a["logprob_gap_mean"] - b["logprob_gap_mean"]) < 0.05
+    assert next(bf16.unwrapped.parameters()).dtype == torch.float32  # master weights stay fp32
+
+
+def test_save_load_continues_exactly(tmp_path):
+    trajs, adv = batch_and_advantages()
+    cfg = LearnerConfig(lr=1e-2, warmup_steps=3)
+    straight = Learner(tiny_llama(), cfg, LossConfig(), temperature=TEMPERATURE)
+    for _ in range(3):
+        straight.train_step(trajs, adv)
+    first = Learner(tiny_llama(), cfg, LossConfig(), temperature=TEMPERATURE)
+    first.train_step(trajs, adv)
+    first.save(tmp_path)
+    resumed = Learner(tiny_llama(), cfg, LossConfig(), temperature=TEMPERATURE)
+    resumed.load(tmp_path)
+    assert resumed.step == 1 and resumed.scheduler.get_last_lr() == first.scheduler.get_last_lr()
+    for _ in range(2):
+        resumed.train_step(trajs, adv)
+    for (n, p), q in zip(straight.unwrapped.named_parameters(), resumed.unwrapped.parameters(), strict=True):
+        torch.testing.assert_close(p, q, atol=0, rtol=0, msg=n)
+
+
+# --- 2 processes (gloo) == 1 process ---------------------------------------------------------------
+
+def _steps(learner):
+    """Three steps: a normal one, one with unequal micro-batch counts per rank, and one with a single
+    trajectory, where one rank has no data and runs an empty micro-batch. Returns the gradients each
+    optimizer step applied (Adam hides gradient scale, so weights alone would be a weak check)."""
+    grads = record_grads(learner)
+    trajs, adv = batch_and_advantages(seed=0)
+    learner.train_step(trajs, adv)
+    trajs2, adv2 = batch_and_advantages(seed=1)
+    learner.train_step(trajs2[:7], adv2[:7])
+    return grads, learner.train_step(trajs2[:1], [1.0])
+
+
+def _make(accelerator=None):
+    cfg = LearnerConfig(lr=1e-2, micro_batch_tokens=64, grad_clip=1e9)
+    return Learner(tiny_llama(), cfg, LossConfig(kl_coef=0.1), temperature=TEMPERATURE, accelerator=accelerator)
+
+
+def _worker(rank: int, world: int, port: int, out: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    from accelerate import Accelerator
+
+    learner = _make(Accelerator(cpu=True))
+    grads, metrics = _steps(learner)
+    if rank == 0:
+        torch.save({"weights": learner.unwrapped.state_dict(), "grads": grads, "metrics": metrics}, out)
+
+
+def test_two_gloo_processes_equal_one_process(tmp_path):
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "two.pt"
+    mp.spawn(_worker, args=(2, port, str(out)), nprocs=2, join=True)
+    two = torch.load(out, weights_only=True)
+    one = _make()
+    grads, metrics = _steps(one)
+    assert len(two["grads"]) == len(grads) == 3
+    for step, (g2, g1) in enumerate(zip(two["grads"], grads, strict=True)):
+        for name, g in g1.items():
+            torch.testing.assert_close(g2[name], g, atol=1e-6, rtol=1e-4, msg=f"step {step}: {name}")
+    for name, p in one.unwrapped.state_dict().items():
+        torch.testing.assert_close(two["weights"][name], p, atol=2e-6, rtol=1e-4, msg=name)
+    for k in ("loss", "kl", "loss_tokens", "clipfrac", "grad_norm"):
+        assert two["metrics"][k] == pytest.approx(metrics[k], rel=1e-4, abs=1e-7), k
