@@ -418,14 +418,16 @@ def test_common_prefix_len_and_shared_prefixes():
     assert common_prefix_len(tuple(range(1000)), tuple(range(999)) + (7,)) == 999
     system, a, b = [1] * 20, [2] * 18, [3] * 18
     # Copies of A share A minus its last id (each request feeds its last id itself); A and B share
-    # the system prompt; C shares only 3 ids with A, under min_len.
+    # the system prompt, C only its first 3 ids.
     prompts = [system + a] * 3 + [system + b] * 2 + [system[:3] + [9] * 30]
-    assert shared_prefixes(prompts, 16) == [
-        tuple(system),
-        tuple(system + a[:-1]),
-        tuple(system + b[:-1]),
-    ]
-    assert shared_prefixes([system + a, system + b], 21) == []
+    assert shared_prefixes(prompts) == {
+        tuple(system[:3]): 6,
+        tuple(system): 5,
+        tuple(system + a[:-1]): 3,
+        tuple(system + b[:-1]): 2,
+    }
+    assert shared_prefixes([system + a, system + b]) == {tuple(system): 2}
+    assert shared_prefixes([[1], [1], [2, 3]]) == {}  # a one-id prompt has nothing to share
 
 
 def kv(n: int, fill: float = 0.0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -485,17 +487,19 @@ async def test_a_group_of_identical_prompts_is_prefilled_once(model):
 
 
 async def test_groups_sharing_a_system_prompt_prefill_it_once(model, engine):
+    """Like the calculator env: two groups of 8 whose prompts differ only in a short question."""
     system = list(range(100, 120))  # 20 ids shared by both tasks
-    prompts = [system + list(range(200, 218))] * 4 + [system + list(range(250, 268))] * 4  # 38
+    prompts = [system + list(range(200, 206))] * 8 + [system + list(range(250, 256))] * 8  # 26
     outs = await asyncio.gather(
         *(
             engine.generate(p, SamplingParams(max_new_tokens=8, seed=i))
             for i, p in enumerate(prompts)
         )
     )
-    # The system prompt once (20), each task's 17 remaining shared ids once, each row its last id.
-    assert engine.stats["prefill_tokens"] == 20 + 2 * 17 + 8
-    assert engine.stats["prefill_tokens"] + engine.stats["cached_tokens"] == 20 + 2 * 37 + 8 * 38
+    # The system prompt once (20); each group's next 5 ids once (worth it: 7 copies x 5 ids
+    # saved >= 32); then each row its last id.
+    assert engine.stats["prefill_tokens"] == 20 + 2 * 5 + 16
+    assert engine.stats["prefill_tokens"] + engine.stats["cached_tokens"] == 20 + 2 * 25 + 16 * 26
     for prompt, out in zip(prompts, outs, strict=True):
         assert_matches_fresh_forward(model, prompt, out, 1.0)
 

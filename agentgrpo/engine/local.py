@@ -42,9 +42,9 @@ How it works (decisions):
   prefill the KV of its prompt is kept, and when it finishes, the KV of prompt + sampled ids (all but
   the last, which was never fed). A new request takes the cached entry sharing the longest common
   prefix with it and prefills only the rest; at least its last prompt id is always fed, for the
-  logits. Before prefilling an admitted set, every prefix of >= `_MIN_SHARED` ids that two of them
-  share is prefilled once, shortest first (a GRPO group's prompt, the system prompt of several
-  tasks). So G copies of a prompt cost one prefill plus G single ids, and turn k+1 (= turn k's
+  logits. Before prefilling an admitted set, every prefix that several of them share is prefilled
+  once, shortest first (the system prompt of several tasks, then each GRPO group's prompt), when
+  that saves at least `_MIN_SAVED` ids of prefill. So G copies of a prompt cost one prefill plus G single ids, and turn k+1 (= turn k's
   prompt + sampled ids + env suffix) prefills only the last sampled id and the suffix. Rows of one
   prefill forward may reuse different lengths: every row feeds as many trailing ids as the row that
   needs the most (recomputing a few cached ones), so the padding stays on the left and costs what
@@ -481,16 +481,16 @@ class _Batch:
     def _warm(self, prompts: list[list[int]]) -> None:
         """Prefill into the prefix cache, once each, the prefixes that several `prompts` share.
 
-        A shared prefix is skipped unless it adds >= `_MIN_SHARED` ids to what is cached or to a
-        shorter shared prefix of it (below that an extra forward costs more than it saves). Nested
-        prefixes go in rounds, shortest first, so a group's prompt reuses the system prompt that
-        it shares with other groups."""
+        A shared prefix is prefilled when it saves >= `_MIN_SAVED` ids: (prompts sharing it - 1) x
+        the ids it adds to what is cached or to a shorter shared prefix of it (below that, an extra
+        forward costs more than it saves). Nested prefixes go in rounds, shortest first, so a
+        group's prompt reuses the system prompt that it shares with other groups."""
         cache = self.engine.prefix_cache
         depth: dict[tuple[int, ...], int] = {}
-        for prefix in shared_prefixes(prompts, _MIN_SHARED):  # shortest first
+        for prefix, sharers in shared_prefixes(prompts).items():  # shortest first
             parents = [p for p in depth if prefix[: len(p)] == p]
             have = max([cache.lookup(prefix, touch=False)[1]] + [len(p) for p in parents])
-            if len(prefix) - have >= _MIN_SHARED:
+            if (sharers - 1) * (len(prefix) - have) >= _MIN_SAVED:
                 depth[prefix] = 1 + max((depth[p] for p in parents), default=-1)
         for level in range(max(depth.values(), default=-1) + 1):
             jobs = [list(p) for p, d in depth.items() if d == level]
@@ -741,7 +741,9 @@ def sample(
 
 
 _CANDIDATES = 256  # tokens kept by the cheap topk path of truncated sampling (see `sample`)
-_MIN_SHARED = 16  # shortest shared prefix worth a prefill forward of its own (see `_Batch._warm`)
+# Prefill ids a shared prefix must save to get a forward of its own (see `_Batch._warm`): ~the
+# cost of one small forward of SmolLM2 on a CPU, in ids of prefill.
+_MIN_SAVED = 32
 
 
 def _uncached(cache: PrefixCache, ids: list[int]) -> int:

@@ -140,21 +140,24 @@ def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
     return lo
 
 
-def shared_prefixes(prompts: Sequence[Sequence[int]], min_len: int) -> list[tuple[int, ...]]:
-    """Distinct prefixes of at least `min_len` ids that two or more of `prompts` share, shortest
-    first, each cut one id short of the shorter prompt (a request always feeds its last prompt id
-    itself, to get the logits it samples from).
+def shared_prefixes(prompts: Sequence[Sequence[int]]) -> dict[tuple[int, ...], int]:
+    """Distinct prefixes that two or more of `prompts` share, shortest first, each mapped to how
+    many of `prompts` start with it. Each is cut one id short of the shorter prompt (a request
+    always feeds its last prompt id itself, to get the logits it samples from).
 
     Any two prompts' common prefix is the common prefix of two neighbours in sorted order (the
     minimum of the neighbour LCPs between them, which is one of them), so neighbours suffice.
 
     Example: 8 copies of prompt A and 8 of prompt B, both starting with a 250-id system prompt,
-    give `[A[:250], A[:-1], B[:-1]]`.
+    give `{A[:250]: 16, A[:-1]: 8, B[:-1]: 8}`.
     """
     ordered = sorted(tuple(p) for p in prompts)
     found: set[tuple[int, ...]] = set()
     for a, b in itertools.pairwise(ordered):
         n = min(common_prefix_len(a, b), len(a) - 1, len(b) - 1)
-        if n >= min_len:
+        if n > 0:
             found.add(a[:n])
-    return sorted(found, key=lambda p: (len(p), p))
+    return {
+        prefix: sum(1 for p in ordered if p[: len(prefix)] == prefix)
+        for prefix in sorted(found, key=lambda p: (len(p), p))
+    }
