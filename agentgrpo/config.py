@@ -49,6 +49,10 @@ class EngineConfig(BaseModel):
     kind: Literal["local", "sglang"] = Field(
         "local", description="local: in-process transformers engine; sglang: SGLang servers over HTTP")
     max_batch_size: int = Field(32, ge=1, description="local engine: sequences decoded together")
+    prefix_cache_tokens: int = Field(
+        16384, ge=0, description="local engine: token budget of the prefix KV cache that lets a "
+        "group's copies of a prompt and a trajectory's next turn skip prefilling what was already "
+        "computed (45 KiB a token for SmolLM2-135M in float32); 0 disables it")
     sglang: SGLangConfig | None = Field(None, description="kind=sglang: the servers and client settings")
 
     @model_validator(mode="after")

@@ -70,7 +70,8 @@ def build_engine(cfg: RunConfig, model_path: Path, tokenizer: Any) -> Engine:
         return SGLangEngine.from_config(cfg.engine.sglang)
     from agentgrpo.engine.local import LocalEngine
 
-    return LocalEngine(model_path, tokenizer=tokenizer, max_batch_size=cfg.engine.max_batch_size)
+    return LocalEngine(model_path, tokenizer=tokenizer, max_batch_size=cfg.engine.max_batch_size,
+                       prefix_cache_tokens=cfg.engine.prefix_cache_tokens)
 
 
 async def collect_step(cfg: RunConfig, make_env: Callable[[], Env], engine: Engine, chat: ChatFormat,

@@ -15,6 +15,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from agentgrpo.engine import Engine, EngineError, LocalEngine, SamplingParams
 from agentgrpo.engine.local import sample
+from agentgrpo.engine.prefix_cache import PrefixCache, common_prefix_len, shared_prefixes
 
 VOCAB = 320
 CONTEXT = 64
@@ -407,3 +408,210 @@ async def test_smollm2_stops_at_im_end(smollm2):
     assert out.finish_reason == "stop"
     assert out.token_ids[-1] == tok.convert_tokens_to_ids("<|im_end|>") == 2
     assert "Paris" in tok.decode(out.token_ids)
+
+
+# ------------------------------------------------------------------------------ prefix cache
+def test_common_prefix_len_and_shared_prefixes():
+    assert common_prefix_len((1, 2, 3, 4), (1, 2, 9)) == 2
+    assert common_prefix_len((1, 2), (1, 2, 3)) == 2
+    assert common_prefix_len((5,), (6,)) == 0
+    assert common_prefix_len(tuple(range(1000)), tuple(range(999)) + (7,)) == 999
+    system, a, b = [1] * 20, [2] * 18, [3] * 18
+    # Copies of A share A minus its last id (each request feeds its last id itself); A and B share
+    # the system prompt, C only its first 3 ids.
+    prompts = [system + a] * 3 + [system + b] * 2 + [system[:3] + [9] * 30]
+    assert shared_prefixes(prompts) == {
+        tuple(system[:3]): 6,
+        tuple(system): 5,
+        tuple(system + a[:-1]): 3,
+        tuple(system + b[:-1]): 2,
+    }
+    assert shared_prefixes([system + a, system + b]) == {tuple(system): 2}
+    assert shared_prefixes([[1], [1], [2, 3]]) == {}  # a one-id prompt has nothing to share
+
+
+def kv(n: int, fill: float = 0.0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per-layer KV rows for n ids (2 layers, 1 head, dim 2) whose values say which id they are."""
+    rows = torch.arange(n, dtype=torch.float32)[None, :, None].expand(1, n, 2) + fill
+    return [rows.clone(), rows.clone()], [rows.clone(), rows.clone()]
+
+
+def test_prefix_cache_lru_budget_and_coverage():
+    cache = PrefixCache(max_tokens=10)
+    assert cache.insert((1, 2, 3, 4), *kv(4))
+    assert cache.insert((5, 6, 7, 8), *kv(4))
+    entry, n = cache.lookup([1, 2, 3, 9, 9])  # partial hit: the first 3 rows are reusable
+    assert n == 3 and entry.ids == (1, 2, 3, 4)  # and (1, 2, 3, 4) is now the most recent
+    assert cache.insert((10, 11, 12), *kv(3))  # 11 tokens > 10: the least recently used goes
+    assert cache.keys() == [(1, 2, 3, 4), (10, 11, 12)] and cache.tokens == 7
+    assert not cache.insert((1, 2, 3), *kv(3))  # covered by (1, 2, 3, 4): not stored twice
+    assert cache.keys() == [(10, 11, 12), (1, 2, 3, 4)]  # ... but marked recently used
+    assert cache.insert((10, 11, 12, 13, 14), *kv(5, fill=0.5))  # covers and replaces (10, 11, 12)
+    assert cache.keys() == [(1, 2, 3, 4), (10, 11, 12, 13, 14)] and cache.tokens == 9
+    assert cache.lookup([10, 11, 12])[0].keys[0][0, 2].tolist() == [2.5, 2.5]
+    assert not cache.insert(tuple(range(11)), *kv(11))  # longer than the whole budget
+    assert cache.lookup([99]) == (None, 0)
+    with pytest.raises(ValueError, match="do not match"):
+        cache.insert((20, 21), *kv(3))
+    cache.clear()
+    assert len(cache) == 0 and cache.tokens == 0
+    off = PrefixCache(max_tokens=0)
+    assert not off.enabled and not off.insert((1,), *kv(1)) and len(off) == 0
+
+
+def prefill_delta(engine, before: dict[str, int]) -> tuple[int, int]:
+    """(ids fed to prefill forwards, ids taken from the prefix cache) since `before`."""
+    return (
+        engine.stats["prefill_tokens"] - before["prefill_tokens"],
+        engine.stats["cached_tokens"] - before["cached_tokens"],
+    )
+
+
+async def test_a_group_of_identical_prompts_is_prefilled_once(model):
+    prompt = list(range(3, 33))  # 30 ids
+    params = [SamplingParams(max_new_tokens=12, seed=i) for i in range(8)]
+    with (
+        LocalEngine(model, eos_token_ids=()) as on,
+        LocalEngine(model, eos_token_ids=(), prefix_cache_tokens=0) as off,
+    ):
+        outs = await asyncio.gather(*(on.generate(prompt, p) for p in params))
+        # Once 29 ids (the shared prefix), then each row its own last prompt id: 29 + 8.
+        assert (on.stats["prefill_tokens"], on.stats["cached_tokens"]) == (29 + 8, 8 * 29)
+        assert on.stats["max_rows"] == 8
+        plain = await asyncio.gather(*(off.generate(prompt, p) for p in params))
+        assert (off.stats["prefill_tokens"], off.stats["cached_tokens"]) == (8 * 30, 0)
+    for out, ref in zip(outs, plain, strict=True):
+        assert_matches_fresh_forward(model, prompt, out, 1.0)
+        assert out.token_ids == ref.token_ids  # same seeds, same samples with the cache off
+    assert len({tuple(o.token_ids) for o in outs}) > 1  # distinct seeds really sampled apart
+
+
+async def test_groups_sharing_a_system_prompt_prefill_it_once(model, engine):
+    """Like the calculator env: two groups of 8 whose prompts differ only in a short question."""
+    system = list(range(100, 120))  # 20 ids shared by both tasks
+    prompts = [system + list(range(200, 206))] * 8 + [system + list(range(250, 256))] * 8  # 26
+    outs = await asyncio.gather(
+        *(
+            engine.generate(p, SamplingParams(max_new_tokens=8, seed=i))
+            for i, p in enumerate(prompts)
+        )
+    )
+    # The system prompt once (20); each group's next 5 ids once (worth it: 7 copies x 5 ids
+    # saved >= 32); then each row its last id.
+    assert engine.stats["prefill_tokens"] == 20 + 2 * 5 + 16
+    assert engine.stats["prefill_tokens"] + engine.stats["cached_tokens"] == 20 + 2 * 25 + 16 * 26
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert_matches_fresh_forward(model, prompt, out, 1.0)
+
+
+async def test_the_next_turn_prefills_only_the_last_sampled_id_and_the_suffix(model, engine):
+    history = list(range(40, 60))  # 20 ids
+    for turn in range(3):
+        before = dict(engine.stats)
+        out = await engine.generate(history, SamplingParams(max_new_tokens=8, seed=turn))
+        assert_matches_fresh_forward(model, history, out, 1.0)
+        if turn == 0:
+            assert prefill_delta(engine, before) == (20, 0)
+        else:  # the cache held prompt + sampled ids of the last turn, all but the last sampled id
+            assert prefill_delta(engine, before) == (1 + 4, len(history) - 5)
+        history = history + out.token_ids + [7, 8, 9, 10]  # the env's suffix
+    assert len(history) == 20 + 3 * 12 and len(engine.prefix_cache) == 1  # superseded turns left
+
+
+async def test_partial_and_mixed_prefix_hits_in_one_prefill(model, engine):
+    """Rows reusing different lengths (a full hit, a partial hit, none) share one prefill forward
+    and join a running row; each still matches its own fresh forward."""
+    cached = list(range(3, 33))
+    await engine.generate(cached, SamplingParams(max_new_tokens=1))
+    assert engine.prefix_cache.keys() == [tuple(cached)]
+    running = asyncio.create_task(engine.generate([5, 6], SamplingParams(max_new_tokens=40)))
+    while engine.stats["steps"] < 2:
+        await asyncio.sleep(0.001)
+    prompts = [cached[:12] + list(range(200, 216)), cached + [50], list(range(250, 261))]
+    before = dict(engine.stats)
+    outs = await asyncio.gather(
+        *(engine.generate(p, SamplingParams(max_new_tokens=10)) for p in prompts)
+    )
+    fed, reused = prefill_delta(engine, before)
+    assert engine.stats["prefills"] - before["prefills"] == 1
+    assert fed + reused == sum(len(p) for p in prompts) and reused >= 12
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert_matches_fresh_forward(model, prompt, out, 1.0)
+    assert_matches_fresh_forward(model, [5, 6], await running, 1.0)
+
+
+async def test_evicted_prefixes_are_prefilled_again(model):
+    a, b = list(range(3, 33)), list(range(100, 130))
+    with LocalEngine(model, eos_token_ids=(), prefix_cache_tokens=40) as eng:
+        await eng.generate(a, SamplingParams(max_new_tokens=5))  # holds a + 4 sampled ids
+        await eng.generate(b, SamplingParams(max_new_tokens=5))  # 34 + 34 > 40: a is evicted
+        assert [k[:30] for k in eng.prefix_cache.keys()] == [tuple(b)]
+        assert eng.prefix_cache.tokens <= 40
+        before = dict(eng.stats)
+        out = await eng.generate(a, SamplingParams(max_new_tokens=5))
+        assert prefill_delta(eng, before) == (30, 0)
+        before = dict(eng.stats)
+        again = await eng.generate(a, SamplingParams(max_new_tokens=5))
+        assert prefill_delta(eng, before) == (1, 29)
+    assert_matches_fresh_forward(model, a, out, 1.0)
+    assert_matches_fresh_forward(model, a, again, 1.0)
+
+
+async def test_prefix_cache_disabled(model):
+    prompt = list(range(3, 33))
+    with LocalEngine(model, eos_token_ids=(), prefix_cache_tokens=0) as eng:
+        outs = await asyncio.gather(
+            *(eng.generate(prompt, SamplingParams(max_new_tokens=6)) for _ in range(3))
+        )
+        turn2 = prompt + outs[0].token_ids + [7, 8]
+        out2 = await eng.generate(turn2, SamplingParams(max_new_tokens=6))
+        assert eng.stats["cached_tokens"] == 0 and len(eng.prefix_cache) == 0
+        assert eng.stats["prefill_tokens"] == 3 * 30 + len(turn2)
+    for out in outs:
+        assert_matches_fresh_forward(model, prompt, out, 1.0)
+    assert_matches_fresh_forward(model, turn2, out2, 1.0)
+
+
+async def test_update_weights_empties_the_prefix_cache(model):
+    """KV cached under old weights is wrong under new ones: reusing it would break this test."""
+    prompt = list(range(3, 33))
+    greedy = SamplingParams(max_new_tokens=6, temperature=0.0)
+    new_model = tiny_model(seed=1)
+    with LocalEngine(model, eos_token_ids=()) as eng:
+        first = await eng.generate(prompt, greedy)
+        assert len(eng.prefix_cache) == 1
+        await eng.update_weights(new_model.state_dict(), version="v1")
+        assert len(eng.prefix_cache) == 0
+        before = dict(eng.stats)
+        after = await eng.generate(prompt + first.token_ids, greedy)
+        assert prefill_delta(eng, before) == (36, 0)
+    assert_matches_fresh_forward(new_model, prompt + first.token_ids, after, 0.0)
+
+
+async def test_smollm2_group_and_next_turn_with_the_prefix_cache(smollm2):
+    """The real model and chat template: a group of 4, then one member's second turn."""
+    with LocalEngine(smollm2.model, tokenizer=smollm2.tokenizer) as eng:  # an empty prefix cache
+        await _smollm2_group_and_next_turn(eng)
+
+
+async def _smollm2_group_and_next_turn(smollm2):
+    tok = smollm2.tokenizer
+    system = {"role": "system", "content": "You are a careful assistant. Answer in one word."}
+    prompt = tok.apply_chat_template(
+        [system, {"role": "user", "content": "What colour is the sky?"}], add_generation_prompt=True
+    )["input_ids"]
+    before = dict(smollm2.stats)
+    outs = await asyncio.gather(
+        *(smollm2.generate(prompt, SamplingParams(max_new_tokens=6, seed=i)) for i in range(4))
+    )
+    assert prefill_delta(smollm2, before) == (len(prompt) - 1 + 4, 4 * (len(prompt) - 1))
+    for out in outs:
+        assert_matches_fresh_forward(smollm2.model, prompt, out, 1.0)
+    suffix = tok("<|im_end|>\n<|im_start|>user\nAnd at night?<|im_end|>\n<|im_start|>assistant\n")[
+        "input_ids"
+    ]
+    turn2 = prompt + outs[0].token_ids + suffix
+    before = dict(smollm2.stats)
+    out2 = await smollm2.generate(turn2, SamplingParams(max_new_tokens=6))
+    assert prefill_delta(smollm2, before) == (1 + len(suffix), len(turn2) - 1 - len(suffix))
+    assert_matches_fresh_forward(smollm2.model, turn2, out2, 1.0)
