@@ -39,6 +39,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
 import torch
 
 from agentgrpo.types import Trajectory
@@ -103,14 +104,10 @@ class _Unit:
     length: int  # tokens the unit occupies in a row
 
 
-def _common_prefix(seqs: Sequence[Sequence[int]]) -> int:
+def _common_prefix(seqs: Sequence[np.ndarray]) -> int:
     n = min(len(s) for s in seqs)
-    first = seqs[0]
-    for i in range(n):
-        t = first[i]
-        if any(s[i] != t for s in seqs[1:]):
-            return i
-    return n
+    same_N = np.logical_and.reduce([s[:n] == seqs[0][:n] for s in seqs[1:]])
+    return n if same_N.all() else int(np.argmin(same_N))
 
 
 def _units(trajs: Sequence[Trajectory], idx: list[int], mode: PackingMode, budget: int) -> list[_Unit]:
@@ -123,7 +120,8 @@ def _units(trajs: Sequence[Trajectory], idx: list[int], mode: PackingMode, budge
     units = []
     for members in groups.values():
         # Every member keeps >= 1 token of its own, so each has a row position after the prefix.
-        P = min(_common_prefix([trajs[i].token_ids for i in members]), min(lens[i] for i in members) - 1)
+        ids = [np.asarray(trajs[i].token_ids) for i in members]
+        P = min(_common_prefix(ids), min(lens[i] for i in members) - 1)
         if len(members) < 2 or P < 1:
             units += [_Unit([i], 0, lens[i]) for i in members]
             continue
@@ -210,59 +208,58 @@ def make_micro_batches(
 
 def _build(trajs: Sequence[Trajectory], advantages: Sequence[float], rows: list[list[_Unit]],
            pad_id: int, needs_mask: bool) -> TrainBatch:
+    # numpy throughout (torch.tensor on Python lists is the slow part at GPU batch sizes).
     B = len(rows)
     T = max(sum(u.length for u in row) for row in rows)
-    ids_BT = torch.full((B, T), pad_id, dtype=torch.long)
-    pos_BT = torch.arange(T).repeat(B, 1)  # row tails keep counting: they are one causal segment
-    seg_BT = torch.zeros((B, T), dtype=torch.long)  # 0 = row tail
-    vis_BT = torch.zeros((B, T), dtype=torch.long)
+    ids_BT = np.full((B, T), pad_id, dtype=np.int64)
+    pos_BT = np.tile(np.arange(T), (B, 1))  # row tails keep counting: they are one causal segment
+    seg_BT = np.zeros((B, T), dtype=np.int64)  # 0 = row tail
+    vis_BT = np.zeros((B, T), dtype=np.int64)
     members = [i for row in rows for u in row for i in u.members]
-    spans = {}  # trajectory -> (first loss token, last loss token)
-    for i in members:
-        loss_pos = [j for j, m in enumerate(trajs[i].loss_mask) if m]
-        spans[i] = (loss_pos[0], loss_pos[-1])
-    N, L = len(members), max(b - a + 1 for a, b in spans.values())
-    loss_mask_NL = torch.zeros((N, L))
-    rollout_NL = torch.zeros((N, L))
+    masks = {i: np.asarray(trajs[i].loss_mask, dtype=bool) for i in members}
+    loss_pos = {i: np.flatnonzero(masks[i]) for i in members}  # positions j of the loss tokens
+    N, L = len(members), max(int(p[-1] - p[0]) + 1 for p in loss_pos.values())
+    loss_mask_NL = np.zeros((N, L), dtype=np.float32)
+    rollout_NL = np.zeros((N, L), dtype=np.float32)
     pred, target, dest = [], [], []
     n = 0
     for b, row in enumerate(rows):
         start, seg = 0, 0
         for u in row:
             P = u.prefix_len
-            first = trajs[u.members[0]]
             if P:
                 seg += 1
                 prefix_seg = seg
-                ids_BT[b, start : start + P] = torch.tensor(first.token_ids[:P])
-                pos_BT[b, start : start + P] = torch.arange(P)
-                seg_BT[b, start : start + P] = prefix_seg
-                vis_BT[b, start : start + P] = prefix_seg
+                ids_BT[b, start : start + P] = trajs[u.members[0]].token_ids[:P]
+                pos_BT[b, start : start + P] = np.arange(P)
+                seg_BT[b, start : start + P] = vis_BT[b, start : start + P] = prefix_seg
             at = start + P
             for i in u.members:
                 t = trajs[i]
-                own = len(t.token_ids) - P
+                tokens = np.asarray(t.token_ids, dtype=np.int64)
+                own = len(tokens) - P
                 seg += 1
-                ids_BT[b, at : at + own] = torch.tensor(t.token_ids[P:])
-                pos_BT[b, at : at + own] = torch.arange(P, P + own)
+                ids_BT[b, at : at + own] = tokens[P:]
+                pos_BT[b, at : at + own] = np.arange(P, P + own)
                 seg_BT[b, at : at + own] = seg
                 vis_BT[b, at : at + own] = prefix_seg if P else seg
-                # row position of token j of this trajectory
-                where = torch.cat([torch.arange(start, start + P), torch.arange(at, at + own)])
-                lo, hi = spans[i]
-                j_M = torch.tensor([j for j in range(lo, hi + 1) if t.loss_mask[j]])
+                # row position of each token j of this trajectory: the prefix, then its own part
+                where = np.concatenate([np.arange(start, start + P), np.arange(at, at + own)])
+                j_M = loss_pos[i]
+                lo, hi = int(j_M[0]), int(j_M[-1])
                 pred.append(b * T + where[j_M - 1])
-                target.append(torch.tensor(t.token_ids)[j_M])
+                target.append(tokens[j_M])
                 dest.append(n * L + (j_M - lo))
-                loss_mask_NL[n, : hi - lo + 1] = torch.tensor(t.loss_mask[lo : hi + 1], dtype=torch.float32)
-                rollout_NL[n, : hi - lo + 1] = torch.tensor(t.logprobs[lo : hi + 1], dtype=torch.float32)
+                loss_mask_NL[n, : hi - lo + 1] = masks[i][lo : hi + 1]
+                rollout_NL[n, : hi - lo + 1] = np.asarray(t.logprobs[lo : hi + 1], dtype=np.float32)
                 at += own
                 n += 1
             start = at
+    t = torch.from_numpy
     return TrainBatch(
-        input_ids_BT=ids_BT, position_ids_BT=pos_BT, segment_ids_BT=seg_BT, visible_ids_BT=vis_BT,
-        pred_index_M=torch.cat(pred), target_ids_M=torch.cat(target), dest_index_M=torch.cat(dest),
-        loss_mask_NL=loss_mask_NL, rollout_logprobs_NL=rollout_NL,
+        input_ids_BT=t(ids_BT), position_ids_BT=t(pos_BT), segment_ids_BT=t(seg_BT), visible_ids_BT=t(vis_BT),
+        pred_index_M=t(np.concatenate(pred)), target_ids_M=t(np.concatenate(target)),
+        dest_index_M=t(np.concatenate(dest)), loss_mask_NL=t(loss_mask_NL), rollout_logprobs_NL=t(rollout_NL),
         advantages_N=torch.tensor([float(advantages[i]) for i in members]), rows=members,
         needs_mask=needs_mask,
     )

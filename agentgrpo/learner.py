@@ -153,6 +153,15 @@ class Learner:
     def is_main(self) -> bool:
         return self.accelerator.is_main_process
 
+    def broadcast(self, obj: Any) -> Any:
+        """Rank 0's `obj` on every rank (pickled; the rollouts of a step: the loop generates them on
+        rank 0 only and every rank then calls `train_step` with the same list)."""
+        if self.accelerator.num_processes == 1:
+            return obj
+        from accelerate.utils import broadcast_object_list
+
+        return broadcast_object_list([obj], from_process=0)[0]
+
     def export_model(self) -> torch.nn.Module:
         """The model to hand to `WeightSync.push`: plain transformers names, LoRA merged in."""
         return MergedModel(self.unwrapped) if self.cfg.lora else self.unwrapped

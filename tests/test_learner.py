@@ -222,12 +222,15 @@ def test_save_load_continues_exactly(tmp_path):
 
 def _steps(learner):
     """Three steps: a normal one, one with unequal micro-batch counts per rank, and one with a single
-    trajectory, where one rank has no data and runs an empty micro-batch. Returns the gradients each
-    optimizer step applied (Adam hides gradient scale, so weights alone would be a weak check)."""
+    trajectory, where one rank has no data and runs an empty micro-batch. The rollouts exist on rank
+    0 only and are broadcast, as in the loop. Returns the gradients each optimizer step applied (Adam
+    hides gradient scale, so weights alone would be a weak check)."""
     grads = record_grads(learner)
-    trajs, adv = batch_and_advantages(seed=0)
+    first = second = None
+    if learner.is_main:
+        first, second = batch_and_advantages(seed=0), batch_and_advantages(seed=1)
+    (trajs, adv), (trajs2, adv2) = learner.broadcast((first, second))
     learner.train_step(trajs, adv)
-    trajs2, adv2 = batch_and_advantages(seed=1)
     learner.train_step(trajs2[:7], adv2[:7])
     return grads, learner.train_step(trajs2[:1], [1.0])
 
