@@ -10,8 +10,10 @@ after the other, so they see the same machine.
         48 new tokens. The cache-on engine holds what its own turn 1 left.
 
 EOS is disabled so every request samples exactly 48 tokens (the same work on and off). Printed per
-phase and engine: wall seconds, sampled tokens/s, prompt tokens computed by prefill forwards and
-tokens taken from the cache, then the on/off ratio of tokens/s.
+run and phase: wall and CPU seconds, sampled tokens/s, prompt tokens computed by prefill forwards
+and tokens taken from the cache; then the on/off ratio of mean tokens/s per phase. Engines run
+off, on, on, off so a slowly drifting machine load weighs on both; the token counts are exact, the
+times are as noisy as the machine (a shared 2-core VM varied 10x within minutes).
 
     python bench/local_engine.py [--groups 4] [--group-size 8] [--new-tokens 48] [--repeats 1]
 """
@@ -21,10 +23,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import statistics
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
 
 from agentgrpo.chat import ChatFormat  # noqa: E402
 from agentgrpo.engine import SamplingParams  # noqa: E402
@@ -34,17 +39,18 @@ from agentgrpo.types import Message  # noqa: E402
 from envs.calculator import CalculatorEnv  # noqa: E402
 
 
-async def run_phase(engine: LocalEngine, prompts: list[list[int]], new_tokens: int):
-    """Submit all prompts at once; returns (completions, wall s, prefill tokens, cached tokens)."""
+async def run_phase(engine: LocalEngine, prompts: list[list[int]], new_tokens: int) -> tuple:
+    """Submit all prompts at once; returns (completions, wall s, CPU s of this process,
+    prompt ids prefilled, prompt ids taken from the cache)."""
     before = dict(engine.stats)
     params = [SamplingParams(max_new_tokens=new_tokens, seed=i) for i in range(len(prompts))]
-    t0 = time.perf_counter()
+    wall0, cpu0 = time.perf_counter(), time.process_time()
     outs = await asyncio.gather(*(engine.generate(p, q) for p, q in zip(prompts, params, strict=True)))
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
     assert all(len(o.token_ids) == new_tokens for o in outs)
     fed = engine.stats["prefill_tokens"] - before["prefill_tokens"]
     cached = engine.stats["cached_tokens"] - before["cached_tokens"]
-    return outs, wall, fed, cached
+    return outs, wall, cpu, fed, cached
 
 
 async def main(args: argparse.Namespace) -> None:
@@ -61,33 +67,34 @@ async def main(args: argparse.Namespace) -> None:
     # The env's reply to a tool call, as chat.suffix_ids renders it after an assistant turn.
     history = [Message(role="user", content="?"), Message(role="assistant", content="...")]
     suffix = chat.suffix_ids(history, [Message(role="tool", content="42", name="calculator")], tools)
+    sampled = len(prompts) * args.new_tokens
     print(f"{len(prompts)} prompts of {len(prompts[0])} tokens ({args.groups} groups of "
           f"{args.group_size}), {args.new_tokens} new tokens per turn, turn-2 suffix of "
-          f"{len(suffix)} tokens, {os.cpu_count()} CPUs")  # fmt: skip
+          f"{len(suffix)} tokens, {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}")
+    print(f"{'run':4} {'phase':24} {'cache':5} {'wall s':>7} {'cpu s':>7} {'tok/s':>7} "
+          f"{'prefill tok':>11} {'cached tok':>10}")  # fmt: skip
 
-    results: dict[tuple[str, str], list[tuple[float, int, int]]] = {}
-    for _ in range(args.repeats):
-        for name, budget in (("off", 0), ("on", args.prefix_cache_tokens)):
-            with LocalEngine(model, tokenizer=tok, eos_token_ids=(),
-                             prefix_cache_tokens=budget) as engine:  # fmt: skip
-                outs, wall, fed, cached = await run_phase(engine, prompts, args.new_tokens)
-                results.setdefault(("a", name), []).append((wall, fed, cached))
-                turn2 = [p + o.token_ids + suffix for p, o in zip(prompts, outs, strict=True)]
-                _, wall, fed, cached = await run_phase(engine, turn2, args.new_tokens)
-                results.setdefault(("b", name), []).append((wall, fed, cached))
-
-    sampled = len(prompts) * args.new_tokens
+    # Engines run in the order off, on, on, off (per repeat), so a load that drifts linearly over
+    # the run (other jobs on a shared machine) weighs on both equally.
     labels = {"a": "(a) turn 1, groups", "b": "(b) turn 2, continuation"}
-    print(f"{'phase':26} {'cache':5} {'wall s':>7} {'tok/s':>7} {'prefill tok':>11} {'cached tok':>10}")
+    walls: dict[tuple[str, str], list[float]] = {}
+    order = [("off", 0), ("on", args.prefix_cache_tokens)]
+    order = (order + order[::-1]) * args.repeats
+    for run, (name, budget) in enumerate(order):
+        with LocalEngine(model, tokenizer=tok, eos_token_ids=(),
+                         prefix_cache_tokens=budget) as engine:  # fmt: skip
+            turn = prompts
+            for phase in ("a", "b"):
+                outs, wall, cpu, fed, cached = await run_phase(engine, turn, args.new_tokens)
+                walls.setdefault((phase, name), []).append(wall)
+                print(f"{run:<4} {labels[phase]:24} {name:5} {wall:7.2f} {cpu:7.2f} "
+                      f"{sampled / wall:7.1f} {fed:11d} {cached:10d}", flush=True)  # fmt: skip
+                turn = [p + o.token_ids + suffix for p, o in zip(turn, outs, strict=True)]
+
     for phase in ("a", "b"):
-        rate = {}
-        for name in ("off", "on"):
-            runs = results[(phase, name)]
-            wall = min(r[0] for r in runs)  # best of the repeats: least disturbed by other load
-            rate[name] = sampled / wall
-            print(f"{labels[phase]:26} {name:5} {wall:7.2f} {rate[name]:7.1f} "
-                  f"{runs[0][1]:11d} {runs[0][2]:10d}")  # fmt: skip
-        print(f"{'':26} on/off tok/s = {rate['on'] / rate['off']:.2f}x")
+        off, on = (statistics.mean(walls[(phase, n)]) for n in ("off", "on"))
+        print(f"{labels[phase]}: mean tok/s off {sampled / off:.1f}, on {sampled / on:.1f}: "
+              f"on/off = {off / on:.2f}x")
 
 
 if __name__ == "__main__":
@@ -95,6 +102,6 @@ if __name__ == "__main__":
     parser.add_argument("--groups", type=int, default=4)
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=48)
-    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=1, help="off-on-on-off cycles")
     parser.add_argument("--prefix-cache-tokens", type=int, default=16384)
     asyncio.run(main(parser.parse_args()))
