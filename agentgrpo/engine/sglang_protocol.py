@@ -1,0 +1,138 @@
+"""SGLang's `/generate` wire format as pure functions: request bodies in, `Completion`s out.
+
+Split from `sglang.py` (the client: balancing, retries, weight updates) so the protocol can be read
+and tested on its own. Every response shape in `shared/sglang/fixtures/` (old and new versions) is
+parsed here; see `shared/sglang/PROTOCOL.md` for what each field means.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from agentgrpo.engine.base import Completion, EngineError, SamplingParams
+
+_FINISH_TYPES = frozenset({"stop", "length", "abort"})
+
+
+def parse_generate_output(
+    obj: Mapping[str, Any], *, weight_version: str | None = None
+) -> Completion:
+    """Turn one `/generate` output object into a `Completion`.
+
+    Tolerates every shape in the fixtures: HEAD and v0.5.x meta keys (unknown keys ignored),
+    v0.4.x without `output_ids`, `--skip-tokenizer-init` without `text`, and a bare `meta_info`
+    object. `weight_version` is the fallback for servers older than v0.5.2, whose meta_info has
+    none. Raises `EngineError` when the output cannot be trusted (no logprobs, ids disagree).
+    """
+    meta = obj.get("meta_info")
+    if meta is None:
+        if "finish_reason" not in obj:
+            raise EngineError(f"SGLang output has no meta_info: keys {sorted(obj)}")
+        meta = obj  # some shapes put the meta keys at the top level
+    entries = meta.get("output_token_logprobs")
+    if entries is None:
+        raise EngineError(
+            "SGLang output has no output_token_logprobs (was return_logprob dropped by a proxy?)"
+        )
+    try:
+        token_ids = [int(e[1]) for e in entries]
+        logprobs = [float(e[0]) for e in entries]
+    except (TypeError, ValueError, IndexError) as e:  # a null logprob or a malformed tuple
+        raise EngineError(f"malformed output_token_logprobs from SGLang: {e}") from e
+    output_ids = obj.get("output_ids")
+    if output_ids is not None and list(output_ids) != token_ids:
+        raise EngineError(
+            f"SGLang output_ids {list(output_ids)[:8]}... disagree with the ids of "
+            f"output_token_logprobs {token_ids[:8]}..."
+        )
+    finish = meta.get("finish_reason")
+    if isinstance(finish, str):  # OpenAI-style string
+        ftype, finish = finish, {}
+    elif isinstance(finish, Mapping):
+        ftype = finish.get("type")
+    else:
+        raise EngineError(f"SGLang output without a finish_reason: {finish!r}")
+    if ftype not in _FINISH_TYPES:
+        raise EngineError(f"unknown SGLang finish_reason type {ftype!r}")
+    detail = ""
+    if ftype == "abort":
+        detail = f"aborted by the server: {finish.get('message') or 'no message'}"
+    meta_out = {
+        "rid": meta.get("id"),
+        "prompt_tokens": meta.get("prompt_tokens"),
+        "cached_tokens": meta.get("cached_tokens"),
+        "e2e_latency": meta.get("e2e_latency"),
+    }
+    if "matched" in finish:
+        meta_out["matched"] = finish["matched"]
+    return Completion(
+        token_ids=token_ids,
+        logprobs=logprobs,
+        finish_reason=ftype,
+        weight_version=meta.get("weight_version", weight_version),
+        detail=detail,
+        meta=meta_out,
+    )
+
+
+def parse_generate_response(
+    body: Any, *, weight_version: str | None = None
+) -> list[Completion]:
+    """Parse a whole `/generate` body: one object, or a list (batch input or `n > 1`)."""
+    items = body if isinstance(body, list) else [body]
+    if not all(isinstance(i, Mapping) for i in items):
+        raise EngineError(f"unexpected SGLang /generate body of type {type(body).__name__}")
+    return [parse_generate_output(i, weight_version=weight_version) for i in items]
+
+
+def error_message(body: bytes) -> str:
+    """The human message of an SGLang error body, whichever of its shapes it has."""
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return body.decode("utf-8", "replace").strip()[:500]
+    if isinstance(obj, Mapping):
+        err = obj.get("error")
+        if isinstance(err, Mapping) and "message" in err:
+            return str(err["message"])
+        if isinstance(err, str):
+            return err
+        if "message" in obj:
+            return str(obj["message"])
+    return str(obj)[:500]
+
+
+def is_context_length_error(message: str) -> bool:
+    """True for SGLang's prompt-too-long validation errors (the only 400 we turn into a finish)."""
+    m = message.lower()
+    return "context length" in m or "context_length" in m
+
+
+def sampling_body(params: SamplingParams, max_new_tokens: int) -> dict[str, Any]:
+    """The `sampling_params` object: PROTOCOL.md section 9's RL settings and known keys only."""
+    sp: dict[str, Any] = {
+        "max_new_tokens": max_new_tokens,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "top_k": params.top_k if params.top_k > 0 else -1,  # SGLang: -1 = whole vocabulary
+        "stop_token_ids": list(params.stop_token_ids),
+        "skip_special_tokens": False,
+        "spaces_between_special_tokens": False,
+        "no_stop_trim": True,
+    }
+    if params.seed is not None:
+        sp["sampling_seed"] = params.seed  # SGLang >= 0.5.9; checked against the server version
+    return sp
+
+
+def _version_tuple(v: str) -> tuple[int, ...]:
+    out = []
+    for part in v.split(".")[:3]:
+        digits = "".join(ch for ch in part if ch.isdigit())
+        out.append(int(digits) if digits else 0)
+    return tuple(out)
+
+
+# ---------------------------------------------------------------------------------------------
