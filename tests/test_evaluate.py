@@ -78,11 +78,13 @@ def test_run_eval_writes_a_run_like_directory(tmp_path, smol_tokenizer):
 
 
 def test_latest_checkpoint_is_evaluated_by_default(tmp_path):
-    ckpt = tmp_path / "checkpoints" / "step-000003"
-    ckpt.mkdir(parents=True)
-    for f in ("model.safetensors", "learner.pt"):
-        (ckpt / f).write_bytes(b"")
-    (ckpt / "trainer.json").write_text(json.dumps({"step": 3}))
+    from agentgrpo import checkpoint
+
+    def payload(d):
+        for f in ("model.safetensors", "learner.pt"):
+            (d / f).write_bytes(b"weights")
+
+    ckpt = checkpoint.save(tmp_path / "checkpoints", 3, payload, {"data_position": 0})
     cfg = load_config(None, [f"output_dir={tmp_path}"])
     assert resolve_weights(cfg, tmp_path / "base") == (ckpt, 3)
     cfg = load_config(None, [f"output_dir={tmp_path / 'fresh'}"])
