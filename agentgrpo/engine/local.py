@@ -544,18 +544,17 @@ class _Batch:
             mask[i, past + width - len(prompt) :] = 1  # r cached + the fed ids, or only the fed
         ids, mask = ids.to(engine.device), mask.to(engine.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, past:]
-        if past:
+        if past:  # the cached rows, left-padded to P columns
+            some = next(entry for entry, _ in hits if entry is not None)
             layers = []
-            for layer in range(len(next(e for e, _ in hits if e is not None).keys)):
-                kv = []
-                for part in ("keys", "values"):
-                    like = next(getattr(e, part)[layer] for e, _ in hits if e is not None)
-                    out = like.new_zeros(B, like.shape[0], past, like.shape[2])  # [B, H, P, D]
-                    for i, ((entry, _), r) in enumerate(zip(hits, reuse, strict=True)):
-                        if r:
-                            out[i, :, past - r :] = getattr(entry, part)[layer][:, :r]
-                    kv.append(out)
-                layers.append(tuple(kv))
+            for layer, (k0, v0) in enumerate(zip(some.keys, some.values, strict=True)):
+                keys = k0.new_zeros(B, k0.shape[0], past, k0.shape[2])  # [B, H, P, D]
+                values = v0.new_zeros(B, v0.shape[0], past, v0.shape[2])
+                for i, ((entry, _), r) in enumerate(zip(hits, reuse, strict=True)):
+                    if r:
+                        keys[i, :, past - r :] = entry.keys[layer][:, :r]
+                        values[i, :, past - r :] = entry.values[layer][:, :r]
+                layers.append((keys, values))
             cache = DynamicCache(ddp_cache_data=layers, config=engine.model.config)
         else:
             cache = DynamicCache(config=engine.model.config)
