@@ -156,6 +156,49 @@ def padding_waste(trajs, mode: str, budget: int) -> float:
     return 1 - real / slots
 
 
+def spread_section(model, n: int, B: int, repeats: int) -> None:
+    """1 + 2: length spread, padded vs packed, learner vs bare loops."""
+    trajs = spread_batch(n, 20, 400)
+    adv = advantages(trajs)
+    tokens = sum(len(t.token_ids) for t in trajs)
+    runs = {
+        "learner packed": partial(learner(model, packing="packed", micro_batch_tokens=B).train_step, trajs, adv),
+        "learner padded": partial(learner(model, packing="padded", micro_batch_tokens=B).train_step, trajs, adv),
+        "bare head-only": partial(Bare(copy.deepcopy(model), True, B).step, trajs),
+        "bare full-logits": partial(Bare(copy.deepcopy(model), False, B).step, trajs),
+    }
+    t = compare(runs, repeats)
+    print(f"1. {len(trajs)} trajectories of 20..400 tokens ({tokens} tokens)")
+    for k, v in t.items():
+        print(f"   {k:18s} {statistics.median(v):6.2f} s/step  {tokens / statistics.median(v):7.0f} tok/s")
+    print(f"   padding waste: padded {padding_waste(trajs, 'padded', B):.1%}, packed "
+          f"{padding_waste(trajs, 'packed', B):.1%}")
+    print(f"   packed / padded throughput: {ratio(t, 'learner padded', 'learner packed'):.2f}x")
+    print(f"2. learner step / bare fwd+bwd+AdamW, head-only (same compute): "
+          f"{ratio(t, 'learner packed', 'bare head-only'):.3f}x (target <= 1.15)")
+    print(f"   learner step / bare loop with full logits: {ratio(t, 'learner packed', 'bare full-logits'):.3f}x")
+
+
+def grpo_section(model, B: int, repeats: int) -> None:
+    """3 + 4: GRPO-shaped batch: shared prompt, bf16."""
+    g = grpo_batch(groups=4, size=8)
+    gadv = advantages(g)
+    gtok = sum(len(x.token_ids) for x in g)
+    shared = make_micro_batches(g, gadv, B, mode="shared_prefix")
+    runs = {
+        "packed": partial(learner(model, packing="packed", micro_batch_tokens=B).train_step, g, gadv),
+        "shared_prefix": partial(learner(model, micro_batch_tokens=B).train_step, g, gadv),
+        "shared_prefix bf16": partial(learner(model, micro_batch_tokens=B, autocast="bf16").train_step, g, gadv),
+    }
+    t = compare(runs, repeats)
+    print(f"3. GRPO-shaped: 4 groups x 8, 170-token prompt ({gtok} trajectory tokens, "
+          f"{sum(mb.num_real_tokens for mb in shared)} computed with the prompt shared)")
+    for k, v in t.items():
+        print(f"   {k:20s} {statistics.median(v):6.2f} s/step  {gtok / statistics.median(v):7.0f} trajectory tok/s")
+    print(f"   shared_prefix speed-up over packed: {ratio(t, 'packed', 'shared_prefix'):.2f}x")
+    print(f"4. bf16 autocast speed-up (shared_prefix): {ratio(t, 'shared_prefix', 'shared_prefix bf16'):.2f}x")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=4)
@@ -173,44 +216,8 @@ def main() -> None:
           f"{sum(p.numel() for p in model.parameters()) / 1e6:.0f}M params; torch threads "
           f"{torch.get_num_threads()}; micro_batch_tokens {B}; {args.repeats} interleaved repeats\n")
 
-    # 1 + 2: length spread, padded vs packed, learner vs bare loops
-    trajs = spread_batch(args.trajectories, 20, 400)
-    adv = advantages(trajs)
-    tokens = sum(len(t.token_ids) for t in trajs)
-    runs = {
-        "learner packed": partial(learner(model, packing="packed", micro_batch_tokens=B).train_step, trajs, adv),
-        "learner padded": partial(learner(model, packing="padded", micro_batch_tokens=B).train_step, trajs, adv),
-        "bare head-only": partial(Bare(copy.deepcopy(model), True, B).step, trajs),
-        "bare full-logits": partial(Bare(copy.deepcopy(model), False, B).step, trajs),
-    }
-    t = compare(runs, args.repeats)
-    print(f"1. {len(trajs)} trajectories of 20..400 tokens ({tokens} tokens)")
-    for k, v in t.items():
-        print(f"   {k:18s} {statistics.median(v):6.2f} s/step  {tokens / statistics.median(v):7.0f} tok/s")
-    print(f"   padding waste: padded {padding_waste(trajs, 'padded', B):.1%}, packed "
-          f"{padding_waste(trajs, 'packed', B):.1%}")
-    print(f"   packed / padded throughput: {ratio(t, 'learner padded', 'learner packed'):.2f}x")
-    print(f"2. learner step / bare fwd+bwd+AdamW, head-only (same compute): "
-          f"{ratio(t, 'learner packed', 'bare head-only'):.3f}x (target <= 1.15)")
-    print(f"   learner step / bare loop with full logits: {ratio(t, 'learner packed', 'bare full-logits'):.3f}x")
-
-    # 3 + 4: GRPO-shaped batch: shared prompt, bf16
-    g = grpo_batch(groups=4, size=8)
-    gadv = advantages(g)
-    gtok = sum(len(x.token_ids) for x in g)
-    shared = make_micro_batches(g, gadv, B, mode="shared_prefix")
-    runs = {
-        "packed": partial(learner(model, packing="packed", micro_batch_tokens=B).train_step, g, gadv),
-        "shared_prefix": partial(learner(model, micro_batch_tokens=B).train_step, g, gadv),
-        "shared_prefix bf16": partial(learner(model, micro_batch_tokens=B, autocast="bf16").train_step, g, gadv),
-    }
-    t = compare(runs, args.repeats)
-    print(f"3. GRPO-shaped: 4 groups x 8, 170-token prompt ({gtok} trajectory tokens, "
-          f"{sum(mb.num_real_tokens for mb in shared)} computed with the prompt shared)")
-    for k, v in t.items():
-        print(f"   {k:20s} {statistics.median(v):6.2f} s/step  {gtok / statistics.median(v):7.0f} trajectory tok/s")
-    print(f"   shared_prefix speed-up over packed: {ratio(t, 'packed', 'shared_prefix'):.2f}x")
-    print(f"4. bf16 autocast speed-up (shared_prefix): {ratio(t, 'shared_prefix', 'shared_prefix bf16'):.2f}x")
+    spread_section(model, args.trajectories, B, args.repeats)  # each section frees its learners
+    grpo_section(model, B, args.repeats)
     if not args.no_real_model:
         real_model_gap()
     if args.real_step:
@@ -218,8 +225,12 @@ def main() -> None:
 
 
 def real_model_steps(budget: int) -> None:
-    """5. The embedded SmolLM2-135M on the GRPO-shaped batch: one step each (after a one-step warm-up
-    of the first), shared_prefix fp32 / bf16 autocast and packed fp32: what the embedded run pays."""
+    """5. The embedded SmolLM2-135M on the GRPO-shaped batch, what the embedded run pays per step:
+    shared_prefix fp32 / bf16 autocast and packed fp32. One learner at a time (each holds ~2 GB of
+    weights, gradients and Adam state, plus ~1.3 MB of fp32 activations per token in the step);
+    the first step of each is a warm-up, the second is timed."""
+    import gc
+
     from transformers import AutoModelForCausalLM
 
     from agentgrpo.models import default_model_path
@@ -228,18 +239,21 @@ def real_model_steps(budget: int) -> None:
     g = grpo_batch(groups=4, size=8)
     gadv = advantages(g)
     gtok = sum(len(x.token_ids) for x in g)
-    runs = {
-        "shared_prefix fp32": partial(learner(model, micro_batch_tokens=budget).train_step, g, gadv),
-        "shared_prefix bf16": partial(learner(model, micro_batch_tokens=budget, autocast="bf16").train_step, g, gadv),
-        "packed fp32": partial(learner(model, packing="packed", micro_batch_tokens=budget).train_step, g, gadv),
-    }
-    runs["shared_prefix fp32"]()  # warm-up
-    t = {k: [timed(fn)] for k, fn in runs.items()}
-    print(f"5. SmolLM2-135M learner step, 4 groups x 8 ({gtok} trajectory tokens):")
+    variants = {"shared_prefix fp32": {}, "shared_prefix bf16": {"autocast": "bf16"},
+                "packed fp32": {"packing": "packed"}}
+    t: dict[str, list[float]] = {}
+    for k, kw in variants.items():
+        L = learner(model, micro_batch_tokens=budget, **kw)
+        rss = L.train_step(g, gadv).get("mem/rss_peak_gb", float("nan"))
+        t[k] = [timed(partial(L.train_step, g, gadv))]
+        del L
+        gc.collect()
+    print(f"5. SmolLM2-135M learner step, 4 groups x 8 ({gtok} trajectory tokens), micro_batch_tokens {budget}:")
     for k, v in t.items():
         print(f"   {k:20s} {v[0]:6.1f} s/step  {gtok / v[0]:6.0f} trajectory tok/s")
     print(f"   bf16 autocast speed-up {ratio(t, 'shared_prefix fp32', 'shared_prefix bf16'):.2f}x; "
-          f"shared_prefix over packed {ratio(t, 'packed fp32', 'shared_prefix fp32'):.2f}x")
+          f"shared_prefix over packed {ratio(t, 'packed fp32', 'shared_prefix fp32'):.2f}x; "
+          f"process peak RSS {rss:.1f} GB")
 
 
 def real_model_gap(samples: int = 8, new_tokens: int = 48) -> None:
