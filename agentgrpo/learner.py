@@ -18,7 +18,7 @@ One `train_step(trajectories, advantages)`:
   5. `passes` optimisation passes over the batch, each one optimizer step (clip, step, schedule).
 
 Multi-process contract: every rank calls `train_step` with the *same* list (the rollouts come from
-rank 0's engine client and are broadcast; see docs/learner.md). Metrics are reduced over ranks.
+rank 0's engine client and are broadcast; see the README, section "The learner"). Metrics are reduced over ranks.
 
 Old logprobs are the rollout's own by default (on-policy, one pass) or a recomputation by the
 learner (config); the rollout/learner gap is logged (`logprob_gap_mean`, `logprob_gap_max`, first
@@ -74,7 +74,7 @@ class LearnerConfig(BaseModel):
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="parameter dtype")
     autocast: Literal["auto", "bf16", "none"] = Field(
         "auto", description="bf16 autocast of the decoder; auto = on for CUDA, off on CPU (bf16 on CPU "
-        "is ~2.7x faster there but widens the rollout/learner logprob gap; see docs/learner.md)")
+        "is ~2.7x faster there but widens the rollout/learner logprob gap; see the README, section 'The learner')")
     gradient_checkpointing: bool = Field(False, description="recompute activations in backward")
     attn_implementation: str | None = Field(
         None, description="set the model's attention kernel (sdpa, eager, flash_attention_2, ...); "
