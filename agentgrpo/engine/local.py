@@ -544,20 +544,22 @@ class _Batch:
             mask[i, past + width - len(prompt) :] = 1  # r cached + the fed ids, or only the fed
         ids, mask = ids.to(engine.device), mask.to(engine.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, past:]
+        cache = DynamicCache(config=engine.model.config)
         if past:  # the cached rows, left-padded to P columns
             some = next(entry for entry, _ in hits if entry is not None)
-            layers = []
-            for layer, (k0, v0) in enumerate(zip(some.keys, some.values, strict=True)):
-                keys = k0.new_zeros(B, k0.shape[0], past, k0.shape[2])  # [B, H, P, D]
-                values = v0.new_zeros(B, v0.shape[0], past, v0.shape[2])
+            for li, layer in enumerate(cache.layers):
+                k0, v0 = some.keys[li], some.values[li]
+                keys = k0.new_empty(B, k0.shape[0], past, k0.shape[2])  # [B, H, P, D]
+                values = v0.new_empty(B, v0.shape[0], past, v0.shape[2])
                 for i, ((entry, _), r) in enumerate(zip(hits, reuse, strict=True)):
+                    keys[i, :, : past - r] = 0
+                    values[i, :, : past - r] = 0
                     if r:
-                        keys[i, :, past - r :] = entry.keys[layer][:, :r]
-                        values[i, :, past - r :] = entry.values[layer][:, :r]
-                layers.append((keys, values))
-            cache = DynamicCache(ddp_cache_data=layers, config=engine.model.config)
-        else:
-            cache = DynamicCache(config=engine.model.config)
+                        keys[i, :, past - r :] = entry.keys[li][:, :r]
+                        values[i, :, past - r :] = entry.values[li][:, :r]
+                layer.lazy_initialization(keys, values)
+                # Assigned, not `update`d: update concatenates, which would copy them once more.
+                layer.keys, layer.values = keys, values
         # Long prompts go through in column chunks so attention scores stay within the budget.
         step = max(1, engine.prefill_tokens // B)
         for start in range(0, width, step):
