@@ -74,7 +74,8 @@ class LearnerConfig(BaseModel):
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="parameter dtype")
     autocast: Literal["auto", "bf16", "none"] = Field(
         "auto", description="bf16 autocast of the decoder; auto = on for CUDA, off on CPU (bf16 on CPU "
-        "is ~2.7x faster there but widens the rollout/learner logprob gap; see the README, section 'The learner')")
+        "makes a SmolLM2-135M step ~2x faster but widens the rollout/learner logprob gap; see the README, "
+        "section 'The learner')")
     gradient_checkpointing: bool = Field(False, description="recompute activations in backward")
     attn_implementation: str | None = Field(
         None, description="set the model's attention kernel (sdpa, eager, flash_attention_2, ...); "
