@@ -101,12 +101,16 @@ def save(root: Path, step: int, write_payload: Callable[[Path], None], trainer_s
     return final
 
 
-def verify(directory: Path) -> dict[str, Any]:
-    """The manifest of a complete, intact checkpoint; raises CorruptCheckpoint otherwise."""
+def _read_manifest(directory: Path) -> dict[str, Any]:
     try:
-        manifest = json.loads((directory / MANIFEST).read_text())
+        return json.loads((directory / MANIFEST).read_text())
     except (OSError, ValueError) as e:
         raise CorruptCheckpoint(f"no readable {MANIFEST}: {e}") from None
+
+
+def verify(directory: Path) -> dict[str, Any]:
+    """The manifest of a complete, intact checkpoint; raises CorruptCheckpoint otherwise."""
+    manifest = _read_manifest(directory)
     files = manifest.get("files")
     if not isinstance(files, dict) or not files:
         raise CorruptCheckpoint(f"{MANIFEST} lists no files")
@@ -131,22 +135,35 @@ def latest(root: Path) -> tuple[Path, dict[str, Any]] | None:
     return None
 
 
-def restore(root: Path, load: Callable[[Path], None]) -> tuple[Path, dict[str, Any]] | None:
+def restore(root: Path, load: Callable[[Path], None], *, check: bool = True,
+            all_ranks: Callable[[bool], bool] = bool) -> tuple[Path, dict[str, Any]] | None:
     """Load the newest checkpoint that verifies and that `load(dir)` accepts; None if there is none.
 
     A checkpoint that fails either way is skipped with a warning and the previous one is tried.
     `load` must leave nothing half-applied that a later successful `load` would not overwrite.
+
+    Many processes: every rank calls `restore` over the same directory; only rank 0 reads the
+    checksums (`check`, the expensive part; the others read the manifest), and `all_ranks(ok)` (True
+    only when `ok` holds on every rank, e.g. `Learner.all_ranks`) makes all of them load, or skip,
+    the same checkpoint.
     """
     for d in sorted(root.glob("step-*"), reverse=True):
+        manifest, error = None, None
         try:
-            manifest = verify(d)
-            load(d)
-        except (CorruptCheckpoint, OSError, ValueError, RuntimeError, KeyError) as e:
-            # Damaged files surface as any of these (safetensors header errors are ValueError or
-            # RuntimeError, a mismatched state dict is RuntimeError/KeyError): all mean "not this one".
-            warnings.warn(f"skipping checkpoint {d}: {type(e).__name__}: {e}", stacklevel=2)
-            continue
-        return d, manifest
+            manifest = verify(d) if check else _read_manifest(d)
+        except CorruptCheckpoint as e:
+            error = e
+        if all_ranks(error is None):
+            try:
+                load(d)
+            except (OSError, ValueError, RuntimeError, KeyError) as e:
+                # Damaged files surface as any of these (safetensors header errors are ValueError or
+                # RuntimeError, a mismatched state dict is RuntimeError/KeyError): all mean "not this one".
+                error = e
+            if all_ranks(error is None):
+                return d, manifest  # type: ignore[return-value]
+        reason = f"{type(error).__name__}: {error}" if error else "rejected on another rank"
+        warnings.warn(f"skipping checkpoint {d}: {reason}", stacklevel=2)
     return None
 
 

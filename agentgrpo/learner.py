@@ -19,6 +19,12 @@ One `train_step(trajectories, advantages)`:
 
 Multi-process contract: every rank calls `train_step` with the *same* list (the rollouts come from
 rank 0's engine client and are broadcast; see the README, section "The learner"). Metrics are reduced over ranks.
+`export_model`, `save` and `load` are collective too: every rank calls them, rank 0 gets the model
+to push and writes the files. Under FSDP the weights and the optimizer state are gathered to full,
+unsharded tensors keyed by parameter name (torch's `get_model_state_dict` /
+`get_optimizer_state_dict`), so a checkpoint does not depend on the number of ranks that wrote it.
+DeepSpeed is refused: its optimizer state lives in DeepSpeed's own engine, which this checkpoint
+code does not reach.
 
 Old logprobs are the rollout's own by default (on-policy, one pass) or a recomputation by the
 learner (config); the rollout/learner gap is logged (`logprob_gap_mean`, `logprob_gap_max`, first
@@ -30,19 +36,29 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import os
 import resource
 import time
 from collections.abc import Sequence
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 from accelerate import Accelerator
+from accelerate.utils import DistributedType, InitProcessGroupKwargs
 from pydantic import BaseModel, ConfigDict, Field
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 from agentgrpo.batch import PackingMode, TrainBatch, make_micro_batches, shard
 from agentgrpo.logprobs import PolicyForward, to_loss_layout, token_logprobs, uses_flash
-from agentgrpo.lora import LoraConfig, MergedModel, apply_lora, load_adapter, merged_state_dict
+from agentgrpo.lora import LoraConfig, MergedModel, adapter_weights, apply_lora, merged_state_dict
 from agentgrpo.loss import LossConfig, compute_loss
 from agentgrpo.types import Trajectory
 
@@ -81,6 +97,9 @@ class LearnerConfig(BaseModel):
         None, description="set the model's attention kernel (sdpa, eager, flash_attention_2, ...); "
         "flash kernels pack by position ids (varlen) instead of a mask")
     ref_offload: bool = Field(False, description="keep the reference model on the CPU between steps")
+    collective_timeout_s: float = Field(
+        3600.0, gt=0, description="many processes: how long a rank waits in a collective (other ranks "
+        "wait for rank 0's rollouts in one) before the run fails instead of hanging")
     lora: LoraConfig | None = Field(None, description="train LoRA adapters (peft) instead of all weights")
 
 
@@ -117,7 +136,13 @@ class Learner:
         if cfg.lr_schedule != "constant" and not total_steps:
             raise ValueError(f"lr_schedule={cfg.lr_schedule!r} needs total_steps (the run's steps)")
         self.cfg, self.loss_cfg, self.temperature, self.pad_id = cfg, loss_cfg, temperature, pad_id
-        self.accelerator = accelerator or Accelerator()
+        # Without cpu=True accelerate treats a GPU-less multi-process launch as one process (each rank
+        # would silently train alone); the timeout covers ranks waiting for rank 0's rollouts.
+        self.accelerator = accelerator or Accelerator(
+            cpu=not torch.cuda.is_available(),
+            kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.collective_timeout_s))])
+        _check_launch(self.accelerator)
+        self.sharded = self.accelerator.distributed_type == DistributedType.FSDP
         device = self.accelerator.device
         model = model.to(getattr(torch, cfg.dtype))
         if cfg.attn_implementation:
@@ -135,6 +160,9 @@ class Learner:
         if loss_cfg.kl_coef > 0 and cfg.lora is None:
             ref = PolicyForward(copy.deepcopy(model), autocast_bf16=bf16).eval().requires_grad_(False)
             self.ref = ref.to("cpu" if cfg.ref_offload else device)
+        # FSDP: rank 0 keeps an unsharded CPU copy of the plain model for weight sync to load the
+        # gathered weights into (the engine's probe check needs a model that runs on one process).
+        self._export_copy = copy.deepcopy(model).cpu() if self.sharded and self.is_main else None
         if cfg.lora is not None:
             model = apply_lora(model, cfg.lora)
         params = [p for p in model.parameters() if p.requires_grad]
@@ -163,17 +191,44 @@ class Learner:
 
         return broadcast_object_list([obj], from_process=0)[0]
 
-    def export_model(self) -> torch.nn.Module:
-        """The model to hand to `WeightSync.push`: plain transformers names, LoRA merged in."""
-        return MergedModel(self.unwrapped) if self.cfg.lora else self.unwrapped
+    def all_ranks(self, flag: bool) -> bool:
+        """True when `flag` is true on every rank (so that all ranks take the same branch)."""
+        if self.accelerator.num_processes == 1:
+            return flag
+        t = torch.tensor([int(flag)], device=self.accelerator.device)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
+        return bool(t.item())
+
+    def any_rank(self, flag: bool) -> bool:
+        """True when `flag` is true on some rank (a stop signal that reached one process)."""
+        return not self.all_ranks(not flag)
+
+    def export_model(self) -> torch.nn.Module | None:
+        """The model to hand to `WeightSync.push` on rank 0: plain transformers names, LoRA merged in.
+
+        Collective under FSDP: every rank calls it, the full weights are gathered into rank 0's CPU
+        copy of the model, and other ranks get None. Otherwise the live model itself (no copy)."""
+        if not self.sharded:
+            return MergedModel(self.unwrapped) if self.cfg.lora else self.unwrapped
+        sd = self.export_state_dict()
+        if self._export_copy is None:
+            return None
+        self._export_copy.load_state_dict(sd)
+        return self._export_copy
 
     def export_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full weights under the base model's names (gathered under FSDP; adapters merged)."""
-        sd = {k.removeprefix("model."): v for k, v in self.accelerator.get_state_dict(self.model).items()}
-        if self.cfg.lora is None:
+        """Full weights under the base model's names, on the CPU, adapters merged. Collective under
+        FSDP (the shards are gathered to rank 0; other ranks get an empty dict)."""
+        sd = {k.removeprefix("model."): v for k, v in self._full_weights().items()}
+        if self.cfg.lora is None or not sd:
             return sd
         sd = {k.removeprefix("base_model.model."): v for k, v in sd.items()}
         return merged_state_dict(self.unwrapped, sd)
+
+    def _full_weights(self) -> dict[str, torch.Tensor]:
+        """The policy's unsharded state dict on rank 0's CPU, keyed by parameter name (empty on other
+        ranks when there are several)."""
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
     # -- one step ----------------------------------------------------------------------------------
 
@@ -301,36 +356,61 @@ class Learner:
 
     # -- checkpoints -------------------------------------------------------------------------------
 
-    def save(self, directory: Path) -> None:
-        """Model weights (or the LoRA adapter) as safetensors, and `learner.pt` (optimizer,
-        scheduler, step). Collective under FSDP (gathers the weights); rank 0 writes."""
-        sd = {k.removeprefix("model."): v for k, v in self.accelerator.get_state_dict(self.model).items()}
+    def save(self, directory: Path | None) -> None:
+        """Model weights (or the LoRA adapter) as safetensors, and `learner.pt` (optimizer state keyed
+        by parameter name, scheduler, step). Collective: every rank calls it (FSDP gathers the
+        shards); rank 0 writes into `directory`, the others may pass None."""
+        weights = self._full_weights()
+        optim = get_optimizer_state_dict(self.model, self.optimizer.optimizer,
+                                         options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if not self.is_main:
             return
+        assert directory is not None, "rank 0 needs a directory to write the checkpoint into"
+        sd = {k.removeprefix("model."): v for k, v in weights.items()}
         self.unwrapped.save_pretrained(directory, state_dict=sd, safe_serialization=True)
-        torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                    "step": self.step}, directory / "learner.pt")
+        torch.save({"optimizer": optim, "scheduler": self.scheduler.state_dict(), "step": self.step},
+                   directory / "learner.pt")
 
     def load(self, directory: Path) -> None:
-        """Restore what `save` wrote; raises ValueError when it does not fit this model."""
+        """Restore what `save` wrote (collective; every rank reads the files); raises ValueError
+        when they do not fit this model."""
         if self.cfg.lora is not None:
-            load_adapter(self.unwrapped, directory)
+            weights = adapter_weights(self.unwrapped, directory)
+            needed = [n for n, _ in self.unwrapped.named_parameters() if "lora_" in n]
         else:
             from safetensors.torch import load_file
 
-            weights: dict[str, Any] = {}
+            weights = {}
             for f in sorted(directory.glob("*.safetensors")):
                 weights.update(load_file(f))
-            missing, unexpected = self.unwrapped.load_state_dict(weights, strict=False)
-            # Tied embeddings (lm_head = embed_tokens) are saved once; anything else missing is corruption.
-            missing = [k for k in missing if k != "lm_head.weight"]
-            if missing or unexpected:
-                raise ValueError(f"checkpoint {directory} does not match the model: missing {missing[:5]}, "
-                                 f"unexpected {unexpected[:5]}")
-        st = torch.load(directory / "learner.pt", weights_only=True, map_location=self.accelerator.device)
-        self.optimizer.load_state_dict(st["optimizer"])
+            needed = list(self.unwrapped.state_dict())
+            if getattr(self.unwrapped.config, "tie_word_embeddings", False):  # lm_head is saved once
+                needed = [k for k in needed if k != "lm_head.weight"]
+        missing = [k for k in needed if k not in weights]
+        unexpected = [k for k in weights if k not in set(self.unwrapped.state_dict())]
+        if missing or unexpected:
+            raise ValueError(f"checkpoint {directory} does not match the model: missing {missing[:5]}, "
+                             f"unexpected {unexpected[:5]}")
+        full = StateDictOptions(full_state_dict=True, strict=False)
+        set_model_state_dict(self.model, {f"model.{k}": v for k, v in weights.items()}, options=full)
+        st = torch.load(directory / "learner.pt", weights_only=True, map_location="cpu")
+        set_optimizer_state_dict(self.model, self.optimizer.optimizer, st["optimizer"],
+                                 options=StateDictOptions(full_state_dict=True))
         self.scheduler.load_state_dict(st["scheduler"])
         self.step = int(st["step"])
+
+
+def _check_launch(acc: Accelerator) -> None:
+    """Refuse a launch the learner would get silently wrong."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != acc.num_processes:
+        raise ValueError(f"WORLD_SIZE={world} but accelerate runs {acc.num_processes} process(es): each "
+                         "rank would train alone. Without GPUs, launch with `accelerate launch --cpu` "
+                         "(or pass Accelerator(cpu=True)).")
+    if acc.distributed_type == DistributedType.DEEPSPEED:
+        raise ValueError("DeepSpeed is not supported by the learner: its optimizer state and gathered "
+                         "weights live in DeepSpeed's engine, which checkpoints and weight sync do not "
+                         "reach. Use FSDP (`accelerate config` -> FSDP).")
 
 
 class _Metrics:

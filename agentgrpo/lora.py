@@ -8,7 +8,7 @@
   under the base model's names: `merged_state_dict` computes W + scaling * B @ A out of place (the
   training weights are never merged and unmerged, which would drift them by float rounding), and
   `MergedModel` presents them to `WeightSync` as an ordinary model.
-- Checkpoints hold the adapter only (`save_adapter` / `load_adapter`); the base comes from
+- Checkpoints hold the adapter only (`save_adapter` / `adapter_weights`); the base comes from
   `model.path` when the run resumes.
 """
 
@@ -105,14 +105,21 @@ def save_adapter(peft_model: torch.nn.Module, directory: Path,
     peft_model.save_pretrained(directory, state_dict=state_dict, safe_serialization=True)
 
 
-def load_adapter(peft_model: torch.nn.Module, directory: Path) -> None:
-    """Load adapter weights saved by `save_adapter`; raises if a tensor is missing."""
-    from peft.utils import set_peft_model_state_dict
+def adapter_weights(peft_model: torch.nn.Module, directory: Path) -> dict[str, torch.Tensor]:
+    """The adapter `save_adapter` wrote, under the peft model's own parameter names.
+
+    peft's files drop the adapter name (`...q_proj.lora_A.weight`); the live parameters carry it
+    (`...q_proj.lora_A.default.weight`). Putting it back lets the learner load the adapter with
+    torch's `set_model_state_dict`, which works the same on a plain, DDP or FSDP-sharded model.
+    Only Linear LoRA layers exist here (`merged_state_dict` refuses others), so `lora_A`/`lora_B`
+    are the only names to map.
+    """
     from safetensors.torch import load_file
 
-    weights = load_file(directory / "adapter_model.safetensors")
-    result = set_peft_model_state_dict(peft_model, weights)
-    missing = [k for k in result.missing_keys if "lora_" in k]
-    if missing or result.unexpected_keys:
-        raise ValueError(f"adapter in {directory} does not match the model: missing {missing[:5]}, "
-                         f"unexpected {list(result.unexpected_keys)[:5]}")
+    adapter = peft_model.active_adapter
+    out = {}
+    for key, t in load_file(directory / "adapter_model.safetensors").items():
+        for part in ("lora_A", "lora_B"):
+            key = key.replace(f".{part}.weight", f".{part}.{adapter}.weight")
+        out[key] = t
+    return out

@@ -125,16 +125,20 @@ def step_metrics(groups: Sequence[Group]) -> dict[str, float]:
 
 
 def train(cfg: RunConfig) -> Path:
+    """Run (or resume) the training run `cfg` describes; returns its run directory.
+
+    Under `accelerate launch` every process runs this function. Rank 0 alone talks to the engine
+    (rollouts, weight sync, evaluation), writes logs, reports and checkpoint files, and broadcasts
+    each step's rollouts; every rank trains on that same list, so the order of tasks, seeds and
+    checkpoints is the one a single process would produce. Collectives (broadcast, `train_step`,
+    `export_model`, `Learner.save`, checkpoint agreement) are called by all ranks in the same order.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from agentgrpo.models import default_model_path
 
     run_dir = Path(cfg.output_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(dump_config(cfg))
-    print(describe_algorithm(cfg.advantage, cfg.loss, cfg.shaping), flush=True)
     seed_everything(cfg.seed)
-
     model_path = Path(cfg.model.path) if cfg.model.path else default_model_path()
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     template = Path(cfg.model.chat_template).read_text() if cfg.model.chat_template else None
@@ -145,45 +149,63 @@ def train(cfg: RunConfig) -> Path:
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else chat.end_of_turn_id
     learner = Learner(model, cfg.learner, cfg.loss, temperature=cfg.rollout.temperature, pad_id=pad_id,
                       total_steps=cfg.train.steps)
-    engine = build_engine(cfg, model_path, tokenizer)
-    sync = WeightSync(engine, cfg.weight_sync)
+    lead = learner.is_main  # rank 0: engine, weight sync, logs and files; other ranks only train
     env_cls = get_env_class(cfg.env.name)
     make_env = lambda: env_cls(**cfg.env.kwargs)  # noqa: E731 - one env instance per trajectory
     stream = TaskStream(env_cls.load_tasks("train", seed=cfg.seed, **cfg.env.tasks), cfg.seed)
-    # Refuse a template that would make the learner see tokens the model never saw.
-    print(f"chat template: {chat.template_source}, token mode: "
-          f"{require_token_safe(chat, make_env(), stream.tasks[0], seed=cfg.seed).mode}", flush=True)
+    engine = sync = logger = None
+    if lead:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(dump_config(cfg))
+        print(describe_algorithm(cfg.advantage, cfg.loss, cfg.shaping), flush=True)
+        # Refuse a template that would make the learner see tokens the model never saw.
+        print(f"chat template: {chat.template_source}, token mode: "
+              f"{require_token_safe(chat, make_env(), stream.tasks[0], seed=cfg.seed).mode}", flush=True)
+        engine = build_engine(cfg, model_path, tokenizer)
+        sync = WeightSync(engine, cfg.weight_sync)
     loop = asyncio.new_event_loop()  # one loop for the run: engine clients and workers live on it
 
+    def push(step: int) -> None:
+        weights = learner.export_model()  # collective under FSDP (gathers the shards to rank 0)
+        if lead:
+            loop.run_until_complete(sync.push(weights, step))
+
     ckpt_root, start = run_dir / "checkpoints", 0
-    if (found := checkpoint.restore(ckpt_root, learner.load)) is not None:  # damaged ones: skipped
+    found = checkpoint.restore(ckpt_root, learner.load, check=lead, all_ranks=learner.all_ranks)
+    if found is not None:  # damaged checkpoints were skipped, on every rank alike
         ckpt_dir, manifest = found
         start, stream.position = int(manifest["step"]), int(manifest["data_position"])
         checkpoint.set_rng_state(manifest["rng"])
-        loop.run_until_complete(sync.push(learner.export_model(), start))
-        print(f"resumed from {ckpt_dir} at step {start}", flush=True)
+        push(start)
+        if lead:
+            print(f"resumed from {ckpt_dir} at step {start}", flush=True)
 
     saved = done = start
 
     def save(step: int) -> None:
         nonlocal saved
         saved = step
+        if not lead:
+            learner.save(None)  # its part of rank 0's gather
+            return
         checkpoint.save(ckpt_root, step, learner.save,
                         {"data_position": stream.position, "weight_version": str(step),
                          "rng": checkpoint.rng_state()}, keep=cfg.train.keep_checkpoints)
 
-    logger = RunLogger.from_config(run_dir, cfg)
-    progress = Progress(cfg.train.steps, start_step=start, enabled=cfg.log.progress,
+    if lead:
+        logger = RunLogger.from_config(run_dir, cfg)
+    progress = Progress(cfg.train.steps, start_step=start, enabled=cfg.log.progress and lead,
                         rollouts_per_step=cfg.rollout.tasks_per_step * cfg.rollout.group_size)
     eval_tasks = (list(env_cls.load_tasks(cfg.eval.split, seed=cfg.seed, **cfg.env.tasks))[: cfg.eval.num_tasks]
-                  if cfg.eval.every else [])
+                  if cfg.eval.every and lead else [])
     stop = checkpoint.StopRequested().install()  # SIGTERM/SIGINT: checkpoint after this step, exit
     try:
         for step in range(start, cfg.train.steps):
             t0 = time.perf_counter()
             progress.phase("rollout")
-            groups, metrics = loop.run_until_complete(
-                collect_step(cfg, make_env, engine, chat, stream, step, context_len, progress.rollout_done))
+            rollouts = loop.run_until_complete(collect_step(
+                cfg, make_env, engine, chat, stream, step, context_len, progress.rollout_done)) if lead else None
+            groups, metrics = learner.broadcast(rollouts)  # every rank trains on rank 0's rollouts
             t_rollout = time.perf_counter() - t0
             trajs = [t for g in groups for t in g.trajectories]
             advantages_B = compute_advantages(shaped_rewards(cfg, trajs), [t.group_id for t in trajs],
@@ -194,25 +216,27 @@ def train(cfg: RunConfig) -> Path:
             progress.phase("train")
             metrics.update(learner.train_step(trajs, advantages_B.tolist()))
             progress.phase("sync")
-            loop.run_until_complete(sync.push(learner.export_model(), step + 1))
-            metrics.update(step_metrics(groups), **rollout_metrics(groups), rollout_s=t_rollout,
-                           step_s=time.perf_counter() - t0)
-            metrics["tokens_per_s"] = metrics.get("sampled_tokens", 0.0) / max(t_rollout, 1e-9)
-            if cfg.eval.every and (step + 1) % cfg.eval.every == 0:
-                progress.phase("eval", total=len(eval_tasks) * cfg.eval.samples_per_task)
-                result = loop.run_until_complete(evaluate(make_env, engine, chat, eval_tasks, cfg.rollout, cfg.eval,
-                                                          seed=cfg.seed, context_len=context_len,
-                                                          on_done=progress.rollout_done))
-                metrics.update({f"eval/{k}": v for k, v in result.metrics.items()})
-            metrics.update({f"phase_s/{k}": v for k, v in progress.phase_times().items()})
-            logger.log_step(step + 1, metrics)
-            logger.log_groups(step + 1, groups)
+            push(step + 1)
             done = step + 1
-            if stop or (cfg.train.save_every and done % cfg.train.save_every == 0):
+            stopping = learner.any_rank(bool(stop))
+            if lead:
+                metrics.update(step_metrics(groups), **rollout_metrics(groups), rollout_s=t_rollout,
+                               step_s=time.perf_counter() - t0)
+                metrics["tokens_per_s"] = metrics.get("sampled_tokens", 0.0) / max(t_rollout, 1e-9)
+                if cfg.eval.every and done % cfg.eval.every == 0:
+                    progress.phase("eval", total=len(eval_tasks) * cfg.eval.samples_per_task)
+                    result = loop.run_until_complete(evaluate(make_env, engine, chat, eval_tasks, cfg.rollout,
+                                                              cfg.eval, seed=cfg.seed, context_len=context_len,
+                                                              on_done=progress.rollout_done))
+                    metrics.update({f"eval/{k}": v for k, v in result.metrics.items()})
+                metrics.update({f"phase_s/{k}": v for k, v in progress.phase_times().items()})
+                logger.log_step(done, metrics)
+                logger.log_groups(done, groups)
+            if stopping or (cfg.train.save_every and done % cfg.train.save_every == 0):
                 progress.phase("checkpoint")
                 save(done)
             progress.step_done(done, metrics)
-            if stop:
+            if stopping:
                 break
         if done > saved:  # at exit: the last finished step
             progress.phase("checkpoint")
@@ -220,11 +244,14 @@ def train(cfg: RunConfig) -> Path:
     finally:
         stop.uninstall()
         progress.close()
-        logger.close()
-        loop.run_until_complete(sync.close())
+        if logger is not None:
+            logger.close()
+        if sync is not None:
+            loop.run_until_complete(sync.close())
         close = getattr(engine, "aclose", None)
         if close is not None:
             loop.run_until_complete(close())
         loop.close()
-    write_report(run_dir)
+    if lead:
+        write_report(run_dir)
     return run_dir

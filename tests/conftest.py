@@ -68,3 +68,18 @@ def shared_template(name: str) -> str:
     if not path.exists():
         pytest.skip(f"{path} is not present (shared/ lies beside the checkout in CI)")
     return path.read_text()
+
+
+@pytest.fixture(scope="session")
+def stopping_model_dir(tiny_model_dir, tmp_path_factory):
+    """The tiny random model with 5,000 token ids declared as EOS: ~10% of its turns end within a
+    few tokens (and get a reward), the rest hit the token limit, so rewards and advantages vary."""
+    import json
+    import shutil
+
+    d = tmp_path_factory.mktemp("stopping") / "model"
+    shutil.copytree(tiny_model_dir, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["eos_token_id"] = [cfg["eos_token_id"], *range(1000, 6000)]
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d

@@ -85,6 +85,19 @@ def test_restore_skips_a_checkpoint_the_learner_rejects(tmp_path):
     assert checkpoint.restore(tmp_path / "none", load) is None
 
 
+def test_restore_skips_what_another_rank_rejected_on_every_rank(tmp_path):
+    """Many ranks: a checkpoint that another rank failed to load (the `all_ranks` vote) is skipped
+    here too, and a rank that does not check checksums still sees the manifest."""
+    _save(tmp_path, 1)
+    newest = _save(tmp_path, 2)
+    (newest / "model.safetensors").write_bytes(b"corrupt")  # only a checking rank would notice
+    votes, loaded = iter([True, False, True, True]), []  # step 2 verifies here, fails to load elsewhere
+    with pytest.warns(UserWarning, match="step-000002: rejected on another rank"):
+        d, manifest = checkpoint.restore(tmp_path, lambda d: loaded.append(d.name), check=False,
+                                         all_ranks=lambda ok: ok and next(votes))
+    assert loaded == ["step-000002", "step-000001"] and manifest["step"] == 1
+
+
 def test_rng_state_round_trip():
     state = checkpoint.rng_state()
     json.dumps(state)  # it goes into trainer.json
@@ -110,20 +123,6 @@ class VariedRewardEnv(CalculatorEnv):
 
     def reward(self, task, messages) -> float:
         return float(Fraction(len(messages[-1].content) % 3, 2))
-
-
-@pytest.fixture(scope="module")
-def stopping_model_dir(tiny_model_dir, tmp_path_factory):
-    """The tiny random model with 5,000 token ids declared as EOS: ~10% of its turns end within a
-    few tokens (and get a reward), the rest hit the token limit, so rewards and advantages vary."""
-    import shutil
-
-    d = tmp_path_factory.mktemp("stopping") / "model"
-    shutil.copytree(tiny_model_dir, d)
-    cfg = json.loads((d / "config.json").read_text())
-    cfg["eos_token_id"] = [cfg["eos_token_id"], *range(1000, 6000)]
-    (d / "config.json").write_text(json.dumps(cfg))
-    return d
 
 
 def _train(out, model_dir, steps, *extra):

@@ -1,0 +1,158 @@
+"""Many processes on CPU (gloo): the whole loop under 2 ranks equals 1 process, resume included; the
+learner under FSDP (sharded parameters) trains, checkpoints and exports like 1 process."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+
+from agentgrpo.learner import Learner, LearnerConfig
+from agentgrpo.log import read_jsonl
+from agentgrpo.loss import LossConfig
+from tests.test_checkpoint import _by_step, _train, _weights
+from tests.test_learner import TEMPERATURE, batch_and_advantages
+from tests.tiny import tiny_llama
+
+CFG = LearnerConfig(lr=1e-2, micro_batch_tokens=64, grad_clip=1e9, warmup_steps=2)
+LOSS = LossConfig(kl_coef=0.1)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn(fn, *args) -> None:
+    """Run `fn(rank, port, *args)` in 2 fresh processes joined by a gloo process group."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_rank, args=(_free_port(), fn, args), nprocs=2, join=True)
+
+
+def _rank(rank: int, port: int, fn, args) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)  # two ranks share this machine's cores
+    fn(rank, *args)
+
+
+# --- the whole loop ----------------------------------------------------------------------------------
+
+def _train_on_rank(rank: int, out: str, model_dir: str, steps: int) -> None:
+    assert _train(out, model_dir, steps, "train.save_every=2") == 0
+    assert torch.distributed.get_world_size() == 2  # the ranks really trained together
+
+
+def test_two_ranks_run_the_loop_like_one_process_and_resume(tmp_path, stopping_model_dir):
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert _train(one, stopping_model_dir, 3, "train.save_every=2") == 0
+    _spawn(_train_on_rank, str(two), str(stopping_model_dir), 2)
+    # Rank 0 alone logged: one row per step, no second copy from rank 1.
+    assert [m["step"] for m in read_jsonl(two / "metrics.jsonl")] == [1, 2]
+    assert sorted(p.name for p in (two / "checkpoints").iterdir()) == ["step-000002"]
+    _spawn(_train_on_rank, str(two), str(stopping_model_dir), 3)  # both ranks resume from step 2
+    assert [m["step"] for m in read_jsonl(two / "metrics.jsonl")] == [1, 2, 3]
+
+    a, b = _by_step(one), _by_step(two)
+    assert a == b  # same tasks, sampled tokens and rewards in every step
+    assert len({r for s in a.values() for (_, _, r) in s}) > 1  # rewards vary: the weights train
+    from safetensors.torch import load_file
+
+    w0 = load_file(stopping_model_dir / "model.safetensors")
+    w1, w2 = _weights(one, 3), _weights(two, 3)
+    # Two ranks sum the gradient in another order, and Adam magnifies tiny differences on weights
+    # whose gradient is ~0 (g / (|g| + eps)): measured ~0.1% of how far each tensor moved.
+    for name, t in w1.items():
+        moved, apart = float((t - w0[name]).norm()), float((w2[name] - t).norm())
+        assert moved > 1e-3 and apart <= 0.01 * moved + 1e-6, (name, moved, apart)
+    m1, m2 = read_jsonl(one / "metrics.jsonl"), read_jsonl(two / "metrics.jsonl")
+    assert [m["loss"] for m in m2] == pytest.approx([m["loss"] for m in m1], abs=1e-6)
+
+
+def test_a_launch_accelerate_would_run_as_one_process_is_refused(monkeypatch):
+    from accelerate import Accelerator
+
+    monkeypatch.setenv("WORLD_SIZE", "2")  # e.g. a GPU-less torchrun without --cpu
+    with pytest.raises(ValueError, match="WORLD_SIZE=2 but accelerate runs 1 process"):
+        Learner(tiny_llama(), CFG, LOSS, accelerator=Accelerator())
+
+
+# --- FSDP ----------------------------------------------------------------------------------------------
+
+def _fsdp_accelerator():
+    """accelerate chooses FSDP only on accelerators (CUDA, XPU, ...). On CPU the test sets the
+    state by hand, so that accelerate's own FSDP2 preparation (`fully_shard` per decoder layer,
+    DTensor parameters) runs over gloo exactly as it would over NCCL."""
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    acc = Accelerator(cpu=True)
+    acc.state.distributed_type = DistributedType.FSDP
+    acc.state.fsdp_plugin = FullyShardedDataParallelPlugin(
+        fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
+        transformer_cls_names_to_wrap=["LlamaDecoderLayer"])
+    return acc
+
+
+def _steps(learner: Learner, n: int, seed: int = 0) -> None:
+    data = batch_and_advantages(seed=seed) if learner.is_main else None
+    trajs, adv = learner.broadcast(data)
+    for _ in range(n):
+        learner.train_step(trajs, adv)
+
+
+def _fsdp_rank(rank: int, tmp: str) -> None:
+    from pathlib import Path
+
+    from torch.distributed.tensor import DTensor
+
+    tmp_path = Path(tmp)
+    learner = Learner(tiny_llama(), CFG, LOSS, temperature=TEMPERATURE, accelerator=_fsdp_accelerator())
+    assert learner.sharded and all(isinstance(p, DTensor) for p in learner.model.parameters())
+    _steps(learner, 2)
+    learner.save(tmp_path / "fsdp-ckpt" if rank == 0 else None)
+    exported = learner.export_model()  # gathered into rank 0's plain copy
+    assert (exported is None) == (rank != 0)
+    if rank == 0:
+        torch.save(exported.state_dict(), tmp_path / "fsdp-2steps.pt")
+
+    resumed = Learner(tiny_llama(), CFG, LOSS, temperature=TEMPERATURE, accelerator=_fsdp_accelerator())
+    resumed.load(tmp_path / "one-ckpt")  # written by 1 process, loaded into shards
+    _steps(resumed, 1, seed=1)
+    exported = resumed.export_model()
+    if rank == 0:
+        torch.save(exported.state_dict(), tmp_path / "fsdp-resumed.pt")
+
+
+def _assert_close(a: dict, b: dict, what: str) -> None:
+    assert set(a) == set(b), what
+    for name, t in b.items():
+        torch.testing.assert_close(a[name], t, atol=2e-6, rtol=1e-4, msg=f"{what}: {name}")
+
+
+def test_fsdp_shards_train_checkpoint_and_export_like_one_process(tmp_path):
+    # Every learner starts from the same base model, as a resumed run does from model.path: the
+    # KL reference is that base, and the checkpoint holds only what training changed.
+    one = Learner(tiny_llama(), CFG, LOSS, temperature=TEMPERATURE)
+    _steps(one, 2)
+    one.save(tmp_path / "one-ckpt")
+    after_two = {k: v.clone() for k, v in one.unwrapped.state_dict().items()}
+    _steps(one, 1, seed=1)
+
+    _spawn(_fsdp_rank, str(tmp_path))
+
+    _assert_close(torch.load(tmp_path / "fsdp-2steps.pt"), after_two, "2 FSDP ranks, 2 steps")
+    # The sharded run's checkpoint holds the full optimizer state: a 1-process learner loads it
+    # and continues exactly like the 1-process run.
+    loaded = Learner(tiny_llama(), CFG, LOSS, temperature=TEMPERATURE)
+    loaded.load(tmp_path / "fsdp-ckpt")
+    _steps(loaded, 1, seed=1)
+    _assert_close(loaded.unwrapped.state_dict(), one.unwrapped.state_dict(),
+                  "FSDP checkpoint, resumed by 1 process")
+    # A 1-process checkpoint loaded into FSDP shards continues like the 1-process run too.
+    _assert_close(torch.load(tmp_path / "fsdp-resumed.pt"), one.unwrapped.state_dict(),
+                  "1-process checkpoint, resumed under FSDP")
