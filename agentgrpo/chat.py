@@ -17,6 +17,10 @@ sampled. This module is the one place that turns messages into ids and sampled i
   (see `ChatFormat`). `agentgrpo.template_audit` checks a template on many synthetic conversations
   before training starts (`require_token_safe`, `agentgrpo check-template`).
 - `ChatFormat.truncate(text, max_tokens)`: tool output cut to a token budget, with a marker.
+- Message content is data, never control: a special token's text inside a message (a tool printing
+  `<|im_end|>\n<|im_start|>assistant`, a task copied from a chat log) is tokenized as plain text,
+  so an environment cannot forge a turn boundary or an EOS. Only the template's own text and the
+  model's samples carry special tokens (see `_encode_rendered`).
 
 Templates without tool support (SmolLM2 ships plain ChatML) get `HERMES_CHATML_TEMPLATE`, a
 Hermes-style tool-aware ChatML template: tools are described in the system message, calls are
@@ -174,6 +178,9 @@ class ChatFormat:
         if tokenizer.eos_token_id is not None:
             stops.add(tokenizer.eos_token_id)
         self.stop_token_ids: tuple[int, ...] = tuple(sorted(stops))
+        decoder = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+        self._special_texts = tuple(sorted({t.content for t in decoder.values() if getattr(t, "special", False)}
+                                           | set(getattr(tokenizer, "all_special_tokens", []) or [])))
 
     # -- rendering ----------------------------------------------------------------------------
 
@@ -228,7 +235,35 @@ class ChatFormat:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False)
 
     def prompt_ids(self, messages: Sequence[Message], tools: list[dict] | None = None) -> list[int]:
-        return self.encode(self.render(messages, tools, add_generation_prompt=True))
+        dicts, held = self._hold_content([self._template_dict(m) for m in messages])
+        return self._encode_rendered(self._render_dicts(dicts, tools, True), held)
+
+    def _hold_content(self, dicts: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[str]]:
+        """`dicts` with every content that holds a special token's text replaced by a placeholder
+        (NUL-delimited, so no template or text produces it), and the contents held back, in order."""
+        held: list[str] = []
+        for d in dicts:
+            content = d.get("content")
+            if isinstance(content, str) and any(t in content for t in self._special_texts):
+                d["content"] = f"\x00agentgrpo-content-{len(held)}\x00"
+                held.append(content)
+        return dicts, held
+
+    def _encode_rendered(self, text: str, held: list[str]) -> list[int]:
+        """Tokenize template output; the held-back contents go where their placeholders are,
+        tokenized with special tokens split into plain text."""
+        if not held:
+            return self.encode(text)
+        ids: list[int] = []
+        for i, content in enumerate(held):
+            mark = f"\x00agentgrpo-content-{i}\x00"
+            if text.count(mark) != 1:
+                raise TemplateError(f"the chat template renders a message {text.count(mark)} times instead of once; "
+                                    "its text (which contains a special token's text) cannot be kept as plain text")
+            before, text = text.split(mark)
+            ids += self.encode(before) + self.tokenizer.encode(content, add_special_tokens=False,
+                                                               split_special_tokens=True)
+        return ids + self.encode(text)
 
     def suffix_ids(self, history: Sequence[Message], new_messages: Sequence[Message],
                    tools: list[dict] | None = None) -> list[int]:
@@ -242,8 +277,9 @@ class ChatFormat:
         if not history or history[-1].role != "assistant":
             raise ValueError("suffix_ids: history must end with the assistant message just sampled")
         history_dicts = [self._template_dict(m) for m in history]  # built once for both renders
+        new_dicts, held = self._hold_content([self._template_dict(m) for m in new_messages])
         before = self._render_dicts(history_dicts, tools, False)
-        after = self._render_dicts(history_dicts + [self._template_dict(m) for m in new_messages], tools, True)
+        after = self._render_dicts(history_dicts + new_dicts, tools, True)
         cut = before.rfind(self.end_of_turn)
         if cut < 0:
             raise TemplateError(
@@ -252,9 +288,9 @@ class ChatFormat:
             )
         glue = before[cut + len(self.end_of_turn):]
         if after.startswith(before):
-            return self.encode(glue + after[len(before):])
+            return self._encode_rendered(glue + after[len(before):], held)
         if self.fallback == "keep_history":
-            return self.encode(self._suffix_after_last_turn(before, after, glue))
+            return self._encode_rendered(self._suffix_after_last_turn(before, after, glue), held)
         at = next((i for i, (a, b) in enumerate(zip(before, after, strict=False)) if a != b), len(before))
         raise TemplateError(
             "the chat template is not prefix-preserving: adding "
