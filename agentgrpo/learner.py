@@ -203,6 +203,13 @@ class Learner:
         """True when `flag` is true on some rank (a stop signal that reached one process)."""
         return not self.all_ranks(not flag)
 
+    def close(self) -> None:
+        """End a multi-process run: wait for every rank, then destroy the process group (a rank
+        that exits with the group alive can abort at exit, failing a finished run)."""
+        if self.accelerator.num_processes > 1:
+            self.accelerator.wait_for_everyone()
+            self.accelerator.end_training()
+
     def export_model(self) -> torch.nn.Module | None:
         """The model to hand to `WeightSync.push` on rank 0: plain transformers names, LoRA merged in.
 

@@ -254,4 +254,5 @@ def train(cfg: RunConfig) -> Path:
         loop.close()
     if lead:
         write_report(run_dir)
+    learner.close()
     return run_dir

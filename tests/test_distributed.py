@@ -38,13 +38,23 @@ def _rank(rank: int, port: int, fn, args) -> None:
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)  # two ranks share this machine's cores
     fn(rank, *args)
+    if torch.distributed.is_initialized():  # exiting with the group alive can abort the process
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 # --- the whole loop ----------------------------------------------------------------------------------
 
 def _train_on_rank(rank: int, out: str, model_dir: str, steps: int) -> None:
+    worlds, close = [], Learner.close
+
+    def recording_close(self):
+        worlds.append(torch.distributed.get_world_size())
+        close(self)
+
+    Learner.close = recording_close  # this process's own copy of the class
     assert _train(out, model_dir, steps, "train.save_every=2") == 0
-    assert torch.distributed.get_world_size() == 2  # the ranks really trained together
+    assert worlds == [2]  # the ranks really trained together, and the group was closed
 
 
 def test_two_ranks_run_the_loop_like_one_process_and_resume(tmp_path, stopping_model_dir):
