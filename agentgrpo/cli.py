@@ -7,6 +7,7 @@ config (`agentgrpo.config`), overridden with `key.path=value` arguments.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -16,7 +17,8 @@ def _train(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, args.overrides)
     run_dir = train(cfg)
-    print(f"run directory: {run_dir}")
+    if os.environ.get("RANK", "0") == "0":  # one line per run, not one per process
+        print(f"run directory: {run_dir}")
     return 0
 
 

@@ -158,6 +158,9 @@ def train(cfg: RunConfig) -> Path:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(dump_config(cfg))
         print(describe_algorithm(cfg.advantage, cfg.loss, cfg.shaping), flush=True)
+        if (world := learner.accelerator.num_processes) > 1:
+            print(f"processes: {world} ({learner.accelerator.distributed_type.value}); rank 0 rolls out, "
+                  "every rank trains", flush=True)
         # Refuse a template that would make the learner see tokens the model never saw.
         print(f"chat template: {chat.template_source}, token mode: "
               f"{require_token_safe(chat, make_env(), stream.tasks[0], seed=cfg.seed).mode}", flush=True)

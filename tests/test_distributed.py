@@ -166,3 +166,21 @@ def test_fsdp_shards_train_checkpoint_and_export_like_one_process(tmp_path):
     # A 1-process checkpoint loaded into FSDP shards continues like the 1-process run too.
     _assert_close(torch.load(tmp_path / "fsdp-resumed.pt"), one.unwrapped.state_dict(),
                   "1-process checkpoint, resumed under FSDP")
+
+
+def test_the_documented_torchrun_command_runs_two_ranks(tmp_path, tiny_model_dir):
+    """`torchrun --nproc_per_node 2 -m agentgrpo.cli train ...`, the README's CPU command
+    (`accelerate launch --cpu` starts one process unless given an MPI hostfile)."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+           str(_free_port()), "-m", "agentgrpo.cli", "train", "examples/calculator.yaml", f"output_dir={out}",
+           "train.steps=1", f"model.path={tiny_model_dir}", "rollout.group_size=2", "rollout.tasks_per_step=2",
+           "rollout.max_new_tokens=8", "rollout.max_tokens=32", "log.progress=false"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "processes: 2 (MULTI_CPU)" in proc.stdout
+    assert proc.stdout.count("run directory:") == 1  # rank 0 alone reports
+    assert [m["step"] for m in read_jsonl(out / "metrics.jsonl")] == [1]
