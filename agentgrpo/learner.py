@@ -393,8 +393,9 @@ class Learner:
             needed = list(self.unwrapped.state_dict())
             if getattr(self.unwrapped.config, "tie_word_embeddings", False):  # lm_head is saved once
                 needed = [k for k in needed if k != "lm_head.weight"]
+        known = set(self.unwrapped.state_dict())
         missing = [k for k in needed if k not in weights]
-        unexpected = [k for k in weights if k not in set(self.unwrapped.state_dict())]
+        unexpected = [k for k in weights if k not in known]
         if missing or unexpected:
             raise ValueError(f"checkpoint {directory} does not match the model: missing {missing[:5]}, "
                              f"unexpected {unexpected[:5]}")
@@ -412,8 +413,8 @@ def _check_launch(acc: Accelerator) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world != acc.num_processes:
         raise ValueError(f"WORLD_SIZE={world} but accelerate runs {acc.num_processes} process(es): each "
-                         "rank would train alone. Without GPUs, launch with `accelerate launch --cpu` "
-                         "(or pass Accelerator(cpu=True)).")
+                         "rank would train alone. Without GPUs, launch with torchrun (the learner then "
+                         "uses gloo) or pass Accelerator(cpu=True).")
     if acc.distributed_type == DistributedType.DEEPSPEED:
         raise ValueError("DeepSpeed is not supported by the learner: its optimizer state and gathered "
                          "weights live in DeepSpeed's engine, which checkpoints and weight sync do not "

@@ -127,7 +127,7 @@ def step_metrics(groups: Sequence[Group]) -> dict[str, float]:
 def train(cfg: RunConfig) -> Path:
     """Run (or resume) the training run `cfg` describes; returns its run directory.
 
-    Under `accelerate launch` every process runs this function. Rank 0 alone talks to the engine
+    Under `accelerate launch` (or torchrun) every process runs this function. Rank 0 alone talks to the engine
     (rollouts, weight sync, evaluation), writes logs, reports and checkpoint files, and broadcasts
     each step's rollouts; every rank trains on that same list, so the order of tasks, seeds and
     checkpoints is the one a single process would produce. Collectives (broadcast, `train_step`,
