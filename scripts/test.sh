@@ -4,7 +4,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 # System packages: bubblewrap (sandbox) and chromium (the report's browser test); need root.
-if [ "$(id -u)" = 0 ]; then bash scripts/sandbox-deps.sh; bash scripts/report-deps.sh; else echo "not root: sandbox tests that need bubblewrap may skip"; fi
+if [ "$(id -u)" = 0 ]; then bash scripts/system-deps.sh; else echo "not root: tests that need bubblewrap or chromium may skip"; fi
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 .venv/bin/ruff check --quiet .
 .venv/bin/python -m pytest -q -p no:cacheprovider "$@"

@@ -222,7 +222,7 @@ def test_cli_report(run_copy, tmp_path, capsys):
 
 
 @pytest.mark.skipif(shutil.which("chromium") is None,
-                    reason="chromium is not installed (scripts/report-deps.sh installs it)")
+                    reason="chromium is not installed (scripts/system-deps.sh installs it)")
 def test_report_in_a_headless_browser(run_copy):
     """The page loads without script errors and the step filter, driven by the URL hash, works."""
     out = write_report(run_copy)

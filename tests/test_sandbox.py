@@ -687,7 +687,7 @@ def bwrap_sb():
     import shutil
 
     if shutil.which("bwrap") is None:
-        pytest.skip("bubblewrap is not installed (scripts/sandbox-deps.sh installs it)")
+        pytest.skip("bubblewrap is not installed (scripts/system-deps.sh installs it)")
     box = _start("bwrap", slots=2)
     yield box
     box.close()
@@ -735,6 +735,6 @@ def test_broken_backend_fails_at_construction(backend):
     if backend == "namespaces" and os.geteuid() != 0:
         pytest.skip("the namespaces backend needs root (CAP_SYS_ADMIN); CI runs as root")
     if backend == "bwrap" and shutil.which("bwrap") is None:
-        pytest.skip("bubblewrap is not installed (scripts/sandbox-deps.sh installs it)")
+        pytest.skip("bubblewrap is not installed (scripts/system-deps.sh installs it)")
     with pytest.raises(RuntimeError, match=f"{backend} sandbox backend unavailable"):
         Sandbox(backend=backend, config=SandboxConfig(slots=1, python="/nonexistent/python3"))
