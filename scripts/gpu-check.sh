@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Every GPU check in one go, for a CUDA machine with torch, transformers and accelerate: the tests
+# marked `gpu` (tests/test_gpu.py), then the learner benchmark (bench/learner_gpu.py, ~0.5B
+# Qwen2-shaped model, random weights, nothing downloaded). Logs, the GPU's name and the benchmark's
+# JSON go to $OUT (default runs/gpu-check).
+#
+# A GPU machine without network: fetch the pure-Python packages it lacks as wheels on a machine
+# with pip access (`bash scripts/gpu-check.sh --fetch-wheels`, into .whl/, which git ignores) and
+# copy .whl/ along; they are installed into /tmp/site before the checks.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+if [ "${1:-}" = "--fetch-wheels" ]; then  # versions as pinned in this checkout's venv, for Python 3.12
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version "${PYVER:-3.12}" --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    -d .whl pydantic==2.14.4 pydantic_core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 \
+    gymnasium==1.4.0 farama-notifications==0.0.6
+  exit $?
+fi
+OUT=${OUT:-runs/gpu-check}
+mkdir -p "$OUT"
+export OUT PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} || exit 1
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+python3 -c "import torch, transformers, accelerate; print('torch', torch.__version__, 'transformers',
+transformers.__version__, 'accelerate', accelerate.__version__)" | tee -a "$OUT/gpu.txt"
+python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py 2>&1 | tee "$OUT/gpu-tests.log"
+tests=${PIPESTATUS[0]}
+python3 bench/learner_gpu.py "$@" 2>&1 | tee "$OUT/learner_gpu.log"
+bench=${PIPESTATUS[0]}
+echo "gpu tests rc=$tests, benchmark rc=$bench"
+[ "$tests" = 0 ] && [ "$bench" = 0 ]
