@@ -184,3 +184,28 @@ def test_the_documented_torchrun_command_runs_two_ranks(tmp_path, tiny_model_dir
     assert "processes: 2 (MULTI_CPU)" in proc.stdout
     assert proc.stdout.count("run directory:") == 1  # rank 0 alone reports
     assert [m["step"] for m in read_jsonl(out / "metrics.jsonl")] == [1]
+
+
+LORA = LearnerConfig(lr=1e-2, micro_batch_tokens=64, grad_clip=1e9, lora={"r": 4, "alpha": 8})
+
+
+def _fsdp_lora_rank(rank: int, tmp: str) -> None:
+    from pathlib import Path
+
+    learner = Learner(tiny_llama(), LORA, LOSS, temperature=TEMPERATURE, accelerator=_fsdp_accelerator())
+    _steps(learner, 2)
+    learner.save(Path(tmp) / "lora-ckpt" if rank == 0 else None)
+    resumed = Learner(tiny_llama(), LORA, LOSS, temperature=TEMPERATURE, accelerator=_fsdp_accelerator())
+    resumed.load(Path(tmp) / "lora-ckpt")
+    for name, exported in (("trained", learner.export_model()), ("resumed", resumed.export_model())):
+        if rank == 0:
+            torch.save(exported.state_dict(), Path(tmp) / f"lora-{name}.pt")
+
+
+def test_lora_under_fsdp_exports_merged_weights_and_resumes_like_one_process(tmp_path):
+    one = Learner(tiny_llama(), LORA, LOSS, temperature=TEMPERATURE)
+    _steps(one, 2)
+    _spawn(_fsdp_lora_rank, str(tmp_path))
+    merged = one.export_state_dict()
+    _assert_close(torch.load(tmp_path / "lora-trained.pt"), merged, "LoRA under FSDP, merged export")
+    _assert_close(torch.load(tmp_path / "lora-resumed.pt"), merged, "LoRA adapter checkpoint, resumed under FSDP")
