@@ -19,6 +19,9 @@ Decisions:
   of at most `MAX_MESSAGE_CHARS` characters. Every cap that bites is stated in the report.
 - Tokens are decoded one by one with the run's tokenizer (`config.yaml`'s `model.path`; null means
   the embedded model) so token boundaries stay visible; without a tokenizer the ids are shown.
+
+Reading the run (metrics.jsonl, the trajectory scan and the choice of rows) is in `report_data.py`;
+this module draws the plots, renders the page and writes the files.
 """
 
 from __future__ import annotations
@@ -29,8 +32,8 @@ import io
 import json
 import math
 import os
-from collections import Counter, defaultdict
-from dataclasses import dataclass, field
+from collections import Counter
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from importlib import resources
 from pathlib import Path
@@ -40,11 +43,11 @@ import numpy as np
 import yaml
 
 from agentgrpo.log import mask_secrets
+from agentgrpo.report_data import TrajScan, _list, _num, _step, load_metrics, scan_trajectories
 
 DEFAULT_MAX_TRAJECTORIES = 200
 DEFAULT_MAX_TOKENS = 2048
 MAX_MESSAGE_CHARS = 20_000
-MIN_PER_STEP = 4  # when steps outnumber the budget, show fewer steps rather than 1 trajectory each
 MAX_EVAL_PANELS = 12
 
 # (file name, title, metrics keys, per-trajectory stat drawn as a p10-p90 band)
@@ -74,123 +77,6 @@ class Plot:
     name: str
     title: str
     png: bytes
-
-
-@dataclass
-class TrajScan:
-    """What one streaming pass over trajectories.jsonl learns: per-step stats and the rows to show."""
-
-    total: int = 0
-    bad_lines: int = 0
-    stats: dict[int, dict[str, list[float]]] = field(default_factory=lambda: defaultdict(lambda: defaultdict(list)))
-    stops: dict[int, Counter] = field(default_factory=lambda: defaultdict(Counter))
-    rows: list[dict[str, Any]] = field(default_factory=list)
-
-
-def _num(v: Any) -> float:
-    """A metric value as a float; None, strings, bools and the like become NaN (a gap in a curve)."""
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        return math.nan
-    return float(v)
-
-
-def _step(v: Any) -> int:
-    return v if isinstance(v, int) and not isinstance(v, bool) else 0
-
-
-def load_metrics(path: Path, notices: list[str]) -> dict[int, dict[str, float]]:
-    """metrics.jsonl as {step: {key: value}}, rows of one step merged; unreadable lines counted."""
-    by_step: dict[int, dict[str, float]] = {}
-    if not path.is_file():
-        notices.append(f"{path.name} is missing: curves come from trajectories.jsonl only")
-        return by_step
-    bad = 0
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for line in f:
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                bad += 1  # a killed run leaves a partial last line
-                continue
-            if not isinstance(row, dict) or not isinstance(row.get("step"), int):
-                bad += 1
-                continue
-            merged = by_step.setdefault(row["step"], {})
-            merged.update({k: _num(v) for k, v in row.items() if k != "step" and isinstance(k, str)})
-    if bad:
-        notices.append(f"{path.name}: {bad} unreadable line(s) skipped")
-    return dict(sorted(by_step.items()))
-
-
-def _choose(by_step: dict[int, list[tuple[int, float]]], budget: int) -> list[int]:
-    """Offsets of the rows to embed: all if they fit; else evenly spaced steps (always the last)
-    and, within a step, rows evenly spread over its reward order (unscorable ones sort first)."""
-    steps = sorted(by_step)
-    if sum(len(v) for v in by_step.values()) <= budget:
-        return [off for s in steps for off, _ in by_step[s]]
-    if budget <= 0 or not steps:
-        return []
-    per_step = max(budget // len(steps), min(budget, MIN_PER_STEP))
-    n = max(1, min(len(steps), budget // per_step))
-    chosen = [steps[-1]] if n == 1 else [steps[round(i * (len(steps) - 1) / (n - 1))] for i in range(n)]
-    out = []
-    for s in chosen:
-        rows = sorted(by_step[s], key=lambda e: (not math.isnan(e[1]), e[1]))
-        if len(rows) > per_step:
-            idx = [0] if per_step == 1 else [round(i * (len(rows) - 1) / (per_step - 1)) for i in range(per_step)]
-            rows = [rows[i] for i in idx]
-        out += [off for off, _ in rows]
-    return out
-
-
-def scan_trajectories(path: Path, max_trajectories: int, notices: list[str]) -> TrajScan:
-    """Two passes with bounded memory: stats of every row and its byte offset, then the chosen rows."""
-    scan = TrajScan()
-    if not path.is_file():
-        notices.append(f"{path.name} is missing: no trajectory viewer")
-        return scan
-    index: dict[int, list[tuple[int, float]]] = defaultdict(list)
-    with open(path, "rb") as f:
-        while True:
-            off = f.tell()
-            line = f.readline()
-            if not line:
-                break
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                if not isinstance(row, dict):
-                    raise ValueError("not an object")
-            except ValueError:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-                scan.bad_lines += 1
-                continue
-            step, reward = _step(row.get("step")), _num(row.get("reward"))
-            mask = _list(row, "loss_mask")
-            st = scan.stats[step]
-            st["reward"].append(reward)
-            st["response_tokens"].append(float(sum(1 for m in mask if m == 1)))
-            for k in ("num_turns", "tool_calls", "tool_errors"):
-                st[k.removeprefix("num_")].append(_num(row.get(k)))
-            scan.stops[step][str(row.get("stop_reason", "unknown"))] += 1
-            index[step].append((off, reward))
-            scan.total += 1
-        for off in sorted(_choose(index, max_trajectories)):
-            f.seek(off)
-            try:  # the line parsed a moment ago; only a file replaced in between fails here
-                scan.rows.append(json.loads(f.readline()))
-            except ValueError:
-                scan.bad_lines += 1
-    if scan.bad_lines:
-        notices.append(f"{path.name}: {scan.bad_lines} unreadable line(s) skipped")
-    if scan.total > len(scan.rows):
-        shown = sorted({_step(r.get("step")) for r in scan.rows})
-        which = ", ".join(map(str, shown)) if len(shown) <= 12 else f"{len(shown)} steps from {shown[0]} to {shown[-1]}"
-        notices.append(f"{len(scan.rows)} of {scan.total} trajectories embedded (cap max_trajectories="
-                       f"{max_trajectories}), from steps {which}")
-    return scan
 
 
 # -- plots -------------------------------------------------------------------------------------
@@ -344,10 +230,6 @@ def _decode_table(tokenizer, rows: list[dict[str, Any]], max_tokens: int) -> dic
     ids = sorted(i for i in shown if isinstance(i, int) and 0 <= i < vocab)
     texts = tokenizer.batch_decode([[i] for i in ids], skip_special_tokens=False, clean_up_tokenization_spaces=False)
     return dict(zip(ids, texts, strict=True))
-
-
-def _list(row: dict[str, Any], key: str) -> list[Any]:
-    return row[key] if isinstance(row.get(key), list) else []
 
 
 def _window(n: int, max_tokens: int) -> tuple[int, int]:

@@ -15,7 +15,8 @@ import pytest
 
 from agentgrpo.cli import main
 from agentgrpo.log import read_jsonl
-from agentgrpo.report import _choose, write_report
+from agentgrpo.report import write_report
+from agentgrpo.report_data import _choose
 
 REQUIRED_PLOTS = ["reward", "response_length", "turns", "tool_calls", "stop_reasons", "clipfrac", "kl", "lr",
                   "logprob_gap"]
