@@ -23,9 +23,10 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from agentgrpo.verify._local_client import _base_python  # noqa: E402
 from agentgrpo.verify.code import _HARNESS, load_humaneval, run_tests, score_humaneval  # noqa: E402
 from agentgrpo.verify.math import MathPool  # noqa: E402
-from agentgrpo.verify.sandbox import Limits, Sandbox, _base_python  # noqa: E402
+from agentgrpo.verify.sandbox import Limits, Sandbox  # noqa: E402
 
 SOLUTION = "def add(a, b):\n    return a + b\n"
 TESTS = [f"assert add({i}, {i + 1}) == {2 * i + 1}" for i in range(5)]

@@ -19,7 +19,7 @@ import time
 import pytest
 
 from agentgrpo.verify import _seccomp
-from agentgrpo.verify._supervisor import _classify, _Job
+from agentgrpo.verify._job import _classify, _Job
 from agentgrpo.verify.sandbox import ExecResult, Limits, Sandbox, SandboxConfig
 
 SLOT_UID_BASE = 1_500_000  # SandboxConfig().uid_base

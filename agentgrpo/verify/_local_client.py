@@ -1,0 +1,240 @@
+"""Client end of the local sandbox backends (namespaces / bwrap / unsafe-local): the supervisor.
+
+Separate from `sandbox.py` because it is the trainer's half of the supervisor protocol: it starts
+(and restarts) the supervisor process (`_supervisor.py`) over a socketpair, sends jobs as
+`_supervisor.pack` frames, queues what does not fit in the free slots and enforces the client's
+deadline. The `Sandbox` facade only chooses a client and retries.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+from typing import TYPE_CHECKING
+
+from agentgrpo.verify import _supervisor
+from agentgrpo.verify._records import ExecResult, Limits, sandbox_error
+
+if TYPE_CHECKING:
+    from agentgrpo.verify.sandbox import SandboxConfig
+
+_VERIFY_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+class _LocalClient:
+    """Client end of a supervisor process (`_supervisor.py`) for the namespaces / bwrap / unsafe backends.
+
+    Dispatches at most `slots` jobs at a time, so a dispatched job starts at once and its deadline
+    (wall_s + margin) is meaningful; the rest wait in a local queue. A supervisor that dies or misses
+    a deadline is killed; its jobs come back as sandbox_error and the next call starts a new one.
+    """
+
+    def __init__(self, kind: str, cfg: SandboxConfig) -> None:
+        self.kind, self.cfg = kind, cfg
+        self.slots = cfg.slots or max(4, 4 * (os.cpu_count() or 1))
+        self.python = cfg.python or _base_python()
+        self._lock = threading.Lock()
+        self._send_lock = threading.Lock()
+        self._queue: deque[tuple[int, bytes, float, Future]] = deque()
+        self._inflight: dict[int, tuple[Future, float]] = {}
+        self._next = 0
+        self._proc: subprocess.Popen | None = None
+        self._sock: socket.socket | None = None
+        self._closed = False
+        self.info: dict = {}
+        self._start()
+
+    def _start(self) -> None:
+        ours, theirs = socket.socketpair()
+        cfg = {
+            "backend": self.kind,
+            "slots": self.slots,
+            "python": self.python,
+            "uid_base": self.cfg.uid_base,
+            "ro_paths": self.cfg.ro_paths,
+            "preimport": self.cfg.preimport,
+            "default_limits": Limits().model_dump(),
+        }
+        boot = "import sys; sys.path.append(sys.argv[1]); import _supervisor; sys.exit(_supervisor.main(sys.argv[1:]))"
+        self._proc = subprocess.Popen(
+            [sys.executable, "-I", "-c", boot, _VERIFY_DIR, json.dumps(cfg), str(theirs.fileno())],
+            pass_fds=[theirs.fileno()],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            env=_supervisor.CLEAN_ENV,
+            cwd="/",
+        )
+        theirs.close()
+        ours.settimeout(self.cfg.start_timeout_s)
+        try:
+            hello, _ = self._recv(ours)
+        except (OSError, ConnectionError, struct.error, ValueError) as e:
+            hello = {"ok": False, "error": f"supervisor did not start: {e}"}
+        if not hello.get("ok"):
+            ours.close()
+            self._kill_proc()
+            raise RuntimeError(f"{self.kind} sandbox backend unavailable: {hello.get('error')}")
+        self.info = {k: hello[k] for k in ("backend", "slots", "features")}
+        ours.settimeout(0.25)
+        self._sock = ours
+        threading.Thread(
+            target=self._reader, args=(ours,), name=f"sandbox-{self.kind}", daemon=True
+        ).start()
+
+    @staticmethod
+    def _recv(sock: socket.socket) -> tuple[dict, list[bytes]]:
+        (n,) = struct.unpack("!I", _recv_exact(sock, 4))
+        return _supervisor.unpack(_recv_exact(sock, n))
+
+    def submit(
+        self, code: bytes, stdin: bytes, files: list[tuple[str, bytes]], limits: Limits
+    ) -> Future:
+        fut: Future = Future()
+        with self._lock:
+            if self._closed:
+                fut.set_result(sandbox_error("sandbox closed", self.kind))
+                return fut
+            self._next += 1
+            header = {
+                "id": self._next,
+                "limits": limits.model_dump(),
+                "files": [n for n, _ in files],
+            }
+            frame = _supervisor.pack(header, [code, stdin] + [b for _, b in files])
+            self._queue.append((self._next, frame, limits.wall_s + self.cfg.margin_s, fut))
+        self._pump()
+        return fut
+
+    def _pump(self) -> None:
+        """Send queued jobs while slots are free (restarting the supervisor if it is gone)."""
+        while True:
+            with self._lock:
+                if not self._queue or len(self._inflight) >= self.slots or self._closed:
+                    return
+                if self._sock is None:
+                    try:
+                        self._start()
+                    except RuntimeError as e:  # cannot restart: fail what waits, retry later
+                        waiting = list(self._queue)
+                        self._queue.clear()
+                        for _, _, _, fut in waiting:
+                            fut.set_result(sandbox_error(str(e), self.kind))
+                        return
+                jid, frame, budget, fut = self._queue.popleft()
+                self._inflight[jid] = (fut, time.monotonic() + budget)
+                sock = self._sock
+            try:
+                with self._send_lock:
+                    sock.sendall(frame)
+            except OSError:  # supervisor gone; the reader thread fails in-flight jobs
+                self._drop(sock, "supervisor connection lost")
+
+    def _reader(self, sock: socket.socket) -> None:
+        buf = bytearray()
+        checked = time.monotonic()
+        while True:
+            try:
+                chunk = sock.recv(1 << 20)
+                if not chunk:
+                    break
+                buf += chunk
+            except TimeoutError:
+                pass
+            except OSError:
+                break
+            while len(buf) >= 4:
+                (n,) = struct.unpack_from("!I", buf)
+                if len(buf) < 4 + n:
+                    break
+                header, blobs = _supervisor.unpack(bytes(buf[4 : 4 + n]))
+                del buf[: 4 + n]
+                with self._lock:
+                    entry = self._inflight.pop(header["id"], None)
+                if entry is not None:
+                    entry[0].set_result(_result_from(header, blobs))
+            if time.monotonic() - checked > 0.25:
+                checked = time.monotonic()
+                self._check_deadlines(sock)
+            self._pump()
+        self._drop(sock, "supervisor exited")
+
+    def _check_deadlines(self, sock: socket.socket) -> None:
+        now = time.monotonic()
+        with self._lock:
+            late = any(deadline < now for _, deadline in self._inflight.values())
+        if late:
+            self._drop(sock, "supervisor missed a job deadline; restarted")
+
+    def _drop(self, sock: socket.socket, why: str) -> None:
+        with self._lock:
+            if self._sock is not sock:
+                return
+            self._sock = None
+            failed = list(self._inflight.values())
+            self._inflight.clear()
+            sock.close()  # EOF: a healthy supervisor kills its jobs, cleans up and exits
+            self._kill_proc(grace_s=5.0 if why == "sandbox closed" else 0.5)
+        for fut, _ in failed:
+            fut.set_result(sandbox_error(why, self.kind))
+        self._pump()
+
+    def _kill_proc(self, grace_s: float = 0.5) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        for stop in (None, proc.terminate, proc.kill):
+            if stop is not None:
+                stop()
+            try:
+                proc.wait(grace_s)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+        proc.wait()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            sock = self._sock
+        if sock is not None:
+            self._drop(sock, "sandbox closed")
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionError("connection closed")
+        buf += chunk
+    return bytes(buf)
+
+
+def _result_from(h: dict, blobs: list[bytes]) -> ExecResult:
+    rss = h.get("maxrss_kb")
+    return ExecResult(
+        status=h["status"],
+        exit_code=h.get("exit_code"),
+        signal=h.get("signal"),
+        stdout=blobs[0].decode("utf-8", "replace") if blobs else "",
+        stderr=blobs[1].decode("utf-8", "replace") if len(blobs) > 1 else "",
+        truncated=bool(h.get("truncated", False)) or h["status"] == "output_limit",
+        wall_s=float(h.get("wall_s", 0.0)),
+        backend=h.get("backend", "?"),
+        detail=h.get("detail", ""),
+        cpu_s=h.get("cpu_s"),
+        max_rss_mb=None if rss is None else rss / 1024,
+    )
+
+
+def _base_python() -> str:
+    """The base interpreter (not a venv shim): jobs see its stdlib, not the trainer's packages."""
+    return os.path.realpath(getattr(sys, "_base_executable", None) or sys.executable)
