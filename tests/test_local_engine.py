@@ -14,8 +14,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from agentgrpo.engine import Engine, EngineError, LocalEngine, SamplingParams
-from agentgrpo.engine.local import sample
 from agentgrpo.engine.prefix_cache import PrefixCache, common_prefix_len, shared_prefixes
+from agentgrpo.engine.sampling import sample
 
 VOCAB = 320
 CONTEXT = 64

@@ -6,15 +6,9 @@ v0.5.0). It sends exactly the RL sampling settings of `shared/sglang/PROTOCOL.md
 other `sampling_params` key, because SGLang answers an unknown key with a 500.
 
 Decisions (see PROTOCOL.md for the server side of each):
-- Balancing: least outstanding requests over the healthy servers, at most `max_inflight_per_server`
-  requests in flight per server (callers beyond that wait for a slot). Prefix-cache locality is not
-  considered; put sglang-router in front and give its one URL if you want cache-aware routing.
-- Failures: transport errors, 5xx and 429 take the server out of rotation and retry the request on
-  another one with exponential backoff, all within one per-request deadline. A server taken out is
-  re-probed on `/health_generate` and comes back when it answers 200. Every attempt gets a fresh
-  rid (a retried request may still be running on the old server and SGLang rejects duplicate rids).
-  When retries or the deadline run out the call raises `EngineError`: the rollout records an
-  ENGINE_ERROR trajectory, it never sees a made-up completion.
+- Balancing, failures and retries live in `sglang_pool.py`: least outstanding requests over the
+  healthy servers; a failing server leaves the rotation and rejoins once healthy; a request that
+  runs out of retries or of its deadline raises `EngineError`, never a made-up completion.
 - A prompt that does not fit the context window is not an infrastructure failure: SGLang's 400
   ("... maximum context length ...") becomes a `length` Completion with no tokens and the server's
   message in `detail`. With `context_length` configured, `max_new_tokens` is clamped client-side
@@ -30,14 +24,11 @@ Decisions (see PROTOCOL.md for the server side of each):
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import sys
-import uuid
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +36,7 @@ import httpx
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from agentgrpo.engine.base import Completion, EngineError, SamplingParams
+from agentgrpo.engine.sglang_pool import ServerPool, ServerState, _ContextLengthError
 from agentgrpo.engine.sglang_protocol import (  # noqa: F401 - re-exported: the client's public parsing API
     _version_tuple,
     error_message,
@@ -55,9 +47,6 @@ from agentgrpo.engine.sglang_protocol import (  # noqa: F401 - re-exported: the 
 )
 
 log = logging.getLogger(__name__)
-
-_POOL_SIZE = 8  # connections per httpx pool, see SGLangEngine._pool
-_RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
 
 
 class SGLangConfig(BaseModel):
@@ -114,28 +103,6 @@ class SGLangConfig(BaseModel):
         return out
 
 
-@dataclass
-class ServerState:
-    """What the client knows about one server (also returned by `SGLangEngine.servers()`)."""
-
-    url: str
-    healthy: bool = True
-    outstanding: int = 0
-    completed: int = 0
-    failures: int = 0
-    last_error: str = ""
-    retry_at: float = 0.0  # loop time of the next health probe while unhealthy
-    probe_delay: float = 0.0  # current probe backoff while unhealthy
-    probing: bool = False
-    version: str | None = None  # SGLang version from /server_info, once known
-    tp_size: int | None = None  # GPUs it contributes to the NCCL weight-update group
-    dp_size: int = 1
-
-
-# ---------------------------------------------------------------------------------------------
-# Response parsing (pure functions; the conformance tests run them on every fixture)
-
-
 class SGLangEngine:
     """Client of one or more SGLang servers, implementing the `Engine` protocol.
 
@@ -156,19 +123,11 @@ class SGLangEngine:
 
     def __init__(self, urls: Sequence[str], *, api_key: str | None = None, **settings: Any) -> None:
         self.config = SGLangConfig(urls=list(urls), **settings)
-        cfg = self.config
-        self._servers = [ServerState(url=u) for u in cfg.urls]
         headers = {"Content-Type": "application/json"}
         if api_key:
             headers["Authorization"] = f"Bearer {api_key}"
-        self._headers = headers
-        self._ssl = httpx.create_ssl_context()  # one context shared by every pool (costly to build)
-        self._client = self._new_client(4 * len(self._servers))  # control calls and probes
-        self._pools: dict[str, list[httpx.AsyncClient]] = {s.url: [] for s in self._servers}
-        # free in-flight places per server; the lowest slots (first pool) are reused first
-        self._slots = {s.url: list(range(cfg.max_inflight_per_server))[::-1] for s in self._servers}
-        self._waiters: list[asyncio.Future[None]] = []
-        self._rr = 0  # rotates the scan start so equally loaded servers share the work
+        # balancing, health and retries; a returning server must pass `_resync` to rejoin
+        self._pool = ServerPool(self.config, headers, resync=self._resync)
         self._resumed = asyncio.Event()
         self._resumed.set()
         self._epoch = 0  # bumped by every pause; lets generate() tell our aborts from others
@@ -190,36 +149,12 @@ class SGLangEngine:
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
-    def _new_client(self, connections: int) -> httpx.AsyncClient:
-        return httpx.AsyncClient(
-            headers=self._headers,
-            timeout=httpx.Timeout(self.config.request_timeout_s, connect=self.config.connect_timeout_s),
-            limits=httpx.Limits(max_connections=connections, max_keepalive_connections=connections),
-            verify=self._ssl,
-            trust_env=False,  # never route cluster traffic through a proxy from the environment
-        )
-
-    def _pool(self, s: ServerState, slot: int) -> httpx.AsyncClient:
-        """The connection pool of request slot `slot` of server `s`.
-
-        httpcore scans every connection of a pool for every queued request, which costs O(n^2)
-        at high concurrency (measured: 3x the CPU per request at 64 connections). So each
-        server's connections are spread over small pools of `_POOL_SIZE`, created on demand, and
-        a request uses the pool of its slot (a slot = one of the server's in-flight places).
-        """
-        pools = self._pools[s.url]
-        i = slot // _POOL_SIZE
-        while len(pools) <= i:
-            pools.append(self._new_client(_POOL_SIZE))
-        return pools[i]
-
     async def aclose(self) -> None:
-        clients = [self._client] + [c for pools in self._pools.values() for c in pools]
-        await asyncio.gather(*(c.aclose() for c in clients))
+        await self._pool.aclose()
 
     def servers(self) -> list[ServerState]:
         """A snapshot of every server's state (for logs and metrics)."""
-        return [ServerState(**vars(s)) for s in self._servers]
+        return [ServerState(**vars(s)) for s in self._pool.servers]
 
     # -- readiness ---------------------------------------------------------------------------
 
@@ -228,40 +163,8 @@ class SGLangEngine:
 
         Raises `EngineError` naming each server that was not ready and what it last answered.
         """
-        timeout_s = self.config.ready_timeout_s if timeout_s is None else timeout_s
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        last: dict[str, str] = {s.url: "no answer yet" for s in self._servers}
-        pending = list(self._servers)
-        while pending:
-            results = await asyncio.gather(*(self._probe_once(s) for s in pending))
-            for s, err in zip(pending, results, strict=True):
-                last[s.url] = err or "ready"
-            pending = [s for s, err in zip(pending, results, strict=True) if err]
-            if not pending:
-                break
-            if loop.time() >= deadline:
-                detail = "; ".join(f"{s.url}: {last[s.url]}" for s in pending)
-                raise EngineError(
-                    f"SGLang server(s) not ready after {timeout_s:.0f}s ({detail}). A server "
-                    "answers 503 while it loads the model and refuses connections before it "
-                    "binds; check its log for 'The server is fired up and ready to roll!' or "
-                    "raise ready_timeout_s."
-                )
-            await asyncio.sleep(min(self.config.ready_poll_s, max(0.0, deadline - loop.time())))
-        for s in self._servers:
-            s.healthy, s.retry_at, s.probe_delay = True, 0.0, 0.0
-        await asyncio.gather(*(self._read_server_info(s) for s in self._servers))
-
-    async def _probe_once(self, s: ServerState) -> str:
-        """One GET /health_generate; returns "" when healthy, else what went wrong."""
-        try:
-            r = await self._client.get(
-                f"{s.url}/health_generate", timeout=self.config.connect_timeout_s + 20.0
-            )
-        except httpx.HTTPError as e:  # network boundary: a refused or dropped probe means "not yet"
-            return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-        return "" if r.status_code == 200 else f"HTTP {r.status_code}"
+        await self._pool.wait_ready(timeout_s)
+        await asyncio.gather(*(self._read_server_info(s) for s in self._pool.servers))
 
     async def _read_server_info(self, s: ServerState) -> None:
         r = await self._control(s, "GET", "/server_info", allow_404=True)
@@ -328,7 +231,7 @@ class SGLangEngine:
             "stream": False,
         }
         await self._resumed.wait()
-        raw = await self._request_raw(body)
+        raw = await self._pool.post_generate(body)
         meta = raw.get("meta_info", raw)
         entries = meta.get("input_token_logprobs") or []
         if len(entries) != len(ids) - start:
@@ -342,7 +245,7 @@ class SGLangEngine:
             raise EngineError(f"malformed input_token_logprobs from SGLang: {e}") from e
 
     def _check_seed_support(self) -> None:
-        for s in self._servers:
+        for s in self._pool.servers:
             if s.version is not None and _version_tuple(s.version) < (0, 5, 9):
                 raise EngineError(
                     f"SamplingParams.seed needs SGLang >= 0.5.9 (sampling_seed); {s.url} runs "
@@ -351,176 +254,13 @@ class SGLangEngine:
 
     async def _request_generate(self, body: dict[str, Any]) -> Completion:
         try:
-            raw = await self._request_raw(body)
+            raw = await self._pool.post_generate(body)
         except _ContextLengthError as e:
             return Completion([], [], "length", self._weight_version, detail=f"context length: {e}")
         c = parse_generate_output(raw, weight_version=self._weight_version)
         return c
 
-    async def _request_raw(self, body: dict[str, Any]) -> dict[str, Any]:
-        """POST /generate with balancing, retries and the deadline; returns the output object."""
-        cfg = self.config
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + cfg.request_timeout_s
-        attempt = 0
-        last_error = "no attempt made"
-        while True:
-            s, slot = await self._acquire(deadline, last_error)
-            body["rid"] = uuid.uuid4().hex  # fresh per attempt: the old one may still be running
-            url = s.url
-            content = json.dumps(body, separators=(",", ":")).encode()
-            timeout = max(deadline - loop.time(), 0.001)
-            try:
-                r = await self._pool(s, slot).post(
-                    f"{url}/generate", content=content,
-                    timeout=httpx.Timeout(timeout, connect=cfg.connect_timeout_s),
-                )
-            except httpx.TimeoutException as e:
-                # network boundary: the deadline is spent (read) or the server is unreachable (connect)
-                if isinstance(e, httpx.ConnectTimeout):
-                    self._mark_unhealthy(s, f"connect timeout: {e}")
-                last_error = f"{url}: {type(e).__name__}"
-                if loop.time() >= deadline:
-                    raise EngineError(
-                        f"SGLang request did not finish within its {cfg.request_timeout_s:.0f}s "
-                        f"deadline (last: {last_error})"
-                    ) from e
-            except httpx.TransportError as e:
-                # network boundary: refused / dropped connection -> take the server out, retry
-                last_error = f"{url}: {type(e).__name__}: {e}"
-                self._mark_unhealthy(s, last_error)
-            else:
-                status = r.status_code
-                if status == 200:
-                    s.completed += 1
-                    return self._decode_output(url, r.content)
-                msg = error_message(r.content)
-                if status == 400 and is_context_length_error(msg):
-                    raise _ContextLengthError(msg)
-                if status in (401, 403):
-                    raise EngineError(
-                        f"{url} refused the request with HTTP {status} ({msg}): the server runs "
-                        "with --api-key; pass api_key= (or set the variable named by api_key_env)"
-                    )
-                if status not in _RETRY_STATUS:
-                    raise EngineError(f"{url}/generate answered HTTP {status}: {msg}")
-                last_error = f"{url}: HTTP {status}: {msg}"
-                self._mark_unhealthy(s, last_error)
-            finally:
-                self._release(s, slot)  # also when the caller is cancelled mid-request
-            attempt += 1
-            if attempt > cfg.max_retries:
-                raise EngineError(
-                    f"SGLang request failed after {attempt} attempts (last: {last_error})"
-                )
-            delay = min(cfg.backoff_max_s, cfg.backoff_initial_s * 2 ** (attempt - 1))
-            if loop.time() + delay >= deadline:
-                raise EngineError(
-                    f"SGLang request deadline of {cfg.request_timeout_s:.0f}s reached after "
-                    f"{attempt} attempts (last: {last_error})"
-                )
-            await asyncio.sleep(delay)
-
-    @staticmethod
-    def _decode_output(url: str, content: bytes) -> dict[str, Any]:
-        try:
-            out = json.loads(content)
-        except ValueError as e:  # trust boundary: a proxy's HTML page, a cut body
-            raise EngineError(f"{url}/generate returned invalid JSON: {e}") from e
-        if isinstance(out, list) and len(out) == 1:
-            out = out[0]
-        if not isinstance(out, dict):
-            raise EngineError(f"{url}/generate returned {type(out).__name__}, not an object")
-        return out
-
-    # -- balancing and health ----------------------------------------------------------------
-
-    async def _acquire(self, deadline: float, last_error: str) -> tuple[ServerState, int]:
-        """Reserve a slot on the least loaded healthy server, waiting for one until `deadline`.
-
-        The same scan starts the health probes of servers out of rotation whose time has come,
-        so a server returns as soon as it is healthy even while the others carry the load.
-        """
-        loop = asyncio.get_running_loop()
-        cap = self.config.max_inflight_per_server
-        servers = self._servers
-        n = len(servers)
-        while True:
-            now = loop.time()
-            best: ServerState | None = None
-            wake = deadline
-            start = self._rr = (self._rr + 1) % n
-            for i in range(n):
-                s = servers[(start + i) % n]
-                if s.healthy:
-                    if s.outstanding < cap and (best is None or s.outstanding < best.outstanding):
-                        best = s
-                    continue
-                if s.retry_at <= now and not s.probing:
-                    s.probing = True
-                    asyncio.ensure_future(self._reprobe(s))
-                wake = min(wake, max(s.retry_at, now + 0.001))
-            if best is not None:
-                best.outstanding += 1
-                return best, self._slots[best.url].pop()
-            if now >= deadline:
-                states = ", ".join(
-                    f"{s.url} ({'healthy' if s.healthy else 'down: ' + s.last_error}, "
-                    f"{s.outstanding} in flight)" for s in servers
-                )
-                raise EngineError(
-                    f"no SGLang server available before the request deadline: {states}; "
-                    f"last error: {last_error}"
-                )
-            fut: asyncio.Future[None] = loop.create_future()
-            self._waiters.append(fut)
-            try:
-                await asyncio.wait_for(fut, timeout=max(0.0, wake - now))
-            except asyncio.TimeoutError:
-                pass
-            finally:
-                if fut in self._waiters:
-                    self._waiters.remove(fut)
-
-    def _wake(self, one: bool = False) -> None:
-        """Wake waiting callers: one per freed slot, all on a health change."""
-        while self._waiters:
-            f = self._waiters.pop(0)
-            if not f.done():
-                f.set_result(None)
-                if one:
-                    return
-
-    def _release(self, s: ServerState, slot: int) -> None:
-        s.outstanding -= 1
-        self._slots[s.url].append(slot)
-        if self._waiters:
-            self._wake(one=True)
-
-    def _mark_unhealthy(self, s: ServerState, error: str) -> None:
-        s.failures += 1
-        s.last_error = error
-        if s.healthy:
-            log.warning("SGLang server %s taken out of rotation: %s", s.url, error)
-            s.healthy = False
-            s.probe_delay = 0.0
-            s.retry_at = asyncio.get_running_loop().time()  # first probe right away
-
-    async def _reprobe(self, s: ServerState) -> None:
-        try:
-            err = await self._probe_once(s) or await self._resync(s)
-        finally:
-            s.probing = False
-        loop = asyncio.get_running_loop()
-        if err:
-            s.last_error = f"health probe: {err}"
-            s.probe_delay = min(self.config.probe_interval_s, max(0.05, s.probe_delay * 2))
-            s.retry_at = loop.time() + s.probe_delay
-        else:
-            if not s.healthy:
-                log.warning("SGLang server %s is healthy again", s.url)
-            s.healthy, s.probe_delay = True, 0.0
-        self._wake()
+    # -- control and weight updates ----------------------------------------------------------
 
     async def _resync(self, s: ServerState) -> str:
         """Before a returning server rejoins: check that it serves the current weights, and
@@ -542,8 +282,6 @@ class SGLangEngine:
         log.warning("SGLang server %s reloaded weight version %s", s.url, self._weight_version)
         return ""
 
-    # -- control and weight updates ----------------------------------------------------------
-
     async def _control(
         self,
         s: ServerState,
@@ -557,7 +295,7 @@ class SGLangEngine:
         """One control call to one server; raises `EngineError` on anything but 2xx."""
         timeout = self.config.connect_timeout_s + 30.0 if timeout is None else timeout
         try:
-            r = await self._client.request(
+            r = await self._pool.client.request(
                 method, f"{s.url}{path}", json=payload,
                 timeout=httpx.Timeout(timeout, connect=self.config.connect_timeout_s),
             )
@@ -574,10 +312,10 @@ class SGLangEngine:
     def _in_rotation(self) -> list[ServerState]:
         """The servers a control call goes to: those of the update in progress, else the healthy
         ones. Servers out of rotation catch up when they return (`_resync`)."""
-        servers = self._update_targets or [s for s in self._servers if s.healthy]
+        servers = self._update_targets or [s for s in self._pool.servers if s.healthy]
         if not servers:
             raise EngineError("no SGLang server in rotation: " + "; ".join(
-                f"{s.url}: {s.last_error}" for s in self._servers))
+                f"{s.url}: {s.last_error}" for s in self._pool.servers))
         return servers
 
     async def _all(self, method: str, path: str, payload: Any = None, **kw: Any) -> list[Any]:
@@ -652,15 +390,15 @@ class SGLangEngine:
 
     async def gpus_per_server(self) -> list[int]:
         """TP size of each server, in `urls` order: the ranks each joins in the NCCL group."""
-        for s in self._servers:
+        for s in self._pool.servers:
             if s.tp_size is None:
                 await self._read_server_info(s)
-        bad = [s.url for s in self._servers if s.dp_size != 1]
+        bad = [s.url for s in self._pool.servers if s.dp_size != 1]
         if bad:
             raise EngineError(
                 f"NCCL weight sync needs dp_size == 1 (or DP attention); not so on {bad}"
             )
-        return [int(s.tp_size or 1) for s in self._servers]
+        return [int(s.tp_size or 1) for s in self._pool.servers]
 
     async def init_weights_update_group(
         self, *, master_address: str, master_port: int, group_name: str, backend: str = "nccl"
@@ -683,7 +421,7 @@ class SGLangEngine:
                 },
                 timeout=self.config.weight_update_timeout_s,
             )
-            for s, off in zip(self._servers, offsets, strict=True)
+            for s, off in zip(self._pool.servers, offsets, strict=True)
         ))
 
     async def update_weights_from_distributed(
@@ -726,7 +464,3 @@ class SGLangEngine:
                 r = await self._control(s, "GET", "/get_model_info")
             out[s.url] = r.json().get("weight_version")
         return out
-
-
-class _ContextLengthError(EngineError):
-    """Internal: SGLang's 400 for a prompt that does not fit; becomes a `length` Completion."""

@@ -1,8 +1,9 @@
 """SGLang's `/generate` wire format as pure functions: request bodies in, `Completion`s out.
 
-Split from `sglang.py` (the client: balancing, retries, weight updates) so the protocol can be read
-and tested on its own. Every response shape in `shared/sglang/fixtures/` (old and new versions) is
-parsed here; see `shared/sglang/PROTOCOL.md` for what each field means.
+Split from the client (`sglang.py`: requests and weight updates; `sglang_pool.py`: balancing and
+retries) so the protocol can be read and tested on its own. Every response shape in
+`shared/sglang/fixtures/` (old and new versions) is parsed here; see `shared/sglang/PROTOCOL.md`
+for what each field means.
 """
 
 from __future__ import annotations

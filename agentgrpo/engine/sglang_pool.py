@@ -1,0 +1,326 @@
+"""The server pool of `SGLangEngine`: which server a request goes to, and which are in rotation.
+
+`sglang.py` decides what to ask the servers (generate, score, weight updates) and how to read the
+answers; this module decides where a `/generate` request goes, how many run at once and what
+happens when a server fails. It keeps the state of each server (`ServerState`) and the httpx
+clients that reach them.
+
+Decisions (see PROTOCOL.md for the server side of each):
+- Balancing: least outstanding requests over the healthy servers, at most `max_inflight_per_server`
+  requests in flight per server (callers beyond that wait for a slot). Prefix-cache locality is not
+  considered; put sglang-router in front and give its one URL if you want cache-aware routing.
+- Failures: transport errors, 5xx and 429 take the server out of rotation and retry the request on
+  another one with exponential backoff, all within one per-request deadline. A server taken out is
+  re-probed on `/health_generate` and comes back when it answers 200. Every attempt gets a fresh
+  rid (a retried request may still be running on the old server and SGLang rejects duplicate rids).
+  When retries or the deadline run out the call raises `EngineError`: the rollout records an
+  ENGINE_ERROR trajectory, it never sees a made-up completion.
+- A returning server must also pass the engine's `resync` (serve the current weight version, see
+  `SGLangEngine._resync`) before it rejoins; the weight logic stays in `sglang.py`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import httpx
+
+from agentgrpo.engine.base import EngineError
+from agentgrpo.engine.sglang_protocol import error_message, is_context_length_error
+
+if TYPE_CHECKING:  # sglang.py imports this module; only the annotation needs the config
+    from agentgrpo.engine.sglang import SGLangConfig
+
+log = logging.getLogger(__name__)
+
+_POOL_SIZE = 8  # connections per httpx pool, see ServerPool._client_for
+_RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
+
+
+@dataclass
+class ServerState:
+    """What the client knows about one server (also returned by `SGLangEngine.servers()`)."""
+
+    url: str
+    healthy: bool = True
+    outstanding: int = 0
+    completed: int = 0
+    failures: int = 0
+    last_error: str = ""
+    retry_at: float = 0.0  # loop time of the next health probe while unhealthy
+    probe_delay: float = 0.0  # current probe backoff while unhealthy
+    probing: bool = False
+    version: str | None = None  # SGLang version from /server_info, once known
+    tp_size: int | None = None  # GPUs it contributes to the NCCL weight-update group
+    dp_size: int = 1
+
+
+class _ContextLengthError(EngineError):
+    """Internal: SGLang's 400 for a prompt that does not fit; becomes a `length` Completion."""
+
+
+class ServerPool:
+    """The servers of one `SGLangEngine`: balancing, health probes and retries of `/generate`.
+
+    `post_generate` sends a request to the least loaded healthy server and retries it elsewhere;
+    `client` carries the engine's control calls and the health probes; `servers` holds what is
+    known about each server, updated in place.
+    """
+
+    def __init__(
+        self,
+        config: SGLangConfig,
+        headers: dict[str, str],
+        resync: Callable[[ServerState], Awaitable[str]],
+    ) -> None:
+        self.config = config
+        cfg = config
+        self.servers = [ServerState(url=u) for u in cfg.urls]  # updated in place
+        self._headers = headers
+        self._ssl = httpx.create_ssl_context()  # one context shared by every pool (costly to build)
+        self.client = self._new_client(4 * len(self.servers))  # control calls and probes
+        self._pools: dict[str, list[httpx.AsyncClient]] = {s.url: [] for s in self.servers}
+        # free in-flight places per server; the lowest slots (first pool) are reused first
+        self._slots = {s.url: list(range(cfg.max_inflight_per_server))[::-1] for s in self.servers}
+        self._waiters: list[asyncio.Future[None]] = []
+        self._rr = 0  # rotates the scan start so equally loaded servers share the work
+        self._resync = resync  # run on a returning server before it rejoins; "" = it may rejoin
+
+    def _new_client(self, connections: int) -> httpx.AsyncClient:
+        return httpx.AsyncClient(
+            headers=self._headers,
+            timeout=httpx.Timeout(self.config.request_timeout_s, connect=self.config.connect_timeout_s),
+            limits=httpx.Limits(max_connections=connections, max_keepalive_connections=connections),
+            verify=self._ssl,
+            trust_env=False,  # never route cluster traffic through a proxy from the environment
+        )
+
+    def _client_for(self, s: ServerState, slot: int) -> httpx.AsyncClient:
+        """The connection pool of request slot `slot` of server `s`.
+
+        httpcore scans every connection of a pool for every queued request, which costs O(n^2)
+        at high concurrency (measured: 3x the CPU per request at 64 connections). So each
+        server's connections are spread over small pools of `_POOL_SIZE`, created on demand, and
+        a request uses the pool of its slot (a slot = one of the server's in-flight places).
+        """
+        pools = self._pools[s.url]
+        i = slot // _POOL_SIZE
+        while len(pools) <= i:
+            pools.append(self._new_client(_POOL_SIZE))
+        return pools[i]
+
+    async def aclose(self) -> None:
+        clients = [self.client] + [c for pools in self._pools.values() for c in pools]
+        await asyncio.gather(*(c.aclose() for c in clients))
+
+    async def wait_ready(self, timeout_s: float | None = None) -> None:
+        """Wait until every server answers 200 on `/health_generate`; then all are healthy.
+
+        Raises `EngineError` naming each server that was not ready and what it last answered.
+        """
+        timeout_s = self.config.ready_timeout_s if timeout_s is None else timeout_s
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        last: dict[str, str] = {s.url: "no answer yet" for s in self.servers}
+        pending = list(self.servers)
+        while pending:
+            results = await asyncio.gather(*(self._probe_once(s) for s in pending))
+            for s, err in zip(pending, results, strict=True):
+                last[s.url] = err or "ready"
+            pending = [s for s, err in zip(pending, results, strict=True) if err]
+            if not pending:
+                break
+            if loop.time() >= deadline:
+                detail = "; ".join(f"{s.url}: {last[s.url]}" for s in pending)
+                raise EngineError(
+                    f"SGLang server(s) not ready after {timeout_s:.0f}s ({detail}). A server "
+                    "answers 503 while it loads the model and refuses connections before it "
+                    "binds; check its log for 'The server is fired up and ready to roll!' or "
+                    "raise ready_timeout_s."
+                )
+            await asyncio.sleep(min(self.config.ready_poll_s, max(0.0, deadline - loop.time())))
+        for s in self.servers:
+            s.healthy, s.retry_at, s.probe_delay = True, 0.0, 0.0
+
+    async def _probe_once(self, s: ServerState) -> str:
+        """One GET /health_generate; returns "" when healthy, else what went wrong."""
+        try:
+            r = await self.client.get(
+                f"{s.url}/health_generate", timeout=self.config.connect_timeout_s + 20.0
+            )
+        except httpx.HTTPError as e:  # network boundary: a refused or dropped probe means "not yet"
+            return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+        return "" if r.status_code == 200 else f"HTTP {r.status_code}"
+
+    # -- requests ------------------------------------------------------------------------------
+
+    async def post_generate(self, body: dict[str, Any]) -> dict[str, Any]:
+        """POST /generate with balancing, retries and the deadline; returns the output object."""
+        cfg = self.config
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + cfg.request_timeout_s
+        attempt = 0
+        last_error = "no attempt made"
+        while True:
+            s, slot = await self._acquire(deadline, last_error)
+            body["rid"] = uuid.uuid4().hex  # fresh per attempt: the old one may still be running
+            url = s.url
+            content = json.dumps(body, separators=(",", ":")).encode()
+            timeout = max(deadline - loop.time(), 0.001)
+            try:
+                r = await self._client_for(s, slot).post(
+                    f"{url}/generate", content=content,
+                    timeout=httpx.Timeout(timeout, connect=cfg.connect_timeout_s),
+                )
+            except httpx.TimeoutException as e:
+                # network boundary: the deadline is spent (read) or the server is unreachable (connect)
+                if isinstance(e, httpx.ConnectTimeout):
+                    self._mark_unhealthy(s, f"connect timeout: {e}")
+                last_error = f"{url}: {type(e).__name__}"
+                if loop.time() >= deadline:
+                    raise EngineError(
+                        f"SGLang request did not finish within its {cfg.request_timeout_s:.0f}s "
+                        f"deadline (last: {last_error})"
+                    ) from e
+            except httpx.TransportError as e:
+                # network boundary: refused / dropped connection -> take the server out, retry
+                last_error = f"{url}: {type(e).__name__}: {e}"
+                self._mark_unhealthy(s, last_error)
+            else:
+                status = r.status_code
+                if status == 200:
+                    s.completed += 1
+                    return self._decode_output(url, r.content)
+                msg = error_message(r.content)
+                if status == 400 and is_context_length_error(msg):
+                    raise _ContextLengthError(msg)
+                if status in (401, 403):
+                    raise EngineError(
+                        f"{url} refused the request with HTTP {status} ({msg}): the server runs "
+                        "with --api-key; pass api_key= (or set the variable named by api_key_env)"
+                    )
+                if status not in _RETRY_STATUS:
+                    raise EngineError(f"{url}/generate answered HTTP {status}: {msg}")
+                last_error = f"{url}: HTTP {status}: {msg}"
+                self._mark_unhealthy(s, last_error)
+            finally:
+                self._release(s, slot)  # also when the caller is cancelled mid-request
+            attempt += 1
+            if attempt > cfg.max_retries:
+                raise EngineError(
+                    f"SGLang request failed after {attempt} attempts (last: {last_error})"
+                )
+            delay = min(cfg.backoff_max_s, cfg.backoff_initial_s * 2 ** (attempt - 1))
+            if loop.time() + delay >= deadline:
+                raise EngineError(
+                    f"SGLang request deadline of {cfg.request_timeout_s:.0f}s reached after "
+                    f"{attempt} attempts (last: {last_error})"
+                )
+            await asyncio.sleep(delay)
+
+    @staticmethod
+    def _decode_output(url: str, content: bytes) -> dict[str, Any]:
+        try:
+            out = json.loads(content)
+        except ValueError as e:  # trust boundary: a proxy's HTML page, a cut body
+            raise EngineError(f"{url}/generate returned invalid JSON: {e}") from e
+        if isinstance(out, list) and len(out) == 1:
+            out = out[0]
+        if not isinstance(out, dict):
+            raise EngineError(f"{url}/generate returned {type(out).__name__}, not an object")
+        return out
+
+    # -- balancing and health ----------------------------------------------------------------
+
+    async def _acquire(self, deadline: float, last_error: str) -> tuple[ServerState, int]:
+        """Reserve a slot on the least loaded healthy server, waiting for one until `deadline`.
+
+        The same scan starts the health probes of servers out of rotation whose time has come,
+        so a server returns as soon as it is healthy even while the others carry the load.
+        """
+        loop = asyncio.get_running_loop()
+        cap = self.config.max_inflight_per_server
+        servers = self.servers
+        n = len(servers)
+        while True:
+            now = loop.time()
+            best: ServerState | None = None
+            wake = deadline
+            start = self._rr = (self._rr + 1) % n
+            for i in range(n):
+                s = servers[(start + i) % n]
+                if s.healthy:
+                    if s.outstanding < cap and (best is None or s.outstanding < best.outstanding):
+                        best = s
+                    continue
+                if s.retry_at <= now and not s.probing:
+                    s.probing = True
+                    asyncio.ensure_future(self._reprobe(s))
+                wake = min(wake, max(s.retry_at, now + 0.001))
+            if best is not None:
+                best.outstanding += 1
+                return best, self._slots[best.url].pop()
+            if now >= deadline:
+                states = ", ".join(
+                    f"{s.url} ({'healthy' if s.healthy else 'down: ' + s.last_error}, "
+                    f"{s.outstanding} in flight)" for s in servers
+                )
+                raise EngineError(
+                    f"no SGLang server available before the request deadline: {states}; "
+                    f"last error: {last_error}"
+                )
+            fut: asyncio.Future[None] = loop.create_future()
+            self._waiters.append(fut)
+            try:
+                await asyncio.wait_for(fut, timeout=max(0.0, wake - now))
+            except asyncio.TimeoutError:
+                pass
+            finally:
+                if fut in self._waiters:
+                    self._waiters.remove(fut)
+
+    def _wake(self, one: bool = False) -> None:
+        """Wake waiting callers: one per freed slot, all on a health change."""
+        while self._waiters:
+            f = self._waiters.pop(0)
+            if not f.done():
+                f.set_result(None)
+                if one:
+                    return
+
+    def _release(self, s: ServerState, slot: int) -> None:
+        s.outstanding -= 1
+        self._slots[s.url].append(slot)
+        if self._waiters:
+            self._wake(one=True)
+
+    def _mark_unhealthy(self, s: ServerState, error: str) -> None:
+        s.failures += 1
+        s.last_error = error
+        if s.healthy:
+            log.warning("SGLang server %s taken out of rotation: %s", s.url, error)
+            s.healthy = False
+            s.probe_delay = 0.0
+            s.retry_at = asyncio.get_running_loop().time()  # first probe right away
+
+    async def _reprobe(self, s: ServerState) -> None:
+        try:
+            err = await self._probe_once(s) or await self._resync(s)
+        finally:
+            s.probing = False
+        loop = asyncio.get_running_loop()
+        if err:
+            s.last_error = f"health probe: {err}"
+            s.probe_delay = min(self.config.probe_interval_s, max(0.05, s.probe_delay * 2))
+            s.retry_at = loop.time() + s.probe_delay
+        else:
+            if not s.healthy:
+                log.warning("SGLang server %s is healthy again", s.url)
+            s.healthy, s.probe_delay = True, 0.0
+        self._wake()
