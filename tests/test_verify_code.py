@@ -110,6 +110,56 @@ def test_printing_solution_cannot_forge_results(sb):
     assert [t.outcome for t in res.tests] == ["failed"]
 
 
+ALWAYS_EQUAL = """
+class Anything:
+    def __eq__(self, other): return True
+    def __ne__(self, other): return False
+    def __lt__(self, other): return True
+    def __bool__(self): return True
+    def __sub__(self, other): return self
+    def __abs__(self): return self
+def add(a, b):
+    return RESULT
+"""
+
+
+@pytest.mark.parametrize("result", ["Anything()", "[Anything()]", "{'k': Anything()}", "(1, Anything())"])
+def test_rigged_comparisons_do_not_pass(sb, result):
+    tests = ["assert add(1, 2) == 3", "assert not add(1, 2) != 3", "assert abs(add(1, 2) - 3) < 1e-9",
+             "assert add(1, 2)", "assert all(add(i, 0) == i for i in range(3))",
+             "def check(candidate):\n    assert candidate(1, 2) == 3, 'msg'\ncheck(add)"]
+    res = run_tests(ALWAYS_EQUAL.replace("RESULT", result), tests, sandbox=sb)
+    assert res.passed == 0, res.tests
+    # Each test fails on the rigged object, except where the container itself already breaks the
+    # expression (abs([...] - 3) is a TypeError: an error, not a pass either).
+    for t in res.tests:
+        assert (t.outcome, "rigged comparison" in t.detail) in {("failed", True), ("error", False)}, t
+    if result == "Anything()":
+        assert all(t.outcome == "failed" for t in res.tests)
+
+
+def test_patched_modules_cannot_forge_a_pass(sb):
+    patch = ("import json, os, builtins\n"
+             "json.dumps = lambda *a, **k: '{\"o\": \"passed\", \"d\": \"\"}'\n"
+             "builtins.isinstance = lambda *a: True\nbuiltins.type = lambda *a: int\n")
+    res = run_tests(patch + "def add(a, b):\n    return 0\n", ["assert add(1, 2) == 3"], sandbox=sb)
+    assert [t.outcome for t in res.tests] == ["failed"]
+
+
+def test_honest_values_of_every_kind_still_pass(sb):
+    solution = ("import collections, decimal\nPoint = collections.namedtuple('Point', 'x y')\n"
+                "class Plain:\n    pass\nP = Plain()\n"
+                "def f(k):\n    return {'int': 3, 'list': [1, (2, 3.0)], 'dict': {'a': [None, b'x']},\n"
+                "            'tuple': Point(1, 2), 'set': {1, 2}, 'dec': decimal.Decimal('1.5'),\n"
+                "            'obj': P, 'gen': (i for i in range(3)), 'od': collections.OrderedDict(a=1)}[k]\n")
+    tests = ["assert f('int') == 3", "assert f('list') == [1, (2, 3)]", "assert f('dict')['a'][1] == b'x'",
+             "assert f('tuple') == (1, 2) and f('tuple').x == 1", "assert f('set') == {2, 1}",
+             "assert f('dec') == decimal.Decimal('1.5')", "assert f('obj') is P", "assert list(f('gen')) == [0, 1, 2]",
+             "assert f('od') == {'a': 1}", "assert f('int') != 4 and not f('int') < 3"]
+    res = run_tests(solution, tests, sandbox=sb)
+    assert [t.outcome for t in res.tests] == ["passed"] * len(tests), res.tests
+
+
 def test_job_limit_marks_remaining_not_run(sb):
     from agentgrpo.verify.sandbox import Limits
 

@@ -12,8 +12,16 @@ the only writer of the job's stdout (children write to pipes; the parent is not 
 they cannot reach its stdout through /proc). An assert test passes only if the child reports
 that it ran the test to its end: `sys.exit(0)` or `os._exit(0)` in the solution is an error, not a
 pass. Stdout cases are compared here, outside the sandbox (trailing whitespace ignored).
-Not covered: code that deliberately tampers with the test inside its own process (objects whose
-`__eq__` is always true, patching `AssertionError`); stdout tests are immune to that.
+Rigged comparisons are caught: every operand of a comparison inside an assert (and the value of a
+bare `assert x`) is checked, containers included, for objects whose class is Python code that
+defines its own `__eq__`, `__lt__`, `__bool__`, ... (an always-true `__eq__` is the classic hack);
+such a test fails with "rigged comparison". Values of C-implemented types (int, str, list, dict,
+numpy's) pass as they are. The report path and the check are bound before the solution runs, so
+patching `json`, `os` or `builtins` does not change them. A deliberate attack on the harness's own
+memory (gc, frame introspection) is not covered: the solution and the test share a process, so
+only stdin/stdout tests, compared out here, are immune to everything. A test whose asserts compare
+objects of classes that define comparison (dataclasses, fractions.Fraction) fails under this rule:
+compare their fields or use stdout tests.
 
 Outcomes per test: passed | failed (assertion or wrong output) | error (exception or early
 exit) | timeout | not_run (the job ended first: wall/memory/output limit). The score is the
@@ -99,7 +107,7 @@ def extract_code(completion: str, language: str = "python") -> str:
 # Runs inside the sandbox. The parent reads the spec, forks a child per test and prints one JSON
 # line per finished test (so a job killed at its wall limit still reports the tests it finished).
 _HARNESS = r"""
-import ctypes, json, os, select, signal, sys, time
+import ast, ctypes, json, os, select, signal, sys, time
 spec = json.load(open("_spec.json"))
 os.unlink("_spec.json")
 ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE=0: children cannot open our /proc fds
@@ -107,16 +115,81 @@ solution, cap, per_test = spec["solution"], spec["capture_bytes"], spec["timeout
 out = os.fdopen(os.dup(1), "w")
 devnull = os.open(os.devnull, os.O_RDWR)
 os.dup2(devnull, 1)
+# Bound before any solution runs, so patching json, os or builtins cannot change a report or a check.
+_write, _exit, _type, _isinstance, _getattr = os.write, os._exit, type, isinstance, getattr
+_SCALARS = (int, float, complex, bool, str, bytes, type(None))
+_CONTAINERS = (list, tuple, set, frozenset, dict)
+_DUNDERS = ("__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "__bool__", "__len__")
+_PYTHON_CLASS = (1 << 9) | (1 << 8)  # Py_TPFLAGS_HEAPTYPE | Py_TPFLAGS_IMMUTABLETYPE
+
+class _Rigged(Exception):
+    pass
+
+def _plain(value):
+    # An operand of an assert's comparison: reject objects whose class (Python code, so possibly the
+    # solution's) defines its own comparison or truth, e.g. an __eq__ that is always True, also
+    # inside containers. Classes written in C (int, list, numpy's) cannot be redefined by a solution.
+    todo, seen = [value], 0
+    while todo and seen < 100000:
+        v = todo.pop()
+        seen += 1
+        t = _type(v)
+        if t in _SCALARS:
+            continue
+        if t.__flags__ & _PYTHON_CLASS == 1 << 9:
+            base = next((b for b in _CONTAINERS if _isinstance(v, b)), object)
+            for name in _DUNDERS:
+                if _getattr(t, name, None) is not _getattr(base, name, None):
+                    raise _Rigged("compared a %s, whose class defines its own %s (an assert compares "
+                                  "plain values)" % (t.__name__, name))
+        if _isinstance(v, dict):
+            todo += list(v.keys()) + list(v.values())
+        elif _isinstance(v, _CONTAINERS):
+            todo += list(v)
+        elif t.__name__ == "ndarray" and _getattr(v, "dtype", None) is not None and v.dtype.kind == "O":
+            todo += list(v.flat)
+    return value
+
+class _GuardAsserts(ast.NodeTransformer):
+    # Every comparison inside an assert gets its operands checked by _plain; a bare `assert x` or
+    # `assert not x` gets x checked (its truth could be rigged the same way).
+    def visit_Assert(self, node):
+        node.test = self._guard(node.test)
+        return node
+    def _guard(self, e):
+        if _isinstance(e, ast.Compare) or not _isinstance(e, (ast.BoolOp, ast.UnaryOp)):
+            e = _Compares().visit(e)
+            return e if _isinstance(e, ast.Compare) else _call(e)
+        if _isinstance(e, ast.BoolOp):
+            e.values = [self._guard(v) for v in e.values]
+        else:
+            e.operand = self._guard(e.operand)
+        return e
+
+class _Compares(ast.NodeTransformer):
+    def visit_Compare(self, node):
+        self.generic_visit(node)
+        node.left, node.comparators = _call(node.left), [_call(c) for c in node.comparators]
+        return node
+
+def _call(e):
+    return ast.copy_location(ast.Call(ast.Name("__agentgrpo_plain__", ast.Load()), [e], []), e)
+
+def _compile_test(code):
+    tree = _GuardAsserts().visit(ast.parse(code, "<test>"))
+    return compile(ast.fix_missing_locations(tree), "<test>", "exec")
 
 def child(test, wfd):
-    report = os.fdopen(wfd, "w")
-    def send(outcome, detail=""):
-        report.write(json.dumps({"o": outcome, "d": detail[-500:]})); report.flush()
-    ns = {"__name__": "__main__", "__builtins__": __builtins__}
+    def send(outcome, detail=""):  # "outcome\ndetail": no encoder a solution could have patched
+        _write(wfd, (outcome + "\n" + detail[-500:]).encode("utf-8", "replace"))
+    ns = {"__name__": "__main__", "__builtins__": __builtins__, "__agentgrpo_plain__": _plain}
     try:
+        test_code = _compile_test(test["code"]) if test["kind"] == "assert" else None
         exec(compile(solution, "<solution>", "exec"), ns)
-        if test["kind"] == "assert":
-            exec(compile(test["code"], "<test>", "exec"), ns)
+        if test_code is not None:
+            exec(test_code, ns)
+    except _Rigged as e:
+        send("failed", "rigged comparison: " + str(e))
     except AssertionError as e:
         send("failed", "AssertionError: " + str(e))
     except SystemExit as e:
@@ -125,14 +198,14 @@ def child(test, wfd):
         else:
             send("error", "exited before the test finished (SystemExit: %r)" % (e.code,))
     except BaseException as e:
-        send("error", "%s: %s" % (type(e).__name__, e))
+        send("error", "%s: %s" % (_type(e).__name__, e))
     else:
         send("passed" if test["kind"] == "assert" else "ran")
     try:
         sys.stdout.flush()
     except Exception:
         pass
-    os._exit(0)
+    _exit(0)
 
 for i, test in enumerate(spec["tests"]):
     pipes = [os.pipe() for _ in range(4)]  # stdin, stdout, stderr, report
@@ -193,10 +266,8 @@ for i, test in enumerate(spec["tests"]):
     os.waitpid(pid, 0)
     for fd in [pidfd] + list(bufs) + ([stdin_fd] if stdin_fd >= 0 else []):
         os.close(fd)
-    try:
-        got = json.loads(bufs[pipes[3][0]])
-    except ValueError:
-        got = {}
+    outcome, _, detail = bufs[pipes[3][0]].decode("utf-8", "replace").partition("\n")
+    got = {"o": outcome, "d": detail} if outcome else {}
     stdout = bufs[pipes[1][0]].decode("utf-8", "replace")
     stderr = bufs[pipes[2][0]].decode("utf-8", "replace")
     if timed_out:
