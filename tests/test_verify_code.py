@@ -147,15 +147,19 @@ def test_patched_modules_cannot_forge_a_pass(sb):
 
 
 def test_honest_values_of_every_kind_still_pass(sb):
-    solution = ("import collections, decimal\nPoint = collections.namedtuple('Point', 'x y')\n"
+    solution = ("import collections, decimal, enum\nPoint = collections.namedtuple('Point', 'x y')\n"
+                "class Color(enum.IntEnum):\n    RED = 1\n"
+                "class Name(str):\n    pass\n"
                 "class Plain:\n    pass\nP = Plain()\n"
                 "def f(k):\n    return {'int': 3, 'list': [1, (2, 3.0)], 'dict': {'a': [None, b'x']},\n"
                 "            'tuple': Point(1, 2), 'set': {1, 2}, 'dec': decimal.Decimal('1.5'),\n"
-                "            'obj': P, 'gen': (i for i in range(3)), 'od': collections.OrderedDict(a=1)}[k]\n")
+                "            'obj': P, 'gen': (i for i in range(3)), 'od': collections.OrderedDict(a=1),\n"
+                "            'enum': Color.RED, 'name': Name('ada')}[k]\n")
     tests = ["assert f('int') == 3", "assert f('list') == [1, (2, 3)]", "assert f('dict')['a'][1] == b'x'",
              "assert f('tuple') == (1, 2) and f('tuple').x == 1", "assert f('set') == {2, 1}",
              "assert f('dec') == decimal.Decimal('1.5')", "assert f('obj') is P", "assert list(f('gen')) == [0, 1, 2]",
-             "assert f('od') == {'a': 1}", "assert f('int') != 4 and not f('int') < 3"]
+             "assert f('od') == {'a': 1}", "assert f('int') != 4 and not f('int') < 3",
+             "assert f('enum') == 1 and f('enum')", "assert f('name') == 'ada'"]
     res = run_tests(solution, tests, sandbox=sb)
     assert [t.outcome for t in res.tests] == ["passed"] * len(tests), res.tests
 

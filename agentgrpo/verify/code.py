@@ -125,6 +125,9 @@ _PYTHON_CLASS = (1 << 9) | (1 << 8)  # Py_TPFLAGS_HEAPTYPE | Py_TPFLAGS_IMMUTABL
 class _Rigged(Exception):
     pass
 
+def _own(cls, name):  # the attribute instances see (the class's MRO, not its metaclass)
+    return next((k.__dict__[name] for k in cls.__mro__ if name in k.__dict__), None)
+
 def _plain(value):
     # An operand of an assert's comparison: reject objects whose class (Python code, so possibly the
     # solution's) defines its own comparison or truth, e.g. an __eq__ that is always True, also
@@ -136,10 +139,10 @@ def _plain(value):
         t = _type(v)
         if t in _SCALARS:
             continue
-        if t.__flags__ & _PYTHON_CLASS == 1 << 9:
-            base = next((b for b in _CONTAINERS if _isinstance(v, b)), object)
+        if t.__flags__ & _PYTHON_CLASS == 1 << 9:  # compare with its nearest C-implemented ancestor
+            base = next(b for b in t.__mro__ if b.__flags__ & _PYTHON_CLASS != 1 << 9)
             for name in _DUNDERS:
-                if _getattr(t, name, None) is not _getattr(base, name, None):
+                if _own(t, name) is not _own(base, name):
                     raise _Rigged("compared a %s, whose class defines its own %s (an assert compares "
                                   "plain values)" % (t.__name__, name))
         if _isinstance(v, dict):
