@@ -179,8 +179,9 @@ class ChatFormat:
             stops.add(tokenizer.eos_token_id)
         self.stop_token_ids: tuple[int, ...] = tuple(sorted(stops))
         decoder = getattr(tokenizer, "added_tokens_decoder", {}) or {}
-        self._special_texts = tuple(sorted({t.content for t in decoder.values() if getattr(t, "special", False)}
-                                           | set(getattr(tokenizer, "all_special_tokens", []) or [])))
+        specials = {t.content for t in decoder.values() if getattr(t, "special", False)}
+        self._special_texts = tuple(sorted(t for t in specials | set(getattr(tokenizer, "all_special_tokens", []) or [])
+                                           if t))
 
     # -- rendering ----------------------------------------------------------------------------
 
