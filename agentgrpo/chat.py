@@ -33,6 +33,7 @@ error tool messages.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -180,8 +181,10 @@ class ChatFormat:
         self.stop_token_ids: tuple[int, ...] = tuple(sorted(stops))
         decoder = getattr(tokenizer, "added_tokens_decoder", {}) or {}
         specials = {t.content for t in decoder.values() if getattr(t, "special", False)}
-        self._special_texts = tuple(sorted(t for t in specials | set(getattr(tokenizer, "all_special_tokens", []) or [])
-                                           if t))
+        specials = {t for t in specials | set(getattr(tokenizer, "all_special_tokens", []) or []) if t}
+        # One alternation: ~4 us on 4 KB against Llama 3's 256 special tokens (`any(t in s)`: ~140 us).
+        self._special_text = re.compile("|".join(map(re.escape, sorted(specials, key=len, reverse=True)))) \
+            if specials else None
 
     # -- rendering ----------------------------------------------------------------------------
 
@@ -245,7 +248,7 @@ class ChatFormat:
         held: list[str] = []
         for d in dicts:
             content = d.get("content")
-            if isinstance(content, str) and any(t in content for t in self._special_texts):
+            if isinstance(content, str) and self._special_text is not None and self._special_text.search(content):
                 d["content"] = f"\x00agentgrpo-content-{len(held)}\x00"
                 held.append(content)
         return dicts, held
