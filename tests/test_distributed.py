@@ -20,6 +20,9 @@ CFG = LearnerConfig(lr=1e-2, micro_batch_tokens=64, grad_clip=1e9, warmup_steps=
 LOSS = LossConfig(kl_coef=0.1)
 
 
+HANG = "learner.collective_timeout_s=120"  # a rank left waiting fails the test instead of hanging it
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -53,7 +56,7 @@ def _train_on_rank(rank: int, out: str, model_dir: str, steps: int) -> None:
         close(self)
 
     Learner.close = recording_close  # this process's own copy of the class
-    assert _train(out, model_dir, steps, "train.save_every=2") == 0
+    assert _train(out, model_dir, steps, "train.save_every=2", HANG) == 0
     assert worlds == [2]  # the ranks really trained together, and the group was closed
 
 
@@ -89,6 +92,28 @@ def test_a_launch_accelerate_would_run_as_one_process_is_refused(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")  # e.g. a GPU-less torchrun without --cpu
     with pytest.raises(ValueError, match="WORLD_SIZE=2 but accelerate runs 1 process"):
         Learner(tiny_llama(), CFG, LOSS, accelerator=Accelerator())
+
+
+def _stopped_on_rank_1(rank: int, out: str, model_dir: str) -> None:
+    import signal
+
+    if rank == 1:  # SIGTERM reaches one rank only, in step 1 of 4
+        step = Learner.train_step
+
+        def signalled(self, *a, **kw):
+            if self.step == 0:
+                os.kill(os.getpid(), signal.SIGTERM)
+            return step(self, *a, **kw)
+
+        Learner.train_step = signalled
+    assert _train(out, model_dir, 4, HANG) == 0
+
+
+def test_a_stop_signal_on_one_rank_stops_every_rank_after_a_checkpoint(tmp_path, stopping_model_dir):
+    out = tmp_path / "run"
+    _spawn(_stopped_on_rank_1, str(out), str(stopping_model_dir))
+    assert [m["step"] for m in read_jsonl(out / "metrics.jsonl")] == [1]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000001"]
 
 
 # --- FSDP ----------------------------------------------------------------------------------------------
