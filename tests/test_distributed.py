@@ -18,8 +18,6 @@ from tests.tiny import tiny_llama
 
 CFG = LearnerConfig(lr=1e-2, micro_batch_tokens=64, grad_clip=1e9, warmup_steps=2)
 LOSS = LossConfig(kl_coef=0.1)
-
-
 HANG = "learner.collective_timeout_s=120"  # a rank left waiting fails the test instead of hanging it
 
 
@@ -30,7 +28,7 @@ def _free_port() -> int:
 
 
 def _spawn(fn, *args) -> None:
-    """Run `fn(rank, port, *args)` in 2 fresh processes joined by a gloo process group."""
+    """Run `fn(rank, *args)` in 2 fresh processes that form a gloo group (env:// rendezvous)."""
     import torch.multiprocessing as mp
 
     mp.spawn(_rank, args=(_free_port(), fn, args), nprocs=2, join=True)
