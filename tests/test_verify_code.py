@@ -167,7 +167,7 @@ def test_honest_values_of_every_kind_still_pass(sb):
 def test_job_limit_marks_remaining_not_run(sb):
     from agentgrpo.verify.sandbox import Limits
 
-    tests = ["assert True", "import time\ntime.sleep(5)", "assert True"]
+    tests = ["assert add(1, 1) == 2", "import time\ntime.sleep(5)", "assert add(2, 2) == 4"]
     res = run_tests(ADD, tests, sandbox=sb, timeout_per_test_s=10, limits=Limits(wall_s=1.0))
     assert [t.outcome for t in res.tests] == ["passed", "not_run", "not_run"]
     assert res.exec.status == "timeout" and res.score == pytest.approx(1 / 3)
