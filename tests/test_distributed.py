@@ -212,6 +212,15 @@ def test_the_documented_torchrun_command_runs_two_ranks(tmp_path, tiny_model_dir
 LORA = LearnerConfig(lr=1e-2, micro_batch_tokens=64, grad_clip=1e9, lora={"r": 4, "alpha": 8})
 
 
+def _ddp_lora_rank(rank: int, tmp: str) -> None:
+    from accelerate import Accelerator
+
+    learner = Learner(tiny_llama(), LORA, LOSS, temperature=TEMPERATURE, accelerator=Accelerator(cpu=True))
+    _steps(learner, 2)
+    if rank == 0:
+        torch.save(learner.export_state_dict(), f"{tmp}/lora-ddp.pt")
+
+
 def _fsdp_lora_rank(rank: int, tmp: str) -> None:
     from pathlib import Path
 
@@ -225,10 +234,12 @@ def _fsdp_lora_rank(rank: int, tmp: str) -> None:
             torch.save(exported.state_dict(), Path(tmp) / f"lora-{name}.pt")
 
 
-def test_lora_under_fsdp_exports_merged_weights_and_resumes_like_one_process(tmp_path):
+def test_lora_under_ddp_and_fsdp_exports_merged_weights_and_resumes_like_one_process(tmp_path):
     one = Learner(tiny_llama(), LORA, LOSS, temperature=TEMPERATURE)
     _steps(one, 2)
+    _spawn(_ddp_lora_rank, str(tmp_path))
     _spawn(_fsdp_lora_rank, str(tmp_path))
     merged = one.export_state_dict()
+    _assert_close(torch.load(tmp_path / "lora-ddp.pt"), merged, "LoRA under DDP, merged export")
     _assert_close(torch.load(tmp_path / "lora-trained.pt"), merged, "LoRA under FSDP, merged export")
     _assert_close(torch.load(tmp_path / "lora-resumed.pt"), merged, "LoRA adapter checkpoint, resumed under FSDP")
