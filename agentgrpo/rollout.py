@@ -58,8 +58,9 @@ class RolloutConfig(BaseModel):
     max_tokens: int = Field(512, ge=1, description="tokens after the prompt per trajectory (sampled + env)")
     max_new_tokens: int = Field(128, ge=1, description="tokens sampled per assistant turn")
     temperature: float = Field(1.0, ge=0.0, description="sampling temperature (the learner uses the same)")
-    top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling")
-    top_k: int = Field(-1, description="top-k sampling, -1 for all")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling; rollout logprobs stay the full "
+                         "distribution's (both engines), so < 1 samples off the policy the loss assumes")
+    top_k: int = Field(-1, description="top-k sampling, -1 for all (logprobs: as for top_p)")
     max_concurrent_trajectories: int | None = Field(
         None, ge=1, description="episodes in flight at once in a step (None = all of them); each holds an env")
     max_concurrent_requests: int | None = Field(

@@ -19,14 +19,14 @@ How it works (decisions):
   attention mask hides the padding and explicit position ids count only real tokens, so padding
   never changes a row's numbers beyond float rounding. When rows leave, cache columns that are
   padding for every remaining row are cut off.
-- **Logprobs.** `Completion.logprobs[i]` is the log-probability of `token_ids[i]` under the
-  distribution it was sampled from: `log_softmax(logits / T)`, restricted to the top-k / top-p set and
-  renormalised when those are active (temperature first, then top-k, then top-p, as vLLM/SGLang
-  order them; top-p keeps the smallest prefix of the sorted distribution whose mass reaches p, and
-  always the most likely token). With `top_p == 1` and `top_k == -1` (the RL default) that is exactly
-  `log_softmax(logits / T)` over the full vocabulary. `temperature == 0` is greedy (argmax) and
-  reports `log_softmax(logits)` of the plain distribution (T = 1), as SGLang does. Note: SGLang
-  reports the full-vocabulary value even with top-k/top-p; at the RL default the two agree.
+- **Logprobs.** `Completion.logprobs[i]` is `log_softmax(logits / T)[token_ids[i]]` over the full
+  vocabulary, also when top-k / top-p truncate the sampling (temperature first, then top-k, then
+  top-p, as vLLM/SGLang order them; top-p keeps the smallest prefix of the sorted distribution whose
+  mass reaches p, and always the most likely token). That is what SGLang returns and what the
+  learner computes (the policy pi_theta is the tempered full distribution), so the importance ratio
+  starts at 1 with either engine; the truncation itself is then an off-policy effect the ratio does
+  not see, as in the peers. `temperature == 0` is greedy (argmax) and reports `log_softmax(logits)`
+  (T = 1), as SGLang does.
 - **Stopping.** The model's EOS ids (generation config, config and tokenizer) plus
   `params.stop_token_ids` end a request; the matched id is the last returned token and
   `finish_reason == "stop"`. Reaching `max_new_tokens` gives `"length"`. Prompt + completion never

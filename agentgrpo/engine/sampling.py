@@ -24,10 +24,11 @@ def sample(
     """Sample one token per row and return `(ids_B, logprobs_B)`.
 
     Settings are per row. `uniforms` (float64 in [0, 1), one per row) drive inverse-CDF sampling,
-    so a row's randomness comes only from its own generator. Logprobs are of the distribution the
-    token was sampled from: `log_softmax(logits / T)`, then (if active) top-k, renormalise, top-p,
-    renormalise, as vLLM orders them. Greedy rows (T == 0) take the argmax and report
-    `log_softmax(logits)`.
+    so a row's randomness comes only from its own generator. Sampling follows `log_softmax(logits /
+    T)`, then (if active) top-k, renormalise, top-p, renormalise, as vLLM orders them; the logprob
+    returned is always the full-vocabulary `log_softmax(logits / T)` of the sampled token (SGLang's
+    convention and the learner's; see `local.py`, Logprobs). Greedy rows (T == 0) take the argmax
+    and report `log_softmax(logits)`.
 
     Truncated rows sample among the `max(_CANDIDATES, top_k)` most likely tokens (a `topk`, much
     cheaper than sorting the vocabulary); when a top-p-only row's candidates hold less mass than p
@@ -67,9 +68,5 @@ def sample(
     pick_B = torch.searchsorted(cdf_BK, (uniforms * cdf_BK[:, -1])[:, None], right=True)[:, 0]
     pick_B = pick_B.clamp(max=K - 1)
     pick_B = torch.where(drop_BK.gather(-1, pick_B[:, None])[:, 0], 0, pick_B)  # rounding guard
-    trunc_ids_B = order_BK.gather(-1, pick_B[:, None])[:, 0]
-    trunc_logprobs_B = kept_BK.gather(-1, pick_B[:, None])[:, 0]
-    return (
-        torch.where(truncate_B, trunc_ids_B, ids_B),
-        torch.where(truncate_B, trunc_logprobs_B, logprobs_B),
-    )
+    ids_B = torch.where(truncate_B, order_BK.gather(-1, pick_B[:, None])[:, 0], ids_B)
+    return ids_B, logp_BV.gather(-1, ids_B[:, None])[:, 0]
