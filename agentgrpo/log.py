@@ -147,7 +147,8 @@ class Progress:
     and the estimated time left (mean duration of the last 10 steps times the steps to go, minus the
     time already spent in the current step). On a terminal the bar updates in place; in a log file
     (not a TTY) it writes one plain line per step instead, with the seconds spent in each phase.
-    `enabled=False` makes every call a no-op.
+    `enabled=False` turns the display off; the phase timings (`phase_times`, logged as `phase_s/*`)
+    are kept either way, so metrics do not depend on whether anyone watched.
 
     Example (the calls of the training loop):
         >>> progress = Progress(total_steps=30, rollouts_per_step=32)
@@ -190,12 +191,11 @@ class Progress:
         `rollouts_per_step`); the rollout counter and running reward restart with each phase
         that reports rollouts.
         """
-        if not self.enabled:
-            return
         now = self.clock()
         if not self._in_step:
             if self.step >= self.total_steps:  # after the last step (final checkpoint): just say so
-                print(f"{name} after step {self.step}/{self.total_steps}", file=self.file, flush=True)
+                if self.enabled:
+                    print(f"{name} after step {self.step}/{self.total_steps}", file=self.file, flush=True)
                 return
             self._begin_step(now)
         self._close_phase(now)
@@ -226,14 +226,14 @@ class Progress:
 
     def step_done(self, step: int, metrics: dict[str, float]) -> None:
         """Step `step` (1-based, as logged) is finished; `metrics` are the ones written to metrics.jsonl."""
-        if not self.enabled:
-            return
         now = self.clock()
         if not self._in_step:
             self._begin_step(now)
         self._close_phase(now)
         self._durations.append(now - self._step_t0)
         self.step, self._in_step, self._phase = step, False, "done"
+        if not self.enabled:
+            return
         parts = [f"reward {_fmt(metrics.get('reward_mean'))}"
                  + (f" ± {_fmt(metrics['reward_std'])}" if "reward_std" in metrics else ""),
                  f"loss {_fmt(metrics.get('loss'))}", f"{_fmt(metrics.get('tokens_per_s'), '.0f')} tok/s",
@@ -281,7 +281,7 @@ class Progress:
     def _begin_step(self, now: float) -> None:
         self._in_step, self._step_t0, self._phase = True, now, ""
         self.phase_s = {}
-        if self.live:
+        if self.live and self.enabled:
             from tqdm.auto import tqdm
 
             self._bar = tqdm(total=self.rollouts_per_step, file=self.file, leave=True, dynamic_ncols=True,

@@ -92,10 +92,12 @@ def test_after_the_last_step_a_phase_is_a_line_not_a_new_step():
     assert "step 2/1" not in out.getvalue() and out.getvalue().endswith("checkpoint after step 1/1\n")
 
 
-def test_disabled_progress_writes_nothing():
+def test_disabled_progress_writes_nothing_but_still_times_the_phases():
     out, clock = io.StringIO(), Clock()
-    p = Progress(2, rollouts_per_step=2, file=out, enabled=False, clock=clock)
+    p = Progress(2, rollouts_per_step=2, file=out, enabled=False, live=True, clock=clock)
     one_step(p, clock, 1)
+    assert p.phase_s and all(v > 0 for v in p.phase_s.values())  # phase_s/* metrics do not need a display
+    p.phase("checkpoint")
     p.close()
     assert out.getvalue() == ""
 

@@ -24,6 +24,7 @@ def _check_run_dir(out, steps):
     assert [m["step"] for m in metrics] == list(range(1, steps + 1))
     for m in metrics:
         assert math.isfinite(m["loss"]) and math.isfinite(m["reward_mean"])
+        assert m["phase_s/rollout"] > 0 and m["phase_s/train"] > 0  # logged with log.progress=false too
     rows = read_jsonl(out / "trajectories.jsonl")
     assert rows and {r["step"] for r in rows} == set(range(1, steps + 1))
     for r in rows:
