@@ -2,13 +2,16 @@
 
 A checkpoint is a directory `checkpoints/step-000012/` holding what the learner writes (model
 weights or the LoRA adapter as safetensors, `learner.pt` with optimizer, scheduler and step: tensors
-and plain values, read with `weights_only=True`) and `trainer.json`: step, data position, weight
-version, RNG states (python, numpy, torch, CUDA), and the size and SHA-256 of every other file.
+and plain values, read with `weights_only=True`; or, in the sharded format, every rank's shards
+under `dcp/`) and `trainer.json`: step, data position, weight version, RNG states (python, numpy,
+torch, CUDA), and the size and SHA-256 of every other file.
 
 Writing: everything goes to `.tmp-step-000012/`, files are fsynced, `trainer.json` is written last,
 and the directory is renamed into place, so a kill at any moment leaves either the complete new
 checkpoint or none (plus a temp dir that the next save removes). Only then are older checkpoints
-beyond `keep` deleted.
+beyond `keep` deleted. With several ranks, rank 0 creates the temp dir, every rank writes its part
+between two barriers, and rank 0 alone writes the manifest and renames (the directory must be on a
+filesystem every rank sees).
 
 Reading: `restore` tries checkpoints newest-first; one whose manifest is missing or unreadable,
 whose files differ in size or checksum from the manifest (truncated, bit rot), or that the learner
@@ -78,14 +81,24 @@ def _fsync(path: Path) -> None:
 
 
 def save(root: Path, step: int, write_payload: Callable[[Path], None], trainer_state: dict[str, Any],
-         keep: int = 2) -> Path:
-    """Write checkpoint `step` under `root`; `write_payload(tmp_dir)` writes model and optimizer."""
-    root.mkdir(parents=True, exist_ok=True)
+         keep: int = 2, *, is_main: bool = True, barrier: Callable[[], None] = lambda: None) -> Path:
+    """Write checkpoint `step` under `root`; `write_payload(tmp_dir)` writes model and optimizer.
+
+    Many processes: every rank calls it with the same arguments; rank 0 (`is_main`) prepares the
+    temporary directory and, once every rank's `write_payload` has returned (`barrier`), writes the
+    manifest, renames and prunes.
+    """
     final = root / f"step-{step:06d}"
     tmp = root / f".tmp-step-{step:06d}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    if is_main:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    barrier()
     write_payload(tmp)
+    barrier()
+    if not is_main:
+        return final
     files = {}
     for f in sorted(p for p in tmp.rglob("*") if p.is_file()):
         _fsync(f)

@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
+import torch.distributed.checkpoint as dcp
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, InitProcessGroupKwargs
 from pydantic import BaseModel, ConfigDict, Field
@@ -52,8 +53,10 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
+    get_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
+    set_state_dict,
 )
 
 from agentgrpo.batch import PackingMode, TrainBatch, make_micro_batches, shard
@@ -97,6 +100,11 @@ class LearnerConfig(BaseModel):
         None, description="set the model's attention kernel (sdpa, eager, flash_attention_2, ...); "
         "flash kernels pack by position ids (varlen) instead of a mask")
     ref_offload: bool = Field(False, description="keep the reference model on the CPU between steps")
+    checkpoint_format: Literal["full", "sharded"] = Field(
+        "full", description="full: HF safetensors + the whole optimizer state, gathered and written by "
+        "rank 0 (loads anywhere, needs the full state in rank 0's CPU memory); sharded: "
+        "torch.distributed.checkpoint, every rank writes its own shards in parallel (loads into any "
+        "number of ranks; no HF weights file). Resuming reads either format.")
     collective_timeout_s: float = Field(
         3600.0, gt=0, description="many processes: how long a rank waits in a collective (other ranks "
         "wait for rank 0's rollouts in one) before the run fails instead of hanging")
@@ -363,24 +371,35 @@ class Learner:
 
     # -- checkpoints -------------------------------------------------------------------------------
 
-    def save(self, directory: Path | None) -> None:
-        """Model weights (or the LoRA adapter) as safetensors, and `learner.pt` (optimizer state keyed
-        by parameter name, scheduler, step). Collective: every rank calls it (FSDP gathers the
-        shards); rank 0 writes into `directory`, the others may pass None."""
+    def save(self, directory: Path) -> None:
+        """Write a checkpoint into `directory` (the same path on every rank). Collective: every rank
+        calls it. `full`: rank 0 writes the model weights (or the LoRA adapter) as safetensors and
+        `learner.pt` with the optimizer state keyed by parameter name (FSDP shards are gathered to
+        it first); `sharded`: every rank writes its shards of weights and optimizer state under
+        `dcp/` (torch.distributed.checkpoint) and rank 0 the scheduler and step."""
+        schedule = {"scheduler": self.scheduler.state_dict(), "step": self.step}
+        if self.cfg.checkpoint_format == "sharded":
+            model_sd, optim_sd = get_state_dict(self.model, self.optimizer.optimizer)
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=directory / "dcp",
+                     no_dist=self.accelerator.num_processes == 1)
+            if self.is_main:
+                torch.save(schedule, directory / "learner.pt")
+            return
         weights = self._full_weights()
         optim = get_optimizer_state_dict(self.model, self.optimizer.optimizer,
                                          options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if not self.is_main:
             return
-        assert directory is not None, "rank 0 needs a directory to write the checkpoint into"
         sd = {k.removeprefix("model."): v for k, v in weights.items()}
         self.unwrapped.save_pretrained(directory, state_dict=sd, safe_serialization=True)
-        torch.save({"optimizer": optim, "scheduler": self.scheduler.state_dict(), "step": self.step},
-                   directory / "learner.pt")
+        torch.save({"optimizer": optim, **schedule}, directory / "learner.pt")
 
     def load(self, directory: Path) -> None:
-        """Restore what `save` wrote (collective; every rank reads the files); raises ValueError
-        when they do not fit this model."""
+        """Restore what `save` wrote, in either format (collective; every rank reads the files);
+        raises ValueError when they do not fit this model."""
+        if (directory / "dcp").is_dir():
+            self._load_sharded(directory)
+            return
         if self.cfg.lora is not None:
             weights = adapter_weights(self.unwrapped, directory)
             needed = [n for n, _ in self.unwrapped.named_parameters() if "lora_" in n]
@@ -404,6 +423,19 @@ class Learner:
         st = torch.load(directory / "learner.pt", weights_only=True, map_location="cpu")
         set_optimizer_state_dict(self.model, self.optimizer.optimizer, st["optimizer"],
                                  options=StateDictOptions(full_state_dict=True))
+        self._load_schedule(st)
+
+    def _load_sharded(self, directory: Path) -> None:
+        # The live (sharded) state dicts are the template: DCP reads into them, resharding when the
+        # checkpoint was written by another number of ranks; a missing key raises (RuntimeError).
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer.optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=directory / "dcp", no_dist=self.accelerator.num_processes == 1)
+        set_state_dict(self.model, self.optimizer.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+        self._load_schedule(torch.load(directory / "learner.pt", weights_only=True, map_location="cpu"))
+
+    def _load_schedule(self, st: dict[str, Any]) -> None:
         self.scheduler.load_state_dict(st["scheduler"])
         self.step = int(st["step"])
 

@@ -188,12 +188,10 @@ def train(cfg: RunConfig) -> Path:
     def save(step: int) -> None:
         nonlocal saved
         saved = step
-        if not lead:
-            learner.save(None)  # its part of rank 0's gather
-            return
-        checkpoint.save(ckpt_root, step, learner.save,
+        checkpoint.save(ckpt_root, step, learner.save,  # collective: every rank writes its part
                         {"data_position": stream.position, "weight_version": str(step),
-                         "rng": checkpoint.rng_state()}, keep=cfg.train.keep_checkpoints)
+                         "rng": checkpoint.rng_state()}, keep=cfg.train.keep_checkpoints,
+                        is_main=lead, barrier=learner.accelerator.wait_for_everyone)
 
     if lead:
         logger = RunLogger.from_config(run_dir, cfg)

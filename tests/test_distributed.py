@@ -18,6 +18,7 @@ from tests.tiny import tiny_llama
 
 CFG = LearnerConfig(lr=1e-2, micro_batch_tokens=64, grad_clip=1e9, warmup_steps=2)
 LOSS = LossConfig(kl_coef=0.1)
+SHARDED = CFG.model_copy(update={"checkpoint_format": "sharded"})
 HANG = "learner.collective_timeout_s=120"  # a rank left waiting fails the test instead of hanging it
 
 
@@ -46,7 +47,7 @@ def _rank(rank: int, port: int, fn, args) -> None:
 
 # --- the whole loop ----------------------------------------------------------------------------------
 
-def _train_on_rank(rank: int, out: str, model_dir: str, steps: int) -> None:
+def _train_on_rank(rank: int, out: str, model_dir: str, steps: int, *extra: str) -> None:
     worlds, close = [], Learner.close
 
     def recording_close(self):
@@ -54,7 +55,7 @@ def _train_on_rank(rank: int, out: str, model_dir: str, steps: int) -> None:
         close(self)
 
     Learner.close = recording_close  # this process's own copy of the class
-    assert _train(out, model_dir, steps, "train.save_every=2", HANG) == 0
+    assert _train(out, model_dir, steps, "train.save_every=2", HANG, *extra) == 0
     assert worlds == [2]  # the ranks really trained together, and the group was closed
 
 
@@ -90,6 +91,16 @@ def test_a_launch_accelerate_would_run_as_one_process_is_refused(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")  # e.g. a GPU-less torchrun without --cpu
     with pytest.raises(ValueError, match="WORLD_SIZE=2 but accelerate runs 1 process"):
         Learner(tiny_llama(), CFG, LOSS, accelerator=Accelerator())
+
+
+def test_two_ranks_resume_from_sharded_checkpoints(tmp_path, stopping_model_dir):
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert _train(one, stopping_model_dir, 3, "train.save_every=2") == 0
+    for steps in (2, 3):  # the second run resumes from the shards both ranks wrote at step 2
+        _spawn(_train_on_rank, str(two), str(stopping_model_dir), steps, "learner.checkpoint_format=sharded")
+    assert [m["step"] for m in read_jsonl(two / "metrics.jsonl")] == [1, 2, 3]
+    assert list((two / "checkpoints" / "step-000003" / "dcp").glob("*.distcp"))
+    assert _by_step(one) == _by_step(two)  # step 3 sampled the same tokens: the weights came back
 
 
 def _stopped_on_rank_1(rank: int, out: str, model_dir: str) -> None:
@@ -147,7 +158,7 @@ def _fsdp_rank(rank: int, tmp: str) -> None:
     learner = Learner(tiny_llama(), CFG, LOSS, temperature=TEMPERATURE, accelerator=_fsdp_accelerator())
     assert learner.sharded and all(isinstance(p, DTensor) for p in learner.model.parameters())
     _steps(learner, 2)
-    learner.save(tmp_path / "fsdp-ckpt" if rank == 0 else None)
+    learner.save(tmp_path / "fsdp-ckpt")  # rank 0 writes the gathered state
     exported = learner.export_model()  # gathered into rank 0's plain copy
     assert (exported is None) == (rank != 0)
     if rank == 0:
@@ -226,7 +237,7 @@ def _fsdp_lora_rank(rank: int, tmp: str) -> None:
 
     learner = Learner(tiny_llama(), LORA, LOSS, temperature=TEMPERATURE, accelerator=_fsdp_accelerator())
     _steps(learner, 2)
-    learner.save(Path(tmp) / "lora-ckpt" if rank == 0 else None)
+    learner.save(Path(tmp) / "lora-ckpt")
     resumed = Learner(tiny_llama(), LORA, LOSS, temperature=TEMPERATURE, accelerator=_fsdp_accelerator())
     resumed.load(Path(tmp) / "lora-ckpt")
     for name, exported in (("trained", learner.export_model()), ("resumed", resumed.export_model())):
@@ -243,3 +254,32 @@ def test_lora_under_ddp_and_fsdp_exports_merged_weights_and_resumes_like_one_pro
     _assert_close(torch.load(tmp_path / "lora-ddp.pt"), merged, "LoRA under DDP, merged export")
     _assert_close(torch.load(tmp_path / "lora-trained.pt"), merged, "LoRA under FSDP, merged export")
     _assert_close(torch.load(tmp_path / "lora-resumed.pt"), merged, "LoRA adapter checkpoint, resumed under FSDP")
+
+
+def _fsdp_sharded_rank(rank: int, tmp: str) -> None:
+    from pathlib import Path
+
+    learner = Learner(tiny_llama(), SHARDED, LOSS, temperature=TEMPERATURE, accelerator=_fsdp_accelerator())
+    _steps(learner, 2)
+    learner.save(Path(tmp) / "sharded")  # every rank writes its own shards
+    assert len(list((Path(tmp) / "sharded" / "dcp").glob("*.distcp"))) == 2
+    resumed = Learner(tiny_llama(), SHARDED, LOSS, temperature=TEMPERATURE, accelerator=_fsdp_accelerator())
+    resumed.load(Path(tmp) / "sharded")
+    _steps(resumed, 1, seed=1)
+    exported = resumed.export_model()
+    if rank == 0:
+        torch.save(exported.state_dict(), Path(tmp) / "sharded-resumed.pt")
+
+
+def test_sharded_checkpoints_resume_on_two_fsdp_ranks_and_reshard_to_one_process(tmp_path):
+    one = Learner(tiny_llama(), SHARDED, LOSS, temperature=TEMPERATURE)
+    _steps(one, 2)
+    _steps(one, 1, seed=1)
+    _spawn(_fsdp_sharded_rank, str(tmp_path))
+    _assert_close(torch.load(tmp_path / "sharded-resumed.pt"), one.unwrapped.state_dict(),
+                  "2 FSDP ranks resumed from their own shards")
+    single = Learner(tiny_llama(), SHARDED, LOSS, temperature=TEMPERATURE)
+    single.load(tmp_path / "sharded")  # written by 2 ranks, read by 1: DCP reshards
+    assert single.step == 2
+    _steps(single, 1, seed=1)
+    _assert_close(single.unwrapped.state_dict(), one.unwrapped.state_dict(), "1 process resumed from 2 ranks' shards")

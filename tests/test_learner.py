@@ -200,9 +200,10 @@ def test_bf16_autocast_on_cpu_is_close_to_fp32():
     assert next(bf16.unwrapped.parameters()).dtype == torch.float32  # master weights stay fp32
 
 
-def test_save_load_continues_exactly(tmp_path):
+@pytest.mark.parametrize("fmt", ["full", "sharded"])
+def test_save_load_continues_exactly(tmp_path, fmt):
     trajs, adv = batch_and_advantages()
-    cfg = LearnerConfig(lr=1e-2, warmup_steps=3)
+    cfg = LearnerConfig(lr=1e-2, warmup_steps=3, checkpoint_format=fmt)
     straight = Learner(tiny_llama(), cfg, LossConfig(), temperature=TEMPERATURE)
     for _ in range(3):
         straight.train_step(trajs, adv)
