@@ -45,23 +45,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-import torch.distributed.checkpoint as dcp
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, InitProcessGroupKwargs
 from pydantic import BaseModel, ConfigDict, Field
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    get_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-    set_state_dict,
-)
 
+from agentgrpo import learner_state
 from agentgrpo.batch import PackingMode, TrainBatch, make_micro_batches, shard
 from agentgrpo.logprobs import PolicyForward, to_loss_layout, token_logprobs, uses_flash
-from agentgrpo.lora import LoraConfig, MergedModel, adapter_weights, apply_lora, merged_state_dict
+from agentgrpo.lora import LoraConfig, MergedModel, apply_lora, merged_state_dict
 from agentgrpo.loss import LossConfig, compute_loss
 from agentgrpo.types import Trajectory
 
@@ -234,16 +225,11 @@ class Learner:
     def export_state_dict(self) -> dict[str, torch.Tensor]:
         """Full weights under the base model's names, on the CPU, adapters merged. Collective under
         FSDP (the shards are gathered to rank 0; other ranks get an empty dict)."""
-        sd = {k.removeprefix("model."): v for k, v in self._full_weights().items()}
+        sd = {k.removeprefix("model."): v for k, v in learner_state.full_weights(self.model).items()}
         if self.cfg.lora is None or not sd:
             return sd
         sd = {k.removeprefix("base_model.model."): v for k, v in sd.items()}
         return merged_state_dict(self.unwrapped, sd)
-
-    def _full_weights(self) -> dict[str, torch.Tensor]:
-        """The policy's unsharded state dict on rank 0's CPU, keyed by parameter name (empty on other
-        ranks when there are several)."""
-        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
     # -- one step ----------------------------------------------------------------------------------
 
@@ -369,75 +355,15 @@ class Learner:
         # CPU: the process's peak resident size so far (Linux reports KiB); not reset per step.
         return {"mem/rss_peak_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
 
-    # -- checkpoints -------------------------------------------------------------------------------
+    # -- checkpoints (formats: agentgrpo.learner_state) -----------------------------------------
 
     def save(self, directory: Path) -> None:
-        """Write a checkpoint into `directory` (the same path on every rank). Collective: every rank
-        calls it. `full`: rank 0 writes the model weights (or the LoRA adapter) as safetensors and
-        `learner.pt` with the optimizer state keyed by parameter name (FSDP shards are gathered to
-        it first); `sharded`: every rank writes its shards of weights and optimizer state under
-        `dcp/` (torch.distributed.checkpoint) and rank 0 the scheduler and step."""
-        schedule = {"scheduler": self.scheduler.state_dict(), "step": self.step}
-        if self.cfg.checkpoint_format == "sharded":
-            model_sd, optim_sd = get_state_dict(self.model, self.optimizer.optimizer)
-            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=directory / "dcp",
-                     no_dist=self.accelerator.num_processes == 1)
-            if self.is_main:
-                torch.save(schedule, directory / "learner.pt")
-            return
-        weights = self._full_weights()
-        optim = get_optimizer_state_dict(self.model, self.optimizer.optimizer,
-                                         options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if not self.is_main:
-            return
-        sd = {k.removeprefix("model."): v for k, v in weights.items()}
-        self.unwrapped.save_pretrained(directory, state_dict=sd, safe_serialization=True)
-        torch.save({"optimizer": optim, **schedule}, directory / "learner.pt")
+        """Write a checkpoint into `directory` (the same path on every rank; collective)."""
+        learner_state.save(self, directory)
 
     def load(self, directory: Path) -> None:
-        """Restore what `save` wrote, in either format (collective; every rank reads the files);
-        raises ValueError when they do not fit this model."""
-        if (directory / "dcp").is_dir():
-            self._load_sharded(directory)
-            return
-        if self.cfg.lora is not None:
-            weights = adapter_weights(self.unwrapped, directory)
-            needed = [n for n, _ in self.unwrapped.named_parameters() if "lora_" in n]
-        else:
-            from safetensors.torch import load_file
-
-            weights = {}
-            for f in sorted(directory.glob("*.safetensors")):
-                weights.update(load_file(f))
-            needed = list(self.unwrapped.state_dict())
-            if getattr(self.unwrapped.config, "tie_word_embeddings", False):  # lm_head is saved once
-                needed = [k for k in needed if k != "lm_head.weight"]
-        known = set(self.unwrapped.state_dict())
-        missing = [k for k in needed if k not in weights]
-        unexpected = [k for k in weights if k not in known]
-        if missing or unexpected:
-            raise ValueError(f"checkpoint {directory} does not match the model: missing {missing[:5]}, "
-                             f"unexpected {unexpected[:5]}")
-        full = StateDictOptions(full_state_dict=True, strict=False)
-        set_model_state_dict(self.model, {f"model.{k}": v for k, v in weights.items()}, options=full)
-        st = torch.load(directory / "learner.pt", weights_only=True, map_location="cpu")
-        set_optimizer_state_dict(self.model, self.optimizer.optimizer, st["optimizer"],
-                                 options=StateDictOptions(full_state_dict=True))
-        self._load_schedule(st)
-
-    def _load_sharded(self, directory: Path) -> None:
-        # The live (sharded) state dicts are the template: DCP reads into them, resharding when the
-        # checkpoint was written by another number of ranks; a missing key raises (RuntimeError).
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer.optimizer)
-        state = {"model": model_sd, "optim": optim_sd}
-        dcp.load(state, checkpoint_id=directory / "dcp", no_dist=self.accelerator.num_processes == 1)
-        set_state_dict(self.model, self.optimizer.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"])
-        self._load_schedule(torch.load(directory / "learner.pt", weights_only=True, map_location="cpu"))
-
-    def _load_schedule(self, st: dict[str, Any]) -> None:
-        self.scheduler.load_state_dict(st["scheduler"])
-        self.step = int(st["step"])
+        """Restore what `save` wrote, in either format (collective); ValueError if it does not fit."""
+        learner_state.load(self, directory)
 
 
 def _check_launch(acc: Accelerator) -> None:

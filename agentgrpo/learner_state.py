@@ -1,0 +1,118 @@
+"""The learner's state on disk: the two checkpoint formats `Learner.save` / `Learner.load` use.
+
+Split from `learner.py` because it is its own stage (serialisation, not optimisation); every
+function here is collective: all ranks call it with the same directory (a filesystem they all see).
+
+- `full` (default): rank 0 writes the model weights as HF safetensors (`save_pretrained`; only the
+  adapter with LoRA) and `learner.pt` with the optimizer state as full tensors keyed by parameter
+  name, plus scheduler and step. Under FSDP the shards are gathered to rank 0's CPU first (torch's
+  `get_model_state_dict` / `get_optimizer_state_dict` with full_state_dict), so the checkpoint does
+  not depend on how many ranks wrote it and loads anywhere; the price is the whole state in rank
+  0's memory.
+- `sharded`: every rank writes its own shards of weights and optimizer state under `dcp/`
+  (torch.distributed.checkpoint), in parallel, nothing gathered; rank 0 writes `learner.pt` with
+  scheduler and step. DCP reshards on load, so N ranks' checkpoint resumes on any number of ranks.
+  There is no HF weights file in it.
+
+`load` tells the formats apart by the files (a `dcp/` directory), so a run resumes from either,
+whatever `learner.checkpoint_format` says now.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+    set_state_dict,
+)
+
+from agentgrpo.lora import adapter_weights
+
+if TYPE_CHECKING:
+    from agentgrpo.learner import Learner
+
+
+def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """`model`'s unsharded state dict on rank 0's CPU, keyed by parameter name (empty on other
+    ranks when there are several)."""
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def save(learner: Learner, directory: Path) -> None:
+    schedule = {"scheduler": learner.scheduler.state_dict(), "step": learner.step}
+    optimizer = learner.optimizer.optimizer  # under accelerate's wrapper
+    if learner.cfg.checkpoint_format == "sharded":
+        model_sd, optim_sd = get_state_dict(learner.model, optimizer)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=directory / "dcp",
+                 no_dist=learner.accelerator.num_processes == 1)
+        if learner.is_main:
+            torch.save(schedule, directory / "learner.pt")
+        return
+    weights = full_weights(learner.model)
+    optim = get_optimizer_state_dict(learner.model, optimizer,
+                                     options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if not learner.is_main:
+        return
+    sd = {k.removeprefix("model."): v for k, v in weights.items()}
+    learner.unwrapped.save_pretrained(directory, state_dict=sd, safe_serialization=True)
+    torch.save({"optimizer": optim, **schedule}, directory / "learner.pt")
+
+
+def load(learner: Learner, directory: Path) -> None:
+    if (directory / "dcp").is_dir():
+        _load_sharded(learner, directory)
+    else:
+        _load_full(learner, directory)
+
+
+def _load_full(learner: Learner, directory: Path) -> None:
+    model = learner.unwrapped
+    if learner.cfg.lora is not None:
+        weights = adapter_weights(model, directory)
+        needed = [n for n, _ in model.named_parameters() if "lora_" in n]
+    else:
+        from safetensors.torch import load_file
+
+        weights = {}
+        for f in sorted(directory.glob("*.safetensors")):
+            weights.update(load_file(f))
+        needed = list(model.state_dict())
+        if getattr(model.config, "tie_word_embeddings", False):  # lm_head is saved once
+            needed = [k for k in needed if k != "lm_head.weight"]
+    known = set(model.state_dict())
+    missing = [k for k in needed if k not in weights]
+    unexpected = [k for k in weights if k not in known]
+    if missing or unexpected:
+        raise ValueError(f"checkpoint {directory} does not match the model: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}")
+    full = StateDictOptions(full_state_dict=True, strict=False)
+    set_model_state_dict(learner.model, {f"model.{k}": v for k, v in weights.items()}, options=full)
+    st = torch.load(directory / "learner.pt", weights_only=True, map_location="cpu")
+    set_optimizer_state_dict(learner.model, learner.optimizer.optimizer, st["optimizer"],
+                             options=StateDictOptions(full_state_dict=True))
+    _load_schedule(learner, st)
+
+
+def _load_sharded(learner: Learner, directory: Path) -> None:
+    # The live (sharded) state dicts are the template: DCP reads into them, resharding when the
+    # checkpoint was written by another number of ranks; a missing key raises (RuntimeError).
+    model_sd, optim_sd = get_state_dict(learner.model, learner.optimizer.optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=directory / "dcp", no_dist=learner.accelerator.num_processes == 1)
+    set_state_dict(learner.model, learner.optimizer.optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])
+    _load_schedule(learner, torch.load(directory / "learner.pt", weights_only=True, map_location="cpu"))
+
+
+def _load_schedule(learner: Learner, st: dict[str, Any]) -> None:
+    learner.scheduler.load_state_dict(st["scheduler"])
+    learner.step = int(st["step"])
