@@ -90,7 +90,8 @@ class LearnerConfig(BaseModel):
     attn_implementation: str | None = Field(
         None, description="set the model's attention kernel (sdpa, eager, flash_attention_2, ...); "
         "flash kernels pack by position ids (varlen) instead of a mask")
-    ref_offload: bool = Field(False, description="keep the reference model on the CPU between steps")
+    ref_offload: bool = Field(False, description="keep the reference model on the CPU between steps "
+                              "(not with FSDP, which shards the reference like the policy)")
     checkpoint_format: Literal["full", "sharded"] = Field(
         "full", description="full: HF safetensors + the whole optimizer state, gathered and written by "
         "rank 0 (loads anywhere, needs the full state in rank 0's CPU memory); sharded: "
@@ -158,7 +159,13 @@ class Learner:
         self.ref: PolicyForward | None = None
         if loss_cfg.kl_coef > 0 and cfg.lora is None:
             ref = PolicyForward(copy.deepcopy(model), autocast_bf16=bf16).eval().requires_grad_(False)
-            self.ref = ref.to("cpu" if cfg.ref_offload else device)
+            if self.sharded:  # a full copy per rank would undo what FSDP saves on the policy
+                if cfg.ref_offload:
+                    raise ValueError("learner.ref_offload with FSDP: the reference is sharded like the "
+                                     "policy instead; turn ref_offload off")
+                self.ref = _fully_shard(ref.to(device))
+            else:
+                self.ref = ref.to("cpu" if cfg.ref_offload else device)
         # FSDP: rank 0 keeps an unsharded CPU copy of the plain model for weight sync to load the
         # gathered weights into (the engine's probe check needs a model that runs on one process).
         self._export_copy = copy.deepcopy(model).cpu() if self.sharded and self.is_main else None
@@ -364,6 +371,21 @@ class Learner:
     def load(self, directory: Path) -> None:
         """Restore what `save` wrote, in either format (collective); ValueError if it does not fit."""
         learner_state.load(self, directory)
+
+
+def _fully_shard(ref: PolicyForward) -> PolicyForward:
+    """Shard the frozen reference with FSDP2 like accelerate shards the policy: one unit per
+    decoder layer (the model's `_no_split_modules`), then the root. accelerate's own preparation
+    wants an optimizer, which a frozen model has no use for. Its forwards are then collective:
+    every rank runs the same reference forwards (`train_step` pads ranks with empty batches)."""
+    from torch.distributed.fsdp import fully_shard
+
+    layers = set(getattr(ref.model, "_no_split_modules", None) or [])
+    for module in ref.modules():
+        if type(module).__name__ in layers:
+            fully_shard(module)
+    fully_shard(ref)
+    return ref
 
 
 def _check_launch(acc: Accelerator) -> None:

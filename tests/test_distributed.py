@@ -157,6 +157,7 @@ def _fsdp_rank(rank: int, tmp: str) -> None:
     tmp_path = Path(tmp)
     learner = Learner(tiny_llama(), CFG, LOSS, temperature=TEMPERATURE, accelerator=_fsdp_accelerator())
     assert learner.sharded and all(isinstance(p, DTensor) for p in learner.model.parameters())
+    assert all(isinstance(p, DTensor) for p in learner.ref.parameters())  # the KL reference too
     _steps(learner, 2)
     learner.save(tmp_path / "fsdp-ckpt")  # rank 0 writes the gathered state
     exported = learner.export_model()  # gathered into rank 0's plain copy
