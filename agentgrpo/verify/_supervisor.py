@@ -373,6 +373,9 @@ async def _serve(sup: Supervisor, sock: socket.socket) -> None:
         t = asyncio.ensure_future(one(header, blobs))
         tasks.add(t)
         t.add_done_callback(tasks.discard)
+    # No new warm jobs from here: a recycle finishing while asyncio.run cancels the rest would start
+    # one that nobody awaits ("Task was destroyed but it is pending" at exit).
+    sup._closing = True
     for t in list(tasks):
         t.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
