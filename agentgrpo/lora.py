@@ -8,7 +8,7 @@
   under the base model's names: `merged_state_dict` computes W + scaling * B @ A out of place (the
   training weights are never merged and unmerged, which would drift them by float rounding), and
   `MergedModel` presents them to `WeightSync` as an ordinary model.
-- Checkpoints hold the adapter only (`save_adapter` / `adapter_weights`); the base comes from
+- Checkpoints hold the adapter only (peft's `save_pretrained` / `adapter_weights`); the base comes from
   `model.path` when the run resumes.
 """
 
@@ -99,14 +99,9 @@ class MergedModel(torch.nn.Module):
             directory, state_dict=state_dict if state_dict is not None else self.state_dict(), **kwargs)
 
 
-def save_adapter(peft_model: torch.nn.Module, directory: Path,
-                 state_dict: dict[str, torch.Tensor] | None = None) -> None:
-    """adapter_model.safetensors + adapter_config.json (peft's layout)."""
-    peft_model.save_pretrained(directory, state_dict=state_dict, safe_serialization=True)
-
-
 def adapter_weights(peft_model: torch.nn.Module, directory: Path) -> dict[str, torch.Tensor]:
-    """The adapter `save_adapter` wrote, under the peft model's own parameter names.
+    """The adapter peft's `save_pretrained` wrote (`adapter_model.safetensors`), under the peft
+    model's own parameter names.
 
     peft's files drop the adapter name (`...q_proj.lora_A.weight`); the live parameters carry it
     (`...q_proj.lora_A.default.weight`). Putting it back lets the learner load the adapter with
