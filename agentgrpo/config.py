@@ -71,6 +71,9 @@ class TrainLoopConfig(BaseModel):
     steps: int = Field(20, ge=0, description="optimizer steps")
     save_every: int = Field(0, ge=0, description="checkpoint every K steps (0 = only at the end)")
     keep_checkpoints: int = Field(2, ge=1, description="newest checkpoints kept")
+    overlap_rollouts: bool = Field(
+        False, description="sample step t+1's rollouts while step t trains (one step off-policy: they come "
+        "from the weights before step t's update); not across a checkpoint, so resuming stays exact")
 
 
 class LogConfig(BaseModel):
@@ -102,6 +105,17 @@ class RunConfig(BaseModel):
     train: TrainLoopConfig = Field(default_factory=TrainLoopConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     log: LogConfig = Field(default_factory=LogConfig)
+
+    @model_validator(mode="after")
+    def _off_policy_is_corrected(self) -> RunConfig:
+        # Recomputed old logprobs come from the current weights: with overlapped rollouts that would
+        # silently drop the correction for sampling one version behind, unless TIS puts it back.
+        if self.train.overlap_rollouts and self.learner.old_logprobs == "recompute" and self.loss.tis == "none":
+            raise ValueError("train.overlap_rollouts with learner.old_logprobs=recompute ignores that the "
+                             "rollouts came from older weights; set loss.tis (token or sequence) to correct "
+                             "for it, or keep old_logprobs: rollout (the ratio is then taken against the "
+                             "sampling weights)")
+        return self
 
 
 def apply_override(data: dict[str, Any], override: str) -> None:

@@ -6,12 +6,13 @@ Read `train()` top to bottom: each line of a step is one call into one stage mod
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -36,6 +37,8 @@ from agentgrpo.shaping import (
 from agentgrpo.template_audit import require_token_safe
 from agentgrpo.types import Group, Task, Trajectory
 from agentgrpo.weight_sync import WeightSync
+
+T = TypeVar("T")
 
 
 def seed_everything(seed: int) -> None:
@@ -79,11 +82,12 @@ async def collect_step(cfg: RunConfig, make_env: Callable[[], Env], engine: Engi
                        on_done: Callable[[Trajectory], None] | None = None) -> tuple[list[Group], dict[str, float]]:
     """The step's groups. With dynamic sampling, groups whose rewards are all equal (no learning
     signal) are dropped and more tasks are sampled, at most `max_extra_rounds` times."""
-    seed = cfg.seed * 100_003 + step * 101
+    t0, seed = time.perf_counter(), cfg.seed * 100_003 + step * 101
     groups = await collect(make_env, engine, chat, stream.take(cfg.rollout.tasks_per_step), cfg.rollout,
                            seed=seed, context_len=context_len, on_done=on_done)
     stats = {"groups_sampled": float(len(groups))}
     if not cfg.shaping.dynamic_sampling:
+        stats["rollout_s"] = time.perf_counter() - t0
         return groups, stats
     kept = [g for g, ok in zip(groups, keep_informative_groups([g.rewards for g in groups])) if ok]
     rounds = 0
@@ -93,8 +97,31 @@ async def collect_step(cfg: RunConfig, make_env: Callable[[], Env], engine: Engi
                              cfg.rollout, seed=seed + rounds, context_len=context_len, on_done=on_done)
         stats["groups_sampled"] += len(more)
         kept += [g for g, ok in zip(more, keep_informative_groups([g.rewards for g in more])) if ok]
-    stats.update({"dynamic/extra_rounds": float(rounds), "dynamic/groups_kept": float(len(kept))})
+    stats.update({"dynamic/extra_rounds": float(rounds), "dynamic/groups_kept": float(len(kept)),
+                  "rollout_s": time.perf_counter() - t0})
     return kept[: cfg.rollout.tasks_per_step], stats
+
+
+async def train_while_collecting(train_step: Callable[[], dict[str, float]], collecting: Awaitable[T],
+                                 abandon: Callable[[], bool]) -> tuple[dict[str, float], T | None]:
+    """Run the blocking `train_step()` in a worker thread while `collecting` runs on this event loop
+    (the engine samples the next step while the learner trains), then wait for the collection, or
+    cancel it when `abandon()` says so after training (a stop was requested) or the step failed."""
+    task = asyncio.ensure_future(collecting)
+    try:
+        metrics = await asyncio.to_thread(train_step)
+        return metrics, (None if abandon() else await task)
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+
+def policy_lag(trajs: Sequence[Trajectory], version: int) -> float:
+    """How many updates behind the learner's weights (`version`) the oldest sampling weights were;
+    NaN when the engine reports no numbered versions (e.g. a server's weights before the first push)."""
+    versions = [int(v) for t in trajs for v in (t.weight_version or "").split(",") if v.isdigit()]
+    return float(version - min(versions)) if versions else float("nan")
 
 
 def shaped_rewards(cfg: RunConfig, trajs: Sequence[Trajectory]) -> torch.Tensor:
@@ -168,6 +195,9 @@ def train(cfg: RunConfig) -> Path:
         sync = WeightSync(engine, cfg.weight_sync)
     loop = asyncio.new_event_loop()  # one loop for the run: engine clients and workers live on it
 
+    def save_due(step: int) -> bool:
+        return bool(cfg.train.save_every) and step % cfg.train.save_every == 0
+
     def push(step: int) -> None:
         weights = learner.export_model()  # collective under FSDP (gathers the shards to rank 0)
         if lead:
@@ -179,17 +209,22 @@ def train(cfg: RunConfig) -> Path:
         ckpt_dir, manifest = found
         start, stream.position = int(manifest["step"]), int(manifest["data_position"])
         checkpoint.set_rng_state(manifest["rng"])
-        push(start)
         if lead:
             print(f"resumed from {ckpt_dir} at step {start}", flush=True)
+    # Before the first rollout the engine serves the learner's weights, checked by the probe: a
+    # server still holding another run's weights (or another model) is caught, not sampled from.
+    push(start)
 
     saved = done = start
+    # With train.overlap_rollouts, rank 0's next step's rollouts, sampled while this step trained,
+    # and the data position before them (what a checkpoint stores: they were not trained on).
+    ahead: tuple[Any, int] | None = None
 
     def save(step: int) -> None:
         nonlocal saved
         saved = step
         checkpoint.save(ckpt_root, step, learner.save,  # collective: every rank writes its part
-                        {"data_position": stream.position, "weight_version": str(step),
+                        {"data_position": ahead[1] if ahead else stream.position, "weight_version": str(step),
                          "rng": checkpoint.rng_state()}, keep=cfg.train.keep_checkpoints,
                         is_main=lead, barrier=learner.accelerator.wait_for_everyone)
 
@@ -204,26 +239,41 @@ def train(cfg: RunConfig) -> Path:
         for step in range(start, cfg.train.steps):
             t0 = time.perf_counter()
             progress.phase("rollout")
-            rollouts = loop.run_until_complete(collect_step(
-                cfg, make_env, engine, chat, stream, step, context_len, progress.rollout_done)) if lead else None
+            rollouts = (ahead[0] if ahead else loop.run_until_complete(collect_step(
+                cfg, make_env, engine, chat, stream, step, context_len, progress.rollout_done))) if lead else None
             groups, metrics = learner.broadcast(rollouts)  # every rank trains on rank 0's rollouts
-            t_rollout = time.perf_counter() - t0
+            ahead, done = None, step + 1
             trajs = [t for g in groups for t in g.trajectories]
             advantages_B = compute_advantages(shaped_rewards(cfg, trajs), [t.group_id for t in trajs],
                                               estimator=cfg.advantage.estimator, eps=cfg.advantage.eps,
                                               batch_std=cfg.advantage.batch_std)
             if cfg.shaping.mask_truncated:  # truncated rows still counted in their group's statistics
                 advantages_B[truncated_rows([t.stop_reason for t in trajs])] = float("nan")
-            progress.phase("train")
-            metrics.update(learner.train_step(trajs, advantages_B.tolist()))
+            train_step = functools.partial(learner.train_step, trajs, advantages_B.tolist())
+            # One step off-policy: the next step samples with the weights before this update, while it
+            # trains (rank 0's engine in the event loop, the learner in a thread). Never across a
+            # checkpoint, so a resumed run samples exactly what an uninterrupted one did.
+            if lead and cfg.train.overlap_rollouts and done < cfg.train.steps and not save_due(done):
+                progress.phase("train+rollout", total=progress.rollouts_per_step)
+                position = stream.position
+                trained, next_rollouts = loop.run_until_complete(train_while_collecting(
+                    train_step, collect_step(cfg, make_env, engine, chat, stream, done, context_len,
+                                             progress.rollout_done), abandon=lambda: bool(stop)))
+                if next_rollouts is None:  # a stop cancelled them: their tasks are sampled after resuming
+                    stream.position = position
+                else:
+                    ahead = (next_rollouts, position)
+                metrics.update(trained)
+            else:
+                progress.phase("train")
+                metrics.update(train_step())
             progress.phase("sync")
-            push(step + 1)
-            done = step + 1
+            push(done)  # after the overlapped rollouts finished: no request sees weights change
             stopping = learner.any_rank(bool(stop))
             if lead:
-                metrics.update(step_metrics(groups), **rollout_metrics(groups), rollout_s=t_rollout,
-                               step_s=time.perf_counter() - t0)
-                metrics["tokens_per_s"] = metrics.get("sampled_tokens", 0.0) / max(t_rollout, 1e-9)
+                metrics.update(step_metrics(groups), **rollout_metrics(groups), step_s=time.perf_counter() - t0,
+                               policy_lag=policy_lag(trajs, step))
+                metrics["tokens_per_s"] = metrics.get("sampled_tokens", 0.0) / max(metrics["rollout_s"], 1e-9)
                 if cfg.eval.every and done % cfg.eval.every == 0:
                     progress.phase("eval", total=len(eval_tasks) * cfg.eval.samples_per_task)
                     result = loop.run_until_complete(evaluate(make_env, engine, chat, eval_tasks, cfg.rollout,
@@ -233,7 +283,7 @@ def train(cfg: RunConfig) -> Path:
                 metrics.update({f"phase_s/{k}": v for k, v in progress.phase_times().items()})
                 logger.log_step(done, metrics)
                 logger.log_groups(done, groups)
-            if stopping or (cfg.train.save_every and done % cfg.train.save_every == 0):
+            if stopping or save_due(done):
                 progress.phase("checkpoint")
                 save(done)
             progress.step_done(done, metrics)

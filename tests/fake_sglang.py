@@ -1207,6 +1207,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output", default="19,151645", help="scripted output ids, comma separated")
     ap.add_argument("--eos", default="151645,151643")
     ap.add_argument("--start-delay", type=float, default=0.0)
+    ap.add_argument("--generate-delay", type=float, default=0.0, help="seconds added to every /generate")
     ap.add_argument("--context-length", type=int, default=4096)
     ap.add_argument("--api-key-env", default=None, help="read --api-key from this variable")
     ap.add_argument("--calls-log", default=None, help="append control calls to this JSONL file")
@@ -1221,6 +1222,8 @@ def main(argv: list[str] | None = None) -> int:
         api_key=os.environ.get(args.api_key_env) if args.api_key_env else None,
         calls_log=args.calls_log,
     )
+
+    server.faults.generate_delay_s = args.generate_delay
 
     async def serve() -> None:
         import signal

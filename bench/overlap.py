@@ -1,0 +1,77 @@
+"""`train.overlap_rollouts`: the whole loop with and without overlapping, in one run.
+
+The rollouts come from the fake SGLang server (`tests/fake_sglang.py`) in another process, which
+answers every /generate after `--generate-delay` seconds: a stand-in for SGLang on other GPUs, whose
+generation costs this machine no CPU. The learner trains the real SmolLM2-135M here; weights reach
+the server through the disk after every step, as they would reach SGLang. The same config runs
+twice, overlap off then on, and the script prints the seconds per step of each, their ratio, and
+the phases (rollout, train, train+rollout, sync) of the overlapped run.
+
+Expected: a synchronous step costs rollout + train + sync; an overlapped one max(rollout, train) +
+sync, except the first step (nothing to overlap yet) and steps that end at a checkpoint.
+
+    python bench/overlap.py [--steps 4] [--generate-delay 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from agentgrpo.config import load_config  # noqa: E402
+from agentgrpo.log import read_jsonl  # noqa: E402
+from agentgrpo.models import default_model_path  # noqa: E402
+from agentgrpo.train import train  # noqa: E402
+from tests.fake_sglang import FakeSGLangProcess  # noqa: E402
+
+
+def run(out: Path, url: str, steps: int, overlap: bool) -> tuple[float, list[dict]]:
+    cfg = load_config("examples/calculator.yaml", [
+        f"output_dir={out}", f"train.steps={steps}", "engine.kind=sglang", f"engine.sglang.urls=[{url}]",
+        "engine.sglang.context_length=8192", f"weight_sync.shared_dir={out / 'weights'}",
+        "rollout.tasks_per_step=4", "rollout.group_size=4", "rollout.max_turns=1",
+        "weight_sync.probe_every=0",  # scripted outputs: no logprobs to check the weights against
+        "log.progress=false", "log.tensorboard=false", "eval.every=0", f"train.overlap_rollouts={overlap}",
+    ])
+    t0 = time.perf_counter()
+    train(cfg)
+    return time.perf_counter() - t0, read_jsonl(out / "metrics.jsonl")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--generate-delay", type=float, default=3.0, help="seconds per /generate")
+    args = ap.parse_args()
+    model = default_model_path()
+    from transformers import AutoTokenizer
+
+    eos = AutoTokenizer.from_pretrained(model).convert_tokens_to_ids("<|im_end|>")
+    with FakeSGLangProcess("--model-path", str(model), "--output", f"19,{eos}", "--eos", str(eos),
+                           "--generate-delay", str(args.generate_delay)) as server, \
+            tempfile.TemporaryDirectory() as tmp:
+        results = {}
+        for overlap in (False, True):
+            wall, metrics = run(Path(tmp) / f"overlap-{overlap}", server.url, args.steps, overlap)
+            results[overlap] = (wall, metrics)
+            step_s = [m["step_s"] for m in metrics]
+            phases = {k.removeprefix("phase_s/"): round(sum(m.get(k, 0.0) for m in metrics) / len(metrics), 2)
+                      for k in sorted({k for m in metrics for k in m if k.startswith("phase_s/")})}
+            print(f"overlap={overlap}: run {wall:.1f} s, step_s {[round(s, 2) for s in step_s]}, "
+                  f"policy_lag {[m['policy_lag'] for m in metrics]}, mean phase s {json.dumps(phases)}")
+        (w0, m0), (w1, m1) = results[False], results[True]
+        later0 = sum(m["step_s"] for m in m0[1:]) / (len(m0) - 1)
+        later1 = sum(m["step_s"] for m in m1[1:]) / (len(m1) - 1)
+        print(f"steps 2..{args.steps}: {later0:.2f} s synchronous, {later1:.2f} s overlapped "
+              f"({later0 / later1:.2f}x); whole runs {w0:.1f} s vs {w1:.1f} s ({w0 / w1:.2f}x)")
+
+
+if __name__ == "__main__":
+    main()
