@@ -24,7 +24,7 @@ to push and writes the files. Under FSDP the weights and the optimizer state are
 unsharded tensors keyed by parameter name (torch's `get_model_state_dict` /
 `get_optimizer_state_dict`), so a checkpoint does not depend on the number of ranks that wrote it.
 DeepSpeed is refused: its optimizer state lives in DeepSpeed's own engine, which this checkpoint
-code does not reach.
+code does not reach; so is FSDP1 (accelerate's default `fsdp_version`): the code is FSDP2's.
 
 Old logprobs are the rollout's own by default (on-policy, one pass) or a recomputation by the
 learner (config); the rollout/learner gap is logged (`logprob_gap_mean`, `logprob_gap_max`, first
@@ -399,6 +399,13 @@ def _check_launch(acc: Accelerator) -> None:
         raise ValueError("DeepSpeed is not supported by the learner: its optimizer state and gathered "
                          "weights live in DeepSpeed's engine, which checkpoints and weight sync do not "
                          "reach. Use FSDP (`accelerate config` -> FSDP).")
+    if acc.distributed_type == DistributedType.FSDP and (v := acc.state.fsdp_plugin.fsdp_version) != 2:
+        # accelerate's default is FSDP1; the learner relies on FSDP2 (DTensor parameters, `fully_shard`
+        # for the reference, torch.distributed.checkpoint state dicts), and FSDP1 cannot run on a CPU
+        # to be tested here.
+        raise ValueError(f"FSDP version {v}: the learner supports FSDP2 only. Set `fsdp_version: 2` under "
+                         "`fsdp_config` in the accelerate config file (examples/gpu/accelerate_fsdp2.yaml "
+                         "has it), or export FSDP_VERSION=2.")
 
 
 class _Metrics:

@@ -142,6 +142,20 @@ def _fsdp_accelerator():
     return acc
 
 
+def test_fsdp1_is_refused_with_the_setting_that_selects_fsdp2(monkeypatch):
+    """accelerate's default `fsdp_version` is 1; the learner is FSDP2 code (and FSDP1 refuses a CPU
+    device, so it could not even be tested here)."""
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    acc = Accelerator(cpu=True)  # one process: the refusal comes before any collective
+    # The state is shared by every Accelerator of this process: monkeypatch puts it back.
+    monkeypatch.setattr(acc.state, "distributed_type", DistributedType.FSDP)
+    monkeypatch.setattr(acc.state, "fsdp_plugin", FullyShardedDataParallelPlugin(fsdp_version=1), raising=False)
+    with pytest.raises(ValueError, match="FSDP version 1: .*`fsdp_version: 2`.*FSDP_VERSION=2"):
+        Learner(tiny_llama(), CFG, LOSS, accelerator=acc)
+
+
 def _steps(learner: Learner, n: int, seed: int = 0) -> None:
     data = batch_and_advantages(seed=seed) if learner.is_main else None
     trajs, adv = learner.broadcast(data)
