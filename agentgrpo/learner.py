@@ -404,7 +404,7 @@ def _check_launch(acc: Accelerator) -> None:
         # for the reference, torch.distributed.checkpoint state dicts), and FSDP1 cannot run on a CPU
         # to be tested here.
         raise ValueError(f"FSDP version {v}: the learner supports FSDP2 only. Set `fsdp_version: 2` under "
-                         "`fsdp_config` in the accelerate config file (examples/gpu/accelerate_fsdp2.yaml "
+                         "`fsdp_config` in the accelerate config file (examples/gpu/accelerate_fsdp2.yml "
                          "has it), or export FSDP_VERSION=2.")
 
 

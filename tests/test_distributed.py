@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import socket
+from pathlib import Path
 
 import pytest
 import torch
@@ -154,6 +155,41 @@ def test_fsdp1_is_refused_with_the_setting_that_selects_fsdp2(monkeypatch):
     monkeypatch.setattr(acc.state, "fsdp_plugin", FullyShardedDataParallelPlugin(fsdp_version=1), raising=False)
     with pytest.raises(ValueError, match="FSDP version 1: .*`fsdp_version: 2`.*FSDP_VERSION=2"):
         Learner(tiny_llama(), CFG, LOSS, accelerator=acc)
+
+
+ACCELERATE_FSDP2 = Path(__file__).parents[1] / "examples" / "gpu" / "accelerate_fsdp2.yml"
+
+
+def _launch_env(config_file: Path) -> dict[str, str]:
+    """The FSDP settings `accelerate launch --config_file config_file` hands every rank, computed by
+    accelerate's own launcher code (which reads the file)."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    args = launch_command_parser().parse_args(["--config_file", str(config_file), "-m", "agentgrpo.cli"])
+    args, _, _ = _validate_launch_command(args)
+    return {k: v for k, v in prepare_multi_gpu_env(args).items() if k.startswith(("FSDP_", "ACCELERATE_"))}
+
+
+def test_the_fsdp2_accelerate_config_file_launches_fsdp2(monkeypatch):
+    from accelerate.commands.config.config_args import load_config_from_file
+    from accelerate.commands.launch import launch_command_parser
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
+    cfg = load_config_from_file(str(ACCELERATE_FSDP2))  # raises on an unknown top-level key
+    assert cfg.distributed_type == DistributedType.FSDP and cfg.fsdp_config["fsdp_version"] == 2
+    # accelerate launch copies fsdp_config keys onto its options without checking them: a misspelt
+    # key would be dropped silently.
+    options = vars(launch_command_parser().parse_args(["x.py"]))
+    assert [k for k in cfg.fsdp_config if k not in options] == []
+    env = _launch_env(ACCELERATE_FSDP2)
+    assert env["ACCELERATE_USE_FSDP"] == "true" and env["ACCELERATE_MIXED_PRECISION"] == "no"
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    plugin = FullyShardedDataParallelPlugin()  # what each launched rank's Accelerator builds
+    assert plugin.fsdp_version == 2 and plugin.reshard_after_forward is True
+    assert plugin.auto_wrap_policy is transformer_auto_wrap_policy and plugin.cpu_ram_efficient_loading
 
 
 def _steps(learner: Learner, n: int, seed: int = 0) -> None:
