@@ -158,13 +158,13 @@ class Learner:
         # kl_coef = 0 means no reference at all (no memory, no forward passes).
         self.ref: PolicyForward | None = None
         if loss_cfg.kl_coef > 0 and cfg.lora is None:
-            ref = PolicyForward(copy.deepcopy(model), autocast_bf16=bf16).eval().requires_grad_(False)
             if self.sharded:  # a full copy per rank would undo what FSDP saves on the policy
                 if cfg.ref_offload:
                     raise ValueError("learner.ref_offload with FSDP: the reference is sharded like the "
                                      "policy instead; turn ref_offload off")
-                self.ref = _fully_shard(ref.to(device))
+                self.ref = _shard_reference(model, bf16, from_main=self.is_main)
             else:
+                ref = PolicyForward(copy.deepcopy(model), autocast_bf16=bf16).eval().requires_grad_(False)
                 self.ref = ref.to("cpu" if cfg.ref_offload else device)
         # FSDP: rank 0 keeps an unsharded CPU copy of the plain model for weight sync to load the
         # gathered weights into (the engine's probe check needs a model that runs on one process).
@@ -373,18 +373,31 @@ class Learner:
         learner_state.load(self, directory)
 
 
-def _fully_shard(ref: PolicyForward) -> PolicyForward:
-    """Shard the frozen reference with FSDP2 like accelerate shards the policy: one unit per
-    decoder layer (the model's `_no_split_modules`), then the root. accelerate's own preparation
-    wants an optimizer, which a frozen model has no use for. Its forwards are then collective:
-    every rank runs the same reference forwards (`train_step` pads ranks with empty batches)."""
+def _shard_reference(model: torch.nn.Module, autocast_bf16: bool, *, from_main: bool) -> PolicyForward:
+    """The frozen KL reference under FSDP2, sharded like accelerate shards the policy (one unit per
+    decoder layer, the model's `_no_split_modules`, then the root; accelerate's own preparation wants
+    an optimizer, which a frozen model has no use for).
+
+    Built on the meta device, so no rank holds a second full copy, then filled from rank 0's `model`
+    (torch's `set_model_state_dict`, broadcast from rank 0): with RAM-efficient loading
+    (`cpu_ram_efficient_loading`) the other ranks' `model` has no weights. Its forwards are
+    collective: every rank runs the same reference forwards (`train_step` pads ranks with empty
+    batches)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.fsdp import fully_shard
 
-    layers = set(getattr(ref.model, "_no_split_modules", None) or [])
+    # Parameters on meta; buffers copied (the non-persistent ones, e.g. rotary frequencies, are in
+    # no state dict; fully_shard moves them to the device).
+    memo = {id(p): torch.nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
+            for p in model.parameters()}
+    ref = PolicyForward(copy.deepcopy(model, memo), autocast_bf16=autocast_bf16).eval().requires_grad_(False)
+    layers = set(getattr(model, "_no_split_modules", None) or [])
     for module in ref.modules():
         if type(module).__name__ in layers:
             fully_shard(module)
     fully_shard(ref)
+    full = {f"model.{k}": v for k, v in model.state_dict().items()} if from_main else {}
+    set_model_state_dict(ref, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     return ref
 
 
