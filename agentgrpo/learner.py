@@ -25,6 +25,8 @@ unsharded tensors keyed by parameter name (torch's `get_model_state_dict` /
 `get_optimizer_state_dict`), so a checkpoint does not depend on the number of ranks that wrote it.
 DeepSpeed is refused: its optimizer state lives in DeepSpeed's own engine, which this checkpoint
 code does not reach; so is FSDP1 (accelerate's default `fsdp_version`): the code is FSDP2's.
+With RAM-efficient loading (accelerate's `cpu_ram_efficient_loading`) ranks other than 0 may pass a
+model without weights (meta tensors): the policy and the KL reference get rank 0's.
 
 Old logprobs are the rollout's own by default (on-policy, one pass) or a recomputation by the
 learner (config); the rollout/learner gap is logged (`logprob_gap_mean`, `logprob_gap_max`, first
@@ -175,7 +177,15 @@ class Learner:
         optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, _lr_lambda(cfg, None if total_steps is None else total_steps * cfg.passes))
-        self.model, self.optimizer = self.accelerator.prepare(PolicyForward(model, autocast_bf16=bf16), optimizer)
+        policy = PolicyForward(model, autocast_bf16=bf16)
+        if hasattr(model, "tie_weights"):  # accelerate's RAM-efficient FSDP2 preparation moves the model
+            # to meta, which unties lm_head from the embeddings, and re-ties it through this method
+            # of the module it prepares; untied, the two would train as separate matrices.
+            policy.tie_weights = model.tie_weights
+        self.model, self.optimizer = self.accelerator.prepare(policy, optimizer)
+        if self.sharded:  # accelerate maps the optimizer to the shards by data pointer, 0 for every meta
+            # tensor (a rank without weights, RAM-efficient loading); the order of `params` is the map.
+            optimizer.param_groups[0]["params"] = [p for p in self.model.parameters() if p.requires_grad]
         self.model.train()
         self.step = 0
 
