@@ -24,7 +24,9 @@ to push and writes the files. Under FSDP the weights and the optimizer state are
 unsharded tensors keyed by parameter name (torch's `get_model_state_dict` /
 `get_optimizer_state_dict`), so a checkpoint does not depend on the number of ranks that wrote it.
 DeepSpeed is refused: its optimizer state lives in DeepSpeed's own engine, which this checkpoint
-code does not reach.
+code does not reach; so is FSDP1 (accelerate's default `fsdp_version`): the code is FSDP2's.
+With RAM-efficient loading (accelerate's `cpu_ram_efficient_loading`) ranks other than 0 may pass a
+model without weights (meta tensors): the policy and the KL reference get rank 0's.
 
 Old logprobs are the rollout's own by default (on-policy, one pass) or a recomputation by the
 learner (config); the rollout/learner gap is logged (`logprob_gap_mean`, `logprob_gap_max`, first
@@ -158,13 +160,13 @@ class Learner:
         # kl_coef = 0 means no reference at all (no memory, no forward passes).
         self.ref: PolicyForward | None = None
         if loss_cfg.kl_coef > 0 and cfg.lora is None:
-            ref = PolicyForward(copy.deepcopy(model), autocast_bf16=bf16).eval().requires_grad_(False)
             if self.sharded:  # a full copy per rank would undo what FSDP saves on the policy
                 if cfg.ref_offload:
                     raise ValueError("learner.ref_offload with FSDP: the reference is sharded like the "
                                      "policy instead; turn ref_offload off")
-                self.ref = _fully_shard(ref.to(device))
+                self.ref = _shard_reference(model, bf16, from_main=self.is_main)
             else:
+                ref = PolicyForward(copy.deepcopy(model), autocast_bf16=bf16).eval().requires_grad_(False)
                 self.ref = ref.to("cpu" if cfg.ref_offload else device)
         # FSDP: rank 0 keeps an unsharded CPU copy of the plain model for weight sync to load the
         # gathered weights into (the engine's probe check needs a model that runs on one process).
@@ -175,7 +177,15 @@ class Learner:
         optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, _lr_lambda(cfg, None if total_steps is None else total_steps * cfg.passes))
-        self.model, self.optimizer = self.accelerator.prepare(PolicyForward(model, autocast_bf16=bf16), optimizer)
+        policy = PolicyForward(model, autocast_bf16=bf16)
+        if hasattr(model, "tie_weights"):  # accelerate's RAM-efficient FSDP2 preparation moves the model
+            # to meta, which unties lm_head from the embeddings, and re-ties it through this method
+            # of the module it prepares; untied, the two would train as separate matrices.
+            policy.tie_weights = model.tie_weights
+        self.model, self.optimizer = self.accelerator.prepare(policy, optimizer)
+        if self.sharded:  # accelerate maps the optimizer to the shards by data pointer, 0 for every meta
+            # tensor (a rank without weights, RAM-efficient loading); the order of `params` is the map.
+            optimizer.param_groups[0]["params"] = [p for p in self.model.parameters() if p.requires_grad]
         self.model.train()
         self.step = 0
 
@@ -373,18 +383,31 @@ class Learner:
         learner_state.load(self, directory)
 
 
-def _fully_shard(ref: PolicyForward) -> PolicyForward:
-    """Shard the frozen reference with FSDP2 like accelerate shards the policy: one unit per
-    decoder layer (the model's `_no_split_modules`), then the root. accelerate's own preparation
-    wants an optimizer, which a frozen model has no use for. Its forwards are then collective:
-    every rank runs the same reference forwards (`train_step` pads ranks with empty batches)."""
+def _shard_reference(model: torch.nn.Module, autocast_bf16: bool, *, from_main: bool) -> PolicyForward:
+    """The frozen KL reference under FSDP2, sharded like accelerate shards the policy (one unit per
+    decoder layer, the model's `_no_split_modules`, then the root; accelerate's own preparation wants
+    an optimizer, which a frozen model has no use for).
+
+    Built on the meta device, so no rank holds a second full copy, then filled from rank 0's `model`
+    (torch's `set_model_state_dict`, broadcast from rank 0): with RAM-efficient loading
+    (`cpu_ram_efficient_loading`) the other ranks' `model` has no weights. Its forwards are
+    collective: every rank runs the same reference forwards (`train_step` pads ranks with empty
+    batches)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.fsdp import fully_shard
 
-    layers = set(getattr(ref.model, "_no_split_modules", None) or [])
+    # Parameters on meta; buffers copied (the non-persistent ones, e.g. rotary frequencies, are in
+    # no state dict; fully_shard moves them to the device).
+    memo = {id(p): torch.nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
+            for p in model.parameters()}
+    ref = PolicyForward(copy.deepcopy(model, memo), autocast_bf16=autocast_bf16).eval().requires_grad_(False)
+    layers = set(getattr(model, "_no_split_modules", None) or [])
     for module in ref.modules():
         if type(module).__name__ in layers:
             fully_shard(module)
     fully_shard(ref)
+    full = {f"model.{k}": v for k, v in model.state_dict().items()} if from_main else {}
+    set_model_state_dict(ref, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     return ref
 
 
@@ -399,6 +422,13 @@ def _check_launch(acc: Accelerator) -> None:
         raise ValueError("DeepSpeed is not supported by the learner: its optimizer state and gathered "
                          "weights live in DeepSpeed's engine, which checkpoints and weight sync do not "
                          "reach. Use FSDP (`accelerate config` -> FSDP).")
+    if acc.distributed_type == DistributedType.FSDP and (v := acc.state.fsdp_plugin.fsdp_version) != 2:
+        # accelerate's default is FSDP1; the learner relies on FSDP2 (DTensor parameters, `fully_shard`
+        # for the reference, torch.distributed.checkpoint state dicts), and FSDP1 cannot run on a CPU
+        # to be tested here.
+        raise ValueError(f"FSDP version {v}: the learner supports FSDP2 only. Set `fsdp_version: 2` under "
+                         "`fsdp_config` in the accelerate config file (examples/gpu/accelerate_fsdp2.yml "
+                         "has it), or export FSDP_VERSION=2.")
 
 
 class _Metrics:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import socket
+from pathlib import Path
 
 import pytest
 import torch
@@ -127,31 +128,83 @@ def test_a_stop_signal_on_one_rank_stops_every_rank_after_a_checkpoint(tmp_path,
 
 # --- FSDP ----------------------------------------------------------------------------------------------
 
-def _fsdp_accelerator():
+def _fsdp_accelerator(launch_env: dict[str, str] | None = None):
     """accelerate chooses FSDP only on accelerators (CUDA, XPU, ...). On CPU the test sets the
     state by hand, so that accelerate's own FSDP2 preparation (`fully_shard` per decoder layer,
-    DTensor parameters) runs over gloo exactly as it would over NCCL."""
+    DTensor parameters) runs over gloo exactly as it would over NCCL. The plugin is built by hand,
+    or from the environment `accelerate launch` gives a rank (`_launch_env`)."""
     from accelerate import Accelerator
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
     acc = Accelerator(cpu=True)
     acc.state.distributed_type = DistributedType.FSDP
-    acc.state.fsdp_plugin = FullyShardedDataParallelPlugin(
-        fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
-        transformer_cls_names_to_wrap=["LlamaDecoderLayer"])
+    if launch_env is None:
+        acc.state.fsdp_plugin = FullyShardedDataParallelPlugin(
+            fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
+            transformer_cls_names_to_wrap=["LlamaDecoderLayer"])
+    else:
+        os.environ.update(launch_env)  # this rank's own process
+        acc.state.fsdp_plugin = FullyShardedDataParallelPlugin()
     return acc
 
 
-def _steps(learner: Learner, n: int, seed: int = 0) -> None:
+def test_fsdp1_is_refused_with_the_setting_that_selects_fsdp2(monkeypatch):
+    """accelerate's default `fsdp_version` is 1; the learner is FSDP2 code (and FSDP1 refuses a CPU
+    device, so it could not even be tested here)."""
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    acc = Accelerator(cpu=True)  # one process: the refusal comes before any collective
+    # The state is shared by every Accelerator of this process: monkeypatch puts it back.
+    monkeypatch.setattr(acc.state, "distributed_type", DistributedType.FSDP)
+    monkeypatch.setattr(acc.state, "fsdp_plugin", FullyShardedDataParallelPlugin(fsdp_version=1), raising=False)
+    with pytest.raises(ValueError, match="FSDP version 1: .*`fsdp_version: 2`.*FSDP_VERSION=2"):
+        Learner(tiny_llama(), CFG, LOSS, accelerator=acc)
+
+
+ACCELERATE_FSDP2 = Path(__file__).parents[1] / "examples" / "gpu" / "accelerate_fsdp2.yml"
+
+
+def _launch_env(config_file: Path) -> dict[str, str]:
+    """The FSDP settings `accelerate launch --config_file config_file` hands every rank, computed by
+    accelerate's own launcher code (which reads the file)."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    args = launch_command_parser().parse_args(["--config_file", str(config_file), "-m", "agentgrpo.cli"])
+    args, _, _ = _validate_launch_command(args)
+    return {k: v for k, v in prepare_multi_gpu_env(args).items() if k.startswith(("FSDP_", "ACCELERATE_"))}
+
+
+def test_the_fsdp2_accelerate_config_file_launches_fsdp2(monkeypatch):
+    from accelerate.commands.config.config_args import load_config_from_file
+    from accelerate.commands.launch import launch_command_parser
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
+    cfg = load_config_from_file(str(ACCELERATE_FSDP2))  # raises on an unknown top-level key
+    assert cfg.distributed_type == DistributedType.FSDP and cfg.fsdp_config["fsdp_version"] == 2
+    # accelerate launch copies fsdp_config keys onto its options without checking them: a misspelt
+    # key would be dropped silently.
+    options = vars(launch_command_parser().parse_args(["x.py"]))
+    assert [k for k in cfg.fsdp_config if k not in options] == []
+    env = _launch_env(ACCELERATE_FSDP2)
+    assert env["ACCELERATE_USE_FSDP"] == "true" and env["ACCELERATE_MIXED_PRECISION"] == "no"
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    plugin = FullyShardedDataParallelPlugin()  # what each launched rank's Accelerator builds
+    assert plugin.fsdp_version == 2 and plugin.reshard_after_forward is True
+    assert plugin.auto_wrap_policy is transformer_auto_wrap_policy and plugin.cpu_ram_efficient_loading
+
+
+def _steps(learner: Learner, n: int, seed: int = 0) -> list[float]:
+    """`n` steps on the same batch; their losses."""
     data = batch_and_advantages(seed=seed) if learner.is_main else None
     trajs, adv = learner.broadcast(data)
-    for _ in range(n):
-        learner.train_step(trajs, adv)
+    return [learner.train_step(trajs, adv)["loss"] for _ in range(n)]
 
 
 def _fsdp_rank(rank: int, tmp: str) -> None:
-    from pathlib import Path
-
     from torch.distributed.tensor import DTensor
 
     tmp_path = Path(tmp)
@@ -203,6 +256,58 @@ def test_fsdp_shards_train_checkpoint_and_export_like_one_process(tmp_path):
                   "1-process checkpoint, resumed under FSDP")
 
 
+def _tied_llama():
+    """tiny_llama with lm_head tied to the input embeddings, as in SmolLM2 or Qwen2.5 up to 3B."""
+    from transformers import LlamaForCausalLM
+
+    config = tiny_llama().config
+    config.tie_word_embeddings = True
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).eval()
+
+
+def _weightless(build):
+    """What RAM-efficient loading leaves a rank other than 0: a model without weights (parameters on
+    the meta device, nothing read); only its non-persistent buffers, which no state dict carries
+    from rank 0, are real (transformers computes them from the config, as here)."""
+    with torch.device("meta"):
+        model = build()
+    model.model.rotary_emb = type(model.model.rotary_emb)(model.config)
+    return model
+
+
+def _ram_efficient_rank(rank: int, tmp: str, launch_env: dict[str, str]) -> None:
+    from agentgrpo.learner_state import full_weights
+
+    for build in (tiny_llama, _tied_llama):
+        model = build() if rank == 0 else _weightless(build)
+        learner = Learner(model, CFG, LOSS, temperature=TEMPERATURE, accelerator=_fsdp_accelerator(launch_env))
+        assert learner.accelerator.state.fsdp_plugin.cpu_ram_efficient_loading
+        for module in (learner.model, learner.ref):
+            assert not any(p.to_local().is_meta for p in module.parameters()), rank
+        ref = full_weights(learner.ref)  # gathered to rank 0 before training
+        losses = _steps(learner, 2)
+        exported = learner.export_model()
+        if rank == 0:
+            torch.save({"ref": ref, "losses": losses, "weights": exported.state_dict()},
+                       f"{tmp}/ram-efficient-{build.__name__}.pt")
+
+
+def test_ram_efficient_loading_trains_like_one_process_when_only_rank_0_has_weights(tmp_path):
+    """With the shipped accelerate config (cpu_ram_efficient_loading on), rank 1's model has no
+    weights: the policy and the KL reference get rank 0's, and 2 steps equal 1 process, with and
+    without tied embeddings (accelerate moves the policy to meta, which unties them)."""
+    _spawn(_ram_efficient_rank, str(tmp_path), _launch_env(ACCELERATE_FSDP2))
+    for build in (tiny_llama, _tied_llama):
+        one = Learner(build(), CFG, LOSS, temperature=TEMPERATURE)
+        base = {f"model.{k}": v.clone() for k, v in one.unwrapped.state_dict().items()}
+        losses = _steps(one, 2)
+        got = torch.load(tmp_path / f"ram-efficient-{build.__name__}.pt")
+        _assert_close(got["ref"], base, f"{build.__name__}: the KL reference, filled from rank 0")
+        assert got["losses"] == pytest.approx(losses, abs=1e-6), build.__name__
+        _assert_close(got["weights"], one.unwrapped.state_dict(), f"{build.__name__}: weights on rank 0 only")
+
+
 def test_the_documented_torchrun_command_runs_two_ranks(tmp_path, tiny_model_dir):
     """`torchrun --nproc_per_node 2 -m agentgrpo.cli train ...`, the README's CPU command
     (`accelerate launch --cpu` starts one process unless given an MPI hostfile)."""
@@ -234,8 +339,6 @@ def _ddp_lora_rank(rank: int, tmp: str) -> None:
 
 
 def _fsdp_lora_rank(rank: int, tmp: str) -> None:
-    from pathlib import Path
-
     learner = Learner(tiny_llama(), LORA, LOSS, temperature=TEMPERATURE, accelerator=_fsdp_accelerator())
     _steps(learner, 2)
     learner.save(Path(tmp) / "lora-ckpt")
@@ -258,8 +361,6 @@ def test_lora_under_ddp_and_fsdp_exports_merged_weights_and_resumes_like_one_pro
 
 
 def _fsdp_sharded_rank(rank: int, tmp: str) -> None:
-    from pathlib import Path
-
     learner = Learner(tiny_llama(), SHARDED, LOSS, temperature=TEMPERATURE, accelerator=_fsdp_accelerator())
     _steps(learner, 2)
     learner.save(Path(tmp) / "sharded")  # every rank writes its own shards
