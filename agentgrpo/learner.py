@@ -145,6 +145,10 @@ class Learner:
             kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.collective_timeout_s))])
         _check_launch(self.accelerator)
         self.sharded = self.accelerator.distributed_type == DistributedType.FSDP
+        if any(p.is_meta for p in model.parameters()) and (self.is_main or not (
+                self.sharded and self.accelerator.state.fsdp_plugin.cpu_ram_efficient_loading)):
+            raise ValueError("the model has no weights (meta tensors): only ranks other than 0 under FSDP "
+                             "with cpu_ram_efficient_loading may pass one (rank 0's weights fill it)")
         device = self.accelerator.device
         model = model.to(getattr(torch, cfg.dtype))
         if cfg.attn_implementation:

@@ -148,6 +148,32 @@ def load_model(path: Path | str, *, dtype: torch.dtype | str = "float32", **kwar
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True, **kwargs)
 
 
+def load_policy(path: Path | str):
+    """The learner's float32 copy of the model at `path`.
+
+    Under `accelerate launch` with FSDP and RAM-efficient loading (`fsdp_cpu_ram_efficient_loading`,
+    on in examples/gpu/accelerate_fsdp2.yml), only global rank 0 reads the weights: every other rank
+    builds the model from its config with parameters on the meta device (buffers such as rotary
+    frequencies are computed as usual; no state dict carries them) and the learner fills its shards
+    from rank 0. Otherwise each rank would hold a full float32 copy in CPU RAM until it is sharded;
+    transformers' `from_pretrained` (5.x) no longer skips reading on other ranks itself.
+    """
+    import torch
+    from accelerate import init_empty_weights
+    from accelerate.utils import parse_flag_from_env
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    weightless = (parse_flag_from_env("ACCELERATE_USE_FSDP") and parse_flag_from_env("FSDP_CPU_RAM_EFFICIENT_LOADING")
+                  and os.environ.get("RANK", "0") != "0")
+    if not weightless:
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    config = AutoConfig.from_pretrained(path)
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.tie_weights()  # built on meta, tied embeddings come out untied: rank 0's are tied
+    return model
+
+
 def load_tokenizer(path: Path | str, **kwargs: Any):
     """Load the tokenizer from a local directory without touching the network."""
     from transformers import AutoTokenizer

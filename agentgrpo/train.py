@@ -160,9 +160,9 @@ def train(cfg: RunConfig) -> Path:
     checkpoints is the one a single process would produce. Collectives (broadcast, `train_step`,
     `export_model`, `Learner.save`, checkpoint agreement) are called by all ranks in the same order.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    from agentgrpo.models import default_model_path
+    from agentgrpo.models import default_model_path, load_policy
 
     run_dir = Path(cfg.output_dir)
     seed_everything(cfg.seed)
@@ -171,7 +171,7 @@ def train(cfg: RunConfig) -> Path:
     template = Path(cfg.model.chat_template).read_text() if cfg.model.chat_template else None
     chat = ChatFormat(tokenizer, template=template, parser=cfg.model.tool_parser,
                       fallback=cfg.rollout.template_fallback, template_kwargs=cfg.rollout.chat_template_kwargs)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    model = load_policy(model_path)  # FSDP with RAM-efficient loading: weights on rank 0 only
     context_len = getattr(model.config, "max_position_embeddings", None)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else chat.end_of_turn_id
     learner = Learner(model, cfg.learner, cfg.loss, temperature=cfg.rollout.temperature, pad_id=pad_id,

@@ -266,21 +266,24 @@ def _tied_llama():
     return LlamaForCausalLM(config).eval()
 
 
-def _weightless(build):
-    """What RAM-efficient loading leaves a rank other than 0: a model without weights (parameters on
-    the meta device, nothing read); only its non-persistent buffers, which no state dict carries
-    from rank 0, are real (transformers computes them from the config, as here)."""
-    with torch.device("meta"):
-        model = build()
-    model.model.rotary_emb = type(model.model.rotary_emb)(model.config)
+def _weightless(build, directory: str):
+    """What `agentgrpo train` loads on a rank other than 0 under RAM-efficient loading
+    (`models.load_policy`): the model built from its config alone (config.json is all there is to
+    read), parameters on the meta device, non-persistent buffers (rotary frequencies) computed."""
+    from agentgrpo.models import load_policy
+
+    build().config.save_pretrained(directory)
+    model = load_policy(directory)
+    assert all(p.is_meta for p in model.parameters())
     return model
 
 
 def _ram_efficient_rank(rank: int, tmp: str, launch_env: dict[str, str]) -> None:
     from agentgrpo.learner_state import full_weights
 
+    os.environ.update(launch_env)  # what accelerate launch gives each rank (load_policy reads it)
     for build in (tiny_llama, _tied_llama):
-        model = build() if rank == 0 else _weightless(build)
+        model = build() if rank == 0 else _weightless(build, f"{tmp}/{build.__name__}-config")
         learner = Learner(model, CFG, LOSS, temperature=TEMPERATURE, accelerator=_fsdp_accelerator(launch_env))
         assert learner.accelerator.state.fsdp_plugin.cpu_ram_efficient_loading
         for module in (learner.model, learner.ref):

@@ -128,3 +128,37 @@ def test_cached_directory_is_reused_without_the_package(tmp_path, monkeypatch):
         models.default_model_path(cache_dir=tmp_path)
         == tmp_path / "models" / "smollm2-135m-instruct"
     )
+
+
+RAM_EFFICIENT_FSDP = {"ACCELERATE_USE_FSDP": "true", "FSDP_CPU_RAM_EFFICIENT_LOADING": "true"}
+
+
+def test_load_policy_reads_weights_on_rank_0_only_under_ram_efficient_fsdp(tiny_model_dir, monkeypatch):
+    import torch
+
+    from agentgrpo.learner import Learner, LearnerConfig
+    from agentgrpo.loss import LossConfig
+
+    full = models.load_policy(tiny_model_dir)
+    for name, value in {**RAM_EFFICIENT_FSDP, "RANK": "1"}.items():
+        monkeypatch.setenv(name, value)
+    empty = models.load_policy(tiny_model_dir)
+    assert all(p.is_meta for p in empty.parameters())
+    # The same parameters as rank 0's (tied embeddings stay one parameter), so the shards match.
+    assert [(n, p.shape) for n, p in empty.named_parameters()] == [(n, p.shape) for n, p in full.named_parameters()]
+    # Non-persistent buffers (rotary frequencies) travel in no state dict: computed, real, equal.
+    buffers = dict(full.named_buffers())
+    assert buffers and all(torch.equal(b, buffers[n]) for n, b in empty.named_buffers())
+
+    monkeypatch.setenv("RANK", "0")
+    rank0 = models.load_policy(tiny_model_dir)
+    assert all(torch.equal(p, q) for p, q in zip(rank0.parameters(), full.parameters()))
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("FSDP_CPU_RAM_EFFICIENT_LOADING", "false")
+    assert not any(p.is_meta for p in models.load_policy(tiny_model_dir).parameters())
+
+    # Outside FSDP with RAM-efficient loading a model without weights is refused, not trained.
+    monkeypatch.delenv("ACCELERATE_USE_FSDP")
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(ValueError, match="no weights"):
+        Learner(empty, LearnerConfig(), LossConfig())
