@@ -8,9 +8,10 @@ twice, overlap off then on, and the script prints the seconds per step of each, 
 the phases (rollout, train, train+rollout, sync) of the overlapped run.
 
 Expected: a synchronous step costs rollout + train + sync; an overlapped one max(rollout, train) +
-sync, except the first step (nothing to overlap yet) and steps that end at a checkpoint.
+sync, except the first step (nothing to overlap yet) and steps that end at a checkpoint. The first
+two steps of either run are slower (warm-up) and are left out of the per-step comparison.
 
-    python bench/overlap.py [--steps 4] [--generate-delay 3]
+    python bench/overlap.py [--steps 8] [--generate-delay 2.5]
 """
 
 from __future__ import annotations
@@ -47,8 +48,8 @@ def run(out: Path, url: str, steps: int, overlap: bool) -> tuple[float, list[dic
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--generate-delay", type=float, default=3.0, help="seconds per /generate")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--generate-delay", type=float, default=2.5, help="seconds per /generate")
     args = ap.parse_args()
     model = default_model_path()
     from transformers import AutoTokenizer
@@ -65,11 +66,13 @@ def main() -> None:
             phases = {k.removeprefix("phase_s/"): round(sum(m.get(k, 0.0) for m in metrics) / len(metrics), 2)
                       for k in sorted({k for m in metrics for k in m if k.startswith("phase_s/")})}
             print(f"overlap={overlap}: run {wall:.1f} s, step_s {[round(s, 2) for s in step_s]}, "
+                  f"rollout_s {[round(m['rollout_s'], 2) for m in metrics]}, "
+                  f"learner_s {[round(m['learner_s'], 2) for m in metrics]}, "
                   f"policy_lag {[m['policy_lag'] for m in metrics]}, mean phase s {json.dumps(phases)}")
         (w0, m0), (w1, m1) = results[False], results[True]
-        later0 = sum(m["step_s"] for m in m0[1:]) / (len(m0) - 1)
-        later1 = sum(m["step_s"] for m in m1[1:]) / (len(m1) - 1)
-        print(f"steps 2..{args.steps}: {later0:.2f} s synchronous, {later1:.2f} s overlapped "
+        later0 = sum(m["step_s"] for m in m0[2:]) / (len(m0) - 2)  # after the warm-up steps
+        later1 = sum(m["step_s"] for m in m1[2:]) / (len(m1) - 2)
+        print(f"steps 3..{args.steps}: {later0:.2f} s synchronous, {later1:.2f} s overlapped "
               f"({later0 / later1:.2f}x); whole runs {w0:.1f} s vs {w1:.1f} s ({w0 / w1:.2f}x)")
 
 
