@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 Role = Literal["system", "user", "assistant", "tool"]
 
@@ -30,7 +30,8 @@ class ToolCall(BaseModel):
     """One function call requested by the model.
 
     `arguments` is the decoded JSON object. OpenAI's wire format carries arguments as a JSON
-    *string*; `from_dict` accepts both and `to_dict` emits the string form.
+    *string*; validation (`ToolCall(**d)`, `model_validate`, `from_dict`) accepts both and
+    `to_dict` emits the string form.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -39,14 +40,25 @@ class ToolCall(BaseModel):
     name: str
     arguments: dict[str, Any] = Field(default_factory=dict)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _openai_form(cls, d: Any) -> Any:
+        if not (isinstance(d, dict) and "function" in d):
+            return d
+        # OpenAI: {"id", "type": "function", "function": {"name", "arguments": "<JSON string>"}}
+        if d.get("type", "function") != "function":
+            raise ValueError(f"tool call of type {d['type']!r}: only 'function' calls exist here")
+        fn = d["function"]
+        args = fn.get("arguments", {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except json.JSONDecodeError as e:
+                raise ValueError(f"tool call {fn.get('name')!r}: arguments are not JSON ({e})") from e
+        return {"id": d.get("id") or "", "name": fn.get("name"), "arguments": args}
+
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ToolCall:
-        if "function" in d:  # OpenAI: {"id", "type": "function", "function": {"name", "arguments"}}
-            fn = d["function"]
-            args = fn.get("arguments", {})
-            if isinstance(args, str):
-                args = json.loads(args) if args.strip() else {}
-            return cls(id=d.get("id", ""), name=fn["name"], arguments=args)
         return cls.model_validate(d)
 
     def to_dict(self) -> dict[str, Any]:
@@ -58,7 +70,14 @@ class ToolCall(BaseModel):
 
 
 class Message(BaseModel):
-    """A chat message. Accepts and emits OpenAI-style dicts (`Message.from_dict`, `to_dict`)."""
+    """A chat message. Accepts and emits OpenAI-style dicts (`Message.from_dict`, `to_dict`).
+
+    Validation anywhere (`Message(**d)`, `Task(prompt=[...])`, `model_validate`) takes what
+    OpenAI's API and chat datasets write: `content: null` (an assistant turn that only calls tools)
+    and content as a list of text parts (joined); tool calls in OpenAI's form; keys OpenAI sends
+    empty (`refusal: null`, `annotations: []`, ...) are dropped. An unknown key with a value, or a
+    non-text content part (an image), is an error that names it: text is all the model sees here.
+    """
 
     model_config = ConfigDict(extra="forbid")
 
@@ -68,18 +87,27 @@ class Message(BaseModel):
     tool_call_id: str | None = None
     name: str | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _openai_form(cls, d: Any) -> Any:
+        if not isinstance(d, dict):
+            return d
+        known = cls.model_fields
+        d = {k: v for k, v in d.items() if k in known or v not in (None, "", [], {})}
+        content = d.get("content")
+        if content is None:
+            d["content"] = ""
+        elif isinstance(content, list):
+            kinds = [p.get("type") if isinstance(p, dict) else type(p).__name__ for p in content]
+            if any(k != "text" for k in kinds):
+                raise ValueError(f"content parts of type {sorted({k for k in kinds if k != 'text'})}: only "
+                                 "text parts are supported")
+            d["content"] = "".join(p.get("text", "") for p in content)
+        return d
+
     @classmethod
     def from_dict(cls, d: dict[str, Any] | Message) -> Message:
-        if isinstance(d, Message):
-            return d
-        d = dict(d)
-        if d.get("content") is None:
-            d["content"] = ""
-        if d.get("tool_calls"):
-            d["tool_calls"] = [
-                tc if isinstance(tc, ToolCall) else ToolCall.from_dict(tc) for tc in d["tool_calls"]
-            ]
-        return cls.model_validate(d)
+        return d if isinstance(d, Message) else cls.model_validate(d)
 
     def to_dict(self) -> dict[str, Any]:
         """OpenAI-style dict; optional fields are present only when set."""
