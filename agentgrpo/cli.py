@@ -23,12 +23,16 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _check_env(args: argparse.Namespace) -> int:
+    from agentgrpo.config import apply_override
     from agentgrpo.env import get_env_class
     from agentgrpo.env_check import env_report
 
+    kwargs: dict = {}
+    for kv in args.kwarg:  # the constructor's arguments, as a config's env.kwargs gives them
+        apply_override(kwargs, kv)
     try:
         cls = get_env_class(args.env)
-        env = cls()
+        env = cls(**kwargs)
     except Exception as e:  # noqa: BLE001 - the user's module or constructor: explain, do not trace
         print(f"{args.env}: cannot create the env: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
@@ -98,6 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("check-env", help="validate an environment: agentgrpo check-env NAME|MODULE:CLASS")
     c.add_argument("env")
+    c.add_argument("--kwarg", action="append", default=[], metavar="KEY=VALUE",
+                   help="a constructor argument, as in a config's env.kwargs, e.g. --kwarg max_turns=3 "
+                        "or --kwarg python.max_output_chars=2000 (repeatable; values parsed as YAML)")
     c.set_defaults(fn=_check_env)
 
     e = sub.add_parser("eval", help="rollouts without training: agentgrpo eval CONFIG.yaml [key=value ...]")
