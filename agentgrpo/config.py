@@ -70,6 +70,9 @@ class TrainLoopConfig(BaseModel):
 
     steps: int = Field(20, ge=0, description="optimizer steps")
     save_every: int = Field(0, ge=0, description="checkpoint every K steps (0 = only at the end)")
+    save_every_s: float | None = Field(
+        600.0, gt=0, description="also checkpoint after a step that starts training this many seconds "
+        "after the last checkpoint (None = off): a SIGKILL or OOM kill loses at most this much work")
     keep_checkpoints: int = Field(2, ge=1, description="newest checkpoints kept")
     overlap_rollouts: bool = Field(
         False, description="sample step t+1's rollouts while step t trains (one step off-policy: they come "

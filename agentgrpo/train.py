@@ -200,7 +200,11 @@ def train(cfg: RunConfig) -> Path:
     loop = asyncio.new_event_loop()  # one loop for the run: engine clients and workers live on it
 
     def save_due(step: int) -> bool:
-        return bool(cfg.train.save_every) and step % cfg.train.save_every == 0
+        """Whether the step ending at `step` checkpoints; decided before it trains (overlapping
+        must not cross a checkpoint). The time rule is rank 0's clock, agreed by every rank."""
+        late = lead and cfg.train.save_every_s is not None and time.monotonic() - saved_at >= cfg.train.save_every_s
+        on_time = cfg.train.save_every_s is not None and learner.any_rank(late)  # collective
+        return on_time or (bool(cfg.train.save_every) and step % cfg.train.save_every == 0)
 
     def push(step: int) -> None:
         weights = learner.export_model()  # collective under FSDP (gathers the shards to rank 0)
@@ -219,14 +223,14 @@ def train(cfg: RunConfig) -> Path:
     # server still holding another run's weights (or another model) is caught, not sampled from.
     push(start)
 
-    saved = done = start
+    saved, done, saved_at = start, start, time.monotonic()
     # With train.overlap_rollouts, rank 0's next step's rollouts, sampled while this step trained,
     # and the data position before them (what a checkpoint stores: they were not trained on).
     ahead: tuple[Any, int] | None = None
 
     def save(step: int) -> None:
-        nonlocal saved
-        saved = step
+        nonlocal saved, saved_at
+        saved, saved_at = step, time.monotonic()
         checkpoint.save(ckpt_root, step, learner.save,  # collective: every rank writes its part
                         {"data_position": ahead[1] if ahead else stream.position, "weight_version": str(step),
                          "rng": checkpoint.rng_state()}, keep=cfg.train.keep_checkpoints,
@@ -254,10 +258,11 @@ def train(cfg: RunConfig) -> Path:
             if cfg.shaping.mask_truncated:  # truncated rows still counted in their group's statistics
                 advantages_B[truncated_rows([t.stop_reason for t in trajs])] = float("nan")
             train_step = functools.partial(learner.train_step, trajs, advantages_B.tolist())
+            checkpoint_due = save_due(done)
             # One step off-policy: the next step samples with the weights before this update, while it
             # trains (rank 0's engine in the event loop, the learner in a thread). Never across a
             # checkpoint, so a resumed run samples exactly what an uninterrupted one did.
-            if lead and cfg.train.overlap_rollouts and done < cfg.train.steps and not save_due(done):
+            if lead and cfg.train.overlap_rollouts and done < cfg.train.steps and not checkpoint_due:
                 progress.phase("train+rollout", total=progress.rollouts_per_step)
                 position = stream.position
                 trained, next_rollouts = loop.run_until_complete(train_while_collecting(
@@ -287,7 +292,7 @@ def train(cfg: RunConfig) -> Path:
                 metrics.update({f"phase_s/{k}": v for k, v in progress.phase_times().items()})
                 logger.log_step(done, metrics)
                 logger.log_groups(done, groups)
-            if stopping or save_due(done):
+            if stopping or checkpoint_due:
                 progress.phase("checkpoint")
                 save(done)
             progress.step_done(done, metrics)

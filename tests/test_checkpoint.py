@@ -219,3 +219,19 @@ def test_a_lora_run_checkpoints_its_adapter_and_resumes(tmp_path, stopping_model
     assert "model.safetensors" not in files  # the base weights come from model.path
     assert _train(out, stopping_model_dir, 3, *lora) == 0  # every push verified the merged weights
     assert [m["step"] for m in read_jsonl(out / "metrics.jsonl")] == [1, 2, 3]
+
+
+def test_time_based_checkpoints_and_overlap_never_crosses_one(tmp_path, stopping_model_dir):
+    """train.save_every_s checkpoints after any step that starts training that long after the last
+    checkpoint; with overlapped rollouts such a step samples nothing ahead (resume stays exact)."""
+    out = tmp_path / "every-step"
+    assert _train(out, stopping_model_dir, 3, "train.save_every_s=0.001", "train.keep_checkpoints=5",
+                  "train.overlap_rollouts=true") == 0
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [f"step-00000{i}" for i in (1, 2, 3)]
+    assert [m["policy_lag"] for m in read_jsonl(out / "metrics.jsonl")] == [0.0, 0.0, 0.0]
+
+    off = tmp_path / "off"
+    assert _train(off, stopping_model_dir, 3, "train.save_every_s=null", "train.keep_checkpoints=5",
+                  "train.overlap_rollouts=true") == 0
+    assert sorted(p.name for p in (off / "checkpoints").iterdir()) == ["step-000003"]  # at the end only
+    assert [m["policy_lag"] for m in read_jsonl(off / "metrics.jsonl")] == [0.0, 1.0, 1.0]
