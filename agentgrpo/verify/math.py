@@ -346,9 +346,9 @@ class MathPool:
                 self._cache.move_to_end(key)
                 return self._cache[key]
         failed, tries = "", 0
-        for attempt in range(self.retries + 1):
-            if attempt:
-                time.sleep(min(0.05 * 2**attempt, 1.0))
+        while tries <= self.retries:
+            if tries:
+                time.sleep(min(0.05 * 2**tries, 1.0))  # the sandbox's backoff
             tries += 1
             try:
                 rep = self._attempt(prediction, answer, timeout_s)
@@ -364,8 +364,7 @@ class MathPool:
                     self.timeouts += 1
                 return MathCheck(False, "timeout", f"math-verify used its {timeout_s:g} s CPU "
                                  f"budget ({rep['timeout']:.2f} s) without an answer")
-            result = MathCheck(bool(rep["r"]), "error", rep["e"]) if "e" in rep else MathCheck(
-                bool(rep["r"]))
+            result = MathCheck(False, "error", rep["e"]) if "e" in rep else MathCheck(bool(rep["r"]))
             with self._lock:
                 self.errors += "e" in rep
                 self._cache[key] = result
