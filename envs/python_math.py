@@ -15,8 +15,15 @@ process: see `tools.python`); its first reply without a tool call ends the episo
 
 Final answer: the content of the last `\\boxed{...}` in that reply when there is one, else the last
 number in it (`-1,234.5`, `3/4` and `1e3` forms; thousands separators dropped). That string is
-compared with the reference by `math_equal` (math-verify: `28080.0` equals `28080`, `1/2` equals
-`0.5`). Reward 1.0 when equal, 0.0 otherwise, also when the reply holds no number.
+compared with the reference by `math_check` (math-verify: `28080.0` equals `28080`, `1/2` equals
+`0.5`). Reward 1.0 when equal, 0.0 otherwise, also when the reply holds no number. An answer whose
+check uses up its CPU budget (a tower of powers sympy cannot finish) is the model's doing: reward
+0.0, and the episode ends as `parse_error` (its output was unusable) with `info["math_verify"]`
+saying why, so it is counted (`stop/parse_error`) rather than passing for a plain wrong answer.
+
+Verifier failure: when math-verify could not check the answer at all (its worker failed to start or
+died, also on a retry, or was starved of CPU: see `agentgrpo.verify.math`), `MathVerifyUnavailable` propagates
+out of `step`, so the trajectory ends as `ENV_ERROR` with reward NaN, the reason in `stop_detail`.
 
 Sandbox failure: a `sandbox_error` during a `python` call (after the sandbox's retries) is an
 infrastructure failure, not the model's: `step` raises `SandboxUnavailable`, so the rollout ends
@@ -41,7 +48,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from agentgrpo import Message, Task, ToolEnv, tool
-from agentgrpo.verify.math import amath_equal
+from agentgrpo.verify.math import MathCheck, amath_check
 from agentgrpo.verify.sandbox import Sandbox, SandboxUnavailable
 from tools.python import PythonToolConfig, make_python_tool
 
@@ -77,7 +84,8 @@ class PythonMathEnv(ToolEnv):
 
     Constructor: `sandbox` (default: the process-wide `default_sandbox()`, which honours
     `AGENTGRPO_SANDBOX_URL`), `python` (a `PythonToolConfig` or its dict: limits and message size
-    of one tool call). See the module docstring for tasks, answer extraction and sandbox failures.
+    of one tool call), `math_timeout_s` (CPU seconds math-verify may spend checking one answer).
+    See the module docstring for tasks, answer extraction, sandbox and verifier failures.
 
     Example:
         >>> env = PythonMathEnv(python={"max_output_chars": 1000})
@@ -92,10 +100,14 @@ class PythonMathEnv(ToolEnv):
     )
 
     def __init__(self, sandbox: Sandbox | None = None,
-                 python: PythonToolConfig | dict[str, Any] | None = None) -> None:
+                 python: PythonToolConfig | dict[str, Any] | None = None, math_timeout_s: float = 5.0) -> None:
+        if not math_timeout_s > 0:
+            raise ValueError(f"PythonMathEnv: math_timeout_s must be > 0, got {math_timeout_s!r}")
+        self.math_timeout_s = math_timeout_s
         cfg = python if isinstance(python, PythonToolConfig) or python is None else PythonToolConfig(**python)
         self._run_python = make_python_tool(sandbox, cfg)
         self._sandbox_failure: SandboxUnavailable | None = None
+        self._check: MathCheck | None = None  # the last reward's check, for step's info
 
     @tool
     def python(self, code: str) -> str:
@@ -116,17 +128,21 @@ class PythonMathEnv(ToolEnv):
             raise
 
     async def step(self, action: Message) -> tuple[list[Message], float, bool, bool, dict[str, Any]]:
-        self._sandbox_failure = None
-        out = await super().step(action)
+        self._sandbox_failure, self._check = None, None
+        new, reward, terminated, truncated, info = await super().step(action)
         if self._sandbox_failure is not None:
             raise SandboxUnavailable(f"python tool: {self._sandbox_failure}") from self._sandbox_failure
-        return out
+        if self._check is not None and self._check.status == "timeout":
+            info = {**info, "stop_reason": "parse_error", "math_verify": self._check.detail}
+        return new, reward, terminated, truncated, info
 
     async def reward(self, task: Task, messages: list[Message]) -> float:
         answer = final_answer(messages[-1].content)
         if answer is None:
             return 0.0
-        return float(await amath_equal(answer, str(task.answer)))
+        # MathVerifyUnavailable (infrastructure) propagates: the rollout scores the episode NaN.
+        self._check = await amath_check(answer, str(task.answer), self.math_timeout_s)
+        return float(self._check.equal)
 
     @classmethod
     def load_tasks(cls, split: str = "train", seed: int = 0, *, n: int = 2000,

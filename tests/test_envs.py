@@ -9,6 +9,7 @@ import doctest
 import importlib
 import json
 import math
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,8 +20,9 @@ from agentgrpo.engine import SamplingParams
 from agentgrpo.env import ENVS, get_env_class
 from agentgrpo.log import read_jsonl
 from agentgrpo.rollout import EpisodeLimits, run_episode
+from agentgrpo.verify import math as math_mod
 from agentgrpo.verify.code import load_humaneval, run_tests
-from agentgrpo.verify.math import math_equal
+from agentgrpo.verify.math import MathPool, math_equal
 from agentgrpo.verify.sandbox import ExecResult
 from envs.code_tests import CodeTestsEnv, docstring_examples
 from envs.gym_text import GymTextEnv
@@ -148,6 +150,39 @@ def test_python_math_sandbox_failure_is_unscorable(chat, math_task):
     assert traj.stop_reason == StopReason.ENV_ERROR and math.isnan(traj.reward)
     assert "SandboxUnavailable" in traj.stop_detail and sandbox.jobs == 1
     assert len(engine.calls) == 1  # the failure was never shown to the model as its tool error
+
+
+@pytest.fixture
+def math_pool(monkeypatch):
+    """A private math-verify pool behind `math_check` for one test (its counters are the test's)."""
+    pool = MathPool(workers=1, wall_factor=10)  # generous: a loaded test host is not "starved"
+    monkeypatch.setattr(math_mod, "default_pool", lambda: pool)
+    yield pool
+    pool.close()
+
+
+def test_python_math_verifier_failure_is_unscorable(chat, math_task, math_pool, monkeypatch):
+    monkeypatch.setattr(sys, "executable", "/nonexistent/python3")  # math-verify workers cannot start
+    traj, _ = episode(chat, PythonMathEnv(), math_task, ["\\boxed{28080.0}"])  # needs a real check
+    assert traj.stop_reason == StopReason.ENV_ERROR and math.isnan(traj.reward)  # not 0
+    assert "MathVerifyUnavailable" in traj.stop_detail and "could not start" in traj.stop_detail
+    assert (math_pool.failures, math_pool.unscorable) == (2, 1)
+
+
+RUNAWAY = "So the answer is \\boxed{10**10**10**10}"  # sympy cannot finish this power
+
+
+def test_python_math_runaway_answer_scores_zero_as_parse_error(chat, math_task, math_pool):
+    # The model's doing: 0, but counted as unusable output, not passed off as a plain wrong answer
+    traj, _ = episode(chat, PythonMathEnv(math_timeout_s=0.5), math_task, [RUNAWAY])
+    assert (traj.stop_reason, traj.reward, math_pool.timeouts) == (StopReason.PARSE_ERROR, 0.0, 1)
+    env = PythonMathEnv(math_timeout_s=0.5)
+    env.reset(seed=0, options={"task": math_task})
+    _, reward, terminated, _, info = asyncio.run(env.step(Message(role="assistant", content=RUNAWAY)))
+    assert (reward, terminated, info["stop_reason"]) == (0.0, True, "parse_error")
+    assert "CPU budget" in info["math_verify"] and math_pool.timeouts == 2
+    with pytest.raises(ValueError, match="math_timeout_s"):
+        PythonMathEnv(math_timeout_s=0)
 
 
 # ---- code_tests ---------------------------------------------------------------------------------

@@ -1,16 +1,29 @@
-"""math_equal: answer formats, thread/asyncio safety and the hard time limit."""
+"""math_equal: answer formats, thread/asyncio safety, the CPU time limit (a runaway answer scores 0,
+counted), and infrastructure failures (a worker that cannot start, dies or is starved) made
+unscorable, never 0."""
 
 from __future__ import annotations
 
 import asyncio
 import math
+import os
+import signal
+import sys
 import threading
 import time
 
 import pytest
 
 from agentgrpo.types import Message, StopReason, Task, Trajectory
-from agentgrpo.verify.math import MathPool, MathVerifier, amath_equal, math_equal
+from agentgrpo.verify import math as math_mod
+from agentgrpo.verify.math import (
+    MathCheck,
+    MathPool,
+    MathVerifier,
+    MathVerifyUnavailable,
+    amath_equal,
+    math_equal,
+)
 
 
 @pytest.fixture(scope="module")
@@ -75,15 +88,101 @@ def test_from_threads_and_asyncio():
     assert asyncio.run(many()) == [True] * 8
 
 
+RUNAWAY = "\\boxed{10^{10^{10^{10}}}}"  # sympy computes this power until it is stopped
+
+
 def test_runaway_input_is_cut_off_and_pool_recovers():
-    p = MathPool(workers=1)
+    # The answer's own doing: it burns its whole CPU budget, so it scores 0 (status "timeout", counted).
+    # wall_factor is generous so a loaded test machine cannot turn this into "starved".
+    p = MathPool(workers=1, wall_factor=10)
     p.warm()
     try:
         t0 = time.monotonic()
-        assert p.equal("\\boxed{10^{10^{10^{10}}}}", "1", timeout_s=1.0) is False
-        assert time.monotonic() - t0 < 2.5
-        assert p.timeouts == 1
+        res = p.check(RUNAWAY, "1", timeout_s=1.0)
+        assert time.monotonic() - t0 < 10 * 1.0 + 1.0
+        assert (res.equal, res.status) == (False, "timeout") and "CPU budget" in res.detail
+        assert (p.timeouts, p.failures, p.unscorable) == (1, 0, 0)
         assert p.equal("\\boxed{4}", "4.0", timeout_s=60) is True  # a fresh worker took over
+    finally:
+        p.close()
+
+
+def _worker_pids(p: MathPool) -> list[int]:
+    return [w.proc.pid for w in list(p._idle.queue)]
+
+
+def test_killed_idle_worker_is_retried_on_a_fresh_one():
+    # An infrastructure failure (OOM killer, a stray signal) is retried, not scored 0
+    p = MathPool(workers=1)
+    p.warm()
+    try:
+        (pid,) = _worker_pids(p)
+        os.kill(pid, signal.SIGKILL)
+        assert p.check("\\boxed{\\frac{1}{2}}", "0.5") == MathCheck(True)
+        assert (p.failures, p.unscorable, p.timeouts) == (1, 0, 0)
+        assert p.equal("\\boxed{3}", "2") is False  # wrong answers are still 0
+    finally:
+        p.close()
+
+
+def test_pool_that_cannot_start_is_unscorable(monkeypatch):
+    p = MathPool(workers=1)
+    monkeypatch.setattr(sys, "executable", "/nonexistent/python3")  # every worker fails to start
+    with pytest.raises(MathVerifyUnavailable, match="could not start a worker.*FileNotFoundError"):
+        p.check("\\boxed{2}", "3")
+    assert (p.failures, p.unscorable) == (2, 1)  # tried, retried, given up
+    with pytest.raises(MathVerifyUnavailable):
+        p.warm()  # fails at start-up, loudly
+    res = MathVerifier(pool=p)(_traj("so \\boxed{2}"), Task(id="a", prompt="q", answer="3"))
+    assert res.unscorable and "could not start" in res.detail  # NaN with why, never 0.0
+
+
+DIE_ON_REQUEST = r"""
+import json, os, struct, sys
+data = json.dumps({"ready": True}).encode()
+os.write(1, struct.pack("!I", len(data)) + data)
+sys.stdin.buffer.read(4)
+os._exit(9)
+"""
+
+
+def test_worker_dying_mid_request_is_retried_then_unscorable(monkeypatch):
+    monkeypatch.setattr(math_mod, "_WORKER", DIE_ON_REQUEST)
+    p = MathPool(workers=1)
+    p.warm()
+    with pytest.raises(MathVerifyUnavailable, match=r"tries: 2\).*exited \(code 9\)"):
+        p.check("\\boxed{2}", "3")
+    assert (p.failures, p.unscorable, p.timeouts) == (2, 1, 0)
+    with pytest.raises(MathVerifyUnavailable):
+        p.equal("\\boxed{2}", "2.0")  # equal() raises too: never a silent False
+    p.close()
+
+
+def test_worker_without_math_verify_says_why(monkeypatch):
+    monkeypatch.setattr(math_mod, "_WORKER", math_mod._WORKER.replace(
+        "from math_verify import", "from math_verify_not_installed import"))
+    p = MathPool(workers=1)
+    with pytest.raises(MathVerifyUnavailable, match="could not load math-verify: ModuleNotFoundError"):
+        p.warm()
+    with pytest.raises(MathVerifyUnavailable, match="ModuleNotFoundError"):
+        p.check("\\boxed{2}", "3")
+
+
+@pytest.mark.skipif(not os.path.exists(f"/proc/{os.getpid()}/stat"), reason="needs /proc CPU times")
+def test_starved_worker_is_unscorable_not_a_timeout():
+    # A worker that gets no CPU (here: stopped, as on a host swapping or overloaded) says nothing
+    # about the answer: unscorable, not the 0 a runaway answer gets, and not retried.
+    p = MathPool(workers=1, wall_factor=4)
+    p.warm()
+    try:
+        (pid,) = _worker_pids(p)
+        os.kill(pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(MathVerifyUnavailable, match="starved"):
+            p.check("\\boxed{2}", "3", timeout_s=0.3)
+        assert 0.3 * 4 <= time.monotonic() - t0 < 0.3 * 4 + 1.5
+        assert (p.timeouts, p.failures, p.unscorable) == (0, 1, 1)
+        assert p.equal("\\boxed{2}", "3") is False  # the stopped worker was replaced
     finally:
         p.close()
 
@@ -102,6 +201,17 @@ def _traj(text: str) -> Trajectory:
 
 def test_math_verifier(pool):
     v = MathVerifier(pool=pool)
-    assert v(_traj("so \\boxed{12}"), Task(id="a", prompt="q", answer=12)) == 1.0
-    assert v(_traj("so \\boxed{13}"), Task(id="a", prompt="q", answer="12")) == 0.0
-    assert math.isnan(v(_traj("\\boxed{1}"), Task(id="a", prompt="q")))  # no reference: unscorable
+    right = v(_traj("so \\boxed{12}"), Task(id="a", prompt="q", answer=12))
+    assert (right.score, right.detail) == (1.0, "")
+    assert v(_traj("so \\boxed{13}"), Task(id="a", prompt="q", answer="12")).score == 0.0
+    no_ref = v(_traj("\\boxed{1}"), Task(id="a", prompt="q"))
+    assert math.isnan(no_ref.score) and "no reference" in no_ref.detail  # unscorable
+
+
+def test_math_verifier_names_a_timeout():
+    p = MathPool(workers=1, wall_factor=10)
+    try:
+        res = MathVerifier(timeout_s=0.5, pool=p)(_traj(RUNAWAY), Task(id="a", prompt="q", answer="1"))
+        assert res.score == 0.0 and res.detail.startswith("timeout: ") and p.timeouts == 1
+    finally:
+        p.close()
