@@ -3,10 +3,10 @@
 `evaluate(...)` samples `samples_per_task` trajectories per task with the rollout machinery of
 training (same deadlines, limits and token handling) and reduces them to metrics: reward mean,
 pass@k, tool-call and error statistics. `run_eval(cfg)` is the command-line glue: it builds the
-model, engine, chat format and env from a run config, evaluates the newest checkpoint of the run
-(or the base model), and writes a run-like directory: `trajectories.jsonl` (the same rows as
-training, `step` = the checkpoint's step), `metrics.jsonl` (one row) and `eval.json` (metrics plus
-per-task pass counts).
+engine, chat format and env from a run config, evaluates the newest checkpoint of the run (or the
+base model), and writes a run-like directory: `trajectories.jsonl` (the same rows as training,
+`step` = the checkpoint's step), `metrics.jsonl` (one row) and `eval.json` (metrics plus per-task
+pass counts).
 
 Decisions:
 - pass@k uses the unbiased estimator of Chen et al. (2021), `1 - C(n-c, k) / C(n, k)` per task,
@@ -16,6 +16,13 @@ Decisions:
   as they are left out of training statistics; a task left with fewer than k scorable samples is
   left out of pass@k, and `pass@k/tasks` says how many tasks it averages.
 - The step deadline of the rollout config does not apply: an evaluation has no step.
+- The weights reach the engine as in training: the engine starts from the base model and
+  `WeightSync` pushes the checkpoint's policy to it and verifies it with the probe. So every
+  checkpoint the trainer writes evaluates the same way, full, LoRA (adapter only: base from
+  `model.path`, merged) or sharded (`dcp/`, assembled in this process), and SGLang servers, which
+  may hold any run's weights, serve exactly the evaluated ones. The checkpoint is chosen as resume
+  chooses it: checksums verified, damaged ones skipped with a warning; a run whose checkpoints all
+  fail is an error, never silently the base model.
 """
 
 from __future__ import annotations
@@ -36,7 +43,10 @@ from agentgrpo.rollout import RolloutConfig, collect, rollout_metrics
 from agentgrpo.types import Group, Task, Trajectory
 
 if TYPE_CHECKING:
+    import torch
+
     from agentgrpo.config import RunConfig
+    from agentgrpo.learner import LearnerConfig
 
 
 class EvalConfig(BaseModel):
@@ -50,8 +60,10 @@ class EvalConfig(BaseModel):
     samples_per_task: int = Field(4, ge=1, description="trajectories per task (the n of pass@k)")
     pass_k: list[int] = Field(default_factory=lambda: [1], description="k values of pass@k, each <= samples_per_task")
     success_threshold: float = Field(1.0, description="a trajectory passes when its reward is >= this")
-    checkpoint: str = Field("latest", description="'latest' = newest checkpoint of output_dir (else the base "
-                            "model), 'none' = the base model, or a checkpoint directory")
+    checkpoint: str = Field("latest", description="'latest' = newest intact checkpoint of output_dir (the "
+                            "base model when it has none), 'none' = the base model, or a checkpoint "
+                            "directory (verified); any format: full, LoRA (set learner.lora as in "
+                            "training) or sharded")
     output_dir: str | None = Field(None, description="where results go (None = <output_dir>/eval-<split>)")
 
     @model_validator(mode="after")
@@ -123,27 +135,80 @@ async def evaluate(env_factory: Callable[[], Env], engine: Engine, chat: ChatFor
 # Command-line glue
 
 
-def resolve_weights(cfg: RunConfig, base: Path) -> tuple[Path, int]:
-    """The weights `eval.checkpoint` names and the training step they come from (0 = base model)."""
+def checkpoint_policy(directory: Path | None, base: Path, learner: LearnerConfig) -> torch.nn.Module:
+    """The policy the checkpoint in `directory` holds (None: the base model), built as the learner
+    builds it and returned as `Learner.export_model()` hands it to weight sync: the transformers
+    model in `learner.dtype`, or with LoRA the peft model seen through `MergedModel` (base names,
+    adapters merged), so an engine receives exactly the weights training pushed.
+
+    Either checkpoint format loads (`learner_state.load_weights`): full (HF safetensors, or the
+    adapter alone with LoRA, the base coming from `base`) and sharded (`dcp/`, in this process).
+    """
+    import torch
+
+    from agentgrpo import learner_state
+    from agentgrpo.config import ConfigError
+    from agentgrpo.logprobs import PolicyForward
+    from agentgrpo.lora import MergedModel, apply_lora
+    from agentgrpo.models import load_model
+
+    model = load_model(base).to(getattr(torch, learner.dtype))
+    if directory is None:
+        return model
+    if learner_state.holds_lora(directory) != (learner.lora is not None):
+        held = "LoRA adapters" if learner.lora is None else "full weights"
+        raise ConfigError(f"checkpoint {directory} holds {held} but learner.lora is {learner.lora}: evaluate "
+                          "with the config of the run that wrote it (learner.lora as in training)")
+    policy = apply_lora(model, learner.lora) if learner.lora is not None else model
+    learner_state.load_weights(PolicyForward(policy), directory, lora=learner.lora is not None)
+    return MergedModel(policy) if learner.lora is not None else policy
+
+
+def resolve_policy(cfg: RunConfig, base: Path) -> tuple[Path | None, int, torch.nn.Module | None]:
+    """The checkpoint `eval.checkpoint` names, its training step and its policy (`checkpoint_policy`);
+    (None, 0, None) for the base model.
+
+    `latest` picks the newest checkpoint of `output_dir` that verifies (checksums) and loads, as a
+    resumed run does, skipping damaged ones with a warning; the base model only when the run has no
+    checkpoint at all, never because every checkpoint failed. A named directory must verify.
+    """
     from agentgrpo import checkpoint
+    from agentgrpo.config import ConfigError
 
     choice = cfg.eval.checkpoint
     if choice == "none":
-        return base, 0
+        return None, 0, None
+    loaded: list[torch.nn.Module] = []
+
+    def load(directory: Path) -> None:
+        loaded.append(checkpoint_policy(directory, base, cfg.learner))
+
     if choice == "latest":
-        found = checkpoint.latest(Path(cfg.output_dir) / "checkpoints")
-        return (found[0], int(found[1]["step"])) if found else (base, 0)
+        root = Path(cfg.output_dir) / "checkpoints"
+        found = checkpoint.restore(root, load)
+        if found is None and any(root.glob("step-*")):
+            raise ConfigError(f"no checkpoint under {root} verifies and loads (the warnings say why); "
+                              "eval.checkpoint=none evaluates the base model")
+        return (found[0], int(found[1]["step"]), loaded[-1]) if found else (None, 0, None)
     path = Path(choice)
     if not path.is_dir():
-        raise FileNotFoundError(f"eval.checkpoint {choice!r} is not a directory")
-    manifest = path / checkpoint.MANIFEST
-    return path, int(json.loads(manifest.read_text())["step"]) if manifest.is_file() else 0
+        raise ConfigError(f"eval.checkpoint {choice!r} is not a directory")
+    try:
+        manifest = checkpoint.verify(path)
+    except checkpoint.CorruptCheckpoint as e:
+        raise ConfigError(f"eval.checkpoint {path} is not an intact checkpoint: {e}") from None
+    load(path)
+    return path, int(manifest["step"]), loaded[-1]
 
 
 def run_eval(cfg: RunConfig, *, engine: Engine | None = None) -> tuple[Path, EvalResult]:
     """`agentgrpo eval`: evaluate the run's policy on `cfg.eval.split`; returns (output dir, result).
 
-    `engine` replaces the LocalEngine built from the config (tests pass a scripted one).
+    The engine is built from the base model as in training (`build_engine`), and the evaluated
+    checkpoint's weights are pushed to it by `WeightSync` (as training pushes them: in process for
+    the local engine, to the servers by `weight_sync.method` for SGLang) and verified by the probe.
+    SGLang servers always receive the weights evaluated, the base model's included, since they may
+    hold any run's. `engine` replaces the engine built from the config (tests pass their own).
     """
     import asyncio
 
@@ -153,9 +218,9 @@ def run_eval(cfg: RunConfig, *, engine: Engine | None = None) -> tuple[Path, Eva
     from agentgrpo.log import RunLogger
     from agentgrpo.models import default_model_path
     from agentgrpo.template_audit import require_token_safe
+    from agentgrpo.weight_sync import WeightSync
 
     base = Path(cfg.model.path) if cfg.model.path else default_model_path()
-    weights, step = resolve_weights(cfg, base)
     tokenizer = AutoTokenizer.from_pretrained(base)
     template = Path(cfg.model.chat_template).read_text() if cfg.model.chat_template else None
     chat = ChatFormat(tokenizer, template=template, parser=cfg.model.tool_parser,
@@ -166,28 +231,35 @@ def run_eval(cfg: RunConfig, *, engine: Engine | None = None) -> tuple[Path, Eva
     if not tasks:
         raise ValueError(f"{cfg.env.name} has no tasks in split {cfg.eval.split!r}")
     report = require_token_safe(chat, make_env(), tasks[0], seed=cfg.seed)
-    what = (f"{weights} (step {step})" if cfg.engine.kind == "local"
-            else "the weights loaded in the SGLang servers")  # eval.checkpoint applies to the local engine
-    print(f"chat template: mode {report.mode}; evaluating {what} on {len(tasks)} {cfg.eval.split} tasks x "
-          f"{cfg.eval.samples_per_task} samples", flush=True)
-    context_len = getattr(AutoConfig.from_pretrained(weights), "max_position_embeddings", None)
+    ckpt, step, policy = resolve_policy(cfg, base)
+    if policy is None and cfg.engine.kind == "sglang":
+        policy = checkpoint_policy(None, base, cfg.learner)
+    weights = ckpt or base
+    print(f"chat template: mode {report.mode}; evaluating {weights} (step {step}) on {len(tasks)} "
+          f"{cfg.eval.split} tasks x {cfg.eval.samples_per_task} samples", flush=True)
+    context_len = getattr(AutoConfig.from_pretrained(base), "max_position_embeddings", None)
 
-    async def main(engine: Engine | None) -> EvalResult:
-        owned = engine is None
-        if engine is None:
-            from agentgrpo.train import build_engine
+    owned = engine is None
+    if engine is None:
+        from agentgrpo.train import build_engine
 
-            engine = build_engine(cfg, weights, tokenizer)
-        try:
-            return await evaluate(make_env, engine, chat, tasks, cfg.rollout, cfg.eval, seed=cfg.seed,
-                                  context_len=context_len)
-        finally:
-            if owned and (aclose := getattr(engine, "aclose", None)) is not None:
-                await aclose()
-            elif owned and (close := getattr(engine, "close", None)) is not None:
-                close()
-
-    result = asyncio.run(main(engine))
+        engine = build_engine(cfg, base, tokenizer)
+    sync = WeightSync(engine, cfg.weight_sync) if policy is not None else None
+    loop = asyncio.new_event_loop()  # one loop for the engine's clients, the push and the rollouts
+    try:
+        if sync is not None:
+            loop.run_until_complete(sync.push(policy, step))  # verified by the probe: the engine serves them
+            del policy  # the engine holds its own copy now
+        result = loop.run_until_complete(evaluate(make_env, engine, chat, tasks, cfg.rollout, cfg.eval,
+                                                  seed=cfg.seed, context_len=context_len))
+    finally:
+        if sync is not None:
+            loop.run_until_complete(sync.close())
+        if owned and (aclose := getattr(engine, "aclose", None)) is not None:
+            loop.run_until_complete(aclose())
+        elif owned and (close := getattr(engine, "close", None)) is not None:
+            close()
+        loop.close()
     out_dir = Path(cfg.eval.output_dir or Path(cfg.output_dir) / f"eval-{cfg.eval.split}")
     logger = RunLogger(out_dir, tensorboard=False)
     try:

@@ -15,7 +15,8 @@ function here is collective: all ranks call it with the same directory (a filesy
   There is no HF weights file in it.
 
 `load` tells the formats apart by the files (a `dcp/` directory), so a run resumes from either,
-whatever `learner.checkpoint_format` says now.
+whatever `learner.checkpoint_format` says now. `load_weights` reads only the weights of either
+format into one process, with no process group and no optimizer state (`agentgrpo eval`).
 """
 
 from __future__ import annotations
@@ -75,8 +76,17 @@ def load(learner: Learner, directory: Path) -> None:
 
 
 def _load_full(learner: Learner, directory: Path) -> None:
-    model = learner.unwrapped
-    if learner.cfg.lora is not None:
+    _load_full_weights(learner.model, learner.unwrapped, directory, lora=learner.cfg.lora is not None)
+    st = torch.load(directory / "learner.pt", weights_only=True, map_location="cpu")
+    set_optimizer_state_dict(learner.model, learner.optimizer.optimizer, st["optimizer"],
+                             options=StateDictOptions(full_state_dict=True))
+    _load_schedule(learner, st)
+
+
+def _load_full_weights(policy: torch.nn.Module, model: torch.nn.Module, directory: Path, *, lora: bool) -> None:
+    """The weights of a full-format checkpoint into `policy` (the learner's `PolicyForward`, plain,
+    DDP or FSDP-sharded) whose transformers or peft model is `model`; ValueError if they do not fit."""
+    if lora:
         weights = adapter_weights(model, directory)
         needed = [n for n, _ in model.named_parameters() if "lora_" in n]
     else:
@@ -95,11 +105,7 @@ def _load_full(learner: Learner, directory: Path) -> None:
         raise ValueError(f"checkpoint {directory} does not match the model: missing {missing[:5]}, "
                          f"unexpected {unexpected[:5]}")
     full = StateDictOptions(full_state_dict=True, strict=False)
-    set_model_state_dict(learner.model, {f"model.{k}": v for k, v in weights.items()}, options=full)
-    st = torch.load(directory / "learner.pt", weights_only=True, map_location="cpu")
-    set_optimizer_state_dict(learner.model, learner.optimizer.optimizer, st["optimizer"],
-                             options=StateDictOptions(full_state_dict=True))
-    _load_schedule(learner, st)
+    set_model_state_dict(policy, {f"model.{k}": v for k, v in weights.items()}, options=full)
 
 
 def _load_sharded(learner: Learner, directory: Path) -> None:
@@ -116,3 +122,30 @@ def _load_sharded(learner: Learner, directory: Path) -> None:
 def _load_schedule(learner: Learner, st: dict[str, Any]) -> None:
     learner.scheduler.load_state_dict(st["scheduler"])
     learner.step = int(st["step"])
+
+
+def load_weights(policy: torch.nn.Module, directory: Path, *, lora: bool) -> None:
+    """Only the model weights of the checkpoint in `directory`, either format, into `policy`, in
+    this one process: no process group, no optimizer state read (what evaluation needs).
+
+    `policy` is a plain `PolicyForward` around the model built as the learner builds it (the peft
+    model when `lora`), so its parameter names are the ones the learner saved. A sharded
+    checkpoint's tensors are assembled from however many ranks wrote them (DCP reads the full
+    tensors of `policy` as its template, `no_dist`), and only the `model` part of its state is
+    requested, so the optimizer's shards are not read. Raises ValueError or RuntimeError (a missing
+    key) when the checkpoint does not fit the model.
+    """
+    if not (directory / "dcp").is_dir():
+        _load_full_weights(policy, policy.model, directory, lora=lora)
+        return
+    model_sd = get_model_state_dict(policy)
+    dcp.load({"model": model_sd}, checkpoint_id=directory / "dcp", no_dist=True)
+    set_model_state_dict(policy, model_sd)
+
+
+def holds_lora(directory: Path) -> bool:
+    """Whether the checkpoint in `directory` was written by a LoRA run (its weights are adapters)."""
+    if (directory / "dcp").is_dir():
+        names = dcp.FileSystemReader(directory / "dcp").read_metadata().state_dict_metadata
+        return any(".lora_A." in name for name in names)
+    return (directory / "adapter_model.safetensors").is_file()

@@ -1,5 +1,7 @@
-"""Evaluation: the pass@k estimator by hand, metrics that skip unscorable samples, and the run
-directory `agentgrpo eval` writes (scripted engine, real tokenizer)."""
+"""Evaluation: the pass@k estimator by hand, metrics that skip unscorable samples, the run
+directory `agentgrpo eval` writes (scripted engine, real tokenizer), and the weights it evaluates:
+every checkpoint format the trainer writes (full, sharded, LoRA adapter, sharded LoRA, shards of 2
+FSDP ranks) reaches the engine, local or SGLang, as the trained weights."""
 
 import json
 import math
@@ -7,10 +9,11 @@ import re
 from collections import Counter
 
 import pytest
+import torch
 
 from agentgrpo.config import load_config
 from agentgrpo.engine.base import EngineError
-from agentgrpo.evaluate import EvalConfig, pass_at_k, resolve_weights, run_eval
+from agentgrpo.evaluate import EvalConfig, pass_at_k, resolve_policy, run_eval
 from agentgrpo.log import read_jsonl
 from tests.fakes import ScriptedEngine
 
@@ -77,20 +80,6 @@ def test_run_eval_writes_a_run_like_directory(tmp_path, smol_tokenizer):
     assert [(t["scored"], t["passed"]) for t in summary["tasks"]] == [(4, 0), (4, 1), (3, 2)]
 
 
-def test_latest_checkpoint_is_evaluated_by_default(tmp_path):
-    from agentgrpo import checkpoint
-
-    def payload(d):
-        for f in ("model.safetensors", "learner.pt"):
-            (d / f).write_bytes(b"weights")
-
-    ckpt = checkpoint.save(tmp_path / "checkpoints", 3, payload, {"data_position": 0})
-    cfg = load_config(None, [f"output_dir={tmp_path}"])
-    assert resolve_weights(cfg, tmp_path / "base") == (ckpt, 3)
-    cfg = load_config(None, [f"output_dir={tmp_path / 'fresh'}"])
-    assert resolve_weights(cfg, tmp_path / "base") == (tmp_path / "base", 0)
-
-
 def test_eval_refuses_a_template_that_is_not_token_safe(tmp_path, capsys):
     from agentgrpo.cli import main
     from tests.conftest import SHARED, shared_template
@@ -106,3 +95,216 @@ def _empty_config(tmp_path):
     path = tmp_path / "config.yaml"
     path.write_text("env: {name: calculator}\n")
     return path
+
+
+# --- the weights evaluated: every checkpoint format ---------------------------------------------
+
+LORA = ["learner.lora.r=4", "loss.kl_coef=0.1", "learner.lr=1e-2"]
+SHARDED = ["learner.checkpoint_format=sharded"]
+RUNS = {"full": [], "sharded": SHARDED, "lora": LORA, "lora-sharded": [*LORA, *SHARDED]}
+SAME_TRAINING = {"full": "full", "sharded": "full", "lora": "lora", "lora-sharded": "lora"}  # the format aside
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, stopping_model_dir):
+    """One trained step per checkpoint format, all else equal: run directory and overrides."""
+    from tests.test_checkpoint import _train
+
+    out = {}
+    for name, extra in RUNS.items():
+        d = tmp_path_factory.mktemp(name)
+        assert _train(d, stopping_model_dir, 1, *extra) == 0
+        out[name] = (d, extra)
+    return out
+
+
+def _eval_overrides(run_dir, model_dir, extra, *more):
+    return [f"output_dir={run_dir}", f"model.path={model_dir}", "env.name=tests.test_checkpoint:VariedRewardEnv",
+            "rollout.max_new_tokens=12", "rollout.max_tokens=40", "eval.num_tasks=2", "eval.samples_per_task=2",
+            f"eval.output_dir={run_dir / 'eval-out'}", *extra, *more]
+
+
+def _eval_cfg(run_dir, model_dir, extra, *more):
+    return load_config("examples/calculator.yaml", _eval_overrides(run_dir, model_dir, extra, *more))
+
+
+def _tokens(result):
+    return [(t.group_id, t.token_ids) for g in result.groups for t in g.trajectories]
+
+
+def _trained_reference(run_dir, model_dir):
+    """The weights training produced, read without agentgrpo: the full checkpoint's safetensors, or
+    peft's own merge of the LoRA adapter into the base model."""
+    from safetensors.torch import load_file
+
+    ckpt = run_dir / "checkpoints" / "step-000001"
+    if (ckpt / "model.safetensors").is_file():
+        return load_file(ckpt / "model.safetensors")
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return PeftModel.from_pretrained(base, ckpt).merge_and_unload().state_dict()
+
+
+def test_eval_serves_the_trained_weights_of_every_checkpoint_format(runs, stopping_model_dir):
+    """The local engine (built from the base model) ends up holding the trained weights, whatever
+    the format: equal to the weights file of the full checkpoint (full; sharded, which trained
+    alike) or to peft's merge of the adapter (LoRA; sharded LoRA), and the runs that trained alike
+    sample alike."""
+    from agentgrpo.engine.local import LocalEngine
+    from agentgrpo.models import load_model
+
+    base = load_model(stopping_model_dir).state_dict()
+    served, tokens = {}, {}
+    for name, (run_dir, extra) in runs.items():
+        engine = LocalEngine(stopping_model_dir, max_batch_size=32)
+        try:
+            out_dir, result = run_eval(_eval_cfg(run_dir, stopping_model_dir, extra), engine=engine)
+            served[name] = {k: v.clone() for k, v in engine.model.state_dict().items()}
+        finally:
+            engine.close()
+        tokens[name] = _tokens(result)
+        assert json.loads((out_dir / "eval.json").read_text())["step"] == 1
+        assert {t.weight_version for g in result.groups for t in g.trajectories} == {"1"}
+        reference = _trained_reference(runs[SAME_TRAINING[name]][0], stopping_model_dir)
+        for key, t in reference.items():
+            torch.testing.assert_close(served[name][key], t, atol=1e-6, rtol=1e-5, msg=f"{name}: {key}")
+        moved = [k for k in reference if not torch.equal(reference[k], base[k])]
+        assert moved, f"{name}: one step changed no weight, the test would prove nothing"
+    for a, b in (("full", "sharded"), ("lora", "lora-sharded")):
+        for key, t in served[a].items():
+            assert torch.equal(served[b][key], t), f"{b} vs {a}: {key}"
+        assert tokens[a] == tokens[b]
+
+
+def test_the_eval_command_evaluates_a_sharded_lora_checkpoint(runs, stopping_model_dir, capsys, tmp_path):
+    """`agentgrpo eval` end to end (engine built from the config): the newest checkpoint of a run
+    with LoRA and sharded checkpoints samples what the same adapter in the full format does."""
+    from agentgrpo.cli import main
+
+    lora_dir, lora = runs["lora"]
+    _, expected = run_eval(_eval_cfg(lora_dir, stopping_model_dir, lora, "eval.checkpoint=none"))
+    _, want = run_eval(_eval_cfg(lora_dir, stopping_model_dir, lora))
+    assert _tokens(want) != _tokens(expected)  # the adapter changes what is sampled
+    run_dir, extra = runs["lora-sharded"]
+    overrides = _eval_overrides(run_dir, stopping_model_dir, extra, f"eval.output_dir={tmp_path}")
+    assert main(["eval", "examples/calculator.yaml", *overrides]) == 0
+    assert "step-000001 (step 1)" in capsys.readouterr().out
+    rows = read_jsonl(tmp_path / "trajectories.jsonl")
+    assert sorted((r["group_id"], r["token_ids"]) for r in rows) == sorted(_tokens(want))
+
+
+def _get_weight(url, name):
+    import urllib.request
+
+    req = urllib.request.Request(f"{url}/get_weights_by_name", data=json.dumps({"name": name}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return torch.tensor(json.loads(r.read()))
+
+
+def test_sglang_servers_get_the_evaluated_weights_pushed(runs, stopping_model_dir, tmp_path):
+    """With SGLang the servers may hold any weights: eval pushes the checkpoint's (here a sharded
+    LoRA one, merged) through weight sync and verifies them, and pushes the base model back for
+    eval.checkpoint=none."""
+    from tests.fake_sglang import FakeSGLangProcess
+
+    run_dir, extra = runs["lora-sharded"]
+    key = "model.layers.0.self_attn.q_proj.weight"
+    trained = _trained_reference(runs["lora"][0], stopping_model_dir)[key]
+    with FakeSGLangProcess("--backend", "model", "--model-path", str(stopping_model_dir)) as server:
+        initial = _get_weight(server.url, key)
+        assert not torch.allclose(initial, trained, atol=1e-4)
+        sglang = ["engine.kind=sglang", f"engine.sglang.urls=[{server.url}]", f"weight_sync.shared_dir={tmp_path}",
+                  "eval.num_tasks=1", "rollout.max_turns=1"]  # the fake's model has no KV cache: keep it short
+        _, result = run_eval(_eval_cfg(run_dir, stopping_model_dir, extra, *sglang))
+        torch.testing.assert_close(_get_weight(server.url, key), trained, atol=1e-6, rtol=1e-5)
+        assert {t.weight_version for g in result.groups for t in g.trajectories} == {"1"}
+        _, result = run_eval(_eval_cfg(run_dir, stopping_model_dir, extra, *sglang, "eval.checkpoint=none"))
+        torch.testing.assert_close(_get_weight(server.url, key), initial, atol=0, rtol=0)
+        assert {t.weight_version for g in result.groups for t in g.trajectories} == {"0"}
+
+
+def _copy_run(run, tmp_path):
+    import shutil
+
+    run_dir, extra = run
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir / "checkpoints", copy / "checkpoints")
+    return copy, extra
+
+
+def test_damaged_and_mismatched_checkpoints_are_refused_never_replaced_by_the_base(runs, stopping_model_dir,
+                                                                                   tmp_path):
+    from agentgrpo import checkpoint
+    from agentgrpo.config import ConfigError
+
+    run_dir, extra = _copy_run(runs["sharded"], tmp_path)
+    first = run_dir / "checkpoints" / "step-000001"
+    second = run_dir / "checkpoints" / "step-000002"
+    import shutil
+
+    shutil.copytree(first, second)
+    manifest = json.loads((second / checkpoint.MANIFEST).read_text())
+    (second / checkpoint.MANIFEST).write_text(json.dumps({**manifest, "step": 2}))
+    cfg = _eval_cfg(run_dir, stopping_model_dir, extra)
+    assert resolve_policy(cfg, stopping_model_dir)[:2] == (second, 2)
+    shard = next((second / "dcp").glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 1
+    shard.write_bytes(bytes(data))
+    with pytest.warns(UserWarning, match="step-000002"):  # as resume does: the previous one
+        assert resolve_policy(cfg, stopping_model_dir)[:2] == (first, 1)
+    named = _eval_cfg(run_dir, stopping_model_dir, extra, f"eval.checkpoint={second}")
+    with pytest.raises(ConfigError, match="not an intact checkpoint: .*does not match its checksum"):
+        resolve_policy(named, stopping_model_dir)
+    (first / "learner.pt").unlink()
+    with pytest.warns(UserWarning), pytest.raises(ConfigError, match="no checkpoint .* verifies and loads"):
+        resolve_policy(cfg, stopping_model_dir)
+    fresh = _eval_cfg(tmp_path / "fresh", stopping_model_dir, extra)
+    assert resolve_policy(fresh, stopping_model_dir) == (None, 0, None)  # no checkpoint yet: the base
+
+    for name in ("lora", "lora-sharded"):  # the config must say LoRA, as training's did
+        ckpt = runs[name][0] / "checkpoints" / "step-000001"
+        plain = _eval_cfg(runs[name][0], stopping_model_dir, [], f"eval.checkpoint={ckpt}")
+        with pytest.raises(ConfigError, match="holds LoRA adapters but learner.lora is None"):
+            resolve_policy(plain, stopping_model_dir)
+    ckpt = runs["full"][0] / "checkpoints" / "step-000001"
+    with pytest.raises(ConfigError, match="holds full weights but learner.lora is"):
+        resolve_policy(_eval_cfg(runs["full"][0], stopping_model_dir, LORA, f"eval.checkpoint={ckpt}"),
+                       stopping_model_dir)
+
+
+def _fsdp_sharded_checkpoint(rank: int, tmp: str) -> None:
+    from pathlib import Path
+
+    from agentgrpo.learner import Learner
+    from tests.test_distributed import CFG, LOSS, _fsdp_accelerator, _steps
+    from tests.test_learner import TEMPERATURE
+    from tests.tiny import tiny_llama
+
+    cfg = CFG.model_copy(update={"checkpoint_format": "sharded"})
+    learner = Learner(tiny_llama(), cfg, LOSS, temperature=TEMPERATURE, accelerator=_fsdp_accelerator())
+    _steps(learner, 1)
+    learner.save(Path(tmp) / "ckpt")
+    exported = learner.export_model()
+    if rank == 0:
+        torch.save(exported.state_dict(), Path(tmp) / "trained.pt")
+
+
+def test_shards_of_two_fsdp_ranks_load_into_one_process_without_a_process_group(tmp_path):
+    from agentgrpo import learner_state
+    from agentgrpo.logprobs import PolicyForward
+    from tests.test_distributed import _spawn
+    from tests.tiny import tiny_llama
+
+    _spawn(_fsdp_sharded_checkpoint, str(tmp_path))
+    assert len(list((tmp_path / "ckpt" / "dcp").glob("*.distcp"))) == 2
+    model = tiny_llama()
+    assert not torch.distributed.is_initialized()
+    learner_state.load_weights(PolicyForward(model), tmp_path / "ckpt", lora=False)
+    trained = torch.load(tmp_path / "trained.pt")
+    assert any(not torch.equal(t, tiny_llama().state_dict()[k]) for k, t in trained.items())
+    for key, t in trained.items():
+        assert torch.equal(model.state_dict()[key], t), key
