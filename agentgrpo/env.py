@@ -231,10 +231,8 @@ class ToolEnv(Env):
     async def step(self, action: Message) -> tuple[list[Message], float, bool, bool, dict[str, Any]]:
         self.messages.append(action)
         calls = action.tool_calls or []
-        if not calls:
-            reward = self.reward(self.task, self.messages)
-            if inspect.isawaitable(reward):
-                reward = await reward
+        if not calls:  # a sync reward (a math check, a sandbox call) runs in a worker thread
+            reward = await call_env(self.reward, self.task, self.messages)
             return [], float(reward), True, False, {}
         tools = self.get_tools()
         allowed, extra = calls[: self.max_tool_calls_per_turn], calls[self.max_tool_calls_per_turn:]

@@ -364,3 +364,19 @@ def test_env_factory_failure_ends_one_trajectory(chat):
     g = asyncio.run(run_group(factory, engine, chat, TASK, 3, SamplingParams()))
     assert [t.stop_reason for t in g.trajectories] == [StopReason.COMPLETED, StopReason.ENV_ERROR, StopReason.COMPLETED]
     assert "no GPU for the simulator" in g.trajectories[1].stop_detail and math.isnan(g.trajectories[1].reward)
+
+
+def test_sync_reward_runs_off_the_event_loop(chat):
+    """A ToolEnv's sync `reward` (a slow math check, a sandbox call) runs in a worker thread: the
+    members of a group are scored at the same time, not one after another on the event loop."""
+
+    class SlowReward(Calc):
+        def reward(self, task, messages):
+            time.sleep(0.3)
+            return super().reward(task, messages)
+
+    engine = ScriptedEngine(chat.tokenizer, ["111"], chat.end_of_turn_id)
+    t0 = time.monotonic()
+    g = asyncio.run(run_group(SlowReward, engine, chat, TASK, 6, SamplingParams()))
+    assert [t.reward for t in g.trajectories] == [1.0] * 6
+    assert time.monotonic() - t0 < 1.0  # 6 x 0.3 s = 1.8 s if each reward blocked the loop in turn
