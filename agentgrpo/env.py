@@ -43,7 +43,7 @@ from typing import Any, ClassVar
 import gymnasium
 import numpy as np
 
-from agentgrpo.tool import Tool, ToolError
+from agentgrpo.tool import Tool, ToolError, to_user_thread
 from agentgrpo.types import Message, Task, ToolCall, ToolErrorKind
 
 _ALPHABET = np.array(list("abcdefghijklmnopqrstuvwxyz 0123456789+-*/=.,"))
@@ -281,10 +281,10 @@ class ToolEnv(Env):
 
 
 async def call_env(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """Await an async env method natively; run a sync one in a worker thread."""
+    """Await an async env method natively; run a sync one in a worker thread (`to_user_thread`)."""
     if inspect.iscoroutinefunction(fn):
         return await fn(*args, **kwargs)
-    result = await asyncio.to_thread(fn, *args, **kwargs)
+    result = await to_user_thread(fn, *args, **kwargs)
     return await result if inspect.isawaitable(result) else result
 
 

@@ -32,6 +32,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
+from agentgrpo.tool import to_user_thread
 from agentgrpo.types import Task, Trajectory
 
 
@@ -146,7 +147,7 @@ class Rubric:
             if _is_async(fn):
                 value = await fn(trajectory, task)
             else:
-                value = await asyncio.to_thread(fn, trajectory, task)
+                value = await to_user_thread(fn, trajectory, task)
                 if inspect.isawaitable(value):
                     value = await value
         except Exception as e:  # the verifier (or what it relies on) failed: unscorable, with why

@@ -11,8 +11,8 @@ latency overlaps with other trajectories' generation. Per turn:
 
 Bounds (RolloutConfig): episodes in flight per step (`max_concurrent_trajectories`, each holds an
 env), engine requests in flight (`max_concurrent_requests`), turns and tokens per trajectory, tool
-calls per turn and tool output tokens (cut with a marker). Sync env methods and tools run in worker
-threads (`call_env`, `Tool.acall`), async ones natively.
+calls per turn and tool output tokens (cut with a marker). Sync env methods, tools and verifiers
+run in the `agentgrpo-user` worker threads (`agentgrpo.tool.to_user_thread`), async ones natively.
 
 Deadlines: a tool call overrunning `tool_timeout_s` is an error tool message (the model chose the
 call and may retry). A turn (generation + env step), an episode, or the step's whole collection
@@ -42,6 +42,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from agentgrpo.chat import TRUNCATION_MARKER, ChatFormat, TemplateError
 from agentgrpo.engine.base import Completion, Engine, EngineError, SamplingParams
 from agentgrpo.env import Env, ToolEnv, call_env
+from agentgrpo.tool import stuck_user_calls
 from agentgrpo.types import Group, Message, StopReason, Task, Trajectory
 
 T = TypeVar("T")
@@ -444,7 +445,9 @@ def rollout_metrics(groups: Sequence[Group]) -> dict[str, float]:
     `stop/<reason>`: trajectories per StopReason; `timeout/<turn|episode|step>`: which deadline
     ended them; `tool_errors/<kind>`: malformed or failed tool calls per ToolErrorKind;
     `tool_outputs_truncated`: tool messages cut to `max_tool_output_tokens`; `unscorable`:
-    trajectories with a NaN reward (left out of their group's statistics).
+    trajectories with a NaN reward (left out of their group's statistics); `user_threads_stuck`:
+    sync user calls that overran a deadline and still hold a worker thread now (process-wide, read
+    when called; see `agentgrpo.tool.stuck_user_calls`).
     """
     out: dict[str, float] = {}
 
@@ -460,4 +463,5 @@ def rollout_metrics(groups: Sequence[Group]) -> dict[str, float]:
                 add(f"tool_errors/{kind}", n)
             add("tool_outputs_truncated", t.info.get("tool_outputs_truncated", 0))
             add("unscorable", float(math.isnan(t.reward)))
+    out["user_threads_stuck"] = float(stuck_user_calls())
     return out

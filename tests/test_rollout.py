@@ -3,11 +3,12 @@ invariants, and every way an episode can end."""
 
 import asyncio
 import math
+import threading
 import time
 
 import pytest
 
-from agentgrpo import Env, Message, StopReason, ToolEnv, tool
+from agentgrpo import Env, Group, Message, StopReason, ToolEnv, tool
 from agentgrpo.engine import SamplingParams
 from agentgrpo.engine.base import EngineError
 from agentgrpo.rollout import (
@@ -231,15 +232,22 @@ def test_turn_deadline_keeps_what_was_generated(chat):
 
 
 def test_slow_env_step_hits_the_turn_deadline(chat):
+    release = threading.Event()
+
     class SlowStep(Env):
         def step(self, action):  # sync: runs in a worker thread, cannot be killed
-            time.sleep(0.5)
+            release.wait(5)
             return [], 1.0, True, False, {}
 
-    traj, engine = run(chat, ["hi"], env=SlowStep, turn_timeout_s=0.1)
+    try:
+        traj, engine = run(chat, ["hi"], env=SlowStep, turn_timeout_s=0.1)
+        stuck = rollout_metrics([Group("g", TASK, [traj])])["user_threads_stuck"]
+    finally:
+        release.set()
     assert traj.stop_reason == StopReason.TIMEOUT and traj.info["deadline"] == "turn"
     assert traj.num_sampled == len(chat.encode("hi")) + 1  # the sampled turn is kept, nothing after it
     assert_invariants(traj, engine, chat)
+    assert stuck >= 1  # the abandoned step still holds its thread, and the metrics say so
 
 
 def test_episode_deadline(chat):
