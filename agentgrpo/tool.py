@@ -28,6 +28,7 @@ import contextvars
 import functools
 import inspect
 import json
+import os
 import re
 import threading
 import warnings
@@ -206,6 +207,17 @@ def _user_executor() -> ThreadPoolExecutor:
         if _executor is None:  # created on first use: importing agentgrpo starts no threads
             _executor = ThreadPoolExecutor(USER_THREADS, thread_name_prefix="agentgrpo-user")
         return _executor
+
+
+def _forget_in_child() -> None:
+    # A forked child has none of the parent's threads, but a copied pool would count the idle ones
+    # as available and queue work on them forever: the child makes its own pool on first use.
+    global _executor, _stuck, _lock
+    _executor, _stuck, _lock = None, 0, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def stuck_user_calls() -> int:

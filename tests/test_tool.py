@@ -178,3 +178,16 @@ def test_to_user_thread_keeps_context_and_drops_queued_calls():
         return stuck
 
     assert asyncio.run(cancelled_in_queue()) == 0 and ran == []  # dropped, never run, never stuck
+
+
+def test_a_forked_child_gets_its_own_pool():
+    import multiprocessing
+
+    asyncio.run(to_user_thread(time.sleep, 0))  # the parent's pool exists and has an idle thread
+    ctx = multiprocessing.get_context("fork")
+    with ctx.Pool(1) as pool:
+        assert pool.apply(_name_of_user_thread, ()).startswith("agentgrpo-user")  # ran, did not hang
+
+
+def _name_of_user_thread() -> str:
+    return asyncio.run(asyncio.wait_for(to_user_thread(lambda: threading.current_thread().name), 5))
