@@ -17,6 +17,9 @@ Decisions:
   what the seed fixes and what varies; `check_env` resets twice with one seed and flags an env that
   differs without declaring it.
 - Tasks come from the env class: `load_tasks(split, seed)` returns the tasks the trainer iterates.
+- Verifiers stay apart from the env: an env may declare `rubric = Rubric([...])`, and `run_group`
+  scores each finished group with it (the rubric's reward replaces the env's own; see
+  `agentgrpo.reward.score_group`). A `ToolEnv` with a rubric need not write `reward`.
 
 Example (a plain env: one method):
     >>> class Echo(Env):
@@ -35,6 +38,7 @@ Example (a tool env): see `ToolEnv`.
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib
 import inspect
 from collections.abc import Callable, Sequence
@@ -43,7 +47,8 @@ from typing import Any, ClassVar
 import gymnasium
 import numpy as np
 
-from agentgrpo.tool import Tool, ToolError
+from agentgrpo.reward import Rubric
+from agentgrpo.tool import Tool, ToolError, to_user_thread
 from agentgrpo.types import Message, Task, ToolCall, ToolErrorKind
 
 _ALPHABET = np.array(list("abcdefghijklmnopqrstuvwxyz 0123456789+-*/=.,"))
@@ -135,13 +140,27 @@ class Env(gymnasium.Env):
     `stochastic`: False promises that `reset` and `step` are a function of (task, seed, actions),
     which GRPO relies on to compare the members of a group. Set it to True when they are not, and
     document what the seed still fixes.
+
+    `rubric`: None, or a `Rubric` that scores every finished episode of a group after the group has
+    ended (as in willccbb/verifiers): its weighted sum becomes the reward and its verifiers' scores
+    `reward_parts`. The rewards `step` returned are then kept as `info["env_reward"]`, counted in
+    the reward only through the `env_reward` verifier (`agentgrpo.reward.env_reward`). A class
+    attribute, or a property when it depends on the instance.
     """
 
     metadata: ClassVar[dict[str, Any]] = {"render_modes": []}
     observation_space = MessagesSpace()
     action_space = MessageSpace()
     stochastic: ClassVar[bool] = False
+    rubric: Rubric | None = None
     task: Task | None = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        rubric = cls.__dict__.get("rubric")
+        if not (rubric is None or isinstance(rubric, Rubric | property | functools.cached_property)):  # fail at import, not mid-run
+            raise TypeError(f"{cls.__name__}.rubric must be an agentgrpo.reward.Rubric or None, "
+                            f"got {type(rubric).__name__}")
 
     def reset(self, *, seed: int | None = None,
               options: dict[str, Any] | None = None) -> tuple[list[Message], dict[str, Any]]:
@@ -171,10 +190,11 @@ class Env(gymnasium.Env):
 class ToolEnv(Env):
     """An env whose model calls typed tools; tool dispatch is built in.
 
-    Declare tools as `@tool` methods or list `@tool` functions in `tools`. Write `reward` (and
-    optionally `prompt`). `step` runs every tool call of the assistant message concurrently and
-    returns one `tool` message per call; an assistant message without tool calls ends the episode
-    and is scored by `reward(task, messages)`. A call to an unknown tool, invalid arguments, a tool
+    Declare tools as `@tool` methods or list `@tool` functions in `tools`. Write `reward` or
+    declare a `rubric` (and optionally `prompt`). `step` runs every tool call of the assistant
+    message concurrently and returns one `tool` message per call; an assistant message without tool
+    calls ends the episode and is scored by `reward(task, messages)` (0.0 by default when the env
+    has a rubric, which scores the episode once its group has ended). A call to an unknown tool, invalid arguments, a tool
     that raises or times out, or too many calls in one turn all produce an error tool message the
     model can react to; `info["tool_errors"]` counts them and `info["tool_error_kinds"]` counts
     them by `ToolErrorKind`. The rollout config may override `tool_timeout_s` and
@@ -203,7 +223,10 @@ class ToolEnv(Env):
         return msgs
 
     def reward(self, task: Task, messages: list[Message]) -> float:
-        raise NotImplementedError(f"{type(self).__name__} must implement reward(task, messages)")
+        if self.rubric is not None:
+            return 0.0  # the rubric scores the episode (run_group); this is its `env_reward`
+        raise NotImplementedError(f"{type(self).__name__} must implement reward(task, messages) "
+                                  "or declare a rubric")
 
     def get_tools(self) -> dict[str, Tool]:
         found: dict[str, Tool] = {}
@@ -231,10 +254,8 @@ class ToolEnv(Env):
     async def step(self, action: Message) -> tuple[list[Message], float, bool, bool, dict[str, Any]]:
         self.messages.append(action)
         calls = action.tool_calls or []
-        if not calls:
-            reward = self.reward(self.task, self.messages)
-            if inspect.isawaitable(reward):
-                reward = await reward
+        if not calls:  # a sync reward (a math check, a sandbox call) runs in a worker thread
+            reward = await call_env(self.reward, self.task, self.messages)
             return [], float(reward), True, False, {}
         tools = self.get_tools()
         allowed, extra = calls[: self.max_tool_calls_per_turn], calls[self.max_tool_calls_per_turn:]
@@ -283,11 +304,20 @@ class ToolEnv(Env):
 
 
 async def call_env(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """Await an async env method natively; run a sync one in a worker thread."""
+    """Await an async env method natively; run a sync one in a worker thread (`to_user_thread`)."""
     if inspect.iscoroutinefunction(fn):
         return await fn(*args, **kwargs)
-    result = await asyncio.to_thread(fn, *args, **kwargs)
+    result = await to_user_thread(fn, *args, **kwargs)
     return await result if inspect.isawaitable(result) else result
+
+
+def env_rubric(env: Env) -> Rubric | None:
+    """The env's rubric, checked (a property may return anything)."""
+    rubric = env.rubric
+    if not (rubric is None or isinstance(rubric, Rubric)):
+        raise TypeError(f"{type(env).__name__}.rubric must be an agentgrpo.reward.Rubric or None, "
+                        f"got {type(rubric).__name__}")
+    return rubric
 
 
 def _run_sync(value: Any) -> Any:

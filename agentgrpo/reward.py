@@ -21,6 +21,10 @@ Example:
     result = await rubric.ascore(trajectory, task)   # result.score, result.parts["correct"], ...
     results = await rubric.ascore_group(group.trajectories, group.task)
     result = rubric.score(trajectory, task)          # from sync code (no running event loop)
+
+In training, declare it on the environment (`rubric = Rubric([...])` on an `Env`): `run_group` then
+scores each finished group with `score_group`, which sets every trajectory's `reward` and
+`reward_parts`.
 """
 
 from __future__ import annotations
@@ -28,10 +32,12 @@ from __future__ import annotations
 import asyncio
 import inspect
 import math
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
+from agentgrpo.tool import to_user_thread
 from agentgrpo.types import Task, Trajectory
 
 
@@ -146,7 +152,7 @@ class Rubric:
             if _is_async(fn):
                 value = await fn(trajectory, task)
             else:
-                value = await asyncio.to_thread(fn, trajectory, task)
+                value = await to_user_thread(fn, trajectory, task)
                 if inspect.isawaitable(value):
                     value = await value
         except Exception as e:  # the verifier (or what it relies on) failed: unscorable, with why
@@ -196,3 +202,50 @@ class Rubric:
         raise RuntimeError(
             "Rubric.score() called inside a running event loop; use `await rubric.ascore(...)`"
         )
+
+
+def env_reward(trajectory: Trajectory, task: Task) -> float:
+    """Verifier: the rewards the env's `step` returned, summed over the episode.
+
+    When an env has a rubric, the rubric's sum is the reward and the env's own is kept aside in
+    `trajectory.info["env_reward"]`; list this verifier in the rubric to count it, with a weight.
+    """
+    if "env_reward" not in trajectory.info:
+        raise KeyError("trajectory.info has no 'env_reward': it is recorded by run_group for envs with a rubric")
+    return float(trajectory.info["env_reward"])
+
+
+async def score_group(rubric: Rubric, trajectories: Sequence[Trajectory], task: Task, *,
+                      tool_error_penalty: float = 0.0, deadline: float | None = None) -> None:
+    """Score the finished trajectories of one group with `rubric`, in place.
+
+    Sets `reward` = the rubric's weighted sum minus `tool_error_penalty` per tool error (the
+    rollout's penalty applies whatever scores the episode), `reward_parts` = each verifier's score,
+    and `info["reward_detail"]` = the rubric's notes. The rubric replaces the env's own reward, as
+    in willccbb/verifiers, where the rubric alone scores a rollout: one place defines the reward,
+    and the env's own stays visible in `info["env_reward"]` and countable through `env_reward`.
+    `group_hook` sees all of `trajectories` (pass the group's scorable ones: infrastructure
+    failures are NaN already and left out of the group statistics anyway).
+
+    An unscorable result (a verifier raised or returned NaN, or the absolute `time.monotonic()`
+    `deadline` passed while scoring) gives reward NaN, never 0, and says why in `stop_detail`.
+    """
+    wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+    try:
+        results = await asyncio.wait_for(rubric.ascore_group(trajectories, task), wait)
+    except asyncio.TimeoutError:
+        if deadline is None or time.monotonic() < deadline - 1e-3:
+            raise  # raised by a verifier under strict=True, not by our deadline
+        results = [VerifierResult(math.nan, "the step deadline expired while the rubric scored the group")
+                   for _ in trajectories]
+    for t, r in zip(trajectories, results, strict=True):
+        t.reward_parts = dict(r.parts)
+        if r.detail:
+            t.info["reward_detail"] = r.detail
+        if math.isnan(r.score):
+            nan_parts = [name for name, v in r.parts.items() if math.isnan(v)]
+            why = r.detail or ("NaN from " + ", ".join(nan_parts) if nan_parts else "NaN score")
+            t.reward = math.nan
+            t.stop_detail = "; ".join(x for x in (t.stop_detail, f"unscorable: {why}") if x)
+        else:
+            t.reward = r.score - tool_error_penalty * t.tool_errors

@@ -11,8 +11,8 @@ latency overlaps with other trajectories' generation. Per turn:
 
 Bounds (RolloutConfig): episodes in flight per step (`max_concurrent_trajectories`, each holds an
 env), engine requests in flight (`max_concurrent_requests`), turns and tokens per trajectory, tool
-calls per turn and tool output tokens (cut with a marker). Sync env methods and tools run in worker
-threads (`call_env`, `Tool.acall`), async ones natively.
+calls per turn and tool output tokens (cut with a marker). Sync env methods, tools and verifiers
+run in the `agentgrpo-user` worker threads (`agentgrpo.tool.to_user_thread`), async ones natively.
 
 Deadlines: a tool call overrunning `tool_timeout_s` is an error tool message (the model chose the
 call and may retry). A turn (generation + env step), an episode, or the step's whole collection
@@ -41,7 +41,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from agentgrpo.chat import TRUNCATION_MARKER, ChatFormat, TemplateError
 from agentgrpo.engine.base import Completion, Engine, EngineError, SamplingParams
-from agentgrpo.env import Env, ToolEnv, call_env
+from agentgrpo.env import Env, ToolEnv, call_env, env_rubric
+from agentgrpo.reward import Rubric, score_group
+from agentgrpo.tool import stuck_user_calls
 from agentgrpo.types import Group, Message, StopReason, Task, Trajectory
 
 T = TypeVar("T")
@@ -203,7 +205,8 @@ async def run_episode(env: Env, engine: Engine, chat: ChatFormat, task: Task, pa
     """Run one episode and return its Trajectory; never raises for env, engine or deadline failures.
 
     `deadline` is an absolute `time.monotonic()` time by which the episode must end (the step's
-    deadline); `limits` bound turns, tokens, tool calls and time.
+    deadline); `limits` bound turns, tokens, tool calls and time. The reward is the env's own: an
+    env's `rubric` is applied by `run_group`, once the whole group has ended.
     """
     clock = Deadlines(limits, deadline)
     if isinstance(env, ToolEnv):
@@ -367,12 +370,21 @@ class BoundedEngine:
 
 
 async def _run_new_env(env_factory: Callable[[], Env], engine: Engine, chat: ChatFormat, task: Task,
-                       params: SamplingParams, **kwargs: Any) -> Trajectory:
+                       params: SamplingParams, limits: EpisodeLimits,
+                       **kwargs: Any) -> tuple[Trajectory, Rubric | None]:
+    """One episode on a new env, and the env's rubric. With a rubric the reward waits for the
+    group (NaN until `score_group`), and the env's own, without penalty, goes to info["env_reward"]."""
     try:
         env = env_factory()
+        rubric = env_rubric(env)
     except Exception as e:  # noqa: BLE001 - the env's constructor is user code
-        return _empty_trajectory(task, StopReason.ENV_ERROR, f"creating the env raised {type(e).__name__}: {e}")
-    return await run_episode(env, engine, chat, task, params, **kwargs)
+        return _empty_trajectory(task, StopReason.ENV_ERROR, f"creating the env raised {type(e).__name__}: {e}"), None
+    if rubric is not None:  # the tool-error penalty applies to the rubric's reward instead
+        limits = replace(limits, tool_error_penalty=0.0)
+    traj = await run_episode(env, engine, chat, task, params, limits=limits, **kwargs)
+    if rubric is not None and not traj.stop_reason.is_infra_error:
+        traj.info["env_reward"], traj.reward = traj.reward, math.nan
+    return traj, rubric
 
 
 async def run_group(env_factory: Callable[[], Env], engine: Engine, chat: ChatFormat, task: Task,
@@ -385,9 +397,12 @@ async def run_group(env_factory: Callable[[], Env], engine: Engine, chat: ChatFo
 
     Each member gets its own sampling seed (`params.seed + i`) so members differ; the env seed is
     shared so all members start from the same state. `slots` bounds the episodes in flight (shared
-    by all groups of a step); `deadline` is the step's absolute deadline.
+    by all groups of a step); `deadline` is the step's absolute deadline, which also bounds scoring.
+    When the env has a `rubric`, the group's scorable members are scored with it once all have
+    ended (`agentgrpo.reward.score_group`), and `on_done` is called after that.
     """
     gid = group_id or task.id
+    rubrics: list[Rubric | None] = [None] * group_size
 
     async def one(i: int) -> Trajectory:
         p = params if params.seed is None else replace(params, seed=params.seed + i)
@@ -398,8 +413,8 @@ async def run_group(env_factory: Callable[[], Env], engine: Engine, chat: ChatFo
                 wait = None if deadline is None else max(0.0, deadline - time.monotonic())
                 await asyncio.wait_for(slots.acquire(), wait)
                 acquired = True
-            traj = await _run_new_env(env_factory, engine, chat, task, p, seed=seed, limits=limits,
-                                      context_len=context_len, deadline=deadline)
+            traj, rubrics[i] = await _run_new_env(env_factory, engine, chat, task, p, limits, seed=seed,
+                                                  context_len=context_len, deadline=deadline)
         except asyncio.TimeoutError:
             traj = _empty_trajectory(task, StopReason.TIMEOUT, "step deadline expired before the episode started")
             traj.info["deadline"] = "step"
@@ -408,11 +423,21 @@ async def run_group(env_factory: Callable[[], Env], engine: Engine, chat: ChatFo
                 slots.release()
         traj.group_id = gid
         traj.info["wall_s"] = round(time.monotonic() - start, 4)
-        if on_done is not None:
+        if on_done is not None and rubrics[i] is None:
             on_done(traj)
         return traj
 
-    return Group(group_id=gid, task=task, trajectories=list(await asyncio.gather(*(one(i) for i in range(group_size)))))
+    trajs = list(await asyncio.gather(*(one(i) for i in range(group_size))))
+    rubric = next((r for r in rubrics if r is not None), None)
+    if rubric is not None:
+        ruled = [t for t, r in zip(trajs, rubrics, strict=True) if r is not None]
+        if scorable := [t for t in ruled if not t.stop_reason.is_infra_error]:
+            await score_group(rubric, scorable, task, tool_error_penalty=limits.tool_error_penalty,
+                              deadline=deadline)
+        if on_done is not None:
+            for t in ruled:
+                on_done(t)
+    return Group(group_id=gid, task=task, trajectories=trajs)
 
 
 async def collect(env_factory: Callable[[], Env], engine: Engine, chat: ChatFormat,
@@ -420,7 +445,7 @@ async def collect(env_factory: Callable[[], Env], engine: Engine, chat: ChatForm
                   context_len: int | None = None, on_done: Callable[[Trajectory], None] | None = None) -> list[Group]:
     """All groups of one step, concurrently, within the config's bounds and step deadline.
 
-    `on_done` is called as each trajectory finishes.
+    `on_done` is called as each trajectory finishes (and is scored, when the env has a rubric).
     """
     params = replace(cfg.sampling_params(), seed=seed * 1_000_003)
     deadline = None if cfg.step_timeout_s is None else time.monotonic() + cfg.step_timeout_s
@@ -444,9 +469,13 @@ def rollout_metrics(groups: Sequence[Group]) -> dict[str, float]:
     `stop/<reason>`: trajectories per StopReason; `timeout/<turn|episode|step>`: which deadline
     ended them; `tool_errors/<kind>`: malformed or failed tool calls per ToolErrorKind;
     `tool_outputs_truncated`: tool messages cut to `max_tool_output_tokens`; `unscorable`:
-    trajectories with a NaN reward (left out of their group's statistics).
+    trajectories with a NaN reward (left out of their group's statistics); `reward_parts/<name>`:
+    the mean score of each rubric verifier over the trajectories it could score; `user_threads_stuck`:
+    sync user calls that overran a deadline and still hold a worker thread now (process-wide, read
+    when called; see `agentgrpo.tool.stuck_user_calls`).
     """
     out: dict[str, float] = {}
+    parts: dict[str, list[float]] = {}
 
     def add(key: str, n: float = 1.0) -> None:
         out[key] = out.get(key, 0.0) + n
@@ -460,4 +489,9 @@ def rollout_metrics(groups: Sequence[Group]) -> dict[str, float]:
                 add(f"tool_errors/{kind}", n)
             add("tool_outputs_truncated", t.info.get("tool_outputs_truncated", 0))
             add("unscorable", float(math.isnan(t.reward)))
+            for name, v in t.reward_parts.items():
+                if math.isfinite(v):
+                    parts.setdefault(name, []).append(v)
+    out.update({f"reward_parts/{name}": sum(vs) / len(vs) for name, vs in parts.items()})
+    out["user_threads_stuck"] = float(stuck_user_calls())
     return out

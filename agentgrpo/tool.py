@@ -24,15 +24,23 @@ Example:
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import functools
 import inspect
 import json
+import os
 import re
+import threading
+import warnings
 from collections.abc import Callable
-from typing import Any
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, TypeVar
 
 import pydantic
 
 from agentgrpo.types import InfrastructureError
+
+T = TypeVar("T")
 
 
 class ToolError(Exception):
@@ -140,7 +148,7 @@ class Tool:
             if self.is_async:
                 result = await self(**kwargs)
             else:
-                result = await asyncio.to_thread(self, **kwargs)
+                result = await to_user_thread(self, **kwargs)
         except (ToolError, InfrastructureError):
             raise  # infrastructure failures end the episode as unscorable; never shown to the model
         except Exception as e:  # noqa: BLE001 - the trust boundary: tool code with model arguments
@@ -165,3 +173,98 @@ def tool(fn: Callable[..., Any] | None = None, *, name: str | None = None,
     if fn is None:
         return lambda f: Tool(f, name=name, description=description)
     return Tool(fn, name=name, description=description)
+
+
+# ---------------------------------------------------------------------------------------------
+# Worker threads for sync user code (env methods, tools, verifiers)
+
+USER_THREADS = 256
+"""Most sync user calls running at once (the size of the `agentgrpo-user` thread pool).
+
+Not asyncio's default executor: that one has min(32, cpus + 4) threads (6 on a 2-core machine), so
+with 32-256 trajectories in flight, sync steps, tools and verifiers that wait on I/O ran 6 at a
+time (64 sync calls of 0.2 s took 2.2 s instead of 0.2 s), and it is shared with every library
+that calls `asyncio.to_thread`. Sync user code mostly waits (HTTP, a sandbox, a subprocess,
+math-verify's worker processes), so the pool is sized for rollout concurrency, not for cores: 256
+covers the episodes of a large step, each with a call in flight. Threads are started only when
+every existing one is busy and each costs little (a stack of virtual memory), so the bound costs
+nothing until it is needed. CPU-bound sync code gains nothing from more threads (the GIL): write it
+as a subprocess or a process pool call.
+"""
+
+STUCK_WARN_AT = USER_THREADS // 8
+"""Warn (once per process) when this many abandoned calls still hold threads."""
+
+_lock = threading.Lock()
+_executor: ThreadPoolExecutor | None = None
+_stuck = 0
+_warned = False
+
+
+def _user_executor() -> ThreadPoolExecutor:
+    global _executor
+    with _lock:
+        if _executor is None:  # created on first use: importing agentgrpo starts no threads
+            _executor = ThreadPoolExecutor(USER_THREADS, thread_name_prefix="agentgrpo-user")
+        return _executor
+
+
+def _forget_in_child() -> None:
+    # A forked child has none of the parent's threads, but a copied pool would count the idle ones
+    # as available and queue work on them forever: the child makes its own pool on first use.
+    global _executor, _stuck, _lock
+    _executor, _stuck, _lock = None, 0, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=_forget_in_child)
+
+
+def stuck_user_calls() -> int:
+    """Sync user calls whose caller gave up (a deadline passed) but that still run in their thread.
+
+    A thread cannot be killed, so each holds one of the `USER_THREADS` until its code returns; when
+    all are held, every later sync tool, env step and verifier waits for a free one.
+    """
+    return _stuck
+
+
+def _released(_: Future) -> None:
+    global _stuck
+    with _lock:
+        _stuck -= 1
+
+
+def _abandoned(fut: Future, fn: Callable[..., Any]) -> None:
+    global _stuck, _warned
+    with _lock:
+        _stuck += 1
+        n = _stuck
+        warn = n >= STUCK_WARN_AT and not _warned
+        _warned = _warned or warn
+    fut.add_done_callback(_released)  # runs at once if it has finished meanwhile
+    if warn:
+        name = getattr(fn, "__qualname__", None) or getattr(fn, "name", None) or repr(fn)
+        warnings.warn(
+            f"{n} sync calls of user code (the latest: {name}) overran their deadlines and still hold "
+            f"worker threads ({USER_THREADS} in all); when all are held every sync tool, env step and "
+            "verifier waits. Give blocking code its own timeout, or make it async.",
+            RuntimeWarning, stacklevel=3)
+
+
+async def to_user_thread(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
+    """Run sync user code in the `agentgrpo-user` pool and await its result (like `asyncio.to_thread`,
+    context variables included, but on a pool sized for rollouts: see `USER_THREADS`).
+
+    When the caller is cancelled (a tool, turn or step deadline passed) a call still queued is
+    dropped; one already running cannot be stopped: it finishes in its thread, its result is thrown
+    away, and it counts in `stuck_user_calls()` until then.
+    """
+    ctx = contextvars.copy_context()
+    fut = _user_executor().submit(ctx.run, functools.partial(fn, *args, **kwargs))
+    try:
+        return await asyncio.wrap_future(fut)
+    except asyncio.CancelledError:
+        if not fut.done() and not fut.cancel():  # running: the thread goes on without us
+            _abandoned(fut, fn)
+        raise

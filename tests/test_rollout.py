@@ -3,11 +3,12 @@ invariants, and every way an episode can end."""
 
 import asyncio
 import math
+import threading
 import time
 
 import pytest
 
-from agentgrpo import Env, Message, StopReason, ToolEnv, tool
+from agentgrpo import Env, Group, Message, StopReason, ToolEnv, tool
 from agentgrpo.engine import SamplingParams
 from agentgrpo.engine.base import EngineError
 from agentgrpo.rollout import (
@@ -231,15 +232,22 @@ def test_turn_deadline_keeps_what_was_generated(chat):
 
 
 def test_slow_env_step_hits_the_turn_deadline(chat):
+    release = threading.Event()
+
     class SlowStep(Env):
         def step(self, action):  # sync: runs in a worker thread, cannot be killed
-            time.sleep(0.5)
+            release.wait(5)
             return [], 1.0, True, False, {}
 
-    traj, engine = run(chat, ["hi"], env=SlowStep, turn_timeout_s=0.1)
+    try:
+        traj, engine = run(chat, ["hi"], env=SlowStep, turn_timeout_s=0.1)
+        stuck = rollout_metrics([Group("g", TASK, [traj])])["user_threads_stuck"]
+    finally:
+        release.set()
     assert traj.stop_reason == StopReason.TIMEOUT and traj.info["deadline"] == "turn"
     assert traj.num_sampled == len(chat.encode("hi")) + 1  # the sampled turn is kept, nothing after it
     assert_invariants(traj, engine, chat)
+    assert stuck >= 1  # the abandoned step still holds its thread, and the metrics say so
 
 
 def test_episode_deadline(chat):
@@ -364,3 +372,19 @@ def test_env_factory_failure_ends_one_trajectory(chat):
     g = asyncio.run(run_group(factory, engine, chat, TASK, 3, SamplingParams()))
     assert [t.stop_reason for t in g.trajectories] == [StopReason.COMPLETED, StopReason.ENV_ERROR, StopReason.COMPLETED]
     assert "no GPU for the simulator" in g.trajectories[1].stop_detail and math.isnan(g.trajectories[1].reward)
+
+
+def test_sync_reward_runs_off_the_event_loop(chat):
+    """A ToolEnv's sync `reward` (a slow math check, a sandbox call) runs in a worker thread: the
+    members of a group are scored at the same time, not one after another on the event loop."""
+
+    class SlowReward(Calc):
+        def reward(self, task, messages):
+            time.sleep(0.3)
+            return super().reward(task, messages)
+
+    engine = ScriptedEngine(chat.tokenizer, ["111"], chat.end_of_turn_id)
+    t0 = time.monotonic()
+    g = asyncio.run(run_group(SlowReward, engine, chat, TASK, 6, SamplingParams()))
+    assert [t.reward for t in g.trajectories] == [1.0] * 6
+    assert time.monotonic() - t0 < 1.0  # 6 x 0.3 s = 1.8 s if each reward blocked the loop in turn

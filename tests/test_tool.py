@@ -1,8 +1,14 @@
 import asyncio
+import contextvars
+import importlib
+import threading
+import time
 
 import pytest
 
-from agentgrpo.tool import Tool, ToolError, tool
+from agentgrpo.tool import Tool, ToolError, stuck_user_calls, to_user_thread, tool
+
+tool_module = importlib.import_module("agentgrpo.tool")  # `agentgrpo.tool` is also the decorator
 
 
 @tool
@@ -81,3 +87,107 @@ def test_definition_errors_are_loud():
             """Doc."""
     with pytest.raises(ValueError, match="tool name"):
         tool(name="bad name!")(add.fn)
+
+
+@tool
+def nap(seconds: float) -> str:
+    """Sleep (a sync tool waiting on I/O), then say which thread ran it."""
+    time.sleep(seconds)
+    return threading.current_thread().name
+
+
+def test_many_sync_tool_calls_run_in_one_wave():
+    """64 sync calls of 0.2 s at once: asyncio's default pool (min(32, cpus + 4) threads, 6 on a
+    2-core machine) ran them 6 at a time, 2.2 s; the user pool runs them all at once."""
+    async def main():
+        t0 = time.perf_counter()
+        names = await asyncio.gather(*(nap.acall({"seconds": 0.2}) for _ in range(64)))
+        return names, time.perf_counter() - t0
+
+    names, elapsed = asyncio.run(main())
+    assert all(n.startswith("agentgrpo-user") for n in names)
+    assert elapsed < 0.8, elapsed  # one wave: 0.2 s plus thread start-up
+
+
+def test_a_stuck_call_does_not_starve_later_ones(monkeypatch):
+    """Calls that overran their deadline keep their threads (threads cannot be killed); they are
+    counted, warned about once, and later calls still run at once."""
+    release = threading.Event()
+
+    @tool
+    def hang() -> str:
+        """Wait until released (a call that never returns in time)."""
+        release.wait(5)
+        return "late"
+
+    monkeypatch.setattr(tool_module, "STUCK_WARN_AT", 4)
+    monkeypatch.setattr(tool_module, "_warned", False)
+    wait_until_no_stuck_calls()  # abandoned calls of earlier tests (sleeping tools) finish first
+
+    async def main():
+        for _ in range(8):  # more than asyncio's default pool has threads here
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(hang.acall({}), 0.05)
+        stuck = stuck_user_calls()
+        t0 = time.perf_counter()
+        await asyncio.gather(*(nap.acall({"seconds": 0.1}) for _ in range(16)))
+        return stuck, time.perf_counter() - t0
+
+    try:
+        with pytest.warns(RuntimeWarning, match=r"4 sync calls of user code \(the latest: .*hang\) overran") as w:
+            stuck, elapsed = asyncio.run(main())
+    finally:
+        release.set()
+    assert len([x for x in w if issubclass(x.category, RuntimeWarning)]) == 1  # once, not per call
+    assert stuck == 8 and elapsed < 0.6, (stuck, elapsed)
+    wait_until_no_stuck_calls()  # released when their code returned
+
+
+def wait_until_no_stuck_calls(timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while stuck_user_calls() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert stuck_user_calls() == 0
+
+
+def test_to_user_thread_keeps_context_and_drops_queued_calls():
+    var = contextvars.ContextVar("var", default="unset")
+
+    async def main():
+        var.set("set")
+        return await to_user_thread(var.get)
+
+    assert asyncio.run(main()) == "set"  # like asyncio.to_thread: context variables travel along
+
+    ran = []
+    wait_until_no_stuck_calls()
+
+    def never_started():
+        ran.append(1)
+
+    async def cancelled_in_queue():
+        gate = threading.Event()
+        blockers = [asyncio.ensure_future(to_user_thread(gate.wait, 5))
+                    for _ in range(tool_module.USER_THREADS)]
+        await asyncio.sleep(0.2)  # every thread busy: the next call waits in the queue
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(to_user_thread(never_started), 0.05)
+        stuck = stuck_user_calls()
+        gate.set()
+        await asyncio.gather(*blockers)
+        return stuck
+
+    assert asyncio.run(cancelled_in_queue()) == 0 and ran == []  # dropped, never run, never stuck
+
+
+def test_a_forked_child_gets_its_own_pool():
+    import multiprocessing
+
+    asyncio.run(to_user_thread(time.sleep, 0))  # the parent's pool exists and has an idle thread
+    ctx = multiprocessing.get_context("fork")
+    with ctx.Pool(1) as pool:
+        assert pool.apply(_name_of_user_thread, ()).startswith("agentgrpo-user")  # ran, did not hang
+
+
+def _name_of_user_thread() -> str:
+    return asyncio.run(asyncio.wait_for(to_user_thread(lambda: threading.current_thread().name), 5))
