@@ -240,7 +240,7 @@ class Trajectory:
             "stop_reason": self.stop_reason.value,
             "stop_detail": self.stop_detail,
             "reward": None if math.isnan(self.reward) else self.reward,
-            "reward_parts": self.reward_parts,
+            "reward_parts": {k: None if math.isnan(v) else v for k, v in self.reward_parts.items()},  # strict JSON
             "num_turns": self.num_turns,
             "tool_calls": self.tool_calls,
             "tool_errors": self.tool_errors,

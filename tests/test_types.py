@@ -46,3 +46,16 @@ def test_unknown_keys_with_a_value_and_bad_calls_are_errors():
     with pytest.raises(ValidationError, match="only 'function'"):
         ToolCall.model_validate({"type": "custom", "function": {"name": "x"}})
     assert ToolCall.model_validate({"name": "add", "arguments": {"a": 1}}) == ToolCall(name="add", arguments={"a": 1})
+
+
+def test_a_trajectory_row_is_strict_json_with_unscorable_parts():
+    import json
+    import math
+
+    from agentgrpo.types import StopReason, Trajectory
+
+    t = Trajectory(task_id="t", token_ids=[1, 2], loss_mask=[0, 1], logprobs=[0.0, -1.0], prompt_len=1,
+                   messages=[], stop_reason=StopReason.COMPLETED, reward=math.nan,
+                   reward_parts={"correct": math.nan, "format": 1.0})
+    row = json.loads(json.dumps(t.to_dict(), allow_nan=False))  # what strict JSON readers need
+    assert (row["reward"], row["reward_parts"]) == (None, {"correct": None, "format": 1.0})
