@@ -6,16 +6,20 @@ frozen reference (with LoRA: the same weights with the adapter disabled); no val
 
 One `train_step(trajectories, advantages)`:
   1. scorable trajectories only (NaN advantage or reward, or no sampled token: left out);
-  2. the step's normalisers (loss tokens, sequences) are counted over the whole step, on every rank
-     alike, so each micro-batch's loss is its share of the step loss: accumulated gradients equal
-     one big batch, on one process or many (DDP/FSDP average over ranks, so each share is scaled
-     by the world size before backward);
-  3. this rank's shard (`batch.shard`) is packed into micro-batches (`batch.make_micro_batches`);
-     every rank runs the same number of micro-batches (a rank with fewer runs empty ones), since
-     DDP and FSDP forwards and backwards are collective;
-  4. one no-grad scoring pass when needed: recomputed old logprobs (`old_logprobs: recompute`)
-     and reference logprobs (`kl_coef > 0`), computed once for all passes;
-  5. `passes` optimisation passes over the batch, each one optimizer step (clip, step, schedule).
+  2. split into `mini_batches` mini-batches of whole groups (`split_mini_batches`), each one
+     optimizer step that is exactly a step of its own size: its normalisers (loss tokens, sequences)
+     are counted over the whole mini-batch, on every rank alike, so each micro-batch's loss is its
+     share of the mini-batch loss: accumulated gradients equal one big batch, on one process or
+     many (DDP/FSDP average over ranks, so each share is scaled by the world size before backward);
+  3. this rank's shard of each mini-batch (`batch.shard`) is packed into micro-batches
+     (`batch.make_micro_batches`); in every mini-batch every rank runs the same number of
+     micro-batches (a rank with fewer runs empty ones), since DDP and FSDP passes are collective;
+  4. one no-grad scoring pass when needed, before any update: recomputed old logprobs
+     (`old_logprobs: recompute`) and reference logprobs (`kl_coef > 0`), for all mini-batches;
+  5. `passes` passes, each over every mini-batch in turn, one optimizer step (clip, step,
+     schedule) per mini-batch (verl's `ppo_epochs` x mini-batches loop): `passes * mini_batches`.
+So with rollout old logprobs a step of k mini-batches is k steps of one, on the k parts; later
+mini-batches are off-policy by the earlier updates, which the ratio and its clip handle (`mb{j}/*`).
 
 Multi-process contract: every rank calls `train_step` with the *same* list (the rollouts come from
 rank 0's engine client and are broadcast; see the README, section "The learner"). Metrics are reduced over ranks.
@@ -29,8 +33,8 @@ With RAM-efficient loading (accelerate's `cpu_ram_efficient_loading`) ranks othe
 model without weights (meta tensors): the policy and the KL reference get rank 0's.
 
 Old logprobs are the rollout's own by default (on-policy, one pass) or a recomputation by the
-learner (config); the rollout/learner gap is logged (`logprob_gap_mean`, `logprob_gap_max`, first
-pass) and, with recomputation, `mismatch/*`; `ratio_*` and `clipfrac` show how far later passes move.
+learner (config); the rollout/learner gap is logged before any update (`logprob_gap_*`: first pass,
+first mini-batch) and, with recomputation, `mismatch/*`; `ratio_*`, `clipfrac` show later drift.
 """
 
 from __future__ import annotations
@@ -41,7 +45,9 @@ import math
 import os
 import resource
 import time
+from collections import defaultdict
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
@@ -53,12 +59,13 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from agentgrpo import learner_state
 from agentgrpo.batch import PackingMode, TrainBatch, make_micro_batches, shard
+from agentgrpo.learner_metrics import Metrics, over_ranks, step_metrics
 from agentgrpo.logprobs import PolicyForward, to_loss_layout, token_logprobs, uses_flash
 from agentgrpo.lora import LoraConfig, MergedModel, apply_lora, merged_state_dict
 from agentgrpo.loss import LossConfig, compute_loss
 from agentgrpo.types import Trajectory
 
-__all__ = ["Learner", "LearnerConfig", "token_logprobs"]
+__all__ = ["Learner", "LearnerConfig", "split_mini_batches", "token_logprobs"]
 
 
 class LearnerConfig(BaseModel):
@@ -82,7 +89,11 @@ class LearnerConfig(BaseModel):
     old_logprobs: Literal["rollout", "recompute"] = Field(
         "rollout", description="pi_old of the ratio: the engine's sampling logprobs, or the learner's own "
         "recomputed before the first pass (one extra no-grad forward)")
-    passes: int = Field(1, ge=1, description="optimisation passes over each batch (one optimizer step each)")
+    passes: int = Field(1, ge=1, description="passes over each batch (mini_batches optimizer steps each)")
+    mini_batches: int = Field(
+        1, ge=1, description="optimizer steps per pass: the step's groups are split into this many "
+        "mini-batches (whole groups, balanced by tokens; fewer when the step has fewer groups), each "
+        "normalised as a step of its own")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="parameter dtype")
     autocast: Literal["auto", "bf16", "none"] = Field(
         "auto", description="bf16 autocast of the decoder; auto = on for CUDA, off on CPU (bf16 on CPU "
@@ -115,6 +126,42 @@ def _lr_lambda(cfg: LearnerConfig, total: int | None):
         decay = 1 - progress if cfg.lr_schedule == "linear" else 0.5 * (1 + math.cos(math.pi * progress))
         return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * decay
     return f
+
+
+def split_mini_batches(trajs: Sequence[Trajectory], k: int) -> list[list[int]]:
+    """Indices of each of the step's mini-batches: whole groups, balanced by tokens.
+
+    Whole groups: a group's advantages sum to 0 (grpo, dr_grpo, rloo), so each optimizer step gets
+    a baseline-centred gradient, and shared-prefix packing still computes a group's prompt once.
+    (verl cuts each rank's batch by position, `data.split(ppo_mini_batch_size)`, sized in prompts x n
+    but not checked to keep groups whole; TRL shuffles its generation batch and cuts it into
+    `steps_per_generation` pieces, so groups straddle.) The largest group goes to the lightest
+    mini-batch (tokens: `len(token_ids)`, as `batch.shard` balances ranks). Fewer groups than `k`:
+    fewer mini-batches, rather than an optimizer step on nothing. Not shuffled: the partition is a
+    function of the list alone (every rank, and a resume, get the same) and ignores arrival order.
+    """
+    groups: dict[str, list[int]] = defaultdict(list)
+    for i, t in enumerate(trajs):
+        groups[t.group_id].append(i)
+    k = min(k, len(groups))
+    load, parts = [0] * k, [[] for _ in range(k)]
+    for members in sorted(groups.values(), key=lambda g: (-sum(len(trajs[i].token_ids) for i in g), g[0])):
+        j = min(range(k), key=lambda j: (load[j], j))
+        parts[j] += members
+        load[j] += sum(len(trajs[i].token_ids) for i in members)
+    return [sorted(p) for p in parts]
+
+
+@dataclass
+class _MiniBatch:
+    """One optimizer step's data on this rank: micro-batches (None: empty, to keep ranks in step), the
+    whole mini-batch's normalisers (all ranks), scored old / reference logprobs (None: not needed)."""
+
+    batches: list[TrainBatch | None]
+    num_tokens: float
+    num_seqs: float
+    olds: list[torch.Tensor | None] = field(default_factory=list)
+    refs: list[torch.Tensor | None] = field(default_factory=list)
 
 
 class Learner:
@@ -179,8 +226,9 @@ class Learner:
             model = apply_lora(model, cfg.lora)
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+        per_step = cfg.passes * cfg.mini_batches  # optimizer steps per train_step
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, _lr_lambda(cfg, None if total_steps is None else total_steps * cfg.passes))
+            optimizer, _lr_lambda(cfg, None if total_steps is None else total_steps * per_step))
         policy = PolicyForward(model, autocast_bf16=bf16)
         if hasattr(model, "tie_weights"):  # accelerate's RAM-efficient FSDP2 preparation moves the model
             # to meta, which unties lm_head from the embeddings, and re-ties it through this method
@@ -263,35 +311,37 @@ class Learner:
         if not trajs:
             return {"loss": 0.0, "skipped": 1.0}
         t0 = time.perf_counter()
-        acc, device = self.accelerator, self.accelerator.device
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        num_tokens = float(sum(t.num_sampled for t in trajs))
-        num_seqs = float(len(trajs))
-        mine = shard(trajs, acc.process_index, acc.num_processes)
-        batches: list[TrainBatch | None] = [
-            b.to(device) for b in make_micro_batches(
-                [trajs[i] for i in mine], [advantages[i] for i in mine], self.cfg.micro_batch_tokens,
-                self.pad_id, mode=self.packing, one_row=self.flash)]
-        batches += [None] * (self._max_over_ranks(len(batches)) - len(batches))
-        olds, refs = self._score(batches)
-        passes: list[dict[str, float]] = []
+        acc = self.accelerator
+        if acc.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(acc.device)
+        minis = [self._pack([trajs[i] for i in part], [advantages[i] for i in part])
+                 for part in split_mini_batches(trajs, self.cfg.mini_batches)]
+        for mini, n in zip(minis, self._max_over_ranks([len(m.batches) for m in minis]), strict=True):
+            mini.batches += [None] * (n - len(mini.batches))
+        self._score(minis)
+        # Each mini-batch's loss shares are of its own loss; scaled by its part of the batch's
+        # normaliser they add up to the batch's loss in the logged metrics (see learner_metrics).
+        by_tokens = self.loss_cfg.effective_agg == "token-mean"
+        norm = [m.num_tokens if by_tokens else m.num_seqs for m in minis]
+        cells = [[Metrics() for _ in minis] for _ in range(self.cfg.passes)]
+        optim: list[list[dict[str, float]]] = [[] for _ in range(self.cfg.passes)]
         for p in range(self.cfg.passes):
-            metrics = _Metrics()
-            for k, mb in enumerate(batches):
-                sync = k == len(batches) - 1  # gradients are all-reduced once per pass
-                with contextlib.nullcontext() if sync else acc.no_sync(self.model):
-                    m = self._micro_step(mb, olds[k], refs[k], num_tokens, num_seqs, first_pass=p == 0)
-                if mb is not None:
-                    metrics.add(m, float(mb.loss_mask_NL.sum()))
-            grad_norm = acc.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
-            lr = self.scheduler.get_last_lr()[0]
-            self.optimizer.step()
-            self.scheduler.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            passes.append(metrics.reduce(acc) | {"grad_norm": float(grad_norm), "lr": lr})
+            for j, mini in enumerate(minis):  # one optimizer step each
+                for k, mb in enumerate(mini.batches):
+                    sync = k == len(mini.batches) - 1  # gradients are all-reduced once per optimizer step
+                    with contextlib.nullcontext() if sync else acc.no_sync(self.model):
+                        m = self._micro_step(mb, mini, k, measure_gap=p == 0 and j == 0)
+                    if mb is not None:
+                        cells[p][j].add(m, float(mb.loss_mask_NL.sum()))
+                grad_norm = acc.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+                lr = self.scheduler.get_last_lr()[0]
+                self.optimizer.step()
+                self.scheduler.step()
+                self.optimizer.zero_grad(set_to_none=True)
+                optim[p].append({"grad_norm": float(grad_norm), "lr": lr})
         self.step += 1
-        out = _Metrics.over_passes(passes)
+        out = step_metrics(over_ranks(cells, acc), [n / sum(norm) for n in norm], optim)
+        batches = [b for m in minis for b in m.batches]
         real = sum(b.num_real_tokens for b in batches if b is not None)
         slots = sum(b.num_tokens for b in batches if b is not None)
         out.update(train_tokens=float(sum(len(t.token_ids) for t in trajs)), packed_tokens=float(real),
@@ -299,33 +349,46 @@ class Learner:
                    learner_s=time.perf_counter() - t0, **self._peak_memory())
         return out
 
-    def _score(self, batches: list[TrainBatch | None]) -> tuple[list, list]:
-        """No-grad pass: recomputed old logprobs and reference logprobs, [N, L] per micro-batch."""
-        olds: list[torch.Tensor | None] = [None] * len(batches)
-        refs: list[torch.Tensor | None] = [None] * len(batches)
+    def _pack(self, trajs: list[Trajectory], advantages: list[float]) -> _MiniBatch:
+        """One mini-batch as a step of its size: normalisers over all ranks, this rank's shard packed."""
+        acc = self.accelerator
+        mine = shard(trajs, acc.process_index, acc.num_processes)
+        batches: list[TrainBatch | None] = [
+            b.to(acc.device) for b in make_micro_batches(
+                [trajs[i] for i in mine], [advantages[i] for i in mine], self.cfg.micro_batch_tokens,
+                self.pad_id, mode=self.packing, one_row=self.flash)]
+        return _MiniBatch(batches, float(sum(t.num_sampled for t in trajs)), float(len(trajs)))
+
+    def _score(self, minis: list[_MiniBatch]) -> None:
+        """No-grad pass before any update (later mini-batches are then off-policy, as they should be):
+        recomputed old logprobs and reference logprobs, [N, L] per micro-batch."""
         recompute, kl = self.cfg.old_logprobs == "recompute", self.loss_cfg.kl_coef > 0
+        for mini in minis:
+            mini.olds, mini.refs = [None] * len(mini.batches), [None] * len(mini.batches)
         if not (recompute or kl):
-            return olds, refs
+            return
         if self.ref is not None and self.cfg.ref_offload:
             self.ref.to(self.accelerator.device)
         with torch.no_grad():
-            for k, mb in enumerate(batches):
+            for mini in minis:
                 if recompute:
-                    olds[k] = self._forward_layout(self.model, mb)
+                    mini.olds = [self._forward_layout(self.model, mb) for mb in mini.batches]
                 if kl and self.ref is not None:
-                    refs[k] = self._forward_layout(self.ref, mb)
+                    mini.refs = [self._forward_layout(self.ref, mb) for mb in mini.batches]
                 elif kl:  # LoRA: the reference is the base model, adapter off
-                    refs[k] = self._forward_layout(self.model, mb, disable_adapter=True)
+                    mini.refs = [self._forward_layout(self.model, mb, disable_adapter=True)
+                                 for mb in mini.batches]
         if self.ref is not None and self.cfg.ref_offload:
             self.ref.to("cpu")
-        return olds, refs
 
     def _forward_layout(self, module, mb: TrainBatch | None, **kw) -> torch.Tensor | None:
         lp_M, _ = module(mb or self._empty_batch(), self.temperature, **kw)
         return None if mb is None else to_loss_layout(lp_M, mb)
 
-    def _micro_step(self, mb: TrainBatch | None, old_NL: torch.Tensor | None, ref_NL: torch.Tensor | None,
-                    num_tokens: float, num_seqs: float, *, first_pass: bool) -> dict[str, float]:
+    def _micro_step(self, mb: TrainBatch | None, mini: _MiniBatch, k: int, *,
+                    measure_gap: bool) -> dict[str, float]:
+        """Forward and backward of micro-batch `mb` (number `k` of `mini`); `measure_gap`: log the
+        rollout/learner logprob gap (only before the first update, so it measures the engine)."""
         world = self.accelerator.num_processes
         entropy_in_loss = self.loss_cfg.entropy_coef != 0
         lp_M, ent_M = self.model(mb or self._empty_batch(), self.temperature, entropy_grad=entropy_in_loss)
@@ -334,12 +397,12 @@ class Learner:
             return {}
         lp_NL = to_loss_layout(lp_M, mb)
         rollout_NL, mask_NL = mb.rollout_logprobs_NL, mb.loss_mask_NL
-        old_NL = rollout_NL if old_NL is None else old_NL
+        old_NL = rollout_NL if mini.olds[k] is None else mini.olds[k]
         loss, metrics = compute_loss(
-            self.loss_cfg, lp_NL, old_NL, mb.advantages_N, mask_NL, ref_logprobs_BT=ref_NL,
+            self.loss_cfg, lp_NL, old_NL, mb.advantages_N, mask_NL, ref_logprobs_BT=mini.refs[k],
             entropy_BT=to_loss_layout(ent_M, mb) if entropy_in_loss else None,
             rollout_logprobs_BT=rollout_NL if self.cfg.old_logprobs == "recompute" else None,
-            num_tokens=num_tokens, num_seqs=num_seqs)
+            num_tokens=mini.num_tokens, num_seqs=mini.num_seqs)
         self.accelerator.backward(loss * world)
         with torch.no_grad():
             m = mask_NL > 0
@@ -349,7 +412,7 @@ class Learner:
                        ratio_max=float(ratio.max()))
             if not entropy_in_loss:
                 out["entropy"] = float(ent_M.detach().mean())
-            if first_pass:
+            if measure_gap:
                 gap = (lp - rollout_NL[m]).abs()
                 out.update(logprob_gap_mean=float(gap.mean()), logprob_gap_max=float(gap.max()))
         return out
@@ -362,12 +425,12 @@ class Learner:
                           torch.zeros(0, 1, device=d), torch.zeros(0, 1, device=d),
                           torch.zeros(0, device=d), [], needs_mask=False)
 
-    def _max_over_ranks(self, n: int) -> int:
+    def _max_over_ranks(self, ns: list[int]) -> list[int]:
         if self.accelerator.num_processes == 1:
-            return n
-        t = torch.tensor([n], device=self.accelerator.device)
+            return ns
+        t = torch.tensor(ns, device=self.accelerator.device)
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-        return int(t.item())
+        return [int(n) for n in t.tolist()]
 
     def _peak_memory(self) -> dict[str, float]:
         device = self.accelerator.device
@@ -433,59 +496,3 @@ def _check_launch(acc: Accelerator) -> None:
         raise ValueError(f"FSDP version {v}: the learner supports FSDP2 only. Set `fsdp_version: 2` under "
                          "`fsdp_config` in the accelerate config file (examples/gpu/accelerate_fsdp2.yml "
                          "has it), or export FSDP_VERSION=2.")
-
-
-class _Metrics:
-    """Micro-batch metrics -> step metrics: "*loss*" entries are shares of the step (summed),
-    `*_max` / `*_min` are extremes, the rest are means weighted by loss tokens (as loss.py says)."""
-
-    def __init__(self) -> None:
-        self.sums: dict[str, float] = {}
-        self.weighted: dict[str, float] = {}
-        self.weight = 0.0
-        self.extremes: dict[str, float] = {}
-
-    def add(self, m: dict[str, float], weight: float) -> None:
-        self.weight += weight
-        for k, v in m.items():
-            if "loss" in k:
-                self.sums[k] = self.sums.get(k, 0.0) + v
-            elif k.endswith(("_max", "max_abs_diff")):
-                self.extremes[k] = max(self.extremes.get(k, -math.inf), v)
-            elif k.endswith("_min"):
-                self.extremes[k] = min(self.extremes.get(k, math.inf), v)
-            else:
-                self.weighted[k] = self.weighted.get(k, 0.0) + v * weight
-
-    def reduce(self, acc: Accelerator) -> dict[str, float]:
-        parts = [self]
-        if acc.num_processes > 1:
-            from accelerate.utils import gather_object
-
-            parts = gather_object([self])
-        total = _Metrics()
-        for p in parts:
-            total.weight += p.weight
-            for k, v in p.sums.items():
-                total.sums[k] = total.sums.get(k, 0.0) + v
-            for k, v in p.weighted.items():
-                total.weighted[k] = total.weighted.get(k, 0.0) + v
-            for k, v in p.extremes.items():
-                pick = min if k.endswith("_min") else max
-                total.extremes[k] = pick(total.extremes.get(k, v), v)
-        means = {k: v / max(total.weight, 1.0) for k, v in total.weighted.items()}
-        return total.sums | means | total.extremes
-
-    @staticmethod
-    def over_passes(passes: list[dict[str, float]]) -> dict[str, float]:
-        """Means over passes (extremes: extremes), and per-pass ratio/clip metrics when there are several."""
-        out: dict[str, float] = {}
-        for k in passes[0]:
-            vals = [p[k] for p in passes if k in p]
-            out[k] = max(vals) if k.endswith(("_max", "max_abs_diff")) else (
-                min(vals) if k.endswith("_min") else sum(vals) / len(vals))
-        if len(passes) > 1:
-            for i, p in enumerate(passes, 1):
-                out.update({f"pass{i}/{k}": p[k] for k in ("loss", "clipfrac", "ppo_kl", "ratio_mean",
-                                                           "ratio_max") if k in p})
-        return out

@@ -1,19 +1,20 @@
-"""Learner: accumulated gradients equal one big batch, passes, schedule, reference, LoRA,
-precision options, save/load, and 2 gloo processes equal 1 process."""
+"""Learner: accumulated gradients equal one big batch, passes, mini-batches, schedule, reference,
+LoRA, precision options, save/load, and 2 gloo processes equal 1 process."""
 
 from __future__ import annotations
 
 import math
 import os
+import random
 import socket
 
 import pytest
 import torch
 
-from agentgrpo.learner import Learner, LearnerConfig
+from agentgrpo.learner import Learner, LearnerConfig, split_mini_batches
 from agentgrpo.logprobs import sequence_logprobs, token_logprobs
 from agentgrpo.loss import LossConfig, compute_loss
-from tests.tiny import groups_of_trajectories, tiny_llama
+from tests.tiny import groups_of_trajectories, tiny_llama, traj
 
 TEMPERATURE = 0.8
 
@@ -200,10 +201,10 @@ def test_bf16_autocast_on_cpu_is_close_to_fp32():
     assert next(bf16.unwrapped.parameters()).dtype == torch.float32  # master weights stay fp32
 
 
-@pytest.mark.parametrize("fmt", ["full", "sharded"])
-def test_save_load_continues_exactly(tmp_path, fmt):
+@pytest.mark.parametrize("fmt,mini_batches", [("full", 1), ("sharded", 1), ("full", 2)])
+def test_save_load_continues_exactly(tmp_path, fmt, mini_batches):
     trajs, adv = batch_and_advantages()
-    cfg = LearnerConfig(lr=1e-2, warmup_steps=3, checkpoint_format=fmt)
+    cfg = LearnerConfig(lr=1e-2, warmup_steps=3, checkpoint_format=fmt, mini_batches=mini_batches)
     straight = Learner(tiny_llama(), cfg, LossConfig(), temperature=TEMPERATURE)
     for _ in range(3):
         straight.train_step(trajs, adv)
@@ -213,10 +214,141 @@ def test_save_load_continues_exactly(tmp_path, fmt):
     resumed = Learner(tiny_llama(), cfg, LossConfig(), temperature=TEMPERATURE)
     resumed.load(tmp_path)
     assert resumed.step == 1 and resumed.scheduler.get_last_lr() == first.scheduler.get_last_lr()
+    assert resumed.scheduler.last_epoch == mini_batches  # optimizer steps, not train steps
     for _ in range(2):
         resumed.train_step(trajs, adv)
     for (n, p), q in zip(straight.unwrapped.named_parameters(), resumed.unwrapped.parameters(), strict=True):
         torch.testing.assert_close(p, q, atol=0, rtol=0, msg=n)
+
+
+# --- mini-batches: several optimizer steps per pass --------------------------------------------------
+
+def _uneven_groups(seed=0):
+    """Groups of random sizes and lengths, shuffled together (group ids, not positions, count)."""
+    rng = random.Random(seed)
+    trajs = []
+    for g in range(rng.randint(1, 9)):
+        for _ in range(rng.randint(1, 6)):
+            n = rng.randint(3, 40)
+            trajs.append(traj(list(range(n)), [0] * (n - 1) + [1], group=f"g{g}"))
+    rng.shuffle(trajs)
+    return trajs
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_split_mini_batches_keeps_groups_whole_and_balances_tokens(seed):
+    trajs = _uneven_groups(seed)
+    groups = {t.group_id for t in trajs}
+    tokens = {g: sum(len(t.token_ids) for t in trajs if t.group_id == g) for g in groups}
+    for k in range(1, 6):
+        parts = split_mini_batches(trajs, k)
+        assert len(parts) == min(k, len(groups))  # fewer groups than k: one group per mini-batch
+        assert sorted(i for p in parts for i in p) == list(range(len(trajs)))  # each exactly once
+        owner = {}
+        for j, p in enumerate(parts):
+            assert p
+            for i in p:
+                assert owner.setdefault(trajs[i].group_id, j) == j, "a group straddles mini-batches"
+        load = [sum(len(trajs[i].token_ids) for i in p) for p in parts]
+        # greedy largest-first: the lightest and heaviest differ by at most the largest group
+        assert max(load) - min(load) <= max(tokens.values())
+        assert split_mini_batches(list(trajs), k) == parts  # a function of the list alone
+    assert split_mini_batches(trajs, 1) == [list(range(len(trajs)))]
+
+
+LOSSES = [
+    LossConfig(kl_coef=0.1),
+    LossConfig(agg="seq-mean-token-mean", dual_clip=3.0),
+    LossConfig(agg="seq-mean-token-sum-norm", max_response_len=24, loss="gspo", kl_coef=0.1),
+]
+LOSS_IDS = ["token-mean+kl", "seq-mean", "dr-grpo+gspo+kl"]
+
+
+@pytest.mark.parametrize("loss_cfg", LOSSES, ids=LOSS_IDS)
+@pytest.mark.parametrize("passes", [1, 2])
+def test_mini_batches_equal_steps_on_the_parts(loss_cfg, passes):
+    """With rollout old logprobs a step of 2 mini-batches is 2 steps of 1, on the two parts (each
+    normalised by its own tokens / sequences), pass after pass: bit for bit."""
+    trajs, adv = batch_and_advantages()
+    parts = split_mini_batches(trajs, 2)
+    assert sorted(len(p) for p in parts) == [4, 8]  # 3 groups of 4: unequal parts, unequal normalisers
+    cfg = dict(lr=1e-2, warmup_steps=3, micro_batch_tokens=48, passes=passes, grad_clip=1e9)
+    split = Learner(tiny_llama(), LearnerConfig(mini_batches=2, **cfg), loss_cfg, temperature=TEMPERATURE)
+    grads = record_grads(split)
+    m = split.train_step(trajs, adv)
+    # the first optimizer step's gradient is the plain one-batch gradient of the first part alone
+    expected = one_big_batch_grads([trajs[i] for i in parts[0]], [adv[i] for i in parts[0]], loss_cfg)
+    for name, g in expected.items():
+        torch.testing.assert_close(grads[0][name], g, atol=1e-6, rtol=1e-4, msg=name)
+    steps = Learner(tiny_llama(), LearnerConfig(**{**cfg, "passes": 1}), loss_cfg, temperature=TEMPERATURE)
+    ref = []
+    for _ in range(passes):
+        for part in parts:
+            ref.append(steps.train_step([trajs[i] for i in part], [adv[i] for i in part]))
+    for (n, p), q in zip(steps.unwrapped.named_parameters(), split.unwrapped.parameters(), strict=True):
+        torch.testing.assert_close(q, p, atol=0, rtol=0, msg=n)
+    assert split.scheduler.last_epoch == steps.scheduler.last_epoch == 2 * passes and split.step == 1
+    assert m["optimizer_steps"] == len(grads) == 2 * passes and m["grad_norm"] > 0
+    assert m["mb1/loss"] == pytest.approx(sum(r["loss"] for r in ref[0::2]) / passes, abs=1e-7)
+    assert m["mb2/loss"] == pytest.approx(sum(r["loss"] for r in ref[1::2]) / passes, abs=1e-7)
+    assert m["lr"] == pytest.approx(sum(r["lr"] for r in ref) / len(ref))
+
+
+@pytest.mark.parametrize("loss_cfg", LOSSES, ids=LOSS_IDS)
+def test_mini_batches_with_zero_lr_log_the_metrics_of_one(loss_cfg):
+    """lr = 0: every mini-batch sees the same policy, so the step's metrics (loss pooled with each
+    mini-batch's share of the batch's normaliser; token-weighted means; extremes) are those of one
+    optimizer step over the whole batch."""
+    trajs, adv = batch_and_advantages()
+    out = []
+    for k in (1, 3):
+        learner = Learner(tiny_llama(), LearnerConfig(mini_batches=k, passes=2, micro_batch_tokens=48),
+                          loss_cfg, temperature=TEMPERATURE)
+        learner.scheduler.base_lrs = [0.0]
+        learner.optimizer.param_groups[0]["lr"] = 0.0
+        out.append(learner.train_step(trajs, adv))
+    one, three = out
+    assert one["optimizer_steps"] == 2 and three["optimizer_steps"] == 6
+    keys = ["loss", "pg_loss", "loss_tokens", "clipfrac", "ppo_kl", "ratio_mean", "ratio_min", "ratio_max",
+            "entropy", "pass2/loss", "pass2/clipfrac"]
+    keys += ["kl", "kl_loss"] if loss_cfg.kl_coef else []
+    assert abs(one["pg_loss"]) > 1e-3 and (one["clipfrac"] > 0 or loss_cfg.loss == "gspo")  # not trivial
+    for k in keys:
+        assert three[k] == pytest.approx(one[k], rel=1e-5, abs=1e-7), k
+    assert {f"mb{j}/ratio_mean" for j in (1, 2, 3)} <= set(three) and "mb1/loss" not in one
+    # each mini-batch's own loss is normalised by its own tokens / sequences, not the batch's
+    assert sum(three[f"mb{j}/loss"] for j in (1, 2, 3)) != pytest.approx(one["loss"], rel=1e-3)
+
+
+def test_old_logprobs_recomputed_once_before_the_first_mini_batch():
+    trajs, adv = batch_and_advantages()
+    learner = Learner(tiny_llama(), LearnerConfig(mini_batches=3, old_logprobs="recompute", lr=1e-2),
+                      LossConfig(), temperature=TEMPERATURE)
+    m = learner.train_step(trajs, adv)
+    # mini-batch 1 runs on the policy that was scored: ratio 1; mini-batch 3 after two updates.
+    assert m["mb1/ratio_mean"] == pytest.approx(1.0, abs=1e-6) and m["mb1/clipfrac"] == 0.0
+    assert m["mb3/ratio_max"] > 1.01 and m["mb3/ppo_kl"] != 0
+    # the rollout/learner gap is measured before any update: the first mini-batch's tokens
+    gap_only_first = Learner(tiny_llama(), LearnerConfig(lr=1e-2), LossConfig(), temperature=TEMPERATURE)
+    part = split_mini_batches(trajs, 3)[0]
+    alone = gap_only_first.train_step([trajs[i] for i in part], [adv[i] for i in part])
+    assert m["logprob_gap_max"] == pytest.approx(alone["logprob_gap_max"])
+    assert m["logprob_gap_mean"] == pytest.approx(alone["logprob_gap_mean"])
+
+
+def test_lr_schedule_advances_passes_times_mini_batches():
+    trajs, adv = batch_and_advantages()
+    cfg = LearnerConfig(lr=1.0, lr_schedule="linear", passes=2, mini_batches=3)
+    learner = Learner(tiny_llama(), cfg, LossConfig(), temperature=TEMPERATURE, total_steps=2)
+    m = learner.train_step(trajs, adv)
+    # 2 train steps x 2 passes x 3 mini-batches = 12 optimizer steps of linear decay: lr_i = 1 - i/12
+    assert learner.scheduler.last_epoch == 6 and learner.scheduler.get_last_lr()[0] == pytest.approx(0.5)
+    assert m["optimizer_steps"] == 6 and m["lr"] == pytest.approx(sum(1 - i / 12 for i in range(6)) / 6)
+    learner.train_step(trajs, adv)
+    assert learner.scheduler.last_epoch == 12 and learner.scheduler.get_last_lr()[0] == pytest.approx(0.0)
+    # one group: one mini-batch (never an optimizer step on nothing)
+    few = Learner(tiny_llama(), cfg, LossConfig(), temperature=TEMPERATURE, total_steps=2)
+    assert few.train_step(trajs[:4], adv[:4])["optimizer_steps"] == 2 and few.scheduler.last_epoch == 2
 
 
 # --- 2 processes (gloo) == 1 process ---------------------------------------------------------------
@@ -236,35 +368,38 @@ def _steps(learner):
     return grads, learner.train_step(trajs2[:1], [1.0])
 
 
-def _make(accelerator=None):
-    cfg = LearnerConfig(lr=1e-2, micro_batch_tokens=64, grad_clip=1e9)
+def _make(accelerator=None, mini_batches=1):
+    cfg = LearnerConfig(lr=1e-2, micro_batch_tokens=64, grad_clip=1e9, mini_batches=mini_batches)
     return Learner(tiny_llama(), cfg, LossConfig(kl_coef=0.1), temperature=TEMPERATURE, accelerator=accelerator)
 
 
-def _worker(rank: int, world: int, port: int, out: str) -> None:
+def _worker(rank: int, world: int, port: int, out: str, mini_batches: int) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     from accelerate import Accelerator
 
-    learner = _make(Accelerator(cpu=True))
+    learner = _make(Accelerator(cpu=True), mini_batches)
     grads, metrics = _steps(learner)
     if rank == 0:
         torch.save({"weights": learner.unwrapped.state_dict(), "grads": grads, "metrics": metrics}, out)
 
 
-def test_two_gloo_processes_equal_one_process(tmp_path):
+@pytest.mark.parametrize("mini_batches", [1, 2])
+def test_two_gloo_processes_equal_one_process(tmp_path, mini_batches):
+    """With 2 mini-batches: step 1 splits 3 groups 2 + 1, step 2 (7 trajectories) 1 + 1, each group
+    then dealt to the 2 ranks by trajectory; step 3 has one trajectory, so one mini-batch."""
     import torch.multiprocessing as mp
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = tmp_path / "two.pt"
-    mp.spawn(_worker, args=(2, port, str(out)), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, port, str(out), mini_batches), nprocs=2, join=True)
     two = torch.load(out, weights_only=True)
-    one = _make()
+    one = _make(mini_batches=mini_batches)
     grads, metrics = _steps(one)
-    assert len(two["grads"]) == len(grads) == 3
+    assert len(two["grads"]) == len(grads) == (3 if mini_batches == 1 else 5)
     for step, (g2, g1) in enumerate(zip(two["grads"], grads, strict=True)):
         for name, g in g1.items():
             torch.testing.assert_close(g2[name], g, atol=1e-6, rtol=1e-4, msg=f"step {step}: {name}")
