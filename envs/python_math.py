@@ -14,8 +14,8 @@ Episode: the model may call `python(code)` any number of times (each call is a f
 process: see `tools.python`); its first reply without a tool call ends the episode and is scored.
 
 Final answer: the content of the last `\\boxed{...}` in that reply when there is one, else the last
-number in it (`-1,234.5`, `3/4` and `1e3` forms; thousands separators dropped). That string is
-compared with the reference by `math_check` (math-verify: `28080.0` equals `28080`, `1/2` equals
+number in it (`-1,234.5`, `3/4` and `1e3` forms; thousands separators dropped, `1e3` written out as
+`1000`). That string, and for a boxed answer the box itself read as LaTeX (`10^{3}`), is compared with the reference by `math_check` (math-verify: `28080.0` equals `28080`, `1/2` equals
 `0.5`). Reward 1.0 when equal, 0.0 otherwise, also when the reply holds no number. An answer whose
 check uses up its CPU budget (a tower of powers sympy cannot finish) is the model's doing: reward
 0.0, and the episode ends as `parse_error` (its output was unusable) with `info["math_verify"]`
@@ -45,6 +45,7 @@ from __future__ import annotations
 import hashlib
 import re
 from collections.abc import Sequence
+from decimal import Decimal
 from typing import Any
 
 from agentgrpo import Message, Task, ToolEnv, tool
@@ -71,12 +72,29 @@ def _last_boxed(text: str) -> str | None:
 
 
 def final_answer(text: str) -> str | None:
-    """The answer a reply commits to: its last `\\boxed{}` content, else its last number."""
+    """The answer a reply commits to: its last `\\boxed{}` content, else its last number. A number in
+    scientific notation is written out (`1.5e3` -> `1500`): math-verify reads `1e3` as `1*e*3`."""
+    answer = _last_boxed(text)
+    if not answer:
+        found = _NUMBER.findall(text)
+        if not found:
+            return None
+        answer = found[-1].replace(",", "").replace(" ", "")
+    if "e" in answer.lower() and _NUMBER.fullmatch(answer) and "/" not in answer:
+        return format(Decimal(answer.replace(",", "")), "f")
+    return answer
+
+
+def answer_readings(text: str) -> list[str]:
+    """What math-verify is asked to compare, in order: `final_answer`, read as an expression
+    (`2**10`, `3/4`), then for a boxed answer the box itself, read as LaTeX (`10^{3}`, `2\\sqrt{2}`:
+    math-verify reads LaTeX only inside a box or `$...$`, and the bare forms did not equal 1000
+    and 2.828...). The answer is right when one reading equals the reference."""
+    answer = final_answer(text)
+    if answer is None:
+        return []
     boxed = _last_boxed(text)
-    if boxed:
-        return boxed
-    found = _NUMBER.findall(text)
-    return found[-1].replace(",", "").replace(" ", "") if found else None
+    return [answer, f"\\boxed{{{boxed}}}"] if boxed else [answer]
 
 
 class PythonMathEnv(ToolEnv):
@@ -137,12 +155,12 @@ class PythonMathEnv(ToolEnv):
         return new, reward, terminated, truncated, info
 
     async def reward(self, task: Task, messages: list[Message]) -> float:
-        answer = final_answer(messages[-1].content)
-        if answer is None:
-            return 0.0
         # MathVerifyUnavailable (infrastructure) propagates: the rollout scores the episode NaN.
-        self._check = await amath_check(answer, str(task.answer), self.math_timeout_s)
-        return float(self._check.equal)
+        for reading in answer_readings(messages[-1].content):
+            self._check = await amath_check(reading, str(task.answer), self.math_timeout_s)
+            if self._check.equal or self._check.status == "timeout":  # a runaway is not read twice
+                break
+        return float(self._check is not None and self._check.equal)
 
     @classmethod
     def load_tasks(cls, split: str = "train", seed: int = 0, *, n: int = 2000,

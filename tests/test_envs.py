@@ -89,6 +89,8 @@ def test_final_answer_extraction():
     assert final_answer("so \\boxed{\\frac{1}{2}} it is") == "\\frac{1}{2}"
     assert math_equal(final_answer("so \\boxed{\\frac{1}{2}}"), "0.5")
     assert final_answer("first \\boxed{3} then \\boxed{7}") == "7"
+    assert final_answer("about 1.5e3 of them") == final_answer("\\boxed{1.5e3}") == "1500"  # not 1*e*3
+    assert math_equal(final_answer("about 1.5e3 of them"), "1500")
     assert final_answer("We had 12 eggs, so 1,234.5 in all.") == "1234.5"
     assert final_answer("-3 and then 3/4") == "3/4"
     assert final_answer("\\boxed{12") == "12"  # an unclosed box falls back to the last number
@@ -170,6 +172,20 @@ def test_python_math_verifier_failure_is_unscorable(chat, math_task, math_pool, 
 
 
 RUNAWAY = "So the answer is \\boxed{10**10**10**10}"  # sympy cannot finish this power
+
+
+@pytest.mark.parametrize("reply", ["so \\boxed{10^{3}}", "so \\boxed{2**10}", "so \\boxed{1.5e3}", "it is 1000"])
+def test_python_math_reads_latex_and_expressions_in_the_box(chat, math_task, math_pool, reply):
+    """`10^{3}` is LaTeX (math-verify reads it only inside the box), `2**10` an expression (only
+    outside it): each reading is tried, so both score."""
+    want = {"so \\boxed{10^{3}}": 1000, "so \\boxed{2**10}": 1024, "so \\boxed{1.5e3}": 1500, "it is 1000": 1000}
+    env = PythonMathEnv()
+    env.reset(seed=0, options={"task": math_task.model_copy(update={"answer": want[reply]})})
+    _, reward, *_ = asyncio.run(env.step(Message(role="assistant", content=reply)))
+    assert reward == 1.0
+    env.reset(seed=0, options={"task": math_task.model_copy(update={"answer": 7})})
+    _, reward, *_ = asyncio.run(env.step(Message(role="assistant", content=reply)))
+    assert reward == 0.0
 
 
 def test_python_math_runaway_answer_scores_zero_as_parse_error(chat, math_task, math_pool):
