@@ -120,6 +120,15 @@ class RunConfig(BaseModel):
                              "sampling weights)")
         return self
 
+    @model_validator(mode="after")
+    def _mini_batches_fit(self) -> RunConfig:
+        # Mini-batches hold whole groups: more of them than groups per step would silently be fewer.
+        if self.learner.mini_batches > self.rollout.tasks_per_step:
+            raise ValueError(f"learner.mini_batches={self.learner.mini_batches} but a step has "
+                             f"rollout.tasks_per_step={self.rollout.tasks_per_step} groups, and a "
+                             "mini-batch holds whole groups: at most tasks_per_step mini-batches")
+        return self
+
 
 def apply_override(data: dict[str, Any], override: str) -> None:
     """Apply `a.b.c=value` (value parsed as YAML) to a nested dict."""

@@ -35,3 +35,9 @@ def test_secrets_are_masked():
 
     assert mask_secrets({"a": {"api_key": "sk-1", "n": 1}, "token": "t"}) == {"a": {"api_key": "***", "n": 1}, "token": "***"}
     assert "***" not in dump_config(load_config(None))
+
+
+def test_more_mini_batches_than_groups_per_step_is_refused():
+    with pytest.raises(ConfigError, match="learner.mini_batches=8"):
+        load_config("examples/calculator.yaml", ["learner.mini_batches=8", "rollout.tasks_per_step=4"])
+    assert load_config("examples/calculator.yaml", ["learner.mini_batches=4"]).learner.mini_batches == 4
