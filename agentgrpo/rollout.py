@@ -30,23 +30,22 @@ optionally penalised (`tool_error_penalty` per error).
 from __future__ import annotations
 
 import asyncio
-import inspect
+import json
 import math
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from agentgrpo.chat import TRUNCATION_MARKER, ChatFormat, TemplateError
+from agentgrpo.deadlines import DeadlineExpired, Deadlines
 from agentgrpo.engine.base import Completion, Engine, EngineError, SamplingParams
 from agentgrpo.env import Env, ToolEnv, call_env, env_rubric
 from agentgrpo.reward import Rubric, score_group
 from agentgrpo.tool import stuck_user_calls
 from agentgrpo.types import Group, Message, StopReason, Task, Trajectory
-
-T = TypeVar("T")
 
 
 class RolloutConfig(BaseModel):
@@ -116,66 +115,6 @@ class EpisodeLimits:
 
 
 # ---------------------------------------------------------------------------------------------
-# Deadlines
-
-
-class DeadlineExpired(Exception):
-    """Raised inside an episode when one of its deadlines passes; `str(e)` names the deadline."""
-
-    def __init__(self, which: str, detail: str) -> None:
-        super().__init__(detail)
-        self.which = which  # "turn" | "episode" | "step"
-
-
-class Deadlines:
-    """The absolute deadlines (time.monotonic) that bound every await of one episode."""
-
-    def __init__(self, limits: EpisodeLimits, step_deadline: float | None) -> None:
-        self.turn_timeout_s = limits.turn_timeout_s
-        now = time.monotonic()
-        self.fixed: list[tuple[float, str, str]] = []
-        if limits.episode_timeout_s is not None:
-            self.fixed.append((now + limits.episode_timeout_s, "episode",
-                               f"episode deadline of {limits.episode_timeout_s:g} s expired"))
-        if step_deadline is not None:
-            self.fixed.append((step_deadline, "step", "step deadline expired (rollout.step_timeout_s)"))
-        self.turn: tuple[float, str, str] | None = None
-
-    def start_turn(self, number: int) -> None:
-        if self.turn_timeout_s is not None:
-            self.turn = (time.monotonic() + self.turn_timeout_s, "turn",
-                         f"turn {number} exceeded its deadline of {self.turn_timeout_s:g} s")
-
-    def earliest(self) -> tuple[float, str, str] | None:
-        found = self.fixed + ([self.turn] if self.turn else [])
-        return min(found) if found else None
-
-    async def run(self, aw: Awaitable[T]) -> T:
-        """Await `aw` until the earliest deadline; raise DeadlineExpired when it passes first."""
-        limit = self.earliest()
-        if limit is None:
-            return await aw
-        at, which, detail = limit
-        if at <= time.monotonic():
-            if inspect.iscoroutine(aw):
-                aw.close()  # never started: close it so Python does not warn it was never awaited
-            raise DeadlineExpired(which, detail)
-        try:
-            if _timeout_at is not None:  # Python >= 3.11: no extra task per await (wait_for makes one)
-                loop_time = asyncio.get_running_loop().time()  # the loop's clock may not be ours
-                async with _timeout_at(loop_time + at - time.monotonic()):
-                    return await aw
-            return await asyncio.wait_for(aw, at - time.monotonic())
-        except asyncio.TimeoutError:
-            if time.monotonic() < at - 1e-3:
-                raise  # raised by the awaited code itself, not by our deadline
-            raise DeadlineExpired(which, detail) from None
-
-
-_timeout_at = getattr(asyncio, "timeout_at", None)
-
-
-# ---------------------------------------------------------------------------------------------
 # One episode
 
 
@@ -183,6 +122,17 @@ _timeout_at = getattr(asyncio, "timeout_at", None)
 # terminated, truncated when truncated). Infrastructure endings are the rollout's to decide.
 ENV_STOP_REASONS = frozenset({StopReason.COMPLETED, StopReason.TRUNCATED, StopReason.PARSE_ERROR,
                               StopReason.TOOL_ERROR})
+
+
+# `info` keys of a step that the rollout itself reads; the env's other keys are its diagnostics.
+_ROLLOUT_INFO_KEYS = frozenset({"stop_reason", "tool_errors", "tool_error_kinds"})
+
+
+def _env_info(info: dict[str, Any]) -> dict[str, Any]:
+    """The final step's own `info` (why an answer scored 0, test results, ...), kept in the
+    trajectory's `info["env"]` as JSON values (anything else as its `str`) for trajectories.jsonl."""
+    extra = {k: v for k, v in info.items() if k not in _ROLLOUT_INFO_KEYS}
+    return json.loads(json.dumps(extra, default=str, skipkeys=True)) if extra else {}
 
 
 def _error_message(reason: str) -> Message:
@@ -208,7 +158,7 @@ async def run_episode(env: Env, engine: Engine, chat: ChatFormat, task: Task, pa
     deadline); `limits` bound turns, tokens, tool calls and time. The reward is the env's own: an
     env's `rubric` is applied by `run_group`, once the whole group has ended.
     """
-    clock = Deadlines(limits, deadline)
+    clock = Deadlines(limits.turn_timeout_s, limits.episode_timeout_s, deadline)
     if isinstance(env, ToolEnv):
         env.set_tool_limits(timeout_s=limits.tool_timeout_s, max_calls_per_turn=limits.max_tool_calls_per_turn)
     try:
@@ -295,6 +245,8 @@ async def run_episode(env: Env, engine: Engine, chat: ChatFormat, task: Task, pa
                 new = [_truncate_tool_output(chat, m, limits, traj) for m in new]
             if terminated or truncated:
                 messages.extend(new)
+                if extra := _env_info(info):
+                    traj.info["env"] = extra
                 reason = info.get("stop_reason", StopReason.COMPLETED if terminated else StopReason.TRUNCATED)
                 if not (isinstance(reason, str) and reason in ENV_STOP_REASONS):
                     return finish(StopReason.ENV_ERROR, f"step's info['stop_reason'] is {reason!r}; an env may "

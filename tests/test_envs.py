@@ -192,6 +192,7 @@ def test_python_math_runaway_answer_scores_zero_as_parse_error(chat, math_task, 
     # The model's doing: 0, but counted as unusable output, not passed off as a plain wrong answer
     traj, _ = episode(chat, PythonMathEnv(math_timeout_s=0.5), math_task, [RUNAWAY])
     assert (traj.stop_reason, traj.reward, math_pool.timeouts) == (StopReason.PARSE_ERROR, 0.0, 1)
+    assert "CPU budget" in traj.info["env"]["math_verify"]  # why, in trajectories.jsonl
     env = PythonMathEnv(math_timeout_s=0.5)
     env.reset(seed=0, options={"task": math_task})
     _, reward, terminated, _, info = asyncio.run(env.step(Message(role="assistant", content=RUNAWAY)))

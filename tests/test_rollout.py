@@ -2,6 +2,7 @@
 invariants, and every way an episode can end."""
 
 import asyncio
+import json
 import math
 import threading
 import time
@@ -388,3 +389,22 @@ def test_sync_reward_runs_off_the_event_loop(chat):
     g = asyncio.run(run_group(SlowReward, engine, chat, TASK, 6, SamplingParams()))
     assert [t.reward for t in g.trajectories] == [1.0] * 6
     assert time.monotonic() - t0 < 1.0  # 6 x 0.3 s = 1.8 s if each reward blocked the loop in turn
+
+
+class Diagnosed(Calc):
+    """Ends with diagnostics in its info: the rollout keeps them, as JSON, in the trajectory."""
+
+    async def step(self, action):
+        new, reward, terminated, truncated, info = await super().step(action)
+        if terminated:
+            info = {**info, "expected": 111, "why": "off by one", "raw": object()}
+        return new, reward, terminated, truncated, info
+
+
+def test_the_final_steps_own_info_reaches_the_trajectory(chat):
+    traj, _ = run(chat, ["112"], env=Diagnosed)
+    env_info = traj.info["env"]
+    assert (env_info["expected"], env_info["why"]) == (111, "off by one")
+    assert env_info["raw"].startswith("<object object")  # not JSON: kept as its str
+    assert "tool_errors" not in env_info and "stop_reason" not in env_info  # the rollout's own keys
+    json.dumps(traj.to_dict(), allow_nan=False)  # trajectories.jsonl can hold it
