@@ -285,3 +285,27 @@ def shard(trajs: Sequence[Trajectory], rank: int, world: int) -> list[int]:
         owned[r] += part
         load[r] += sum(len(trajs[i].token_ids) for i in part)
     return sorted(owned[rank])
+
+
+def split_mini_batches(trajs: Sequence[Trajectory], k: int) -> list[list[int]]:
+    """Indices of each of the step's mini-batches: whole groups, balanced by tokens.
+
+    Whole groups: a group's advantages sum to 0 (grpo, dr_grpo, rloo), so each optimizer step gets
+    a baseline-centred gradient, and shared-prefix packing still computes a group's prompt once.
+    (verl cuts each rank's batch by position, `data.split(ppo_mini_batch_size)`, sized in prompts x n
+    but not checked to keep groups whole; TRL shuffles its generation batch and cuts it into
+    `steps_per_generation` pieces, so groups straddle.) The largest group goes to the lightest
+    mini-batch (tokens: `len(token_ids)`, as `batch.shard` balances ranks). Fewer groups than `k`:
+    fewer mini-batches, rather than an optimizer step on nothing. Not shuffled: the partition is a
+    function of the list alone (every rank, and a resume, get the same) and ignores arrival order.
+    """
+    groups: dict[str, list[int]] = defaultdict(list)
+    for i, t in enumerate(trajs):
+        groups[t.group_id].append(i)
+    k = min(k, len(groups))
+    load, parts = [0] * k, [[] for _ in range(k)]
+    for members in sorted(groups.values(), key=lambda g: (-sum(len(trajs[i].token_ids) for i in g), g[0])):
+        j = min(range(k), key=lambda j: (load[j], j))
+        parts[j] += members
+        load[j] += sum(len(trajs[i].token_ids) for i in members)
+    return [sorted(p) for p in parts]

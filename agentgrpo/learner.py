@@ -42,10 +42,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
-import os
 import resource
 import time
-from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -58,7 +56,8 @@ from accelerate.utils import DistributedType, InitProcessGroupKwargs
 from pydantic import BaseModel, ConfigDict, Field
 
 from agentgrpo import learner_state
-from agentgrpo.batch import PackingMode, TrainBatch, make_micro_batches, shard
+from agentgrpo.batch import PackingMode, TrainBatch, make_micro_batches, shard, split_mini_batches
+from agentgrpo.learner_dist import check_launch, shard_reference
 from agentgrpo.learner_metrics import Metrics, over_ranks, step_metrics
 from agentgrpo.logprobs import PolicyForward, to_loss_layout, token_logprobs, uses_flash
 from agentgrpo.lora import LoraConfig, MergedModel, apply_lora, merged_state_dict
@@ -128,30 +127,6 @@ def _lr_lambda(cfg: LearnerConfig, total: int | None):
     return f
 
 
-def split_mini_batches(trajs: Sequence[Trajectory], k: int) -> list[list[int]]:
-    """Indices of each of the step's mini-batches: whole groups, balanced by tokens.
-
-    Whole groups: a group's advantages sum to 0 (grpo, dr_grpo, rloo), so each optimizer step gets
-    a baseline-centred gradient, and shared-prefix packing still computes a group's prompt once.
-    (verl cuts each rank's batch by position, `data.split(ppo_mini_batch_size)`, sized in prompts x n
-    but not checked to keep groups whole; TRL shuffles its generation batch and cuts it into
-    `steps_per_generation` pieces, so groups straddle.) The largest group goes to the lightest
-    mini-batch (tokens: `len(token_ids)`, as `batch.shard` balances ranks). Fewer groups than `k`:
-    fewer mini-batches, rather than an optimizer step on nothing. Not shuffled: the partition is a
-    function of the list alone (every rank, and a resume, get the same) and ignores arrival order.
-    """
-    groups: dict[str, list[int]] = defaultdict(list)
-    for i, t in enumerate(trajs):
-        groups[t.group_id].append(i)
-    k = min(k, len(groups))
-    load, parts = [0] * k, [[] for _ in range(k)]
-    for members in sorted(groups.values(), key=lambda g: (-sum(len(trajs[i].token_ids) for i in g), g[0])):
-        j = min(range(k), key=lambda j: (load[j], j))
-        parts[j] += members
-        load[j] += sum(len(trajs[i].token_ids) for i in members)
-    return [sorted(p) for p in parts]
-
-
 @dataclass
 class _MiniBatch:
     """One optimizer step's data on this rank: micro-batches (None: empty, to keep ranks in step), the
@@ -190,7 +165,7 @@ class Learner:
         self.accelerator = accelerator or Accelerator(
             cpu=not torch.cuda.is_available(),
             kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.collective_timeout_s))])
-        _check_launch(self.accelerator)
+        check_launch(self.accelerator)
         self.sharded = self.accelerator.distributed_type == DistributedType.FSDP
         if any(p.is_meta for p in model.parameters()) and (self.is_main or not (
                 self.sharded and self.accelerator.state.fsdp_plugin.cpu_ram_efficient_loading)):
@@ -215,7 +190,7 @@ class Learner:
                 if cfg.ref_offload:
                     raise ValueError("learner.ref_offload with FSDP: the reference is sharded like the "
                                      "policy instead; turn ref_offload off")
-                self.ref = _shard_reference(model, bf16, from_main=self.is_main)
+                self.ref = shard_reference(model, bf16, from_main=self.is_main)
             else:
                 ref = PolicyForward(copy.deepcopy(model), autocast_bf16=bf16).eval().requires_grad_(False)
                 self.ref = ref.to("cpu" if cfg.ref_offload else device)
@@ -448,51 +423,3 @@ class Learner:
     def load(self, directory: Path) -> None:
         """Restore what `save` wrote, in either format (collective); ValueError if it does not fit."""
         learner_state.load(self, directory)
-
-
-def _shard_reference(model: torch.nn.Module, autocast_bf16: bool, *, from_main: bool) -> PolicyForward:
-    """The frozen KL reference under FSDP2, sharded like accelerate shards the policy (one unit per
-    decoder layer, the model's `_no_split_modules`, then the root; accelerate's own preparation wants
-    an optimizer, which a frozen model has no use for).
-
-    Built on the meta device, so no rank holds a second full copy, then filled from rank 0's `model`
-    (torch's `set_model_state_dict`, broadcast from rank 0): with RAM-efficient loading
-    (`cpu_ram_efficient_loading`) the other ranks' `model` has no weights. Its forwards are
-    collective: every rank runs the same reference forwards (`train_step` pads ranks with empty
-    batches)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-    from torch.distributed.fsdp import fully_shard
-
-    # Parameters on meta; buffers copied (the non-persistent ones, e.g. rotary frequencies, are in
-    # no state dict; fully_shard moves them to the device).
-    memo = {id(p): torch.nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
-            for p in model.parameters()}
-    ref = PolicyForward(copy.deepcopy(model, memo), autocast_bf16=autocast_bf16).eval().requires_grad_(False)
-    layers = set(getattr(model, "_no_split_modules", None) or [])
-    for module in ref.modules():
-        if type(module).__name__ in layers:
-            fully_shard(module)
-    fully_shard(ref)
-    full = {f"model.{k}": v for k, v in model.state_dict().items()} if from_main else {}
-    set_model_state_dict(ref, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-    return ref
-
-
-def _check_launch(acc: Accelerator) -> None:
-    """Refuse a launch the learner would get silently wrong."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world != acc.num_processes:
-        raise ValueError(f"WORLD_SIZE={world} but accelerate runs {acc.num_processes} process(es): each "
-                         "rank would train alone. Without GPUs, launch with torchrun (the learner then "
-                         "uses gloo) or pass Accelerator(cpu=True).")
-    if acc.distributed_type == DistributedType.DEEPSPEED:
-        raise ValueError("DeepSpeed is not supported by the learner: its optimizer state and gathered "
-                         "weights live in DeepSpeed's engine, which checkpoints and weight sync do not "
-                         "reach. Use FSDP (`accelerate config` -> FSDP).")
-    if acc.distributed_type == DistributedType.FSDP and (v := acc.state.fsdp_plugin.fsdp_version) != 2:
-        # accelerate's default is FSDP1; the learner relies on FSDP2 (DTensor parameters, `fully_shard`
-        # for the reference, torch.distributed.checkpoint state dicts), and FSDP1 cannot run on a CPU
-        # to be tested here.
-        raise ValueError(f"FSDP version {v}: the learner supports FSDP2 only. Set `fsdp_version: 2` under "
-                         "`fsdp_config` in the accelerate config file (examples/gpu/accelerate_fsdp2.yml "
-                         "has it), or export FSDP_VERSION=2.")
