@@ -111,13 +111,18 @@ def _worker_pids(p: MathPool) -> list[int]:
     return [w.proc.pid for w in list(p._idle.queue)]
 
 
-def test_killed_idle_worker_is_retried_on_a_fresh_one():
-    # An infrastructure failure (OOM killer, a stray signal) is retried, not scored 0
+@pytest.mark.parametrize("gone", [False, True])
+def test_killed_idle_worker_is_retried_on_a_fresh_one(gone):
+    # An infrastructure failure (OOM killer, a stray signal) is retried, not scored 0. `gone`: the
+    # worker is dead before the request is written, so the write itself breaks (its buffered bytes
+    # then broke the clean-up too, raising BrokenPipeError out of check()); else it may die after.
     p = MathPool(workers=1)
     p.warm()
     try:
-        (pid,) = _worker_pids(p)
-        os.kill(pid, signal.SIGKILL)
+        (worker,) = list(p._idle.queue)
+        os.kill(worker.proc.pid, signal.SIGKILL)
+        if gone:
+            worker.proc.wait()
         assert p.check("\\boxed{\\frac{1}{2}}", "0.5") == MathCheck(True)
         assert (p.failures, p.unscorable, p.timeouts) == (1, 0, 0)
         assert p.equal("\\boxed{3}", "2") is False  # wrong answers are still 0

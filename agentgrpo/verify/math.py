@@ -47,6 +47,7 @@ and numerically (fractions vs decimals, percentages, intervals, sets, equations 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -244,7 +245,10 @@ class _Worker:
         self.proc.kill()
         self.proc.wait()
         for f in (self.proc.stdin, self.proc.stdout):
-            f.close()
+            # A request whose write failed is still buffered: closing flushes it into the dead
+            # pipe, and that BrokenPipeError would escape the retry that `_attempt` is doing.
+            with contextlib.suppress(OSError):
+                f.close()
 
 
 class MathPool:
