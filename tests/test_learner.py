@@ -353,6 +353,20 @@ def test_lr_schedule_advances_passes_times_mini_batches():
 
 # --- 2 processes (gloo) == 1 process ---------------------------------------------------------------
 
+def assert_trained_alike(a: dict, b: dict, before: dict, what: str) -> None:
+    """`a` and `b` trained from `before` alike: each tensor within 0.1% of how far it moved (+1e-6).
+
+    For runs that sum gradients in another order (other ranks, FSDP's re-tied embeddings): Adam
+    divides by sqrt(v) + eps, so a weight whose gradient is ~0 turns a last-bit difference into a
+    visible one (measured up to 9.5e-6 on weights that moved 1.5e-2, a norm ratio of ~4e-6; which
+    tensor shows it, if any, depends on the CPU's kernels). Element-wise tolerances fail on that
+    noise; compare the gradients themselves for exactness."""
+    assert set(a) == set(b), what
+    for name, t in b.items():
+        moved, apart = float((t - before[name]).norm()), float((a[name] - t).norm())
+        assert moved > 0 and apart <= 1e-3 * moved + 1e-6, (what, name, moved, apart)
+
+
 def _steps(learner):
     """Three steps: a normal one, one with unequal micro-batch counts per rank, and one with a single
     trajectory, where one rank has no data and runs an empty micro-batch. The rollouts exist on rank
@@ -398,12 +412,12 @@ def test_two_gloo_processes_equal_one_process(tmp_path, mini_batches):
     mp.spawn(_worker, args=(2, port, str(out), mini_batches), nprocs=2, join=True)
     two = torch.load(out, weights_only=True)
     one = _make(mini_batches=mini_batches)
+    start = {k: v.clone() for k, v in one.unwrapped.state_dict().items()}
     grads, metrics = _steps(one)
     assert len(two["grads"]) == len(grads) == (3 if mini_batches == 1 else 5)
     for step, (g2, g1) in enumerate(zip(two["grads"], grads, strict=True)):
         for name, g in g1.items():
             torch.testing.assert_close(g2[name], g, atol=1e-6, rtol=1e-4, msg=f"step {step}: {name}")
-    for name, p in one.unwrapped.state_dict().items():
-        torch.testing.assert_close(two["weights"][name], p, atol=2e-6, rtol=1e-4, msg=name)
+    assert_trained_alike(two["weights"], one.unwrapped.state_dict(), start, "2 gloo ranks")
     for k in ("loss", "kl", "loss_tokens", "clipfrac", "grad_norm"):
         assert two["metrics"][k] == pytest.approx(metrics[k], rel=1e-4, abs=1e-7), k
