@@ -129,6 +129,16 @@ class RunConfig(BaseModel):
                              "mini-batch holds whole groups: at most tasks_per_step mini-batches")
         return self
 
+    @model_validator(mode="after")
+    def _released_while_training_only(self) -> RunConfig:
+        # Overlapped steps sample while the learner trains: the servers' memory cannot be lent then.
+        sglang = self.engine.sglang
+        if sglang is not None and sglang.release_memory_during_training and self.train.overlap_rollouts:
+            raise ValueError("engine.sglang.release_memory_during_training with train.overlap_rollouts: "
+                             "the servers sample the next step while the learner trains, so they cannot "
+                             "free their memory meanwhile; turn one of them off")
+        return self
+
 
 def apply_override(data: dict[str, Any], override: str) -> None:
     """Apply `a.b.c=value` (value parsed as YAML) to a nested dict."""

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import functools
 import math
 import random
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -22,7 +23,7 @@ from agentgrpo import checkpoint
 from agentgrpo.advantage import compute_advantages
 from agentgrpo.chat import ChatFormat
 from agentgrpo.config import RunConfig, dump_config
-from agentgrpo.engine.base import Engine
+from agentgrpo.engine.base import Engine, release_memory, resume_memory
 from agentgrpo.env import Env, get_env_class
 from agentgrpo.evaluate import evaluate
 from agentgrpo.learner import Learner
@@ -121,6 +122,32 @@ async def train_while_collecting(train_step: Callable[[], dict[str, float]], col
             await asyncio.gather(task, return_exceptions=True)
 
 
+@contextlib.contextmanager
+def memory_lent(learner: Learner, engine: Engine | None, loop: asyncio.AbstractEventLoop, *,
+                colocated: bool) -> Iterator[None]:
+    """While the learner trains and nothing samples, the engine lends it its memory: rank 0 has it
+    released (`release_memory`: SGLang's weights and KV cache when `colocated`, the local engine's
+    prefix cache, dead once the weights change) and resumed before the push. `colocated`: the
+    servers share the learner's GPUs, so no rank trains before the release, and every rank returns
+    its cached CUDA blocks before the resume."""
+    sync = learner.accelerator.wait_for_everyone if colocated else lambda: None
+    if learner.is_main:
+        loop.run_until_complete(release_memory(engine))
+    sync()
+    try:
+        yield
+    except BaseException:
+        if learner.is_main:  # best effort: the step's own error is the one to report
+            with contextlib.suppress(Exception):
+                loop.run_until_complete(resume_memory(engine))
+        raise
+    if colocated and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    sync()
+    if learner.is_main:
+        loop.run_until_complete(resume_memory(engine))
+
+
 def policy_lag(trajs: Sequence[Trajectory], version: int) -> float:
     """How many updates behind the learner's weights (`version`) the oldest sampling weights were;
     NaN when the engine reports no numbered versions."""
@@ -198,6 +225,7 @@ def train(cfg: RunConfig) -> Path:
         engine = build_engine(cfg, model_path, tokenizer)
         sync = WeightSync(engine, cfg.weight_sync)
     loop = asyncio.new_event_loop()  # one loop for the run: engine clients and workers live on it
+    colocated = bool(cfg.engine.sglang and cfg.engine.sglang.release_memory_during_training)
 
     def save_due(step: int) -> bool:
         """Whether the step ending at `step` checkpoints; decided before it trains (overlapping
@@ -275,7 +303,8 @@ def train(cfg: RunConfig) -> Path:
                 metrics.update(trained)
             else:
                 progress.phase("train")
-                metrics.update(train_step())
+                with memory_lent(learner, engine, loop, colocated=colocated):
+                    metrics.update(train_step())
             progress.phase("sync")
             push(done)  # after the overlapped rollouts finished: no request sees weights change
             stopping = learner.any_rank(bool(stop))

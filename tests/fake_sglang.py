@@ -13,7 +13,9 @@ tested end to end on a CPU:
   `skip_tokenizer_init=True` (no text).
 - Concurrency: generation holds a reader lock, weight updates a writer lock; `/pause_generation`
   blocks new generations (mode abort aborts the running ones); `/flush_cache` is 400 while busy;
-  `/release_memory_occupation` while busy is fatal (500, then unhealthy); `/health_generate` is 503
+  `/release_memory_occupation` while busy is fatal (500, then unhealthy), and so is a weight update
+  while the weights are released; `enable_memory_saver` in `/server_info` is the `memory_saver`
+  argument (SGLang's --enable-memory-saver); `/health_generate` is 503
   until `start_delay_s` has passed.
 - Weights: `/update_weights_from_disk`, `/update_weights_from_tensor` (opaque base64),
   `/init_weights_update_group` + `/update_weights_from_distributed` (a real torch.distributed
@@ -233,6 +235,7 @@ class FakeSGLang:
         special_tokens: Mapping[int, str] | None = None,
         vocab: Mapping[int, str] | None = None,
         calls_log: str | None = None,
+        memory_saver: bool = False,
     ) -> None:
         if legacy not in (None, "0.5.2", "0.4.6"):
             raise ValueError(f"legacy must be None, '0.5.2' or '0.4.6', got {legacy!r}")
@@ -251,6 +254,7 @@ class FakeSGLang:
         self.weight_version = weight_version
         self.tokenizer = FakeTokenizer(special_tokens, vocab)
         self.calls_log = calls_log  # append every control call as a JSON line (subprocess tests)
+        self.memory_saver = memory_saver  # launched with --enable-memory-saver
         self.peak_inflight = 0  # most sequences generating at once (bounded-concurrency tests)
         self.faults = Faults()
         self.requests: list[dict[str, Any]] = []  # every /generate body, for assertions
@@ -440,7 +444,7 @@ class FakeSGLang:
         return 200, {
             "model_path": self.model_path, "host": self.host, "port": self.port,
             "tp_size": self.tp_size, "dp_size": 1, "mem_fraction_static": 0.8,
-            "skip_tokenizer_init": self.skip_tokenizer_init, "enable_memory_saver": False,
+            "skip_tokenizer_init": self.skip_tokenizer_init, "enable_memory_saver": self.memory_saver,
             "context_length": self.context_length, "weight_version": self.weight_version,
             "max_total_num_tokens": 1048576, "max_req_input_len": self.context_length - 5,
             "internal_states": [{"last_gen_throughput": 0.0}], "version": self.version,
@@ -547,6 +551,10 @@ class FakeSGLang:
 
     async def _locked_update(self, fn: Callable[[], Any]) -> Any:
         """Run an update under the writer lock, unless generation is paused (then at once)."""
+        if "weights" in self.released_tags:  # SGLang would write into unmapped memory: the process dies
+            self.unhealthy = True
+            return 500, {"object": "error", "message": "weights released: resume_memory_occupation first",
+                         "type": "500", "param": None, "code": 500}
         if self.paused:
             return await fn()
         await self._rw.acquire_write()
@@ -1211,6 +1219,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context-length", type=int, default=4096)
     ap.add_argument("--api-key-env", default=None, help="read --api-key from this variable")
     ap.add_argument("--calls-log", default=None, help="append control calls to this JSONL file")
+    ap.add_argument("--enable-memory-saver", action="store_true", help="as SGLang's flag: memory can be released")
     args, _unknown = ap.parse_known_args(argv)  # real SGLang flags (from the launcher) are ignored
     backend = TinyModelBackend.from_pretrained(args.model_path) if args.backend == "model" else None
     output = [int(x) for x in args.output.split(",") if x]
@@ -1220,7 +1229,7 @@ def main(argv: list[str] | None = None) -> int:
         start_delay_s=args.start_delay, context_length=args.context_length,
         model_path=args.model_path,
         api_key=os.environ.get(args.api_key_env) if args.api_key_env else None,
-        calls_log=args.calls_log,
+        calls_log=args.calls_log, memory_saver=args.enable_memory_saver,
     )
 
     server.faults.generate_delay_s = args.generate_delay

@@ -556,6 +556,19 @@ async def test_evicted_prefixes_are_prefilled_again(model):
     assert_matches_fresh_forward(model, a, again, 1.0)
 
 
+async def test_release_memory_empties_the_prefix_cache(model):
+    a = list(range(3, 33))
+    with LocalEngine(model, eos_token_ids=()) as eng:
+        await eng.generate(a, SamplingParams(max_new_tokens=5))
+        assert eng.prefix_cache.tokens == 34
+        await eng.release_memory()  # the loop's hook while the learner trains
+        assert len(eng.prefix_cache) == 0 and eng.prefix_cache.tokens == 0
+        before = dict(eng.stats)
+        out = await eng.generate(a, SamplingParams(max_new_tokens=5))
+        assert prefill_delta(eng, before) == (30, 0)  # nothing reused: prefilled afresh
+    assert_matches_fresh_forward(model, a, out, 1.0)
+
+
 async def test_prefix_cache_disabled(model):
     prompt = list(range(3, 33))
     with LocalEngine(model, eos_token_ids=(), prefix_cache_tokens=0) as eng:

@@ -73,3 +73,25 @@ class Engine(Protocol):
         """Load new policy weights. `weights` is a state dict (in-process engines) or a path to a
         directory of safetensors files that the engine can read."""
         ...
+
+
+# Optional engine hooks, called by the training loop around a learner step that does not overlap
+# with sampling (the engine is idle from the end of the rollouts to the weight push). An engine
+# without them is left alone: they are not part of `Engine`, so every engine written against the
+# protocol keeps working.
+#   async def release_memory(self) -> None: give up what the coming weights make useless or what
+#       the learner can use meanwhile (SGLang's weights and KV cache with its memory saver, the
+#       local engine's prefix cache, whose KV the next push invalidates anyway)
+#   async def resume_memory(self) -> None: take it back, before the weights are pushed
+
+
+async def release_memory(engine: Any) -> None:
+    """`engine.release_memory()` when the engine has that hook (see above), else nothing."""
+    if (hook := getattr(engine, "release_memory", None)) is not None:
+        await hook()
+
+
+async def resume_memory(engine: Any) -> None:
+    """`engine.resume_memory()` when the engine has that hook, else nothing."""
+    if (hook := getattr(engine, "resume_memory", None)) is not None:
+        await hook()

@@ -53,7 +53,10 @@ How it works (decisions):
   needs the most (recomputing a few cached ones), so the padding stays on the left and costs what
   left padding costs anyway. Exactness: the KV of a token depends only on the ids up to it and its
   position id, so the result differs from a fresh prefill by float rounding only (tests check 1e-4).
-  `update_weights` empties the cache (its KV was computed under the old weights).
+  `update_weights` empties the cache (its KV was computed under the old weights), and so does
+  `release_memory`, which the training loop calls when the rollouts of a step are done: the entries
+  are dead from then on (the next push invalidates them), and without it they held up to
+  `prefix_cache_tokens` x 45 KiB (SmolLM2-135M, fp32) while the learner trained in the same process.
 - **Weights.** `update_weights` is queued behind the requests already submitted: the worker stops
   admitting, lets the running rows finish, copies the new tensors in place (tied weights stay tied),
   then sets `weight_version`. So every completion comes from exactly one version, the one it reports.
@@ -101,6 +104,12 @@ class _Score:
     prompt_ids: list[int]
     completion_ids: list[int]
     temperature: float
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+
+
+@dataclass(eq=False)
+class _Release:
     future: asyncio.Future
     loop: asyncio.AbstractEventLoop
 
@@ -275,6 +284,14 @@ class LocalEngine:
         self._submit(item)
         return await item.future
 
+    async def release_memory(self) -> None:
+        """Empty the prefix cache (the training loop's hook for the time the learner trains: the
+        next weight push would empty it anyway). Running requests keep their own KV."""
+        loop = asyncio.get_running_loop()
+        item = _Release(loop.create_future(), loop)
+        self._submit(item)
+        await item.future
+
     def close(self) -> None:
         """Stop the worker; in-flight and queued requests finish with `finish_reason="abort"`."""
         with self._lock:
@@ -376,6 +393,9 @@ class LocalEngine:
                 elif isinstance(item, _Score):
                     waiting.popleft()
                     self._guarded(item, self._score_now, item)
+                elif isinstance(item, _Release):
+                    waiting.popleft()
+                    self._guarded(item, self.prefix_cache.clear)
                 elif isinstance(item, _Update):
                     if batch.rows or admit:
                         break  # let the running rows finish under the weights they started with
@@ -396,10 +416,10 @@ class LocalEngine:
         for req in [*batch.rows, *(w for w in waiting if isinstance(w, _Request))]:
             batch.finish(req, "abort", "engine closed")
         for item in waiting:
-            if isinstance(item, (_Update, _Score)):
+            if isinstance(item, (_Update, _Score, _Release)):
                 _resolve(item.loop, item.future, error=EngineError("LocalEngine is closed"))
 
-    def _guarded(self, item: _Update | _Score, fn, *args: Any) -> None:
+    def _guarded(self, item: _Update | _Score | _Release, fn, *args: Any) -> None:
         try:
             result = fn(*args)
         except Exception as exc:  # noqa: BLE001 - delivered to the caller's await

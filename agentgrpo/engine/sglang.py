@@ -13,6 +13,13 @@ Decisions (see PROTOCOL.md for the server side of each):
   ("... maximum context length ...") becomes a `length` Completion with no tokens and the server's
   message in `detail`. With `context_length` configured, `max_new_tokens` is clamped client-side
   first (SGLang rejects `prompt + max_new_tokens >= context_length`).
+- Colocated with the learner (`release_memory_during_training`), the servers hold no GPU memory
+  between a step's rollouts and its weight push: `release_memory` pauses them (abort: SGLang asserts
+  an idle scheduler, and a request this client abandoned may still run) and frees weights and KV
+  cache; `resume_memory` takes both back and continues; then the push. Both come back before the
+  push (slime and verl resume the KV cache after in-memory updates): a disk update needs no room
+  beyond the weights, and the push's pause/flush meets an ordinary server. A server without
+  `--enable-memory-saver` would accept the release and free nothing: it is refused instead.
 - Weight updates follow pause -> flush_cache -> update -> continue on every server in rotation.
   Requests that SGLang aborts because of our own pause are resubmitted once generation continues
   (their partial tokens came from the old weights); new requests wait client-side until the update
@@ -90,6 +97,12 @@ class SGLangConfig(BaseModel):
     weight_update_timeout_s: float = Field(
         1800.0, gt=0, description="Deadline of one weight-update HTTP call (disk load, broadcast)."
     )
+    release_memory_during_training: bool = Field(
+        False,
+        description="The servers share GPUs with the learner: they free their weights and KV cache "
+        "while the learner trains and take them back before each weight push. Needs SGLang's "
+        "--enable-memory-saver (checked); not with train.overlap_rollouts.",
+    )
 
     @field_validator("urls")
     @classmethod
@@ -136,6 +149,8 @@ class SGLangEngine:
         # servers without meta weight_version); a returning server must serve it to rejoin
         self._last_disk_update: dict[str, Any] | None = None  # replayed on returning servers
         self._update_targets: list[ServerState] | None = None
+        self._released: list[ServerState] | None = None  # servers whose memory release_memory freed
+        self._memory_saver: set[str] = set()  # urls seen with --enable-memory-saver
 
     @classmethod
     def from_config(cls, cfg: SGLangConfig) -> SGLangEngine:
@@ -319,9 +334,13 @@ class SGLangEngine:
         return servers
 
     async def _all(self, method: str, path: str, payload: Any = None, **kw: Any) -> list[Any]:
-        return await asyncio.gather(
-            *(self._control(s, method, path, payload, **kw) for s in self._in_rotation())
-        )
+        return await self._each(self._in_rotation(), method, path, payload, **kw)
+
+    async def _each(self, servers: Sequence[ServerState], method: str, path: str, payload: Any = None,
+                    *, return_exceptions: bool = False, **kw: Any) -> list[Any]:
+        """The same control call to each of `servers`, concurrently."""
+        return await asyncio.gather(*(self._control(s, method, path, payload, **kw) for s in servers),
+                                    return_exceptions=return_exceptions)
 
     async def flush_cache(self, timeout_s: float | None = None) -> None:
         """Flush the prefix cache on every server, retrying while requests are still in flight
@@ -347,6 +366,9 @@ class SGLangEngine:
         resubmitted by this client), flush their cache, run the body (the update), and always
         continue generation. New generate() calls wait meanwhile."""
         async with self._update_lock:
+            if self._released is not None:
+                raise EngineError("weights pushed while the SGLang servers' memory is released: "
+                                  "call resume_memory() first (the update would write into freed memory)")
             self._update_targets = self._in_rotation()
             self._resumed.clear()
             self._epoch += 1
@@ -355,16 +377,67 @@ class SGLangEngine:
                 await self.flush_cache()
                 yield
             finally:
-                results = await asyncio.gather(
-                    *(self._control(s, "POST", "/continue_generation", {})
-                      for s in self._update_targets),
-                    return_exceptions=True,
-                )
+                results = await self._each(self._update_targets, "POST", "/continue_generation", {},
+                                           return_exceptions=True)
                 self._update_targets = None
                 self._resumed.set()
                 failed = [r for r in results if isinstance(r, BaseException)]
                 if failed and sys.exc_info()[0] is None:  # don't hide the body's own error
                     raise failed[0]
+
+    async def release_memory(self) -> None:
+        """With `release_memory_during_training`: free the weights and KV cache of every server in
+        rotation until `resume_memory`; generate() calls wait client-side meanwhile. A no-op
+        otherwise. Raises `EngineError` for a server started without --enable-memory-saver."""
+        if not self.config.release_memory_during_training:
+            return
+        async with self._update_lock:
+            if self._released is not None:
+                raise EngineError("release_memory() called twice without resume_memory()")
+            servers = self._in_rotation()
+            await self._require_memory_saver(servers)
+            self._resumed.clear()
+            self._epoch += 1  # what the pause aborts is resubmitted after resume_memory()
+            try:
+                await self._each(servers, "POST", "/pause_generation", {"mode": "abort"})
+                await self._each(servers, "POST", "/release_memory_occupation",
+                                 {"tags": ["kv_cache", "weights"]}, timeout=self.config.weight_update_timeout_s)
+            except BaseException:  # let generation go on where it still can; the error says what failed
+                await self._each(servers, "POST", "/continue_generation", {}, return_exceptions=True)
+                self._resumed.set()
+                raise
+            self._released = servers
+
+    async def resume_memory(self) -> None:
+        """Take back what `release_memory` freed: weights, then KV cache, then continue generation
+        (the weights are stale until the next push, which the training loop makes next; with
+        SGLang's --enable-weights-cpu-backup they are the old ones). A no-op when nothing is
+        released."""
+        async with self._update_lock:
+            servers, self._released = self._released, None
+            if servers is None:
+                return
+            try:
+                for tags in (["weights"], ["kv_cache"]):
+                    await self._each(servers, "POST", "/resume_memory_occupation", {"tags": tags},
+                                     timeout=self.config.weight_update_timeout_s)
+                await self._each(servers, "POST", "/continue_generation", {})
+            finally:
+                self._resumed.set()
+
+    async def _require_memory_saver(self, servers: list[ServerState]) -> None:
+        for s in servers:
+            if s.url in self._memory_saver:
+                continue
+            r = await self._control(s, "GET", "/server_info", allow_404=True)
+            info = (r if r is not None else await self._control(s, "GET", "/get_server_info")).json()
+            if not info.get("enable_memory_saver"):
+                raise EngineError(
+                    f"SGLang server {s.url} was started without --enable-memory-saver: with "
+                    "release_memory_during_training it would accept the release and free nothing, "
+                    "and the learner would run out of memory instead. Restart it with the flag or "
+                    "turn release_memory_during_training off.")
+            self._memory_saver.add(s.url)
 
     async def update_weights(self, weights: Any, *, version: str) -> None:
         """`Engine` protocol: `weights` must be a directory of safetensors files every server can
