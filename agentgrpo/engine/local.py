@@ -57,8 +57,9 @@ How it works (decisions):
   `release_memory`, which the training loop calls when the rollouts of a step are done: the entries
   are dead from then on (the next push invalidates them), and without it they held up to
   `prefix_cache_tokens` x 45 KiB (SmolLM2-135M, fp32) while the learner trained in the same process.
-  That did not lower the default run's peak RSS (4 steps, 2026-12-01: 8.33 GB vs 8.69 GB kept; a
-  sampler put the peak in the rollouts, 7.2 GB, not the learner step): it frees, it does not shrink.
+  That did not lower the default run's peak RSS (4 steps, 2026-12-01: 8.33 GB vs 8.69 GB kept):
+  the learner step's activations set it (7.95 GB sampled during it, against 1.9-2.5 GB for the
+  engine's rollouts alone, cache included).
 - **Weights.** `update_weights` is queued behind the requests already submitted: the worker stops
   admitting, lets the running rows finish, copies the new tensors in place (tied weights stay tied),
   then sets `weight_version`. So every completion comes from exactly one version, the one it reports.
