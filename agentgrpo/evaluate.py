@@ -244,7 +244,12 @@ def run_eval(cfg: RunConfig, *, engine: Engine | None = None) -> tuple[Path, Eva
         from agentgrpo.train import build_engine
 
         engine = build_engine(cfg, base, tokenizer)
-    sync = WeightSync(engine, cfg.weight_sync) if policy is not None else None
+    # Disk pushes go to a subdirectory: a training run with the same shared_dir pushes step_<N>
+    # there too, and replacing or pruning its directories could pull them from under its servers.
+    ws = cfg.weight_sync
+    if ws.shared_dir:
+        ws = ws.model_copy(update={"shared_dir": str(Path(ws.shared_dir) / "eval")})
+    sync = WeightSync(engine, ws) if policy is not None else None
     loop = asyncio.new_event_loop()  # one loop for the engine's clients, the push and the rollouts
     try:
         if sync is not None:

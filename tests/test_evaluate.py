@@ -220,6 +220,7 @@ def test_sglang_servers_get_the_evaluated_weights_pushed(runs, stopping_model_di
                   "eval.num_tasks=1", "rollout.max_turns=1"]  # the fake's model has no KV cache: keep it short
         _, result = run_eval(_eval_cfg(run_dir, stopping_model_dir, extra, *sglang))
         torch.testing.assert_close(_get_weight(server.url, key), trained, atol=1e-6, rtol=1e-5)
+        assert [p.name for p in tmp_path.iterdir()] == ["eval"]  # a training run's step_<N> stay its own
         assert {t.weight_version for g in result.groups for t in g.trajectories} == {"1"}
         _, result = run_eval(_eval_cfg(run_dir, stopping_model_dir, extra, *sglang, "eval.checkpoint=none"))
         torch.testing.assert_close(_get_weight(server.url, key), initial, atol=0, rtol=0)

@@ -283,6 +283,8 @@ class SGLangEngine:
         Returns "" when it may rejoin, else why not."""
         if self._weight_version is None:
             return ""
+        if self._released is not None:  # its weights may be released too: no update now
+            return "the servers' memory is released while the learner trains; it rejoins after"
         try:
             r = await self._control(s, "GET", "/model_info")
             if r.json().get("weight_version") == self._weight_version:
