@@ -397,6 +397,9 @@ def _worker(rank: int, world: int, port: int, out: str, mini_batches: int) -> No
     grads, metrics = _steps(learner)
     if rank == 0:
         torch.save({"weights": learner.unwrapped.state_dict(), "grads": grads, "metrics": metrics}, out)
+    # Both ranks leave together: rank 1 exiting with the gloo group alive while rank 0 still wrote
+    # the file aborted it ("terminate called without an active exception", SIGABRT) now and then.
+    learner.close()
 
 
 @pytest.mark.parametrize("mini_batches", [1, 2])
