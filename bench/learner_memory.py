@@ -2,14 +2,17 @@
 
 The gradient does not depend on the budget (micro-batches accumulate to the step's gradient; tests
 prove it), so the budget is a pure trade of activation memory against per-forward overhead. This
-measures both for the embedded SmolLM2-135M on a GRPO-shaped batch (bench/learner.py's
-`grpo_batch`: groups of 8 sharing a 170-token prompt), with bf16 autocast as examples/calculator.yaml
-sets it. Each budget runs in a fresh process, since the peak resident size (`ru_maxrss`) only
+measures both for the embedded SmolLM2-135M on a GRPO-shaped batch: `--shape tool` (default;
+bench/learner.py's `grpo_batch`: groups of 8 sharing a 170-token prompt, two short responses around
+a tool result), with bf16 autocast as examples/calculator.yaml sets it; or `--shape long` (groups of
+8 sharing a 250-token prompt, 3 turns of 80-220 sampled and 30-90 tool tokens, as python_math's
+trajectories run) with `--autocast none`, the fp32 learner of the long-trajectory examples. Each budget runs in a fresh process, since the peak resident size (`ru_maxrss`) only
 grows within one; printed: micro-batches, packed tokens, peak RSS and the median learner step, then
 each budget's ratios against the first one (the baseline), measured in the same run. Budgets run in
 the given order, then reversed, `--repeats` times, so a drifting machine weighs on all of them.
 
     python bench/learner_memory.py [--budgets 4096,2048,1024] [--groups 4] [--steps 3] [--repeats 1]
+    python bench/learner_memory.py --shape long --autocast none --budgets 8192,2048 --steps 1
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import resource
 import statistics
 import subprocess
@@ -25,7 +29,26 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def child(budget: int, groups: int, steps: int) -> dict:
+def long_batch(groups: int, size: int, vocab: int, seed: int = 0) -> list:
+    """python_math-shaped: a 250-token prompt per group, 3 turns of 80-220 sampled ids followed by
+    30-90 tool-output ids (loss mask 0)."""
+    from bench.learner import _traj
+
+    rng = random.Random(seed)
+    out = []
+    for g in range(groups):
+        prompt = [rng.randrange(vocab) for _ in range(250)]
+        for _ in range(size):
+            ids, mask = list(prompt), [0] * len(prompt)
+            for _turn in range(3):
+                sampled, tool = rng.randint(80, 220), rng.randint(30, 90)
+                ids += [rng.randrange(vocab) for _ in range(sampled + tool)]
+                mask += [1] * sampled + [0] * tool
+            out.append(_traj(ids, mask, f"g{g}", rng))
+    return out
+
+
+def child(budget: int, groups: int, steps: int, shape: str, autocast: str) -> dict:
     import torch
 
     from agentgrpo.learner import Learner, LearnerConfig
@@ -36,8 +59,8 @@ def child(budget: int, groups: int, steps: int) -> dict:
     torch.manual_seed(0)
     model = load_policy(default_model_path())
     vocab = model.config.vocab_size
-    trajs = grpo_batch(groups, 8, vocab=vocab)
-    learner = Learner(model, LearnerConfig(lr=1e-6, micro_batch_tokens=budget, autocast="bf16"),
+    trajs = grpo_batch(groups, 8, vocab=vocab) if shape == "tool" else long_batch(groups, 8, vocab)
+    learner = Learner(model, LearnerConfig(lr=1e-6, micro_batch_tokens=budget, autocast=autocast),
                       LossConfig(clip_low=0.2, clip_high=0.28), temperature=0.7)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     times = []
@@ -56,10 +79,12 @@ def main() -> None:
     p.add_argument("--groups", type=int, default=4)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--shape", choices=["tool", "long"], default="tool")
+    p.add_argument("--autocast", choices=["bf16", "none"], default="bf16")
     p.add_argument("--child", type=int, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child is not None:
-        print(json.dumps(child(args.child, args.groups, args.steps)))
+        print(json.dumps(child(args.child, args.groups, args.steps, args.shape, args.autocast)))
         return
     budgets = [int(b) for b in args.budgets.split(",")]
     results: dict[int, list[dict]] = {b: [] for b in budgets}
@@ -67,14 +92,15 @@ def main() -> None:
     for r in range(args.repeats):
         for b in budgets if r % 2 == 0 else budgets[::-1]:
             out = subprocess.run([sys.executable, __file__, "--child", str(b), "--groups", str(args.groups),
-                                  "--steps", str(args.steps)], capture_output=True, text=True, env=env, check=True)
+                                  "--steps", str(args.steps), "--shape", args.shape, "--autocast", args.autocast],
+                                 capture_output=True, text=True, env=env, check=True)
             results[b].append(json.loads(out.stdout.strip().splitlines()[-1]))
     base = budgets[0]
     peak = {b: max(x["rss_peak_gb"] for x in rs) for b, rs in results.items()}
     step = {b: statistics.median(x["step_s"] for x in rs) for b, rs in results.items()}
     first = results[base][0]
-    print(f"SmolLM2-135M, {args.groups} groups x 8 ({first['tokens']} tokens), bf16 autocast, "
-          f"model loaded: {first['rss_loaded_gb']:.2f} GB")
+    print(f"SmolLM2-135M, {args.shape} shape, {args.groups} groups x 8 ({first['tokens']} tokens), "
+          f"autocast {args.autocast}, model loaded: {first['rss_loaded_gb']:.2f} GB")
     print(f"{'budget':>7} {'micro-batches':>13} {'packed':>6} {'peak RSS GB':>11} {'step s':>7} "
           f"{'peak / base':>11} {'step / base':>11}")
     for b in budgets:
