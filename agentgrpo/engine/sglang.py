@@ -181,11 +181,14 @@ class SGLangEngine:
         await self._pool.wait_ready(timeout_s)
         await asyncio.gather(*(self._read_server_info(s) for s in self._pool.servers))
 
-    async def _read_server_info(self, s: ServerState) -> None:
+    async def _server_info(self, s: ServerState) -> dict[str, Any]:
         r = await self._control(s, "GET", "/server_info", allow_404=True)
         if r is None:  # very old servers only have /get_server_info
             r = await self._control(s, "GET", "/get_server_info")
-        info = r.json()
+        return r.json()
+
+    async def _read_server_info(self, s: ServerState) -> None:
+        info = await self._server_info(s)
         s.version = str(info.get("version")) if info.get("version") is not None else None
         s.tp_size = int(info.get("tp_size") or 1)
         s.dp_size = 1 if info.get("enable_dp_attention") else int(info.get("dp_size") or 1)
@@ -431,9 +434,7 @@ class SGLangEngine:
         for s in servers:
             if s.url in self._memory_saver:
                 continue
-            r = await self._control(s, "GET", "/server_info", allow_404=True)
-            info = (r if r is not None else await self._control(s, "GET", "/get_server_info")).json()
-            if not info.get("enable_memory_saver"):
+            if not (await self._server_info(s)).get("enable_memory_saver"):
                 raise EngineError(
                     f"SGLang server {s.url} was started without --enable-memory-saver: with "
                     "release_memory_during_training it would accept the release and free nothing, "
