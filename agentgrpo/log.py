@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import sys
 import time
 import uuid
@@ -33,11 +34,17 @@ if TYPE_CHECKING:
 SECRET_WORDS = ("key", "token", "secret", "password")
 
 
+def _secret_key(key: Any) -> bool:
+    """A key one of whose `_`/`-`/`.`-separated words ends in a secret word: api_key, apiKey,
+    hf_token, password; not row_tokens or max_tokens (counts, not tokens)."""
+    return any(w.endswith(SECRET_WORDS) for w in re.split(r"[_\-.]", str(key).lower()))
+
+
 def mask_secrets(obj: Any) -> Any:
-    """Replace values of keys that look like secrets (api_key, token, ...) with '***'."""
+    """Replace the string values of keys that look like secrets (api_key, token, ...) with '***'."""
     if isinstance(obj, dict):
-        return {k: ("***" if v and any(w in str(k).lower() for w in SECRET_WORDS) and isinstance(v, str)
-                    else mask_secrets(v)) for k, v in obj.items()}
+        return {k: ("***" if v and isinstance(v, str) and _secret_key(k) else mask_secrets(v))
+                for k, v in obj.items()}
     if isinstance(obj, list):
         return [mask_secrets(v) for v in obj]
     return obj

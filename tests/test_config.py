@@ -34,6 +34,8 @@ def test_secrets_are_masked():
     from agentgrpo.log import mask_secrets
 
     assert mask_secrets({"a": {"api_key": "sk-1", "n": 1}, "token": "t"}) == {"a": {"api_key": "***", "n": 1}, "token": "***"}
+    assert mask_secrets({"HF-Token": "hf_x", "apiKey": "k", "row_tokens": "auto"}) == {
+        "HF-Token": "***", "apiKey": "***", "row_tokens": "auto"}
     assert "***" not in dump_config(load_config(None))
 
 
