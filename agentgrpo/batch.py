@@ -110,23 +110,32 @@ def _common_prefix(seqs: Sequence[np.ndarray]) -> int:
     return n if same_N.all() else int(np.argmin(same_N))
 
 
-def _units(trajs: Sequence[Trajectory], idx: list[int], mode: PackingMode, budget: int) -> list[_Unit]:
-    lens = {i: len(trajs[i].token_ids) for i in idx}
+def _groups(trajs: Sequence[Trajectory], mode: PackingMode) -> list[tuple[list[int], int]]:
+    """(members, shared prefix length) of every unit-to-be: a GRPO group with its common prefix under
+    `shared_prefix`, else (and for a group with nothing to share) each trajectory alone with 0."""
     if mode != "shared_prefix":
-        return [_Unit([i], 0, lens[i]) for i in idx]
-    groups: dict[str, list[int]] = defaultdict(list)
-    for i in idx:
-        groups[trajs[i].group_id].append(i)
-    units = []
-    for members in groups.values():
+        return [([i], 0) for i in range(len(trajs))]
+    by_id: dict[str, list[int]] = defaultdict(list)
+    for i, t in enumerate(trajs):
+        by_id[t.group_id].append(i)
+    out = []
+    for members in by_id.values():
         # Every member keeps >= 1 token of its own, so each has a row position after the prefix.
-        ids = [np.asarray(trajs[i].token_ids) for i in members]
-        P = min(_common_prefix(ids), min(lens[i] for i in members) - 1)
-        if len(members) < 2 or P < 1:
-            units += [_Unit([i], 0, lens[i]) for i in members]
+        n = min(len(trajs[i].token_ids) for i in members)
+        P = min(_common_prefix([np.asarray(trajs[i].token_ids[:n]) for i in members]), n - 1)
+        out += [(members, P)] if len(members) > 1 and P >= 1 else [([i], 0) for i in members]
+    return out
+
+
+def _units(trajs: Sequence[Trajectory], groups: list[tuple[list[int], int]], budget: int) -> list[_Unit]:
+    """A unit must sit in one row; a group longer than `budget` is split, each part with its own copy
+    of the prefix (shortest members first)."""
+    units = []
+    for members, P in groups:
+        lens = {i: len(trajs[i].token_ids) for i in members}
+        if not P:
+            units.append(_Unit(members, 0, lens[members[0]]))
             continue
-        # A unit must sit in one row; a group too long for the budget is split, each part with its own
-        # copy of the prefix.
         cur: list[int] = []
         size = P
         for i in sorted(members, key=lambda i: lens[i]):
@@ -136,7 +145,7 @@ def _units(trajs: Sequence[Trajectory], idx: list[int], mode: PackingMode, budge
             cur.append(i)
             size += lens[i] - P
         units.append(_Unit(cur, P, size))
-    return [u if len(u.members) > 1 else _Unit(u.members, 0, lens[u.members[0]]) for u in units]
+    return [u if len(u.members) > 1 else _Unit(u.members, 0, len(trajs[u.members[0]].token_ids)) for u in units]
 
 
 def _first_fit_decreasing(units: list[_Unit], capacity: int) -> list[list[_Unit]]:
@@ -162,14 +171,17 @@ def make_micro_batches(
     *,
     mode: PackingMode = "shared_prefix",
     one_row: bool = False,
+    row_tokens: int | None = None,
 ) -> list[TrainBatch]:
     """Split one step's trajectories into micro-batches of about `token_budget` token slots.
 
     `padded`: rows sorted by length, as many per micro-batch as fit padded (a trajectory longer than
     the budget gets a micro-batch of its own). `packed` / `shared_prefix`: units (trajectories, or
     a group's prefix + continuations) are bin-packed into rows as long as the longest unit, and
-    `token_budget // row_length` rows make a micro-batch. `one_row`: each micro-batch is a single row
-    of up to `token_budget` tokens with no mask (flash-attention varlen; not with `shared_prefix`).
+    `token_budget // row_length` rows make a micro-batch. `row_tokens` (shared_prefix): the longest a
+    group's unit may be; longer groups are split, each piece with its own copy of the prefix (see
+    `choose_row_tokens`); None = the budget. `one_row`: each micro-batch is a single row of up to
+    `token_budget` tokens with no mask (flash-attention varlen; not with `shared_prefix`).
     Every trajectory needs at least one loss token and none at position 0 (nothing predicts it).
     """
     if len(trajs) != len(advantages):
@@ -183,27 +195,82 @@ def make_micro_batches(
             raise ValueError(f"trajectory {t.task_id!r} has no loss token")
         if t.loss_mask[0]:
             raise ValueError(f"trajectory {t.task_id!r}: token 0 carries loss but nothing predicts it")
-    idx = list(range(len(trajs)))
-    if not idx:
+    if not trajs:
         return []
-    units = _units(trajs, idx, mode, token_budget)
+    plan = _plan(trajs, _groups(trajs, mode), token_budget, mode, one_row, row_tokens)
+    needs_mask = mode != "padded" and not one_row
+    return [_build(trajs, advantages, b, pad_id, needs_mask) for b in plan]
+
+
+def _plan(trajs: Sequence[Trajectory], groups: list[tuple[list[int], int]], budget: int, mode: PackingMode,
+          one_row: bool, row_tokens: int | None) -> list[list[list[_Unit]]]:
+    """Micro-batches, each a list of rows, each a list of units."""
+    units = _units(trajs, groups, min(budget, row_tokens or budget))
     if mode == "padded":
-        rows = [[u] for u in sorted(units, key=lambda u: u.length)]
         batches: list[list[list[_Unit]]] = []
         cur: list[list[_Unit]] = []
-        for row in rows:  # ascending: the newest row is the longest
-            if cur and (len(cur) + 1) * row[0].length > token_budget:
+        for u in sorted(units, key=lambda u: u.length):  # ascending: the newest row is the longest
+            if cur and (len(cur) + 1) * u.length > budget:
                 batches.append(cur)
                 cur = []
-            cur.append(row)
+            cur.append([u])
         batches.append(cur)
-    else:
-        capacity = token_budget if one_row else max(u.length for u in units)
-        rows = _first_fit_decreasing(units, max(capacity, max(u.length for u in units)))
-        per_batch = 1 if one_row else max(1, token_budget // capacity)
-        batches = [rows[i : i + per_batch] for i in range(0, len(rows), per_batch)]
-    needs_mask = mode != "padded" and not one_row
-    return [_build(trajs, advantages, b, pad_id, needs_mask) for b in batches]
+        return batches
+    longest = max(u.length for u in units)
+    rows = _first_fit_decreasing(units, max(budget, longest) if one_row else longest)
+    per_batch = 1 if one_row else max(1, budget // longest)
+    return [rows[i : i + per_batch] for i in range(0, len(rows), per_batch)]
+
+
+def attention_pair_cost(config) -> float:
+    """What one (query, key) pair of attention costs, relative to one token's matmuls, for a
+    transformers decoder config: QK^T and AV take 2 * heads * head_dim multiply-adds per pair; a
+    token's q/k/v/o projections and gated MLP take h * (2 * heads + 2 * kv_heads) * head_dim + 3 * h * ff
+    (the layer count cancels; the LM head runs on loss tokens only and is left out). Under a 4D mask
+    every pair of a row is computed, so a token in a row of T costs about `1 + r * T`. SmolLM2-135M:
+    r = 3.3e-4 (attention equals the matmuls at T ~ 3000); Qwen2-0.5B: 1.2e-4. 0.0 for a config
+    without these fields (rows are then as long as the budget allows)."""
+    h = getattr(config, "hidden_size", None)
+    heads = getattr(config, "num_attention_heads", None)
+    if not h or not heads:
+        return 0.0
+    head_dim = getattr(config, "head_dim", None) or h // heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    ff = getattr(config, "intermediate_size", None) or 4 * h
+    return 2 * heads * head_dim / (h * (2 * heads + 2 * kv) * head_dim + 3 * h * ff)
+
+
+def choose_row_tokens(trajs: Sequence[Trajectory], token_budget: int, pair_cost: float,
+                      mode: PackingMode = "shared_prefix") -> int | None:
+    """The group-unit cap (`make_micro_batches(row_tokens=...)`) whose plan costs least, in units of
+    one token's matmuls: every micro-batch of B rows of T slots costs B * T * (1 + pair_cost * T).
+
+    Sharing a group's prompt saves (G - 1) * prompt tokens but makes one row of the whole group, and
+    under a mask attention costs the square of the row: python_math-shaped groups (8 x ~880 tokens, a
+    250-token prompt) become 5290-token rows, where SmolLM2's attention is 1.7x its matmuls; split into
+    pieces of two members (1510 tokens, the prompt 4 times instead of once), the step costs 0.63x as
+    modeled and 0.58x as measured (bench/learner_memory.py). Candidates run from the longest
+    trajectory to the longest unit the budget allows, in steps of 1.25x. None (no cap) outside
+    `shared_prefix` or when pair_cost is 0, where nothing is gained by splitting."""
+    if mode != "shared_prefix" or pair_cost <= 0 or not trajs:
+        return None
+    groups = _groups(trajs, mode)
+    longest_traj = max(len(t.token_ids) for t in trajs)
+    longest_unit = max(u.length for u in _units(trajs, groups, token_budget))
+    caps, cap = [longest_unit], float(longest_traj)
+    while cap < longest_unit:
+        caps.append(int(cap))
+        cap *= 1.25
+
+    def cost(cap: int) -> float:
+        total = 0.0
+        for rows in _plan(trajs, groups, token_budget, mode, False, cap):
+            T = max(sum(u.length for u in row) for row in rows)
+            total += len(rows) * T * (1 + pair_cost * T)
+        return total
+
+    best = min(caps, key=lambda c: (cost(c), -c))
+    return None if best >= longest_unit else best
 
 
 def _build(trajs: Sequence[Trajectory], advantages: Sequence[float], rows: list[list[_Unit]],

@@ -53,10 +53,18 @@ from typing import Any, Literal
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, InitProcessGroupKwargs
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from agentgrpo import learner_state
-from agentgrpo.batch import PackingMode, TrainBatch, make_micro_batches, shard, split_mini_batches
+from agentgrpo.batch import (
+    PackingMode,
+    TrainBatch,
+    attention_pair_cost,
+    choose_row_tokens,
+    make_micro_batches,
+    shard,
+    split_mini_batches,
+)
 from agentgrpo.learner_dist import check_launch, shard_reference
 from agentgrpo.learner_metrics import Metrics, over_ranks, step_metrics
 from agentgrpo.logprobs import PolicyForward, to_loss_layout, token_logprobs, uses_flash
@@ -85,6 +93,11 @@ class LearnerConfig(BaseModel):
     packing: PackingMode = Field(
         "shared_prefix", description="shared_prefix: pack sequences, a group's common prompt computed "
         "once; packed: pack sequences; padded: one sequence per row (see agentgrpo.batch)")
+    row_tokens: Literal["auto"] | int = Field(
+        "auto", description="shared_prefix: the longest a group's row may be before the group is split "
+        "(each piece with its own copy of the prompt). Under a mask attention costs the square of the "
+        "row; auto = the cap the packer's cost model finds cheapest (agentgrpo.batch.choose_row_tokens); "
+        "an int caps it (micro_batch_tokens = no cap: a whole group per row)")
     old_logprobs: Literal["rollout", "recompute"] = Field(
         "rollout", description="pi_old of the ratio: the engine's sampling logprobs, or the learner's own "
         "recomputed before the first pass (one extra no-grad forward)")
@@ -113,6 +126,20 @@ class LearnerConfig(BaseModel):
         3600.0, gt=0, description="many processes: how long a rank waits in a collective (other ranks "
         "wait for rank 0's rollouts in one) before the run fails instead of hanging")
     lora: LoraConfig | None = Field(None, description="train LoRA adapters (peft) instead of all weights")
+
+    @field_validator("row_tokens")
+    @classmethod
+    def _row_tokens_positive(cls, v: str | int) -> str | int:
+        if v != "auto" and v < 16:
+            raise ValueError(f"row_tokens must be 'auto' or an int >= 16, got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _row_tokens_need_shared_prefix(self) -> LearnerConfig:
+        if self.row_tokens != "auto" and self.packing != "shared_prefix":
+            raise ValueError(f"row_tokens={self.row_tokens} caps shared-prefix rows, but packing is "
+                             f"{self.packing!r}: leave row_tokens 'auto'")
+        return self
 
 
 def _lr_lambda(cfg: LearnerConfig, total: int | None):
@@ -182,6 +209,10 @@ class Learner:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.flash = uses_flash(model)
         self.packing: PackingMode = "packed" if self.flash and cfg.packing == "shared_prefix" else cfg.packing
+        if cfg.row_tokens != "auto" and self.flash:
+            raise ValueError(f"learner.row_tokens={cfg.row_tokens} caps shared-prefix rows, but flash "
+                             "attention takes no mask and packs without sharing: leave it 'auto'")
+        self.pair_cost = attention_pair_cost(getattr(model, "config", None))
         bf16 = cfg.autocast == "bf16" or (cfg.autocast == "auto" and device.type == "cuda")
         # kl_coef = 0 means no reference at all (no memory, no forward passes).
         self.ref: PolicyForward | None = None
@@ -321,17 +352,21 @@ class Learner:
         slots = sum(b.num_tokens for b in batches if b is not None)
         out.update(train_tokens=float(sum(len(t.token_ids) for t in trajs)), packed_tokens=float(real),
                    padding_frac=1 - real / max(slots, 1), micro_batches=float(len(batches)),
+                   row_tokens=float(max((b.input_ids_BT.shape[1] for b in batches if b is not None), default=0)),
                    learner_s=time.perf_counter() - t0, **self._peak_memory())
         return out
 
     def _pack(self, trajs: list[Trajectory], advantages: list[float]) -> _MiniBatch:
         """One mini-batch as a step of its size: normalisers over all ranks, this rank's shard packed."""
         acc = self.accelerator
-        mine = shard(trajs, acc.process_index, acc.num_processes)
+        idx = shard(trajs, acc.process_index, acc.num_processes)
+        mine, adv = [trajs[i] for i in idx], [advantages[i] for i in idx]
+        budget, rows = self.cfg.micro_batch_tokens, self.cfg.row_tokens
+        if rows == "auto":
+            rows = choose_row_tokens(mine, budget, self.pair_cost, self.packing)
         batches: list[TrainBatch | None] = [
             b.to(acc.device) for b in make_micro_batches(
-                [trajs[i] for i in mine], [advantages[i] for i in mine], self.cfg.micro_batch_tokens,
-                self.pad_id, mode=self.packing, one_row=self.flash)]
+                mine, adv, budget, self.pad_id, mode=self.packing, one_row=self.flash, row_tokens=rows)]
         return _MiniBatch(batches, float(sum(t.num_sampled for t in trajs)), float(len(trajs)))
 
     def _score(self, minis: list[_MiniBatch]) -> None:

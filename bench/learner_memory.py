@@ -6,13 +6,17 @@ measures both for the embedded SmolLM2-135M on a GRPO-shaped batch: `--shape too
 bench/learner.py's `grpo_batch`: groups of 8 sharing a 170-token prompt, two short responses around
 a tool result), with bf16 autocast as examples/calculator.yaml sets it; or `--shape long` (groups of
 8 sharing a 250-token prompt, 3 turns of 80-220 sampled and 30-90 tool tokens, as python_math's
-trajectories run) with `--autocast none`, the fp32 learner of the long-trajectory examples. Each budget runs in a fresh process, since the peak resident size (`ru_maxrss`) only
-grows within one; printed: micro-batches, packed tokens, peak RSS and the median learner step, then
-each budget's ratios against the first one (the baseline), measured in the same run. Budgets run in
-the given order, then reversed, `--repeats` times, so a drifting machine weighs on all of them.
+trajectories run) with `--autocast none`, the fp32 learner of the long-trajectory examples.
+A budget written `N/whole` sets `learner.row_tokens=N`: a whole group per row, as the learner packed
+before its row cap (`row_tokens: auto`, the default, lets the cost model split long groups).
+
+Each budget runs in a fresh process, since the peak resident size (`ru_maxrss`) only grows within
+one; printed: micro-batches, the longest row, packed tokens, peak RSS and the median learner step,
+then each budget's ratios against the first one (the baseline), measured in the same run. Budgets
+run in the given order, then reversed, `--repeats` times, so a drifting machine weighs on all of them.
 
     python bench/learner_memory.py [--budgets 4096,2048,1024] [--groups 4] [--steps 3] [--repeats 1]
-    python bench/learner_memory.py --shape long --autocast none --budgets 8192,2048 --steps 1
+    python bench/learner_memory.py --shape long --autocast none --budgets 8192/whole,8192,2048 --steps 1
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ def long_batch(groups: int, size: int, vocab: int, seed: int = 0) -> list:
     return out
 
 
-def child(budget: int, groups: int, steps: int, shape: str, autocast: str) -> dict:
+def child(spec: str, groups: int, steps: int, shape: str, autocast: str) -> dict:
     import torch
 
     from agentgrpo.learner import Learner, LearnerConfig
@@ -60,14 +64,18 @@ def child(budget: int, groups: int, steps: int, shape: str, autocast: str) -> di
     model = load_policy(default_model_path())
     vocab = model.config.vocab_size
     trajs = grpo_batch(groups, 8, vocab=vocab) if shape == "tool" else long_batch(groups, 8, vocab)
-    learner = Learner(model, LearnerConfig(lr=1e-6, micro_batch_tokens=budget, autocast=autocast),
+    budget, _, rows = spec.partition("/")
+    cfg = LearnerConfig(lr=1e-6, micro_batch_tokens=int(budget), autocast=autocast,
+                        row_tokens=int(budget) if rows == "whole" else "auto")
+    learner = Learner(model, cfg,
                       LossConfig(clip_low=0.2, clip_high=0.28), temperature=0.7)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     times = []
     for _ in range(steps):
         m = learner.train_step(trajs, advantages(trajs))
         times.append(m["learner_s"])
-    return {"budget": budget, "micro_batches": int(m["micro_batches"]), "packed": int(m["packed_tokens"]),
+    return {"budget": spec, "micro_batches": int(m["micro_batches"]), "packed": int(m["packed_tokens"]),
+            "row": int(m["row_tokens"]),
             "tokens": int(m["train_tokens"]), "rss_loaded_gb": before,
             "rss_peak_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
             "step_s": statistics.median(times[1:] or times)}  # the first step warms up
@@ -75,23 +83,25 @@ def child(budget: int, groups: int, steps: int, shape: str, autocast: str) -> di
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--budgets", default="4096,2048,1024", help="micro_batch_tokens values; the first is the baseline")
+    p.add_argument("--budgets", default="4096,2048,1024",
+                   help="micro_batch_tokens values, the first the baseline; N/whole: learner.row_tokens=N "
+                        "(a whole group per row, as before the row cap) instead of auto")
     p.add_argument("--groups", type=int, default=4)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--shape", choices=["tool", "long"], default="tool")
     p.add_argument("--autocast", choices=["bf16", "none"], default="bf16")
-    p.add_argument("--child", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child is not None:
         print(json.dumps(child(args.child, args.groups, args.steps, args.shape, args.autocast)))
         return
-    budgets = [int(b) for b in args.budgets.split(",")]
-    results: dict[int, list[dict]] = {b: [] for b in budgets}
+    budgets = args.budgets.split(",")
+    results: dict[str, list[dict]] = {b: [] for b in budgets}
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     for r in range(args.repeats):
         for b in budgets if r % 2 == 0 else budgets[::-1]:
-            out = subprocess.run([sys.executable, __file__, "--child", str(b), "--groups", str(args.groups),
+            out = subprocess.run([sys.executable, __file__, "--child", b, "--groups", str(args.groups),
                                   "--steps", str(args.steps), "--shape", args.shape, "--autocast", args.autocast],
                                  capture_output=True, text=True, env=env, check=True)
             results[b].append(json.loads(out.stdout.strip().splitlines()[-1]))
@@ -101,11 +111,11 @@ def main() -> None:
     first = results[base][0]
     print(f"SmolLM2-135M, {args.shape} shape, {args.groups} groups x 8 ({first['tokens']} tokens), "
           f"autocast {args.autocast}, model loaded: {first['rss_loaded_gb']:.2f} GB")
-    print(f"{'budget':>7} {'micro-batches':>13} {'packed':>6} {'peak RSS GB':>11} {'step s':>7} "
+    print(f"{'budget':>10} {'micro-batches':>13} {'row':>5} {'packed':>6} {'peak RSS GB':>11} {'step s':>7} "
           f"{'peak / base':>11} {'step / base':>11}")
     for b in budgets:
         x = results[b][0]
-        print(f"{b:>7} {x['micro_batches']:>13} {x['packed']:>6} {peak[b]:>11.2f} {step[b]:>7.2f} "
+        print(f"{b:>10} {x['micro_batches']:>13} {x['row']:>5} {x['packed']:>6} {peak[b]:>11.2f} {step[b]:>7.2f} "
               f"{peak[b] / peak[base]:>11.2f} {step[b] / step[base]:>11.2f}")
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from agentgrpo.batch import make_micro_batches, shard
+from agentgrpo.batch import attention_pair_cost, choose_row_tokens, make_micro_batches, shard
 from agentgrpo.logprobs import PolicyForward, sequence_logprobs, to_loss_layout
 from agentgrpo.types import StopReason, Trajectory
 from tests.tiny import groups_of_trajectories, tiny_llama, traj
@@ -115,6 +115,57 @@ def test_a_group_longer_than_the_budget_is_split_with_its_prefix():
     batches = make_micro_batches(trajs, [0.0] * 4, 45, mode="shared_prefix")
     # prefix 10 + 3 x 10 = 40 fits, the fourth member gets a copy of the prefix in another unit.
     assert sorted(mb.num_real_tokens for mb in batches) == [20, 40]
+
+
+def long_groups(n_groups=2, size=8):
+    """Groups whose unit is far longer than a member: a 25-token prompt, 8 x 60 own tokens."""
+    out = []
+    for g in range(n_groups):
+        prompt = [1 + g] * 25
+        for k in range(size):
+            own = [(7 * k + j) % 90 + 5 for j in range(60)]
+            out.append(traj(prompt + own, [0] * 25 + [1] * 60, group=f"g{g}"))
+    return out
+
+
+def test_a_row_cap_splits_groups_and_keeps_logprobs_exact():
+    model = tiny_llama("sdpa")
+    trajs = long_groups()
+    (whole,) = make_micro_batches(trajs, [0.0] * 16, 2048)  # two units of 25 + 8 x 60 = 505
+    assert whole.input_ids_BT.shape == (2, 505)
+    batches = make_micro_batches(trajs, [0.0] * 16, 2048, row_tokens=150)
+    # pieces of 25 + 2 x 60 = 145: 4 per group, each with its own copy of the prompt
+    assert [tuple(mb.input_ids_BT.shape) for mb in batches] == [(8, 145)]
+    assert batches[0].num_real_tokens == 8 * 145
+    ref = sequence_logprobs(model, [t.token_ids for t in trajs], temperature=0.7)
+    got = packed_logprobs(model, batches, 0.7)
+    assert sorted(got) == list(range(16))
+    for i in range(16):
+        lp = got[i]["lp_NL"]
+        assert lp.tolist() == pytest.approx(ref[i][25:], abs=2e-5)
+
+
+def test_the_cost_model_splits_long_groups_only_when_attention_costs():
+    cfg = type("Cfg", (), dict(hidden_size=576, num_attention_heads=9, num_key_value_heads=3,
+                               intermediate_size=1536))  # SmolLM2-135M's shape
+    r = attention_pair_cost(cfg)
+    assert r == pytest.approx(1 / 3072)
+    assert attention_pair_cost(None) == 0.0
+    trajs = long_groups()
+    assert choose_row_tokens(trajs, 2048, 0.0) is None  # attention free: share the whole prompt
+    assert choose_row_tokens(trajs, 2048, r, mode="packed") is None  # nothing to split
+    # rows of 505 cost 1 + 505 r per token; pieces cost more tokens but shorter rows
+    cheap = choose_row_tokens(trajs, 2048, 100 * r)
+    assert cheap is not None and 85 <= cheap < 505
+
+    def modeled(cap):
+        return sum(mb.num_tokens * (1 + 100 * r * mb.input_ids_BT.shape[1])
+                   for mb in make_micro_batches(trajs, [0.0] * 16, 2048, row_tokens=cap))
+    assert modeled(cheap) < modeled(None)
+    # a tool-env shape (a 170-token prompt, 40 own tokens each): a copy of the prompt costs more
+    # than attention over 490 tokens saves
+    tool = [traj([3] * 170 + [5 + k] * 40, [0] * 170 + [1] * 40, group="t") for k in range(8)]
+    assert choose_row_tokens(tool, 2048, r) is None
 
 
 def test_bad_input_is_rejected():

@@ -43,3 +43,11 @@ def test_more_mini_batches_than_groups_per_step_is_refused():
     with pytest.raises(ConfigError, match="learner.mini_batches=8"):
         load_config("examples/calculator.yaml", ["learner.mini_batches=8", "rollout.tasks_per_step=4"])
     assert load_config("examples/calculator.yaml", ["learner.mini_batches=4"]).learner.mini_batches == 4
+
+
+def test_a_row_cap_without_shared_prefix_is_refused():
+    with pytest.raises(ConfigError, match="row_tokens=512 caps shared-prefix rows"):
+        load_config("examples/calculator.yaml", ["learner.row_tokens=512", "learner.packing=packed"])
+    with pytest.raises(ConfigError, match="row_tokens"):
+        load_config("examples/calculator.yaml", ["learner.row_tokens=8"])
+    assert load_config("examples/calculator.yaml", ["learner.row_tokens=512"]).learner.row_tokens == 512

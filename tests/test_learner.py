@@ -11,6 +11,7 @@ import socket
 import pytest
 import torch
 
+from agentgrpo.batch import make_micro_batches
 from agentgrpo.learner import Learner, LearnerConfig, split_mini_batches
 from agentgrpo.logprobs import sequence_logprobs, token_logprobs
 from agentgrpo.loss import LossConfig, compute_loss
@@ -71,15 +72,19 @@ def one_big_batch_grads(trajs, advantages, loss_cfg):
     LossConfig(agg="seq-mean-token-mean", kl_coef=0.1, dual_clip=3.0),
     LossConfig(agg="seq-mean-token-sum-norm", max_response_len=24, loss="gspo"),
 ], ids=["token-mean", "seq-mean+kl", "dr-grpo+gspo"])
-@pytest.mark.parametrize("packing,budget", [("shared_prefix", 48), ("packed", 64), ("padded", 64),
-                                            ("shared_prefix", 100_000)])
-def test_accumulated_gradient_equals_one_big_batch(loss_cfg, packing, budget):
+@pytest.mark.parametrize("packing,budget,rows", [
+    ("shared_prefix", 48, "auto"), ("packed", 64, "auto"), ("padded", 64, "auto"),
+    ("shared_prefix", 100_000, "auto"), ("shared_prefix", 100_000, 30)])
+def test_accumulated_gradient_equals_one_big_batch(loss_cfg, packing, budget, rows):
     trajs, adv = batch_and_advantages()
-    learner = Learner(tiny_llama(), LearnerConfig(micro_batch_tokens=budget, packing=packing, grad_clip=1e9),
-                      loss_cfg, temperature=TEMPERATURE)
+    learner = Learner(tiny_llama(), LearnerConfig(micro_batch_tokens=budget, packing=packing, row_tokens=rows,
+                                                  grad_clip=1e9), loss_cfg, temperature=TEMPERATURE)
     grads = record_grads(learner)
     metrics = learner.train_step(trajs, adv)
     assert metrics["micro_batches"] > (1 if budget < 1000 else 0)
+    if rows != "auto":  # the cap split the groups (their whole units are longer)
+        assert metrics["row_tokens"] <= max(30, max(len(t.token_ids) for t in trajs)) < max(
+            b.input_ids_BT.shape[1] for b in make_micro_batches(trajs, adv, budget))
     expected = one_big_batch_grads(trajs, adv, loss_cfg)
     assert grads[0].keys() == expected.keys()
     for name, g in expected.items():
