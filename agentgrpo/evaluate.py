@@ -88,19 +88,15 @@ def _mean(xs: Sequence[float]) -> float:
 
 
 def eval_metrics(groups: Sequence[Group], pass_k: Sequence[int], success_threshold: float) -> dict[str, float]:
-    """Reward, pass@k, tool and error statistics of evaluated groups (one group per task)."""
+    """Reward, pass@k, tool and error statistics of evaluated groups (one group per task): the
+    training steps' `rollout_metrics`, plus success rate, tool error rate and pass@k."""
     trajs: list[Trajectory] = [t for g in groups for t in g.trajectories]
     scored = [t.reward for t in trajs if not math.isnan(t.reward)]
     calls = sum(t.tool_calls for t in trajs)
     out: dict[str, float] = {
         "tasks": float(len(groups)),
         "trajectories": float(len(trajs)),
-        "reward_mean": _mean(scored),
         "success_rate": _mean([float(r >= success_threshold) for r in scored]),
-        "turns_mean": _mean([t.num_turns for t in trajs]),
-        "response_tokens_mean": _mean([t.num_sampled for t in trajs]),
-        "tool_calls_mean": _mean([t.tool_calls for t in trajs]),
-        "tool_errors_mean": _mean([t.tool_errors for t in trajs]),
         "tool_error_rate": sum(t.tool_errors for t in trajs) / calls if calls else 0.0,
     }
     for k in pass_k:

@@ -416,8 +416,11 @@ async def collect(env_factory: Callable[[], Env], engine: Engine, chat: ChatForm
 
 
 def rollout_metrics(groups: Sequence[Group]) -> dict[str, float]:
-    """Counts of a step's endings and errors, for metrics.jsonl.
+    """What a step's (or an evaluation's) trajectories did, for metrics.jsonl.
 
+    Means over the trajectories (NaN when there are none): `reward_mean` / `reward_std` (over the
+    scorable ones), `turns_mean`, `tool_calls_mean`, `tool_errors_mean`, `response_tokens_mean`
+    (sampled tokens); `sampled_tokens` in all. Counts:
     `stop/<reason>`: trajectories per StopReason; `timeout/<turn|episode|step>`: which deadline
     ended them; `tool_errors/<kind>`: malformed or failed tool calls per ToolErrorKind;
     `tool_outputs_truncated`: tool messages cut to `max_tool_output_tokens`; `unscorable`:
@@ -426,24 +429,37 @@ def rollout_metrics(groups: Sequence[Group]) -> dict[str, float]:
     sync user calls that overran a deadline and still hold a worker thread now (process-wide, read
     when called; see `agentgrpo.tool.stuck_user_calls`).
     """
-    out: dict[str, float] = {}
+    trajs = [t for g in groups for t in g.trajectories]
+    scored = [t.reward for t in trajs if math.isfinite(t.reward)]
+
+    def mean(xs: Sequence[float]) -> float:
+        return float(sum(xs) / len(xs)) if xs else math.nan
+
+    out: dict[str, float] = {
+        "reward_mean": mean(scored),
+        "reward_std": math.sqrt(mean([(r - mean(scored)) ** 2 for r in scored])),
+        "turns_mean": mean([t.num_turns for t in trajs]),
+        "tool_calls_mean": mean([t.tool_calls for t in trajs]),
+        "tool_errors_mean": mean([t.tool_errors for t in trajs]),
+        "response_tokens_mean": mean([t.num_sampled for t in trajs]),
+        "sampled_tokens": float(sum(t.num_sampled for t in trajs)),
+    }
     parts: dict[str, list[float]] = {}
 
     def add(key: str, n: float = 1.0) -> None:
         out[key] = out.get(key, 0.0) + n
 
-    for g in groups:
-        for t in g.trajectories:
-            add(f"stop/{t.stop_reason.value}")
-            if t.stop_reason == StopReason.TIMEOUT:
-                add(f"timeout/{t.info.get('deadline', 'episode')}")
-            for kind, n in t.tool_error_kinds.items():
-                add(f"tool_errors/{kind}", n)
-            add("tool_outputs_truncated", t.info.get("tool_outputs_truncated", 0))
-            add("unscorable", float(math.isnan(t.reward)))
-            for name, v in t.reward_parts.items():
-                if math.isfinite(v):
-                    parts.setdefault(name, []).append(v)
+    for t in trajs:
+        add(f"stop/{t.stop_reason.value}")
+        if t.stop_reason == StopReason.TIMEOUT:
+            add(f"timeout/{t.info.get('deadline', 'episode')}")
+        for kind, n in t.tool_error_kinds.items():
+            add(f"tool_errors/{kind}", n)
+        add("tool_outputs_truncated", t.info.get("tool_outputs_truncated", 0))
+        add("unscorable", float(math.isnan(t.reward)))
+        for name, v in t.reward_parts.items():
+            if math.isfinite(v):
+                parts.setdefault(name, []).append(v)
     out.update({f"reward_parts/{name}": sum(vs) / len(vs) for name, vs in parts.items()})
     out["user_threads_stuck"] = float(stuck_user_calls())
     return out

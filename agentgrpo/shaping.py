@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from agentgrpo.advantage import AdvantageConfig, is_zero_variance
 from agentgrpo.loss import LossConfig
-from agentgrpo.types import StopReason
+from agentgrpo.types import StopReason, Trajectory
 
 # Which stop reasons count as "truncated" for overlong filtering: the token budget ran out mid-
 # answer. MAX_TURNS is kept: running out of turns is the agent's own behaviour, judged fairly.
@@ -71,6 +71,17 @@ def overlong_penalty(
     exceed_B = lengths_B.double() - (max_len - buffer_len)
     penalty_B = (-exceed_B / buffer_len * penalty_factor).clamp(min=-penalty_factor, max=0.0)
     return penalty_B.float()
+
+
+def shaped_rewards(trajs: Sequence[Trajectory], cfg: ShapingConfig, max_tokens: int) -> torch.Tensor:
+    """[B] rewards after the overlong shaping `cfg` asks for (none: the rewards); NaN stays NaN. The
+    length is the trajectory's tokens after its prompt, what `rollout.max_tokens` limits."""
+    rewards_B = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
+    if cfg.overlong_buffer_len:
+        lengths_B = torch.tensor([len(t.token_ids) - t.prompt_len for t in trajs], dtype=torch.float32)
+        rewards_B = rewards_B + overlong_penalty(lengths_B, max_tokens, cfg.overlong_buffer_len,
+                                                 cfg.overlong_penalty_factor)
+    return rewards_B
 
 
 def truncated_rows(

@@ -6,15 +6,12 @@ Read `train()` top to bottom: each line of a step is one call into one stage mod
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import contextlib
 import functools
-import math
 import random
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 import torch
@@ -23,27 +20,23 @@ from agentgrpo import checkpoint
 from agentgrpo.advantage import compute_advantages
 from agentgrpo.chat import ChatFormat
 from agentgrpo.config import RunConfig, dump_config
-from agentgrpo.engine.base import Engine, release_memory, resume_memory
+from agentgrpo.engine.base import Engine
 from agentgrpo.env import Env, get_env_class
 from agentgrpo.evaluate import evaluate
 from agentgrpo.learner import Learner
 from agentgrpo.log import Progress, RunLogger
+from agentgrpo.overlap import memory_lent, train_while_collecting
 from agentgrpo.report import write_report
 from agentgrpo.rollout import collect, rollout_metrics
 from agentgrpo.shaping import (
     describe_algorithm,
     keep_informative_groups,
-    overlong_penalty,
+    shaped_rewards,
     truncated_rows,
 )
 from agentgrpo.template_audit import require_token_safe
 from agentgrpo.types import Group, Task, Trajectory
 from agentgrpo.weight_sync import WeightSync
-
-T = TypeVar("T")
-# Overlapped train steps run in this one thread: in asyncio's shared pool a step landed on another
-# thread each time and paid torch's per-thread warm-up again (bench/overlap.py: 5.6 s vs 2.4 s).
-_TRAIN_THREAD = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="agentgrpo-train")
 
 
 def seed_everything(seed: int) -> None:
@@ -107,79 +100,11 @@ async def collect_step(cfg: RunConfig, make_env: Callable[[], Env], engine: Engi
     return kept[: cfg.rollout.tasks_per_step], stats
 
 
-async def train_while_collecting(train_step: Callable[[], dict[str, float]], collecting: Awaitable[T],
-                                 abandon: Callable[[], bool]) -> tuple[dict[str, float], T | None]:
-    """Run the blocking `train_step()` in a worker thread while `collecting` runs on this event loop
-    (the engine samples the next step while the learner trains), then wait for the collection, or
-    cancel it when `abandon()` says so after training (a stop was requested) or the step failed."""
-    task = asyncio.ensure_future(collecting)
-    try:
-        metrics = await asyncio.get_running_loop().run_in_executor(_TRAIN_THREAD, train_step)
-        return metrics, (None if abandon() else await task)
-    finally:
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-
-
-@contextlib.contextmanager
-def memory_lent(learner: Learner, engine: Engine | None, loop: asyncio.AbstractEventLoop, *,
-                colocated: bool) -> Iterator[None]:
-    """While the learner trains and nothing samples, the engine lends it its memory: rank 0 has it
-    released (`release_memory`: SGLang's weights and KV cache when `colocated`, the local engine's
-    prefix cache, dead once the weights change) and resumed before the push. `colocated`: the
-    servers share the learner's GPUs, so no rank trains before the release, and every rank returns
-    its cached CUDA blocks before the resume."""
-    sync = learner.accelerator.wait_for_everyone if colocated else lambda: None
-    if learner.is_main:
-        loop.run_until_complete(release_memory(engine))
-    sync()
-    try:
-        yield
-    except BaseException:
-        if learner.is_main:  # best effort: the step's own error is the one to report
-            with contextlib.suppress(Exception):
-                loop.run_until_complete(resume_memory(engine))
-        raise
-    if colocated and torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    sync()
-    if learner.is_main:
-        loop.run_until_complete(resume_memory(engine))
-
-
 def policy_lag(trajs: Sequence[Trajectory], version: int) -> float:
     """How many updates behind the learner's weights (`version`) the oldest sampling weights were;
     NaN when the engine reports no numbered versions."""
     versions = [int(v) for t in trajs for v in (t.weight_version or "").split(",") if v.isdigit()]
     return float(version - min(versions)) if versions else float("nan")
-
-
-def shaped_rewards(cfg: RunConfig, trajs: Sequence[Trajectory]) -> torch.Tensor:
-    """[B] rewards after DAPO's overlong shaping (when configured); NaN stays NaN."""
-    rewards_B = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
-    if cfg.shaping.overlong_buffer_len:
-        lengths_B = torch.tensor([len(t.token_ids) - t.prompt_len for t in trajs], dtype=torch.float32)
-        rewards_B = rewards_B + overlong_penalty(lengths_B, cfg.rollout.max_tokens, cfg.shaping.overlong_buffer_len,
-                                                 cfg.shaping.overlong_penalty_factor)
-    return rewards_B
-
-
-def step_metrics(groups: Sequence[Group]) -> dict[str, float]:
-    trajs = [t for g in groups for t in g.trajectories]
-    if not trajs:
-        return {"reward_mean": float("nan")}
-    scored = [t.reward for t in trajs if math.isfinite(t.reward)]
-    out = {
-        "reward_mean": float(np.mean(scored)) if scored else float("nan"),
-        "reward_std": float(np.std(scored)) if scored else float("nan"),
-        "turns_mean": float(np.mean([t.num_turns for t in trajs])),
-        "tool_calls_mean": float(np.mean([t.tool_calls for t in trajs])),
-        "tool_errors_mean": float(np.mean([t.tool_errors for t in trajs])),
-        "response_tokens_mean": float(np.mean([t.num_sampled for t in trajs])),
-        "sampled_tokens": float(sum(t.num_sampled for t in trajs)),
-    }
-    return out
 
 
 def train(cfg: RunConfig) -> Path:
@@ -280,7 +205,8 @@ def train(cfg: RunConfig) -> Path:
             groups, metrics = learner.broadcast(rollouts)  # every rank trains on rank 0's rollouts
             ahead, done = None, step + 1
             trajs = [t for g in groups for t in g.trajectories]
-            advantages_B = compute_advantages(shaped_rewards(cfg, trajs), [t.group_id for t in trajs],
+            rewards_B = shaped_rewards(trajs, cfg.shaping, cfg.rollout.max_tokens)
+            advantages_B = compute_advantages(rewards_B, [t.group_id for t in trajs],
                                               estimator=cfg.advantage.estimator, eps=cfg.advantage.eps,
                                               batch_std=cfg.advantage.batch_std)
             if cfg.shaping.mask_truncated:  # truncated rows still counted in their group's statistics
@@ -309,7 +235,7 @@ def train(cfg: RunConfig) -> Path:
             push(done)  # after the overlapped rollouts finished: no request sees weights change
             stopping = learner.any_rank(bool(stop))
             if lead:
-                metrics.update(step_metrics(groups), **rollout_metrics(groups), step_s=time.perf_counter() - t0,
+                metrics.update(rollout_metrics(groups), step_s=time.perf_counter() - t0,
                                policy_lag=policy_lag(trajs, step))
                 metrics["tokens_per_s"] = metrics.get("sampled_tokens", 0.0) / max(metrics["rollout_s"], 1e-9)
                 if cfg.eval.every and done % cfg.eval.every == 0:

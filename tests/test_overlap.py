@@ -14,7 +14,8 @@ import torch
 
 from agentgrpo.config import load_config
 from agentgrpo.log import read_jsonl
-from agentgrpo.train import policy_lag, train_while_collecting
+from agentgrpo.overlap import train_while_collecting
+from agentgrpo.train import policy_lag
 from agentgrpo.types import StopReason, Trajectory
 from tests.test_checkpoint import _by_step, _train, _weights
 

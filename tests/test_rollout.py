@@ -295,6 +295,9 @@ def test_step_deadline_ends_the_stragglers_and_keeps_the_rest(chat):
     assert reasons == ["completed", "completed", "timeout", "timeout"]  # 2 in flight, 0.4 s each
     metrics = rollout_metrics(groups)
     assert metrics["timeout/step"] == 2 and metrics["unscorable"] == 2 and metrics["stop/completed"] == 2
+    scored = [t.reward for t in groups[0].trajectories if not math.isnan(t.reward)]
+    assert metrics["reward_mean"] == pytest.approx(sum(scored) / 2)  # the timeouts (NaN) left out
+    assert metrics["sampled_tokens"] == sum(t.num_sampled for t in groups[0].trajectories)
     for t in groups[0].trajectories:
         t.check()
 

@@ -15,11 +15,21 @@ from agentgrpo.shaping import (
     keep_informative_groups,
     mask_truncated_rows,
     overlong_penalty,
+    shaped_rewards,
     truncated_rows,
 )
 from agentgrpo.types import StopReason
+from tests.tiny import traj
 
 NAN = math.nan
+
+
+def test_shaped_rewards_count_tokens_after_the_prompt_and_keep_nan():
+    # prompts of 5; after it 10, 18 and 18 tokens; max_tokens 20, buffer 4: 0, -0.5, -0.5 (NaN stays)
+    trajs = [traj([1] * (5 + n), [0] * 5 + [1] * n, reward=r) for n, r in ((10, 1.0), (18, 1.0), (18, NAN))]
+    got = shaped_rewards(trajs, ShapingConfig(overlong_buffer_len=4), max_tokens=20)
+    assert got[:2].tolist() == pytest.approx([1.0, 0.5]) and math.isnan(got[2])
+    assert shaped_rewards(trajs, ShapingConfig(), max_tokens=20)[:2].tolist() == [1.0, 1.0]
 
 
 def test_overlong_penalty_hand_computed():
