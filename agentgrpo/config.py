@@ -14,7 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from agentgrpo.advantage import AdvantageConfig
-from agentgrpo.engine.sglang import SGLangConfig
+from agentgrpo.engine.sglang_config import SGLangConfig
 from agentgrpo.evaluate import EvalConfig
 from agentgrpo.learner import LearnerConfig
 from agentgrpo.loss import LossConfig

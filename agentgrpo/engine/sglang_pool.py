@@ -35,7 +35,7 @@ from agentgrpo.engine.base import EngineError
 from agentgrpo.engine.sglang_protocol import error_message, is_context_length_error
 
 if TYPE_CHECKING:  # sglang.py imports this module; only the annotation needs the config
-    from agentgrpo.engine.sglang import SGLangConfig
+    from agentgrpo.engine.sglang_config import SGLangConfig
 
 log = logging.getLogger(__name__)
 
