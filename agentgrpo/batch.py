@@ -145,7 +145,8 @@ def _units(trajs: Sequence[Trajectory], groups: list[tuple[list[int], int]], bud
             cur.append(i)
             size += lens[i] - P
         units.append(_Unit(cur, P, size))
-    return [u if len(u.members) > 1 else _Unit(u.members, 0, len(trajs[u.members[0]].token_ids)) for u in units]
+    return [u if len(u.members) > 1 else _Unit(u.members, 0, len(trajs[u.members[0]].token_ids))
+            for u in units]
 
 
 def _first_fit_decreasing(units: list[_Unit], capacity: int) -> list[list[_Unit]]:
@@ -246,12 +247,13 @@ def choose_row_tokens(trajs: Sequence[Trajectory], token_budget: int, pair_cost:
     one token's matmuls: every micro-batch of B rows of T slots costs B * T * (1 + pair_cost * T).
 
     Sharing a group's prompt saves (G - 1) * prompt tokens but makes one row of the whole group, and
-    under a mask attention costs the square of the row: python_math-shaped groups (8 x ~880 tokens, a
-    250-token prompt) become 5290-token rows, where SmolLM2's attention is 1.7x its matmuls; split into
-    pieces of two members (1510 tokens, the prompt 4 times instead of once), the step costs 0.63x as
-    modeled and 0.58x as measured (bench/learner_memory.py). Candidates run from the longest
-    trajectory to the longest unit the budget allows, in steps of 1.25x. None (no cap) outside
-    `shared_prefix` or when pair_cost is 0, where nothing is gained by splitting."""
+    under a mask attention costs the square of the row: python_math-shaped groups (8 x ~870 tokens, a
+    250-token prompt) become 5311-token rows, where SmolLM2's attention is 1.7x its matmuls. At 8192
+    slots the cap chosen here (rows of <= 1907 tokens, each prompt computed 4 times instead of
+    once) models 0.66x the cost and measured 0.63x the step time (bench/learner_memory.py, README).
+    Candidates run from the longest trajectory to the longest unit the budget allows, in steps of
+    1.25x. None (no cap) outside `shared_prefix` or when pair_cost is 0, where nothing is gained by
+    splitting."""
     if mode != "shared_prefix" or pair_cost <= 0 or not trajs:
         return None
     groups = _groups(trajs, mode)
