@@ -10,6 +10,10 @@ Variants, each timed over interleaved repeats after a warm-up step:
   - learner, packed        learner.train_step, packing=packed
   - learner, padded        packing=padded (one trajectory per row, rows of similar length)
   - learner, shared_prefix the default (a group's prompt computed once), on the GRPO-shaped batch
+  - learner, whole groups  on python_math-shaped groups (8 x ~870 tokens, bench/learner_memory.py's
+                           long shape): shared_prefix with `row_tokens` = the budget (a whole group
+                           per row) against the default `row_tokens: auto` (the attention cost model
+                           splits long groups; its FLOP count may undersell masked attention on a GPU)
   - bare fwd+bwd           the same packed micro-batches through the same head-only forward,
                            -sum(logprob) backward and an AdamW step: the learner's overhead baseline
 
@@ -42,6 +46,7 @@ from agentgrpo.batch import make_micro_batches  # noqa: E402
 from agentgrpo.learner import Learner, LearnerConfig  # noqa: E402
 from agentgrpo.loss import LossConfig  # noqa: E402
 from bench.learner import Bare, advantages, grpo_batch, spread_batch  # noqa: E402
+from bench.learner_memory import long_batch  # noqa: E402
 
 
 def qwen2_shaped(tiny: bool, attn: str):
@@ -133,9 +138,12 @@ def main() -> None:
                                   "params_M": n_params / 1e6, "attn": args.attn, "budget": args.budget}
     spread = spread_batch(args.trajectories, 32, args.max_len, vocab=vocab)
     grpo = grpo_batch(args.groups, 8, vocab=vocab)
+    long = long_batch(max(1, args.groups // 4), 8, vocab)
     for label, trajs, variants in (
         ("spread", spread, {"learner packed": {"packing": "packed"}, "learner padded": {"packing": "padded"}}),
         ("grpo", grpo, {"learner packed": {"packing": "packed"}, "learner shared_prefix": {}}),
+        ("long", long, {"learner packed": {"packing": "packed"}, "learner shared_prefix": {},
+                        "learner whole groups": {"row_tokens": args.budget}}),
     ):
         adv = advantages(trajs)
         named = {k: partial(learner(**kw).train_step, trajs, adv) for k, kw in variants.items()}
@@ -160,6 +168,9 @@ def main() -> None:
             ratios["packed speed-up over padded"] = r["learner padded"]["s"] / r["learner packed"]["s"]
         if "learner shared_prefix" in r:
             ratios["shared_prefix speed-up over packed"] = r["learner packed"]["s"] / r["learner shared_prefix"]["s"]
+        if "learner whole groups" in r:
+            ratios["row_tokens auto speed-up over whole groups"] = (
+                r["learner whole groups"]["s"] / r["learner shared_prefix"]["s"])
         for k, v in ratios.items():
             print(f"  {k}: {v:.3f}x")
         results[label] = {"variants": r, "ratios": ratios, "padding_waste": waste, "tokens": tokens}
