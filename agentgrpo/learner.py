@@ -112,6 +112,10 @@ class LearnerConfig(BaseModel):
         "makes a SmolLM2-135M step ~2x faster but widens the rollout/learner logprob gap; see the README, "
         "section 'The learner')")
     gradient_checkpointing: bool = Field(False, description="recompute activations in backward")
+    head_chunk_tokens: int | None = Field(
+        None, ge=1, description="run the LM head over chunks of this many loss tokens, each recomputed "
+        "in backward, so only one chunk's [chunk, vocab] logits are alive (agentgrpo.logprobs); "
+        "None: all of a micro-batch's loss tokens at once")
     attn_implementation: str | None = Field(
         None, description="set the model's attention kernel (sdpa, eager, flash_attention_2, ...); "
         "flash kernels pack by position ids (varlen) instead of a mask")
@@ -225,6 +229,7 @@ class Learner:
             else:
                 ref = PolicyForward(copy.deepcopy(model), autocast_bf16=bf16).eval().requires_grad_(False)
                 self.ref = ref.to("cpu" if cfg.ref_offload else device)
+            self.ref.head_chunk_tokens = cfg.head_chunk_tokens
         # FSDP: rank 0 keeps an unsharded CPU copy of the plain model for weight sync to load the
         # gathered weights into (the engine's probe check needs a model that runs on one process).
         self._export_copy = copy.deepcopy(model).cpu() if self.sharded and self.is_main else None
@@ -235,7 +240,7 @@ class Learner:
         per_step = cfg.passes * cfg.mini_batches  # optimizer steps per train_step
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, _lr_lambda(cfg, None if total_steps is None else total_steps * per_step))
-        policy = PolicyForward(model, autocast_bf16=bf16)
+        policy = PolicyForward(model, autocast_bf16=bf16, head_chunk_tokens=cfg.head_chunk_tokens)
         if hasattr(model, "tie_weights"):  # accelerate's RAM-efficient FSDP2 preparation moves the model
             # to meta, which unties lm_head from the embeddings, and re-ties it through this method
             # of the module it prepares; untied, the two would train as separate matrices.

@@ -13,14 +13,22 @@ loss token: exactly the same numbers, a fraction of the head's FLOPs and of the 
 Precision: under autocast the decoder runs in bf16, but the head and the log-softmax run with
 autocast off, in the head's parameter dtype (fp32 unless the parameters were cast), then in fp32,
 so the only bf16 rounding is in the hidden states.
+
+Memory: the head's [M, V] fp32 logits, and what its log-softmax keeps for backward, grow with the
+loss tokens of a micro-batch and the vocabulary (V = 152k for Qwen: ~2.4 MB per loss token against
+~1.4 MB of a 0.5B decoder's own bf16 activations). `head_chunk_tokens` runs the head over chunks of
+that many loss tokens, each under activation checkpointing: only a chunk's logits live at once, and
+backward recomputes each chunk's head (one more head forward). The numbers are the same.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Sequence
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from agentgrpo.batch import TrainBatch
 
@@ -47,10 +55,12 @@ class PolicyForward(torch.nn.Module):
     rollouts) scores with T = 1, as the engines report. `entropy_M` is the entropy of the same
     distribution (always returned: it costs an elementwise pass over [M, V], small next to the
     head's matmul; it carries a gradient only with `entropy_grad=True`).
-    `disable_adapter=True` runs a peft model's base weights (the LoRA reference).
+    `disable_adapter=True` runs a peft model's base weights (the LoRA reference). `head_chunk_tokens`:
+    see the module docstring (None: the head over all M at once).
     """
 
-    def __init__(self, model: torch.nn.Module, *, autocast_bf16: bool = False) -> None:
+    def __init__(self, model: torch.nn.Module, *, autocast_bf16: bool = False,
+                 head_chunk_tokens: int | None = None) -> None:
         super().__init__()
         lm = causal_lm(model)
         if getattr(lm.config, "final_logit_softcapping", None) or getattr(lm.config, "logit_scale", None):
@@ -58,6 +68,7 @@ class PolicyForward(torch.nn.Module):
                              "scaling) are not supported by the head-only logprob path")
         self.model = model
         self.autocast_bf16 = autocast_bf16
+        self.head_chunk_tokens = head_chunk_tokens
         # accelerate's FSDP auto-wrap policy reads this to find the transformer blocks.
         self._no_split_modules = getattr(lm, "_no_split_modules", None)
 
@@ -72,18 +83,30 @@ class PolicyForward(torch.nn.Module):
             with amp:
                 hidden_BTH = decoder(input_ids=batch.input_ids_BT, position_ids=batch.position_ids_BT,
                                      attention_mask=_mask_for(lm, batch, self.autocast_bf16), use_cache=False).last_hidden_state
-            with torch.autocast(device.type, enabled=False):
-                h_MH = hidden_BTH.flatten(0, 1)[batch.pred_index_M]
-                logits_MV = head(h_MH.to(head.weight.dtype)).float()
-        if temperature > 0 and temperature != 1.0:
-            logits_MV = logits_MV / temperature
-        logz_M = torch.logsumexp(logits_MV, dim=-1)
-        logprobs_M = logits_MV.gather(-1, batch.target_ids_M[:, None])[:, 0] - logz_M
-        # Without its gradient the entropy is a metric: no [M, V] softmax is kept for backward.
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            probs_MV = torch.softmax(logits_MV, dim=-1)
-            entropy_M = logz_M - (probs_MV * logits_MV).sum(-1)
-        return logprobs_M, entropy_M
+            h_MH = hidden_BTH.flatten(0, 1)[batch.pred_index_M]
+            run = functools.partial(_head_logprobs, head, temperature=temperature, entropy_grad=entropy_grad)
+            chunk, M = self.head_chunk_tokens, h_MH.shape[0]
+            if not chunk or M <= chunk:
+                return run(h_MH, batch.target_ids_M)
+            if torch.is_grad_enabled():  # keep only each chunk's input; backward recomputes its head
+                run = functools.partial(checkpoint, run, use_reentrant=False)
+            parts = [run(h_MH[i : i + chunk], batch.target_ids_M[i : i + chunk]) for i in range(0, M, chunk)]
+        return torch.cat([lp for lp, _ in parts]), torch.cat([ent for _, ent in parts])
+
+
+def _head_logprobs(head: torch.nn.Module, h_MH: torch.Tensor, target_ids_M: torch.Tensor, *,
+                   temperature: float, entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    with torch.autocast(h_MH.device.type, enabled=False):
+        logits_MV = head(h_MH.to(head.weight.dtype)).float()
+    if temperature > 0 and temperature != 1.0:
+        logits_MV = logits_MV / temperature
+    logz_M = torch.logsumexp(logits_MV, dim=-1)
+    logprobs_M = logits_MV.gather(-1, target_ids_M[:, None])[:, 0] - logz_M
+    # Without its gradient the entropy is a metric: no [M, V] softmax is kept for backward.
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        probs_MV = torch.softmax(logits_MV, dim=-1)
+        entropy_M = logz_M - (probs_MV * logits_MV).sum(-1)
+    return logprobs_M, entropy_M
 
 
 def _mask_for(lm: torch.nn.Module, batch: TrainBatch, bf16: bool) -> torch.Tensor | None:

@@ -10,6 +10,8 @@ Variants, each timed over interleaved repeats after a warm-up step:
   - learner, packed        learner.train_step, packing=packed
   - learner, padded        packing=padded (one trajectory per row, rows of similar length)
   - learner, shared_prefix the default (a group's prompt computed once), on the GRPO-shaped batch
+  - learner, head chunks   shared_prefix with `head_chunk_tokens: 2048` (the 152k-vocabulary head over
+                           chunks of loss tokens, recomputed in backward): its time and peak memory
   - learner, whole groups  on python_math-shaped groups (8 x ~870 tokens, bench/learner_memory.py's
                            long shape): shared_prefix with `row_tokens` = the budget (a whole group
                            per row) against the default `row_tokens: auto` (the attention cost model
@@ -141,7 +143,8 @@ def main() -> None:
     long = long_batch(max(1, args.groups // 4), 8, vocab)
     for label, trajs, variants in (
         ("spread", spread, {"learner packed": {"packing": "packed"}, "learner padded": {"packing": "padded"}}),
-        ("grpo", grpo, {"learner packed": {"packing": "packed"}, "learner shared_prefix": {}}),
+        ("grpo", grpo, {"learner packed": {"packing": "packed"}, "learner shared_prefix": {},
+                        "learner head chunks": {"head_chunk_tokens": 2048}}),
         ("long", long, {"learner packed": {"packing": "packed"}, "learner shared_prefix": {},
                         "learner whole groups": {"row_tokens": args.budget}}),
     ):
@@ -168,6 +171,10 @@ def main() -> None:
             ratios["packed speed-up over padded"] = r["learner padded"]["s"] / r["learner packed"]["s"]
         if "learner shared_prefix" in r:
             ratios["shared_prefix speed-up over packed"] = r["learner packed"]["s"] / r["learner shared_prefix"]["s"]
+        if "learner head chunks" in r:
+            ratios["head chunks time"] = r["learner head chunks"]["s"] / r["learner shared_prefix"]["s"]
+            ratios["head chunks peak memory"] = (r["learner head chunks"]["step_peak_gb"]
+                                                 / r["learner shared_prefix"]["step_peak_gb"])
         if "learner whole groups" in r:
             ratios["row_tokens auto speed-up over whole groups"] = (
                 r["learner whole groups"]["s"] / r["learner shared_prefix"]["s"])

@@ -8,7 +8,8 @@ a tool result), with bf16 autocast as examples/calculator.yaml sets it; or `--sh
 8 sharing a 250-token prompt, 3 turns of 80-220 sampled and 30-90 tool tokens, as python_math's
 trajectories run) with `--autocast none`, the fp32 learner of the long-trajectory examples.
 A budget written `N/whole` sets `learner.row_tokens=N`: a whole group per row, as the learner packed
-before its row cap (`row_tokens: auto`, the default, lets the cost model split long groups).
+before its row cap (`row_tokens: auto`, the default, lets the cost model split long groups);
+`N/head=C` sets `learner.head_chunk_tokens=C` (the LM head over chunks of C loss tokens).
 
 Each budget runs in a fresh process, since the peak resident size (`ru_maxrss`) only grows within
 one; printed: micro-batches, the longest row, packed tokens, peak RSS and the median learner step,
@@ -64,9 +65,11 @@ def child(spec: str, groups: int, steps: int, shape: str, autocast: str) -> dict
     model = load_policy(default_model_path())
     vocab = model.config.vocab_size
     trajs = grpo_batch(groups, 8, vocab=vocab) if shape == "tool" else long_batch(groups, 8, vocab)
-    budget, _, rows = spec.partition("/")
+    budget, *options = spec.split("/")
+    chunk = [int(o.removeprefix("head=")) for o in options if o.startswith("head=")]
     cfg = LearnerConfig(lr=1e-6, micro_batch_tokens=int(budget), autocast=autocast,
-                        row_tokens=int(budget) if rows == "whole" else "auto")
+                        row_tokens=int(budget) if "whole" in options else "auto",
+                        head_chunk_tokens=chunk[0] if chunk else None)
     learner = Learner(model, cfg,
                       LossConfig(clip_low=0.2, clip_high=0.28), temperature=0.7)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
@@ -85,7 +88,8 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--budgets", default="4096,2048,1024",
                    help="micro_batch_tokens values, the first the baseline; N/whole: learner.row_tokens=N "
-                        "(a whole group per row, as before the row cap) instead of auto")
+                        "(a whole group per row, as before the row cap) instead of auto; N/head=C: "
+                        "learner.head_chunk_tokens=C")
     p.add_argument("--groups", type=int, default=4)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--repeats", type=int, default=1)

@@ -43,6 +43,25 @@ def test_packed_logprobs_equal_per_sequence_logprobs(attn, mode, budget):
         assert mask_NL.sum().item() == len(loss_pos)  # tool tokens inside the span stay masked
 
 
+def test_a_chunked_head_gives_the_same_logprobs_entropy_and_gradients():
+    trajs = groups_of_trajectories()
+    (mb,) = make_micro_batches(trajs, [0.0] * len(trajs), 4096)
+    out = {}
+    for chunk in (None, 7):
+        model = tiny_llama("sdpa")
+        lp, ent = PolicyForward(model, head_chunk_tokens=chunk)(mb, 0.7, entropy_grad=True)
+        (lp.sum() + 0.1 * ent.sum()).backward()
+        out[chunk] = lp.detach(), ent.detach(), {n: p.grad for n, p in model.named_parameters()}
+    assert len(mb.target_ids_M) > 7 * 3  # several chunks
+    torch.testing.assert_close(out[7][0], out[None][0], atol=1e-6, rtol=0)
+    torch.testing.assert_close(out[7][1], out[None][1], atol=1e-6, rtol=0)
+    for name, g in out[None][2].items():
+        torch.testing.assert_close(out[7][2][name], g, atol=1e-6, rtol=1e-5, msg=name)
+    with torch.no_grad():  # scoring chunks too, without checkpointing
+        lp, _ = PolicyForward(tiny_llama("sdpa"), head_chunk_tokens=7)(mb, 0.7)
+    torch.testing.assert_close(lp, out[None][0], atol=1e-6, rtol=0)
+
+
 def test_one_row_packing_without_a_mask_is_exact_with_position_ids():
     # The flash-attention layout (one row, positions reset, no mask); under sdpa transformers derives
     # the block-diagonal mask from the position ids, so this checks the layout on a CPU.

@@ -390,3 +390,24 @@ def test_sharded_checkpoints_resume_on_two_fsdp_ranks_and_reshard_to_one_process
     assert single.step == 2
     _steps(single, 1, seed=1)
     _assert_close(single.unwrapped.state_dict(), one.unwrapped.state_dict(), "1 process resumed from 2 ranks' shards")
+
+
+def _chunked_head_rank(rank: int, tmp: str) -> None:
+    cfg = CFG.model_copy(update={"head_chunk_tokens": 5})
+    learner = Learner(_tied_llama(), cfg, LOSS, temperature=TEMPERATURE, accelerator=_fsdp_accelerator())
+    losses = _steps(learner, 2)
+    exported = learner.export_model()
+    if rank == 0:
+        torch.save({"losses": losses, "weights": exported.state_dict()}, f"{tmp}/chunked.pt")
+
+
+def test_a_chunked_head_under_fsdp_trains_like_one_process_without_chunks(tmp_path):
+    # The head is recomputed per chunk in backward (activation checkpointing) while FSDP2 holds the
+    # root's parameters; tied to the embeddings, its gradient sums over the chunks and the input side.
+    start = _tied_llama().state_dict()
+    one = Learner(_tied_llama(), CFG, LOSS, temperature=TEMPERATURE)
+    losses = _steps(one, 2)
+    _spawn(_chunked_head_rank, str(tmp_path))
+    got = torch.load(tmp_path / "chunked.pt")
+    assert got["losses"] == pytest.approx(losses, rel=1e-5)
+    assert_trained_alike(got["weights"], one.unwrapped.state_dict(), start, "FSDP, chunked head")

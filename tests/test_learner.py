@@ -72,13 +72,14 @@ def one_big_batch_grads(trajs, advantages, loss_cfg):
     LossConfig(agg="seq-mean-token-mean", kl_coef=0.1, dual_clip=3.0),
     LossConfig(agg="seq-mean-token-sum-norm", max_response_len=24, loss="gspo"),
 ], ids=["token-mean", "seq-mean+kl", "dr-grpo+gspo"])
-@pytest.mark.parametrize("packing,budget,rows", [
-    ("shared_prefix", 48, "auto"), ("packed", 64, "auto"), ("padded", 64, "auto"),
-    ("shared_prefix", 100_000, "auto"), ("shared_prefix", 100_000, 30)])
-def test_accumulated_gradient_equals_one_big_batch(loss_cfg, packing, budget, rows):
+@pytest.mark.parametrize("packing,budget,rows,chunk", [
+    ("shared_prefix", 48, "auto", None), ("packed", 64, "auto", None), ("padded", 64, "auto", None),
+    ("shared_prefix", 100_000, "auto", None), ("shared_prefix", 100_000, 30, 5)])
+def test_accumulated_gradient_equals_one_big_batch(loss_cfg, packing, budget, rows, chunk):
     trajs, adv = batch_and_advantages()
-    learner = Learner(tiny_llama(), LearnerConfig(micro_batch_tokens=budget, packing=packing, row_tokens=rows,
-                                                  grad_clip=1e9), loss_cfg, temperature=TEMPERATURE)
+    cfg = LearnerConfig(micro_batch_tokens=budget, packing=packing, row_tokens=rows, head_chunk_tokens=chunk,
+                        grad_clip=1e9)
+    learner = Learner(tiny_llama(), cfg, loss_cfg, temperature=TEMPERATURE)
     grads = record_grads(learner)
     metrics = learner.train_step(trajs, adv)
     assert metrics["micro_batches"] > (1 if budget < 1000 else 0)
