@@ -16,9 +16,9 @@ so the only bf16 rounding is in the hidden states.
 
 Memory: the head's [M, V] fp32 logits, and what its log-softmax keeps for backward, grow with the
 loss tokens of a micro-batch and the vocabulary (V = 152k for Qwen: 0.6 MB per loss token for each
-fp32 copy of the logits). `head_chunk_tokens` runs the head over chunks of
-that many loss tokens, each under activation checkpointing: only a chunk's logits live at once, and
-backward recomputes each chunk's head (one more head forward). The numbers are the same.
+fp32 copy of the logits). `head_chunk_tokens` runs the head over chunks of that many loss tokens,
+each under activation checkpointing: only a chunk's logits live at once, and backward recomputes
+each chunk's head (one more head forward). The numbers are the same.
 """
 
 from __future__ import annotations
