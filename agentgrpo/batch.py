@@ -172,7 +172,8 @@ def make_micro_batches(
     *,
     mode: PackingMode = "shared_prefix",
     one_row: bool = False,
-    row_tokens: int | None = None,
+    row_tokens: int | Literal["auto"] | None = None,
+    pair_cost: float = 0.0,
 ) -> list[TrainBatch]:
     """Split one step's trajectories into micro-batches of about `token_budget` token slots.
 
@@ -180,8 +181,8 @@ def make_micro_batches(
     the budget gets a micro-batch of its own). `packed` / `shared_prefix`: units (trajectories, or
     a group's prefix + continuations) are bin-packed into rows as long as the longest unit, and
     `token_budget // row_length` rows make a micro-batch. `row_tokens` (shared_prefix): the longest a
-    group's unit may be; longer groups are split, each piece with its own copy of the prefix (see
-    `choose_row_tokens`); None = the budget. `one_row`: each micro-batch is a single row of up to
+    group's unit may be; longer groups are split, each piece with its own copy of the prefix; None =
+    the budget; "auto" = the cap `choose_row_tokens` picks for `pair_cost`. `one_row`: each micro-batch is a single row of up to
     `token_budget` tokens with no mask (flash-attention varlen; not with `shared_prefix`).
     Every trajectory needs at least one loss token and none at position 0 (nothing predicts it).
     """
@@ -198,7 +199,11 @@ def make_micro_batches(
             raise ValueError(f"trajectory {t.task_id!r}: token 0 carries loss but nothing predicts it")
     if not trajs:
         return []
-    plan = _plan(trajs, _groups(trajs, mode), token_budget, mode, one_row, row_tokens)
+    groups = _groups(trajs, mode)
+    if row_tokens == "auto":
+        plan = _cheapest_plan(trajs, groups, token_budget, pair_cost, mode, one_row)[1]
+    else:
+        plan = _plan(trajs, groups, token_budget, mode, one_row, row_tokens)
     needs_mask = mode != "padded" and not one_row
     return [_build(trajs, advantages, b, pad_id, needs_mask) for b in plan]
 
@@ -256,23 +261,33 @@ def choose_row_tokens(trajs: Sequence[Trajectory], token_budget: int, pair_cost:
     splitting."""
     if mode != "shared_prefix" or pair_cost <= 0 or not trajs:
         return None
-    groups = _groups(trajs, mode)
-    longest_traj = max(len(t.token_ids) for t in trajs)
-    longest_unit = max(u.length for u in _units(trajs, groups, token_budget))
-    caps, cap = [longest_unit], float(longest_traj)
-    while cap < longest_unit:
-        caps.append(int(cap))
-        cap *= 1.25
+    return _cheapest_plan(trajs, _groups(trajs, mode), token_budget, pair_cost, mode, False)[0]
 
-    def cost(cap: int) -> float:
+
+def _cheapest_plan(trajs: Sequence[Trajectory], groups: list[tuple[list[int], int]], budget: int,
+                   pair_cost: float, mode: PackingMode, one_row: bool,
+                   ) -> tuple[int | None, list[list[list[_Unit]]]]:
+    """(cap, plan) of `choose_row_tokens`, each plan built once; cap None = no cap."""
+    whole = _plan(trajs, groups, budget, mode, one_row, None)
+    if mode != "shared_prefix" or one_row or pair_cost <= 0:
+        return None, whole
+
+    def cost(plan: list[list[list[_Unit]]]) -> float:
         total = 0.0
-        for rows in _plan(trajs, groups, token_budget, mode, False, cap):
+        for rows in plan:
             T = max(sum(u.length for u in row) for row in rows)
             total += len(rows) * T * (1 + pair_cost * T)
         return total
 
-    best = min(caps, key=lambda c: (cost(c), -c))
-    return None if best >= longest_unit else best
+    longest_unit = max(u.length for rows in whole for row in rows for u in row)
+    best: tuple[float, int | None, list[list[list[_Unit]]]] = (cost(whole), None, whole)
+    cap = float(max(len(t.token_ids) for t in trajs))
+    while cap < longest_unit:  # ties go to the larger cap (fewer prompt copies): later ones must beat it
+        plan = _plan(trajs, groups, budget, mode, False, int(cap))
+        if (c := cost(plan)) < best[0] or (c == best[0] and best[1] is not None and int(cap) > best[1]):
+            best = (c, int(cap), plan)
+        cap *= 1.25
+    return best[1], best[2]
 
 
 def _build(trajs: Sequence[Trajectory], advantages: Sequence[float], rows: list[list[_Unit]],

@@ -60,7 +60,6 @@ from agentgrpo.batch import (
     PackingMode,
     TrainBatch,
     attention_pair_cost,
-    choose_row_tokens,
     make_micro_batches,
     shard,
     split_mini_batches,
@@ -366,12 +365,10 @@ class Learner:
         acc = self.accelerator
         idx = shard(trajs, acc.process_index, acc.num_processes)
         mine, adv = [trajs[i] for i in idx], [advantages[i] for i in idx]
-        budget, rows = self.cfg.micro_batch_tokens, self.cfg.row_tokens
-        if rows == "auto":
-            rows = choose_row_tokens(mine, budget, self.pair_cost, self.packing)
         batches: list[TrainBatch | None] = [
             b.to(acc.device) for b in make_micro_batches(
-                mine, adv, budget, self.pad_id, mode=self.packing, one_row=self.flash, row_tokens=rows)]
+                mine, adv, self.cfg.micro_batch_tokens, self.pad_id, mode=self.packing, one_row=self.flash,
+                row_tokens=self.cfg.row_tokens, pair_cost=self.pair_cost)]
         return _MiniBatch(batches, float(sum(t.num_sampled for t in trajs)), float(len(trajs)))
 
     def _score(self, minis: list[_MiniBatch]) -> None:

@@ -435,9 +435,10 @@ def rollout_metrics(groups: Sequence[Group]) -> dict[str, float]:
     def mean(xs: Sequence[float]) -> float:
         return float(sum(xs) / len(xs)) if xs else math.nan
 
+    reward_mean = mean(scored)
     out: dict[str, float] = {
-        "reward_mean": mean(scored),
-        "reward_std": math.sqrt(mean([(r - mean(scored)) ** 2 for r in scored])),
+        "reward_mean": reward_mean,
+        "reward_std": math.sqrt(mean([(r - reward_mean) ** 2 for r in scored])),
         "turns_mean": mean([t.num_turns for t in trajs]),
         "tool_calls_mean": mean([t.tool_calls for t in trajs]),
         "tool_errors_mean": mean([t.tool_errors for t in trajs]),

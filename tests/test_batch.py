@@ -181,6 +181,9 @@ def test_the_cost_model_splits_long_groups_only_when_attention_costs():
         return sum(mb.num_tokens * (1 + 100 * r * mb.input_ids_BT.shape[1])
                    for mb in make_micro_batches(trajs, [0.0] * 16, 2048, row_tokens=cap))
     assert modeled(cheap) < modeled(None)
+    auto = make_micro_batches(trajs, [0.0] * 16, 2048, row_tokens="auto", pair_cost=100 * r)
+    assert [mb.input_ids_BT.tolist() for mb in auto] == [
+        mb.input_ids_BT.tolist() for mb in make_micro_batches(trajs, [0.0] * 16, 2048, row_tokens=cheap)]
     # a tool-env shape (a 170-token prompt, 40 own tokens each): a copy of the prompt costs more
     # than attention over 490 tokens saves
     tool = [traj([3] * 170 + [5 + k] * 40, [0] * 170 + [1] * 40, group="t") for k in range(8)]
