@@ -26,7 +26,9 @@ Packing modes (`LearnerConfig.packing`):
   the unshared layout, so logprobs and gradients are the same (the prefix's gradient is the sum of
   its G uses, as it would be over G copies); the prefix is computed once instead of G times.
 
-Attention: with a 4D mask (sdpa, eager: the CPU path and the default GPU path) every mode is exact.
+Attention: with a 4D mask (sdpa, eager: the default GPU path) every mode is exact; so is segment
+attention (`agentgrpo.attention`, the CPU default), which reads the same `segment_ids_BT` /
+`visible_ids_BT` as spans and computes no pair across sequences.
 Flash-attention kernels take no 4D mask but pack natively: `one_row=True` puts a whole micro-batch
 in a single row with position ids reset per sequence and no mask, which transformers turns into
 `flash_attn_varlen_func` calls (`shared_prefix` is not expressible there; the learner uses `packed`).

@@ -56,6 +56,7 @@ from accelerate.utils import DistributedType, InitProcessGroupKwargs
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from agentgrpo import learner_state
+from agentgrpo.attention import use_segments
 from agentgrpo.batch import (
     PackingMode,
     TrainBatch,
@@ -66,7 +67,13 @@ from agentgrpo.batch import (
 )
 from agentgrpo.learner_dist import check_launch, shard_reference
 from agentgrpo.learner_metrics import Metrics, over_ranks, step_metrics
-from agentgrpo.logprobs import PolicyForward, to_loss_layout, token_logprobs, uses_flash
+from agentgrpo.logprobs import (
+    PolicyForward,
+    attn_implementation,
+    to_loss_layout,
+    token_logprobs,
+    uses_flash,
+)
 from agentgrpo.lora import LoraConfig, MergedModel, apply_lora, merged_state_dict
 from agentgrpo.loss import LossConfig, compute_loss
 from agentgrpo.types import Trajectory
@@ -95,8 +102,9 @@ class LearnerConfig(BaseModel):
     row_tokens: Literal["auto"] | int = Field(
         "auto", description="shared_prefix: the longest a group's row may be before the group is split "
         "(each piece with its own copy of the prompt). Under a mask attention costs the square of the "
-        "row; auto = the cap the packer's cost model finds cheapest (agentgrpo.batch.choose_row_tokens); "
-        "an int caps it (micro_batch_tokens = no cap: a whole group per row)")
+        "row; auto = the cap the packer's cost model finds cheapest (agentgrpo.batch.choose_row_tokens; "
+        "under segment attention never a split); an int caps it (micro_batch_tokens = no cap: a whole "
+        "group per row)")
     old_logprobs: Literal["rollout", "recompute"] = Field(
         "rollout", description="pi_old of the ratio: the engine's sampling logprobs, or the learner's own "
         "recomputed before the first pass (one extra no-grad forward)")
@@ -118,6 +126,11 @@ class LearnerConfig(BaseModel):
     attn_implementation: str | None = Field(
         None, description="set the model's attention kernel (sdpa, eager, flash_attention_2, ...); "
         "flash kernels pack by position ids (varlen) instead of a mask")
+    attention: Literal["auto", "segments", "mask"] = Field(
+        "auto", description="how packed rows keep sequences apart (not with flash kernels, which pack "
+        "by position ids): segments = an sdpa call per sequence against its prompt and itself "
+        "(agentgrpo.attention; pairs own x (prompt + own)); mask = one call per row under a 4D mask "
+        "(every pair of the row computed); auto = segments on the CPU, mask on GPUs (unmeasured there)")
     ref_offload: bool = Field(False, description="keep the reference model on the CPU between steps "
                               "(not with FSDP, which shards the reference like the policy)")
     checkpoint_format: Literal["full", "sharded"] = Field(
@@ -205,17 +218,26 @@ class Learner:
         model = model.to(getattr(torch, cfg.dtype))
         if cfg.attn_implementation:
             model.set_attn_implementation(cfg.attn_implementation)
+        self.flash = uses_flash(model)
+        if self.flash and cfg.attention != "auto":
+            raise ValueError(f"learner.attention={cfg.attention!r} with {attn_implementation(model)}: flash "
+                             "kernels pack by position ids, with neither mask nor segments; leave it 'auto'")
+        segments = cfg.attention == "segments" or (cfg.attention == "auto" and device.type == "cpu"
+                                                   and not self.flash)
+        if segments:  # before the reference is copied from the model, so that it gets it too
+            use_segments(model)
         if cfg.gradient_checkpointing:
             if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x's name
                 model.activation_checkpointing_enable({"use_reentrant": False})
             else:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        self.flash = uses_flash(model)
         self.packing: PackingMode = "packed" if self.flash and cfg.packing == "shared_prefix" else cfg.packing
         if cfg.row_tokens != "auto" and self.flash:
             raise ValueError(f"learner.row_tokens={cfg.row_tokens} caps shared-prefix rows, but flash "
                              "attention takes no mask and packs without sharing: leave it 'auto'")
-        self.pair_cost = attention_pair_cost(getattr(model, "config", None))
+        # Segment attention computes no pair across sequences, so splitting a group only adds prompt
+        # copies: the cost model then never splits (pair cost 0).
+        self.pair_cost = 0.0 if segments else attention_pair_cost(getattr(model, "config", None))
         bf16 = cfg.autocast == "bf16" or (cfg.autocast == "auto" and device.type == "cuda")
         # kl_coef = 0 means no reference at all (no memory, no forward passes).
         self.ref: PolicyForward | None = None

@@ -30,6 +30,7 @@ from collections.abc import Sequence
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from agentgrpo.attention import SEGMENTS, Segments
 from agentgrpo.batch import TrainBatch
 
 
@@ -79,10 +80,13 @@ class PolicyForward(torch.nn.Module):
         device = batch.input_ids_BT.device
         off = self.model.disable_adapter() if disable_adapter else contextlib.nullcontext()
         amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.autocast_bf16)
+        layout = _layout_kwargs(lm, batch, self.autocast_bf16)
         with off:
             with amp:
                 hidden_BTH = decoder(input_ids=batch.input_ids_BT, position_ids=batch.position_ids_BT,
-                                     attention_mask=_mask_for(lm, batch, self.autocast_bf16), use_cache=False).last_hidden_state
+                                     use_cache=False, **layout).last_hidden_state
+            if "segments" in layout:
+                _check_segments_seen(lm, layout["segments"])
             h_MH = hidden_BTH.flatten(0, 1)[batch.pred_index_M]
             run = functools.partial(_head_logprobs, head, temperature=temperature, entropy_grad=entropy_grad)
             chunk, M = self.head_chunk_tokens, h_MH.shape[0]
@@ -109,18 +113,30 @@ def _head_logprobs(head: torch.nn.Module, h_MH: torch.Tensor, target_ids_M: torc
     return logprobs_M, entropy_M
 
 
-def _mask_for(lm: torch.nn.Module, batch: TrainBatch, bf16: bool) -> torch.Tensor | None:
-    mask_B1TT = batch.attention_mask_B1TT()
-    if mask_B1TT is None:
-        return None
+def _layout_kwargs(lm: torch.nn.Module, batch: TrainBatch, bf16: bool) -> dict:
+    """How the decoder learns the row layout: nothing (plain causal is exact), the spans for segment
+    attention (`agentgrpo.attention`), or a 4D mask."""
+    if not batch.needs_mask:
+        return {"attention_mask": None}
     impl = attn_implementation(lm)
+    if impl == SEGMENTS:
+        return {"attention_mask": None, "segments": Segments.of(batch)}
+    mask_B1TT = batch.attention_mask_B1TT()
     if "flash" in impl:
         raise ValueError("flash attention takes no 4D mask: build micro-batches with one_row=True")
     if impl == "eager":  # eager adds the mask to the scores
         dtype = torch.bfloat16 if bf16 else next(lm.parameters()).dtype
-        return torch.zeros(mask_B1TT.shape, dtype=dtype, device=mask_B1TT.device).masked_fill(
+        mask_B1TT = torch.zeros(mask_B1TT.shape, dtype=dtype, device=mask_B1TT.device).masked_fill(
             ~mask_B1TT, torch.finfo(dtype).min)
-    return mask_B1TT
+    return {"attention_mask": mask_B1TT}
+
+
+def _check_segments_seen(lm: torch.nn.Module, segments: Segments) -> None:
+    layers = getattr(lm.config, "num_hidden_layers", None)
+    if segments.calls != layers:
+        raise RuntimeError(f"segment attention ran in {segments.calls} of {layers} layers: this model's "
+                           "decoder does not pass its kwargs to attention, so packed sequences would see "
+                           "each other; set learner.attention: mask")
 
 
 def to_loss_layout(values_M: torch.Tensor, batch: TrainBatch) -> torch.Tensor:

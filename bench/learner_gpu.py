@@ -4,7 +4,8 @@ memory; every number a ratio against a baseline measured in the same run.
 Model: a random-initialised Qwen2-style network of ~0.5B parameters (Qwen2.5-0.5B's shape: hidden
 896, 24 layers, 14 heads / 2 KV, MLP 4864, vocab 151936, tied embeddings), so nothing is downloaded.
 fp32 master weights with bf16 autocast (the learner's default on CUDA), sdpa attention (packed rows
-use a 4D block mask; `--attn flash_attention_2` uses varlen packing when flash-attn is installed).
+use a 4D block mask, `learner.attention: auto` on CUDA; `--attn flash_attention_2` uses varlen packing
+when flash-attn is installed).
 
 Variants, each timed over interleaved repeats after a warm-up step:
   - learner, packed        learner.train_step, packing=packed
@@ -16,6 +17,9 @@ Variants, each timed over interleaved repeats after a warm-up step:
                            long shape): shared_prefix with `row_tokens` = the budget (a whole group
                            per row) against the default `row_tokens: auto` (the attention cost model
                            splits long groups; its FLOP count may undersell masked attention on a GPU)
+  - learner, segments      same long groups with `attention: segments` (agentgrpo.attention: an sdpa
+                           call per sequence against its prompt, no mask; whole groups per row): is
+                           it faster than the masked default on a GPU too, launches and all?
   - bare fwd+bwd           the same packed micro-batches through the same head-only forward,
                            -sum(logprob) backward and an AdamW step: the learner's overhead baseline
 
@@ -87,17 +91,22 @@ def measure(named: dict, repeats: int, device: str) -> dict[str, dict[str, float
     peak during the step above what was allocated before it (weights, gradients and optimizer state
     of every variant stay resident: 16 bytes per trained parameter each)."""
     out: dict[str, dict[str, float]] = {}
-    times: dict[str, list[float]] = {k: [] for k in named}
-    for k, fn in named.items():  # warm-up (kernels, allocator) and peak memory, one variant at a time
+    for k, fn in list(named.items()):  # warm-up (kernels, allocator) and peak memory, one variant at a time
         before = 0
         if device == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
             before = torch.cuda.memory_allocated()
-        fn()
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - one broken variant must not cost a rare GPU session the rest
+            print(f"  {k}: FAILED, left out: {e!r}", flush=True)
+            del named[k]
+            continue
         sync(device)
         peak = (torch.cuda.max_memory_allocated() - before) / 2**30 if device == "cuda" else float("nan")
         out[k] = {"step_peak_gb": peak}
+    times: dict[str, list[float]] = {k: [] for k in named}
     for _ in range(repeats):
         for k, fn in named.items():
             sync(device)
@@ -146,10 +155,16 @@ def main() -> None:
         ("grpo", grpo, {"learner packed": {"packing": "packed"}, "learner shared_prefix": {},
                         "learner head chunks": {"head_chunk_tokens": 2048}}),
         ("long", long, {"learner packed": {"packing": "packed"}, "learner shared_prefix": {},
-                        "learner whole groups": {"row_tokens": args.budget}}),
+                        "learner whole groups": {"row_tokens": args.budget},
+                        "learner segments": {"attention": "segments"}}),
     ):
         adv = advantages(trajs)
-        named = {k: partial(learner(**kw).train_step, trajs, adv) for k, kw in variants.items()}
+        named = {}
+        for k, kw in variants.items():
+            try:
+                named[k] = partial(learner(**kw).train_step, trajs, adv)
+            except Exception as e:  # noqa: BLE001 - as in `measure`: report it, measure the rest
+                print(f"  {k}: FAILED to build, left out: {e!r}", flush=True)
         bare = Bare(copy.deepcopy(model).to(dev), True, args.budget, autocast=True, device=dev)
         named["bare fwd+bwd"] = partial(bare.step, trajs)
         if dev == "cuda":
@@ -166,18 +181,16 @@ def main() -> None:
             v["mfu"] = flops / v["s"] / (args.peak_tflops * 1e12)
             print(f"  {k:22s} {v['s']:7.3f} s  {v['tok_s']:9.0f} tok/s  MFU {v['mfu']:6.1%}  "
                   f"step peak {v['step_peak_gb']:6.1f} GB")
-        ratios = {"learner/bare": r["learner packed"]["s"] / r["bare fwd+bwd"]["s"]}
-        if "learner padded" in r:
-            ratios["packed speed-up over padded"] = r["learner padded"]["s"] / r["learner packed"]["s"]
-        if "learner shared_prefix" in r:
-            ratios["shared_prefix speed-up over packed"] = r["learner packed"]["s"] / r["learner shared_prefix"]["s"]
-        if "learner head chunks" in r:
-            ratios["head chunks time"] = r["learner head chunks"]["s"] / r["learner shared_prefix"]["s"]
-            ratios["head chunks peak memory"] = (r["learner head chunks"]["step_peak_gb"]
-                                                 / r["learner shared_prefix"]["step_peak_gb"])
-        if "learner whole groups" in r:
-            ratios["row_tokens auto speed-up over whole groups"] = (
-                r["learner whole groups"]["s"] / r["learner shared_prefix"]["s"])
+        pairs = {  # name: (numerator variant, denominator variant, measure), where both ran
+            "learner/bare": ("learner packed", "bare fwd+bwd", "s"),
+            "packed speed-up over padded": ("learner padded", "learner packed", "s"),
+            "shared_prefix speed-up over packed": ("learner packed", "learner shared_prefix", "s"),
+            "head chunks time": ("learner head chunks", "learner shared_prefix", "s"),
+            "head chunks peak memory": ("learner head chunks", "learner shared_prefix", "step_peak_gb"),
+            "row_tokens auto speed-up over whole groups": ("learner whole groups", "learner shared_prefix", "s"),
+            "segments speed-up over the default": ("learner shared_prefix", "learner segments", "s"),
+        }
+        ratios = {name: r[a][m] / r[b][m] for name, (a, b, m) in pairs.items() if a in r and b in r}
         for k, v in ratios.items():
             print(f"  {k}: {v:.3f}x")
         results[label] = {"variants": r, "ratios": ratios, "padding_waste": waste, "tokens": tokens}

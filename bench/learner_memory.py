@@ -9,7 +9,8 @@ a tool result), with bf16 autocast as examples/calculator.yaml sets it; or `--sh
 trajectories run) with `--autocast none`, the fp32 learner of the long-trajectory examples.
 A budget written `N/whole` sets `learner.row_tokens=N`: a whole group per row, as the learner packed
 before its row cap (`row_tokens: auto`, the default, lets the cost model split long groups);
-`N/head=C` sets `learner.head_chunk_tokens=C` (the LM head over chunks of C loss tokens).
+`N/head=C` sets `learner.head_chunk_tokens=C` (the LM head over chunks of C loss tokens); `N/mask`
+sets `learner.attention=mask` (one masked sdpa call per row, the CPU default before segment attention).
 
 Each budget runs in a fresh process, since the peak resident size (`ru_maxrss`) only grows within
 one; printed: micro-batches, the longest row, packed tokens, peak RSS and the median learner step,
@@ -17,7 +18,7 @@ then each budget's ratios against the first one (the baseline), measured in the 
 run in the given order, then reversed, `--repeats` times, so a drifting machine weighs on all of them.
 
     python bench/learner_memory.py [--budgets 4096,2048,1024] [--groups 4] [--steps 3] [--repeats 1]
-    python bench/learner_memory.py --shape long --autocast none --budgets 8192/whole,8192,2048 --steps 1
+    python bench/learner_memory.py --shape long --autocast none --budgets 8192/whole/mask,8192/mask,8192,2048 --steps 1
 """
 
 from __future__ import annotations
@@ -69,7 +70,8 @@ def child(spec: str, groups: int, steps: int, shape: str, autocast: str) -> dict
     chunk = [int(o.removeprefix("head=")) for o in options if o.startswith("head=")]
     cfg = LearnerConfig(lr=1e-6, micro_batch_tokens=int(budget), autocast=autocast,
                         row_tokens=int(budget) if "whole" in options else "auto",
-                        head_chunk_tokens=chunk[0] if chunk else None)
+                        head_chunk_tokens=chunk[0] if chunk else None,
+                        attention="mask" if "mask" in options else "auto")
     learner = Learner(model, cfg,
                       LossConfig(clip_low=0.2, clip_high=0.28), temperature=0.7)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
@@ -89,7 +91,7 @@ def main() -> None:
     p.add_argument("--budgets", default="4096,2048,1024",
                    help="micro_batch_tokens values, the first the baseline; N/whole: learner.row_tokens=N "
                         "(a whole group per row, as before the row cap) instead of auto; N/head=C: "
-                        "learner.head_chunk_tokens=C")
+                        "learner.head_chunk_tokens=C; N/mask: learner.attention=mask")
     p.add_argument("--groups", type=int, default=4)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--repeats", type=int, default=1)

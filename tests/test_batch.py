@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from agentgrpo.attention import use_segments
 from agentgrpo.batch import attention_pair_cost, choose_row_tokens, make_micro_batches, shard
 from agentgrpo.logprobs import PolicyForward, sequence_logprobs, to_loss_layout
 from agentgrpo.types import StopReason, Trajectory
@@ -24,11 +25,13 @@ def packed_logprobs(model, batches, temperature):
     return out
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager", "segments"])
 @pytest.mark.parametrize("mode", ["padded", "packed", "shared_prefix"])
 @pytest.mark.parametrize("budget", [40, 4096])
 def test_packed_logprobs_equal_per_sequence_logprobs(attn, mode, budget):
-    model = tiny_llama(attn)
+    model = tiny_llama("sdpa" if attn == "segments" else attn)
+    if attn == "segments":  # the per-sequence reference below then runs the fallback (no segments)
+        use_segments(model)
     trajs = groups_of_trajectories()
     ref = sequence_logprobs(model, [t.token_ids for t in trajs], temperature=0.7)
     got = packed_logprobs(model, make_micro_batches(trajs, [0.0] * len(trajs), budget, mode=mode), 0.7)

@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 
+from agentgrpo.attention import use_segments
 from agentgrpo.batch import make_micro_batches
 from agentgrpo.learner import Learner, LearnerConfig
 from agentgrpo.logprobs import sequence_logprobs
@@ -22,12 +23,16 @@ pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
 
 
+@pytest.mark.parametrize("attention", ["mask", "segments"])
 @pytest.mark.parametrize("mode", ["padded", "packed", "shared_prefix"])
-def test_packed_logprobs_on_cuda_equal_per_sequence_logprobs_on_cpu(mode):
+def test_packed_logprobs_on_cuda_equal_per_sequence_logprobs_on_cpu(mode, attention):
     trajs = groups_of_trajectories()
     ref = sequence_logprobs(tiny_llama("sdpa"), [t.token_ids for t in trajs], temperature=0.7)  # CPU
     batches = [b.to(CUDA) for b in make_micro_batches(trajs, [0.0] * len(trajs), 64, mode=mode)]
-    got = packed_logprobs(tiny_llama("sdpa").to(CUDA), batches, 0.7)
+    model = tiny_llama("sdpa").to(CUDA)
+    if attention == "segments":  # agentgrpo.attention's gathers and padded sdpa batch on CUDA
+        use_segments(model)
+    got = packed_logprobs(model, batches, 0.7)
     for i, t in enumerate(trajs):
         first = t.loss_mask.index(1)
         for j in (j for j, m in enumerate(t.loss_mask) if m):

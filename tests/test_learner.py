@@ -424,9 +424,14 @@ def test_two_gloo_processes_equal_one_process(tmp_path, mini_batches):
     start = {k: v.clone() for k, v in one.unwrapped.state_dict().items()}
     grads, metrics = _steps(one)
     assert len(two["grads"]) == len(grads) == (3 if mini_batches == 1 else 5)
+    # The ranks pack other micro-batches than one process does, so sums run in another order (segment
+    # attention's padded buckets depend on a span's companions): the first step's gradients agree to
+    # ~4e-9, and two AdamW steps at lr 1e-2 grow that to ~4e-6 in single elements. A sharding or
+    # normalisation error is orders of magnitude larger.
     for step, (g2, g1) in enumerate(zip(two["grads"], grads, strict=True)):
         for name, g in g1.items():
-            torch.testing.assert_close(g2[name], g, atol=1e-6, rtol=1e-4, msg=f"step {step}: {name}")
+            torch.testing.assert_close(g2[name], g, atol=1e-6 if step == 0 else 2e-5, rtol=1e-4,
+                                       msg=f"step {step}: {name}")
     assert_trained_alike(two["weights"], one.unwrapped.state_dict(), start, "2 gloo ranks")
     for k in ("loss", "kl", "loss_tokens", "clipfrac", "grad_norm"):
         assert two["metrics"][k] == pytest.approx(metrics[k], rel=1e-4, abs=1e-7), k

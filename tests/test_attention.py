@@ -1,0 +1,153 @@
+"""Segment attention: the same logprobs and gradients as the masked kernel, a correct fallback for
+every other use of the switched model, and loud failures where it cannot apply."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from agentgrpo.attention import SEGMENTS, Segments, register, segment_attention, use_segments
+from agentgrpo.batch import make_micro_batches
+from agentgrpo.learner import Learner, LearnerConfig
+from agentgrpo.logprobs import PolicyForward
+from agentgrpo.loss import LossConfig
+from tests.tiny import groups_of_trajectories, tiny_llama, traj
+
+
+def _forward_backward(model, mb, bf16=False):
+    lp, ent = PolicyForward(model, autocast_bf16=bf16)(mb, 0.7, entropy_grad=True)
+    (lp.sum() + 0.1 * ent.sum()).backward()
+    return lp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("mode", ["shared_prefix", "packed"])
+def test_segments_give_the_masked_kernels_logprobs_and_gradients(mode):
+    trajs = groups_of_trajectories(n_groups=4, size=4, seed=2)
+    batches = make_micro_batches(trajs, [0.0] * len(trajs), 300, mode=mode)
+    tails = [int((mb.segment_ids_BT == 0).sum()) for mb in batches]
+    assert any(mb.input_ids_BT.shape[0] > 1 for mb in batches) and sum(tails) > 0  # rows and row tails
+    for mb in batches:
+        masked = _forward_backward(tiny_llama("sdpa"), mb)
+        seg_model = tiny_llama("sdpa")
+        use_segments(seg_model)
+        seg = _forward_backward(seg_model, mb)
+        torch.testing.assert_close(seg[0], masked[0], atol=1e-5, rtol=0)
+        for name, g in masked[1].items():
+            torch.testing.assert_close(seg[1][name], g, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_segments_under_bf16_autocast_agree_with_the_mask_to_bf16_rounding():
+    trajs = groups_of_trajectories(n_groups=2, size=4, seed=3)
+    (mb,) = make_micro_batches(trajs, [0.0] * len(trajs), 4096)
+    masked = _forward_backward(tiny_llama("sdpa"), mb, bf16=True)
+    seg_model = tiny_llama("sdpa")
+    use_segments(seg_model)
+    seg = _forward_backward(seg_model, mb, bf16=True)
+    torch.testing.assert_close(seg[0], masked[0], atol=0.05, rtol=0)
+    for name, g in masked[1].items():
+        torch.testing.assert_close(seg[1][name], g, atol=0.05, rtol=0.05, msg=name)
+
+
+def test_spans_of_a_shared_prefix_row():
+    a = traj([1, 2, 3, 4, 5], [0, 0, 1, 1, 1], group="x")
+    b = traj([1, 2, 3, 6], [0, 0, 0, 1], group="x")
+    c = traj([7, 8], [0, 1], group="y")
+    batches = make_micro_batches([a, b, c], [0.0] * 3, 64, mode="shared_prefix")
+    (mb,) = batches  # row 0 = 1 2 3 | 6 | 4 5 ; row 1 = 7 8 + tail
+    seg = Segments.of(mb)
+    assert seg.spans == [(0, 0, 3, 0, 0), (0, 3, 4, 0, 3), (0, 4, 6, 0, 3), (1, 0, 2, 0, 0)]
+    T = mb.input_ids_BT.shape[1]
+    assert sorted(seg.dest.tolist()) == [0, 1, 2, 3, 4, 5, T, T + 1]  # every real token once, no tail
+    # The span of a's own 4 5 (row positions 4, 5) against keys [1 2 3 | 4 5]: the prefix, then causal.
+    ((bk, j),) = [(bk, j) for bk in seg.buckets for j, q in enumerate(bk.q_idx.tolist()) if q[:2] == [4, 5]]
+    assert bk.k_idx[j].tolist()[:5] == [0, 1, 2, 4, 5]
+    assert bk.mask[j, 0, :2, :5].int().tolist() == [[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
+    assert not bk.mask[j, 0, :2, 5:].any()  # key padding is never seen
+
+
+def test_the_switched_model_stays_correct_without_segments():
+    # A left-padded batch with a 2D mask (how an engine or a probe would run the model): the fallback
+    # must apply the padding mask exactly as sdpa does.
+    ids = torch.tensor([[0, 0, 5, 6, 7], [1, 2, 3, 4, 5]])
+    attn = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    plain, switched = tiny_llama("sdpa"), tiny_llama("sdpa")
+    use_segments(switched)
+    assert switched.config._attn_implementation == SEGMENTS
+    with torch.no_grad():
+        want = plain(input_ids=ids, attention_mask=attn).logits
+        got = switched(input_ids=ids, attention_mask=attn).logits
+    torch.testing.assert_close(got[attn.bool()], want[attn.bool()], atol=1e-6, rtol=0)
+
+
+def test_a_layout_that_never_reaches_attention_raises():
+    from transformers import AttentionInterface
+
+    def drops_the_layout(module, q, k, v, mask, segments=None, **kw):
+        return segment_attention(module, q, k, v, mask, **kw)  # as a decoder that loses the kwarg
+
+    trajs = groups_of_trajectories()
+    (mb,) = make_micro_batches(trajs, [0.0] * len(trajs), 4096)
+    model = tiny_llama("sdpa")
+    use_segments(model)
+    AttentionInterface.register(SEGMENTS, drops_the_layout)
+    try:
+        with pytest.raises(RuntimeError, match="ran in 0 of 2 layers"):
+            PolicyForward(model)(mb, 1.0)
+    finally:
+        register()
+    PolicyForward(model)(mb, 1.0)  # registered again: runs
+
+
+def test_features_it_does_not_implement_are_named():
+    (mb,) = make_micro_batches([traj([1, 2, 3], [0, 1, 1]), traj([4, 5, 6], [0, 1, 1], group="h")],
+                               [0.0, 0.0], 64, mode="packed")
+    seg = Segments.of(mb)
+    q = torch.zeros(2, 4, 3, 8)
+    kv = torch.zeros(2, 2, 3, 8)
+    with pytest.raises(ValueError, match="sliding_window"):
+        segment_attention(torch.nn.Module(), q, kv, kv, None, segments=seg, sliding_window=4096)
+    out, _ = segment_attention(torch.nn.Module(), q, kv, kv, None, segments=seg, sliding_window=None)
+    assert out.shape == (2, 3, 4, 8)
+
+
+def test_a_model_that_cannot_switch_is_refused():
+    class Stubborn(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.config = type("C", (), {"_attn_implementation": "sdpa"})()
+
+        def set_attn_implementation(self, name):  # transformers warns and keeps the old one
+            pass
+
+    with pytest.raises(ValueError, match="AttentionInterface"):
+        use_segments(Stubborn())
+
+
+def test_the_learner_picks_segments_on_the_cpu_and_trains_the_same_as_the_mask():
+    trajs = groups_of_trajectories(n_groups=3, size=4, seed=5)
+    adv = [float(t.reward) - 0.5 for t in trajs]
+    weights, learners, metrics = {}, {}, {}
+    for attention in ("auto", "mask"):
+        learner = Learner(tiny_llama("sdpa"), LearnerConfig(lr=1e-3, micro_batch_tokens=200, attention=attention),
+                          LossConfig(kl_coef=0.05), temperature=0.7)
+        metrics[attention] = learner.train_step(trajs, adv)
+        learners[attention] = learner
+        weights[attention] = {n: p.detach().clone() for n, p in learner.unwrapped.named_parameters()}
+    assert learners["auto"].unwrapped.config._attn_implementation == SEGMENTS
+    assert learners["auto"].ref.model.config._attn_implementation == SEGMENTS  # the KL reference too
+    assert learners["auto"].pair_cost == 0 and learners["mask"].pair_cost > 0
+    assert learners["mask"].unwrapped.config._attn_implementation == "sdpa"
+    for key in ("loss", "grad_norm", "kl", "logprob_gap_mean"):
+        assert metrics["auto"][key] == pytest.approx(metrics["mask"][key], rel=1e-5, abs=1e-7), key
+    # AdamW's first step is ~lr * sign(g): float noise on a ~0 gradient moves a weight by up to 2e-6
+    # here, a real difference by ~lr = 1e-3.
+    for name, w in weights["mask"].items():
+        torch.testing.assert_close(weights["auto"][name], w, atol=1e-5, rtol=0, msg=name)
+
+
+def test_flash_kernels_take_neither_segments_nor_a_mask():
+    model = tiny_llama("sdpa")
+    model.config._attn_implementation_internal = "flash_attention_2"  # no flash kernel on a CPU
+    for attention in ("segments", "mask"):
+        with pytest.raises(ValueError, match="flash"):
+            Learner(model, LearnerConfig(lr=1e-3, attention=attention), LossConfig(), temperature=1.0)
