@@ -17,8 +17,11 @@ fp32 40 s, against 84 s for the whole group in one masked row and 56 s for the s
 `row_tokens: auto` picks under the mask (0.72x); bf16 autocast 35 s against 58 s and 39 s (0.90x).
 On the calculator's short groups (4 x 872-token rows, bf16) it is even (12.1 vs 12.3 s of CPU time,
 profiled): the attention pairs there shrink 2x only, and the gathers cost about what that saves.
-On a GPU the gathers and the padded batch are unmeasured, so the learner keeps the masked kernel
-there by default; bench/learner_gpu.py measures both.
+On the default run's real batches (672-token rows) it took 1.22x the mask's time, so
+`learner.attention: auto` runs it only on micro-batches whose rows are long enough
+(`AUTO_MIN_SHARE`) and the mask elsewhere; `segments` runs it everywhere. On a GPU the gathers and
+the padded batch are unmeasured, so `auto` keeps the masked kernel there; bench/learner_gpu.py
+measures both.
 
 How it is wired: `use_segments(model)` registers `segment_attention` with transformers'
 `AttentionInterface` under `SEGMENTS` and switches the model to it (models that dispatch attention
@@ -96,6 +99,12 @@ class Segments:
 
 
 _SLACK = 1.3  # a bucket may compute this many times its spans' own (query, key) rectangles
+
+# `attention: auto` runs segments on a micro-batch only where its rows' masked attention would cost
+# at least this share of their matmuls (r x T, `batch.attention_pair_cost`): measured on SmolLM2-135M
+# (r = 1/3072), segments took 1.22x the mask's time on 672-token rows (share 0.22), even at 872
+# (0.28), 0.85x at 1583-1907 (0.5-0.6) and 0.80x on whole 5311-token groups (1.7). 0.4 = 1229 tokens.
+AUTO_MIN_SHARE = 0.4
 
 
 def _bucketed(spans: list[tuple[int, int, int, int, int]]) -> list[list[int]]:

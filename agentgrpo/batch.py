@@ -27,7 +27,7 @@ Packing modes (`LearnerConfig.packing`):
   its G uses, as it would be over G copies); the prefix is computed once instead of G times.
 
 Attention: with a 4D mask (sdpa, eager: the default GPU path) every mode is exact; so is segment
-attention (`agentgrpo.attention`, the CPU default), which reads the same `segment_ids_BT` /
+attention (`agentgrpo.attention`, on the CPU for long rows by default), which reads the same `segment_ids_BT` /
 `visible_ids_BT` as spans and computes no pair across sequences.
 Flash-attention kernels take no 4D mask but pack natively: `one_row=True` puts a whole micro-batch
 in a single row with position ids reset per sequence and no mask, which transformers turns into

@@ -56,7 +56,7 @@ from accelerate.utils import DistributedType, InitProcessGroupKwargs
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from agentgrpo import learner_state
-from agentgrpo.attention import use_segments
+from agentgrpo.attention import AUTO_MIN_SHARE, use_segments
 from agentgrpo.batch import (
     PackingMode,
     TrainBatch,
@@ -130,7 +130,9 @@ class LearnerConfig(BaseModel):
         "auto", description="how packed rows keep sequences apart (not with flash kernels, which pack "
         "by position ids): segments = an sdpa call per sequence against its prompt and itself "
         "(agentgrpo.attention; pairs own x (prompt + own)); mask = one call per row under a 4D mask "
-        "(every pair of the row computed); auto = segments on the CPU, mask on GPUs (unmeasured there)")
+        "(every pair of the row computed); auto = on the CPU segments for micro-batches whose rows are "
+        "long enough to pay (agentgrpo.attention.AUTO_MIN_SHARE), else the mask; mask on GPUs "
+        "(segments unmeasured there)")
     ref_offload: bool = Field(False, description="keep the reference model on the CPU between steps "
                               "(not with FSDP, which shards the reference like the policy)")
     checkpoint_format: Literal["full", "sharded"] = Field(
@@ -226,6 +228,8 @@ class Learner:
                                                    and not self.flash)
         if segments:  # before the reference is copied from the model, so that it gets it too
             use_segments(model)
+        # auto: segments only on micro-batches whose rows are long enough for them to pay.
+        self.segment_min_share = AUTO_MIN_SHARE if cfg.attention == "auto" else 0.0
         if cfg.gradient_checkpointing:
             if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x's name
                 model.activation_checkpointing_enable({"use_reentrant": False})
@@ -251,6 +255,7 @@ class Learner:
                 ref = PolicyForward(copy.deepcopy(model), autocast_bf16=bf16).eval().requires_grad_(False)
                 self.ref = ref.to("cpu" if cfg.ref_offload else device)
             self.ref.head_chunk_tokens = cfg.head_chunk_tokens
+            self.ref.segment_min_share = self.segment_min_share
         # FSDP: rank 0 keeps an unsharded CPU copy of the plain model for weight sync to load the
         # gathered weights into (the engine's probe check needs a model that runs on one process).
         self._export_copy = copy.deepcopy(model).cpu() if self.sharded and self.is_main else None
@@ -261,7 +266,8 @@ class Learner:
         per_step = cfg.passes * cfg.mini_batches  # optimizer steps per train_step
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, _lr_lambda(cfg, None if total_steps is None else total_steps * per_step))
-        policy = PolicyForward(model, autocast_bf16=bf16, head_chunk_tokens=cfg.head_chunk_tokens)
+        policy = PolicyForward(model, autocast_bf16=bf16, head_chunk_tokens=cfg.head_chunk_tokens,
+                               segment_min_share=self.segment_min_share)
         if hasattr(model, "tie_weights"):  # accelerate's RAM-efficient FSDP2 preparation moves the model
             # to meta, which unties lm_head from the embeddings, and re-ties it through this method
             # of the module it prepares; untied, the two would train as separate matrices.

@@ -31,7 +31,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from agentgrpo.attention import SEGMENTS, Segments
-from agentgrpo.batch import TrainBatch
+from agentgrpo.batch import TrainBatch, attention_pair_cost
 
 
 def causal_lm(model: torch.nn.Module) -> torch.nn.Module:
@@ -61,7 +61,7 @@ class PolicyForward(torch.nn.Module):
     """
 
     def __init__(self, model: torch.nn.Module, *, autocast_bf16: bool = False,
-                 head_chunk_tokens: int | None = None) -> None:
+                 head_chunk_tokens: int | None = None, segment_min_share: float = 0.0) -> None:
         super().__init__()
         lm = causal_lm(model)
         if getattr(lm.config, "final_logit_softcapping", None) or getattr(lm.config, "logit_scale", None):
@@ -70,6 +70,7 @@ class PolicyForward(torch.nn.Module):
         self.model = model
         self.autocast_bf16 = autocast_bf16
         self.head_chunk_tokens = head_chunk_tokens
+        self.segment_min_share = segment_min_share
         # accelerate's FSDP auto-wrap policy reads this to find the transformer blocks.
         self._no_split_modules = getattr(lm, "_no_split_modules", None)
 
@@ -80,7 +81,7 @@ class PolicyForward(torch.nn.Module):
         device = batch.input_ids_BT.device
         off = self.model.disable_adapter() if disable_adapter else contextlib.nullcontext()
         amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.autocast_bf16)
-        layout = _layout_kwargs(lm, batch, self.autocast_bf16)
+        layout = _layout_kwargs(lm, batch, self.autocast_bf16, self.segment_min_share)
         with off:
             with amp:
                 hidden_BTH = decoder(input_ids=batch.input_ids_BT, position_ids=batch.position_ids_BT,
@@ -113,14 +114,18 @@ def _head_logprobs(head: torch.nn.Module, h_MH: torch.Tensor, target_ids_M: torc
     return logprobs_M, entropy_M
 
 
-def _layout_kwargs(lm: torch.nn.Module, batch: TrainBatch, bf16: bool) -> dict:
+def _layout_kwargs(lm: torch.nn.Module, batch: TrainBatch, bf16: bool, segment_min_share: float = 0.0) -> dict:
     """How the decoder learns the row layout: nothing (plain causal is exact), the spans for segment
-    attention (`agentgrpo.attention`), or a 4D mask."""
+    attention (`agentgrpo.attention`; on a switched model, for rows where masked attention would cost
+    at least `segment_min_share` of the matmuls), or a 4D mask (which a switched model runs as sdpa)."""
     if not batch.needs_mask:
         return {"attention_mask": None}
     impl = attn_implementation(lm)
-    if impl == SEGMENTS:
+    T = batch.input_ids_BT.shape[1]
+    if impl == SEGMENTS and attention_pair_cost(lm.config) * T >= segment_min_share:
         return {"attention_mask": None, "segments": Segments.of(batch)}
+    if impl == SEGMENTS:
+        impl = "sdpa"
     mask_B1TT = batch.attention_mask_B1TT()
     if "flash" in impl:
         raise ValueError("flash attention takes no 4D mask: build micro-batches with one_row=True")

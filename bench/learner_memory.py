@@ -10,7 +10,7 @@ trajectories run) with `--autocast none`, the fp32 learner of the long-trajector
 A budget written `N/whole` sets `learner.row_tokens=N`: a whole group per row, as the learner packed
 before its row cap (`row_tokens: auto`, the default, lets the cost model split long groups);
 `N/head=C` sets `learner.head_chunk_tokens=C` (the LM head over chunks of C loss tokens); `N/mask`
-sets `learner.attention=mask` (one masked sdpa call per row, the CPU default before segment attention).
+sets `learner.attention=mask` (one masked sdpa call per row, what `auto` ran before segment attention).
 
 Each budget runs in a fresh process, since the peak resident size (`ru_maxrss`) only grows within
 one; printed: micro-batches, the longest row, packed tokens, peak RSS and the median learner step,

@@ -151,3 +151,23 @@ def test_flash_kernels_take_neither_segments_nor_a_mask():
     for attention in ("segments", "mask"):
         with pytest.raises(ValueError, match="flash"):
             Learner(model, LearnerConfig(lr=1e-3, attention=attention), LossConfig(), temperature=1.0)
+
+
+def test_auto_runs_segments_only_on_rows_long_enough_to_pay():
+    from agentgrpo.attention import AUTO_MIN_SHARE
+    from agentgrpo.batch import attention_pair_cost
+    from agentgrpo.logprobs import _layout_kwargs
+
+    model = tiny_llama("sdpa")
+    use_segments(model)
+    r = attention_pair_cost(model.config)
+    short = int(AUTO_MIN_SHARE / r) - 4  # rows whose masked attention costs less than the threshold
+    for T, want in ((short, "mask"), (short + 8, "segments")):
+        (mb,) = make_micro_batches([traj(list(range(T)), [0] + [1] * (T - 1))], [0.0], 4096, mode="packed")
+        mb.needs_mask = True  # a lone row needs none; force the choice
+        got = _layout_kwargs(model, mb, False, AUTO_MIN_SHARE)
+        assert ("segments" in got) == (want == "segments"), T
+        assert (got["attention_mask"] is not None) == (want == "mask"), T
+        assert "segments" in _layout_kwargs(model, mb, False, 0.0)  # attention: segments, any row
+        lp = PolicyForward(model, segment_min_share=AUTO_MIN_SHARE)(mb, 1.0)[0]
+        torch.testing.assert_close(lp, PolicyForward(model)(mb, 1.0)[0], atol=1e-5, rtol=0)
