@@ -38,7 +38,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 
-from agentgrpo.attention import use_segments  # noqa: E402
+from agentgrpo.attention import AUTO_MIN_SHARE, use_segments  # noqa: E402
 from agentgrpo.batch import make_micro_batches  # noqa: E402
 from agentgrpo.learner import Learner, LearnerConfig  # noqa: E402
 from agentgrpo.logprobs import PolicyForward, to_loss_layout  # noqa: E402
@@ -105,7 +105,7 @@ class Bare:
     def __init__(self, model, head_only: bool, budget: int, autocast: bool = False, device: str = "cpu") -> None:
         if device == "cpu":  # the attention the learner's `attention: auto` runs there
             use_segments(model)
-        self.forward = PolicyForward(model, autocast_bf16=autocast).train()
+        self.forward = PolicyForward(model, autocast_bf16=autocast, segment_min_share=AUTO_MIN_SHARE).train()
         self.model, self.head_only, self.budget, self.autocast = model, head_only, budget, autocast
         self.device = device
         self.opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
