@@ -128,8 +128,8 @@ class LearnerConfig(BaseModel):
         "flash kernels pack by position ids (varlen) instead of a mask")
     attention: Literal["auto", "segments", "mask"] = Field(
         "auto", description="how packed rows keep sequences apart (not with flash kernels, which pack "
-        "by position ids): segments = an sdpa call per sequence against its prompt and itself "
-        "(agentgrpo.attention; pairs own x (prompt + own)); mask = one call per row under a 4D mask "
+        "by position ids): segments = each sequence attends only to its prompt and itself, sequences of "
+        "similar size batched into padded sdpa calls (agentgrpo.attention; pairs own x (prompt + own)); mask = one call per row under a 4D mask "
         "(every pair of the row computed); auto = on the CPU segments for micro-batches whose rows are "
         "long enough to pay (agentgrpo.attention.AUTO_MIN_SHARE), else the mask; mask on GPUs "
         "(segments unmeasured there)")
