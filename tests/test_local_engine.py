@@ -302,6 +302,26 @@ def test_local_engine_satisfies_the_engine_protocol(engine):
     assert isinstance(engine, Engine)
 
 
+def test_the_cache_goes_under_the_name_the_forward_takes():
+    # transformers 5.2x renamed past_key_values to cache; under the wrong name the kwarg would land
+    # in **kwargs and every decode step would silently run without the KV cache.
+    from agentgrpo.engine.local import _cache_kwarg
+
+    class New(torch.nn.Module):
+        def forward(self, input_ids, cache=None, past_key_values=None, **kwargs): ...
+
+    class Old(torch.nn.Module):
+        def forward(self, input_ids, past_key_values=None, **kwargs): ...
+
+    class NoCache(torch.nn.Module):
+        def forward(self, input_ids, **kwargs): ...
+
+    assert _cache_kwarg(New()) == "cache"
+    assert _cache_kwarg(Old()) == "past_key_values"
+    with pytest.raises(NotImplementedError, match="NoCache.forward takes no KV cache"):
+        _cache_kwarg(NoCache())
+
+
 # ------------------------------------------------------------------------ weights and scoring
 async def test_update_weights_changes_outputs_and_version(model):
     prompt = [30, 31, 32, 33]

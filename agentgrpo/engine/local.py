@@ -209,6 +209,7 @@ class LocalEngine:
             self._eos_ids(tokenizer) if eos_token_ids is None else eos_token_ids
         )
         self._check_cache_kind()
+        self.cache_kwarg = _cache_kwarg(self.model)
         self._generator = torch.Generator()
         self._generator.manual_seed(seed if seed is not None else torch.seed())
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -473,3 +474,20 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     for file in files:
         weights.update(load_file(file))
     return weights
+
+
+def _cache_kwarg(model: torch.nn.Module) -> str:
+    """The name under which the model's forward takes a KV cache: transformers renamed
+    `past_key_values` to `cache` in 5.2x (the old name deprecated, to go in 5.40). Passing the name a
+    version does not know is no error there: the kwarg lands in `**kwargs` and every decode step
+    silently runs without the cache, so the engine asks the signature once instead of guessing."""
+    import inspect
+
+    params = inspect.signature(model.forward).parameters
+    for name in ("cache", "past_key_values"):
+        if name in params:
+            return name
+    raise NotImplementedError(
+        f"LocalEngine: {type(model).__name__}.forward takes no KV cache argument (cache or "
+        "past_key_values); it needs a transformers causal LM"
+    )

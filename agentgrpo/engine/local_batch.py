@@ -157,7 +157,7 @@ class _Batch:
             end = min(start + step, width)
             logits = engine.model(
                 input_ids=ids[:, start:end], attention_mask=mask[:, : past + end],
-                position_ids=positions[:, start:end], cache=cache, use_cache=True,
+                position_ids=positions[:, start:end], use_cache=True, **{engine.cache_kwarg: cache},
                 logits_to_keep=1,
             ).logits[:, -1]  # fmt: skip
         engine.stats["prefills"] += 1
@@ -200,7 +200,7 @@ class _Batch:
         self.mask = torch.cat([self.mask, self.mask.new_ones(len(self.rows), 1)], dim=1)
         logits = engine.model(
             input_ids=self.next_ids[:, None], attention_mask=self.mask,
-            position_ids=self.next_pos[:, None], cache=self.cache, use_cache=True,
+            position_ids=self.next_pos[:, None], use_cache=True, **{engine.cache_kwarg: self.cache},
         ).logits[:, -1]  # fmt: skip
         self.next_pos = self.next_pos + 1
         engine.stats["steps"] += 1
