@@ -113,6 +113,7 @@ def convert_gguf(gguf: Path, target: Path) -> Path:
         tokenizer = AutoTokenizer.from_pretrained(
             gguf.parent, gguf_file=gguf.name, local_files_only=True
         )
+        _set_gguf_special_tokens(tokenizer, gguf)
         model = AutoModelForCausalLM.from_pretrained(
             gguf.parent, gguf_file=gguf.name, local_files_only=True
         )
@@ -127,6 +128,29 @@ def convert_gguf(gguf: Path, target: Path) -> Path:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+_GGUF_SPECIAL = {"bos": "bos_token", "eos": "eos_token", "padding": "pad_token", "unknown": "unk_token"}
+
+
+def _set_gguf_special_tokens(tokenizer: Any, gguf: Path) -> None:
+    """Give the tokenizer the special tokens the GGUF declares (`tokenizer.ggml.<role>_token_id`).
+
+    transformers' GGUF tokenizer conversion has not always read them: 5.17 sets SmolLM2's EOS to
+    <|im_start|> (id 1; the GGUF says 2, <|im_end|>) and leaves no pad token, while 5.24 gets both
+    right. EOS ends every `LocalEngine` request, so the file, not the converter, decides."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(gguf).fields
+    for role, attr in _GGUF_SPECIAL.items():
+        field = fields.get(f"tokenizer.ggml.{role}_token_id")
+        if field is None:
+            continue
+        token = tokenizer.convert_ids_to_tokens(int(field.contents()))
+        if getattr(tokenizer, attr) != token:
+            log.info("%s: %s is %r in the GGUF, %r after conversion; using the GGUF's",
+                     gguf.name, attr, token, getattr(tokenizer, attr))
+            setattr(tokenizer, attr, token)
 
 
 def _publish(tmp: Path, target: Path) -> None:
