@@ -8,3 +8,5 @@ if [ "$(id -u)" = 0 ]; then bash scripts/system-deps.sh; else echo "not root: te
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 .venv/bin/ruff check --quiet .
 .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+# The same suite on the transformers floor of pyproject.toml (scripts/test-floor.sh).
+[ "${AGENTGRPO_FLOOR_TESTS:-1}" = 0 ] || bash scripts/test-floor.sh "$@"
