@@ -6,7 +6,9 @@
 #
 # A GPU machine without network: fetch the pure-Python packages it lacks as wheels on a machine
 # with pip access (`bash scripts/gpu-check.sh --fetch-wheels`, into .whl/, which git ignores) and
-# copy .whl/ along; they are installed into /tmp/site before the checks.
+# copy .whl/ along; they are installed into /tmp/site before the checks. The project's H200 machine
+# (as its tool library lists it, 2026-11) has torch 2.11, transformers 5.17 (the floor that
+# scripts/test-floor.sh runs the suite on) and accelerate 1.15, and lacks only the wheels below.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ "${1:-}" = "--fetch-wheels" ]; then  # versions as pinned in this checkout's venv, for Python 3.12
