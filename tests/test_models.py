@@ -26,7 +26,7 @@ def test_default_model_path_converts_once_then_reloads_from_cache(tmp_path, monk
 
     monkeypatch.setenv("AGENTGRPO_CACHE", str(tmp_path))
     path = models.default_model_path()
-    assert path == tmp_path / "models" / "smollm2-135m-instruct"
+    assert path == tmp_path / "models" / models.MODEL_DIR_NAME
     assert models.is_converted(path)
     assert not [p for p in tmp_path.joinpath("models").iterdir() if p != path]  # temp dir removed
     config = json.loads((path / "config.json").read_text())
@@ -116,9 +116,21 @@ def test_publish_refuses_to_shadow_an_unfinished_directory(tmp_path):
         models._publish(tmp_path / "a", target)
 
 
+def test_an_older_conversion_is_not_reused_and_is_named(tmp_path, monkeypatch, caplog):
+    old = tmp_path / "models" / "smollm2-135m-instruct"  # before 2: special tokens as 5.17 guessed
+    _fake_conversion(old, "old")
+    converted = []
+    monkeypatch.setattr(models, "gguf_path", lambda: tmp_path / "x.gguf")
+    monkeypatch.setattr(models, "convert_gguf", lambda gguf, target: converted.append(target))
+    with caplog.at_level("WARNING", logger="agentgrpo.models"):
+        target = models.default_model_path(cache_dir=tmp_path)
+    assert converted == [target] and target.name == models.MODEL_DIR_NAME != old.name
+    assert str(old) in caplog.text and (old / "config.json").read_text() == "old"
+
+
 def test_cached_directory_is_reused_without_the_package(tmp_path, monkeypatch):
     """Once converted, the cache alone suffices (the package could even be uninstalled)."""
-    _fake_conversion(tmp_path / "models" / "smollm2-135m-instruct", "cached")
+    _fake_conversion(tmp_path / "models" / models.MODEL_DIR_NAME, "cached")
 
     def not_installed(name):
         raise importlib.metadata.PackageNotFoundError(name)
@@ -126,7 +138,7 @@ def test_cached_directory_is_reused_without_the_package(tmp_path, monkeypatch):
     monkeypatch.setattr(models.importlib.metadata, "distribution", not_installed)
     assert (
         models.default_model_path(cache_dir=tmp_path)
-        == tmp_path / "models" / "smollm2-135m-instruct"
+        == tmp_path / "models" / models.MODEL_DIR_NAME
     )
 
 
