@@ -14,11 +14,11 @@ dir=.venv/transformers-floor
 if [ "$(cat "$dir/VERSION" 2>/dev/null)" != "$floor" ]; then
   rm -rf "$dir"
   # 5.x needs huggingface_hub 1.x (the venv may hold 2.x); their other needs are the venv's.
-  .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps --target "$dir" \
-    "transformers==$floor" "huggingface_hub>=1.5,<2" 2>&1 | grep -vE 'is ignored: it is neither' || true
-  echo "$floor" > "$dir/VERSION"
+  out=$(.venv/bin/python -m pip install -q --disable-pip-version-check --no-deps --target "$dir" \
+    "transformers==$floor" "huggingface_hub>=1.5,<2" 2>&1) || { echo "$out" >&2; exit 1; }
 fi
 export PYTHONPATH="$PWD/$dir${PYTHONPATH:+:$PYTHONPATH}"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 .venv/bin/python -c "import transformers as t; assert t.__version__ == '$floor', t.__version__; print('test-floor: transformers', t.__version__)"
+echo "$floor" > "$dir/VERSION"  # only once the floor imports: a failed install is retried next time
 .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
