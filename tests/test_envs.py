@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from gymnasium.envs.registration import find_highest_version
 
 from agentgrpo import Message, StopReason, Task, check_env
 from agentgrpo.cli import main
@@ -353,7 +354,9 @@ def test_gym_text_other_toy_text_and_generic_envs():
     assert msgs[1].content.startswith("Your cards total")
     _, reward, terminated, _, info = env.step(Message(role="assistant", content="I STICK"))
     assert terminated and reward in (-1.0, 0.0, 1.0) and info["action"] == "STICK"
-    cliff = GymTextEnv.load_tasks("train", seed=0, n=1, env_id="CliffWalking-v1")[0]
+    # CliffWalking is v0 in gymnasium 1.0 (the floor), v1 from 1.1: the newest registered one.
+    cliff_id = f"CliffWalking-v{find_highest_version(None, 'CliffWalking')}"
+    cliff = GymTextEnv.load_tasks("train", seed=0, n=1, env_id=cliff_id)[0]
     msgs, _ = env.reset(seed=0, options={"task": cliff})
     assert "\x1b" not in msgs[1].content and "x  C  C" in msgs[1].content
     assert msgs[0].content.endswith("Reply with one action: 0, 1, 2, 3.")
