@@ -1,0 +1,103 @@
+"""The floors of pyproject.toml that scripts/test-floor.sh installs and the suite then runs on.
+
+A floor nobody runs is a guess: each one below was found wrong by running it (accelerate 1.0 has no
+FSDP2, gguf 0.10 breaks on numpy 2, 0.13 lacks `ReaderField.contents`). Only pure-Python packages
+are floored here: they can be laid over the venv (`pip install --no-deps --target DIR`, first on
+PYTHONPATH) without rebuilding anything. torch, numpy, safetensors and tokenizers are compiled
+against each other and keep the venv's versions, so their floors stay untested.
+
+    python scripts/floors.py pins          # "transformers==5.17 accelerate==1.8 ..." (pip's words)
+    python scripts/floors.py missing DIR   # what DIR's packages need that neither DIR nor the venv has
+    python scripts/floors.py check DIR     # every floor at its version, every need met; exit 1 if not
+"""
+
+from __future__ import annotations
+
+import sys
+from importlib import metadata
+from pathlib import Path
+
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+from packaging.version import Version
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    from pip._vendor import tomli as tomllib
+
+FLOORED = ("transformers", "accelerate", "peft", "pydantic", "gymnasium", "httpx", "gguf",
+           "math-verify")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def floors() -> dict[str, str]:
+    """name -> the `>=` bound pyproject.toml gives it (in `dependencies` or an extra)."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    reqs = [*project["dependencies"], *(r for extra in project["optional-dependencies"].values()
+                                        for r in extra)]
+    found: dict[str, str] = {}
+    for text in reqs:
+        req = Requirement(text)
+        name = canonicalize_name(req.name)
+        if name in FLOORED:
+            lows = [s.version for s in req.specifier if s.operator == ">="]
+            if len(lows) != 1:
+                raise SystemExit(f"floors: {text!r} in pyproject.toml has no single >= bound")
+            if found.setdefault(name, lows[0]) != lows[0]:
+                raise SystemExit(f"floors: {name} has two floors in pyproject.toml: {found[name]}, {lows[0]}")
+    absent = set(FLOORED) - set(found)
+    if absent:
+        raise SystemExit(f"floors: pyproject.toml names no floor for {sorted(absent)}")
+    return found
+
+
+def installed(overlay: Path) -> tuple[dict[str, Version], list[metadata.Distribution]]:
+    """Every package's version as Python will see it with `overlay` first on the path, and the
+    overlay's own distributions."""
+    ours = list(metadata.distributions(path=[str(overlay)]))
+    seen: dict[str, Version] = {}
+    for dist in [*ours, *metadata.distributions(path=[p for p in sys.path if p != str(overlay)])]:
+        seen.setdefault(canonicalize_name(dist.metadata["Name"]), Version(dist.version))
+    return seen, ours
+
+
+def unmet(overlay: Path) -> list[str]:
+    """Requirements of the overlay's packages (no extras) that nothing installed satisfies."""
+    seen, ours = installed(overlay)
+    needs: dict[str, str] = {}
+    for dist in ours:
+        for text in dist.requires or []:
+            req = Requirement(text)
+            if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+                continue
+            have = seen.get(canonicalize_name(req.name))
+            if have is None or not req.specifier.contains(have, prereleases=True):
+                needs.setdefault(canonicalize_name(req.name), f"{req.name}{req.specifier}")
+    return sorted(needs.values())
+
+
+def main(argv: list[str]) -> int:
+    if argv == ["pins"]:
+        print(" ".join(f"{name}=={version}" for name, version in floors().items()))
+        return 0
+    if len(argv) == 2 and argv[0] in ("missing", "check"):
+        overlay = Path(argv[1]).resolve()
+        needs = unmet(overlay)
+        if argv[0] == "missing":
+            print(" ".join(needs))
+            return 0
+        seen, _ = installed(overlay)
+        wrong = [f"{name} {seen.get(name)} (floor {v})" for name, v in floors().items()
+                 if seen.get(name) != Version(v)]
+        if wrong or needs:
+            print(f"floors: not at the floor: {wrong}; needed, not installed: {needs}", file=sys.stderr)
+            return 1
+        print("floors:", ", ".join(f"{name} {seen[name]}" for name in floors()))
+        return 0
+    print(__doc__, file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
