@@ -4,7 +4,8 @@ A floor nobody runs is a guess: each one below was found wrong by running it (ac
 FSDP2, gguf 0.10 breaks on numpy 2, 0.13 lacks `ReaderField.contents`). Only pure-Python packages
 are floored here: they can be laid over the venv (`pip install --no-deps --target DIR`, first on
 PYTHONPATH) without rebuilding anything. torch, numpy, safetensors and tokenizers are compiled
-against each other and keep the venv's versions, so their floors stay untested.
+against each other and keep the venv's versions here; their floors were run by hand, each in its
+own venv (pyproject.toml's comments say what passed).
 
     python scripts/floors.py pins          # "transformers==5.17 accelerate==1.8 ..." (pip's words)
     python scripts/floors.py missing DIR   # what DIR's packages need that neither DIR nor the venv has
