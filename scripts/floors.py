@@ -63,9 +63,12 @@ def installed(overlay: Path) -> tuple[dict[str, Version], list[metadata.Distribu
     return seen, ours
 
 
-def unmet(overlay: Path) -> list[str]:
-    """Requirements of the overlay's packages (no extras) that nothing installed satisfies."""
-    seen, ours = installed(overlay)
+def unmet(overlay: Path, seen: dict[str, Version] | None = None,
+          ours: list[metadata.Distribution] | None = None) -> list[str]:
+    """Requirements of the overlay's packages (no extras) that nothing installed satisfies
+    (`seen`, `ours`: what `installed(overlay)` returns, when the caller has it already)."""
+    if seen is None or ours is None:
+        seen, ours = installed(overlay)
     needs: dict[str, str] = {}
     for dist in ours:
         for text in dist.requires or []:
@@ -84,11 +87,11 @@ def main(argv: list[str]) -> int:
         return 0
     if len(argv) == 2 and argv[0] in ("missing", "check"):
         overlay = Path(argv[1]).resolve()
-        needs = unmet(overlay)
+        seen, ours = installed(overlay)
+        needs = unmet(overlay, seen, ours)
         if argv[0] == "missing":
             print(" ".join(needs))
             return 0
-        seen, _ = installed(overlay)
         wrong = [f"{name} {seen.get(name)} (floor {v})" for name, v in floors().items()
                  if seen.get(name) != Version(v)]
         if wrong or needs:
