@@ -65,7 +65,7 @@ from agentgrpo.batch import (
     shard,
     split_mini_batches,
 )
-from agentgrpo.learner_dist import check_launch, shard_reference
+from agentgrpo.learner_dist import check_launch, shard_reference, total_norm
 from agentgrpo.learner_metrics import Metrics, over_ranks, step_metrics
 from agentgrpo.logprobs import (
     PolicyForward,
@@ -376,7 +376,7 @@ class Learner:
                 self.optimizer.step()
                 self.scheduler.step()
                 self.optimizer.zero_grad(set_to_none=True)
-                optim[p].append({"grad_norm": float(grad_norm), "lr": lr})
+                optim[p].append({"grad_norm": total_norm(grad_norm), "lr": lr})
         self.step += 1
         out = step_metrics(over_ranks(cells, acc), [n / sum(norm) for n in norm], optim)
         batches = [b for m in minis for b in m.batches]

@@ -197,11 +197,21 @@ def test_the_fsdp2_accelerate_config_file_launches_fsdp2(monkeypatch):
     assert plugin.auto_wrap_policy is transformer_auto_wrap_policy and plugin.cpu_ram_efficient_loading
 
 
-def _steps(learner: Learner, n: int, seed: int = 0) -> list[float]:
-    """`n` steps on the same batch; their losses."""
+def _steps(learner: Learner, n: int, seed: int = 0) -> dict[str, list[float]]:
+    """`n` steps on the same batch; their losses and gradient norms. The norm is the sharper witness
+    of ranks that reduce wrongly: torch 2.7/2.8's gloo reduce-scatter summed where FSDP2 asked for
+    the mean (pytorch/pytorch#162338), doubling the gradients it reduced on 2 CPU ranks (a first
+    norm of 1.06 for 0.70 here), which Adam all but hides from the loss and the weights."""
     data = batch_and_advantages(seed=seed) if learner.is_main else None
     trajs, adv = learner.broadcast(data)
-    return [learner.train_step(trajs, adv)["loss"] for _ in range(n)]
+    steps = [learner.train_step(trajs, adv) for _ in range(n)]
+    return {k: [m[k] for m in steps] for k in ("loss", "grad_norm")}
+
+
+def _assert_steps_alike(got: dict[str, list[float]], want: dict[str, list[float]], what: str,
+                        **loss_tolerance: float) -> None:
+    assert got["loss"] == pytest.approx(want["loss"], **loss_tolerance), what
+    assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5), what
 
 
 def _fsdp_rank(rank: int, tmp: str) -> None:
@@ -289,10 +299,10 @@ def _ram_efficient_rank(rank: int, tmp: str, launch_env: dict[str, str]) -> None
         for module in (learner.model, learner.ref):
             assert not any(p.to_local().is_meta for p in module.parameters()), rank
         ref = full_weights(learner.ref)  # gathered to rank 0 before training
-        losses = _steps(learner, 2)
+        steps = _steps(learner, 2)
         exported = learner.export_model()
         if rank == 0:
-            torch.save({"ref": ref, "losses": losses, "weights": exported.state_dict()},
+            torch.save({"ref": ref, "steps": steps, "weights": exported.state_dict()},
                        f"{tmp}/ram-efficient-{build.__name__}.pt")
 
 
@@ -305,10 +315,10 @@ def test_ram_efficient_loading_trains_like_one_process_when_only_rank_0_has_weig
         one = Learner(build(), CFG, LOSS, temperature=TEMPERATURE)
         start = {k: v.clone() for k, v in one.unwrapped.state_dict().items()}
         base = {f"model.{k}": v for k, v in start.items()}
-        losses = _steps(one, 2)
+        steps = _steps(one, 2)
         got = torch.load(tmp_path / f"ram-efficient-{build.__name__}.pt")
         _assert_close(got["ref"], base, f"{build.__name__}: the KL reference, filled from rank 0")
-        assert got["losses"] == pytest.approx(losses, abs=1e-6), build.__name__
+        _assert_steps_alike(got["steps"], steps, build.__name__, abs=1e-6)
         assert_trained_alike(got["weights"], one.unwrapped.state_dict(), start,
                               f"{build.__name__}: weights on rank 0 only")
 
@@ -395,10 +405,10 @@ def test_sharded_checkpoints_resume_on_two_fsdp_ranks_and_reshard_to_one_process
 def _chunked_head_rank(rank: int, tmp: str) -> None:
     cfg = CFG.model_copy(update={"head_chunk_tokens": 5})
     learner = Learner(_tied_llama(), cfg, LOSS, temperature=TEMPERATURE, accelerator=_fsdp_accelerator())
-    losses = _steps(learner, 2)
+    steps = _steps(learner, 2)
     exported = learner.export_model()
     if rank == 0:
-        torch.save({"losses": losses, "weights": exported.state_dict()}, f"{tmp}/chunked.pt")
+        torch.save({"steps": steps, "weights": exported.state_dict()}, f"{tmp}/chunked.pt")
 
 
 def test_a_chunked_head_under_fsdp_trains_like_one_process_without_chunks(tmp_path):
@@ -406,8 +416,53 @@ def test_a_chunked_head_under_fsdp_trains_like_one_process_without_chunks(tmp_pa
     # root's parameters; tied to the embeddings, its gradient sums over the chunks and the input side.
     start = _tied_llama().state_dict()
     one = Learner(_tied_llama(), CFG, LOSS, temperature=TEMPERATURE)
-    losses = _steps(one, 2)
+    steps = _steps(one, 2)
     _spawn(_chunked_head_rank, str(tmp_path))
     got = torch.load(tmp_path / "chunked.pt")
-    assert got["losses"] == pytest.approx(losses, rel=1e-5)
+    _assert_steps_alike(got["steps"], steps, "FSDP, chunked head", rel=1e-5)
     assert_trained_alike(got["weights"], one.unwrapped.state_dict(), start, "FSDP, chunked head")
+
+
+CLIPPED = CFG.model_copy(update={"grad_clip": 0.1})  # below every step's norm (0.3 to 0.8 here)
+
+
+def _record_clipped_norms(learner: Learner) -> list[float]:
+    """The norm of the whole model's gradient as each optimizer step gets it (after clipping); under
+    FSDP every shard is gathered for it, on every rank alike."""
+    seen, step = [], learner.optimizer.step
+
+    def recording_step(*args, **kwargs):
+        grads = [p.grad for p in learner.model.parameters() if p.grad is not None]
+        full = [g.full_tensor() if hasattr(g, "full_tensor") else g for g in grads]
+        seen.append(float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in full]))))
+        return step(*args, **kwargs)
+
+    learner.optimizer.step = recording_step
+    return seen
+
+
+def _clipped_rank(rank: int, tmp: str) -> None:
+    learner = Learner(tiny_llama(), CLIPPED, LOSS, temperature=TEMPERATURE, accelerator=_fsdp_accelerator())
+    clipped = _record_clipped_norms(learner)
+    steps = _steps(learner, 3)
+    exported = learner.export_model()
+    if rank == 0:
+        torch.save({"steps": steps, "clipped": clipped, "weights": exported.state_dict()}, f"{tmp}/clipped.pt")
+
+
+def test_fsdp_clips_by_the_whole_models_norm_like_one_process(tmp_path):
+    """Every rank scales its shards by grad_clip over the norm of the whole model, not of its own
+    shards (Adam all but hides a wrong scale from the weights, so the clipped gradient itself is
+    measured), and the norm logged is the whole model's (torch 2.9 returns it partial over the
+    shards: `learner_dist.total_norm`)."""
+    start = tiny_llama().state_dict()
+    one = Learner(tiny_llama(), CLIPPED, LOSS, temperature=TEMPERATURE)
+    clipped = _record_clipped_norms(one)
+    steps = _steps(one, 3)
+    assert min(steps["grad_norm"]) > 2 * CLIPPED.grad_clip  # the clip acted on every step
+    assert clipped == pytest.approx([CLIPPED.grad_clip] * 3, rel=1e-5)
+    _spawn(_clipped_rank, str(tmp_path))
+    got = torch.load(tmp_path / "clipped.pt")
+    assert got["clipped"] == pytest.approx(clipped, rel=1e-5)
+    _assert_steps_alike(got["steps"], steps, "FSDP, clipped", abs=1e-6)
+    assert_trained_alike(got["weights"], one.unwrapped.state_dict(), start, "FSDP, clipped")
