@@ -1,13 +1,16 @@
 """The floors of pyproject.toml that scripts/test-floor.sh installs and the suite then runs on.
 
 A floor nobody runs is a guess: each one below was found wrong by running it (accelerate 1.0 has no
-FSDP2, gguf 0.10 breaks on numpy 2, 0.13 lacks `ReaderField.contents`). Only pure-Python packages
-are floored here: they can be laid over the venv (`pip install --no-deps --target DIR`, first on
-PYTHONPATH) without rebuilding anything. torch, numpy, safetensors and tokenizers are compiled
-against each other and keep the venv's versions here; their floors were run by hand, each in its
-own venv (pyproject.toml's comments say what passed).
+FSDP2, gguf 0.10 breaks on numpy 2, 0.13 lacks `ReaderField.contents`, torch 2.6 lacks
+`dcp.save(no_dist=...)`). The floored packages are laid over the venv (`pip install --no-deps
+--target DIR`, first on PYTHONPATH) without rebuilding anything. torch goes there too: nothing in
+the venv is compiled against it, and its wheel brings its own libraries (on Linux, PyPI has only the
+CUDA build: the nvidia-* wheels come in as its needs, 6.6 GB unpacked for 2.9; it runs on a CPU).
+numpy, safetensors and tokenizers keep the venv's versions (other wheels in the venv are built
+against them, and matplotlib needs a newer numpy than numpy's floor); numpy's floor was run by hand
+in its own venv (pyproject.toml's comment says so).
 
-    python scripts/floors.py pins          # "transformers==5.17 accelerate==1.8 ..." (pip's words)
+    python scripts/floors.py pins          # "torch==2.9 transformers==5.17 ..." (pip's words)
     python scripts/floors.py missing DIR   # what DIR's packages need that neither DIR nor the venv has
     python scripts/floors.py check DIR     # every floor at its version, every need met; exit 1 if not
 """
@@ -27,7 +30,7 @@ try:
 except ImportError:  # Python 3.10
     from pip._vendor import tomli as tomllib
 
-FLOORED = ("transformers", "accelerate", "peft", "pydantic", "gymnasium", "httpx", "gguf",
+FLOORED = ("torch", "transformers", "accelerate", "peft", "pydantic", "gymnasium", "httpx", "gguf",
            "math-verify")
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -92,8 +95,9 @@ def main(argv: list[str]) -> int:
         if argv[0] == "missing":
             print(" ".join(needs))
             return 0
+        # (public: a wheel's local label, torch's +cu128, is not part of the version pinned)
         wrong = [f"{name} {seen.get(name)} (floor {v})" for name, v in floors().items()
-                 if seen.get(name) != Version(v)]
+                 if name not in seen or Version(seen[name].public) != Version(v)]
         if wrong or needs:
             print(f"floors: not at the floor: {wrong}; needed, not installed: {needs}", file=sys.stderr)
             return 1

@@ -2,11 +2,12 @@
 # The test suite once more on the oldest versions that pyproject.toml admits (its floors).
 # Libraries rename and reshape APIs between minor versions (transformers 5.2x renamed
 # past_key_values to cache; 5.17's GGUF conversion picks another EOS; accelerate before 1.6 has no
-# FSDP2): a floor nobody runs is a guess. scripts/floors.py names the floored packages (the
-# pure-Python ones); their floor wheels, and what those need that the venv lacks (pydantic's exact
-# pydantic-core, a huggingface_hub 1.x for transformers 5.17), go into .venv/floors, put in front of
-# the venv's own by PYTHONPATH; everything else is the venv's. Run by scripts/test.sh after the main
-# suite (AGENTGRPO_FLOOR_TESTS=0 skips it there); arguments go to pytest.
+# FSDP2; torch 2.6 has no dcp.save(no_dist=...)): a floor nobody runs is a guess. scripts/floors.py
+# names the floored packages (torch and the pure-Python ones); their floor wheels, and what those
+# need that the venv lacks (torch's CUDA libraries, pydantic's exact pydantic-core, a huggingface_hub
+# 1.x for transformers 5.17), go into .venv/floors (6.7 GB), put in front of the venv's own by
+# PYTHONPATH; everything else is the venv's. Run by scripts/test.sh after the main suite
+# (AGENTGRPO_FLOOR_TESTS=0 skips it there); arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py=.venv/bin/python

@@ -36,6 +36,9 @@ def test_unmet_names_what_the_overlay_needs_and_nothing_the_venv_has(tmp_path):
 
 def test_check_refuses_an_overlay_off_the_floors(tmp_path, capsys):
     _dist(tmp_path, "transformers", "0.1")  # first on the path, so the one Python would import
+    _dist(tmp_path, "torch", floors.floors()["torch"] + ".0+cu128")  # at the floor: a local label is no matter
     assert floors.main(["check", str(tmp_path)]) == 1
-    assert "transformers 0.1 (floor 5.17)" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "transformers 0.1 (floor 5.17)" in err
+    assert "'torch " not in err
     assert floors.main(["nonsense"]) == 2
