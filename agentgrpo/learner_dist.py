@@ -62,9 +62,9 @@ def check_launch(acc: Accelerator) -> None:
 
 def total_norm(norm: torch.Tensor) -> float:
     """The gradient norm `clip_grad_norm_` returned, as a number every rank agrees on. Under FSDP2 it
-    is a DTensor, and up to some torch release after 2.9 one still partial over the shards
-    (`_NormPartial`): its float() is this rank's own part (measured on torch 2.9, 2 CPU ranks: 0.54
-    and 0.53 for a norm of 0.76), so rank 0 logged its shard's norm. The clipping itself saw the
-    whole norm; only the reading was partial. `full_tensor()` reduces it (a no-op once replicated)."""
+    is a DTensor: replicated from torch 2.10 on, but on 2.9 still partial over the shards
+    (`_NormPartial`), and its float() is then this rank's own part (2 CPU ranks: 0.54 and 0.53 for a
+    norm of 0.76), so rank 0 logged its shard's norm. The clipping itself used the whole norm; only
+    the reading was partial. `full_tensor()` reduces it (a no-op once replicated)."""
     full = getattr(norm, "full_tensor", None)
     return float(full() if full is not None else norm)
