@@ -434,7 +434,7 @@ def _record_clipped_norms(learner: Learner) -> list[float]:
     def recording_step(*args, **kwargs):
         grads = [p.grad for p in learner.model.parameters() if p.grad is not None]
         full = [g.full_tensor() if hasattr(g, "full_tensor") else g for g in grads]
-        seen.append(float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in full]))))
+        seen.append(float(torch.nn.utils.get_total_norm(full)))
         return step(*args, **kwargs)
 
     learner.optimizer.step = recording_step
