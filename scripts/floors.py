@@ -66,12 +66,9 @@ def installed(overlay: Path) -> tuple[dict[str, Version], list[metadata.Distribu
     return seen, ours
 
 
-def unmet(overlay: Path, seen: dict[str, Version] | None = None,
-          ours: list[metadata.Distribution] | None = None) -> list[str]:
+def unmet(seen: dict[str, Version], ours: list[metadata.Distribution]) -> list[str]:
     """Requirements of the overlay's packages (no extras) that nothing installed satisfies
-    (`seen`, `ours`: what `installed(overlay)` returns, when the caller has it already)."""
-    if seen is None or ours is None:
-        seen, ours = installed(overlay)
+    (`seen`, `ours`: what `installed(overlay)` returns)."""
     needs: dict[str, str] = {}
     for dist in ours:
         for text in dist.requires or []:
@@ -91,7 +88,7 @@ def main(argv: list[str]) -> int:
     if len(argv) == 2 and argv[0] in ("missing", "check"):
         overlay = Path(argv[1]).resolve()
         seen, ours = installed(overlay)
-        needs = unmet(overlay, seen, ours)
+        needs = unmet(seen, ours)
         if argv[0] == "missing":
             print(" ".join(needs))
             return 0

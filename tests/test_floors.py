@@ -31,7 +31,7 @@ def test_unmet_names_what_the_overlay_needs_and_nothing_the_venv_has(tmp_path):
     _dist(tmp_path, "floored-a", "1.0", "no-such-package-xyz==2.1", f"packaging>={packaging.__version__}",
           "another-missing>=3; extra == 'dev'", "old-python-only<1; python_version < '3'")
     _dist(tmp_path, "floored-b", "1.0", "floored-a==1.0", "floored-a>=2")
-    assert floors.unmet(tmp_path) == ["floored-a>=2", "no-such-package-xyz==2.1"]
+    assert floors.unmet(*floors.installed(tmp_path)) == ["floored-a>=2", "no-such-package-xyz==2.1"]
 
 
 def test_check_refuses_an_overlay_off_the_floors(tmp_path, capsys):
