@@ -22,6 +22,7 @@ from importlib import metadata
 from pathlib import Path
 
 from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
@@ -56,29 +57,43 @@ def floors() -> dict[str, str]:
     return found
 
 
-def installed(overlay: Path) -> tuple[dict[str, Version], list[metadata.Distribution]]:
-    """Every package's version as Python will see it with `overlay` first on the path, and the
-    overlay's own distributions."""
+def installed(overlay: Path) -> tuple[dict[str, metadata.Distribution], list[metadata.Distribution]]:
+    """Every package as Python will see it with `overlay` first on the path (name -> distribution),
+    and the overlay's own distributions."""
     ours = list(metadata.distributions(path=[str(overlay)]))
-    seen: dict[str, Version] = {}
+    seen: dict[str, metadata.Distribution] = {}
     for dist in [*ours, *metadata.distributions(path=[p for p in sys.path if p != str(overlay)])]:
-        seen.setdefault(canonicalize_name(dist.metadata["Name"]), Version(dist.version))
+        seen.setdefault(canonicalize_name(dist.metadata["Name"]), dist)
     return seen, ours
 
 
-def unmet(seen: dict[str, Version], ours: list[metadata.Distribution]) -> list[str]:
-    """Requirements of the overlay's packages (no extras) that nothing installed satisfies
-    (`seen`, `ours`: what `installed(overlay)` returns)."""
-    needs: dict[str, str] = {}
-    for dist in ours:
+def unmet(seen: dict[str, metadata.Distribution], ours: list[metadata.Distribution]) -> list[str]:
+    """Requirements of the overlay's packages that nothing installed satisfies (`seen`, `ours`: what
+    `installed(overlay)` returns), with those of the extras they ask of others: torch 2.11 needs
+    `cuda-toolkit[cufile,...]`, whose libraries come only with those extras. Their own extras are off."""
+    needs: dict[str, tuple[str, SpecifierSet]] = {}  # name -> (as written, every bound asked)
+    todo = [(dist, "") for dist in ours]  # (distribution, extra) whose requirements must hold
+    done: set[tuple[str, str]] = set()
+    while todo:
+        dist, extra = todo.pop()
+        key = (canonicalize_name(dist.metadata["Name"]), extra)
+        if key in done:
+            continue
+        done.add(key)
         for text in dist.requires or []:
             req = Requirement(text)
-            if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+            if req.marker is not None and not req.marker.evaluate({"extra": extra}):
                 continue
-            have = seen.get(canonicalize_name(req.name))
-            if have is None or not req.specifier.contains(have, prereleases=True):
-                needs.setdefault(canonicalize_name(req.name), f"{req.name}{req.specifier}")
-    return sorted(needs.values())
+            name = canonicalize_name(req.name)
+            have = seen.get(name)
+            if have is None or not req.specifier.contains(Version(have.version), prereleases=True):
+                # one pin for all who ask: cudnn's bare `nvidia-cublas` would otherwise install a
+                # newer one than cuda-toolkit's `==13.1.0.3.*`, every round again
+                written, spec = needs.get(name, (req.name, SpecifierSet()))
+                needs[name] = (written, spec & req.specifier)
+            else:
+                todo.extend((have, e) for e in req.extras)
+    return sorted(f"{written}{spec}" for written, spec in needs.values())
 
 
 def main(argv: list[str]) -> int:
@@ -93,12 +108,13 @@ def main(argv: list[str]) -> int:
             print(" ".join(needs))
             return 0
         # (public: a wheel's local label, torch's +cu128, is not part of the version pinned)
-        wrong = [f"{name} {seen.get(name)} (floor {v})" for name, v in floors().items()
-                 if name not in seen or Version(seen[name].public) != Version(v)]
+        version = {name: Version(dist.version) for name, dist in seen.items()}
+        wrong = [f"{name} {version.get(name)} (floor {v})" for name, v in floors().items()
+                 if name not in version or Version(version[name].public) != Version(v)]
         if wrong or needs:
             print(f"floors: not at the floor: {wrong}; needed, not installed: {needs}", file=sys.stderr)
             return 1
-        print("floors:", ", ".join(f"{name} {seen[name]}" for name in floors()))
+        print("floors:", ", ".join(f"{name} {version[name]}" for name in floors()))
         return 0
     print(__doc__, file=sys.stderr)
     return 2

@@ -13,16 +13,23 @@ cd "$(dirname "$0")/.."
 py=.venv/bin/python
 dir=.venv/floors
 pins=$($py scripts/floors.py pins)
-pip_in() {
+pip_in() {  # each round into a folder of its own, then merged in: pip's --target skips (with a
+  # warning) a top-level folder that is already there, and torch's CUDA wheels share nvidia/
   local out
-  out=$($py -m pip install -q --disable-pip-version-check --no-deps --target "$dir" "$@" 2>&1) \
+  rm -rf "$dir.round"
+  out=$($py -m pip install -q --disable-pip-version-check --no-deps --target "$dir.round" "$@" 2>&1) \
     || { echo "$out" >&2; exit 1; }
+  if [ -d "$dir" ]; then
+    cp -al --remove-destination "$dir.round/." "$dir/" && rm -rf "$dir.round"
+  else
+    mv "$dir.round" "$dir"
+  fi
 }
 if [ "$(cat "$dir/PINS" 2>/dev/null)" != "$pins" ]; then
   rm -rf "$dir" .venv/transformers-floor  # (the old overlay, of transformers alone)
   # shellcheck disable=SC2086  # word splitting wanted: one pin a word
   pip_in $pins
-  for _ in 1 2 3; do  # their needs, and the needs of those
+  for _ in 1 2 3 4 5; do  # their needs, and the needs of those (floors.py check says if any are left)
     needs=$(PYTHONPATH="$PWD/$dir" $py scripts/floors.py missing "$dir")
     [ -z "$needs" ] && break
     # shellcheck disable=SC2086

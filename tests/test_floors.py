@@ -34,6 +34,18 @@ def test_unmet_names_what_the_overlay_needs_and_nothing_the_venv_has(tmp_path):
     assert floors.unmet(*floors.installed(tmp_path)) == ["floored-a>=2", "no-such-package-xyz==2.1"]
 
 
+def test_unmet_follows_the_extras_asked_of_a_package_and_pins_it_once_for_all_askers(tmp_path):
+    # torch 2.11's shape: the libraries come with cuda-toolkit's extras, and a second package asks
+    # for one of them without a version
+    _dist(tmp_path, "floored-torch", "1.0", "floored-toolkit[blas]==1.0")
+    _dist(tmp_path, "floored-toolkit", "1.0", "floored-blas==13.1.*; extra == 'blas'",
+          "floored-fft==12.0; extra == 'fft'")
+    _dist(tmp_path, "floored-dnn", "1.0", "floored-blas")
+    assert floors.unmet(*floors.installed(tmp_path)) == ["floored-blas==13.1.*"]
+    _dist(tmp_path, "floored-blas", "13.1.0")
+    assert floors.unmet(*floors.installed(tmp_path)) == []
+
+
 def test_check_refuses_an_overlay_off_the_floors(tmp_path, capsys):
     _dist(tmp_path, "transformers", "0.1")  # first on the path, so the one Python would import
     _dist(tmp_path, "torch", floors.floors()["torch"] + ".0+cu128")  # at the floor: a local label is no matter
