@@ -29,7 +29,7 @@ against the H200's dense bf16 peak (989 TFLOP/s; override with --peak-tflops).
 
     python bench/learner_gpu.py                      # on the GPU machine
     python bench/learner_gpu.py --tiny --device cpu  # smoke test of the script itself
-Writes the results as JSON to $OUT/learner_gpu.json when $OUT is set.
+Writes the results as JSON to $OUT/learner_gpu.json when $OUT is set, rewritten after each batch shape.
 """
 
 from __future__ import annotations
@@ -194,9 +194,9 @@ def main() -> None:
         for k, v in ratios.items():
             print(f"  {k}: {v:.3f}x")
         results[label] = {"variants": r, "ratios": ratios, "padding_waste": waste, "tokens": tokens}
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "learner_gpu.json"), "w") as f:
-            json.dump(results, f, indent=1)
+        if os.environ.get("OUT"):  # each shape as it ends: a run cut off by a time limit keeps what it measured
+            with open(os.path.join(os.environ["OUT"], "learner_gpu.json"), "w") as f:
+                json.dump(results, f, indent=1)
 
 
 if __name__ == "__main__":
