@@ -166,6 +166,24 @@ def segment_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     return real.new_zeros(B * T, H, D).index_put((segments.dest,), real).view(B, T, H, D), None
 
 
+def flex_block_mask(batch: TrainBatch):
+    """The row layout as a flex-attention `BlockMask`, for models running transformers'
+    `flex_attention`: `TrainBatch.attention_mask_B1TT`'s rule (a key at or before the query, in its
+    segment or in the prefix it continues) as a mask_mod, so the kernel skips every 128 x 128 block
+    that no query of it may see (across sequences, above the diagonal): varlen attention without
+    flash-attn, shared prompts included. Built once per micro-batch, shared by every layer.
+    torch has no flex backward on the CPU (the learner refuses it there); forward runs compiled."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    seg_BT, vis_BT = batch.segment_ids_BT, batch.visible_ids_BT
+
+    def sees(b, h, q, kv):
+        return (kv <= q) & ((seg_BT[b, kv] == seg_BT[b, q]) | (seg_BT[b, kv] == vis_BT[b, q]))
+
+    B, T = seg_BT.shape
+    return create_block_mask(sees, B, None, T, T, device=seg_BT.device)
+
+
 def register() -> None:
     """Make `SEGMENTS` a transformers attention implementation (idempotent). Its mask function is
     sdpa's, so calls without `segments` get the mask sdpa would."""

@@ -124,11 +124,12 @@ class LearnerConfig(BaseModel):
         "in backward, so only one chunk's [chunk, vocab] logits are alive (agentgrpo.logprobs); "
         "None: all of a micro-batch's loss tokens at once")
     attn_implementation: str | None = Field(
-        None, description="set the model's attention kernel (sdpa, eager, flash_attention_2, ...); "
-        "flash kernels pack by position ids (varlen) instead of a mask")
+        None, description="set the model's attention kernel (sdpa, eager, flash_attention_2, "
+        "flex_attention, ...); flash kernels pack by position ids (varlen) instead of a mask, "
+        "flex_attention gets a block mask that skips the blocks across sequences (GPU only)")
     attention: Literal["auto", "segments", "mask"] = Field(
-        "auto", description="how packed rows keep sequences apart (not with flash kernels, which pack "
-        "by position ids): segments = each sequence attends only to its prompt and itself, sequences of "
+        "auto", description="how packed rows keep sequences apart (not with flash or flex kernels, which "
+        "do it themselves: by position ids, by a block mask): segments = each sequence attends only to its prompt and itself, sequences of "
         "similar size batched into padded sdpa calls (agentgrpo.attention; pairs own x (prompt + own)); mask = one call per row under a 4D mask "
         "(every pair of the row computed); auto = on the CPU segments for micro-batches whose rows are "
         "long enough to pay (agentgrpo.attention.AUTO_MIN_SHARE), else the mask; mask on GPUs "
@@ -221,9 +222,15 @@ class Learner:
         if cfg.attn_implementation:
             model.set_attn_implementation(cfg.attn_implementation)
         self.flash = uses_flash(model)
-        if self.flash and cfg.attention != "auto":
-            raise ValueError(f"learner.attention={cfg.attention!r} with {attn_implementation(model)}: flash "
-                             "kernels pack by position ids, with neither mask nor segments; leave it 'auto'")
+        # flex_attention gets each micro-batch's layout as a BlockMask (agentgrpo.attention.flex_block_mask)
+        flex = attn_implementation(model) == "flex_attention"
+        if (self.flash or flex) and cfg.attention != "auto":
+            raise ValueError(f"learner.attention={cfg.attention!r} with {attn_implementation(model)}: that "
+                             "kernel keeps sequences apart itself (flash by position ids, flex by a block "
+                             "mask), with neither the 4D mask nor segments; leave it 'auto'")
+        if flex and device.type == "cpu":
+            raise ValueError("learner.attn_implementation=flex_attention: torch has no flex-attention "
+                             "backward on the CPU; use the default (sdpa) there")
         segments = cfg.attention == "segments" or (cfg.attention == "auto" and device.type == "cpu"
                                                    and not self.flash)
         if segments:  # before the reference is copied from the model, so that it gets it too
@@ -240,8 +247,9 @@ class Learner:
             raise ValueError(f"learner.row_tokens={cfg.row_tokens} caps shared-prefix rows, but flash "
                              "attention takes no mask and packs without sharing: leave it 'auto'")
         # Segment attention computes no pair across sequences, so splitting a group only adds prompt
-        # copies: the cost model then never splits (pair cost 0).
-        self.pair_cost = 0.0 if segments else attention_pair_cost(getattr(model, "config", None))
+        # copies: the cost model then never splits (pair cost 0). Flex skips such pairs by the block
+        # (128 x 128): taken as the same (unmeasured; bench/learner_gpu.py measures it).
+        self.pair_cost = 0.0 if segments or flex else attention_pair_cost(getattr(model, "config", None))
         bf16 = cfg.autocast == "bf16" or (cfg.autocast == "auto" and device.type == "cuda")
         # kl_coef = 0 means no reference at all (no memory, no forward passes).
         self.ref: PolicyForward | None = None

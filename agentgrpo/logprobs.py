@@ -30,7 +30,7 @@ from collections.abc import Sequence
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from agentgrpo.attention import SEGMENTS, Segments
+from agentgrpo.attention import SEGMENTS, Segments, flex_block_mask
 from agentgrpo.batch import TrainBatch, attention_pair_cost
 
 
@@ -117,7 +117,8 @@ def _head_logprobs(head: torch.nn.Module, h_MH: torch.Tensor, target_ids_M: torc
 def _layout_kwargs(lm: torch.nn.Module, batch: TrainBatch, bf16: bool, segment_min_share: float = 0.0) -> dict:
     """How the decoder learns the row layout: nothing (plain causal is exact), the spans for segment
     attention (`agentgrpo.attention`; on a switched model, for rows where masked attention would cost
-    at least `segment_min_share` of the matmuls), or a 4D mask (which a switched model runs as sdpa)."""
+    at least `segment_min_share` of the matmuls), a flex BlockMask (`flex_attention` models), or a 4D
+    mask (which a switched model runs as sdpa)."""
     if not batch.needs_mask:
         return {"attention_mask": None}
     impl = attn_implementation(lm)
@@ -126,6 +127,8 @@ def _layout_kwargs(lm: torch.nn.Module, batch: TrainBatch, bf16: bool, segment_m
         return {"attention_mask": None, "segments": Segments.of(batch)}
     if impl == SEGMENTS:
         impl = "sdpa"
+    if impl == "flex_attention":
+        return {"attention_mask": flex_block_mask(batch)}
     mask_B1TT = batch.attention_mask_B1TT()
     if "flash" in impl:
         raise ValueError("flash attention takes no 4D mask: build micro-batches with one_row=True")

@@ -20,6 +20,9 @@ Variants, each timed over interleaved repeats after a warm-up step:
   - learner, segments      same long groups with `attention: segments` (agentgrpo.attention: an sdpa
                            call per sequence against its prompt, no mask; whole groups per row): is
                            it faster than the masked default on a GPU too, launches and all?
+  - learner, flex          shared_prefix under transformers' flex_attention with a block mask per
+                           micro-batch (agentgrpo.attention.flex_block_mask: the blocks across
+                           sequences skipped, compiled by torch; GPU only), on both GRPO-shaped batches
   - bare fwd+bwd           the same packed micro-batches through the same head-only forward,
                            -sum(logprob) backward and an AdamW step: the learner's overhead baseline
 
@@ -150,17 +153,20 @@ def main() -> None:
     spread = spread_batch(args.trajectories, 32, args.max_len, vocab=vocab)
     grpo = grpo_batch(args.groups, 8, vocab=vocab)
     long = long_batch(max(1, args.groups // 4), 8, vocab)
+    flex = {"attn_implementation": "flex_attention"}
     for label, trajs, variants in (
         ("spread", spread, {"learner packed": {"packing": "packed"}, "learner padded": {"packing": "padded"}}),
         ("grpo", grpo, {"learner packed": {"packing": "packed"}, "learner shared_prefix": {},
-                        "learner head chunks": {"head_chunk_tokens": 2048}}),
+                        "learner head chunks": {"head_chunk_tokens": 2048}, "learner flex": flex}),
         ("long", long, {"learner packed": {"packing": "packed"}, "learner shared_prefix": {},
                         "learner whole groups": {"row_tokens": args.budget},
-                        "learner segments": {"attention": "segments"}}),
+                        "learner segments": {"attention": "segments"}, "learner flex": flex}),
     ):
         adv = advantages(trajs)
         named = {}
         for k, kw in variants.items():
+            if kw is flex and dev != "cuda":  # no flex backward on a CPU
+                continue
             try:
                 named[k] = partial(learner(**kw).train_step, trajs, adv)
             except Exception as e:  # noqa: BLE001 - as in `measure`: report it, measure the rest
@@ -189,6 +195,7 @@ def main() -> None:
             "head chunks peak memory": ("learner head chunks", "learner shared_prefix", "step_peak_gb"),
             "row_tokens auto speed-up over whole groups": ("learner whole groups", "learner shared_prefix", "s"),
             "segments speed-up over the default": ("learner shared_prefix", "learner segments", "s"),
+            "flex speed-up over the default": ("learner shared_prefix", "learner flex", "s"),
         }
         ratios = {name: r[a][m] / r[b][m] for name, (a, b, m) in pairs.items() if a in r and b in r}
         for k, v in ratios.items():

@@ -153,6 +153,15 @@ def test_flash_kernels_take_neither_segments_nor_a_mask():
             Learner(model, LearnerConfig(lr=1e-3, attention=attention), LossConfig(), temperature=1.0)
 
 
+def test_flex_attention_is_refused_for_training_on_the_cpu_and_with_segments_or_a_mask():
+    # (on a GPU it trains on block masks: tests/test_gpu.py; its CPU forward: tests/test_batch.py)
+    with pytest.raises(ValueError, match="no flex-attention backward on the CPU"):
+        Learner(tiny_llama("flex_attention"), LearnerConfig(), LossConfig(), temperature=1.0)
+    for attention in ("segments", "mask"):
+        with pytest.raises(ValueError, match="flex by a block mask"):
+            Learner(tiny_llama("flex_attention"), LearnerConfig(attention=attention), LossConfig())
+
+
 def test_auto_runs_segments_only_on_rows_long_enough_to_pay():
     from agentgrpo.attention import AUTO_MIN_SHARE
     from agentgrpo.batch import attention_pair_cost

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
-from agentgrpo.attention import use_segments
+from agentgrpo.attention import flex_block_mask, use_segments
 from agentgrpo.batch import attention_pair_cost, choose_row_tokens, make_micro_batches, shard
 from agentgrpo.logprobs import PolicyForward, sequence_logprobs, to_loss_layout
 from agentgrpo.types import StopReason, Trajectory
-from tests.tiny import groups_of_trajectories, tiny_llama, traj
+from tests.tiny import V, groups_of_trajectories, tiny_llama, traj
 
 
 def packed_logprobs(model, batches, temperature):
@@ -44,6 +46,37 @@ def test_packed_logprobs_equal_per_sequence_logprobs(attn, mode, budget):
             assert lp_NL[j - first].item() == pytest.approx(ref[i][j], abs=2e-5)
             assert rollout_NL[j - first].item() == t.logprobs[j]
         assert mask_NL.sum().item() == len(loss_pos)  # tool tokens inside the span stay masked
+
+
+@pytest.mark.parametrize("mode", ["packed", "shared_prefix"])
+def test_the_flex_block_mask_is_the_4d_mask_and_skips_the_blocks_across_sequences(mode):
+    from torch.nn.attention.flex_attention import create_mask
+
+    rng = random.Random(0)
+    prompt = [rng.randrange(V) for _ in range(100)]
+    trajs = [traj(prompt + [rng.randrange(V) for _ in range(150)], [0] * 100 + [1] * 150) for _ in range(8)]
+    trajs.append(traj([rng.randrange(V) for _ in range(1200)], [0] * 20 + [1] * 1180, group="long"))
+    for mb in make_micro_batches(trajs, [0.0] * len(trajs), 4096, mode=mode):
+        bm = flex_block_mask(mb)
+        B, T = mb.input_ids_BT.shape
+        assert torch.equal(create_mask(bm.mask_mod, B, 1, T, T, device="cpu"), mb.attention_mask_B1TT())
+        blocks = -(-T // 128)
+        visited_B = (bm.kv_num_blocks + bm.full_kv_num_blocks).sum(-1).flatten()  # per row
+        assert visited_B.max() <= blocks * (blocks + 1) // 2  # never more than causal
+        assert visited_B.min() < blocks * (blocks + 1) // 4  # a row of several sequences: under half
+
+
+def test_packed_logprobs_under_flex_attention_equal_per_sequence_logprobs():
+    trajs = groups_of_trajectories()
+    ref = sequence_logprobs(tiny_llama("sdpa"), [t.token_ids for t in trajs], temperature=0.7)
+    model = tiny_llama("flex_attention")  # the same weights (same seed)
+    for mode in ("packed", "shared_prefix"):  # micro-batches of several lengths: recompiles and all
+        got = packed_logprobs(model, make_micro_batches(trajs, [0.0] * len(trajs), 40, mode=mode), 0.7)
+        assert sorted(got) == list(range(len(trajs)))
+        for i, t in enumerate(trajs):
+            first = t.loss_mask.index(1)
+            for j in (j for j, m in enumerate(t.loss_mask) if m):
+                assert got[i]["lp_NL"][j - first].item() == pytest.approx(ref[i][j], abs=2e-5)
 
 
 def test_a_chunked_head_gives_the_same_logprobs_entropy_and_gradients():

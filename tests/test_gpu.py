@@ -1,11 +1,13 @@
 """On a CUDA GPU (skipped without one; `bash scripts/gpu-check.sh` runs these and the GPU benchmark):
-packed layouts give the per-sequence logprobs with CUDA's attention kernels, the learner's
-accumulated gradient on the GPU equals the plain CPU computation, and bf16 autocast (the GPU
-default) stays close to fp32 and reports the step's peak memory."""
+packed layouts give the per-sequence logprobs with CUDA's attention kernels (flex attention's block
+masks too, whose gradient equals the 4D mask's), the learner's accumulated gradient on the GPU equals
+the plain CPU computation, and bf16 autocast (the GPU default) stays close to fp32 and reports the
+step's peak memory."""
 
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import pytest
 import torch
@@ -50,6 +52,29 @@ def test_accumulated_gradient_on_cuda_equals_the_plain_cpu_computation():
     want = one_big_batch_grads(trajs, adv, loss_cfg)
     for name, g in want.items():
         torch.testing.assert_close(grads[0][name].cpu(), g, atol=1e-5, rtol=1e-3, msg=name)
+
+
+def test_flex_attention_on_cuda_gives_per_sequence_logprobs_and_the_masked_gradient():
+    # flex's CUDA kernels need a head dimension of 16 or more (tiny_llama's is 8)
+    model = partial(tiny_llama, head_dim=16)
+    trajs = groups_of_trajectories()
+    ref = sequence_logprobs(model("sdpa"), [t.token_ids for t in trajs], temperature=0.7)  # CPU
+    for mode in ("packed", "shared_prefix"):
+        batches = [b.to(CUDA) for b in make_micro_batches(trajs, [0.0] * len(trajs), 64, mode=mode)]
+        got = packed_logprobs(model("flex_attention").to(CUDA), batches, 0.7)
+        for i, t in enumerate(trajs):
+            first = t.loss_mask.index(1)
+            for j in (j for j, m in enumerate(t.loss_mask) if m):
+                assert got[i]["lp_NL"][j - first].item() == pytest.approx(ref[i][j], abs=1e-4)
+    trajs, adv = batch_and_advantages(model=model())
+    grads = {}
+    for impl in ("sdpa", "flex_attention"):  # block mask against the 4D mask, both on CUDA
+        cfg = LearnerConfig(micro_batch_tokens=48, grad_clip=1e9, autocast="none", attn_implementation=impl)
+        learner = Learner(model(), cfg, LossConfig(kl_coef=0.1), temperature=TEMPERATURE)
+        grads[impl] = record_grads(learner)
+        learner.train_step(trajs, adv)
+    for name, g in grads["sdpa"][0].items():
+        torch.testing.assert_close(grads["flex_attention"][0][name], g, atol=1e-5, rtol=1e-3, msg=name)
 
 
 def test_bf16_autocast_is_the_cuda_default_close_to_fp32_and_reports_peak_memory():

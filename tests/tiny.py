@@ -11,13 +11,13 @@ from agentgrpo.types import StopReason, Trajectory
 V = 97
 
 
-def tiny_llama(attn: str = "sdpa", seed: int = 0):
+def tiny_llama(attn: str = "sdpa", seed: int = 0, **config):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      attn_implementation=attn)
+                      attn_implementation=attn, **config)
     return LlamaForCausalLM(cfg).eval()
 
 
