@@ -27,6 +27,14 @@ def packed_logprobs(model, batches, temperature):
     return out
 
 
+def assert_per_sequence(got, trajs, ref, tol):
+    """Every loss token's packed logprob (`packed_logprobs`) equals the per-sequence one in `ref`."""
+    for i, t in enumerate(trajs):
+        first = t.loss_mask.index(1)
+        for j in (j for j, m in enumerate(t.loss_mask) if m):
+            assert got[i]["lp_NL"][j - first].item() == pytest.approx(ref[i][j], abs=tol), (i, j)
+
+
 @pytest.mark.parametrize("attn", ["sdpa", "eager", "segments"])
 @pytest.mark.parametrize("mode", ["padded", "packed", "shared_prefix"])
 @pytest.mark.parametrize("budget", [40, 4096])
@@ -73,10 +81,7 @@ def test_packed_logprobs_under_flex_attention_equal_per_sequence_logprobs():
     for mode in ("packed", "shared_prefix"):  # micro-batches of several lengths: recompiles and all
         got = packed_logprobs(model, make_micro_batches(trajs, [0.0] * len(trajs), 40, mode=mode), 0.7)
         assert sorted(got) == list(range(len(trajs)))
-        for i, t in enumerate(trajs):
-            first = t.loss_mask.index(1)
-            for j in (j for j, m in enumerate(t.loss_mask) if m):
-                assert got[i]["lp_NL"][j - first].item() == pytest.approx(ref[i][j], abs=2e-5)
+        assert_per_sequence(got, trajs, ref, 2e-5)
 
 
 def test_a_chunked_head_gives_the_same_logprobs_entropy_and_gradients():

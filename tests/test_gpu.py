@@ -17,7 +17,7 @@ from agentgrpo.batch import make_micro_batches
 from agentgrpo.learner import Learner, LearnerConfig
 from agentgrpo.logprobs import sequence_logprobs
 from agentgrpo.loss import LossConfig
-from tests.test_batch import packed_logprobs
+from tests.test_batch import assert_per_sequence, packed_logprobs
 from tests.test_learner import TEMPERATURE, batch_and_advantages, one_big_batch_grads, record_grads
 from tests.tiny import groups_of_trajectories, tiny_llama
 
@@ -25,20 +25,21 @@ pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
 
 
-@pytest.mark.parametrize("attention", ["mask", "segments"])
+# flex's CUDA kernels need a head dimension of 16 or more (tiny_llama's is 8)
+flex_sized = partial(tiny_llama, head_dim=16)
+
+
+@pytest.mark.parametrize("attention", ["mask", "segments", "flex"])
 @pytest.mark.parametrize("mode", ["padded", "packed", "shared_prefix"])
 def test_packed_logprobs_on_cuda_equal_per_sequence_logprobs_on_cpu(mode, attention):
+    make = flex_sized if attention == "flex" else tiny_llama
     trajs = groups_of_trajectories()
-    ref = sequence_logprobs(tiny_llama("sdpa"), [t.token_ids for t in trajs], temperature=0.7)  # CPU
+    ref = sequence_logprobs(make("sdpa"), [t.token_ids for t in trajs], temperature=0.7)  # CPU
     batches = [b.to(CUDA) for b in make_micro_batches(trajs, [0.0] * len(trajs), 64, mode=mode)]
-    model = tiny_llama("sdpa").to(CUDA)
+    model = make("flex_attention" if attention == "flex" else "sdpa").to(CUDA)  # flex: block masks
     if attention == "segments":  # agentgrpo.attention's gathers and padded sdpa batch on CUDA
         use_segments(model)
-    got = packed_logprobs(model, batches, 0.7)
-    for i, t in enumerate(trajs):
-        first = t.loss_mask.index(1)
-        for j in (j for j, m in enumerate(t.loss_mask) if m):
-            assert got[i]["lp_NL"][j - first].item() == pytest.approx(ref[i][j], abs=1e-4)
+    assert_per_sequence(packed_logprobs(model, batches, 0.7), trajs, ref, 1e-4)
 
 
 def test_accumulated_gradient_on_cuda_equals_the_plain_cpu_computation():
@@ -54,23 +55,12 @@ def test_accumulated_gradient_on_cuda_equals_the_plain_cpu_computation():
         torch.testing.assert_close(grads[0][name].cpu(), g, atol=1e-5, rtol=1e-3, msg=name)
 
 
-def test_flex_attention_on_cuda_gives_per_sequence_logprobs_and_the_masked_gradient():
-    # flex's CUDA kernels need a head dimension of 16 or more (tiny_llama's is 8)
-    model = partial(tiny_llama, head_dim=16)
-    trajs = groups_of_trajectories()
-    ref = sequence_logprobs(model("sdpa"), [t.token_ids for t in trajs], temperature=0.7)  # CPU
-    for mode in ("packed", "shared_prefix"):
-        batches = [b.to(CUDA) for b in make_micro_batches(trajs, [0.0] * len(trajs), 64, mode=mode)]
-        got = packed_logprobs(model("flex_attention").to(CUDA), batches, 0.7)
-        for i, t in enumerate(trajs):
-            first = t.loss_mask.index(1)
-            for j in (j for j, m in enumerate(t.loss_mask) if m):
-                assert got[i]["lp_NL"][j - first].item() == pytest.approx(ref[i][j], abs=1e-4)
-    trajs, adv = batch_and_advantages(model=model())
+def test_flex_attention_on_cuda_trains_with_the_4d_masks_gradient():
+    trajs, adv = batch_and_advantages(model=flex_sized())
     grads = {}
     for impl in ("sdpa", "flex_attention"):  # block mask against the 4D mask, both on CUDA
         cfg = LearnerConfig(micro_batch_tokens=48, grad_clip=1e9, autocast="none", attn_implementation=impl)
-        learner = Learner(model(), cfg, LossConfig(kl_coef=0.1), temperature=TEMPERATURE)
+        learner = Learner(flex_sized(), cfg, LossConfig(kl_coef=0.1), temperature=TEMPERATURE)
         grads[impl] = record_grads(learner)
         learner.train_step(trajs, adv)
     for name, g in grads["sdpa"][0].items():
