@@ -530,6 +530,13 @@ def test_foreign_syscall_abi_killed(sb):
     assert (res.status, res.signal, res.stdout) == ("signaled", signal.SIGSYS, "")
 
 
+def test_real_time_signal_is_a_typed_result(sb):
+    # signal 40 has no name in Python's enum: classifying it once raised in the supervisor, which
+    # left the job unanswered until its deadline and restarted the supervisor (NaN for its jobs)
+    res = run(sb, "import os\nos.kill(os.getpid(), 40)")
+    assert (res.status, res.signal, res.detail) == ("signaled", 40, "signal 40")
+
+
 def test_tiocsti_denied(sb):
     # item: injecting input into a terminal (TIOCSTI) is denied even on an fd that is not a tty
     code = "import ctypes, errno\nlibc = ctypes.CDLL(None, use_errno=True)\nlibc.ioctl(0, 0x5412, b'x')\nprint(errno.errorcode[ctypes.get_errno()])"

@@ -146,6 +146,50 @@ def test_patched_modules_cannot_forge_a_pass(sb):
     assert [t.outcome for t in res.tests] == ["failed"]
 
 
+def test_the_harness_is_out_of_the_solutions_reach(sb):
+    # Each of these once passed (or could have): the guard looked up by name in the globals the
+    # solution shares, a metaclass lying about its class's flags, the report pipe written directly,
+    # and the harness's own names patched through `import __main__`.
+    rigged = ALWAYS_EQUAL.replace("RESULT", "Anything()")
+    liar = ("class Liar(type):\n    def __getattribute__(cls, name):\n"
+            "        return 0 if name in ('__flags__', '__mro__', '__dict__') else super().__getattribute__(name)\n"
+            "class Anything(metaclass=Liar):\n    def __eq__(self, other): return True\n"
+            "def add(a, b):\n    return Anything()\n")
+    forge = ("import os\nfor fd in range(3, 64):\n    try:\n        os.write(fd, b'passed\\n')\n"
+             "    except OSError:\n        pass\nos._exit(0)\n")
+    patch = ("import __main__\n__main__._own = lambda cls, name: None\n" + rigged)
+    tests = ["assert add(1, 2) == 3", "def check(candidate):\n    assert candidate(1, 2) == 3\ncheck(add)"]
+    for name, cheat in [("rebind", rigged + "__agentgrpo_plain__ = lambda v: v\n"), ("liar", liar),
+                        ("forge", forge), ("patch", patch)]:
+        res = run_tests(cheat, tests, sandbox=sb)
+        assert res.passed == 0, (name, res.tests)
+    res = run_tests(forge, tests, sandbox=sb)
+    assert {t.detail for t in res.tests} == {"the report pipe held something the harness did not write"}
+    # `import __main__` is the solution's own module, as under `python prog.py`
+    own = "import __main__\ndef add(a, b):\n    return a + b\nassert __main__.add is add\n"
+    assert run_tests(own, ["assert add(1, 2) == 3"], sandbox=sb).all_passed
+    assert run_tests(own, [IOTest(expected="")], sandbox=sb).all_passed
+
+
+def test_programs_end_as_under_python(sb):
+    # what `python prog.py` prints is what a stdin/stdout case compares: output of a thread nobody
+    # joins, of atexit handlers, after os._exit(0) following a flush, and non-ASCII output near the
+    # capture size (JSON's escapes once made it overflow the job's output cap)
+    programs = {
+        "thread": "import threading\nthreading.Thread(target=lambda: print(42)).start()",
+        "atexit": "import atexit\natexit.register(print, 42)",
+        "os_exit": "import os, sys\nprint(42)\nsys.stdout.flush()\nos._exit(0)",
+    }
+    for name, prog in programs.items():
+        res = run_tests(prog, [IOTest(expected="42")], sandbox=sb)
+        assert res.all_passed, (name, res.tests)
+    res = run_tests("import os\nprint(42)\nos._exit(3)", [IOTest(expected="42")], sandbox=sb)
+    assert [t.outcome for t in res.tests] == ["error"]
+    text = "é" * 30000 + "\x01" * 4000
+    res = run_tests(f"print({text!r})", [IOTest(expected=text)] * 2, sandbox=sb)
+    assert res.all_passed and res.exec.status == "ok", res.tests
+
+
 def test_honest_values_of_every_kind_still_pass(sb):
     solution = ("import collections, decimal, enum\nPoint = collections.namedtuple('Point', 'x y')\n"
                 "class Color(enum.IntEnum):\n    RED = 1\n"

@@ -173,10 +173,18 @@ def _classify(job: _Job, status: list[dict], oom: bool) -> dict:
     if res["signal"] is not None:
         if res["signal"] == signal.SIGXCPU:
             return dict(res, status="timeout", detail="CPU-time limit")
-        return dict(res, status="signaled", detail=signal.Signals(res["signal"]).name)
+        return dict(res, status="signaled", detail=_signal_name(res["signal"]))
     if res["exit_code"] == 0:
         return dict(res, status="ok")
     tail = bytes(job.err[-2048:]).rstrip().rsplit(b"\n", 1)[-1]
     if tail.startswith(b"MemoryError"):
         return dict(res, status="memory_limit", detail="MemoryError raised")
     return dict(res, status="runtime_error")
+
+
+def _signal_name(n: int) -> str:
+    """SIGKILL, SIGSEGV, ...; real-time signals (35-63), which the enum does not name, by number."""
+    try:
+        return signal.Signals(n).name
+    except ValueError:
+        return f"signal {n}"

@@ -16,10 +16,18 @@ Rigged comparisons are caught: every operand of a comparison inside an assert (a
 bare `assert x`) is checked, containers included, for objects whose class is Python code that
 defines its own `__eq__`, `__lt__`, `__bool__`, ... (an always-true `__eq__` is the classic hack);
 such a test fails with "rigged comparison". Values of C-implemented types (int, str, list, dict,
-numpy's) pass as they are. The report path and the check are bound before the solution runs, so
-patching `json`, `os` or `builtins` does not change them. A deliberate attack on the harness's own
-memory (gc, frame introspection) is not covered: the solution and the test share a process, so
-only stdin/stdout tests, compared out here, are immune to everything. A test whose asserts compare
+numpy's) pass as they are; a class's flags and MRO are read through `type`'s own descriptors, so a
+metaclass cannot disguise it. The solution runs as a fresh `__main__` module (`import __main__` is
+its own namespace, as under `python prog.py`), so it cannot reach the harness's names; the report
+path and the check are bound before it runs, so patching `json`, `os` or `builtins` does not change
+them; an assert test runs in globals of its own (the solution's names as its top level left them,
+plus the check), which the solution's functions cannot rebind; a report counts only if it carries
+the test's random nonce, so writing "passed" to the inherited report pipe is an error. A
+deliberate attack on the harness's own memory (gc, frame introspection, ctypes) is not covered: the
+solution and the test share a process, so only stdin/stdout tests, compared out here, are immune to
+everything. A stdin/stdout program ends as under `python prog.py`: its non-daemon threads are
+joined and its atexit handlers run before its output is compared, and `os._exit(0)` is a normal
+end. A test whose asserts compare
 objects of classes that define comparison (dataclasses, fractions.Fraction) fails under this rule:
 compare their fields or use stdout tests.
 
@@ -30,6 +38,7 @@ fraction passed; when the sandbox itself failed after its retries it is NaN (uns
 
 from __future__ import annotations
 
+import base64
 import gzip
 import importlib.resources
 import json
@@ -107,7 +116,7 @@ def extract_code(completion: str, language: str = "python") -> str:
 # Runs inside the sandbox. The parent reads the spec, forks a child per test and prints one JSON
 # line per finished test (so a job killed at its wall limit still reports the tests it finished).
 _HARNESS = r"""
-import ast, ctypes, json, os, select, signal, sys, time
+import ast, atexit, base64, ctypes, json, os, select, signal, sys, time, types
 spec = json.load(open("_spec.json"))
 os.unlink("_spec.json")
 ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE=0: children cannot open our /proc fds
@@ -115,8 +124,13 @@ solution, cap, per_test = spec["solution"], spec["capture_bytes"], spec["timeout
 out = os.fdopen(os.dup(1), "w")
 devnull = os.open(os.devnull, os.O_RDWR)
 os.dup2(devnull, 1)
-# Bound before any solution runs, so patching json, os or builtins cannot change a report or a check.
+# Bound before any solution runs, so patching json, os or builtins cannot change a report or a check;
+# the solution cannot reach them either: it runs as a fresh `__main__` module (so `import __main__`
+# is its own namespace, as under `python prog.py`), not in this harness's.
 _write, _exit, _type, _isinstance, _getattr = os.write, os._exit, type, isinstance, getattr
+# type's own descriptors: a metaclass's __getattribute__ cannot fake a class's flags, MRO or dict
+_flags, _mro = type.__dict__["__flags__"].__get__, type.__dict__["__mro__"].__get__
+_vars, _tname = type.__dict__["__dict__"].__get__, type.__dict__["__name__"].__get__
 _SCALARS = (int, float, complex, bool, str, bytes, type(None))
 _CONTAINERS = (list, tuple, set, frozenset, dict)
 _DUNDERS = ("__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "__bool__", "__len__")
@@ -126,7 +140,7 @@ class _Rigged(Exception):
     pass
 
 def _own(cls, name):  # the attribute instances see (the class's MRO, not its metaclass)
-    return next((k.__dict__[name] for k in cls.__mro__ if name in k.__dict__), None)
+    return next((_vars(k)[name] for k in _mro(cls) if name in _vars(k)), None)
 
 def _plain(value):
     # An operand of an assert's comparison: reject objects whose class (Python code, so possibly the
@@ -139,17 +153,17 @@ def _plain(value):
         t = _type(v)
         if t in _SCALARS:
             continue
-        if t.__flags__ & _PYTHON_CLASS == 1 << 9:  # compare with its nearest C-implemented ancestor
-            base = next(b for b in t.__mro__ if b.__flags__ & _PYTHON_CLASS != 1 << 9)
+        if _flags(t) & _PYTHON_CLASS == 1 << 9:  # compare with its nearest C-implemented ancestor
+            base = next(b for b in _mro(t) if _flags(b) & _PYTHON_CLASS != 1 << 9)
             for name in _DUNDERS:
                 if _own(t, name) is not _own(base, name):
                     raise _Rigged("compared a %s, whose class defines its own %s (an assert compares "
-                                  "plain values)" % (t.__name__, name))
+                                  "plain values)" % (_tname(t), name))
         if _isinstance(v, dict):
             todo += list(v.keys()) + list(v.values())
         elif _isinstance(v, _CONTAINERS):
             todo += list(v)
-        elif t.__name__ == "ndarray" and _getattr(v, "dtype", None) is not None and v.dtype.kind == "O":
+        elif _tname(t) == "ndarray" and _getattr(v, "dtype", None) is not None and v.dtype.kind == "O":
             todo += list(v.flat)
     return value
 
@@ -182,35 +196,60 @@ def _compile_test(code):
     tree = _GuardAsserts().visit(ast.parse(code, "<test>"))
     return compile(ast.fix_missing_locations(tree), "<test>", "exec")
 
-def child(test, wfd):
-    def send(outcome, detail=""):  # "outcome\ndetail": no encoder a solution could have patched
-        _write(wfd, (outcome + "\n" + detail[-500:]).encode("utf-8", "replace"))
-    ns = {"__name__": "__main__", "__builtins__": __builtins__, "__agentgrpo_plain__": _plain}
+def _end_program():
+    # What `python prog.py` does after its last line: wait for its non-daemon threads (a solution
+    # may work in a big-stack thread it never joins), then run its atexit handlers.
+    threading = sys.modules.get("threading")
+    while threading is not None:
+        left = [t for t in threading.enumerate()
+                if t is not threading.current_thread() and not t.daemon and t.is_alive()]
+        if not left:
+            break
+        for t in left:
+            t.join()
+    atexit._run_exitfuncs()
+
+def child(test, wfd, nonce):
+    def send(outcome, detail=""):  # "nonce\noutcome\ndetail": no encoder a solution could have patched
+        _write(wfd, (nonce + "\n" + outcome + "\n" + detail[-500:]).encode("utf-8", "replace"))
+    main = types.ModuleType("__main__")
+    sys.modules["__main__"] = main
+    ns = main.__dict__
+    ns["__builtins__"] = __builtins__
+    io = test["kind"] == "io"
     try:
-        test_code = _compile_test(test["code"]) if test["kind"] == "assert" else None
-        exec(compile(solution, "<solution>", "exec"), ns)
-        if test_code is not None:
-            exec(test_code, ns)
+        test_code = None if io else _compile_test(test["code"])
+        try:
+            exec(compile(solution, "<solution>", "exec"), ns)
+        except SystemExit as e:  # a program may end itself with sys.exit(0); a function under test may not
+            if not io or e.code not in (None, 0):
+                raise
+        if io:
+            _end_program()
+        else:
+            # The test's own globals: the solution's names plus the guard, which the solution (whose
+            # functions keep `ns` as their globals) can therefore neither see nor rebind.
+            exec(test_code, dict(ns, __agentgrpo_plain__=_plain))
     except _Rigged as e:
         send("failed", "rigged comparison: " + str(e))
     except AssertionError as e:
         send("failed", "AssertionError: " + str(e))
     except SystemExit as e:
-        if test["kind"] == "io" and e.code in (None, 0):
-            send("ran")
-        else:
-            send("error", "exited before the test finished (SystemExit: %r)" % (e.code,))
+        send("error", "exited before the test finished (SystemExit: %r)" % (e.code,))
     except BaseException as e:
         send("error", "%s: %s" % (_type(e).__name__, e))
     else:
-        send("passed" if test["kind"] == "assert" else "ran")
+        send("ran" if io else "passed")
     try:
         sys.stdout.flush()
     except Exception:
         pass
     _exit(0)
 
-for i, test in enumerate(spec["tests"]):
+def run_one(i, test):
+    # The report pipe is open in the child while the solution runs, so the solution can write to it;
+    # a report counts only if it starts with this test's nonce, which lives in frames' locals alone.
+    nonce = os.urandom(16).hex()
     pipes = [os.pipe() for _ in range(4)]  # stdin, stdout, stderr, report
     pid = os.fork()
     if pid == 0:
@@ -221,7 +260,7 @@ for i, test in enumerate(spec["tests"]):
             os.close(fd)
         sys.stdin, sys.stdout, sys.stderr = (open(0, "r", closefd=False), open(1, "w", closefd=False),
                                              open(2, "w", closefd=False))
-        child(test, rep)
+        child(test, rep, nonce)
     for fd in (pipes[0][0], pipes[1][1], pipes[2][1], pipes[3][1]):
         os.close(fd)
     stdin_fd, pending = pipes[0][1], test.get("stdin", "").encode()
@@ -264,24 +303,34 @@ for i, test in enumerate(spec["tests"]):
             pass
     try:
         os.killpg(pid, signal.SIGKILL)
-    except OSError:
-        pass
-    os.waitpid(pid, 0)
+    except OSError:  # the child left its process group: kill it by pid, or waitpid below would wait
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    _, status = os.waitpid(pid, 0)
     for fd in [pidfd] + list(bufs) + ([stdin_fd] if stdin_fd >= 0 else []):
         os.close(fd)
-    outcome, _, detail = bufs[pipes[3][0]].decode("utf-8", "replace").partition("\n")
-    got = {"o": outcome, "d": detail} if outcome else {}
-    stdout = bufs[pipes[1][0]].decode("utf-8", "replace")
+    head, _, report = bufs[pipes[3][0]].decode("utf-8", "replace").partition("\n")
+    outcome, _, detail = report.partition("\n") if head == nonce else ("", "", "")
     stderr = bufs[pipes[2][0]].decode("utf-8", "replace")
+    clean_exit = exited and os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
     if timed_out:
         res = {"i": i, "o": "timeout", "d": "over %.1fs" % per_test}
-    elif not got:
-        res = {"i": i, "o": "error", "d": ("exited before the test finished; " + stderr[-300:]).strip()}
+    elif outcome:
+        res = {"i": i, "o": outcome, "d": detail}
+    elif test["kind"] == "io" and clean_exit:  # os._exit(0) after printing, as a program may
+        res = {"i": i, "o": "ran", "d": ""}
+    elif bufs[pipes[3][0]]:
+        res = {"i": i, "o": "error", "d": "the report pipe held something the harness did not write"}
     else:
-        res = {"i": i, "o": got["o"], "d": got.get("d", "")}
-    if test["kind"] == "io":
-        res["out"] = stdout
+        res = {"i": i, "o": "error", "d": ("exited before the test finished; " + stderr[-300:]).strip()}
+    if test["kind"] == "io":  # raw bytes: JSON's escapes would make the size unbounded by `cap`
+        res["out"] = base64.b64encode(bufs[pipes[1][0]]).decode()
     out.write(json.dumps(res) + "\n"); out.flush()
+
+for i, test in enumerate(spec["tests"]):
+    run_one(i, test)
 """
 
 
@@ -309,7 +358,9 @@ def _job(
     if limits is None:
         limits = Limits(
             wall_s=min(2.0 + len(tests) * (timeout_per_test_s + 0.2), 300.0),
-            output_bytes=len(tests) * (2 * capture_bytes + 1024) + 4096,
+            # a line per test: stdout in base64 (4/3 of at most capture_bytes), details (800
+            # characters, JSON-escaped up to 6 bytes each) and keys
+            output_bytes=len(tests) * (capture_bytes * 4 // 3 + 8192) + 4096,
         )
     return spec, limits
 
@@ -323,6 +374,8 @@ def _score(res: ExecResult, tests: Sequence[str | IOTest]) -> CodeResult:
     for line in res.stdout.splitlines():
         try:
             d = json.loads(line)
+            if "out" in d:
+                d["out"] = base64.b64decode(d["out"], validate=True).decode("utf-8", "replace")
             reported[int(d["i"])] = d
         except (ValueError, KeyError, TypeError):  # only the harness writes here; be strict anyway
             continue
