@@ -222,12 +222,12 @@ class ChatFormat:
                                                   **self.template_kwargs)
 
     @staticmethod
-    def _template_dict(m: Message) -> dict[str, Any]:
+    def _template_dict(m: Message, max_tool_calls: int | None = None) -> dict[str, Any]:
         d = m.to_dict()
         if m.tool_calls:  # templates expect arguments as an object (Qwen2.5 double-encodes strings)
             d["tool_calls"] = [
                 {"id": tc.id, "type": "function", "function": {"name": tc.name, "arguments": tc.arguments}}
-                for tc in m.tool_calls
+                for tc in m.tool_calls[:max_tool_calls]
             ]
         return d
 
@@ -270,17 +270,25 @@ class ChatFormat:
         return ids + self.encode(text)
 
     def suffix_ids(self, history: Sequence[Message], new_messages: Sequence[Message],
-                   tools: list[dict] | None = None) -> list[int]:
+                   tools: list[dict] | None = None, *, max_tool_calls: int | None = None) -> list[int]:
         """Ids to append after the model's end-of-turn token so that the sequence continues as
         `render(history + new_messages, add_generation_prompt=True)` would.
 
         `history` must end with the assistant message whose sampled ids end with the end-of-turn
         token. Raises TemplateError when the template rewrites earlier turns (not prefix-preserving,
-        unless `fallback="keep_history"`) or renders the assistant turn without the end-of-turn token.
+        unless `fallback="keep_history"`), refuses the conversation, or renders the assistant turn
+        without the end-of-turn token.
+
+        `max_tool_calls`: assistant messages of `history` are rendered with at most this many of
+        their tool calls, the ones the env ran (a `ToolEnv` answers the rest with a too-many-calls
+        error). The rendering only locates the suffix, which starts after the end-of-turn token; the
+        assistant turns themselves stay the sampled ids. So a template without parallel calls
+        (Llama 3.1 refuses two in one turn) can continue a turn in which the model made several,
+        once the env runs one per turn.
         """
         if not history or history[-1].role != "assistant":
             raise ValueError("suffix_ids: history must end with the assistant message just sampled")
-        history_dicts = [self._template_dict(m) for m in history]  # built once for both renders
+        history_dicts = [self._template_dict(m, max_tool_calls) for m in history]  # built once for both renders
         new_dicts, held = self._hold_content([self._template_dict(m) for m in new_messages])
         before = self._render_dicts(history_dicts, tools, False)
         after = self._render_dicts(history_dicts + new_dicts, tools, True)
@@ -330,8 +338,9 @@ class ChatFormat:
 
     def truncate(self, text: str, max_tokens: int, marker: str = TRUNCATION_MARKER) -> tuple[str, int]:
         """Cut `text` to its first `max_tokens` tokens plus `marker` (`{omitted}` is replaced by
-        the number of tokens dropped). Returns (text, tokens omitted). Used on tool output before
-        it is rendered, so the model sees that the output was cut rather than a silent end."""
+        the number of tokens dropped; any other braces are plain text, not a format string).
+        Returns (text, tokens omitted). Used on tool output before it is rendered, so the model
+        sees that the output was cut rather than a silent end."""
         if len(text.encode("utf-8")) <= max_tokens:  # a token covers at least one byte
             return text, 0
         ids = self.tokenizer.encode(text, add_special_tokens=False)
@@ -339,7 +348,7 @@ class ChatFormat:
             return text, 0
         kept = self.tokenizer.decode(ids[:max_tokens], skip_special_tokens=False).rstrip("\ufffd")
         omitted = len(ids) - max_tokens
-        return kept + marker.format(omitted=omitted), omitted
+        return kept + marker.replace("{omitted}", str(omitted)), omitted
 
     # -- parsing ------------------------------------------------------------------------------
 

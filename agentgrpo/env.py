@@ -17,6 +17,9 @@ Decisions:
   what the seed fixes and what varies; `check_env` resets twice with one seed and flags an env that
   differs without declaring it.
 - Tasks come from the env class: `load_tasks(split, seed)` returns the tasks the trainer iterates.
+- What `reset` and `step` return is checked by the rollout (`agentgrpo.env_check.checked_reset`,
+  `checked_step`, which `check_env` uses too): a value that breaks the contract ends that
+  trajectory with ENV_ERROR naming the problem, never the whole step.
 - Verifiers stay apart from the env: an env may declare `rubric = Rubric([...])`, and `run_group`
   scores each finished group with it (the rubric's reward replaces the env's own; see
   `agentgrpo.reward.score_group`). A `ToolEnv` with a rubric need not write `reward`.

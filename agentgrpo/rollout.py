@@ -24,14 +24,24 @@ step that overruns keeps running in its thread, and its result is discarded.
 
 Malformed tool calls (bad JSON, unknown tool, invalid arguments, too many calls, a tool that fails)
 are answered with an error tool message, counted per kind (`Trajectory.tool_error_kinds`), and
-optionally penalised (`tool_error_penalty` per error).
+optionally penalised (`tool_error_penalty` per error). A call cut off by the token limit (unclosed)
+is counted and penalised too, though the cut turn ends the episode.
+
+Failures end one trajectory, never the step: an env that raises, or returns values that break its
+contract (`agentgrpo.env_check.checked_reset`, `checked_step`), ends it with ENV_ERROR naming the
+problem; any exception of the engine (`EngineError` after its retries, or anything else a client
+library raises) ends it with ENGINE_ERROR and the exception in `stop_detail`. Both are unscorable
+(reward NaN, never 0).
+
+Seeds: every turn of a trajectory samples with its own seed (`turn_seed`), since engines seed a
+fresh generator per request; the members of a group get `params.seed + i` (`run_group`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import math
+import secrets
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -41,8 +51,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from agentgrpo.chat import TRUNCATION_MARKER, ChatFormat, TemplateError
 from agentgrpo.deadlines import DeadlineExpired, Deadlines
-from agentgrpo.engine.base import Completion, Engine, EngineError, SamplingParams
+from agentgrpo.engine.base import Completion, Engine, SamplingParams
 from agentgrpo.env import Env, ToolEnv, call_env, env_rubric
+from agentgrpo.env_check import checked_reset, checked_step
 from agentgrpo.reward import Rubric, score_group
 from agentgrpo.tool import stuck_user_calls
 from agentgrpo.types import Group, Message, StopReason, Task, Trajectory
@@ -78,7 +89,8 @@ class RolloutConfig(BaseModel):
     max_tool_output_tokens: int | None = Field(
         None, ge=1, description="tool message content cut to this many tokens plus truncation_marker (None = no cut)")
     truncation_marker: str = Field(
-        TRUNCATION_MARKER, description="appended to cut tool output; {omitted} becomes the number of tokens dropped")
+        TRUNCATION_MARKER, description="appended to cut tool output; {omitted} becomes the number of tokens dropped "
+        "(other braces stay as written)")
     tool_error_penalty: float = Field(0.0, ge=0.0, description="subtracted from the reward per malformed or failed tool call")
     template_fallback: Literal["none", "keep_history"] = Field(
         "none", description="what to do when the chat template rewrites earlier turns: none = refuse, "
@@ -118,21 +130,27 @@ class EpisodeLimits:
 # One episode
 
 
-# Endings an env may name in `info["stop_reason"]` when it ends an episode (default: completed when
-# terminated, truncated when truncated). Infrastructure endings are the rollout's to decide.
-ENV_STOP_REASONS = frozenset({StopReason.COMPLETED, StopReason.TRUNCATED, StopReason.PARSE_ERROR,
-                              StopReason.TOOL_ERROR})
+def turn_seed(seed: int | None, turn: int) -> int | None:
+    """The sampling seed of turn `turn` (1-based) of an episode sampled with `seed`.
 
-
-# `info` keys of a step that the rollout itself reads; the env's other keys are its diagnostics.
-_ROLLOUT_INFO_KEYS = frozenset({"stop_reason", "tool_errors", "tool_error_kinds"})
-
-
-def _env_info(info: dict[str, Any]) -> dict[str, Any]:
-    """The final step's own `info` (why an answer scored 0, test results, ...), kept in the
-    trajectory's `info["env"]` as JSON values (anything else as its `str`) for trajectories.jsonl."""
-    extra = {k: v for k, v in info.items() if k not in _ROLLOUT_INFO_KEYS}
-    return json.loads(json.dumps(extra, default=str, skipkeys=True)) if extra else {}
+    Engines seed a fresh generator per request (`LocalEngine`; SGLang's `sampling_seed`), so one
+    seed for every turn would restart the same random stream each turn: under a flat policy turn k
+    would copy turn 1. Turn 1 uses `seed` itself (single-turn episodes sample as they always have);
+    turn k > 1 uses SplitMix64's finalizer (Steele, Lea, Flood 2014) applied to
+    `seed + k * 0x9E3779B97F4A7C15` mod 2**64, shifted to 63 bits so it fits a signed int64.
+    Plain integer arithmetic: the same (seed, turn) gives the same seed in every process and
+    version (unlike `hash()` of strings, which Python salts per process). For one turn the mix
+    is a bijection of the 64-bit seed, so the members of a group (seeds `params.seed + i`) keep
+    distinct seeds on every turn (up to the dropped bit: a 2**-63 chance). None stays None (the
+    engine's own generator).
+    """
+    if seed is None or turn == 1:
+        return seed
+    mask = (1 << 64) - 1
+    z = (seed + turn * 0x9E3779B97F4A7C15) & mask
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    return (z ^ (z >> 31)) >> 1
 
 
 def _error_message(reason: str) -> Message:
@@ -152,18 +170,29 @@ def _add_counts(into: dict[str, int], counts: dict[str, int]) -> None:
 async def run_episode(env: Env, engine: Engine, chat: ChatFormat, task: Task, params: SamplingParams,
                       *, seed: int | None = None, limits: EpisodeLimits = EpisodeLimits(),
                       context_len: int | None = None, deadline: float | None = None) -> Trajectory:
-    """Run one episode and return its Trajectory; never raises for env, engine or deadline failures.
+    """Run one episode and return its Trajectory; never raises for env, engine or deadline failures
+    (cancellation still propagates).
 
     `deadline` is an absolute `time.monotonic()` time by which the episode must end (the step's
     deadline); `limits` bound turns, tokens, tool calls and time. The reward is the env's own: an
-    env's `rubric` is applied by `run_group`, once the whole group has ended.
+    env's `rubric` is applied by `run_group`, once the whole group has ended. Turn k samples with
+    `turn_seed(params.seed, k)`.
+
+    A turn cut by the token limit ends the episode (MAX_TOKENS); its malformed calls are counted
+    and penalised like any others, and it is recorded as the text the model wrote (no call of it
+    runs). With a `ToolEnv`, the chat template renders each assistant turn with only the calls the
+    env ran (`max_tool_calls_per_turn`; see `ChatFormat.suffix_ids`), so a template without
+    parallel calls (Llama 3.1) continues after an error message for the extra ones; a turn the
+    template still cannot render ends the episode with ENV_ERROR, which `agentgrpo check-template`
+    reports before training.
     """
     clock = Deadlines(limits.turn_timeout_s, limits.episode_timeout_s, deadline)
+    max_calls: int | None = None  # tool calls per turn the env runs (rendered); None = all
     if isinstance(env, ToolEnv):
         env.set_tool_limits(timeout_s=limits.tool_timeout_s, max_calls_per_turn=limits.max_tool_calls_per_turn)
+        max_calls = env.max_tool_calls_per_turn
     try:
-        obs, _ = await clock.run(call_env(env.reset, seed=seed, options={"task": task}))
-        messages: list[Message] = list(obs)
+        first = await clock.run(call_env(env.reset, seed=seed, options={"task": task}))
         tools = env.tool_schemas()
     except DeadlineExpired as e:
         traj = _empty_trajectory(task, StopReason.TIMEOUT, f"reset: {e}")
@@ -171,6 +200,10 @@ async def run_episode(env: Env, engine: Engine, chat: ChatFormat, task: Task, pa
         return traj
     except Exception as e:  # noqa: BLE001 - env code is user code: its failure ends this trajectory
         return _empty_trajectory(task, StopReason.ENV_ERROR, f"reset raised {type(e).__name__}: {e}")
+    try:
+        messages = checked_reset(first)
+    except ValueError as e:
+        return _empty_trajectory(task, StopReason.ENV_ERROR, str(e))
     try:
         token_ids = chat.prompt_ids(messages, tools)
     except TemplateError as e:
@@ -204,10 +237,13 @@ async def run_episode(env: Env, engine: Engine, chat: ChatFormat, task: Task, pa
                 return finish(StopReason.MAX_TOKENS, "token budget used up before the turn")
             clock.start_turn(turn)
             try:
-                out: Completion = await clock.run(
-                    engine.generate(list(traj.token_ids), replace(params, max_new_tokens=budget)))
-            except EngineError as e:
-                return finish(StopReason.ENGINE_ERROR, str(e))
+                out: Completion = await clock.run(engine.generate(
+                    list(traj.token_ids), replace(params, max_new_tokens=budget, seed=turn_seed(params.seed, turn))))
+            except DeadlineExpired:
+                raise
+            except Exception as e:  # noqa: BLE001 - EngineError or not (a client's TimeoutError, a CUDA
+                # error), the engine failed: infrastructure, unscorable, and the rest of the step goes on
+                return finish(StopReason.ENGINE_ERROR, f"generate raised {type(e).__name__}: {e}")
             if out.weight_version is not None:
                 versions.add(out.weight_version)
             traj.num_turns = turn
@@ -215,15 +251,18 @@ async def run_episode(env: Env, engine: Engine, chat: ChatFormat, task: Task, pa
             if out.finish_reason == "abort":
                 return finish(StopReason.ABORTED, out.detail or "the engine aborted the request")
             parsed = chat.parse_assistant(out.token_ids, parse_tools=bool(tools))
-            messages.append(parsed.message)
-            if out.finish_reason == "length":
-                # No end-of-turn token was sampled: the turn is cut, so the episode ends here (as verl
-                # and slime do) rather than appending an end-of-turn token the model never produced.
-                return finish(StopReason.MAX_TOKENS, out.detail or f"turn {turn} hit the token limit")
             n_calls = len(parsed.message.tool_calls or [])
             traj.tool_calls += n_calls + len(parsed.errors)
             traj.tool_errors += len(parsed.errors)
             _add_counts(traj.tool_error_kinds, _kind_counts(parsed.errors))
+            if out.finish_reason == "length":
+                # No end-of-turn token was sampled: the turn is cut, so the episode ends here (as verl
+                # and slime do) rather than appending an end-of-turn token the model never produced.
+                # Its malformed calls (a call cut off is unclosed) were counted above and are
+                # penalised; no call of it runs, so the record keeps the text as the model wrote it.
+                messages.append(chat.parse_assistant(out.token_ids, parse_tools=False).message)
+                return finish(StopReason.MAX_TOKENS, out.detail or f"turn {turn} hit the token limit")
+            messages.append(parsed.message)
             try:
                 if n_calls or not parsed.errors:
                     result = await clock.run(call_env(env.step, parsed.message))
@@ -234,28 +273,24 @@ async def run_episode(env: Env, engine: Engine, chat: ChatFormat, task: Task, pa
             except Exception as e:  # noqa: BLE001 - env code is user code
                 return finish(StopReason.ENV_ERROR, f"step raised {type(e).__name__}: {e}")
             try:
-                new, reward, terminated, truncated, info = _step_result(result)
+                step = checked_step(result)
             except ValueError as e:
                 return finish(StopReason.ENV_ERROR, str(e))
-            traj.reward += reward
-            traj.tool_errors += int(info.get("tool_errors", 0))
-            _add_counts(traj.tool_error_kinds, info.get("tool_error_kinds", {}))
-            new = list(new) + [_error_message(f"malformed tool call: {err.reason}") for err in parsed.errors]
+            traj.reward += step.reward
+            traj.tool_errors += step.tool_errors
+            _add_counts(traj.tool_error_kinds, step.tool_error_kinds)
+            new = step.messages + [_error_message(f"malformed tool call: {err.reason}") for err in parsed.errors]
             if limits.max_tool_output_tokens is not None:
                 new = [_truncate_tool_output(chat, m, limits, traj) for m in new]
-            if terminated or truncated:
+            if step.ending is not None:
                 messages.extend(new)
-                if extra := _env_info(info):
-                    traj.info["env"] = extra
-                reason = info.get("stop_reason", StopReason.COMPLETED if terminated else StopReason.TRUNCATED)
-                if not (isinstance(reason, str) and reason in ENV_STOP_REASONS):
-                    return finish(StopReason.ENV_ERROR, f"step's info['stop_reason'] is {reason!r}; an env may "
-                                  f"choose one of {sorted(r.value for r in ENV_STOP_REASONS)}")
-                return finish(StopReason(reason))
+                if step.env_info:
+                    traj.info["env"] = step.env_info
+                return finish(step.ending)
             if not new:
                 return finish(StopReason.ENV_ERROR, "step returned no messages but did not end the episode")
             try:
-                suffix = chat.suffix_ids(messages, new, tools)
+                suffix = chat.suffix_ids(messages, new, tools, max_tool_calls=max_calls)
             except TemplateError as e:
                 return finish(StopReason.ENV_ERROR, str(e))
             messages.extend(new)
@@ -264,21 +299,6 @@ async def run_episode(env: Env, engine: Engine, chat: ChatFormat, task: Task, pa
         traj.info["deadline"] = e.which
         return finish(StopReason.TIMEOUT, str(e))
     return finish(StopReason.MAX_TURNS, f"{limits.max_turns} turns")
-
-
-def _step_result(result: Any) -> tuple[list[Message], float, bool, bool, dict[str, Any]]:
-    """Check what `env.step` returned (user code) so a bad value ends the trajectory with a clear
-    ENV_ERROR instead of surfacing as an unrelated exception later."""
-    if not (isinstance(result, tuple) and len(result) == 5):
-        raise ValueError(f"step must return (messages, reward, terminated, truncated, info), got {result!r:.200}")
-    new, reward, terminated, truncated, info = result
-    if not (isinstance(new, list) and all(isinstance(m, Message) for m in new)):
-        raise ValueError(f"step's messages must be a list of Message, got {new!r:.200}")
-    if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
-        raise ValueError(f"step's reward must be a finite number, got {reward!r}")
-    if not isinstance(info, dict):
-        raise ValueError(f"step's info must be a dict, got {type(info).__name__}")
-    return new, float(reward), bool(terminated), bool(truncated), info
 
 
 def _kind_counts(errors: Sequence[Any]) -> dict[str, int]:
@@ -339,6 +359,17 @@ async def _run_new_env(env_factory: Callable[[], Env], engine: Engine, chat: Cha
     return traj, rubric
 
 
+async def _acquire(slots: asyncio.Semaphore, deadline: float | None) -> bool:
+    """Wait for an episode slot until the step's deadline; False when the deadline passed first.
+    Only this wait is timed here: an episode ends on its own deadlines (`run_episode`)."""
+    wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+    try:
+        await asyncio.wait_for(slots.acquire(), wait)
+    except asyncio.TimeoutError:
+        return False
+    return True
+
+
 async def run_group(env_factory: Callable[[], Env], engine: Engine, chat: ChatFormat, task: Task,
                     group_size: int, params: SamplingParams, *, seed: int | None = None,
                     group_id: str | None = None, limits: EpisodeLimits = EpisodeLimits(),
@@ -347,32 +378,32 @@ async def run_group(env_factory: Callable[[], Env], engine: Engine, chat: ChatFo
                     on_done: Callable[[Trajectory], None] | None = None) -> Group:
     """Sample `group_size` trajectories of one task concurrently, all from the same env seed.
 
-    Each member gets its own sampling seed (`params.seed + i`) so members differ; the env seed is
-    shared so all members start from the same state. `slots` bounds the episodes in flight (shared
-    by all groups of a step); `deadline` is the step's absolute deadline, which also bounds scoring.
-    When the env has a `rubric`, the group's scorable members are scored with it once all have
-    ended (`agentgrpo.reward.score_group`), and `on_done` is called after that.
+    Each member gets its own sampling seed (`params.seed + i`, then one per turn: `turn_seed`) so
+    members differ; the env seed is shared so all members start from the same state. `seed=None`
+    draws one env seed for the whole group (from the OS), never one per member. `slots` bounds the
+    episodes in flight (shared by all groups of a step); `deadline` is the step's absolute
+    deadline, which also bounds scoring. When the env has a `rubric`, the group's scorable members
+    are scored with it once all have ended (`agentgrpo.reward.score_group`), and `on_done` is
+    called after that.
     """
     gid = group_id or task.id
     rubrics: list[Rubric | None] = [None] * group_size
+    if seed is None:  # each env would seed itself from the OS: members would start apart
+        seed = secrets.randbits(32)
 
     async def one(i: int) -> Trajectory:
         p = params if params.seed is None else replace(params, seed=params.seed + i)
         start = time.monotonic()
-        acquired = False
-        try:
-            if slots is not None:
-                wait = None if deadline is None else max(0.0, deadline - time.monotonic())
-                await asyncio.wait_for(slots.acquire(), wait)
-                acquired = True
-            traj, rubrics[i] = await _run_new_env(env_factory, engine, chat, task, p, limits, seed=seed,
-                                                  context_len=context_len, deadline=deadline)
-        except asyncio.TimeoutError:
+        if slots is None or await _acquire(slots, deadline):
+            try:
+                traj, rubrics[i] = await _run_new_env(env_factory, engine, chat, task, p, limits, seed=seed,
+                                                      context_len=context_len, deadline=deadline)
+            finally:
+                if slots is not None:
+                    slots.release()
+        else:
             traj = _empty_trajectory(task, StopReason.TIMEOUT, "step deadline expired before the episode started")
             traj.info["deadline"] = "step"
-        finally:
-            if acquired:
-                slots.release()
         traj.group_id = gid
         traj.info["wall_s"] = round(time.monotonic() - start, 4)
         if on_done is not None and rubrics[i] is None:

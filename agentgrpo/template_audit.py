@@ -109,8 +109,12 @@ class TemplateReport:
         elif mismatches:
             out.append("register a parser for this template's tool-call format (agentgrpo.parsers.PARSERS)")
         if "render_error" in kinds:
-            out.append("episodes of a shape the template cannot render end with ENV_ERROR (e.g. limit "
-                       "rollout.max_tool_calls_per_turn=1 for templates without parallel calls)")
+            out.append("episodes of a shape the template cannot render end with ENV_ERROR (unscorable)")
+            if any(i.kind == "render_error" and i.conversation == "parallel tool calls" for i in self.issues):
+                out.append("this template refuses several tool calls in one turn: set "
+                           "rollout.max_tool_calls_per_turn=1; a ToolEnv then runs the first call, answers "
+                           "the others with a too_many_calls error, and the chat template renders only "
+                           "the call it ran (the model's tokens stay as sampled)")
         return out
 
     def format(self) -> str:

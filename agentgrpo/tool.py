@@ -140,8 +140,11 @@ class Tool:
     async def acall(self, arguments: dict[str, Any]) -> str:
         """Validate, run (sync tools in a worker thread), and render the result as text.
 
-        Any exception raised by the tool body becomes a ToolError: tool code is user code called
-        with model-chosen arguments, and its failure is information for the model, not a crash.
+        A sync-looking function that returns an awaitable (an async tool under a plain
+        `functools.wraps` decorator) has it awaited here, on the event loop, as `call_env` does for
+        env methods. Any exception raised by the tool body becomes a ToolError: tool code is user
+        code called with model-chosen arguments, and its failure is information for the model, not
+        a crash.
         """
         kwargs = self.validate(arguments)
         try:
@@ -149,6 +152,8 @@ class Tool:
                 result = await self(**kwargs)
             else:
                 result = await to_user_thread(self, **kwargs)
+                if inspect.isawaitable(result):
+                    result = await result
         except (ToolError, InfrastructureError):
             raise  # infrastructure failures end the episode as unscorable; never shown to the model
         except Exception as e:  # noqa: BLE001 - the trust boundary: tool code with model arguments

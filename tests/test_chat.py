@@ -154,6 +154,14 @@ def test_truncate_keeps_a_token_budget_and_says_so(chat):
     assert len(chat.encode(emoji)) > 10 and chat.truncate(emoji, 10)[1] == len(chat.encode(emoji)) - 10
 
 
+def test_truncation_marker_braces_other_than_omitted_are_text(chat):
+    """Only `{omitted}` is replaced: a marker with other braces (JSON, a format string) must not
+    crash the first truncated tool output."""
+    text = "line of tool output " * 50
+    cut, omitted = chat.truncate(text, 10, '\n[{omitted} tokens cut; output was {json} {"k": 1} {}]')
+    assert cut.endswith(f'\n[{omitted} tokens cut; output was {{json}} {{"k": 1}} {{}}]')
+
+
 def test_plain_env_turn_is_not_parsed_for_tools(chat):
     ids = chat.encode('I think <tool_call>{"name": "f"}</tool_call>') + [chat.end_of_turn_id]
     turn = chat.parse_assistant(ids, parse_tools=False)

@@ -53,14 +53,21 @@ class BySeed:
     (reward 1 + 0.5); odd seeds answer 112 at once (reward 0)."""
 
     def __init__(self, chat):
-        def by_turn(*texts):
-            return lambda ids, i: texts[min(chat.decode(ids).count("<|im_start|>assistant") - 1, len(texts) - 1)]
+        def turn(ids):
+            return chat.decode(ids).count("<|im_start|>assistant")
 
+        def by_turn(*texts):
+            return lambda ids, i: texts[min(turn(ids) - 1, len(texts) - 1)]
+
+        self.turn = turn
         self.engines = [ScriptedEngine(chat.tokenizer, by_turn(CALL, "111"), chat.end_of_turn_id),
                         ScriptedEngine(chat.tokenizer, by_turn("112"), chat.end_of_turn_id)]
 
     async def generate(self, prompt_ids, params):
-        return await self.engines[params.seed % 2].generate(prompt_ids, params)
+        # The member's seed is its first turn's; later turns sample with their own (rollout.turn_seed),
+        # and only even members (the tool users) have a later turn.
+        member = params.seed % 2 if self.turn(prompt_ids) == 1 else 0
+        return await self.engines[member].generate(prompt_ids, params)
 
 
 def group(chat, env, engine=None, size=4, **limits):

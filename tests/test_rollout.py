@@ -411,3 +411,237 @@ def test_the_final_steps_own_info_reaches_the_trajectory(chat):
     assert env_info["raw"].startswith("<object object")  # not JSON: kept as its str
     assert "tool_errors" not in env_info and "stop_reason" not in env_info  # the rollout's own keys
     json.dumps(traj.to_dict(), allow_nan=False)  # trajectories.jsonl can hold it
+
+
+# ---------------------------------------------------------------------------------------------
+# Seeds, bad values from user code, engine failures
+
+
+class Chatty(Env):
+    """Never ends on its own: every turn gets a user reply."""
+
+    def step(self, action):
+        return [Message(role="user", content="go on")], 0.0, False, False, {}
+
+
+class SeedSpy(ScriptedEngine):
+    """Records the sampling seed of every request, by the member (first-turn seed) asking."""
+
+    def __init__(self, chat):
+        super().__init__(chat.tokenizer, ["hi"], chat.end_of_turn_id)
+        self.seeds = []
+
+    async def generate(self, prompt_ids, params):
+        self.seeds.append(params.seed)
+        return await super().generate(prompt_ids, params)
+
+
+def test_every_turn_gets_its_own_sampling_seed(chat):
+    """Engines seed a fresh generator per request: one seed for all turns would restart the same
+    random stream each turn (turn k a copy of turn 1 under a flat policy)."""
+
+    def seeds_of_a_group():
+        engine = SeedSpy(chat)
+        asyncio.run(run_group(Chatty, engine, chat, TASK, 3, SamplingParams(max_new_tokens=8, seed=1234),
+                              seed=0, limits=EpisodeLimits(max_turns=4)))
+        return engine.seeds
+
+    seeds = seeds_of_a_group()
+    assert len(seeds) == 12 and len(set(seeds)) == 12  # 3 members x 4 turns, all distinct
+    assert {1234, 1235, 1236} <= set(seeds)  # turn 1: params.seed + member, as for single-turn episodes
+    assert all(0 <= s < 2**63 for s in seeds)  # fits SGLang's int64 sampling_seed
+    assert seeds_of_a_group() == seeds  # reproducible: the same seed gives the same turn seeds
+    # the mix is fixed (SplitMix64 of (seed, turn)), not Python's per-process salted hash()
+    from agentgrpo.rollout import turn_seed
+
+    assert turn_seed(1234, 1) == 1234 and turn_seed(None, 3) is None
+    assert turn_seed(1234, 2) == 5468443737350222482
+
+
+def test_a_group_without_a_seed_still_shares_one_start_state(chat):
+    class Dice(Env):
+        def reset(self, *, seed=None, options=None):
+            msgs, info = super().reset(seed=seed, options=options)
+            self.target = int(self.np_random.integers(1_000_000))
+            return [Message(role="user", content=f"guess {self.target}")], info
+
+        def step(self, action):
+            return [], 0.0, True, False, {"target": self.target}
+
+    engine = ScriptedEngine(chat.tokenizer, ["7"], chat.end_of_turn_id)
+    starts = [[t.info["env"]["target"] for t in asyncio.run(
+        run_group(Dice, engine, chat, TASK, 6, SamplingParams())).trajectories] for _ in range(2)]
+    assert all(len(set(s)) == 1 for s in starts)  # one state per group
+    assert starts[0][0] != starts[1][0]  # drawn per group (a 1-in-a-million coincidence otherwise)
+
+
+class DictObs(Env):
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed, options=options)
+        return [{"role": "user", "content": "hi"}], {}
+
+    def step(self, action):
+        return [], 1.0, True, False, {}
+
+
+@pytest.mark.parametrize("reset_returns, why", [
+    (lambda env: ([{"role": "user", "content": "hi"}], {}), "reset's messages must be a non-empty list of Message"),
+    (lambda env: ("hi", {}), "reset's messages must be a non-empty list of Message, got 'hi'"),
+    (lambda env: ([], {}), "reset's messages must be a non-empty list of Message, got []"),
+    (lambda env: env.task.prompt_messages(), "reset must return (messages, info)"),
+    (lambda env: (env.task.prompt_messages(), None), "reset's info must be a dict, got NoneType"),
+])
+def test_bad_reset_values_end_the_trajectory_with_env_error(chat, reset_returns, why):
+    class Bad(Env):
+        def reset(self, *, seed=None, options=None):
+            super().reset(seed=seed, options=options)
+            return reset_returns(self)
+
+        def step(self, action):
+            return [], 1.0, True, False, {}
+
+    traj, engine = run(chat, ["7"], env=Bad)
+    assert traj.stop_reason == StopReason.ENV_ERROR and why in traj.stop_detail and math.isnan(traj.reward)
+    assert traj.token_ids == [] and engine.calls == []
+
+
+@pytest.mark.parametrize("info, why", [
+    ({"tool_errors": "n/a"}, "info['tool_errors'] must be a non-negative int, got 'n/a'"),
+    ({"tool_errors": -1}, "info['tool_errors'] must be a non-negative int, got -1"),
+    ({"tool_error_kinds": ["x"]}, "info['tool_error_kinds'] must be a dict of str -> non-negative int, got ['x']"),
+    ({"tool_error_kinds": {"x": "1"}}, "info['tool_error_kinds'] must be a dict of str -> non-negative int"),
+])
+def test_bad_reserved_info_keys_end_the_trajectory_with_env_error(chat, info, why):
+    class Bad(Env):
+        def step(self, action):
+            return [Message(role="user", content="more")], 0.0, False, False, info
+
+    traj, _ = run(chat, ["7"], env=Bad)
+    assert traj.stop_reason == StopReason.ENV_ERROR and why in traj.stop_detail
+
+
+def test_final_info_that_is_not_json_is_an_env_error(chat):
+    loop = {}
+    loop["self"] = loop
+
+    class Circular(Env):
+        def step(self, action):
+            return [], 1.0, True, False, {"state": loop}
+
+    traj, _ = run(chat, ["7"], env=Circular)
+    assert traj.stop_reason == StopReason.ENV_ERROR and "info cannot be kept as JSON" in traj.stop_detail
+    assert "Circular reference" in traj.stop_detail
+
+
+def test_bad_env_values_do_not_crash_the_step(chat):
+    engine = ScriptedEngine(chat.tokenizer, ["7"], chat.end_of_turn_id)
+    groups = asyncio.run(collect(DictObs, engine, chat, [TASK, TASK], RolloutConfig(group_size=2)))
+    assert [t.stop_reason for g in groups for t in g.trajectories] == [StopReason.ENV_ERROR] * 4
+
+
+def test_numpy_rewards_are_numbers(chat):
+    import numpy as np
+
+    class Numpy(Env):
+        def step(self, action):
+            return [], np.float32(0.5), np.bool_(True), False, {}
+
+    traj, _ = run(chat, ["7"], env=Numpy)
+    assert traj.stop_reason == StopReason.COMPLETED and traj.reward == 0.5 and type(traj.reward) is float
+
+    class NumpyNaN(Env):
+        def step(self, action):
+            return [], np.float32("nan"), True, False, {}
+
+    traj, _ = run(chat, ["7"], env=NumpyNaN)
+    assert traj.stop_reason == StopReason.ENV_ERROR and "reward must be a finite number" in traj.stop_detail
+
+
+@pytest.mark.parametrize("exc", [TimeoutError("read timed out"), RuntimeError("CUDA error: device-side assert")])
+def test_any_engine_exception_is_an_engine_error_that_keeps_the_turns(chat, exc):
+    """Not only EngineError: a builtin TimeoutError from a client library is the engine's failure,
+    not a step deadline before the episode started, and any other exception ends one trajectory."""
+    script = lambda ids, i: CALL if chat.decode(ids).count("<|im_start|>assistant") == 1 else exc  # noqa: E731
+    engine = ScriptedEngine(chat.tokenizer, script, chat.end_of_turn_id)
+    g = asyncio.run(run_group(Calc, engine, chat, TASK, 2, SamplingParams(), seed=0,
+                              limits=EpisodeLimits(episode_timeout_s=600)))
+    for traj in g.trajectories:
+        assert traj.stop_reason == StopReason.ENGINE_ERROR and math.isnan(traj.reward)
+        assert type(exc).__name__ in traj.stop_detail and str(exc) in traj.stop_detail
+        assert traj.num_turns == 1 and traj.messages[-1].role == "tool"  # turn 1 and its tool output kept
+        assert "deadline" not in traj.info
+        traj.check()
+    # through collect's slot wait too: only the wait for a slot is a step-deadline timeout
+    engine = ScriptedEngine(chat.tokenizer, script, chat.end_of_turn_id)
+    cfg = RolloutConfig(group_size=2, max_concurrent_trajectories=1, step_timeout_s=60)
+    groups = asyncio.run(collect(Calc, engine, chat, [TASK], cfg))
+    assert [t.stop_reason for t in groups[0].trajectories] == [StopReason.ENGINE_ERROR] * 2
+
+
+def test_only_the_slot_wait_is_timed_as_the_step_deadline(chat, monkeypatch):
+    """run_group's step-deadline handler covers the wait for an episode slot only: a TimeoutError
+    from inside an episode (run_episode ends every failure it knows as a trajectory) is a bug to
+    surface, not 'step deadline expired before the episode started'."""
+    import agentgrpo.rollout as rollout
+
+    async def broken(*args, **kwargs):
+        raise TimeoutError("a bug inside the episode")
+
+    monkeypatch.setattr(rollout, "run_episode", broken)
+    with pytest.raises(TimeoutError, match="a bug inside the episode"):
+        asyncio.run(run_group(Calc, ScriptedEngine(chat.tokenizer, ["111"], chat.end_of_turn_id), chat, TASK,
+                              2, SamplingParams(), slots=asyncio.Semaphore(1), deadline=time.monotonic() + 60))
+
+
+def test_cancellation_is_not_an_engine_error(chat):
+    class Cancelled(ScriptedEngine):
+        async def generate(self, prompt_ids, params):
+            raise asyncio.CancelledError
+
+    engine = Cancelled(chat.tokenizer, [], chat.end_of_turn_id)
+    with pytest.raises(asyncio.CancelledError):  # a cancelled collection stops; it is not recorded
+        asyncio.run(run_episode(Calc(), engine, chat, TASK, SamplingParams()))
+
+
+def test_a_call_cut_by_the_token_limit_is_a_counted_error(chat):
+    """parse_hermes reports an unclosed call at the token limit: the rollout counts and penalises
+    it, and records the text the model wrote, though the cut turn ends the episode."""
+    traj, _ = run(chat, [CALL], max_new_tokens=12, tool_error_penalty=0.5)
+    assert traj.stop_reason == StopReason.MAX_TOKENS
+    assert (traj.tool_calls, traj.tool_errors, traj.tool_error_kinds) == (1, 1, {"unclosed": 1})
+    assert traj.reward == pytest.approx(-0.5)
+    sampled = chat.decode(traj.token_ids[traj.prompt_len:])
+    assert sampled.startswith("<tool_call>") and traj.messages[-1].role == "assistant"
+    assert traj.messages[-1].content == sampled.strip() and not traj.messages[-1].tool_calls
+
+
+@pytest.fixture(scope="module")
+def llama_chat(smol_tokenizer):
+    import copy
+
+    from agentgrpo.chat import ChatFormat
+    from tests.conftest import shared_template
+
+    tok = copy.deepcopy(smol_tokenizer)
+    tok.add_special_tokens({"additional_special_tokens": ["<|eot_id|>", "<|start_header_id|>",
+                                                         "<|end_header_id|>", "<|python_tag|>"]})
+    return ChatFormat(tok, template=shared_template("llama3_1.jinja"), parser="llama3_json", end_of_turn="<|eot_id|>")
+
+
+def test_parallel_calls_under_a_single_call_template_are_tool_errors(llama_chat):
+    """Llama 3.1's template refuses two calls in one turn. With max_tool_calls_per_turn=1 (the
+    audit's advice) the extra call is answered with an error and the episode goes on: the rendered
+    history holds only the calls the env ran, while the tokens stay the ones sampled."""
+    two = ('{"name": "calculator", "parameters": {"expression": "56+55"}}; '
+           '{"name": "calculator", "parameters": {"expression": "1+1"}}')
+    traj, engine = run(llama_chat, [two, "111"], max_tool_calls_per_turn=1)
+    assert traj.stop_reason == StopReason.COMPLETED and traj.reward == 1.0
+    assert traj.tool_error_kinds == {"too_many_calls": 1} and (traj.tool_calls, traj.tool_errors) == (2, 1)
+    assert len(traj.messages[2].tool_calls) == 2  # the record keeps what the model asked for
+    assert [m.content for m in traj.messages if m.role == "tool"][0] == "111"
+    assert traj.token_ids[: len(engine.calls[1])] == engine.calls[1]
+    assert llama_chat.decode(engine.calls[1]).count("56+55") == 1 and "1+1" in llama_chat.decode(engine.calls[1])
+    traj.check()
+    # without the limit the template cannot show the turn: unscorable, and the detail says why
+    traj, _ = run(llama_chat, [two, "111"])
+    assert traj.stop_reason == StopReason.ENV_ERROR and "only supports single tool-calls" in traj.stop_detail

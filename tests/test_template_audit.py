@@ -76,6 +76,8 @@ def test_llama_with_its_tokens_is_exact_and_the_parser_is_checked(smol_tokenizer
     # text is tokenized in one piece (harmless token-in/token-out, so not fatal)
     assert kinds(report) == {("render_error", False), ("retokenizes", False)}
     assert "max_tool_calls_per_turn=1" in report.format()
+    # ...and the advice holds: the rollout renders only the call the env ran (test_rollout checks it)
+    assert "answers the others with a too_many_calls error" in report.format()
     hermes = audit_template(tok, shared_template("llama3_1.jinja"), end_of_turn="<|eot_id|>")
     assert ("parser_mismatch", False) in kinds(hermes) and "model.tool_parser=llama3_json" in hermes.format()
 

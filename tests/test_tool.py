@@ -191,3 +191,32 @@ def test_a_forked_child_gets_its_own_pool():
 
 def _name_of_user_thread() -> str:
     return asyncio.run(asyncio.wait_for(to_user_thread(lambda: threading.current_thread().name), 5))
+
+
+def test_an_awaitable_returned_by_a_sync_function_is_awaited():
+    """An async tool under a plain `functools.wraps` decorator looks sync: its coroutine is awaited
+    (as `call_env` does for env methods), not shown to the model as '<coroutine object ...>'."""
+    import functools
+
+    def logged(f):
+        @functools.wraps(f)
+        def wrapper(*args, **kwargs):
+            return f(*args, **kwargs)
+
+        return wrapper
+
+    ran = []
+
+    @tool
+    @logged
+    async def lookup(key: str) -> str:
+        """Look a key up."""
+        ran.append(key)
+        if key == "bad":
+            raise KeyError(key)
+        return f"value of {key}"
+
+    assert not lookup.is_async
+    assert asyncio.run(lookup.acall({"key": "a"})) == "value of a" and ran == ["a"]
+    with pytest.raises(ToolError, match="lookup raised KeyError"):  # its failure is a tool error too
+        asyncio.run(lookup.acall({"key": "bad"}))
