@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from agentgrpo.chat import ChatFormat
-from agentgrpo.engine.base import Engine
+from agentgrpo.engine.base import Engine, close_all, wait_ready
 from agentgrpo.env import Env
 from agentgrpo.rollout import RolloutConfig, collect, rollout_metrics
 from agentgrpo.types import Group, Task, Trajectory
@@ -248,19 +248,15 @@ def run_eval(cfg: RunConfig, *, engine: Engine | None = None) -> tuple[Path, Eva
     sync = WeightSync(engine, ws) if policy is not None else None
     loop = asyncio.new_event_loop()  # one loop for the engine's clients, the push and the rollouts
     try:
+        loop.run_until_complete(wait_ready(engine, seeded=True))  # SGLang: servers loaded, versions and window read
         if sync is not None:
             loop.run_until_complete(sync.push(policy, step))  # verified by the probe: the engine serves them
             del policy  # the engine holds its own copy now
         result = loop.run_until_complete(evaluate(make_env, engine, chat, tasks, cfg.rollout, cfg.eval,
                                                   seed=cfg.seed, context_len=context_len))
     finally:
-        if sync is not None:
-            loop.run_until_complete(sync.close())
-        if owned and (aclose := getattr(engine, "aclose", None)) is not None:
-            loop.run_until_complete(aclose())
-        elif owned and (close := getattr(engine, "close", None)) is not None:
-            close()
-        loop.close()
+        closer = (getattr(engine, "aclose", None) or getattr(engine, "close", None)) if owned else None
+        close_all(loop, sync and sync.close, closer)
     out_dir = Path(cfg.eval.output_dir or Path(cfg.output_dir) / f"eval-{cfg.eval.split}")
     logger = RunLogger(out_dir, tensorboard=False)
     try:

@@ -19,8 +19,8 @@ import torch
 from agentgrpo import checkpoint
 from agentgrpo.advantage import compute_advantages
 from agentgrpo.chat import ChatFormat
-from agentgrpo.config import RunConfig, dump_config
-from agentgrpo.engine.base import Engine
+from agentgrpo.config import ConfigError, RunConfig, dump_config
+from agentgrpo.engine.base import Engine, close_all, wait_ready
 from agentgrpo.env import Env, get_env_class
 from agentgrpo.evaluate import evaluate
 from agentgrpo.learner import Learner
@@ -72,7 +72,7 @@ def build_engine(cfg: RunConfig, model_path: Path, tokenizer: Any) -> Engine:
     from agentgrpo.engine.local import LocalEngine
 
     return LocalEngine(model_path, tokenizer=tokenizer, max_batch_size=cfg.engine.max_batch_size,
-                       prefix_cache_tokens=cfg.engine.prefix_cache_tokens)
+                       prefix_cache_tokens=cfg.engine.prefix_cache_tokens, seed=cfg.seed)
 
 
 async def collect_step(cfg: RunConfig, make_env: Callable[[], Env], engine: Engine, chat: ChatFormat,
@@ -136,6 +136,12 @@ def train(cfg: RunConfig) -> Path:
     env_cls = get_env_class(cfg.env.name)
     make_env = lambda: env_cls(**cfg.env.kwargs)  # noqa: E731 - one env instance per trajectory
     stream = TaskStream(env_cls.load_tasks("train", seed=cfg.seed, **cfg.env.tasks), cfg.seed)
+    ckpt_root, start = run_dir / "checkpoints", 0
+    try:  # before anything is written: a run that cannot resume leaves its directory as it was
+        found = checkpoint.restore(ckpt_root, learner.load, check=lead, all_ranks=learner.all_ranks, strict=True)
+    except checkpoint.NoUsableCheckpoint as e:  # never silently start again from step 0 over them
+        raise ConfigError(f"{e}\nif the config changed since they were written ({run_dir / 'config.yaml'} "
+                          "holds that run's), restore it; to start a new run, use another output_dir") from None
     engine = sync = logger = None
     if lead:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -150,6 +156,8 @@ def train(cfg: RunConfig) -> Path:
         engine = build_engine(cfg, model_path, tokenizer)
         sync = WeightSync(engine, cfg.weight_sync)
     loop = asyncio.new_event_loop()  # one loop for the run: engine clients and workers live on it
+    if lead:  # SGLang: servers loaded, their versions and context length read, before the first push
+        loop.run_until_complete(wait_ready(engine, seeded=True))
     colocated = bool(cfg.engine.sglang and cfg.engine.sglang.release_memory_during_training)
 
     def save_due(step: int) -> bool:
@@ -164,14 +172,15 @@ def train(cfg: RunConfig) -> Path:
         if lead:
             loop.run_until_complete(sync.push(weights, step))
 
-    ckpt_root, start = run_dir / "checkpoints", 0
-    found = checkpoint.restore(ckpt_root, learner.load, check=lead, all_ranks=learner.all_ranks)
     if found is not None:  # damaged checkpoints were skipped, on every rank alike
         ckpt_dir, manifest = found
         start, stream.position = int(manifest["step"]), int(manifest["data_position"])
-        checkpoint.set_rng_state(manifest["rng"])
+        checkpoint.set_rng_state(manifest["rng"])  # after the setup above: only the steps draw from it
         if lead:
-            print(f"resumed from {ckpt_dir} at step {start}", flush=True)
+            # Newer ones that were skipped leave the run: later saves, prunes and resumes ignore them.
+            aside = checkpoint.set_aside_newer(ckpt_root, start)
+            print(f"resumed from {ckpt_dir} at step {start}"
+                  + (f"; set aside {', '.join(p.name for p in aside)}" if aside else ""), flush=True)
     # Before the first rollout the engine serves the learner's weights, checked by the probe: a
     # server still holding another run's weights (or another model) is caught, not sampled from.
     push(start)
@@ -261,12 +270,7 @@ def train(cfg: RunConfig) -> Path:
         progress.close()
         if logger is not None:
             logger.close()
-        if sync is not None:
-            loop.run_until_complete(sync.close())
-        close = getattr(engine, "aclose", None)
-        if close is not None:
-            loop.run_until_complete(close())
-        loop.close()
+        close_all(loop, sync and sync.close, getattr(engine, "aclose", None))
     if lead:
         write_report(run_dir)
     learner.close()

@@ -12,14 +12,20 @@ methods moves the weights:
 - `distributed`: a process group made of this process (rank 0) and every SGLang GPU, created once
   (`/init_weights_update_group`), then per push a broadcast of every tensor, bucketed, while
   `/update_weights_from_distributed` is pending on every server. NCCL between GPUs; gloo works on
-  CPU (the tests use it).
+  CPU (the tests use it). The group's ranks are all the servers, so a push needs every one of them
+  (`engine.paused(every_server=True)`): one out of rotation is probed first, and if it does not
+  come back the push fails at once naming it, before anything is broadcast. The trainer's side of
+  each collective (rendezvous, broadcast) blocks in a daemon thread while the servers' HTTP calls
+  are pending; the first failure of either side is raised at once (a server that refuses the
+  group or an update says why, instead of the trainer's side timing out later).
 
 Every push has a deadline (`timeout_s`) and sets the weight version `str(step)` on the engine, which
 the completions it produces afterwards carry. Then the push is verified: the engine scores a probe
-sequence (`engine.score`, temperature 1) and the learner computes the same logprobs with the model
+sequence (temperature 1) and the learner computes the same logprobs with the model
 (`sequence_logprobs`); a mean absolute difference above `probe_tolerance` raises
-`ProbeMismatchError` naming the engine's and the learner's numbers. For SGLang it also checks that
-every server reports the new version.
+`ProbeMismatchError` naming the engine's and the learner's numbers. An engine with several servers
+(`score_each`, SGLang) is probed on every server in rotation, and the error names each server that
+kept other weights. For SGLang it also checks that every server reports the new version.
 
 `push()` must run on the process that holds the full, unwrapped HF model (rank 0; gather FSDP
 shards first; merge LoRA adapters before pushing, since servers load plain checkpoint names).
@@ -31,8 +37,9 @@ import asyncio
 import os
 import shutil
 import socket
+import threading
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
@@ -161,6 +168,49 @@ def _free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
+async def _beside(call: asyncio.Future[Any], fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Run the trainer's blocking side of a collective (`fn`: the rendezvous, a broadcast) in a
+    daemon thread while the servers' HTTP `call` is pending; `fn`'s result once both succeeded.
+
+    The first failure of either side is raised at once, the servers' when both failed: a server
+    that refuses (a 400 at once) leaves the trainer's side blocked until its own timeout, and what
+    the server said is the reason. That thread cannot be stopped; as a daemon it holds up neither
+    this push nor the interpreter's exit, and its late failure is dropped.
+    """
+    loop = asyncio.get_running_loop()
+    side: asyncio.Future[Any] = loop.create_future()
+    side.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved: never logged
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if side.done():
+            return
+        if error is not None:
+            side.set_exception(error)
+        else:
+            side.set_result(result)
+
+    def run() -> None:
+        result, error = None, None
+        try:
+            result = fn(*args, **kwargs)
+        except BaseException as e:  # noqa: BLE001 - handed to the event loop, raised there
+            error = e
+        try:
+            loop.call_soon_threadsafe(settle, result, error)
+        except RuntimeError:  # the loop is closed: nobody waits for this side any more
+            pass
+
+    threading.Thread(target=run, name="agentgrpo-weight-sync", daemon=True).start()
+    try:
+        await asyncio.wait({call, side}, return_when=asyncio.FIRST_EXCEPTION)
+        for f in (call, side):
+            if f.done() and not f.cancelled() and f.exception() is not None:
+                raise f.exception()
+        return side.result()
+    finally:
+        call.cancel()  # a no-op once it is done
+
+
 def _buckets(
     named: list[tuple[str, torch.Tensor]], max_bytes: int
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
@@ -224,8 +274,10 @@ class WeightSync:
     async def push(self, model: torch.nn.Module, step: int) -> str:
         """Send `model`'s weights to the engine as version `str(step)`, verify, return the version.
 
-        Raises `WeightSyncError` when the sync does not finish within `timeout_s` or fails, and
-        `ProbeMismatchError` when the engine's probe logprobs differ from the learner's.
+        Raises `WeightSyncError` when the sync does not finish within `timeout_s` or a server
+        reports another version, the engine's `EngineError` (naming the server and its answer)
+        when a server refuses the update or cannot take part, and `ProbeMismatchError` when the
+        engine's probe logprobs differ from the learner's; all are `EngineError`s.
         """
         if self._last_step is not None and step <= self._last_step:
             raise ValueError(f"step must increase: got {step} after {self._last_step}")
@@ -307,21 +359,16 @@ class WeightSync:
                 master_address=cfg.master_address, master_port=port,
                 group_name=cfg.group_name, backend=cfg.backend,
             ))
-            try:
-                self._pg = await asyncio.to_thread(
-                    join_weight_update_group, cfg.master_address, port, rank=0,
-                    world_size=world_size, group_name=cfg.group_name, backend=cfg.backend,
-                    timeout_s=cfg.timeout_s,
-                )
-                await init
-            except BaseException:
-                init.cancel()
-                raise
+            self._pg = await _beside(
+                init, join_weight_update_group, cfg.master_address, port, rank=0,
+                world_size=world_size, group_name=cfg.group_name, backend=cfg.backend,
+                timeout_s=cfg.timeout_s,
+            )
         device = torch.device("cuda", torch.cuda.current_device()) if cfg.backend == "nccl" \
             else torch.device("cpu")
         named = [(n, t.to(device)) for n, t in self._state_dict(model, clone=False).items()]
         buckets = list(_buckets(named, int(cfg.bucket_mb * 2**20)))
-        async with engine.paused():
+        async with engine.paused(every_server=True):  # every rank of the group, or none
             for i, bucket in enumerate(buckets):
                 last = i == len(buckets) - 1
                 call = asyncio.ensure_future(engine.update_weights_from_distributed(
@@ -330,12 +377,7 @@ class WeightSync:
                     [list(t.shape) for _, t in bucket],
                     group_name=cfg.group_name, version=version if last else None,
                 ))
-                try:
-                    await asyncio.to_thread(self._broadcast, [t for _, t in bucket])
-                    await call
-                except BaseException:
-                    call.cancel()
-                    raise
+                await _beside(call, self._broadcast, [t for _, t in bucket])
 
     def _broadcast(self, tensors: list[torch.Tensor]) -> None:
         import torch.distributed as dist
@@ -344,25 +386,36 @@ class WeightSync:
             dist.broadcast(t.contiguous(), src=0, group=self._pg)
 
     async def verify(self, model: torch.nn.Module, *, version: str | None = None) -> float:
-        """Compare the engine's and the learner's logprobs on the probe; returns the mean |diff|."""
+        """Compare the engine's and the learner's logprobs on the probe; returns the mean |diff|
+        (of the worst server when the engine has `score_each`, which scores on each server in
+        rotation: any of them may have acknowledged the push and kept its old weights)."""
         probe = self.probe_ids or default_probe(_vocab_size(model))
-        engine_lps = list(await self.engine.score(probe[:1], probe[1:], 1.0))
+        if hasattr(self.engine, "score_each"):
+            scored = await self.engine.score_each(probe[:1], probe[1:], 1.0)
+        else:
+            scored = {"the engine": await self.engine.score(probe[:1], probe[1:], 1.0)}
         learner_lps = await asyncio.to_thread(sequence_logprobs, model, probe, 1)
-        if len(engine_lps) != len(learner_lps):
-            raise ProbeMismatchError(
-                f"engine scored {len(engine_lps)} probe tokens, learner {len(learner_lps)}"
-            )
-        diffs = [abs(a - b) for a, b in zip(engine_lps, learner_lps, strict=True)]
-        mean = sum(diffs) / len(diffs)
-        self.last_probe_error = mean
+        means: dict[str, float] = {}
+        for where, lps in scored.items():
+            if len(lps) != len(learner_lps):
+                raise ProbeMismatchError(
+                    f"{where} scored {len(lps)} probe tokens, learner {len(learner_lps)}"
+                )
+            means[where] = sum(abs(a - b) for a, b in zip(lps, learner_lps, strict=True)) / len(lps)
+        where = max(means, key=means.__getitem__)
+        mean = self.last_probe_error = means[where]
         if mean > self.cfg.probe_tolerance:
-            i = max(range(len(diffs)), key=diffs.__getitem__)
+            engine_lps = scored[where]
+            i = max(range(len(learner_lps)), key=lambda j: abs(engine_lps[j] - learner_lps[j]))
+            others = [f"{w} ({m:.4f})" for w, m in means.items()
+                      if w != where and m > self.cfg.probe_tolerance]
             raise ProbeMismatchError(
-                f"after syncing weight version {version or self.version}: probe logprobs "
-                f"differ by {mean:.4f} on average (tolerance {self.cfg.probe_tolerance}); worst "
-                f"at token {i + 1} (id {probe[i + 1]}): engine {engine_lps[i]:.4f} vs learner "
-                f"{learner_lps[i]:.4f}. The engine did not load the pushed weights (or runs "
-                "another model / dtype)."
+                f"after syncing weight version {version or self.version}: probe logprobs of "
+                f"{where} differ by {mean:.4f} on average (tolerance {self.cfg.probe_tolerance}); "
+                f"worst at token {i + 1} (id {probe[i + 1]}): engine {engine_lps[i]:.4f} vs "
+                f"learner {learner_lps[i]:.4f}"
+                + (f"; also over the tolerance: {', '.join(others)}" if others else "")
+                + ". The engine did not load the pushed weights (or runs another model / dtype)."
             )
         return mean
 

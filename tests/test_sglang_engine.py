@@ -28,7 +28,7 @@ from agentgrpo.engine.sglang import (
     is_context_length_error,
     parse_generate_response,
 )
-from tests.fake_sglang import FakeSGLang, scripted_logprob
+from tests.fake_sglang import FakeSGLang, FakeSGLangProcess, scripted_logprob
 
 FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "sglang" / "fixtures"
 VOCAB = {19: "4", 13048: "Hi", 1052: " there", 0: "!", 2585: " How", 26972: "Four"}
@@ -448,6 +448,10 @@ async def test_seed_needs_a_new_enough_server(server, engine):
     await e2.wait_ready()
     with pytest.raises(EngineError, match="0.5.9"):
         await e2.generate([1], SamplingParams(max_new_tokens=2, seed=7))
+    # training and eval seed every request: they are refused at start-up, not once per trajectory
+    await e.wait_ready(seeded=True)
+    with pytest.raises(EngineError, match=f"{old.url}.*0.5.2"):
+        await e2.wait_ready(seeded=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -470,11 +474,40 @@ async def test_finish_reasons_stop_length_abort(server, engine):
 async def test_context_length_400_becomes_a_length_finish(server, engine):
     s = await server(context_length=64)
     e = engine([s.url])
-    c = await e.generate(list(range(60)), SamplingParams(max_new_tokens=10))
+    c = await e.generate(list(range(64)), SamplingParams(max_new_tokens=10))  # no room left at all
     assert (c.token_ids, c.finish_reason) == ([], "length")
-    assert "maximum context length of 64" in c.detail
+    assert "longer than the model's context length (64 tokens)" in c.detail  # the server's message
     s.faults.inject("context")
     assert (await e.generate([1], SamplingParams(max_new_tokens=2))).finish_reason == "length"
+
+
+async def test_a_turn_may_ask_for_the_rest_of_the_window(server, engine):
+    """The rollout asks for `window - prompt` tokens (the local engine's rule); SGLang refuses
+    prompt + max_new_tokens >= context_length, so the client clamps to one less. It learns the
+    window at wait_ready() from /server_info, or, where SGLang reports none there (its default
+    without --context-length), from the first 400, which names it."""
+    prompt = list(range(100, 156))  # 56 tokens in a window of 64: the rollout's budget is 8
+    s = await server(context_length=64, script=lambda p: [65] * 10)
+    e = engine([s.url])
+    await e.wait_ready()
+    c = await e.generate(prompt, SamplingParams(max_new_tokens=8))
+    assert (len(c.token_ids), c.finish_reason) == (7, "length")
+    assert [r["sampling_params"]["max_new_tokens"] for r in s.requests] == [7]
+
+    quiet = await server(context_length=64, script=lambda p: [65] * 10)
+    server_info = quiet._server_info
+
+    async def like_sglang(*args: Any) -> tuple[int, Any]:
+        status, info = await server_info(*args)
+        return status, {**info, "context_length": None}
+
+    quiet._server_info = like_sglang
+    e = engine([quiet.url])
+    await e.wait_ready()
+    for _ in range(2):
+        c = await e.generate(prompt, SamplingParams(max_new_tokens=8))
+        assert (len(c.token_ids), c.finish_reason, c.detail) == (7, "length", "")
+    assert [r["sampling_params"]["max_new_tokens"] for r in quiet.requests] == [8, 7, 7]
 
 
 async def test_context_length_is_clamped_client_side(server, engine):
@@ -577,6 +610,53 @@ async def test_server_comes_back_after_reprobe(server, engine):
     await s.start(port=port)  # the same server restarts
     c = await task
     assert c.finish_reason == "length" and e.servers()[0].healthy
+
+
+async def test_waiting_requests_sleep_while_a_health_probe_hangs(server, engine):
+    """A server out of rotation whose /health_generate takes long (a hung scheduler): requests
+    waiting for it sleep until the probe ends instead of polling, and a probe that raises still
+    wakes them."""
+    s = await server()
+    answer = asyncio.Event()
+    health = s._health
+
+    async def slow_health(*args: Any) -> Any:
+        await answer.wait()
+        return await health(*args)
+
+    s._health = slow_health
+    e = engine([s.url], request_timeout_s=10)
+    pool = e._pool
+    sleeps = 0
+
+    class CountedWaiters(list):
+        def append(self, fut: Any) -> None:
+            nonlocal sleeps
+            sleeps += 1
+            super().append(fut)
+
+    pool._waiters = CountedWaiters()
+    pool._mark_unhealthy(pool.servers[0], "HTTP 503: simulated")
+    tasks = [asyncio.create_task(e.generate([1], SamplingParams(max_new_tokens=2))) for _ in range(20)]
+    await asyncio.sleep(0.5)
+    assert sleeps <= 2 * len(tasks)  # polling every millisecond made thousands
+    answer.set()
+    assert all(c.finish_reason == "length" for c in await asyncio.gather(*tasks))
+
+    resync = pool._resync
+    crashes: list[str] = []
+
+    async def crashing_once(srv: Any) -> str:
+        if not crashes:
+            crashes.append(srv.url)
+            raise RuntimeError("resync crashed")
+        return await resync(srv)
+
+    pool._resync = crashing_once
+    pool._mark_unhealthy(pool.servers[0], "HTTP 503: simulated")
+    t0 = time.monotonic()
+    assert (await e.generate([1], SamplingParams(max_new_tokens=2))).finish_reason == "length"
+    assert crashes and time.monotonic() - t0 < 2  # woken by the crashed probe, not the deadline
 
 
 async def test_least_outstanding_balancing(server, engine):
@@ -808,6 +888,57 @@ async def test_a_returning_server_that_cannot_catch_up_stays_out(server, engine,
         assert not restarted.requests and restarted.weight_version == "default"
     finally:
         await restarted.stop()
+
+
+async def test_a_server_returning_during_an_update_gets_the_new_weights(server, engine, tmp_path):
+    """b comes back while an update that it is not part of runs: it is checked against the new
+    version once the update is done (and caught up), not against the one being replaced."""
+    a, b = await server(), await server()
+    update = a._update_from_disk
+
+    async def slow_update(*args: Any) -> Any:  # a's load takes a while
+        await asyncio.sleep(0.5)
+        return await update(*args)
+
+    a._update_from_disk = slow_update
+    e = engine([a.url, b.url])
+    (tmp_path / "1").mkdir()
+    (tmp_path / "2").mkdir()
+    await e.update_weights_from_disk(tmp_path / "1", version="1")
+    e._pool._mark_unhealthy(e._pool.servers[1], "HTTP 503: simulated")  # a blip in the rollouts
+    health = b._health
+
+    async def late_health(*args: Any) -> Any:  # b's probe answers while the update runs
+        await asyncio.sleep(0.2)
+        return await health(*args)
+
+    b._health = late_health
+    await e.generate([1], SamplingParams(max_new_tokens=2))  # served by a; starts b's probe
+    await e.update_weights_from_disk(tmp_path / "2", version="2")  # to a only: b is out
+    for _ in range(100):
+        if e.servers()[1].healthy:
+            break
+        await asyncio.sleep(0.02)
+    assert e.servers()[1].healthy and b.weight_version == "2"
+    assert await e.weight_versions() == {a.url: "2", b.url: "2"}
+
+
+def test_a_training_run_waits_for_its_servers_before_the_first_push(tmp_path, tiny_model_dir):
+    """train() readies the engine first: a server still loading is waited for, up to
+    ready_timeout_s, then named; no weights are pushed to it meanwhile."""
+    from agentgrpo.cli import main
+
+    log = tmp_path / "calls.jsonl"
+    with FakeSGLangProcess("--start-delay", "100", "--calls-log", str(log)) as server:
+        with pytest.raises(EngineError, match=r"not ready after 1s.*HTTP 503"):
+            main(["train", "examples/calculator.yaml", f"output_dir={tmp_path / 'run'}", "train.steps=1",
+                  f"model.path={tiny_model_dir}", "rollout.group_size=2", "rollout.tasks_per_step=1",
+                  "rollout.max_new_tokens=4", "rollout.max_tokens=16", "log.progress=false",
+                  "engine.kind=sglang", f"engine.sglang.urls=[{server.url}]",
+                  "engine.sglang.ready_timeout_s=1", "engine.sglang.ready_poll_s=0.1",
+                  f"weight_sync.shared_dir={tmp_path / 'w'}"])
+    paths = [json.loads(line)["path"] for line in log.read_text().splitlines()]
+    assert paths and set(paths) == {"/health_generate"}
 
 
 async def test_a_cancelled_request_frees_its_slot(server, engine):

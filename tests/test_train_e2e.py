@@ -99,3 +99,26 @@ def test_periodic_evaluation_is_logged_beside_training(tmp_path, tiny_model_dir)
     for m in read_jsonl(out / "metrics.jsonl"):
         assert m["eval/tasks"] == 2 and m["eval/trajectories"] == 4
         assert "eval/pass@2" in m and "eval/reward_mean" in m
+
+
+def test_a_failing_closer_does_not_skip_the_others():
+    # destroying the weight-update group on a dead server once raised in train()'s cleanup, which
+    # skipped closing the engine and the loop and replaced the run's own error
+    import asyncio
+    import warnings
+
+    from agentgrpo.engine.base import close_all
+
+    loop, closed = asyncio.new_event_loop(), []
+
+    async def broken():
+        raise RuntimeError("server gone")
+
+    async def engine_close():
+        closed.append("engine")
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        close_all(loop, broken, None, engine_close, lambda: closed.append("sync"))
+    assert closed == ["engine", "sync"] and loop.is_closed()
+    assert any("server gone" in str(w.message) for w in seen)

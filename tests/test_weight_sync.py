@@ -10,6 +10,8 @@ import asyncio
 import copy
 import json
 import math
+import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -140,6 +142,30 @@ async def test_probe_mismatch_names_both_numbers(fake_with_model, tmp_path):
         await sync.push(learner, 1)
 
 
+async def test_the_probe_runs_on_every_server_and_names_the_stale_one(tmp_path):
+    learner = tiny_model()
+    good, stale = (FakeSGLang(backend=TinyModelBackend(copy.deepcopy(learner)), eos_token_ids=(EOS,))
+                   for _ in range(2))
+    stale.faults.ignore_weight_updates = True  # answers success but keeps the old weights
+    await good.start()
+    await stale.start()
+    engine = SGLangEngine([good.url, stale.url], backoff_initial_s=0.01)
+    try:
+        sync = WeightSync(engine, WeightSyncConfig(shared_dir=str(tmp_path)))
+        for step in (1, 2):  # whichever server the balancer would have picked
+            train_step(learner, 0.2)
+            with pytest.raises(ProbeMismatchError, match=rf"version {step}: probe logprobs of "
+                               rf"{re.escape(stale.url)} differ") as err:
+                await sync.push(learner, step)
+            assert good.url not in str(err.value)
+        probes = [r for r in good.requests + stale.requests if r["logprob_start_len"] >= 0]
+        assert len(probes) == 4  # each push probed both servers
+    finally:
+        await engine.aclose()
+        await good.stop()
+        await stale.stop()
+
+
 async def test_disk_push_in_bfloat16(fake_with_model, tmp_path):
     from safetensors import safe_open
 
@@ -183,6 +209,31 @@ async def test_a_failed_disk_update_is_an_error(fake_with_model, tmp_path):
     with pytest.raises(EngineError, match="update_weights_from_disk answered HTTP 400"):
         await sync.push(learner, 1)
     assert not server.paused
+
+
+async def test_a_server_refusing_the_group_fails_the_push_at_once_with_its_message():
+    """The server's 400 on /init_weights_update_group is the error, raised as soon as it comes,
+    not a timeout of the trainer's rendezvous (which waits for that server in vain)."""
+    server = FakeSGLang()
+
+    async def refuse(body: Any, query: str, w: Any) -> tuple[int, Any]:
+        return 400, {"success": False, "message": "Failed to initialize custom process group: "
+                     "connect to 127.0.0.1 refused"}
+
+    server._init_group = refuse
+    await server.start()
+    engine = SGLangEngine([server.url])
+    try:
+        sync = WeightSync(engine, WeightSyncConfig(method="distributed", backend="gloo", timeout_s=10,
+                                                   probe_every=0))
+        t0 = time.monotonic()
+        with pytest.raises(EngineError, match="init_weights_update_group answered HTTP 400: Failed "
+                           "to initialize custom process group: connect to 127.0.0.1 refused"):
+            await sync.push(tiny_model(), 1)
+        assert time.monotonic() - t0 < 5  # not timeout_s
+    finally:
+        await engine.aclose()
+        await server.stop()
 
 
 def test_config_and_construction_errors(tmp_path):
@@ -242,3 +293,36 @@ async def test_distributed_push_with_gloo_in_two_processes(tmp_path):
         fx_upd = json.loads((FIXTURES / "update_weights_from_distributed.json").read_text())["request"]["json"]
         assert set(inits[0]) == set(fx_init)
         assert set(updates[-1]) == set(fx_upd) and all(set(u) <= set(fx_upd) for u in updates)
+
+
+async def test_a_distributed_push_reaches_every_server_of_the_group_or_none(tmp_path):
+    """The group's ranks are all the servers, and a broadcast completes only when each joins: a
+    server out of rotation after a blip is probed first and gets the push; one that is gone fails
+    the push at once, naming it, before anything is paused or broadcast."""
+    learner = tiny_model()
+    learner.save_pretrained(tmp_path / "init")
+    args = ("--backend", "model", "--model-path", str(tmp_path / "init"), "--eos", str(EOS))
+    with FakeSGLangProcess(*args) as a, FakeSGLangProcess(*args) as b:
+        engine = SGLangEngine([a.url, b.url])
+        try:
+            await engine.wait_ready(timeout_s=60)
+            sync = WeightSync(engine, WeightSyncConfig(method="distributed", backend="gloo", timeout_s=30),
+                              probe_ids=[1, 5, 9, 33, 64, 100, 2])
+            train_step(learner)
+            await sync.push(learner, 1)
+            pool = engine._pool
+            pool._mark_unhealthy(pool.servers[1], "HTTP 503: simulated")  # a blip in the rollouts
+            train_step(learner)
+            assert await sync.push(learner, 2) == "2"
+            assert await engine.weight_versions() == {a.url: "2", b.url: "2"}
+            b.close()  # gone for good; the rollouts noticed
+            pool._mark_unhealthy(pool.servers[1], "ConnectError: connection refused")
+            train_step(learner)
+            t0 = time.monotonic()
+            with pytest.raises(EngineError, match=rf"{re.escape(b.url)} is out of rotation"):
+                await sync.push(learner, 3)
+            assert time.monotonic() - t0 < 10  # not timeout_s
+            assert await engine.weight_versions() == {a.url: "2"}
+            await sync.close()
+        finally:
+            await engine.aclose()

@@ -6,6 +6,10 @@ caller never sends text, so what the learner trains on is exactly what the engin
 
 from __future__ import annotations
 
+import asyncio
+import inspect
+import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -75,14 +79,25 @@ class Engine(Protocol):
         ...
 
 
-# Optional engine hooks, called by the training loop around a learner step that does not overlap
-# with sampling (the engine is idle from the end of the rollouts to the weight push). An engine
-# without them is left alone: they are not part of `Engine`, so every engine written against the
-# protocol keeps working.
+# Optional engine hooks. An engine without them is left alone: they are not part of `Engine`, so
+# every engine written against the protocol keeps working.
+#   async def wait_ready(self, *, seeded: bool) -> None: wait until the engine can serve (and, when
+#       `seeded`, refuse if it cannot honour SamplingParams.seed); the training loop calls
+#       it once, before the first weight push (SGLang: the servers have loaded the model, and
+#       their versions and context lengths are read)
+# These two are called by the training loop around a learner step that does not overlap with
+# sampling (the engine is idle from the end of the rollouts to the weight push):
 #   async def release_memory(self) -> None: give up what the coming weights make useless or what
 #       the learner can use meanwhile (SGLang's weights and KV cache with its memory saver, the
 #       local engine's prefix cache, whose KV the next push invalidates anyway)
 #   async def resume_memory(self) -> None: take it back, before the weights are pushed
+
+
+async def wait_ready(engine: Any, *, seeded: bool = False) -> None:
+    """`engine.wait_ready(seeded=...)` when the engine has that hook (see above), else nothing;
+    `seeded`: every request will carry a seed, so an engine that cannot honour one refuses now."""
+    if (hook := getattr(engine, "wait_ready", None)) is not None:
+        await hook(seeded=seeded)
 
 
 async def release_memory(engine: Any) -> None:
@@ -95,3 +110,20 @@ async def resume_memory(engine: Any) -> None:
     """`engine.resume_memory()` when the engine has that hook, else nothing."""
     if (hook := getattr(engine, "resume_memory", None)) is not None:
         await hook()
+
+
+def close_all(loop: asyncio.AbstractEventLoop, *closers: Callable[[], Any] | None) -> None:
+    """Run each closer (async or not; None skipped) on `loop`, then close the loop. One that fails
+    (destroying the weight-update group on a dead server, say) is a warning: the others still
+    run, and the run's own error, if any, is the one that propagates."""
+    for close in closers:
+        if close is None:
+            continue
+        try:
+            result = close()
+            if inspect.isawaitable(result):
+                loop.run_until_complete(result)
+        except Exception as e:  # noqa: BLE001 - cleanup: report, go on with the rest
+            warnings.warn(f"closing {getattr(close, '__qualname__', close)} failed: {type(e).__name__}: {e}",
+                          stacklevel=2)
+    loop.close()

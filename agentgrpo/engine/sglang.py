@@ -9,10 +9,14 @@ Decisions (see PROTOCOL.md for the server side of each):
 - Balancing, failures and retries live in `sglang_pool.py`: least outstanding requests over the
   healthy servers; a failing server leaves the rotation and rejoins once healthy; a request that
   runs out of retries or of its deadline raises `EngineError`, never a made-up completion.
-- A prompt that does not fit the context window is not an infrastructure failure: SGLang's 400
-  ("... maximum context length ...") becomes a `length` Completion with no tokens and the server's
-  message in `detail`. With `context_length` configured, `max_new_tokens` is clamped client-side
-  first (SGLang rejects `prompt + max_new_tokens >= context_length`).
+- The context window: SGLang rejects `prompt + max_new_tokens >= context_length` with a 400, so
+  `max_new_tokens` is always clamped client-side to `context_length - prompt - 1` once the window
+  is known: from `SGLangConfig.context_length`, from `/server_info` at `wait_ready()` (SGLang
+  reports it there only when launched with `--context-length`), or else from the first such 400,
+  whose message names it (the request is then sent again, clamped). Callers may thus ask for
+  `window - prompt` tokens, the local engine's rule. A prompt that leaves no room is not an
+  infrastructure failure: it becomes a `length` Completion with no tokens and the reason (the
+  server's message, when it answered) in `detail`.
 - Colocated with the learner (`release_memory_during_training`), the servers hold no GPU memory
   between a step's rollouts and its weight push: `release_memory` pauses them (abort: SGLang asserts
   an idle scheduler, and a request this client abandoned may still run) and frees weights and KV
@@ -24,8 +28,11 @@ Decisions (see PROTOCOL.md for the server side of each):
   Requests that SGLang aborts because of our own pause are resubmitted once generation continues
   (their partial tokens came from the old weights); new requests wait client-side until the update
   is done. A server that was out of rotation during an update (or restarted) must serve the
-  current weight version to rejoin: after a disk update the client replays it on that server,
-  after an NCCL update the server stays out (it cannot rejoin the broadcast group by itself).
+  current weight version to rejoin, checked under the update lock (one coming back during an
+  update waits for it to end, then is checked against the new version): after a disk update the
+  client replays it on that server. An NCCL update goes to every server of the group or to none
+  (`paused(every_server=True)`, see `update_weights_from_distributed`); a server that restarted has
+  left the group and stays out, and the next NCCL push names it.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ import asyncio
 import logging
 import os
 import sys
+import uuid
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -46,11 +54,14 @@ from agentgrpo.engine.sglang_config import SGLangConfig
 from agentgrpo.engine.sglang_pool import ServerPool, ServerState, _ContextLengthError
 from agentgrpo.engine.sglang_protocol import (  # noqa: F401 - re-exported: the client's public parsing API
     _version_tuple,
+    context_length_of,
     error_message,
     is_context_length_error,
     parse_generate_output,
     parse_generate_response,
     sampling_body,
+    score_body,
+    score_result,
 )
 
 log = logging.getLogger(__name__)
@@ -91,6 +102,7 @@ class SGLangEngine:
         self._update_targets: list[ServerState] | None = None
         self._released: list[ServerState] | None = None  # servers whose memory release_memory freed
         self._memory_saver: set[str] = set()  # urls seen with --enable-memory-saver
+        self._context_length = self.config.context_length  # smallest window known, see the module doc
 
     @classmethod
     def from_config(cls, cfg: SGLangConfig) -> SGLangEngine:
@@ -113,13 +125,18 @@ class SGLangEngine:
 
     # -- readiness ---------------------------------------------------------------------------
 
-    async def wait_ready(self, timeout_s: float | None = None) -> None:
-        """Wait until every server answers 200 on `/health_generate`, then read its version.
+    async def wait_ready(self, timeout_s: float | None = None, *, seeded: bool = False) -> None:
+        """Wait until every server answers 200 on `/health_generate`, then read its version (the
+        `seed` check needs it), TP size and, when it reports one, its context length.
 
         Raises `EngineError` naming each server that was not ready and what it last answered.
+        `seeded=True` (training and `agentgrpo eval`, which seed every request) also refuses, here
+        and not on every request, a server too old for `sampling_seed`.
         """
         await self._pool.wait_ready(timeout_s)
         await asyncio.gather(*(self._read_server_info(s) for s in self._pool.servers))
+        if seeded:
+            self._check_seed_support()
 
     async def _server_info(self, s: ServerState) -> dict[str, Any]:
         r = await self._control(s, "GET", "/server_info", allow_404=True)
@@ -132,38 +149,58 @@ class SGLangEngine:
         s.version = str(info.get("version")) if info.get("version") is not None else None
         s.tp_size = int(info.get("tp_size") or 1)
         s.dp_size = 1 if info.get("enable_dp_attention") else int(info.get("dp_size") or 1)
-        log.info("SGLang server %s: version %s, tp_size %s", s.url, s.version, s.tp_size)
+        ctx = info.get("context_length")  # null unless launched with --context-length
+        self._learn_context_length(int(ctx) if ctx else None)
+        log.info("SGLang server %s: version %s, tp_size %s, context_length %s", s.url, s.version,
+                 s.tp_size, ctx)
+
+    def _learn_context_length(self, ctx: int | None) -> bool:
+        """Keep the smallest context window seen; True when `ctx` lowered it."""
+        if ctx is None or (self._context_length is not None and ctx >= self._context_length):
+            return False
+        self._context_length = ctx
+        return True
 
     # -- generation --------------------------------------------------------------------------
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
-        """Sample a completion of `prompt_ids` on the least loaded healthy server."""
+        """Sample a completion of `prompt_ids` on the least loaded healthy server.
+
+        `max_new_tokens` is clamped to the servers' context window (see the module docstring).
+        """
         if not prompt_ids:
             raise ValueError("prompt_ids is empty (SGLang rejects empty input_ids)")
-        max_new = params.max_new_tokens
-        ctx = self.config.context_length
-        if ctx is not None:
-            max_new = min(max_new, ctx - len(prompt_ids) - 1)
-            if max_new < 1:
-                return Completion(
-                    [], [], "length", self._weight_version,
-                    detail=f"context length: the prompt has {len(prompt_ids)} tokens and the "
-                    f"servers' context length is {ctx}; no room for a new token",
-                )
         if params.seed is not None:
             self._check_seed_support()
         body: dict[str, Any] = {
             "rid": "",
             "input_ids": prompt_ids,
-            "sampling_params": sampling_body(params, max_new),
+            "sampling_params": None,
             "return_logprob": True,
             "logprob_start_len": -1,
             "stream": False,
         }
         while True:
+            max_new, ctx = params.max_new_tokens, self._context_length
+            if ctx is not None:
+                max_new = min(max_new, ctx - len(prompt_ids) - 1)
+                if max_new < 1:
+                    return Completion(
+                        [], [], "length", self._weight_version,
+                        detail=f"context length: the prompt has {len(prompt_ids)} tokens and the "
+                        f"servers' context length is {ctx}; no room for a new token",
+                    )
+            body["sampling_params"] = sampling_body(params, max_new)
             await self._resumed.wait()
             epoch = self._epoch
-            c = await self._request_generate(body)
+            try:
+                raw = await self._pool.post_generate(body)
+            except _ContextLengthError as e:
+                learned = self._learn_context_length(context_length_of(str(e)))
+                if learned and len(prompt_ids) + 1 < (self._context_length or 0):
+                    continue  # the window is known now: sent again, clamped to it
+                return Completion([], [], "length", self._weight_version, detail=f"context length: {e}")
+            c = parse_generate_output(raw, weight_version=self._weight_version)
             if c.finish_reason == "abort" and (epoch != self._epoch or not self._resumed.is_set()):
                 continue  # aborted by our own weight-update pause: resubmit under the new weights
             return c
@@ -171,36 +208,33 @@ class SGLangEngine:
     async def score(
         self, prompt_ids: list[int], completion_ids: list[int], temperature: float = 1.0
     ) -> list[float]:
-        """Logprobs of `completion_ids` after `prompt_ids`, from the servers' prompt logprobs.
+        """Logprobs of `completion_ids` after `prompt_ids`, from the prompt logprobs of one server
+        (the balancer picks it; `score_each` asks every server).
 
-        Used to verify a weight sync. At temperature 1 every SGLang version returns plain
-        log_softmax(logits); other temperatures depend on the server version.
+        At temperature 1 every SGLang version returns plain log_softmax(logits); other
+        temperatures depend on the server version.
         """
-        if not prompt_ids or not completion_ids:
-            raise ValueError("score() needs a non-empty prompt and completion")
-        ids = list(prompt_ids) + list(completion_ids)
-        start = len(prompt_ids) - 1  # one position early: SGLang nulls the first entry
-        body = {
-            "rid": "",
-            "input_ids": ids,
-            "sampling_params": {"max_new_tokens": 1, "temperature": temperature},
-            "return_logprob": True,
-            "logprob_start_len": start,
-            "stream": False,
-        }
+        body = score_body(prompt_ids, completion_ids, temperature)
         await self._resumed.wait()
-        raw = await self._pool.post_generate(body)
-        meta = raw.get("meta_info", raw)
-        entries = meta.get("input_token_logprobs") or []
-        if len(entries) != len(ids) - start:
-            raise EngineError(
-                f"SGLang returned {len(entries)} prompt logprobs for logprob_start_len={start} "
-                f"and {len(ids)} input ids (expected {len(ids) - start})"
-            )
-        try:
-            return [float(e[0]) for e in entries[1:]]
-        except (TypeError, ValueError) as e:  # trust boundary: a null where a value belongs
-            raise EngineError(f"malformed input_token_logprobs from SGLang: {e}") from e
+        return score_result(await self._pool.post_generate(body), body)
+
+    async def score_each(
+        self, prompt_ids: list[int], completion_ids: list[int], temperature: float = 1.0
+    ) -> dict[str, list[float]]:
+        """`score` on every server in rotation, by URL. Verifying a weight sync needs this: any
+        server may have acknowledged an update and kept its old weights, and `score` would look
+        at one only. No retries: a server that cannot score is an `EngineError` naming it."""
+        body = score_body(prompt_ids, completion_ids, temperature)
+        await self._resumed.wait()
+        servers = self._in_rotation()
+
+        async def one(s: ServerState) -> list[float]:
+            r = await self._control(s, "POST", "/generate", {**body, "rid": uuid.uuid4().hex},
+                                    timeout=self.config.request_timeout_s)
+            return score_result(ServerPool._decode_output(s.url, r.content), body)
+
+        results = await asyncio.gather(*(one(s) for s in servers))
+        return {s.url: lps for s, lps in zip(servers, results, strict=True)}
 
     def _check_seed_support(self) -> None:
         for s in self._pool.servers:
@@ -210,37 +244,35 @@ class SGLangEngine:
                     f"{s.version}. Use seed=None with this server."
                 )
 
-    async def _request_generate(self, body: dict[str, Any]) -> Completion:
-        try:
-            raw = await self._pool.post_generate(body)
-        except _ContextLengthError as e:
-            return Completion([], [], "length", self._weight_version, detail=f"context length: {e}")
-        c = parse_generate_output(raw, weight_version=self._weight_version)
-        return c
-
     # -- control and weight updates ----------------------------------------------------------
 
     async def _resync(self, s: ServerState) -> str:
         """Before a returning server rejoins: check that it serves the current weights, and
         reload the last disk checkpoint if it does not (it missed an update, or restarted).
-        Returns "" when it may rejoin, else why not."""
-        if self._weight_version is None:
-            return ""
-        if self._released is not None:  # its weights may be released too: no update now
-            return "the servers' memory is released while the learner trains; it rejoins after"
-        try:
-            r = await self._control(s, "GET", "/model_info")
-            if r.json().get("weight_version") == self._weight_version:
+        Returns "" when it may rejoin, else why not.
+
+        Under the update lock: while an update runs, `_weight_version` is still the version being
+        replaced and the update's servers are already chosen, so a server checked then would
+        rejoin with weights the update never reached. It waits for the update and is checked
+        against the new version (and an update waits for a replay in progress)."""
+        async with self._update_lock:
+            if self._weight_version is None:
                 return ""
-            if self._last_disk_update is None:
-                return (f"serves weight version {r.json().get('weight_version')!r}, not "
-                        f"{self._weight_version!r}, and the last update was not from disk")
-            await self._control(s, "POST", "/update_weights_from_disk", self._last_disk_update,
-                                timeout=self.config.weight_update_timeout_s)
-        except EngineError as e:  # it stays out of rotation and is probed again later
-            return f"could not bring it to weight version {self._weight_version}: {e}"
-        log.warning("SGLang server %s reloaded weight version %s", s.url, self._weight_version)
-        return ""
+            if self._released is not None:  # its weights may be released too: no update now
+                return "the servers' memory is released while the learner trains; it rejoins after"
+            try:
+                r = await self._control(s, "GET", "/model_info")
+                if r.json().get("weight_version") == self._weight_version:
+                    return ""
+                if self._last_disk_update is None:
+                    return (f"serves weight version {r.json().get('weight_version')!r}, not "
+                            f"{self._weight_version!r}, and the last update was not from disk")
+                await self._control(s, "POST", "/update_weights_from_disk", self._last_disk_update,
+                                    timeout=self.config.weight_update_timeout_s)
+            except EngineError as e:  # it stays out of rotation and is probed again later
+                return f"could not bring it to weight version {self._weight_version}: {e}"
+            log.warning("SGLang server %s reloaded weight version %s", s.url, self._weight_version)
+            return ""
 
     async def _control(
         self,
@@ -305,16 +337,37 @@ class SGLangEngine:
 
         await asyncio.gather(*(one(s) for s in self._in_rotation()))
 
+    def _require_every_server(self, servers: Sequence[ServerState]) -> None:
+        """Raise `EngineError` naming the servers of the pool that are not in `servers`."""
+        urls = {s.url for s in servers}
+        missing = [s for s in self._pool.servers if s.url not in urls]
+        if missing:
+            raise EngineError(
+                "an NCCL weight update needs every server of the weight-update group (a broadcast "
+                "completes only when every rank joins), and "
+                + "; ".join(f"{s.url} is out of rotation ({s.last_error})" for s in missing)
+                + ". A server that restarted has left the group: start the run again (it resumes "
+                "from its last checkpoint and creates the group anew) or sync from disk.")
+
     @asynccontextmanager
-    async def paused(self) -> AsyncIterator[None]:
+    async def paused(self, *, every_server: bool = False) -> AsyncIterator[None]:
         """Pause generation on the servers in rotation (in-flight requests are aborted and later
         resubmitted by this client), flush their cache, run the body (the update), and always
-        continue generation. New generate() calls wait meanwhile."""
+        continue generation. New generate() calls wait meanwhile.
+
+        `every_server=True` is for an update that must reach every server (NCCL): servers out of
+        rotation are probed at once (they rejoin if healthy and on the current version), and
+        `EngineError` names those still out before anything is paused."""
+        if every_server:  # before the lock: a returning server's `_resync` takes it
+            await self._pool.reprobe([s for s in self._pool.servers if not s.healthy])
         async with self._update_lock:
             if self._released is not None:
                 raise EngineError("weights pushed while the SGLang servers' memory is released: "
                                   "call resume_memory() first (the update would write into freed memory)")
-            self._update_targets = self._in_rotation()
+            targets = self._in_rotation()
+            if every_server:
+                self._require_every_server(targets)
+            self._update_targets = targets
             self._resumed.clear()
             self._epoch += 1
             try:
@@ -452,8 +505,16 @@ class SGLangEngine:
         """Tell every server to receive these tensors by broadcast from rank 0, in this order.
 
         Blocks until the trainer has broadcast them: run as a task while broadcasting. Call it
-        inside `paused()`. `version` (set on the last bucket only) becomes the weight version.
+        inside `paused(every_server=True)`. `version` (set on the last bucket only) becomes the
+        weight version.
+
+        Every server of the group, or an `EngineError` at once: the group's ranks are all the
+        servers (`init_weights_update_group`), and a broadcast completes only when each rank
+        joins it. Sending the update to the servers in rotation only would leave the trainer's
+        broadcast blocked until its timeout; sending it to a server out of rotation cannot work
+        either when it restarted (it left the group) and has no answer when it is down.
         """
+        self._require_every_server(self._in_rotation())
         body: dict[str, Any] = {
             "names": names, "dtypes": dtypes, "shapes": shapes,
             "group_name": group_name, "flush_cache": version is not None,
@@ -480,3 +541,4 @@ class SGLangEngine:
                 r = await self._control(s, "GET", "/get_model_info")
             out[s.url] = r.json().get("weight_version")
         return out
+

@@ -41,8 +41,9 @@ class SGLangConfig(BaseModel):
     context_length: int | None = Field(
         None,
         gt=1,
-        description="The servers' context window. When set, max_new_tokens is clamped so that "
-        "prompt + max_new_tokens < context_length; unset = rely on SGLang's 400.",
+        description="The servers' context window; max_new_tokens is clamped so that "
+        "prompt + max_new_tokens < context_length. Unset = learned from the servers (/server_info "
+        "when launched with --context-length, else the first context-length 400, which names it).",
     )
     weight_update_timeout_s: float = Field(
         1800.0, gt=0, description="Deadline of one weight-update HTTP call (disk load, broadcast)."

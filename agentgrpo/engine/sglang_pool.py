@@ -17,6 +17,9 @@ Decisions (see PROTOCOL.md for the server side of each):
   ENGINE_ERROR trajectory, it never sees a made-up completion.
 - A returning server must also pass the engine's `resync` (serve the current weight version, see
   `SGLangEngine._resync`) before it rejoins; the weight logic stays in `sglang.py`.
+- Callers waiting for a slot sleep until a slot frees, a probe ends (it wakes them, whatever its
+  outcome) or the next probe of a server out of rotation is due; never in a polling loop, even
+  while a probe hangs for its whole timeout.
 """
 
 from __future__ import annotations
@@ -89,6 +92,7 @@ class ServerPool:
         # free in-flight places per server; the lowest slots (first pool) are reused first
         self._slots = {s.url: list(range(cfg.max_inflight_per_server))[::-1] for s in self.servers}
         self._waiters: list[asyncio.Future[None]] = []
+        self._probes: dict[str, asyncio.Task[None]] = {}  # running health probes (kept referenced)
         self._rr = 0  # rotates the scan start so equally loaded servers share the work
         self._resync = resync  # run on a returning server before it rejoins; "" = it may rejoin
 
@@ -118,6 +122,10 @@ class ServerPool:
         return pools[i]
 
     async def aclose(self) -> None:
+        probes = [t for t in self._probes.values() if not t.done()]
+        for t in probes:
+            t.cancel()
+        await asyncio.gather(*probes, return_exceptions=True)
         clients = [self.client] + [c for pools in self._pools.values() for c in pools]
         await asyncio.gather(*(c.aclose() for c in clients))
 
@@ -261,10 +269,12 @@ class ServerPool:
                     if s.outstanding < cap and (best is None or s.outstanding < best.outstanding):
                         best = s
                     continue
-                if s.retry_at <= now and not s.probing:
-                    s.probing = True
-                    asyncio.ensure_future(self._reprobe(s))
-                wake = min(wake, max(s.retry_at, now + 0.001))
+                if s.probing:
+                    continue  # its probe wakes every waiter when it ends, whatever the outcome
+                if s.retry_at <= now:
+                    self._start_probe(s)
+                else:
+                    wake = min(wake, s.retry_at)
             if best is not None:
                 best.outstanding += 1
                 return best, self._slots[best.url].pop()
@@ -311,18 +321,35 @@ class ServerPool:
             s.probe_delay = 0.0
             s.retry_at = asyncio.get_running_loop().time()  # first probe right away
 
+    def _start_probe(self, s: ServerState) -> asyncio.Task[None]:
+        s.probing = True
+        self._probes[s.url] = task = asyncio.ensure_future(self._reprobe(s))
+        return task
+
+    async def reprobe(self, servers: list[ServerState]) -> None:
+        """Probe these servers out of rotation now (health, then resync), not at their next
+        probe time, joining probes already running; returns when every probe has ended."""
+        tasks = []
+        for s in servers:
+            running = self._probes.get(s.url)
+            tasks.append(running if s.probing and running is not None else self._start_probe(s))
+        await asyncio.gather(*(asyncio.shield(t) for t in tasks))
+
     async def _reprobe(self, s: ServerState) -> None:
+        err = "the probe was cancelled"
         try:
             err = await self._probe_once(s) or await self._resync(s)
+        except Exception as e:  # noqa: BLE001 - a probe task has no caller: record why, probe again later
+            err = f"{type(e).__name__}: {e}"
+            log.warning("SGLang server %s: health probe failed: %s", s.url, err)
         finally:
             s.probing = False
-        loop = asyncio.get_running_loop()
-        if err:
-            s.last_error = f"health probe: {err}"
-            s.probe_delay = min(self.config.probe_interval_s, max(0.05, s.probe_delay * 2))
-            s.retry_at = loop.time() + s.probe_delay
-        else:
-            if not s.healthy:
-                log.warning("SGLang server %s is healthy again", s.url)
-            s.healthy, s.probe_delay = True, 0.0
-        self._wake()
+            if err:
+                s.last_error = f"health probe: {err}"
+                s.probe_delay = min(self.config.probe_interval_s, max(0.05, s.probe_delay * 2))
+                s.retry_at = asyncio.get_running_loop().time() + s.probe_delay
+            else:
+                if not s.healthy:
+                    log.warning("SGLang server %s is healthy again", s.url)
+                s.healthy, s.probe_delay = True, 0.0
+            self._wake()  # waiters skip probing servers (see _acquire): they look again now

@@ -9,12 +9,16 @@ for what each field means.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from typing import Any
 
 from agentgrpo.engine.base import Completion, EngineError, SamplingParams
 
 _FINISH_TYPES = frozenset({"stop", "length", "abort"})
+# "... the model's maximum context length of {C} tokens ..." (prompt + max_new_tokens) and
+# "... longer than the model's context length ({C} tokens)." (the prompt alone)
+_CONTEXT_OF = re.compile(r"context length (?:of |\()(\d+) tokens")
 
 
 def parse_generate_output(
@@ -111,6 +115,13 @@ def is_context_length_error(message: str) -> bool:
     return "context length" in m or "context_length" in m
 
 
+def context_length_of(message: str) -> int | None:
+    """The context length C that SGLang's context-length 400 names, or None. Its rule (PROTOCOL.md
+    1.2) is `prompt + max_new_tokens < C`."""
+    m = _CONTEXT_OF.search(message)
+    return int(m.group(1)) if m else None
+
+
 def sampling_body(params: SamplingParams, max_new_tokens: int) -> dict[str, Any]:
     """The `sampling_params` object: PROTOCOL.md section 9's RL settings and known keys only."""
     sp: dict[str, Any] = {
@@ -126,6 +137,37 @@ def sampling_body(params: SamplingParams, max_new_tokens: int) -> dict[str, Any]
     if params.seed is not None:
         sp["sampling_seed"] = params.seed  # SGLang >= 0.5.9; checked against the server version
     return sp
+
+
+def score_body(prompt_ids: list[int], completion_ids: list[int], temperature: float) -> dict[str, Any]:
+    """The `/generate` body whose prompt logprobs (section 1.4) score `completion_ids` after
+    `prompt_ids`; `score_result` reads the answer."""
+    if not prompt_ids or not completion_ids:
+        raise ValueError("score() needs a non-empty prompt and completion")
+    return {
+        "rid": "",
+        "input_ids": list(prompt_ids) + list(completion_ids),
+        "sampling_params": {"max_new_tokens": 1, "temperature": temperature},
+        "return_logprob": True,
+        "logprob_start_len": len(prompt_ids) - 1,  # one position early: SGLang nulls the first entry
+        "stream": False,
+    }
+
+
+def score_result(raw: dict[str, Any], body: dict[str, Any]) -> list[float]:
+    """The completion's logprobs from the answer to `score_body`."""
+    n, start = len(body["input_ids"]), body["logprob_start_len"]
+    meta = raw.get("meta_info", raw)
+    entries = meta.get("input_token_logprobs") or []
+    if len(entries) != n - start:
+        raise EngineError(
+            f"SGLang returned {len(entries)} prompt logprobs for logprob_start_len={start} "
+            f"and {n} input ids (expected {n - start})"
+        )
+    try:
+        return [float(e[0]) for e in entries[1:]]
+    except (TypeError, ValueError) as e:  # trust boundary: a null where a value belongs
+        raise EngineError(f"malformed input_token_logprobs from SGLang: {e}") from e
 
 
 def _version_tuple(v: str) -> tuple[int, ...]:
