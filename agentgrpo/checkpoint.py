@@ -8,14 +8,24 @@ torch, CUDA), and the size and SHA-256 of every other file.
 
 Writing: everything goes to `.tmp-step-000012/`, files are fsynced, `trainer.json` is written last,
 and the directory is renamed into place, so a kill at any moment leaves either the complete new
-checkpoint or none (plus a temp dir that the next save removes). Only then are older checkpoints
-beyond `keep` deleted. With several ranks, rank 0 creates the temp dir, every rank writes its part
-between two barriers, and rank 0 alone writes the manifest and renames (the directory must be on a
-filesystem every rank sees).
+checkpoint or none (plus a temp dir: every save first removes all `.tmp-step-*` dirs, whatever their
+step). Only then is the directory pruned: the new checkpoint and the `keep - 1` newest ones
+numbered below it stay, older ones are deleted, and any numbered above it are set aside (below);
+the one just written is never pruned. With several ranks, rank 0 creates the temp dir, every rank
+writes its part between two barriers, and rank 0 alone writes the manifest and renames (the
+directory must be on a filesystem every rank sees).
 
-Reading: `restore` tries checkpoints newest-first; one whose manifest is missing or unreadable,
-whose files differ in size or checksum from the manifest (truncated, bit rot), or that the learner
-fails to load is skipped with a warning naming the reason, and the previous one is used.
+Reading: `restore` tries checkpoints newest-first (by step number); one whose manifest is missing
+or unreadable, whose files differ in size or checksum from the manifest (truncated, bit rot), or
+that the learner fails to load is skipped with a warning naming the reason, and the previous one is
+used. With `strict=True` (the trainer) a root whose checkpoints all fail raises `NoUsableCheckpoint`
+naming each one and its reason, instead of returning None as for a root with no checkpoint at all.
+
+Resuming from step N (the trainer, on rank 0) and saving step N: `set_aside_newer` renames the
+checkpoints numbered above N, which restore skipped, to `rejected-step-*`. They are kept for
+inspection, but no later resume or prune sees them: otherwise the run's new checkpoints would be
+pruned as the oldest ones, and a checkpoint that was rejected only transiently (a filesystem
+hiccup) would later be resumed over the newer work.
 """
 
 from __future__ import annotations
@@ -41,6 +51,29 @@ class CorruptCheckpoint(ValueError):
     """A checkpoint directory is incomplete or its files do not match its manifest."""
 
 
+class NoUsableCheckpoint(ValueError):
+    """Checkpoints exist but none verifies and loads; `reasons` maps each directory to its reason."""
+
+    def __init__(self, root: Path, reasons: dict[Path, str]) -> None:
+        self.root, self.reasons = root, reasons
+        super().__init__(f"no checkpoint under {root} verifies and loads:\n"
+                         + "\n".join(f"  {d.name}: {r}" for d, r in reasons.items()))
+
+
+def _number(directory: Path) -> int | None:
+    """The step of a `step-NNNNNN` directory name; None for anything else."""
+    digits = directory.name.removeprefix("step-")
+    ok = directory.name.startswith("step-") and digits.isascii() and digits.isdigit()
+    return int(digits) if ok else None
+
+
+def checkpoints(root: Path) -> list[Path]:
+    """The `step-*` checkpoint directories under `root`, oldest first by step number (not by name:
+    `step-1000000` comes after `step-999999`)."""
+    found = [d for d in root.glob("step-*") if _number(d) is not None]
+    return sorted(found, key=_number)  # type: ignore[arg-type, return-value]
+
+
 def rng_state() -> dict[str, Any]:
     """Every RNG a run draws from, as JSON-serialisable values."""
     state: dict[str, Any] = {
@@ -61,7 +94,10 @@ def set_rng_state(state: dict[str, Any]) -> None:
     np.random.set_state((np_state[0], np.array(np_state[1], dtype=np.uint32), *np_state[2:]))
     torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])
+        # Saved for every device the run saw; a resume that sees fewer sets those it has (torch's
+        # set_rng_state_all would index past them), one that sees more leaves the rest as they are.
+        for i, s in enumerate(state["cuda"][: torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(torch.tensor(s, dtype=torch.uint8), i)
 
 
 def _sha256(path: Path) -> str:
@@ -84,15 +120,20 @@ def save(root: Path, step: int, write_payload: Callable[[Path], None], trainer_s
          keep: int = 2, *, is_main: bool = True, barrier: Callable[[], None] = lambda: None) -> Path:
     """Write checkpoint `step` under `root`; `write_payload(tmp_dir)` writes model and optimizer.
 
+    The new checkpoint is the run's newest state: checkpoints numbered above `step` (a resumed run
+    has normally set them aside already) are set aside (`set_aside_newer`), never pruned, and
+    pruning keeps the new checkpoint and the `keep - 1` newest ones numbered below it.
+
     Many processes: every rank calls it with the same arguments; rank 0 (`is_main`) prepares the
-    temporary directory and, once every rank's `write_payload` has returned (`barrier`), writes the
-    manifest, renames and prunes.
+    temporary directory (removing every leftover `.tmp-step-*` of a killed save) and, once every
+    rank's `write_payload` has returned (`barrier`), writes the manifest, renames and prunes.
     """
     final = root / f"step-{step:06d}"
     tmp = root / f".tmp-step-{step:06d}"
     if is_main:
         root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
+        for leftover in root.glob(".tmp-step-*"):  # killed saves, of this step or any other
+            shutil.rmtree(leftover, ignore_errors=True)
         tmp.mkdir()
     barrier()
     write_payload(tmp)
@@ -109,7 +150,9 @@ def save(root: Path, step: int, write_payload: Callable[[Path], None], trainer_s
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
     _fsync(root)
-    for old in sorted(root.glob("step-*"))[:-keep]:
+    set_aside_newer(root, step)  # the step just written is the run's newest state
+    older = [d for d in checkpoints(root) if _number(d) < step]  # type: ignore[operator]
+    for old in older[: max(len(older) - (keep - 1), 0)]:
         shutil.rmtree(old, ignore_errors=True)
     return final
 
@@ -140,7 +183,7 @@ def verify(directory: Path) -> dict[str, Any]:
 
 def latest(root: Path) -> tuple[Path, dict[str, Any]] | None:
     """Newest intact checkpoint and its manifest; damaged ones are skipped with a warning."""
-    for d in sorted(root.glob("step-*"), reverse=True):
+    for d in reversed(checkpoints(root)):
         try:
             return d, verify(d)
         except CorruptCheckpoint as e:
@@ -149,18 +192,22 @@ def latest(root: Path) -> tuple[Path, dict[str, Any]] | None:
 
 
 def restore(root: Path, load: Callable[[Path], None], *, check: bool = True,
-            all_ranks: Callable[[bool], bool] = bool) -> tuple[Path, dict[str, Any]] | None:
+            all_ranks: Callable[[bool], bool] = bool,
+            strict: bool = False) -> tuple[Path, dict[str, Any]] | None:
     """Load the newest checkpoint that verifies and that `load(dir)` accepts; None if there is none.
 
     A checkpoint that fails either way is skipped with a warning and the previous one is tried.
     `load` must leave nothing half-applied that a later successful `load` would not overwrite.
+    When every checkpoint fails: None, or with `strict` a `NoUsableCheckpoint` naming each one and
+    why (a resumed run must not silently start again from step 0 in the same directory).
 
     Many processes: every rank calls `restore` over the same directory; only rank 0 reads the
     checksums (`check`, the expensive part; the others read the manifest), and `all_ranks(ok)` (True
     only when `ok` holds on every rank, e.g. `Learner.all_ranks`) makes all of them load, or skip,
     the same checkpoint.
     """
-    for d in sorted(root.glob("step-*"), reverse=True):
+    reasons: dict[Path, str] = {}
+    for d in reversed(checkpoints(root)):
         manifest, error = None, None
         try:
             manifest = verify(d) if check else _read_manifest(d)
@@ -175,9 +222,33 @@ def restore(root: Path, load: Callable[[Path], None], *, check: bool = True,
                 error = e
             if all_ranks(error is None):
                 return d, manifest  # type: ignore[return-value]
-        reason = f"{type(error).__name__}: {error}" if error else "rejected on another rank"
-        warnings.warn(f"skipping checkpoint {d}: {reason}", stacklevel=2)
+        reasons[d] = f"{type(error).__name__}: {error}" if error else "rejected on another rank"
+        warnings.warn(f"skipping checkpoint {d}: {reasons[d]}", stacklevel=2)
+    if strict and reasons:
+        raise NoUsableCheckpoint(root, reasons)
     return None
+
+
+def set_aside_newer(root: Path, step: int) -> list[Path]:
+    """Rename the checkpoints numbered above `step` (the one a run resumed from, or just saved) to
+    `rejected-step-*` (`rejected-step-*.2`, ... when that name is taken); returns the new paths.
+
+    Call it on one process (rank 0; after a resume, once `restore` returned on every rank). Nothing
+    is deleted, but the renamed ones are out of the run: no later restore tries them and no save
+    counts them when it prunes.
+    """
+    moved = []
+    for d in checkpoints(root):
+        if _number(d) > step:  # type: ignore[operator]
+            target, n = root / f"rejected-{d.name}", 1
+            while target.exists():
+                n += 1
+                target = root / f"rejected-{d.name}.{n}"
+            d.rename(target)
+            moved.append(target)
+    if moved:
+        _fsync(root)
+    return moved
 
 
 class StopRequested:

@@ -7,8 +7,9 @@ is an error that names it instead of a setting silently ignored.
 
 from __future__ import annotations
 
+import types
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -73,7 +74,9 @@ class TrainLoopConfig(BaseModel):
     save_every_s: float | None = Field(
         600.0, gt=0, description="also checkpoint after a step that starts training this many seconds "
         "after the last checkpoint (None = off): a SIGKILL or OOM kill loses at most this much work")
-    keep_checkpoints: int = Field(2, ge=1, description="newest checkpoints kept")
+    keep_checkpoints: int = Field(
+        2, ge=1, description="checkpoints kept after each save: the one just written and the newest ones "
+        "numbered below it (agentgrpo.checkpoint.save)")
     overlap_rollouts: bool = Field(
         False, description="sample step t+1's rollouts while step t trains (one step off-policy: they come "
         "from the weights before step t's update); not across a checkpoint, so resuming stays exact")
@@ -121,6 +124,17 @@ class RunConfig(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _tis_has_two_logprobs(self) -> RunConfig:
+        # TIS weighs pi_old against the engine's sampling logprobs; with old_logprobs=rollout pi_old
+        # is those logprobs, the learner has no second set to pass, and every step would raise.
+        if self.loss.tis != "none" and self.learner.old_logprobs != "recompute":
+            raise ValueError(f"loss.tis={self.loss.tis} needs learner.old_logprobs=recompute: TIS weighs "
+                             "tokens by min(pi_old / pi_rollout, loss.tis_cap) with pi_old recomputed by the "
+                             f"learner, and with learner.old_logprobs={self.learner.old_logprobs} pi_old is "
+                             "the rollout's own logprobs; set learner.old_logprobs: recompute, or loss.tis: none")
+        return self
+
+    @model_validator(mode="after")
     def _mini_batches_fit(self) -> RunConfig:
         # Mini-batches hold whole groups: more of them than groups per step would silently be fewer.
         if self.learner.mini_batches > self.rollout.tasks_per_step:
@@ -140,8 +154,31 @@ class RunConfig(BaseModel):
         return self
 
 
-def apply_override(data: dict[str, Any], override: str) -> None:
-    """Apply `a.b.c=value` (value parsed as YAML) to a nested dict."""
+def _field_annotation(model: type[BaseModel], parts: list[str]) -> Any:
+    """The type annotation of the setting at dotted path `parts` of `model`; None where the path
+    leaves the typed models (an unknown key, or inside a free-form dict such as env.kwargs)."""
+    annotation: Any = model
+    for p in parts:
+        options = get_args(annotation) if get_origin(annotation) in (Union, types.UnionType) else (annotation,)
+        sub = [o for o in options if get_origin(o) is None and isinstance(o, type) and issubclass(o, BaseModel)]
+        if not sub or p not in sub[0].model_fields:
+            return None
+        annotation = sub[0].model_fields[p].annotation
+    return annotation
+
+
+def _is_text(annotation: Any) -> bool:
+    """Whether a setting holds only text: `str` or `str | None` (not a list, dict, number, ...)."""
+    options = get_args(annotation) if get_origin(annotation) in (Union, types.UnionType) else (annotation,)
+    return str in options and all(o in (str, type(None)) for o in options)
+
+
+def apply_override(data: dict[str, Any], override: str, model: type[BaseModel] | None = None) -> None:
+    """Apply `a.b.c=value` to a nested dict; the value is parsed as YAML (`3` is a number, `[1, 2]`
+    a list, `null` None), except that a text setting of `model` (a `str` or `str | None` field) gets
+    the text as written: `output_dir=2024` is the directory "2024", `log.wandb_name=run #1` keeps
+    its `#1`. There only a quoted value (`'"x"'`, quotes removed) and `null` / `~` (None, where the
+    field allows it) are read as YAML."""
     if "=" not in override:
         raise ConfigError(f"override {override!r} must look like key.path=value")
     key, _, raw = override.partition("=")
@@ -154,18 +191,43 @@ def apply_override(data: dict[str, Any], override: str) -> None:
         if not isinstance(child, dict):
             raise ConfigError(f"override {override!r}: {p!r} is not a section")
         node = child
-    node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+    text = raw.strip()
+    if model is not None and _is_text(_field_annotation(model, parts)):
+        quoted = len(text) >= 2 and text[0] == text[-1] and text[0] in "'\""
+        value: Any = _yaml_value(override, text) if quoted or text in ("null", "Null", "NULL", "~") else text
+    else:
+        value = _yaml_value(override, text) if text else ""
+    node[parts[-1]] = value
+
+
+def _yaml_value(override: str, text: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override {override!r}: the value is not valid YAML: {_one_line(e)}") from None
+
+
+def _one_line(e: Exception) -> str:
+    return " ".join(str(e).split())
 
 
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
+    """The validated run config of YAML file `path` (None: the defaults) with `key.path=value`
+    overrides applied in order (see `apply_override`); ConfigError names the file, the override or
+    each invalid key when something is wrong (a missing file and YAML syntax errors included)."""
     data: dict[str, Any] = {}
     if path is not None:
-        with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f) or {}
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = yaml.safe_load(f) or {}
+        except OSError as e:
+            raise ConfigError(f"cannot read the config file {path}: {e.strerror or e}") from None
+        except (yaml.YAMLError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{path} is not valid YAML: {_one_line(e)}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: the top level must be a mapping")
     for o in overrides:
-        apply_override(data, o)
+        apply_override(data, o, RunConfig)
     try:
         return RunConfig.model_validate(data)
     except ValidationError as e:
@@ -173,7 +235,8 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig
         for err in e.errors():
             loc = ".".join(str(x) for x in err["loc"])
             msg = "unknown key (not a setting of this section)" if err["type"] == "extra_forbidden" else err["msg"]
-            lines.append(f"  {loc}: {msg}")
+            msg = msg.removeprefix("Value error, ")  # a validator's own message names its keys
+            lines.append(f"  {loc}: {msg}" if loc else f"  {msg}")
         raise ConfigError(f"invalid config{f' {path}' if path else ''}:\n" + "\n".join(lines)) from None
 
 

@@ -61,12 +61,73 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous(tmp_path, damage):
     assert found is not None and found[1]["step"] == 1
 
 
-def test_a_leftover_temp_dir_is_ignored_and_old_ones_pruned(tmp_path):
-    (tmp_path / ".tmp-step-000009").mkdir(parents=True)  # a save killed half-way
+def test_leftover_temp_dirs_are_removed_and_old_ones_pruned(tmp_path):
+    for step in (7, 9):  # saves killed half-way, of steps the resumed run never saves again
+        (tmp_path / f".tmp-step-00000{step}").mkdir(parents=True)
+        (tmp_path / f".tmp-step-00000{step}" / "model.safetensors").write_bytes(b"partial")
+    assert checkpoint.latest(tmp_path) is None
     for s in range(1, 6):
         _save(tmp_path, s)
-    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-000003", "step-000004", "step-000005"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000003", "step-000004", "step-000005"]
     assert checkpoint.latest(tmp_path)[1]["step"] == 5
+
+
+def test_save_never_prunes_the_checkpoint_it_wrote(tmp_path):
+    """Pruning keeps the new checkpoint and the `keep - 1` newest ones numbered below it, by number
+    (step-1000000 is newer than step-999999, though its name sorts first); checkpoints numbered above
+    it are set aside, not pruned and not resumed over it."""
+    for s in (1, 2, 999_999):
+        _save(tmp_path, s)
+    write = _write({"model.safetensors": b"w"})
+    checkpoint.save(tmp_path, 1_000_000, write, {"data_position": 0}, keep=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-1000000"]
+    _save(tmp_path, 999_999)
+    checkpoint.save(tmp_path, 500, write, {"data_position": 0}, keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "rejected-step-1000000", "rejected-step-999999", "step-000500"]
+    assert checkpoint.latest(tmp_path)[1]["step"] == 500
+
+
+def test_resuming_sets_newer_skipped_checkpoints_aside(tmp_path):
+    """A resume that fell back from a bad step 20 to step 10 renames step 20 out of the run: the
+    run's next save (step 15) survives even with keep=1, and a later resume returns to step 15,
+    not to the step 20 that an earlier load only rejected transiently (kept as rejected-step-*)."""
+    for s in (10, 20):
+        _save(tmp_path, s)
+    calls = []
+
+    def flaky_load(d):
+        calls.append(d.name)
+        if len(calls) == 1:
+            raise OSError("NFS hiccup")  # step 20 fails once, then would load
+
+    with pytest.warns(UserWarning, match="step-000020: OSError: NFS hiccup"):
+        d, manifest = checkpoint.restore(tmp_path, flaky_load)
+    assert manifest["step"] == 10
+    assert checkpoint.set_aside_newer(tmp_path, 10) == [tmp_path / "rejected-step-000020"]
+    checkpoint.save(tmp_path, 15, _write({"learner.pt": b"15"}), {"data_position": 15}, keep=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rejected-step-000020", "step-000015"]
+    assert checkpoint.restore(tmp_path, flaky_load)[1]["step"] == 15
+    assert checkpoint.verify(tmp_path / "rejected-step-000020")["step"] == 20  # nothing lost
+    _save(tmp_path, 20)  # the same number set aside twice gets its own name
+    assert checkpoint.set_aside_newer(tmp_path, 15) == [tmp_path / "rejected-step-000020.2"]
+
+
+def test_strict_restore_names_every_checkpoint_and_why_none_loads(tmp_path):
+    _save(tmp_path, 1)
+    (_save(tmp_path, 2) / "learner.pt").write_bytes(b"truncated")
+
+    def load(d):
+        raise ValueError("does not match the model")
+
+    with pytest.warns(UserWarning), pytest.raises(checkpoint.NoUsableCheckpoint) as e:
+        checkpoint.restore(tmp_path, load, strict=True)
+    assert "step-000002: CorruptCheckpoint: learner.pt has 9 bytes" in str(e.value)
+    assert "step-000001: ValueError: does not match the model" in str(e.value)
+    assert list(e.value.reasons) == [tmp_path / "step-000002", tmp_path / "step-000001"]
+    with pytest.warns(UserWarning):
+        assert checkpoint.restore(tmp_path, load) is None  # not strict: None, as for no checkpoint
+    assert checkpoint.restore(tmp_path / "none", load, strict=True) is None
 
 
 def test_restore_skips_a_checkpoint_the_learner_rejects(tmp_path):
@@ -190,6 +251,39 @@ def test_resume_uses_the_previous_checkpoint_when_the_newest_is_truncated(tmp_pa
     with pytest.warns(UserWarning, match="step-000002"):
         assert _train(out, tiny_model_dir, 3, "train.save_every=1") == 0
     assert [m["step"] for m in read_jsonl(out / "metrics.jsonl")] == [1, 2, 2, 3]  # step 2 redone
+    # The skipped step 2 was set aside when the run resumed from step 1, not overwritten or pruned.
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [
+        "rejected-step-000002", "step-000002", "step-000003"]
+
+
+def test_a_run_whose_checkpoints_all_fail_to_load_stops_instead_of_restarting(
+        tmp_path, tiny_model_dir, capsys):
+    out = tmp_path / "run"
+    assert _train(out, tiny_model_dir, 2, "train.save_every=1") == 0
+    before = {f: (out / f).read_bytes() for f in ("metrics.jsonl", "trajectories.jsonl", "config.yaml")}
+    with pytest.warns(UserWarning, match="skipping checkpoint"):  # LoRA now: no full checkpoint fits
+        assert _train(out, tiny_model_dir, 4, "train.save_every=1", "learner.lora.r=4") == 2
+    err = capsys.readouterr().err
+    assert "error: no checkpoint under" in err and "config.yaml" in err
+    for step in (2, 1):
+        assert f"step-00000{step}: FileNotFoundError: " in err  # each one, with its reason (no adapter)
+    assert {f: (out / f).read_bytes() for f in before} == before  # the run directory is untouched
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000001", "step-000002"]
+
+
+def test_two_fresh_runs_with_one_seed_train_the_same_weights(tmp_path, stopping_model_dir):
+    """Nothing reseeds torch's global RNG after the run's seed (the local engine has its own
+    generator): LoRA dropout draws the same masks, so the adapters are equal, not only the tokens."""
+    from safetensors.torch import load_file
+
+    lora = ["learner.lora.r=4", "learner.lora.dropout=0.5", "learner.lr=1e-2", "loss.clip_high=100"]
+    adapters = []
+    for name in ("a", "b"):
+        assert _train(tmp_path / name, stopping_model_dir, 1, *lora) == 0
+        adapters.append(load_file(tmp_path / name / "checkpoints" / "step-000001" / "adapter_model.safetensors"))
+    assert _by_step(tmp_path / "a") == _by_step(tmp_path / "b")
+    for k, t in adapters[0].items():
+        assert torch.equal(adapters[1][k], t), k
 
 
 def test_sigterm_saves_the_finished_step_and_exits(tmp_path, tiny_model_dir, monkeypatch):
@@ -235,3 +329,17 @@ def test_time_based_checkpoints_and_overlap_never_crosses_one(tmp_path, stopping
                   "train.overlap_rollouts=true") == 0
     assert sorted(p.name for p in (off / "checkpoints").iterdir()) == ["step-000003"]  # at the end only
     assert [m["policy_lag"] for m in read_jsonl(off / "metrics.jsonl")] == [0.0, 1.0, 1.0]
+
+
+def test_cuda_rng_states_are_restored_onto_the_devices_there_are(monkeypatch):
+    # a checkpoint written on 4 GPUs, resumed where one is visible: torch's set_rng_state_all would
+    # index a 2nd device that does not exist
+    set_on: list[int] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s, device: set_on.append(device))
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: [torch.zeros(8, dtype=torch.uint8)] * 4)
+    state = checkpoint.rng_state()
+    assert len(state["cuda"]) == 4
+    checkpoint.set_rng_state(state)
+    assert set_on == [0]

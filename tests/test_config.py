@@ -51,3 +51,45 @@ def test_a_row_cap_without_shared_prefix_is_refused():
     with pytest.raises(ConfigError, match="row_tokens"):
         load_config("examples/calculator.yaml", ["learner.row_tokens=8"])
     assert load_config("examples/calculator.yaml", ["learner.row_tokens=512"]).learner.row_tokens == 512
+
+
+def test_tis_needs_recomputed_old_logprobs():
+    """TIS weighs recomputed old logprobs against the rollout's; with old_logprobs=rollout the two
+    are the same numbers and every train step would fail: the config is refused up front."""
+    for tis in ("token", "sequence"):
+        with pytest.raises(ConfigError, match=f"loss.tis={tis} needs learner.old_logprobs=recompute"):
+            load_config(None, [f"loss.tis={tis}"])
+    cfg = load_config(None, ["loss.tis=token", "learner.old_logprobs=recompute"])
+    assert cfg.loss.tis == "token" and cfg.learner.old_logprobs == "recompute"
+
+
+def test_text_settings_take_the_override_as_written():
+    cfg = load_config(None, ["output_dir=2024", "log.wandb_name=1", "eval.split=1",
+                             "log.wandb_entity=run #1", 'log.wandb_project="2024"', "model.path=2024-01-01"])
+    assert (cfg.output_dir, cfg.log.wandb_name, cfg.eval.split) == ("2024", "1", "1")
+    assert (cfg.log.wandb_entity, cfg.log.wandb_project, cfg.model.path) == ("run #1", "2024", "2024-01-01")
+    assert load_config(None, ["log.wandb_name=1", "log.wandb_name=null"]).log.wandb_name is None
+    # Typed and free-form settings still read YAML.
+    cfg = load_config(None, ["train.steps=3", "learner.row_tokens=512", "learner.lora.target_modules=[q_proj]",
+                             "env.kwargs.n=2024", "rollout.temperature=0.5", "train.save_every_s=null",
+                             "engine.kind=sglang", "engine.sglang.urls=[http://h:1]"])
+    assert (cfg.train.steps, cfg.learner.row_tokens, cfg.learner.lora.target_modules) == (3, 512, ["q_proj"])
+    assert cfg.env.kwargs == {"n": 2024} and cfg.rollout.temperature == 0.5 and cfg.train.save_every_s is None
+    assert cfg.engine.sglang.urls == ["http://h:1"]
+
+
+def test_unreadable_config_files_and_bad_yaml_are_clean_errors(tmp_path, capsys):
+    from agentgrpo.cli import main
+
+    missing = tmp_path / "nope.yaml"
+    with pytest.raises(ConfigError, match=f"cannot read the config file {missing}"):
+        load_config(missing)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train:\n  steps: [1\n")
+    with pytest.raises(ConfigError, match=f"{bad} is not valid YAML: .*line 3"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match=r"override 'eval.pass_k=\[1': the value is not valid YAML"):
+        load_config(None, ["eval.pass_k=[1"])
+    for argv in (["train", str(missing)], ["eval", str(bad)]):
+        assert main(argv) == 2
+        assert capsys.readouterr().err.startswith("error: ")

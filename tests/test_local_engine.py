@@ -271,6 +271,31 @@ async def test_seeds_make_requests_reproducible_and_distinct(engine):
     assert unseeded[0].token_ids != unseeded[1].token_ids
 
 
+async def test_the_engine_never_touches_torchs_global_rng(model):
+    """Unseeded requests draw from the engine's own generator (seeded by `seed=`, else at random):
+    building or using the engine leaves torch's global RNG where the caller's seed put it."""
+    prompt = [20, 21, 22]
+    torch.manual_seed(123)
+    state = torch.get_rng_state()
+    outs = []
+    for seed in (None, None, 7, 7):
+        async with LocalEngine(model, seed=seed, eos_token_ids=()) as eng:
+            outs.append((await eng.generate(prompt, SamplingParams(max_new_tokens=20))).token_ids)
+        assert torch.equal(torch.get_rng_state(), state)
+    assert outs[2] == outs[3] and outs[0] != outs[1]  # seed= reproduces; None: independent draws
+
+
+def test_training_builds_the_local_engine_with_the_runs_seed(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    from agentgrpo.config import load_config
+    from agentgrpo.train import build_engine
+
+    cfg = load_config(None, ["seed=7"])
+    with build_engine(cfg, tiny_model_dir, AutoTokenizer.from_pretrained(tiny_model_dir)) as eng:
+        assert eng._generator.initial_seed() == 7
+
+
 async def test_cancelled_request_leaves_the_batch(engine):
     slow = asyncio.create_task(engine.generate([5, 6], SamplingParams(max_new_tokens=60)))
     other = asyncio.create_task(engine.generate([7, 8], SamplingParams(max_new_tokens=30)))

@@ -140,7 +140,8 @@ class LocalEngine:
             `2 * layers * kv_heads * head_dim * dtype bytes`: 45 KiB for SmolLM2-135M in float32,
             so the default holds ~0.7 GiB, room for the prompts in flight plus the latest turn of
             ~30 trajectories waiting on their env.
-        seed: seed of the generator used by requests without `params.seed` (None: random).
+        seed: seed of the generator used by requests without `params.seed` (None: random). The
+            engine draws only from that generator: torch's global RNG is left as it was.
         weight_version: version reported by completions until the first `update_weights`.
         eos_token_ids: ids that end every request; default: the EOS ids of the generation config,
             the model config and the tokenizer. `()` leaves only `params.stop_token_ids`
@@ -211,7 +212,12 @@ class LocalEngine:
         self._check_cache_kind()
         self.cache_kwarg = _cache_kwarg(self.model)
         self._generator = torch.Generator()
-        self._generator.manual_seed(seed if seed is not None else torch.seed())
+        # Only this generator: torch.seed() would also reseed torch's global RNG, after the caller
+        # seeded it (a training run's dropout would then differ between two runs with one seed).
+        if seed is None:
+            self._generator.seed()
+        else:
+            self._generator.manual_seed(seed)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
