@@ -176,7 +176,7 @@ class CodeTestsEnv(ToolEnv):
 
     Constructor: `sandbox` (default: the process-wide `default_sandbox()`), `public_credit` (weight
     of the public examples' pass fraction for a submission failing the hidden tests; default 0),
-    `timeout_s` (per test). See the module docstring for what is run, scored and how.
+    `timeout_s` (CPU seconds per test). See the module docstring for what is run, scored and how.
 
     Example:
         >>> env = CodeTestsEnv(public_credit=0.1)

@@ -61,6 +61,40 @@ def test_assert_outcomes_each_typed(sb):
     assert res.exec.status == "ok"  # one sandbox call for all of them
 
 
+def test_the_budget_is_cpu_time_so_waiting_is_not_charged(sb):
+    # A slow machine makes a correct solution wait, not compute: 1.2 s of sleep under a 0.5 s
+    # budget passes (wall clock used to fail it), while 0.5 s of CPU in a loop does not.
+    tests = ["import time\ntime.sleep(1.2)\nassert add(1, 2) == 3", "while True:\n    pass",
+             "import time\ntime.sleep(60)"]
+    res = run_tests(ADD, tests, sandbox=sb, timeout_per_test_s=0.5, wall_per_test_s=2.5)
+    assert [t.outcome for t in res.tests] == ["passed", "timeout", "timeout"], res.tests
+    assert res.tests[0].cpu_s < 0.5 and res.tests[1].cpu_s >= 0.45
+    assert "of CPU" in res.tests[1].detail
+    assert "2.5s of wall time" in res.tests[2].detail and res.tests[2].cpu_s < 0.5
+
+
+def test_a_solution_cannot_switch_its_cpu_budget_off(sb):
+    # Clearing the interval timer leaves RLIMIT_CPU (SIGXCPU at ceil(budget)); ignoring SIGXCPU
+    # leaves its hard limit (SIGKILL a second later), which an unprivileged process cannot raise.
+    clear = "import signal\nsignal.setitimer(signal.ITIMER_PROF, 0)\n"
+    ignore = clear + "signal.signal(signal.SIGXCPU, signal.SIG_IGN)\n"
+    raise_ = ignore + "import resource\nresource.setrlimit(resource.RLIMIT_CPU, (-1, -1))\n"
+    loop = "while True:\n    pass"
+    tests = [clear + loop, ignore + loop, raise_ + loop]
+    res = run_tests(ADD, tests, sandbox=sb, timeout_per_test_s=0.5, wall_per_test_s=6)
+    assert [t.outcome for t in res.tests] == ["timeout", "timeout", "error"], res.tests
+    assert all("of CPU" in t.detail for t in res.tests[:2])
+    assert res.tests[1].cpu_s >= 1.5  # it ran to the hard limit, ceil(0.5) + 1 s
+    assert res.tests[2].detail.startswith("ValueError")  # not allowed to raise the hard limit
+
+
+def test_budgets_that_cannot_work_are_refused():
+    with pytest.raises(ValueError, match="timeout_per_test_s must be > 0"):
+        run_tests(ADD, ["assert add(1, 1) == 2"], timeout_per_test_s=0)
+    with pytest.raises(ValueError, match="wall_per_test_s .* must be at least"):
+        run_tests(ADD, ["assert add(1, 1) == 2"], timeout_per_test_s=2, wall_per_test_s=1)
+
+
 def test_stdin_stdout_cases_compared_outside(sb):
     prog = "import sys\na, b = map(int, input().split())\nprint(a + b)\nsys.exit(0)"
     res = run_tests(

@@ -9,7 +9,9 @@ import atexit
 import base64
 import ctypes
 import json
+import math
 import os
+import resource
 import select
 import signal
 import sys
@@ -20,6 +22,7 @@ spec = json.load(open("_spec.json"))
 os.unlink("_spec.json")
 ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE=0: children cannot open our /proc fds
 solution, cap, per_test = spec["solution"], spec["capture_bytes"], spec["timeout_s"]
+wall_per_test = spec["wall_s"]
 out = os.fdopen(os.dup(1), "w")
 devnull = os.open(os.devnull, os.O_RDWR)
 os.dup2(devnull, 1)
@@ -153,6 +156,14 @@ def run_one(i, test):
     pid = os.fork()
     if pid == 0:
         os.setpgid(0, 0)
+        # The test's budget is CPU time, as judges count it, so a loaded machine does not fail a
+        # correct solution. ITIMER_PROF ends the process at the budget (SIGPROF's default action);
+        # a solution that resets it still meets RLIMIT_CPU, whose hard limit it cannot raise.
+        signal.setitimer(signal.ITIMER_PROF, per_test)
+        hard = resource.getrlimit(resource.RLIMIT_CPU)[1]
+        lim = (math.ceil(per_test), math.ceil(per_test) + 1)
+        resource.setrlimit(resource.RLIMIT_CPU,
+                           lim if hard == resource.RLIM_INFINITY else tuple(min(x, hard) for x in lim))
         for fd, std in ((pipes[0][0], 0), (pipes[1][1], 1), (pipes[2][1], 2)):
             os.dup2(fd, std)
         rep = pipes[3][1]
@@ -168,7 +179,7 @@ def run_one(i, test):
     bufs = {pipes[1][0]: b"", pipes[2][0]: b"", pipes[3][0]: b""}
     live = set(bufs)
     pidfd = os.pidfd_open(pid)
-    deadline = time.monotonic() + per_test
+    deadline = time.monotonic() + wall_per_test  # a backstop for a test that sleeps or blocks
     exited = timed_out = False
     while not exited:
         left = deadline - time.monotonic()
@@ -208,15 +219,21 @@ def run_one(i, test):
             os.kill(pid, signal.SIGKILL)
         except OSError:
             pass
-    _, status = os.waitpid(pid, 0)
+    _, status, usage = os.wait4(pid, 0)
+    cpu = usage.ru_utime + usage.ru_stime  # the child's and its reaped descendants'
+    over_cpu = cpu > per_test or (os.WIFSIGNALED(status)
+                                  and os.WTERMSIG(status) in (signal.SIGPROF, signal.SIGXCPU))
     for fd in [pidfd] + list(bufs) + ([stdin_fd] if stdin_fd >= 0 else []):
         os.close(fd)
     head, _, report = bufs[pipes[3][0]].decode("utf-8", "replace").partition("\n")
     outcome, _, detail = report.partition("\n") if head == nonce else ("", "", "")
     stderr = bufs[pipes[2][0]].decode("utf-8", "replace")
     clean_exit = exited and os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
-    if timed_out:
-        res = {"i": i, "o": "timeout", "d": f"over {per_test:.1f}s"}
+    if over_cpu:
+        res = {"i": i, "o": "timeout", "d": f"over {per_test:g}s of CPU"}
+    elif timed_out:
+        res = {"i": i, "o": "timeout",
+               "d": f"over {wall_per_test:g}s of wall time ({cpu:.2f}s of CPU): it sleeps or blocks"}
     elif outcome:
         res = {"i": i, "o": outcome, "d": detail}
     elif test["kind"] == "io" and clean_exit:  # os._exit(0) after printing, as a program may
@@ -225,6 +242,7 @@ def run_one(i, test):
         res = {"i": i, "o": "error", "d": "the report pipe held something the harness did not write"}
     else:
         res = {"i": i, "o": "error", "d": ("exited before the test finished; " + stderr[-300:]).strip()}
+    res["cpu"] = round(cpu, 4)
     if test["kind"] == "io":  # raw bytes: JSON's escapes would make the size unbounded by `cap`
         res["out"] = base64.b64encode(bufs[pipes[1][0]]).decode()
     out.write(json.dumps(res) + "\n")

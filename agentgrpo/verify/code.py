@@ -7,7 +7,7 @@
 
 All tests of a sample run in one sandbox call. Inside it a small harness forks one process per
 test, so a test that loops, crashes or calls `exit()` affects only itself and gets its own
-timeout; solution and test run in that child, the harness parent never runs model code and is
+time budget; solution and test run in that child, the harness parent never runs model code and is
 the only writer of the job's stdout (children write to pipes; the parent is not dumpable, so
 they cannot reach its stdout through /proc). An assert test passes only if the child reports
 that it ran the test to its end: `sys.exit(0)` or `os._exit(0)` in the solution is an error, not a
@@ -31,8 +31,17 @@ end. A test whose asserts compare
 objects of classes that define comparison (dataclasses, fractions.Fraction) fails under this rule:
 compare their fields or use stdout tests.
 
+A test's budget, `timeout_per_test_s`, is CPU seconds (user + system) of its process and the
+children it reaped, as programming judges count it (isolate's --time): a correct solution that is
+slow only because the machine is loaded (rollouts, the learner and other jobs share its cores)
+still passes. Past the budget the process is killed (ITIMER_PROF, with RLIMIT_CPU behind it). The
+wall clock is a backstop for a test that sleeps or blocks: `wall_per_test_s`, by default
+3 x budget + 1 s. A process the solution forks gets its own RLIMIT_CPU; only the wall clock and
+the sandbox's limits bound the sum over such processes. `TestResult.cpu_s` is what a test used.
+
 Outcomes per test: passed | failed (assertion or wrong output) | error (exception or early
-exit) | timeout | not_run (the job ended first: wall/memory/output limit). The score is the
+exit) | timeout (CPU budget or wall backstop; the detail says which) | not_run (the job ended
+first: wall/memory/output limit). The score is the
 fraction passed; when the sandbox itself failed after its retries it is NaN (unscorable), never 0.
 """
 
@@ -73,6 +82,7 @@ class TestResult:
     outcome: Outcome
     detail: str = ""  # the assertion/exception message, or why it did not run
     stdout: str = ""  # what a stdin/stdout case printed (capped)
+    cpu_s: float | None = None  # CPU seconds the test's process used; None when it did not run
 
 
 @dataclass(frozen=True)
@@ -127,7 +137,16 @@ def _job(
     timeout_per_test_s: float,
     capture_bytes: int,
     limits: Limits | None,
+    wall_per_test_s: float | None = None,
 ) -> tuple[dict, Limits]:
+    if not timeout_per_test_s > 0:
+        raise ValueError(f"timeout_per_test_s must be > 0 (CPU seconds), got {timeout_per_test_s}")
+    wall = 3.0 * timeout_per_test_s + 1.0 if wall_per_test_s is None else wall_per_test_s
+    if not wall >= timeout_per_test_s:
+        raise ValueError(
+            f"wall_per_test_s ({wall}) must be at least timeout_per_test_s ({timeout_per_test_s}):"
+            " the wall clock is the backstop behind the CPU budget"
+        )
     spec_tests = [
         {"kind": "io", "stdin": t.stdin} if isinstance(t, IOTest) else {"kind": "assert", "code": t}
         for t in tests
@@ -136,11 +155,12 @@ def _job(
         "solution": solution,
         "tests": spec_tests,
         "timeout_s": timeout_per_test_s,
+        "wall_s": wall,
         "capture_bytes": capture_bytes,
     }
     if limits is None:
         limits = Limits(
-            wall_s=min(2.0 + len(tests) * (timeout_per_test_s + 0.2), 300.0),
+            wall_s=min(2.0 + len(tests) * (wall + 0.2), 300.0),
             # a line per test: stdout in base64 (4/3 of at most capture_bytes), details (800
             # characters, JSON-escaped up to 6 bytes each) and keys
             output_bytes=len(tests) * (capture_bytes * 4 // 3 + 8192) + 4096,
@@ -171,14 +191,13 @@ def _score(res: ExecResult, tests: Sequence[str | IOTest]) -> CodeResult:
             )
         elif isinstance(t, IOTest) and d["o"] == "ran":
             ok = _normalise(d.get("out", "")) == _normalise(t.expected)
+            detail = "" if ok else "wrong output"
             out.append(
-                TestResult(
-                    i, "passed" if ok else "failed", "" if ok else "wrong output", d.get("out", "")
-                )
+                TestResult(i, "passed" if ok else "failed", detail, d.get("out", ""), d.get("cpu"))
             )
         else:
             outcome = d["o"] if d["o"] in ("passed", "failed", "error", "timeout") else "error"
-            out.append(TestResult(i, outcome, d.get("d", ""), d.get("out", "")))
+            out.append(TestResult(i, outcome, d.get("d", ""), d.get("out", ""), d.get("cpu")))
     score = sum(r.outcome == "passed" for r in out) / len(out) if out else 0.0
     return CodeResult(score, out, res)
 
@@ -191,9 +210,10 @@ def run_tests(
     timeout_per_test_s: float = 3.0,
     capture_bytes: int = 1 << 16,
     limits: Limits | None = None,
+    wall_per_test_s: float | None = None,
 ) -> CodeResult:
     """Run every test against `solution` in one sandbox call; see the module docstring."""
-    spec, limits = _job(solution, tests, timeout_per_test_s, capture_bytes, limits)
+    spec, limits = _job(solution, tests, timeout_per_test_s, capture_bytes, limits, wall_per_test_s)
     res = (sandbox or default_sandbox()).run(
         _HARNESS, files={"_spec.json": json.dumps(spec)}, limits=limits
     )
@@ -208,9 +228,10 @@ async def arun_tests(
     timeout_per_test_s: float = 3.0,
     capture_bytes: int = 1 << 16,
     limits: Limits | None = None,
+    wall_per_test_s: float | None = None,
 ) -> CodeResult:
     """Async `run_tests`."""
-    spec, limits = _job(solution, tests, timeout_per_test_s, capture_bytes, limits)
+    spec, limits = _job(solution, tests, timeout_per_test_s, capture_bytes, limits, wall_per_test_s)
     res = await (sandbox or default_sandbox()).arun(
         _HARNESS, files={"_spec.json": json.dumps(spec)}, limits=limits
     )
@@ -229,12 +250,10 @@ class CodeVerifier:
         sandbox: Sandbox | None = None,
         all_or_nothing: bool = False,
         timeout_per_test_s: float = 3.0,
+        wall_per_test_s: float | None = None,
     ) -> None:
-        self.sandbox, self.all_or_nothing, self.timeout_per_test_s = (
-            sandbox,
-            all_or_nothing,
-            timeout_per_test_s,
-        )
+        self.sandbox, self.all_or_nothing = sandbox, all_or_nothing
+        self.timeout_per_test_s, self.wall_per_test_s = timeout_per_test_s, wall_per_test_s
 
     @staticmethod
     def tests_of(task: Task) -> list[str | IOTest]:
@@ -252,6 +271,7 @@ class CodeVerifier:
             self.tests_of(task),
             sandbox=self.sandbox,
             timeout_per_test_s=self.timeout_per_test_s,
+            wall_per_test_s=self.wall_per_test_s,
         )
         if res.unscorable or not self.all_or_nothing:
             return res.score
