@@ -930,12 +930,12 @@ def test_a_training_run_waits_for_its_servers_before_the_first_push(tmp_path, ti
 
     log = tmp_path / "calls.jsonl"
     with FakeSGLangProcess("--start-delay", "100", "--calls-log", str(log)) as server:
-        with pytest.raises(EngineError, match=r"not ready after 1s.*HTTP 503"):
+        with pytest.raises(EngineError, match=r"not ready after 3s.*HTTP 503"):
             main(["train", "examples/calculator.yaml", f"output_dir={tmp_path / 'run'}", "train.steps=1",
                   f"model.path={tiny_model_dir}", "rollout.group_size=2", "rollout.tasks_per_step=1",
                   "rollout.max_new_tokens=4", "rollout.max_tokens=16", "log.progress=false",
                   "engine.kind=sglang", f"engine.sglang.urls=[{server.url}]",
-                  "engine.sglang.ready_timeout_s=1", "engine.sglang.ready_poll_s=0.1",
+                  "engine.sglang.ready_timeout_s=3", "engine.sglang.ready_poll_s=0.1",
                   f"weight_sync.shared_dir={tmp_path / 'w'}"])
     paths = [json.loads(line)["path"] for line in log.read_text().splitlines()]
     assert paths and set(paths) == {"/health_generate"}
