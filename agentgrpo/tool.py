@@ -5,6 +5,12 @@ signature (through pydantic) and its description from the docstring, so there is
 truth. Calling a tool validates the model's arguments first; every failure (bad arguments, the
 tool raising) comes back as a `ToolError` whose message is meant for the model to read.
 
+Annotations may be strings (`from __future__ import annotations`): they are evaluated in the
+function's module when `@tool` runs, so a type must be defined (or imported) before the tool. Keys
+the signature does not name are refused at every depth: a misspelt field of a nested pydantic
+model is an invalid-arguments event, not a default silently taken (on a pydantic whose
+`model_validate` takes no `extra`, 2.6 for one, only the top level is checked).
+
 Example:
     >>> @tool
     ... def add(a: int, b: int) -> int:
@@ -41,6 +47,8 @@ import pydantic
 from agentgrpo.types import InfrastructureError
 
 T = TypeVar("T")
+# newer pydantic forbids extra keys for one validation at every depth (nested models included)
+_EXTRA_PER_CALL = "extra" in inspect.signature(pydantic.BaseModel.model_validate).parameters
 
 
 class ToolError(Exception):
@@ -83,7 +91,11 @@ class Tool:
         self.description = description or doc_description
         if not self.description:
             raise ValueError(f"tool {self.name!r} needs a description (a docstring): the model reads it")
-        sig = inspect.signature(fn)
+        try:
+            sig = inspect.signature(fn, eval_str=True)
+        except NameError as e:
+            raise TypeError(f"tool {self.name!r}: an annotation names something undefined when @tool "
+                            f"runs ({e}); define or import it before the tool") from None
         fields: dict[str, Any] = {}
         params = list(sig.parameters.values())
         if params and params[0].name == "self":
@@ -102,6 +114,10 @@ class Tool:
         parameters.pop("title", None)
         for prop in parameters.get("properties", {}).values():
             prop.pop("title", None)
+        if _EXTRA_PER_CALL:  # say in the schema what validate() enforces
+            for sub in parameters.get("$defs", {}).values():
+                if sub.get("type") == "object" and "properties" in sub:
+                    sub["additionalProperties"] = False
         parameters.setdefault("required", [])
         self.schema: dict[str, Any] = {
             "type": "function",
@@ -129,7 +145,8 @@ class Tool:
         if not isinstance(arguments, dict):
             raise ToolError(f"arguments of {self.name} must be a JSON object, got {type(arguments).__name__}")
         try:
-            parsed = self.params_model.model_validate(arguments)
+            parsed = (self.params_model.model_validate(arguments, extra="forbid") if _EXTRA_PER_CALL
+                      else self.params_model.model_validate(arguments))
         except pydantic.ValidationError as e:
             problems = "; ".join(
                 f"{'.'.join(str(x) for x in err['loc']) or '(arguments)'}: {err['msg']}" for err in e.errors()

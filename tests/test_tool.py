@@ -220,3 +220,55 @@ def test_an_awaitable_returned_by_a_sync_function_is_awaited():
     assert asyncio.run(lookup.acall({"key": "a"})) == "value of a" and ran == ["a"]
     with pytest.raises(ToolError, match="lookup raised KeyError"):  # its failure is a tool error too
         asyncio.run(lookup.acall({"key": "bad"}))
+
+
+def test_string_annotations_resolve_in_the_tools_module(tmp_path, monkeypatch):
+    # Under `from __future__ import annotations` a tool's types are strings; they used to be
+    # resolved in agentgrpo.tool's namespace, so Literal or a user's model failed at @tool.
+    (tmp_path / "future_tools.py").write_text(
+        "from __future__ import annotations\n"
+        "from typing import Literal\n"
+        "import pydantic\n"
+        "from agentgrpo.tool import tool\n"
+        "class Point(pydantic.BaseModel):\n"
+        "    x: int\n"
+        "@tool\n"
+        "def move(p: Point, mode: Literal['fast', 'slow'] = 'fast') -> str:\n"
+        "    '''Move.'''\n"
+        "    return f'{p.x} {mode}'\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    mod = importlib.import_module("future_tools")
+    assert mod.move.schema["function"]["parameters"]["properties"]["mode"]["enum"] == ["fast", "slow"]
+    assert mod.move(**mod.move.validate({"p": {"x": 3}, "mode": "slow"})) == "3 slow"
+    with pytest.raises(ToolError, match="mode"):
+        mod.move.validate({"p": {"x": 3}, "mode": "warp"})
+
+
+def test_an_annotation_naming_nothing_is_a_clear_error():
+    ns: dict = {}
+    exec("def f(x: 'Undefined') -> str:\n    '''Doc.'''\n", ns)
+    with pytest.raises(TypeError, match="f.*annotation names something undefined.*Undefined"):
+        tool(ns["f"])
+
+
+def test_a_misspelt_key_of_a_nested_model_is_refused_not_defaulted():
+    import pydantic
+
+    tool_module = importlib.import_module("agentgrpo.tool")  # `agentgrpo.tool` is also the decorator
+
+    class Point(pydantic.BaseModel):
+        x: int
+        y: int = 0
+
+    @tool
+    def move(p: Point) -> str:
+        """Move."""
+        return str(p)
+
+    if not tool_module._EXTRA_PER_CALL:
+        pytest.skip("this pydantic cannot forbid nested extras per validation")
+    with pytest.raises(ToolError, match=r"p\.yy: Extra inputs are not permitted"):
+        move.validate({"p": {"x": 1, "yy": 5}})  # used to give Point(x=1, y=0) silently
+    assert move.schema["function"]["parameters"]["$defs"]["Point"]["additionalProperties"] is False
+    assert move.validate({"p": {"x": 1, "y": 2}}) == {"p": Point(x=1, y=2)}
