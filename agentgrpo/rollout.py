@@ -250,7 +250,11 @@ async def run_episode(env: Env, engine: Engine, chat: ChatFormat, task: Task, pa
             extend(out.token_ids, out.logprobs)
             if out.finish_reason == "abort":
                 return finish(StopReason.ABORTED, out.detail or "the engine aborted the request")
-            parsed = chat.parse_assistant(out.token_ids, parse_tools=bool(tools))
+            try:
+                parsed = chat.parse_assistant(out.token_ids, parse_tools=bool(tools))
+            except Exception as e:  # noqa: BLE001 - a parser must turn any text into events; one that
+                # raises (a user's, or a bug) leaves this episode unscorable, not the whole step dead
+                return finish(StopReason.ENV_ERROR, f"the tool-call parser raised {type(e).__name__}: {e}")
             n_calls = len(parsed.message.tool_calls or [])
             traj.tool_calls += n_calls + len(parsed.errors)
             traj.tool_errors += len(parsed.errors)
@@ -293,6 +297,8 @@ async def run_episode(env: Env, engine: Engine, chat: ChatFormat, task: Task, pa
                 suffix = chat.suffix_ids(messages, new, tools, max_tool_calls=max_calls)
             except TemplateError as e:
                 return finish(StopReason.ENV_ERROR, str(e))
+            except Exception as e:  # noqa: BLE001 - rendering what the env said (a tokenizer's error)
+                return finish(StopReason.ENV_ERROR, f"rendering the env's messages raised {type(e).__name__}: {e}")
             messages.extend(new)
             extend(suffix, None)
     except DeadlineExpired as e:

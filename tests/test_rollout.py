@@ -645,3 +645,23 @@ def test_parallel_calls_under_a_single_call_template_are_tool_errors(llama_chat)
     # without the limit the template cannot show the turn: unscorable, and the detail says why
     traj, _ = run(llama_chat, [two, "111"])
     assert traj.stop_reason == StopReason.ENV_ERROR and "only supports single tool-calls" in traj.stop_detail
+
+
+def test_json_the_decoder_cannot_take_is_an_event_and_the_episode_goes_on(chat):
+    # a 5000-digit integer made json raise ValueError (not JSONDecodeError) out of run_episode,
+    # and asyncio.gather then took the whole step down
+    huge = '<tool_call>{"name": "calculator", "arguments": {"expression": ' + "9" * 5000 + "}}</tool_call>"
+    traj, engine = run(chat, [huge, CALL, "111"], max_new_tokens=8000, max_tokens=16000)
+    assert traj.stop_reason == StopReason.COMPLETED and traj.reward == 1.0
+    assert traj.tool_error_kinds == {"bad_json": 1}
+    assert_invariants(traj, engine, chat)
+
+
+def test_a_parser_that_raises_leaves_one_episode_unscorable_not_the_step_dead(chat, monkeypatch):
+    def broken(*a, **k):
+        raise KeyError("a user parser's bug")
+
+    monkeypatch.setattr(chat, "parse_assistant", broken)
+    traj, _ = run(chat, [CALL])
+    assert traj.stop_reason == StopReason.ENV_ERROR and math.isnan(traj.reward)
+    assert "the tool-call parser raised KeyError" in traj.stop_detail
