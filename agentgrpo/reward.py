@@ -67,13 +67,20 @@ GroupHook = Callable[[Sequence[Trajectory], Task, list[VerifierResult]], list[Ve
 
 
 def _as_result(name: str, value: object) -> VerifierResult:
-    if isinstance(value, VerifierResult):
-        return value
+    """A verifier's return value as a result; a wrong type or an infinite score is a bug in the
+    verifier and raises here, naming it (an infinite reward would otherwise fail later, in the
+    advantage step, without saying where it came from)."""
     if isinstance(value, bool | int | float):
-        return VerifierResult(float(value))
-    raise TypeError(
-        f"verifier {name!r} returned {type(value).__name__}; expected float or VerifierResult"
-    )
+        value = VerifierResult(float(value))
+    if not isinstance(value, VerifierResult):
+        raise TypeError(
+            f"verifier {name!r} returned {type(value).__name__}; expected float or VerifierResult"
+        )
+    if math.isinf(value.score):
+        raise ValueError(
+            f"verifier {name!r} returned {value.score}; a score must be finite (NaN = unscorable)"
+        )
+    return value
 
 
 def _is_async(fn: Callable) -> bool:
