@@ -63,6 +63,12 @@ class EngineConfig(BaseModel):
             raise ValueError("engine.kind is sglang but there is no engine.sglang block (urls, ...)")
         if self.kind == "local" and self.sglang is not None:
             raise ValueError("engine.sglang is set but engine.kind is local; set engine.kind: sglang")
+        if self.kind == "sglang":  # compared with the defaults, so a dumped config.yaml loads again
+            changed = [f"engine.{name}={getattr(self, name)}" for name in ("max_batch_size", "prefix_cache_tokens")
+                       if getattr(self, name) != type(self).model_fields[name].default]
+            if changed:
+                raise ValueError(f"{', '.join(changed)} configure the local engine, but engine.kind is "
+                                 "sglang (its servers batch and cache on their own: set that at launch)")
         return self
 
 
@@ -92,6 +98,14 @@ class LogConfig(BaseModel):
                           "the API key comes from WANDB_API_KEY or `wandb login`, never from this config)")
     wandb_entity: str | None = Field(None, description="W&B team or user; None = your default entity")
     wandb_name: str | None = Field(None, description="W&B run name; None = the run directory's name")
+
+    @model_validator(mode="after")
+    def _wandb_needs_a_project(self) -> LogConfig:
+        orphans = [f"log.{k}" for k in ("wandb_entity", "wandb_name") if getattr(self, k) is not None]
+        if orphans and self.wandb_project is None:
+            raise ValueError(f"{', '.join(orphans)} set without log.wandb_project: nothing would go to "
+                             "W&B; set log.wandb_project too, or drop them")
+        return self
 
 
 class RunConfig(BaseModel):

@@ -37,6 +37,28 @@ def test_secrets_are_masked():
     assert mask_secrets({"HF-Token": "hf_x", "apiKey": "k", "row_tokens": "auto"}) == {
         "HF-Token": "***", "apiKey": "***", "row_tokens": "auto"}
     assert "***" not in dump_config(load_config(None))
+    # plural keys, lists and dicts below a secret key, HTTP credentials anywhere (these were kept)
+    assert mask_secrets({"api_keys": ["sk-2", "sk-3"], "credentials": {"user": "u", "pw": "p"},
+                         "judge": {"headers": {"Authorization": "Bearer sk-4", "X": "Token abc"}},
+                         "cookie": "s=1", "max_tokens": 7}) == {
+        "api_keys": ["***", "***"], "credentials": {"user": "***", "pw": "***"},
+        "judge": {"headers": {"Authorization": "***", "X": "***"}}, "cookie": "***", "max_tokens": 7}
+
+
+def test_local_engine_settings_with_sglang_are_refused_not_ignored():
+    sglang = ["engine.kind=sglang", "engine.sglang={urls: [http://h:1]}"]
+    for extra in ("engine.max_batch_size=2", "engine.prefix_cache_tokens=0"):
+        with pytest.raises(ConfigError, match=f"{extra} configure the local engine"):
+            load_config("examples/calculator.yaml", [*sglang, extra])
+    cfg = load_config("examples/calculator.yaml", sglang)
+    assert load_config(None, [f"{k}={v}" for k, v in [("engine.kind", "sglang"),
+                                                       ("engine.max_batch_size", cfg.engine.max_batch_size)]]
+                       + sglang[1:]).engine.kind == "sglang"  # its own defaults, as config.yaml has them
+
+
+def test_wandb_names_without_a_project_are_refused_not_ignored():
+    with pytest.raises(ConfigError, match="log.wandb_entity, log.wandb_name set without log.wandb_project"):
+        load_config(None, ["log.wandb_entity=team", "log.wandb_name=r1"])
 
 
 def test_more_mini_batches_than_groups_per_step_is_refused():
