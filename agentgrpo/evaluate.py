@@ -6,7 +6,9 @@ pass@k, tool-call and error statistics. `run_eval(cfg)` is the command-line glue
 engine, chat format and env from a run config, evaluates the newest checkpoint of the run (or the
 base model), and writes a run-like directory: `trajectories.jsonl` (the same rows as training,
 `step` = the checkpoint's step), `metrics.jsonl` (one row) and `eval.json` (metrics plus per-task
-pass counts).
+pass counts). The directory holds one evaluation: a later one into it replaces all three files
+(they used to append, mixing runs of other settings under one step); give each its own
+`eval.output_dir` to keep both.
 
 Decisions:
 - pass@k uses the unbiased estimator of Chen et al. (2021), `1 - C(n-c, k) / C(n, k)` per task,
@@ -258,7 +260,7 @@ def run_eval(cfg: RunConfig, *, engine: Engine | None = None) -> tuple[Path, Eva
         closer = (getattr(engine, "aclose", None) or getattr(engine, "close", None)) if owned else None
         close_all(loop, sync and sync.close, closer)
     out_dir = Path(cfg.eval.output_dir or Path(cfg.output_dir) / f"eval-{cfg.eval.split}")
-    logger = RunLogger(out_dir, tensorboard=False)
+    logger = RunLogger(out_dir, tensorboard=False, fresh=True)
     try:
         logger.log_groups(step, result.groups)
         logger.log_step(step, result.metrics)

@@ -3,7 +3,9 @@ and the live progress display of a training run (`Progress`).
 
 A run directory holds `config.yaml` (the effective config, secrets masked), `metrics.jsonl` (one
 object per step), `trajectories.jsonl` (one object per trajectory), `tensorboard/` and
-`checkpoints/`. Lines are flushed as they are written so a killed run keeps everything it logged.
+`checkpoints/`. Lines are flushed as they are written so a killed run keeps everything it logged;
+when it resumes, the rows of the steps it trains again go to `*.after-step-<K>.jsonl`
+(`set_aside_after`), so the logs hold each step once.
 `agentgrpo report RUN_DIR` (agentgrpo/report.py) turns them into one HTML page.
 
 Weights & Biases is used only when `log.wandb_project` is set; `wandb` is imported only then (it is
@@ -31,22 +33,38 @@ from agentgrpo.types import Group, Trajectory
 if TYPE_CHECKING:
     from agentgrpo.config import RunConfig
 
-SECRET_WORDS = ("key", "token", "secret", "password")
+SECRET_WORDS = ("key", "keys", "token", "secret", "secrets", "password", "passwords",
+                "authorization", "auth", "credential", "credentials", "cookie", "cookies")
+_BEARER = re.compile(r"^\s*(bearer|basic|token)\s+\S", re.IGNORECASE)
 
 
 def _secret_key(key: Any) -> bool:
     """A key one of whose `_`/`-`/`.`-separated words ends in a secret word: api_key, apiKey,
-    hf_token, password; not row_tokens or max_tokens (counts, not tokens)."""
+    api_keys, hf_token, password, Authorization; not row_tokens or max_tokens (counts, not tokens)."""
     return any(w.endswith(SECRET_WORDS) for w in re.split(r"[_\-.]", str(key).lower()))
 
 
+def _masked(v: Any) -> Any:
+    """Everything under a secret key: strings masked, at any depth (lists and dicts of keys too)."""
+    if isinstance(v, str):
+        return "***" if v else v
+    if isinstance(v, dict):
+        return {k: _masked(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_masked(x) for x in v]
+    return v
+
+
 def mask_secrets(obj: Any) -> Any:
-    """Replace the string values of keys that look like secrets (api_key, token, ...) with '***'."""
+    """Replace the strings under keys that look like secrets (api_key, api_keys, token,
+    Authorization, ...), at any depth below them, and strings that carry an HTTP credential
+    (`Bearer ...`) wherever they are, with '***'."""
     if isinstance(obj, dict):
-        return {k: ("***" if v and isinstance(v, str) and _secret_key(k) else mask_secrets(v))
-                for k, v in obj.items()}
+        return {k: (_masked(v) if _secret_key(k) else mask_secrets(v)) for k, v in obj.items()}
     if isinstance(obj, list):
         return [mask_secrets(v) for v in obj]
+    if isinstance(obj, str) and _BEARER.match(obj):
+        return "***"
     return obj
 
 
@@ -65,13 +83,16 @@ class RunLogger:
 
     def __init__(self, run_dir: Path, *, tensorboard: bool = True, wandb_project: str | None = None,
                  wandb_entity: str | None = None, wandb_name: str | None = None,
-                 config: dict[str, Any] | None = None) -> None:
+                 config: dict[str, Any] | None = None, fresh: bool = False) -> None:
+        """`fresh=True` replaces the JSONL files a directory already holds (an evaluation's);
+        otherwise they are appended to (a resumed run)."""
         self.run_dir = run_dir
         run_dir.mkdir(parents=True, exist_ok=True)
         # W&B first: a missing package or a bad login fails before any file is opened
         self._wandb = self._init_wandb(wandb_project, wandb_entity, wandb_name, config) if wandb_project else None
-        self._metrics = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")
-        self._trajs = open(run_dir / "trajectories.jsonl", "a", encoding="utf-8")
+        mode = "w" if fresh else "a"
+        self._metrics = open(run_dir / "metrics.jsonl", mode, encoding="utf-8")
+        self._trajs = open(run_dir / "trajectories.jsonl", mode, encoding="utf-8")
         self._tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -124,6 +145,52 @@ class RunLogger:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def set_aside_after(run_dir: Path, step: int) -> dict[str, int]:
+    """Move the rows of steps after `step` out of `metrics.jsonl` and `trajectories.jsonl` into
+    `metrics.after-step-<step>.jsonl` / `trajectories.after-step-<step>.jsonl` beside them
+    (appended; nothing is deleted), and return how many rows each file gave up.
+
+    A run resumed from the checkpoint of `step` trains the later steps again; their old rows, from
+    the timeline the kill cut off, would otherwise stand twice in the logs and the report. A line
+    that does not parse (a kill in the middle of a write) goes aside too. Files that lose no row
+    are left as they are; the others are rewritten through a temporary file and a rename.
+    """
+    moved: dict[str, int] = {}
+    for name in ("metrics.jsonl", "trajectories.jsonl"):
+        path = run_dir / name
+        if not path.is_file():
+            continue
+        tmp, aside_path = run_dir / f".{name}.tmp", run_dir / f"{path.stem}.after-step-{step}.jsonl"
+        n, aside = 0, None
+        try:
+            with open(path, "rb") as src, open(tmp, "wb") as keep:
+                for line in src:
+                    if not line.strip():
+                        continue
+                    try:
+                        row_step = json.loads(line).get("step")
+                    except (ValueError, AttributeError):
+                        row_step = None
+                    line = line if line.endswith(b"\n") else line + b"\n"
+                    if isinstance(row_step, int) and row_step <= step:
+                        keep.write(line)
+                        continue
+                    aside = aside or open(aside_path, "ab")
+                    aside.write(line)
+                    n += 1
+                keep.flush()
+                os.fsync(keep.fileno())
+        finally:
+            if aside is not None:
+                aside.close()
+        if n:
+            os.replace(tmp, path)
+        else:
+            tmp.unlink()
+        moved[name] = n
+    return moved
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:

@@ -24,7 +24,7 @@ from agentgrpo.engine.base import Engine, close_all, wait_ready
 from agentgrpo.env import Env, get_env_class
 from agentgrpo.evaluate import evaluate
 from agentgrpo.learner import Learner
-from agentgrpo.log import Progress, RunLogger
+from agentgrpo.log import Progress, RunLogger, set_aside_after
 from agentgrpo.overlap import memory_lent, train_while_collecting
 from agentgrpo.report import write_report
 from agentgrpo.rollout import collect, rollout_metrics
@@ -199,6 +199,13 @@ def train(cfg: RunConfig) -> Path:
                         is_main=lead, barrier=learner.accelerator.wait_for_everyone)
 
     if lead:
+        # Rows of steps after the one resumed from (or after 0: a run killed before its first
+        # checkpoint) are trained again: theirs from the cut-off timeline go aside, not twice in the logs.
+        moved = {k: n for k, n in set_aside_after(run_dir, start).items() if n}
+        if moved:
+            print(f"log rows of steps after {start} set aside: "
+                  + ", ".join(f"{n} of {k} -> {k.replace('.jsonl', '')}.after-step-{start}.jsonl"
+                              for k, n in moved.items()), flush=True)
         logger = RunLogger.from_config(run_dir, cfg)
     progress = Progress(cfg.train.steps, start_step=start, enabled=cfg.log.progress and lead,
                         rollouts_per_step=cfg.rollout.tasks_per_step * cfg.rollout.group_size)

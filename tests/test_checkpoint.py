@@ -216,21 +216,25 @@ def test_four_steps_equal_two_steps_killed_and_resumed(tmp_path, stopping_model_
     calls = {"n": 0}
     real_step = Learner.train_step
 
-    def dies_in_step_3(self, *a, **kw):
+    def dies_in_step_4(self, *a, **kw):
         calls["n"] += 1
-        if calls["n"] == 3:
-            raise RuntimeError("killed")  # the process dies in step 3, after the step-2 checkpoint
+        if calls["n"] == 4:
+            raise RuntimeError("killed")  # the process dies in step 4: step 3 is logged, not checkpointed
         return real_step(self, *a, **kw)
 
     killed = tmp_path / "killed"
-    monkeypatch.setattr(Learner, "train_step", dies_in_step_3)
+    monkeypatch.setattr(Learner, "train_step", dies_in_step_4)
     with pytest.raises(RuntimeError, match="killed"):
         _train(killed, tiny_model_dir, 4, "train.save_every=2")
     monkeypatch.setattr(Learner, "train_step", real_step)
-    assert [m["step"] for m in read_jsonl(killed / "metrics.jsonl")] == [1, 2]
+    assert [m["step"] for m in read_jsonl(killed / "metrics.jsonl")] == [1, 2, 3]
+    step3 = [r for r in read_jsonl(killed / "trajectories.jsonl") if r["step"] == 3]
     assert _train(killed, tiny_model_dir, 4, "train.save_every=2") == 0
 
+    # step 3 trained again from the step-2 checkpoint: its first rows went aside, not twice in the logs
     assert [m["step"] for m in read_jsonl(killed / "metrics.jsonl")] == [1, 2, 3, 4]
+    assert [m["step"] for m in read_jsonl(killed / "metrics.after-step-2.jsonl")] == [3]
+    assert read_jsonl(killed / "trajectories.after-step-2.jsonl") == step3 and step3
     a, b = _by_step(straight), _by_step(killed)
     assert a == b  # same tasks, same sampled tokens, same rewards in every step
     assert len({r for s in a.values() for (_, _, r) in s}) > 1  # rewards vary: weights really train

@@ -79,6 +79,14 @@ def test_run_eval_writes_a_run_like_directory(tmp_path, smol_tokenizer):
     summary = json.loads((out_dir / "eval.json").read_text())
     assert [(t["scored"], t["passed"]) for t in summary["tasks"]] == [(4, 0), (4, 1), (3, 2)]
 
+    # a second evaluation into the same directory replaces the first (its files used to append)
+    cfg2 = load_config(None, ["env.name=calculator", f"output_dir={tmp_path}", "eval.num_tasks=3",
+                              "eval.samples_per_task=2", "eval.checkpoint=none"])
+    run_eval(cfg2, engine=ScriptedEngine(smol_tokenizer, lambda ids, i: "0",
+                                         smol_tokenizer.convert_tokens_to_ids("<|im_end|>")))
+    assert len(read_jsonl(out_dir / "trajectories.jsonl")) == 6
+    assert [r["step"] for r in read_jsonl(out_dir / "metrics.jsonl")] == [0]
+
 
 def test_eval_refuses_a_template_that_is_not_token_safe(tmp_path, capsys):
     from agentgrpo.cli import main

@@ -149,3 +149,18 @@ def test_wandb_is_imported_only_when_configured(tmp_path, monkeypatch):
     with pytest.raises(ImportError, match=r"agentgrpo\[wandb\]"):
         RunLogger(tmp_path / "b", tensorboard=False, wandb_project="proj")
     assert not (tmp_path / "b" / "metrics.jsonl").exists()
+
+
+def test_rows_after_the_resumed_step_go_aside_and_nothing_is_lost(tmp_path):
+    from agentgrpo.log import read_jsonl, set_aside_after
+
+    rows = [{"step": s, "k": i} for i, s in enumerate([1, 2, 2, 3, 4])]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 5, "k"')
+    (tmp_path / "trajectories.jsonl").write_text(json.dumps({"step": 1}) + "\n")
+    assert set_aside_after(tmp_path, 2) == {"metrics.jsonl": 3, "trajectories.jsonl": 0}
+    assert read_jsonl(tmp_path / "metrics.jsonl") == rows[:3]
+    aside = (tmp_path / "metrics.after-step-2.jsonl").read_text().splitlines()
+    assert [json.loads(x) for x in aside[:2]] == rows[3:] and aside[2] == '{"step": 5, "k"'  # cut line kept
+    assert not (tmp_path / "trajectories.after-step-2.jsonl").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.after-step-2.jsonl", "metrics.jsonl",
+                                                         "trajectories.jsonl"]
