@@ -32,6 +32,9 @@ earns far more than a hard-coded one.
 Sandbox failure: when the sandbox fails (after its retries) in a `run_tests` call or while
 scoring, `step` raises `SandboxUnavailable`: the rollout ends the trajectory as `ENV_ERROR` with
 reward NaN (unscorable, left out of its group), never 0 and never a tool error shown to the model.
+The failure belongs to the step whose call met it: a `run_tests` call that overran the tool
+deadline was already answered `TOOL_TIMEOUT` and its step has returned, so when it later fails in
+the sandbox nothing more happens; no later step of the episode is failed for it.
 
 Splits (fixed, independent of the seed, so evaluation numbers compare across runs): `eval` is
 every problem whose number is a multiple of 5 (HumanEval/0, /5, ..., /160: 33 problems), `train`
@@ -197,7 +200,6 @@ class CodeTestsEnv(ToolEnv):
         if not 0.0 <= public_credit < 1.0:
             raise ValueError(f"public_credit must be in [0, 1), got {public_credit}")
         self.sandbox, self.public_credit, self.timeout_s = sandbox, public_credit, timeout_s
-        self._sandbox_failure: SandboxUnavailable | None = None
 
     @tool
     def run_tests(self, code: str) -> str:
@@ -210,9 +212,10 @@ class CodeTestsEnv(ToolEnv):
         res = run_tests(humaneval_solution(_problem(self.task), code), _public_tests(self.task),
                         sandbox=self.sandbox, timeout_per_test_s=self.timeout_s)
         if res.unscorable:
-            # The tool layer would show this to the model as its error; step() raises it instead.
-            self._sandbox_failure = SandboxUnavailable(f"run_tests: {res.exec.detail}")
-            raise self._sandbox_failure
+            # An InfrastructureError: the tool layer re-raises it out of the step that made this
+            # call, never shown to the model. Nothing is stored on the env, so a call abandoned at
+            # its deadline that fails later raises into its discarded thread, not a later step.
+            raise SandboxUnavailable(f"run_tests: {res.exec.detail}")
         if self.task.metadata["examples"]:
             lines = [f"{res.passed}/{len(res.tests)} examples passed."]
         else:
@@ -222,13 +225,6 @@ class CodeTestsEnv(ToolEnv):
             why = f": {t.detail}" if t.detail and t.outcome != "passed" else ""
             lines.append(f"example {t.index + 1}: {t.outcome}{why}")
         return "\n".join(lines) + "\n"
-
-    async def step(self, action: Message) -> tuple[list[Message], float, bool, bool, dict[str, Any]]:
-        self._sandbox_failure = None
-        out = await super().step(action)
-        if self._sandbox_failure is not None:
-            raise self._sandbox_failure
-        return out
 
     async def reward(self, task: Task, messages: list[Message]) -> float:
         problem = _problem(task)

@@ -7,10 +7,13 @@ reward (the trajectory's reward is their sum, as Gymnasium's return). The wrappe
 it as well.
 
 Rendering: Gymnasium's toy-text environments have their own renderers here (`TEXT_SPECS`:
-FrozenLake, Taxi, Blackjack: rules, action words, a plain-text picture of the state). Any other
-env id gets a generic one: its `ansi` render (colour codes stripped) when it has one, else the
-observation's repr, and action words "0".."n-1". A subclass (or a new `TEXT_SPECS` entry) gives
-better words and pictures.
+FrozenLake, Taxi, Blackjack: rules, action words, a plain-text picture of the state). The entry is
+found by the env's class (`FrozenLake8x8-v1` is a FrozenLake, whatever its id says), else by its
+id's name (`spec.name`, for a new `TEXT_SPECS` entry). Any other env gets a generic one: its `ansi`
+render when it has one, colour codes stripped but a highlighted cell (a background colour: where
+FrozenLake's agent or Taxi's taxi is) kept visible in brackets, `[S]`; else the observation's
+repr; and action words "0".."n-1". A subclass (or a new `TEXT_SPECS` entry) gives better words
+and pictures.
 
 Action parsing: the action is the last action word in the reply (case-insensitive, whole word):
 "Going RIGHT is safe" plays RIGHT. A reply with no action word is invalid; it costs
@@ -50,6 +53,16 @@ import gymnasium
 from agentgrpo import Env, Message, Task
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_ANSI_SPAN = re.compile(r"\x1b\[([0-9;]*)m(.*?)\x1b\[0?m", re.S)  # text in one colour, then a reset
+_BACKGROUND = {str(c) for c in (*range(40, 48), *range(100, 108))}  # Gymnasium's `highlight=True`
+
+
+def plain_ansi(text: str) -> str:
+    """An `ansi` render as plain text: a highlighted span becomes `[span]`, other colours go."""
+    def span(m: re.Match[str]) -> str:
+        return f"[{m.group(2)}]" if _BACKGROUND & set(m.group(1).split(";")) else m.group(2)
+
+    return _ANSI.sub("", _ANSI_SPAN.sub(span, text))
 
 
 @dataclass(frozen=True)
@@ -123,11 +136,26 @@ def generic_spec(env: gymnasium.Env) -> TextSpec:
 
     def render(e: gymnasium.Env, obs: Any) -> str:
         if e.render_mode == "ansi":
-            return _ANSI.sub("", str(e.render())).strip("\n")
+            return plain_ansi(str(e.render())).strip("\n")
         return f"Observation: {obs!r}"
 
-    return TextSpec(lambda e: f"You play the Gymnasium environment {e.spec.id if e.spec else e}.",
-                    tuple(str(i) for i in range(n)), render)
+    def rules(e: gymnasium.Env) -> str:
+        marks = (" In the picture, [ ] marks the highlighted cell (usually where you are)."
+                 if e.render_mode == "ansi" else "")
+        return f"You play the Gymnasium environment {e.spec.id if e.spec else e}.{marks}"
+
+    return TextSpec(rules, tuple(str(i) for i in range(n)), render)
+
+
+def text_spec_name(game: gymnasium.Env) -> str:
+    """The `TEXT_SPECS` key of `game`: by its unwrapped class for the toy-text envs (so
+    `FrozenLake8x8-v1` is "FrozenLake"), else its id's name (`spec.name`); "" when it has none."""
+    from gymnasium.envs.toy_text import BlackjackEnv, FrozenLakeEnv, TaxiEnv
+
+    for cls, name in ((FrozenLakeEnv, "FrozenLake"), (TaxiEnv, "Taxi"), (BlackjackEnv, "Blackjack")):
+        if isinstance(game.unwrapped, cls):
+            return name
+    return game.spec.name if game.spec is not None else ""
 
 
 class GymTextEnv(Env):
@@ -157,7 +185,7 @@ class GymTextEnv(Env):
     def text_spec(self, game: gymnasium.Env) -> TextSpec | None:
         """How `game` reads as text (None: the generic rendering). Override it to teach the
         wrapper an env that `TEXT_SPECS` does not know."""
-        return TEXT_SPECS.get(game.spec.name if game.spec is not None else "")
+        return TEXT_SPECS.get(text_spec_name(game))
 
     def reset(self, *, seed: int | None = None,
               options: dict[str, Any] | None = None) -> tuple[list[Message], dict[str, Any]]:

@@ -15,9 +15,11 @@ process: see `tools.python`); its first reply without a tool call ends the episo
 
 Final answer: the content of the last `\\boxed{...}` in that reply when there is one, else the last
 number in it (`-1,234.5`, `3/4` and `1e3` forms; thousands separators dropped, `1e3` written out as
-`1000`). That string, and for a boxed answer the box itself read as LaTeX (`10^{3}`), is compared with the reference by `math_check` (math-verify: `28080.0` equals `28080`, `1/2` equals
-`0.5`). Reward 1.0 when equal, 0.0 otherwise, also when the reply holds no number. An answer whose
-check uses up its CPU budget (a tower of powers sympy cannot finish) is the model's doing: reward
+`1000` when the exponent is at most 100 in size, a larger one such as `1e999999999999` kept as
+written, so a hostile answer costs nothing and scores 0). That string, and for a boxed answer the
+box itself read as LaTeX (`10^{3}`), is compared with the reference by `math_check` (math-verify:
+`28080.0` equals `28080`, `1/2` equals `0.5`). Reward 1.0 when equal, 0.0 otherwise, also when
+the reply holds no number. An answer whose check uses up its CPU budget (a tower of powers sympy cannot finish) is the model's doing: reward
 0.0, and the episode ends as `parse_error` (its output was unusable) with `info["math_verify"]`
 saying why, so it is counted (`stop/parse_error`) rather than passing for a plain wrong answer.
 
@@ -28,7 +30,10 @@ out of `step`, so the trajectory ends as `ENV_ERROR` with reward NaN, the reason
 Sandbox failure: a `sandbox_error` during a `python` call (after the sandbox's retries) is an
 infrastructure failure, not the model's: `step` raises `SandboxUnavailable`, so the rollout ends
 the trajectory as `ENV_ERROR` with reward NaN and the group statistics leave it out. It is never
-shown to the model as a tool error and never scored 0.
+shown to the model as a tool error and never scored 0. The failure belongs to the step whose call
+met it: a call that overran the tool deadline was already answered `TOOL_TIMEOUT` (the model did
+wait that long) and its step has returned, so when that abandoned call later ends in a
+`sandbox_error` nothing more happens; in particular no later step of the episode is failed for it.
 
 Example:
     >>> tasks = PythonMathEnv.load_tasks("train", seed=0, n=2, dataset="chain_sum", max_terms=3)
@@ -56,6 +61,7 @@ from tools.python import PythonToolConfig, make_python_tool
 DATASETS = ("gsm_symbolic", "chain_sum", "basic_arithmetic")
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:[eE][-+]?\d+)?(?:\s*/\s*\d+)?")
 _EVAL_BUCKET = 0  # sha256(question) % 10 == 0 -> eval
+_MAX_WRITTEN_EXPONENT = 100  # `1e100` is written out (101 characters); `1e101` stays as written
 
 
 def _last_boxed(text: str) -> str | None:
@@ -73,7 +79,9 @@ def _last_boxed(text: str) -> str | None:
 
 def final_answer(text: str) -> str | None:
     """The answer a reply commits to: its last `\\boxed{}` content, else its last number. A number in
-    scientific notation is written out (`1.5e3` -> `1500`): math-verify reads `1e3` as `1*e*3`."""
+    scientific notation is written out (`1.5e3` -> `1500`): math-verify reads `1e3` as `1*e*3`.
+    Only when its decimal exponent is at most `_MAX_WRITTEN_EXPONENT` in size: `1e999999999999`
+    written out would not fit in memory, so it stays as written (and scores 0 as a wrong answer)."""
     answer = _last_boxed(text)
     if not answer:
         found = _NUMBER.findall(text)
@@ -81,7 +89,9 @@ def final_answer(text: str) -> str | None:
             return None
         answer = found[-1].replace(",", "").replace(" ", "")
     if "e" in answer.lower() and _NUMBER.fullmatch(answer) and "/" not in answer:
-        return format(Decimal(answer.replace(",", "")), "f")
+        number = Decimal(answer.replace(",", ""))  # exact, and cheap whatever the exponent
+        if abs(number.adjusted()) <= _MAX_WRITTEN_EXPONENT:
+            return format(number, "f")
     return answer
 
 
@@ -124,7 +134,6 @@ class PythonMathEnv(ToolEnv):
         self.math_timeout_s = math_timeout_s
         cfg = python if isinstance(python, PythonToolConfig) or python is None else PythonToolConfig(**python)
         self._run_python = make_python_tool(sandbox, cfg)
-        self._sandbox_failure: SandboxUnavailable | None = None
         self._check: MathCheck | None = None  # the last reward's check, for step's info
 
     @tool
@@ -140,16 +149,14 @@ class PythonMathEnv(ToolEnv):
         try:
             return self._run_python(code)
         except SandboxUnavailable as e:
-            # The tool layer would turn this into an error message for the model; remember it so
-            # step() can end the episode as an infrastructure failure instead.
-            self._sandbox_failure = e
-            raise
+            # An InfrastructureError: the tool layer re-raises it out of the step that made this
+            # call (never shown to the model). Nothing is stored on the env: a call abandoned at
+            # its deadline that fails later raises into its discarded thread, not a later step.
+            raise SandboxUnavailable(f"python tool: {e}") from e
 
     async def step(self, action: Message) -> tuple[list[Message], float, bool, bool, dict[str, Any]]:
-        self._sandbox_failure, self._check = None, None
+        self._check = None
         new, reward, terminated, truncated, info = await super().step(action)
-        if self._sandbox_failure is not None:
-            raise SandboxUnavailable(f"python tool: {self._sandbox_failure}") from self._sandbox_failure
         if self._check is not None and self._check.status == "timeout":
             info = {**info, "stop_reason": "parse_error", "math_verify": self._check.detail}
         return new, reward, terminated, truncated, info

@@ -5,8 +5,9 @@
     tool = make_python_tool(Sandbox(url=...), PythonToolConfig(max_output_chars=2000))
 
 Each call is a fresh process in a fresh sandbox (no state carries over between calls: a model
-that needs state must re-run its setup). The message is bounded: stdout and stderr are shown
-head and tail, cut in the middle to `max_output_chars` with a marker saying how much was cut.
+that needs state must re-run its setup). The message never exceeds `max_output_chars`: stdout and
+stderr are shown head and tail, cut in the middle with a marker saying how much was cut (the
+marker counts); a short stream is shown whole and the long one gets the rest of the room.
 A sandbox failure (after the sandbox's own retries) raises `SandboxUnavailable`: that episode
 is unscorable, which is not the model's fault and must not read as a tool error it caused.
 """
@@ -39,15 +40,26 @@ class PythonToolConfig(BaseModel):
 
 
 def _clip(text: str, budget: int) -> str:
+    """`text` in at most `budget` characters: head and tail around a marker saying how much was cut
+    (the marker counts against the budget; a budget too small for it keeps only the head)."""
     if len(text) <= budget:
         return text
-    head = budget * 2 // 3
-    tail = budget - head
-    return f"{text[:head]}\n... [{len(text) - budget} characters cut] ...\n{text[-tail:]}"
+    longest_marker = len(f"\n... [{len(text)} characters cut] ...\n")  # the count has fewer digits
+    keep = budget - longest_marker
+    if keep < 10:
+        return text[:budget]
+    head = keep * 2 // 3
+    tail = keep - head
+    return f"{text[:head]}\n... [{len(text) - keep} characters cut] ...\n{text[len(text) - tail:]}"
+
+
+_MAX_STATUS_CHARS = 120  # the status line (an unknown status shows the sandbox's detail)
 
 
 def format_result(res: ExecResult, max_chars: int) -> str:
-    """The tool message: status line, then stdout and stderr (only those that are not empty)."""
+    """The tool message: status line, then stdout and stderr (only those that are not empty), in at
+    most `max_chars` characters. When the streams do not fit, each is cut in the middle
+    (`_clip`); the shorter one keeps up to half of the room and the longer gets the rest."""
     how = {
         "ok": f"exit 0, {res.wall_s:.2f} s",
         "runtime_error": f"exit {res.exit_code}",
@@ -56,20 +68,28 @@ def format_result(res: ExecResult, max_chars: int) -> str:
         "output_limit": "killed: too much output",
         "signaled": f"killed by signal {res.signal}",
     }.get(res.status, res.detail)
-    parts = [f"status: {res.status} ({how})"]
+    status = f"status: {res.status} ({how})"
+    if len(status) > _MAX_STATUS_CHARS:
+        status = status[: _MAX_STATUS_CHARS - 4] + "...)"
     streams = [
         (n, t.rstrip("\n"))
         for n, t in (("stdout", res.stdout), ("stderr", res.stderr))
         if t.strip()
     ]
-    budget = max(max_chars - len(parts[0]) - 40, 100)
-    for name, text in streams:
-        share = budget // len(streams) if len(streams) > 1 and len(text) > budget // 2 else budget
-        parts.append(f"{name}:\n{_clip(text, share)}")
-        budget -= min(len(text), share)
-    if res.truncated:
-        parts.append("(output was cut at the sandbox's limit)")
-    return "\n".join(parts) + "\n"
+    trailer = ["(output was cut at the sandbox's limit)"] if res.truncated else []
+    # every part is followed by one newline (the joins and the final one)
+    fixed = len(status) + 1 + sum(len(t) + 1 for t in trailer)
+    room = max(max_chars - fixed - sum(len(f"{n}:\n") + 1 for n, _ in streams), 0)
+    shares = [len(t) for _, t in streams]
+    if sum(shares) > room:
+        if len(streams) == 1:
+            shares = [room]
+        else:
+            short = min(range(2), key=lambda i: shares[i])
+            shares[short] = min(shares[short], room // 2)
+            shares[1 - short] = room - shares[short]
+    parts = [status, *(f"{n}:\n{_clip(t, share)}" for (n, t), share in zip(streams, shares, strict=True))]
+    return "\n".join(parts + trailer) + "\n"
 
 
 def make_python_tool(
