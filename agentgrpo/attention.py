@@ -31,8 +31,10 @@ attention call. A call without `segments` (anything else that runs the model: a 
 a plain `model(...)`) falls back to transformers' sdpa with its own mask, so the switched model stays
 correct for every other use. Each call counts itself on the `Segments`, and `PolicyForward` checks
 that every layer saw the layout: a model whose attention did not receive the kwarg raises instead of
-silently attending across sequences. Unsupported: sliding windows, logit soft-capping, attention
-sinks (a ValueError names the feature; `learner.attention: mask` runs them).
+silently attending across sequences. Unsupported: logit soft-capping and attention sinks (a
+ValueError names the feature; `learner.attention: mask` runs them). A sliding window no packed
+layout expresses (segments, flex or the 4D mask): a packed sequence longer than the model's window
+is refused (`logprobs.sliding_window_of`); `learner.packing: padded` runs it with the model's masks.
 """
 
 from __future__ import annotations

@@ -67,6 +67,8 @@ class PolicyForward(torch.nn.Module):
         if getattr(lm.config, "final_logit_softcapping", None) or getattr(lm.config, "logit_scale", None):
             raise ValueError("models whose head does more than lm_head(h) (logit soft-capping or "
                              "scaling) are not supported by the head-only logprob path")
+        # Granite divides its logits by `logits_scaling` after lm_head; so does this path.
+        self.logits_divisor = float(getattr(lm.config, "logits_scaling", None) or 1.0)
         self.model = model
         self.autocast_bf16 = autocast_bf16
         self.head_chunk_tokens = head_chunk_tokens
@@ -89,7 +91,8 @@ class PolicyForward(torch.nn.Module):
             if "segments" in layout:
                 _check_segments_seen(lm, layout["segments"])
             h_MH = hidden_BTH.flatten(0, 1)[batch.pred_index_M]
-            run = functools.partial(_head_logprobs, head, temperature=temperature, entropy_grad=entropy_grad)
+            run = functools.partial(_head_logprobs, head, temperature=temperature, entropy_grad=entropy_grad,
+                                    divisor=self.logits_divisor)
             chunk, M = self.head_chunk_tokens, h_MH.shape[0]
             if not chunk or M <= chunk:
                 return run(h_MH, batch.target_ids_M)
@@ -100,11 +103,13 @@ class PolicyForward(torch.nn.Module):
 
 
 def _head_logprobs(head: torch.nn.Module, h_MH: torch.Tensor, target_ids_M: torch.Tensor, *,
-                   temperature: float, entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                   temperature: float, entropy_grad: bool,
+                   divisor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     with torch.autocast(h_MH.device.type, enabled=False):
         logits_MV = head(h_MH.to(head.weight.dtype)).float()
-    if temperature > 0 and temperature != 1.0:
-        logits_MV = logits_MV / temperature
+    divisor *= temperature if temperature > 0 else 1.0
+    if divisor != 1.0:
+        logits_MV = logits_MV / divisor
     logz_M = torch.logsumexp(logits_MV, dim=-1)
     logprobs_M = logits_MV.gather(-1, target_ids_M[:, None])[:, 0] - logz_M
     # Without its gradient the entropy is a metric: no [M, V] softmax is kept for backward.
@@ -121,6 +126,11 @@ def _layout_kwargs(lm: torch.nn.Module, batch: TrainBatch, bf16: bool, segment_m
     mask (which a switched model runs as sdpa)."""
     if not batch.needs_mask:
         return {"attention_mask": None}
+    window = sliding_window_of(lm.config)
+    if window is not None and (longest := int(batch.position_ids_BT.max()) + 1) > window:
+        raise ValueError(f"this model attends through a sliding window of {window} tokens and a packed "
+                         f"micro-batch holds a sequence of {longest}: the packed layouts' masks cannot say "
+                         "the window, so its logprobs would be wrong; set learner.packing: padded")
     impl = attn_implementation(lm)
     T = batch.input_ids_BT.shape[1]
     if impl == SEGMENTS and attention_pair_cost(lm.config) * T >= segment_min_share:
@@ -137,6 +147,20 @@ def _layout_kwargs(lm: torch.nn.Module, batch: TrainBatch, bf16: bool, segment_m
         mask_B1TT = torch.zeros(mask_B1TT.shape, dtype=dtype, device=mask_B1TT.device).masked_fill(
             ~mask_B1TT, torch.finfo(dtype).min)
     return {"attention_mask": mask_B1TT}
+
+
+def sliding_window_of(config: object) -> int | None:
+    """The attention window of a model that has sliding-window layers (Mistral, Gemma 2/3, Qwen2
+    with use_sliding_window), else None. Packed layouts pass their own mask, which transformers
+    uses as given: beyond the window it would let tokens see too far, so `_layout_kwargs` refuses
+    a packed sequence longer than the window (the padded layout keeps the model's own masks)."""
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return int(window) if "sliding_attention" in layer_types else None
+    return None if getattr(config, "use_sliding_window", True) is False else int(window)
 
 
 def _check_segments_seen(lm: torch.nn.Module, segments: Segments) -> None:

@@ -252,3 +252,52 @@ def test_shard_keeps_groups_together_and_covers_everything():
     # fewer groups than ranks: trajectories are dealt one by one
     one = groups_of_trajectories(n_groups=1, size=3)
     assert sorted(shard(one, 0, 2) + shard(one, 1, 2)) == [0, 1, 2] and shard(one, 1, 2)
+
+
+def _loss_logprobs(model, trajs, mode):
+    b = make_micro_batches(trajs, [1.0] * len(trajs), 4096, mode=mode)[0]
+    with torch.no_grad():
+        lp_NL = to_loss_layout(PolicyForward(model)(b, 1.0)[0], b)
+    start = [t.loss_mask.index(1) for t in trajs]
+    return {i: lp_NL[n, : len(trajs[i].token_ids) - start[i]].tolist() for n, i in enumerate(b.rows)}
+
+
+def _reference(model, trajs):
+    ref = sequence_logprobs(model, [t.token_ids for t in trajs])
+    return {i: ref[i][t.loss_mask.index(1):] for i, t in enumerate(trajs)}
+
+
+def test_a_sequence_longer_than_a_sliding_window_is_refused_in_packed_layouts():
+    # The packed masks say "causal, same sequence" and transformers uses a given 4D mask as it is,
+    # so a Mistral-style window was dropped: logprobs 0.07 off. Padded keeps the model's own masks.
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    model = MistralForCausalLM(MistralConfig(
+        vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, sliding_window=4, attn_implementation="sdpa")).eval()
+    ids = torch.randint(0, V, (16,), generator=torch.Generator().manual_seed(1)).tolist()
+    mask = [0] * 3 + [1] * 13
+    trajs = [traj(ids, mask), traj(ids[:12] + [1, 2, 3, 4], mask)]
+    got, want = _loss_logprobs(model, trajs, "padded"), _reference(model, trajs)
+    for i in want:
+        assert got[i] == pytest.approx(want[i], abs=1e-5)
+    for mode in ("packed", "shared_prefix"):
+        with pytest.raises(ValueError, match="sliding window of 4 tokens .* a sequence of 16.*packing: padded"):
+            _loss_logprobs(model, trajs, mode)
+    short = [traj(ids[:4], [0, 1, 1, 1]), traj(ids[4:8], [0, 1, 1, 1])]  # within the window: exact
+    got, want = _loss_logprobs(model, short, "packed"), _reference(model, short)
+    for i in want:
+        assert got[i] == pytest.approx(want[i], abs=1e-5)
+
+
+def test_granite_logits_scaling_is_applied_by_the_head_only_path():
+    from transformers import GraniteConfig, GraniteForCausalLM
+
+    torch.manual_seed(0)
+    model = GraniteForCausalLM(GraniteConfig(
+        vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, logits_scaling=8.0, attn_implementation="sdpa")).eval()
+    trajs = [traj([3, 14, 15, 92 % V, 65, 35, 89 % V, 79 % V], [0, 0, 0, 1, 1, 1, 1, 1])]
+    got, want = _loss_logprobs(model, trajs, "padded"), _reference(model, trajs)
+    assert got[0] == pytest.approx(want[0], abs=1e-5)  # the divisor was ignored: 0.09 off
