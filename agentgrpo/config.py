@@ -158,6 +158,15 @@ class RunConfig(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _overlong_buffer_fits(self) -> RunConfig:
+        # checked here, at start-up, not at the first train step after the first rollouts
+        buffer = self.shaping.overlong_buffer_len
+        if buffer is not None and buffer > self.rollout.max_tokens:
+            raise ValueError(f"shaping.overlong_buffer_len={buffer} is longer than rollout.max_tokens="
+                             f"{self.rollout.max_tokens}, the length it counts back from")
+        return self
+
+    @model_validator(mode="after")
     def _released_while_training_only(self) -> RunConfig:
         # Overlapped steps sample while the learner trains: the servers' memory cannot be lent then.
         sglang = self.engine.sglang

@@ -116,7 +116,8 @@ def describe_algorithm(
         "rloo": "rloo  A = r - mean of the other group members",
     }[a.estimator]
     if a.batch_std:
-        est = f"{a.estimator}  A = (r - group mean) / (batch std + {a.eps:g})"
+        centre = "mean of the other group members" if a.estimator == "rloo" else "group mean"
+        est = f"{a.estimator}  A = (r - {centre}) / (batch std + {a.eps:g})"
     est += "; A = 0 for NaN (unscorable) rewards, singletons and equal-reward groups"
     if c.loss == "ppo":
         loss = (

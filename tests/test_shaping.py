@@ -144,3 +144,24 @@ def test_describe_algorithm_names_every_choice():
         ShapingConfig(),
     )
     assert "batch std" in norm and "/ 1024" in norm
+
+
+def test_the_printed_formula_is_the_one_computed_with_batch_std():
+    # rloo with batch_std centres on the mean of the others: n/(n-1) x (r - group mean), not r - mean
+    cfg = AdvantageConfig(estimator="rloo", batch_std=True)
+    text = describe_algorithm(cfg, LossConfig(), ShapingConfig())
+    assert "A = (r - mean of the other group members) / (batch std" in text
+    r = torch.tensor([1.0, 0.0, 0.0])
+    adv = compute_advantages(r, [0, 0, 0], "rloo", cfg.eps, batch_std=True)
+    others = torch.stack([(r.sum() - r[i]) / 2 for i in range(3)])
+    assert adv.tolist() == pytest.approx(((r - others) / (r.std(correction=0) + cfg.eps)).tolist(), abs=1e-5)
+    assert "grpo  A = (r - group mean) / (batch std" in describe_algorithm(
+        AdvantageConfig(batch_std=True), LossConfig(), ShapingConfig())
+
+
+def test_an_overlong_buffer_past_max_tokens_is_refused_at_start_up():
+    from agentgrpo.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="shaping.overlong_buffer_len=128 is longer than rollout.max_tokens=64"):
+        load_config(None, ["shaping.overlong_buffer_len=128", "rollout.max_tokens=64"])
+    assert load_config(None, ["shaping.overlong_buffer_len=64", "rollout.max_tokens=64"]).shaping.overlong_buffer_len == 64
