@@ -160,16 +160,17 @@ def sequence_tis_weights(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Sequence-level TIS: w_i = min(exp(clamp(sum_t (old_logp - rollout_logp), -20, 20)), cap),
     the same weight on every loss token of row i. Unbiased for whole-trajectory rewards but higher
-    variance than token level. Metrics are over rows with a loss token."""
+    variance than token level. Metrics are over loss tokens, each carrying its row's ratio: the
+    learner pools micro-batches' metrics by loss tokens, so a mean over rows would change with the
+    micro-batch split."""
     mask_BT = loss_mask_BT > 0
     with torch.no_grad():
         d_B = torch.where(mask_BT, old_logprobs_BT - rollout_logprobs_BT, 0.0).sum(-1)
         ratio_B = torch.exp(d_B.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
         weights_BT = torch.where(mask_BT, ratio_B.clamp(max=cap).unsqueeze(-1), 0.0)
-        rows_B = mask_BT.any(-1)
         metrics = {
-            "tis/ratio_mean": _masked_mean(ratio_B, rows_B),
-            "tis/clipped_frac": _masked_mean(ratio_B > cap, rows_B),
+            "tis/ratio_mean": _masked_mean(ratio_B.unsqueeze(-1).expand_as(mask_BT), mask_BT),
+            "tis/clipped_frac": _masked_mean((ratio_B > cap).unsqueeze(-1).expand_as(mask_BT), mask_BT),
             **rollout_mismatch_metrics(old_logprobs_BT, rollout_logprobs_BT, loss_mask_BT),
         }
     return weights_BT, metrics
