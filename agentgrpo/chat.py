@@ -20,7 +20,12 @@ sampled. This module is the one place that turns messages into ids and sampled i
 - Message content is data, never control: a special token's text inside a message (a tool printing
   `<|im_end|>\n<|im_start|>assistant`, a task copied from a chat log) is tokenized as plain text,
   so an environment cannot forge a turn boundary or an EOS. Only the template's own text and the
-  model's samples carry special tokens (see `_encode_rendered`).
+  model's samples carry special tokens. While rendering, only the special-token substrings of a
+  content are swapped for ASCII placeholders, so the template's filters (`trim`, `tojson`) act on
+  the real content; a template that renders the special text differently from its placeholder
+  (escapes or strips it) is refused with TemplateError (see `_render_held`, `_encode_rendered`).
+- Text that cannot be UTF-8 encoded (lone surrogates) is tokenized with U+FFFD in their place
+  (`encode`, `truncate`) rather than raising.
 
 Templates without tool support (SmolLM2 ships plain ChatML) get `HERMES_CHATML_TEMPLATE`, a
 Hermes-style tool-aware ChatML template: tools are described in the system message, calls are
@@ -114,6 +119,48 @@ class TemplateError(ValueError):
     """The chat template cannot produce token-exact multi-turn rollouts for this conversation."""
 
 
+def _utf8(text: str) -> str:
+    """`text` if it can be UTF-8 encoded; otherwise with each lone UTF-16 surrogate replaced by
+    U+FFFD (a surrogate pair split into two code points is joined into its character). Tokenizers
+    raise on such text; agentgrpo replaces it rather than crash an episode on a model-written
+    escape like "\\ud83d"."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+    return text
+
+
+class _Held:
+    """Message dicts whose special-token texts are replaced by placeholders (`ChatFormat._hold`)."""
+
+    def __init__(self, dicts: list[dict[str, Any]]) -> None:
+        self.dicts = dicts
+        self.texts: list[str] = []  # the special texts, in placeholder order
+        self.pattern: re.Pattern[str] | None = None  # matches a placeholder; None: nothing held
+
+    def restore(self, text: str) -> str:
+        """`text` with the held special texts back in place of their placeholders."""
+        if self.pattern is None:
+            return text
+        return self.pattern.sub(lambda m: self.texts[int(m.group(1))], text)
+
+    def check(self, rendered: str, real: str) -> None:
+        """Raise TemplateError unless `rendered` (from `self.dicts`) with the special texts put back
+        is `real`, the template's render of the real content (a template that escapes, drops or
+        rewrites special-token text in content is refused rather than shown other text)."""
+        if self.restore(rendered) != real:
+            at = _common_prefix(self.restore(rendered), real)
+            raise TemplateError(
+                "the chat template renders special-token text inside message content differently from "
+                f"other text (at character {at}: {real[max(0, at - 40):at + 40]!r}); it cannot be kept "
+                "as plain text")
+
+
+def _common_prefix(a: str, b: str) -> int:
+    return next((k for k, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
 # ---------------------------------------------------------------------------------------------
 # Rendering
 
@@ -182,6 +229,10 @@ class ChatFormat:
         decoder = getattr(tokenizer, "added_tokens_decoder", {}) or {}
         specials = {t.content for t in decoder.values() if getattr(t, "special", False)}
         specials = {t for t in specials | set(getattr(tokenizer, "all_special_tokens", []) or []) if t}
+        # whitespace an added token absorbs on its left/right (the tokenizer's own split does it)
+        self._strips: dict[str, tuple[bool, bool]] = {
+            t.content: (bool(getattr(t, "lstrip", False)), bool(getattr(t, "rstrip", False)))
+            for t in decoder.values() if t.content in specials}
         # One alternation: ~4 us on 4 KB against Llama 3's 256 special tokens (`any(t in s)`: ~140 us).
         self._special_text = re.compile("|".join(map(re.escape, sorted(specials, key=len, reverse=True)))) \
             if specials else None
@@ -232,42 +283,94 @@ class ChatFormat:
         return d
 
     def encode(self, text: str) -> list[int]:
-        """Tokenize template output. Special tokens appear in the text, so none are added."""
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        """Tokenize template output. Special tokens appear in the text, so none are added.
+
+        Text that cannot be UTF-8 encoded (lone UTF-16 surrogates, e.g. a model-written JSON escape
+        "\\ud83d" that a tool echoes) is tokenized with each lone surrogate replaced by U+FFFD
+        (`_utf8`) instead of raising: the model sees the replacement character, and the ids stay
+        what it saw."""
+        return self.tokenizer.encode(_utf8(text), add_special_tokens=False)
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False)
 
     def prompt_ids(self, messages: Sequence[Message], tools: list[dict] | None = None) -> list[int]:
-        dicts, held = self._hold_content([self._template_dict(m) for m in messages])
-        return self._encode_rendered(self._render_dicts(dicts, tools, True), held)
+        text, held = self._render_held([], [self._template_dict(m) for m in messages], tools, True)
+        return self._encode_rendered(text, held)
 
-    def _hold_content(self, dicts: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[str]]:
-        """`dicts` with every content that holds a special token's text replaced by a placeholder
-        (NUL-delimited, so no template or text produces it), and the contents held back, in order."""
-        held: list[str] = []
-        for d in dicts:
-            content = d.get("content")
-            if isinstance(content, str) and self._special_text is not None and self._special_text.search(content):
-                d["content"] = f"\x00agentgrpo-content-{len(held)}\x00"
-                held.append(content)
-        return dicts, held
+    def _render_held(self, fixed: list[dict[str, Any]], dicts: list[dict[str, Any]], tools: list[dict] | None,
+                     add_generation_prompt: bool) -> tuple[str, _Held]:
+        """The render of `fixed + dicts` with the special-token texts in `dicts`' contents held
+        (`_hold`), and what was held. When something is held, the template's render of the real
+        content is computed too: the placeholders avoid its text, and `_Held.check` requires the
+        held render with the texts put back to equal it."""
+        if self._special_text is None or not any(
+                isinstance(d.get("content"), str) and self._special_text.search(d["content"]) for d in dicts):
+            return self._render_dicts(fixed + dicts, tools, add_generation_prompt), _Held(dicts)
+        real = self._render_dicts(fixed + dicts, tools, add_generation_prompt)
+        held = self._hold(dicts, avoid=real)
+        text = self._render_dicts(fixed + held.dicts, tools, add_generation_prompt)
+        held.check(text, real)
+        return text, held
 
-    def _encode_rendered(self, text: str, held: list[str]) -> list[int]:
-        """Tokenize template output; the held-back contents go where their placeholders are,
-        tokenized with special tokens split into plain text."""
-        if not held:
+    def _hold(self, dicts: list[dict[str, Any]], avoid: str = "") -> _Held:
+        """`dicts` with every special token's text inside a (string) content replaced by a placeholder.
+
+        The placeholders are ASCII letters and digits (`agentgrpo<n>h<i>e`, `n` chosen so that
+        neither a content nor `avoid`, the real render, holds `agentgrpo<n>h`), which template
+        filters such as `trim` and `tojson` leave as they are: the template renders the real content
+        around them, and `_encode_rendered` puts the special texts back as plain text."""
+        held = _Held(dicts)
+        if self._special_text is None:
+            return held
+        contents = [c for d in dicts if isinstance(c := d.get("content"), str)]
+        if not any(self._special_text.search(c) for c in contents):
+            return held
+        nonce = 0
+        while any(f"agentgrpo{nonce}h" in c for c in [*contents, avoid]):
+            nonce += 1
+
+        def mark(m: re.Match) -> str:
+            held.texts.append(m.group())
+            return f"agentgrpo{nonce}h{len(held.texts) - 1}e"
+
+        held.dicts = [{**d, "content": self._special_text.sub(mark, d["content"])}
+                      if isinstance(d.get("content"), str) else d for d in dicts]
+        held.pattern = re.compile(f"agentgrpo{nonce}h([0-9]+)e")
+        return held
+
+    def _encode_rendered(self, text: str, held: _Held) -> list[int]:
+        """Tokenize template output rendered from `held.dicts`: the held special texts go where their
+        placeholders are, as plain text.
+
+        The text is split at the template's own special tokens (the contents' are placeholders
+        there) as the tokenizer's added-token split does, including the whitespace a token with
+        lstrip/rstrip absorbs; the pieces between them, with the held texts put back, are tokenized
+        with special tokens split into plain text. So BPE merges run across the held text as they
+        would if it were ordinary text, and ordinary text tokenizes exactly as `encode` does. This
+        assumes the tokenizer treats each piece between added tokens the same wherever it starts, as
+        byte-level BPE tokenizers (Qwen, Llama 3, DeepSeek-V3, SmolLM2) do; a SentencePiece tokenizer
+        that prepends "▁" to the start of its input would show the model an extra space after
+        each template special token on this (rare) path. Either way the ids are what the model sees."""
+        if held.pattern is None:
             return self.encode(text)
+        assert self._special_text is not None  # a pattern exists only when there are special tokens
         ids: list[int] = []
-        for i, content in enumerate(held):
-            mark = f"\x00agentgrpo-content-{i}\x00"
-            if text.count(mark) != 1:
-                raise TemplateError(f"the chat template renders a message {text.count(mark)} times instead of once; "
-                                    "its text (which contains a special token's text) cannot be kept as plain text")
-            before, text = text.split(mark)
-            ids += self.encode(before) + self.tokenizer.encode(content, add_special_tokens=False,
-                                                               split_special_tokens=True)
-        return ids + self.encode(text)
+        pos, absorb_left = 0, False
+        for m in self._special_text.finditer(text):
+            lstrip, rstrip = self._strips.get(m.group(), (False, False))
+            piece = text[pos:m.start()]
+            piece = piece.lstrip() if absorb_left else piece
+            ids += self._encode_plain(held.restore(piece.rstrip() if lstrip else piece))
+            ids.append(self.tokenizer.convert_tokens_to_ids(m.group()))
+            pos, absorb_left = m.end(), rstrip
+        piece = text[pos:]
+        return ids + self._encode_plain(held.restore(piece.lstrip() if absorb_left else piece))
+
+    def _encode_plain(self, text: str) -> list[int]:
+        if not text:
+            return []
+        return self.tokenizer.encode(_utf8(text), add_special_tokens=False, split_special_tokens=True)
 
     def suffix_ids(self, history: Sequence[Message], new_messages: Sequence[Message],
                    tools: list[dict] | None = None, *, max_tool_calls: int | None = None) -> list[int]:
@@ -289,9 +392,8 @@ class ChatFormat:
         if not history or history[-1].role != "assistant":
             raise ValueError("suffix_ids: history must end with the assistant message just sampled")
         history_dicts = [self._template_dict(m, max_tool_calls) for m in history]  # built once for both renders
-        new_dicts, held = self._hold_content([self._template_dict(m) for m in new_messages])
         before = self._render_dicts(history_dicts, tools, False)
-        after = self._render_dicts(history_dicts + new_dicts, tools, True)
+        after, held = self._render_held(history_dicts, [self._template_dict(m) for m in new_messages], tools, True)
         cut = before.rfind(self.end_of_turn)
         if cut < 0:
             raise TemplateError(
@@ -302,8 +404,9 @@ class ChatFormat:
         if after.startswith(before):
             return self._encode_rendered(glue + after[len(before):], held)
         if self.fallback == "keep_history":
-            return self._encode_rendered(self._suffix_after_last_turn(before, after, glue), held)
-        at = next((i for i, (a, b) in enumerate(zip(before, after, strict=False)) if a != b), len(before))
+            tail = self._suffix_after_last_turn(history_dicts, held.dicts, tools, after, glue)
+            return self._encode_rendered(tail, held)
+        at = _common_prefix(before, after)
         raise TemplateError(
             "the chat template is not prefix-preserving: adding "
             f"{[m.role for m in new_messages]} messages changes earlier text at character {at} "
@@ -315,24 +418,40 @@ class ChatFormat:
             "which turns break and why."
         )
 
-    def _suffix_after_last_turn(self, before: str, after: str, glue: str) -> str:
-        """keep_history: the text `after` renders behind the last assistant turn.
+    def _suffix_after_last_turn(self, history_dicts: list[dict[str, Any]], new_dicts: list[dict[str, Any]],
+                                tools: list[dict] | None, after: str, glue: str) -> str:
+        """keep_history: the text `after` (the render of history + new) has behind the last
+        assistant turn.
 
-        The rewrite of earlier turns (dropping reasoning, reformatting) keeps their number of
-        end-of-turn markers, so the k-th marker of `after` (k = markers in `before`) ends the
-        assistant turn just sampled; the template's glue after it is checked to be unchanged.
+        The new messages are located by a probe render in which each new message's content starts
+        with a placeholder (`agentgrpo<n>m<i>e`, absent from `after`): the last end-of-turn marker
+        before the first placeholder ends the assistant turn just sampled. Marker text is never
+        counted (a dropped `<think>` block may hold it, and special-token text in the new contents
+        is already held as placeholders). Raises TemplateError when a new message's content is not
+        rendered after that marker, when the probe's text up to the marker differs from `after`'s
+        (the template renders history differently for the placeholder content, e.g. Qwen3 on a user
+        message that starts with `<tool_response>`), or when the template's glue after the marker
+        changed.
         """
-        k = before.count(self.end_of_turn)
-        pos = -len(self.end_of_turn)
-        for _ in range(k):
-            pos = after.find(self.end_of_turn, pos + len(self.end_of_turn))
-            if pos < 0:
-                break
-        tail = after[pos + len(self.end_of_turn):] if pos >= 0 else ""
-        if pos < 0 or not tail.startswith(glue) or tail == glue:
+        nonce = 0
+        while f"agentgrpo{nonce}m" in after:
+            nonce += 1
+        marks = [f"agentgrpo{nonce}m{i}e" for i in range(len(new_dicts))]
+        marked = [d.get("content") is None or isinstance(d.get("content"), str) for d in new_dicts]
+        probe_dicts = [{**d, "content": mark + (d.get("content") or "")} if m else d
+                       for d, mark, m in zip(new_dicts, marks, marked, strict=True)]
+        probe = self._render_dicts(history_dicts + probe_dicts, tools, True)
+        found = [probe.find(mark) for mark, m in zip(marks, marked, strict=True) if m]
+        eot = self.end_of_turn
+        cut = probe.rfind(eot, 0, min(found)) if found and min(found) >= 0 else -1
+        end = cut + len(eot)
+        tail = after[end:] if cut >= 0 else ""
+        if cut < 0 or any(f < end for f in found) or probe[:end] != after[:end] \
+                or not tail.startswith(glue) or tail == glue:
             raise TemplateError(
                 "keep_history fallback: cannot locate the new messages in the template's rendering "
-                f"(it changes the number of {self.end_of_turn!r} markers in earlier turns)"
+                f"(a new message is not rendered after the last {eot!r} of the history, or the history "
+                "renders differently depending on the new messages' content)"
             )
         return tail
 
@@ -340,7 +459,9 @@ class ChatFormat:
         """Cut `text` to its first `max_tokens` tokens plus `marker` (`{omitted}` is replaced by
         the number of tokens dropped; any other braces are plain text, not a format string).
         Returns (text, tokens omitted). Used on tool output before it is rendered, so the model
-        sees that the output was cut rather than a silent end."""
+        sees that the output was cut rather than a silent end. Lone surrogates come back replaced
+        by U+FFFD (see `encode`)."""
+        text = _utf8(text)
         if len(text.encode("utf-8")) <= max_tokens:  # a token covers at least one byte
             return text, 0
         ids = self.tokenizer.encode(text, add_special_tokens=False)

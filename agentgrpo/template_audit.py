@@ -18,6 +18,18 @@ tool output). For every assistant turn it takes the template's own rendering of 
 - tokens: do prompt + sampled + suffix ids equal the ids of the full render in one piece?
 - the parser: does `chat.parse_assistant` read back the calls the template rendered?
 
+What is fatal: a rewrite of history (unless the keep_history fallback is chosen and works), an
+assistant turn without the end-of-turn token, a first prompt the template cannot render, and a tool
+conversation it cannot render (every tool episode would end with ENV_ERROR, and a policy could steer
+episodes into it; DeepSeek-V3's template wants tool-call arguments as a JSON string and fails on the
+object agentgrpo passes), except parallel tool calls alone, which `rollout.max_tool_calls_per_turn=1`
+avoids (a warning with that advice). With tools, a template that does not show the tools in the
+prompt (it ignores `tools`, like Gemma 3's: `no_tool_support`) or does not render tool calls
+(`parser_mismatch` "no tool support") is fatal too: the model could not learn to call them. A plain
+(tool-free) shape the template cannot render is a warning (whether the env is multi-turn is not
+known here), as are differences that keep token-in/token-out exact (retokenization, a generation
+prompt the history does not repeat, a parser that reads other formats).
+
 The report's `mode` is what agentgrpo will do: "exact" (all suffixes exact), "keep_history" (the
 template rewrites history and the user chose that fallback, which works for every conversation
 checked), or "refuse". `require_token_safe` is what training calls at start-up: it raises
@@ -38,7 +50,7 @@ from agentgrpo.env import Env, _run_sync
 from agentgrpo.types import Message, Task, ToolCall
 
 IssueKind = Literal["rewrites_history", "no_end_of_turn", "render_error", "retokenizes", "parser_mismatch",
-                    "generation_prompt", "end_of_turn"]
+                    "generation_prompt", "end_of_turn", "no_tool_support"]
 Mode = Literal["exact", "keep_history", "refuse"]
 
 SYNTHETIC_TOOL = {"type": "function", "function": {
@@ -102,7 +114,7 @@ class TemplateReport:
                        "here): pass the model's end-of-turn token (--end-of-turn) or fix the template")
         mismatches = [i.why for i in self.issues if i.kind == "parser_mismatch"]
         fits = sorted({m.group(1) for w in mismatches for m in [re.search(r"parser (\w+) reads them", w)] if m})
-        if any("no tool support" in w for w in mismatches):
+        if any("no tool support" in w for w in mismatches) or "no_tool_support" in kinds:
             out.append("this template cannot show tool calls: use a tool-aware template (model.chat_template)")
         elif fits:
             out.append(f"set model.tool_parser={fits[0]}")
@@ -110,7 +122,7 @@ class TemplateReport:
             out.append("register a parser for this template's tool-call format (agentgrpo.parsers.PARSERS)")
         if "render_error" in kinds:
             out.append("episodes of a shape the template cannot render end with ENV_ERROR (unscorable)")
-            if any(i.kind == "render_error" and i.conversation == "parallel tool calls" for i in self.issues):
+            if {i.conversation for i in self.issues if i.kind == "render_error"} == {"parallel tool calls"}:
                 out.append("this template refuses several tool calls in one turn: set "
                            "rollout.max_tool_calls_per_turn=1; a ToolEnv then runs the first call, answers "
                            "the others with a too_many_calls error, and the chat template renders only "
@@ -238,7 +250,7 @@ def _calls(m: Message) -> list[tuple[str, dict]]:
 def _parser_issue(chat: ChatFormat, name: str, turn: int, text: str,
                   want: list[tuple[str, dict]]) -> TemplateIssue:
     if not all(n in text for n, _ in want):
-        return TemplateIssue(name, turn, "parser_mismatch", False,
+        return TemplateIssue(name, turn, "parser_mismatch", True,
                              "the template does not render tool calls (no tool support)", f"turn text {text[:80]!r}")
     fits = [p for p, parse in PARSERS.items() if _calls(parse(text).message) == want]
     why = f"parser {chat.parser_name} does not read the calls this template renders" + (
@@ -249,6 +261,20 @@ def _parser_issue(chat: ChatFormat, name: str, turn: int, text: str,
 
 def _common_prefix(a: str, b: str) -> int:
     return next((k for k, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
+def _render_error(name: str, conv: list[Message], turn: int, e: TemplateError) -> TemplateIssue:
+    """A conversation the template cannot render: fatal for tool conversations other than parallel
+    tool calls (see the module docstring)."""
+    tool_shape = any(m.tool_calls or m.role == "tool" for m in conv)
+    if not tool_shape:
+        why = "the template cannot render this conversation shape"
+    else:
+        why = "the template cannot render a tool conversation"
+        if "dict" in str(e) and "TypeError" in str(e):
+            why += (" (it fails on tool-call arguments passed as a JSON object; it may want them as a JSON "
+                    "string, which agentgrpo does not pass: use a template that takes an object)")
+    return TemplateIssue(name, turn, "render_error", tool_shape and name != "parallel tool calls", why, str(e))
 
 
 def _walk(chat: ChatFormat, name: str, conv: list[Message], first: int, tools: list[dict] | None,
@@ -274,8 +300,7 @@ def _walk(chat: ChatFormat, name: str, conv: list[Message], first: int, tools: l
             gen = chat.render(history, tools, add_generation_prompt=True)
             full = chat.render(history + [a], tools)
         except TemplateError as e:
-            report.issues.append(TemplateIssue(name, turn, "render_error", False,
-                                               "the template cannot render this conversation shape", str(e)))
+            report.issues.append(_render_error(name, conv, turn, e))
             return
         start = len(gen)
         if not full.startswith(gen):  # e.g. DeepSeek-V3 opens <think> in the generation prompt only
@@ -309,8 +334,7 @@ def _walk(chat: ChatFormat, name: str, conv: list[Message], first: int, tools: l
             before = chat.render(history, tools)
             after = chat.render(history + new, tools, add_generation_prompt=True)
         except TemplateError as e:
-            report.issues.append(TemplateIssue(name, turn, "render_error", False,
-                                               "the template cannot render this conversation shape", str(e)))
+            report.issues.append(_render_error(name, conv, turn, e))
             return
         if after.startswith(before):
             ids += chat.suffix_ids(history, new, tools)
@@ -339,6 +363,19 @@ def _first_diff(a: list[int], b: list[int]) -> int:
     return next((k for k, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
+def _check_tools_shown(chat: ChatFormat, head: list[Message], tools: list[dict], report: TemplateReport) -> None:
+    """Fatal `no_tool_support` when the first prompt renders the same with and without the tools."""
+    try:
+        shown = chat.render(head, tools, add_generation_prompt=True) != chat.render(head, None, add_generation_prompt=True)
+    except TemplateError:
+        return  # the walk reports the render error
+    if not shown:
+        report.issues.append(TemplateIssue(
+            "-", 0, "no_tool_support", True,
+            "the template does not show the tools to the model (its prompt is the same with and without "
+            "`tools`)", f"tools {[t.get('function', {}).get('name') for t in tools]}"))
+
+
 def audit(chat: ChatFormat, *, tools: list[dict] | None = None,
           prompt: list[Message] | None = None) -> TemplateReport:
     """Audit `chat`'s template on synthetic conversations (see the module docstring).
@@ -354,7 +391,10 @@ def audit(chat: ChatFormat, *, tools: list[dict] | None = None,
     # every render of the audit also checks ChatFormat's fast render path against transformers'
     checks, chat._fast_checks_left = chat._fast_checks_left, 1 << 30
     try:
-        for name, conv, first in conversations(tools, prompt):
+        plans = conversations(tools, prompt)
+        if render_tools:
+            _check_tools_shown(chat, plans[0][1][:plans[0][2]], render_tools, report)
+        for name, conv, first in plans:
             report.conversations += 1
             _walk(chat, name, conv, first, render_tools, report)
     finally:

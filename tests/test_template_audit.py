@@ -106,3 +106,32 @@ def test_check_template_command(smol_path, capsys):
     assert main(["check-template", str(smol_path), "--template", qwen3]) == 1
     assert "NOT token-safe" in capsys.readouterr().out
     assert main(["check-template", str(smol_path), "--template", qwen3, "--fallback", "keep_history"]) == 0
+
+
+def _with_specials(tokenizer, *tokens):
+    tok = copy.deepcopy(tokenizer)
+    tok.add_special_tokens({"additional_special_tokens": list(tokens)})
+    return tok
+
+
+def test_a_template_that_cannot_render_tool_calls_is_refused_for_a_tool_env(smol_tokenizer):
+    """DeepSeek-V3's template concatenates arguments as a string (every tool conversation raises),
+    Gemma 3's shows no tools at all: with tools both would make every tool episode ENV_ERROR or
+    useless, so the audit refuses; without tools they stay usable."""
+    eos = "<｜end▁of▁sentence｜>"
+    deepseek = ChatFormat(_with_specials(smol_tokenizer, eos), template=shared_template("deepseekv3.jinja"),
+                          end_of_turn=eos)
+    report = audit(deepseek)
+    assert report.mode == "refuse" and ("render_error", True) in kinds(report)
+    assert ("no_tool_support", True) in kinds(report)
+    assert "the template cannot render a tool conversation" in report.format()
+    assert "max_tool_calls_per_turn" not in report.format()  # not only parallel calls fail
+    assert audit(deepseek, tools=[]).mode == "exact"
+    gemma = ChatFormat(_with_specials(smol_tokenizer, "<start_of_turn>", "<end_of_turn>"),
+                       template=shared_template("gemma3.jinja"), end_of_turn="<end_of_turn>")
+    report = audit(gemma)
+    assert report.mode == "refuse" and ("no_tool_support", True) in kinds(report)
+    assert "does not show the tools" in report.format()
+    assert audit(gemma, tools=[]).mode == "exact"
+    with pytest.raises(TemplateError, match="not token-safe"):
+        require_token_safe(gemma, CalculatorEnv(), TASK)
