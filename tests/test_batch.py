@@ -96,8 +96,10 @@ def test_a_chunked_head_gives_the_same_logprobs_entropy_and_gradients():
     assert len(mb.target_ids_M) > 7 * 3  # several chunks
     torch.testing.assert_close(out[7][0], out[None][0], atol=1e-6, rtol=0)
     torch.testing.assert_close(out[7][1], out[None][1], atol=1e-6, rtol=0)
-    for name, g in out[None][2].items():
-        torch.testing.assert_close(out[7][2][name], g, atol=1e-6, rtol=1e-5, msg=name)
+    for name, g in out[None][2].items():  # chunks sum the head's gradient in another order: float32
+        # rounding of a sum of magnitude ~10 (1.4e-6 seen on this CPU's kernels), so the bound scales with it
+        torch.testing.assert_close(out[7][2][name], g, atol=1e-6 * max(1.0, g.abs().max().item()), rtol=1e-5,
+                                   msg=name)
     with torch.no_grad():  # scoring chunks too, without checkpointing
         lp, _ = PolicyForward(tiny_llama("sdpa"), head_chunk_tokens=7)(mb, 0.7)
     torch.testing.assert_close(lp, out[None][0], atol=1e-6, rtol=0)
