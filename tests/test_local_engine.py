@@ -323,6 +323,33 @@ async def test_close_aborts_in_flight_requests(model):
         await eng.generate([5, 6], SamplingParams(max_new_tokens=2))
 
 
+async def test_close_during_the_batch_window_aborts_the_arrivals(model):
+    # The idle worker sleeps batch_window_s after the first arrival; close() comes in that window,
+    # so the stop is found in the same pass that would admit the requests.
+    eng = LocalEngine(model, eos_token_ids=(), batch_window_s=0.3, prefix_cache_tokens=0)
+    tasks = [asyncio.create_task(eng.generate([5, 6, 7 + i], SamplingParams(max_new_tokens=20)))
+             for i in range(2)]  # fmt: skip
+    await asyncio.sleep(0.05)
+    await eng.aclose()
+    outs = await asyncio.wait_for(asyncio.gather(*tasks), timeout=10)
+    assert [(o.finish_reason, o.token_ids, o.detail) for o in outs] == [("abort", [], "engine closed")] * 2
+
+
+async def test_close_aborts_running_and_queued_requests(model):
+    # max_batch_size=1: one request runs, two wait for its slot. close() ends all three at once,
+    # without running the queue first.
+    eng = LocalEngine(model, eos_token_ids=(), max_batch_size=1, prefix_cache_tokens=0)
+    tasks = [asyncio.create_task(eng.generate([5, 6, 7 + i], SamplingParams(max_new_tokens=60)))
+             for i in range(3)]  # fmt: skip
+    while eng.stats["steps"] < 2:
+        await asyncio.sleep(0.001)
+    await eng.aclose()
+    running, *queued = await asyncio.wait_for(asyncio.gather(*tasks), timeout=10)
+    assert running.finish_reason == "abort" and 0 < len(running.token_ids) < 60
+    assert [(o.finish_reason, o.token_ids) for o in queued] == [("abort", [])] * 2
+    assert eng.stats["tokens"] < 60
+
+
 def test_local_engine_satisfies_the_engine_protocol(engine):
     assert isinstance(engine, Engine)
 

@@ -32,7 +32,8 @@ How it works (decisions):
   `finish_reason == "stop"`. Reaching `max_new_tokens` gives `"length"`. Prompt + completion never
   exceed `config.max_position_embeddings`: `max_new_tokens` is clamped to what fits and a request cut
   by that clamp (or whose prompt already fills the context, which returns no tokens) finishes with
-  `"length"` and a `detail` saying so. `close()` finishes in-flight requests with `"abort"`.
+  `"length"` and a `detail` saying so. `close()` finishes in-flight and queued requests with
+  `"abort"`.
 - **Seeds.** A request with `params.seed` draws its random numbers from its own `torch.Generator`
   (one uniform per token, inverse-CDF sampling), so which other requests share its batch does not
   change them; requests without a seed share the engine's generator (`seed=` of the constructor).
@@ -303,7 +304,9 @@ class LocalEngine:
         await item.future
 
     def close(self) -> None:
-        """Stop the worker; in-flight and queued requests finish with `finish_reason="abort"`."""
+        """Stop the worker at its next step: in-flight and queued requests finish at once with
+        `finish_reason="abort"` (what they sampled so far); queued updates, scores and releases
+        fail with `EngineError`."""
         with self._lock:
             if self._closed:
                 return
@@ -375,8 +378,7 @@ class LocalEngine:
         """The worker: admit queued items between decode steps, decode, resolve futures."""
         batch = _Batch(self)
         waiting: collections.deque = collections.deque()
-        stopping = False
-        while not stopping:
+        while True:
             if not batch.rows and not waiting:
                 item = self._queue.get()  # idle: block until something arrives
                 waiting.append(item)
@@ -387,12 +389,13 @@ class LocalEngine:
                     waiting.append(self._queue.get_nowait())
                 except queue.Empty:
                     break
+            # close() ends everything at once, also what is queued ahead of the stop (behind a full
+            # batch or an update it would otherwise wait for): aborted or failed below.
+            if any(item is _STOP for item in waiting):
+                break
             admit: list[_Request] = []
             while waiting:  # in arrival order; an update is a barrier for everything behind it
                 item = waiting[0]
-                if item is _STOP:
-                    stopping = True
-                    break
                 if isinstance(item, _Request):
                     if item.cancelled:
                         waiting.popleft()
@@ -411,8 +414,6 @@ class LocalEngine:
                         break  # let the running rows finish under the weights they started with
                     waiting.popleft()
                     self._guarded(item, self._update_now, item)
-            if stopping:
-                break
             try:
                 if admit:
                     batch.admit(admit)
