@@ -70,6 +70,18 @@ def shared_template(name: str) -> str:
     return path.read_text()
 
 
+def llama31_chat(tokenizer):
+    """Llama 3.1's real template over a copy of `tokenizer` that knows its special tokens."""
+    import copy
+
+    from agentgrpo.chat import ChatFormat
+
+    tok = copy.deepcopy(tokenizer)
+    tok.add_special_tokens({"additional_special_tokens": ["<|eot_id|>", "<|start_header_id|>",
+                                                         "<|end_header_id|>", "<|python_tag|>"]})
+    return ChatFormat(tok, template=shared_template("llama3_1.jinja"), parser="llama3_json", end_of_turn="<|eot_id|>")
+
+
 @pytest.fixture(scope="session")
 def stopping_model_dir(tiny_model_dir, tmp_path_factory):
     """The tiny random model with 5,000 token ids declared as EOS: ~10% of its turns end within a

@@ -6,7 +6,7 @@ import pytest
 
 from agentgrpo.chat import ChatFormat, TemplateError, parse_hermes
 from agentgrpo.types import Message, ToolCall
-from tests.conftest import shared_template
+from tests.conftest import llama31_chat, shared_template
 
 TOOLS = [{"type": "function", "function": {"name": "calculator", "description": "Evaluate arithmetic.",
                                            "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
@@ -263,13 +263,7 @@ def test_special_token_text_in_a_message_stays_plain_text(smol_tokenizer, name):
     assert chat.prompt_ids(conv[:2], TOOLS) == chat.encode(chat.render(conv[:2], TOOLS, add_generation_prompt=True))
 
 
-def _llama_chat(smol_tokenizer):
-    import copy
-
-    tok = copy.deepcopy(smol_tokenizer)
-    tok.add_special_tokens({"additional_special_tokens": ["<|eot_id|>", "<|start_header_id|>",
-                                                         "<|end_header_id|>", "<|python_tag|>"]})
-    return ChatFormat(tok, template=shared_template("llama3_1.jinja"), parser="llama3_json", end_of_turn="<|eot_id|>")
+_llama_chat = llama31_chat
 
 
 def _gemma_chat(smol_tokenizer):

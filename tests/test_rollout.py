@@ -617,15 +617,9 @@ def test_a_call_cut_by_the_token_limit_is_a_counted_error(chat):
 
 @pytest.fixture(scope="module")
 def llama_chat(smol_tokenizer):
-    import copy
+    from tests.conftest import llama31_chat
 
-    from agentgrpo.chat import ChatFormat
-    from tests.conftest import shared_template
-
-    tok = copy.deepcopy(smol_tokenizer)
-    tok.add_special_tokens({"additional_special_tokens": ["<|eot_id|>", "<|start_header_id|>",
-                                                         "<|end_header_id|>", "<|python_tag|>"]})
-    return ChatFormat(tok, template=shared_template("llama3_1.jinja"), parser="llama3_json", end_of_turn="<|eot_id|>")
+    return llama31_chat(smol_tokenizer)
 
 
 def test_parallel_calls_under_a_single_call_template_are_tool_errors(llama_chat):
