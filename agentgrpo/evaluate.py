@@ -227,7 +227,9 @@ def run_eval(cfg: RunConfig, *, engine: Engine | None = None) -> tuple[Path, Eva
     make_env = lambda: env_cls(**cfg.env.kwargs)  # noqa: E731 - one env instance per trajectory
     tasks = list(env_cls.load_tasks(cfg.eval.split, seed=cfg.seed, **cfg.env.tasks))[: cfg.eval.num_tasks]
     if not tasks:
-        raise ValueError(f"{cfg.env.name} has no tasks in split {cfg.eval.split!r}")
+        from agentgrpo.config import ConfigError
+
+        raise ConfigError(f"{cfg.env.name} has no tasks in split {cfg.eval.split!r} (eval.split)")
     report = require_token_safe(chat, make_env(), tasks[0], seed=cfg.seed)
     ckpt, step, policy = resolve_policy(cfg, base)
     if policy is None and cfg.engine.kind == "sglang":

@@ -211,6 +211,9 @@ def train(cfg: RunConfig) -> Path:
                         rollouts_per_step=cfg.rollout.tasks_per_step * cfg.rollout.group_size)
     eval_tasks = (list(env_cls.load_tasks(cfg.eval.split, seed=cfg.seed, **cfg.env.tasks))[: cfg.eval.num_tasks]
                   if cfg.eval.every and lead else [])
+    if cfg.eval.every and lead and not eval_tasks:  # it would log NaN eval metrics every eval.every steps
+        raise ConfigError(f"eval.every={cfg.eval.every} but {cfg.env.name} has no tasks in split "
+                          f"{cfg.eval.split!r} (eval.split); set eval.every: 0 or another split")
     stop = checkpoint.StopRequested().install()  # SIGTERM/SIGINT: checkpoint after this step, exit
     try:
         for step in range(start, cfg.train.steps):

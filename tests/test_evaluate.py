@@ -15,6 +15,7 @@ from agentgrpo.config import load_config
 from agentgrpo.engine.base import EngineError
 from agentgrpo.evaluate import EvalConfig, pass_at_k, resolve_policy, run_eval
 from agentgrpo.log import read_jsonl
+from envs.calculator import CalculatorEnv
 from tests.fakes import ScriptedEngine
 
 
@@ -317,3 +318,24 @@ def test_shards_of_two_fsdp_ranks_load_into_one_process_without_a_process_group(
     assert any(not torch.equal(t, tiny_llama().state_dict()[k]) for k, t in trained.items())
     for key, t in trained.items():
         assert torch.equal(model.state_dict()[key], t), key
+
+
+class NoEvalTasks(CalculatorEnv):
+    """The calculator with an empty eval split (here, so `env.name` can name it)."""
+
+    @classmethod
+    def load_tasks(cls, split, seed=0, **kwargs):
+        return [] if split == "eval" else super().load_tasks(split, seed=seed, **kwargs)
+
+
+def test_an_empty_eval_split_is_a_config_error_for_eval_and_train(tmp_path, capsys, tiny_model_dir):
+    from agentgrpo.cli import main
+
+    env = "env.name=tests.test_evaluate:NoEvalTasks"
+    assert main(["eval", str(_empty_config(tmp_path)), f"output_dir={tmp_path}", env]) == 2
+    assert "has no tasks in split 'eval'" in capsys.readouterr().err  # was a traceback
+    # training with eval.every used to log NaN eval metrics every few steps instead
+    rc = main(["train", "examples/calculator.yaml", f"output_dir={tmp_path / 'run'}", "train.steps=1",
+               f"model.path={tiny_model_dir}", env, "eval.every=1", "log.progress=false",
+               "log.tensorboard=false"])
+    assert rc == 2 and "eval.every=1 but" in capsys.readouterr().err
