@@ -254,7 +254,8 @@ def test_resume_uses_the_previous_checkpoint_when_the_newest_is_truncated(tmp_pa
     newest.write_bytes(newest.read_bytes()[:100])
     with pytest.warns(UserWarning, match="step-000002"):
         assert _train(out, tiny_model_dir, 3, "train.save_every=1") == 0
-    assert [m["step"] for m in read_jsonl(out / "metrics.jsonl")] == [1, 2, 2, 3]  # step 2 redone
+    assert [m["step"] for m in read_jsonl(out / "metrics.jsonl")] == [1, 2, 3]  # step 2 redone
+    assert [m["step"] for m in read_jsonl(out / "metrics.after-step-1.jsonl")] == [2]  # its first try
     # The skipped step 2 was set aside when the run resumed from step 1, not overwritten or pruned.
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [
         "rejected-step-000002", "step-000002", "step-000003"]
