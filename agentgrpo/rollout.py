@@ -252,18 +252,16 @@ async def run_episode(env: Env, engine: Engine, chat: ChatFormat, task: Task, pa
                 return finish(StopReason.ABORTED, out.detail or "the engine aborted the request")
             try:
                 parsed = chat.parse_assistant(out.token_ids, parse_tools=bool(tools))
-            except Exception as e:  # noqa: BLE001 - a parser must turn any text into events; one that
-                # raises (a user's, or a bug) leaves this episode unscorable, not the whole step dead
+            except Exception as e:  # noqa: BLE001 - a parser that raises (a bug) costs its episode, not the step
                 return finish(StopReason.ENV_ERROR, f"the tool-call parser raised {type(e).__name__}: {e}")
             n_calls = len(parsed.message.tool_calls or [])
             traj.tool_calls += n_calls + len(parsed.errors)
             traj.tool_errors += len(parsed.errors)
             _add_counts(traj.tool_error_kinds, _kind_counts(parsed.errors))
             if out.finish_reason == "length":
-                # No end-of-turn token was sampled: the turn is cut, so the episode ends here (as verl
-                # and slime do) rather than appending an end-of-turn token the model never produced.
-                # Its malformed calls (a call cut off is unclosed) were counted above and are
-                # penalised; no call of it runs, so the record keeps the text as the model wrote it.
+                # No end-of-turn token was sampled: the turn is cut and the episode ends (as in verl and
+                # slime), no end-of-turn token is appended. Its malformed calls (a cut call is unclosed)
+                # were counted above; none runs, so the record keeps the text as the model wrote it.
                 messages.append(chat.parse_assistant(out.token_ids, parse_tools=False).message)
                 return finish(StopReason.MAX_TOKENS, out.detail or f"turn {turn} hit the token limit")
             messages.append(parsed.message)
@@ -295,10 +293,9 @@ async def run_episode(env: Env, engine: Engine, chat: ChatFormat, task: Task, pa
                 return finish(StopReason.ENV_ERROR, "step returned no messages but did not end the episode")
             try:
                 suffix = chat.suffix_ids(messages, new, tools, max_tool_calls=max_calls)
-            except TemplateError as e:
-                return finish(StopReason.ENV_ERROR, str(e))
-            except Exception as e:  # noqa: BLE001 - rendering what the env said (a tokenizer's error)
-                return finish(StopReason.ENV_ERROR, f"rendering the env's messages raised {type(e).__name__}: {e}")
+            except Exception as e:  # noqa: BLE001 - a TemplateError, or a tokenizer's on what the env said
+                return finish(StopReason.ENV_ERROR, str(e) if isinstance(e, TemplateError)
+                              else f"rendering the env's messages raised {type(e).__name__}: {e}")
             messages.extend(new)
             extend(suffix, None)
     except DeadlineExpired as e:
