@@ -155,42 +155,46 @@ def set_aside_after(run_dir: Path, step: int) -> dict[str, int]:
     A run resumed from the checkpoint of `step` trains the later steps again; their old rows, from
     the timeline the kill cut off, would otherwise stand twice in the logs and the report. A line
     that does not parse (a kill in the middle of a write) goes aside too. Files that lose no row
-    are left as they are; the others are rewritten through a temporary file and a rename.
+    are only read; the others are rewritten through a temporary file and a rename.
     """
     moved: dict[str, int] = {}
     for name in ("metrics.jsonl", "trajectories.jsonl"):
         path = run_dir / name
         if not path.is_file():
             continue
-        tmp, aside_path = run_dir / f".{name}.tmp", run_dir / f"{path.stem}.after-step-{step}.jsonl"
-        n, aside = 0, None
-        try:
-            with open(path, "rb") as src, open(tmp, "wb") as keep:
-                for line in src:
-                    if not line.strip():
-                        continue
-                    try:
-                        row_step = json.loads(line).get("step")
-                    except (ValueError, AttributeError):
-                        row_step = None
-                    line = line if line.endswith(b"\n") else line + b"\n"
-                    if isinstance(row_step, int) and row_step <= step:
-                        keep.write(line)
-                        continue
-                    aside = aside or open(aside_path, "ab")
-                    aside.write(line)
-                    n += 1
-                keep.flush()
-                os.fsync(keep.fileno())
-        finally:
-            if aside is not None:
-                aside.close()
-        if n:
-            os.replace(tmp, path)
-        else:
-            tmp.unlink()
-        moved[name] = n
+        with open(path, "rb") as src:  # a streamed read-only pass first: most resumes move nothing
+            moved[name] = sum(not _kept(line, step) for line in src if line.strip())
+        if not moved[name]:
+            continue
+        tmp = run_dir / f".{name}.tmp"
+        with (open(path, "rb") as src, open(tmp, "wb") as keep,
+              open(run_dir / f"{path.stem}.after-step-{step}.jsonl", "ab") as aside):
+            for line in src:
+                if line.strip():
+                    (keep if _kept(line, step) else aside).write(_ended(line))
+            keep.flush()
+            os.fsync(keep.fileno())
+        os.replace(tmp, path)
     return moved
+
+
+_STEP_PREFIX = re.compile(rb'\{"step": (\d+)[,}]')  # how RunLogger starts every row
+
+
+def _kept(line: bytes, step: int) -> bool:
+    """Whether a row belongs to a step up to `step`; read from its prefix, else parsed (a cut line
+    is not kept)."""
+    if line.endswith(b"\n") and (m := _STEP_PREFIX.match(line)):  # a whole line, as written
+        return int(m.group(1)) <= step
+    try:
+        row_step = json.loads(line).get("step")
+    except (ValueError, AttributeError):
+        return False
+    return isinstance(row_step, int) and row_step <= step
+
+
+def _ended(line: bytes) -> bytes:
+    return line if line.endswith(b"\n") else line + b"\n"
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
