@@ -1,13 +1,19 @@
 """The deadlines of one episode: every await of the rollout runs under the earliest of its turn,
 episode and step deadlines (absolute `time.monotonic()` times), and a passed deadline is a
-`DeadlineExpired` naming which one, so the trajectory ends as TIMEOUT with the reason."""
+`DeadlineExpired` naming which one, so the trajectory ends as TIMEOUT with the reason.
+
+A tool call's own deadline (`tool_timeout_s`) counts only the time it runs, not the time it waits
+for shared capacity (`WaitClock`, `waiting_for_capacity`, `run_charging_only_running_time`)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
 import inspect
+import threading
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -67,3 +73,108 @@ class Deadlines:
 
 
 _timeout_at = getattr(asyncio, "timeout_at", None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Waiting for shared capacity is not the tool's running time
+
+
+class WaitClock:
+    """The time one tool call has spent waiting for shared capacity (a worker thread, a sandbox
+    slot, or whatever its code marks with `waiting_for_capacity`).
+
+    `ToolEnv` gives each call its own clock and charges only the rest to `tool_timeout_s`: an
+    instant `print(2+2)` queued behind other episodes' sandbox jobs is load, not the model's
+    choice, so it must not come back as a TOOL_TIMEOUT the model is trained on. A call that waits
+    too long is still bounded by the turn, episode and step deadlines (a TIMEOUT, unscorable).
+    Thread-safe: the waits are marked from worker threads and the sandbox's dispatcher.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._waited = 0.0
+        self._open = 0            # waits in progress (a call's concurrent sub-calls may overlap)
+        self._since = 0.0         # start of the current stretch with at least one wait open
+
+    def start(self) -> Callable[[], None]:
+        """Open a wait; returns its `stop`, which may be called any number of times (a dispatch
+        callback and the waiter's `finally` may both call it)."""
+        with self._lock:
+            if self._open == 0:
+                self._since = time.monotonic()
+            self._open += 1
+        stopped = False
+
+        def stop() -> None:
+            nonlocal stopped
+            with self._lock:
+                if stopped:
+                    return
+                stopped = True
+                self._open -= 1
+                if self._open == 0:
+                    self._waited += time.monotonic() - self._since
+        return stop
+
+    @property
+    def waiting(self) -> bool:
+        return self._open > 0
+
+    def waited_s(self) -> float:
+        """Seconds waited so far, the wait in progress included."""
+        with self._lock:
+            return self._waited + (time.monotonic() - self._since if self._open else 0.0)
+
+
+_WAIT_CLOCK: contextvars.ContextVar[WaitClock | None] = contextvars.ContextVar("agentgrpo_wait_clock",
+                                                                               default=None)
+
+
+def current_wait_clock() -> WaitClock | None:
+    """The clock of the tool call this code runs in (None outside one). Context variables follow
+    the call into `to_user_thread` workers."""
+    return _WAIT_CLOCK.get()
+
+
+@contextlib.contextmanager
+def waiting_for_capacity() -> Iterator[None]:
+    """Mark a stretch of a tool's code as waiting for a shared resource (a rate-limited API, a
+    pool of workers): `tool_timeout_s` does not count it. A no-op outside a tool call."""
+    clock = _WAIT_CLOCK.get()
+    if clock is None:
+        yield
+        return
+    stop = clock.start()
+    try:
+        yield
+    finally:
+        stop()
+
+
+async def run_charging_only_running_time(aw: Awaitable[T], timeout_s: float) -> tuple[T, float]:
+    """Await `aw` with a deadline of `timeout_s` seconds of time not spent waiting for capacity.
+
+    Returns the result and the seconds waited; raises `asyncio.TimeoutError` once the running
+    time passes `timeout_s` (never while a wait is open), with `aw` cancelled. `aw` runs in a task
+    of its own whose context holds a fresh `WaitClock`.
+    """
+    clock = WaitClock()
+
+    async def with_clock() -> T:
+        _WAIT_CLOCK.set(clock)  # the task runs in its own copy of the context
+        return await aw
+
+    task = asyncio.ensure_future(with_clock())
+    start = time.monotonic()
+    try:
+        while True:
+            remaining = start + timeout_s + clock.waited_s() - time.monotonic()
+            if remaining <= 0 and not clock.waiting:
+                raise asyncio.TimeoutError(f"ran for more than {timeout_s:g} s")
+            # while a wait is open `remaining` stays put: wake then and look again
+            await asyncio.wait({task}, timeout=max(remaining, 1e-3))
+            if task.done():
+                return task.result(), clock.waited_s()
+    finally:
+        if not task.done():
+            task.cancel()

@@ -51,6 +51,7 @@ from typing import Any, ClassVar
 import gymnasium
 import numpy as np
 
+from agentgrpo.deadlines import run_charging_only_running_time
 from agentgrpo.reward import Rubric
 from agentgrpo.tool import Tool, ToolError, to_user_thread
 from agentgrpo.types import Message, Task, ToolCall, ToolErrorKind
@@ -252,7 +253,10 @@ class ToolEnv(Env):
     that raises or times out, or too many calls in one turn all produce an error tool message the
     model can react to; `info["tool_errors"]` counts them and `info["tool_error_kinds"]` counts
     them by `ToolErrorKind`. The rollout config may override `tool_timeout_s` and
-    `max_tool_calls_per_turn` (`set_tool_limits`).
+    `max_tool_calls_per_turn` (`set_tool_limits`). `tool_timeout_s` counts the time a call runs,
+    not the time it waits for a worker thread, a sandbox slot, or anything its code marks with
+    `agentgrpo.deadlines.waiting_for_capacity`: that wait is load, not the model's doing, and the
+    turn, episode and step deadlines bound it (a TIMEOUT, unscorable).
 
     Example:
         >>> class Calc(ToolEnv):
@@ -344,7 +348,8 @@ class ToolEnv(Env):
         except ToolError as e:
             return call, f"Error: {e}", ToolErrorKind.INVALID_ARGUMENTS
         try:
-            return call, await asyncio.wait_for(t.acall(call.arguments), self.tool_timeout_s), None
+            text, _ = await run_charging_only_running_time(t.acall(call.arguments), self.tool_timeout_s)
+            return call, text, None
         except ToolError as e:
             return call, f"Error: {e}", ToolErrorKind.TOOL_FAILED
         except asyncio.TimeoutError:

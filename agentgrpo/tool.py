@@ -44,6 +44,7 @@ from typing import Any, TypeVar
 
 import pydantic
 
+from agentgrpo.deadlines import current_wait_clock
 from agentgrpo.types import InfrastructureError
 
 T = TypeVar("T")
@@ -274,6 +275,10 @@ def _abandoned(fut: Future, fn: Callable[..., Any]) -> None:
             RuntimeWarning, stacklevel=3)
 
 
+def _no_wait() -> None:
+    pass
+
+
 async def to_user_thread(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
     """Run sync user code in the `agentgrpo-user` pool and await its result (like `asyncio.to_thread`,
     context variables included, but on a pool sized for rollouts: see `USER_THREADS`).
@@ -283,10 +288,19 @@ async def to_user_thread(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> 
     away, and it counts in `stuck_user_calls()` until then.
     """
     ctx = contextvars.copy_context()
-    fut = _user_executor().submit(ctx.run, functools.partial(fn, *args, **kwargs))
+    work = functools.partial(fn, *args, **kwargs)
+    clock = current_wait_clock()  # time queued for a free thread is not a tool's running time
+    stop_wait = clock.start() if clock is not None else _no_wait
+
+    def run() -> T:
+        stop_wait()
+        return work()
+    fut = _user_executor().submit(ctx.run, run)
     try:
         return await asyncio.wrap_future(fut)
     except asyncio.CancelledError:
         if not fut.done() and not fut.cancel():  # running: the thread goes on without us
             _abandoned(fut, fn)
         raise
+    finally:
+        stop_wait()  # a no-op once the thread has started

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import os
+import shutil
 import signal
 import socket
 import struct
@@ -745,3 +746,15 @@ def test_broken_backend_fails_at_construction(backend):
         pytest.skip("bubblewrap is not installed (scripts/system-deps.sh installs it)")
     with pytest.raises(RuntimeError, match=f"{backend} sandbox backend unavailable"):
         Sandbox(backend=backend, config=SandboxConfig(slots=1, python="/nonexistent/python3"))
+
+
+def test_a_config_that_cannot_start_does_not_rule_the_backend_out_for_others():
+    if os.geteuid() != 0 and shutil.which("bwrap") is None:
+        pytest.skip("no isolating backend on this host")
+    with pytest.raises(RuntimeError, match="no sandbox backend works"):
+        Sandbox(config=SandboxConfig(slots=1, python="/nonexistent/python3"))
+    box = Sandbox(config=SandboxConfig(slots=1))  # auto, a config that works: probed again
+    try:
+        assert box.run("print(6*7)").stdout == "42\n"
+    finally:
+        box.close()

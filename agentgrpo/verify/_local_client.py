@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
@@ -43,7 +44,7 @@ class _LocalClient:
         self.python = cfg.python or _base_python()
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()
-        self._queue: deque[tuple[int, bytes, float, Future]] = deque()
+        self._queue: deque[tuple[int, bytes, float, Future, Callable[[], None] | None]] = deque()
         self._inflight: dict[int, tuple[Future, float]] = {}
         self._next = 0
         self._proc: subprocess.Popen | None = None
@@ -95,8 +96,10 @@ class _LocalClient:
         return _supervisor.unpack(_recv_exact(sock, n))
 
     def submit(
-        self, code: bytes, stdin: bytes, files: list[tuple[str, bytes]], limits: Limits
+        self, code: bytes, stdin: bytes, files: list[tuple[str, bytes]], limits: Limits,
+        on_dispatch: Callable[[], None] | None = None,
     ) -> Future:
+        """Queue a job; `on_dispatch` is called when it leaves the queue for a free slot."""
         fut: Future = Future()
         with self._lock:
             if self._closed:
@@ -109,7 +112,7 @@ class _LocalClient:
                 "files": [n for n, _ in files],
             }
             frame = _supervisor.pack(header, [code, stdin] + [b for _, b in files])
-            self._queue.append((self._next, frame, limits.wall_s + self.cfg.margin_s, fut))
+            self._queue.append((self._next, frame, limits.wall_s + self.cfg.margin_s, fut, on_dispatch))
         self._pump()
         return fut
 
@@ -125,12 +128,14 @@ class _LocalClient:
                     except RuntimeError as e:  # cannot restart: fail what waits, retry later
                         waiting = list(self._queue)
                         self._queue.clear()
-                        for _, _, _, fut in waiting:
+                        for _, _, _, fut, _ in waiting:
                             fut.set_result(sandbox_error(str(e), self.kind))
                         return
-                jid, frame, budget, fut = self._queue.popleft()
+                jid, frame, budget, fut, on_dispatch = self._queue.popleft()
                 self._inflight[jid] = (fut, time.monotonic() + budget)
                 sock = self._sock
+            if on_dispatch is not None:
+                on_dispatch()
             try:
                 with self._send_lock:
                     sock.sendall(frame)

@@ -11,6 +11,9 @@ killed and what came before is kept, `truncated=True`) | signaled (died of anoth
 sandbox_error (the sandbox itself failed). `sandbox_error` is retried here (`retries`), and a
 caller that still gets one must treat the sample as unscorable (reward NaN), never as 0.
 Stdout and stderr are unbuffered inside the sandbox, so output printed before a timeout is kept.
+Jobs beyond the free slots wait in a queue; inside a tool call that wait is not charged to the
+tool's deadline (`agentgrpo.deadlines.WaitClock`). With `remote` the server's queue is not
+visible here, so its time counts as running time.
 
 Backends, chosen by probing once per process, in this order; every result names its `backend`:
 - `namespaces` (root with CAP_SYS_ADMIN): a supervisor process and a fork server; each job is a
@@ -74,11 +77,12 @@ import shutil
 import threading
 import time
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from agentgrpo.deadlines import current_wait_clock
 from agentgrpo.types import InfrastructureError
 from agentgrpo.verify._local_client import _LocalClient
 from agentgrpo.verify._records import STATUSES, ExecResult, Limits, Status, sandbox_error
@@ -146,11 +150,15 @@ class SandboxConfig(BaseModel):
 # ---- probing and the public class -------------------------------------------------------------------
 
 _PROBE_LOCK = threading.Lock()
-_PROBED: dict[str, str] = {}  # backend -> "" if it worked, else why not (filled once per process)
+_PROBED: dict[str, str] = {}  # backend -> "" if its last start worked, else why not
+# (backend, config) pairs that failed to start: `auto` does not pay for them again. Keyed by the
+# config too, so a SandboxConfig that cannot start (a wrong `python`) does not rule the backend out
+# for every other Sandbox of the process.
+_FAILED: dict[tuple[str, str], str] = {}
 
 
 def probe_report() -> dict[str, str]:
-    """Which local backends were tried in this process and why those that failed failed."""
+    """Which local backends were tried in this process and why those that failed (last) failed."""
     return dict(_PROBED)
 
 
@@ -158,7 +166,7 @@ def _start_local(kind: str, cfg: SandboxConfig) -> _LocalClient:
     try:
         client = _LocalClient(kind, cfg)
     except (RuntimeError, OSError) as e:
-        _PROBED[kind] = str(e)
+        _PROBED[kind] = _FAILED[kind, cfg.model_dump_json()] = str(e)
         raise
     _PROBED[kind] = ""
     return client
@@ -206,22 +214,22 @@ class Sandbox:
         atexit.register(self.close)
 
     def _auto(self) -> _LocalClient:
+        key = self.config.model_dump_json()
+        why: dict[str, str] = {}
         with _PROBE_LOCK:
-            order = ["namespaces", "bwrap"]
-            for kind in order:
-                if _PROBED.get(kind):  # failed before in this process: do not pay for it again
-                    continue
-                if kind == "namespaces" and os.geteuid() != 0:
-                    _PROBED[kind] = "needs root (CAP_SYS_ADMIN)"
-                    continue
-                if kind == "bwrap" and shutil.which("bwrap") is None:
-                    _PROBED[kind] = "bwrap not installed"
-                    continue
-                try:
-                    return _start_local(kind, self.config)
-                except (RuntimeError, OSError):
-                    continue
-        reasons = "; ".join(f"{k}: {v}" for k, v in _PROBED.items() if v)
+            for kind in ("namespaces", "bwrap"):
+                if (kind, key) in _FAILED:  # failed before in this process: do not pay for it again
+                    why[kind] = _FAILED[kind, key]
+                elif kind == "namespaces" and os.geteuid() != 0:
+                    why[kind] = _PROBED[kind] = "needs root (CAP_SYS_ADMIN)"
+                elif kind == "bwrap" and shutil.which("bwrap") is None:
+                    why[kind] = _PROBED[kind] = "bwrap not installed"
+                else:
+                    try:
+                        return _start_local(kind, self.config)
+                    except (RuntimeError, OSError) as e:
+                        why[kind] = str(e)
+        reasons = "; ".join(f"{k}: {v}" for k, v in why.items())
         raise RuntimeError(
             "no sandbox backend works on this host ("
             + reasons
@@ -267,8 +275,11 @@ class Sandbox:
             if isinstance(self._impl, _RemoteClient):
                 res = self._impl.run(_RemoteClient.body(code_b, stdin_b, files_l, limits), limits)
             else:
-                fut = self._impl.submit(code_b, stdin_b, files_l, limits)
-                res = fut.result()
+                stop_wait = _start_wait()
+                try:
+                    res = self._impl.submit(code_b, stdin_b, files_l, limits, stop_wait).result()
+                finally:
+                    stop_wait()
             if res.status != "sandbox_error":
                 return res
         return res
@@ -293,7 +304,12 @@ class Sandbox:
                     _RemoteClient.body(code_b, stdin_b, files_l, limits), limits
                 )
             else:
-                res = await asyncio.wrap_future(self._impl.submit(code_b, stdin_b, files_l, limits))
+                stop_wait = _start_wait()
+                try:
+                    res = await asyncio.wrap_future(
+                        self._impl.submit(code_b, stdin_b, files_l, limits, stop_wait))
+                finally:
+                    stop_wait()
             if res.status != "sandbox_error":
                 return res
         return res
@@ -306,6 +322,13 @@ class Sandbox:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _start_wait() -> Callable[[], None]:
+    """Inside a tool call, time a job waits for a free slot is not charged to the tool's deadline
+    (`agentgrpo.deadlines.WaitClock`); returns the wait's stop (a no-op outside a tool call)."""
+    clock = current_wait_clock()
+    return clock.start() if clock is not None else lambda: None
 
 
 _DEFAULT: Sandbox | None = None

@@ -1,0 +1,133 @@
+"""`tool_timeout_s` charges a tool call only for the time it runs: time spent waiting for a worker
+thread, a sandbox slot, or anything marked with `waiting_for_capacity` is load, not the model's
+doing, and must not come back to the model as a TOOL_TIMEOUT."""
+
+import asyncio
+import importlib
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from agentgrpo import Message, Task, ToolCall, ToolEnv, tool
+from agentgrpo.deadlines import WaitClock, run_charging_only_running_time, waiting_for_capacity
+from agentgrpo.verify.sandbox import Limits, Sandbox, SandboxConfig
+from tools.python import make_python_tool
+
+tool_mod = importlib.import_module("agentgrpo.tool")  # `agentgrpo.tool` is also the decorator
+
+TASK = Task(id="t", prompt="p", answer=1)
+
+
+class Queued(ToolEnv):
+    tool_timeout_s = 0.3
+
+    @tool
+    def fetch(self, wait_s: float, work_s: float) -> str:
+        """Wait for a shared resource, then work."""
+        with waiting_for_capacity():
+            time.sleep(wait_s)
+        time.sleep(work_s)
+        return "fetched"
+
+    def reward(self, task, messages):
+        return 1.0
+
+
+def _step(env: ToolEnv, *calls: ToolCall):
+    env.reset(options={"task": TASK})
+    return asyncio.run(env.step(Message(role="assistant", content="", tool_calls=list(calls))))
+
+
+def test_time_waiting_for_capacity_is_not_charged_to_the_tool_deadline():
+    out, _, _, _, info = _step(Queued(), ToolCall(id="1", name="fetch", arguments={"wait_s": 0.6, "work_s": 0.05}))
+    assert out[0].content == "fetched" and info["tool_errors"] == 0
+
+
+def test_running_time_after_a_wait_is_still_bounded():
+    t0 = time.monotonic()
+    out, _, _, _, info = _step(Queued(), ToolCall(id="1", name="fetch", arguments={"wait_s": 0.3, "work_s": 1.0}))
+    took = time.monotonic() - t0
+    assert info["tool_error_kinds"] == {"tool_timeout": 1}
+    assert "did not finish within 0.3 s" in out[0].content
+    assert 0.55 < took < 1.0  # the 0.3 s wait plus the 0.3 s of running time, not the whole second
+
+
+@pytest.mark.filterwarnings("ignore:Sandbox.backend=.unsafe-local")
+def test_queue_time_for_a_sandbox_slot_is_not_a_tool_timeout():
+    box = Sandbox(backend="unsafe-local", config=SandboxConfig(slots=1))
+    try:
+        class PyEnv(ToolEnv):
+            tool_timeout_s = 0.6
+            tools = (tool(make_python_tool(box)),)
+
+            def reward(self, task, messages):
+                return 1.0
+
+        blocker = threading.Thread(target=box.run, args=("import time; time.sleep(1.5)",),
+                                   kwargs={"limits": Limits(wall_s=5)})
+        blocker.start()
+        time.sleep(0.2)  # the one slot is busy now; the tool's job queues behind it for about 1.3 s
+        out, _, _, _, info = _step(PyEnv(), ToolCall(id="1", name="python", arguments={"code": "print(2+2)"}))
+        blocker.join()
+        assert info["tool_errors"] == 0, out[0].content
+        assert "status: ok" in out[0].content and "4" in out[0].content
+    finally:
+        box.close()
+
+
+def test_time_queued_for_a_worker_thread_is_a_wait(monkeypatch):
+    pool = ThreadPoolExecutor(1)
+    monkeypatch.setattr(tool_mod, "_user_executor", lambda: pool)
+    release = threading.Event()
+    pool.submit(release.wait, 5)  # the only thread is busy
+
+    async def main():
+        async def call():
+            return await tool_mod.to_user_thread(lambda: "ran")
+        timer = asyncio.get_running_loop().call_later(0.4, release.set)
+        try:
+            return await run_charging_only_running_time(call(), 0.2)
+        finally:
+            timer.cancel()
+
+    result, waited = asyncio.run(main())
+    pool.shutdown()
+    assert result == "ran" and waited >= 0.35
+
+
+def test_wait_clock_counts_overlapping_waits_once_and_stops_are_idempotent():
+    clock = WaitClock()
+    a = clock.start()
+    time.sleep(0.1)
+    b = clock.start()
+    time.sleep(0.1)
+    a()
+    a()  # a second stop of the same wait does not close the other one
+    assert clock.waiting
+    time.sleep(0.1)
+    b()
+    assert not clock.waiting and 0.28 < clock.waited_s() < 0.6
+
+
+def test_a_cancelled_caller_cancels_the_call():
+    started, cancelled = asyncio.Event(), []
+
+    async def main():
+        async def slow():
+            started.set()
+            try:
+                await asyncio.sleep(10)
+            except asyncio.CancelledError:
+                cancelled.append(True)
+                raise
+        outer = asyncio.ensure_future(run_charging_only_running_time(slow(), 5))
+        await started.wait()
+        outer.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await outer
+        await asyncio.sleep(0)
+
+    asyncio.run(main())
+    assert cancelled == [True]
