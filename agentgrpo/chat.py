@@ -350,8 +350,9 @@ class ChatFormat:
         would if it were ordinary text, and ordinary text tokenizes exactly as `encode` does. This
         assumes the tokenizer treats each piece between added tokens the same wherever it starts, as
         byte-level BPE tokenizers (Qwen, Llama 3, DeepSeek-V3, SmolLM2) do; a SentencePiece tokenizer
-        that prepends "▁" to the start of its input would show the model an extra space after
-        each template special token on this (rare) path. Either way the ids are what the model sees."""
+        that prepends "▁" to the start of its input shows the model an extra "▁" after each template
+        special token on this (rare) path; tests/test_chat_sentencepiece.py checks that the held text
+        stays plain text there. Either way the ids are what the model sees."""
         if held.pattern is None:
             return self.encode(text)
         assert self._special_text is not None  # a pattern exists only when there are special tokens
@@ -366,6 +367,22 @@ class ChatFormat:
             pos, absorb_left = m.end(), rstrip
         piece = text[pos:]
         return ids + self._encode_plain(held.restore(piece.lstrip() if absorb_left else piece))
+
+    def _encode_after_end_of_turn(self, text: str, held: _Held) -> list[int]:
+        """Ids of `text` as the tokenizer reads it right after the end-of-turn token, where it stands
+        in the conversation: `text` is tokenized behind that token and the token's id dropped.
+
+        Tokenizers split added tokens out first and tokenize the text between them, so this is
+        exactly how the whole conversation tokenizes in one piece. Tokenizing `text` alone is not,
+        for a SentencePiece-style tokenizer that prepends "▁" to the start of its input (Metaspace,
+        `prepend_scheme="first"`): every suffix then began with a "▁" the template never rendered,
+        once per turn. The end-of-turn token may absorb whitespace after it (rstrip), as it does in
+        the one-piece tokenization."""
+        ids = self._encode_rendered(self.end_of_turn + text, held)
+        if not ids or ids[0] != self.end_of_turn_id:
+            raise TemplateError(f"the tokenizer does not read {self.end_of_turn!r} as one token at the start "
+                                f"of {self.end_of_turn + text[:40]!r}; cannot continue after the sampled turn")
+        return ids[1:]
 
     def _encode_plain(self, text: str) -> list[int]:
         if not text:
@@ -402,10 +419,10 @@ class ChatFormat:
             )
         glue = before[cut + len(self.end_of_turn):]
         if after.startswith(before):
-            return self._encode_rendered(glue + after[len(before):], held)
+            return self._encode_after_end_of_turn(glue + after[len(before):], held)
         if self.fallback == "keep_history":
             tail = self._suffix_after_last_turn(history_dicts, held.dicts, tools, after, glue)
-            return self._encode_rendered(tail, held)
+            return self._encode_after_end_of_turn(tail, held)
         at = _common_prefix(before, after)
         raise TemplateError(
             "the chat template is not prefix-preserving: adding "

@@ -318,7 +318,11 @@ def _walk(chat: ChatFormat, name: str, conv: list[Message], first: int, tools: l
                                                f"the template does not end assistant turns with {eot!r}",
                                                f"turn text {text[:80]!r}"))
             return
-        sampled = chat.encode(text[:end + len(eot)])
+        # the turn's ids as they stand in the conversation (a tokenizer may treat the start of its
+        # input differently, e.g. SentencePiece's "▁"), else as text on its own
+        in_place, head = chat.encode(full[:start + end + len(eot)]), chat.encode(full[:start])
+        sampled = (in_place[len(head):] if in_place[:len(head)] == head
+                   else chat.encode(text[:end + len(eot)]))
         if tools and _calls(chat.parse_assistant(sampled).message) != _calls(a):
             report.issues.append(_parser_issue(chat, name, turn, text[:end], _calls(a)))
         ids += sampled
