@@ -177,4 +177,10 @@ async def run_charging_only_running_time(aw: Awaitable[T], timeout_s: float) -> 
                 return task.result(), clock.waited_s()
     finally:
         if not task.done():
-            task.cancel()
+            task.cancel()  # not awaited: a tool that ignores cancellation must not hold up the episode
+            task.add_done_callback(_retrieve)
+
+
+def _retrieve(task: asyncio.Future) -> None:
+    if not task.cancelled():
+        task.exception()  # read, so asyncio does not log "exception was never retrieved"
