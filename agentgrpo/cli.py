@@ -23,20 +23,24 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _check_env(args: argparse.Namespace) -> int:
-    from agentgrpo.config import apply_override
-    from agentgrpo.env import get_env_class
+    from agentgrpo.config import EnvConfig, apply_override
     from agentgrpo.env_check import env_report
 
     kwargs: dict = {}
     for kv in args.kwarg:  # the constructor's arguments, as a config's env.kwargs gives them
         apply_override(kwargs, kv)
+    tasks: dict = {}
+    for kv in args.tasks:  # load_tasks' arguments, as a config's env.tasks gives them
+        apply_override(tasks, kv)
     try:
-        cls = get_env_class(args.env)
+        spec = EnvConfig(name=args.env, kwargs=kwargs, tasks=tasks)
+        cls = spec.env_class()
+        task = spec.load_tasks(cls, "train", 0)[0] if tasks else None
         env = cls(**kwargs)
     except Exception as e:  # noqa: BLE001 - the user's module or constructor: explain, do not trace
         print(f"{args.env}: cannot create the env: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
-    report = env_report(env)
+    report = env_report(env, task)
     print(report.format(), file=sys.stdout if report.ok else sys.stderr)
     return 0 if report.ok else 1
 
@@ -105,6 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--kwarg", action="append", default=[], metavar="KEY=VALUE",
                    help="a constructor argument, as in a config's env.kwargs, e.g. --kwarg max_turns=3 "
                         "or --kwarg python.max_output_chars=2000 (repeatable; values parsed as YAML)")
+    c.add_argument("--tasks", action="append", default=[], metavar="KEY=VALUE",
+                   help="an argument of load_tasks, as in a config's env.tasks, e.g. --tasks "
+                        "'file=data/{split}.jsonl' --tasks prompt_key=question (repeatable); the checks "
+                        "run on the first task of the train split")
     c.set_defaults(fn=_check_env)
 
     e = sub.add_parser("eval", help="rollouts without training: agentgrpo eval CONFIG.yaml [key=value ...]")

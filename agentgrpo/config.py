@@ -7,6 +7,7 @@ is an error that names it instead of a setting silently ignored.
 
 from __future__ import annotations
 
+import inspect
 import types
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin
@@ -16,11 +17,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from agentgrpo.advantage import AdvantageConfig
 from agentgrpo.engine.sglang_config import SGLangConfig
+from agentgrpo.env import Env, get_env_class, tasks_from_file
 from agentgrpo.evaluate import EvalConfig
 from agentgrpo.learner import LearnerConfig
 from agentgrpo.loss import LossConfig
 from agentgrpo.rollout import RolloutConfig
 from agentgrpo.shaping import ShapingConfig
+from agentgrpo.types import Task
 from agentgrpo.weight_sync import WeightSyncConfig
 
 
@@ -42,6 +45,38 @@ class EnvConfig(BaseModel):
     name: str = Field("calculator", description="registered env name or module:Class")
     kwargs: dict[str, Any] = Field(default_factory=dict, description="env constructor arguments")
     tasks: dict[str, Any] = Field(default_factory=dict, description="arguments of Env.load_tasks")
+
+    def env_class(self) -> type[Env]:
+        """The class `name` names; a name that names none is a ConfigError (env.name)."""
+        try:
+            return get_env_class(self.name)
+        except ValueError as e:
+            raise ConfigError(f"env.name: {e}") from None
+
+    def load_tasks(self, env_cls: type[Env], split: str, seed: int) -> list[Task]:
+        """`env_cls.load_tasks(split, seed, **tasks)`. An env with no task source, arguments its
+        `load_tasks` (or `tasks_from_file`) does not take, or a task file that is missing or has a
+        bad row are ConfigErrors (env.tasks); anything else a custom `load_tasks` raises is its own."""
+        args = dict(self.tasks)
+        file = args.pop("file", None)
+        try:
+            inspect.signature(env_cls.load_tasks).bind(split, seed=seed, **self.tasks)
+            if file is not None and getattr(env_cls.load_tasks, "__func__", None) is Env.load_tasks.__func__:
+                inspect.signature(tasks_from_file).bind(file, split=split, **args)
+        except TypeError as e:
+            raise ConfigError(f"env.tasks: {env_cls.__name__}.load_tasks cannot take {self.tasks}: {e}") from None
+        try:
+            return list(env_cls.load_tasks(split, seed=seed, **self.tasks))
+        except NotImplementedError as e:
+            raise ConfigError(f"env.tasks: {e}") from None
+        except OSError as e:
+            if file is None:
+                raise
+            raise ConfigError(f"env.tasks.file: cannot read the tasks of split {split!r}: {e}") from None
+        except ValueError as e:
+            if file is None:
+                raise
+            raise ConfigError(f"env.tasks.file: {e}") from None
 
 
 class EngineConfig(BaseModel):

@@ -44,6 +44,8 @@ import asyncio
 import functools
 import importlib
 import inspect
+import os
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
@@ -189,7 +191,7 @@ class Env(gymnasium.Env):
     @classmethod
     def load_tasks(cls, split: str = "train", seed: int = 0, *, file: str | None = None,
                    **kwargs: Any) -> Sequence[Task]:
-        """The tasks of a split: from a file (`env.tasks: {file: data/{split}.jsonl}` in a config;
+        """The tasks of a split: from a file (`env.tasks: {file: "data/{split}.jsonl"}` in a config;
         see `tasks_from_file`, which the other keyword arguments go to), or override it to
         generate them."""
         if file is not None:
@@ -420,14 +422,45 @@ def register_env(name: str, cls: type[Env] | None = None) -> Any:
 
 
 def get_env_class(name: str) -> type[Env]:
-    """`name` is a registered name or `module:Class`."""
+    """`name` is a registered name or `module:Class`.
+
+    A module the import path does not have is looked for in the current directory too (appended
+    to `sys.path`, so it never shadows an installed package), as `python -m` would find it: the
+    `agentgrpo` command, unlike `python`, does not put the current directory on the path. A module
+    that is still not found, or a name that is not an Env class, is a ValueError saying so; an
+    error raised while importing the user's module propagates as it is (it is their code).
+    """
     if ":" in name:
         module, _, attr = name.partition(":")
-        cls = getattr(importlib.import_module(module), attr, None)
+        try:
+            mod = _import_user_module(module)
+        except ModuleNotFoundError as e:
+            if not _names_module(e, module):
+                raise  # the user's module imports something that is not installed: their traceback
+            raise ValueError(f"env {name!r}: no module named {e.name!r} (looked in the import path and in "
+                             f"the current directory {os.getcwd()}; set PYTHONPATH to its folder)") from None
+        cls = getattr(mod, attr, None)
         if not (isinstance(cls, type) and issubclass(cls, Env)):
-            raise ValueError(f"{name!r} does not name an agentgrpo Env class")
+            raise ValueError(f"{name!r} does not name an agentgrpo Env class"
+                             + ("" if cls is not None else f" (module {module!r} has no {attr!r})"))
         return cls
     importlib.import_module("envs")  # registers the bundled environments
     if name not in ENVS:
         raise ValueError(f"unknown environment {name!r}; registered: {sorted(ENVS)} (or use module:Class)")
     return ENVS[name]
+
+
+def _import_user_module(module: str) -> Any:
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        cwd = os.getcwd()
+        if not _names_module(e, module) or cwd in sys.path or "" in sys.path:
+            raise
+        sys.path.append(cwd)
+        return importlib.import_module(module)
+
+
+def _names_module(e: ModuleNotFoundError, module: str) -> bool:
+    """Whether the module not found is `module` itself or a package above it."""
+    return e.name is not None and (module == e.name or module.startswith(e.name + "."))

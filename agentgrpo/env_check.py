@@ -310,7 +310,8 @@ def env_report(env: Env, task: Task | None = None) -> EnvReport:
             task = next(iter(type(env).load_tasks("train", seed=0)))
         except (NotImplementedError, StopIteration) as e:
             report.checks.append(EnvCheck("load_tasks('train')", False, f"no task given and "
-                                          f"{e or 'load_tasks returned no tasks'}"))
+                                          f"{e or 'load_tasks returned no tasks'} (check-env: "
+                                          "--tasks file=... gives a task file)"))
             return report
     first, failed = _call("reset", env.reset, seed=0, options={"task": task})
     if failed is not None:

@@ -62,8 +62,8 @@ class EvalConfig(BaseModel):
     samples_per_task: int = Field(4, ge=1, description="trajectories per task (the n of pass@k)")
     pass_k: list[int] = Field(default_factory=lambda: [1], description="k values of pass@k, each <= samples_per_task")
     success_threshold: float = Field(1.0, description="a trajectory passes when its reward is >= this")
-    checkpoint: str = Field("latest", description="'latest' = newest intact checkpoint of output_dir (the "
-                            "base model when it has none), 'none' = the base model, or a checkpoint "
+    checkpoint: str = Field("latest", description="'latest' = newest intact checkpoint of output_dir (an "
+                            "error when it has none), 'none' = the base model, or a checkpoint "
                             "directory (verified); any format: full, LoRA (set learner.lora as in "
                             "training) or sharded")
     output_dir: str | None = Field(None, description="where results go (None = <output_dir>/eval-<split>)")
@@ -167,8 +167,9 @@ def resolve_policy(cfg: RunConfig, base: Path) -> tuple[Path | None, int, torch.
     (None, 0, None) for the base model.
 
     `latest` picks the newest checkpoint of `output_dir` that verifies (checksums) and loads, as a
-    resumed run does, skipping damaged ones with a warning; the base model only when the run has no
-    checkpoint at all, never because every checkpoint failed. A named directory must verify.
+    resumed run does, skipping damaged ones with a warning. Never the base model in its place: no
+    checkpoint at all (a misspelt `output_dir`) or none that loads is a ConfigError pointing to
+    `eval.checkpoint=none`. A named directory must verify.
     """
     from agentgrpo import checkpoint
     from agentgrpo.config import ConfigError
@@ -183,11 +184,14 @@ def resolve_policy(cfg: RunConfig, base: Path) -> tuple[Path | None, int, torch.
 
     if choice == "latest":
         root = Path(cfg.output_dir) / "checkpoints"
+        if not any(root.glob("step-*")):  # a misspelt output_dir, or a run not checkpointed yet
+            raise ConfigError(f"eval.checkpoint=latest: no checkpoint under {root} (output_dir="
+                              f"{cfg.output_dir}); eval.checkpoint=none evaluates the base model")
         found = checkpoint.restore(root, load)
-        if found is None and any(root.glob("step-*")):
+        if found is None:
             raise ConfigError(f"no checkpoint under {root} verifies and loads (the warnings say why); "
                               "eval.checkpoint=none evaluates the base model")
-        return (found[0], int(found[1]["step"]), loaded[-1]) if found else (None, 0, None)
+        return found[0], int(found[1]["step"]), loaded[-1]
     path = Path(choice)
     if not path.is_dir():
         raise ConfigError(f"eval.checkpoint {choice!r} is not a directory")
@@ -212,7 +216,6 @@ def run_eval(cfg: RunConfig, *, engine: Engine | None = None) -> tuple[Path, Eva
 
     from transformers import AutoConfig, AutoTokenizer
 
-    from agentgrpo.env import get_env_class
     from agentgrpo.log import RunLogger
     from agentgrpo.models import default_model_path
     from agentgrpo.template_audit import require_token_safe
@@ -223,9 +226,9 @@ def run_eval(cfg: RunConfig, *, engine: Engine | None = None) -> tuple[Path, Eva
     template = Path(cfg.model.chat_template).read_text() if cfg.model.chat_template else None
     chat = ChatFormat(tokenizer, template=template, parser=cfg.model.tool_parser,
                       fallback=cfg.rollout.template_fallback, template_kwargs=cfg.rollout.chat_template_kwargs)
-    env_cls = get_env_class(cfg.env.name)
+    env_cls = cfg.env.env_class()
     make_env = lambda: env_cls(**cfg.env.kwargs)  # noqa: E731 - one env instance per trajectory
-    tasks = list(env_cls.load_tasks(cfg.eval.split, seed=cfg.seed, **cfg.env.tasks))[: cfg.eval.num_tasks]
+    tasks = cfg.env.load_tasks(env_cls, cfg.eval.split, cfg.seed)[: cfg.eval.num_tasks]
     if not tasks:
         from agentgrpo.config import ConfigError
 

@@ -21,7 +21,7 @@ from agentgrpo.advantage import compute_advantages
 from agentgrpo.chat import ChatFormat
 from agentgrpo.config import ConfigError, RunConfig, dump_config
 from agentgrpo.engine.base import Engine, close_all, wait_ready
-from agentgrpo.env import Env, get_env_class
+from agentgrpo.env import Env
 from agentgrpo.evaluate import evaluate
 from agentgrpo.learner import Learner
 from agentgrpo.log import Progress, RunLogger, set_aside_after
@@ -122,6 +122,7 @@ def train(cfg: RunConfig) -> Path:
 
     run_dir = Path(cfg.output_dir)
     seed_everything(cfg.seed)
+    env_cls = cfg.env.env_class()  # before the model loads: a misspelt env name fails at once
     model_path = Path(cfg.model.path) if cfg.model.path else default_model_path()
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     template = Path(cfg.model.chat_template).read_text() if cfg.model.chat_template else None
@@ -133,9 +134,8 @@ def train(cfg: RunConfig) -> Path:
     learner = Learner(model, cfg.learner, cfg.loss, temperature=cfg.rollout.temperature, pad_id=pad_id,
                       total_steps=cfg.train.steps)
     lead = learner.is_main  # rank 0: engine, weight sync, logs and files; other ranks only train
-    env_cls = get_env_class(cfg.env.name)
     make_env = lambda: env_cls(**cfg.env.kwargs)  # noqa: E731 - one env instance per trajectory
-    stream = TaskStream(env_cls.load_tasks("train", seed=cfg.seed, **cfg.env.tasks), cfg.seed)
+    stream = TaskStream(cfg.env.load_tasks(env_cls, "train", cfg.seed), cfg.seed)
     ckpt_root, start = run_dir / "checkpoints", 0
     try:  # before anything is written: a run that cannot resume leaves its directory as it was
         found = checkpoint.restore(ckpt_root, learner.load, check=lead, all_ranks=learner.all_ranks, strict=True)
@@ -209,7 +209,7 @@ def train(cfg: RunConfig) -> Path:
         logger = RunLogger.from_config(run_dir, cfg)
     progress = Progress(cfg.train.steps, start_step=start, enabled=cfg.log.progress and lead,
                         rollouts_per_step=cfg.rollout.tasks_per_step * cfg.rollout.group_size)
-    eval_tasks = (list(env_cls.load_tasks(cfg.eval.split, seed=cfg.seed, **cfg.env.tasks))[: cfg.eval.num_tasks]
+    eval_tasks = (cfg.env.load_tasks(env_cls, cfg.eval.split, cfg.seed)[: cfg.eval.num_tasks]
                   if cfg.eval.every and lead else [])
     if cfg.eval.every and lead and not eval_tasks:  # it would log NaN eval metrics every eval.every steps
         raise ConfigError(f"eval.every={cfg.eval.every} but {cfg.env.name} has no tasks in split "

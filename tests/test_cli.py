@@ -29,3 +29,73 @@ def test_check_env_builds_the_env_with_its_constructor_arguments(capsys):
     assert "cannot create the env" in capsys.readouterr().err
     assert main(["check-env", "tests.test_cli:NeedsArgs", "--kwarg", "target=7",
                  "--kwarg", "options.mode=strict"]) == 0, capsys.readouterr()
+
+
+WEATHER = '''
+from agentgrpo import Env
+
+
+class Weather(Env):
+    def step(self, action):
+        return [], float(action.content.strip() == str(self.task.answer)), True, False, {}
+'''
+
+
+def test_a_module_in_the_current_directory_is_found_and_tasks_come_from_a_file(tmp_path, monkeypatch, capsys):
+    """As the README has users do: `mymodule.py` beside them, tasks in data/{split}.jsonl."""
+    import json
+    import sys
+
+    (tmp_path / "mymodule_weather.py").write_text(WEATHER)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train.jsonl").write_text(json.dumps({"question": "Say 7.", "answer": "7"}) + "\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    assert main(["check-env", "mymodule_weather:Weather"]) == 1  # found, but it has no tasks of its own
+    assert "--tasks file=" in capsys.readouterr().err
+    assert main(["check-env", "mymodule_weather:Weather", "--tasks", "file=data/{split}.jsonl",
+                 "--tasks", "prompt_key=question"]) == 0, capsys.readouterr()
+    assert sys.path[-1] == str(tmp_path)  # appended: it never shadows an installed package
+
+
+def test_a_module_that_is_not_found_or_a_class_that_is_not_there_is_a_config_error(tmp_path, monkeypatch):
+    import pytest
+
+    from agentgrpo.config import ConfigError, EnvConfig
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=r"env.name: .*no module named 'nowhere_mod'.*PYTHONPATH"):
+        EnvConfig(name="nowhere_mod:Env").env_class()
+    with pytest.raises(ConfigError, match=r"module 'tests.test_cli' has no 'Nope'"):
+        EnvConfig(name="tests.test_cli:Nope").env_class()
+    (tmp_path / "broken_dep_mod.py").write_text("import not_installed_pkg_xyz\n")
+    with pytest.raises(ModuleNotFoundError, match="not_installed_pkg_xyz"):  # their import: their traceback
+        EnvConfig(name="broken_dep_mod:Env").env_class()
+
+
+def test_task_sources_that_cannot_work_are_config_errors(tmp_path):
+    import pytest
+
+    from agentgrpo.config import ConfigError, EnvConfig
+    from tests.test_env import Echo
+
+    with pytest.raises(ConfigError, match=r"env.tasks: Echo.load_tasks is not implemented"):
+        EnvConfig().load_tasks(Echo, "train", 0)
+    with pytest.raises(ConfigError, match=r"env.tasks.file: cannot read the tasks of split 'eval'"):
+        EnvConfig(tasks={"file": str(tmp_path / "{split}.jsonl")}).load_tasks(Echo, "eval", 0)
+    (tmp_path / "train.jsonl").write_text('{"prompt": "x"}\n')
+    with pytest.raises(ConfigError, match=r"env.tasks: Echo.load_tasks cannot take .*prompt_keys"):
+        EnvConfig(tasks={"file": str(tmp_path / "{split}.jsonl"), "prompt_keys": "q"}).load_tasks(Echo, "train", 0)
+
+
+def test_train_with_a_misspelt_env_fails_before_loading_the_model(tmp_path, capsys, monkeypatch):
+    import agentgrpo.models as models
+
+    def no_model(*a, **k):
+        raise AssertionError("the model loaded before the env name was checked")
+    monkeypatch.setattr(models, "load_policy", no_model)
+    config = tmp_path / "c.yaml"
+    config.write_text(f"env: {{name: calculatr}}\noutput_dir: {tmp_path / 'run'}\n")
+    assert main(["train", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert "error: env.name: unknown environment 'calculatr'" in err and "Traceback" not in err

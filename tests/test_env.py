@@ -184,4 +184,5 @@ def test_check_env_command(capsys):
     assert main(["check-env", "tests.test_env:Echo"]) == 1  # no load_tasks: no task to run
     assert "no task given and Echo.load_tasks is not implemented" in capsys.readouterr().err
     assert main(["check-env", "no_such_module:Env"]) == 1
-    assert "cannot create the env: ModuleNotFoundError" in capsys.readouterr().err
+    assert "cannot create the env: ConfigError: env.name: env 'no_such_module:Env': no module named" \
+        in capsys.readouterr().err

@@ -273,7 +273,8 @@ def test_damaged_and_mismatched_checkpoints_are_refused_never_replaced_by_the_ba
     with pytest.warns(UserWarning), pytest.raises(ConfigError, match="no checkpoint .* verifies and loads"):
         resolve_policy(cfg, stopping_model_dir)
     fresh = _eval_cfg(tmp_path / "fresh", stopping_model_dir, extra)
-    assert resolve_policy(fresh, stopping_model_dir) == (None, 0, None)  # no checkpoint yet: the base
+    with pytest.raises(ConfigError, match=r"no checkpoint under .*fresh/checkpoints.*eval.checkpoint=none"):
+        resolve_policy(fresh, stopping_model_dir)  # a misspelt output_dir: never the base model instead
 
     for name in ("lora", "lora-sharded"):  # the config must say LoRA, as training's did
         ckpt = runs[name][0] / "checkpoints" / "step-000001"
