@@ -167,6 +167,36 @@ def test_client_retries_busy_server(open_server):
         slow.join()
 
 
+def test_waiting_for_a_busy_server_is_not_charged_to_a_tool_deadline(open_server):
+    import asyncio
+
+    from agentgrpo import Message, Task, ToolCall, ToolEnv, tool
+    from tools.python import make_python_tool
+
+    sb = Sandbox(url=open_server, config=SandboxConfig(busy_wait_s=10))
+
+    class PyEnv(ToolEnv):
+        tool_timeout_s = 0.5  # the server is busy for about 1 s: the retries wait past it
+        tools = (tool(make_python_tool(sb)),)
+
+        def reward(self, task, messages):
+            return 1.0
+
+    slow = threading.Thread(target=lambda: httpx.post(
+        open_server + "/run", json={"code": "import time; time.sleep(1.2)", "limits": {"wall_s": 2}}, timeout=10))
+    slow.start()
+    time.sleep(0.3)
+    try:
+        env = PyEnv()
+        env.reset(options={"task": Task(id="t", prompt="p")})
+        call = ToolCall(id="1", name="python", arguments={"code": "print(2+2)"})
+        out, _, _, _, info = asyncio.run(env.step(Message(role="assistant", content="", tool_calls=[call])))
+        assert info["tool_errors"] == 0 and "status: ok" in out[0].content, out[0].content
+    finally:
+        slow.join()
+        sb.close()
+
+
 def test_sandboxfusion_run_code(open_server):
     r = httpx.post(
         open_server + "/run_code",

@@ -13,6 +13,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from agentgrpo.deadlines import waiting_for_capacity
 from agentgrpo.verify._records import ExecResult, Limits, sandbox_error
 
 if TYPE_CHECKING:
@@ -98,7 +99,8 @@ class _RemoteClient:
             wait = self._busy_wait(resp, attempt, deadline)
             if wait is None:
                 return self._parse(resp, url)
-            time.sleep(wait)
+            with waiting_for_capacity():  # a busy server is load: not charged to a tool's deadline
+                time.sleep(wait)
         return sandbox_error("servers busy", "remote")
 
     async def arun(self, payload: dict, limits: Limits) -> ExecResult:
@@ -122,7 +124,8 @@ class _RemoteClient:
             wait = self._busy_wait(resp, attempt, deadline)
             if wait is None:
                 return self._parse(resp, url)
-            await asyncio.sleep(wait)
+            with waiting_for_capacity():
+                await asyncio.sleep(wait)
         return sandbox_error("servers busy", "remote")
 
     def close(self) -> None:

@@ -12,8 +12,10 @@ sandbox_error (the sandbox itself failed). `sandbox_error` is retried here (`ret
 caller that still gets one must treat the sample as unscorable (reward NaN), never as 0.
 Stdout and stderr are unbuffered inside the sandbox, so output printed before a timeout is kept.
 Jobs beyond the free slots wait in a queue; inside a tool call that wait is not charged to the
-tool's deadline (`agentgrpo.deadlines.WaitClock`). With `remote` the server's queue is not
-visible here, so its time counts as running time.
+tool's deadline (`agentgrpo.deadlines.WaitClock`). With `remote`, waits for a busy server (429,
+retried) are not charged either, but the server's own queue (`serve-sandbox --max-queue`) is not
+visible here and counts as running time: give it `--max-queue` equal to `--slots` to keep the wait
+on this side.
 
 Backends, chosen by probing once per process, in this order; every result names its `backend`:
 - `namespaces` (root with CAP_SYS_ADMIN): a supervisor process and a fork server; each job is a
