@@ -32,13 +32,17 @@ def _check_env(args: argparse.Namespace) -> int:
     tasks: dict = {}
     for kv in args.tasks:  # load_tasks' arguments, as a config's env.tasks gives them
         apply_override(tasks, kv)
+    spec = EnvConfig(name=args.env, kwargs=kwargs, tasks=tasks)
     try:
-        spec = EnvConfig(name=args.env, kwargs=kwargs, tasks=tasks)
         cls = spec.env_class()
-        task = spec.load_tasks(cls, "train", 0)[0] if tasks else None
         env = cls(**kwargs)
     except Exception as e:  # noqa: BLE001 - the user's module or constructor: explain, do not trace
         print(f"{args.env}: cannot create the env: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    try:
+        task = spec.load_tasks(cls, "train", 0)[0] if tasks else None
+    except Exception as e:  # noqa: BLE001 - the user's task source
+        print(f"{args.env}: cannot load its tasks: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     report = env_report(env, task)
     print(report.format(), file=sys.stdout if report.ok else sys.stderr)

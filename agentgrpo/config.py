@@ -59,6 +59,12 @@ class EnvConfig(BaseModel):
         bad row are ConfigErrors (env.tasks); anything else a custom `load_tasks` raises is its own."""
         args = dict(self.tasks)
         file = args.pop("file", None)
+        if isinstance(file, str):
+            try:
+                file.format(split=split)
+            except (KeyError, IndexError, ValueError) as e:
+                raise ConfigError(f"env.tasks.file {file!r}: {{split}} is the only placeholder it may "
+                                  f"hold (double other braces): {e!r}") from None
         try:
             inspect.signature(env_cls.load_tasks).bind(split, seed=seed, **self.tasks)
             if file is not None and getattr(env_cls.load_tasks, "__func__", None) is Env.load_tasks.__func__:

@@ -151,12 +151,14 @@ def waiting_for_capacity() -> Iterator[None]:
         stop()
 
 
-async def run_charging_only_running_time(aw: Awaitable[T], timeout_s: float) -> tuple[T, float]:
-    """Await `aw` with a deadline of `timeout_s` seconds of time not spent waiting for capacity.
+async def run_charging_only_running_time(aw: Awaitable[T], timeout_s: float | None) -> tuple[T, float]:
+    """Await `aw` with a deadline of `timeout_s` seconds of time not spent waiting for capacity
+    (None: no deadline, as for `asyncio.wait_for`).
 
     Returns the result and the seconds waited; raises `asyncio.TimeoutError` once the running
     time passes `timeout_s` (never while a wait is open), with `aw` cancelled. `aw` runs in a task
-    of its own whose context holds a fresh `WaitClock`.
+    of its own whose context holds a fresh `WaitClock`. While a wait is open the deadline is looked
+    at every `_WAIT_POLL_S` at most (a wait ends in another thread, which does not wake this loop).
     """
     clock = WaitClock()
 
@@ -168,17 +170,23 @@ async def run_charging_only_running_time(aw: Awaitable[T], timeout_s: float) -> 
     start = time.monotonic()
     try:
         while True:
+            if timeout_s is None:
+                await asyncio.wait({task})
+                return task.result(), clock.waited_s()
             remaining = start + timeout_s + clock.waited_s() - time.monotonic()
             if remaining <= 0 and not clock.waiting:
                 raise asyncio.TimeoutError(f"ran for more than {timeout_s:g} s")
             # while a wait is open `remaining` stays put: wake then and look again
-            await asyncio.wait({task}, timeout=max(remaining, 1e-3))
+            await asyncio.wait({task}, timeout=max(remaining, _WAIT_POLL_S if clock.waiting else 1e-3))
             if task.done():
                 return task.result(), clock.waited_s()
     finally:
         if not task.done():
             task.cancel()  # not awaited: a tool that ignores cancellation must not hold up the episode
             task.add_done_callback(_retrieve)
+
+
+_WAIT_POLL_S = 0.05
 
 
 def _retrieve(task: asyncio.Future) -> None:

@@ -432,6 +432,8 @@ def get_env_class(name: str) -> type[Env]:
     """
     if ":" in name:
         module, _, attr = name.partition(":")
+        if module.endswith(".py"):
+            raise ValueError(f"env {name!r}: name the module, not its file: {module[:-3]}:{attr}")
         try:
             mod = _import_user_module(module)
         except ModuleNotFoundError as e:

@@ -122,7 +122,12 @@ def train(cfg: RunConfig) -> Path:
 
     run_dir = Path(cfg.output_dir)
     seed_everything(cfg.seed)
-    env_cls = cfg.env.env_class()  # before the model loads: a misspelt env name fails at once
+    env_cls = cfg.env.env_class()  # before the model loads: a misspelt env or task file fails at once
+    train_tasks = cfg.env.load_tasks(env_cls, "train", cfg.seed)
+    eval_tasks = cfg.env.load_tasks(env_cls, cfg.eval.split, cfg.seed)[: cfg.eval.num_tasks] if cfg.eval.every else []
+    if cfg.eval.every and not eval_tasks:  # it would log NaN eval metrics every eval.every steps
+        raise ConfigError(f"eval.every={cfg.eval.every} but {cfg.env.name} has no tasks in split "
+                          f"{cfg.eval.split!r} (eval.split); set eval.every: 0 or another split")
     model_path = Path(cfg.model.path) if cfg.model.path else default_model_path()
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     template = Path(cfg.model.chat_template).read_text() if cfg.model.chat_template else None
@@ -135,7 +140,7 @@ def train(cfg: RunConfig) -> Path:
                       total_steps=cfg.train.steps)
     lead = learner.is_main  # rank 0: engine, weight sync, logs and files; other ranks only train
     make_env = lambda: env_cls(**cfg.env.kwargs)  # noqa: E731 - one env instance per trajectory
-    stream = TaskStream(cfg.env.load_tasks(env_cls, "train", cfg.seed), cfg.seed)
+    stream = TaskStream(train_tasks, cfg.seed)
     ckpt_root, start = run_dir / "checkpoints", 0
     try:  # before anything is written: a run that cannot resume leaves its directory as it was
         found = checkpoint.restore(ckpt_root, learner.load, check=lead, all_ranks=learner.all_ranks, strict=True)
@@ -209,11 +214,7 @@ def train(cfg: RunConfig) -> Path:
         logger = RunLogger.from_config(run_dir, cfg)
     progress = Progress(cfg.train.steps, start_step=start, enabled=cfg.log.progress and lead,
                         rollouts_per_step=cfg.rollout.tasks_per_step * cfg.rollout.group_size)
-    eval_tasks = (cfg.env.load_tasks(env_cls, cfg.eval.split, cfg.seed)[: cfg.eval.num_tasks]
-                  if cfg.eval.every and lead else [])
-    if cfg.eval.every and lead and not eval_tasks:  # it would log NaN eval metrics every eval.every steps
-        raise ConfigError(f"eval.every={cfg.eval.every} but {cfg.env.name} has no tasks in split "
-                          f"{cfg.eval.split!r} (eval.split); set eval.every: 0 or another split")
+    eval_tasks = eval_tasks if lead else []
     stop = checkpoint.StopRequested().install()  # SIGTERM/SIGINT: checkpoint after this step, exit
     try:
         for step in range(start, cfg.train.steps):

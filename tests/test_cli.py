@@ -99,3 +99,32 @@ def test_train_with_a_misspelt_env_fails_before_loading_the_model(tmp_path, caps
     assert main(["train", str(config)]) == 2
     err = capsys.readouterr().err
     assert "error: env.name: unknown environment 'calculatr'" in err and "Traceback" not in err
+
+
+def test_task_file_and_module_name_mistakes_say_what_to_change(tmp_path, monkeypatch, capsys):
+    import pytest
+
+    from agentgrpo.config import ConfigError, EnvConfig
+    from tests.test_env import Echo
+
+    with pytest.raises(ConfigError, match=r"\{split\} is the only placeholder"):
+        EnvConfig(tasks={"file": "data/{name}.jsonl"}).load_tasks(Echo, "train", 0)
+    with pytest.raises(ConfigError, match=r"name the module, not its file: tests.test_env:Echo"):
+        EnvConfig(name="tests.test_env.py:Echo").env_class()
+    (tmp_path / "train.jsonl").write_text("")
+    assert main(["check-env", "tests.test_env:Echo", "--tasks", f"file={tmp_path}/{{split}}.jsonl"]) == 1
+    assert "cannot load its tasks: ConfigError: env.tasks.file:" in capsys.readouterr().err
+
+
+def test_train_with_a_missing_task_file_fails_before_loading_the_model(tmp_path, capsys, monkeypatch):
+    import agentgrpo.models as models
+
+    def no_model(*a, **k):
+        raise AssertionError("the model loaded before the task file was read")
+    monkeypatch.setattr(models, "load_policy", no_model)
+    config = tmp_path / "c.yaml"
+    config.write_text(f"env: {{name: 'tests.test_env:Echo', tasks: {{file: '{tmp_path}/{{split}}.jsonl'}}}}\n"
+                      f"output_dir: {tmp_path / 'run'}\n")
+    assert main(["train", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert "error: env.tasks.file: cannot read the tasks of split 'train'" in err and "Traceback" not in err

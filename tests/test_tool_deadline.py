@@ -131,3 +131,90 @@ def test_a_cancelled_caller_cancels_the_call():
 
     asyncio.run(main())
     assert cancelled == [True]
+
+
+@pytest.mark.filterwarnings("ignore:Sandbox.backend=.unsafe-local")
+def test_a_sandbox_job_whose_caller_gave_up_does_not_stop_the_sandbox():
+    """An async tool timed out mid-job cancels the job's future; its result, arriving later, used to
+    kill the sandbox's reader thread, after which no result was read and every later call waited
+    for a slot forever (its wait open, so it never even timed out)."""
+    box = Sandbox(backend="unsafe-local", config=SandboxConfig(slots=1))
+
+    class AsyncPy(ToolEnv):
+        tool_timeout_s = 0.5
+
+        @tool
+        async def python(self, code: str) -> str:
+            """Run code."""
+            return (await box.arun(code, limits=Limits(wall_s=3))).stdout
+
+        def reward(self, task, messages):
+            return 1.0
+
+    async def call(code: str):
+        env = AsyncPy()
+        env.reset(options={"task": TASK})
+        msg = Message(role="assistant", content="", tool_calls=[ToolCall(id="1", name="python", arguments={"code": code})])
+        out, *_, info = await asyncio.wait_for(env.step(msg), 8)
+        return out[0].content, info["tool_error_kinds"]
+
+    async def main():
+        slow = await call("import time; time.sleep(1)")
+        await asyncio.sleep(1.0)  # its job finishes in the sandbox; nobody awaits it any more
+        return slow, await call("print(4)"), await call("print(5)")
+
+    try:
+        slow, second, third = asyncio.run(main())
+        assert slow[1] == {"tool_timeout": 1}
+        assert second == ("4\n", {}) and third == ("5\n", {})
+    finally:
+        box.close()
+
+
+@pytest.mark.filterwarnings("ignore:Sandbox.backend=.unsafe-local")
+def test_a_job_cancelled_while_queued_is_never_run_and_close_answers_the_queue():
+    box = Sandbox(backend="unsafe-local", config=SandboxConfig(slots=1))
+    client = box._impl
+    try:
+        busy = client.submit(b"import time; time.sleep(0.6)", b"", [], Limits(wall_s=3))
+        given_up = client.submit(b"print('never')", b"", [], Limits(wall_s=3))
+        assert given_up.cancel()  # still queued: cancellable
+        after = client.submit(b"print('after')", b"", [], Limits(wall_s=3))
+        assert busy.result(5).status == "ok" and after.result(5).stdout == "after\n"
+        busy = client.submit(b"import time; time.sleep(2)", b"", [], Limits(wall_s=5))
+        queued = client.submit(b"print(1)", b"", [], Limits(wall_s=5))
+        time.sleep(0.2)
+    finally:
+        box.close()
+    assert queued.result(2).status == "sandbox_error" and "closed" in queued.result().detail
+
+
+def test_no_tool_deadline_means_none():
+    async def main():
+        return await run_charging_only_running_time(asyncio.sleep(0.05, "done"), None)
+
+    assert asyncio.run(main())[0] == "done"
+
+
+def test_an_open_wait_late_in_a_call_is_not_polled_in_a_busy_loop(monkeypatch):
+    import agentgrpo.deadlines as deadlines
+
+    polls = []
+    real_waited = deadlines.WaitClock.waited_s
+
+    def counting(self):
+        polls.append(1)
+        return real_waited(self)
+    monkeypatch.setattr(deadlines.WaitClock, "waited_s", counting)
+
+    async def almost_out_then_wait():
+        time.sleep(0.19)  # nearly all of the 0.2 s budget runs (blocking the loop, so no poll)
+        with waiting_for_capacity():
+            await asyncio.sleep(0.5)
+        return "ok"
+
+    async def main():
+        return await run_charging_only_running_time(almost_out_then_wait(), 0.2)
+
+    assert asyncio.run(main())[0] == "ok"
+    assert len(polls) < 40  # one look per 50 ms of the wait, not one per millisecond

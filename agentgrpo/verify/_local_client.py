@@ -125,17 +125,20 @@ class _LocalClient:
                 if self._sock is None:
                     try:
                         self._start()
-                    except RuntimeError as e:  # cannot restart: fail what waits, retry later
-                        waiting = list(self._queue)
-                        self._queue.clear()
-                        for _, _, _, fut, _ in waiting:
-                            fut.set_result(sandbox_error(str(e), self.kind))
+                    except (RuntimeError, OSError) as e:  # cannot restart: fail what waits, retry later
+                        self._fail_queued(str(e))
                         return
                 jid, frame, budget, fut, on_dispatch = self._queue.popleft()
-                self._inflight[jid] = (fut, time.monotonic() + budget)
+                # A future is cancellable until it runs (an awaiting `arun` cancelled by a deadline
+                # cancels it); once running it is not, so the reader's set_result cannot fail.
+                running = fut.set_running_or_notify_cancel()
+                if running:
+                    self._inflight[jid] = (fut, time.monotonic() + budget)
                 sock = self._sock
             if on_dispatch is not None:
                 on_dispatch()
+            if not running:  # its caller gave up while it queued: never sent
+                continue
             try:
                 with self._send_lock:
                     sock.sendall(frame)
@@ -164,7 +167,11 @@ class _LocalClient:
                 with self._lock:
                     entry = self._inflight.pop(header["id"], None)
                 if entry is not None:
-                    entry[0].set_result(_result_from(header, blobs))
+                    try:
+                        res = _result_from(header, blobs)
+                    except (KeyError, TypeError, ValueError) as e:  # one bad frame must not stop the reader
+                        res = sandbox_error(f"bad result frame from the supervisor: {e!r}", self.kind)
+                    entry[0].set_result(res)
             if time.monotonic() - checked > 0.25:
                 checked = time.monotonic()
                 self._check_deadlines(sock)
@@ -205,10 +212,21 @@ class _LocalClient:
                 continue
         proc.wait()
 
+    def _fail_queued(self, why: str) -> None:
+        """Answer every queued job with a sandbox_error (call with `_lock` held)."""
+        waiting = list(self._queue)
+        self._queue.clear()
+        for _, _, _, fut, on_dispatch in waiting:
+            if on_dispatch is not None:
+                on_dispatch()
+            if fut.set_running_or_notify_cancel():
+                fut.set_result(sandbox_error(why, self.kind))
+
     def close(self) -> None:
         with self._lock:
             self._closed = True
             sock = self._sock
+            self._fail_queued("sandbox closed")  # queued jobs would otherwise wait forever
         if sock is not None:
             self._drop(sock, "sandbox closed")
 
