@@ -350,9 +350,8 @@ class ChatFormat:
         would if it were ordinary text, and ordinary text tokenizes exactly as `encode` does. This
         assumes the tokenizer treats each piece between added tokens the same wherever it starts, as
         byte-level BPE tokenizers (Qwen, Llama 3, DeepSeek-V3, SmolLM2) do; a SentencePiece tokenizer
-        that prepends "▁" to the start of its input shows the model an extra "▁" after each template
-        special token on this (rare) path; tests/test_chat_sentencepiece.py checks that the held text
-        stays plain text there. Either way the ids are what the model sees."""
+        that prepends "▁" to its input shows the model an extra "▁" after each template special token
+        on this (rare) path (the held text stays plain text). The ids are what the model sees."""
         if held.pattern is None:
             return self.encode(text)
         assert self._special_text is not None  # a pattern exists only when there are special tokens
@@ -369,15 +368,11 @@ class ChatFormat:
         return ids + self._encode_plain(held.restore(piece.lstrip() if absorb_left else piece))
 
     def _encode_after_end_of_turn(self, text: str, held: _Held) -> list[int]:
-        """Ids of `text` as the tokenizer reads it right after the end-of-turn token, where it stands
-        in the conversation: `text` is tokenized behind that token and the token's id dropped.
-
-        Tokenizers split added tokens out first and tokenize the text between them, so this is
-        exactly how the whole conversation tokenizes in one piece. Tokenizing `text` alone is not,
-        for a SentencePiece-style tokenizer that prepends "▁" to the start of its input (Metaspace,
-        `prepend_scheme="first"`): every suffix then began with a "▁" the template never rendered,
-        once per turn. The end-of-turn token may absorb whitespace after it (rstrip), as it does in
-        the one-piece tokenization."""
+        """Ids of `text` as the tokenizer reads it right after the end-of-turn token: tokenized
+        behind that token, whose id is dropped. Tokenizers split added tokens out first, so this is
+        how the whole conversation tokenizes in one piece (an rstrip token absorbs whitespace, as
+        there). `text` alone is not, for a tokenizer that prepends "▁" to its input (Metaspace,
+        `prepend_scheme="first"`): every suffix began with a "▁" the template never rendered."""
         ids = self._encode_rendered(self.end_of_turn + text, held)
         if not ids or ids[0] != self.end_of_turn_id:
             raise TemplateError(f"the tokenizer does not read {self.end_of_turn!r} as one token at the start "
