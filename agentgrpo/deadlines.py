@@ -130,25 +130,30 @@ _WAIT_CLOCK: contextvars.ContextVar[WaitClock | None] = contextvars.ContextVar("
                                                                                default=None)
 
 
-def current_wait_clock() -> WaitClock | None:
-    """The clock of the tool call this code runs in (None outside one). Context variables follow
-    the call into `to_user_thread` workers."""
-    return _WAIT_CLOCK.get()
+def start_wait() -> Callable[[], None]:
+    """Open a wait on the clock of the tool call this code runs in and return its idempotent
+    `stop`; outside a tool call both are no-ops. Context variables follow the call into
+    `to_user_thread` workers, so a sandbox queue or a thread pool can mark its own waits."""
+    clock = _WAIT_CLOCK.get()
+    return clock.start() if clock is not None else _no_wait
+
+
+def _no_wait() -> None:
+    pass
 
 
 @contextlib.contextmanager
 def waiting_for_capacity() -> Iterator[None]:
     """Mark a stretch of a tool's code as waiting for a shared resource (a rate-limited API, a
     pool of workers): `tool_timeout_s` does not count it. A no-op outside a tool call."""
-    clock = _WAIT_CLOCK.get()
-    if clock is None:
-        yield
-        return
-    stop = clock.start()
+    stop = start_wait()
     try:
         yield
     finally:
         stop()
+
+
+_WAIT_POLL_S = 0.05
 
 
 async def run_charging_only_running_time(aw: Awaitable[T], timeout_s: float | None) -> tuple[T, float]:
@@ -169,10 +174,9 @@ async def run_charging_only_running_time(aw: Awaitable[T], timeout_s: float | No
     task = asyncio.ensure_future(with_clock())
     start = time.monotonic()
     try:
+        if timeout_s is None:
+            return await task, clock.waited_s()
         while True:
-            if timeout_s is None:
-                await asyncio.wait({task})
-                return task.result(), clock.waited_s()
             remaining = start + timeout_s + clock.waited_s() - time.monotonic()
             if remaining <= 0 and not clock.waiting:
                 raise asyncio.TimeoutError(f"ran for more than {timeout_s:g} s")
@@ -184,9 +188,6 @@ async def run_charging_only_running_time(aw: Awaitable[T], timeout_s: float | No
         if not task.done():
             task.cancel()  # not awaited: a tool that ignores cancellation must not hold up the episode
             task.add_done_callback(_retrieve)
-
-
-_WAIT_POLL_S = 0.05
 
 
 def _retrieve(task: asyncio.Future) -> None:

@@ -44,7 +44,7 @@ from typing import Any, TypeVar
 
 import pydantic
 
-from agentgrpo.deadlines import current_wait_clock
+from agentgrpo.deadlines import start_wait
 from agentgrpo.types import InfrastructureError
 
 T = TypeVar("T")
@@ -275,10 +275,6 @@ def _abandoned(fut: Future, fn: Callable[..., Any]) -> None:
             RuntimeWarning, stacklevel=3)
 
 
-def _no_wait() -> None:
-    pass
-
-
 async def to_user_thread(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
     """Run sync user code in the `agentgrpo-user` pool and await its result (like `asyncio.to_thread`,
     context variables included, but on a pool sized for rollouts: see `USER_THREADS`).
@@ -289,8 +285,7 @@ async def to_user_thread(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> 
     """
     ctx = contextvars.copy_context()
     work = functools.partial(fn, *args, **kwargs)
-    clock = current_wait_clock()  # time queued for a free thread is not a tool's running time
-    stop_wait = clock.start() if clock is not None else _no_wait
+    stop_wait = start_wait()  # time queued for a free thread is not a tool's running time
 
     def run() -> T:
         stop_wait()

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
+from agentgrpo.deadlines import start_wait
 from agentgrpo.verify import _supervisor
 from agentgrpo.verify._records import ExecResult, Limits, sandbox_error
 
@@ -44,7 +45,7 @@ class _LocalClient:
         self.python = cfg.python or _base_python()
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()
-        self._queue: deque[tuple[int, bytes, float, Future, Callable[[], None] | None]] = deque()
+        self._queue: deque[tuple[int, bytes, float, Future, Callable[[], None]]] = deque()
         self._inflight: dict[int, tuple[Future, float]] = {}
         self._next = 0
         self._proc: subprocess.Popen | None = None
@@ -96,11 +97,13 @@ class _LocalClient:
         return _supervisor.unpack(_recv_exact(sock, n))
 
     def submit(
-        self, code: bytes, stdin: bytes, files: list[tuple[str, bytes]], limits: Limits,
-        on_dispatch: Callable[[], None] | None = None,
+        self, code: bytes, stdin: bytes, files: list[tuple[str, bytes]], limits: Limits
     ) -> Future:
-        """Queue a job; `on_dispatch` is called when it leaves the queue for a free slot."""
+        """Queue a job. Inside a tool call, its time in the queue is a wait (`deadlines.start_wait`),
+        which ends when it leaves the queue for a slot, or when it is answered without one."""
         fut: Future = Future()
+        stop_wait = start_wait()
+        fut.add_done_callback(lambda _: stop_wait())  # whatever path answers it
         with self._lock:
             if self._closed:
                 fut.set_result(sandbox_error("sandbox closed", self.kind))
@@ -112,7 +115,7 @@ class _LocalClient:
                 "files": [n for n, _ in files],
             }
             frame = _supervisor.pack(header, [code, stdin] + [b for _, b in files])
-            self._queue.append((self._next, frame, limits.wall_s + self.cfg.margin_s, fut, on_dispatch))
+            self._queue.append((self._next, frame, limits.wall_s + self.cfg.margin_s, fut, stop_wait))
         self._pump()
         return fut
 
@@ -128,15 +131,14 @@ class _LocalClient:
                     except (RuntimeError, OSError) as e:  # cannot restart: fail what waits, retry later
                         self._fail_queued(str(e))
                         return
-                jid, frame, budget, fut, on_dispatch = self._queue.popleft()
+                jid, frame, budget, fut, stop_wait = self._queue.popleft()
                 # A future is cancellable until it runs (an awaiting `arun` cancelled by a deadline
                 # cancels it); once running it is not, so the reader's set_result cannot fail.
                 running = fut.set_running_or_notify_cancel()
                 if running:
                     self._inflight[jid] = (fut, time.monotonic() + budget)
                 sock = self._sock
-            if on_dispatch is not None:
-                on_dispatch()
+            stop_wait()
             if not running:  # its caller gave up while it queued: never sent
                 continue
             try:
@@ -216,9 +218,8 @@ class _LocalClient:
         """Answer every queued job with a sandbox_error (call with `_lock` held)."""
         waiting = list(self._queue)
         self._queue.clear()
-        for _, _, _, fut, on_dispatch in waiting:
-            if on_dispatch is not None:
-                on_dispatch()
+        for _, _, _, fut, stop_wait in waiting:
+            stop_wait()
             if fut.set_running_or_notify_cancel():
                 fut.set_result(sandbox_error(why, self.kind))
 

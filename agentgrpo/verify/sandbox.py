@@ -79,12 +79,11 @@ import shutil
 import threading
 import time
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from agentgrpo.deadlines import current_wait_clock
 from agentgrpo.types import InfrastructureError
 from agentgrpo.verify._local_client import _LocalClient
 from agentgrpo.verify._records import STATUSES, ExecResult, Limits, Status, sandbox_error
@@ -277,11 +276,7 @@ class Sandbox:
             if isinstance(self._impl, _RemoteClient):
                 res = self._impl.run(_RemoteClient.body(code_b, stdin_b, files_l, limits), limits)
             else:
-                stop_wait = _start_wait()
-                try:
-                    res = self._impl.submit(code_b, stdin_b, files_l, limits, stop_wait).result()
-                finally:
-                    stop_wait()
+                res = self._impl.submit(code_b, stdin_b, files_l, limits).result()
             if res.status != "sandbox_error":
                 return res
         return res
@@ -306,12 +301,7 @@ class Sandbox:
                     _RemoteClient.body(code_b, stdin_b, files_l, limits), limits
                 )
             else:
-                stop_wait = _start_wait()
-                try:
-                    res = await asyncio.wrap_future(
-                        self._impl.submit(code_b, stdin_b, files_l, limits, stop_wait))
-                finally:
-                    stop_wait()
+                res = await asyncio.wrap_future(self._impl.submit(code_b, stdin_b, files_l, limits))
             if res.status != "sandbox_error":
                 return res
         return res
@@ -324,13 +314,6 @@ class Sandbox:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _start_wait() -> Callable[[], None]:
-    """Inside a tool call, time a job waits for a free slot is not charged to the tool's deadline
-    (`agentgrpo.deadlines.WaitClock`); returns the wait's stop (a no-op outside a tool call)."""
-    clock = current_wait_clock()
-    return clock.start() if clock is not None else lambda: None
 
 
 _DEFAULT: Sandbox | None = None
