@@ -8,6 +8,7 @@ is an error that names it instead of a setting silently ignored.
 from __future__ import annotations
 
 import inspect
+import traceback
 import types
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin
@@ -55,8 +56,10 @@ class EnvConfig(BaseModel):
 
     def load_tasks(self, env_cls: type[Env], split: str, seed: int) -> list[Task]:
         """`env_cls.load_tasks(split, seed, **tasks)`. An env with no task source, arguments its
-        `load_tasks` (or `tasks_from_file`) does not take, or a task file that is missing or has a
-        bad row are ConfigErrors (env.tasks); anything else a custom `load_tasks` raises is its own."""
+        `load_tasks` (or `tasks_from_file`) does not take, a task file that is missing or has a bad
+        row, and a TypeError or ValueError raised by a custom `load_tasks` (how one rejects options
+        it takes through `**kwargs`, or values out of range) are ConfigErrors (env.tasks) that name
+        where it was raised; anything else a custom `load_tasks` raises is its own."""
         args = dict(self.tasks)
         file = args.pop("file", None)
         if isinstance(file, str):
@@ -79,10 +82,14 @@ class EnvConfig(BaseModel):
             if file is None:
                 raise
             raise ConfigError(f"env.tasks.file: cannot read the tasks of split {split!r}: {e}") from None
-        except ValueError as e:
-            if file is None:
-                raise
-            raise ConfigError(f"env.tasks.file: {e}") from None
+        except (TypeError, ValueError) as e:
+            if file is not None:
+                if isinstance(e, TypeError):
+                    raise
+                raise ConfigError(f"env.tasks.file: {e}") from None
+            where = traceback.extract_tb(e.__traceback__)[-1]
+            raise ConfigError(f"env.tasks {self.tasks}: {env_cls.__name__}.load_tasks({split!r}) raised "
+                              f"{type(e).__name__}: {e} (at {where.filename}:{where.lineno})") from None
 
 
 class EngineConfig(BaseModel):

@@ -128,3 +128,21 @@ def test_train_with_a_missing_task_file_fails_before_loading_the_model(tmp_path,
     assert main(["train", str(config)]) == 2
     err = capsys.readouterr().err
     assert "error: env.tasks.file: cannot read the tasks of split 'train'" in err and "Traceback" not in err
+
+
+def test_options_a_custom_load_tasks_rejects_are_config_errors_that_say_where(capsys):
+    import pytest
+
+    from agentgrpo.config import ConfigError, EnvConfig
+    from envs.calculator import CalculatorEnv
+
+    # CalculatorEnv.load_tasks takes **kwargs and raises TypeError on one it does not know, so the
+    # signature check before the call cannot catch it.
+    with pytest.raises(ConfigError, match=r"env.tasks \{'digts': 3\}: CalculatorEnv.load_tasks\('train'\) "
+                                          r"raised TypeError: .*unknown options \['digts'\] \(at .*calculator.py:\d+\)"):
+        EnvConfig(tasks={"digts": 3}).load_tasks(CalculatorEnv, "train", 0)
+    with pytest.raises(ConfigError, match=r"raised ValueError: need digits >= 1"):
+        EnvConfig(tasks={"digits": 0}).load_tasks(CalculatorEnv, "train", 0)
+    assert main(["check-env", "calculator", "--tasks", "digts=3"]) == 1
+    err = capsys.readouterr().err
+    assert "unknown options ['digts']" in err and "Traceback" not in err
