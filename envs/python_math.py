@@ -56,7 +56,7 @@ from typing import Any
 from agentgrpo import Message, Task, ToolEnv, tool
 from agentgrpo.verify.math import MathCheck, amath_check
 from agentgrpo.verify.sandbox import Sandbox, SandboxUnavailable
-from tools.python import PythonToolConfig, make_python_tool
+from tools.python import PythonToolConfig, make_async_python_tool
 
 DATASETS = ("gsm_symbolic", "chain_sum", "basic_arithmetic")
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:[eE][-+]?\d+)?(?:\s*/\s*\d+)?")
@@ -133,11 +133,11 @@ class PythonMathEnv(ToolEnv):
             raise ValueError(f"PythonMathEnv: math_timeout_s must be > 0, got {math_timeout_s!r}")
         self.math_timeout_s = math_timeout_s
         cfg = python if isinstance(python, PythonToolConfig) or python is None else PythonToolConfig(**python)
-        self._run_python = make_python_tool(sandbox, cfg)
+        self._run_python = make_async_python_tool(sandbox, cfg)
         self._check: MathCheck | None = None  # the last reward's check, for step's info
 
     @tool
-    def python(self, code: str) -> str:
+    async def python(self, code: str) -> str:
         """Run a Python 3 program in a fresh, isolated sandbox and return what it printed.
 
         Nothing persists between calls, there is no network, and only the standard library is
@@ -147,11 +147,11 @@ class PythonMathEnv(ToolEnv):
             code: the complete program to run.
         """
         try:
-            return self._run_python(code)
+            return await self._run_python(code)
         except SandboxUnavailable as e:
             # An InfrastructureError: the tool layer re-raises it out of the step that made this
-            # call (never shown to the model). Nothing is stored on the env: a call abandoned at
-            # its deadline that fails later raises into its discarded thread, not a later step.
+            # call (never shown to the model). A call past its deadline is cancelled, which kills
+            # its sandbox job.
             raise SandboxUnavailable(f"python tool: {e}") from e
 
     async def step(self, action: Message) -> tuple[list[Message], float, bool, bool, dict[str, Any]]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from concurrent.futures import Future
 from fractions import Fraction
 
 import pytest
@@ -66,6 +67,14 @@ class HangingSandbox:
             return _result("sandbox_error", detail="backend hung")
         time.sleep(self.ok_s)
         return _result("ok", "4\n")
+
+    async def arun(self, code, files=None, **kwargs) -> ExecResult:
+        # Like a remote sandbox: a cancelled await leaves the job running, and its result (a
+        # late sandbox_error for HANG) arrives with nobody waiting for it.
+        done: Future = Future()
+        done.set_running_or_notify_cancel()  # running: a cancelled await leaves it be
+        threading.Thread(target=lambda: done.set_result(self.run(code, files, **kwargs)), daemon=True).start()
+        return await asyncio.wrap_future(done)
 
 
 def _call(i: str, name: str, code: str) -> Message:

@@ -13,7 +13,7 @@ import pytest
 from agentgrpo import Message, Task, ToolCall, ToolEnv, tool
 from agentgrpo.deadlines import WaitClock, run_charging_only_running_time, waiting_for_capacity
 from agentgrpo.verify.sandbox import Limits, Sandbox, SandboxConfig
-from tools.python import make_python_tool
+from tools.python import PythonToolConfig, make_async_python_tool, make_python_tool
 
 tool_mod = importlib.import_module("agentgrpo.tool")  # `agentgrpo.tool` is also the decorator
 
@@ -218,3 +218,48 @@ def test_an_open_wait_late_in_a_call_is_not_polled_in_a_busy_loop(monkeypatch):
 
     assert asyncio.run(main())[0] == "ok"
     assert len(polls) < 40  # one look per 50 ms of the wait, not one per millisecond
+
+
+@pytest.mark.filterwarnings("ignore:Sandbox.backend=.unsafe-local")
+@pytest.mark.parametrize("backend", ["unsafe-local", "namespaces"])
+def test_an_async_python_call_past_its_deadline_frees_its_sandbox_slot_at_once(backend):
+    """The async python tool's call, cancelled at `tool_timeout_s`, kills its job: with the sync tool
+    the job ran on to its 30 s wall limit, holding the only slot, and the next call waited for it."""
+    try:
+        box = Sandbox(backend=backend, config=SandboxConfig(slots=1))
+    except (RuntimeError, OSError) as e:  # namespaces needs root (CI runs as root)
+        pytest.skip(f"{backend} sandbox backend cannot start on this host: {e}")
+    try:
+        class PyEnv(ToolEnv):
+            tool_timeout_s = 0.5
+            tools = (tool(make_async_python_tool(box, PythonToolConfig(limits=Limits(wall_s=30)))),)
+
+            def reward(self, task, messages):
+                return 1.0
+
+        out, _, _, _, info = _step(PyEnv(), ToolCall(id="1", name="python",
+                                                     arguments={"code": "import time; time.sleep(30)"}))
+        assert info["tool_error_kinds"] == {"tool_timeout": 1}, out[0].content
+        t0 = time.monotonic()
+        res = box.run("print('next')", limits=Limits(wall_s=5))
+        assert (res.status, res.stdout) == ("ok", "next\n")
+        assert time.monotonic() - t0 < 10  # the slot was free within moments, not after 30 s
+    finally:
+        box.close()
+
+
+@pytest.mark.filterwarnings("ignore:Sandbox.backend=.unsafe-local")
+def test_a_job_cancelled_before_the_supervisor_starts_it_is_killed_when_it_does():
+    box = Sandbox(backend="unsafe-local", config=SandboxConfig(slots=1))
+    client = box._impl
+    try:
+        assert client.submit(b"print('a')", b"", [], Limits(wall_s=5)).result(5).status == "ok"
+        # Sent at once (the client counts the slot free), while the supervisor still re-readies it
+        # (a fresh interpreter): the cancel right behind it finds it waiting, not running.
+        given_up = client.submit(b"import time; time.sleep(30)", b"", [], Limits(wall_s=30))
+        client.abandon(given_up)
+        res = given_up.result(10)
+        assert (res.status, res.detail) == ("sandbox_error", "cancelled: its caller gave up")
+        assert client.submit(b"print('b')", b"", [], Limits(wall_s=5)).result(5).stdout == "b\n"
+    finally:
+        box.close()

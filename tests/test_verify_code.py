@@ -311,7 +311,7 @@ def test_humaneval_loader_and_scoring(sb):
 
 
 def test_python_tool_messages(sb):
-    from tools.python import PythonToolConfig, make_python_tool
+    from tools.python import PythonToolConfig, make_async_python_tool, make_python_tool
 
     tool = make_python_tool(sb, PythonToolConfig(max_output_chars=300))
     assert tool("print(2 ** 10)").startswith("status: ok (exit 0, ")
@@ -323,10 +323,10 @@ def test_python_tool_messages(sb):
     )
     long = tool("print('a' * 5000)\nimport sys; print('z' * 10, file=sys.stderr)")
     assert len(long) <= 300 and "characters cut]" in long and long.rstrip().endswith("z" * 10)
-    assert (
-        tool.__doc__.startswith("Run a Python 3 program")
-        and "Args:\n            code:" in tool.__doc__
-    )
+    assert tool.__doc__.startswith("Run a Python 3 program") and "Args:\n    code:" in tool.__doc__
+    async_tool = make_async_python_tool(sb, PythonToolConfig(max_output_chars=300))
+    assert async_tool.__doc__ == tool.__doc__
+    assert asyncio.run(async_tool("print(2 ** 10)")).endswith(" s)\nstdout:\n1024\n")
 
 
 def test_python_tool_raises_on_sandbox_failure(monkeypatch, sb):

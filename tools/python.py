@@ -1,6 +1,6 @@
 """The `python` tool: the model runs a program in the sandbox and reads what it printed.
 
-    from tools.python import python, make_python_tool
+    from tools.python import python, make_python_tool, make_async_python_tool
     python("print(2**10)")                 # 'status: ok (exit 0, 0.01 s)\\nstdout:\\n1024\\n'
     tool = make_python_tool(Sandbox(url=...), PythonToolConfig(max_output_chars=2000))
 
@@ -14,7 +14,7 @@ is unscorable, which is not the model's fault and must not read as a tool error 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -92,26 +92,48 @@ def format_result(res: ExecResult, max_chars: int) -> str:
     return "\n".join(parts + trailer) + "\n"
 
 
+_DOC = """Run a Python 3 program in a fresh, isolated sandbox and return its output.
+
+Nothing persists between calls, there is no network, and only the standard library is available.
+Use print() to show results.
+
+Args:
+    code: the complete program to run.
+"""
+
+
+def _message(res: ExecResult, cfg: PythonToolConfig) -> str:
+    if res.status == "sandbox_error":
+        raise SandboxUnavailable(f"sandbox unavailable: {res.detail}")
+    return format_result(res, cfg.max_output_chars)
+
+
 def make_python_tool(
     sandbox: Sandbox | None = None, config: PythonToolConfig | None = None
 ) -> Callable[[str], str]:
-    """A `python(code) -> str` tool bound to a sandbox (default: the process-wide one)."""
+    """A `python(code) -> str` tool bound to a sandbox (default: the process-wide one). A ToolEnv
+    runs it in a worker thread, and a call past its deadline runs on to the sandbox's wall limit;
+    `make_async_python_tool` does neither."""
     cfg = config or PythonToolConfig()
 
     def python(code: str) -> str:
-        """Run a Python 3 program in a fresh, isolated sandbox and return its output.
+        return _message((sandbox or default_sandbox()).run(code, limits=cfg.limits), cfg)
 
-        Nothing persists between calls, there is no network, and only the standard library is
-        available. Use print() to show results.
+    python.__doc__ = _DOC
+    return python
 
-        Args:
-            code: the complete program to run.
-        """
-        res = (sandbox or default_sandbox()).run(code, limits=cfg.limits)
-        if res.status == "sandbox_error":
-            raise SandboxUnavailable(f"sandbox unavailable: {res.detail}")
-        return format_result(res, cfg.max_output_chars)
 
+def make_async_python_tool(
+    sandbox: Sandbox | None = None, config: PythonToolConfig | None = None
+) -> Callable[[str], Awaitable[str]]:
+    """The same tool as a coroutine function: no worker thread per call, and a call cancelled at
+    its deadline kills its job (local backends), so the slot is free for the next call at once."""
+    cfg = config or PythonToolConfig()
+
+    async def python(code: str) -> str:
+        return _message(await (sandbox or default_sandbox()).arun(code, limits=cfg.limits), cfg)
+
+    python.__doc__ = _DOC
     return python
 
 

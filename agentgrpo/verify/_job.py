@@ -160,6 +160,8 @@ def _classify(job: _Job, status: list[dict], oom: bool) -> dict:
             res["exit_code"] = os.WEXITSTATUS(st)
         elif os.WIFSIGNALED(st):
             res["signal"] = os.WTERMSIG(st)
+    if job.killed_for == "cancelled":  # nobody waits for this answer but the slot's bookkeeping
+        return dict(res, status="sandbox_error", detail="cancelled: its caller gave up")
     if job.killed_for == "output":
         return dict(res, status="output_limit", detail="output cap reached")
     if job.killed_for == "timeout" or (final is not None and final.get("timeout")):

@@ -119,6 +119,23 @@ class _LocalClient:
         self._pump()
         return fut
 
+    def abandon(self, fut: Future) -> None:
+        """Its caller no longer waits for `fut` (an awaiting `arun` was cancelled, e.g. by a tool's
+        deadline): a queued job is never sent, a running one is killed, so its slot is free long
+        before its wall limit. The slot stays counted until the supervisor answers."""
+        if fut.cancel():  # still queued: `_pump` skips it
+            return
+        with self._lock:
+            jid = next((j for j, (f, _) in self._inflight.items() if f is fut), None)
+            sock = self._sock
+        if jid is None or sock is None:  # answered already, or the supervisor is gone
+            return
+        try:
+            with self._send_lock:
+                sock.sendall(_supervisor.pack({"op": "cancel", "id": jid}, []))
+        except OSError:  # supervisor gone; the reader thread fails in-flight jobs
+            self._drop(sock, "supervisor connection lost")
+
     def _pump(self) -> None:
         """Send queued jobs while slots are free (restarting the supervisor if it is gone)."""
         while True:

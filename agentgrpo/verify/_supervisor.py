@@ -11,6 +11,8 @@ a small, single-threaded process. It owns:
 - the wall deadline, enforced here from the moment the payload is sent (SIGKILL through a
   pidfd of the job's init, which takes its whole PID namespace down, plus `cgroup.kill`);
 - output caps: stdout and stderr are read here and the job is killed once either passes its cap;
+- cancels: a `{"op": "cancel", "id": N}` frame kills job N (its caller gave up, e.g. a tool call
+  past its deadline), so its slot is free again long before its wall limit; its answer still comes;
 - classification of the outcome into the typed statuses of `ExecResult`.
 
 Launchers: `namespaces` (the fork server, `_forkserver.py`), `bwrap` and `unsafe-local` (a fresh
@@ -32,6 +34,7 @@ import struct
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 try:
     from . import _runner
@@ -136,6 +139,9 @@ class Supervisor:
         self._cleanups: set[asyncio.Task] = set()
         self._closing = False
         self.running: dict[int, tuple[_Job, dict]] = {}
+        self._kills: dict[int, Callable[[str], None]] = {}  # job id -> kill, while it runs
+        self._waiting: set[int] = set()  # received, not running yet
+        self._cancelled: set[int] = set()  # of those, cancelled
 
     async def start(self) -> dict:
         self._cv = asyncio.Condition()
@@ -152,7 +158,26 @@ class Supervisor:
             "features": self.launcher.features,
         }
 
+    def cancel(self, jid: int) -> None:
+        """Kill job `jid` now if it runs, or as soon as it starts if it still waits for a slot. Its
+        answer is still sent (the client frees its slot on it); an id already answered is ignored."""
+        if jid in self._kills:
+            self._kills[jid]("cancelled")
+        elif jid in self._waiting:
+            self._cancelled.add(jid)
+
+    def received(self, jid: int) -> None:
+        """Job `jid` has arrived (called as its frame is read, so a cancel right behind it finds it)."""
+        self._waiting.add(jid)
+
     async def run(self, req: dict, blobs: list[bytes]) -> tuple[dict, list[bytes]]:
+        try:
+            return await self._run_when_free(req, blobs)
+        finally:
+            self._waiting.discard(req["id"])
+            self._cancelled.discard(req["id"])
+
+    async def _run_when_free(self, req: dict, blobs: list[bytes]) -> tuple[dict, list[bytes]]:
         lim = req["limits"]
         key = _warm_key(lim)
         slot = await self._acquire(key)
@@ -278,6 +303,8 @@ class Supervisor:
                 job.killed_for = reason
             self.launcher.kill(handle, slot)
 
+        self._kills[req["id"]] = kill
+
         try:
             # the pipes now belong to the job (it closes them); the warm record keeps the pidfd
             stdin_w, out_r, err_r, payload_w, status_r = ours
@@ -289,6 +316,8 @@ class Supervisor:
             job.read_stream(err_r, job.err, lambda: kill("output"))
             job.read_status(status_r)
             job.watch_init(handle["pidfd"])
+            if req["id"] in self._cancelled:  # while it waited for its slot
+                kill("cancelled")
             try:
                 await job.done
             finally:
@@ -316,6 +345,7 @@ class Supervisor:
             return res, bytes(job.out), bytes(job.err)
         finally:
             self.running.pop(slot, None)
+            self._kills.pop(req["id"], None)
             job.close()
 
     def _runner_vanished(self, wstatus: int, job: _Job) -> dict:
@@ -375,6 +405,10 @@ async def _serve(sup: Supervisor, sock: socket.socket) -> None:
         except (asyncio.IncompleteReadError, ConnectionError):
             break  # the client went away: stop everything
         header, blobs = unpack(body)
+        if header.get("op") == "cancel":
+            sup.cancel(header["id"])
+            continue
+        sup.received(header["id"])
         t = asyncio.ensure_future(one(header, blobs))
         tasks.add(t)
         t.add_done_callback(tasks.discard)

@@ -289,7 +289,9 @@ class Sandbox:
         files: Mapping[str, str | bytes] | None = None,
         limits: Limits | None = None,
     ) -> ExecResult:
-        """Async `run`: awaits the result without blocking the event loop."""
+        """Async `run`: awaits the result without blocking the event loop. Cancelling the awaiting
+        task (a deadline) kills a local backend's job, so it stops holding a slot; a remote
+        server runs it to its own limits."""
         limits = limits or Limits()
         code_b, stdin_b, files_l = self._prepare(code, stdin, files)
         res = sandbox_error("not run", self.backend)
@@ -301,7 +303,12 @@ class Sandbox:
                     _RemoteClient.body(code_b, stdin_b, files_l, limits), limits
                 )
             else:
-                res = await asyncio.wrap_future(self._impl.submit(code_b, stdin_b, files_l, limits))
+                fut = self._impl.submit(code_b, stdin_b, files_l, limits)
+                try:
+                    res = await asyncio.wrap_future(fut)
+                except asyncio.CancelledError:  # the caller gave up: free the slot now
+                    self._impl.abandon(fut)
+                    raise
             if res.status != "sandbox_error":
                 return res
         return res
