@@ -263,3 +263,79 @@ def test_a_job_cancelled_before_the_supervisor_starts_it_is_killed_when_it_does(
         assert client.submit(b"print('b')", b"", [], Limits(wall_s=5)).result(5).stdout == "b\n"
     finally:
         box.close()
+
+
+@pytest.mark.filterwarnings("ignore:Sandbox.backend=.unsafe-local")
+def test_a_cancel_sent_as_its_job_is_dispatched_goes_after_the_job(monkeypatch):
+    """`abandon` on a job the client has just counted in flight but not yet sent: a cancel that
+    overtook the job frame was ignored by the supervisor, and the job then held its slot to its
+    wall limit. The hook runs at that moment (the job's queue wait ends) and abandons from a
+    second thread, as an event loop cancelling `arun` would."""
+    from agentgrpo.verify import _local_client
+
+    made = []
+
+    class Recorded(_local_client.Future):
+        def __init__(self):
+            super().__init__()
+            made.append(self)
+
+    box = Sandbox(backend="unsafe-local", config=SandboxConfig(slots=1))
+    client = box._impl
+    giver = []
+
+    def stop_wait():  # the job's queue wait ends: it is about to be sent
+        if not giver:
+            giver.append(threading.Thread(target=client.abandon, args=(made[-1],)))
+            giver[0].start()
+            time.sleep(0.3)  # the abandon reaches its send while this job's frame is not out yet
+
+    try:
+        monkeypatch.setattr(_local_client, "Future", Recorded)
+        monkeypatch.setattr(_local_client, "start_wait", lambda: stop_wait)
+        given_up = client.submit(b"import time; time.sleep(60)", b"", [], Limits(wall_s=60))
+        giver[0].join(10)
+        res = given_up.result(20)  # not after 60 s
+        assert (res.status, res.detail) == ("sandbox_error", "cancelled: its caller gave up")
+        assert client.submit(b"print('b')", b"", [], Limits(wall_s=5)).result(10).stdout == "b\n"
+    finally:
+        box.close()
+
+
+@pytest.mark.filterwarnings("ignore:Sandbox.backend=.unsafe-local")
+def test_an_async_call_never_starts_a_supervisor_on_the_event_loop(monkeypatch):
+    """The first call of the async tool creates the default sandbox (probing backends and starting
+    one: up to `start_timeout_s` each), and a call after the supervisor died restarts it: both
+    happen off the event loop's thread, which keeps running the other episodes meanwhile."""
+    import agentgrpo.verify.sandbox as sandbox_mod
+    from agentgrpo.verify import _local_client
+
+    started_on = []
+    real_popen = _local_client.subprocess.Popen
+
+    def popen(args, **kw):
+        if "_supervisor" in " ".join(map(str, args)):
+            started_on.append(threading.current_thread())
+        return real_popen(args, **kw)
+
+    monkeypatch.setattr(_local_client.subprocess, "Popen", popen)
+    monkeypatch.setattr(sandbox_mod, "_DEFAULT", None)
+    monkeypatch.setattr(sandbox_mod, "Sandbox", lambda: Sandbox(backend="unsafe-local"))
+    tool = make_async_python_tool(None, PythonToolConfig(limits=Limits(wall_s=5)))
+
+    async def main():
+        loop_thread = threading.current_thread()
+        first = await tool("print(1)")
+        box = sandbox_mod._DEFAULT
+        box._impl._proc.kill()  # infrastructure failure: the next call restarts the supervisor
+        while box._impl._sock is not None:
+            await asyncio.sleep(0.01)
+        second = await tool("print(2)")
+        return loop_thread, first, second
+
+    try:
+        loop_thread, first, second = asyncio.run(main())
+        assert "1\n" in first and "2\n" in second
+        assert len(started_on) == 2 and loop_thread not in started_on
+    finally:
+        sandbox_mod._DEFAULT.close()

@@ -23,6 +23,7 @@ from agentgrpo.verify.sandbox import (
     Limits,
     Sandbox,
     SandboxUnavailable,
+    adefault_sandbox,
     default_sandbox,
 )
 
@@ -131,7 +132,8 @@ def make_async_python_tool(
     cfg = config or PythonToolConfig()
 
     async def python(code: str) -> str:
-        return _message(await (sandbox or default_sandbox()).arun(code, limits=cfg.limits), cfg)
+        sb = sandbox or await adefault_sandbox()
+        return _message(await sb.arun(code, limits=cfg.limits), cfg)
 
     python.__doc__ = _DOC
     return python

@@ -51,10 +51,28 @@ class _LocalClient:
         self._proc: subprocess.Popen | None = None
         self._sock: socket.socket | None = None
         self._closed = False
+        self._starting = False  # a `_restart` thread is bringing a new supervisor up
         self.info: dict = {}
         self._start()
 
     def _start(self) -> None:
+        """Start a supervisor and its reader thread; raises RuntimeError when it does not come up.
+        Blocks up to `start_timeout_s` and takes no lock: `_pump` runs a restart in `_restart`'s
+        own thread, so neither an event loop nor a caller holding `_lock` waits on it."""
+        proc, sock, info = self._connect()
+        with self._lock:
+            closed = self._closed
+            if not closed:
+                self._proc, self._sock, self.info = proc, sock, info
+        if closed:  # closed while it started
+            sock.close()
+            _kill(proc, grace_s=5.0)
+            return
+        threading.Thread(
+            target=self._reader, args=(sock,), name=f"sandbox-{self.kind}", daemon=True
+        ).start()
+
+    def _connect(self) -> tuple[subprocess.Popen, socket.socket, dict]:
         ours, theirs = socket.socketpair()
         cfg = {
             "backend": self.kind,
@@ -66,7 +84,7 @@ class _LocalClient:
             "default_limits": Limits().model_dump(),
         }
         boot = "import sys; sys.path.append(sys.argv[1]); import _supervisor; sys.exit(_supervisor.main(sys.argv[1:]))"
-        self._proc = subprocess.Popen(
+        proc = subprocess.Popen(
             [sys.executable, "-I", "-c", boot, _VERIFY_DIR, json.dumps(cfg), str(theirs.fileno())],
             pass_fds=[theirs.fileno()],
             stdin=subprocess.DEVNULL,
@@ -82,14 +100,22 @@ class _LocalClient:
             hello = {"ok": False, "error": f"supervisor did not start: {e}"}
         if not hello.get("ok"):
             ours.close()
-            self._kill_proc()
+            _kill(proc)
             raise RuntimeError(f"{self.kind} sandbox backend unavailable: {hello.get('error')}")
-        self.info = {k: hello[k] for k in ("backend", "slots", "features")}
         ours.settimeout(0.25)
-        self._sock = ours
-        threading.Thread(
-            target=self._reader, args=(ours,), name=f"sandbox-{self.kind}", daemon=True
-        ).start()
+        return proc, ours, {k: hello[k] for k in ("backend", "slots", "features")}
+
+    def _restart(self) -> None:
+        try:
+            self._start()
+        except (RuntimeError, OSError) as e:  # cannot restart: fail what waits, retry on the next submit
+            with self._lock:
+                self._starting = False
+                self._fail_queued(str(e))
+            return
+        with self._lock:
+            self._starting = False
+        self._pump()
 
     @staticmethod
     def _recv(sock: socket.socket) -> tuple[dict, list[bytes]]:
@@ -137,31 +163,39 @@ class _LocalClient:
             self._drop(sock, "supervisor connection lost")
 
     def _pump(self) -> None:
-        """Send queued jobs while slots are free (restarting the supervisor if it is gone)."""
+        """Send queued jobs while slots are free (restarting the supervisor, in a thread of its
+        own, if it is gone)."""
         while True:
             with self._lock:
                 if not self._queue or len(self._inflight) >= self.slots or self._closed:
                     return
                 if self._sock is None:
-                    try:
-                        self._start()
-                    except (RuntimeError, OSError) as e:  # cannot restart: fail what waits, retry later
-                        self._fail_queued(str(e))
-                        return
+                    if not self._starting:
+                        self._starting = True
+                        threading.Thread(
+                            target=self._restart, name=f"sandbox-{self.kind}-start", daemon=True
+                        ).start()
+                    return
                 jid, frame, budget, fut, stop_wait = self._queue.popleft()
                 # A future is cancellable until it runs (an awaiting `arun` cancelled by a deadline
                 # cancels it); once running it is not, so the reader's set_result cannot fail.
                 running = fut.set_running_or_notify_cancel()
-                if running:
-                    self._inflight[jid] = (fut, time.monotonic() + budget)
+                stop_wait()
+                if not running:
+                    continue  # its caller gave up while it queued: never sent
+                self._inflight[jid] = (fut, time.monotonic() + budget)
                 sock = self._sock
-            stop_wait()
-            if not running:  # its caller gave up while it queued: never sent
-                continue
+                # Taken before `_lock` is let go, so an `abandon` that finds `jid` in flight sends
+                # its cancel after this frame: the supervisor ignores a cancel for an unknown id.
+                self._send_lock.acquire()
             try:
-                with self._send_lock:
-                    sock.sendall(frame)
+                sock.sendall(frame)
+                lost = False
             except OSError:  # supervisor gone; the reader thread fails in-flight jobs
+                lost = True
+            finally:
+                self._send_lock.release()
+            if lost:
                 self._drop(sock, "supervisor connection lost")
 
     def _reader(self, sock: socket.socket) -> None:
@@ -212,24 +246,12 @@ class _LocalClient:
             failed = list(self._inflight.values())
             self._inflight.clear()
             sock.close()  # EOF: a healthy supervisor kills its jobs, cleans up and exits
-            self._kill_proc(grace_s=5.0 if why == "sandbox closed" else 0.5)
+            proc, self._proc = self._proc, None
+        if proc is not None:  # outside `_lock`: a submit from an event loop does not wait on it
+            _kill(proc, grace_s=5.0 if why == "sandbox closed" else 0.5)
         for fut, _ in failed:
             fut.set_result(sandbox_error(why, self.kind))
         self._pump()
-
-    def _kill_proc(self, grace_s: float = 0.5) -> None:
-        proc, self._proc = self._proc, None
-        if proc is None:
-            return
-        for stop in (None, proc.terminate, proc.kill):
-            if stop is not None:
-                stop()
-            try:
-                proc.wait(grace_s)
-                return
-            except subprocess.TimeoutExpired:
-                continue
-        proc.wait()
 
     def _fail_queued(self, why: str) -> None:
         """Answer every queued job with a sandbox_error (call with `_lock` held)."""
@@ -247,6 +269,19 @@ class _LocalClient:
             self._fail_queued("sandbox closed")  # queued jobs would otherwise wait forever
         if sock is not None:
             self._drop(sock, "sandbox closed")
+
+
+def _kill(proc: subprocess.Popen, grace_s: float = 0.5) -> None:
+    """Stop `proc`: wait for it (it exits on EOF), then SIGTERM, then SIGKILL."""
+    for stop in (None, proc.terminate, proc.kill):
+        if stop is not None:
+            stop()
+        try:
+            proc.wait(grace_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+    proc.wait()
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:

@@ -60,7 +60,13 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict
 
 from agentgrpo.types import Task, Trajectory
-from agentgrpo.verify.sandbox import ExecResult, Limits, Sandbox, default_sandbox
+from agentgrpo.verify.sandbox import (
+    ExecResult,
+    Limits,
+    Sandbox,
+    adefault_sandbox,
+    default_sandbox,
+)
 
 Outcome = Literal["passed", "failed", "error", "timeout", "not_run"]
 
@@ -232,7 +238,7 @@ async def arun_tests(
 ) -> CodeResult:
     """Async `run_tests`."""
     spec, limits = _job(solution, tests, timeout_per_test_s, capture_bytes, limits, wall_per_test_s)
-    res = await (sandbox or default_sandbox()).arun(
+    res = await (sandbox or await adefault_sandbox()).arun(
         _HARNESS, files={"_spec.json": json.dumps(spec)}, limits=limits
     )
     return _score(res, tests)

@@ -99,6 +99,7 @@ __all__ = [
     "SandboxConfig",
     "SandboxUnavailable",
     "Status",
+    "adefault_sandbox",
     "default_sandbox",
     "probe_report",
     "sandbox_error",
@@ -334,3 +335,9 @@ def default_sandbox() -> Sandbox:
         if _DEFAULT is None:
             _DEFAULT = Sandbox()
         return _DEFAULT
+
+
+async def adefault_sandbox() -> Sandbox:
+    """`default_sandbox()` for coroutines: its first call probes the backends and starts one
+    (seconds on a host where some fail) in a worker thread, so the event loop keeps running."""
+    return _DEFAULT if _DEFAULT is not None else await asyncio.to_thread(default_sandbox)
