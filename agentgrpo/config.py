@@ -10,6 +10,7 @@ from __future__ import annotations
 import inspect
 import traceback
 import types
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin
 
@@ -75,7 +76,9 @@ class EnvConfig(BaseModel):
         except TypeError as e:
             raise ConfigError(f"env.tasks: {env_cls.__name__}.load_tasks cannot take {self.tasks}: {e}") from None
         try:
-            return list(env_cls.load_tasks(split, seed=seed, **self.tasks))
+            tasks = env_cls.load_tasks(split, seed=seed, **self.tasks)
+            if isinstance(tasks, Iterable):
+                return list(tasks)
         except NotImplementedError as e:
             raise ConfigError(f"env.tasks: {e}") from None
         except OSError as e:
@@ -87,9 +90,15 @@ class EnvConfig(BaseModel):
                 if isinstance(e, TypeError):
                     raise
                 raise ConfigError(f"env.tasks.file: {e}") from None
-            where = traceback.extract_tb(e.__traceback__)[-1]
+            # the deepest line of the env's own file (a library it called may have raised), else the
+            # raise itself; the whole traceback stays on the ConfigError as its cause
+            frames = traceback.extract_tb(e.__traceback__)
+            own = inspect.getsourcefile(env_cls)
+            where = next((f for f in reversed(frames) if f.filename == own), frames[-1])
             raise ConfigError(f"env.tasks {self.tasks}: {env_cls.__name__}.load_tasks({split!r}) raised "
-                              f"{type(e).__name__}: {e} (at {where.filename}:{where.lineno})") from None
+                              f"{type(e).__name__}: {e} (at {where.filename}:{where.lineno})") from e
+        raise ConfigError(f"env.tasks: {env_cls.__name__}.load_tasks({split!r}) returned "
+                          f"{type(tasks).__name__}, not a list of Task")
 
 
 class EngineConfig(BaseModel):

@@ -146,3 +146,26 @@ def test_options_a_custom_load_tasks_rejects_are_config_errors_that_say_where(ca
     assert main(["check-env", "calculator", "--tasks", "digts=3"]) == 1
     err = capsys.readouterr().err
     assert "unknown options ['digts']" in err and "Traceback" not in err
+
+
+def test_a_custom_load_tasks_bug_names_the_envs_own_line_and_a_bad_return_is_named():
+    import pytest
+
+    from agentgrpo import Env, Task
+    from agentgrpo.config import ConfigError, EnvConfig
+
+    class BadRow(Env):
+        @classmethod
+        def load_tasks(cls, split, seed=0, **kw):
+            return [Task(id=1, prompt="p")]  # pydantic raises (a ValueError) inside its own code
+
+    class NoReturn(Env):
+        @classmethod
+        def load_tasks(cls, split, seed=0, **kw):
+            [Task(id="1", prompt="p")]
+
+    with pytest.raises(ConfigError, match=r"(?s)raised ValidationError: .*\(at .*test_cli.py:\d+\)") as info:
+        EnvConfig().load_tasks(BadRow, "train", 0)
+    assert info.value.__cause__ is not None  # the whole traceback is kept for a bug hunt
+    with pytest.raises(ConfigError, match=r"NoReturn.load_tasks\('train'\) returned NoneType, not a list"):
+        EnvConfig().load_tasks(NoReturn, "train", 0)
