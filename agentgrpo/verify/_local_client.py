@@ -57,8 +57,8 @@ class _LocalClient:
 
     def _start(self) -> None:
         """Start a supervisor and its reader thread; raises RuntimeError when it does not come up.
-        Blocks up to `start_timeout_s` and takes no lock: `_pump` runs a restart in `_restart`'s
-        own thread, so neither an event loop nor a caller holding `_lock` waits on it."""
+        Blocks up to `start_timeout_s` without holding `_lock`, and `_pump` runs a restart in a
+        `_restart` thread of its own, so no submit (from an event loop, say) waits on it."""
         proc, sock, info = self._connect()
         with self._lock:
             closed = self._closed
