@@ -274,3 +274,29 @@ def test_token_file(tmp_path, monkeypatch):
         server.shutdown()
         server.server_close()
         sb.close()
+
+
+def test_a_client_that_hangs_up_has_its_job_killed():
+    # One slot: a trainer's tool call past its deadline cancels `arun`, which closes the
+    # connection; the server sees it and kills the job, so the next call gets the slot at once
+    # instead of after the 30 s the first one asked for.
+    url, server, sb = _serve(["--slots", "1"])
+    box = Sandbox(url=url, config=SandboxConfig(retries=0))
+    try:
+
+        async def give_up():
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(
+                    box.arun("import time; time.sleep(30)", limits=Limits(wall_s=30)), 1.5
+                )
+
+        asyncio.run(give_up())
+        t0 = time.monotonic()
+        res = box.run("print('next')", limits=Limits(wall_s=5))
+        assert (res.status, res.stdout) == ("ok", "next\n")
+        assert time.monotonic() - t0 < 10
+    finally:
+        box.close()
+        server.shutdown()
+        server.server_close()
+        sb.close()

@@ -339,3 +339,23 @@ def test_an_async_call_never_starts_a_supervisor_on_the_event_loop(monkeypatch):
         assert len(started_on) == 2 and loop_thread not in started_on
     finally:
         sandbox_mod._DEFAULT.close()
+
+
+@pytest.mark.filterwarnings("ignore:Sandbox.backend=.unsafe-local")
+def test_a_blocking_run_whose_caller_gives_up_kills_its_job():
+    box = Sandbox(backend="unsafe-local", config=SandboxConfig(slots=1, retries=2))
+    try:
+        t0 = time.monotonic()
+        res = box.run("import time; time.sleep(30)", limits=Limits(wall_s=30),
+                      gave_up=lambda: time.monotonic() - t0 > 0.5)
+        assert (res.status, res.detail) == ("sandbox_error", "cancelled: its caller gave up")
+        queued_at = time.monotonic()
+        busy = box._impl.submit(b"import time; time.sleep(30)", b"", [], Limits(wall_s=30))
+        res = box.run("print('never')", limits=Limits(wall_s=5),  # queued behind `busy`
+                      gave_up=lambda: time.monotonic() - queued_at > 0.5)
+        assert res.detail == "cancelled: its caller gave up"
+        box._impl.abandon(busy)
+        assert box.run("print('b')", limits=Limits(wall_s=5)).stdout == "b\n"
+        assert time.monotonic() - t0 < 20  # nothing ran to its 30 s
+    finally:
+        box.close()

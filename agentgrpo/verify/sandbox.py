@@ -79,7 +79,9 @@ import shutil
 import threading
 import time
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout  # not the builtin before 3.11
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -104,6 +106,9 @@ __all__ = [
     "probe_report",
     "sandbox_error",
 ]
+
+_GAVE_UP = "cancelled: its caller gave up"  # as the supervisor words a cancelled job (_job.py)
+_GAVE_UP_POLL_S = 0.2
 
 BackendName = Literal["auto", "namespaces", "bwrap", "remote", "unsafe-local"]
 
@@ -266,8 +271,13 @@ class Sandbox:
         stdin: bytes | str = b"",
         files: Mapping[str, str | bytes] | None = None,
         limits: Limits | None = None,
+        gave_up: Callable[[], bool] | None = None,
     ) -> ExecResult:
-        """Run `code` as a Python program (`__main__`, cwd = its scratch dir holding `files`)."""
+        """Run `code` as a Python program (`__main__`, cwd = its scratch dir holding `files`).
+
+        `gave_up`, on a local backend, is asked about every 0.2 s while the job queues or runs;
+        once it says True the job is killed (or never started) and the result is a sandbox_error
+        "cancelled: its caller gave up", not retried (`serve-sandbox` passes "the client hung up")."""
         limits = limits or Limits()
         code_b, stdin_b, files_l = self._prepare(code, stdin, files)
         res = sandbox_error("not run", self.backend)
@@ -277,10 +287,25 @@ class Sandbox:
             if isinstance(self._impl, _RemoteClient):
                 res = self._impl.run(_RemoteClient.body(code_b, stdin_b, files_l, limits), limits)
             else:
-                res = self._impl.submit(code_b, stdin_b, files_l, limits).result()
+                fut = self._impl.submit(code_b, stdin_b, files_l, limits)
+                res = self._wait(fut, gave_up)
+                if res is None:
+                    return sandbox_error(_GAVE_UP, self.backend)
             if res.status != "sandbox_error":
                 return res
         return res
+
+    def _wait(self, fut: Future, gave_up: Callable[[], bool] | None) -> ExecResult | None:
+        """`fut`'s result, or None once `gave_up()` (the job then abandoned)."""
+        if gave_up is None:
+            return fut.result()
+        while True:
+            try:
+                return fut.result(timeout=_GAVE_UP_POLL_S)
+            except FutureTimeout:
+                if gave_up():
+                    self._impl.abandon(fut)
+                    return None
 
     async def arun(
         self,
@@ -291,8 +316,8 @@ class Sandbox:
         limits: Limits | None = None,
     ) -> ExecResult:
         """Async `run`: awaits the result without blocking the event loop. Cancelling the awaiting
-        task (a deadline) kills a local backend's job, so it stops holding a slot; a remote
-        server runs it to its own limits."""
+        task (a deadline) kills the job, so it stops holding a slot: on a local backend at once,
+        on a remote one when the server sees the connection close (within about 0.2 s)."""
         limits = limits or Limits()
         code_b, stdin_b, files_l = self._prepare(code, stdin, files)
         res = sandbox_error("not run", self.backend)

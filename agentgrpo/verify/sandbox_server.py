@@ -26,6 +26,8 @@ Endpoints:
                     "stdout", "stderr"}, "executor_pod_name", "files"}
 
 Stdlib only (`http.server`, one thread per request; each blocks on the thread-safe `Sandbox`).
+A client that hangs up before its answer (`Sandbox.arun` cancelled at a tool's deadline closes its
+connection) has its job killed within about 0.2 s, so it stops holding a slot.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import hmac
 import ipaddress
 import json
 import os
+import select
 import signal
 import socket
 import sys
@@ -191,6 +194,16 @@ def make_handler(sb: Sandbox, token: str | None, srv: ServerLimits) -> type[Base
                 self._send(401, {"error": "unauthorized"}, {"WWW-Authenticate": "Bearer"})
             return ok
 
+        def _hung_up(self) -> bool:
+            """The client closed the connection (a trainer's tool call past its deadline): the
+            socket reads as EOF. A pipelined next request reads as data, not as a hang-up."""
+            try:
+                if not select.select([self.connection], [], [], 0)[0]:
+                    return False
+                return self.connection.recv(1, socket.MSG_PEEK) == b""
+            except OSError:  # reset by the peer
+                return True
+
         def do_GET(self) -> None:
             if not self._authorized():
                 return
@@ -222,11 +235,14 @@ def make_handler(sb: Sandbox, token: str | None, srv: ServerLimits) -> type[Base
             if not admitted.acquire(blocking=False):
                 return self._send(429, {"error": "sandbox queue full"}, {"Retry-After": "1"})
             try:
-                res = sb.run(code, stdin=stdin, files=files, limits=limits)
+                res = sb.run(code, stdin=stdin, files=files, limits=limits, gave_up=self._hung_up)
             except ValueError as e:  # a bad file name
                 return self._send(400, {"error": str(e)})
             finally:
                 admitted.release()
+            if self._hung_up():  # nobody to answer (its job was killed when it was seen)
+                self.close_connection = True
+                return
             if self.path == "/run":
                 self._send(200, dataclasses.asdict(res))
             else:
