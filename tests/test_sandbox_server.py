@@ -300,3 +300,27 @@ def test_a_client_that_hangs_up_has_its_job_killed():
         server.shutdown()
         server.server_close()
         sb.close()
+
+
+def test_a_server_with_over_a_thousand_descriptors_open_still_answers():
+    # The hang-up check must not use select(), which refuses descriptors past FD_SETSIZE (1024):
+    # a busy server with many keep-alive connections gets there.
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1300:
+        pytest.skip(f"RLIMIT_NOFILE hard limit {hard} is below 1300")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1300), hard))
+    url, server, sb = _serve([])
+    filler = [os.open("/dev/null", os.O_RDONLY) for _ in range(1100)]  # other connections
+    try:
+        for code in ("print('fast')", "import time; time.sleep(0.5); print('slow')"):
+            r = httpx.post(url + "/run", json={"code": code}, timeout=30)
+            assert r.status_code == 200 and r.json()["status"] == "ok", r.text
+    finally:
+        for fd in filler:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        server.shutdown()
+        server.server_close()
+        sb.close()
