@@ -359,3 +359,73 @@ def test_a_blocking_run_whose_caller_gives_up_kills_its_job():
         assert time.monotonic() - t0 < 20  # nothing ran to its 30 s
     finally:
         box.close()
+
+
+@pytest.mark.filterwarnings("ignore:Sandbox.backend=.unsafe-local")
+def test_a_restart_that_fails_unexpectedly_answers_its_queue_and_is_tried_again(monkeypatch):
+    box = Sandbox(backend="unsafe-local", config=SandboxConfig(slots=1, retries=0))
+    client = box._impl
+    real, tries = client._connect, []
+
+    def flaky():
+        tries.append(1)
+        if len(tries) == 1:
+            raise KeyError("features")  # not a RuntimeError: a hello frame without a field, say
+        return real()
+
+    try:
+        monkeypatch.setattr(client, "_connect", flaky)
+        client._proc.kill()
+        while client._sock is not None:
+            time.sleep(0.01)
+        first = client.submit(b"print(1)", b"", [], Limits(wall_s=5)).result(10)
+        assert first.status == "sandbox_error" and "KeyError" in first.detail
+        assert client.submit(b"print(2)", b"", [], Limits(wall_s=5)).result(10).stdout == "2\n"
+    finally:
+        box.close()
+
+
+@pytest.mark.filterwarnings("ignore:Sandbox.backend=.unsafe-local")
+def test_close_waits_for_a_supervisor_another_thread_is_still_killing():
+    import os
+    import signal
+
+    box = Sandbox(backend="unsafe-local", config=SandboxConfig(slots=1))
+    client = box._impl
+    pid = client._proc.pid
+    os.kill(pid, signal.SIGSTOP)  # hung: it will not exit on EOF, so its kill takes a while
+    dropper = threading.Thread(target=client._drop, args=(client._sock, "supervisor missed a job deadline"))
+    dropper.start()
+    time.sleep(0.1)  # the drop is killing it, outside `_lock`
+    box.close()
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().split()[2]
+    except FileNotFoundError:
+        state = "gone"
+    dropper.join(10)
+    assert state in ("gone", "Z")  # not left behind when close() returned
+
+
+@pytest.mark.filterwarnings("ignore:Sandbox.backend=.unsafe-local")
+def test_the_default_sandboxs_first_start_is_not_charged_to_the_tool(monkeypatch):
+    import agentgrpo.verify.sandbox as sandbox_mod
+
+    def slow_start():
+        time.sleep(2.0)  # probing: a backend that fails after a while, before one that works
+        return Sandbox(backend="unsafe-local")
+
+    monkeypatch.setattr(sandbox_mod, "_DEFAULT", None)
+    monkeypatch.setattr(sandbox_mod, "Sandbox", slow_start)
+    tool = make_async_python_tool(None, PythonToolConfig(limits=Limits(wall_s=5)))
+
+    async def main():
+        return await asyncio.gather(*(run_charging_only_running_time(tool(f"print({i})"), 1.0)
+                                      for i in range(4)))
+
+    try:
+        outs = asyncio.run(main())
+        assert [out.split("stdout:\n")[1].strip() for out, _ in outs] == ["0", "1", "2", "3"]
+        assert all(waited >= 1.5 for _, waited in outs)
+    finally:
+        sandbox_mod._DEFAULT.close()

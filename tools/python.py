@@ -128,7 +128,8 @@ def make_async_python_tool(
     sandbox: Sandbox | None = None, config: PythonToolConfig | None = None
 ) -> Callable[[str], Awaitable[str]]:
     """The same tool as a coroutine function: no worker thread per call, and a call cancelled at
-    its deadline kills its job (local backends), so the slot is free for the next call at once."""
+    its deadline kills its job (a remote server's once it sees the connection close), so the slot
+    is free for the next call at once."""
     cfg = config or PythonToolConfig()
 
     async def python(code: str) -> str:

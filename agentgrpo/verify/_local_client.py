@@ -52,6 +52,7 @@ class _LocalClient:
         self._sock: socket.socket | None = None
         self._closed = False
         self._starting = False  # a `_restart` thread is bringing a new supervisor up
+        self._stopping: set[subprocess.Popen] = set()  # being killed by a `_drop`, outside `_lock`
         self.info: dict = {}
         self._start()
 
@@ -108,10 +109,10 @@ class _LocalClient:
     def _restart(self) -> None:
         try:
             self._start()
-        except (RuntimeError, OSError) as e:  # cannot restart: fail what waits, retry on the next submit
+        except Exception as e:  # cannot restart: fail what waits, retry on the next submit
             with self._lock:
                 self._starting = False
-                self._fail_queued(str(e))
+                self._fail_queued(f"{self.kind} sandbox restart failed: {e!r}")
             return
         with self._lock:
             self._starting = False
@@ -247,8 +248,12 @@ class _LocalClient:
             self._inflight.clear()
             sock.close()  # EOF: a healthy supervisor kills its jobs, cleans up and exits
             proc, self._proc = self._proc, None
+            if proc is not None:
+                self._stopping.add(proc)
         if proc is not None:  # outside `_lock`: a submit from an event loop does not wait on it
             _kill(proc, grace_s=5.0 if why == "sandbox closed" else 0.5)
+            with self._lock:
+                self._stopping.discard(proc)
         for fut, _ in failed:
             fut.set_result(sandbox_error(why, self.kind))
         self._pump()
@@ -269,6 +274,10 @@ class _LocalClient:
             self._fail_queued("sandbox closed")  # queued jobs would otherwise wait forever
         if sock is not None:
             self._drop(sock, "sandbox closed")
+        with self._lock:
+            stopping = list(self._stopping)
+        for proc in stopping:  # another thread's `_drop` is still stopping it: do not leave it behind
+            _kill(proc, grace_s=0.5)
 
 
 def _kill(proc: subprocess.Popen, grace_s: float = 0.5) -> None:

@@ -86,6 +86,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from agentgrpo.deadlines import waiting_for_capacity
 from agentgrpo.types import InfrastructureError
 from agentgrpo.verify._local_client import _LocalClient
 from agentgrpo.verify._records import STATUSES, ExecResult, Limits, Status, sandbox_error
@@ -364,5 +365,9 @@ def default_sandbox() -> Sandbox:
 
 async def adefault_sandbox() -> Sandbox:
     """`default_sandbox()` for coroutines: its first call probes the backends and starts one
-    (seconds on a host where some fail) in a worker thread, so the event loop keeps running."""
-    return _DEFAULT if _DEFAULT is not None else await asyncio.to_thread(default_sandbox)
+    (seconds on a host where some fail) in a worker thread, so the event loop keeps running, and
+    inside a tool call that start is a wait (not charged to `tool_timeout_s`)."""
+    if _DEFAULT is not None:
+        return _DEFAULT
+    with waiting_for_capacity():
+        return await asyncio.to_thread(default_sandbox)
