@@ -93,7 +93,10 @@ class EnvConfig(BaseModel):
             # the deepest line of the env's own file (a library it called may have raised), else the
             # raise itself; the whole traceback stays on the ConfigError as its cause
             frames = traceback.extract_tb(e.__traceback__)
-            own = inspect.getsourcefile(env_cls)
+            try:
+                own = inspect.getsourcefile(env_cls)
+            except (TypeError, OSError):  # defined in __main__ without a file (a notebook, python -c)
+                own = None
             where = next((f for f in reversed(frames) if f.filename == own), frames[-1])
             raise ConfigError(f"env.tasks {self.tasks}: {env_cls.__name__}.load_tasks({split!r}) raised "
                               f"{type(e).__name__}: {e} (at {where.filename}:{where.lineno})") from e

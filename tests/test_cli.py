@@ -169,3 +169,22 @@ def test_a_custom_load_tasks_bug_names_the_envs_own_line_and_a_bad_return_is_nam
     assert info.value.__cause__ is not None  # the whole traceback is kept for a bug hunt
     with pytest.raises(ConfigError, match=r"NoReturn.load_tasks\('train'\) returned NoneType, not a list"):
         EnvConfig().load_tasks(NoReturn, "train", 0)
+
+
+def test_an_env_without_a_source_file_still_gets_a_config_error(monkeypatch):
+    import sys
+    import types
+
+    import pytest
+
+    from agentgrpo.config import ConfigError, EnvConfig
+
+    mod = types.ModuleType("notebook_cell")  # a class typed into a notebook or `python -c`
+    monkeypatch.setitem(sys.modules, "notebook_cell", mod)
+    exec("from agentgrpo import Env\n"
+         "class Cell(Env):\n"
+         "    @classmethod\n"
+         "    def load_tasks(cls, split, seed=0, **kw):\n"
+         "        raise ValueError('no such level')\n", mod.__dict__)
+    with pytest.raises(ConfigError, match=r"Cell.load_tasks\('train'\) raised ValueError: no such level"):
+        EnvConfig().load_tasks(mod.Cell, "train", 0)
