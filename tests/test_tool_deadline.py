@@ -429,3 +429,26 @@ def test_the_default_sandboxs_first_start_is_not_charged_to_the_tool(monkeypatch
         assert all(waited >= 1.5 for _, waited in outs)
     finally:
         sandbox_mod._DEFAULT.close()
+
+
+@pytest.mark.filterwarnings("ignore:Sandbox.backend=.unsafe-local")
+def test_a_big_frame_waits_for_a_supervisor_busy_for_a_moment():
+    """The client's socket times out after 0.25 s (its reader polls deadlines), and sendall used
+    that as its bound: a frame bigger than the socket buffer, sent while the supervisor did not read
+    for a moment, dropped the supervisor and failed every job in flight."""
+    import os
+    import signal
+
+    box = Sandbox(backend="unsafe-local", config=SandboxConfig(slots=1, retries=0))
+    pid = box._impl._proc.pid
+    try:
+        os.kill(pid, signal.SIGSTOP)  # busy for a second
+        timer = threading.Timer(1.0, os.kill, (pid, signal.SIGCONT))
+        timer.start()
+        res = box.run("import os; print(os.path.getsize('big'))", files={"big": b"x" * (8 << 20)},
+                      limits=Limits(wall_s=10))
+        timer.join()
+        assert (res.status, res.stdout) == ("ok", f"{8 << 20}\n"), res.detail
+        assert box._impl._proc.pid == pid  # the same supervisor: not dropped and restarted
+    finally:
+        box.close()

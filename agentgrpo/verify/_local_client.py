@@ -159,7 +159,7 @@ class _LocalClient:
             return
         try:
             with self._send_lock:
-                sock.sendall(_supervisor.pack({"op": "cancel", "id": jid}, []))
+                _send(sock, _supervisor.pack({"op": "cancel", "id": jid}, []))
         except OSError:  # supervisor gone; the reader thread fails in-flight jobs
             self._drop(sock, "supervisor connection lost")
 
@@ -190,7 +190,7 @@ class _LocalClient:
                 # its cancel after this frame: the supervisor ignores a cancel for an unknown id.
                 self._send_lock.acquire()
             try:
-                sock.sendall(frame)
+                _send(sock, frame)
                 lost = False
             except OSError:  # supervisor gone; the reader thread fails in-flight jobs
                 lost = True
@@ -278,6 +278,27 @@ class _LocalClient:
             stopping = list(self._stopping)
         for proc in stopping:  # another thread's `_drop` is still stopping it: do not leave it behind
             _kill(proc, grace_s=0.5)
+
+
+_SEND_STALL_S = 30.0
+
+
+def _send(sock: socket.socket, frame: bytes) -> None:
+    """`sock.sendall(frame)` without the socket's 0.25 s timeout (the reader's polling interval)
+    as its bound: a supervisor busy for a moment must not be dropped because a big frame, or
+    several, did not fit its socket buffer in 0.25 s. Raises OSError once nothing went out for
+    `_SEND_STALL_S`, or when the socket is closed (a hung supervisor, dropped by the deadline
+    check); a timed-out `send` sent nothing, so the frame stays whole."""
+    view, stalled = memoryview(frame), None
+    while view:
+        try:
+            n = sock.send(view)
+        except TimeoutError:
+            stalled = stalled or time.monotonic()
+            if time.monotonic() - stalled > _SEND_STALL_S:
+                raise
+            continue
+        view, stalled = view[n:], None
 
 
 def _kill(proc: subprocess.Popen, grace_s: float = 0.5) -> None:
