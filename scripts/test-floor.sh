@@ -40,4 +40,4 @@ export PYTHONPATH="$PWD/$dir${PYTHONPATH:+:$PYTHONPATH}"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 $py scripts/floors.py check "$dir"
 echo "$pins" > "$dir/PINS"  # only once the floors are in place: a failed install is retried next time
-$py -m pytest -q -p no:cacheprovider "$@"
+bash scripts/pytest.sh "$py" "$@"

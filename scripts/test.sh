@@ -7,6 +7,6 @@ bash scripts/setup.sh
 if [ "$(id -u)" = 0 ]; then bash scripts/system-deps.sh; else echo "not root: tests that need bubblewrap or chromium may skip"; fi
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 .venv/bin/ruff check --quiet .
-.venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+bash scripts/pytest.sh .venv/bin/python "$@"
 # The same suite on the transformers floor of pyproject.toml (scripts/test-floor.sh).
 [ "${AGENTGRPO_FLOOR_TESTS:-1}" = 0 ] || bash scripts/test-floor.sh "$@"

@@ -25,6 +25,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session, exitstatus):
+    """Tell scripts/pytest.sh that the session ended, and how: what the interpreter does after this
+    (an abort in its finalization, pytorch#38228) is then told apart from a crash during a test."""
+    path = os.environ.get("AGENTGRPO_PYTEST_STATUS_FILE")
+    if path:
+        Path(path).write_text(str(int(exitstatus)))
+
+
 @pytest.fixture(scope="session")
 def smol_path() -> Path:
     from agentgrpo.models import default_model_path

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# pytest with one exit path forgiven: an abort (SIGABRT, exit 134) of the interpreter *after* the
+# session ended with every test passed. Usage: scripts/pytest.sh PYTHON [pytest args...]
+#
+# Why: CPython 3.11 ends a daemon thread that wakes up during interpreter finalization with
+# pthread_exit, and when that thread is inside pybind11 code (a torch call that released the GIL)
+# the unwind hits a noexcept destructor and std::terminate aborts the process ("terminate called
+# without an active exception"; pytorch/pytorch#38228, open). The suite leaves such threads behind
+# (LocalEngine workers, a weight-sync rendezvous waiting out its timeout), and CI once aborted so
+# after "893 passed". tests/conftest.py writes the session's exit status to a file the moment the
+# session ends; an abort after a 0 there is reported loudly and does not fail the run. An abort
+# before it (a crash during a test) leaves no file, and fails as always. PYTHONFAULTHANDLER makes
+# such an abort print every thread's Python stack: what a fix of the cause needs.
+set -uo pipefail
+py=$1
+shift
+status=$(mktemp)
+rm -f "$status"
+AGENTGRPO_PYTEST_STATUS_FILE=$status PYTHONFAULTHANDLER=1 "$py" -m pytest -q -p no:cacheprovider "$@"
+rc=$?
+ended=$(cat "$status" 2>/dev/null)
+rm -f "$status"
+if [ "$rc" = 134 ] && [ "$ended" = 0 ]; then
+  echo "WARNING: pytest passed, then the interpreter aborted during its exit (SIGABRT; the stacks" \
+    "above, if any, show the threads): pytorch/pytorch#38228, see scripts/pytest.sh. Not a test failure." >&2
+  exit 0
+fi
+exit "$rc"
