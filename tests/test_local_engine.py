@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import math
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -699,3 +701,33 @@ async def _smollm2_group_and_next_turn(smollm2):
     out2 = await smollm2.generate(turn2, SamplingParams(max_new_tokens=6))
     assert prefill_delta(smollm2, before) == (1 + len(suffix), len(turn2) - 1 - len(suffix))
     assert_matches_fresh_forward(smollm2.model, turn2, out2, 1.0)
+
+
+_EXIT_MID_DECODE = """
+import asyncio, threading, time
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+from agentgrpo.engine import LocalEngine, SamplingParams
+torch.manual_seed(0)
+config = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+                     num_key_value_heads=2, vocab_size=128, max_position_embeddings=4096)
+engine = LocalEngine(LlamaForCausalLM(config).eval(), eos_token_ids=())
+def decode():  # a caller still waiting when the script ends
+    asyncio.run(engine.generate(list(range(1, 9)), SamplingParams(max_new_tokens=4000)))
+threading.Thread(target=decode, daemon=True).start()
+while engine.stats["steps"] < 3:
+    time.sleep(0.01)
+print("exiting mid-decode")
+"""
+
+
+def test_a_script_that_ends_while_the_engine_decodes_exits_with_its_own_status():
+    """The worker is a daemon thread; left inside a torch call when finalization began, CPython 3.11
+    ended it with pthread_exit and the process aborted (SIGABRT, "terminate called without an active
+    exception", pytorch#38228) instead of exiting 0: 4 runs out of 4 before the engine closed itself
+    at exit."""
+    for _ in range(2):
+        proc = subprocess.run([sys.executable, "-c", _EXIT_MID_DECODE], capture_output=True, text=True,
+                              timeout=120)
+        assert (proc.returncode, proc.stdout) == (0, "exiting mid-decode\n"), proc.stderr[-2000:]
+        assert "terminate called" not in proc.stderr

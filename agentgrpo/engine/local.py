@@ -75,12 +75,14 @@ How it works (decisions):
 from __future__ import annotations
 
 import asyncio
+import atexit
 import collections
 import logging
 import os
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -119,6 +121,20 @@ class _Release:
 
 
 _STOP = object()  # sentinel that ends the worker
+
+_RUNNING: weakref.WeakSet[LocalEngine] = weakref.WeakSet()  # engines whose worker has started
+
+
+@atexit.register
+def _close_running() -> None:
+    """Close every engine still running when the interpreter exits. Its worker is a daemon thread
+    (a forgotten engine must not hold up exit), but a daemon thread inside a torch call when
+    finalization starts is ended by CPython 3.11 with pthread_exit, which aborts the process
+    ("terminate called without an active exception", pytorch#38228): a script that ends, or fails,
+    while an engine decodes would exit with SIGABRT instead of its own status. atexit runs before
+    finalization; the worker stops at its next step."""
+    for engine in list(_RUNNING):
+        engine.close()
 
 
 class LocalEngine:
@@ -371,6 +387,7 @@ class LocalEngine:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="LocalEngine", daemon=True)
                 self._thread.start()
+                _RUNNING.add(self)
             self._queue.put(item)
 
     # ----------------------------------------------------------------------------- worker thread
