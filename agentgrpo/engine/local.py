@@ -127,12 +127,8 @@ _RUNNING: weakref.WeakSet[LocalEngine] = weakref.WeakSet()  # engines whose work
 
 @atexit.register
 def _close_running() -> None:
-    """Close every engine still running when the interpreter exits. Its worker is a daemon thread
-    (a forgotten engine must not hold up exit), but a daemon thread inside a torch call when
-    finalization starts is ended by CPython 3.11 with pthread_exit, which aborts the process
-    ("terminate called without an active exception", pytorch#38228): a script that ends, or fails,
-    while an engine decodes would exit with SIGABRT instead of its own status. atexit runs before
-    finalization; the worker stops at its next step."""
+    """Close the engines still running at exit (before finalization): a daemon worker left inside a
+    torch call when finalization starts makes CPython 3.11 abort the process (pytorch#38228)."""
     for engine in list(_RUNNING):
         engine.close()
 
