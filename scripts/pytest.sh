@@ -5,12 +5,13 @@
 # Why: CPython 3.11 ends a daemon thread that wakes up during interpreter finalization with
 # pthread_exit, and when that thread is inside pybind11 code (a torch call that released the GIL)
 # the unwind hits a noexcept destructor and std::terminate aborts the process ("terminate called
-# without an active exception"; pytorch/pytorch#38228, open). The suite leaves such threads behind
-# (LocalEngine workers, a weight-sync rendezvous waiting out its timeout), and CI once aborted so
-# after "893 passed". tests/conftest.py writes the session's exit status to a file the moment the
-# session ends; an abort after a 0 there is reported loudly and does not fail the run. An abort
-# before it (a crash during a test) leaves no file, and fails as always. PYTHONFAULTHANDLER makes
-# such an abort print every thread's Python stack: what a fix of the cause needs.
+# without an active exception"; pytorch/pytorch#38228, open). CI once aborted so after "893 passed";
+# LocalEngine's worker was one such thread (now closed at exit), the weight-sync rendezvous thread
+# waiting out its timeout is another that nothing can stop, and which one it was is not known.
+# tests/conftest.py writes the session's exit status to a file the moment the session ends; an
+# abort after a 0 there is reported loudly and does not fail the run. An abort before it (a crash
+# during a test) leaves no file, and fails as always. PYTHONFAULTHANDLER makes such an abort print
+# every thread's Python stack: what a fix of the cause needs.
 set -uo pipefail
 py=$1
 shift
