@@ -15,11 +15,10 @@
 set -uo pipefail
 py=$1
 shift
-status=$(mktemp)
-rm -f "$status"
+status=$(mktemp)  # empty until conftest writes the status at the session end
 AGENTGRPO_PYTEST_STATUS_FILE=$status PYTHONFAULTHANDLER=1 "$py" -m pytest -q -p no:cacheprovider "$@"
 rc=$?
-ended=$(cat "$status" 2>/dev/null)
+ended=$(cat "$status")
 rm -f "$status"
 if [ "$rc" = 134 ] && [ "$ended" = 0 ]; then
   echo "WARNING: pytest passed, then the interpreter aborted during its exit (SIGABRT; the stacks" \
