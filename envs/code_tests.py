@@ -68,7 +68,7 @@ from agentgrpo.verify.code import (
     load_humaneval,
     run_tests,
 )
-from agentgrpo.verify.sandbox import Sandbox, SandboxUnavailable
+from agentgrpo.verify.sandbox import Sandbox, SandboxUnavailable, check_sandbox
 
 SPLITS = ("train", "eval", "all")
 
@@ -199,6 +199,7 @@ class CodeTestsEnv(ToolEnv):
                  timeout_s: float = 5.0) -> None:
         if not 0.0 <= public_credit < 1.0:
             raise ValueError(f"public_credit must be in [0, 1), got {public_credit}")
+        check_sandbox(sandbox, "CodeTestsEnv", "run", "arun")  # the tool runs, the reward aruns
         self.sandbox, self.public_credit, self.timeout_s = sandbox, public_credit, timeout_s
 
     @tool

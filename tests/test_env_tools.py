@@ -126,6 +126,22 @@ def test_code_tests_sandbox_failure_in_its_own_step_is_unscorable(code_task):
         asyncio.run(env.step(_call("1", "run_tests", "# HANG")))
 
 
+class RunOnlySandbox:
+    """A stand-in written against the sync API alone: the envs' rewards await `arun`."""
+
+    def run(self, code, **kwargs) -> ExecResult:
+        return _result("ok", "4\n")
+
+
+def test_a_sandbox_without_the_methods_an_env_calls_is_refused_when_the_env_is_built():
+    for build in (lambda: PythonMathEnv(sandbox=RunOnlySandbox()),
+                  lambda: CodeTestsEnv(sandbox=RunOnlySandbox())):
+        with pytest.raises(TypeError, match="RunOnlySandbox has no arun method"):
+            build()
+    PythonMathEnv(sandbox=HangingSandbox())  # both methods: accepted
+    CodeTestsEnv(sandbox=HangingSandbox())
+
+
 # ---- calculator -------------------------------------------------------------------------------
 
 

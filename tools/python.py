@@ -24,6 +24,7 @@ from agentgrpo.verify.sandbox import (
     Sandbox,
     SandboxUnavailable,
     adefault_sandbox,
+    check_sandbox,
     default_sandbox,
 )
 
@@ -115,6 +116,7 @@ def make_python_tool(
     """A `python(code) -> str` tool bound to a sandbox (default: the process-wide one). A ToolEnv
     runs it in a worker thread, and a call past its deadline runs on to the sandbox's wall limit;
     `make_async_python_tool` does neither."""
+    check_sandbox(sandbox, "make_python_tool", "run")
     cfg = config or PythonToolConfig()
 
     def python(code: str) -> str:
@@ -130,6 +132,7 @@ def make_async_python_tool(
     """The same tool as a coroutine function: no worker thread per call, and a call cancelled at
     its deadline kills its job (a remote server's once it sees the connection close), so the slot
     is free for the next call at once."""
+    check_sandbox(sandbox, "make_async_python_tool", "arun")
     cfg = config or PythonToolConfig()
 
     async def python(code: str) -> str:

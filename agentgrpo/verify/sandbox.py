@@ -350,6 +350,21 @@ class Sandbox:
         self.close()
 
 
+def check_sandbox(sandbox: object, owner: str, *methods: str) -> None:
+    """Refuse, where it is given, a `sandbox` (None = the default one) that lacks one of `methods`.
+
+    Anything with the `Sandbox` methods a caller uses may stand in for one (a test double, a
+    wrapper); without this check a stand-in with only `run` would fail as an AttributeError
+    inside the first tool call or reward, mid-rollout, instead of when the env is built."""
+    missing = [m for m in methods if sandbox is not None and not callable(getattr(sandbox, m, None))]
+    if missing:
+        raise TypeError(
+            f"{owner}: sandbox {type(sandbox).__name__} has no {', '.join(missing)} method; pass an "
+            f"agentgrpo Sandbox (or an object with {' and '.join(methods)} like Sandbox's), or None "
+            "for the default one"
+        )
+
+
 _DEFAULT: Sandbox | None = None
 _DEFAULT_LOCK = threading.Lock()
 
