@@ -90,11 +90,9 @@ def _load_full_weights(policy: torch.nn.Module, model: torch.nn.Module, director
         weights = adapter_weights(model, directory)
         needed = [n for n, _ in model.named_parameters() if "lora_" in n]
     else:
-        from safetensors.torch import load_file
+        from agentgrpo.models import read_safetensors
 
-        weights = {}
-        for f in sorted(directory.glob("*.safetensors")):
-            weights.update(load_file(f))
+        weights = read_safetensors(directory)
         needed = list(model.state_dict())
         if getattr(model.config, "tie_word_embeddings", False):  # lm_head is saved once
             needed = [k for k in needed if k != "lm_head.weight"]

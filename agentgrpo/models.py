@@ -206,6 +206,20 @@ def load_policy(path: Path | str):
     return model
 
 
+def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a `.safetensors` file, or of all such files in a directory (a sharded
+    `save_pretrained` writes several); FileNotFoundError when a directory holds none."""
+    from safetensors.torch import load_file
+
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+    if not files:
+        raise FileNotFoundError(f"no .safetensors files in {path}")
+    weights: dict[str, torch.Tensor] = {}
+    for file in files:
+        weights.update(load_file(file))
+    return weights
+
+
 def load_tokenizer(path: Path | str, **kwargs: Any):
     """Load the tokenizer from a local directory without touching the network."""
     from transformers import AutoTokenizer

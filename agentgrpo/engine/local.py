@@ -48,19 +48,17 @@ How it works (decisions):
   prefix with it and prefills only the rest; at least its last prompt id is always fed, for the
   logits. Before prefilling an admitted set, every prefix that several of them share is prefilled
   once, shortest first (the system prompt of several tasks, then each GRPO group's prompt), when
-  that saves at least `_MIN_SAVED` ids of prefill. So G copies of a prompt cost one prefill plus G single ids, and turn k+1 (= turn k's
-  prompt + sampled ids + env suffix) prefills only the last sampled id and the suffix. Rows of one
-  prefill forward may reuse different lengths: every row feeds as many trailing ids as the row that
-  needs the most (recomputing a few cached ones), so the padding stays on the left and costs what
-  left padding costs anyway. Exactness: the KV of a token depends only on the ids up to it and its
+  that saves at least `_MIN_SAVED` ids of prefill. So G copies of a prompt cost one prefill plus G
+  single ids, and turn k+1 (= turn k's prompt + sampled ids + env suffix) prefills only the last
+  sampled id and the suffix. Rows of one prefill forward may reuse different lengths: every row
+  feeds as many trailing ids as the row that needs the most (recomputing a few cached ones), so the
+  padding stays on the left. Exactness: the KV of a token depends only on the ids up to it and its
   position id, so the result differs from a fresh prefill by float rounding only (tests check 1e-4).
-  `update_weights` empties the cache (its KV was computed under the old weights), and so does
-  `release_memory`, which the training loop calls when the rollouts of a step are done: the entries
-  are dead from then on (the next push invalidates them), and without it they held up to
-  `prefix_cache_tokens` x 45 KiB (SmolLM2-135M, fp32) while the learner trained in the same process.
-  That did not lower the default run's peak RSS (4 steps, 2026-12-01: 8.33 GB vs 8.69 GB kept):
-  the learner step's activations set it (7.95 GB sampled during it, against 1.9-2.5 GB for the
-  engine's rollouts alone, cache included).
+  `update_weights` empties the cache (KV of the old weights), and so does `release_memory`, which
+  the training loop calls when a step's rollouts are done: the entries are dead from then on, and
+  held up to `prefix_cache_tokens` x 45 KiB (SmolLM2-135M, fp32) while the learner trained in the
+  same process. Peak RSS of the default run did not drop (4 steps, 2026-12-01: 8.33 GB vs 8.69 GB
+  kept): the learner's activations set it (7.95 GB during its step, 1.9-2.5 GB for the rollouts).
 - **Weights.** `update_weights` is queued behind the requests already submitted: the worker stops
   admitting, lets the running rows finish, copies the new tensors in place (tied weights stay tied),
   then sets `weight_version`. So every completion comes from exactly one version, the one it reports.
@@ -93,6 +91,7 @@ import torch
 from agentgrpo.engine.base import Completion, EngineError, SamplingParams
 from agentgrpo.engine.local_batch import _Batch, _Request, _resolve
 from agentgrpo.engine.prefix_cache import PrefixCache
+from agentgrpo.models import read_safetensors
 
 log = logging.getLogger(__name__)
 
@@ -464,7 +463,7 @@ class LocalEngine:
     def _update_now(self, item: _Update) -> None:
         weights = item.weights
         if isinstance(weights, (str, os.PathLike)):
-            weights = _read_safetensors(Path(weights))
+            weights = read_safetensors(Path(weights))
         if not isinstance(weights, Mapping):
             raise TypeError(f"weights must be a state dict or a path, got {type(weights).__name__}")
         own = self.model.state_dict(keep_vars=True)
@@ -482,18 +481,6 @@ class LocalEngine:
             for name, tensor in weights.items():
                 own[name].copy_(tensor)
         self.weight_version = item.version
-
-
-def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
-    if not files:
-        raise FileNotFoundError(f"no .safetensors files in {path}")
-    weights: dict[str, torch.Tensor] = {}
-    for file in files:
-        weights.update(load_file(file))
-    return weights
 
 
 def _cache_kwarg(model: torch.nn.Module) -> str:
