@@ -251,10 +251,14 @@ class ToolEnv(Env):
     declare a `rubric` (and optionally `prompt`). `step` runs every tool call of the assistant
     message concurrently and returns one `tool` message per call; an assistant message without tool
     calls ends the episode and is scored by `reward(task, messages)` (0.0 by default when the env
-    has a rubric, which scores the episode once its group has ended). A call to an unknown tool, invalid arguments, a tool
-    that raises or times out, or too many calls in one turn all produce an error tool message the
-    model can react to; `info["tool_errors"]` counts them and `info["tool_error_kinds"]` counts
-    them by `ToolErrorKind`. The rollout config may override `tool_timeout_s` and
+    has a rubric, which scores the episode once its group has ended). An episode the rollout ends
+    otherwise (max turns, max tokens) gets no `reward` call: a model that never gave its answer
+    keeps 0.0 (tool steps reward nothing), minus the tool-error penalty; a rubric, by contrast,
+    scores every scorable episode, cut ones included (its verifiers decide what a cut one earns).
+    A call to an unknown tool, invalid arguments, a tool that raises or times out, or too many
+    calls in one turn all produce an error tool message the model can react to;
+    `info["tool_errors"]` counts them and `info["tool_error_kinds"]` counts them by
+    `ToolErrorKind`. The rollout config may override `tool_timeout_s` and
     `max_tool_calls_per_turn` (`set_tool_limits`). `tool_timeout_s` counts the time a call runs,
     not the time it waits for a worker thread, a sandbox slot, or anything its code marks with
     `agentgrpo.deadlines.waiting_for_capacity`: that wait is load, not the model's doing, and the
