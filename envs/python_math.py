@@ -55,7 +55,7 @@ from typing import Any
 
 from agentgrpo import Message, Task, ToolEnv, tool
 from agentgrpo.verify.math import MathCheck, amath_check
-from agentgrpo.verify.sandbox import Sandbox, SandboxUnavailable, check_sandbox
+from agentgrpo.verify.sandbox import Sandbox, SandboxUnavailable
 from tools.python import PythonToolConfig, make_async_python_tool
 
 DATASETS = ("gsm_symbolic", "chain_sum", "basic_arithmetic")
@@ -133,7 +133,6 @@ class PythonMathEnv(ToolEnv):
             raise ValueError(f"PythonMathEnv: math_timeout_s must be > 0, got {math_timeout_s!r}")
         self.math_timeout_s = math_timeout_s
         cfg = python if isinstance(python, PythonToolConfig) or python is None else PythonToolConfig(**python)
-        check_sandbox(sandbox, "PythonMathEnv", "arun")
         self._run_python = make_async_python_tool(sandbox, cfg)
         self._check: MathCheck | None = None  # the last reward's check, for step's info
 
