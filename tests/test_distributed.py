@@ -4,7 +4,6 @@ learner under FSDP (sharded parameters) trains, checkpoints and exports like 1 p
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -13,6 +12,7 @@ import torch
 from agentgrpo.learner import Learner, LearnerConfig
 from agentgrpo.log import read_jsonl
 from agentgrpo.loss import LossConfig
+from tests.ranks import free_port, spawn_gloo
 from tests.test_checkpoint import _by_step, _train, _weights
 from tests.test_learner import TEMPERATURE, assert_trained_alike, batch_and_advantages
 from tests.tiny import tiny_llama
@@ -21,37 +21,6 @@ CFG = LearnerConfig(lr=1e-2, micro_batch_tokens=64, grad_clip=1e9, warmup_steps=
 LOSS = LossConfig(kl_coef=0.1)
 SHARDED = CFG.model_copy(update={"checkpoint_format": "sharded"})
 HANG = "learner.collective_timeout_s=120"  # a rank left waiting fails the test instead of hanging it
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _spawn(fn, *args) -> None:
-    """Run `fn(rank, *args)` in 2 fresh processes that form a gloo group (env:// rendezvous)."""
-    import torch.multiprocessing as mp
-
-    mp.spawn(_rank, args=(_free_port(), fn, args), nprocs=2, join=True)
-
-
-def _rank(rank: int, port: int, fn, args) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)  # two ranks share this machine's cores
-    fn(rank, *args)
-    if torch.distributed.is_initialized():  # exiting with the group alive can abort the process
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
-    # Done, and nothing is left to run: skip the interpreter's teardown, where a C++ thread still
-    # joinable at static destruction aborted a rank ("terminate called without an active
-    # exception", SIGABRT) in 1 of 4 CI runs of the FSDP test after its checks had all passed.
-    import sys
-
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 # --- the whole loop ----------------------------------------------------------------------------------
@@ -71,11 +40,11 @@ def _train_on_rank(rank: int, out: str, model_dir: str, steps: int, *extra: str)
 def test_two_ranks_run_the_loop_like_one_process_and_resume(tmp_path, stopping_model_dir):
     one, two = tmp_path / "one", tmp_path / "two"
     assert _train(one, stopping_model_dir, 3, "train.save_every=2") == 0
-    _spawn(_train_on_rank, str(two), str(stopping_model_dir), 2)
+    spawn_gloo(_train_on_rank, str(two), str(stopping_model_dir), 2)
     # Rank 0 alone logged: one row per step, no second copy from rank 1.
     assert [m["step"] for m in read_jsonl(two / "metrics.jsonl")] == [1, 2]
     assert sorted(p.name for p in (two / "checkpoints").iterdir()) == ["step-000002"]
-    _spawn(_train_on_rank, str(two), str(stopping_model_dir), 3)  # both ranks resume from step 2
+    spawn_gloo(_train_on_rank, str(two), str(stopping_model_dir), 3)  # both ranks resume from step 2
     assert [m["step"] for m in read_jsonl(two / "metrics.jsonl")] == [1, 2, 3]
 
     a, b = _by_step(one), _by_step(two)
@@ -106,7 +75,7 @@ def test_two_ranks_resume_from_sharded_checkpoints(tmp_path, stopping_model_dir)
     one, two = tmp_path / "one", tmp_path / "two"
     assert _train(one, stopping_model_dir, 3, "train.save_every=2") == 0
     for steps in (2, 3):  # the second run resumes from the shards both ranks wrote at step 2
-        _spawn(_train_on_rank, str(two), str(stopping_model_dir), steps, "learner.checkpoint_format=sharded")
+        spawn_gloo(_train_on_rank, str(two), str(stopping_model_dir), steps, "learner.checkpoint_format=sharded")
     assert [m["step"] for m in read_jsonl(two / "metrics.jsonl")] == [1, 2, 3]
     assert list((two / "checkpoints" / "step-000003" / "dcp").glob("*.distcp"))
     assert _by_step(one) == _by_step(two)  # step 3 sampled the same tokens: the weights came back
@@ -129,7 +98,7 @@ def _stopped_on_rank_1(rank: int, out: str, model_dir: str) -> None:
 
 def test_a_stop_signal_on_one_rank_stops_every_rank_after_a_checkpoint(tmp_path, stopping_model_dir):
     out = tmp_path / "run"
-    _spawn(_stopped_on_rank_1, str(out), str(stopping_model_dir))
+    spawn_gloo(_stopped_on_rank_1, str(out), str(stopping_model_dir))
     assert [m["step"] for m in read_jsonl(out / "metrics.jsonl")] == [1]
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000001"]
 
@@ -259,7 +228,7 @@ def test_fsdp_shards_train_checkpoint_and_export_like_one_process(tmp_path):
     after_two = {k: v.clone() for k, v in one.unwrapped.state_dict().items()}
     _steps(one, 1, seed=1)
 
-    _spawn(_fsdp_rank, str(tmp_path))
+    spawn_gloo(_fsdp_rank, str(tmp_path))
 
     _assert_close(torch.load(tmp_path / "fsdp-2steps.pt"), after_two, "2 FSDP ranks, 2 steps")
     # The sharded run's checkpoint holds the full optimizer state: a 1-process learner loads it
@@ -318,7 +287,7 @@ def test_ram_efficient_loading_trains_like_one_process_when_only_rank_0_has_weig
     """With the shipped accelerate config (cpu_ram_efficient_loading on), rank 1's model has no
     weights: the policy and the KL reference get rank 0's, and 2 steps equal 1 process, with and
     without tied embeddings (accelerate moves the policy to meta, which unties them)."""
-    _spawn(_ram_efficient_rank, str(tmp_path), _launch_env(ACCELERATE_FSDP2))
+    spawn_gloo(_ram_efficient_rank, str(tmp_path), _launch_env(ACCELERATE_FSDP2))
     for build in (tiny_llama, _tied_llama):
         one = Learner(build(), CFG, LOSS, temperature=TEMPERATURE)
         start = {k: v.clone() for k, v in one.unwrapped.state_dict().items()}
@@ -339,7 +308,7 @@ def test_the_documented_torchrun_command_runs_two_ranks(tmp_path, tiny_model_dir
 
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-           str(_free_port()), "-m", "agentgrpo.cli", "train", "examples/calculator.yaml", f"output_dir={out}",
+           str(free_port()), "-m", "agentgrpo.cli", "train", "examples/calculator.yaml", f"output_dir={out}",
            "train.steps=1", f"model.path={tiny_model_dir}", "rollout.group_size=2", "rollout.tasks_per_step=2",
            "rollout.max_new_tokens=8", "rollout.max_tokens=32", "log.progress=false"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
@@ -375,8 +344,8 @@ def _fsdp_lora_rank(rank: int, tmp: str) -> None:
 def test_lora_under_ddp_and_fsdp_exports_merged_weights_and_resumes_like_one_process(tmp_path):
     one = Learner(tiny_llama(), LORA, LOSS, temperature=TEMPERATURE)
     _steps(one, 2)
-    _spawn(_ddp_lora_rank, str(tmp_path))
-    _spawn(_fsdp_lora_rank, str(tmp_path))
+    spawn_gloo(_ddp_lora_rank, str(tmp_path))
+    spawn_gloo(_fsdp_lora_rank, str(tmp_path))
     merged = one.export_state_dict()
     _assert_close(torch.load(tmp_path / "lora-ddp.pt"), merged, "LoRA under DDP, merged export")
     _assert_close(torch.load(tmp_path / "lora-trained.pt"), merged, "LoRA under FSDP, merged export")
@@ -400,7 +369,7 @@ def test_sharded_checkpoints_resume_on_two_fsdp_ranks_and_reshard_to_one_process
     one = Learner(tiny_llama(), SHARDED, LOSS, temperature=TEMPERATURE)
     _steps(one, 2)
     _steps(one, 1, seed=1)
-    _spawn(_fsdp_sharded_rank, str(tmp_path))
+    spawn_gloo(_fsdp_sharded_rank, str(tmp_path))
     _assert_close(torch.load(tmp_path / "sharded-resumed.pt"), one.unwrapped.state_dict(),
                   "2 FSDP ranks resumed from their own shards")
     single = Learner(tiny_llama(), SHARDED, LOSS, temperature=TEMPERATURE)
@@ -425,7 +394,7 @@ def test_a_chunked_head_under_fsdp_trains_like_one_process_without_chunks(tmp_pa
     start = _tied_llama().state_dict()
     one = Learner(_tied_llama(), CFG, LOSS, temperature=TEMPERATURE)
     steps = _steps(one, 2)
-    _spawn(_chunked_head_rank, str(tmp_path))
+    spawn_gloo(_chunked_head_rank, str(tmp_path))
     got = torch.load(tmp_path / "chunked.pt")
     _assert_steps_alike(got["steps"], steps, "FSDP, chunked head", rel=1e-5)
     assert_trained_alike(got["weights"], one.unwrapped.state_dict(), start, "FSDP, chunked head")
@@ -469,7 +438,7 @@ def test_fsdp_clips_by_the_whole_models_norm_like_one_process(tmp_path):
     steps = _steps(one, 3)
     assert min(steps["grad_norm"]) > 2 * CLIPPED.grad_clip  # the clip acted on every step
     assert clipped == pytest.approx([CLIPPED.grad_clip] * 3, rel=1e-5)
-    _spawn(_clipped_rank, str(tmp_path))
+    spawn_gloo(_clipped_rank, str(tmp_path))
     got = torch.load(tmp_path / "clipped.pt")
     assert got["clipped"] == pytest.approx(clipped, rel=1e-5)
     _assert_steps_alike(got["steps"], steps, "FSDP, clipped", abs=1e-6)

@@ -4,9 +4,7 @@ LoRA, precision options, save/load, and 2 gloo processes equal 1 process."""
 from __future__ import annotations
 
 import math
-import os
 import random
-import socket
 
 import pytest
 import torch
@@ -15,6 +13,7 @@ from agentgrpo.batch import make_micro_batches
 from agentgrpo.learner import Learner, LearnerConfig, split_mini_batches
 from agentgrpo.logprobs import sequence_logprobs, token_logprobs
 from agentgrpo.loss import LossConfig, compute_loss
+from tests.ranks import spawn_gloo
 from tests.tiny import groups_of_trajectories, tiny_llama, traj
 
 TEMPERATURE = 0.8
@@ -393,32 +392,22 @@ def _make(accelerator=None, mini_batches=1):
     return Learner(tiny_llama(), cfg, LossConfig(kl_coef=0.1), temperature=TEMPERATURE, accelerator=accelerator)
 
 
-def _worker(rank: int, world: int, port: int, out: str, mini_batches: int) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
+def _worker(rank: int, out: str, mini_batches: int) -> None:
     from accelerate import Accelerator
 
     learner = _make(Accelerator(cpu=True), mini_batches)
     grads, metrics = _steps(learner)
     if rank == 0:
         torch.save({"weights": learner.unwrapped.state_dict(), "grads": grads, "metrics": metrics}, out)
-    # Both ranks leave together: rank 1 exiting with the gloo group alive while rank 0 still wrote
-    # the file aborted it ("terminate called without an active exception", SIGABRT) now and then.
-    learner.close()
+    learner.close()  # both ranks leave together; spawn_gloo then skips the interpreter's teardown
 
 
 @pytest.mark.parametrize("mini_batches", [1, 2])
 def test_two_gloo_processes_equal_one_process(tmp_path, mini_batches):
     """With 2 mini-batches: step 1 splits 3 groups 2 + 1, step 2 (7 trajectories) 1 + 1, each group
     then dealt to the 2 ranks by trajectory; step 3 has one trajectory, so one mini-batch."""
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     out = tmp_path / "two.pt"
-    mp.spawn(_worker, args=(2, port, str(out), mini_batches), nprocs=2, join=True)
+    spawn_gloo(_worker, str(out), mini_batches)
     two = torch.load(out, weights_only=True)
     one = _make(mini_batches=mini_batches)
     start = {k: v.clone() for k, v in one.unwrapped.state_dict().items()}
