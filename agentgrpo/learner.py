@@ -70,9 +70,11 @@ from agentgrpo.learner_metrics import Metrics, over_ranks, step_metrics
 from agentgrpo.logprobs import (
     PolicyForward,
     attn_implementation,
+    tf32_matmuls,
     to_loss_layout,
     token_logprobs,
     uses_flash,
+    wants_tf32,
 )
 from agentgrpo.lora import LoraConfig, MergedModel, apply_lora, merged_state_dict
 from agentgrpo.loss import LossConfig, compute_loss
@@ -119,6 +121,8 @@ class LearnerConfig(BaseModel):
         "makes a SmolLM2-135M step ~2x faster but widens the rollout/learner logprob gap; see the README, "
         "section 'The learner')")
     gradient_checkpointing: bool = Field(False, description="recompute activations in backward")
+    tf32: Literal["auto"] | bool = Field("auto", description="CUDA: fp32 matmuls (the LM head under bf16 "
+        "autocast) on TF32 tensor cores; auto = under bf16 autocast (agentgrpo.logprobs.wants_tf32)")
     head_chunk_tokens: int | None = Field(
         None, ge=1, description="run the LM head over chunks of this many loss tokens, each recomputed "
         "in backward, so only one chunk's [chunk, vocab] logits are alive (agentgrpo.logprobs); "
@@ -133,7 +137,7 @@ class LearnerConfig(BaseModel):
         "similar size batched into padded sdpa calls (agentgrpo.attention; pairs own x (prompt + own)); mask = one call per row under a 4D mask "
         "(every pair of the row computed); auto = on the CPU segments for micro-batches whose rows are "
         "long enough to pay (agentgrpo.attention.AUTO_MIN_SHARE), else the mask; mask on GPUs "
-        "(segments unmeasured there)")
+        "(segments measured slower there: README, Benchmarks)")
     ref_offload: bool = Field(False, description="keep the reference model on the CPU between steps "
                               "(not with FSDP, which shards the reference like the policy)")
     checkpoint_format: Literal["full", "sharded"] = Field(
@@ -248,9 +252,10 @@ class Learner:
                              "attention takes no mask and packs without sharing: leave it 'auto'")
         # Segment attention computes no pair across sequences, so splitting a group only adds prompt
         # copies: the cost model then never splits (pair cost 0). Flex skips such pairs by the block
-        # (128 x 128): taken as the same (unmeasured; bench/learner_gpu.py measures it).
+        # (128 x 128): taken as the same (whole groups under flex: 1.08x the mask's speed on an H200).
         self.pair_cost = 0.0 if segments or flex else attention_pair_cost(getattr(model, "config", None))
         bf16 = cfg.autocast == "bf16" or (cfg.autocast == "auto" and device.type == "cuda")
+        self.tf32 = wants_tf32(cfg.tf32, device, bf16)
         # kl_coef = 0 means no reference at all (no memory, no forward passes).
         self.ref: PolicyForward | None = None
         if loss_cfg.kl_coef > 0 and cfg.lora is None:
@@ -350,6 +355,10 @@ class Learner:
 
     def train_step(self, trajs: Sequence[Trajectory], advantages: Sequence[float]) -> dict[str, float]:
         """Optimisation passes on the scorable trajectories of one step; returns metrics."""
+        with tf32_matmuls(self.tf32):
+            return self._train_step(trajs, advantages)
+
+    def _train_step(self, trajs: Sequence[Trajectory], advantages: Sequence[float]) -> dict[str, float]:
         keep = [i for i, t in enumerate(trajs)
                 if t.num_sampled > 0 and math.isfinite(advantages[i]) and math.isfinite(t.reward)]
         trajs = [trajs[i] for i in keep]

@@ -12,7 +12,12 @@ loss token: exactly the same numbers, a fraction of the head's FLOPs and of the 
 
 Precision: under autocast the decoder runs in bf16, but the head and the log-softmax run with
 autocast off, in the head's parameter dtype (fp32 unless the parameters were cast), then in fp32,
-so the only bf16 rounding is in the hidden states.
+so the only bf16 rounding is in the hidden states. On CUDA the head's fp32 matmuls can run on TF32
+tensor cores (`tf32_matmuls`, the learner's `tf32` option, on by default under bf16 autocast): its
+input, bf16 values, is exact in TF32, so only the head's weights and, in backward, the logits'
+gradient are rounded to TF32's 10 mantissa bits; the products still add up in fp32. Measured on an
+H200 (0.5B Qwen2 shape, 152k vocabulary, 2026-12-04) the fp32 head's SIMT GEMMs were 40% of a
+step's GPU time (README, "Benchmarks").
 
 Memory: the head's [M, V] fp32 logits, and what its log-softmax keeps for backward, grow with the
 loss tokens of a micro-batch and the vocabulary (V = 152k for Qwen: 0.6 MB per loss token for each
@@ -32,6 +37,32 @@ from torch.utils.checkpoint import checkpoint
 
 from agentgrpo.attention import SEGMENTS, Segments, flex_block_mask
 from agentgrpo.batch import TrainBatch, attention_pair_cost
+
+
+@contextlib.contextmanager
+def tf32_matmuls(enabled: bool):
+    """CUDA's fp32 matmuls on TF32 tensor cores while the block runs (and the backward it starts),
+    then back to what was set. torch's flag is process-wide: a CUDA matmul of another thread in the
+    meantime runs on TF32 too."""
+    if not enabled:
+        yield
+        return
+    flags = torch.backends.cuda.matmul
+    before, flags.allow_tf32 = flags.allow_tf32, True  # the legacy name: torch 2.9 .. 2.13 read it alike
+    try:
+        yield
+    finally:
+        flags.allow_tf32 = before
+
+
+def wants_tf32(setting: str | bool, device: torch.device, bf16_autocast: bool) -> bool:
+    """The learner's `tf32` setting on `device`: auto = on CUDA under bf16 autocast, where the head's
+    input, bf16 values, is exact in TF32 and only the head's weights (and in backward the logits'
+    gradient) are rounded; the fp32 matmuls of a decoder without autocast stay fp32 unless asked."""
+    if setting is True and device.type != "cuda":
+        raise ValueError(f"learner.tf32=true: TF32 is a CUDA matmul mode, and this learner runs on "
+                         f"{device.type}; leave it 'auto'")
+    return device.type == "cuda" and (setting is True or (setting == "auto" and bf16_autocast))
 
 
 def causal_lm(model: torch.nn.Module) -> torch.nn.Module:

@@ -15,7 +15,7 @@ import torch
 from agentgrpo.attention import use_segments
 from agentgrpo.batch import make_micro_batches
 from agentgrpo.learner import Learner, LearnerConfig
-from agentgrpo.logprobs import sequence_logprobs
+from agentgrpo.logprobs import sequence_logprobs, tf32_matmuls
 from agentgrpo.loss import LossConfig
 from tests.test_batch import assert_per_sequence, packed_logprobs
 from tests.test_learner import TEMPERATURE, batch_and_advantages, one_big_batch_grads, record_grads
@@ -76,3 +76,22 @@ def test_bf16_autocast_is_the_cuda_default_close_to_fp32_and_reports_peak_memory
     assert abs(a["logprob_gap_mean"] - b["logprob_gap_mean"]) < 0.05
     assert math.isfinite(b["loss"]) and b["mem/peak_gb"] > 0
     assert next(bf16.unwrapped.parameters()).dtype == torch.float32  # master weights stay fp32
+
+
+def test_tf32_head_is_the_bf16_default_and_close_to_the_fp32_head():
+    """Under bf16 autocast the head's fp32 matmuls run on TF32 (its bf16 input is exact there): the
+    logprobs stay within 1e-3 of the fp32 head's, and the flag is back as it was after the step."""
+    trajs, adv = batch_and_advantages()
+    on = Learner(tiny_llama(), LearnerConfig(), LossConfig(), temperature=TEMPERATURE)
+    off = Learner(tiny_llama(), LearnerConfig(tf32=False), LossConfig(), temperature=TEMPERATURE)
+    assert on.tf32 and not off.tf32
+    assert not Learner(tiny_llama(), LearnerConfig(autocast="none"), LossConfig()).tf32
+    batch = make_micro_batches(trajs, adv, 4096, mode="packed")[0].to(CUDA)
+    with torch.no_grad():
+        with tf32_matmuls(True):
+            a = on.model(batch, TEMPERATURE)[0]
+        b = off.model(batch, TEMPERATURE)[0]
+    assert not torch.equal(a, b)  # TF32 really ran
+    torch.testing.assert_close(a, b, atol=1e-3, rtol=0)
+    assert math.isfinite(on.train_step(trajs, adv)["loss"])
+    assert not torch.backends.cuda.matmul.allow_tf32

@@ -141,6 +141,22 @@ def test_lr_schedule_warmup_then_cosine():
         Learner(tiny_llama(), LearnerConfig(lr_schedule="linear"), LossConfig())
 
 
+def test_tf32_is_set_for_the_step_only_and_refused_where_it_cannot_run():
+    from agentgrpo.logprobs import tf32_matmuls
+
+    flags = torch.backends.cuda.matmul
+    assert not flags.allow_tf32
+    with pytest.raises(RuntimeError, match="inside"), tf32_matmuls(True):
+        assert flags.allow_tf32
+        raise RuntimeError("inside")
+    assert not flags.allow_tf32  # restored after an error too
+    with tf32_matmuls(False):
+        assert not flags.allow_tf32
+    assert not Learner(tiny_llama(), LearnerConfig(autocast="bf16"), LossConfig()).tf32  # CUDA's mode
+    with pytest.raises(ValueError, match="tf32=true: TF32 is a CUDA matmul mode.*runs on cpu"):
+        Learner(tiny_llama(), LearnerConfig(tf32=True), LossConfig())
+
+
 def test_reference_only_with_kl_frozen_and_equal_to_the_initial_policy():
     assert Learner(tiny_llama(), LearnerConfig(), LossConfig()).ref is None
     trajs, adv = batch_and_advantages()
