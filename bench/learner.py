@@ -41,7 +41,7 @@ import torch  # noqa: E402
 from agentgrpo.attention import AUTO_MIN_SHARE, use_segments  # noqa: E402
 from agentgrpo.batch import make_micro_batches  # noqa: E402
 from agentgrpo.learner import Learner, LearnerConfig  # noqa: E402
-from agentgrpo.logprobs import PolicyForward, to_loss_layout  # noqa: E402
+from agentgrpo.logprobs import PolicyForward, tf32_matmuls, to_loss_layout  # noqa: E402
 from agentgrpo.loss import LossConfig  # noqa: E402
 from agentgrpo.types import StopReason, Trajectory  # noqa: E402
 
@@ -102,15 +102,20 @@ class Bare:
     loss positions, backward, AdamW step. `head_only` uses the same head-at-loss-positions forward
     as the learner; otherwise the model's full logits."""
 
-    def __init__(self, model, head_only: bool, budget: int, autocast: bool = False, device: str = "cpu") -> None:
+    def __init__(self, model, head_only: bool, budget: int, autocast: bool = False, device: str = "cpu",
+                 tf32: bool = False) -> None:
         if device == "cpu":  # the attention the learner's `attention: auto` runs there
             use_segments(model)
         self.forward = PolicyForward(model, autocast_bf16=autocast, segment_min_share=AUTO_MIN_SHARE).train()
         self.model, self.head_only, self.budget, self.autocast = model, head_only, budget, autocast
-        self.device = device
+        self.device, self.tf32 = device, tf32
         self.opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
 
     def step(self, trajs: list[Trajectory]) -> None:
+        with tf32_matmuls(self.tf32):  # as the learner's tf32 option sets them
+            self._step(trajs)
+
+    def _step(self, trajs: list[Trajectory]) -> None:
         for mb in make_micro_batches(trajs, advantages(trajs), self.budget, mode="packed"):
             mb = mb.to(self.device)
             if self.head_only:

@@ -3,14 +3,20 @@ memory; every number a ratio against a baseline measured in the same run.
 
 Model: a random-initialised Qwen2-style network of ~0.5B parameters (Qwen2.5-0.5B's shape: hidden
 896, 24 layers, 14 heads / 2 KV, MLP 4864, vocab 151936, tied embeddings), so nothing is downloaded.
-fp32 master weights with bf16 autocast (the learner's default on CUDA), sdpa attention (packed rows
+fp32 master weights with bf16 autocast and the LM head's fp32 matmuls on TF32 (the learner's
+defaults on CUDA), sdpa attention (packed rows
 use a 4D block mask, `learner.attention: auto` on CUDA; `--attn flash_attention_2` uses varlen packing
 when flash-attn is installed).
 
 Variants, each timed over interleaved repeats after a warm-up step:
   - learner, packed        learner.train_step, packing=packed
   - learner, padded        packing=padded (one trajectory per row, rows of similar length)
+  - learner, packed flex   packing=packed under flex attention (block mask: no pair across sequences,
+                           the varlen kernel torch has without flash-attn), and packed segments
+                           (agentgrpo.attention): is packing faster than padding on a GPU with them?
   - learner, shared_prefix the default (a group's prompt computed once), on the GRPO-shaped batch
+  - learner, fp32 head     `tf32: false`: the LM head's matmuls in plain fp32 (SIMT on a GPU), the
+                           default before 2026-12-04, on the spread and GRPO-shaped batches
   - learner, head chunks   shared_prefix with `head_chunk_tokens: 2048` (the 152k-vocabulary head over
                            chunks of loss tokens, recomputed in backward): its time and peak memory
   - learner, whole groups  on python_math-shaped groups (8 x ~870 tokens, bench/learner_memory.py's
@@ -100,6 +106,7 @@ def measure(named: dict, repeats: int, device: str) -> dict[str, dict[str, float
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
             before = torch.cuda.memory_allocated()
+        t0 = time.perf_counter()
         try:
             fn()
         except Exception as e:  # noqa: BLE001 - one broken variant must not cost a rare GPU session the rest
@@ -107,6 +114,7 @@ def measure(named: dict, repeats: int, device: str) -> dict[str, dict[str, float
             del named[k]
             continue
         sync(device)
+        print(f"  {k}: warm-up step {time.perf_counter() - t0:.1f} s", flush=True)
         peak = (torch.cuda.max_memory_allocated() - before) / 2**30 if device == "cuda" else float("nan")
         out[k] = {"step_peak_gb": peak}
     times: dict[str, list[float]] = {k: [] for k in named}
@@ -122,6 +130,22 @@ def measure(named: dict, repeats: int, device: str) -> dict[str, dict[str, float
     return out
 
 
+def profile(label: str, fn, device: str) -> None:
+    """One warm-up step, then one profiled step: the 25 ops that took the most device time."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    fn()
+    sync(device)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with torch_profile(activities=acts) as prof:
+        fn()
+        sync(device)
+    key = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
+    print(f"\n{label}: one step, ops by self {device} time")
+    print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60), flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tiny", action="store_true", help="a tiny config (smoke test on a CPU)")
@@ -133,6 +157,11 @@ def main() -> None:
     p.add_argument("--max-len", type=int, default=2048, help="length spread: 32..max-len tokens")
     p.add_argument("--groups", type=int, default=32, help="GRPO-shaped batch: groups of 8")
     p.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the GPU")
+    p.add_argument("--shapes", default="spread,grpo,long", help="which batch shapes to run, comma-separated")
+    p.add_argument("--variants", help="only these learner variants, comma-separated names as printed "
+                   "(the bare baseline always runs)")
+    p.add_argument("--profile", metavar="VARIANT", help="instead of timing: profile one step of VARIANT "
+                   "(e.g. 'learner packed') on each selected shape and print its costliest kernels")
     args = p.parse_args()
     if args.tiny:
         args.trajectories, args.max_len, args.groups, args.budget = 8, 200, 2, 1024
@@ -155,24 +184,37 @@ def main() -> None:
     long = long_batch(max(1, args.groups // 4), 8, vocab)
     flex = {"attn_implementation": "flex_attention"}
     for label, trajs, variants in (
-        ("spread", spread, {"learner packed": {"packing": "packed"}, "learner padded": {"packing": "padded"}}),
+        ("spread", spread, {"learner packed": {"packing": "packed"}, "learner padded": {"packing": "padded"},
+                            "learner packed flex": {"packing": "packed", **flex},
+                            "learner packed segments": {"packing": "packed", "attention": "segments"},
+                            "learner packed fp32 head": {"packing": "packed", "tf32": False}}),
         ("grpo", grpo, {"learner packed": {"packing": "packed"}, "learner shared_prefix": {},
+                        "learner shared_prefix fp32 head": {"tf32": False},
                         "learner head chunks": {"head_chunk_tokens": 2048}, "learner flex": flex}),
         ("long", long, {"learner packed": {"packing": "packed"}, "learner shared_prefix": {},
                         "learner whole groups": {"row_tokens": args.budget},
                         "learner segments": {"attention": "segments"}, "learner flex": flex}),
     ):
+        if label not in args.shapes.split(","):
+            continue
         adv = advantages(trajs)
         named = {}
         for k, kw in variants.items():
-            if kw is flex and dev != "cuda":  # no flex backward on a CPU
+            if kw.get("attn_implementation") == "flex_attention" and dev != "cuda":  # no flex backward on a CPU
+                continue
+            if args.variants and k not in args.variants.split(","):
+                continue
+            if dev != "cuda" and "tf32" in kw:  # TF32 is CUDA's
                 continue
             try:
                 named[k] = partial(learner(**kw).train_step, trajs, adv)
             except Exception as e:  # noqa: BLE001 - as in `measure`: report it, measure the rest
                 print(f"  {k}: FAILED to build, left out: {e!r}", flush=True)
-        bare = Bare(copy.deepcopy(model).to(dev), True, args.budget, autocast=True, device=dev)
+        bare = Bare(copy.deepcopy(model).to(dev), True, args.budget, autocast=True, device=dev, tf32=dev == "cuda")
         named["bare fwd+bwd"] = partial(bare.step, trajs)
+        if args.profile:
+            profile(label, named[args.profile], dev)
+            continue
         if dev == "cuda":
             torch.cuda.empty_cache()
         r = measure(named, args.repeats, dev)
@@ -185,17 +227,22 @@ def main() -> None:
         for k, v in r.items():
             v["tok_s"] = tokens / v["s"]
             v["mfu"] = flops / v["s"] / (args.peak_tflops * 1e12)
-            print(f"  {k:22s} {v['s']:7.3f} s  {v['tok_s']:9.0f} tok/s  MFU {v['mfu']:6.1%}  "
+            print(f"  {k:24s} {v['s']:7.3f} s  {v['tok_s']:9.0f} tok/s  MFU {v['mfu']:6.1%}  "
                   f"step peak {v['step_peak_gb']:6.1f} GB")
         pairs = {  # name: (numerator variant, denominator variant, measure), where both ran
             "learner/bare": ("learner packed", "bare fwd+bwd", "s"),
             "packed speed-up over padded": ("learner padded", "learner packed", "s"),
+            "packed flex speed-up over padded": ("learner padded", "learner packed flex", "s"),
+            "packed segments speed-up over padded": ("learner padded", "learner packed segments", "s"),
             "shared_prefix speed-up over packed": ("learner packed", "learner shared_prefix", "s"),
             "head chunks time": ("learner head chunks", "learner shared_prefix", "s"),
             "head chunks peak memory": ("learner head chunks", "learner shared_prefix", "step_peak_gb"),
             "row_tokens auto speed-up over whole groups": ("learner whole groups", "learner shared_prefix", "s"),
             "segments speed-up over the default": ("learner shared_prefix", "learner segments", "s"),
             "flex speed-up over the default": ("learner shared_prefix", "learner flex", "s"),
+            "tf32 head speed-up over fp32 (packed)": ("learner packed fp32 head", "learner packed", "s"),
+            "tf32 head speed-up over fp32 (shared_prefix)": ("learner shared_prefix fp32 head",
+                                                             "learner shared_prefix", "s"),
         }
         ratios = {name: r[a][m] / r[b][m] for name, (a, b, m) in pairs.items() if a in r and b in r}
         for k, v in ratios.items():

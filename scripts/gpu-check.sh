@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Every GPU check in one go, for a CUDA machine with torch, transformers and accelerate: the tests
-# marked `gpu` (tests/test_gpu.py), then the learner benchmark (bench/learner_gpu.py, ~0.5B
+# Every GPU check in one go, for a CUDA machine with torch, transformers and accelerate: the learner
+# benchmark (bench/learner_gpu.py, ~0.5B
 # Qwen2-shaped model, random weights, nothing downloaded). Logs, the GPU's name and the benchmark's
 # JSON go to $OUT (default runs/gpu-check).
 #
@@ -15,7 +15,7 @@ if [ "${1:-}" = "--fetch-wheels" ]; then  # versions as pinned in this checkout'
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version "${PYVER:-3.12}" --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     -d .whl pydantic==2.14.4 pydantic_core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 \
-    gymnasium==1.4.0 farama-notifications==0.0.6
+    gymnasium==1.4.0 farama-notifications==0.0.6 typing-extensions==4.16.0  # pydantic 2.14 needs >=4.16
   exit $?
 fi
 OUT=${OUT:-runs/gpu-check}
@@ -28,9 +28,14 @@ fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, transformers, accelerate; print('torch', torch.__version__, 'transformers',
 transformers.__version__, 'accelerate', accelerate.__version__)" | tee -a "$OUT/gpu.txt"
-python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py 2>&1 | tee "$OUT/gpu-tests.log"
-tests=${PIPESTATUS[0]}
-python3 bench/learner_gpu.py "$@" 2>&1 | tee "$OUT/learner_gpu.log"
+# The benchmark first (it is what a short GPU session is for), each part under a time limit so one
+# that hangs or compiles for too long leaves the other its share; the benchmark rewrites its JSON
+# after each batch shape, so a cut-off run keeps what it measured.
+echo "$(date -u +%T) benchmark (limit ${BENCH_LIMIT_S:=330} s)"
+timeout "$BENCH_LIMIT_S" python3 bench/learner_gpu.py "$@" 2>&1 | tee "$OUT/learner_gpu.log"
 bench=${PIPESTATUS[0]}
-echo "gpu tests rc=$tests, benchmark rc=$bench"
+echo "$(date -u +%T) gpu tests (limit ${TESTS_LIMIT_S:=150} s)"
+timeout "$TESTS_LIMIT_S" python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py 2>&1 | tee "$OUT/gpu-tests.log"
+tests=${PIPESTATUS[0]}
+echo "$(date -u +%T) gpu tests rc=$tests, benchmark rc=$bench (124: cut off at its limit)"
 [ "$tests" = 0 ] && [ "$bench" = 0 ]
