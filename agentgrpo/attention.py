@@ -19,9 +19,9 @@ On the calculator's short groups (4 x 872-token rows, bf16) it is even (12.1 vs 
 profiled): the attention pairs there shrink 2x only, and the gathers cost about what that saves.
 On the default run's real batches (672-token rows) it took 1.22x the mask's time, so
 `learner.attention: auto` runs it only on micro-batches whose rows are long enough
-(`AUTO_MIN_SHARE`) and the mask elsewhere; `segments` runs it everywhere. On a GPU the gathers and
-the padded batch are unmeasured, so `auto` keeps the masked kernel there; bench/learner_gpu.py
-measures both.
+(`AUTO_MIN_SHARE`) and the mask elsewhere; `segments` runs it everywhere. On an H200 (0.5B Qwen2
+shape, bench/learner_gpu.py, 2026-12-04) it took 1.24x the masked kernel's time on python_math-shaped
+groups and 1.38x on packed rows, so `auto` keeps the masked kernel on GPUs.
 
 How it is wired: `use_segments(model)` registers `segment_attention` with transformers'
 `AttentionInterface` under `SEGMENTS` and switches the model to it (models that dispatch attention
