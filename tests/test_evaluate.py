@@ -307,10 +307,10 @@ def _fsdp_sharded_checkpoint(rank: int, tmp: str) -> None:
 def test_shards_of_two_fsdp_ranks_load_into_one_process_without_a_process_group(tmp_path):
     from agentgrpo import learner_state
     from agentgrpo.logprobs import PolicyForward
-    from tests.test_distributed import _spawn
+    from tests.ranks import spawn_gloo
     from tests.tiny import tiny_llama
 
-    _spawn(_fsdp_sharded_checkpoint, str(tmp_path))
+    spawn_gloo(_fsdp_sharded_checkpoint, str(tmp_path))
     assert len(list((tmp_path / "ckpt" / "dcp").glob("*.distcp"))) == 2
     model = tiny_llama()
     assert not torch.distributed.is_initialized()

@@ -144,12 +144,13 @@ def test_overlap_with_recomputed_old_logprobs_needs_tis():
 def test_two_ranks_overlap_like_one_process(tmp_path, stopping_model_dir):
     """Rank 0 trains in a worker thread while it samples; rank 1 trains in its main thread: the
     collectives still meet, and the run equals one process's."""
-    from tests.test_distributed import HANG, _spawn, _train_on_rank
+    from tests.ranks import spawn_gloo
+    from tests.test_distributed import HANG, _train_on_rank
 
     one, two = tmp_path / "one", tmp_path / "two"
     assert _train(one, stopping_model_dir, 3, OVERLAP) == 0
     # (_train_on_rank checkpoints every 2 steps, where overlapping pauses; 3 lets step 3 overlap.)
-    _spawn(_train_on_rank, str(two), str(stopping_model_dir), 3, OVERLAP, HANG, "train.save_every=3")
+    spawn_gloo(_train_on_rank, str(two), str(stopping_model_dir), 3, OVERLAP, HANG, "train.save_every=3")
     assert _by_step(one) == _by_step(two)
     m1, m2 = read_jsonl(one / "metrics.jsonl"), read_jsonl(two / "metrics.jsonl")
     assert [m["policy_lag"] for m in m2] == [0.0, 1.0, 1.0]
