@@ -96,6 +96,16 @@ class TrainBatch:
         fields = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in vars(self).items()}
         return TrainBatch(**fields)
 
+    @staticmethod
+    def empty(pad_id: int, device: torch.device) -> TrainBatch:
+        """A micro-batch with no loss token (one row of 2 pads): what a rank with no data left runs,
+        so that its forward and backward still meet the other ranks' collectives."""
+        none = torch.zeros(0, dtype=torch.long, device=device)
+        two = torch.tensor([[0, 1]], device=device)
+        return TrainBatch(two * 0 + pad_id, two, two * 0, two * 0, none, none, none,
+                          torch.zeros(0, 1, device=device), torch.zeros(0, 1, device=device),
+                          torch.zeros(0, device=device), [], needs_mask=False)
+
 
 @dataclass
 class _Unit:

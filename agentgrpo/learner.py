@@ -439,7 +439,7 @@ class Learner:
             self.ref.to("cpu")
 
     def _forward_layout(self, module, mb: TrainBatch | None, **kw) -> torch.Tensor | None:
-        lp_M, _ = module(mb or self._empty_batch(), self.temperature, **kw)
+        lp_M, _ = module(mb or TrainBatch.empty(self.pad_id, self.accelerator.device), self.temperature, **kw)
         return None if mb is None else to_loss_layout(lp_M, mb)
 
     def _micro_step(self, mb: TrainBatch | None, mini: _MiniBatch, k: int, *,
@@ -448,7 +448,8 @@ class Learner:
         rollout/learner logprob gap (only before the first update, so it measures the engine)."""
         world = self.accelerator.num_processes
         entropy_in_loss = self.loss_cfg.entropy_coef != 0
-        lp_M, ent_M = self.model(mb or self._empty_batch(), self.temperature, entropy_grad=entropy_in_loss)
+        lp_M, ent_M = self.model(mb or TrainBatch.empty(self.pad_id, self.accelerator.device), self.temperature,
+                                 entropy_grad=entropy_in_loss)
         if mb is None:  # this rank has no data left: a zero loss that still reaches every parameter
             self.accelerator.backward(lp_M.sum() * 0.0)
             return {}
@@ -473,14 +474,6 @@ class Learner:
                 gap = (lp - rollout_NL[m]).abs()
                 out.update(logprob_gap_mean=float(gap.mean()), logprob_gap_max=float(gap.max()))
         return out
-
-    def _empty_batch(self) -> TrainBatch:
-        d = self.accelerator.device
-        empty = torch.zeros(0, dtype=torch.long, device=d)
-        two = torch.tensor([[0, 1]], device=d)
-        return TrainBatch(two * 0 + self.pad_id, two, two * 0, two * 0, empty, empty, empty,
-                          torch.zeros(0, 1, device=d), torch.zeros(0, 1, device=d),
-                          torch.zeros(0, device=d), [], needs_mask=False)
 
     def _max_over_ranks(self, ns: list[int]) -> list[int]:
         if self.accelerator.num_processes == 1:
