@@ -1,10 +1,10 @@
 """agentgrpo: agentic, multi-turn GRPO for tool-using LLM agents."""
 
-from agentgrpo.types import Group, Message, StopReason, Task, ToolCall, Trajectory  # noqa: I001
+from agentgrpo.types import EnvStep, Group, Message, StopReason, Task, ToolCall, Trajectory  # noqa: I001
 from agentgrpo.tool import tool  # binds the name `tool` to the decorator, not the submodule
 from agentgrpo.env import Env, ToolEnv, check_env
 
 __all__ = [
-    "Env", "Group", "Message", "StopReason", "Task", "ToolCall", "ToolEnv", "Trajectory",
+    "Env", "EnvStep", "Group", "Message", "StopReason", "Task", "ToolCall", "ToolEnv", "Trajectory",
     "check_env", "tool",
 ]

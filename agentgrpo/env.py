@@ -17,9 +17,10 @@ Decisions:
   what the seed fixes and what varies; `check_env` resets twice with one seed and flags an env that
   differs without declaring it.
 - Tasks come from the env class: `load_tasks(split, seed)` returns the tasks the trainer iterates.
-- What `reset` and `step` return is checked by the rollout (`agentgrpo.env_check.checked_reset`,
-  `checked_step`, which `check_env` uses too): a value that breaks the contract ends that
-  trajectory with ENV_ERROR naming the problem, never the whole step.
+- What `step` returns is converted once into a typed `EnvStep` (`EnvStep.of`, a cheap shape
+  check); `reset`'s value by `reset_messages`. A value that breaks the contract ends that
+  trajectory with ENV_ERROR naming the problem, never the whole step. The full contract is
+  checked by `check_env` (`agentgrpo check-env`) and once when training starts.
 - Verifiers stay apart from the env: an env may declare `rubric = Rubric([...])`, and `run_group`
   scores each finished group with it (the rubric's reward replaces the env's own; see
   `agentgrpo.reward.score_group`). A `ToolEnv` with a rubric need not write `reward`.
@@ -46,6 +47,7 @@ import importlib
 import inspect
 import os
 import sys
+from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
@@ -56,7 +58,7 @@ import numpy as np
 from agentgrpo.deadlines import run_charging_only_running_time
 from agentgrpo.reward import Rubric
 from agentgrpo.tool import Tool, ToolError, to_user_thread
-from agentgrpo.types import Message, Task, ToolCall, ToolErrorKind
+from agentgrpo.types import EnvStep, Message, Task, ToolCall, ToolErrorKind
 
 _ALPHABET = np.array(list("abcdefghijklmnopqrstuvwxyz 0123456789+-*/=.,"))
 
@@ -142,7 +144,9 @@ class Env(gymnasium.Env):
 
     Override `step` (and `reset` if the first messages are not just the task's prompt). The
     default `reset` seeds `self.np_random`, stores the task in `self.task` and returns the task's
-    prompt as messages.
+    prompt as messages. `step` returns Gymnasium's 5-tuple, or an `EnvStep` (which unpacks as
+    one) to say why an ending step ends the episode or which tool calls it answered with an error;
+    the framework reads no key of `info`.
 
     `stochastic`: False promises that `reset` and `step` are a function of (task, seed, actions),
     which GRPO relies on to compare the members of a group. Set it to True when they are not, and
@@ -150,7 +154,7 @@ class Env(gymnasium.Env):
 
     `rubric`: None, or a `Rubric` that scores every finished episode of a group after the group has
     ended (as in willccbb/verifiers): its weighted sum becomes the reward and its verifiers' scores
-    `reward_parts`. The rewards `step` returned are then kept as `info["env_reward"]`, counted in
+    `reward_parts`. The rewards `step` returned are then kept as `Trajectory.env_reward`, counted in
     the reward only through the `env_reward` verifier (`agentgrpo.reward.env_reward`). A class
     attribute, or a property when it depends on the instance.
     """
@@ -256,9 +260,8 @@ class ToolEnv(Env):
     keeps 0.0 (tool steps reward nothing), minus the tool-error penalty; a rubric, by contrast,
     scores every scorable episode, cut ones included (its verifiers decide what a cut one earns).
     A call to an unknown tool, invalid arguments, a tool that raises or times out, or too many
-    calls in one turn all produce an error tool message the model can react to;
-    `info["tool_errors"]` counts them and `info["tool_error_kinds"]` counts them by
-    `ToolErrorKind`. The rollout config may override `tool_timeout_s` and
+    calls in one turn all produce an error tool message the model can react to, counted by
+    `ToolErrorKind` in the returned `EnvStep.tool_errors`. The rollout config may override `tool_timeout_s` and
     `max_tool_calls_per_turn` (`set_tool_limits`). `tool_timeout_s` counts the time a call runs,
     not the time it waits for a worker thread, a sandbox slot, or anything its code marks with
     `agentgrpo.deadlines.waiting_for_capacity`: that wait is load, not the model's doing, and the
@@ -315,12 +318,12 @@ class ToolEnv(Env):
         self.messages = self.prompt(self.task)
         return list(self.messages), {}
 
-    async def step(self, action: Message) -> tuple[list[Message], float, bool, bool, dict[str, Any]]:
+    async def step(self, action: Message) -> EnvStep:
         self.messages.append(action)
         calls = action.tool_calls or []
         if not calls:  # a sync reward (a math check, a sandbox call) runs in a worker thread
             reward = await call_env(self.reward, self.task, self.messages)
-            return [], float(reward), True, False, {}
+            return EnvStep([], float(reward), True, False)
         tools = self.get_tools()
         allowed, extra = calls[: self.max_tool_calls_per_turn], calls[self.max_tool_calls_per_turn:]
         results = list(await asyncio.gather(*(self._run_call(tools, c) for c in allowed)))
@@ -329,11 +332,8 @@ class ToolEnv(Env):
         out = [Message(role="tool", content=text, tool_call_id=c.id or None, name=c.name)
                for c, text, _ in results]
         self.messages.extend(out)
-        kinds: dict[str, int] = {}
-        for _, _, kind in results:
-            if kind is not None:
-                kinds[kind.value] = kinds.get(kind.value, 0) + 1
-        return out, 0.0, False, False, {"tool_errors": sum(kinds.values()), "tool_error_kinds": kinds}
+        errors = Counter(kind for _, _, kind in results if kind is not None)
+        return EnvStep(out, 0.0, False, False, tool_errors=errors)
 
     def set_tool_limits(self, *, timeout_s: float | None = None,
                         max_calls_per_turn: int | None = None) -> None:
@@ -383,6 +383,22 @@ def env_rubric(env: Env) -> Rubric | None:
         raise TypeError(f"{type(env).__name__}.rubric must be an agentgrpo.reward.Rubric or None, "
                         f"got {type(rubric).__name__}")
     return rubric
+
+
+def reset_messages(result: Any) -> list[Message]:
+    """The first messages from what `env.reset` returned (user code): `(messages, info)` with a
+    non-empty list of Message. Raises ValueError naming the problem, which the rollout turns into
+    an ENV_ERROR trajectory."""
+    if not (isinstance(result, tuple) and len(result) == 2):
+        raise ValueError(f"reset must return (messages, info), got {result!r:.200}")
+    messages, info = result
+    if not (isinstance(messages, list) and messages and all(isinstance(m, Message) for m in messages)):
+        hint = ("; OpenAI-style dicts convert with Message.from_dict"
+                if isinstance(messages, list) and any(isinstance(m, dict) for m in messages) else "")
+        raise ValueError(f"reset's messages must be a non-empty list of Message, got {messages!r:.200}{hint}")
+    if not isinstance(info, dict):
+        raise ValueError(f"reset's info must be a dict, got {type(info).__name__}")
+    return list(messages)
 
 
 def _run_sync(value: Any) -> Any:

@@ -16,119 +16,16 @@ from __future__ import annotations
 
 import inspect
 import json
-import math
-import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
 import gymnasium
 
-from agentgrpo.env import Env, EnvCheckError, ToolEnv, _run_sync
-from agentgrpo.types import Message, StopReason, Task, ToolCall
+from agentgrpo.env import Env, EnvCheckError, ToolEnv, _run_sync, reset_messages
+from agentgrpo.types import EnvStep, Message, Task, ToolCall
 
-# ---------------------------------------------------------------------------------------------
-# The contract of reset's and step's values, checked on every call by the rollout
-
-
-# Endings an env may name in `info["stop_reason"]` when it ends an episode (default: completed when
-# terminated, truncated when truncated). Infrastructure endings are the rollout's to decide.
-ENV_STOP_REASONS = frozenset({StopReason.COMPLETED, StopReason.TRUNCATED, StopReason.PARSE_ERROR,
-                              StopReason.TOOL_ERROR})
-
-
-# `info` keys of a step that the rollout itself reads; the env's other keys are its diagnostics.
-_ROLLOUT_INFO_KEYS = frozenset({"stop_reason", "tool_errors", "tool_error_kinds"})
-
-
-@dataclass(frozen=True)
-class StepResult:
-    """One `env.step`, checked by `checked_step`: what the rollout uses of it."""
-
-    messages: list[Message]
-    reward: float
-    tool_errors: int = 0  # info["tool_errors"]: tool calls the env answered with an error
-    tool_error_kinds: dict[str, int] = field(default_factory=dict)  # info["tool_error_kinds"]
-    ending: StopReason | None = None  # why the episode ends, when this step ends it
-    env_info: dict[str, Any] = field(default_factory=dict)  # an ending step's other info keys, as JSON
-
-
-def checked_reset(result: Any) -> list[Message]:
-    """What `env.reset` returned (user code), checked as `checked_step` checks `step`: the first
-    messages, a non-empty list of Message, with an info dict. Raises ValueError naming the problem,
-    which the rollout turns into an ENV_ERROR trajectory."""
-    if not (isinstance(result, tuple) and len(result) == 2):
-        raise ValueError(f"reset must return (messages, info), got {result!r:.200}")
-    obs, info = result
-    if problem := _messages_problem("reset's messages", obs, empty_ok=False):
-        raise ValueError(problem)
-    if not isinstance(info, dict):
-        raise ValueError(f"reset's info must be a dict, got {type(info).__name__}")
-    return list(obs)
-
-
-def checked_step(result: Any) -> StepResult:
-    """What `env.step` returned (user code), checked, the `info` keys the rollout reads included,
-    so a bad value ends the trajectory with a clear ENV_ERROR (the rollout catches the ValueError)
-    instead of surfacing as an unrelated exception later, outside any trajectory (which crashed
-    the whole step).
-
-    The reward may be any real number (a numpy float too) but must be finite. `tool_errors` and
-    `tool_error_kinds` (str -> count) are non-negative ints. The ending is `info["stop_reason"]`
-    (one of ENV_STOP_REASONS; default completed when terminated, truncated when truncated); the
-    other keys of an ending step are kept as JSON values (anything else as its `str`) for the
-    trajectory's `info["env"]`.
-    """
-    if not (isinstance(result, tuple) and len(result) == 5):
-        raise ValueError(f"step must return (messages, reward, terminated, truncated, info), got {result!r:.200}")
-    new, reward, terminated, truncated, info = result
-    if problem := _messages_problem("step's messages", new, empty_ok=True):
-        raise ValueError(problem)
-    if isinstance(reward, bool) or not isinstance(reward, numbers.Real) or not math.isfinite(reward):
-        raise ValueError(f"step's reward must be a finite number, got {reward!r}")
-    if not isinstance(info, dict):
-        raise ValueError(f"step's info must be a dict, got {type(info).__name__}")
-    n_errors = info.get("tool_errors", 0)
-    if not _is_count(n_errors):
-        raise ValueError(f"step's info['tool_errors'] must be a non-negative int, got {n_errors!r:.200}")
-    kinds = info.get("tool_error_kinds", {})
-    if not (isinstance(kinds, dict) and all(isinstance(k, str) and _is_count(v) for k, v in kinds.items())):
-        raise ValueError(f"step's info['tool_error_kinds'] must be a dict of str -> non-negative int, "
-                         f"got {kinds!r:.200}")
-    ending, env_info = None, {}
-    if terminated or truncated:
-        reason = info.get("stop_reason", StopReason.COMPLETED if terminated else StopReason.TRUNCATED)
-        if not (isinstance(reason, str) and reason in ENV_STOP_REASONS):
-            raise ValueError(f"step's info['stop_reason'] is {reason!r}; an env may choose one of "
-                             f"{sorted(r.value for r in ENV_STOP_REASONS)}")
-        ending, env_info = StopReason(reason), _env_info(info)
-    return StepResult(list(new), float(reward), int(n_errors), {k: int(v) for k, v in kinds.items()},
-                      ending, env_info)
-
-
-def _messages_problem(what: str, value: Any, *, empty_ok: bool) -> str | None:
-    """Why `value` (an env's messages) is not a list of Message, or None when it is one."""
-    if isinstance(value, list) and (value or empty_ok) and all(isinstance(m, Message) for m in value):
-        return None
-    hint = ("; OpenAI-style dicts convert with Message.from_dict"
-            if isinstance(value, list) and any(isinstance(m, dict) for m in value) else "")
-    return f"{what} must be a {'' if empty_ok else 'non-empty '}list of Message, got {value!r:.200}{hint}"
-
-
-def _is_count(v: Any) -> bool:
-    return isinstance(v, numbers.Integral) and v >= 0
-
-
-def _env_info(info: dict[str, Any]) -> dict[str, Any]:
-    """An ending step's own `info` keys (why an answer scored 0, test results, ...) as JSON values
-    (anything else as its `str`); ValueError when they cannot be (a circular reference, a value
-    whose `str` raises)."""
-    extra = {k: v for k, v in info.items() if k not in _ROLLOUT_INFO_KEYS}
-    if not extra:
-        return {}
-    try:
-        return json.loads(json.dumps(extra, default=str, skipkeys=True))
-    except Exception as e:  # noqa: BLE001 - the values are user objects: any of them may fail to convert
-        raise ValueError(f"step's info cannot be kept as JSON ({type(e).__name__}: {e})") from e
+# `info` keys through which an env spoke to the framework before `EnvStep` (read no more).
+_OLD_INFO_KEYS = ("stop_reason", "tool_errors", "tool_error_kinds")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -283,18 +180,29 @@ def _check_step(env: Env, task: Task) -> list[EnvCheck]:
         return [failed]
     problems = []
     try:
-        step = checked_step(result)  # what the rollout checks on every step
+        step = EnvStep.of(result)  # the conversion the rollout makes of every step
     except ValueError as e:
         step = None
         problems.append(f"{e} (the rollout ends the episode with ENV_ERROR)")
     if isinstance(result, tuple) and len(result) == 5 and not all(isinstance(b, bool) for b in result[2:4]):
         problems.append("step's terminated and truncated must be bools (Gymnasium's API)")
-    if step is not None and step.ending is None and not step.messages:
+    if step is not None and (old := [k for k in _OLD_INFO_KEYS if k in step.info]):
+        problems.append(f"step's info holds {old}: the framework no longer reads them; return "
+                        "agentgrpo.EnvStep(messages, reward, terminated, truncated, info, "
+                        "stop_reason=..., tool_errors=...) instead")
+    if step is not None:
+        try:
+            json.dumps(step.info, default=str, skipkeys=True)
+        except Exception as e:  # noqa: BLE001 - user objects: any of them may fail to convert
+            problems.append(f"step's info cannot be written as JSON ({type(e).__name__}: {e}); "
+                            "trajectories.jsonl keeps an ending step's info")
+    if step is not None and step.stop_reason is None and not step.messages:
         problems.append("step returned no messages but did not end the episode: the model would "
                         "be asked again with nothing new (the rollout ends it with ENV_ERROR)")
     if problems or step is None:
         return [EnvCheck(label, False, "; ".join(problems))]
-    end = (step.ending.value if step.ending is not None else f"{len(step.messages)} new message(s)")
+    end = (step.stop_reason.value if step.stop_reason is not None
+           else f"{len(step.messages)} new message(s)")
     return [EnvCheck(label, True, f"reward {step.reward}, {end}")]
 
 
@@ -318,7 +226,7 @@ def env_report(env: Env, task: Task | None = None) -> EnvReport:
         report.checks.append(failed)
         return report
     try:
-        obs = checked_reset(first)
+        obs = reset_messages(first)
     except ValueError as e:
         report.checks.append(EnvCheck("reset", False, f"{e} (the rollout ends every episode with ENV_ERROR)"))
         return report

@@ -215,11 +215,11 @@ def env_reward(trajectory: Trajectory, task: Task) -> float:
     """Verifier: the rewards the env's `step` returned, summed over the episode.
 
     When an env has a rubric, the rubric's sum is the reward and the env's own is kept aside in
-    `trajectory.info["env_reward"]`; list this verifier in the rubric to count it, with a weight.
+    `trajectory.env_reward`; list this verifier in the rubric to count it, with a weight.
     """
-    if "env_reward" not in trajectory.info:
-        raise KeyError("trajectory.info has no 'env_reward': it is recorded by run_group for envs with a rubric")
-    return float(trajectory.info["env_reward"])
+    if trajectory.env_reward is None:
+        raise ValueError("trajectory.env_reward is not set: run_group records it for envs with a rubric")
+    return float(trajectory.env_reward)
 
 
 async def score_group(rubric: Rubric, trajectories: Sequence[Trajectory], task: Task, *,
@@ -228,9 +228,9 @@ async def score_group(rubric: Rubric, trajectories: Sequence[Trajectory], task: 
 
     Sets `reward` = the rubric's weighted sum minus `tool_error_penalty` per tool error (the
     rollout's penalty applies whatever scores the episode), `reward_parts` = each verifier's score,
-    and `info["reward_detail"]` = the rubric's notes. The rubric replaces the env's own reward, as
+    and `reward_detail` = the rubric's notes. The rubric replaces the env's own reward, as
     in willccbb/verifiers, where the rubric alone scores a rollout: one place defines the reward,
-    and the env's own stays visible in `info["env_reward"]` and countable through `env_reward`.
+    and the env's own stays visible in `env_reward` and countable through `env_reward`.
     `group_hook` sees all of `trajectories` (pass the group's scorable ones: infrastructure
     failures are NaN already and left out of the group statistics anyway).
 
@@ -247,8 +247,7 @@ async def score_group(rubric: Rubric, trajectories: Sequence[Trajectory], task: 
                    for _ in trajectories]
     for t, r in zip(trajectories, results, strict=True):
         t.reward_parts = dict(r.parts)
-        if r.detail:
-            t.info["reward_detail"] = r.detail
+        t.reward_detail = r.detail
         if math.isnan(r.score):
             nan_parts = [name for name, v in r.parts.items() if math.isnan(v)]
             why = r.detail or ("NaN from " + ", ".join(nan_parts) if nan_parts else "NaN score")

@@ -40,10 +40,12 @@ fresh generator per request; the members of a group get `params.seed + i` (`run_
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import secrets
 import time
-from collections.abc import Callable, Sequence
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
@@ -52,11 +54,11 @@ from pydantic import BaseModel, ConfigDict, Field
 from agentgrpo.chat import TRUNCATION_MARKER, ChatFormat, TemplateError
 from agentgrpo.deadlines import DeadlineExpired, Deadlines
 from agentgrpo.engine.base import Completion, Engine, SamplingParams
-from agentgrpo.env import Env, ToolEnv, call_env, env_rubric
-from agentgrpo.env_check import checked_reset, checked_step
+from agentgrpo.env import Env, ToolEnv, call_env, env_rubric, reset_messages
+from agentgrpo.parsers import ParsedTurn
 from agentgrpo.reward import Rubric, score_group
 from agentgrpo.tool import stuck_user_calls
-from agentgrpo.types import Group, Message, StopReason, Task, Trajectory
+from agentgrpo.types import EnvStep, Group, Message, StopReason, Task, ToolErrorKind, Trajectory
 
 
 class RolloutConfig(BaseModel):
@@ -153,18 +155,178 @@ def turn_seed(seed: int | None, turn: int) -> int | None:
     return (z ^ (z >> 31)) >> 1
 
 
-def _error_message(reason: str) -> Message:
-    return Message(role="tool", content=f"Error: {reason}")
+class EpisodeEnds(Exception):
+    """Raised inside an episode by the part that ends it; `run_episode` turns it into the
+    trajectory's stop reason and detail."""
+
+    def __init__(self, reason: StopReason, detail: str = "") -> None:
+        super().__init__(detail)
+        self.reason, self.detail = reason, detail
 
 
-def _empty_trajectory(task: Task, reason: StopReason, detail: str) -> Trajectory:
-    return Trajectory(task_id=task.id, token_ids=[], loss_mask=[], logprobs=[], prompt_len=0,
-                      messages=list(task.prompt_messages()), stop_reason=reason, stop_detail=detail)
+class Episode:
+    """One episode in progress: its env, its trajectory so far, and the parts of a turn.
 
+    Each method is one part of a turn and raises `EpisodeEnds` when that part ends the episode;
+    `run_episode` strings them together. User code (the env, the parser, the template's rendering
+    of what the env said) is caught narrowly here: its failure ends this trajectory, never the step.
+    """
 
-def _add_counts(into: dict[str, int], counts: dict[str, int]) -> None:
-    for k, v in counts.items():
-        into[k] = into.get(k, 0) + int(v)
+    def __init__(self, env: Env, engine: Engine, chat: ChatFormat, task: Task,
+                 params: SamplingParams, limits: EpisodeLimits, context_len: int | None,
+                 clock: Deadlines) -> None:
+        self.env, self.engine, self.chat, self.limits = env, engine, chat, limits
+        self.context_len, self.clock = context_len, clock
+        stops = tuple(sorted(set(params.stop_token_ids) | set(chat.stop_token_ids)))
+        self.params = replace(params, stop_token_ids=stops)
+        self.tools: list[dict[str, Any]] = []
+        self.max_calls: int | None = None  # tool calls per turn the env runs (rendered); None = all
+        # Until the first prompt is rendered: no tokens, and the task's own messages.
+        self.traj = Trajectory(task_id=task.id, token_ids=[], loss_mask=[], logprobs=[],
+                               prompt_len=0, messages=task.prompt_messages(),
+                               stop_reason=StopReason.MAX_TURNS, reward=0.0)
+        self.versions: set[int] = set()
+
+    async def start(self, task: Task, seed: int | None) -> None:
+        """Reset the env and render the first prompt."""
+        if isinstance(self.env, ToolEnv):
+            self.env.set_tool_limits(timeout_s=self.limits.tool_timeout_s,
+                                     max_calls_per_turn=self.limits.max_tool_calls_per_turn)
+            self.max_calls = self.env.max_tool_calls_per_turn
+        try:
+            first = await self.clock.run(call_env(self.env.reset, seed=seed, options={"task": task}))
+            self.tools = self.env.tool_schemas()
+        except DeadlineExpired:
+            raise
+        except Exception as e:  # noqa: BLE001 - env code is user code: its failure ends this episode
+            raise EpisodeEnds(StopReason.ENV_ERROR, f"reset raised {type(e).__name__}: {e}") from e
+        try:
+            messages = reset_messages(first)
+            token_ids = self.chat.prompt_ids(messages, self.tools)
+        except ValueError as e:  # a broken reset value, or a TemplateError on the first prompt
+            detail = f"first prompt: {e}" if isinstance(e, TemplateError) else str(e)
+            raise EpisodeEnds(StopReason.ENV_ERROR, detail) from e
+        self.traj.messages = messages
+        self.traj.prompt_len = len(token_ids)
+        self._extend(token_ids, None)
+
+    async def sample(self, turn: int) -> Completion:
+        """The model's next turn: the engine continues the token ids as they are."""
+        traj, limits = self.traj, self.limits
+        budget = min(self.params.max_new_tokens,
+                     limits.max_tokens - (len(traj.token_ids) - traj.prompt_len))
+        if self.context_len is not None:
+            budget = min(budget, self.context_len - len(traj.token_ids))
+        if budget <= 0:
+            raise EpisodeEnds(StopReason.MAX_TOKENS, "token budget used up before the turn")
+        self.clock.start_turn(turn)
+        params = replace(self.params, max_new_tokens=budget, seed=turn_seed(self.params.seed, turn))
+        try:
+            out: Completion = await self.clock.run(self.engine.generate(list(traj.token_ids), params))
+        except DeadlineExpired:
+            raise
+        except Exception as e:  # noqa: BLE001 - EngineError or not (a client's TimeoutError, a CUDA
+            # error), the engine failed: infrastructure, unscorable, and the rest of the step goes on
+            raise EpisodeEnds(StopReason.ENGINE_ERROR, f"generate raised {type(e).__name__}: {e}") from e
+        if out.weight_version is not None and out.weight_version.isdigit():
+            self.versions.add(int(out.weight_version))
+        traj.num_turns = turn
+        self._extend(out.token_ids, out.logprobs)
+        if out.finish_reason == "abort":
+            raise EpisodeEnds(StopReason.ABORTED, out.detail or "the engine aborted the request")
+        return out
+
+    def read(self, out: Completion, turn: int) -> ParsedTurn:
+        """The sampled turn as a message and its tool calls; malformed calls are counted here.
+
+        A turn cut by the token limit (no end-of-turn token sampled) ends the episode, as in verl
+        and slime: its malformed calls (a cut call is unclosed) are counted, none runs, and the
+        record keeps the text as the model wrote it.
+        """
+        traj = self.traj
+        try:
+            parsed = self.chat.parse_assistant(out.token_ids, parse_tools=bool(self.tools))
+        except Exception as e:  # noqa: BLE001 - a parser that raises (a bug) costs its episode only
+            raise EpisodeEnds(StopReason.ENV_ERROR,
+                              f"the tool-call parser raised {type(e).__name__}: {e}") from e
+        traj.tool_calls += len(parsed.message.tool_calls or []) + len(parsed.errors)
+        traj.tool_errors += len(parsed.errors)
+        _count_kinds(traj.tool_error_kinds, Counter(err.kind for err in parsed.errors))
+        if out.finish_reason == "length":
+            traj.messages.append(self.chat.parse_assistant(out.token_ids, parse_tools=False).message)
+            raise EpisodeEnds(StopReason.MAX_TOKENS, out.detail or f"turn {turn} hit the token limit")
+        traj.messages.append(parsed.message)
+        return parsed
+
+    async def act(self, parsed: ParsedTurn) -> list[Message]:
+        """The env's answer to the turn (its messages, then one error message per malformed
+        call); ends the episode when the env ends it."""
+        traj = self.traj
+        if parsed.message.tool_calls or not parsed.errors:
+            try:
+                result = await self.clock.run(call_env(self.env.step, parsed.message))
+            except DeadlineExpired:
+                raise
+            except Exception as e:  # noqa: BLE001 - env code is user code
+                raise EpisodeEnds(StopReason.ENV_ERROR, f"step raised {type(e).__name__}: {e}") from e
+            try:
+                step = EnvStep.of(result)
+            except ValueError as e:
+                raise EpisodeEnds(StopReason.ENV_ERROR, str(e)) from e
+        else:  # only malformed calls: the env sees nothing, the model gets the errors
+            step = EnvStep([])
+        traj.turn_rewards.append(float(step.reward))
+        traj.reward += float(step.reward)
+        traj.tool_errors += sum(step.tool_errors.values())
+        _count_kinds(traj.tool_error_kinds, step.tool_errors)
+        new = step.messages + [Message(role="tool", content=f"Error: malformed tool call: {err.reason}")
+                               for err in parsed.errors]
+        new = [self._cut_tool_output(m) for m in new]
+        if step.stop_reason is not None:
+            traj.messages.extend(new)
+            traj.env_info = _as_json(step.info)
+            raise EpisodeEnds(step.stop_reason)
+        if not new:
+            raise EpisodeEnds(StopReason.ENV_ERROR,
+                              "step returned no messages but did not end the episode")
+        return new
+
+    def observe(self, new: list[Message]) -> None:
+        """The env's messages as tokens the model did not sample (loss mask 0)."""
+        try:
+            suffix = self.chat.suffix_ids(self.traj.messages, new, self.tools,
+                                          max_tool_calls=self.max_calls)
+        except Exception as e:  # noqa: BLE001 - a TemplateError, or a tokenizer's on what the env said
+            raise EpisodeEnds(StopReason.ENV_ERROR, str(e) if isinstance(e, TemplateError)
+                              else f"rendering the env's messages raised {type(e).__name__}: {e}") from e
+        self.traj.messages.extend(new)
+        self._extend(suffix, None)
+
+    def finish(self, reason: StopReason, detail: str = "") -> Trajectory:
+        traj = self.traj
+        traj.stop_reason, traj.stop_detail = reason, detail
+        if reason.is_infra_error:
+            traj.reward = math.nan
+        elif traj.tool_errors and self.limits.tool_error_penalty:
+            traj.reward -= self.limits.tool_error_penalty * traj.tool_errors
+        traj.weight_versions = tuple(sorted(self.versions))
+        return traj
+
+    def _extend(self, ids: list[int], logprobs: list[float] | None) -> None:
+        """Append ids: sampled ones (with their logprobs) carry loss mask 1, all others 0."""
+        self.traj.token_ids += ids
+        self.traj.loss_mask += [0 if logprobs is None else 1] * len(ids)
+        self.traj.logprobs += [0.0] * len(ids) if logprobs is None else logprobs
+
+    def _cut_tool_output(self, m: Message) -> Message:
+        if m.role != "tool" or self.limits.max_tool_output_tokens is None:
+            return m
+        text, omitted = self.chat.truncate(m.content, self.limits.max_tool_output_tokens,
+                                           self.limits.truncation_marker)
+        if not omitted:
+            return m
+        self.traj.tool_outputs_truncated += 1
+        return m.model_copy(update={"content": text})
 
 
 async def run_episode(env: Env, engine: Engine, chat: ChatFormat, task: Task, params: SamplingParams,
@@ -178,147 +340,48 @@ async def run_episode(env: Env, engine: Engine, chat: ChatFormat, task: Task, pa
     env's `rubric` is applied by `run_group`, once the whole group has ended. Turn k samples with
     `turn_seed(params.seed, k)`.
 
-    A turn cut by the token limit ends the episode (MAX_TOKENS); its malformed calls are counted
-    and penalised like any others, and it is recorded as the text the model wrote (no call of it
-    runs). With a `ToolEnv`, the chat template renders each assistant turn with only the calls the
-    env ran (`max_tool_calls_per_turn`; see `ChatFormat.suffix_ids`), so a template without
-    parallel calls (Llama 3.1) continues after an error message for the extra ones; a turn the
-    template still cannot render ends the episode with ENV_ERROR, which `agentgrpo check-template`
-    reports before training.
+    With a `ToolEnv`, the chat template renders each assistant turn with only the calls the env
+    ran (`max_tool_calls_per_turn`; see `ChatFormat.suffix_ids`), so a template without parallel
+    calls (Llama 3.1) continues after an error message for the extra ones; a turn the template
+    still cannot render ends the episode with ENV_ERROR, which `agentgrpo check-template` reports
+    before training.
     """
     clock = Deadlines(limits.turn_timeout_s, limits.episode_timeout_s, deadline)
-    max_calls: int | None = None  # tool calls per turn the env runs (rendered); None = all
-    if isinstance(env, ToolEnv):
-        env.set_tool_limits(timeout_s=limits.tool_timeout_s, max_calls_per_turn=limits.max_tool_calls_per_turn)
-        max_calls = env.max_tool_calls_per_turn
+    episode = Episode(env, engine, chat, task, params, limits, context_len, clock)
     try:
-        first = await clock.run(call_env(env.reset, seed=seed, options={"task": task}))
-        tools = env.tool_schemas()
-    except DeadlineExpired as e:
-        traj = _empty_trajectory(task, StopReason.TIMEOUT, f"reset: {e}")
-        traj.info["deadline"] = e.which
-        return traj
-    except Exception as e:  # noqa: BLE001 - env code is user code: its failure ends this trajectory
-        return _empty_trajectory(task, StopReason.ENV_ERROR, f"reset raised {type(e).__name__}: {e}")
-    try:
-        messages = checked_reset(first)
-    except ValueError as e:
-        return _empty_trajectory(task, StopReason.ENV_ERROR, str(e))
-    try:
-        token_ids = chat.prompt_ids(messages, tools)
-    except TemplateError as e:
-        return _empty_trajectory(task, StopReason.ENV_ERROR, f"first prompt: {e}")
-    traj = Trajectory(task_id=task.id, token_ids=token_ids, loss_mask=[0] * len(token_ids),
-                      logprobs=[0.0] * len(token_ids), prompt_len=len(token_ids), messages=messages,
-                      stop_reason=StopReason.MAX_TURNS, reward=0.0)
-    params = replace(params, stop_token_ids=tuple(sorted(set(params.stop_token_ids) | set(chat.stop_token_ids))))
-    versions: set[str] = set()
-
-    def extend(ids: list[int], lps: list[float] | None) -> None:
-        traj.token_ids += ids
-        traj.loss_mask += [1 if lps is not None else 0] * len(ids)
-        traj.logprobs += lps if lps is not None else [0.0] * len(ids)
-
-    def finish(reason: StopReason, detail: str = "") -> Trajectory:
-        traj.stop_reason, traj.stop_detail = reason, detail
-        if reason.is_infra_error:
-            traj.reward = math.nan
-        elif traj.tool_errors and limits.tool_error_penalty:
-            traj.reward -= limits.tool_error_penalty * traj.tool_errors
-        traj.weight_version = ",".join(sorted(versions)) or None
-        return traj
-
-    try:
+        await episode.start(task, seed)
         for turn in range(1, limits.max_turns + 1):
-            budget = min(params.max_new_tokens, limits.max_tokens - (len(traj.token_ids) - traj.prompt_len))
-            if context_len is not None:
-                budget = min(budget, context_len - len(traj.token_ids))
-            if budget <= 0:
-                return finish(StopReason.MAX_TOKENS, "token budget used up before the turn")
-            clock.start_turn(turn)
-            try:
-                out: Completion = await clock.run(engine.generate(
-                    list(traj.token_ids), replace(params, max_new_tokens=budget, seed=turn_seed(params.seed, turn))))
-            except DeadlineExpired:
-                raise
-            except Exception as e:  # noqa: BLE001 - EngineError or not (a client's TimeoutError, a CUDA
-                # error), the engine failed: infrastructure, unscorable, and the rest of the step goes on
-                return finish(StopReason.ENGINE_ERROR, f"generate raised {type(e).__name__}: {e}")
-            if out.weight_version is not None:
-                versions.add(out.weight_version)
-            traj.num_turns = turn
-            extend(out.token_ids, out.logprobs)
-            if out.finish_reason == "abort":
-                return finish(StopReason.ABORTED, out.detail or "the engine aborted the request")
-            try:
-                parsed = chat.parse_assistant(out.token_ids, parse_tools=bool(tools))
-            except Exception as e:  # noqa: BLE001 - a parser that raises (a bug) costs its episode, not the step
-                return finish(StopReason.ENV_ERROR, f"the tool-call parser raised {type(e).__name__}: {e}")
-            n_calls = len(parsed.message.tool_calls or [])
-            traj.tool_calls += n_calls + len(parsed.errors)
-            traj.tool_errors += len(parsed.errors)
-            _add_counts(traj.tool_error_kinds, _kind_counts(parsed.errors))
-            if out.finish_reason == "length":
-                # No end-of-turn token was sampled: the turn is cut and the episode ends (as in verl and
-                # slime), no end-of-turn token is appended. Its malformed calls (a cut call is unclosed)
-                # were counted above; none runs, so the record keeps the text as the model wrote it.
-                messages.append(chat.parse_assistant(out.token_ids, parse_tools=False).message)
-                return finish(StopReason.MAX_TOKENS, out.detail or f"turn {turn} hit the token limit")
-            messages.append(parsed.message)
-            try:
-                if n_calls or not parsed.errors:
-                    result = await clock.run(call_env(env.step, parsed.message))
-                else:  # only malformed calls: the env sees nothing, the model gets the errors
-                    result = ([], 0.0, False, False, {})
-            except DeadlineExpired:
-                raise
-            except Exception as e:  # noqa: BLE001 - env code is user code
-                return finish(StopReason.ENV_ERROR, f"step raised {type(e).__name__}: {e}")
-            try:
-                step = checked_step(result)
-            except ValueError as e:
-                return finish(StopReason.ENV_ERROR, str(e))
-            traj.reward += step.reward
-            traj.tool_errors += step.tool_errors
-            _add_counts(traj.tool_error_kinds, step.tool_error_kinds)
-            new = step.messages + [_error_message(f"malformed tool call: {err.reason}") for err in parsed.errors]
-            if limits.max_tool_output_tokens is not None:
-                new = [_truncate_tool_output(chat, m, limits, traj) for m in new]
-            if step.ending is not None:
-                messages.extend(new)
-                if step.env_info:
-                    traj.info["env"] = step.env_info
-                return finish(step.ending)
-            if not new:
-                return finish(StopReason.ENV_ERROR, "step returned no messages but did not end the episode")
-            try:
-                suffix = chat.suffix_ids(messages, new, tools, max_tool_calls=max_calls)
-            except Exception as e:  # noqa: BLE001 - a TemplateError, or a tokenizer's on what the env said
-                return finish(StopReason.ENV_ERROR, str(e) if isinstance(e, TemplateError)
-                              else f"rendering the env's messages raised {type(e).__name__}: {e}")
-            messages.extend(new)
-            extend(suffix, None)
+            completion = await episode.sample(turn)
+            parsed = episode.read(completion, turn)
+            new_messages = await episode.act(parsed)
+            episode.observe(new_messages)
+        return episode.finish(StopReason.MAX_TURNS, f"{limits.max_turns} turns")
+    except EpisodeEnds as end:
+        return episode.finish(end.reason, end.detail)
     except DeadlineExpired as e:
-        traj.info["deadline"] = e.which
-        return finish(StopReason.TIMEOUT, str(e))
-    return finish(StopReason.MAX_TURNS, f"{limits.max_turns} turns")
+        episode.traj.deadline = e.which  # type: ignore[assignment]  # "turn" | "episode" | "step"
+        return episode.finish(StopReason.TIMEOUT, str(e))
 
 
-def _kind_counts(errors: Sequence[Any]) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for e in errors:
-        out[e.kind.value] = out.get(e.kind.value, 0) + 1
-    return out
+def _count_kinds(into: dict[str, int], counts: Mapping[ToolErrorKind, int]) -> None:
+    for kind, n in counts.items():
+        into[kind.value] = into.get(kind.value, 0) + n
 
 
-def _truncate_tool_output(chat: ChatFormat, m: Message, limits: EpisodeLimits, traj: Trajectory) -> Message:
-    if m.role != "tool" or limits.max_tool_output_tokens is None:
-        return m
-    text, omitted = chat.truncate(m.content, limits.max_tool_output_tokens, limits.truncation_marker)
-    if not omitted:
-        return m
-    traj.info["tool_outputs_truncated"] = traj.info.get("tool_outputs_truncated", 0) + 1
-    return m.model_copy(update={"content": text})
+def _as_json(info: dict[str, Any]) -> dict[str, Any]:
+    """An ending step's `info` (the env's own: why an answer scored 0, test results, ...) as JSON
+    values for trajectories.jsonl (anything else as its `str`); EpisodeEnds (ENV_ERROR) when it
+    cannot be (a circular reference, a value whose `str` raises)."""
+    try:
+        return json.loads(json.dumps(info, default=str, skipkeys=True)) if info else {}
+    except Exception as e:  # noqa: BLE001 - the values are user objects: any of them may fail
+        raise EpisodeEnds(StopReason.ENV_ERROR,
+                          f"step's info cannot be kept as JSON ({type(e).__name__}: {e})") from e
+
+
+def _empty_trajectory(task: Task, reason: StopReason, detail: str) -> Trajectory:
+    return Trajectory(task_id=task.id, token_ids=[], loss_mask=[], logprobs=[], prompt_len=0,
+                      messages=task.prompt_messages(), stop_reason=reason, stop_detail=detail)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -348,7 +411,7 @@ async def _run_new_env(env_factory: Callable[[], Env], engine: Engine, chat: Cha
                        params: SamplingParams, limits: EpisodeLimits,
                        **kwargs: Any) -> tuple[Trajectory, Rubric | None]:
     """One episode on a new env, and the env's rubric. With a rubric the reward waits for the
-    group (NaN until `score_group`), and the env's own, without penalty, goes to info["env_reward"]."""
+    group (NaN until `score_group`), and the env's own, without penalty, goes to `env_reward`."""
     try:
         env = env_factory()
         rubric = env_rubric(env)
@@ -358,7 +421,7 @@ async def _run_new_env(env_factory: Callable[[], Env], engine: Engine, chat: Cha
         limits = replace(limits, tool_error_penalty=0.0)
     traj = await run_episode(env, engine, chat, task, params, limits=limits, **kwargs)
     if rubric is not None and not traj.stop_reason.is_infra_error:
-        traj.info["env_reward"], traj.reward = traj.reward, math.nan
+        traj.env_reward, traj.reward = traj.reward, math.nan
     return traj, rubric
 
 
@@ -406,9 +469,9 @@ async def run_group(env_factory: Callable[[], Env], engine: Engine, chat: ChatFo
                     slots.release()
         else:
             traj = _empty_trajectory(task, StopReason.TIMEOUT, "step deadline expired before the episode started")
-            traj.info["deadline"] = "step"
+            traj.deadline = "step"
         traj.group_id = gid
-        traj.info["wall_s"] = round(time.monotonic() - start, 4)
+        traj.wall_s = round(time.monotonic() - start, 4)
         if on_done is not None and rubrics[i] is None:
             on_done(traj)
         return traj
@@ -487,10 +550,10 @@ def rollout_metrics(groups: Sequence[Group]) -> dict[str, float]:
     for t in trajs:
         add(f"stop/{t.stop_reason.value}")
         if t.stop_reason == StopReason.TIMEOUT:
-            add(f"timeout/{t.info.get('deadline', 'episode')}")
+            add(f"timeout/{t.deadline or 'episode'}")
         for kind, n in t.tool_error_kinds.items():
             add(f"tool_errors/{kind}", n)
-        add("tool_outputs_truncated", t.info.get("tool_outputs_truncated", 0))
+        add("tool_outputs_truncated", t.tool_outputs_truncated)
         add("unscorable", float(math.isnan(t.reward)))
         for name, v in t.reward_parts.items():
             if math.isfinite(v):

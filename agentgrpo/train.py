@@ -7,14 +7,17 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import math
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from transformers import AutoTokenizer
 
 from agentgrpo import checkpoint
 from agentgrpo.advantage import compute_advantages
@@ -25,6 +28,7 @@ from agentgrpo.env import Env
 from agentgrpo.evaluate import evaluate
 from agentgrpo.learner import Learner
 from agentgrpo.log import Progress, RunLogger, set_aside_after
+from agentgrpo.models import default_model_path, load_policy
 from agentgrpo.overlap import memory_lent, train_while_collecting
 from agentgrpo.report import write_report
 from agentgrpo.rollout import collect, rollout_metrics
@@ -75,9 +79,21 @@ def build_engine(cfg: RunConfig, model_path: Path, tokenizer: Any) -> Engine:
                        prefix_cache_tokens=cfg.engine.prefix_cache_tokens, seed=cfg.seed)
 
 
+@dataclass
+class Rollouts:
+    """What one step trains on: its groups, and what collecting them measured."""
+
+    groups: list[Group]
+    metrics: dict[str, float]
+
+    @property
+    def trajectories(self) -> list[Trajectory]:
+        return [t for g in self.groups for t in g.trajectories]
+
+
 async def collect_step(cfg: RunConfig, make_env: Callable[[], Env], engine: Engine, chat: ChatFormat,
                        stream: TaskStream, step: int, context_len: int | None,
-                       on_done: Callable[[Trajectory], None] | None = None) -> tuple[list[Group], dict[str, float]]:
+                       on_done: Callable[[Trajectory], None] | None = None) -> Rollouts:
     """The step's groups. With dynamic sampling, groups whose rewards are all equal (no learning
     signal) are dropped and more tasks are sampled, at most `max_extra_rounds` times."""
     t0, seed = time.perf_counter(), cfg.seed * 100_003 + step * 101
@@ -86,7 +102,7 @@ async def collect_step(cfg: RunConfig, make_env: Callable[[], Env], engine: Engi
     stats = {"groups_sampled": float(len(groups))}
     if not cfg.shaping.dynamic_sampling:
         stats["rollout_s"] = time.perf_counter() - t0
-        return groups, stats
+        return Rollouts(groups, stats)
     kept = [g for g, ok in zip(groups, keep_informative_groups([g.rewards for g in groups])) if ok]
     rounds = 0
     while len(kept) < cfg.rollout.tasks_per_step and rounds < cfg.shaping.max_extra_rounds:
@@ -97,34 +113,203 @@ async def collect_step(cfg: RunConfig, make_env: Callable[[], Env], engine: Engi
         kept += [g for g, ok in zip(more, keep_informative_groups([g.rewards for g in more])) if ok]
     stats.update({"dynamic/extra_rounds": float(rounds), "dynamic/groups_kept": float(len(kept)),
                   "rollout_s": time.perf_counter() - t0})
-    return kept[: cfg.rollout.tasks_per_step], stats
+    return Rollouts(kept[: cfg.rollout.tasks_per_step], stats)
+
+
+def assign_advantages(trajs: Sequence[Trajectory], cfg: RunConfig) -> None:
+    """Each trajectory's advantage, from its group's shaped rewards (`Trajectory.advantage`; None
+    for one not trained on: unscorable, or cut and `shaping.mask_truncated`)."""
+    rewards_B = shaped_rewards(trajs, cfg.shaping, cfg.rollout.max_tokens)
+    advantages_B = compute_advantages(rewards_B, [t.group_id for t in trajs],
+                                      estimator=cfg.advantage.estimator, eps=cfg.advantage.eps,
+                                      batch_std=cfg.advantage.batch_std)
+    if cfg.shaping.mask_truncated:  # truncated rows still counted in their group's statistics
+        advantages_B[truncated_rows([t.stop_reason for t in trajs])] = float("nan")
+    for t, a in zip(trajs, advantages_B.tolist(), strict=True):
+        t.advantage = None if math.isnan(a) or math.isnan(t.reward) else a
 
 
 def policy_lag(trajs: Sequence[Trajectory], version: int) -> float:
     """How many updates behind the learner's weights (`version`) the oldest sampling weights were;
     NaN when the engine reports no numbered versions."""
-    versions = [int(v) for t in trajs for v in (t.weight_version or "").split(",") if v.isdigit()]
+    versions = [v for t in trajs for v in t.weight_versions]
     return float(version - min(versions)) if versions else float("nan")
+
+
+@dataclass
+class Prefetched:
+    """With `train.overlap_rollouts`: the next step's rollouts, sampled while this step trained
+    (rank 0), and the data position before them, which is what a checkpoint stores (they were not
+    trained on yet)."""
+
+    rollouts: Rollouts
+    data_position: int
+
+
+@dataclass
+class Run:
+    """Everything a training run holds between steps. Rank 0 (`is_main`) alone has an engine,
+    weight sync, logger and evaluation tasks; every rank has the learner."""
+
+    cfg: RunConfig
+    run_dir: Path
+    learner: Learner
+    chat: ChatFormat
+    make_env: Callable[[], Env]
+    stream: TaskStream
+    context_len: int | None
+    loop: asyncio.AbstractEventLoop
+    progress: Progress
+    stop: checkpoint.StopRequested
+    engine: Engine | None = None
+    sync: WeightSync | None = None
+    logger: RunLogger | None = None
+    eval_tasks: list[Task] = field(default_factory=list)
+    steps_done: int = 0  # the learner's version: updates applied so far
+    saved_step: int = 0  # the step of the last checkpoint
+    saved_at: float = field(default_factory=time.monotonic)
+    prefetched: Prefetched | None = None
+
+    @property
+    def is_main(self) -> bool:
+        return self.learner.is_main
+
+    def collect(self, step: int) -> Awaitable[Rollouts]:
+        return collect_step(self.cfg, self.make_env, self.engine, self.chat, self.stream, step,
+                            self.context_len, self.progress.rollout_done)
+
+    def checkpoint_due(self, step: int) -> bool:
+        """Whether the step ending at `step` saves a checkpoint; decided before it trains (an
+        overlapped collection must not cross a checkpoint). Collective: every rank calls it, and
+        the time rule is rank 0's clock, agreed by all."""
+        cfg = self.cfg.train
+        if cfg.save_every_s is not None:
+            late = self.is_main and time.monotonic() - self.saved_at >= cfg.save_every_s
+            if self.learner.any_rank(late):
+                return True
+        return bool(cfg.save_every) and step % cfg.save_every == 0
+
+    def push_weights(self, version: int) -> None:
+        """The learner's weights to the engine, as `version`. Collective under FSDP (the export
+        gathers the shards to rank 0)."""
+        weights = self.learner.export_model()
+        if self.is_main:
+            self.loop.run_until_complete(self.sync.push(weights, version))
+
+    def save(self, step: int) -> None:
+        """A checkpoint of the run after `step`. Collective: every rank writes its part."""
+        self.progress.phase("checkpoint")
+        position = self.prefetched.data_position if self.prefetched else self.stream.position
+        checkpoint.save(self.run_dir / "checkpoints", step, self.learner.save,
+                        {"data_position": position, "weight_version": str(step),
+                         "rng": checkpoint.rng_state()},
+                        keep=self.cfg.train.keep_checkpoints, is_main=self.is_main,
+                        barrier=self.learner.accelerator.wait_for_everyone)
+        self.saved_step, self.saved_at = step, time.monotonic()
+
+
+def run_step(run: Run, step: int) -> bool:
+    """One GRPO step: collect, advantages, train, sync, log, checkpoint. Returns whether the run
+    stops after it (a SIGTERM/SIGINT reached some rank)."""
+    cfg, learner, t0 = run.cfg, run.learner, time.perf_counter()
+    run.progress.phase("rollout")
+    rollouts = None
+    if run.is_main:
+        rollouts = run.prefetched.rollouts if run.prefetched else run.loop.run_until_complete(
+            run.collect(step))
+    rollouts = learner.broadcast(rollouts)  # every rank trains on rank 0's rollouts
+    run.prefetched, done = None, step + 1
+    trajs = rollouts.trajectories
+    assign_advantages(trajs, cfg)
+    update = functools.partial(learner.train_step, trajs,
+                               [math.nan if t.advantage is None else t.advantage for t in trajs])
+    save_now = run.checkpoint_due(done)
+    metrics = dict(rollouts.metrics)
+    # One step off-policy: the next step samples with the weights before this update, while it
+    # trains (rank 0's engine in the event loop, the learner in a thread). Never across a
+    # checkpoint, so a resumed run samples exactly what an uninterrupted one did.
+    if run.is_main and cfg.train.overlap_rollouts and done < cfg.train.steps and not save_now:
+        run.progress.phase("train+rollout", total=run.progress.rollouts_per_step)
+        position = run.stream.position
+        trained, upcoming = run.loop.run_until_complete(train_while_collecting(
+            update, run.collect(done), abandon=lambda: bool(run.stop)))
+        if upcoming is None:  # a stop cancelled them: their tasks are sampled after resuming
+            run.stream.position = position
+        else:
+            run.prefetched = Prefetched(upcoming, position)
+    else:
+        run.progress.phase("train")
+        colocated = bool(cfg.engine.sglang and cfg.engine.sglang.release_memory_during_training)
+        with memory_lent(learner, run.engine, run.loop, colocated=colocated):
+            trained = update()
+    metrics.update(trained)
+    run.progress.phase("sync")
+    run.push_weights(done)  # after the overlapped rollouts finished: no request sees weights change
+    run.steps_done = done
+    stopping = learner.any_rank(bool(run.stop))
+    if run.is_main:
+        metrics.update(rollout_metrics(rollouts.groups), step_s=time.perf_counter() - t0,
+                       policy_lag=policy_lag(trajs, step))
+        metrics["tokens_per_s"] = metrics.get("sampled_tokens", 0.0) / max(metrics["rollout_s"], 1e-9)
+        if cfg.eval.every and done % cfg.eval.every == 0:
+            metrics.update(evaluate_now(run))
+        metrics.update({f"phase_s/{k}": v for k, v in run.progress.phase_times().items()})
+        run.logger.log_step(done, metrics)
+        run.logger.log_groups(done, rollouts.groups)
+    if stopping or save_now:
+        run.save(done)
+    run.progress.step_done(done, metrics)
+    return stopping
+
+
+def evaluate_now(run: Run) -> dict[str, float]:
+    """Rank 0: the current policy on the evaluation tasks, as `eval/` metrics."""
+    run.progress.phase("eval", total=len(run.eval_tasks) * run.cfg.eval.samples_per_task)
+    result = run.loop.run_until_complete(evaluate(
+        run.make_env, run.engine, run.chat, run.eval_tasks, run.cfg.rollout, run.cfg.eval,
+        seed=run.cfg.seed, context_len=run.context_len, on_done=run.progress.rollout_done))
+    return {f"eval/{k}": v for k, v in result.metrics.items()}
 
 
 def train(cfg: RunConfig) -> Path:
     """Run (or resume) the training run `cfg` describes; returns its run directory.
 
-    Under `accelerate launch` (or torchrun) every process runs this function. Rank 0 alone talks to the engine
-    (rollouts, weight sync, evaluation), writes logs, reports and checkpoint files, and broadcasts
-    each step's rollouts; every rank trains on that same list, so the order of tasks, seeds and
-    checkpoints is the one a single process would produce. Collectives (broadcast, `train_step`,
-    `export_model`, `Learner.save`, checkpoint agreement) are called by all ranks in the same order.
+    Under `accelerate launch` (or torchrun) every process runs this function. Rank 0 alone talks to
+    the engine (rollouts, weight sync, evaluation), writes logs, reports and checkpoint files, and
+    broadcasts each step's rollouts; every rank trains on that same list, so the order of tasks,
+    seeds and checkpoints is the one a single process would produce. Collectives (broadcast,
+    `train_step`, `export_model`, `Learner.save`, checkpoint agreement) are called by all ranks in
+    the same order.
     """
-    from transformers import AutoTokenizer
+    run = start_run(cfg)
+    try:
+        for step in range(run.steps_done, cfg.train.steps):
+            if run_step(run, step):
+                break
+        if run.steps_done > run.saved_step:  # at exit: the last finished step
+            run.save(run.steps_done)
+    finally:
+        run.stop.uninstall()
+        run.progress.close()
+        if run.logger is not None:
+            run.logger.close()
+        close_all(run.loop, run.sync and run.sync.close, getattr(run.engine, "aclose", None))
+    if run.is_main:
+        write_report(run.run_dir)
+    run.learner.close()
+    return run.run_dir
 
-    from agentgrpo.models import default_model_path, load_policy
 
+def start_run(cfg: RunConfig) -> Run:
+    """Everything a run needs before its first step: tasks, tokenizer and chat format, the
+    learner (resumed from the newest usable checkpoint), and on rank 0 the engine serving the
+    learner's weights, the logger and the run directory's files."""
     run_dir = Path(cfg.output_dir)
     seed_everything(cfg.seed)
     env_cls = cfg.env.env_class()  # before the model loads: a misspelt env or task file fails at once
     train_tasks = cfg.env.load_tasks(env_cls, "train", cfg.seed)
-    eval_tasks = cfg.env.load_tasks(env_cls, cfg.eval.split, cfg.seed)[: cfg.eval.num_tasks] if cfg.eval.every else []
+    eval_tasks = (cfg.env.load_tasks(env_cls, cfg.eval.split, cfg.seed)[: cfg.eval.num_tasks]
+                  if cfg.eval.every else [])
     if cfg.eval.every and not eval_tasks:  # it would log NaN eval metrics every eval.every steps
         raise ConfigError(f"eval.every={cfg.eval.every} but {cfg.env.name} has no tasks in split "
                           f"{cfg.eval.split!r} (eval.split); set eval.every: 0 or another split")
@@ -132,157 +317,72 @@ def train(cfg: RunConfig) -> Path:
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     template = Path(cfg.model.chat_template).read_text() if cfg.model.chat_template else None
     chat = ChatFormat(tokenizer, template=template, parser=cfg.model.tool_parser,
-                      fallback=cfg.rollout.template_fallback, template_kwargs=cfg.rollout.chat_template_kwargs)
+                      fallback=cfg.rollout.template_fallback,
+                      template_kwargs=cfg.rollout.chat_template_kwargs)
     model = load_policy(model_path)  # FSDP with RAM-efficient loading: weights on rank 0 only
-    context_len = getattr(model.config, "max_position_embeddings", None)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else chat.end_of_turn_id
-    learner = Learner(model, cfg.learner, cfg.loss, temperature=cfg.rollout.temperature, pad_id=pad_id,
-                      total_steps=cfg.train.steps)
-    lead = learner.is_main  # rank 0: engine, weight sync, logs and files; other ranks only train
-    make_env = lambda: env_cls(**cfg.env.kwargs)  # noqa: E731 - one env instance per trajectory
-    stream = TaskStream(train_tasks, cfg.seed)
-    ckpt_root, start = run_dir / "checkpoints", 0
+    learner = Learner(model, cfg.learner, cfg.loss, temperature=cfg.rollout.temperature,
+                      pad_id=pad_id, total_steps=cfg.train.steps)
+    start, stream = 0, TaskStream(train_tasks, cfg.seed)
+    ckpt_root = run_dir / "checkpoints"
     try:  # before anything is written: a run that cannot resume leaves its directory as it was
-        found = checkpoint.restore(ckpt_root, learner.load, check=lead, all_ranks=learner.all_ranks, strict=True)
+        found = checkpoint.restore(ckpt_root, learner.load, check=learner.is_main,
+                                   all_ranks=learner.all_ranks, strict=True)
     except checkpoint.NoUsableCheckpoint as e:  # never silently start again from step 0 over them
-        raise ConfigError(f"{e}\nif the config changed since they were written ({run_dir / 'config.yaml'} "
-                          "holds that run's), restore it; to start a new run, use another output_dir") from None
-    engine = sync = logger = None
-    if lead:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(dump_config(cfg))
-        print(describe_algorithm(cfg.advantage, cfg.loss, cfg.shaping), flush=True)
-        if (world := learner.accelerator.num_processes) > 1:
-            print(f"processes: {world} ({learner.accelerator.distributed_type.value}); rank 0 rolls out, "
-                  "every rank trains", flush=True)
-        # Refuse a template that would make the learner see tokens the model never saw.
-        print(f"chat template: {chat.template_source}, token mode: "
-              f"{require_token_safe(chat, make_env(), stream.tasks[0], seed=cfg.seed).mode}", flush=True)
-        engine = build_engine(cfg, model_path, tokenizer)
-        sync = WeightSync(engine, cfg.weight_sync)
-    loop = asyncio.new_event_loop()  # one loop for the run: engine clients and workers live on it
-    if lead:  # SGLang: servers loaded, their versions and context length read, before the first push
-        loop.run_until_complete(wait_ready(engine, seeded=True))
-    colocated = bool(cfg.engine.sglang and cfg.engine.sglang.release_memory_during_training)
-
-    def save_due(step: int) -> bool:
-        """Whether the step ending at `step` checkpoints; decided before it trains (overlapping
-        must not cross a checkpoint). The time rule is rank 0's clock, agreed by every rank."""
-        late = lead and cfg.train.save_every_s is not None and time.monotonic() - saved_at >= cfg.train.save_every_s
-        on_time = cfg.train.save_every_s is not None and learner.any_rank(late)  # collective
-        return on_time or (bool(cfg.train.save_every) and step % cfg.train.save_every == 0)
-
-    def push(step: int) -> None:
-        weights = learner.export_model()  # collective under FSDP (gathers the shards to rank 0)
-        if lead:
-            loop.run_until_complete(sync.push(weights, step))
-
+        raise ConfigError(f"{e}\nif the config changed since they were written "
+                          f"({run_dir / 'config.yaml'} holds that run's), restore it; to start a "
+                          "new run, use another output_dir") from None
     if found is not None:  # damaged checkpoints were skipped, on every rank alike
         ckpt_dir, manifest = found
         start, stream.position = int(manifest["step"]), int(manifest["data_position"])
-        checkpoint.set_rng_state(manifest["rng"])  # after the setup above: only the steps draw from it
-        if lead:
-            # Newer ones that were skipped leave the run: later saves, prunes and resumes ignore them.
-            aside = checkpoint.set_aside_newer(ckpt_root, start)
-            print(f"resumed from {ckpt_dir} at step {start}"
-                  + (f"; set aside {', '.join(p.name for p in aside)}" if aside else ""), flush=True)
+        checkpoint.set_rng_state(manifest["rng"])  # after the setup above: only steps draw from it
+    run = Run(cfg=cfg, run_dir=run_dir, learner=learner, chat=chat,
+              make_env=lambda: env_cls(**cfg.env.kwargs),  # one env instance per trajectory
+              stream=stream, context_len=getattr(model.config, "max_position_embeddings", None),
+              loop=asyncio.new_event_loop(),  # one loop for the run: engine clients live on it
+              progress=Progress(cfg.train.steps, start_step=start,
+                                enabled=cfg.log.progress and learner.is_main,
+                                rollouts_per_step=cfg.rollout.tasks_per_step * cfg.rollout.group_size),
+              stop=checkpoint.StopRequested(), steps_done=start, saved_step=start)
+    if learner.is_main:
+        start_main_rank(run, model_path, tokenizer, eval_tasks,
+                        resumed_from=found[0] if found is not None else None)
     # Before the first rollout the engine serves the learner's weights, checked by the probe: a
     # server still holding another run's weights (or another model) is caught, not sampled from.
-    push(start)
+    run.push_weights(start)
+    run.stop.install()  # SIGTERM/SIGINT: checkpoint after this step, exit
+    return run
 
-    saved, done, saved_at = start, start, time.monotonic()
-    # With train.overlap_rollouts, rank 0's next step's rollouts, sampled while this step trained,
-    # and the data position before them (what a checkpoint stores: they were not trained on).
-    ahead: tuple[Any, int] | None = None
 
-    def save(step: int) -> None:
-        nonlocal saved, saved_at
-        saved, saved_at = step, time.monotonic()
-        checkpoint.save(ckpt_root, step, learner.save,  # collective: every rank writes its part
-                        {"data_position": ahead[1] if ahead else stream.position, "weight_version": str(step),
-                         "rng": checkpoint.rng_state()}, keep=cfg.train.keep_checkpoints,
-                        is_main=lead, barrier=learner.accelerator.wait_for_everyone)
-
-    if lead:
-        # Rows of steps after the one resumed from (or after 0: a run killed before its first
-        # checkpoint) are trained again: theirs from the cut-off timeline go aside, not twice in the logs.
-        moved = {k: n for k, n in set_aside_after(run_dir, start).items() if n}
-        if moved:
-            print(f"log rows of steps after {start} set aside: "
-                  + ", ".join(f"{n} of {k} -> {k.replace('.jsonl', '')}.after-step-{start}.jsonl"
-                              for k, n in moved.items()), flush=True)
-        logger = RunLogger.from_config(run_dir, cfg)
-    progress = Progress(cfg.train.steps, start_step=start, enabled=cfg.log.progress and lead,
-                        rollouts_per_step=cfg.rollout.tasks_per_step * cfg.rollout.group_size)
-    eval_tasks = eval_tasks if lead else []
-    stop = checkpoint.StopRequested().install()  # SIGTERM/SIGINT: checkpoint after this step, exit
-    try:
-        for step in range(start, cfg.train.steps):
-            t0 = time.perf_counter()
-            progress.phase("rollout")
-            rollouts = (ahead[0] if ahead else loop.run_until_complete(collect_step(
-                cfg, make_env, engine, chat, stream, step, context_len, progress.rollout_done))) if lead else None
-            groups, metrics = learner.broadcast(rollouts)  # every rank trains on rank 0's rollouts
-            ahead, done = None, step + 1
-            trajs = [t for g in groups for t in g.trajectories]
-            rewards_B = shaped_rewards(trajs, cfg.shaping, cfg.rollout.max_tokens)
-            advantages_B = compute_advantages(rewards_B, [t.group_id for t in trajs],
-                                              estimator=cfg.advantage.estimator, eps=cfg.advantage.eps,
-                                              batch_std=cfg.advantage.batch_std)
-            if cfg.shaping.mask_truncated:  # truncated rows still counted in their group's statistics
-                advantages_B[truncated_rows([t.stop_reason for t in trajs])] = float("nan")
-            train_step = functools.partial(learner.train_step, trajs, advantages_B.tolist())
-            checkpoint_due = save_due(done)
-            # One step off-policy: the next step samples with the weights before this update, while it
-            # trains (rank 0's engine in the event loop, the learner in a thread). Never across a
-            # checkpoint, so a resumed run samples exactly what an uninterrupted one did.
-            if lead and cfg.train.overlap_rollouts and done < cfg.train.steps and not checkpoint_due:
-                progress.phase("train+rollout", total=progress.rollouts_per_step)
-                position = stream.position
-                trained, next_rollouts = loop.run_until_complete(train_while_collecting(
-                    train_step, collect_step(cfg, make_env, engine, chat, stream, done, context_len,
-                                             progress.rollout_done), abandon=lambda: bool(stop)))
-                if next_rollouts is None:  # a stop cancelled them: their tasks are sampled after resuming
-                    stream.position = position
-                else:
-                    ahead = (next_rollouts, position)
-                metrics.update(trained)
-            else:
-                progress.phase("train")
-                with memory_lent(learner, engine, loop, colocated=colocated):
-                    metrics.update(train_step())
-            progress.phase("sync")
-            push(done)  # after the overlapped rollouts finished: no request sees weights change
-            stopping = learner.any_rank(bool(stop))
-            if lead:
-                metrics.update(rollout_metrics(groups), step_s=time.perf_counter() - t0,
-                               policy_lag=policy_lag(trajs, step))
-                metrics["tokens_per_s"] = metrics.get("sampled_tokens", 0.0) / max(metrics["rollout_s"], 1e-9)
-                if cfg.eval.every and done % cfg.eval.every == 0:
-                    progress.phase("eval", total=len(eval_tasks) * cfg.eval.samples_per_task)
-                    result = loop.run_until_complete(evaluate(make_env, engine, chat, eval_tasks, cfg.rollout,
-                                                              cfg.eval, seed=cfg.seed, context_len=context_len,
-                                                              on_done=progress.rollout_done))
-                    metrics.update({f"eval/{k}": v for k, v in result.metrics.items()})
-                metrics.update({f"phase_s/{k}": v for k, v in progress.phase_times().items()})
-                logger.log_step(done, metrics)
-                logger.log_groups(done, groups)
-            if stopping or checkpoint_due:
-                progress.phase("checkpoint")
-                save(done)
-            progress.step_done(done, metrics)
-            if stopping:
-                break
-        if done > saved:  # at exit: the last finished step
-            progress.phase("checkpoint")
-            save(done)
-    finally:
-        stop.uninstall()
-        progress.close()
-        if logger is not None:
-            logger.close()
-        close_all(loop, sync and sync.close, getattr(engine, "aclose", None))
-    if lead:
-        write_report(run_dir)
-    learner.close()
-    return run_dir
+def start_main_rank(run: Run, model_path: Path, tokenizer: Any, eval_tasks: list[Task], *,
+                    resumed_from: Path | None) -> None:
+    """Rank 0's part of the start: the run directory's files, the effective algorithm, the
+    template check, the engine and the logger."""
+    cfg, start = run.cfg, run.steps_done
+    run.run_dir.mkdir(parents=True, exist_ok=True)
+    (run.run_dir / "config.yaml").write_text(dump_config(cfg))
+    print(describe_algorithm(cfg.advantage, cfg.loss, cfg.shaping), flush=True)
+    if (world := run.learner.accelerator.num_processes) > 1:
+        print(f"processes: {world} ({run.learner.accelerator.distributed_type.value}); rank 0 rolls "
+              "out, every rank trains", flush=True)
+    # Refuse a template that would make the learner see tokens the model never saw.
+    mode = require_token_safe(run.chat, run.make_env(), run.stream.tasks[0], seed=cfg.seed).mode
+    print(f"chat template: {run.chat.template_source}, token mode: {mode}", flush=True)
+    run.engine = build_engine(cfg, model_path, tokenizer)
+    run.sync = WeightSync(run.engine, cfg.weight_sync)
+    # SGLang: servers loaded, their versions and context length read, before the first push
+    run.loop.run_until_complete(wait_ready(run.engine, seeded=True))
+    if resumed_from is not None:
+        # Newer ones that were skipped leave the run: later saves, prunes and resumes ignore them.
+        aside = checkpoint.set_aside_newer(run.run_dir / "checkpoints", start)
+        print(f"resumed from {resumed_from} at step {start}"
+              + (f"; set aside {', '.join(p.name for p in aside)}" if aside else ""), flush=True)
+    # Rows of steps after the one resumed from (or after 0: a run killed before its first
+    # checkpoint) are trained again: theirs from the cut-off timeline go aside, not twice in the logs.
+    moved = {k: n for k, n in set_aside_after(run.run_dir, start).items() if n}
+    if moved:
+        print(f"log rows of steps after {start} set aside: "
+              + ", ".join(f"{n} of {k} -> {k.replace('.jsonl', '')}.after-step-{start}.jsonl"
+                          for k, n in moved.items()), flush=True)
+    run.logger = RunLogger.from_config(run.run_dir, cfg)
+    run.eval_tasks = eval_tasks

@@ -12,6 +12,7 @@ from __future__ import annotations
 import enum
 import json
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -182,6 +183,91 @@ class ToolErrorKind(str, enum.Enum):
     TOO_MANY_CALLS = "too_many_calls"  # more calls in one turn than allowed; the extra ones were not run
 
 
+# Endings an env may choose (`EnvStep.stop_reason`); the infrastructure endings are the rollout's.
+ENV_STOP_REASONS = frozenset({StopReason.COMPLETED, StopReason.TRUNCATED, StopReason.PARSE_ERROR,
+                              StopReason.TOOL_ERROR})
+
+
+class EnvStep(tuple):
+    """What one `Env.step` returns: Gymnasium's 5-tuple `(messages, reward, terminated, truncated,
+    info)`, with typed fields for what the framework reads.
+
+    An env returns a plain 5-tuple, or an `EnvStep` when it has more to say. It unpacks like the
+    5-tuple, so Gymnasium's tools keep working; the rollout converts a plain tuple once with
+    `EnvStep.of`. The framework reads no key of `info`: that dict is the env's own (kept in
+    `Trajectory.env_info` when the step ends the episode).
+
+    - `stop_reason`: why the episode ends, for a step that ends it. Default: COMPLETED when
+      terminated, TRUNCATED when truncated. An env may say PARSE_ERROR or TOOL_ERROR instead;
+      the infrastructure endings are the rollout's to decide.
+    - `tool_errors`: calls this step answered with an error message, counted by `ToolErrorKind`.
+
+    Example (an answer the env cannot read ends the episode as a parse error):
+        >>> EnvStep([], -1.0, True, False, {"raw": "??"}, stop_reason=StopReason.PARSE_ERROR).stop_reason
+        <StopReason.PARSE_ERROR: 'parse_error'>
+    """
+
+    messages: list[Message]
+    reward: float
+    terminated: bool
+    truncated: bool
+    info: dict[str, Any]
+    stop_reason: StopReason | None
+    tool_errors: dict[ToolErrorKind, int]
+
+    def __new__(cls, messages: list[Message], reward: float = 0.0, terminated: bool = False,
+                truncated: bool = False, info: dict[str, Any] | None = None, *,
+                stop_reason: StopReason | str | None = None,
+                tool_errors: dict[ToolErrorKind, int] | None = None) -> EnvStep:
+        info = {} if info is None else info
+        self = super().__new__(cls, (messages, reward, terminated, truncated, info))
+        if stop_reason is None:
+            stop_reason = (StopReason.COMPLETED if terminated
+                           else StopReason.TRUNCATED if truncated else None)
+        elif not (terminated or truncated):
+            raise ValueError(f"stop_reason={stop_reason!r} on a step that ends nothing (set "
+                             "terminated or truncated)")
+        elif stop_reason not in ENV_STOP_REASONS:
+            raise ValueError(f"stop_reason={stop_reason!r}: an env may choose one of "
+                             f"{sorted(r.value for r in ENV_STOP_REASONS)}")
+        kinds = {ToolErrorKind(k): int(n) if isinstance(n, numbers.Integral) else n for k, n in (tool_errors or {}).items()}
+        if any(not isinstance(n, numbers.Integral) or n < 0 for n in kinds.values()):
+            raise ValueError(f"tool_errors must count with non-negative ints, got {tool_errors!r}")
+        vars(self).update(messages=messages, reward=reward, terminated=terminated,
+                          truncated=truncated, info=info,
+                          stop_reason=None if stop_reason is None else StopReason(stop_reason),
+                          tool_errors=kinds)
+        return self
+
+    @classmethod
+    def of(cls, result: Any) -> EnvStep:
+        """`result` of a user's `step` as an EnvStep: the conversion at the env boundary.
+
+        Only the shape is checked here (every step, so kept cheap): a 5-tuple whose messages are
+        a list of `Message`, a real reward and a dict info. Raises ValueError naming the problem;
+        the rollout ends that trajectory with ENV_ERROR. `check_env` checks the rest once.
+        """
+        if isinstance(result, EnvStep):
+            step = result
+        elif isinstance(result, tuple) and len(result) == 5:
+            step = cls(*result)
+        else:
+            raise ValueError("step must return (messages, reward, terminated, truncated, info), "
+                             f"got {result!r:.200}")
+        if not (isinstance(step.messages, list)
+                and all(isinstance(m, Message) for m in step.messages)):
+            hint = ("; OpenAI-style dicts convert with Message.from_dict"
+                    if isinstance(step.messages, list) else "")
+            raise ValueError(f"step's messages must be a list of Message, got "
+                             f"{step.messages!r:.200}{hint}")
+        reward = step.reward
+        if isinstance(reward, bool) or not isinstance(reward, numbers.Real) or not math.isfinite(reward):
+            raise ValueError(f"step's reward must be a finite number, got {reward!r:.100}")
+        if not isinstance(step.info, dict):
+            raise ValueError(f"step's info must be a dict, got {type(step.info).__name__}")
+        return step
+
+
 @dataclass
 class Trajectory:
     """One episode as token ids, exactly as the model saw and produced them.
@@ -190,6 +276,11 @@ class Trajectory:
     exactly for tokens sampled by the policy, whose `logprobs[i]` are the engine's sampling logprobs;
     every other token (prompt, tool and env output, chat-template glue) has mask 0 and logprob 0.
     `reward` is NaN when the episode could not be scored (infrastructure failure).
+
+    Each field is written in one place: the rollout (`agentgrpo.rollout`) writes what the episode
+    did, the rubric (`agentgrpo.reward.score_group`) the reward parts and detail, the training
+    step the advantage. `info` belongs to the user (a verifier may note things there); no
+    framework code writes it.
     """
 
     task_id: str
@@ -202,12 +293,20 @@ class Trajectory:
     reward: float = math.nan
     group_id: str = ""
     num_turns: int = 0
+    turn_rewards: list[float] = field(default_factory=list)  # what each env.step returned
     tool_calls: int = 0
     tool_errors: int = 0
     tool_error_kinds: dict[str, int] = field(default_factory=dict)  # ToolErrorKind value -> count
+    tool_outputs_truncated: int = 0  # tool messages cut to max_tool_output_tokens
     stop_detail: str = ""  # human-readable reason (the exception, the deadline that expired, ...)
+    deadline: Literal["turn", "episode", "step"] | None = None  # which one ended it (TIMEOUT)
+    env_info: dict[str, Any] = field(default_factory=dict)  # the ending step's info, as JSON
+    env_reward: float | None = None  # the env's own reward, when a rubric replaced it
     reward_parts: dict[str, float] = field(default_factory=dict)
-    weight_version: str | None = None
+    reward_detail: str = ""  # the rubric's notes (errors, verifier details)
+    weight_versions: tuple[int, ...] = ()  # the weight versions that sampled its tokens, sorted
+    wall_s: float = 0.0  # from the episode's start (its slot acquired) to its end
+    advantage: float | None = None  # set by the training step; None: not trained on
     info: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -229,6 +328,9 @@ class Trajectory:
             raise ValueError(f"trajectory {self.task_id!r}: a masked-out token has a non-zero logprob")
 
     def to_dict(self) -> dict[str, Any]:
+        def number(x: float | None) -> float | None:  # strict JSON: NaN is written as null
+            return None if x is None or math.isnan(x) else x
+
         return {
             "task_id": self.task_id,
             "group_id": self.group_id,
@@ -239,13 +341,21 @@ class Trajectory:
             "messages": [m.to_dict() for m in self.messages],
             "stop_reason": self.stop_reason.value,
             "stop_detail": self.stop_detail,
-            "reward": None if math.isnan(self.reward) else self.reward,
-            "reward_parts": {k: None if math.isnan(v) else v for k, v in self.reward_parts.items()},  # strict JSON
+            "deadline": self.deadline,
+            "reward": number(self.reward),
+            "turn_rewards": self.turn_rewards,
+            "env_reward": number(self.env_reward),
+            "reward_parts": {k: number(v) for k, v in self.reward_parts.items()},
+            "reward_detail": self.reward_detail,
+            "advantage": number(self.advantage),
             "num_turns": self.num_turns,
             "tool_calls": self.tool_calls,
             "tool_errors": self.tool_errors,
             "tool_error_kinds": self.tool_error_kinds,
-            "weight_version": self.weight_version,
+            "tool_outputs_truncated": self.tool_outputs_truncated,
+            "weight_versions": list(self.weight_versions),
+            "wall_s": self.wall_s,
+            "env_info": self.env_info,
             "info": self.info,
         }
 

@@ -20,8 +20,8 @@ Action parsing: the action is the last action word in the reply (case-insensitiv
 `invalid_penalty` (subtracted from that turn's reward), and then either the env re-prompts with
 the list of valid words (`on_invalid="reprompt"`, the default: the model gets another chance and
 the wrapped env does not move) or ends the episode (`on_invalid="end"`). After `max_invalid`
-invalid replies in one episode it ends in both modes (terminated, `info["stop_reason"] =
-"parse_error"`, which the rollout records as StopReason.PARSE_ERROR), so a model that never answers cannot fill its whole turn budget.
+invalid replies in one episode it ends in both modes (terminated, with
+`EnvStep.stop_reason` PARSE_ERROR, which the rollout records as the episode's stop reason), so a model that never answers cannot fill its whole turn budget.
 
 Tasks: one task is one start state: `metadata` holds the env id, its `gymnasium.make` arguments and
 the seed of `reset`, so every draw of a task (and every member of a group) starts from the same
@@ -50,7 +50,7 @@ from typing import Any, Literal
 
 import gymnasium
 
-from agentgrpo import Env, Message, Task
+from agentgrpo import Env, EnvStep, Message, StopReason, Task
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _ANSI_SPAN = re.compile(r"\x1b\[([0-9;]*)m(.*?)\x1b\[0?m", re.S)  # text in one colour, then a reset
@@ -231,7 +231,8 @@ class GymTextEnv(Env):
             self.invalid += 1
             info = {"action": None, "invalid_replies": self.invalid}
             if self.on_invalid == "end" or self.invalid >= self.max_invalid:
-                return [], -self.invalid_penalty, True, False, {**info, "stop_reason": "parse_error"}
+                return EnvStep([], -self.invalid_penalty, True, False, info,
+                               stop_reason=StopReason.PARSE_ERROR)
             msg = f"That reply names no action. {self._ask()}"
             return [Message(role="user", content=msg)], -self.invalid_penalty, False, False, info
         obs, reward, terminated, truncated, _ = self.game.step(idx)

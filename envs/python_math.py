@@ -53,7 +53,7 @@ from collections.abc import Sequence
 from decimal import Decimal
 from typing import Any
 
-from agentgrpo import Message, Task, ToolEnv, tool
+from agentgrpo import EnvStep, Message, StopReason, Task, ToolEnv, tool
 from agentgrpo.verify.math import MathCheck, amath_check
 from agentgrpo.verify.sandbox import Sandbox, SandboxUnavailable
 from tools.python import PythonToolConfig, make_async_python_tool
@@ -154,12 +154,14 @@ class PythonMathEnv(ToolEnv):
             # its sandbox job.
             raise SandboxUnavailable(f"python tool: {e}") from e
 
-    async def step(self, action: Message) -> tuple[list[Message], float, bool, bool, dict[str, Any]]:
+    async def step(self, action: Message) -> EnvStep:
         self._check = None
-        new, reward, terminated, truncated, info = await super().step(action)
+        step = await super().step(action)
         if self._check is not None and self._check.status == "timeout":
-            info = {**info, "stop_reason": "parse_error", "math_verify": self._check.detail}
-        return new, reward, terminated, truncated, info
+            return EnvStep(step.messages, step.reward, step.terminated, step.truncated,
+                           {**step.info, "math_verify": self._check.detail},
+                           stop_reason=StopReason.PARSE_ERROR, tool_errors=step.tool_errors)
+        return step
 
     async def reward(self, task: Task, messages: list[Message]) -> float:
         # MathVerifyUnavailable (infrastructure) propagates: the rollout scores the episode NaN.

@@ -5,6 +5,7 @@ import pytest
 
 from agentgrpo import Env, Message, Task, ToolCall, ToolEnv, check_env, tool
 from agentgrpo.env import EnvCheckError, MessagesSpace, String, get_env_class
+from agentgrpo.types import ToolErrorKind
 from envs.calculator import CalculatorEnv, last_number
 
 TASK = Task(id="t", prompt="Say 7", answer=7)
@@ -68,12 +69,13 @@ def test_tool_env_errors_are_messages_not_crashes():
     calls = [ToolCall(id="1", name="nap", arguments={"seconds": 1.0}),
              ToolCall(id="2", name="fail", arguments={}),
              ToolCall(id="3", name="nap", arguments={"seconds": 0})]
-    out, reward, terminated, truncated, info = asyncio.run(env.step(Message(role="assistant", content="", tool_calls=calls)))
+    step = asyncio.run(env.step(Message(role="assistant", content="", tool_calls=calls)))
+    out, reward, terminated, truncated, info = step  # Gymnasium's 5-tuple
     assert [m.tool_call_id for m in out] == ["1", "2", "3"]
     assert "did not finish within 0.2 s" in out[0].content
     assert "fail raised RuntimeError: disk on fire" in out[1].content
     assert "too many tool calls" in out[2].content
-    assert info["tool_errors"] == 3 and not terminated and reward == 0.0
+    assert sum(step.tool_errors.values()) == 3 and not terminated and reward == 0.0 and info == {}
 
 
 def test_tool_calls_in_one_turn_run_concurrently():
@@ -120,10 +122,10 @@ def test_tool_errors_are_counted_by_kind():
              ToolCall(id="2", name="nap", arguments={"minutes": 1}),
              ToolCall(id="3", name="nope", arguments={})]
     env.set_tool_limits(max_calls_per_turn=3)
-    *_, info = asyncio.run(env.step(Message(role="assistant", content="", tool_calls=calls + calls[:1])))
-    assert info["tool_error_kinds"] == {"tool_timeout": 1, "invalid_arguments": 1, "unknown_tool": 1,
-                                        "too_many_calls": 1}
-    assert info["tool_errors"] == 4
+    step = asyncio.run(env.step(Message(role="assistant", content="", tool_calls=calls + calls[:1])))
+    assert step.tool_errors == {ToolErrorKind.TOOL_TIMEOUT: 1, ToolErrorKind.INVALID_ARGUMENTS: 1,
+                                ToolErrorKind.UNKNOWN_TOOL: 1, ToolErrorKind.TOO_MANY_CALLS: 1}
+    assert sum(step.tool_errors.values()) == 4
 
 
 def test_check_env_flags_undeclared_randomness():

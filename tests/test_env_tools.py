@@ -15,6 +15,7 @@ import pytest
 
 from agentgrpo import Message, Task, ToolCall
 from agentgrpo.tool import ToolError
+from agentgrpo.types import ToolErrorKind
 from agentgrpo.verify.sandbox import ExecResult, SandboxUnavailable
 from envs.code_tests import CodeTestsEnv
 from envs.gym_text import GymTextEnv
@@ -87,12 +88,12 @@ def test_python_math_late_sandbox_failure_does_not_poison_the_next_step():
     env = PythonMathEnv(sandbox=sandbox)
     env.reset(seed=0, options={"task": Task(id="t", prompt="2+2?", answer="4")})
     env.set_tool_limits(timeout_s=0.2)
-    new, _, _, _, info = asyncio.run(env.step(_call("1", "python", "HANG")))
-    assert info["tool_error_kinds"] == {"tool_timeout": 1} and "did not finish" in new[0].content
+    step = asyncio.run(env.step(_call("1", "python", "HANG")))
+    assert step.tool_errors == {ToolErrorKind.TOOL_TIMEOUT: 1} and "did not finish" in step.messages[0].content
     env.set_tool_limits(timeout_s=10.0)  # the abandoned call fails while this healthy step runs
-    new, _, done, _, info = asyncio.run(env.step(_call("2", "python", "print(2+2)")))
+    step = asyncio.run(env.step(_call("2", "python", "print(2+2)")))
     assert sandbox.failed.is_set()
-    assert not done and info["tool_errors"] == 0 and "stdout:\n4" in new[0].content
+    assert not step.terminated and not step.tool_errors and "stdout:\n4" in step.messages[0].content
 
 
 def test_python_math_sandbox_failure_in_its_own_step_is_unscorable():
@@ -112,11 +113,11 @@ def test_code_tests_late_sandbox_failure_does_not_poison_the_next_step(code_task
     env = CodeTestsEnv(sandbox=sandbox)
     env.reset(seed=0, options={"task": code_task})
     env.set_tool_limits(timeout_s=0.2)
-    _, _, _, _, info = asyncio.run(env.step(_call("1", "run_tests", "# HANG")))
-    assert info["tool_error_kinds"] == {"tool_timeout": 1}
+    step = asyncio.run(env.step(_call("1", "run_tests", "# HANG")))
+    assert step.tool_errors == {ToolErrorKind.TOOL_TIMEOUT: 1}
     env.set_tool_limits(timeout_s=10.0)  # the abandoned call fails while this healthy step runs
-    _, _, done, _, info = asyncio.run(env.step(_call("2", "run_tests", "def f(): pass")))
-    assert sandbox.failed.is_set() and not done and info["tool_errors"] == 0
+    step = asyncio.run(env.step(_call("2", "run_tests", "def f(): pass")))
+    assert sandbox.failed.is_set() and not step.terminated and not step.tool_errors
 
 
 def test_code_tests_sandbox_failure_in_its_own_step_is_unscorable(code_task):

@@ -193,11 +193,12 @@ def test_python_math_runaway_answer_scores_zero_as_parse_error(chat, math_task, 
     # The model's doing: 0, but counted as unusable output, not passed off as a plain wrong answer
     traj, _ = episode(chat, PythonMathEnv(math_timeout_s=0.5), math_task, [RUNAWAY])
     assert (traj.stop_reason, traj.reward, math_pool.timeouts) == (StopReason.PARSE_ERROR, 0.0, 1)
-    assert "CPU budget" in traj.info["env"]["math_verify"]  # why, in trajectories.jsonl
+    assert "CPU budget" in traj.env_info["math_verify"]  # why, in trajectories.jsonl
     env = PythonMathEnv(math_timeout_s=0.5)
     env.reset(seed=0, options={"task": math_task})
-    _, reward, terminated, _, info = asyncio.run(env.step(Message(role="assistant", content=RUNAWAY)))
-    assert (reward, terminated, info["stop_reason"]) == (0.0, True, "parse_error")
+    step = asyncio.run(env.step(Message(role="assistant", content=RUNAWAY)))
+    _, reward, terminated, _, info = step
+    assert (reward, terminated, step.stop_reason) == (0.0, True, StopReason.PARSE_ERROR)
     assert "CPU budget" in info["math_verify"] and math_pool.timeouts == 2
     with pytest.raises(ValueError, match="math_timeout_s"):
         PythonMathEnv(math_timeout_s=0)

@@ -175,7 +175,7 @@ def test_eval_serves_the_trained_weights_of_every_checkpoint_format(runs, stoppi
             engine.close()
         tokens[name] = _tokens(result)
         assert json.loads((out_dir / "eval.json").read_text())["step"] == 1
-        assert {t.weight_version for g in result.groups for t in g.trajectories} == {"1"}
+        assert {t.weight_versions for g in result.groups for t in g.trajectories} == {(1,)}
         reference = _trained_reference(runs[SAME_TRAINING[name]][0], stopping_model_dir)
         for key, t in reference.items():
             torch.testing.assert_close(served[name][key], t, atol=1e-6, rtol=1e-5, msg=f"{name}: {key}")
@@ -230,10 +230,10 @@ def test_sglang_servers_get_the_evaluated_weights_pushed(runs, stopping_model_di
         _, result = run_eval(_eval_cfg(run_dir, stopping_model_dir, extra, *sglang))
         torch.testing.assert_close(_get_weight(server.url, key), trained, atol=1e-6, rtol=1e-5)
         assert [p.name for p in tmp_path.iterdir()] == ["eval"]  # a training run's step_<N> stay its own
-        assert {t.weight_version for g in result.groups for t in g.trajectories} == {"1"}
+        assert {t.weight_versions for g in result.groups for t in g.trajectories} == {(1,)}
         _, result = run_eval(_eval_cfg(run_dir, stopping_model_dir, extra, *sglang, "eval.checkpoint=none"))
         torch.testing.assert_close(_get_weight(server.url, key), initial, atol=0, rtol=0)
-        assert {t.weight_version for g in result.groups for t in g.trajectories} == {"0"}
+        assert {t.weight_versions for g in result.groups for t in g.trajectories} == {(0,)}
 
 
 def _copy_run(run, tmp_path):

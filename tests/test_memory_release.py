@@ -138,8 +138,8 @@ def test_a_training_run_lends_the_servers_memory_to_every_learner_step(tmp_path,
     paths = [c["path"] for c in map(json.loads, log.read_text().splitlines())
              if c["path"] in {"TRAIN", *RELEASE, *RESUME, *PUSH}]
     assert paths == PUSH + 2 * (RELEASE + ["TRAIN"] + RESUME + PUSH)
-    versions = {r["step"]: {v for v in r["weight_version"].split(",")} for r in read_jsonl(out / "trajectories.jsonl")}
-    assert versions == {1: {"0"}, 2: {"1"}}
+    versions = {r["step"]: set(r["weight_versions"]) for r in read_jsonl(out / "trajectories.jsonl")}
+    assert versions == {1: {0}, 2: {1}}
 
 
 def test_a_run_against_a_server_without_the_memory_saver_stops_before_training(tmp_path, stopping_model_dir):

@@ -30,10 +30,10 @@ def test_overlapped_rollouts_come_from_the_weights_before_the_update(tmp_path, s
     # engine reports the version before that update (the push waits for the sampling to finish).
     assert [m["policy_lag"] for m in metrics] == [0.0, 1.0, 1.0]
     assert ["phase_s/train+rollout" in m for m in metrics] == [True, True, False]
-    versions: dict[int, set[str]] = {}
+    versions: dict[int, set[tuple[int, ...]]] = {}
     for r in read_jsonl(out / "trajectories.jsonl"):
-        versions.setdefault(r["step"], set()).add(r["weight_version"])
-    assert versions == {1: {"0"}, 2: {"0"}, 3: {"1"}}
+        versions.setdefault(r["step"], set()).add(tuple(r["weight_versions"]))
+    assert versions == {1: {(0,)}, 2: {(0,)}, 3: {(1,)}}
 
     plain = tmp_path / "plain"
     assert _train(plain, stopping_model_dir, 3) == 0
@@ -129,10 +129,10 @@ def test_a_failing_train_step_cancels_the_collection():
 def test_policy_lag_reads_the_engines_versions():
     def traj(version):
         return Trajectory(task_id="t", token_ids=[1, 2], loss_mask=[0, 1], logprobs=[0.0, -1.0], prompt_len=1,
-                          messages=[], stop_reason=StopReason.COMPLETED, weight_version=version)
+                          messages=[], stop_reason=StopReason.COMPLETED, weight_versions=version)
 
-    assert policy_lag([traj("3"), traj("2,3")], 3) == 1.0
-    assert policy_lag([traj(None)], 3) != policy_lag([traj(None)], 3)  # NaN: nothing to read
+    assert policy_lag([traj((3,)), traj((2, 3))], 3) == 1.0
+    assert policy_lag([traj(())], 3) != policy_lag([traj(())], 3)  # NaN: nothing to read
 
 
 def test_overlap_with_recomputed_old_logprobs_needs_tis():

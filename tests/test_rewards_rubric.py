@@ -85,7 +85,7 @@ def test_rubric_scores_collected_groups_with_weights_and_parts(chat):
     for t in trajs:
         assert t.stop_reason == StopReason.COMPLETED and set(t.reward_parts) == {"correct", "used_tool"}
         assert t.reward == 1.0 * t.reward_parts["correct"] + 0.5 * t.reward_parts["used_tool"]
-        assert t.info["env_reward"] == 0.0  # ToolEnv.reward with a rubric: the env has no say
+        assert t.env_reward == 0.0  # ToolEnv.reward with a rubric: the env has no say
     assert [t.reward for t in trajs] == [1.5, 0.0] * 4  # tool then 111: 1 + 0.5; 112: 0
     assert sorted(t.reward for t in done) == [0.0] * 4 + [1.5] * 4  # on_done saw the scored rewards
     assert verifier_threads and all(n.startswith("agentgrpo-user") for n in verifier_threads)
@@ -108,7 +108,7 @@ def test_env_reward_is_kept_aside_and_the_penalty_applied_once(chat):
     engine = ScriptedEngine(chat.tokenizer, ["<tool_call>{bad</tool_call>", "111"], chat.end_of_turn_id)
     g = group(chat, Both, engine, size=1, tool_error_penalty=0.25, max_turns=3)
     t = g.trajectories[0]
-    assert t.tool_errors == 1 and t.info["env_reward"] == 1.0  # the env's own, without the penalty
+    assert t.tool_errors == 1 and t.env_reward == 1.0  # the env's own, without the penalty
     assert t.reward_parts == {"env": 1.0, "correct": 1.0}
     assert t.reward == pytest.approx(2.0 * 1.0 + 1.0 - 0.25)
 
@@ -130,7 +130,7 @@ def test_failing_verifier_is_unscorable_with_its_reason_not_zero(chat):
             assert why in t.stop_detail and t.reward_parts["correct"] in (0.0, 1.0)  # the other part kept
         assert rollout_metrics([g])["unscorable"] == 4
         if env is Broken:
-            assert all("sandbox down" in t.info["reward_detail"] for t in g.trajectories)
+            assert all("sandbox down" in t.reward_detail for t in g.trajectories)
             assert all(math.isnan(t.reward_parts["tests"]) for t in g.trajectories)
 
 

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from agentgrpo import Env, Group, Message, StopReason, ToolEnv, tool
+from agentgrpo import Env, EnvStep, Group, Message, StopReason, ToolEnv, tool
 from agentgrpo.engine import SamplingParams
 from agentgrpo.engine.base import EngineError
 from agentgrpo.rollout import (
@@ -158,8 +158,8 @@ def test_env_may_name_its_ending(chat):
     class Strict(Env):
         def step(self, action):
             if not action.content.strip().isdigit():
-                return [], -1.0, True, False, {"stop_reason": "parse_error"}
-            return [], 1.0, True, False, {"stop_reason": "engine_error"}  # not the env's to say
+                return EnvStep([], -1.0, True, False, stop_reason="parse_error")
+            return EnvStep([], 1.0, True, False, stop_reason="engine_error")  # not the env's to say
 
     traj, _ = run(chat, ["four"], env=Strict)
     assert traj.stop_reason == StopReason.PARSE_ERROR and traj.reward == -1.0
@@ -226,7 +226,7 @@ def test_turn_deadline_keeps_what_was_generated(chat):
     traj, engine = run(chat, [_call("wait", seconds=0), "done"], env=SlowTools,
                        delay_s=lambda i: 0 if i == 0 else 5.0, turn_timeout_s=0.3, max_turns=3)
     assert traj.stop_reason == StopReason.TIMEOUT and math.isnan(traj.reward)
-    assert traj.info["deadline"] == "turn" and "turn 2 exceeded its deadline of 0.3 s" in traj.stop_detail
+    assert traj.deadline == "turn" and "turn 2 exceeded its deadline of 0.3 s" in traj.stop_detail
     assert traj.num_turns == 1 and [m.role for m in traj.messages][-2:] == ["assistant", "tool"]
     assert traj.token_ids == engine.calls[1]  # exactly the sequence the stalled request was sent
     traj.check()
@@ -245,7 +245,7 @@ def test_slow_env_step_hits_the_turn_deadline(chat):
         stuck = rollout_metrics([Group("g", TASK, [traj])])["user_threads_stuck"]
     finally:
         release.set()
-    assert traj.stop_reason == StopReason.TIMEOUT and traj.info["deadline"] == "turn"
+    assert traj.stop_reason == StopReason.TIMEOUT and traj.deadline == "turn"
     assert traj.num_sampled == len(chat.encode("hi")) + 1  # the sampled turn is kept, nothing after it
     assert_invariants(traj, engine, chat)
     assert stuck >= 1  # the abandoned step still holds its thread, and the metrics say so
@@ -253,7 +253,7 @@ def test_slow_env_step_hits_the_turn_deadline(chat):
 
 def test_episode_deadline(chat):
     traj, engine = run(chat, [_call("wait", seconds=0.1)], env=SlowTools, max_turns=50, episode_timeout_s=0.5)
-    assert traj.stop_reason == StopReason.TIMEOUT and traj.info["deadline"] == "episode"
+    assert traj.stop_reason == StopReason.TIMEOUT and traj.deadline == "episode"
     assert 1 <= traj.num_turns < 50
     assert_invariants(traj, engine, chat)
 
@@ -282,7 +282,7 @@ def test_tool_output_is_truncated_to_a_token_budget(chat):
     traj, engine = run(chat, [_call("dump", n=500), "done"], env=SlowTools, max_tool_output_tokens=12)
     out = next(m.content for m in traj.messages if m.role == "tool")
     assert out.startswith("word0 word1") and "more tokens truncated]" in out
-    assert len(chat.encode(out.split("\n[...")[0])) == 12 and traj.info["tool_outputs_truncated"] == 1
+    assert len(chat.encode(out.split("\n[...")[0])) == 12 and traj.tool_outputs_truncated == 1
     assert_invariants(traj, engine, chat)
     assert "word499" not in chat.decode(traj.token_ids)  # the model saw the cut output only
 
@@ -406,7 +406,7 @@ class Diagnosed(Calc):
 
 def test_the_final_steps_own_info_reaches_the_trajectory(chat):
     traj, _ = run(chat, ["112"], env=Diagnosed)
-    env_info = traj.info["env"]
+    env_info = traj.env_info
     assert (env_info["expected"], env_info["why"]) == (111, "off by one")
     assert env_info["raw"].startswith("<object object")  # not JSON: kept as its str
     assert "tool_errors" not in env_info and "stop_reason" not in env_info  # the rollout's own keys
@@ -469,7 +469,7 @@ def test_a_group_without_a_seed_still_shares_one_start_state(chat):
             return [], 0.0, True, False, {"target": self.target}
 
     engine = ScriptedEngine(chat.tokenizer, ["7"], chat.end_of_turn_id)
-    starts = [[t.info["env"]["target"] for t in asyncio.run(
+    starts = [[t.env_info["target"] for t in asyncio.run(
         run_group(Dice, engine, chat, TASK, 6, SamplingParams())).trajectories] for _ in range(2)]
     assert all(len(set(s)) == 1 for s in starts)  # one state per group
     assert starts[0][0] != starts[1][0]  # drawn per group (a 1-in-a-million coincidence otherwise)
@@ -505,16 +505,15 @@ def test_bad_reset_values_end_the_trajectory_with_env_error(chat, reset_returns,
     assert traj.token_ids == [] and engine.calls == []
 
 
-@pytest.mark.parametrize("info, why", [
-    ({"tool_errors": "n/a"}, "info['tool_errors'] must be a non-negative int, got 'n/a'"),
-    ({"tool_errors": -1}, "info['tool_errors'] must be a non-negative int, got -1"),
-    ({"tool_error_kinds": ["x"]}, "info['tool_error_kinds'] must be a dict of str -> non-negative int, got ['x']"),
-    ({"tool_error_kinds": {"x": "1"}}, "info['tool_error_kinds'] must be a dict of str -> non-negative int"),
+@pytest.mark.parametrize("errors, why", [
+    ({"bad_json": "n/a"}, "tool_errors must count with non-negative ints"),
+    ({"bad_json": -1}, "tool_errors must count with non-negative ints"),
+    ({"x": 1}, "'x' is not a valid ToolErrorKind"),
 ])
-def test_bad_reserved_info_keys_end_the_trajectory_with_env_error(chat, info, why):
+def test_bad_typed_step_fields_end_the_trajectory_with_env_error(chat, errors, why):
     class Bad(Env):
         def step(self, action):
-            return [Message(role="user", content="more")], 0.0, False, False, info
+            return EnvStep([Message(role="user", content="more")], 0.0, False, False, tool_errors=errors)
 
     traj, _ = run(chat, ["7"], env=Bad)
     assert traj.stop_reason == StopReason.ENV_ERROR and why in traj.stop_detail

@@ -43,8 +43,8 @@ def _check_run_dir(out, steps):
 def test_two_steps_with_a_tiny_model(tmp_path, tiny_model_dir):
     out = _run(tmp_path, tiny_model_dir)
     _check_run_dir(out, 2)
-    weights_version = {r["weight_version"] for r in read_jsonl(out / "trajectories.jsonl") if r["step"] == 2}
-    assert weights_version == {"1"}  # step 2 was sampled with the weights after step 1
+    weight_versions = {tuple(r["weight_versions"]) for r in read_jsonl(out / "trajectories.jsonl") if r["step"] == 2}
+    assert weight_versions == {(1,)}  # step 2 was sampled with the weights after step 1
 
 
 def test_rerun_resumes_instead_of_restarting(tmp_path, tiny_model_dir):
