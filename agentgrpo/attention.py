@@ -8,20 +8,16 @@ anyone needs, and SmolLM2's attention then costs 1.7x its matmuls (the reason `r
 splits such groups). Here every segment attends on its own: a prompt or a lone sequence causally
 to itself, a continuation to [its prompt, itself] with the causal diagonal shifted by the prompt's
 length. Segments of similar size are gathered into one padded sdpa batch (a "bucket"; a call per
-segment cost more than it saved in a CPU bf16 backward, ~2.7 ms a call), padding bounded to
+segment cost more than it saved in a CPU bf16 backward), padding bounded to
 `_SLACK` x the segments' own (query, key) rectangles. Nothing is computed across segments; the
 numbers are the masked kernel's up to float summation order (tests compare logprobs and gradients).
 
-Measured on the CPU, SmolLM2-135M, forward + backward of one such group (2026-12-01, one run each):
-fp32 40 s, against 84 s for the whole group in one masked row and 56 s for the split rows
-`row_tokens: auto` picks under the mask (0.72x); bf16 autocast 35 s against 58 s and 39 s (0.90x).
-On the calculator's short groups (4 x 872-token rows, bf16) it is even (12.1 vs 12.3 s of CPU time,
-profiled): the attention pairs there shrink 2x only, and the gathers cost about what that saves.
-On the default run's real batches (672-token rows) it took 1.22x the mask's time, so
+On the CPU it pays on long rows (whole python_math-shaped groups); on short rows (the calculator's)
+the attention pairs shrink 2x only and the gathers cost about what that saves. So
 `learner.attention: auto` runs it only on micro-batches whose rows are long enough
-(`AUTO_MIN_SHARE`) and the mask elsewhere; `segments` runs it everywhere. On an H200 (0.5B Qwen2
-shape, bench/learner_gpu.py, 2026-12-04) it took 1.24x the masked kernel's time on python_math-shaped
-groups and 1.38x on packed rows, so `auto` keeps the masked kernel on GPUs.
+(`AUTO_MIN_SHARE`) and the mask elsewhere; `segments` runs it everywhere. On an H200 it was slower
+than the masked kernel, so `auto` keeps the masked kernel on GPUs. Both choices rest on one CPU's
+and one GPU's measurements: docs/performance.md ("Segment attention against the mask").
 
 How it is wired: `use_segments(model)` registers `segment_attention` with transformers'
 `AttentionInterface` under `SEGMENTS` and switches the model to it (models that dispatch attention
@@ -103,9 +99,9 @@ class Segments:
 _SLACK = 1.3  # a bucket may compute this many times its spans' own (query, key) rectangles
 
 # `attention: auto` runs segments on a micro-batch only where its rows' masked attention would cost
-# at least this share of their matmuls (r x T, `batch.attention_pair_cost`): measured on SmolLM2-135M
-# (r = 1/3072), segments took 1.22x the mask's time on 672-token rows (share 0.22), even at 872
-# (0.28), 0.85x at 1583-1907 (0.5-0.6) and 0.80x on whole 5311-token groups (1.7). 0.4 = 1229 tokens.
+# at least this share of their matmuls (r x T, `batch.attention_pair_cost`); 0.4 = 1229 tokens for
+# SmolLM2-135M (r = 1/3072). Chosen from CPU measurements (docs/performance.md): segments lost at a
+# share of 0.22, were even at 0.28 and won from 0.5.
 AUTO_MIN_SHARE = 0.4
 
 

@@ -266,8 +266,8 @@ def choose_row_tokens(trajs: Sequence[Trajectory], token_budget: int, pair_cost:
     Sharing a group's prompt saves (G - 1) * prompt tokens but makes one row of the whole group, and
     under a mask attention costs the square of the row: python_math-shaped groups (8 x ~870 tokens, a
     250-token prompt) become 5311-token rows, where SmolLM2's attention is 1.7x its matmuls. At 8192
-    slots the cap chosen here (rows of <= 1907 tokens, each prompt computed 4 times instead of
-    once) models 0.66x the cost and measured 0.63x the step time (bench/learner_memory.py, README).
+    slots the cap chosen here gives rows of <= 1907 tokens, each prompt computed 4 times instead of
+    once (the modeled and measured step times: docs/performance.md).
     Candidates run from the longest trajectory to the longest unit the budget allows, in steps of
     1.25x. None (no cap) outside `shared_prefix` or when pair_cost is 0, where nothing is gained by
     splitting."""

@@ -15,9 +15,8 @@ autocast off, in the head's parameter dtype (fp32 unless the parameters were cas
 so the only bf16 rounding is in the hidden states. On CUDA the head's fp32 matmuls can run on TF32
 tensor cores (`tf32_matmuls`, the learner's `tf32` option, on by default under bf16 autocast): its
 input, bf16 values, is exact in TF32, so only the head's weights and, in backward, the logits'
-gradient are rounded to TF32's 10 mantissa bits; the products still add up in fp32. Measured on an
-H200 (0.5B Qwen2 shape, 152k vocabulary, 2026-12-04) the fp32 head's SIMT GEMMs were 40% of a
-step's GPU time (README, "Benchmarks").
+gradient are rounded to TF32's 10 mantissa bits; the products still add up in fp32. On a GPU the
+fp32 head's SIMT GEMMs are a large share of a step (docs/performance.md, "On one H200").
 
 Memory: the head's [M, V] fp32 logits, and what its log-softmax keeps for backward, grow with the
 loss tokens of a micro-batch and the vocabulary (V = 152k for Qwen: 0.6 MB per loss token for each

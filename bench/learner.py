@@ -32,8 +32,8 @@ from functools import partial
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # On a CPU shared with other processes, OpenMP threads that spin at barriers wait a whole time slice
-# for a descheduled sibling: measured here, a [850, 576] elementwise op took 3-22 ms instead of
-# 0.13 ms with 2 threads. Passive waiting removes that; it must be set before torch loads OpenMP.
+# for a descheduled sibling (tens of times slower elementwise ops: docs/performance.md). Passive
+# waiting removes that; it must be set before torch loads OpenMP.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402

@@ -109,11 +109,10 @@ class ServerPool:
         """The connection pool of request slot `slot` of server `s`.
 
         httpcore scans every connection of a pool for every queued request, which costs O(n^2)
-        at high concurrency (measured: 3x the CPU per request at 64 connections). So each
-        server's connections are spread over small pools of `_POOL_SIZE`, created on demand, and
-        a request uses the pool of its slot (a slot = one of the server's in-flight places).
-        bench/sglang_client.py at concurrency 64, two runs each, 2026-11-30: pools of 8 gave
-        1566-1892 req/s (529-638 us CPU/request), of 2 2043-2094 (477-489 us), of 1 2015-2025.
+        at high concurrency. So each server's connections are spread over small pools of
+        `_POOL_SIZE`, created on demand, and a request uses the pool of its slot (a slot = one of
+        the server's in-flight places). The pool size was chosen with bench/sglang_client.py: see
+        docs/performance.md.
         """
         pools = self._pools[s.url]
         i = slot // _POOL_SIZE

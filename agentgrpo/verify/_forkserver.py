@@ -8,7 +8,7 @@ filter, and then only forks. It never receives a job's code, files or output: th
 sends a slot number, the limits and five pipe ends (SCM_RIGHTS), and the job's own process reads
 its payload from the pipe.
 
-Per job (two forks, about 2 ms on a 2-core VM):
+Per job (two forks; its cost: docs/performance.md):
     fork server --unshare(PID), fork--> init (PID 1 of a new PID namespace, root for setup):
         joins the slot's cgroups; new mount, IPC and UTS namespaces; enters the slot's network
         namespace; mounts a fresh size- and inode-limited tmpfs on /tmp and a pid-only /proc;

@@ -25,7 +25,7 @@ Backends, chosen by probing once per process, in this order; every result names 
   supplementary groups, `no_new_privs`, a seccomp deny-list (`_seccomp.py`), a PID-1 init under
   another uid that reaps and reports, and cgroups (v1 memory/pids, v2 `cgroup.kill`, v2
   memory/pids where delegated). Each free slot holds a job pre-started up to reading its
-  payload, so a `print(1)` costs about 3.4 ms p50 on a 2-core VM (bench/sandbox.py).
+  payload, so a `print(1)` costs milliseconds (bench/sandbox.py; docs/performance.md).
 - `bwrap` (bubblewrap, unprivileged user namespaces): the same namespaces and read-only binds,
   seccomp, all capabilities dropped; memory and processes bounded by rlimits only (RLIMIT_AS is
   coarser than a cgroup); a fresh interpreter per job (tens of ms).
