@@ -262,6 +262,31 @@ def env_report(env: Env, task: Task | None = None) -> EnvReport:
     return report
 
 
+def check_env_at_start(env: Env, task: Task) -> None:
+    """The part of the contract training and evaluation check once, before the first rollout:
+    reset's value (twice with one seed, for determinism) and the tool schemas. Steps are not run
+    here, since they run tools (`agentgrpo check-env` runs them); the rollout converts every step
+    with `EnvStep.of`, which ends a trajectory that breaks it with ENV_ERROR. Raises EnvCheckError
+    listing the failures."""
+    first, failed = _call("reset", env.reset, seed=0, options={"task": task})
+    checks = [failed] if failed is not None else []
+    if failed is None:
+        try:
+            obs = reset_messages(first)
+            again, failed = _call("reset", env.reset, seed=0, options={"task": task})
+            same = failed is None and isinstance(again, tuple) and again[0] == obs
+            checks.append(failed or EnvCheck(
+                "reset is a function of (task, seed)", same or env.stochastic,
+                "" if same else "two resets with seed=0 gave different messages; seed all "
+                "randomness from reset's seed, or set stochastic = True"))
+        except ValueError as e:
+            checks.append(EnvCheck("reset", False, str(e)))
+        checks += _check_schemas(env)
+    if bad := [c for c in checks if not c.ok]:
+        raise EnvCheckError(f"{type(env).__name__} breaks the Env contract:\n- "
+                            + "\n- ".join(f"{c.name}: {c.detail}" for c in bad))
+
+
 def check_env(env: Env, task: Task | None = None) -> None:
     """Validate an environment: Gymnasium's `check_env` plus the message and tool contract.
 

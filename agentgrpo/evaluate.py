@@ -216,6 +216,7 @@ def run_eval(cfg: RunConfig, *, engine: Engine | None = None) -> tuple[Path, Eva
 
     from transformers import AutoConfig, AutoTokenizer
 
+    from agentgrpo.env_check import check_env_at_start
     from agentgrpo.log import RunLogger
     from agentgrpo.models import default_model_path
     from agentgrpo.template_audit import require_token_safe
@@ -233,6 +234,7 @@ def run_eval(cfg: RunConfig, *, engine: Engine | None = None) -> tuple[Path, Eva
         from agentgrpo.config import ConfigError
 
         raise ConfigError(f"{cfg.env.name} has no tasks in split {cfg.eval.split!r} (eval.split)")
+    check_env_at_start(make_env(), tasks[0])
     report = require_token_safe(chat, make_env(), tasks[0], seed=cfg.seed)
     ckpt, step, policy = resolve_policy(cfg, base)
     if policy is None and cfg.engine.kind == "sglang":

@@ -19,16 +19,16 @@ import numpy as np
 import torch
 from transformers import AutoTokenizer
 
-from agentgrpo import checkpoint
+from agentgrpo import checkpoint, models
 from agentgrpo.advantage import compute_advantages
 from agentgrpo.chat import ChatFormat
 from agentgrpo.config import ConfigError, RunConfig, dump_config
 from agentgrpo.engine.base import Engine, close_all, wait_ready
 from agentgrpo.env import Env
+from agentgrpo.env_check import check_env_at_start
 from agentgrpo.evaluate import evaluate
 from agentgrpo.learner import Learner
 from agentgrpo.log import Progress, RunLogger, set_aside_after
-from agentgrpo.models import default_model_path, load_policy
 from agentgrpo.overlap import memory_lent, train_while_collecting
 from agentgrpo.report import write_report
 from agentgrpo.rollout import collect, rollout_metrics
@@ -313,13 +313,13 @@ def start_run(cfg: RunConfig) -> Run:
     if cfg.eval.every and not eval_tasks:  # it would log NaN eval metrics every eval.every steps
         raise ConfigError(f"eval.every={cfg.eval.every} but {cfg.env.name} has no tasks in split "
                           f"{cfg.eval.split!r} (eval.split); set eval.every: 0 or another split")
-    model_path = Path(cfg.model.path) if cfg.model.path else default_model_path()
+    model_path = Path(cfg.model.path) if cfg.model.path else models.default_model_path()
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     template = Path(cfg.model.chat_template).read_text() if cfg.model.chat_template else None
     chat = ChatFormat(tokenizer, template=template, parser=cfg.model.tool_parser,
                       fallback=cfg.rollout.template_fallback,
                       template_kwargs=cfg.rollout.chat_template_kwargs)
-    model = load_policy(model_path)  # FSDP with RAM-efficient loading: weights on rank 0 only
+    model = models.load_policy(model_path)  # FSDP with RAM-efficient loading: weights on rank 0 only
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else chat.end_of_turn_id
     learner = Learner(model, cfg.learner, cfg.loss, temperature=cfg.rollout.temperature,
                       pad_id=pad_id, total_steps=cfg.train.steps)
@@ -365,6 +365,7 @@ def start_main_rank(run: Run, model_path: Path, tokenizer: Any, eval_tasks: list
     if (world := run.learner.accelerator.num_processes) > 1:
         print(f"processes: {world} ({run.learner.accelerator.distributed_type.value}); rank 0 rolls "
               "out, every rank trains", flush=True)
+    check_env_at_start(run.make_env(), run.stream.tasks[0])
     # Refuse a template that would make the learner see tokens the model never saw.
     mode = require_token_safe(run.chat, run.make_env(), run.stream.tasks[0], seed=cfg.seed).mode
     print(f"chat template: {run.chat.template_source}, token mode: {mode}", flush=True)
