@@ -46,7 +46,7 @@ import secrets
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -61,15 +61,35 @@ from agentgrpo.tool import stuck_user_calls
 from agentgrpo.types import EnvStep, Group, Message, StopReason, Task, ToolErrorKind, Trajectory
 
 
-class RolloutConfig(BaseModel):
-    """How trajectories are sampled, bounded and timed."""
+class EpisodeLimits(BaseModel):
+    """What bounds one episode: turns, tokens, tool calls and time (None = no limit). The
+    rollout's part of `RolloutConfig`, which extends it with how a step samples."""
 
     model_config = ConfigDict(extra="forbid")
 
-    group_size: int = Field(8, ge=1, description="trajectories per task (G)")
-    tasks_per_step: int = Field(4, ge=1, description="tasks (groups) per optimizer step")
     max_turns: int = Field(4, ge=1, description="assistant turns per episode")
     max_tokens: int = Field(512, ge=1, description="tokens after the prompt per trajectory (sampled + env)")
+    turn_timeout_s: float | None = Field(
+        None, gt=0, description="deadline of one turn, generation + env step; ends the episode with TIMEOUT (None = none)")
+    episode_timeout_s: float | None = Field(
+        None, gt=0, description="deadline of one episode; ends it with TIMEOUT (None = none)")
+    tool_timeout_s: float | None = Field(
+        None, gt=0, description="deadline of one tool call, answered with an error message (None = the env's tool_timeout_s)")
+    max_tool_calls_per_turn: int | None = Field(
+        None, ge=1, description="tool calls run per turn, extra ones answered with an error (None = the env's own limit)")
+    max_tool_output_tokens: int | None = Field(
+        None, ge=1, description="tool message content cut to this many tokens plus truncation_marker (None = no cut)")
+    truncation_marker: str = Field(
+        TRUNCATION_MARKER, description="appended to cut tool output; {omitted} becomes the number of tokens dropped "
+        "(other braces stay as written)")
+    tool_error_penalty: float = Field(0.0, ge=0.0, description="subtracted from the reward per malformed or failed tool call")
+
+
+class RolloutConfig(EpisodeLimits):
+    """How trajectories are sampled, bounded and timed (the episode's bounds: `EpisodeLimits`)."""
+
+    group_size: int = Field(8, ge=1, description="trajectories per task (G)")
+    tasks_per_step: int = Field(4, ge=1, description="tasks (groups) per optimizer step")
     max_new_tokens: int = Field(128, ge=1, description="tokens sampled per assistant turn")
     temperature: float = Field(1.0, ge=0.0, description="sampling temperature (the learner uses the same)")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling; rollout logprobs stay the full "
@@ -79,21 +99,9 @@ class RolloutConfig(BaseModel):
         None, ge=1, description="episodes in flight at once in a step (None = all of them); each holds an env")
     max_concurrent_requests: int | None = Field(
         None, ge=1, description="engine requests in flight at once (None = unbounded; the engine queues)")
-    tool_timeout_s: float | None = Field(
-        None, gt=0, description="deadline of one tool call, answered with an error message (None = the env's tool_timeout_s)")
-    turn_timeout_s: float | None = Field(
-        None, gt=0, description="deadline of one turn, generation + env step; ends the episode with TIMEOUT (None = none)")
     episode_timeout_s: float = Field(600.0, gt=0, description="deadline of one episode; ends it with TIMEOUT")
     step_timeout_s: float | None = Field(
         None, gt=0, description="deadline of a step's whole collection; unfinished episodes end with TIMEOUT (None = none)")
-    max_tool_calls_per_turn: int | None = Field(
-        None, ge=1, description="tool calls run per turn, extra ones answered with an error (None = the env's own limit)")
-    max_tool_output_tokens: int | None = Field(
-        None, ge=1, description="tool message content cut to this many tokens plus truncation_marker (None = no cut)")
-    truncation_marker: str = Field(
-        TRUNCATION_MARKER, description="appended to cut tool output; {omitted} becomes the number of tokens dropped "
-        "(other braces stay as written)")
-    tool_error_penalty: float = Field(0.0, ge=0.0, description="subtracted from the reward per malformed or failed tool call")
     template_fallback: Literal["none", "keep_history"] = Field(
         "none", description="what to do when the chat template rewrites earlier turns: none = refuse, "
         "keep_history = continue the tokens the model saw (see agentgrpo check-template)")
@@ -103,29 +111,6 @@ class RolloutConfig(BaseModel):
     def sampling_params(self) -> SamplingParams:
         return SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature,
                               top_p=self.top_p, top_k=self.top_k)
-
-    def limits(self) -> EpisodeLimits:
-        return EpisodeLimits(
-            max_turns=self.max_turns, max_tokens=self.max_tokens, turn_timeout_s=self.turn_timeout_s,
-            episode_timeout_s=self.episode_timeout_s, tool_timeout_s=self.tool_timeout_s,
-            max_tool_calls_per_turn=self.max_tool_calls_per_turn,
-            max_tool_output_tokens=self.max_tool_output_tokens, truncation_marker=self.truncation_marker,
-            tool_error_penalty=self.tool_error_penalty)
-
-
-@dataclass(frozen=True)
-class EpisodeLimits:
-    """The per-episode part of RolloutConfig (see its field descriptions); None = no limit."""
-
-    max_turns: int = 4
-    max_tokens: int = 512
-    turn_timeout_s: float | None = None
-    episode_timeout_s: float | None = None
-    tool_timeout_s: float | None = None
-    max_tool_calls_per_turn: int | None = None
-    max_tool_output_tokens: int | None = None
-    truncation_marker: str = TRUNCATION_MARKER
-    tool_error_penalty: float = 0.0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -418,7 +403,7 @@ async def _run_new_env(env_factory: Callable[[], Env], engine: Engine, chat: Cha
     except Exception as e:  # noqa: BLE001 - the env's constructor is user code
         return _empty_trajectory(task, StopReason.ENV_ERROR, f"creating the env raised {type(e).__name__}: {e}"), None
     if rubric is not None:  # the tool-error penalty applies to the rubric's reward instead
-        limits = replace(limits, tool_error_penalty=0.0)
+        limits = limits.model_copy(update={"tool_error_penalty": 0.0})
     traj = await run_episode(env, engine, chat, task, params, limits=limits, **kwargs)
     if rubric is not None and not traj.stop_reason.is_infra_error:
         traj.env_reward, traj.reward = traj.reward, math.nan
@@ -479,12 +464,12 @@ async def run_group(env_factory: Callable[[], Env], engine: Engine, chat: ChatFo
     trajs = list(await asyncio.gather(*(one(i) for i in range(group_size))))
     rubric = next((r for r in rubrics if r is not None), None)
     if rubric is not None:
-        ruled = [t for t, r in zip(trajs, rubrics, strict=True) if r is not None]
-        if scorable := [t for t in ruled if not t.stop_reason.is_infra_error]:
+        by_rubric = [t for t, r in zip(trajs, rubrics, strict=True) if r is not None]
+        if scorable := [t for t in by_rubric if not t.stop_reason.is_infra_error]:
             await score_group(rubric, scorable, task, tool_error_penalty=limits.tool_error_penalty,
                               deadline=deadline)
         if on_done is not None:
-            for t in ruled:
+            for t in by_rubric:
                 on_done(t)
     return Group(group_id=gid, task=task, trajectories=trajs)
 
@@ -501,12 +486,11 @@ async def collect(env_factory: Callable[[], Env], engine: Engine, chat: ChatForm
     slots = None if cfg.max_concurrent_trajectories is None else asyncio.Semaphore(cfg.max_concurrent_trajectories)
     if cfg.max_concurrent_requests is not None:
         engine = BoundedEngine(engine, cfg.max_concurrent_requests)
-    limits = cfg.limits()
 
     async def group(i: int, task: Task) -> Group:
         return await run_group(env_factory, engine, chat, task, cfg.group_size,
                                replace(params, seed=params.seed + i * cfg.group_size),
-                               seed=seed + i, group_id=f"{seed}:{i}:{task.id}", limits=limits,
+                               seed=seed + i, group_id=f"{seed}:{i}:{task.id}", limits=cfg,
                                context_len=context_len, deadline=deadline, slots=slots, on_done=on_done)
 
     return list(await asyncio.gather(*(group(i, t) for i, t in enumerate(tasks))))

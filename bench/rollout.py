@@ -180,7 +180,7 @@ async def run_lockstep(engine: SimEngine, chat: ChatFormat, tasks: list[Task], c
         barrier = Barrier(engine, len(wave) * cfg.group_size)
         groups += await asyncio.gather(*(
             run_group(WaitEnv, barrier, chat, t, cfg.group_size, replace(params, seed=i * cfg.group_size),
-                      seed=i, limits=cfg.limits(), on_done=barrier.leave) for i, t in wave))
+                      seed=i, limits=cfg, on_done=barrier.leave) for i, t in wave))
     return groups
 
 
