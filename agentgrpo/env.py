@@ -376,6 +376,19 @@ async def call_env(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     return await result if inspect.isawaitable(result) else result
 
 
+async def close_env(env: Env, timeout_s: float = 30.0) -> str | None:
+    """Close an episode's env (its sync or async `close`), bounded by `timeout_s`; returns the
+    problem as text when `close` raised or hung, else None. It runs in a finally block, so it is
+    shielded from a cancellation of the episode: the env's resources go even then."""
+    try:
+        await asyncio.shield(asyncio.wait_for(call_env(env.close), timeout_s))
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:  # noqa: BLE001 - env code is user code: its failure is reported
+        return f"close raised {type(e).__name__}: {e}"
+    return None
+
+
 def env_rubric(env: Env) -> Rubric | None:
     """The env's rubric, checked (a property may return anything)."""
     rubric = env.rubric

@@ -54,7 +54,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from agentgrpo.chat import TRUNCATION_MARKER, ChatFormat, TemplateError
 from agentgrpo.deadlines import DeadlineExpired, Deadlines
 from agentgrpo.engine.base import Completion, Engine, SamplingParams
-from agentgrpo.env import Env, ToolEnv, call_env, env_rubric, reset_messages
+from agentgrpo.env import Env, ToolEnv, call_env, close_env, env_rubric, reset_messages
 from agentgrpo.parsers import ParsedTurn
 from agentgrpo.reward import Rubric, score_group
 from agentgrpo.tool import stuck_user_calls
@@ -396,18 +396,32 @@ async def _run_new_env(env_factory: Callable[[], Env], engine: Engine, chat: Cha
                        params: SamplingParams, limits: EpisodeLimits,
                        **kwargs: Any) -> tuple[Trajectory, Rubric | None]:
     """One episode on a new env, and the env's rubric. With a rubric the reward waits for the
-    group (NaN until `score_group`), and the env's own, without penalty, goes to `env_reward`."""
+    group (NaN until `score_group`), and the env's own, without penalty, goes to `env_reward`.
+
+    The env is closed once the episode has ended, whatever ended it (cancellation included). A
+    `close` that fails is noted in `stop_detail`; the episode's outcome stands.
+    """
     try:
         env = env_factory()
-        rubric = env_rubric(env)
     except Exception as e:  # noqa: BLE001 - the env's constructor is user code
         return _empty_trajectory(task, StopReason.ENV_ERROR, f"creating the env raised {type(e).__name__}: {e}"), None
-    if rubric is not None:  # the tool-error penalty applies to the rubric's reward instead
-        limits = limits.model_copy(update={"tool_error_penalty": 0.0})
-    traj = await run_episode(env, engine, chat, task, params, limits=limits, **kwargs)
-    if rubric is not None and not traj.stop_reason.is_infra_error:
-        traj.env_reward, traj.reward = traj.reward, math.nan
-    return traj, rubric
+    traj = None
+    try:
+        try:
+            rubric = env_rubric(env)
+        except Exception as e:  # noqa: BLE001 - a rubric property is user code
+            traj = _empty_trajectory(task, StopReason.ENV_ERROR, f"the env's rubric: {type(e).__name__}: {e}")
+            return traj, None
+        if rubric is not None:  # the tool-error penalty applies to the rubric's reward instead
+            limits = limits.model_copy(update={"tool_error_penalty": 0.0})
+        traj = await run_episode(env, engine, chat, task, params, limits=limits, **kwargs)
+        if rubric is not None and not traj.stop_reason.is_infra_error:
+            traj.env_reward, traj.reward = traj.reward, math.nan
+        return traj, rubric
+    finally:
+        problem = await close_env(env)
+        if problem and traj is not None:
+            traj.stop_detail = "; ".join(x for x in (traj.stop_detail, problem) if x)
 
 
 async def _acquire(slots: asyncio.Semaphore, deadline: float | None) -> bool:

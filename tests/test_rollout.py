@@ -21,7 +21,7 @@ from agentgrpo.rollout import (
     run_group,
 )
 from envs.calculator import CalculatorEnv
-from tests.fakes import ScriptedEngine
+from tests.fakes import FailingEngine, ScriptedEngine
 
 
 class Calc(CalculatorEnv):
@@ -658,3 +658,83 @@ def test_a_parser_that_raises_leaves_one_episode_unscorable_not_the_step_dead(ch
     traj, _ = run(chat, [CALL])
     assert traj.stop_reason == StopReason.ENV_ERROR and math.isnan(traj.reward)
     assert "the tool-call parser raised KeyError" in traj.stop_detail
+
+
+# ---------------------------------------------------------------------------------------------
+# Every episode's env is closed, once, whatever ended it
+
+
+class Closing(Calc):
+    """Records its closes; `mode` picks how its step behaves."""
+
+    closed: list[int] = []
+    mode = "answer"
+
+    def step(self, action):
+        if self.mode == "raise":
+            raise RuntimeError("env bug")
+        if self.mode == "parse_error":
+            return EnvStep([], 0.0, True, False, stop_reason=StopReason.PARSE_ERROR)
+        return super().step(action)
+
+    def close(self):
+        Closing.closed.append(id(self))
+
+
+class AsyncClosing(Closing):
+    async def close(self):
+        await asyncio.sleep(0)
+        Closing.closed.append(id(self))
+
+
+@pytest.mark.parametrize("env_cls", [Closing, AsyncClosing])
+@pytest.mark.parametrize("case, reason", [
+    ("answer", StopReason.COMPLETED), ("max_turns", StopReason.MAX_TURNS),
+    ("max_tokens", StopReason.MAX_TOKENS), ("raise", StopReason.ENV_ERROR),
+    ("parse_error", StopReason.PARSE_ERROR), ("engine", StopReason.ENGINE_ERROR),
+    ("timeout", StopReason.TIMEOUT),
+])
+def test_every_episode_closes_its_env_once(chat, env_cls, case, reason):
+    script = {"max_turns": [CALL], "max_tokens": ["word " * 90]}.get(case, ["The answer is 111."])
+    engine_cls = FailingEngine if case == "engine" else ScriptedEngine
+    engine = engine_cls(chat.tokenizer, script, chat.end_of_turn_id, delay_s=0.5 if case == "timeout" else 0.0)
+    limits = EpisodeLimits(max_turns=1, turn_timeout_s=0.1 if case == "timeout" else None)
+    made: list[int] = []
+
+    def factory():
+        env = env_cls()
+        env.mode = case
+        made.append(id(env))
+        return env
+
+    Closing.closed = []
+    group = asyncio.run(run_group(factory, engine, chat, TASK, 3, SamplingParams(max_new_tokens=64),
+                                  seed=0, limits=limits))
+    assert [t.stop_reason for t in group.trajectories] == [reason] * 3
+    assert sorted(Closing.closed) == sorted(made) and len(made) == 3  # each env once
+
+
+def test_a_cancelled_episode_still_closes_its_env(chat):
+    engine = ScriptedEngine(chat.tokenizer, ["The answer is 111."], chat.end_of_turn_id, delay_s=5.0)
+    Closing.closed = []
+
+    async def main():
+        task = asyncio.ensure_future(run_group(Closing, engine, chat, TASK, 2, SamplingParams(), seed=0))
+        await asyncio.sleep(0.2)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    assert len(Closing.closed) == 2
+
+
+def test_a_close_that_fails_is_noted_and_the_outcome_stands(chat):
+    class BadClose(Calc):
+        def close(self):
+            raise OSError("socket already gone")
+
+    traj = asyncio.run(run_group(BadClose, ScriptedEngine(chat.tokenizer, ["The answer is 111."], chat.end_of_turn_id),
+                                 chat, TASK, 1, SamplingParams(), seed=0)).trajectories[0]
+    assert traj.stop_reason == StopReason.COMPLETED and traj.reward == 1.0
+    assert "close raised OSError: socket already gone" in traj.stop_detail
