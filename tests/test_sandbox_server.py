@@ -127,6 +127,82 @@ def test_bad_requests(open_server):
     assert httpx.post(open_server + "/run", json=big).status_code == 413
 
 
+MALFORMED = [  # (body, the field its 400 must name): each once dropped the connection (issue 33)
+    ({"code": "1", "files": ["a.txt"]}, "'files'"),
+    ({"code": "1", "files": "a.txt"}, "'files'"),
+    ({"code": "1", "files": {"a.txt": 5}}, "'files['a.txt']'"),
+    ({"code": "1", "files_b64": ["eA=="]}, "'files_b64'"),
+    ({"code": "1", "files_b64": "eA=="}, "'files_b64'"),
+    ({"code": "1", "files_b64": {"a": 5}}, "'files_b64['a']'"),
+    ({"code": "1", "limits": "fast"}, "'limits'"),
+    ({"code": "1", "limits": [1]}, "'limits'"),
+    ({"code": "1", "limits": {"wall_s": "soon"}}, "'limits.wall_s'"),
+    ({"code": "1", "stdin": ["x"]}, "'stdin'"),
+    ({"code": "1", "stdin_b64": 5}, "'stdin_b64'"),
+]
+MALFORMED_RUN_CODE = [
+    ({"code": "1", "run_timeout": [1]}, "'run_timeout'"),
+    ({"code": "1", "run_timeout": {"s": 1}}, "'run_timeout'"),
+    ({"code": "1", "memory_limit_MB": "lots"}, "'memory_limit_MB'"),
+    ({"code": "1", "files": ["a"]}, "'files'"),
+    ({"code": "1", "files": "a"}, "'files'"),
+]
+
+
+def _raw_post(url: str, head: bytes, body: bytes) -> bytes:
+    """One request over a plain socket (httpx would not send a malformed header), its response."""
+    import socket
+
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(head + body)
+        s.shutdown(socket.SHUT_WR) if not body else None
+        return s.recv(65536)
+
+
+def test_malformed_request_shapes_each_get_a_400_naming_the_field(open_server):
+    for path, cases in (("/run", MALFORMED), ("/run_code", MALFORMED_RUN_CODE)):
+        for body, field in cases:
+            r = httpx.post(open_server + path, json=body, timeout=10)
+            assert r.status_code == 400 and field in r.json()["error"], (path, body, r.text)
+    deep = b"[" * 5000 + b"]" * 5000  # json recurses per level: RecursionError, not a 400, before
+    r = httpx.post(open_server + "/run", content=deep, timeout=10)
+    assert r.status_code == 400 and "nested too deeply" in r.json()["error"]
+    # '\u00b2' (superscript two) is a digit to str.isdigit() and not to int()
+    head = "POST /run HTTP/1.1\r\nHost: x\r\nContent-Length: \u00b2\r\n\r\n".encode()
+    assert _raw_post(open_server, head, b"").startswith(b"HTTP/1.1 411")
+    assert httpx.get(open_server + "/health").status_code == 200  # still serving
+
+
+@pytest.fixture(scope="module")
+def small_server():
+    url, server, sb = _serve(["--max-wall-s", "3", "--max-memory-mb", "512", "--max-processes", "32",
+                              "--max-disk-mb", "8", "--max-open-files", "64"])
+    yield url
+    server.shutdown()
+    server.server_close()
+    sb.close()
+
+
+def test_every_limit_is_clamped_even_above_the_hard_maximum(small_server):
+    """processes, disk_mb and open_files are clamped to the server's maxima like wall time and
+    memory; a request above `Limits`' own hard maximum is clamped too, not refused (issue 33)."""
+    code = ("import resource as r\n"
+            "print(*(r.getrlimit(x)[0] for x in (r.RLIMIT_NPROC, r.RLIMIT_FSIZE, r.RLIMIT_NOFILE)))")
+    asked = {"processes": 4096, "disk_mb": 1 << 20, "open_files": 65536, "wall_s": 1e6,
+             "memory_mb": 1 << 30, "output_bytes": 1 << 40}  # all but processes over Limits' bound
+    r = httpx.post(small_server + "/run", json={"code": code, "limits": asked}, timeout=30)
+    assert r.status_code == 200, r.text
+    assert r.json()["stdout"].split() == ["32", str(8 << 20), "64"]
+    r = httpx.post(small_server + "/run_code", json={"code": "print(1)", "run_timeout": 1e9,
+                                                     "memory_limit_MB": 1e12}, timeout=30)
+    assert r.status_code == 200 and r.json()["status"] == "Success", r.text
+    assert httpx.post(small_server + "/run", json={"code": "1", "limits": {"processes": 0}}
+                      ).status_code == 400  # below the minimum is nonsense, not clamped
+    with pytest.raises(SystemExit, match="server maximum processes"):
+        sandbox_server.make_server(["--port", "0", "--max-processes", "100000"])
+
+
 def test_queue_full_gives_429(open_server):
     # --max-queue 1: while one slow job runs, a second request is turned away with Retry-After
     slow = threading.Thread(

@@ -56,7 +56,12 @@ TOKEN_ENV = "AGENTGRPO_SANDBOX_TOKEN"
 
 
 class ServerLimits:
-    """The most a request may ask for; requests asking for more are clamped, not refused."""
+    """The most a request may ask for; requests asking for more are clamped, not refused.
+
+    Every resource a job has is clamped (wall time, memory, processes, /tmp size, open files,
+    output), and a request above `Limits`' own hard maximum is clamped too (it is a number over
+    the server's maximum like any other). Only nonsense (a negative time, a string) is a 400.
+    """
 
     def __init__(
         self,
@@ -65,53 +70,103 @@ class ServerLimits:
         max_wall_s: float,
         max_memory_mb: int,
         max_output_bytes: int,
+        max_processes: int = 256,
+        max_disk_mb: int = 1024,
+        max_open_files: int = 1024,
     ) -> None:
         self.max_body_bytes, self.max_queue = max_body_bytes, max_queue
-        self.max_wall_s, self.max_memory_mb, self.max_output_bytes = (
-            max_wall_s,
-            max_memory_mb,
-            max_output_bytes,
-        )
+        try:  # the maxima must themselves be limits a job may have
+            self.maxima = Limits(
+                wall_s=max_wall_s,
+                memory_mb=max_memory_mb,
+                output_bytes=max_output_bytes,
+                processes=max_processes,
+                disk_mb=max_disk_mb,
+                open_files=max_open_files,
+            ).model_dump()
+        except ValidationError as e:
+            err = e.errors()[0]
+            raise ValueError(f"server maximum {err['loc'][0]}: {err['msg']}") from None
 
-    def clamp(self, limits: Limits) -> Limits:
-        return limits.model_copy(
-            update={
-                "wall_s": min(limits.wall_s, self.max_wall_s),
-                "memory_mb": min(limits.memory_mb, self.max_memory_mb),
-                "output_bytes": min(limits.output_bytes, self.max_output_bytes),
-            }
-        )
+    def limits(self, raw: object, field: str = "limits") -> Limits:
+        """`raw` (a request's JSON) as Limits, each number above the server's maximum lowered to
+        it; BadRequest naming the field for anything else that is not a valid limit."""
+        if raw is None:
+            raw = {}
+        if not isinstance(raw, dict):
+            raise BadRequest(f"'{field}' must be a JSON object, not {_json_type(raw)}")
+        clamped = {
+            k: self.maxima[k] if k in self.maxima and _number(v) and v > self.maxima[k] else v
+            for k, v in raw.items()
+        }
+        try:
+            return Limits(**clamped)
+        except ValidationError as e:
+            err = e.errors()[0]
+            where = ".".join(str(x) for x in err["loc"])
+            raise BadRequest(f"'{field}.{where}': {err['msg']}") from None
 
 
 class BadRequest(Exception):
     """A malformed request (400); the message goes back to the client."""
 
 
-def _b64(s: str, what: str) -> bytes:
+def _json_type(value: object) -> str:
+    names = {dict: "an object", list: "a list", str: "a string", bool: "a boolean"}
+    names |= {int: "a number", float: "a number", type(None): "null"}
+    return names.get(type(value), type(value).__name__)
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _text(body: dict, field: str) -> str | None:
+    value = body.get(field)
+    if value is not None and not isinstance(value, str):
+        raise BadRequest(f"'{field}' must be a string, not {_json_type(value)}")
+    return value
+
+
+def _b64(s: object, what: str) -> bytes:
+    if not isinstance(s, str):
+        raise BadRequest(f"'{what}' must be a base64 string, not {_json_type(s)}")
     try:
         return base64.b64decode(s, validate=True)
-    except (binascii.Error, ValueError, TypeError):
-        raise BadRequest(f"{what} is not valid base64") from None
+    except (binascii.Error, ValueError):
+        raise BadRequest(f"'{what}' is not valid base64") from None
+
+
+def _files(body: dict, field: str, *, b64: bool) -> dict[str, bytes]:
+    """The {name: content} object `body[field]` (text, or base64 when `b64`); {} when absent."""
+    value = body.get(field)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        got = _json_type(value)
+        raise BadRequest(f"'{field}' must be a JSON object {{name: content}}, not {got}")
+    files = {}
+    for name, content in value.items():
+        if b64:
+            files[name] = _b64(content, f"{field}[{name!r}]")
+        elif isinstance(content, str):
+            files[name] = content.encode()
+        else:
+            raise BadRequest(f"'{field}[{name!r}]' must be a string, not {_json_type(content)}")
+    return files
 
 
 def parse_run(body: dict, srv: ServerLimits) -> tuple[str, bytes, dict[str, bytes], Limits]:
     """Validate a /run body into arguments of `Sandbox.run`."""
     if not isinstance(body.get("code"), str):
         raise BadRequest("'code' (a string) is required")
-    stdin = (
-        _b64(body["stdin_b64"], "stdin_b64")
-        if "stdin_b64" in body
-        else str(body.get("stdin") or "").encode()
-    )
-    files = {k: str(v).encode() for k, v in (body.get("files") or {}).items()}
-    files.update(
-        {k: _b64(v, f"files_b64[{k!r}]") for k, v in (body.get("files_b64") or {}).items()}
-    )
-    try:
-        limits = Limits(**(body.get("limits") or {}))
-    except ValidationError as e:
-        raise BadRequest(f"bad limits: {e.errors()[0]['loc']}: {e.errors()[0]['msg']}") from None
-    return body["code"], stdin, files, srv.clamp(limits)
+    if "stdin_b64" in body:
+        stdin = _b64(body["stdin_b64"], "stdin_b64")
+    else:
+        stdin = (_text(body, "stdin") or "").encode()
+    files = _files(body, "files", b64=False)
+    files.update(_files(body, "files_b64", b64=True))
+    return body["code"], stdin, files, srv.limits(body.get("limits"))
 
 
 def parse_run_code(body: dict, srv: ServerLimits) -> tuple[str, bytes, dict[str, bytes], Limits]:
@@ -121,18 +176,18 @@ def parse_run_code(body: dict, srv: ServerLimits) -> tuple[str, bytes, dict[str,
         raise BadRequest(f"language {lang!r} is not supported here (python only)")
     if not isinstance(body.get("code"), str):
         raise BadRequest("'code' (a string) is required")
-    mem = body.get("memory_limit_MB", -1)
-    lim = {"wall_s": float(body.get("run_timeout", 10) or 10)}
-    if isinstance(mem, (int, float)) and mem > 0:
-        lim["memory_mb"] = int(mem)
-    try:
-        limits = Limits(**lim)
-    except ValidationError as e:
-        raise BadRequest(f"bad limits: {e.errors()[0]['msg']}") from None
-    files = {
-        k: _b64(v, f"files[{k!r}]") for k, v in (body.get("files") or {}).items() if v is not None
-    }
-    return body["code"], str(body.get("stdin") or "").encode(), files, srv.clamp(limits)
+    timeout, mem = body.get("run_timeout", 10), body.get("memory_limit_MB", -1)
+    for field, value in (("run_timeout", timeout), ("memory_limit_MB", mem)):
+        if value is not None and not _number(value):
+            raise BadRequest(f"'{field}' must be a number, not {_json_type(value)}")
+    lim = {"wall_s": timeout or 10}
+    if mem is not None and mem > 0:
+        lim["memory_mb"] = int(min(mem, srv.maxima["memory_mb"]))
+    files = body.get("files")
+    if isinstance(files, dict):  # SandboxFusion sends null for a file it does not want
+        body = {**body, "files": {k: v for k, v in files.items() if v is not None}}
+    return (body["code"], (_text(body, "stdin") or "").encode(), _files(body, "files", b64=True),
+            srv.limits(lim, "run_timeout/memory_limit_MB"))
 
 
 def to_sandboxfusion(res) -> dict:
@@ -219,7 +274,7 @@ def make_handler(sb: Sandbox, token: str | None, srv: ServerLimits) -> type[Base
             if parser is None:
                 return self._send(404, {"error": f"no such endpoint {self.path}"})
             length = self.headers.get("Content-Length")
-            if length is None or not length.isdigit():
+            if length is None or not (length.isascii() and length.isdigit()):  # not '²' (isdigit)
                 self.close_connection = True
                 return self._send(411, {"error": "Content-Length required"})
             if int(length) > srv.max_body_bytes:
@@ -233,6 +288,8 @@ def make_handler(sb: Sandbox, token: str | None, srv: ServerLimits) -> type[Base
                 code, stdin, files, limits = parser(body, srv)
             except (ValueError, BadRequest) as e:  # untrusted input: report, never crash
                 return self._send(400, {"error": str(e)})
+            except RecursionError:  # json's parser recurses once per level of nesting
+                return self._send(400, {"error": "body: JSON nested too deeply"})
             if not admitted.acquire(blocking=False):
                 return self._send(429, {"error": "sandbox queue full"}, {"Retry-After": "1"})
             try:
@@ -291,6 +348,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-wall-s", type=float, default=60.0)
     p.add_argument("--max-memory-mb", type=int, default=4096)
     p.add_argument("--max-output-bytes", type=int, default=8 << 20)
+    p.add_argument("--max-processes", type=int, default=256)
+    p.add_argument("--max-disk-mb", type=int, default=1024)
+    p.add_argument("--max-open-files", type=int, default=1024)
     return p
 
 
@@ -303,13 +363,19 @@ def make_server(argv: list[str] | None = None) -> tuple[ThreadingHTTPServer, San
             f"serve-sandbox: refusing to bind {args.host} without a token: anyone who can reach it could run "
             f"code here. Set {TOKEN_ENV} or pass --token-file."
         )
-    srv = ServerLimits(
-        int(args.max_body_mb * (1 << 20)),
-        args.max_queue,
-        args.max_wall_s,
-        args.max_memory_mb,
-        args.max_output_bytes,
-    )
+    try:
+        srv = ServerLimits(
+            int(args.max_body_mb * (1 << 20)),
+            args.max_queue,
+            args.max_wall_s,
+            args.max_memory_mb,
+            args.max_output_bytes,
+            args.max_processes,
+            args.max_disk_mb,
+            args.max_open_files,
+        )
+    except ValueError as e:
+        raise SystemExit(f"serve-sandbox: {e}") from None
     sb = Sandbox(backend=args.backend, config=SandboxConfig(slots=args.slots))
     ThreadingHTTPServer.daemon_threads = True
     if ":" in args.host:
