@@ -400,3 +400,86 @@ def test_a_server_with_over_a_thousand_descriptors_open_still_answers():
         server.shutdown()
         server.server_close()
         sb.close()
+
+
+# --- the client trusts no server (issue 33, finding 5) ------------------------------------------
+
+GOOD = {"status": "ok", "exit_code": 0, "signal": None, "stdout": "", "stderr": "",
+        "truncated": False, "wall_s": 0.1, "backend": "namespaces"}
+HOSTILE = {  # what a broken or hostile server answers: (status, headers, body or a callable)
+    "a JSON list": (200, {}, b"[1, 2]"),
+    "an unknown status": (200, {}, {**GOOD, "status": "pwned"}),
+    "a number as stdout": (200, {}, {**GOOD, "stdout": 5}),
+    "a string as exit_code": (200, {}, {**GOOD, "exit_code": "0"}),
+    "NaN as wall_s": (200, {}, b'{"status": "ok", "exit_code": 0, "signal": null, "stdout": "", '
+                               b'"stderr": "", "truncated": false, "wall_s": NaN, "backend": "x"}'),
+    "a missing field": (200, {}, {"status": "ok"}),
+    "not JSON": (200, {}, b"<html>"),
+    "Retry-After: nan": (429, {"Retry-After": "nan"}, b"{}"),
+    "a huge body": (200, {}, b" " * (1 << 20)),
+    "a slow drip": (200, {}, "drip"),
+}
+
+
+@pytest.fixture(scope="module")
+def hostile_server():
+    """An HTTP server answering /run as `HostileHandler.answer` says."""
+    import json
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class HostileHandler(BaseHTTPRequestHandler):
+        answer = HOSTILE["a JSON list"]
+
+        def log_message(self, *args):
+            pass
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            code, headers, body = type(self).answer
+            self.send_response(code)
+            for k, v in headers.items():
+                self.send_header(k, v)
+            if body == "drip":  # one byte every 0.2 s of a long body: each read is quick
+                self.send_header("Content-Length", "100000")
+                self.end_headers()
+                try:
+                    for _ in range(100000):
+                        self.wfile.write(b" ")
+                        self.wfile.flush()
+                        time.sleep(0.2)
+                except OSError:
+                    return
+            data = body if isinstance(body, bytes) else json.dumps(body).encode()
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), HostileHandler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", HostileHandler
+    server.shutdown()
+    server.server_close()
+
+
+def test_every_hostile_answer_is_a_sandbox_error_within_the_calls_bound(hostile_server, monkeypatch):
+    from agentgrpo.verify import _remote_client
+
+    url, handler = hostile_server
+    monkeypatch.setattr(_remote_client, "SERVER_QUEUE_S", 0.0)  # bound: wall_s 1 + margin 0.5
+    sb = Sandbox(url=url, config=SandboxConfig(retries=0, margin_s=0.5, busy_wait_s=0.3))
+    limits = Limits(wall_s=1, output_bytes=1000)
+    try:
+        handler.answer = (200, {}, GOOD)  # the client reads a good answer as it is
+        assert sb.run("1", limits=limits).stdout == "" and sb.run("1").backend == "remote:namespaces"
+        for name, answer in HOSTILE.items():
+            handler.answer = answer
+            for call in (lambda: sb.run("1", limits=limits),
+                         lambda: asyncio.run(sb.arun("1", limits=limits))):
+                start = time.monotonic()
+                res = call()
+                took = time.monotonic() - start
+                assert res.status == "sandbox_error" and res.exit_code is None, (name, res)
+                assert took < 2.5, (name, took)
+    finally:
+        sb.close()
