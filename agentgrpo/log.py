@@ -33,9 +33,16 @@ from agentgrpo.types import Group, Trajectory
 if TYPE_CHECKING:
     from agentgrpo.config import RunConfig
 
-SECRET_WORDS = ("key", "keys", "token", "secret", "secrets", "password", "passwords",
-                "authorization", "auth", "credential", "credentials", "cookie", "cookies")
+SECRET_WORDS = ("key", "keys", "token", "secret", "secrets", "password", "passwords", "passwd",
+                "pass", "authorization", "auth", "bearer", "credential", "credentials", "cookie",
+                "cookies", "signature", "signatures")
 _BEARER = re.compile(r"^\s*(bearer|basic|token)\s+\S", re.IGNORECASE)
+# Values that are credentials whatever their key is called: the prefixes of common API keys
+# (OpenAI/Anthropic `sk-`, Hugging Face `hf_`, GitHub `ghp_`/`github_pat_`, Slack `xox?-`, AWS
+# `AKIA`, W&B's 40 hex digits are too like a hash to tell), followed by enough key characters.
+_KEY_LIKE = re.compile(r"\b(?:sk-|hf_|gh[pousr]_|github_pat_|xox[abprs]-|AKIA)[A-Za-z0-9_\-]{12,}")
+_URL_USERINFO = re.compile(r"(?P<scheme>\b[a-zA-Z][a-zA-Z0-9+.\-]*://)[^/@\s]+@")
+_URL_PARAM = re.compile(r"(?P<name>[?&;][^=&#;\s]+=)(?P<value>[^&#;\s]*)")
 
 
 def _secret_key(key: Any) -> bool:
@@ -55,16 +62,28 @@ def _masked(v: Any) -> Any:
     return v
 
 
+def _masked_text(text: str) -> str:
+    """`text` with API-key-looking values, URL credentials (`user:pass@`) and the values of
+    secret-named URL parameters (`?api_key=...`) replaced by '***'."""
+    if _BEARER.match(text):
+        return "***"
+    text = _KEY_LIKE.sub("***", text)
+    text = _URL_USERINFO.sub(r"\g<scheme>***@", text)
+    return _URL_PARAM.sub(
+        lambda m: m["name"] + "***" if _secret_key(m["name"][1:-1]) and m["value"] else m[0], text)
+
+
 def mask_secrets(obj: Any) -> Any:
-    """Replace the strings under keys that look like secrets (api_key, api_keys, token,
-    Authorization, ...), at any depth below them, and strings that carry an HTTP credential
-    (`Bearer ...`) wherever they are, with '***'."""
+    """Replace the strings under keys that look like secrets (api_key, api_keys, token, passwd,
+    signature, Authorization, ...), at any depth below them, with '***'; elsewhere, strings that
+    carry an HTTP credential (`Bearer ...`) entirely, and the API-key-looking values (`sk-...`),
+    URL credentials (`https://user:pass@host`) and secret URL parameters within strings."""
     if isinstance(obj, dict):
         return {k: (_masked(v) if _secret_key(k) else mask_secrets(v)) for k, v in obj.items()}
     if isinstance(obj, list):
         return [mask_secrets(v) for v in obj]
-    if isinstance(obj, str) and _BEARER.match(obj):
-        return "***"
+    if isinstance(obj, str):
+        return _masked_text(obj)
     return obj
 
 

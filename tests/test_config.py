@@ -45,6 +45,29 @@ def test_secrets_are_masked():
         "judge": {"headers": {"Authorization": "***", "X": "***"}}, "cookie": "***", "max_tokens": 7}
 
 
+def test_secret_masking_catches_what_it_once_missed():
+    """Issue 33: keys named passwd, pass, bearer, signature; API-key-looking values under any
+    name; credentials inside URLs (engine.sglang.urls) were written in clear."""
+    from agentgrpo.log import mask_secrets
+
+    assert mask_secrets({"passwd": "p1", "db_pass": "p2", "bearer": "b", "X-Amz-Signature": "s",
+                         "eval": {"pass_k": [1, 4]}, "learner": {"passes": 2}}) == {
+        "passwd": "***", "db_pass": "***", "bearer": "***", "X-Amz-Signature": "***",
+        "eval": {"pass_k": [1, 4]}, "learner": {"passes": 2}}  # numbers are never secrets
+    assert mask_secrets({"judge_model": "sk-proj-abcdefghijklmnop0123",
+                         "note": "hf_abcdefghijklmnopqrstu", "name": "sk-2",
+                         "tag": "task-abcdefghijklmnopq"}) == {
+        "judge_model": "***", "note": "***", "name": "sk-2", "tag": "task-abcdefghijklmnopq"}
+    assert mask_secrets(["https://user:hunter2@box:8765/run?api_key=zz&n=3&token=",
+                         "http://h:1", "see http://h/a@b"]) == [
+        "https://***@box:8765/run?api_key=***&n=3&token=", "http://h:1", "see http://h/a@b"]
+    cfg = load_config("examples/calculator.yaml", [
+        "engine.kind=sglang", "engine.sglang.urls=[http://admin:hunter2@h:1, http://h:2]",
+        "env.kwargs={note: 'sk-abcdefghijklmnop0123'}"])
+    dumped = dump_config(cfg)
+    assert "hunter2" not in dumped and "sk-abcdef" not in dumped and "http://***@h:1" in dumped
+
+
 def test_local_engine_settings_with_sglang_are_refused_not_ignored():
     sglang = ["engine.kind=sglang", "engine.sglang={urls: [http://h:1]}"]
     for extra in ("engine.max_batch_size=2", "engine.prefix_cache_tokens=0"):
