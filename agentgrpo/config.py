@@ -142,7 +142,8 @@ class TrainLoopConfig(BaseModel):
         "after the last checkpoint (None = off): a SIGKILL or OOM kill loses at most this much work")
     keep_checkpoints: int = Field(
         2, ge=1, description="checkpoints kept after each save: the one just written and the newest ones "
-        "numbered below it (agentgrpo.checkpoint.save)")
+        "numbered below it; and as many of the newest rejected-step-* ones a resume set aside "
+        "(agentgrpo.checkpoint.save)")
     overlap_rollouts: bool = Field(
         False, description="sample step t+1's rollouts while step t trains (one step off-policy: they come "
         "from the weights before step t's update); not across a checkpoint, so resuming stays exact")

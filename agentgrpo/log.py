@@ -169,15 +169,21 @@ class RunLogger:
 def set_aside_after(run_dir: Path, step: int) -> dict[str, int]:
     """Move the rows of steps after `step` out of `metrics.jsonl` and `trajectories.jsonl` into
     `metrics.after-step-<step>.jsonl` / `trajectories.after-step-<step>.jsonl` beside them
-    (appended; nothing is deleted), and return how many rows each file gave up.
+    (nothing is deleted), and return how many rows each file gave up.
 
     A run resumed from the checkpoint of `step` trains the later steps again; their old rows, from
     the timeline the kill cut off, would otherwise stand twice in the logs and the report. A line
     that does not parse (a kill in the middle of a write) goes aside too. Files that lose no row
-    are only read; the others are rewritten through a temporary file and a rename.
+    are only read; the others are rewritten through a temporary file and a rename. Each call's rows
+    are one timeline and get files of their own: a second resume to the same step writes
+    `*.after-step-<step>.2.jsonl`, a third `.3`, ... (`aside_name` says which), never appending
+    one timeline to another's file.
     """
+    n = 1
+    while any(aside_path(run_dir, name, step, n).exists() for name in _LOGS):
+        n += 1
     moved: dict[str, int] = {}
-    for name in ("metrics.jsonl", "trajectories.jsonl"):
+    for name in _LOGS:
         path = run_dir / name
         if not path.is_file():
             continue
@@ -187,7 +193,7 @@ def set_aside_after(run_dir: Path, step: int) -> dict[str, int]:
             continue
         tmp = run_dir / f".{name}.tmp"
         with (open(path, "rb") as src, open(tmp, "wb") as keep,
-              open(run_dir / f"{path.stem}.after-step-{step}.jsonl", "ab") as aside):
+              open(aside_path(run_dir, name, step, n), "xb") as aside):
             for line in src:
                 if line.strip():
                     (keep if _kept(line, step) else aside).write(_ended(line))
@@ -195,6 +201,23 @@ def set_aside_after(run_dir: Path, step: int) -> dict[str, int]:
             os.fsync(keep.fileno())
         os.replace(tmp, path)
     return moved
+
+
+_LOGS = ("metrics.jsonl", "trajectories.jsonl")
+
+
+def aside_path(run_dir: Path, name: str, step: int, n: int = 1) -> Path:
+    """Where the `n`-th timeline set aside after `step` from log `name` goes."""
+    stem, nth = name.removesuffix(".jsonl"), "" if n == 1 else f".{n}"
+    return run_dir / f"{stem}.after-step-{step}{nth}.jsonl"
+
+
+def aside_name(run_dir: Path, name: str, step: int) -> str:
+    """The file name the latest `set_aside_after(run_dir, step)` gave log `name`'s rows."""
+    n = 1
+    while any(aside_path(run_dir, log, step, n + 1).exists() for log in _LOGS):
+        n += 1
+    return aside_path(run_dir, name, step, n).name
 
 
 _STEP_PREFIX = re.compile(rb'\{"step": (\d+)[,}]')  # how RunLogger starts every row

@@ -24,7 +24,7 @@ from agentgrpo.engine.base import Engine, close_all, wait_ready
 from agentgrpo.env import Env
 from agentgrpo.evaluate import evaluate
 from agentgrpo.learner import Learner
-from agentgrpo.log import Progress, RunLogger, set_aside_after
+from agentgrpo.log import Progress, RunLogger, aside_name, set_aside_after
 from agentgrpo.overlap import memory_lent, train_while_collecting
 from agentgrpo.report import write_report
 from agentgrpo.rollout import collect, rollout_metrics
@@ -209,7 +209,7 @@ def train(cfg: RunConfig) -> Path:
         moved = {k: n for k, n in set_aside_after(run_dir, start).items() if n}
         if moved:
             print(f"log rows of steps after {start} set aside: "
-                  + ", ".join(f"{n} of {k} -> {k.replace('.jsonl', '')}.after-step-{start}.jsonl"
+                  + ", ".join(f"{n} of {k} -> {aside_name(run_dir, k, start)}"
                               for k, n in moved.items()), flush=True)
         logger = RunLogger.from_config(run_dir, cfg)
     progress = Progress(cfg.train.steps, start_step=start, enabled=cfg.log.progress and lead,
