@@ -402,6 +402,97 @@ def test_a_server_with_over_a_thousand_descriptors_open_still_answers():
         sb.close()
 
 
+# --- idle, slow and large requests cannot tie the server up (issue 33, findings 2 and 3) --------
+
+
+def test_idle_and_slow_connections_cannot_tie_up_the_server():
+    """300 idle connections and a client dripping its request head a byte at a time: the server
+    keeps at most --max-waiting of them (a thread each), shuts the drip at --head-timeout-s in
+    all (not per byte), and an authorised request made after them answers within a second."""
+    import socket
+
+    url, server, sb = _serve(["--max-waiting", "32", "--head-timeout-s", "2"], env_token=TOKEN)
+    host, port = server.server_address[:2]
+    threads_before = threading.active_count()
+    idle = []
+    stop = threading.Event()
+    dripped = {"closed_after": None}
+
+    def drip():
+        with socket.create_connection((host, port)) as s:
+            start = time.monotonic()
+            try:
+                for byte in b"GET /health HTTP/1.1\r\nHost: x\r\n" + b"X-Pad: " + b"a" * 1000:
+                    if stop.is_set():
+                        return
+                    s.sendall(bytes([byte]))
+                    time.sleep(0.1)
+            except OSError:  # shut by the server
+                dripped["closed_after"] = time.monotonic() - start
+
+    try:
+        dripper = threading.Thread(target=drip, daemon=True)
+        dripper.start()
+        for _ in range(300):
+            idle.append(socket.create_connection((host, port)))
+        time.sleep(0.5)
+        start = time.monotonic()
+        r = httpx.get(url + "/health", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=5)
+        assert r.status_code == 200 and time.monotonic() - start < 1.0
+        assert threading.active_count() - threads_before < 32 + 10  # not one thread per connection
+        dripper.join(timeout=10)
+        assert dripped["closed_after"] is not None and dripped["closed_after"] < 2 + 1.5
+    finally:
+        stop.set()
+        for s in idle:
+            s.close()
+        server.shutdown()
+        server.server_close()
+        sb.close()
+
+
+def test_request_bodies_parsed_at_once_are_bounded(monkeypatch):
+    """One 15 MB JSON body once took 392 MB to parse, three at once 1.5 GB: the bodies being read
+    and parsed at once hold at most --max-parse-mb (default: one body of --max-body-mb); the
+    others wait their turn and are answered."""
+    import json as real_json
+    import types
+
+    inside, most = [0], [0]
+    lock = threading.Lock()
+
+    def loads(raw):
+        with lock:
+            inside[0] += len(raw)
+            most[0] = max(most[0], inside[0])
+        time.sleep(0.3)  # long enough for the other requests to arrive meanwhile
+        try:
+            return real_json.loads(raw)
+        finally:
+            with lock:
+                inside[0] -= len(raw)
+
+    monkeypatch.setattr(sandbox_server, "json", types.SimpleNamespace(loads=loads,
+                                                                      dumps=real_json.dumps))
+    url, server, sb = _serve(["--max-body-mb", "8"])
+    body = {"code": "print(1)", "pad": "x" * (6 << 20)}
+
+    def post(_):
+        return httpx.post(url + "/run", json=body, timeout=60)
+
+    try:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(3) as pool:
+            answers = list(pool.map(post, range(3)))
+        assert [r.status_code for r in answers] == [200] * 3
+        assert 6 << 20 < most[0] <= 8 << 20  # one 6 MB body at a time under 8 MB
+    finally:
+        server.shutdown()
+        server.server_close()
+        sb.close()
+
+
 # --- the client trusts no server (issue 33, finding 5) ------------------------------------------
 
 GOOD = {"status": "ok", "exit_code": 0, "signal": None, "stdout": "", "stderr": "",

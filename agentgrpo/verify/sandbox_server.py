@@ -46,7 +46,9 @@ import signal
 import socket
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -73,8 +75,19 @@ class ServerLimits:
         max_processes: int = 256,
         max_disk_mb: int = 1024,
         max_open_files: int = 1024,
+        *,
+        max_parse_bytes: int | None = None,
+        max_waiting: int = 128,
+        head_timeout_s: float = 10.0,
     ) -> None:
         self.max_body_bytes, self.max_queue = max_body_bytes, max_queue
+        # Bytes of request bodies read and parsed at once (json.loads of a body can take ~25x its
+        # size); by default one body of the largest size, or several smaller ones.
+        self.max_parse_bytes = max_parse_bytes or max_body_bytes
+        if self.max_parse_bytes < max_body_bytes:
+            raise ValueError(
+                f"--max-parse-mb must hold one body of --max-body-mb ({max_body_bytes} bytes)")
+        self.max_waiting, self.head_timeout_s = max_waiting, head_timeout_s
         try:  # the maxima must themselves be limits a job may have
             self.maxima = Limits(
                 wall_s=max_wall_s,
@@ -219,12 +232,107 @@ def to_sandboxfusion(res) -> dict:
     }
 
 
-def make_handler(sb: Sandbox, token: str | None, srv: ServerLimits) -> type[BaseHTTPRequestHandler]:
+class _Gate:
+    """The connections that have not sent a complete request head yet (new ones, and idle
+    keep-alive ones between requests), which are neither authenticated nor doing work: at most
+    `max_waiting` of them, each for at most `head_timeout_s` (a deadline for the whole head, so a
+    client dripping a byte at a time gets no longer). Past either bound the oldest is shut down, so
+    idle or slow connections can neither hold every thread and descriptor nor keep a request that
+    arrives after them from being read."""
+
+    def __init__(self, max_waiting: int, head_timeout_s: float) -> None:
+        self.max_waiting, self.head_timeout_s = max_waiting, head_timeout_s
+        self._since: dict[socket.socket, float] = {}  # insertion order: the oldest first
+        self._lock = threading.Lock()
+
+    def waiting(self, conn: socket.socket) -> None:
+        with self._lock:
+            self._since.pop(conn, None)
+            self._since[conn] = time.monotonic()
+            self._shed()
+
+    def arrived(self, conn: socket.socket) -> None:
+        with self._lock:
+            self._since.pop(conn, None)
+
+    def sweep(self) -> None:
+        with self._lock:
+            self._shed()
+
+    def _shed(self) -> None:
+        now = time.monotonic()
+        while self._since:
+            conn, since = next(iter(self._since.items()))
+            if len(self._since) <= self.max_waiting and now - since < self.head_timeout_s:
+                return
+            del self._since[conn]
+            try:  # its thread, blocked reading the head, reads EOF and ends
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+
+class _ByteBudget:
+    """At most `limit` bytes of request bodies held for parsing at once."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.used = limit, 0
+        self._cond = threading.Condition()
+
+    def acquire(self, n: int, timeout: float) -> bool:
+        with self._cond:
+            if not self._cond.wait_for(lambda: self.used + n <= self.limit, timeout):
+                return False
+            self.used += n
+            return True
+
+    def release(self, n: int) -> None:
+        with self._cond:
+            self.used -= n
+            self._cond.notify_all()
+
+
+class _Server(ThreadingHTTPServer):
+    """`ThreadingHTTPServer` whose waiting connections are bounded (`_Gate`, swept between
+    accepts, at least every 0.5 s) and whose connection errors are one line, not a traceback."""
+
+    daemon_threads = True
+    request_queue_size = 128  # the listen backlog: a burst of connections is accepted, then shed
+
+    def __init__(self, address: tuple, handler: type[BaseHTTPRequestHandler], gate: _Gate,
+                 ipv6: bool) -> None:
+        self.gate = gate
+        self.address_family = socket.AF_INET6 if ipv6 else socket.AF_INET
+        super().__init__(address, handler)
+
+    def service_actions(self) -> None:
+        self.gate.sweep()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        exc = sys.exc_info()[1]
+        if isinstance(exc, OSError):  # a client gone, timed out or shed: not the server's fault
+            sys.stderr.write(f"serve-sandbox: {client_address[0]}: {type(exc).__name__}: {exc}\n")
+        else:
+            super().handle_error(request, client_address)
+
+
+def make_handler(sb: Sandbox, token: str | None, srv: ServerLimits,
+                 gate: _Gate | None = None) -> type[BaseHTTPRequestHandler]:
     admitted = threading.BoundedSemaphore(srv.max_queue)
+    parsing = _ByteBudget(srv.max_parse_bytes)
+    gate = gate or _Gate(srv.max_waiting, srv.head_timeout_s)
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
         server_version = "agentgrpo-sandbox"
+        timeout = srv.head_timeout_s  # each read and write of the socket (the body's included)
+
+        def handle_one_request(self) -> None:
+            gate.waiting(self.connection)  # until its head is read (`do_GET` / `do_POST`)
+            try:
+                super().handle_one_request()
+            finally:
+                gate.arrived(self.connection)
 
         def log_message(self, fmt: str, *args) -> None:  # one line per request, without bodies
             sys.stderr.write(f"serve-sandbox: {self.address_string()} {fmt % args}\n")
@@ -253,14 +361,20 @@ def make_handler(sb: Sandbox, token: str | None, srv: ServerLimits) -> type[Base
         def _hung_up(self) -> bool:
             """The client closed the connection (a trainer's tool call past its deadline): the
             socket reads as EOF. A pipelined next request reads as data, not as a hang-up."""
+            sock = self.connection
+            timeout = sock.gettimeout()
+            sock.settimeout(0.0)  # a socket with a timeout would wait that long for data first
             try:  # not select(): a busy server's descriptors pass FD_SETSIZE
-                return self.connection.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+                return sock.recv(1, socket.MSG_PEEK) == b""
             except BlockingIOError:  # nothing to read: still there
                 return False
             except OSError:  # reset by the peer
                 return True
+            finally:
+                sock.settimeout(timeout)
 
         def do_GET(self) -> None:
+            gate.arrived(self.connection)
             if not self._authorized():
                 return
             if self.path != "/health":
@@ -268,6 +382,7 @@ def make_handler(sb: Sandbox, token: str | None, srv: ServerLimits) -> type[Base
             self._send(200, {"ok": True, **sb.info})
 
         def do_POST(self) -> None:
+            gate.arrived(self.connection)
             if not self._authorized():
                 return
             parser = {"/run": parse_run, "/run_code": parse_run_code}.get(self.path)
@@ -280,16 +395,24 @@ def make_handler(sb: Sandbox, token: str | None, srv: ServerLimits) -> type[Base
             if int(length) > srv.max_body_bytes:
                 self.close_connection = True  # do not read it
                 return self._send(413, {"error": f"body over {srv.max_body_bytes} bytes"})
-            raw = self.rfile.read(int(length))
+            size = int(length)
+            if not parsing.acquire(size, timeout=srv.head_timeout_s):  # bodies parsed at once
+                self.close_connection = True  # its body is not read
+                return self._send(503, {"error": "server busy parsing"}, {"Retry-After": "1"})
             try:
+                raw = self.rfile.read(size)
                 body = json.loads(raw)
+                del raw
                 if not isinstance(body, dict):
                     raise BadRequest("body must be a JSON object")
                 code, stdin, files, limits = parser(body, srv)
+                del body
             except (ValueError, BadRequest) as e:  # untrusted input: report, never crash
                 return self._send(400, {"error": str(e)})
             except RecursionError:  # json's parser recurses once per level of nesting
                 return self._send(400, {"error": "body: JSON nested too deeply"})
+            finally:
+                parsing.release(size)
             if not admitted.acquire(blocking=False):
                 return self._send(429, {"error": "sandbox queue full"}, {"Retry-After": "1"})
             try:
@@ -351,6 +474,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-processes", type=int, default=256)
     p.add_argument("--max-disk-mb", type=int, default=1024)
     p.add_argument("--max-open-files", type=int, default=1024)
+    p.add_argument("--max-parse-mb", type=float, default=None,
+                   help="request bodies read and parsed at once (default: --max-body-mb)")
+    p.add_argument("--max-waiting", type=int, default=128,
+                   help="connections not yet past their request head; the oldest is closed beyond")
+    p.add_argument("--head-timeout-s", type=float, default=10.0,
+                   help="time a connection has to send its request head; and each read and write")
     return p
 
 
@@ -373,15 +502,17 @@ def make_server(argv: list[str] | None = None) -> tuple[ThreadingHTTPServer, San
             args.max_processes,
             args.max_disk_mb,
             args.max_open_files,
+            max_parse_bytes=int(args.max_parse_mb * (1 << 20)) if args.max_parse_mb else None,
+            max_waiting=args.max_waiting,
+            head_timeout_s=args.head_timeout_s,
         )
     except ValueError as e:
         raise SystemExit(f"serve-sandbox: {e}") from None
     sb = Sandbox(backend=args.backend, config=SandboxConfig(slots=args.slots))
-    ThreadingHTTPServer.daemon_threads = True
-    if ":" in args.host:
-        ThreadingHTTPServer.address_family = socket.AF_INET6
+    gate = _Gate(srv.max_waiting, srv.head_timeout_s)
     try:
-        server = ThreadingHTTPServer((args.host, args.port), make_handler(sb, token, srv))
+        server = _Server((args.host, args.port), make_handler(sb, token, srv, gate), gate,
+                         ipv6=":" in args.host)
     except OSError:
         sb.close()
         raise
