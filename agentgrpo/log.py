@@ -5,7 +5,8 @@ A run directory holds `config.yaml` (the effective config, secrets masked), `met
 object per step), `trajectories.jsonl` (one object per trajectory), `tensorboard/` and
 `checkpoints/`. Lines are flushed as they are written so a killed run keeps everything it logged;
 when it resumes, the rows of the steps it trains again go to `*.after-step-<K>.jsonl`
-(`set_aside_after`), so the logs hold each step once.
+(`set_aside_after`; `.2`, `.3`, ... for later resumes to the same step), so the logs hold each
+step once.
 `agentgrpo report RUN_DIR` (agentgrpo/report.py) turns them into one HTML page.
 
 Weights & Biases is used only when `log.wandb_project` is set; `wandb` is imported only then (it is

@@ -339,6 +339,30 @@ def test_a_planted_checkpoint_runs_no_code_in_eval_or_resume(runs, stopping_mode
         assert not marker.exists()
 
 
+def test_dcp_metadata_naming_files_outside_its_directory_is_refused(tmp_path):
+    """DCP's metadata names the data file of each tensor; one naming a path outside the
+    checkpoint (`../x`) is refused before anything is read, and an honest one loads."""
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+
+    from agentgrpo.learner_state import UnsafeCheckpoint, _dcp_load
+
+    model = torch.nn.Linear(3, 2)
+    with pytest.warns(UserWarning):  # torch: no process group, saving as one process
+        dcp.save({"model": model.state_dict()}, checkpoint_id=tmp_path / "dcp", no_dist=True)
+    state = {"model": torch.nn.Linear(3, 2).state_dict()}
+    _dcp_load(state, tmp_path / "dcp", no_dist=True)
+    torch.testing.assert_close(state["model"]["weight"], model.weight.detach())
+    meta_file = tmp_path / "dcp" / ".metadata"
+    meta = pickle.loads(meta_file.read_bytes())  # our own file: trusted here
+    for info in meta.storage_data.values():
+        info.relative_path = "../secret.distcp"
+    meta_file.write_bytes(pickle.dumps(meta))
+    with pytest.raises(UnsafeCheckpoint, match="names data file '../secret.distcp' outside"):
+        _dcp_load(state, tmp_path / "dcp", no_dist=True)
+
+
 def _fsdp_sharded_checkpoint(rank: int, tmp: str) -> None:
     from pathlib import Path
 

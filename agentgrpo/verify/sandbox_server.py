@@ -10,11 +10,17 @@
 Security: it executes code for whoever reaches it, so it binds 127.0.0.1 by default and refuses
 to bind anything else without a token (from AGENTGRPO_SANDBOX_TOKEN or --token-file, never the
 command line, where `ps` would show it). With a token every request needs
-`Authorization: Bearer <token>` (401 otherwise, compared in constant time). Bodies are bounded
-(413), the limits a request asks for are clamped to the server's maxima, and at most
-`--max-queue` requests are admitted at once (429 with Retry-After beyond: back-pressure the
-client retries). Plain HTTP: put it behind TLS (a reverse proxy or a private network) when the
-network between trainer and sandbox is not trusted.
+`Authorization: Bearer <token>` (401 otherwise, compared in constant time). Before that check,
+connections that have not sent a complete request head (new or idle keep-alive ones) are at most
+`--max-waiting` (the oldest is closed beyond) and each has `--head-timeout-s` for its whole head,
+so idle or dripping clients cannot hold the server's threads and descriptors. After it, bodies
+are bounded (413), the bytes of bodies read and parsed at once are bounded (`--max-parse-mb`;
+503 with Retry-After when a body waited its head timeout for room), a malformed field is a 400
+naming it, every limit a request asks for (wall time, memory, processes, /tmp size, open files,
+output) is clamped to the server's maxima, and at most `--max-queue` requests are admitted at
+once (429 with Retry-After beyond: back-pressure the client retries). Plain HTTP: put it behind
+TLS (a reverse proxy or a private network) when the network between trainer and sandbox is not
+trusted. docs/security.md has the threat model.
 
 Endpoints:
     GET  /health    backend, slots, isolation features
@@ -25,7 +31,8 @@ Endpoints:
                     "Finished" | "TimeLimitExceeded" | "Error", "execution_time", "return_code",
                     "stdout", "stderr"}, "executor_pod_name", "files"}
 
-Stdlib only (`http.server`, one thread per request; each blocks on the thread-safe `Sandbox`).
+Stdlib only (`http.server`, one thread per connection, the waiting ones bounded as above; each
+blocks on the thread-safe `Sandbox`).
 A client that hangs up before its answer (`Sandbox.arun` cancelled at a tool's deadline closes its
 connection) has its job killed within about 0.2 s, so it stops holding a slot. A client that
 half-closes its socket once the request is sent (shutdown(SHUT_WR), as `nc -N` does; httpx,
