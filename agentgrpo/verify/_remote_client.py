@@ -144,22 +144,27 @@ class _RemoteClient:
         url, bound = self._pick(), limits.wall_s + self.cfg.margin_s + SERVER_QUEUE_S
         # The most an honest answer holds: stdout and stderr, each character escaped in 6 bytes.
         most = 12 * limits.output_bytes + (64 << 10)
+
+        async def fetch() -> tuple[httpx.Response, bytearray | None]:
+            request = self._client().stream("POST", url + "/run", json=payload, timeout=bound)
+            async with request as r:
+                body = bytearray()
+                async for chunk in r.aiter_bytes():
+                    body += chunk
+                    if len(body) > most:
+                        return r, None
+                return r, body
+
         try:
-            async with asyncio.timeout(bound):
-                async with self._client().stream(
-                    "POST", url + "/run", json=payload, timeout=bound
-                ) as resp:
-                    body = bytearray()
-                    async for chunk in resp.aiter_bytes():
-                        body += chunk
-                        if len(body) > most:
-                            return sandbox_error(f"{url}: answer over {most} bytes", "remote"), None
-        except TimeoutError:
+            resp, body = await asyncio.wait_for(fetch(), bound)  # the whole exchange, not per read
+        except asyncio.TimeoutError:  # the builtin TimeoutError from Python 3.11
             return sandbox_error(f"{url}: no complete answer within {bound:.1f} s", "remote"), None
         except httpx.HTTPError as e:
             return sandbox_error(f"{url}: {type(e).__name__}: {e}", "remote"), None
         finally:
             self._done(url)
+        if body is None:
+            return sandbox_error(f"{url}: answer over {most} bytes", "remote"), None
         text = bytes(body[:200]).decode("utf-8", "replace")
         if resp.status_code in (429, 503):
             busy = sandbox_error(f"{url}: HTTP {resp.status_code}: {text}", "remote")
