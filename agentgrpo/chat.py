@@ -20,8 +20,10 @@ sampled. This module is the one place that turns messages into ids and sampled i
 - Message content is data, never control: a special token's text inside a message (a tool printing
   `<|im_end|>\n<|im_start|>assistant`, a task copied from a chat log) is tokenized as plain text,
   so an environment cannot forge a turn boundary or an EOS. Only the template's own text and the
-  model's samples carry special tokens. While rendering, only the special-token substrings of a
-  content are swapped for ASCII placeholders, so the template's filters (`trim`, `tojson`) act on
+  model's samples carry special tokens. The same holds for every other field a template may
+  print: a tool message's `name` (the tool name the model chose), `tool_call_id`, tool calls'
+  names and arguments. While rendering, only the special-token substrings of those strings are
+  swapped for ASCII placeholders, so the template's filters (`trim`, `tojson`) act on
   the real content; a template that renders the special text differently from its placeholder
   (escapes or strips it) is refused with TemplateError (see `_render_held`, `_encode_rendered`).
 - Text that cannot be UTF-8 encoded (lone surrogates) is tokenized with U+FFFD in their place
@@ -39,7 +41,7 @@ error tool messages.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
 
 import jinja2
@@ -129,6 +131,31 @@ def _utf8(text: str) -> str:
     except UnicodeEncodeError:
         return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
     return text
+
+
+def _texts(obj: Any, key: str = "") -> Iterator[str]:
+    """Every string of a message dict a template may print: values and keys at any depth (content,
+    name, tool_call_id, a tool call's name and arguments), all but the `role` it branches on."""
+    if isinstance(obj, str) and key != "role":
+        yield obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _texts(k)
+            yield from _texts(v, k)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _texts(v)
+
+
+def _map_texts(obj: Any, f: Callable[[str], str], key: str = "") -> Any:
+    """`obj` with `f` applied to each string `_texts` yields (a copy; `obj` is left as it is)."""
+    if isinstance(obj, str):
+        return obj if key == "role" else f(obj)
+    if isinstance(obj, dict):
+        return {(f(k) if isinstance(k, str) else k): _map_texts(v, f, k) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_map_texts(v, f) for v in obj]
+    return obj
 
 
 class _Held:
@@ -305,7 +332,7 @@ class ChatFormat:
         content is computed too: the placeholders avoid its text, and `_Held.check` requires the
         held render with the texts put back to equal it."""
         if self._special_text is None or not any(
-                isinstance(d.get("content"), str) and self._special_text.search(d["content"]) for d in dicts):
+                self._special_text.search(t) for d in dicts for t in _texts(d)):
             return self._render_dicts(fixed + dicts, tools, add_generation_prompt), _Held(dicts)
         real = self._render_dicts(fixed + dicts, tools, add_generation_prompt)
         held = self._hold(dicts, avoid=real)
@@ -314,7 +341,9 @@ class ChatFormat:
         return text, held
 
     def _hold(self, dicts: list[dict[str, Any]], avoid: str = "") -> _Held:
-        """`dicts` with every special token's text inside a (string) content replaced by a placeholder.
+        """`dicts` with every special token's text inside any string the template may print (the
+        content, and as much the tool name a model chose or a tool call id; `_texts`) replaced by
+        a placeholder.
 
         The placeholders are ASCII letters and digits (`agentgrpo<n>h<i>e`, `n` chosen so that
         neither a content nor `avoid`, the real render, holds `agentgrpo<n>h`), which template
@@ -323,7 +352,7 @@ class ChatFormat:
         held = _Held(dicts)
         if self._special_text is None:
             return held
-        contents = [c for d in dicts if isinstance(c := d.get("content"), str)]
+        contents = [t for d in dicts for t in _texts(d)]
         if not any(self._special_text.search(c) for c in contents):
             return held
         nonce = 0
@@ -334,8 +363,8 @@ class ChatFormat:
             held.texts.append(m.group())
             return f"agentgrpo{nonce}h{len(held.texts) - 1}e"
 
-        held.dicts = [{**d, "content": self._special_text.sub(mark, d["content"])}
-                      if isinstance(d.get("content"), str) else d for d in dicts]
+        pattern = self._special_text
+        held.dicts = [_map_texts(d, lambda t: pattern.sub(mark, t)) for d in dicts]
         held.pattern = re.compile(f"agentgrpo{nonce}h([0-9]+)e")
         return held
 

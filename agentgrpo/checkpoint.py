@@ -22,10 +22,12 @@ used. With `strict=True` (the trainer) a root whose checkpoints all fail raises 
 naming each one and its reason, instead of returning None as for a root with no checkpoint at all.
 
 Resuming from step N (the trainer, on rank 0) and saving step N: `set_aside_newer` renames the
-checkpoints numbered above N, which restore skipped, to `rejected-step-*`. They are kept for
-inspection, but no later resume or prune sees them: otherwise the run's new checkpoints would be
-pruned as the oldest ones, and a checkpoint that was rejected only transiently (a filesystem
-hiccup) would later be resumed over the newer work.
+checkpoints numbered above N, which restore skipped, to `rejected-step-*`. No later resume sees
+them: otherwise the run's new checkpoints would be pruned as the oldest ones, and a checkpoint
+that was rejected only transiently (a filesystem hiccup) would later be resumed over the newer
+work. They are kept for inspection under the rule of `keep` (`train.keep_checkpoints`): each save
+keeps the `keep` newest rejected ones (by step) and deletes the older ones. Nothing reads them,
+so `rm -r checkpoints/rejected-step-*` removes them at any time.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import warnings
@@ -122,7 +125,8 @@ def save(root: Path, step: int, write_payload: Callable[[Path], None], trainer_s
 
     The new checkpoint is the run's newest state: checkpoints numbered above `step` (a resumed run
     has normally set them aside already) are set aside (`set_aside_newer`), never pruned, and
-    pruning keeps the new checkpoint and the `keep - 1` newest ones numbered below it.
+    pruning keeps the new checkpoint and the `keep - 1` newest ones numbered below it, and the
+    `keep` newest set-aside ones (`rejected_checkpoints`).
 
     Many processes: every rank calls it with the same arguments; rank 0 (`is_main`) prepares the
     temporary directory (removing every leftover `.tmp-step-*` of a killed save) and, once every
@@ -154,7 +158,22 @@ def save(root: Path, step: int, write_payload: Callable[[Path], None], trainer_s
     older = [d for d in checkpoints(root) if _number(d) < step]  # type: ignore[operator]
     for old in older[: max(len(older) - (keep - 1), 0)]:
         shutil.rmtree(old, ignore_errors=True)
+    rejected = rejected_checkpoints(root)
+    for old in rejected[: max(len(rejected) - keep, 0)]:
+        shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def rejected_checkpoints(root: Path) -> list[Path]:
+    """The `rejected-step-*` directories under `root`, oldest first (by step, then by the `.N`
+    of a step set aside more than once)."""
+    def order(d: Path) -> tuple[int, int]:
+        step, _, n = d.name.removeprefix("rejected-step-").partition(".")
+        return int(step), int(n or 1)
+
+    found = [d for d in root.glob("rejected-step-*")
+             if re.fullmatch(r"rejected-step-[0-9]+(\.[0-9]+)?", d.name) and d.is_dir()]
+    return sorted(found, key=order)
 
 
 def _read_manifest(directory: Path) -> dict[str, Any]:

@@ -142,7 +142,8 @@ class TrainLoopConfig(BaseModel):
         "after the last checkpoint (None = off): a SIGKILL or OOM kill loses at most this much work")
     keep_checkpoints: int = Field(
         2, ge=1, description="checkpoints kept after each save: the one just written and the newest ones "
-        "numbered below it (agentgrpo.checkpoint.save)")
+        "numbered below it; and as many of the newest rejected-step-* ones a resume set aside "
+        "(agentgrpo.checkpoint.save)")
     overlap_rollouts: bool = Field(
         False, description="sample step t+1's rollouts while step t trains (one step off-policy: they come "
         "from the weights before step t's update); not across a checkpoint, so resuming stays exact")
@@ -284,14 +285,64 @@ def apply_override(data: dict[str, Any], override: str, model: type[BaseModel] |
 
 
 def _yaml_value(override: str, text: str) -> Any:
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        raise ConfigError(f"override {override!r}: the value is not valid YAML: {_one_line(e)}") from None
+    return load_yaml(text, f"override {override!r}: the value")
 
 
 def _one_line(e: Exception) -> str:
     return " ".join(str(e).split())
+
+
+# The most values (each scalar, list and mapping counts one) a config may hold once YAML's aliases
+# are expanded. Real configs hold a few hundred; aliases of aliases grow exponentially (a 373-byte
+# file once expanded to an 18 MB config.yaml, one level more to hours of dumping).
+MAX_CONFIG_VALUES = 100_000
+
+
+def check_expanded_size(data: Any, what: str) -> None:
+    """ConfigError when `data` (as YAML loaded it, aliases shared, not copied) expands to more than
+    MAX_CONFIG_VALUES values, or holds itself (a recursive alias). Counts each shared collection
+    once per reference without walking it again, so a bomb is refused in time linear in the file."""
+    sizes: dict[int, int] = {}
+    open_: set[int] = set()
+
+    def size(node: Any) -> int:
+        if not isinstance(node, (dict, list)):
+            return 1
+        if id(node) in sizes:
+            return sizes[id(node)]
+        if id(node) in open_:
+            raise ConfigError(f"{what}: a YAML alias refers to a collection holding it (a cycle)")
+        open_.add(id(node))
+        items = [x for kv in node.items() for x in kv] if isinstance(node, dict) else node
+        n = 1
+        for item in items:
+            n += size(item)
+            if n > MAX_CONFIG_VALUES:
+                raise ConfigError(
+                    f"{what}: expands to over {MAX_CONFIG_VALUES} values through YAML aliases "
+                    "(`*name` repeating an `&name` anchor, nested); write the values out or "
+                    "shorten them")
+        open_.discard(id(node))
+        sizes[id(node)] = n
+        return n
+
+    try:
+        size(data)
+    except RecursionError:
+        raise ConfigError(f"{what}: nested too deeply") from None
+
+
+def load_yaml(text: str, what: str) -> Any:
+    """`text` parsed as YAML (safe_load: plain data, no tags that build objects), refused when its
+    aliases expand it past MAX_CONFIG_VALUES (`check_expanded_size`); ConfigError names `what`."""
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{what} is not valid YAML: {_one_line(e)}") from None
+    except RecursionError:
+        raise ConfigError(f"{what}: nested too deeply") from None
+    check_expanded_size(data, what)
+    return data
 
 
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
@@ -302,15 +353,17 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig
     if path is not None:
         try:
             with open(path, encoding="utf-8") as f:
-                data = yaml.safe_load(f) or {}
+                text = f.read()
         except OSError as e:
             raise ConfigError(f"cannot read the config file {path}: {e.strerror or e}") from None
-        except (yaml.YAMLError, UnicodeDecodeError) as e:
+        except UnicodeDecodeError as e:
             raise ConfigError(f"{path} is not valid YAML: {_one_line(e)}") from None
+        data = load_yaml(text, str(path)) or {}
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: the top level must be a mapping")
     for o in overrides:
         apply_override(data, o, RunConfig)
+    check_expanded_size(data, f"the config {path or ''} with its overrides".replace("  ", " "))
     try:
         return RunConfig.model_validate(data)
     except ValidationError as e:

@@ -17,15 +17,32 @@ function here is collective: all ranks call it with the same directory (a filesy
 `load` tells the formats apart by the files (a `dcp/` directory), so a run resumes from either,
 whatever `learner.checkpoint_format` says now. `load_weights` reads only the weights of either
 format into one process, with no process group and no optimizer state (`agentgrpo eval`).
+
+A checkpoint may come from someone else (a shared disk, a downloaded run), and its manifest's
+checksums prove nothing (whoever planted the files wrote the manifest too), so reading one must
+never run code. `learner.pt` is read with `weights_only=True`. DCP pickles its `.metadata` and
+the non-tensor values of a state dict (optimizer hyperparameters): torch's reader unpickles them
+with plain `pickle`, which runs whatever a planted file names. Here `.metadata` goes through an
+unpickler that builds only DCP's own metadata records (`_METADATA_TYPES`) and refuses every other
+name with `UnsafeCheckpoint`, and the non-tensor values are read with `weights_only=True`.
 """
 
 from __future__ import annotations
 
+import io
+import pathlib
+import pickle
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+import torch.serialization
+from torch.distributed.checkpoint import filesystem as dcp_filesystem
+from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -40,6 +57,87 @@ from agentgrpo.lora import adapter_weights
 
 if TYPE_CHECKING:
     from agentgrpo.learner import Learner
+
+
+class UnsafeCheckpoint(ValueError):
+    """A checkpoint file asks to run code (or to read outside its directory) when it is read."""
+
+
+# Every name a `.metadata` that torch's FileSystemWriter wrote refers to (torch 2.13): DCP's
+# records, torch.Size, dtypes and layouts (looked up by name), and the path it was saved to.
+_METADATA_TYPES = {
+    ("torch.distributed.checkpoint.metadata", name): getattr(dcp_metadata, name)
+    for name in ("Metadata", "MetadataIndex", "StorageMeta", "TensorStorageMetadata",
+                 "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+                 "_MEM_FORMAT_ENCODING")
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): dcp_filesystem._StorageInfo,
+    ("torch", "Size"): torch.Size,
+    ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
+    ("pathlib", "PosixPath"): pathlib.PosixPath,
+    ("pathlib", "WindowsPath"): pathlib.PurePosixPath,  # a checkpoint written on Windows: inert
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Builds DCP metadata records and nothing else: any other name is refused before it is
+    looked up, so a planted `.metadata` cannot call anything (os.system, open, eval...)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        found = _METADATA_TYPES.get((module, name))
+        dtype = getattr(torch, name, None) if module == "torch" else None
+        if found is None and isinstance(dtype, torch.dtype):
+            found = dtype
+        if found is None:
+            raise UnsafeCheckpoint(
+                f"its DCP metadata names {module}.{name}, which is not one of DCP's metadata "
+                "types: refused without unpickling it (agentgrpo never runs code from a "
+                "checkpoint; this one was not written by torch.distributed.checkpoint, or was "
+                "altered since)")
+        return found
+
+
+class _SafeReader(dcp.FileSystemReader):
+    """torch's DCP reader, with `.metadata` read by `_MetadataUnpickler` and every data file kept
+    inside the checkpoint's directory."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
+        path = Path(self.path) / ".metadata"
+        try:
+            metadata = _MetadataUnpickler(io.BytesIO(path.read_bytes())).load()
+        except UnsafeCheckpoint as e:
+            raise UnsafeCheckpoint(f"{path}: {e}") from None
+        except (pickle.UnpicklingError, EOFError, TypeError, AttributeError) as e:
+            raise UnsafeCheckpoint(
+                f"{path}: unreadable DCP metadata ({type(e).__name__}: {e})") from None
+        if not isinstance(metadata, dcp_metadata.Metadata):
+            raise UnsafeCheckpoint(f"{path}: holds a {type(metadata).__name__}, not DCP metadata")
+        for info in (metadata.storage_data or {}).values():
+            name = str(getattr(info, "relative_path", ""))
+            if not name or "/" in name or "\\" in name or name in (".", ".."):
+                raise UnsafeCheckpoint(f"{path}: names data file {name!r} outside its directory")
+        if metadata.storage_meta is None:
+            metadata.storage_meta = dcp_metadata.StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class _SafePlanner(DefaultLoadPlanner):
+    """DCP's default load planner, reading non-tensor values with `weights_only=True` (its own
+    reads them with `weights_only=False`)."""
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        obj = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+
+def _dcp_load(state: dict[str, Any], directory: Path, *, no_dist: bool) -> None:
+    reader = _SafeReader(directory)
+    reader.read_metadata()  # first, so a refusal raises as itself (dcp.load wraps what it raises)
+    dcp.load(state, storage_reader=reader, planner=_SafePlanner(), no_dist=no_dist)
 
 
 def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -111,7 +209,7 @@ def _load_sharded(learner: Learner, directory: Path) -> None:
     # checkpoint was written by another number of ranks; a missing key raises (RuntimeError).
     model_sd, optim_sd = get_state_dict(learner.model, learner.optimizer.optimizer)
     state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=directory / "dcp", no_dist=learner.accelerator.num_processes == 1)
+    _dcp_load(state, directory / "dcp", no_dist=learner.accelerator.num_processes == 1)
     set_state_dict(learner.model, learner.optimizer.optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optim"])
     _load_schedule(learner, torch.load(directory / "learner.pt", weights_only=True, map_location="cpu"))
@@ -137,13 +235,13 @@ def load_weights(policy: torch.nn.Module, directory: Path, *, lora: bool) -> Non
         _load_full_weights(policy, policy.model, directory, lora=lora)
         return
     model_sd = get_model_state_dict(policy)
-    dcp.load({"model": model_sd}, checkpoint_id=directory / "dcp", no_dist=True)
+    _dcp_load({"model": model_sd}, directory / "dcp", no_dist=True)
     set_model_state_dict(policy, model_sd)
 
 
 def holds_lora(directory: Path) -> bool:
     """Whether the checkpoint in `directory` was written by a LoRA run (its weights are adapters)."""
     if (directory / "dcp").is_dir():
-        names = dcp.FileSystemReader(directory / "dcp").read_metadata().state_dict_metadata
+        names = _SafeReader(directory / "dcp").read_metadata().state_dict_metadata
         return any(".lora_A." in name for name in names)
     return (directory / "adapter_model.safetensors").is_file()

@@ -5,7 +5,8 @@ A run directory holds `config.yaml` (the effective config, secrets masked), `met
 object per step), `trajectories.jsonl` (one object per trajectory), `tensorboard/` and
 `checkpoints/`. Lines are flushed as they are written so a killed run keeps everything it logged;
 when it resumes, the rows of the steps it trains again go to `*.after-step-<K>.jsonl`
-(`set_aside_after`), so the logs hold each step once.
+(`set_aside_after`; `.2`, `.3`, ... for later resumes to the same step), so the logs hold each
+step once.
 `agentgrpo report RUN_DIR` (agentgrpo/report.py) turns them into one HTML page.
 
 Weights & Biases is used only when `log.wandb_project` is set; `wandb` is imported only then (it is
@@ -33,9 +34,16 @@ from agentgrpo.types import Group, Trajectory
 if TYPE_CHECKING:
     from agentgrpo.config import RunConfig
 
-SECRET_WORDS = ("key", "keys", "token", "secret", "secrets", "password", "passwords",
-                "authorization", "auth", "credential", "credentials", "cookie", "cookies")
+SECRET_WORDS = ("key", "keys", "token", "secret", "secrets", "password", "passwords", "passwd",
+                "pass", "authorization", "auth", "bearer", "credential", "credentials", "cookie",
+                "cookies", "signature", "signatures")
 _BEARER = re.compile(r"^\s*(bearer|basic|token)\s+\S", re.IGNORECASE)
+# Values that are credentials whatever their key is called: the prefixes of common API keys
+# (OpenAI/Anthropic `sk-`, Hugging Face `hf_`, GitHub `ghp_`/`github_pat_`, Slack `xox?-`, AWS
+# `AKIA`, W&B's 40 hex digits are too like a hash to tell), followed by enough key characters.
+_KEY_LIKE = re.compile(r"\b(?:sk-|hf_|gh[pousr]_|github_pat_|xox[abprs]-|AKIA)[A-Za-z0-9_\-]{12,}")
+_URL_USERINFO = re.compile(r"(?P<scheme>\b[a-zA-Z][a-zA-Z0-9+.\-]*://)[^/@\s]+@")
+_URL_PARAM = re.compile(r"(?P<name>[?&;][^=&#;\s]+=)(?P<value>[^&#;\s]*)")
 
 
 def _secret_key(key: Any) -> bool:
@@ -55,16 +63,28 @@ def _masked(v: Any) -> Any:
     return v
 
 
+def _masked_text(text: str) -> str:
+    """`text` with API-key-looking values, URL credentials (`user:pass@`) and the values of
+    secret-named URL parameters (`?api_key=...`) replaced by '***'."""
+    if _BEARER.match(text):
+        return "***"
+    text = _KEY_LIKE.sub("***", text)
+    text = _URL_USERINFO.sub(r"\g<scheme>***@", text)
+    return _URL_PARAM.sub(
+        lambda m: m["name"] + "***" if _secret_key(m["name"][1:-1]) and m["value"] else m[0], text)
+
+
 def mask_secrets(obj: Any) -> Any:
-    """Replace the strings under keys that look like secrets (api_key, api_keys, token,
-    Authorization, ...), at any depth below them, and strings that carry an HTTP credential
-    (`Bearer ...`) wherever they are, with '***'."""
+    """Replace the strings under keys that look like secrets (api_key, api_keys, token, passwd,
+    signature, Authorization, ...), at any depth below them, with '***'; elsewhere, strings that
+    carry an HTTP credential (`Bearer ...`) entirely, and the API-key-looking values (`sk-...`),
+    URL credentials (`https://user:pass@host`) and secret URL parameters within strings."""
     if isinstance(obj, dict):
         return {k: (_masked(v) if _secret_key(k) else mask_secrets(v)) for k, v in obj.items()}
     if isinstance(obj, list):
         return [mask_secrets(v) for v in obj]
-    if isinstance(obj, str) and _BEARER.match(obj):
-        return "***"
+    if isinstance(obj, str):
+        return _masked_text(obj)
     return obj
 
 
@@ -150,15 +170,21 @@ class RunLogger:
 def set_aside_after(run_dir: Path, step: int) -> dict[str, int]:
     """Move the rows of steps after `step` out of `metrics.jsonl` and `trajectories.jsonl` into
     `metrics.after-step-<step>.jsonl` / `trajectories.after-step-<step>.jsonl` beside them
-    (appended; nothing is deleted), and return how many rows each file gave up.
+    (nothing is deleted), and return how many rows each file gave up.
 
     A run resumed from the checkpoint of `step` trains the later steps again; their old rows, from
     the timeline the kill cut off, would otherwise stand twice in the logs and the report. A line
     that does not parse (a kill in the middle of a write) goes aside too. Files that lose no row
-    are only read; the others are rewritten through a temporary file and a rename.
+    are only read; the others are rewritten through a temporary file and a rename. Each call's rows
+    are one timeline and get files of their own: a second resume to the same step writes
+    `*.after-step-<step>.2.jsonl`, a third `.3`, ... (`aside_name` says which), never appending
+    one timeline to another's file.
     """
+    n = 1
+    while any(aside_path(run_dir, name, step, n).exists() for name in _LOGS):
+        n += 1
     moved: dict[str, int] = {}
-    for name in ("metrics.jsonl", "trajectories.jsonl"):
+    for name in _LOGS:
         path = run_dir / name
         if not path.is_file():
             continue
@@ -168,7 +194,7 @@ def set_aside_after(run_dir: Path, step: int) -> dict[str, int]:
             continue
         tmp = run_dir / f".{name}.tmp"
         with (open(path, "rb") as src, open(tmp, "wb") as keep,
-              open(run_dir / f"{path.stem}.after-step-{step}.jsonl", "ab") as aside):
+              open(aside_path(run_dir, name, step, n), "xb") as aside):
             for line in src:
                 if line.strip():
                     (keep if _kept(line, step) else aside).write(_ended(line))
@@ -176,6 +202,23 @@ def set_aside_after(run_dir: Path, step: int) -> dict[str, int]:
             os.fsync(keep.fileno())
         os.replace(tmp, path)
     return moved
+
+
+_LOGS = ("metrics.jsonl", "trajectories.jsonl")
+
+
+def aside_path(run_dir: Path, name: str, step: int, n: int = 1) -> Path:
+    """Where the `n`-th timeline set aside after `step` from log `name` goes."""
+    stem, nth = name.removesuffix(".jsonl"), "" if n == 1 else f".{n}"
+    return run_dir / f"{stem}.after-step-{step}{nth}.jsonl"
+
+
+def aside_name(run_dir: Path, name: str, step: int) -> str:
+    """The file name the latest `set_aside_after(run_dir, step)` gave log `name`'s rows."""
+    n = 1
+    while any(aside_path(run_dir, log, step, n + 1).exists() for log in _LOGS):
+        n += 1
+    return aside_path(run_dir, name, step, n).name
 
 
 _STEP_PREFIX = re.compile(rb'\{"step": (\d+)[,}]')  # how RunLogger starts every row

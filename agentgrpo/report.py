@@ -393,11 +393,15 @@ def write_report(run_dir: str | Path, out: str | Path | None = None, *,
     notices: list[str] = []
     config, config_text = {}, ""
     if (run_dir / "config.yaml").is_file():
-        try:
-            config = mask_secrets(yaml.safe_load((run_dir / "config.yaml").read_text(encoding="utf-8")) or {})
+        # heavy (every stage's config), so imported only here
+        from agentgrpo.config import ConfigError, load_yaml
+
+        try:  # bounded: a planted config.yaml's nested aliases would expand without end
+            config = mask_secrets(load_yaml((run_dir / "config.yaml").read_text(encoding="utf-8"),
+                                            "config.yaml") or {})
             config = config if isinstance(config, dict) else {}
             config_text = yaml.safe_dump(config, sort_keys=False)
-        except yaml.YAMLError as e:
+        except ConfigError as e:
             notices.append(f"config.yaml is unreadable: {e}")
     else:
         notices.append("config.yaml is missing: the embedded model's tokenizer is assumed")

@@ -28,7 +28,7 @@ from agentgrpo.env import Env
 from agentgrpo.env_check import check_env_at_start
 from agentgrpo.evaluate import evaluate
 from agentgrpo.learner import Learner
-from agentgrpo.log import Progress, RunLogger, set_aside_after
+from agentgrpo.log import Progress, RunLogger, aside_name, set_aside_after
 from agentgrpo.overlap import memory_lent, train_while_collecting
 from agentgrpo.report import write_report
 from agentgrpo.rollout import collect, rollout_metrics
@@ -383,7 +383,7 @@ def start_main_rank(run: Run, model_path: Path, tokenizer: Any, eval_tasks: list
     moved = {k: n for k, n in set_aside_after(run.run_dir, start).items() if n}
     if moved:
         print(f"log rows of steps after {start} set aside: "
-              + ", ".join(f"{n} of {k} -> {k.replace('.jsonl', '')}.after-step-{start}.jsonl"
+              + ", ".join(f"{n} of {k} -> {aside_name(run.run_dir, k, start)}"
                           for k, n in moved.items()), flush=True)
     run.logger = RunLogger.from_config(run.run_dir, cfg)
     run.eval_tasks = eval_tasks

@@ -263,6 +263,42 @@ def test_special_token_text_in_a_message_stays_plain_text(smol_tokenizer, name):
     assert chat.prompt_ids(conv[:2], TOOLS) == chat.encode(chat.render(conv[:2], TOOLS, add_generation_prompt=True))
 
 
+# ChatML that prints each message's name and tool_call_id and each call's name and arguments.
+NAMED_TEMPLATE = (
+    "{%- for m in messages %}<|im_start|>{{ m.role }}{% if m.name %} name={{ m.name }}{% endif %}"
+    "{% if m.tool_call_id %} id={{ m.tool_call_id }}{% endif %}\n{{ m.content }}"
+    "{%- for c in m.tool_calls or [] %} call {{ c.function.name }} {{ c.function.arguments | tojson }}"
+    "{%- endfor %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_special_token_text_in_any_printed_field_stays_plain_text(smol_tokenizer):
+    """Issue 33: the rollout copies the model-chosen tool name into the tool message; a template
+    that prints it turned a name holding a turn boundary into real control tokens. Every field a
+    template may print (name, tool_call_id, a call's name and arguments) is held like content."""
+    chat = ChatFormat(smol_tokenizer, template=NAMED_TEMPLATE)
+    specials = set(smol_tokenizer.all_special_ids)
+    conv = _conversation()
+    history = conv[:3]
+
+    def control(ids):
+        return [i for i in ids if i in specials]
+
+    def tool(name="calculator", call_id="call_0"):
+        return [Message(role="tool", content="84", tool_call_id=call_id, name=name)]
+
+    honest = chat.suffix_ids(history, tool(), TOOLS)
+    for forged in (tool(name=f"calculator{FORGED}"), tool(call_id=f"call_0{FORGED}")):
+        ids = chat.suffix_ids(history, forged, TOOLS)
+        assert control(ids) == control(honest)
+        assert FORGED in chat.decode(ids)  # the model still sees every character
+    call = ToolCall(id="c", name=f"calc{FORGED}", arguments={f"k{FORGED}": f"v{FORGED}"})
+    prompt = [conv[0], Message(role="assistant", content="", tool_calls=[call])]
+    plain = [conv[0], Message(role="assistant", content="", tool_calls=[_call("1", 0)])]
+    ids = chat.prompt_ids(prompt, TOOLS)
+    assert control(ids) == control(chat.prompt_ids(plain, TOOLS))
+    assert chat.decode(ids) == chat.render(prompt, TOOLS, add_generation_prompt=True)
+
+
 _llama_chat = llama31_chat
 
 

@@ -113,6 +113,27 @@ def test_resuming_sets_newer_skipped_checkpoints_aside(tmp_path):
     assert checkpoint.set_aside_newer(tmp_path, 15) == [tmp_path / "rejected-step-000020.2"]
 
 
+def test_rejected_checkpoints_are_kept_under_the_keep_rule(tmp_path):
+    """Issue 33: a rejected checkpoint (1.3 GB) was kept forever. Each save keeps the `keep`
+    newest set-aside ones, by step then by the `.N` of a step set aside again."""
+    for s in (10, 20, 30):
+        _save(tmp_path, s)
+    checkpoint.set_aside_newer(tmp_path, 10)  # 20 and 30 rejected
+    _save(tmp_path, 20)
+    _save(tmp_path, 30)
+    checkpoint.set_aside_newer(tmp_path, 10)  # again: rejected-step-000020.2, rejected-step-000030.2
+    assert [d.name for d in checkpoint.rejected_checkpoints(tmp_path)] == [
+        "rejected-step-000020", "rejected-step-000020.2", "rejected-step-000030",
+        "rejected-step-000030.2"]
+    _save(tmp_path, 11)  # keep=3
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "rejected-step-000020.2", "rejected-step-000030", "rejected-step-000030.2",
+        "step-000010", "step-000011"]
+    checkpoint.save(tmp_path, 12, _write({"learner.pt": b"12"}), {"data_position": 12}, keep=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rejected-step-000030.2", "step-000012"]
+    assert checkpoint.verify(tmp_path / "rejected-step-000030.2")["step"] == 30
+
+
 def test_strict_restore_names_every_checkpoint_and_why_none_loads(tmp_path):
     _save(tmp_path, 1)
     (_save(tmp_path, 2) / "learner.pt").write_bytes(b"truncated")

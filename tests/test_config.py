@@ -45,6 +45,64 @@ def test_secrets_are_masked():
         "judge": {"headers": {"Authorization": "***", "X": "***"}}, "cookie": "***", "max_tokens": 7}
 
 
+def test_secret_masking_catches_what_it_once_missed():
+    """Issue 33: keys named passwd, pass, bearer, signature; API-key-looking values under any
+    name; credentials inside URLs (engine.sglang.urls) were written in clear."""
+    from agentgrpo.log import mask_secrets
+
+    assert mask_secrets({"passwd": "p1", "db_pass": "p2", "bearer": "b", "X-Amz-Signature": "s",
+                         "eval": {"pass_k": [1, 4]}, "learner": {"passes": 2}}) == {
+        "passwd": "***", "db_pass": "***", "bearer": "***", "X-Amz-Signature": "***",
+        "eval": {"pass_k": [1, 4]}, "learner": {"passes": 2}}  # numbers are never secrets
+    assert mask_secrets({"judge_model": "sk-proj-abcdefghijklmnop0123",
+                         "note": "hf_abcdefghijklmnopqrstu", "name": "sk-2",
+                         "tag": "task-abcdefghijklmnopq"}) == {
+        "judge_model": "***", "note": "***", "name": "sk-2", "tag": "task-abcdefghijklmnopq"}
+    assert mask_secrets(["https://user:hunter2@box:8765/run?api_key=zz&n=3&token=",
+                         "http://h:1", "see http://h/a@b"]) == [
+        "https://***@box:8765/run?api_key=***&n=3&token=", "http://h:1", "see http://h/a@b"]
+    cfg = load_config("examples/calculator.yaml", [
+        "engine.kind=sglang", "engine.sglang.urls=[http://admin:hunter2@h:1, http://h:2]",
+        "env.kwargs={note: 'sk-abcdefghijklmnop0123'}"])
+    dumped = dump_config(cfg)
+    assert "hunter2" not in dumped and "sk-abcdef" not in dumped and "http://***@h:1" in dumped
+
+
+def _alias_bomb(levels: int) -> str:
+    """A config whose env.kwargs hold `levels` lists of nine aliases of the list before (9**levels
+    strings in a few hundred bytes)."""
+    lines = ["env:", "  name: calculator", "  kwargs:", "    l0: &l0 [x, x, x, x, x, x, x, x, x]"]
+    for i in range(1, levels):
+        lines.append(f"    l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 9)}]")
+    return "\n".join(lines) + "\n"
+
+
+def test_yaml_alias_bombs_are_refused_quickly(tmp_path):
+    """Issue 33: a 373-byte config with nested aliases took 103 s to dump as an 18 MB config.yaml
+    (one level more did not finish). Its expanded size is bounded when it loads, in a time that
+    does not grow with the expansion; a few honest anchors still load."""
+    import time
+
+    for levels in (6, 30):  # 9**6 = 531441 values, 9**30 about 4e28
+        bomb = tmp_path / f"bomb{levels}.yaml"
+        bomb.write_text(_alias_bomb(levels))
+        start = time.monotonic()
+        with pytest.raises(ConfigError, match=f"{bomb}: expands to over 100000 values through YAML"):
+            load_config(bomb)
+        assert time.monotonic() - start < 2
+    with pytest.raises(ConfigError, match="expands to over"):
+        load_config("examples/calculator.yaml", [f"env.kwargs={{a: &a [{', '.join(['x'] * 400)}], "
+                                                 f"b: [{', '.join(['*a'] * 400)}]}}"])
+    cycle = tmp_path / "cycle.yaml"
+    cycle.write_text("env:\n  name: calculator\n  kwargs: {a: &a [*a]}\n")
+    with pytest.raises(ConfigError, match="cycle"):
+        load_config(cycle)
+    honest = tmp_path / "honest.yaml"
+    honest.write_text(_alias_bomb(2))  # 9 aliases of a list of 9: 90 values
+    assert len(load_config(honest).env.kwargs["l1"]) == 9
+    assert "l1:" in dump_config(load_config(honest))
+
+
 def test_local_engine_settings_with_sglang_are_refused_not_ignored():
     sglang = ["engine.kind=sglang", "engine.sglang={urls: [http://h:1]}"]
     for extra in ("engine.max_batch_size=2", "engine.prefix_cache_tokens=0"):

@@ -287,6 +287,82 @@ def test_damaged_and_mismatched_checkpoints_are_refused_never_replaced_by_the_ba
                        stopping_model_dir)
 
 
+class _Planted:
+    """Unpickling this creates the file `path` (what a planted checkpoint could do instead)."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return open, (self.path, "w")
+
+
+def _plant_metadata(checkpoint_dir, marker):
+    """Replace the checkpoint's DCP `.metadata` with one that runs code when unpickled, and rewrite
+    its manifest to match, as whoever planted it would: the checksums verify."""
+    import hashlib
+    import pickle
+
+    from agentgrpo import checkpoint
+
+    meta = checkpoint_dir / "dcp" / ".metadata"
+    meta.write_bytes(pickle.dumps(_Planted(marker)))
+    manifest = json.loads((checkpoint_dir / checkpoint.MANIFEST).read_text())
+    manifest["files"]["dcp/.metadata"] = {"bytes": meta.stat().st_size,
+                                         "sha256": hashlib.sha256(meta.read_bytes()).hexdigest()}
+    (checkpoint_dir / checkpoint.MANIFEST).write_text(json.dumps(manifest))
+    checkpoint.verify(checkpoint_dir)
+
+
+def test_a_planted_checkpoint_runs_no_code_in_eval_or_resume(runs, stopping_model_dir, tmp_path):
+    """Finding 1 of issue 33: DCP's `.metadata` is a pickle, and torch's reader unpickles it. A
+    checkpoint whose metadata would create a file is refused, by eval (named or latest) and by a
+    resume (in the sharded format, and in the full format, where only the `dcp/` folder chooses
+    the reader), with an error naming what it asked for; no file appears."""
+    from agentgrpo.config import ConfigError
+    from agentgrpo.learner_state import UnsafeCheckpoint
+    from tests.test_checkpoint import _train
+
+    marker = tmp_path / "pwned"
+    for name in ("sharded", "lora-sharded"):
+        run_dir, extra = _copy_run(runs[name], tmp_path / name)
+        ckpt = run_dir / "checkpoints" / "step-000001"
+        _plant_metadata(ckpt, marker)
+        named = _eval_cfg(run_dir, stopping_model_dir, extra, f"eval.checkpoint={ckpt}")
+        with pytest.raises(UnsafeCheckpoint, match="names io.open, which is not one of DCP"):
+            resolve_policy(named, stopping_model_dir)
+        with pytest.warns(UserWarning, match="UnsafeCheckpoint: .*io.open"), \
+                pytest.raises(ConfigError, match="no checkpoint .* verifies and loads"):
+            resolve_policy(_eval_cfg(run_dir, stopping_model_dir, extra), stopping_model_dir)
+        for formats in (extra, [x for x in extra if "checkpoint_format" not in x]):
+            assert _train(run_dir, stopping_model_dir, 2, *formats) == 2  # refused: no usable checkpoint
+        assert not marker.exists()
+
+
+def test_dcp_metadata_naming_files_outside_its_directory_is_refused(tmp_path):
+    """DCP's metadata names the data file of each tensor; one naming a path outside the
+    checkpoint (`../x`) is refused before anything is read, and an honest one loads."""
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+
+    from agentgrpo.learner_state import UnsafeCheckpoint, _dcp_load
+
+    model = torch.nn.Linear(3, 2)
+    with pytest.warns(UserWarning):  # torch: no process group, saving as one process
+        dcp.save({"model": model.state_dict()}, checkpoint_id=tmp_path / "dcp", no_dist=True)
+    state = {"model": torch.nn.Linear(3, 2).state_dict()}
+    _dcp_load(state, tmp_path / "dcp", no_dist=True)
+    torch.testing.assert_close(state["model"]["weight"], model.weight.detach())
+    meta_file = tmp_path / "dcp" / ".metadata"
+    meta = pickle.loads(meta_file.read_bytes())  # our own file: trusted here
+    for info in meta.storage_data.values():
+        info.relative_path = "../secret.distcp"
+    meta_file.write_bytes(pickle.dumps(meta))
+    with pytest.raises(UnsafeCheckpoint, match="names data file '../secret.distcp' outside"):
+        _dcp_load(state, tmp_path / "dcp", no_dist=True)
+
+
 def _fsdp_sharded_checkpoint(rank: int, tmp: str) -> None:
     from pathlib import Path
 

@@ -164,3 +164,29 @@ def test_rows_after_the_resumed_step_go_aside_and_nothing_is_lost(tmp_path):
     assert not (tmp_path / "trajectories.after-step-2.jsonl").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.after-step-2.jsonl", "metrics.jsonl",
                                                          "trajectories.jsonl"]
+
+
+def test_each_set_aside_timeline_gets_files_of_its_own(tmp_path):
+    """Issue 33: two resumes to the same step appended two timelines into one
+    `*.after-step-N.jsonl` with no separator. Each call's rows go to a file of their own."""
+    from agentgrpo.log import aside_name, read_jsonl, set_aside_after
+
+    def timeline(tag):
+        rows = [{"step": s, "try": tag} for s in (1, 2, 3)]
+        (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (tmp_path / "trajectories.jsonl").write_text(json.dumps({"step": 3, "try": tag}) + "\n")
+        return rows
+
+    first = timeline("a")
+    set_aside_after(tmp_path, 1)
+    assert aside_name(tmp_path, "metrics.jsonl", 1) == "metrics.after-step-1.jsonl"
+    second = timeline("b")
+    assert set_aside_after(tmp_path, 1) == {"metrics.jsonl": 2, "trajectories.jsonl": 1}
+    assert aside_name(tmp_path, "metrics.jsonl", 1) == "metrics.after-step-1.2.jsonl"
+    assert read_jsonl(tmp_path / "metrics.after-step-1.jsonl") == first[1:]
+    assert read_jsonl(tmp_path / "metrics.after-step-1.2.jsonl") == second[1:]
+    assert read_jsonl(tmp_path / "trajectories.after-step-1.2.jsonl") == [{"step": 3, "try": "b"}]
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 3}) + "\n")  # only metrics moves
+    set_aside_after(tmp_path, 1)
+    assert aside_name(tmp_path, "metrics.jsonl", 1) == "metrics.after-step-1.3.jsonl"
+    assert not (tmp_path / "trajectories.after-step-1.3.jsonl").exists()

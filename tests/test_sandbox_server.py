@@ -127,6 +127,82 @@ def test_bad_requests(open_server):
     assert httpx.post(open_server + "/run", json=big).status_code == 413
 
 
+MALFORMED = [  # (body, the field its 400 must name): each once dropped the connection (issue 33)
+    ({"code": "1", "files": ["a.txt"]}, "'files'"),
+    ({"code": "1", "files": "a.txt"}, "'files'"),
+    ({"code": "1", "files": {"a.txt": 5}}, "'files['a.txt']'"),
+    ({"code": "1", "files_b64": ["eA=="]}, "'files_b64'"),
+    ({"code": "1", "files_b64": "eA=="}, "'files_b64'"),
+    ({"code": "1", "files_b64": {"a": 5}}, "'files_b64['a']'"),
+    ({"code": "1", "limits": "fast"}, "'limits'"),
+    ({"code": "1", "limits": [1]}, "'limits'"),
+    ({"code": "1", "limits": {"wall_s": "soon"}}, "'limits.wall_s'"),
+    ({"code": "1", "stdin": ["x"]}, "'stdin'"),
+    ({"code": "1", "stdin_b64": 5}, "'stdin_b64'"),
+]
+MALFORMED_RUN_CODE = [
+    ({"code": "1", "run_timeout": [1]}, "'run_timeout'"),
+    ({"code": "1", "run_timeout": {"s": 1}}, "'run_timeout'"),
+    ({"code": "1", "memory_limit_MB": "lots"}, "'memory_limit_MB'"),
+    ({"code": "1", "files": ["a"]}, "'files'"),
+    ({"code": "1", "files": "a"}, "'files'"),
+]
+
+
+def _raw_post(url: str, head: bytes, body: bytes) -> bytes:
+    """One request over a plain socket (httpx would not send a malformed header), its response."""
+    import socket
+
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(head + body)
+        s.shutdown(socket.SHUT_WR) if not body else None
+        return s.recv(65536)
+
+
+def test_malformed_request_shapes_each_get_a_400_naming_the_field(open_server):
+    for path, cases in (("/run", MALFORMED), ("/run_code", MALFORMED_RUN_CODE)):
+        for body, field in cases:
+            r = httpx.post(open_server + path, json=body, timeout=10)
+            assert r.status_code == 400 and field in r.json()["error"], (path, body, r.text)
+    deep = b"[" * 5000 + b"]" * 5000  # json recurses per level: RecursionError, not a 400, before
+    r = httpx.post(open_server + "/run", content=deep, timeout=10)
+    assert r.status_code == 400 and "nested too deeply" in r.json()["error"]
+    # '\u00b2' (superscript two) is a digit to str.isdigit() and not to int()
+    head = "POST /run HTTP/1.1\r\nHost: x\r\nContent-Length: \u00b2\r\n\r\n".encode()
+    assert _raw_post(open_server, head, b"").startswith(b"HTTP/1.1 411")
+    assert httpx.get(open_server + "/health").status_code == 200  # still serving
+
+
+@pytest.fixture(scope="module")
+def small_server():
+    url, server, sb = _serve(["--max-wall-s", "3", "--max-memory-mb", "512", "--max-processes", "32",
+                              "--max-disk-mb", "8", "--max-open-files", "64"])
+    yield url
+    server.shutdown()
+    server.server_close()
+    sb.close()
+
+
+def test_every_limit_is_clamped_even_above_the_hard_maximum(small_server):
+    """processes, disk_mb and open_files are clamped to the server's maxima like wall time and
+    memory; a request above `Limits`' own hard maximum is clamped too, not refused (issue 33)."""
+    code = ("import resource as r\n"
+            "print(*(r.getrlimit(x)[0] for x in (r.RLIMIT_NPROC, r.RLIMIT_FSIZE, r.RLIMIT_NOFILE)))")
+    asked = {"processes": 4096, "disk_mb": 1 << 20, "open_files": 65536, "wall_s": 1e6,
+             "memory_mb": 1 << 30, "output_bytes": 1 << 40}  # all but processes over Limits' bound
+    r = httpx.post(small_server + "/run", json={"code": code, "limits": asked}, timeout=30)
+    assert r.status_code == 200, r.text
+    assert r.json()["stdout"].split() == ["32", str(8 << 20), "64"]
+    r = httpx.post(small_server + "/run_code", json={"code": "print(1)", "run_timeout": 1e9,
+                                                     "memory_limit_MB": 1e12}, timeout=30)
+    assert r.status_code == 200 and r.json()["status"] == "Success", r.text
+    assert httpx.post(small_server + "/run", json={"code": "1", "limits": {"processes": 0}}
+                      ).status_code == 400  # below the minimum is nonsense, not clamped
+    with pytest.raises(SystemExit, match="server maximum processes"):
+        sandbox_server.make_server(["--port", "0", "--max-processes", "100000"])
+
+
 def test_queue_full_gives_429(open_server):
     # --max-queue 1: while one slow job runs, a second request is turned away with Retry-After
     slow = threading.Thread(
@@ -323,4 +399,178 @@ def test_a_server_with_over_a_thousand_descriptors_open_still_answers():
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
         server.shutdown()
         server.server_close()
+        sb.close()
+
+
+# --- idle, slow and large requests cannot tie the server up (issue 33, findings 2 and 3) --------
+
+
+def test_idle_and_slow_connections_cannot_tie_up_the_server():
+    """300 idle connections and a client dripping its request head a byte at a time: the server
+    keeps at most --max-waiting of them (a thread each), shuts the drip at --head-timeout-s in
+    all (not per byte), and an authorised request made after them answers within a second."""
+    import socket
+
+    url, server, sb = _serve(["--max-waiting", "32", "--head-timeout-s", "2"], env_token=TOKEN)
+    host, port = server.server_address[:2]
+    threads_before = threading.active_count()
+    idle = []
+    stop = threading.Event()
+    dripped = {"closed_after": None}
+
+    def drip():
+        with socket.create_connection((host, port)) as s:
+            start = time.monotonic()
+            try:
+                for byte in b"GET /health HTTP/1.1\r\nHost: x\r\n" + b"X-Pad: " + b"a" * 1000:
+                    if stop.is_set():
+                        return
+                    s.sendall(bytes([byte]))
+                    time.sleep(0.1)
+            except OSError:  # shut by the server
+                dripped["closed_after"] = time.monotonic() - start
+
+    try:
+        dripper = threading.Thread(target=drip, daemon=True)
+        dripper.start()
+        for _ in range(300):
+            idle.append(socket.create_connection((host, port)))
+        time.sleep(0.5)
+        start = time.monotonic()
+        r = httpx.get(url + "/health", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=5)
+        assert r.status_code == 200 and time.monotonic() - start < 1.0
+        assert threading.active_count() - threads_before < 32 + 10  # not one thread per connection
+        dripper.join(timeout=10)
+        assert dripped["closed_after"] is not None and dripped["closed_after"] < 2 + 1.5
+    finally:
+        stop.set()
+        for s in idle:
+            s.close()
+        server.shutdown()
+        server.server_close()
+        sb.close()
+
+
+def test_request_bodies_parsed_at_once_are_bounded(monkeypatch):
+    """One 15 MB JSON body once took 392 MB to parse, three at once 1.5 GB: the bodies being read
+    and parsed at once hold at most --max-parse-mb (default: one body of --max-body-mb); the
+    others wait their turn and are answered."""
+    import json as real_json
+    import types
+
+    inside, most = [0], [0]
+    lock = threading.Lock()
+
+    def loads(raw):
+        with lock:
+            inside[0] += len(raw)
+            most[0] = max(most[0], inside[0])
+        time.sleep(0.3)  # long enough for the other requests to arrive meanwhile
+        try:
+            return real_json.loads(raw)
+        finally:
+            with lock:
+                inside[0] -= len(raw)
+
+    monkeypatch.setattr(sandbox_server, "json", types.SimpleNamespace(loads=loads,
+                                                                      dumps=real_json.dumps))
+    url, server, sb = _serve(["--max-body-mb", "8"])
+    body = {"code": "print(1)", "pad": "x" * (6 << 20)}
+
+    def post(_):
+        return httpx.post(url + "/run", json=body, timeout=60)
+
+    try:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(3) as pool:
+            answers = list(pool.map(post, range(3)))
+        assert [r.status_code for r in answers] == [200] * 3
+        assert 6 << 20 < most[0] <= 8 << 20  # one 6 MB body at a time under 8 MB
+    finally:
+        server.shutdown()
+        server.server_close()
+        sb.close()
+
+
+# --- the client trusts no server (issue 33, finding 5) ------------------------------------------
+
+GOOD = {"status": "ok", "exit_code": 0, "signal": None, "stdout": "", "stderr": "",
+        "truncated": False, "wall_s": 0.1, "backend": "namespaces"}
+HOSTILE = {  # what a broken or hostile server answers: (status, headers, body or a callable)
+    "a JSON list": (200, {}, b"[1, 2]"),
+    "an unknown status": (200, {}, {**GOOD, "status": "pwned"}),
+    "a number as stdout": (200, {}, {**GOOD, "stdout": 5}),
+    "a string as exit_code": (200, {}, {**GOOD, "exit_code": "0"}),
+    "NaN as wall_s": (200, {}, b'{"status": "ok", "exit_code": 0, "signal": null, "stdout": "", '
+                               b'"stderr": "", "truncated": false, "wall_s": NaN, "backend": "x"}'),
+    "a missing field": (200, {}, {"status": "ok"}),
+    "not JSON": (200, {}, b"<html>"),
+    "Retry-After: nan": (429, {"Retry-After": "nan"}, b"{}"),
+    "a huge body": (200, {}, b" " * (1 << 20)),
+    "a slow drip": (200, {}, "drip"),
+}
+
+
+@pytest.fixture(scope="module")
+def hostile_server():
+    """An HTTP server answering /run as `HostileHandler.answer` says."""
+    import json
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class HostileHandler(BaseHTTPRequestHandler):
+        answer = HOSTILE["a JSON list"]
+
+        def log_message(self, *args):
+            pass
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            code, headers, body = type(self).answer
+            self.send_response(code)
+            for k, v in headers.items():
+                self.send_header(k, v)
+            if body == "drip":  # one byte every 0.2 s of a long body: each read is quick
+                self.send_header("Content-Length", "100000")
+                self.end_headers()
+                try:
+                    for _ in range(100000):
+                        self.wfile.write(b" ")
+                        self.wfile.flush()
+                        time.sleep(0.2)
+                except OSError:
+                    return
+            data = body if isinstance(body, bytes) else json.dumps(body).encode()
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), HostileHandler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", HostileHandler
+    server.shutdown()
+    server.server_close()
+
+
+def test_every_hostile_answer_is_a_sandbox_error_within_the_calls_bound(hostile_server, monkeypatch):
+    from agentgrpo.verify import _remote_client
+
+    url, handler = hostile_server
+    monkeypatch.setattr(_remote_client, "SERVER_QUEUE_S", 0.0)  # bound: wall_s 1 + margin 0.5
+    sb = Sandbox(url=url, config=SandboxConfig(retries=0, margin_s=0.5, busy_wait_s=0.3))
+    limits = Limits(wall_s=1, output_bytes=1000)
+    try:
+        handler.answer = (200, {}, GOOD)  # the client reads a good answer as it is
+        assert sb.run("1", limits=limits).stdout == "" and sb.run("1").backend == "remote:namespaces"
+        for name, answer in HOSTILE.items():
+            handler.answer = answer
+            for call in (lambda: sb.run("1", limits=limits),
+                         lambda: asyncio.run(sb.arun("1", limits=limits))):
+                start = time.monotonic()
+                res = call()
+                took = time.monotonic() - start
+                assert res.status == "sandbox_error" and res.exit_code is None, (name, res)
+                assert took < 2.5, (name, took)
+    finally:
         sb.close()

@@ -10,11 +10,17 @@
 Security: it executes code for whoever reaches it, so it binds 127.0.0.1 by default and refuses
 to bind anything else without a token (from AGENTGRPO_SANDBOX_TOKEN or --token-file, never the
 command line, where `ps` would show it). With a token every request needs
-`Authorization: Bearer <token>` (401 otherwise, compared in constant time). Bodies are bounded
-(413), the limits a request asks for are clamped to the server's maxima, and at most
-`--max-queue` requests are admitted at once (429 with Retry-After beyond: back-pressure the
-client retries). Plain HTTP: put it behind TLS (a reverse proxy or a private network) when the
-network between trainer and sandbox is not trusted.
+`Authorization: Bearer <token>` (401 otherwise, compared in constant time). Before that check,
+connections that have not sent a complete request head (new or idle keep-alive ones) are at most
+`--max-waiting` (the oldest is closed beyond) and each has `--head-timeout-s` for its whole head,
+so idle or dripping clients cannot hold the server's threads and descriptors. After it, bodies
+are bounded (413), the bytes of bodies read and parsed at once are bounded (`--max-parse-mb`;
+503 with Retry-After when a body waited its head timeout for room), a malformed field is a 400
+naming it, every limit a request asks for (wall time, memory, processes, /tmp size, open files,
+output) is clamped to the server's maxima, and at most `--max-queue` requests are admitted at
+once (429 with Retry-After beyond: back-pressure the client retries). Plain HTTP: put it behind
+TLS (a reverse proxy or a private network) when the network between trainer and sandbox is not
+trusted. docs/security.md has the threat model.
 
 Endpoints:
     GET  /health    backend, slots, isolation features
@@ -25,7 +31,8 @@ Endpoints:
                     "Finished" | "TimeLimitExceeded" | "Error", "execution_time", "return_code",
                     "stdout", "stderr"}, "executor_pod_name", "files"}
 
-Stdlib only (`http.server`, one thread per request; each blocks on the thread-safe `Sandbox`).
+Stdlib only (`http.server`, one thread per connection, the waiting ones bounded as above; each
+blocks on the thread-safe `Sandbox`).
 A client that hangs up before its answer (`Sandbox.arun` cancelled at a tool's deadline closes its
 connection) has its job killed within about 0.2 s, so it stops holding a slot. A client that
 half-closes its socket once the request is sent (shutdown(SHUT_WR), as `nc -N` does; httpx,
@@ -46,7 +53,9 @@ import signal
 import socket
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -56,7 +65,12 @@ TOKEN_ENV = "AGENTGRPO_SANDBOX_TOKEN"
 
 
 class ServerLimits:
-    """The most a request may ask for; requests asking for more are clamped, not refused."""
+    """The most a request may ask for; requests asking for more are clamped, not refused.
+
+    Every resource a job has is clamped (wall time, memory, processes, /tmp size, open files,
+    output), and a request above `Limits`' own hard maximum is clamped too (it is a number over
+    the server's maximum like any other). Only nonsense (a negative time, a string) is a 400.
+    """
 
     def __init__(
         self,
@@ -65,53 +79,114 @@ class ServerLimits:
         max_wall_s: float,
         max_memory_mb: int,
         max_output_bytes: int,
+        max_processes: int = 256,
+        max_disk_mb: int = 1024,
+        max_open_files: int = 1024,
+        *,
+        max_parse_bytes: int | None = None,
+        max_waiting: int = 128,
+        head_timeout_s: float = 10.0,
     ) -> None:
         self.max_body_bytes, self.max_queue = max_body_bytes, max_queue
-        self.max_wall_s, self.max_memory_mb, self.max_output_bytes = (
-            max_wall_s,
-            max_memory_mb,
-            max_output_bytes,
-        )
+        # Bytes of request bodies read and parsed at once (json.loads of a body can take ~25x its
+        # size); by default one body of the largest size, or several smaller ones.
+        self.max_parse_bytes = max_parse_bytes or max_body_bytes
+        if self.max_parse_bytes < max_body_bytes:
+            raise ValueError(
+                f"--max-parse-mb must hold one body of --max-body-mb ({max_body_bytes} bytes)")
+        self.max_waiting, self.head_timeout_s = max_waiting, head_timeout_s
+        try:  # the maxima must themselves be limits a job may have
+            self.maxima = Limits(
+                wall_s=max_wall_s,
+                memory_mb=max_memory_mb,
+                output_bytes=max_output_bytes,
+                processes=max_processes,
+                disk_mb=max_disk_mb,
+                open_files=max_open_files,
+            ).model_dump()
+        except ValidationError as e:
+            err = e.errors()[0]
+            raise ValueError(f"server maximum {err['loc'][0]}: {err['msg']}") from None
 
-    def clamp(self, limits: Limits) -> Limits:
-        return limits.model_copy(
-            update={
-                "wall_s": min(limits.wall_s, self.max_wall_s),
-                "memory_mb": min(limits.memory_mb, self.max_memory_mb),
-                "output_bytes": min(limits.output_bytes, self.max_output_bytes),
-            }
-        )
+    def limits(self, raw: object, field: str = "limits") -> Limits:
+        """`raw` (a request's JSON) as Limits, each number above the server's maximum lowered to
+        it; BadRequest naming the field for anything else that is not a valid limit."""
+        if raw is None:
+            raw = {}
+        if not isinstance(raw, dict):
+            raise BadRequest(f"'{field}' must be a JSON object, not {_json_type(raw)}")
+        clamped = {
+            k: self.maxima[k] if k in self.maxima and _number(v) and v > self.maxima[k] else v
+            for k, v in raw.items()
+        }
+        try:
+            return Limits(**clamped)
+        except ValidationError as e:
+            err = e.errors()[0]
+            where = ".".join(str(x) for x in err["loc"])
+            raise BadRequest(f"'{field}.{where}': {err['msg']}") from None
 
 
 class BadRequest(Exception):
     """A malformed request (400); the message goes back to the client."""
 
 
-def _b64(s: str, what: str) -> bytes:
+def _json_type(value: object) -> str:
+    names = {dict: "an object", list: "a list", str: "a string", bool: "a boolean"}
+    names |= {int: "a number", float: "a number", type(None): "null"}
+    return names.get(type(value), type(value).__name__)
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _text(body: dict, field: str) -> str | None:
+    value = body.get(field)
+    if value is not None and not isinstance(value, str):
+        raise BadRequest(f"'{field}' must be a string, not {_json_type(value)}")
+    return value
+
+
+def _b64(s: object, what: str) -> bytes:
+    if not isinstance(s, str):
+        raise BadRequest(f"'{what}' must be a base64 string, not {_json_type(s)}")
     try:
         return base64.b64decode(s, validate=True)
-    except (binascii.Error, ValueError, TypeError):
-        raise BadRequest(f"{what} is not valid base64") from None
+    except (binascii.Error, ValueError):
+        raise BadRequest(f"'{what}' is not valid base64") from None
+
+
+def _files(body: dict, field: str, *, b64: bool) -> dict[str, bytes]:
+    """The {name: content} object `body[field]` (text, or base64 when `b64`); {} when absent."""
+    value = body.get(field)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        got = _json_type(value)
+        raise BadRequest(f"'{field}' must be a JSON object {{name: content}}, not {got}")
+    files = {}
+    for name, content in value.items():
+        if b64:
+            files[name] = _b64(content, f"{field}[{name!r}]")
+        elif isinstance(content, str):
+            files[name] = content.encode()
+        else:
+            raise BadRequest(f"'{field}[{name!r}]' must be a string, not {_json_type(content)}")
+    return files
 
 
 def parse_run(body: dict, srv: ServerLimits) -> tuple[str, bytes, dict[str, bytes], Limits]:
     """Validate a /run body into arguments of `Sandbox.run`."""
     if not isinstance(body.get("code"), str):
         raise BadRequest("'code' (a string) is required")
-    stdin = (
-        _b64(body["stdin_b64"], "stdin_b64")
-        if "stdin_b64" in body
-        else str(body.get("stdin") or "").encode()
-    )
-    files = {k: str(v).encode() for k, v in (body.get("files") or {}).items()}
-    files.update(
-        {k: _b64(v, f"files_b64[{k!r}]") for k, v in (body.get("files_b64") or {}).items()}
-    )
-    try:
-        limits = Limits(**(body.get("limits") or {}))
-    except ValidationError as e:
-        raise BadRequest(f"bad limits: {e.errors()[0]['loc']}: {e.errors()[0]['msg']}") from None
-    return body["code"], stdin, files, srv.clamp(limits)
+    if "stdin_b64" in body:
+        stdin = _b64(body["stdin_b64"], "stdin_b64")
+    else:
+        stdin = (_text(body, "stdin") or "").encode()
+    files = _files(body, "files", b64=False)
+    files.update(_files(body, "files_b64", b64=True))
+    return body["code"], stdin, files, srv.limits(body.get("limits"))
 
 
 def parse_run_code(body: dict, srv: ServerLimits) -> tuple[str, bytes, dict[str, bytes], Limits]:
@@ -121,18 +196,18 @@ def parse_run_code(body: dict, srv: ServerLimits) -> tuple[str, bytes, dict[str,
         raise BadRequest(f"language {lang!r} is not supported here (python only)")
     if not isinstance(body.get("code"), str):
         raise BadRequest("'code' (a string) is required")
-    mem = body.get("memory_limit_MB", -1)
-    lim = {"wall_s": float(body.get("run_timeout", 10) or 10)}
-    if isinstance(mem, (int, float)) and mem > 0:
-        lim["memory_mb"] = int(mem)
-    try:
-        limits = Limits(**lim)
-    except ValidationError as e:
-        raise BadRequest(f"bad limits: {e.errors()[0]['msg']}") from None
-    files = {
-        k: _b64(v, f"files[{k!r}]") for k, v in (body.get("files") or {}).items() if v is not None
-    }
-    return body["code"], str(body.get("stdin") or "").encode(), files, srv.clamp(limits)
+    timeout, mem = body.get("run_timeout", 10), body.get("memory_limit_MB", -1)
+    for field, value in (("run_timeout", timeout), ("memory_limit_MB", mem)):
+        if value is not None and not _number(value):
+            raise BadRequest(f"'{field}' must be a number, not {_json_type(value)}")
+    lim = {"wall_s": timeout or 10}
+    if mem is not None and mem > 0:
+        lim["memory_mb"] = int(min(mem, srv.maxima["memory_mb"]))
+    files = body.get("files")
+    if isinstance(files, dict):  # SandboxFusion sends null for a file it does not want
+        body = {**body, "files": {k: v for k, v in files.items() if v is not None}}
+    return (body["code"], (_text(body, "stdin") or "").encode(), _files(body, "files", b64=True),
+            srv.limits(lim, "run_timeout/memory_limit_MB"))
 
 
 def to_sandboxfusion(res) -> dict:
@@ -164,12 +239,107 @@ def to_sandboxfusion(res) -> dict:
     }
 
 
-def make_handler(sb: Sandbox, token: str | None, srv: ServerLimits) -> type[BaseHTTPRequestHandler]:
+class _Gate:
+    """The connections that have not sent a complete request head yet (new ones, and idle
+    keep-alive ones between requests), which are neither authenticated nor doing work: at most
+    `max_waiting` of them, each for at most `head_timeout_s` (a deadline for the whole head, so a
+    client dripping a byte at a time gets no longer). Past either bound the oldest is shut down, so
+    idle or slow connections can neither hold every thread and descriptor nor keep a request that
+    arrives after them from being read."""
+
+    def __init__(self, max_waiting: int, head_timeout_s: float) -> None:
+        self.max_waiting, self.head_timeout_s = max_waiting, head_timeout_s
+        self._since: dict[socket.socket, float] = {}  # insertion order: the oldest first
+        self._lock = threading.Lock()
+
+    def waiting(self, conn: socket.socket) -> None:
+        with self._lock:
+            self._since.pop(conn, None)
+            self._since[conn] = time.monotonic()
+            self._shed()
+
+    def arrived(self, conn: socket.socket) -> None:
+        with self._lock:
+            self._since.pop(conn, None)
+
+    def sweep(self) -> None:
+        with self._lock:
+            self._shed()
+
+    def _shed(self) -> None:
+        now = time.monotonic()
+        while self._since:
+            conn, since = next(iter(self._since.items()))
+            if len(self._since) <= self.max_waiting and now - since < self.head_timeout_s:
+                return
+            del self._since[conn]
+            try:  # its thread, blocked reading the head, reads EOF and ends
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+
+class _ByteBudget:
+    """At most `limit` bytes of request bodies held for parsing at once."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.used = limit, 0
+        self._cond = threading.Condition()
+
+    def acquire(self, n: int, timeout: float) -> bool:
+        with self._cond:
+            if not self._cond.wait_for(lambda: self.used + n <= self.limit, timeout):
+                return False
+            self.used += n
+            return True
+
+    def release(self, n: int) -> None:
+        with self._cond:
+            self.used -= n
+            self._cond.notify_all()
+
+
+class _Server(ThreadingHTTPServer):
+    """`ThreadingHTTPServer` whose waiting connections are bounded (`_Gate`, swept between
+    accepts, at least every 0.5 s) and whose connection errors are one line, not a traceback."""
+
+    daemon_threads = True
+    request_queue_size = 128  # the listen backlog: a burst of connections is accepted, then shed
+
+    def __init__(self, address: tuple, handler: type[BaseHTTPRequestHandler], gate: _Gate,
+                 ipv6: bool) -> None:
+        self.gate = gate
+        self.address_family = socket.AF_INET6 if ipv6 else socket.AF_INET
+        super().__init__(address, handler)
+
+    def service_actions(self) -> None:
+        self.gate.sweep()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        exc = sys.exc_info()[1]
+        if isinstance(exc, OSError):  # a client gone, timed out or shed: not the server's fault
+            sys.stderr.write(f"serve-sandbox: {client_address[0]}: {type(exc).__name__}: {exc}\n")
+        else:
+            super().handle_error(request, client_address)
+
+
+def make_handler(sb: Sandbox, token: str | None, srv: ServerLimits,
+                 gate: _Gate | None = None) -> type[BaseHTTPRequestHandler]:
     admitted = threading.BoundedSemaphore(srv.max_queue)
+    parsing = _ByteBudget(srv.max_parse_bytes)
+    gate = gate or _Gate(srv.max_waiting, srv.head_timeout_s)
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
         server_version = "agentgrpo-sandbox"
+        timeout = srv.head_timeout_s  # each read and write of the socket (the body's included)
+
+        def handle_one_request(self) -> None:
+            gate.waiting(self.connection)  # until its head is read (`do_GET` / `do_POST`)
+            try:
+                super().handle_one_request()
+            finally:
+                gate.arrived(self.connection)
 
         def log_message(self, fmt: str, *args) -> None:  # one line per request, without bodies
             sys.stderr.write(f"serve-sandbox: {self.address_string()} {fmt % args}\n")
@@ -198,14 +368,20 @@ def make_handler(sb: Sandbox, token: str | None, srv: ServerLimits) -> type[Base
         def _hung_up(self) -> bool:
             """The client closed the connection (a trainer's tool call past its deadline): the
             socket reads as EOF. A pipelined next request reads as data, not as a hang-up."""
+            sock = self.connection
+            timeout = sock.gettimeout()
+            sock.settimeout(0.0)  # a socket with a timeout would wait that long for data first
             try:  # not select(): a busy server's descriptors pass FD_SETSIZE
-                return self.connection.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+                return sock.recv(1, socket.MSG_PEEK) == b""
             except BlockingIOError:  # nothing to read: still there
                 return False
             except OSError:  # reset by the peer
                 return True
+            finally:
+                sock.settimeout(timeout)
 
         def do_GET(self) -> None:
+            gate.arrived(self.connection)
             if not self._authorized():
                 return
             if self.path != "/health":
@@ -213,26 +389,37 @@ def make_handler(sb: Sandbox, token: str | None, srv: ServerLimits) -> type[Base
             self._send(200, {"ok": True, **sb.info})
 
         def do_POST(self) -> None:
+            gate.arrived(self.connection)
             if not self._authorized():
                 return
             parser = {"/run": parse_run, "/run_code": parse_run_code}.get(self.path)
             if parser is None:
                 return self._send(404, {"error": f"no such endpoint {self.path}"})
             length = self.headers.get("Content-Length")
-            if length is None or not length.isdigit():
+            if length is None or not (length.isascii() and length.isdigit()):  # not '²' (isdigit)
                 self.close_connection = True
                 return self._send(411, {"error": "Content-Length required"})
             if int(length) > srv.max_body_bytes:
                 self.close_connection = True  # do not read it
                 return self._send(413, {"error": f"body over {srv.max_body_bytes} bytes"})
-            raw = self.rfile.read(int(length))
+            size = int(length)
+            if not parsing.acquire(size, timeout=srv.head_timeout_s):  # bodies parsed at once
+                self.close_connection = True  # its body is not read
+                return self._send(503, {"error": "server busy parsing"}, {"Retry-After": "1"})
             try:
+                raw = self.rfile.read(size)
                 body = json.loads(raw)
+                del raw
                 if not isinstance(body, dict):
                     raise BadRequest("body must be a JSON object")
                 code, stdin, files, limits = parser(body, srv)
+                del body
             except (ValueError, BadRequest) as e:  # untrusted input: report, never crash
                 return self._send(400, {"error": str(e)})
+            except RecursionError:  # json's parser recurses once per level of nesting
+                return self._send(400, {"error": "body: JSON nested too deeply"})
+            finally:
+                parsing.release(size)
             if not admitted.acquire(blocking=False):
                 return self._send(429, {"error": "sandbox queue full"}, {"Retry-After": "1"})
             try:
@@ -291,6 +478,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-wall-s", type=float, default=60.0)
     p.add_argument("--max-memory-mb", type=int, default=4096)
     p.add_argument("--max-output-bytes", type=int, default=8 << 20)
+    p.add_argument("--max-processes", type=int, default=256)
+    p.add_argument("--max-disk-mb", type=int, default=1024)
+    p.add_argument("--max-open-files", type=int, default=1024)
+    p.add_argument("--max-parse-mb", type=float, default=None,
+                   help="request bodies read and parsed at once (default: --max-body-mb)")
+    p.add_argument("--max-waiting", type=int, default=128,
+                   help="connections not yet past their request head; the oldest is closed beyond")
+    p.add_argument("--head-timeout-s", type=float, default=10.0,
+                   help="time a connection has to send its request head; and each read and write")
     return p
 
 
@@ -303,19 +499,27 @@ def make_server(argv: list[str] | None = None) -> tuple[ThreadingHTTPServer, San
             f"serve-sandbox: refusing to bind {args.host} without a token: anyone who can reach it could run "
             f"code here. Set {TOKEN_ENV} or pass --token-file."
         )
-    srv = ServerLimits(
-        int(args.max_body_mb * (1 << 20)),
-        args.max_queue,
-        args.max_wall_s,
-        args.max_memory_mb,
-        args.max_output_bytes,
-    )
-    sb = Sandbox(backend=args.backend, config=SandboxConfig(slots=args.slots))
-    ThreadingHTTPServer.daemon_threads = True
-    if ":" in args.host:
-        ThreadingHTTPServer.address_family = socket.AF_INET6
     try:
-        server = ThreadingHTTPServer((args.host, args.port), make_handler(sb, token, srv))
+        srv = ServerLimits(
+            int(args.max_body_mb * (1 << 20)),
+            args.max_queue,
+            args.max_wall_s,
+            args.max_memory_mb,
+            args.max_output_bytes,
+            args.max_processes,
+            args.max_disk_mb,
+            args.max_open_files,
+            max_parse_bytes=int(args.max_parse_mb * (1 << 20)) if args.max_parse_mb else None,
+            max_waiting=args.max_waiting,
+            head_timeout_s=args.head_timeout_s,
+        )
+    except ValueError as e:
+        raise SystemExit(f"serve-sandbox: {e}") from None
+    sb = Sandbox(backend=args.backend, config=SandboxConfig(slots=args.slots))
+    gate = _Gate(srv.max_waiting, srv.head_timeout_s)
+    try:
+        server = _Server((args.host, args.port), make_handler(sb, token, srv, gate), gate,
+                         ipv6=":" in args.host)
     except OSError:
         sb.close()
         raise
