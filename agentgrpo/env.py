@@ -9,17 +9,17 @@ Decisions:
 - `reset()` without a task restarts the current task (Gymnasium's checker calls `reset()` with no
   options). An env that was never given a task raises a ValueError saying how to pass one.
 - `step` (and `reset`) may be `async def`; the rollout awaits them natively, and runs sync ones in a
-  worker thread so they never block the event loop. `check_env` handles both.
+  worker thread so they never block the event loop. `agentgrpo.check_env` handles both.
 - All members of a group are reset with the same task and seed, so their differences come from the
   policy alone. `reset` must seed everything random with it (`super().reset(seed=seed)` seeds
   `self.np_random`; use that RNG). An env whose outcome is not fixed by the seed (a live web
   search, a shared database, wall-clock time) sets `stochastic = True` and says in its docstring
-  what the seed fixes and what varies; `check_env` resets twice with one seed and flags an env that
-  differs without declaring it.
+  what the seed fixes and what varies; `agentgrpo.check_env` resets twice with one seed and flags
+  an env that differs without declaring it.
 - Tasks come from the env class: `load_tasks(split, seed)` returns the tasks the trainer iterates.
-- What `reset` and `step` return is checked by the rollout (`agentgrpo.env_check.checked_reset`,
-  `checked_step`, which `check_env` uses too): a value that breaks the contract ends that
-  trajectory with ENV_ERROR naming the problem, never the whole step.
+- What `reset` and `step` return is checked by the rollout (`checked_reset`, `checked_step`, which
+  `agentgrpo.check_env` uses too): a value that breaks the contract ends that trajectory with
+  ENV_ERROR naming the problem, never the whole step.
 - Verifiers stay apart from the env: an env may declare `rubric = Rubric([...])`, and `run_group`
   scores each finished group with it (the rubric's reward replaces the env's own; see
   `agentgrpo.reward.score_group`). A `ToolEnv` with a rubric need not write `reward`.
@@ -43,10 +43,15 @@ from __future__ import annotations
 import asyncio
 import functools
 import importlib
+import importlib.metadata
 import inspect
+import json
+import math
+import numbers
 import os
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -56,7 +61,7 @@ import numpy as np
 from agentgrpo.deadlines import run_charging_only_running_time
 from agentgrpo.reward import Rubric
 from agentgrpo.tool import Tool, ToolError, to_user_thread
-from agentgrpo.types import Message, Task, ToolCall, ToolErrorKind
+from agentgrpo.types import Message, StopReason, Task, ToolCall, ToolErrorKind
 
 _ALPHABET = np.array(list("abcdefghijklmnopqrstuvwxyz 0123456789+-*/=.,"))
 
@@ -211,8 +216,6 @@ def tasks_from_file(path: str | Path, *, split: str = "train", prompt_key: str =
     ValueError naming the file, the row and the problem. (Parquet / HF datasets: export to JSONL,
     e.g. `Dataset.to_json(path)`, which writes this format.)
     """
-    import json
-
     path = Path(path)
     text = path.read_text()
     if path.suffix == ".json":
@@ -397,16 +400,108 @@ class EnvCheckError(AssertionError):
     """An environment breaks the Env contract; the message lists every problem found."""
 
 
-def check_env(env: Env, task: Task | None = None) -> None:
-    """Validate an environment: Gymnasium's `check_env` plus the message and tool contract, by
-    running it through scripted resets and steps (see `agentgrpo.env_check`).
+# The contract of reset's and step's values, checked on every call by the rollout and by
+# `agentgrpo.env_check`, which runs whole scripted episodes (`agentgrpo.check_env`).
 
-    Raises EnvCheckError listing each failure with what was expected. `task` defaults to the first
-    task of `env.load_tasks("train")`.
+# Endings an env may name in `info["stop_reason"]` when it ends an episode (default: completed when
+# terminated, truncated when truncated). Infrastructure endings are the rollout's to decide.
+ENV_STOP_REASONS = frozenset({StopReason.COMPLETED, StopReason.TRUNCATED, StopReason.PARSE_ERROR,
+                              StopReason.TOOL_ERROR})
+
+
+# `info` keys of a step that the rollout itself reads; the env's other keys are its diagnostics.
+_ROLLOUT_INFO_KEYS = frozenset({"stop_reason", "tool_errors", "tool_error_kinds"})
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """One `env.step`, checked by `checked_step`: what the rollout uses of it."""
+
+    messages: list[Message]
+    reward: float
+    tool_errors: int = 0  # info["tool_errors"]: tool calls the env answered with an error
+    tool_error_kinds: dict[str, int] = field(default_factory=dict)  # info["tool_error_kinds"]
+    ending: StopReason | None = None  # why the episode ends, when this step ends it
+    env_info: dict[str, Any] = field(default_factory=dict)  # an ending step's other info keys, as JSON
+
+
+def checked_reset(result: Any) -> list[Message]:
+    """What `env.reset` returned (user code), checked as `checked_step` checks `step`: the first
+    messages, a non-empty list of Message, with an info dict. Raises ValueError naming the problem,
+    which the rollout turns into an ENV_ERROR trajectory."""
+    if not (isinstance(result, tuple) and len(result) == 2):
+        raise ValueError(f"reset must return (messages, info), got {result!r:.200}")
+    obs, info = result
+    if problem := _messages_problem("reset's messages", obs, empty_ok=False):
+        raise ValueError(problem)
+    if not isinstance(info, dict):
+        raise ValueError(f"reset's info must be a dict, got {type(info).__name__}")
+    return list(obs)
+
+
+def checked_step(result: Any) -> StepResult:
+    """What `env.step` returned (user code), checked, the `info` keys the rollout reads included,
+    so a bad value ends the trajectory with a clear ENV_ERROR (the rollout catches the ValueError)
+    instead of surfacing as an unrelated exception later, outside any trajectory (which crashed
+    the whole step).
+
+    The reward may be any real number (a numpy float too) but must be finite. `tool_errors` and
+    `tool_error_kinds` (str -> count) are non-negative ints. The ending is `info["stop_reason"]`
+    (one of ENV_STOP_REASONS; default completed when terminated, truncated when truncated); the
+    other keys of an ending step are kept as JSON values (anything else as its `str`) for the
+    trajectory's `info["env"]`.
     """
-    from agentgrpo.env_check import check_env as run_checks  # the checker imports this module
+    if not (isinstance(result, tuple) and len(result) == 5):
+        raise ValueError(f"step must return (messages, reward, terminated, truncated, info), got {result!r:.200}")
+    new, reward, terminated, truncated, info = result
+    if problem := _messages_problem("step's messages", new, empty_ok=True):
+        raise ValueError(problem)
+    if isinstance(reward, bool) or not isinstance(reward, numbers.Real) or not math.isfinite(reward):
+        raise ValueError(f"step's reward must be a finite number, got {reward!r}")
+    if not isinstance(info, dict):
+        raise ValueError(f"step's info must be a dict, got {type(info).__name__}")
+    n_errors = info.get("tool_errors", 0)
+    if not _is_count(n_errors):
+        raise ValueError(f"step's info['tool_errors'] must be a non-negative int, got {n_errors!r:.200}")
+    kinds = info.get("tool_error_kinds", {})
+    if not (isinstance(kinds, dict) and all(isinstance(k, str) and _is_count(v) for k, v in kinds.items())):
+        raise ValueError(f"step's info['tool_error_kinds'] must be a dict of str -> non-negative int, "
+                         f"got {kinds!r:.200}")
+    ending, env_info = None, {}
+    if terminated or truncated:
+        reason = info.get("stop_reason", StopReason.COMPLETED if terminated else StopReason.TRUNCATED)
+        if not (isinstance(reason, str) and reason in ENV_STOP_REASONS):
+            raise ValueError(f"step's info['stop_reason'] is {reason!r}; an env may choose one of "
+                             f"{sorted(r.value for r in ENV_STOP_REASONS)}")
+        ending, env_info = StopReason(reason), _env_info(info)
+    return StepResult(list(new), float(reward), int(n_errors), {k: int(v) for k, v in kinds.items()},
+                      ending, env_info)
 
-    run_checks(env, task)
+
+def _messages_problem(what: str, value: Any, *, empty_ok: bool) -> str | None:
+    """Why `value` (an env's messages) is not a list of Message, or None when it is one."""
+    if isinstance(value, list) and (value or empty_ok) and all(isinstance(m, Message) for m in value):
+        return None
+    hint = ("; OpenAI-style dicts convert with Message.from_dict"
+            if isinstance(value, list) and any(isinstance(m, dict) for m in value) else "")
+    return f"{what} must be a {'' if empty_ok else 'non-empty '}list of Message, got {value!r:.200}{hint}"
+
+
+def _is_count(v: Any) -> bool:
+    return isinstance(v, numbers.Integral) and v >= 0
+
+
+def _env_info(info: dict[str, Any]) -> dict[str, Any]:
+    """An ending step's own `info` keys (why an answer scored 0, test results, ...) as JSON values
+    (anything else as its `str`); ValueError when they cannot be (a circular reference, a value
+    whose `str` raises)."""
+    extra = {k: v for k, v in info.items() if k not in _ROLLOUT_INFO_KEYS}
+    if not extra:
+        return {}
+    try:
+        return json.loads(json.dumps(extra, default=str, skipkeys=True))
+    except Exception as e:  # noqa: BLE001 - the values are user objects: any of them may fail to convert
+        raise ValueError(f"step's info cannot be kept as JSON ({type(e).__name__}: {e})") from e
 
 
 # ---------------------------------------------------------------------------------------------
@@ -414,9 +509,14 @@ def check_env(env: Env, task: Task | None = None) -> None:
 
 ENVS: dict[str, type[Env]] = {}
 
+# Installed packages name their environments under this entry-point group, agentgrpo's own `envs/`
+# among them (pyproject.toml: [project.entry-points."agentgrpo.envs"] name = "module:Class").
+ENTRY_POINT_GROUP = "agentgrpo.envs"
+
 
 def register_env(name: str, cls: type[Env] | None = None) -> Any:
-    """Register an env class by name (usable as `@register_env("name")`)."""
+    """Register an env class by name at run time (usable as `@register_env("name")`); a package
+    that ships envs declares them as entry points instead (`ENTRY_POINT_GROUP`)."""
     def deco(c: type[Env]) -> type[Env]:
         if not (isinstance(c, type) and issubclass(c, Env)):
             raise TypeError(f"register_env({name!r}): {c!r} is not an Env subclass")
@@ -426,13 +526,14 @@ def register_env(name: str, cls: type[Env] | None = None) -> Any:
 
 
 def get_env_class(name: str) -> type[Env]:
-    """`name` is a registered name or `module:Class`.
+    """`name` is a registered name, an entry point of `ENTRY_POINT_GROUP`, or `module:Class`.
 
     A module the import path does not have is looked for in the current directory too (appended
     to `sys.path`, so it never shadows an installed package), as `python -m` would find it: the
     `agentgrpo` command, unlike `python`, does not put the current directory on the path. A module
-    that is still not found, or a name that is not an Env class, is a ValueError saying so; an
-    error raised while importing the user's module propagates as it is (it is their code).
+    that is still not found, a name that is not an Env class, or a name nothing registers is a
+    ValueError saying so; an error raised while importing the user's module propagates as it is
+    (it is their code).
     """
     if ":" in name:
         module, _, attr = name.partition(":")
@@ -450,10 +551,37 @@ def get_env_class(name: str) -> type[Env]:
             raise ValueError(f"{name!r} does not name an agentgrpo Env class"
                              + ("" if cls is not None else f" (module {module!r} has no {attr!r})"))
         return cls
-    importlib.import_module("envs")  # registers the bundled environments
-    if name not in ENVS:
-        raise ValueError(f"unknown environment {name!r}; registered: {sorted(ENVS)} (or use module:Class)")
-    return ENVS[name]
+    if name in ENVS:
+        return ENVS[name]
+    found = importlib.metadata.entry_points(group=ENTRY_POINT_GROUP).select(name=name)
+    if not found:
+        raise ValueError(f"unknown environment {name!r}; known: {known_env_names()} (or use "
+                         f"module:Class){_missing_entry_points()}")
+    entry = next(iter(found))
+    cls = entry.load()
+    if not (isinstance(cls, type) and issubclass(cls, Env)):
+        raise ValueError(f"env {name!r}: entry point {entry.value!r} ({ENTRY_POINT_GROUP}) is not an "
+                         "agentgrpo Env class")
+    return cls
+
+
+def known_env_names() -> list[str]:
+    """The names `get_env_class` resolves without `module:Class`: registered and entry points."""
+    return sorted(set(ENVS) | set(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP).names))
+
+
+def _missing_entry_points() -> str:
+    """Why agentgrpo's own envs may be missing from the names: the install predates the group,
+    or agentgrpo runs from a source tree that was never installed."""
+    try:
+        dist = importlib.metadata.distribution("agentgrpo")
+    except importlib.metadata.PackageNotFoundError:
+        return ("; agentgrpo is not installed, so its own environments (entry points of "
+                f"{ENTRY_POINT_GROUP}) are unknown: install it with pip install -e .")
+    if not any(e.group == ENTRY_POINT_GROUP for e in dist.entry_points):
+        return (f"; the installed agentgrpo {dist.version} declares no {ENTRY_POINT_GROUP} entry "
+                "points (its metadata predates them): reinstall with pip install -e .")
+    return ""
 
 
 def _import_user_module(module: str) -> Any:

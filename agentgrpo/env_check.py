@@ -2,8 +2,10 @@
 
 `env_report(env, task)` runs an env through reset and step with scripted actions and returns one
 `EnvCheck` per promise of the Env contract: what was checked, whether it held, and, when it did
-not, what was found and why it matters. `check_env` (re-exported by `agentgrpo.env`) raises
+not, what was found and why it matters. `check_env` (re-exported as `agentgrpo.check_env`) raises
 `EnvCheckError` listing the failures; `agentgrpo check-env MODULE:CLASS` prints the whole report.
+The checks of single values that the rollout runs too (`checked_reset`, `checked_step`) live in
+`agentgrpo.env`, the stage below this run-level checker.
 
 The scripted actions: reset twice with one seed (determinism, unless the env declares
 `stochastic`); for a ToolEnv, a call to an unknown tool, a call with invalid arguments, and one call
@@ -15,121 +17,14 @@ through a sync view for async envs. Tools really run: check an env where running
 from __future__ import annotations
 
 import inspect
-import json
-import math
-import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
 import gymnasium
+from gymnasium.utils.env_checker import check_env as gym_check
 
-from agentgrpo.env import Env, EnvCheckError, ToolEnv, _run_sync
-from agentgrpo.types import Message, StopReason, Task, ToolCall
-
-# ---------------------------------------------------------------------------------------------
-# The contract of reset's and step's values, checked on every call by the rollout
-
-
-# Endings an env may name in `info["stop_reason"]` when it ends an episode (default: completed when
-# terminated, truncated when truncated). Infrastructure endings are the rollout's to decide.
-ENV_STOP_REASONS = frozenset({StopReason.COMPLETED, StopReason.TRUNCATED, StopReason.PARSE_ERROR,
-                              StopReason.TOOL_ERROR})
-
-
-# `info` keys of a step that the rollout itself reads; the env's other keys are its diagnostics.
-_ROLLOUT_INFO_KEYS = frozenset({"stop_reason", "tool_errors", "tool_error_kinds"})
-
-
-@dataclass(frozen=True)
-class StepResult:
-    """One `env.step`, checked by `checked_step`: what the rollout uses of it."""
-
-    messages: list[Message]
-    reward: float
-    tool_errors: int = 0  # info["tool_errors"]: tool calls the env answered with an error
-    tool_error_kinds: dict[str, int] = field(default_factory=dict)  # info["tool_error_kinds"]
-    ending: StopReason | None = None  # why the episode ends, when this step ends it
-    env_info: dict[str, Any] = field(default_factory=dict)  # an ending step's other info keys, as JSON
-
-
-def checked_reset(result: Any) -> list[Message]:
-    """What `env.reset` returned (user code), checked as `checked_step` checks `step`: the first
-    messages, a non-empty list of Message, with an info dict. Raises ValueError naming the problem,
-    which the rollout turns into an ENV_ERROR trajectory."""
-    if not (isinstance(result, tuple) and len(result) == 2):
-        raise ValueError(f"reset must return (messages, info), got {result!r:.200}")
-    obs, info = result
-    if problem := _messages_problem("reset's messages", obs, empty_ok=False):
-        raise ValueError(problem)
-    if not isinstance(info, dict):
-        raise ValueError(f"reset's info must be a dict, got {type(info).__name__}")
-    return list(obs)
-
-
-def checked_step(result: Any) -> StepResult:
-    """What `env.step` returned (user code), checked, the `info` keys the rollout reads included,
-    so a bad value ends the trajectory with a clear ENV_ERROR (the rollout catches the ValueError)
-    instead of surfacing as an unrelated exception later, outside any trajectory (which crashed
-    the whole step).
-
-    The reward may be any real number (a numpy float too) but must be finite. `tool_errors` and
-    `tool_error_kinds` (str -> count) are non-negative ints. The ending is `info["stop_reason"]`
-    (one of ENV_STOP_REASONS; default completed when terminated, truncated when truncated); the
-    other keys of an ending step are kept as JSON values (anything else as its `str`) for the
-    trajectory's `info["env"]`.
-    """
-    if not (isinstance(result, tuple) and len(result) == 5):
-        raise ValueError(f"step must return (messages, reward, terminated, truncated, info), got {result!r:.200}")
-    new, reward, terminated, truncated, info = result
-    if problem := _messages_problem("step's messages", new, empty_ok=True):
-        raise ValueError(problem)
-    if isinstance(reward, bool) or not isinstance(reward, numbers.Real) or not math.isfinite(reward):
-        raise ValueError(f"step's reward must be a finite number, got {reward!r}")
-    if not isinstance(info, dict):
-        raise ValueError(f"step's info must be a dict, got {type(info).__name__}")
-    n_errors = info.get("tool_errors", 0)
-    if not _is_count(n_errors):
-        raise ValueError(f"step's info['tool_errors'] must be a non-negative int, got {n_errors!r:.200}")
-    kinds = info.get("tool_error_kinds", {})
-    if not (isinstance(kinds, dict) and all(isinstance(k, str) and _is_count(v) for k, v in kinds.items())):
-        raise ValueError(f"step's info['tool_error_kinds'] must be a dict of str -> non-negative int, "
-                         f"got {kinds!r:.200}")
-    ending, env_info = None, {}
-    if terminated or truncated:
-        reason = info.get("stop_reason", StopReason.COMPLETED if terminated else StopReason.TRUNCATED)
-        if not (isinstance(reason, str) and reason in ENV_STOP_REASONS):
-            raise ValueError(f"step's info['stop_reason'] is {reason!r}; an env may choose one of "
-                             f"{sorted(r.value for r in ENV_STOP_REASONS)}")
-        ending, env_info = StopReason(reason), _env_info(info)
-    return StepResult(list(new), float(reward), int(n_errors), {k: int(v) for k, v in kinds.items()},
-                      ending, env_info)
-
-
-def _messages_problem(what: str, value: Any, *, empty_ok: bool) -> str | None:
-    """Why `value` (an env's messages) is not a list of Message, or None when it is one."""
-    if isinstance(value, list) and (value or empty_ok) and all(isinstance(m, Message) for m in value):
-        return None
-    hint = ("; OpenAI-style dicts convert with Message.from_dict"
-            if isinstance(value, list) and any(isinstance(m, dict) for m in value) else "")
-    return f"{what} must be a {'' if empty_ok else 'non-empty '}list of Message, got {value!r:.200}{hint}"
-
-
-def _is_count(v: Any) -> bool:
-    return isinstance(v, numbers.Integral) and v >= 0
-
-
-def _env_info(info: dict[str, Any]) -> dict[str, Any]:
-    """An ending step's own `info` keys (why an answer scored 0, test results, ...) as JSON values
-    (anything else as its `str`); ValueError when they cannot be (a circular reference, a value
-    whose `str` raises)."""
-    extra = {k: v for k, v in info.items() if k not in _ROLLOUT_INFO_KEYS}
-    if not extra:
-        return {}
-    try:
-        return json.loads(json.dumps(extra, default=str, skipkeys=True))
-    except Exception as e:  # noqa: BLE001 - the values are user objects: any of them may fail to convert
-        raise ValueError(f"step's info cannot be kept as JSON ({type(e).__name__}: {e})") from e
-
+from agentgrpo.env import Env, EnvCheckError, ToolEnv, _run_sync, checked_reset, checked_step
+from agentgrpo.types import Message, Task, ToolCall
 
 # ---------------------------------------------------------------------------------------------
 # Scripted checks (`env_report`, `check_env`)
@@ -343,8 +238,6 @@ def env_report(env: Env, task: Task | None = None) -> EnvReport:
     report.checks += _check_step(env, task)
     if report.ok:
         try:
-            from gymnasium.utils.env_checker import check_env as gym_check
-
             view = env if not (inspect.iscoroutinefunction(env.step)
                                or inspect.iscoroutinefunction(env.reset)) else _SyncView(env)
             gym_check(view, skip_render_check=True, skip_close_check=True)

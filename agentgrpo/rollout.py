@@ -28,7 +28,7 @@ optionally penalised (`tool_error_penalty` per error). A call cut off by the tok
 is counted and penalised too, though the cut turn ends the episode.
 
 Failures end one trajectory, never the step: an env that raises, or returns values that break its
-contract (`agentgrpo.env_check.checked_reset`, `checked_step`), ends it with ENV_ERROR naming the
+contract (`agentgrpo.env.checked_reset`, `checked_step`), ends it with ENV_ERROR naming the
 problem; any exception of the engine (`EngineError` after its retries, or anything else a client
 library raises) ends it with ENGINE_ERROR and the exception in `stop_detail`. Both are unscorable
 (reward NaN, never 0).
@@ -52,8 +52,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from agentgrpo.chat import TRUNCATION_MARKER, ChatFormat, TemplateError
 from agentgrpo.deadlines import DeadlineExpired, Deadlines
 from agentgrpo.engine.base import Completion, Engine, SamplingParams
-from agentgrpo.env import Env, ToolEnv, call_env, env_rubric
-from agentgrpo.env_check import checked_reset, checked_step
+from agentgrpo.env import Env, ToolEnv, call_env, checked_reset, checked_step, env_rubric
 from agentgrpo.reward import Rubric, score_group
 from agentgrpo.tool import stuck_user_calls
 from agentgrpo.types import Group, Message, StopReason, Task, Trajectory

@@ -15,12 +15,14 @@ from typing import Any
 
 import numpy as np
 import torch
+from transformers import AutoTokenizer
 
-from agentgrpo import checkpoint
+from agentgrpo import checkpoint, models
 from agentgrpo.advantage import compute_advantages
 from agentgrpo.chat import ChatFormat
 from agentgrpo.config import ConfigError, RunConfig, dump_config
 from agentgrpo.engine.base import Engine, close_all, wait_ready
+from agentgrpo.engine.config import build_engine
 from agentgrpo.env import Env
 from agentgrpo.evaluate import evaluate
 from agentgrpo.learner import Learner
@@ -64,17 +66,6 @@ class TaskStream:
         return out
 
 
-def build_engine(cfg: RunConfig, model_path: Path, tokenizer: Any) -> Engine:
-    if cfg.engine.kind == "sglang":
-        from agentgrpo.engine.sglang import SGLangEngine
-
-        return SGLangEngine.from_config(cfg.engine.sglang)
-    from agentgrpo.engine.local import LocalEngine
-
-    return LocalEngine(model_path, tokenizer=tokenizer, max_batch_size=cfg.engine.max_batch_size,
-                       prefix_cache_tokens=cfg.engine.prefix_cache_tokens, seed=cfg.seed)
-
-
 async def collect_step(cfg: RunConfig, make_env: Callable[[], Env], engine: Engine, chat: ChatFormat,
                        stream: TaskStream, step: int, context_len: int | None,
                        on_done: Callable[[Trajectory], None] | None = None) -> tuple[list[Group], dict[str, float]]:
@@ -116,10 +107,6 @@ def train(cfg: RunConfig) -> Path:
     checkpoints is the one a single process would produce. Collectives (broadcast, `train_step`,
     `export_model`, `Learner.save`, checkpoint agreement) are called by all ranks in the same order.
     """
-    from transformers import AutoTokenizer
-
-    from agentgrpo.models import default_model_path, load_policy
-
     run_dir = Path(cfg.output_dir)
     seed_everything(cfg.seed)
     env_cls = cfg.env.env_class()  # before the model loads: a misspelt env or task file fails at once
@@ -128,12 +115,12 @@ def train(cfg: RunConfig) -> Path:
     if cfg.eval.every and not eval_tasks:  # it would log NaN eval metrics every eval.every steps
         raise ConfigError(f"eval.every={cfg.eval.every} but {cfg.env.name} has no tasks in split "
                           f"{cfg.eval.split!r} (eval.split); set eval.every: 0 or another split")
-    model_path = Path(cfg.model.path) if cfg.model.path else default_model_path()
+    model_path = Path(cfg.model.path) if cfg.model.path else models.default_model_path()
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     template = Path(cfg.model.chat_template).read_text() if cfg.model.chat_template else None
     chat = ChatFormat(tokenizer, template=template, parser=cfg.model.tool_parser,
                       fallback=cfg.rollout.template_fallback, template_kwargs=cfg.rollout.chat_template_kwargs)
-    model = load_policy(model_path)  # FSDP with RAM-efficient loading: weights on rank 0 only
+    model = models.load_policy(model_path)  # FSDP with RAM-efficient loading: weights on rank 0 only
     context_len = getattr(model.config, "max_position_embeddings", None)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else chat.end_of_turn_id
     learner = Learner(model, cfg.learner, cfg.loss, temperature=cfg.rollout.temperature, pad_id=pad_id,
@@ -158,7 +145,7 @@ def train(cfg: RunConfig) -> Path:
         # Refuse a template that would make the learner see tokens the model never saw.
         print(f"chat template: {chat.template_source}, token mode: "
               f"{require_token_safe(chat, make_env(), stream.tasks[0], seed=cfg.seed).mode}", flush=True)
-        engine = build_engine(cfg, model_path, tokenizer)
+        engine = build_engine(cfg.engine, model_path, tokenizer, seed=cfg.seed)
         sync = WeightSync(engine, cfg.weight_sync)
     loop = asyncio.new_event_loop()  # one loop for the run: engine clients and workers live on it
     if lead:  # SGLang: servers loaded, their versions and context length read, before the first push
