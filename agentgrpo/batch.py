@@ -355,7 +355,8 @@ def _build(trajs: Sequence[Trajectory], advantages: Sequence[float], rows: list[
     )
 
 
-def balanced_parts(trajs: Sequence[Trajectory], k: int, *, exactly_k: bool = False) -> list[list[int]]:
+def balanced_parts(trajs: Sequence[Trajectory], k: int, *,
+                   exactly_k: bool = False) -> list[list[int]]:
     """Indices of the trajectories in each of `k` parts (the step's mini-batches, or its ranks):
     whole groups, balanced by tokens (`len(token_ids)`).
 

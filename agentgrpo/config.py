@@ -3,8 +3,8 @@
 Each stage owns its config model next to its code (`RolloutConfig` in rollout.py, `LossConfig`
 in loss.py, `EngineConfig` in engine/config.py, ...); this module composes them and holds the
 run-level settings (model, env, train loop, evaluation, logging), so that the run-level modules
-(train, evaluate, log, ...) import it and it imports none of them. Every model forbids unknown keys, so a misspelt key
-is an error that names it instead of a setting silently ignored.
+(train, evaluate, log, ...) import it and it imports none of them. Every model forbids unknown
+keys, so a misspelt key is an error that names it instead of a setting silently ignored.
 """
 
 from __future__ import annotations

@@ -560,8 +560,8 @@ def get_env_class(name: str) -> type[Env]:
     entry = next(iter(found))
     cls = entry.load()
     if not (isinstance(cls, type) and issubclass(cls, Env)):
-        raise ValueError(f"env {name!r}: entry point {entry.value!r} ({ENTRY_POINT_GROUP}) is not an "
-                         "agentgrpo Env class")
+        raise ValueError(f"env {name!r}: entry point {entry.value!r} ({ENTRY_POINT_GROUP}) is "
+                         "not an agentgrpo Env class")
     return cls
 
 

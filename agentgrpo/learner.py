@@ -103,7 +103,7 @@ class LearnerConfig(BaseModel):
     row_tokens: Literal["auto"] | int = Field(
         "auto", description="shared_prefix: the longest a group's row may be before the group is split "
         "(each piece with its own copy of the prompt). Under a mask attention costs the square of the "
-        "row; auto = the cap the packer's cost model finds cheapest (agentgrpo.batch.make_micro_batches; "
+        "row; auto = the cap the packer's cost model finds cheapest (batch.make_micro_batches; "
         "under segment attention never a split); an int caps it (micro_batch_tokens = no cap: a whole "
         "group per row)")
     old_logprobs: Literal["rollout", "recompute"] = Field(

@@ -43,6 +43,7 @@ import numpy as np
 import yaml
 
 from agentgrpo.log import mask_secrets
+from agentgrpo.models import default_model_path, load_tokenizer
 from agentgrpo.report_data import TrajScan, _list, _num, _step, load_metrics, scan_trajectories
 
 DEFAULT_MAX_TRAJECTORIES = 200
@@ -207,8 +208,6 @@ def load_run_tokenizer(run_dir: Path, config: dict[str, Any], notices: list[str]
     """The run's tokenizer (config.yaml's model.path; null = the embedded model) or None."""
     model = config.get("model") if isinstance(config.get("model"), dict) else {}
     try:
-        from agentgrpo.models import default_model_path, load_tokenizer
-
         path = model.get("path")
         if path:
             path = Path(path) if Path(path).is_absolute() or Path(path).exists() else run_dir / path

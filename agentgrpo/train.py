@@ -120,7 +120,7 @@ def train(cfg: RunConfig) -> Path:
     template = Path(cfg.model.chat_template).read_text() if cfg.model.chat_template else None
     chat = ChatFormat(tokenizer, template=template, parser=cfg.model.tool_parser,
                       fallback=cfg.rollout.template_fallback, template_kwargs=cfg.rollout.chat_template_kwargs)
-    model = models.load_policy(model_path)  # FSDP with RAM-efficient loading: weights on rank 0 only
+    model = models.load_policy(model_path)  # FSDP, RAM-efficient loading: weights on rank 0 only
     context_len = getattr(model.config, "max_position_embeddings", None)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else chat.end_of_turn_id
     learner = Learner(model, cfg.learner, cfg.loss, temperature=cfg.rollout.temperature, pad_id=pad_id,

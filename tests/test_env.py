@@ -114,10 +114,11 @@ def test_envs_registered_at_run_time_and_installs_that_predate_the_entry_points(
         version = "0.1.0"
         entry_points = importlib.metadata.EntryPoints(())
 
-    monkeypatch.setattr(importlib.metadata, "entry_points", lambda **k: importlib.metadata.EntryPoints(()))
+    no_entry_points = importlib.metadata.EntryPoints(())
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda **k: no_entry_points)
     monkeypatch.setattr(importlib.metadata, "distribution", lambda name: Old())
-    with pytest.raises(ValueError, match=r"known: \['echo-at-run-time'\].*predates them\): reinstall "
-                                         r"with pip install -e \."):
+    with pytest.raises(ValueError, match=r"known: \['echo-at-run-time'\].*predates them\): "
+                                         r"reinstall with pip install -e \."):
         get_env_class("calculator")
 
     def not_installed(name):
@@ -130,7 +131,8 @@ def test_envs_registered_at_run_time_and_installs_that_predate_the_entry_points(
 def test_registry_and_calculator_tasks():
     assert get_env_class("calculator") is CalculatorEnv
     assert get_env_class("tests.test_env:Echo") is Echo
-    with pytest.raises(ValueError, match=r"unknown environment 'nope'; known: \[.*'calculator'.*'gym_text'"):
+    known = r"unknown environment 'nope'; known: \[.*'calculator'.*'gym_text'"
+    with pytest.raises(ValueError, match=known):
         get_env_class("nope")
     a = CalculatorEnv.load_tasks("train", seed=1, n=5)
     assert a == CalculatorEnv.load_tasks("train", seed=1, n=5)

@@ -4,7 +4,9 @@ The import graph of `agentgrpo/`, `envs/` and `tools/` is computed with `ast`: e
 any depth (inside functions too), relative imports resolved, `importlib.import_module("name")`
 with a literal name counted as an import, and only what sits under `if TYPE_CHECKING:` left out.
 The tests fail on any cycle in it (naming the modules around it), on any import of `envs` or
-`tools` from `agentgrpo`, and on any stage module importing a run-level (application) module.
+`tools` from `agentgrpo`, on any stage module importing a run-level (application) module, and on
+an import inside a function that is neither of a heavy or optional dependency nor listed in `LATE`
+with its reason.
 """
 
 from __future__ import annotations
@@ -183,3 +185,58 @@ def test_stage_modules_import_no_application_module() -> None:
            if m.split(".")[0] == "agentgrpo" and m not in APPLICATION | FACADE
            for target, line in edges.items() if target in APPLICATION | FACADE]
     assert not bad, "a stage module imports the run level:\n  " + "\n  ".join(bad)
+
+
+# Imports inside functions, each for a reason: a heavy or optional dependency loaded only by the
+# code that needs it, never at `import agentgrpo` (first part of the imported name) ...
+HEAVY_OR_OPTIONAL = {"accelerate", "matplotlib", "peft", "reasoning_gym", "safetensors", "sglang",
+                     "torch", "transformers", "wandb"}
+# ... or a module of ours that one module loads late, and why.
+LATE = {
+    ("agentgrpo.cli", "agentgrpo.config"): "loads torch: only once a command runs",
+    ("agentgrpo.cli", "agentgrpo.train"): "loads torch: only once a command runs",
+    ("agentgrpo.cli", "agentgrpo.evaluate"): "loads torch: only once a command runs",
+    ("agentgrpo.engine", "agentgrpo.engine.local"): "the protocol is importable without torch",
+    ("agentgrpo.engine", "agentgrpo.engine.sglang"): "... and without httpx",
+    ("agentgrpo.engine.config", "agentgrpo.engine.sglang"): "loading a run config imports no httpx",
+    ("agentgrpo.verify._remote_client", "httpx"): "a local sandbox imports no httpx",
+    # the part of a sandbox job that runs in the jail (stdlib only, its source run by `python -c`);
+    # its late stdlib imports are left to the sandbox's own changes
+    ("agentgrpo.verify._runner", "builtins"): "jail child", ("agentgrpo.verify._runner", "io"): "",
+    ("agentgrpo.verify._runner", "types"): "", ("agentgrpo.verify._runner", "atexit"): "",
+    ("agentgrpo.verify._runner", "threading"): "", ("agentgrpo.verify._runner", "traceback"): "",
+}
+
+
+def imports_inside_functions() -> list[tuple[str, str, int]]:
+    """(module, imported name, line) of every import inside a function, TYPE_CHECKING aside."""
+    found: list[tuple[str, str, int]] = []
+    for module, path in module_files().items():
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        _late_imports(ast.parse(path.read_text()), module, package, False, found)
+    return found
+
+
+def _late_imports(node: ast.AST, module: str, package: str, in_function: bool,
+                  found: list[tuple[str, str, int]]) -> None:
+    if isinstance(node, ast.If) and _is_type_checking(node.test):
+        node = ast.Module(body=node.orelse, type_ignores=[])
+    if in_function and isinstance(node, ast.Import):
+        found.extend((module, a.name, node.lineno) for a in node.names)
+    elif in_function and isinstance(node, ast.ImportFrom):
+        base = node.module or ""
+        if node.level:
+            parts = package.split(".")
+            base = ".".join(parts[:len(parts) - node.level + 1] + ([base] if base else []))
+        found.append((module, base, node.lineno))
+    inside = in_function or isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+    for child in ast.iter_child_nodes(node):
+        _late_imports(child, module, package, inside, found)
+
+
+def test_imports_inside_functions_only_for_heavy_or_optional_dependencies() -> None:
+    files = module_files()
+    bad = [f"{files[m].relative_to(ROOT)}:{line} imports {name} inside a function"
+           for m, name, line in imports_inside_functions()
+           if name.split(".")[0] not in HEAVY_OR_OPTIONAL and (m, name) not in LATE]
+    assert not bad, "move these to the module's top:\n  " + "\n  ".join(bad)

@@ -8,6 +8,7 @@ chooses a client and retries.
 from __future__ import annotations
 
 import asyncio
+import base64
 import threading
 import time
 from collections.abc import Sequence
@@ -53,8 +54,6 @@ class _RemoteClient:
 
     @staticmethod
     def body(code: bytes, stdin: bytes, files: list[tuple[str, bytes]], limits: Limits) -> dict:
-        import base64
-
         return {
             "code": code.decode("utf-8", "surrogateescape"),
             "stdin_b64": base64.b64encode(stdin).decode(),
