@@ -2,7 +2,8 @@
 
 from agentgrpo.types import EnvStep, Group, Message, StopReason, Task, ToolCall, Trajectory  # noqa: I001
 from agentgrpo.tool import tool  # binds the name `tool` to the decorator, not the submodule
-from agentgrpo.env import Env, ToolEnv, check_env
+from agentgrpo.env import Env, ToolEnv
+from agentgrpo.env_check import check_env  # the run-level checker: the package face re-exports it
 
 __all__ = [
     "Env", "EnvStep", "Group", "Message", "StopReason", "Task", "ToolCall", "ToolEnv", "Trajectory",

@@ -6,12 +6,12 @@ frozen reference (with LoRA: the same weights with the adapter disabled); no val
 
 One `train_step(trajectories, advantages)`:
   1. scorable trajectories only (NaN advantage or reward, or no sampled token: left out);
-  2. split into `mini_batches` mini-batches of whole groups (`split_mini_batches`), each one
+  2. split into `mini_batches` mini-batches of whole groups (`batch.balanced_parts`), each one
      optimizer step that is exactly a step of its own size: its normalisers (loss tokens, sequences)
      are counted over the whole mini-batch, on every rank alike, so each micro-batch's loss is its
      share of the mini-batch loss: accumulated gradients equal one big batch, on one process or
      many (DDP/FSDP average over ranks, so each share is scaled by the world size before backward);
-  3. this rank's shard of each mini-batch (`batch.shard`) is packed into micro-batches
+  3. this rank's part of each mini-batch (`balanced_parts` again) is packed into micro-batches
      (`batch.make_micro_batches`); in every mini-batch every rank runs the same number of
      micro-batches (a rank with fewer runs empty ones), since DDP and FSDP passes are collective;
   4. one no-grad scoring pass when needed, before any update: recomputed old logprobs
@@ -52,7 +52,7 @@ from typing import Any, Literal
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType, InitProcessGroupKwargs
+from accelerate.utils import DistributedType, InitProcessGroupKwargs, broadcast_object_list
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from agentgrpo import learner_state
@@ -61,9 +61,8 @@ from agentgrpo.batch import (
     PackingMode,
     TrainBatch,
     attention_pair_cost,
+    balanced_parts,
     make_micro_batches,
-    shard,
-    split_mini_batches,
 )
 from agentgrpo.learner_dist import check_launch, shard_reference, total_norm
 from agentgrpo.learner_metrics import Metrics, over_ranks, step_metrics
@@ -80,7 +79,7 @@ from agentgrpo.lora import LoraConfig, MergedModel, apply_lora, merged_state_dic
 from agentgrpo.loss import LossConfig, compute_loss
 from agentgrpo.types import Trajectory
 
-__all__ = ["Learner", "LearnerConfig", "split_mini_batches", "token_logprobs"]
+__all__ = ["Learner", "LearnerConfig", "token_logprobs"]
 
 
 class LearnerConfig(BaseModel):
@@ -104,7 +103,7 @@ class LearnerConfig(BaseModel):
     row_tokens: Literal["auto"] | int = Field(
         "auto", description="shared_prefix: the longest a group's row may be before the group is split "
         "(each piece with its own copy of the prompt). Under a mask attention costs the square of the "
-        "row; auto = the cap the packer's cost model finds cheapest (agentgrpo.batch.choose_row_tokens; "
+        "row; auto = the cap the packer's cost model finds cheapest (batch.make_micro_batches; "
         "under segment attention never a split); an int caps it (micro_batch_tokens = no cap: a whole "
         "group per row)")
     old_logprobs: Literal["rollout", "recompute"] = Field(
@@ -306,8 +305,6 @@ class Learner:
         rank 0 only and every rank then calls `train_step` with the same list)."""
         if self.accelerator.num_processes == 1:
             return obj
-        from accelerate.utils import broadcast_object_list
-
         return broadcast_object_list([obj], from_process=0)[0]
 
     def all_ranks(self, flag: bool) -> bool:
@@ -370,7 +367,7 @@ class Learner:
         if acc.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(acc.device)
         minis = [self._pack([trajs[i] for i in part], [advantages[i] for i in part])
-                 for part in split_mini_batches(trajs, self.cfg.mini_batches)]
+                 for part in balanced_parts(trajs, self.cfg.mini_batches)]
         for mini, n in zip(minis, self._max_over_ranks([len(m.batches) for m in minis]), strict=True):
             mini.batches += [None] * (n - len(mini.batches))
         self._score(minis)
@@ -408,7 +405,7 @@ class Learner:
     def _pack(self, trajs: list[Trajectory], advantages: list[float]) -> _MiniBatch:
         """One mini-batch as a step of its size: normalisers over all ranks, this rank's shard packed."""
         acc = self.accelerator
-        idx = shard(trajs, acc.process_index, acc.num_processes)
+        idx = balanced_parts(trajs, acc.num_processes, exactly_k=True)[acc.process_index]
         mine, adv = [trajs[i] for i in idx], [advantages[i] for i in idx]
         batches: list[TrainBatch | None] = [
             b.to(acc.device) for b in make_micro_batches(

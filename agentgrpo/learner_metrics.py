@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 
 from accelerate import Accelerator
+from accelerate.utils import gather_object
 
 # Per-optimizer-step entries logged per pass (`pass{i}/...`) and per mini-batch (`mb{j}/...`).
 STALENESS_KEYS = ("loss", "clipfrac", "ppo_kl", "ratio_mean", "ratio_max")
@@ -75,8 +76,6 @@ def over_ranks(cells: list[list[Metrics]], acc: Accelerator) -> list[list[Metric
     if acc.num_processes == 1:
         parts = [cells]
     else:
-        from accelerate.utils import gather_object
-
         parts = gather_object([cells])
     pooled = [[Metrics() for _ in row] for row in cells]
     for grid in parts:

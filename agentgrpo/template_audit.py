@@ -47,6 +47,7 @@ from typing import Any, Literal
 
 from agentgrpo.chat import PARSERS, ChatFormat, TemplateError, TemplateFallback
 from agentgrpo.env import Env, _run_sync
+from agentgrpo.env_check import example_arguments
 from agentgrpo.types import Message, Task, ToolCall
 
 IssueKind = Literal["rewrites_history", "no_end_of_turn", "render_error", "retokenizes", "parser_mismatch",
@@ -192,8 +193,6 @@ def conversations(tools: list[dict] | None,
     ]
     with_tools = []
     if tools != []:
-        from agentgrpo.env_check import example_arguments
-
         fn = (tools or [SYNTHETIC_TOOL])[0]["function"]
         args = example_arguments(fn.get("parameters", {})) if tools else {"expression": "12*7"}
 
