@@ -453,3 +453,26 @@ def test_every_parser_takes_any_text_without_raising():
         for text in junk:
             parse(text, TOOLS)
             parse(text, None)
+
+
+def test_the_template_audit_reads_typed_calls_with_the_env_s_schemas(tok):
+    """The audit's tool conversations call the env's first tool with example arguments of its
+    schema's types (an int, a bool, an object...): the XML parser reads them back only with the
+    schemas, so the audit passes them (else: a false parser_mismatch and no parser named)."""
+    from agentgrpo.template_audit import audit
+
+    tools = [
+        {
+            **TOOLS[0],
+            "function": {
+                **TOOLS[0]["function"],
+                "parameters": {**SCHEMA, "required": ["n", "x", "ok", "opt", "note", "tags"]},
+            },
+        }
+    ]
+    chat = ChatFormat(
+        tok, template=shared_template("qwen3_6.jinja"), template_kwargs={"preserve_thinking": True}
+    )
+    report = audit(chat, tools=tools)
+    assert report.parser == "qwen3_xml" and report.turns > 0
+    assert not [i for i in report.issues if i.kind == "parser_mismatch"], report.format()
