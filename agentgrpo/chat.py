@@ -225,7 +225,7 @@ class ChatFormat:
     Example:
         >>> chat = ChatFormat(tokenizer)
         >>> ids = chat.prompt_ids([Message(role="user", content="2+2?")], tools=[add.schema])
-        >>> turn = chat.parse_assistant(sampled_ids, tools=[add.schema])  # Message + malformed calls
+        >>> turn = chat.parse_assistant(sampled_ids, tools=[add.schema])  # message + bad calls
         >>> ids += sampled_ids + chat.suffix_ids(history, tool_messages, tools)
     """
 
