@@ -33,15 +33,17 @@ Templates without tool support (SmolLM2 ships plain ChatML) get `HERMES_CHATML_T
 Hermes-style tool-aware ChatML template: tools are described in the system message, calls are
 `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, results come back in a `tool` turn.
 
-Tool-call parsers are pluggable (`PARSERS`, in `agentgrpo.parsers`, re-exported here); a parser
+Tool-call parsers are pluggable (`PARSERS`, in `agentgrpo.parsers`, re-exported here); by default
+(`parser="auto"`) the one for the template's tool-call format is chosen (`detect_parser`). A parser
 never raises on model output: malformed calls come back as `ParseError`s that the rollout turns into
-error tool messages.
+error tool messages. The XML formats type argument values by the tools' schemas, so
+`parse_assistant` takes the tools the prompt was rendered with.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 import jinja2
@@ -50,6 +52,7 @@ from agentgrpo.parsers import (
     PARSERS,
     ParsedTurn,
     ParseError,
+    detect_parser,
     get_parser,
     parse_hermes,
     parse_llama3_json,
@@ -58,7 +61,8 @@ from agentgrpo.types import Message
 
 __all__ = [
     "HERMES_CHATML_TEMPLATE", "PARSERS", "ChatFormat", "ParseError", "ParsedTurn", "TemplateError",
-    "TemplateFallback", "get_parser", "parse_hermes", "parse_llama3_json", "template_supports_tools",
+    "TemplateFallback", "detect_parser", "get_parser", "parse_hermes", "parse_llama3_json",
+    "template_supports_tools",
 ]
 
 TemplateFallback = Literal["none", "keep_history"]
@@ -204,7 +208,9 @@ class ChatFormat:
         template: a Jinja chat template overriding the tokenizer's. By default the tokenizer's own
             template is used when it supports tools; otherwise `HERMES_CHATML_TEMPLATE` (this
             choice is recorded in `self.template_source`).
-        parser: name of the tool-call parser in `PARSERS`.
+        parser: name of the tool-call parser in `PARSERS`, or "auto" (default): the parser for the
+            format the template renders (`detect_parser`), Hermes where it shows none it knows.
+            `self.parser_name` is the parser chosen.
         end_of_turn: the token that ends an assistant turn; default the tokenizer's EOS token.
         fallback: what `suffix_ids` does when the template rewrites earlier turns. "none" (default)
             raises TemplateError. "keep_history" continues the token sequence the model actually
@@ -219,11 +225,11 @@ class ChatFormat:
     Example:
         >>> chat = ChatFormat(tokenizer)
         >>> ids = chat.prompt_ids([Message(role="user", content="2+2?")], tools=[add.schema])
-        >>> turn = chat.parse_assistant(sampled_ids)        # Message + malformed calls
+        >>> turn = chat.parse_assistant(sampled_ids, tools=[add.schema])  # message + bad calls
         >>> ids += sampled_ids + chat.suffix_ids(history, tool_messages, tools)
     """
 
-    def __init__(self, tokenizer: Any, *, template: str | None = None, parser: str = "hermes",
+    def __init__(self, tokenizer: Any, *, template: str | None = None, parser: str = "auto",
                  end_of_turn: str | None = None, fallback: TemplateFallback = "none",
                  template_kwargs: dict[str, Any] | None = None) -> None:
         self.tokenizer = tokenizer
@@ -233,6 +239,8 @@ class ChatFormat:
             self.template, self.template_source = tokenizer.chat_template, "tokenizer"
         else:
             self.template, self.template_source = HERMES_CHATML_TEMPLATE, "agentgrpo-hermes-chatml"
+        if parser == "auto":
+            parser = detect_parser(self.template) or "hermes"
         self.parse = get_parser(parser)
         self.parser_name = parser
         if fallback not in ("none", "keep_history"):
@@ -514,16 +522,19 @@ class ChatFormat:
 
     # -- parsing ------------------------------------------------------------------------------
 
-    def parse_assistant(self, sampled_ids: Sequence[int], *, parse_tools: bool = True) -> ParsedTurn:
+    def parse_assistant(self, sampled_ids: Sequence[int], *, parse_tools: bool = True,
+                        tools: Sequence[Mapping] | None = None) -> ParsedTurn:
         """Turn one assistant turn's sampled ids into a Message (and malformed calls).
 
         Decoding is for reading only: the ids themselves are what the trajectory keeps. With
         `parse_tools=False` (an env without tools) the whole text is the content: tool-call syntax
-        means nothing there, and the env should judge exactly what the model wrote.
+        means nothing there, and the env should judge exactly what the model wrote. `tools`: the
+        tool schemas the prompt was rendered with; the XML parsers (`qwen3_xml`, `glm4`) type
+        argument values by them (without them every value stays a string).
         """
         ids = list(sampled_ids)
         if ids and ids[-1] in self.stop_token_ids:
             ids = ids[:-1]
         if not parse_tools:
             return ParsedTurn(Message(role="assistant", content=self.decode(ids).strip()))
-        return self.parse(self.decode(ids))
+        return self.parse(self.decode(ids), tools)

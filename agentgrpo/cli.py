@@ -132,7 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "agentgrpo check-template MODEL_DIR")
     ct.add_argument("model_dir", help="model directory with a tokenizer (and its chat template)")
     ct.add_argument("--template", help="Jinja template file to audit instead of the tokenizer's")
-    ct.add_argument("--parser", default="hermes", help="tool-call parser name (default hermes)")
+    ct.add_argument("--parser", default="auto",
+                    help="tool-call parser name (default auto: the one for the template's format)")
     ct.add_argument("--end-of-turn", help="token that ends an assistant turn (default: the tokenizer's EOS)")
     ct.add_argument("--fallback", default="none", choices=["none", "keep_history"],
                     help="the rollout.template_fallback to audit with")

@@ -40,7 +40,9 @@ class ModelConfig(BaseModel):
 
     path: str | None = Field(None, description="model directory; None = the embedded SmolLM2-135M-Instruct")
     chat_template: str | None = Field(None, description="Jinja template file overriding the tokenizer's")
-    tool_parser: str = Field("hermes", description="tool-call parser name (agentgrpo.chat.PARSERS)")
+    tool_parser: str = Field("auto", description="tool-call parser name (agentgrpo.parsers."
+                             "PARSERS: hermes, llama3_json, qwen3_xml, glm4, deepseek_v3, harmony, "
+                             "pythonic) or auto: the one for the chat template's format")
 
 
 class EnvConfig(BaseModel):
