@@ -230,7 +230,8 @@ class Episode:
         """
         traj = self.traj
         try:
-            parsed = self.chat.parse_assistant(out.token_ids, parse_tools=bool(self.tools))
+            parsed = self.chat.parse_assistant(out.token_ids, parse_tools=bool(self.tools),
+                                               tools=self.tools)
         except Exception as e:  # noqa: BLE001 - a parser that raises (a bug) costs its episode only
             raise EpisodeEnds(StopReason.ENV_ERROR,
                               f"the tool-call parser raised {type(e).__name__}: {e}") from e
