@@ -1,0 +1,250 @@
+"""MCP tools (agentgrpo.mcp): a stdio MCP server written here with the `mcp` package's server API
+gives a ToolEnv its tools; calls go through ToolEnv's error kinds; a server that dies mid-episode
+makes the episode unscorable (NaN), through run_group with the real SmolLM2 tokenizer."""
+
+import asyncio
+import contextlib
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytest.importorskip("mcp")
+
+from agentgrpo import StopReason, Task, tool  # noqa: E402
+from agentgrpo.engine import SamplingParams  # noqa: E402
+from agentgrpo.mcp import MCPServer, MCPServerError, MCPToolEnv  # noqa: E402
+from agentgrpo.rollout import EpisodeLimits, run_group  # noqa: E402
+from tests.fakes import ScriptedEngine  # noqa: E402
+
+SERVER = '''
+import os
+from mcp.server.mcpserver import MCPServer
+
+app = MCPServer("test-tools")
+
+@app.tool()
+def add(a: int, b: int) -> int:
+    """Add two integers."""
+    return a + b
+
+@app.tool()
+def fail() -> str:
+    """Always fails."""
+    raise ValueError("no luck")
+
+@app.tool()
+def pid() -> int:
+    """The server's process id."""
+    return os.getpid()
+
+@app.tool()
+def die() -> str:
+    """Kill the server process mid-call."""
+    os._exit(3)
+
+if __name__ == "__main__":
+    import sys
+    if len(sys.argv) > 1:  # a port: serve streamable HTTP at http://127.0.0.1:<port>/mcp
+        app.run("streamable-http", host="127.0.0.1", port=int(sys.argv[1]))
+    else:
+        app.run()
+'''
+
+TASK = Task(id="t", prompt="What is 2 + 3?", answer=5)
+
+
+def _call(name, **arguments):
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
+
+
+@pytest.fixture(scope="module")
+def server_env(tmp_path_factory):
+    path = tmp_path_factory.mktemp("mcp") / "server.py"
+    path.write_text(SERVER)
+
+    class Adder(MCPToolEnv):
+        """Adds with the MCP server's `add`."""
+        mcp_servers = [MCPServer.stdio(sys.executable, str(path), open_timeout_s=60)]
+
+        def reward(self, task, messages):
+            return float(messages[-1].content.strip() == str(task.answer))
+
+    return Adder
+
+
+def _group(chat, env_cls, turns, group_size=2):
+    by_turn = lambda ids, i: turns[min(chat.decode(ids).count("<|im_start|>assistant") - 1, len(turns) - 1)]  # noqa: E731
+    engine = ScriptedEngine(chat.tokenizer, by_turn, chat.end_of_turn_id)
+    return asyncio.run(run_group(env_cls, engine, chat, TASK, group_size, SamplingParams(max_new_tokens=64),
+                                 seed=0, limits=EpisodeLimits(max_turns=8)))
+
+
+def test_server_tools_become_env_tools(chat, server_env):
+    """The server's names, descriptions and input schemas are what the model sees; a call's answer
+    is the tool message; bad arguments, an unknown tool and a failing tool are the model's errors,
+    counted as for @tool functions."""
+    turns = [_call("add", a=2, b="three"), _call("nosuch"), _call("fail"), _call("add", a=2, b=3, c=1),
+             _call("add", a=2, b=3), "5"]
+    group = _group(chat, server_env, turns)
+    for traj in group.trajectories:
+        assert traj.stop_reason == StopReason.COMPLETED and traj.reward == 1.0  # no tool-error penalty set
+        tool_msgs = [m.content for m in traj.messages if m.role == "tool"]
+        assert tool_msgs[-1] == "5"
+        assert "invalid arguments for add" in tool_msgs[0] and "b" in tool_msgs[0]
+        assert "unknown tool 'nosuch'" in tool_msgs[1] and "'add'" in tool_msgs[1]
+        assert tool_msgs[2].startswith("Error:")
+        assert "invalid arguments for add" in tool_msgs[3] and "'c'" in tool_msgs[3]  # extra key refused
+        assert traj.tool_error_kinds == {"invalid_arguments": 2, "unknown_tool": 1, "tool_failed": 1}
+    env = server_env()
+    env.reset(seed=0, options={"task": TASK})
+    try:
+        schemas = {s["function"]["name"]: s["function"] for s in env.tool_schemas()}
+        assert sorted(schemas) == ["add", "die", "fail", "pid"]
+        assert schemas["add"]["description"] == "Add two integers."
+        params = schemas["add"]["parameters"]
+        assert params["properties"] == {"a": {"type": "integer"}, "b": {"type": "integer"}}
+        assert params["required"] == ["a", "b"] and params["additionalProperties"] is False
+    finally:
+        env.close()
+
+
+def test_close_ends_the_server_and_reset_starts_a_fresh_one(chat, server_env):
+    env = server_env()
+    pids = []
+    for _ in range(2):
+        env.reset(seed=0, options={"task": TASK})
+        step = asyncio.run(env.step(_message(_call("pid"))))
+        pids.append(int(step[0][0].content))
+    env.close()
+    assert pids[0] != pids[1]  # one server per episode: no state carried over
+    for p in pids:
+        assert not _alive(p), f"server {p} still runs after close"
+
+
+def test_server_dying_mid_episode_is_unscorable(chat, server_env):
+    """A crash is infrastructure: the episode ends ENV_ERROR with reward NaN, not a tool error
+    the model is trained on."""
+    group = _group(chat, server_env, [_call("add", a=2, b=3), _call("die"), "5"])
+    for traj in group.trajectories:
+        assert traj.stop_reason == StopReason.ENV_ERROR and math.isnan(traj.reward)
+        assert "went away during die" in traj.stop_detail
+        assert traj.tool_error_kinds == {}
+
+
+def test_a_server_that_cannot_start_is_unscorable(chat):
+    class Broken(MCPToolEnv):
+        """Its server is a command that exits at once."""
+        mcp_servers = [MCPServer.stdio(sys.executable, "-c", "pass", open_timeout_s=20)]
+
+        def reward(self, task, messages):
+            return 0.0
+    group = _group(chat, Broken, ["5"], group_size=1)
+    traj = group.trajectories[0]
+    assert traj.stop_reason == StopReason.ENV_ERROR and math.isnan(traj.reward)
+    assert "failed to open" in traj.stop_detail or "did not answer" in traj.stop_detail
+
+
+def test_names_clash_and_prefix(tmp_path, server_env):
+    server = server_env.mcp_servers[0]
+
+    @tool
+    def add(a: int) -> int:
+        """An @tool with the name of the server's tool."""
+        return a
+
+    class Clash(server_env):
+        tools = [add]
+
+    env = Clash()
+    env.reset(seed=0, options={"task": TASK})
+    try:
+        with pytest.raises(ValueError, match="'add'.*prefix"):
+            env.get_tools()
+    finally:
+        env.close()
+
+    class Prefixed(server_env):
+        tools = [add]
+        mcp_servers = [MCPServer.stdio(server.command, *server.args, prefix="calc")]
+
+    env = Prefixed()
+    env.reset(seed=0, options={"task": TASK})
+    try:
+        assert sorted(env.get_tools()) == ["add", "calc_add", "calc_die", "calc_fail", "calc_pid"]
+        step = asyncio.run(env.step(_message(_call("calc_add", a=1, b=2))))
+        assert step[0][0].content == "3"
+    finally:
+        env.close()
+
+
+def test_http_server(server_env):
+    """The same server over streamable HTTP; killed mid-episode, its next call is infrastructure."""
+    path = server_env.mcp_servers[0].args[0]
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, path, str(port)], stderr=subprocess.DEVNULL)
+    try:
+        end = time.monotonic() + 60
+        while time.monotonic() < end:  # wait until it listens
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.2)
+
+        class Remote(server_env):
+            mcp_servers = [MCPServer.http(f"http://127.0.0.1:{port}/mcp", open_timeout_s=30)]
+
+        env = Remote()
+        env.reset(seed=0, options={"task": TASK})
+        try:
+            assert "add" in env.get_tools()
+            step = asyncio.run(env.step(_message(_call("add", a=20, b=22))))
+            assert step[0][0].content == "42" and not step.tool_errors
+            proc.kill()
+            proc.wait()
+            with pytest.raises(MCPServerError, match="add"):
+                asyncio.run(asyncio.wait_for(env.step(_message(_call("add", a=1, b=1))), 60))
+        finally:
+            with contextlib.suppress(MCPServerError):
+                env.close()
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_server_spec_errors():
+    with pytest.raises(ValueError, match="http"):
+        MCPServer.http("127.0.0.1:8000/mcp")
+    with pytest.raises(ValueError, match="command"):
+        MCPServer()
+
+
+def _message(text):
+    from agentgrpo.types import Message, ToolCall
+
+    body = json.loads(text.split("\n")[1])
+    return Message(role="assistant", content="", tool_calls=[ToolCall(id="c1", **body)])
+
+
+def _alive(pid, wait_s=10.0):
+    end = time.monotonic() + wait_s
+    while time.monotonic() < end:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        try:  # a child of ours that exited stays a zombie until reaped
+            if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                return False
+        except ChildProcessError:
+            pass
+        time.sleep(0.1)
+    return True
