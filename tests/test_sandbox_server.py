@@ -304,6 +304,71 @@ def test_sandboxfusion_run_code(open_server):
     )
 
 
+def _verl_request(code: str, stdin: str = "", timeout: float = 2) -> dict:
+    """The body verl's SandboxFusion client posts (`call_sandbox_api` in
+    verl/utils/reward_score/sandbox_fusion/utils.py)."""
+    return {"compile_timeout": timeout, "run_timeout": timeout, "code": code, "stdin": stdin,
+            "language": "python", "files": {}, "fetch_files": []}
+
+
+def _verl_verdict(answer: dict, expected: str) -> bool | int:
+    """How verl's `check_correctness` reads one answer: True / False (the output compared, trailing
+    newlines aside), -1 sandbox error, -2 runtime error, -3 time limit (restated from verl)."""
+    run = answer.get("run_result") or {}
+    if answer["status"] == "Success" and run.get("status") == "Finished":
+        return (run.get("stdout") or "").rstrip("\n") == expected.rstrip("\n")
+    if answer["status"] == "Failed" and run.get("status") == "TimeLimitExceeded":
+        return -3
+    if answer["status"] == "Failed" and (run.get("status") == "Error" or (
+            run.get("status") == "Finished" and run.get("return_code") != 0)):
+        return -2
+    return -1
+
+
+def test_run_code_gives_sandboxfusion_verdicts_on_verl_requests(open_server):
+    """verl's request shape; large output, killed processes and timeouts answered as
+    SandboxFusion answers them (issue 29, item 6)."""
+    def post(code, stdin="", timeout=2):
+        r = httpx.post(open_server + "/run_code", json=_verl_request(code, stdin, timeout),
+                       headers={"Accept": "application/json"}, timeout=30)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    ok = post("print(int(input()) * 2)", "21")
+    assert _verl_verdict(ok, "42") is True and ok["run_result"]["return_code"] == 0
+    # output past SandboxFusion's 1 MiB capture is cut, not a failed run: the answer printed
+    # first still counts, as it would on SandboxFusion (before: Failed, a runtime error to verl)
+    big_err = post("import sys\nprint(int(input()) * 2)\nsys.stderr.write('e' * (3 << 20))", "21")
+    assert (big_err["status"], big_err["run_result"]["return_code"]) == ("Success", 0)
+    assert big_err["run_result"]["stderr"] == "e" * (1 << 20)
+    assert _verl_verdict(big_err, "42") is True
+    big_out = post("print('x' * (2 << 20))")
+    assert big_out["status"] == "Success" and big_out["run_result"]["stdout"] == "x" * (1 << 20)
+    assert _verl_verdict(big_out, "x" * (2 << 20)) is False  # a wrong answer, not an error
+    # a process a signal ended: the negative signal, as Python's returncode (SandboxFusion)
+    for sig in (9, 15):
+        killed = post(f"import os\nprint('partial', flush=True)\nos.kill(os.getpid(), {sig})")
+        run = killed["run_result"]
+        assert (killed["status"], run["status"], run["return_code"]) == ("Failed", "Finished", -sig)
+        assert run["stdout"] == "partial\n" and _verl_verdict(killed, "partial") == -2
+    # a timeout: TimeLimitExceeded with return_code null, the output so far kept
+    slow = post("print('started', flush=True)\nwhile True: pass", timeout=0.5)
+    run = slow["run_result"]
+    assert (slow["status"], run["status"], run["return_code"]) == ("Failed", "TimeLimitExceeded", None)
+    assert run["stdout"] == "started\n" and _verl_verdict(slow, "started") == -3
+    exited = post("raise SystemExit(3)")
+    assert exited["run_result"]["return_code"] == 3 and _verl_verdict(exited, "") == -2
+    # the difference that stays (docs/sandbox.md): past the server's --max-output-bytes (8 MiB)
+    # the job is killed, a runtime error to verl; SandboxFusion would let it run on
+    flood = post("import sys\nsys.stdout.write('y' * (9 << 20))")
+    run = flood["run_result"]
+    assert (flood["status"], run["status"], run["return_code"]) == ("Failed", "Finished", -9)
+    assert "output" in flood["message"] and len(run["stdout"]) == 1 << 20
+    # asking for files back is refused by name rather than answered with none
+    r = httpx.post(open_server + "/run_code", json={**_verl_request("1"), "fetch_files": ["a.txt"]})
+    assert r.status_code == 400 and "fetch_files" in r.json()["error"]
+
+
 def test_token_required_when_configured(token_server):
     assert httpx.get(token_server + "/health").status_code == 401
     r = httpx.post(

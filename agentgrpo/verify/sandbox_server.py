@@ -189,18 +189,29 @@ def parse_run(body: dict, srv: ServerLimits) -> tuple[str, bytes, dict[str, byte
     return body["code"], stdin, files, srv.limits(body.get("limits"))
 
 
+SANDBOXFUSION_OUTPUT_BYTES = 1 << 20
+"""What SandboxFusion keeps of stdout and of stderr each (its runner drains the rest and drops it;
+the program runs on). `/run_code` cuts its answers to this, whatever the server's own cap."""
+
+
 def parse_run_code(body: dict, srv: ServerLimits) -> tuple[str, bytes, dict[str, bytes], Limits]:
-    """Validate a SandboxFusion /run_code body (python only)."""
+    """Validate a SandboxFusion /run_code body (python only).
+
+    The job may write up to the server's `--max-output-bytes` (never more: no field of the body
+    sets it) so that output past SandboxFusion's 1 MiB, which SandboxFusion drops while the
+    program goes on, does not end the job here either; `to_sandboxfusion` cuts it to 1 MiB."""
     lang = body.get("language", "python")
     if lang not in ("python", "python3"):
         raise BadRequest(f"language {lang!r} is not supported here (python only)")
     if not isinstance(body.get("code"), str):
         raise BadRequest("'code' (a string) is required")
+    if body.get("fetch_files"):  # verl sends []; an answer without them would read as "not found"
+        raise BadRequest("'fetch_files' is not supported here: send [] or leave it out")
     timeout, mem = body.get("run_timeout", 10), body.get("memory_limit_MB", -1)
     for field, value in (("run_timeout", timeout), ("memory_limit_MB", mem)):
         if value is not None and not _number(value):
             raise BadRequest(f"'{field}' must be a number, not {_json_type(value)}")
-    lim = {"wall_s": timeout or 10}
+    lim = {"wall_s": timeout or 10, "output_bytes": srv.maxima["output_bytes"]}
     if mem is not None and mem > 0:
         lim["memory_mb"] = int(min(mem, srv.maxima["memory_mb"]))
     files = body.get("files")
@@ -211,7 +222,13 @@ def parse_run_code(body: dict, srv: ServerLimits) -> tuple[str, bytes, dict[str,
 
 
 def to_sandboxfusion(res) -> dict:
-    """An ExecResult in SandboxFusion's RunCodeResponse shape."""
+    """An ExecResult in SandboxFusion's RunCodeResponse shape, with the values SandboxFusion
+    gives (what verl's `check_correctness` reads): a timeout is `TimeLimitExceeded` with
+    `return_code` null; a process a signal ended has the negative signal (Python's `returncode`
+    of a killed child; -9 for SIGKILL); stdout and stderr are cut to
+    `SANDBOXFUSION_OUTPUT_BYTES` of UTF-8 (a character split at the cut is dropped). `message`
+    names the cause of a `Failed` run; SandboxFusion leaves it empty, and verl does not read it.
+    """
     if res.status == "sandbox_error":
         return {
             "status": "SandboxError",
@@ -221,22 +238,36 @@ def to_sandboxfusion(res) -> dict:
             "executor_pod_name": socket.gethostname(),
             "files": {},
         }
-    run_status = "TimeLimitExceeded" if res.status == "timeout" else "Finished"
-    rc = res.exit_code if res.exit_code is not None else (128 + res.signal if res.signal else -1)
+    timed_out = res.status == "timeout"
+    if timed_out:
+        rc = None
+    elif res.signal:
+        rc = -res.signal
+    elif res.exit_code is None and res.status == "output_limit":
+        rc = -signal.SIGKILL  # past --max-output-bytes the sandbox kills the job (its init)
+    else:
+        rc = res.exit_code
     return {
         "status": "Success" if res.status == "ok" else "Failed",
         "message": "" if res.status == "ok" else f"{res.status}: {res.detail}".rstrip(": "),
         "compile_result": None,
         "run_result": {
-            "status": run_status,
+            "status": "TimeLimitExceeded" if timed_out else "Finished",
             "execution_time": res.wall_s,
             "return_code": rc,
-            "stdout": res.stdout,
-            "stderr": res.stderr,
+            "stdout": _cut(res.stdout),
+            "stderr": _cut(res.stderr),
         },
         "executor_pod_name": socket.gethostname(),
         "files": {},
     }
+
+
+def _cut(text: str) -> str:
+    raw = text.encode()
+    if len(raw) <= SANDBOXFUSION_OUTPUT_BYTES:
+        return text
+    return raw[:SANDBOXFUSION_OUTPUT_BYTES].decode(errors="ignore")
 
 
 class _Gate:
