@@ -48,6 +48,13 @@ def pool():
         ("\\boxed{x=2}", "2", True),
         ("\\boxed{\\{1,2\\}}", "\\{1, 2\\}", True),
         ("the answer: 1,000", "1000", True),
+        # a reference with a decimal comma is a number, as math-verify reads it, not a set
+        ("\\boxed{1.22}", "1,22", True),
+        ("1.22", "1,22", True),
+        ("\\boxed{-3.5}", "-3,5", True),
+        ("\\boxed{\\{1, 22\\}}", "1,22", False),
+        ("\\boxed{1000}", "1,000", True),
+        ("\\boxed{\\{1, 22\\}}", "1, 22", True),  # with a space it stays a set
         (
             "We get 3. So the final answer is \\boxed{5}",
             "5",

@@ -38,7 +38,9 @@ A crash that one input causes every time is indistinguishable from an OOM kill: 
 it is unscorable (left out of its group), which rewards nothing.
 
 How answers are read: the reference is parsed as if boxed (`\\boxed{answer}`), so bare LaTeX
-(`\\sqrt{8}`) and plain numbers both work; the prediction is parsed as math-verify reads model
+(`\\sqrt{8}`) and plain numbers both work, except a number with one decimal comma (`1,22`,
+`-3,5`), which is read as math-verify reads it unboxed (1.22; boxed it would be the set {1, 22});
+the prediction is parsed as math-verify reads model
 output (`\\boxed{}` first, then LaTeX and plain expressions; several boxes are read as one set of
 answers, so `\\boxed{2} ... \\boxed{3}` does not equal 3: hedging across boxes earns nothing) and,
 when nothing is found in a short prediction, as an inline formula. `verify(gold, prediction)` then compares symbolically
@@ -68,7 +70,7 @@ from agentgrpo.reward import VerifierResult
 from agentgrpo.types import InfrastructureError, Task, Trajectory
 
 _WORKER = r"""
-import json, os, resource, struct, sys
+import json, os, re, resource, struct, sys
 import logging
 logging.disable(logging.WARNING)  # math-verify warns that its timeouts are off: we enforce ours
 resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))  # a runaway sympy gets MemoryError
@@ -99,8 +101,13 @@ except Exception as e:  # say why, so the parent reports it instead of "exited"
 def P(s):
     return parse(s, parsing_timeout=None)
 
+DECIMAL_COMMA = re.compile(r"[+-]?[0-9]+,[0-9]+")
+
 def equal(pred, gold):
-    g = P("\\boxed{" + gold + "}") or P(gold)
+    # math-verify reads a reference such as "1,22" as 1.22 (a decimal comma); boxed, it would be
+    # the set {1, 22}. So one comma between digits is read as math-verify reads it.
+    g = P(gold) if DECIMAL_COMMA.fullmatch(gold.strip()) else None
+    g = g or P("\\boxed{" + gold + "}") or P(gold)
     if not g:
         return False
     p = P(pred)
