@@ -40,6 +40,7 @@ import json
 import os
 import re
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -107,17 +108,22 @@ class MCPToolEnv(ToolEnv):
 
     mcp_servers: ClassVar[Sequence[MCPServer]] = ()
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        bad = [s for s in cls.__dict__.get("mcp_servers", ()) if not isinstance(s, MCPServer)]
+        if bad:  # fail at import, not in every episode
+            raise TypeError(f"{cls.__name__}.mcp_servers must hold MCPServer.stdio(...) or "
+                            f"MCPServer.http(...), got {bad[0]!r}")
+
     def reset(self, *, seed: int | None = None,
               options: dict[str, Any] | None = None) -> tuple[list[Message], dict[str, Any]]:
         with self._mcp_lock():
             self._close_sessions()  # a second reset of one env starts the servers afresh
-            sessions: list[_Session] = []
-            self._mcp_sessions = sessions
-            for server in self.mcp_servers:
-                if not isinstance(server, MCPServer):
-                    raise TypeError(f"{type(self).__name__}.mcp_servers must hold MCPServer, got {server!r}")
-                sessions.append(_Session.open(server))  # if a later one fails, close() ends these
-            self._mcp_tools = self._list_tools(sessions)
+            # all servers start at once; kept before they answer, so close() ends every one
+            self._mcp_sessions = [_Session.start(server) for server in self.mcp_servers]
+            for session in self._mcp_sessions:
+                session.wait_open()
+            self._mcp_tools = self._list_tools(self._mcp_sessions)
         return super().reset(seed=seed, options=options)
 
     def get_tools(self) -> dict[str, Tool]:
@@ -254,51 +260,69 @@ class _Session:
         self.server = server
         self.client: Any = None
         self.tools: list[MCPTool] = []
+        self._opened: concurrent.futures.Future = concurrent.futures.Future()  # the tool listing
+        self._held: concurrent.futures.Future | None = None  # done once the task has unwound
+        self._scope: Any = None  # the anyio.CancelScope of the task, once it has begun
         self._stop: asyncio.Event | None = None
-        self._held: concurrent.futures.Future | None = None
+        self._cancelled = False
+        self._started_at = 0.0
 
     @classmethod
-    def open(cls, server: MCPServer) -> _Session:
-        """Start the server (stdio) or connect (HTTP), and list its tools; MCPServerError when it
-        fails or takes longer than the server's `open_timeout_s`."""
+    def start(cls, server: MCPServer) -> _Session:
+        """Start the server (stdio) or connect (HTTP) and list its tools, on the MCP loop;
+        `wait_open` waits for it."""
         session = cls(server)
-        opened: concurrent.futures.Future = concurrent.futures.Future()
-        session._held = asyncio.run_coroutine_threadsafe(session._hold(opened), _mcp_loop())
+        session._started_at = time.monotonic()
+        session._held = asyncio.run_coroutine_threadsafe(session._hold(), _mcp_loop())
+        return session
+
+    def wait_open(self) -> None:
+        """Wait until the tools are listed; MCPServerError when opening failed or took longer
+        than the server's `open_timeout_s` (counted from `start`)."""
+        server = self.server
+        left = self._started_at + server.open_timeout_s - time.monotonic()
         try:
-            listing = opened.result(server.open_timeout_s)
+            listing = self._opened.result(max(left, 0.0))
         except concurrent.futures.TimeoutError:
-            session.close()
+            self.close()
             raise MCPServerError(f"MCP server {server.describe()} did not answer within "
                                  f"{server.open_timeout_s:g} s") from None
         except Exception as e:
-            session.close()
+            self.close()
             raise MCPServerError(f"MCP server {server.describe()} failed to open: "
                                  f"{type(e).__name__}: {e}") from e
-        session.tools = [MCPTool(session, remote) for remote in listing]
-        return session
+        self.tools = [MCPTool(self, remote) for remote in listing]
 
-    async def _hold(self, opened: concurrent.futures.Future) -> None:
-        from mcp import Client  # the optional dependency, imported when a session opens
+    async def _hold(self) -> None:
+        import anyio  # with `mcp` (the optional dependency), imported when a session opens
+        from mcp import Client
 
         self._stop = asyncio.Event()
         try:
-            async with Client(self._target()) as client:
-                self.client = client
-                listing, cursor = [], None
-                while True:
-                    page = await client.list_tools(cursor=cursor)
-                    listing += page.tools
-                    cursor = page.next_cursor
-                    if not cursor:
-                        break
-                opened.set_result(listing)
-                await self._stop.wait()
-        except BaseException as e:
-            if not opened.done():
-                opened.set_exception(e)
+            # anyio's own cancellation (not Task.cancel, which can cut short the shielded
+            # shutdown of `mcp`'s stdio transport and leave the server process behind)
+            with anyio.CancelScope() as self._scope:
+                if self._cancelled:  # closed before this task began
+                    self._scope.cancel()
+                async with Client(self._target()) as client:
+                    self.client = client
+                    listing, cursor = [], None
+                    while True:
+                        page = await client.list_tools(cursor=cursor)
+                        listing += page.tools
+                        cursor = page.next_cursor
+                        if not cursor:
+                            break
+                    self._opened.set_result(listing)
+                    await self._stop.wait()
+        except Exception as e:
+            if not self._opened.done():
+                self._opened.set_exception(e)
             raise
         finally:
             self.client = None
+            if not self._opened.done():
+                self._opened.set_exception(MCPServerError("closed while opening"))
 
     def _target(self) -> Any:
         if self.server.url is not None:
@@ -338,22 +362,34 @@ class _Session:
             raise
 
     def close(self) -> str | None:
-        """End the session (and a stdio server's process); the problem as text, else None."""
+        """End the session and wait until it has (a stdio server's process is gone then); the
+        problem as text, else None."""
         held, self._held = self._held, None
         if held is None:
             return None
-        if self._stop is not None:
-            _mcp_loop().call_soon_threadsafe(self._stop.set)
-        else:
-            held.cancel()  # still opening
+        _mcp_loop().call_soon_threadsafe(self._end)
         try:
-            held.result(self.server.open_timeout_s)
-        except (concurrent.futures.CancelledError, concurrent.futures.TimeoutError):
-            held.cancel()
+            held.result(CLOSE_TIMEOUT_S)
+        except concurrent.futures.TimeoutError:
+            return f"{self.server.describe()}: did not close within {CLOSE_TIMEOUT_S:g} s"
         except Exception as e:  # noqa: BLE001 - reported to close's caller, which notes it
-            if self.tools:  # one that never opened has already been reported by open()
+            if self.tools:  # one that never opened has been reported by wait_open()
                 return f"{self.server.describe()}: {type(e).__name__}: {e}"
         return None
+
+    def _end(self) -> None:
+        """On the MCP loop: an orderly exit once open, a cancellation while opening."""
+        if self._scope is None:
+            self._cancelled = True  # the task has not begun: it ends at once when it does
+        elif self._opened.done() and self._stop is not None:
+            self._stop.set()
+        else:
+            self._scope.cancel()
+
+
+CLOSE_TIMEOUT_S = 15.0
+"""How long `close` waits for a session to end: `mcp` gives a stdio server 2 s to exit once its
+stdin closes, then SIGTERM, then SIGKILL, each after 2 s more."""
 
 
 _loop: asyncio.AbstractEventLoop | None = None

@@ -191,7 +191,7 @@ def test_stage_modules_import_no_application_module() -> None:
 # code that needs it, never at `import agentgrpo` (first part of the imported name) ...
 HEAVY_OR_OPTIONAL = {"accelerate", "matplotlib", "peft", "reasoning_gym", "safetensors", "sglang",
                      "torch", "transformers", "wandb",
-                     "mcp", "mcp_types", "jsonschema"}  # agentgrpo.mcp: the `mcp` extra
+                     "mcp", "mcp_types", "jsonschema", "anyio"}  # agentgrpo.mcp: the `mcp` extra
 # ... or a module of ours that one module loads late, and why.
 LATE = {
     ("agentgrpo.cli", "agentgrpo.config"): "loads torch: only once a command runs",

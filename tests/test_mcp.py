@@ -20,6 +20,7 @@ from agentgrpo import StopReason, Task, tool  # noqa: E402
 from agentgrpo.engine import SamplingParams  # noqa: E402
 from agentgrpo.mcp import MCPServer, MCPServerError, MCPToolEnv  # noqa: E402
 from agentgrpo.rollout import EpisodeLimits, run_group  # noqa: E402
+from agentgrpo.types import ToolErrorKind  # noqa: E402
 from tests.fakes import ScriptedEngine  # noqa: E402
 
 SERVER = '''
@@ -42,6 +43,13 @@ def fail() -> str:
 def pid() -> int:
     """The server's process id."""
     return os.getpid()
+
+@app.tool()
+async def sleep(seconds: float) -> str:
+    """Sleep, then say so."""
+    import asyncio
+    await asyncio.sleep(seconds)
+    return "slept"
 
 @app.tool()
 def die() -> str:
@@ -101,11 +109,12 @@ def test_server_tools_become_env_tools(chat, server_env):
         assert tool_msgs[2].startswith("Error:")
         assert "invalid arguments for add" in tool_msgs[3] and "'c'" in tool_msgs[3]  # extra key refused
         assert traj.tool_error_kinds == {"invalid_arguments": 2, "unknown_tool": 1, "tool_failed": 1}
+        assert traj.stop_detail == ""  # close() ended the server without a problem
     env = server_env()
     env.reset(seed=0, options={"task": TASK})
     try:
         schemas = {s["function"]["name"]: s["function"] for s in env.tool_schemas()}
-        assert sorted(schemas) == ["add", "die", "fail", "pid"]
+        assert sorted(schemas) == ["add", "die", "fail", "pid", "sleep"]
         assert schemas["add"]["description"] == "Add two integers."
         params = schemas["add"]["parameters"]
         assert params["properties"] == {"a": {"type": "integer"}, "b": {"type": "integer"}}
@@ -125,6 +134,26 @@ def test_close_ends_the_server_and_reset_starts_a_fresh_one(chat, server_env):
     assert pids[0] != pids[1]  # one server per episode: no state carried over
     for p in pids:
         assert not _alive(p), f"server {p} still runs after close"
+
+
+def test_a_slow_call_is_a_tool_timeout_and_the_session_goes_on(server_env):
+    class Hasty(server_env):
+        tool_timeout_s = 0.5
+
+    env = Hasty()
+    env.reset(seed=0, options={"task": TASK})
+    try:
+        async def two_steps():  # one event loop, as in the rollout
+            slow = await env.step(_message(_call("sleep", seconds=30)))
+            fast = await env.step(_message(_call("add", a=1, b=1)))
+            return slow, fast
+        start = time.monotonic()
+        slow, fast = asyncio.run(two_steps())
+        assert time.monotonic() - start < 10
+        assert slow.tool_errors == {ToolErrorKind.TOOL_TIMEOUT: 1} and "0.5 s" in slow[0][0].content
+        assert fast[0][0].content == "2" and not fast.tool_errors
+    finally:
+        env.close()
 
 
 def test_server_dying_mid_episode_is_unscorable(chat, server_env):
@@ -176,7 +205,8 @@ def test_names_clash_and_prefix(tmp_path, server_env):
     env = Prefixed()
     env.reset(seed=0, options={"task": TASK})
     try:
-        assert sorted(env.get_tools()) == ["add", "calc_add", "calc_die", "calc_fail", "calc_pid"]
+        assert sorted(env.get_tools()) == ["add", "calc_add", "calc_die", "calc_fail", "calc_pid",
+                                           "calc_sleep"]
         step = asyncio.run(env.step(_message(_call("calc_add", a=1, b=2))))
         assert step[0][0].content == "3"
     finally:
@@ -220,11 +250,33 @@ def test_http_server(server_env):
         proc.wait()
 
 
+def test_a_server_that_never_answers_times_out_and_is_ended(tmp_path):
+    pid_file = tmp_path / "pid"
+    mute = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(60)"
+
+    class Mute(MCPToolEnv):
+        """Its server reads nothing and says nothing."""
+        mcp_servers = [MCPServer.stdio(sys.executable, "-c", mute, open_timeout_s=1)]
+
+        def reward(self, task, messages):
+            return 0.0
+    env = Mute()
+    start = time.monotonic()
+    with pytest.raises(MCPServerError, match="did not answer within 1 s"):
+        env.reset(seed=0, options={"task": TASK})
+    env.close()
+    assert time.monotonic() - start < 20
+    assert not _alive(int(pid_file.read_text()), wait_s=1.0)  # not left running
+
+
 def test_server_spec_errors():
     with pytest.raises(ValueError, match="http"):
         MCPServer.http("127.0.0.1:8000/mcp")
     with pytest.raises(ValueError, match="command"):
         MCPServer()
+    with pytest.raises(TypeError, match="mcp_servers must hold MCPServer"):
+        class Wrong(MCPToolEnv):
+            mcp_servers = ["python server.py"]
 
 
 def _message(text):
