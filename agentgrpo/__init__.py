@@ -3,8 +3,9 @@
 from agentgrpo.types import EnvStep, Group, Message, StopReason, Task, ToolCall, Trajectory  # noqa: I001
 from agentgrpo.tool import tool  # binds the name `tool` to the decorator, not the submodule
 from agentgrpo.env import Env, ToolEnv, check_env
+from agentgrpo.agent import AgentEnv
 
 __all__ = [
-    "Env", "EnvStep", "Group", "Message", "StopReason", "Task", "ToolCall", "ToolEnv", "Trajectory",
+    "AgentEnv", "Env", "EnvStep", "Group", "Message", "StopReason", "Task", "ToolCall", "ToolEnv", "Trajectory",
     "check_env", "tool",
 ]
