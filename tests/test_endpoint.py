@@ -220,3 +220,73 @@ def test_calls_from_another_process_land_in_their_episode(chat):
             t.check()
             [marker] = set(re.findall(r"ep=(\w+)", chat.decode(t.token_ids)))
             assert marker.startswith(f"m{g.task.id}x")
+
+
+def test_episode_api_start_call_trajectory_reward(chat):
+    """serve-policy's API in-process: start an episode, two calls that extend, its trajectory,
+    a reward, the end."""
+    engine = ScriptedEngine(chat.tokenizer, ["4", "8"], chat.end_of_turn_id)
+
+    def new_episode(eid, seed):
+        return EndpointEpisode(id=eid, engine=engine, chat=chat, seed=seed,
+                               params=SamplingParams(max_new_tokens=32))
+
+    endpoint = PolicyEndpoint(token="k", new_episode=new_episode)
+
+    async def body():
+        async with endpoint.serving() as base, httpx.AsyncClient(
+                base_url=base, headers={"Authorization": "Bearer k"}) as http:
+            start = (await http.post("/episodes", json={"seed": 7})).json()
+            url = start["base_url"][len(base):]
+            messages = list(USER)
+            for follow_up in ("And 4 + 4?", None):
+                out = (await http.post(f"{url}/chat/completions", json={"messages": messages})).json()
+                messages.append(out["choices"][0]["message"])
+                if follow_up:
+                    messages.append({"role": "user", "content": follow_up})
+            before = (await http.get(f"/episodes/{start['id']}/trajectory")).json()
+            bad = await http.post(f"/episodes/{start['id']}/reward", json={"reward": "high"})
+            await http.post(f"/episodes/{start['id']}/reward", json={"reward": 1.5})
+            after = (await http.get(f"/episodes/{start['id']}/trajectory")).json()
+            dup = await http.post("/episodes", json={"id": start["id"]})
+            gone = await http.delete(f"/episodes/{start['id']}")
+            again = await http.get(f"/episodes/{start['id']}/trajectory")
+            return start, before, bad, after, dup, gone, again
+
+    start, before, bad, after, dup, gone, again = asyncio.run(body())
+    assert start["base_url"].endswith(f"/episodes/{start['id']}/v1")
+    assert before["reward"] is None and before["stop_reason"] == "completed" and before["num_turns"] == 2
+    sampled = [i for i, m in zip(before["token_ids"], before["loss_mask"]) if m]
+    assert sampled == chat.tokenizer.encode("4", add_special_tokens=False) + [chat.end_of_turn_id] \
+        + chat.tokenizer.encode("8", add_special_tokens=False) + [chat.end_of_turn_id]
+    assert engine.calls[1] == before["token_ids"][: len(engine.calls[1])]  # call 2 extends call 1
+    assert bad.status_code == 400 and after["reward"] == 1.5
+    assert dup.status_code == 409 and gone.status_code == 200 and again.status_code == 404
+
+
+def test_serve_policy_command_serves_a_model_dir(tiny_model_dir, tmp_path):
+    """`agentgrpo serve-policy MODEL_DIR` in its own process, driven over HTTP with a token."""
+    import socket
+    import subprocess
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    (tmp_path / "token").write_text("t0ken\n")
+    proc = subprocess.Popen([sys.executable, "-m", "agentgrpo.cli", "serve-policy", str(tiny_model_dir),
+                             "--port", str(port), "--token-file", str(tmp_path / "token"),
+                             "--max-new-tokens", "8"], stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("serve-policy: http://127.0.0.1:"), line
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}",
+                          headers={"Authorization": "Bearer t0ken"}, timeout=60) as http:
+            assert http.get("/v1/models", headers={"Authorization": ""}).status_code == 401
+            eid = http.post("/episodes", json={"seed": 1}).json()["id"]
+            out = http.post(f"/episodes/{eid}/v1/chat/completions", json={"messages": USER}).json()
+            traj = http.get(f"/episodes/{eid}/trajectory").json()
+        assert out["usage"]["completion_tokens"] == sum(traj["loss_mask"]) <= 8
+        assert traj["num_turns"] == 1 and traj["stop_reason"] == "completed"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
