@@ -175,3 +175,40 @@ def test_collect_groups_seeds_and_close(chat):
     assert len({t.group_id for t in trajs}) == 2
     for t in trajs:
         t.check()
+
+
+class Recording:
+    """The local engine, keeping what each request got and sampled."""
+
+    def __init__(self, engine):
+        self.engine, self.seen = engine, []
+
+    async def generate(self, prompt_ids, params):
+        out = await self.engine.generate(prompt_ids, params)
+        self.seen.append((list(prompt_ids), list(out.token_ids), list(out.logprobs)))
+        return out
+
+    async def update_weights(self, weights, *, version):
+        await self.engine.update_weights(weights, version=version)
+
+
+def test_sampled_ids_are_the_local_engines(chat, stopping_model_dir):
+    """The real local engine behind the endpoint: every trajectory's masked ids and logprobs are
+    exactly what the engine returned for the requests that trajectory made."""
+    from agentgrpo.engine.local import LocalEngine
+
+    engine = Recording(LocalEngine(stopping_model_dir, tokenizer=chat.tokenizer, seed=0))
+    cfg = RolloutConfig(group_size=4, tasks_per_step=2, max_turns=3, max_new_tokens=24, max_tokens=96)
+    groups = asyncio.run(collect(CalculatorAgent, engine, chat, CalculatorAgent.load_tasks("train", n=2), cfg))
+    by_prompt = {}  # the members of a group send the same first prompt (with their own seeds)
+    for p, ids, lps in engine.seen:
+        by_prompt.setdefault(tuple(p), []).append((ids, lps))
+    for t in (t for g in groups for t in g.trajectories):
+        t.check()
+        assert t.stop_reason in (StopReason.COMPLETED, StopReason.MAX_TURNS, StopReason.MAX_TOKENS), t.stop_detail
+        masked = [i for i, m in enumerate(t.loss_mask) if m]
+        starts = [i for i in masked if i == 0 or not t.loss_mask[i - 1]]
+        assert len(starts) == t.num_turns >= 1
+        for s in starts:  # each sampled span is one engine reply to exactly the ids before it
+            end = next((i for i in range(s, len(t.loss_mask)) if not t.loss_mask[i]), len(t.loss_mask))
+            assert (t.token_ids[s:end], t.logprobs[s:end]) in by_prompt[tuple(t.token_ids[:s])]
