@@ -7,10 +7,11 @@ directly, in the same run.
 The engine answers at once with fixed ids (a 24-token reply that calls the calculator), so what
 is measured is the endpoint's own work: rendering the prompt (first call: the chat template;
 later calls: the suffix after the previous turn), parsing the reply into OpenAI tool_calls,
-recording the call, and for the HTTP mode the request and reply through uvicorn and an httpx
-client in this same process. Each mode runs multi-turn episodes of `--turns` calls whose history
-grows as an agent's does (reply, tool result, next call). Per call: wall time and process CPU
-time (client included for HTTP: an upper bound on the server's share).
+recording the call, and for the HTTP mode the request and reply through uvicorn, from an httpx
+client in a child process (this process's CPU time is the server's alone; the wall time is the
+client's clock around its calls). Each mode runs multi-turn episodes of `--turns` calls whose history
+grows as an agent's does (reply, tool result, next call). Per call: wall time and this process's
+CPU time.
 
 - direct: `engine.generate(prompt_ids)` with the ids a rollout would send (the baseline).
 - endpoint: `EndpointEpisode.complete(body)`, the endpoint without HTTP.
@@ -21,13 +22,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
+import sys
 import time
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import httpx  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
 from agentgrpo.chat import ChatFormat  # noqa: E402
@@ -52,6 +54,25 @@ class InstantEngine:
 
     async def update_weights(self, weights, *, version: str) -> None:
         pass
+
+
+CLIENT = r"""
+import json, sys, time, httpx
+base, episodes, turns, tools = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4])
+with httpx.Client(base_url=base) as http:
+    t0 = time.perf_counter()
+    for e in range(episodes):
+        messages = [{"role": "system", "content": "You are a careful assistant with a calculator."},
+                    {"role": "user", "content": "What is 56 + 55?"}]
+        for _ in range(turns):
+            r = http.post(f"/episodes/h{e}/v1/chat/completions",
+                          json={"model": "policy", "messages": messages, "tools": tools})
+            r.raise_for_status()
+            message = r.json()["choices"][0]["message"]
+            messages += [message, {"role": "tool", "content": "111",
+                                   "tool_call_id": message["tool_calls"][0]["id"]}]
+    print(time.perf_counter() - t0)
+"""
 
 
 def conversation(turn: int) -> list[dict]:
@@ -111,32 +132,31 @@ async def run(chat: ChatFormat, episodes: int, turns: int) -> dict[str, tuple[fl
             await engine.generate(prompt, params)
 
     await timed("direct", direct_episode)
-    async with endpoint.serving() as base, httpx.AsyncClient(base_url=base) as http:
-        async def http_episode(e: int) -> None:
+    async with endpoint.serving() as base:  # the client in its own process: CPU here is the server's
+        for e in range(episodes):
             endpoint.add(EndpointEpisode(id=f"h{e}", engine=engine, chat=chat, params=params))
-
-            async def send(ep: str, b: dict) -> dict:
-                r = await http.post(f"/episodes/{ep}/v1/chat/completions", json=b)
-                r.raise_for_status()
-                return r.json()
-
-            await agent(send, f"h{e}")
-            endpoint.remove(f"h{e}")
-
-        await timed("http", http_episode)
+        c0 = time.process_time()
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", CLIENT, base, str(episodes), str(turns), json.dumps(tools),
+            stdout=asyncio.subprocess.PIPE)
+        wall_s, _ = await proc.communicate()  # the client's own clock around its calls
+        assert proc.returncode == 0
+        n = episodes * turns
+        out["http"] = (float(wall_s) / n * 1e3, (time.process_time() - c0) / n * 1e3)
+        assert all(len(endpoint.episodes[f"h{e}"].calls) == turns for e in range(episodes))
     return out
 
 
-def local_turn_ms(path, chat: ChatFormat, max_new_tokens: int) -> tuple[float, int]:
+def local_turn_ms(path, chat: ChatFormat, max_new_tokens: int) -> tuple[float, float, int]:
     from agentgrpo.engine.local import LocalEngine
 
     engine = LocalEngine(path, tokenizer=chat.tokenizer, seed=0)
     prompt = chat.prompt_ids([Message(role="user", content="What is 56 + 55?")], [calculator.schema])
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.7, seed=0)
     asyncio.run(engine.generate(prompt, params))  # warm-up
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     out = asyncio.run(engine.generate(prompt, params))
-    return (time.perf_counter() - t0) * 1e3, len(out.token_ids)
+    return (time.perf_counter() - t0) * 1e3, (time.process_time() - c0) * 1e3, len(out.token_ids)
 
 
 def main() -> None:
@@ -157,10 +177,10 @@ def main() -> None:
         print(f"  overhead {name:9s} wall {res[name][0] - res['direct'][0]:.3f} ms, "
               f"CPU {res[name][1] - res['direct'][1]:.3f} ms")
     if args.local_engine:
-        ms, n = local_turn_ms(path, chat, 48)
+        ms, cpu, n = local_turn_ms(path, chat, 48)
         over = res["http"][1] - res["direct"][1]
-        print(f"  local engine turn ({n} tokens, embedded model): {ms:.0f} ms; "
-              f"http overhead CPU = {100 * over / ms:.2f}% of it")
+        print(f"  local engine turn ({n} tokens, embedded model): wall {ms:.0f} ms, CPU {cpu:.0f} ms; "
+              f"http overhead CPU = {100 * over / ms:.2f}% of its wall time, {100 * over / cpu:.2f}% of its CPU")
 
 
 if __name__ == "__main__":
