@@ -100,7 +100,8 @@ async def agent_episode(env: AgentEnv, engine: Engine, chat: ChatFormat, task: T
                 reason, detail = StopReason.ENV_ERROR, f"run returned {reward!r:.100}, not a finite number or None"
         except DeadlineExpired as e:
             reason, detail = StopReason.TIMEOUT, str(e)
-            episode.cut = episode.cut or (StopReason.TIMEOUT, str(e))
+            if episode.cut is None:
+                episode.cut, episode.deadline = (reason, detail), e.which
         except Exception as e:  # noqa: BLE001 - the agent is user code: its failure ends this episode
             reason, detail = StopReason.ENV_ERROR, f"run raised {type(e).__name__}: {e}"
         finally:
@@ -119,7 +120,7 @@ async def agent_episode(env: AgentEnv, engine: Engine, chat: ChatFormat, task: T
         reason, detail = StopReason.ENV_ERROR, diverged
     traj.stop_reason, traj.stop_detail = reason, detail
     if reason == StopReason.TIMEOUT:
-        traj.deadline = next((w for w in ("turn", "episode", "step") if w in detail), "episode")  # type: ignore[assignment]
+        traj.deadline = episode.deadline  # type: ignore[assignment]  # "turn" | "episode" | "step"
     if reason.is_infra_error:
         traj.reward = math.nan
     elif reward is None:

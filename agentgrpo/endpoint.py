@@ -122,6 +122,7 @@ class EndpointEpisode:
     clock: Deadlines | None = None
     calls: list[Call] = field(default_factory=list)
     cut: tuple[StopReason, str] | None = None  # a limit or deadline that ended the episode
+    deadline: str | None = None  # which deadline, when one did: turn | episode | step
     infra: tuple[StopReason, str] | None = None  # an engine failure (unscorable)
     reward: float | None = None  # given through the server's API (serve-policy)
     _history: list[Message] | None = None  # the last request's messages + the reply given
@@ -196,7 +197,7 @@ class EndpointEpisode:
             gen = self.engine.generate(prompt, params)
             out: Completion = await (self.clock.run(gen) if self.clock is not None else gen)
         except DeadlineExpired as e:
-            self.cut = (StopReason.TIMEOUT, str(e))
+            self.cut, self.deadline = (StopReason.TIMEOUT, str(e)), e.which
             raise APIError(408, f"deadline expired: {e}", code="timeout") from e
         except Exception as e:  # noqa: BLE001 - any engine failure is infrastructure: unscorable
             self.infra = (StopReason.ENGINE_ERROR, f"generate raised {type(e).__name__}: {e}")

@@ -29,6 +29,7 @@ import time
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # the shared CPU: see docs/performance.md
 
 from transformers import AutoTokenizer  # noqa: E402
 
@@ -150,7 +151,7 @@ async def run(chat: ChatFormat, episodes: int, turns: int) -> dict[str, tuple[fl
 def local_turn_ms(path, chat: ChatFormat, max_new_tokens: int) -> tuple[float, float, int]:
     from agentgrpo.engine.local import LocalEngine
 
-    engine = LocalEngine(path, tokenizer=chat.tokenizer, seed=0)
+    engine = LocalEngine(path, tokenizer=chat.tokenizer, seed=0, max_batch_size=1)
     prompt = chat.prompt_ids([Message(role="user", content="What is 56 + 55?")], [calculator.schema])
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.7, seed=0)
     asyncio.run(engine.generate(prompt, params))  # warm-up

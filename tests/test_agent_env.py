@@ -147,6 +147,15 @@ def test_failures_are_typed(chat):
     assert traj.stop_reason == StopReason.ENV_ERROR and "no rubric" in traj.stop_detail
 
 
+def test_a_generation_past_the_turn_deadline_is_cut(chat):
+    engine = ScriptedEngine(chat.tokenizer, ["1"], chat.end_of_turn_id, delay_s=5.0)
+    g = asyncio.run(run_group(ReturnsNone, engine, chat, TASK, 1, SamplingParams(max_new_tokens=8),
+                              limits=EpisodeLimits(turn_timeout_s=0.3)))
+    [traj] = g.trajectories
+    assert traj.stop_reason == StopReason.TIMEOUT and traj.deadline == "turn", traj.stop_detail
+    assert "turn 1 exceeded" in traj.stop_detail and math.isnan(traj.reward)
+
+
 class Scored(ReturnsNone):
     rubric = Rubric([("quarter", lambda traj, task: 0.25, 1.0)])
 
