@@ -74,6 +74,19 @@ def test_agent_calls_tool_and_answers_token_exact(chat):
     assert traj.token_ids[: traj.prompt_len] == engine.calls[0]
 
 
+def test_replies_sent_back_are_never_re_tokenized(chat, monkeypatch):
+    """Only the first call is rendered from scratch; later ones continue the recorded ids with the
+    suffix of the new messages (the text of the model's own turn is never encoded again)."""
+    from agentgrpo.chat import ChatFormat
+
+    rendered = []
+    real = ChatFormat.prompt_ids
+    monkeypatch.setattr(ChatFormat, "prompt_ids", lambda self, *a, **k: rendered.append(1) or real(self, *a, **k))
+    [traj], engine = group(chat, by_turn(chat, CALL, CALL, "111"))
+    assert traj.num_turns == 3 and len(rendered) == 1
+    assert_token_exact(traj, engine)
+
+
 def test_malformed_call_is_content_and_counted(chat):
     bad = '<tool_call>\n{"name": "calculator", "arguments": {"expression": </tool_call>'
     [traj], engine = group(chat, by_turn(chat, bad, "111"))
@@ -221,3 +234,14 @@ def test_sampled_ids_are_the_local_engines(chat, stopping_model_dir):
         for s in starts:  # each sampled span is one engine reply to exactly the ids before it
             end = next((i for i in range(s, len(t.loss_mask)) if not t.loss_mask[i]), len(t.loss_mask))
             assert (t.token_ids[s:end], t.logprobs[s:end]) in by_prompt[tuple(t.token_ids[:s])]
+
+
+def test_an_openai_agents_sdk_agent_trains_token_exact(chat):
+    pytest.importorskip("agents")
+    from examples.openai_agents_sdk import CalculatorSDKAgent
+
+    [traj], engine = group(chat, by_turn(chat, CALL, "The answer is 111."), env=CalculatorSDKAgent)
+    assert traj.stop_reason == StopReason.COMPLETED, traj.stop_detail
+    assert traj.reward == 1.0 and traj.num_turns == 2 and traj.tool_calls == 1
+    assert traj.messages[-2].role == "tool" and traj.messages[-2].content == "111"
+    assert_token_exact(traj, engine)
