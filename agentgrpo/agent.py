@@ -92,8 +92,10 @@ async def agent_episode(env: AgentEnv, engine: Engine, chat: ChatFormat, task: T
         env.base_url, env.api_key = f"{base}/episodes/{episode.id}/v1", endpoint.token or ""
         env.model = endpoint.model
         client = openai.AsyncOpenAI(base_url=env.base_url, api_key=env.api_key, max_retries=0)
+        stage = "reset"
         try:
-            await clock.run(call_reset(env, task, seed))
+            await clock.run(call_env(env.reset, seed=seed, options={"task": task}))  # seeds np_random
+            stage = "run"
             reward = await clock.run(env.run(client, task))
             if reward is not None and (isinstance(reward, bool) or not isinstance(reward, numbers.Real)
                                        or not math.isfinite(reward)):
@@ -103,7 +105,7 @@ async def agent_episode(env: AgentEnv, engine: Engine, chat: ChatFormat, task: T
             if episode.cut is None:
                 episode.cut, episode.deadline = (reason, detail), e.which
         except Exception as e:  # noqa: BLE001 - the agent is user code: its failure ends this episode
-            reason, detail = StopReason.ENV_ERROR, f"run raised {type(e).__name__}: {e}"
+            reason, detail = StopReason.ENV_ERROR, f"{stage} raised {type(e).__name__}: {e}"
         finally:
             endpoint.remove(episode.id)
             await client.close()
@@ -114,10 +116,10 @@ async def agent_episode(env: AgentEnv, engine: Engine, chat: ChatFormat, task: T
             reason, detail = StopReason.ENV_ERROR, "run made no call to the model"
     if episode.infra is not None:  # the engine's failure explains whatever run did next
         reason, detail = episode.infra
+    elif diverged is not None:  # the tokens after it are not one sequence: never trained on
+        reason, detail = StopReason.ENV_ERROR, diverged
     elif episode.cut is not None:
         reason, detail = episode.cut
-    elif diverged is not None:
-        reason, detail = StopReason.ENV_ERROR, diverged
     traj.stop_reason, traj.stop_detail = reason, detail
     if reason == StopReason.TIMEOUT:
         traj.deadline = episode.deadline  # type: ignore[assignment]  # "turn" | "episode" | "step"
@@ -135,11 +137,6 @@ async def agent_episode(env: AgentEnv, engine: Engine, chat: ChatFormat, task: T
         if traj.tool_errors and limits.tool_error_penalty:
             traj.reward -= limits.tool_error_penalty * traj.tool_errors
     return traj
-
-
-async def call_reset(env: AgentEnv, task: Task, seed: int | None) -> None:
-    """The env's reset (seeds `np_random`, stores the task); its return value is not used."""
-    await call_env(env.reset, seed=seed, options={"task": task})
 
 
 class _Shared:

@@ -136,6 +136,11 @@ class Raises(AgentEnv):
         raise RuntimeError("agent bug")
 
 
+class BadReset(Raises):
+    def reset(self, *, seed=None, options=None):
+        raise KeyError("no data")
+
+
 class Slow(AgentEnv):
     async def run(self, client, task):
         await client.chat.completions.create(model=self.model, messages=[{"role": "user", "content": "x"}])
@@ -151,6 +156,8 @@ def test_failures_are_typed(chat):
     [traj], _ = group(chat, ["1"], env=Raises)
     assert traj.stop_reason == StopReason.ENV_ERROR and "agent bug" in traj.stop_detail
     assert math.isnan(traj.reward)
+    [traj], _ = group(chat, ["1"], env=BadReset)
+    assert traj.stop_reason == StopReason.ENV_ERROR and traj.stop_detail.startswith("reset raised KeyError")
     [traj], _ = group(chat, ["1"], env=Slow, limits=EpisodeLimits(episode_timeout_s=0.5))
     assert traj.stop_reason == StopReason.TIMEOUT and traj.deadline == "episode"
     assert math.isnan(traj.reward) and traj.num_turns == 1
