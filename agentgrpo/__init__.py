@@ -2,10 +2,11 @@
 
 from agentgrpo.types import EnvStep, Group, Message, StopReason, Task, ToolCall, Trajectory  # noqa: I001
 from agentgrpo.tool import tool  # binds the name `tool` to the decorator, not the submodule
-from agentgrpo.env import Env, ToolEnv, check_env
+from agentgrpo.env import Env, ToolEnv
+from agentgrpo.env_check import check_env  # the run-level checker: the package face re-exports it
 from agentgrpo.agent import AgentEnv
 
 __all__ = [
-    "AgentEnv", "Env", "EnvStep", "Group", "Message", "StopReason", "Task", "ToolCall", "ToolEnv", "Trajectory",
-    "check_env", "tool",
+    "AgentEnv", "Env", "EnvStep", "Group", "Message", "StopReason", "Task", "ToolCall", "ToolEnv",
+    "Trajectory", "check_env", "tool",
 ]

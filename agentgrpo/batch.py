@@ -194,8 +194,9 @@ def make_micro_batches(
     a group's prefix + continuations) are bin-packed into rows as long as the longest unit, and
     `token_budget // row_length` rows make a micro-batch. `row_tokens` (shared_prefix): the longest a
     group's unit may be; longer groups are split, each piece with its own copy of the prefix; None =
-    the budget; "auto" = the cap `choose_row_tokens` picks for `pair_cost`. `one_row`: each micro-batch is a single row of up to
-    `token_budget` tokens with no mask (flash-attention varlen; not with `shared_prefix`).
+    the budget; "auto" = the cap whose modelled cost for `pair_cost` is least (`_cheapest_plan`).
+    `one_row`: each micro-batch is a single row of up to `token_budget` tokens with no mask
+    (flash-attention varlen; not with `shared_prefix`).
     Every trajectory needs at least one loss token and none at position 0 (nothing predicts it).
     """
     if len(trajs) != len(advantages):
@@ -258,10 +259,12 @@ def attention_pair_cost(config) -> float:
     return 2 * heads * head_dim / (h * (2 * heads + 2 * kv) * head_dim + 3 * h * ff)
 
 
-def choose_row_tokens(trajs: Sequence[Trajectory], token_budget: int, pair_cost: float,
-                      mode: PackingMode = "shared_prefix") -> int | None:
-    """The group-unit cap (`make_micro_batches(row_tokens=...)`) whose plan costs least, in units of
+def _cheapest_plan(trajs: Sequence[Trajectory], groups: list[tuple[list[int], int]], budget: int,
+                   pair_cost: float, mode: PackingMode, one_row: bool,
+                   ) -> tuple[int | None, list[list[list[_Unit]]]]:
+    """(cap, plan): the group-unit cap whose plan costs least (`row_tokens="auto"`), in units of
     one token's matmuls: every micro-batch of B rows of T slots costs B * T * (1 + pair_cost * T).
+    Each plan is built once; cap None = no cap.
 
     Sharing a group's prompt saves (G - 1) * prompt tokens but makes one row of the whole group, and
     under a mask attention costs the square of the row: python_math-shaped groups (8 x ~870 tokens, a
@@ -269,17 +272,8 @@ def choose_row_tokens(trajs: Sequence[Trajectory], token_budget: int, pair_cost:
     slots the cap chosen here gives rows of <= 1907 tokens, each prompt computed 4 times instead of
     once (the modeled and measured step times: docs/performance.md).
     Candidates run from the longest trajectory to the longest unit the budget allows, in steps of
-    1.25x. None (no cap) outside `shared_prefix` or when pair_cost is 0, where nothing is gained by
-    splitting."""
-    if mode != "shared_prefix" or pair_cost <= 0 or not trajs:
-        return None
-    return _cheapest_plan(trajs, _groups(trajs, mode), token_budget, pair_cost, mode, False)[0]
-
-
-def _cheapest_plan(trajs: Sequence[Trajectory], groups: list[tuple[list[int], int]], budget: int,
-                   pair_cost: float, mode: PackingMode, one_row: bool,
-                   ) -> tuple[int | None, list[list[list[_Unit]]]]:
-    """(cap, plan) of `choose_row_tokens`, each plan built once; cap None = no cap."""
+    1.25x. None (no cap) outside `shared_prefix`, with `one_row`, or when pair_cost is 0, where
+    nothing is gained by splitting."""
     whole = _plan(trajs, groups, budget, mode, one_row, None)
     if mode != "shared_prefix" or one_row or pair_cost <= 0:
         return None, whole
@@ -361,46 +355,32 @@ def _build(trajs: Sequence[Trajectory], advantages: Sequence[float], rows: list[
     )
 
 
-def shard(trajs: Sequence[Trajectory], rank: int, world: int) -> list[int]:
-    """Indices of the trajectories rank `rank` of `world` trains on.
-
-    Whole groups go to one rank (so a shared prefix stays together), the largest first to the rank
-    with the fewest tokens so far; with fewer groups than ranks, single trajectories are dealt
-    instead. Deterministic: every rank computes the same assignment from the same list.
-    """
-    if world == 1:
-        return list(range(len(trajs)))
-    groups: dict[str, list[int]] = defaultdict(list)
-    for i, t in enumerate(trajs):
-        groups[t.group_id].append(i)
-    parts = list(groups.values()) if len(groups) >= world else [[i] for i in range(len(trajs))]
-    load = [0] * world
-    owned: list[list[int]] = [[] for _ in range(world)]
-    for part in sorted(parts, key=lambda p: (-sum(len(trajs[i].token_ids) for i in p), p[0])):
-        r = min(range(world), key=lambda r: (load[r], r))
-        owned[r] += part
-        load[r] += sum(len(trajs[i].token_ids) for i in part)
-    return sorted(owned[rank])
-
-
-def split_mini_batches(trajs: Sequence[Trajectory], k: int) -> list[list[int]]:
-    """Indices of each of the step's mini-batches: whole groups, balanced by tokens.
+def balanced_parts(trajs: Sequence[Trajectory], k: int, *,
+                   exactly_k: bool = False) -> list[list[int]]:
+    """Indices of the trajectories in each of `k` parts (the step's mini-batches, or its ranks):
+    whole groups, balanced by tokens (`len(token_ids)`).
 
     Whole groups: a group's advantages sum to 0 (grpo, dr_grpo, rloo), so each optimizer step gets
     a baseline-centred gradient, and shared-prefix packing still computes a group's prompt once.
     (verl cuts each rank's batch by position, `data.split(ppo_mini_batch_size)`, sized in prompts x n
     but not checked to keep groups whole; TRL shuffles its generation batch and cuts it into
-    `steps_per_generation` pieces, so groups straddle.) The largest group goes to the lightest
-    mini-batch (tokens: `len(token_ids)`, as `batch.shard` balances ranks). Fewer groups than `k`:
-    fewer mini-batches, rather than an optimizer step on nothing. Not shuffled: the partition is a
-    function of the list alone (every rank, and a resume, get the same) and ignores arrival order.
+    `steps_per_generation` pieces, so groups straddle.) The largest group goes to the lightest part.
+    Fewer groups than `k`: fewer parts, rather than an optimizer step on nothing; with `exactly_k`
+    (ranks, which all take part in every step), single trajectories are dealt instead, and a part
+    may be empty. Not shuffled: the partition is a function of the list alone (every rank, and a
+    resume, get the same) and ignores arrival order.
     """
     groups: dict[str, list[int]] = defaultdict(list)
     for i, t in enumerate(trajs):
         groups[t.group_id].append(i)
-    k = min(k, len(groups))
+    units = list(groups.values())
+    if len(units) < k:
+        if exactly_k:
+            units = [[i] for i in range(len(trajs))]
+        else:
+            k = len(units)
     load, parts = [0] * k, [[] for _ in range(k)]
-    for members in sorted(groups.values(), key=lambda g: (-sum(len(trajs[i].token_ids) for i in g), g[0])):
+    for members in sorted(units, key=lambda g: (-sum(len(trajs[i].token_ids) for i in g), g[0])):
         j = min(range(k), key=lambda j: (load[j], j))
         parts[j] += members
         load[j] += sum(len(trajs[i].token_ids) for i in members)

@@ -32,6 +32,7 @@ so `rm -r checkpoints/rejected-step-*` removes them at any time.
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
 import os
@@ -39,6 +40,7 @@ import random
 import re
 import shutil
 import signal
+import threading
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -90,8 +92,6 @@ def rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    import ast
-
     random.setstate(ast.literal_eval(state["python"]))
     np_state = state["numpy"]
     np.random.set_state((np_state[0], np.array(np_state[1], dtype=np.uint32), *np_state[2:]))
@@ -297,8 +297,6 @@ class StopRequested:
 
     def install(self) -> StopRequested:
         """Take over the signals (main thread only: elsewhere Python cannot install handlers)."""
-        import threading
-
         if threading.current_thread() is threading.main_thread():
             self._old = {s: signal.signal(s, self._handle) for s in self.signals}
         return self

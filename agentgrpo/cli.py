@@ -7,8 +7,18 @@ config (`agentgrpo.config`), overridden with `key.path=value` arguments.
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
+from pathlib import Path
+
+from agentgrpo.chat import TemplateError
+from agentgrpo.env_check import env_report
+from agentgrpo.report import write_report
+from agentgrpo.template_audit import audit_template
+
+# agentgrpo.config, train and evaluate load torch, and check-template loads transformers: each
+# command imports them when it runs, so the forwarded servers (serve-sandbox, ...) start without.
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -24,7 +34,6 @@ def _train(args: argparse.Namespace) -> int:
 
 def _check_env(args: argparse.Namespace) -> int:
     from agentgrpo.config import EnvConfig, apply_override
-    from agentgrpo.env_check import env_report
 
     kwargs: dict = {}
     for kv in args.kwarg:  # the constructor's arguments, as a config's env.kwargs gives them
@@ -50,12 +59,9 @@ def _check_env(args: argparse.Namespace) -> int:
 
 
 def _check_template(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from transformers import AutoTokenizer
 
     from agentgrpo.config import apply_override
-    from agentgrpo.template_audit import audit_template
 
     kwargs: dict = {}
     for kv in args.kwarg:
@@ -80,8 +86,6 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from agentgrpo.report import write_report
-
     try:
         out = write_report(args.run_dir, args.out, max_trajectories=args.max_trajectories,
                            max_tokens=args.max_tokens)
@@ -130,7 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "agentgrpo check-template MODEL_DIR")
     ct.add_argument("model_dir", help="model directory with a tokenizer (and its chat template)")
     ct.add_argument("--template", help="Jinja template file to audit instead of the tokenizer's")
-    ct.add_argument("--parser", default="hermes", help="tool-call parser name (default hermes)")
+    ct.add_argument("--parser", default="auto",
+                    help="tool-call parser name (default auto: the one for the template's format)")
     ct.add_argument("--end-of-turn", help="token that ends an assistant turn (default: the tokenizer's EOS)")
     ct.add_argument("--fallback", default="none", choices=["none", "keep_history"],
                     help="the rollout.template_fallback to audit with")
@@ -150,14 +155,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import importlib
-
-    from agentgrpo.chat import TemplateError
-    from agentgrpo.config import ConfigError
-
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in FORWARDED:
         return int(importlib.import_module(FORWARDED[argv[0]][0]).main(argv[1:]) or 0)
+    from agentgrpo.config import ConfigError
+
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)

@@ -1,8 +1,10 @@
 """Typed run configuration: YAML file + dotted command-line overrides, validated at start-up.
 
-Each component owns its config model next to its code (`RolloutConfig` in rollout.py, `LossConfig`
-in loss.py, ...); this module composes them. Every model forbids unknown keys, so a misspelt key
-is an error that names it instead of a setting silently ignored.
+Each stage owns its config model next to its code (`RolloutConfig` in rollout.py, `LossConfig`
+in loss.py, `EngineConfig` in engine/config.py, ...); this module composes them and holds the
+run-level settings (model, env, train loop, evaluation, logging), so that the run-level modules
+(train, evaluate, log, ...) import it and it imports none of them. Every model forbids unknown
+keys, so a misspelt key is an error that names it instead of a setting silently ignored.
 """
 
 from __future__ import annotations
@@ -12,16 +14,16 @@ import traceback
 import types
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Literal, Union, get_args, get_origin
+from typing import Any, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from agentgrpo.advantage import AdvantageConfig
-from agentgrpo.engine.sglang_config import SGLangConfig
+from agentgrpo.engine.config import EngineConfig
 from agentgrpo.env import Env, get_env_class, tasks_from_file
-from agentgrpo.evaluate import EvalConfig
 from agentgrpo.learner import LearnerConfig
+from agentgrpo.log import mask_secrets
 from agentgrpo.loss import LossConfig
 from agentgrpo.rollout import RolloutConfig
 from agentgrpo.shaping import ShapingConfig
@@ -38,7 +40,9 @@ class ModelConfig(BaseModel):
 
     path: str | None = Field(None, description="model directory; None = the embedded SmolLM2-135M-Instruct")
     chat_template: str | None = Field(None, description="Jinja template file overriding the tokenizer's")
-    tool_parser: str = Field("hermes", description="tool-call parser name (agentgrpo.chat.PARSERS)")
+    tool_parser: str = Field("auto", description="tool-call parser name (agentgrpo.parsers."
+                             "PARSERS: hermes, llama3_json, qwen3_xml, glm4, deepseek_v3, harmony, "
+                             "pythonic) or auto: the one for the chat template's format")
 
 
 class EnvConfig(BaseModel):
@@ -104,34 +108,6 @@ class EnvConfig(BaseModel):
                           f"{type(tasks).__name__}, not a list of Task")
 
 
-class EngineConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    kind: Literal["local", "sglang"] = Field(
-        "local", description="local: in-process transformers engine; sglang: SGLang servers over HTTP")
-    max_batch_size: int = Field(32, ge=1, description="local engine: sequences decoded together")
-    prefix_cache_tokens: int = Field(
-        16384, ge=0, description="local engine: token budget of the prefix KV cache that lets a "
-        "group's copies of a prompt and a trajectory's next turn skip prefilling what was already "
-        "computed (45 KiB a token for SmolLM2-135M in float32); 0 disables it")
-    sglang: SGLangConfig | None = Field(None, description="kind=sglang: the servers and client settings")
-
-    @model_validator(mode="after")
-    def _one_kind(self) -> EngineConfig:
-        # A block for the engine that is not used would be silently ignored: reject it instead.
-        if self.kind == "sglang" and self.sglang is None:
-            raise ValueError("engine.kind is sglang but there is no engine.sglang block (urls, ...)")
-        if self.kind == "local" and self.sglang is not None:
-            raise ValueError("engine.sglang is set but engine.kind is local; set engine.kind: sglang")
-        if self.kind == "sglang":  # compared with the defaults, so a dumped config.yaml loads again
-            changed = [f"engine.{name}={getattr(self, name)}" for name in ("max_batch_size", "prefix_cache_tokens")
-                       if getattr(self, name) != type(self).model_fields[name].default]
-            if changed:
-                raise ValueError(f"{', '.join(changed)} configure the local engine, but engine.kind is "
-                                 "sglang (its servers batch and cache on their own: set that at launch)")
-        return self
-
-
 class TrainLoopConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -166,6 +142,31 @@ class LogConfig(BaseModel):
         if orphans and self.wandb_project is None:
             raise ValueError(f"{', '.join(orphans)} set without log.wandb_project: nothing would go to "
                              "W&B; set log.wandb_project too, or drop them")
+        return self
+
+
+class EvalConfig(BaseModel):
+    """What `agentgrpo eval` samples and how it scores; sampling settings come from `rollout`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    split: str = Field("eval", description="task split passed to Env.load_tasks")
+    every: int = Field(0, ge=0, description="during training: evaluate every K steps, logged as eval/* (0 = never)")
+    num_tasks: int | None = Field(100, ge=1, description="the first N tasks of the split (None = all)")
+    samples_per_task: int = Field(4, ge=1, description="trajectories per task (the n of pass@k)")
+    pass_k: list[int] = Field(default_factory=lambda: [1], description="k values of pass@k, each <= samples_per_task")
+    success_threshold: float = Field(1.0, description="a trajectory passes when its reward is >= this")
+    checkpoint: str = Field("latest", description="'latest' = newest intact checkpoint of output_dir (an "
+                            "error when it has none), 'none' = the base model, or a checkpoint "
+                            "directory (verified); any format: full, LoRA (set learner.lora as in "
+                            "training) or sharded")
+    output_dir: str | None = Field(None, description="where results go (None = <output_dir>/eval-<split>)")
+
+    @model_validator(mode="after")
+    def _k_fits(self) -> EvalConfig:
+        bad = [k for k in self.pass_k if not 1 <= k <= self.samples_per_task]
+        if bad:
+            raise ValueError(f"pass_k {bad}: each k must be between 1 and samples_per_task ({self.samples_per_task})")
         return self
 
 
@@ -377,6 +378,4 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig
 
 
 def dump_config(cfg: RunConfig) -> str:
-    from agentgrpo.log import mask_secrets
-
     return yaml.safe_dump(mask_secrets(cfg.model_dump(mode="json")), sort_keys=False)

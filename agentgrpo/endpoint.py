@@ -39,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import ipaddress
 import json
 import math
 import secrets
@@ -48,6 +49,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -204,7 +206,7 @@ class EndpointEpisode:
             raise APIError(503, f"the engine failed: {type(e).__name__}: {e}", kind="server_error",
                            code="engine_error") from e
         parse = bool(tools) and req["tool_choice"] != "none"
-        turn = self.chat.parse_assistant(out.token_ids, parse_tools=parse)
+        turn = self.chat.parse_assistant(out.token_ids, parse_tools=parse, tools=tools)
         reply = turn.message
         if turn.errors:  # malformed calls come back as plain content (counted in the record)
             text = self.chat.parse_assistant(out.token_ids, parse_tools=False).message.content
@@ -502,8 +504,6 @@ class PolicyEndpoint:
                       timeout_keep_alive_s: int = 30) -> AsyncIterator[str]:
         """Serve on this event loop while the block runs; yields the base URL (port 0: any free
         port). Signals are left to the host program (the training run handles its own)."""
-        import uvicorn
-
         if self.token is None and not is_loopback(host):
             raise ValueError(f"refusing to bind {host} without a token: anyone who reaches it could "
                              "sample from the policy and write into its episodes")
@@ -531,8 +531,6 @@ class PolicyEndpoint:
 
 
 def is_loopback(host: str) -> bool:
-    import ipaddress
-
     if host == "localhost":
         return True
     try:

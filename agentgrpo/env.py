@@ -9,13 +9,13 @@ Decisions:
 - `reset()` without a task restarts the current task (Gymnasium's checker calls `reset()` with no
   options). An env that was never given a task raises a ValueError saying how to pass one.
 - `step` (and `reset`) may be `async def`; the rollout awaits them natively, and runs sync ones in a
-  worker thread so they never block the event loop. `check_env` handles both.
+  worker thread so they never block the event loop. `agentgrpo.check_env` handles both.
 - All members of a group are reset with the same task and seed, so their differences come from the
   policy alone. `reset` must seed everything random with it (`super().reset(seed=seed)` seeds
   `self.np_random`; use that RNG). An env whose outcome is not fixed by the seed (a live web
   search, a shared database, wall-clock time) sets `stochastic = True` and says in its docstring
-  what the seed fixes and what varies; `check_env` resets twice with one seed and flags an env that
-  differs without declaring it.
+  what the seed fixes and what varies; `agentgrpo.check_env` resets twice with one seed and flags
+  an env that differs without declaring it.
 - Tasks come from the env class: `load_tasks(split, seed)` returns the tasks the trainer iterates.
 - What `step` returns is converted once into a typed `EnvStep` (`EnvStep.of`, a cheap shape
   check); `reset`'s value by `reset_messages`. A value that breaks the contract ends that
@@ -44,7 +44,9 @@ from __future__ import annotations
 import asyncio
 import functools
 import importlib
+import importlib.metadata
 import inspect
+import json
 import os
 import sys
 from collections import Counter
@@ -215,8 +217,6 @@ def tasks_from_file(path: str | Path, *, split: str = "train", prompt_key: str =
     ValueError naming the file, the row and the problem. (Parquet / HF datasets: export to JSONL,
     e.g. `Dataset.to_json(path)`, which writes this format.)
     """
-    import json
-
     path = Path(path)
     text = path.read_text()
     if path.suffix == ".json":
@@ -426,26 +426,19 @@ class EnvCheckError(AssertionError):
     """An environment breaks the Env contract; the message lists every problem found."""
 
 
-def check_env(env: Env, task: Task | None = None) -> None:
-    """Validate an environment: Gymnasium's `check_env` plus the message and tool contract, by
-    running it through scripted resets and steps (see `agentgrpo.env_check`).
-
-    Raises EnvCheckError listing each failure with what was expected. `task` defaults to the first
-    task of `env.load_tasks("train")`.
-    """
-    from agentgrpo.env_check import check_env as run_checks  # the checker imports this module
-
-    run_checks(env, task)
-
-
 # ---------------------------------------------------------------------------------------------
 # Registry
 
 ENVS: dict[str, type[Env]] = {}
 
+# Installed packages name their environments under this entry-point group, agentgrpo's own `envs/`
+# among them (pyproject.toml: [project.entry-points."agentgrpo.envs"] name = "module:Class").
+ENTRY_POINT_GROUP = "agentgrpo.envs"
+
 
 def register_env(name: str, cls: type[Env] | None = None) -> Any:
-    """Register an env class by name (usable as `@register_env("name")`)."""
+    """Register an env class by name at run time (usable as `@register_env("name")`); a package
+    that ships envs declares them as entry points instead (`ENTRY_POINT_GROUP`)."""
     def deco(c: type[Env]) -> type[Env]:
         if not (isinstance(c, type) and issubclass(c, Env)):
             raise TypeError(f"register_env({name!r}): {c!r} is not an Env subclass")
@@ -455,13 +448,14 @@ def register_env(name: str, cls: type[Env] | None = None) -> Any:
 
 
 def get_env_class(name: str) -> type[Env]:
-    """`name` is a registered name or `module:Class`.
+    """`name` is a registered name, an entry point of `ENTRY_POINT_GROUP`, or `module:Class`.
 
     A module the import path does not have is looked for in the current directory too (appended
     to `sys.path`, so it never shadows an installed package), as `python -m` would find it: the
     `agentgrpo` command, unlike `python`, does not put the current directory on the path. A module
-    that is still not found, or a name that is not an Env class, is a ValueError saying so; an
-    error raised while importing the user's module propagates as it is (it is their code).
+    that is still not found, a name that is not an Env class, or a name nothing registers is a
+    ValueError saying so; an error raised while importing the user's module propagates as it is
+    (it is their code).
     """
     if ":" in name:
         module, _, attr = name.partition(":")
@@ -479,10 +473,37 @@ def get_env_class(name: str) -> type[Env]:
             raise ValueError(f"{name!r} does not name an agentgrpo Env class"
                              + ("" if cls is not None else f" (module {module!r} has no {attr!r})"))
         return cls
-    importlib.import_module("envs")  # registers the bundled environments
-    if name not in ENVS:
-        raise ValueError(f"unknown environment {name!r}; registered: {sorted(ENVS)} (or use module:Class)")
-    return ENVS[name]
+    if name in ENVS:
+        return ENVS[name]
+    found = importlib.metadata.entry_points(group=ENTRY_POINT_GROUP).select(name=name)
+    if not found:
+        raise ValueError(f"unknown environment {name!r}; known: {known_env_names()} (or use "
+                         f"module:Class){_missing_entry_points()}")
+    entry = next(iter(found))
+    cls = entry.load()
+    if not (isinstance(cls, type) and issubclass(cls, Env)):
+        raise ValueError(f"env {name!r}: entry point {entry.value!r} ({ENTRY_POINT_GROUP}) is "
+                         "not an agentgrpo Env class")
+    return cls
+
+
+def known_env_names() -> list[str]:
+    """The names `get_env_class` resolves without `module:Class`: registered and entry points."""
+    return sorted(set(ENVS) | set(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP).names))
+
+
+def _missing_entry_points() -> str:
+    """Why agentgrpo's own envs may be missing from the names: the install predates the group,
+    or agentgrpo runs from a source tree that was never installed."""
+    try:
+        dist = importlib.metadata.distribution("agentgrpo")
+    except importlib.metadata.PackageNotFoundError:
+        return ("; agentgrpo is not installed, so its own environments (entry points of "
+                f"{ENTRY_POINT_GROUP}) are unknown: install it with pip install -e .")
+    if not any(e.group == ENTRY_POINT_GROUP for e in dist.entry_points):
+        return (f"; the installed agentgrpo {dist.version} declares no {ENTRY_POINT_GROUP} entry "
+                "points (its metadata predates them): reinstall with pip install -e .")
+    return ""
 
 
 def _import_user_module(module: str) -> Any:

@@ -2,8 +2,11 @@
 
 `env_report(env, task)` runs an env through reset and step with scripted actions and returns one
 `EnvCheck` per promise of the Env contract: what was checked, whether it held, and, when it did
-not, what was found and why it matters. `check_env` (re-exported by `agentgrpo.env`) raises
+not, what was found and why it matters. `check_env` (re-exported as `agentgrpo.check_env`) raises
 `EnvCheckError` listing the failures; `agentgrpo check-env MODULE:CLASS` prints the whole report.
+The conversions the rollout makes of every value (`EnvStep.of`, `agentgrpo.env.reset_messages`)
+live in the stage layer below this run-level checker; `check_env_at_start` is the part training and
+evaluation run once before the first rollout.
 
 The scripted actions: reset twice with one seed (determinism, unless the env declares
 `stochastic`); for a ToolEnv, a call to an unknown tool, a call with invalid arguments, and one call
@@ -20,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import gymnasium
+from gymnasium.utils.env_checker import check_env as gym_check
 
 from agentgrpo.env import Env, EnvCheckError, ToolEnv, _run_sync, reset_messages
 from agentgrpo.types import EnvStep, Message, Task, ToolCall
@@ -251,8 +255,6 @@ def env_report(env: Env, task: Task | None = None) -> EnvReport:
     report.checks += _check_step(env, task)
     if report.ok:
         try:
-            from gymnasium.utils.env_checker import check_env as gym_check
-
             view = env if not (inspect.iscoroutinefunction(env.step)
                                or inspect.iscoroutinefunction(env.reset)) else _SyncView(env)
             gym_check(view, skip_render_check=True, skip_close_check=True)

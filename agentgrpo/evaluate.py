@@ -29,51 +29,33 @@ Decisions:
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+import torch
+from transformers import AutoConfig, AutoTokenizer
 
+from agentgrpo import checkpoint, learner_state
 from agentgrpo.chat import ChatFormat
+from agentgrpo.config import ConfigError, EvalConfig, RunConfig
 from agentgrpo.engine.base import Engine, close_all, wait_ready
+from agentgrpo.engine.config import build_engine
 from agentgrpo.env import Env
+from agentgrpo.env_check import check_env_at_start
+from agentgrpo.learner import LearnerConfig
+from agentgrpo.log import RunLogger
+from agentgrpo.logprobs import PolicyForward
+from agentgrpo.lora import MergedModel, apply_lora
+from agentgrpo.models import default_model_path, load_model
 from agentgrpo.rollout import RolloutConfig, collect, rollout_metrics
+from agentgrpo.template_audit import require_token_safe
 from agentgrpo.types import Group, Task, Trajectory
-
-if TYPE_CHECKING:
-    import torch
-
-    from agentgrpo.config import RunConfig
-    from agentgrpo.learner import LearnerConfig
-
-
-class EvalConfig(BaseModel):
-    """What `agentgrpo eval` samples and how it scores; sampling settings come from `rollout`."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    split: str = Field("eval", description="task split passed to Env.load_tasks")
-    every: int = Field(0, ge=0, description="during training: evaluate every K steps, logged as eval/* (0 = never)")
-    num_tasks: int | None = Field(100, ge=1, description="the first N tasks of the split (None = all)")
-    samples_per_task: int = Field(4, ge=1, description="trajectories per task (the n of pass@k)")
-    pass_k: list[int] = Field(default_factory=lambda: [1], description="k values of pass@k, each <= samples_per_task")
-    success_threshold: float = Field(1.0, description="a trajectory passes when its reward is >= this")
-    checkpoint: str = Field("latest", description="'latest' = newest intact checkpoint of output_dir (an "
-                            "error when it has none), 'none' = the base model, or a checkpoint "
-                            "directory (verified); any format: full, LoRA (set learner.lora as in "
-                            "training) or sharded")
-    output_dir: str | None = Field(None, description="where results go (None = <output_dir>/eval-<split>)")
-
-    @model_validator(mode="after")
-    def _k_fits(self) -> EvalConfig:
-        bad = [k for k in self.pass_k if not 1 <= k <= self.samples_per_task]
-        if bad:
-            raise ValueError(f"pass_k {bad}: each k must be between 1 and samples_per_task ({self.samples_per_task})")
-        return self
+from agentgrpo.weight_sync import WeightSync
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -142,14 +124,6 @@ def checkpoint_policy(directory: Path | None, base: Path, learner: LearnerConfig
     Either checkpoint format loads (`learner_state.load_weights`): full (HF safetensors, or the
     adapter alone with LoRA, the base coming from `base`) and sharded (`dcp/`, in this process).
     """
-    import torch
-
-    from agentgrpo import learner_state
-    from agentgrpo.config import ConfigError
-    from agentgrpo.logprobs import PolicyForward
-    from agentgrpo.lora import MergedModel, apply_lora
-    from agentgrpo.models import load_model
-
     model = load_model(base).to(getattr(torch, learner.dtype))
     if directory is None:
         return model
@@ -171,9 +145,6 @@ def resolve_policy(cfg: RunConfig, base: Path) -> tuple[Path | None, int, torch.
     checkpoint at all (a misspelt `output_dir`) or none that loads is a ConfigError pointing to
     `eval.checkpoint=none`. A named directory must verify.
     """
-    from agentgrpo import checkpoint
-    from agentgrpo.config import ConfigError
-
     choice = cfg.eval.checkpoint
     if choice == "none":
         return None, 0, None
@@ -212,16 +183,6 @@ def run_eval(cfg: RunConfig, *, engine: Engine | None = None) -> tuple[Path, Eva
     SGLang servers always receive the weights evaluated, the base model's included, since they may
     hold any run's. `engine` replaces the engine built from the config (tests pass their own).
     """
-    import asyncio
-
-    from transformers import AutoConfig, AutoTokenizer
-
-    from agentgrpo.env_check import check_env_at_start
-    from agentgrpo.log import RunLogger
-    from agentgrpo.models import default_model_path
-    from agentgrpo.template_audit import require_token_safe
-    from agentgrpo.weight_sync import WeightSync
-
     base = Path(cfg.model.path) if cfg.model.path else default_model_path()
     tokenizer = AutoTokenizer.from_pretrained(base)
     template = Path(cfg.model.chat_template).read_text() if cfg.model.chat_template else None
@@ -231,8 +192,6 @@ def run_eval(cfg: RunConfig, *, engine: Engine | None = None) -> tuple[Path, Eva
     make_env = lambda: env_cls(**cfg.env.kwargs)  # noqa: E731 - one env instance per trajectory
     tasks = cfg.env.load_tasks(env_cls, cfg.eval.split, cfg.seed)[: cfg.eval.num_tasks]
     if not tasks:
-        from agentgrpo.config import ConfigError
-
         raise ConfigError(f"{cfg.env.name} has no tasks in split {cfg.eval.split!r} (eval.split)")
     check_env_at_start(make_env(), tasks[0])
     report = require_token_safe(chat, make_env(), tasks[0], seed=cfg.seed)
@@ -246,9 +205,7 @@ def run_eval(cfg: RunConfig, *, engine: Engine | None = None) -> tuple[Path, Eva
 
     owned = engine is None
     if engine is None:
-        from agentgrpo.train import build_engine
-
-        engine = build_engine(cfg, base, tokenizer)
+        engine = build_engine(cfg.engine, base, tokenizer, seed=cfg.seed)
     # Disk pushes go to a subdirectory: a training run with the same shared_dir pushes step_<N>
     # there too, and replacing or pruning its directories could pull them from under its servers.
     ws = cfg.weight_sync

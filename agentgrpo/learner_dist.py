@@ -8,6 +8,8 @@ import os
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.fsdp import fully_shard
 
 from agentgrpo.logprobs import PolicyForward
 
@@ -22,9 +24,6 @@ def shard_reference(model: torch.nn.Module, autocast_bf16: bool, *, from_main: b
     (`cpu_ram_efficient_loading`) the other ranks' `model` has no weights. Its forwards are
     collective: every rank runs the same reference forwards (`train_step` pads ranks with empty
     batches)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-    from torch.distributed.fsdp import fully_shard
-
     # Parameters on meta; buffers copied (the non-persistent ones, e.g. rotary frequencies, are in
     # no state dict; fully_shard moves them to the device).
     memo = {id(p): torch.nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)

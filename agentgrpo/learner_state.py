@@ -54,6 +54,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from agentgrpo.lora import adapter_weights
+from agentgrpo.models import read_safetensors
 
 if TYPE_CHECKING:
     from agentgrpo.learner import Learner
@@ -188,8 +189,6 @@ def _load_full_weights(policy: torch.nn.Module, model: torch.nn.Module, director
         weights = adapter_weights(model, directory)
         needed = [n for n, _ in model.named_parameters() if "lora_" in n]
     else:
-        from agentgrpo.models import read_safetensors
-
         weights = read_safetensors(directory)
         needed = list(model.state_dict())
         if getattr(model.config, "tie_word_embeddings", False):  # lm_head is saved once

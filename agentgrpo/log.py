@@ -29,6 +29,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
+from tqdm.auto import tqdm
+
 from agentgrpo.types import Group, Trajectory
 
 if TYPE_CHECKING:
@@ -403,8 +405,6 @@ class Progress:
         self._in_step, self._step_t0, self._phase = True, now, ""
         self.phase_s = {}
         if self.live and self.enabled:
-            from tqdm.auto import tqdm
-
             self._bar = tqdm(total=self.rollouts_per_step, file=self.file, leave=True, dynamic_ncols=True,
                              desc=f"step {self.step + 1}/{self.total_steps}", unit="rollout",
                              bar_format="{desc} |{bar:20}| {n_fmt}/{total_fmt} rollouts{postfix}")

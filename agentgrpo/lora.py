@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
+from safetensors.torch import load_file
 
 
 class LoraConfig(BaseModel):
@@ -109,8 +110,6 @@ def adapter_weights(peft_model: torch.nn.Module, directory: Path) -> dict[str, t
     Only Linear LoRA layers exist here (`merged_state_dict` refuses others), so `lora_A`/`lora_B`
     are the only names to map.
     """
-    from safetensors.torch import load_file
-
     adapter = peft_model.active_adapter
     out = {}
     for key, t in load_file(directory / "adapter_model.safetensors").items():

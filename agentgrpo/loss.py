@@ -47,7 +47,6 @@ from agentgrpo.loss_terms import (  # noqa: F401
     kl_penalty,
     rollout_mismatch_metrics,
     sequence_tis_weights,
-    step_normalisers,
     token_tis_weights,
 )
 
@@ -57,6 +56,20 @@ GSPO_LOG_RATIO_CAP = 10.0  # verl: cap of the sequence log-ratio in GSPO
 # --- policy losses -------------------------------------------------------------------------------
 
 
+def clipped_objective(
+    ratio_BT: torch.Tensor, adv_BT: torch.Tensor, clip_low: float, clip_high: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The clipped surrogate both policy losses share, per token:
+
+        l = max(-A·ρ, -A·clip(ρ, 1 - clip_low, 1 + clip_high))
+
+    Returns (loss_BT, clipped_BT); `clipped` marks tokens where the clip binds (-A·clip(ρ) > -A·ρ).
+    """
+    unclipped_BT = -adv_BT * ratio_BT
+    clipped_loss_BT = -adv_BT * ratio_BT.clamp(1 - clip_low, 1 + clip_high)
+    return torch.maximum(unclipped_BT, clipped_loss_BT), clipped_loss_BT > unclipped_BT
+
+
 def ppo_clip_token_loss(
     log_ratio_BT: torch.Tensor,
     adv_BT: torch.Tensor,
@@ -64,7 +77,7 @@ def ppo_clip_token_loss(
     clip_high: float,
     dual_clip: float | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """PPO-clip per token, with ρ = exp(clamp(log_ratio, -20, 20)):
+    """PPO-clip per token (`clipped_objective`), with ρ = exp(clamp(log_ratio, -20, 20)):
 
         l = max(-A·ρ, -A·clip(ρ, 1 - clip_low, 1 + clip_high))
         dual clip (A < 0 only): l = min(l, -A·c)
@@ -74,10 +87,7 @@ def ppo_clip_token_loss(
     `pg_clipfrac`; dual-clipped tokens are never in it (there ρ > c > 1 and A < 0).
     """
     ratio_BT = torch.exp(log_ratio_BT.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
-    unclipped_BT = -adv_BT * ratio_BT
-    clipped_loss_BT = -adv_BT * ratio_BT.clamp(1 - clip_low, 1 + clip_high)
-    loss_BT = torch.maximum(unclipped_BT, clipped_loss_BT)
-    clipped_BT = clipped_loss_BT > unclipped_BT
+    loss_BT, clipped_BT = clipped_objective(ratio_BT, adv_BT, clip_low, clip_high)
     dual_BT = torch.zeros_like(clipped_BT)
     if dual_clip is not None:
         if dual_clip <= 1.0:
@@ -157,7 +167,7 @@ def gspo_loss(
 
         s_i = mean over row i's loss tokens of (logp - old_logp)
         log ρ_{i,t} = min(sg[s_i] + logp_t - sg[logp_t], 10)      (value s_i, gradient of logp_t)
-        l = max(-A·ρ, -A·clip(ρ, 1 - clip_low, 1 + clip_high))
+        l = max(-A·ρ, -A·clip(ρ, 1 - clip_low, 1 + clip_high))      (`clipped_objective`)
 
     No per-token log-ratio clamp and no dual clip: `dual_clip` is accepted for a uniform signature
     and ignored. verl always aggregates GSPO with seq-mean-token-mean; here `agg` is honoured and
@@ -170,9 +180,7 @@ def gspo_loss(
     seq_log_ratio_B = log_ratio_BT.sum(-1) / mask_BT.sum(-1).clamp(min=1)
     log_rho_BT = seq_log_ratio_B.detach().unsqueeze(-1) + logp_BT - logp_BT.detach()
     rho_BT = torch.exp(log_rho_BT.clamp(max=GSPO_LOG_RATIO_CAP))
-    unclipped_BT = -adv_BT * rho_BT
-    clipped_loss_BT = -adv_BT * rho_BT.clamp(1 - clip_low, 1 + clip_high)
-    loss_BT = torch.maximum(unclipped_BT, clipped_loss_BT)
+    loss_BT, clipped_BT = clipped_objective(rho_BT, adv_BT, clip_low, clip_high)
     if tis_weights_BT is not None:
         loss_BT = loss_BT * tis_weights_BT.detach()
     loss = aggregate(
@@ -185,7 +193,7 @@ def gspo_loss(
     )
     metrics = {
         "pg_loss": loss.item(),
-        "clipfrac": _masked_mean(clipped_loss_BT > unclipped_BT, mask_BT),
+        "clipfrac": _masked_mean(clipped_BT, mask_BT),
         "clipfrac_dual": 0.0,
         "ppo_kl": _masked_mean(-log_ratio_BT, mask_BT),
         "loss_tokens": float(mask_BT.sum()),
@@ -263,10 +271,6 @@ class LossConfig(BaseModel):
     @property
     def effective_agg(self) -> str:
         return self.agg or DEFAULT_AGG[self.loss]
-
-    @property
-    def needs_reference_model(self) -> bool:
-        return self.kl_coef > 0
 
 
 def compute_loss(

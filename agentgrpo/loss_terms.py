@@ -67,15 +67,6 @@ def aggregate(
     raise ValueError(f"unknown agg {agg!r}; valid: {list(AGG_MODES)}")
 
 
-def step_normalisers(loss_masks_BT: list[torch.Tensor]) -> tuple[int, int]:
-    """(num_tokens, num_seqs) of an optimizer step from its micro-batches' loss masks, counted as
-    the defaults count them: loss tokens, and rows with at least one loss token. Across ranks, the
-    learner sums these over ranks (all-reduce) before passing them to every loss call."""
-    num_tokens = sum(int((m > 0).sum()) for m in loss_masks_BT)
-    num_seqs = sum(int(((m > 0).sum(-1) > 0).sum()) for m in loss_masks_BT)
-    return num_tokens, num_seqs
-
-
 def _normaliser(given: Normaliser, local: torch.Tensor, name: str) -> torch.Tensor | float:
     """The step-wide divisor; never below 1 so an empty call gives 0, not NaN."""
     if given is None:

@@ -36,6 +36,8 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from gguf import GGUFReader
+
 if TYPE_CHECKING:
     import torch
 
@@ -147,8 +149,6 @@ def _set_gguf_special_tokens(tokenizer: Any, gguf: Path) -> None:
     transformers' GGUF tokenizer conversion has not always read them: 5.17 sets SmolLM2's EOS to
     <|im_start|> (id 1; the GGUF says 2, <|im_end|>) and leaves no pad token, while 5.24 gets both
     right. EOS ends every `LocalEngine` request, so the file, not the converter, decides."""
-    from gguf import GGUFReader
-
     fields = GGUFReader(gguf).fields
     for role, attr in _GGUF_SPECIAL.items():
         field = fields.get(f"tokenizer.ggml.{role}_token_id")

@@ -1,19 +1,38 @@
 r"""Tool-call parsers: the model's decoded text -> an assistant Message plus malformed calls.
 
-A parser is a function `(text) -> ParsedTurn`, registered by name in `PARSERS` and chosen with
-`ChatFormat(parser=...)` (config: `model.tool_parser`). It never raises on model output: a call it
-cannot use comes back as a `ParseError` with a `ToolErrorKind`, which the rollout answers with an
-error tool message so the model can try again.
+A parser is a function `(text, tools) -> ParsedTurn`, registered by name in `PARSERS` and chosen
+with `ChatFormat(parser=...)` (config: `model.tool_parser`; `auto`, the default, picks the parser
+from the chat template with `detect_parser`). `tools` are the env's tool schemas (OpenAI style,
+`{"type": "function", "function": {"name", "parameters"}}`) or None; the XML formats need them,
+since their argument values are text that only the tool's JSON schema can type. A parser never
+raises on model output: a call it cannot use comes back as a `ParseError` with a `ToolErrorKind`,
+which the rollout answers with an error tool message so the model can try again. The kinds:
+BAD_JSON (the call's payload does not parse: JSON, or Python syntax for `pythonic`), BAD_CALL (it
+parses but is not a call: no name, stray text, arguments that are not an object or not literals),
+UNCLOSED (the call was cut off), INVALID_ARGUMENTS (an XML parameter's text is not of the type its
+schema asks for).
 
-Formats:
-- `hermes` (default; Hermes, Qwen2.5/Qwen3, SmolLM2 with agentgrpo's template): any number of
+Formats (one per family; see docs/rollouts.md, "Tool-call parsers"):
+- `hermes` (Hermes, Qwen2.5/Qwen3/Qwen3-2507, SmolLM2 with agentgrpo's template): any number of
   `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks; text outside them is content.
 - `llama3_json` (Llama 3.1/3.2/3.3 custom tools): the whole turn is a JSON object
   `{"name": ..., "parameters": {...}}`, optionally after `<|python_tag|>`; several calls may be
   separated by `;` (Llama's template renders one call per turn; a model may still emit several).
+- `qwen3_xml` (Qwen3.5, Qwen3.6, Qwen3-Coder, Nemotron 3): `<tool_call><function=NAME>` then
+  `<parameter=KEY>VALUE</parameter>` per argument, `</function></tool_call>`; values typed by
+  schema.
+- `glm4` (GLM-4.5/4.6): `<tool_call>NAME<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>...
+  </tool_call>`; values typed by schema.
+- `deepseek_v3` (DeepSeek-V3/R1): `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME` then the
+  arguments as a ```json block, `<｜tool▁call▁end｜>`, inside `<｜tool▁calls▁begin｜>...end`.
+- `harmony` (GPT-OSS): messages `<|channel|>commentary to=functions.NAME ...<|message|>{json}`
+  `<|call|>` (the recipient may also stand before the channel); the final channel is the content.
+- `pythonic` (LFM2/LFM2.5, Llama 3.2 pythonic): a Python list of calls `[name(key=value, ...)]`
+  between `<|tool_call_start|>` and `<|tool_call_end|>`, or as the whole turn; read with `ast`
+  (literals only, nothing is evaluated).
 
 Example (a parser for `<function=NAME>{json arguments}</function>`):
-    >>> def parse_function_tags(text: str) -> ParsedTurn:
+    >>> def parse_function_tags(text: str, tools: Sequence[Mapping] | None = None) -> ParsedTurn:
     ...     calls, errors = [], []
     ...     for name, args in re.findall(r"<function=([\w-]+)>(.*?)</function>", text, re.DOTALL):
     ...         try:
@@ -28,11 +47,15 @@ Example (a parser for `<function=NAME>{json arguments}</function>`):
 
 from __future__ import annotations
 
+import ast
 import json
+import math
 import re
 import uuid
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from agentgrpo.types import Message, ToolCall, ToolErrorKind
 
@@ -136,7 +159,7 @@ _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 _DECODER = json.JSONDecoder(parse_constant=_no_constants)
 
 
-def parse_hermes(text: str) -> ParsedTurn:
+def parse_hermes(text: str, tools: Sequence[Mapping] | None = None) -> ParsedTurn:
     """Hermes/Qwen format: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, any number.
 
     Text outside the tags is the message content. An unclosed `<tool_call>` at the end (the turn
@@ -176,7 +199,7 @@ def parse_hermes(text: str) -> ParsedTurn:
 LLAMA_PYTHON_TAG = "<|python_tag|>"
 
 
-def parse_llama3_json(text: str) -> ParsedTurn:
+def parse_llama3_json(text: str, tools: Sequence[Mapping] | None = None) -> ParsedTurn:
     """Llama 3.x JSON tool calls: `{"name": ..., "parameters": {...}}` as the whole turn.
 
     Decisions (Llama has no delimiters, so a rule has to say what is a call):
@@ -223,13 +246,464 @@ def parse_llama3_json(text: str) -> ParsedTurn:
     return _turn("", calls, [])
 
 
-PARSERS: dict[str, Callable[[str], ParsedTurn]] = {
+# ---------------------------------------------------------------------------------------------
+# Shared by the formats with their own delimiters
+
+
+def _scan(text: str, open_: str, close: str, read: Callable[[str], list[ToolCall | ParseError]]
+          ) -> tuple[str, list[ToolCall], list[ParseError]]:
+    """Every `open_ ... close` block of `text` read by `read`; the text outside the blocks is the
+    content. A block still open at the end of the text (the turn hit its token limit) is
+    UNCLOSED."""
+    calls: list[ToolCall] = []
+    errors: list[ParseError] = []
+    content: list[str] = []
+    pos = 0
+    while (start := text.find(open_, pos)) >= 0:
+        content.append(text[pos:start])
+        body = start + len(open_)
+        end = text.find(close, body)
+        if end < 0:
+            errors.append(ParseError(text[body:].strip(), "the tool call was not closed with "
+                                     f"{close}", ToolErrorKind.UNCLOSED))
+            pos = len(text)
+            break
+        for call in read(text[body:end]):
+            (errors if isinstance(call, ParseError) else calls).append(call)
+        pos = end + len(close)
+    content.append(text[pos:])
+    return "".join(content), calls, errors
+
+
+_NAME = re.compile(r"[^\s<>()\[\]{}]+")  # a tool name: no whitespace, tags or brackets
+
+
+def _param_schemas(tools: Sequence[Mapping] | None) -> dict[str, dict[str, Any]]:
+    """Tool name -> the JSON schemas of its parameters (`parameters.properties`), from OpenAI-style
+    tool schemas (`{"type": "function", "function": {...}}`) or bare function schemas."""
+    out: dict[str, dict[str, Any]] = {}
+    for tool in tools or []:
+        fn = tool.get("function", tool) if isinstance(tool, Mapping) else None
+        if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
+            continue
+        params = fn.get("parameters")
+        props = params.get("properties") if isinstance(params, Mapping) else None
+        out[fn["name"]] = dict(props) if isinstance(props, Mapping) else {}
+    return out
+
+
+def _schema_types(schema: object) -> set[str]:
+    """The JSON types a schema allows (`type`, a list of types, or the branches of anyOf/oneOf)."""
+    if not isinstance(schema, Mapping):
+        return set()
+    kind = schema.get("type")
+    types = {kind} if isinstance(kind, str) else {t for t in kind if isinstance(t, str)} \
+        if isinstance(kind, list) else set()
+    for key in ("anyOf", "oneOf"):
+        branches = schema.get(key)
+        for branch in branches if isinstance(branches, list) else []:
+            types |= _schema_types(branch)
+    return types
+
+
+_BOOLS = {"true": True, "True": True, "false": False, "False": False}  # JSON, and Jinja's `string`
+_NULLS = ("null", "None")
+_INTEGER = re.compile(r"-?\d+")
+
+
+def typed_value(text: str, schema: object) -> object:
+    """An XML parameter's text as the value its JSON schema asks for.
+
+    The XML templates print a string as it is and other values with `tojson` (Qwen3.6, GLM) or
+    Jinja's `string` (Qwen3.5, Nemotron 3: `True`, `None`), so the text alone cannot say whether
+    "5" is a number: the schema decides. A schema that allows a string (or says nothing: no
+    `type`, an unknown tool or parameter) keeps the text, except the null literal where null is
+    allowed; otherwise the first of null, boolean, integer, number, object, array that the text
+    reads as wins. Raises ValueError naming the expected types when none does.
+    """
+    types = _schema_types(schema)
+    value = text.strip()
+    if "null" in types and value in _NULLS:
+        return None
+    if not types or "string" in types:
+        return text
+    if "boolean" in types and value in _BOOLS:
+        return _BOOLS[value]
+    if "integer" in types and _INTEGER.fullmatch(value) and len(value) <= 4300:
+        return int(value)
+    try:
+        decoded = loads_call_json(value)
+    except (ValueError, RecursionError):
+        decoded = None
+    finite = type(decoded) is int or (type(decoded) is float and math.isfinite(decoded))
+    if ("number" in types and finite) or ("object" in types and isinstance(decoded, dict)) \
+            or ("array" in types and isinstance(decoded, list)):
+        return decoded
+    raise ValueError(f"expected {' or '.join(sorted(types))}")
+
+
+def _typed_call(name: str, pairs: list[tuple[str, str]], schemas: dict[str, dict[str, Any]],
+                raw: str) -> ToolCall | ParseError:
+    """A call from its name and (parameter, text) pairs, each value typed by the tool's schema."""
+    if not _NAME.fullmatch(name):
+        return ParseError(raw, f"{name!r} is not a tool name")
+    props = schemas.get(name, {})
+    args: dict[str, object] = {}
+    for key, text in pairs:
+        if key in args:
+            return ParseError(raw, f"parameter {key!r} is given twice")
+        try:
+            args[key] = typed_value(text, props.get(key))
+        except ValueError as e:
+            return ParseError(raw, f"parameter {key!r} of {name}: {e}, got {text.strip()[:80]!r}",
+                              ToolErrorKind.INVALID_ARGUMENTS)
+    return call_from_object({"name": name, "arguments": args}, raw)
+
+
+def _pairs(inner: str, pattern: re.Pattern[str], what: str,
+           raw: str) -> list[tuple[str, str]] | ParseError:
+    """The (key, value) matches of `pattern` in `inner`, which must hold nothing else but space."""
+    pairs, pos = [], 0
+    for m in pattern.finditer(inner):
+        if inner[pos:m.start()].strip():
+            break
+        pairs.append((m.group(1).strip(), m.group(2)))
+        pos = m.end()
+    if inner[pos:].strip():
+        return ParseError(raw, f"text that is not a closed {what}: {inner[pos:].strip()[:80]!r}")
+    return pairs
+
+
+# ---------------------------------------------------------------------------------------------
+# qwen3_xml: Qwen3.5 / Qwen3.6 / Qwen3-Coder / Nemotron 3
+
+_FUNCTION = re.compile(r"\s*<function=([^>]*)>(.*)</function>\s*", re.DOTALL)
+_PARAMETER = re.compile(r"<parameter=([^>]*)>(.*?)</parameter>", re.DOTALL)
+
+
+def _one_newline_off(value: str) -> str:
+    """The templates print `<parameter=K>\\n` VALUE `\\n</parameter>`: those two newlines only."""
+    value = value[1:] if value.startswith("\n") else value
+    return value[:-1] if value.endswith("\n") else value
+
+
+def parse_qwen3_xml(text: str, tools: Sequence[Mapping] | None = None) -> ParsedTurn:
+    """Qwen3-Coder XML calls: `<tool_call>\\n<function=NAME>\\n<parameter=KEY>\\nVALUE\\n`
+    `</parameter>...</function>\\n</tool_call>`, any number; text outside them is content.
+
+    A value is the text between its tags less the newline the template puts on each side, typed by
+    the tool's schema (`typed_value`); without `tools` every value stays a string. A block that is
+    not exactly one function of closed parameters is a BAD_CALL (a `<tool_call>` holding Hermes
+    JSON included); a `</parameter>` inside a string value ends it (the format has no escaping).
+    """
+    schemas = _param_schemas(tools)
+
+    def read(body: str) -> list[ToolCall | ParseError]:
+        raw = body.strip()
+        m = _FUNCTION.fullmatch(body)
+        if m is None:
+            return [ParseError(raw, "a tool call must be <function=NAME> with its <parameter=KEY> "
+                               "values, closed by </function>")]
+        pairs = _pairs(m.group(2), _PARAMETER, "<parameter=KEY>...</parameter>", raw)
+        if isinstance(pairs, ParseError):
+            return [pairs]
+        pairs = [(key, _one_newline_off(value)) for key, value in pairs]
+        return [_typed_call(m.group(1).strip(), pairs, schemas, raw)]
+
+    content, calls, errors = _scan(text, _OPEN, _CLOSE, read)
+    return _turn(content.strip(), calls, errors)
+
+
+# ---------------------------------------------------------------------------------------------
+# glm4: GLM-4.5 / GLM-4.6
+
+_GLM_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
+
+
+def parse_glm4(text: str, tools: Sequence[Mapping] | None = None) -> ParsedTurn:
+    """GLM-4.5 calls: `<tool_call>NAME\\n<arg_key>KEY</arg_key>\\n<arg_value>VALUE</arg_value>...
+    </tool_call>`, any number; text outside them is content.
+
+    The name runs to the first `<arg_key>`; a value is the exact text between its tags, typed by
+    the tool's schema (`typed_value`; without `tools` every value stays a string).
+    """
+    schemas = _param_schemas(tools)
+
+    def read(body: str) -> list[ToolCall | ParseError]:
+        raw = body.strip()
+        cut = body.find("<arg_key>")
+        name, inner = (body, "") if cut < 0 else (body[:cut], body[cut:])
+        pairs = _pairs(inner, _GLM_ARG, "<arg_key>K</arg_key><arg_value>V</arg_value> pair", raw)
+        if isinstance(pairs, ParseError):
+            return [pairs]
+        return [_typed_call(name.strip(), pairs, schemas, raw)]
+
+    content, calls, errors = _scan(text, _OPEN, _CLOSE, read)
+    return _turn(content.strip(), calls, errors)
+
+
+# ---------------------------------------------------------------------------------------------
+# deepseek_v3: DeepSeek-V3 / R1
+
+DS_CALLS_BEGIN, DS_CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+DS_CALL_BEGIN, DS_CALL_END, DS_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+_DS_BODY = re.compile(r"([^\n]*)\n```(?:json)?[ \t]*\n(.*?)\n?```\s*", re.DOTALL)
+
+
+def _read_deepseek(body: str) -> list[ToolCall | ParseError]:
+    raw = body.strip()
+    kind, sep, rest = body.partition(DS_SEP)
+    m = _DS_BODY.fullmatch(rest)
+    if not sep or kind.strip() != "function" or m is None:
+        return [ParseError(raw, f"a tool call must be function{DS_SEP}NAME followed by its "
+                           "arguments in a ```json block")]
+    name, args = m.group(1).strip(), m.group(2)
+    if not _NAME.fullmatch(name):
+        return [ParseError(raw, f"{name!r} is not a tool name")]
+    try:
+        obj = loads_call_json(args)
+    except (ValueError, RecursionError) as e:
+        return [_not_json(args, e)]
+    return [call_from_object({"name": name, "arguments": obj}, raw)]
+
+
+def parse_deepseek_v3(text: str, tools: Sequence[Mapping] | None = None) -> ParsedTurn:
+    """DeepSeek-V3 calls: `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\n{...}\\n```
+    <｜tool▁call▁end｜>`, any number, normally inside `<｜tool▁calls▁begin｜>...<｜tool▁calls▁end｜>`
+    (the section markers are optional: V3's template drops the opening one from later turns).
+    Text outside the calls and markers is content; the arguments are JSON, so `tools` is not used.
+    """
+    content, calls, errors = _scan(text, DS_CALL_BEGIN, DS_CALL_END, _read_deepseek)
+    content = content.replace(DS_CALLS_BEGIN, "").replace(DS_CALLS_END, "")
+    return _turn(content.strip(), calls, errors)
+
+
+# ---------------------------------------------------------------------------------------------
+# harmony: GPT-OSS
+
+HARMONY_START, HARMONY_MESSAGE = "<|start|>", "<|message|>"
+_HARMONY_ENDS = re.compile(r"<\|(?:end|call|return)\|>")
+_HARMONY_TO = re.compile(r"\bto=([^\s<]+)")
+_HARMONY_CHANNEL = re.compile(r"<\|channel\|>\s*(\w+)")
+_HARMONY_ROLE = re.compile(r"\s*assistant\b")
+
+
+def _harmony_call(recipient: str, body: str, terminated: bool) -> ToolCall | ParseError:
+    raw = body.strip()
+    if not recipient.startswith("functions."):
+        return ParseError(raw, f"the recipient {recipient!r} is not a function: call "
+                          "functions.NAME (built-in tools such as browser or python are not "
+                          "supported)")
+    name = recipient[len("functions."):]
+    if not _NAME.fullmatch(name):
+        return ParseError(raw, f"{name!r} is not a tool name")
+    try:
+        obj = loads_call_json(raw)
+    except (ValueError, RecursionError) as e:
+        if not terminated and isinstance(e, json.JSONDecodeError) and (
+                e.pos >= len(raw) or e.msg.startswith("Unterminated string")):  # ran out of text
+            return ParseError(raw, "the tool call's JSON was cut off", ToolErrorKind.UNCLOSED)
+        return _not_json(raw, e)
+    return call_from_object({"name": name, "arguments": obj}, raw)
+
+
+def parse_harmony(text: str, tools: Sequence[Mapping] | None = None) -> ParsedTurn:
+    """GPT-OSS harmony messages, continuing the generation prompt `<|start|>assistant`.
+
+    The text is split into messages at `<|start|>` (each then opens with the role `assistant`); a
+    message is a header, `<|message|>`, a body, and `<|end|>`, `<|call|>` or `<|return|>`. The last
+    message may lack its terminator: that is the stop token, which `parse_assistant` removes. A
+    header addressed `to=functions.NAME` (before or after `<|channel|>`) makes the body a JSON call;
+    a cut-off call (unterminated, its JSON incomplete) is UNCLOSED. The content is the final
+    channel's text, or where there is none the other channels' (the analysis before a call is what
+    the template renders from an assistant message's content); text outside any message is content
+    too. The arguments are JSON, so `tools` is not used.
+    """
+    calls: list[ToolCall] = []
+    errors: list[ParseError] = []
+    final: list[str] = []
+    other: list[str] = []
+    pieces = text.split(HARMONY_START)
+    for i, piece in enumerate(pieces):
+        if i > 0 and (role := _HARMONY_ROLE.match(piece)):
+            piece = piece[role.end():]
+        header, has_body, rest = piece.partition(HARMONY_MESSAGE)
+        recipient = _HARMONY_TO.search(header)
+        if not has_body:
+            if recipient:
+                kind = ToolErrorKind.UNCLOSED if i == len(pieces) - 1 else ToolErrorKind.BAD_CALL
+                errors.append(ParseError(header.strip(), "the tool call has no <|message|>", kind))
+            elif piece.strip():
+                other.append(piece.strip())
+            continue
+        end = _HARMONY_ENDS.search(rest)
+        body, after = (rest[:end.start()], rest[end.end():]) if end else (rest, "")
+        if recipient:
+            call = _harmony_call(recipient.group(1), body, end is not None)
+            (errors if isinstance(call, ParseError) else calls).append(call)
+        else:
+            channel = _HARMONY_CHANNEL.search(header)
+            (final if channel and channel.group(1) == "final" else other).append(body.strip())
+        if after.strip():
+            other.append(after.strip())
+    content = "\n".join(t for t in (final or other) if t)
+    return _turn(content, calls, errors)
+
+
+# ---------------------------------------------------------------------------------------------
+# pythonic: LFM2 / LFM2.5, Llama 3.2 pythonic
+
+PY_CALL_START, PY_CALL_END = "<|tool_call_start|>", "<|tool_call_end|>"
+_PY_LOOKS_LIKE_CALLS = re.compile(r"\[\s*[A-Za-z_][\w.]*\s*\(")
+_JSON_NAMES = {"true": True, "false": False, "null": None}  # LFM's template prints dicts as JSON
+
+
+class _NotLiteral(ValueError):
+    pass
+
+
+def _literal(node: ast.AST) -> object:
+    """A Python literal (or a JSON constant) as its value; anything that would need evaluating
+    (a name, an operation, a call) raises _NotLiteral."""
+    if isinstance(node, ast.Constant) and type(node.value) in (str, bool, int, float, type(None)):
+        if isinstance(node.value, float) and not math.isfinite(node.value):
+            raise _NotLiteral("a non-finite number is not JSON")
+        return node.value
+    if isinstance(node, ast.Name) and node.id in _JSON_NAMES:
+        return _JSON_NAMES[node.id]
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)) \
+            and isinstance(node.operand, ast.Constant) and type(node.operand.value) in (int, float):
+        return _literal(node.operand) * (-1 if isinstance(node.op, ast.USub) else 1)
+    if isinstance(node, (ast.List, ast.Tuple)):
+        return [_literal(e) for e in node.elts]
+    if isinstance(node, ast.Dict):
+        out = {}
+        for k, v in zip(node.keys, node.values, strict=True):
+            if k is None or not isinstance(key := _literal(k), str):
+                raise _NotLiteral("a dict key that is not a string")
+            out[key] = _literal(v)
+        return out
+    raise _NotLiteral(f"{type(node).__name__.lower()} is not a literal")
+
+
+def _call_from_ast(node: ast.AST, source: str) -> ToolCall | ParseError:
+    raw = ast.get_source_segment(source, node) or source
+    if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name):
+        return ParseError(raw, "each tool call must be name(key=value, ...) with a plain name")
+    if node.args or any(k.arg is None for k in node.keywords):
+        return ParseError(raw, "a tool call's arguments must be given as key=value")
+    try:
+        args = {k.arg: _literal(k.value) for k in node.keywords}
+    except _NotLiteral as e:
+        return ParseError(raw, f"the arguments must be literals ({e})")
+    return call_from_object({"name": node.func.id, "arguments": args}, raw)
+
+
+def _escape_raw_newlines(source: str) -> str:
+    """`source` with line breaks inside quoted strings escaped: LFM's template prints a string
+    argument between single quotes as it is, so a multi-line value spans lines."""
+    out, quote, i = [], "", 0
+    while i < len(source):
+        ch = source[i]
+        if quote and ch == "\\":
+            out.append(source[i:i + 2])
+            i += 2
+            continue
+        if quote and ch in "\r\n":
+            ch = "\\n" if ch == "\n" else "\\r"
+        elif quote and ch == quote:
+            quote = ""
+        elif not quote and ch in "'\"":
+            quote = ch
+        out.append(ch)
+        i += 1
+    return "".join(out)
+
+
+def _read_pythonic(block: str) -> list[ToolCall | ParseError]:
+    source = block.strip()
+    tree = None
+    for attempt in (source, _escape_raw_newlines(source)):
+        try:
+            with warnings.catch_warnings():  # "invalid escape sequence" warnings for model text
+                warnings.simplefilter("ignore")
+                tree = ast.parse(attempt, mode="eval")
+            source = attempt
+            break
+        except SyntaxError as e:
+            why = e.msg
+        except (ValueError, RecursionError, MemoryError) as e:  # null bytes, huge ints, nesting
+            why = str(e).split(";")[0] or type(e).__name__
+    if tree is None:
+        return [ParseError(source, f"the tool call is not valid Python call syntax ({why})",
+                           ToolErrorKind.BAD_JSON)]
+    nodes = tree.body.elts if isinstance(tree.body, ast.List) else [tree.body]
+    return [_call_from_ast(node, source) for node in nodes]
+
+
+def parse_pythonic(text: str, tools: Sequence[Mapping] | None = None) -> ParsedTurn:
+    """Python-style calls `[name(key=value, ...), ...]`: LFM2.5 between `<|tool_call_start|>` and
+    `<|tool_call_end|>` (text outside is content), Llama 3.2's pythonic format as the whole turn.
+
+    Parsed with `ast` and read as literals only (strings, numbers, booleans, None, lists, dicts,
+    and JSON's true/false/null, which LFM's template prints inside dicts); nothing is evaluated.
+    Without the markers the turn is calls only when it starts like `[name(`; otherwise it is an
+    answer. Python syntax errors are BAD_JSON, a non-literal or positional argument a BAD_CALL.
+    LFM's template quotes strings without escaping: a line break inside one is read as "\\n", but
+    a string holding `'` (or a backslash) does not come back as it was.
+    """
+    if PY_CALL_START in text:
+        content, calls, errors = _scan(text, PY_CALL_START, PY_CALL_END, _read_pythonic)
+        return _turn(content.strip(), calls, errors)
+    stripped = text.strip()
+    if not _PY_LOOKS_LIKE_CALLS.match(stripped):
+        return _turn(stripped, [], [])
+    calls, errors = [], []
+    for call in _read_pythonic(stripped):
+        (errors if isinstance(call, ParseError) else calls).append(call)
+    return _turn("", calls, errors)
+
+
+# ---------------------------------------------------------------------------------------------
+# The registry
+
+Parser = Callable[[str, Sequence[Mapping] | None], ParsedTurn]
+
+PARSERS: dict[str, Parser] = {
     "hermes": parse_hermes,
     "llama3_json": parse_llama3_json,
+    "qwen3_xml": parse_qwen3_xml,
+    "glm4": parse_glm4,
+    "deepseek_v3": parse_deepseek_v3,
+    "harmony": parse_harmony,
+    "pythonic": parse_pythonic,
 }
 
+# What each format's template prints to show or render a call, most specific first (the XML
+# templates also print `<tool_call>`, which alone means Hermes).
+_TEMPLATE_MARKS = (
+    ("pythonic", PY_CALL_START),
+    ("glm4", "<arg_key>"),
+    ("deepseek_v3", DS_CALL_BEGIN),
+    ("harmony", "<|call|>"),
+    ("qwen3_xml", "<function="),
+    ("hermes", _OPEN),
+    ("llama3_json", '"parameters": '),
+)
 
-def get_parser(name: str) -> Callable[[str], ParsedTurn]:
+
+def detect_parser(template: str | None) -> str | None:
+    """The name of the parser for the tool-call format a chat template renders, or None when the
+    template shows none of the known formats. A heuristic on the template's text (each format's
+    own markers), for `model.tool_parser=auto`; the template audit checks the choice by parsing
+    back the calls the template renders."""
+    for name, mark in _TEMPLATE_MARKS:
+        if template and mark in template:
+            return name
+    return None
+
+
+def get_parser(name: str) -> Parser:
     if name not in PARSERS:
         raise ValueError(f"unknown tool-call parser {name!r}; valid: {sorted(PARSERS)}")
     return PARSERS[name]

@@ -42,7 +42,9 @@ from typing import Any
 import numpy as np
 import yaml
 
+from agentgrpo.config import ConfigError, load_yaml
 from agentgrpo.log import mask_secrets
+from agentgrpo.models import default_model_path, load_tokenizer
 from agentgrpo.report_data import TrajScan, _list, _num, _step, load_metrics, scan_trajectories
 
 DEFAULT_MAX_TRAJECTORIES = 200
@@ -207,8 +209,6 @@ def load_run_tokenizer(run_dir: Path, config: dict[str, Any], notices: list[str]
     """The run's tokenizer (config.yaml's model.path; null = the embedded model) or None."""
     model = config.get("model") if isinstance(config.get("model"), dict) else {}
     try:
-        from agentgrpo.models import default_model_path, load_tokenizer
-
         path = model.get("path")
         if path:
             path = Path(path) if Path(path).is_absolute() or Path(path).exists() else run_dir / path
@@ -393,9 +393,6 @@ def write_report(run_dir: str | Path, out: str | Path | None = None, *,
     notices: list[str] = []
     config, config_text = {}, ""
     if (run_dir / "config.yaml").is_file():
-        # heavy (every stage's config), so imported only here
-        from agentgrpo.config import ConfigError, load_yaml
-
         try:  # bounded: a planted config.yaml's nested aliases would expand without end
             config = mask_secrets(load_yaml((run_dir / "config.yaml").read_text(encoding="utf-8"),
                                             "config.yaml") or {})

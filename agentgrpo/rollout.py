@@ -28,7 +28,7 @@ optionally penalised (`tool_error_penalty` per error). A call cut off by the tok
 is counted and penalised too, though the cut turn ends the episode.
 
 Failures end one trajectory, never the step: an env that raises, or returns values that break its
-contract (`agentgrpo.env_check.checked_reset`, `checked_step`), ends it with ENV_ERROR naming the
+contract (`agentgrpo.env.reset_messages`, `agentgrpo.types.EnvStep.of`), ends it with ENV_ERROR naming the
 problem; any exception of the engine (`EngineError` after its retries, or anything else a client
 library raises) ends it with ENGINE_ERROR and the exception in `stop_detail`. Both are unscorable
 (reward NaN, never 0).
@@ -230,7 +230,8 @@ class Episode:
         """
         traj = self.traj
         try:
-            parsed = self.chat.parse_assistant(out.token_ids, parse_tools=bool(self.tools))
+            parsed = self.chat.parse_assistant(out.token_ids, parse_tools=bool(self.tools),
+                                               tools=self.tools)
         except Exception as e:  # noqa: BLE001 - a parser that raises (a bug) costs its episode only
             raise EpisodeEnds(StopReason.ENV_ERROR,
                               f"the tool-call parser raised {type(e).__name__}: {e}") from e

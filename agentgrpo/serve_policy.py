@@ -20,8 +20,10 @@ import os
 import sys
 from pathlib import Path
 
+from agentgrpo.chat import ChatFormat
 from agentgrpo.endpoint import EndpointEpisode, PolicyEndpoint, is_loopback
 from agentgrpo.engine.base import SamplingParams, wait_ready
+from agentgrpo.engine.sglang import SGLangEngine
 from agentgrpo.rollout import turn_seed
 
 TOKEN_ENV = "AGENTGRPO_POLICY_TOKEN"
@@ -68,15 +70,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from transformers import AutoConfig, AutoTokenizer
 
-    from agentgrpo.chat import ChatFormat
-
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
     template = Path(args.template).read_text() if args.template else None
     chat = ChatFormat(tokenizer, template=template, parser=args.parser)
     context_len = getattr(AutoConfig.from_pretrained(args.model_dir), "max_position_embeddings", None)
     if args.sglang:
-        from agentgrpo.engine.sglang import SGLangEngine
-
         engine = SGLangEngine(args.sglang)
     else:
         from agentgrpo.engine.local import LocalEngine

@@ -2,8 +2,9 @@
 
 - Overlong reward shaping: a linear penalty over the last `buffer_len` tokens before the length
   limit, added to the reward (`overlong_penalty`).
-- Overlong filtering: trajectories cut off by the length limit can be left out of the loss
-  (`mask_truncated_rows`), since their reward judges an unfinished answer.
+- Overlong filtering: trajectories cut off by the length limit (`truncated_rows`) can be left out
+  of the loss (`mask_truncated`: the loop gives them a NaN advantage, which the learner drops),
+  since their reward judges an unfinished answer.
 - Dynamic sampling: groups whose scorable rewards are all equal give zero advantage and only dilute
   the batch; `keep_informative_groups` says which groups to keep. The loop that samples more tasks
   until the batch is full (at most `max_extra_rounds` extra rounds) lives in train.py.
@@ -89,13 +90,6 @@ def truncated_rows(
 ) -> torch.Tensor:
     """[B] bool: which trajectories ended for one of `reasons` (default: the token limit)."""
     return torch.tensor([StopReason(s) in reasons for s in stop_reasons], dtype=torch.bool)
-
-
-def mask_truncated_rows(loss_mask_BT: torch.Tensor, truncated_B: torch.Tensor) -> torch.Tensor:
-    """The loss mask with every row of a truncated trajectory zeroed, so it adds nothing to the loss
-    nor to the step's num_tokens / num_seqs (count those after masking)."""
-    keep_B = ~truncated_B.to(device=loss_mask_BT.device, dtype=torch.bool)
-    return loss_mask_BT * keep_B.unsqueeze(-1).to(loss_mask_BT.dtype)
 
 
 def keep_informative_groups(rewards_per_group: Sequence[Sequence[float]]) -> list[bool]:

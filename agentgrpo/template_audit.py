@@ -47,6 +47,7 @@ from typing import Any, Literal
 
 from agentgrpo.chat import PARSERS, ChatFormat, TemplateError, TemplateFallback
 from agentgrpo.env import Env, _run_sync
+from agentgrpo.env_check import example_arguments
 from agentgrpo.types import Message, Task, ToolCall
 
 IssueKind = Literal["rewrites_history", "no_end_of_turn", "render_error", "retokenizes", "parser_mismatch",
@@ -192,8 +193,6 @@ def conversations(tools: list[dict] | None,
     ]
     with_tools = []
     if tools != []:
-        from agentgrpo.env_check import example_arguments
-
         fn = (tools or [SYNTHETIC_TOOL])[0]["function"]
         args = example_arguments(fn.get("parameters", {})) if tools else {"expression": "12*7"}
 
@@ -248,15 +247,15 @@ def _calls(m: Message) -> list[tuple[str, dict]]:
 
 
 def _parser_issue(chat: ChatFormat, name: str, turn: int, text: str,
-                  want: list[tuple[str, dict]]) -> TemplateIssue:
+                  want: list[tuple[str, dict]], tools: list[dict]) -> TemplateIssue:
     if not all(n in text for n, _ in want):
         return TemplateIssue(name, turn, "parser_mismatch", True,
                              "the template does not render tool calls (no tool support)", f"turn text {text[:80]!r}")
-    fits = [p for p, parse in PARSERS.items() if _calls(parse(text).message) == want]
+    fits = [p for p, parse in PARSERS.items() if _calls(parse(text, tools).message) == want]
     why = f"parser {chat.parser_name} does not read the calls this template renders" + (
         f"; parser {fits[0]} reads them" if fits else "")
     return TemplateIssue(name, turn, "parser_mismatch", False, why,
-                         f"{text[:100]!r} -> {_calls(chat.parse(text).message)}")
+                         f"{text[:100]!r} -> {_calls(chat.parse(text, tools).message)}")
 
 
 def _common_prefix(a: str, b: str) -> int:
@@ -323,8 +322,8 @@ def _walk(chat: ChatFormat, name: str, conv: list[Message], first: int, tools: l
         in_place, head = chat.encode(full[:start + end + len(eot)]), chat.encode(full[:start])
         sampled = (in_place[len(head):] if in_place[:len(head)] == head
                    else chat.encode(text[:end + len(eot)]))
-        if tools and _calls(chat.parse_assistant(sampled).message) != _calls(a):
-            report.issues.append(_parser_issue(chat, name, turn, text[:end], _calls(a)))
+        if tools and _calls(chat.parse_assistant(sampled, tools=tools).message) != _calls(a):
+            report.issues.append(_parser_issue(chat, name, turn, text[:end], _calls(a), tools))
         ids += sampled
         history.append(a)
         i += 1

@@ -24,6 +24,7 @@ from agentgrpo.advantage import compute_advantages
 from agentgrpo.chat import ChatFormat
 from agentgrpo.config import ConfigError, RunConfig, dump_config
 from agentgrpo.engine.base import Engine, close_all, wait_ready
+from agentgrpo.engine.config import build_engine
 from agentgrpo.env import Env
 from agentgrpo.env_check import check_env_at_start
 from agentgrpo.evaluate import evaluate
@@ -66,17 +67,6 @@ class TaskStream:
             out.append(self.tasks[order[i]])
             self.position += 1
         return out
-
-
-def build_engine(cfg: RunConfig, model_path: Path, tokenizer: Any) -> Engine:
-    if cfg.engine.kind == "sglang":
-        from agentgrpo.engine.sglang import SGLangEngine
-
-        return SGLangEngine.from_config(cfg.engine.sglang)
-    from agentgrpo.engine.local import LocalEngine
-
-    return LocalEngine(model_path, tokenizer=tokenizer, max_batch_size=cfg.engine.max_batch_size,
-                       prefix_cache_tokens=cfg.engine.prefix_cache_tokens, seed=cfg.seed)
 
 
 @dataclass
@@ -369,7 +359,7 @@ def start_main_rank(run: Run, model_path: Path, tokenizer: Any, eval_tasks: list
     # Refuse a template that would make the learner see tokens the model never saw.
     mode = require_token_safe(run.chat, run.make_env(), run.stream.tasks[0], seed=cfg.seed).mode
     print(f"chat template: {run.chat.template_source}, token mode: {mode}", flush=True)
-    run.engine = build_engine(cfg, model_path, tokenizer)
+    run.engine = build_engine(cfg.engine, model_path, tokenizer, seed=cfg.seed)
     run.sync = WeightSync(run.engine, cfg.weight_sync)
     # SGLang: servers loaded, their versions and context length read, before the first push
     run.loop.run_until_complete(wait_ready(run.engine, seeded=True))

@@ -122,10 +122,6 @@ class Message(BaseModel):
         return out
 
 
-def as_messages(items: list[dict[str, Any] | Message]) -> list[Message]:
-    return [Message.from_dict(m) for m in items]
-
-
 class Task(BaseModel):
     """One problem: a prompt (text or messages), an optional reference answer, free metadata."""
 

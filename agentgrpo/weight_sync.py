@@ -45,7 +45,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field
+from safetensors.torch import save_file
 
 from agentgrpo.engine.base import EngineError
 
@@ -340,8 +342,6 @@ class WeightSync:
         if hasattr(model, "save_pretrained"):
             model.save_pretrained(tmp, state_dict=sd, safe_serialization=True)
         else:
-            from safetensors.torch import save_file
-
             tmp.mkdir()
             save_file({k: v.contiguous() for k, v in sd.items()}, str(tmp / "model.safetensors"),
                       metadata={"format": "pt"})
@@ -380,8 +380,6 @@ class WeightSync:
                 await _beside(call, self._broadcast, [t for _, t in bucket])
 
     def _broadcast(self, tensors: list[torch.Tensor]) -> None:
-        import torch.distributed as dist
-
         for t in tensors:
             dist.broadcast(t.contiguous(), src=0, group=self._pg)
 
@@ -422,8 +420,6 @@ class WeightSync:
     async def close(self) -> None:
         """Leave the distributed group (servers first, then this process)."""
         if self._pg is not None:
-            import torch.distributed as dist
-
             try:
                 await self.engine.destroy_weights_update_group(self.cfg.group_name)
             finally:

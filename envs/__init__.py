@@ -1,4 +1,5 @@
-"""Ready environments, registered by name for configs (`env.name: calculator`).
+"""Ready environments, found by name in configs (`env.name: calculator`) through the entry points
+pyproject.toml declares in the `agentgrpo.envs` group, as any installed package can declare its own.
 
 - `calculator`: arithmetic with a calculator tool.
 - `python_math`: reasoning-gym word problems solved with a sandboxed `python` tool.
@@ -6,15 +7,9 @@
 - `gym_text`: any Gymnasium env with a discrete action space, played in text (FrozenLake by default).
 """
 
-from agentgrpo.env import register_env
 from envs.calculator import CalculatorEnv
 from envs.code_tests import CodeTestsEnv
 from envs.gym_text import GymTextEnv
 from envs.python_math import PythonMathEnv
-
-register_env("calculator", CalculatorEnv)
-register_env("python_math", PythonMathEnv)
-register_env("code_tests", CodeTestsEnv)
-register_env("gym_text", GymTextEnv)
 
 __all__ = ["CalculatorEnv", "CodeTestsEnv", "GymTextEnv", "PythonMathEnv"]

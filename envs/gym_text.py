@@ -49,6 +49,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import gymnasium
+from gymnasium.envs.toy_text import BlackjackEnv, FrozenLakeEnv, TaxiEnv
+from gymnasium.envs.toy_text.frozen_lake import generate_random_map
 
 from agentgrpo import Env, EnvStep, Message, StopReason, Task
 
@@ -150,8 +152,6 @@ def generic_spec(env: gymnasium.Env) -> TextSpec:
 def text_spec_name(game: gymnasium.Env) -> str:
     """The `TEXT_SPECS` key of `game`: by its unwrapped class for the toy-text envs (so
     `FrozenLake8x8-v1` is "FrozenLake"), else its id's name (`spec.name`); "" when it has none."""
-    from gymnasium.envs.toy_text import BlackjackEnv, FrozenLakeEnv, TaxiEnv
-
     for cls, name in ((FrozenLakeEnv, "FrozenLake"), (TaxiEnv, "Taxi"), (BlackjackEnv, "Blackjack")):
         if isinstance(game.unwrapped, cls):
             return name
@@ -263,8 +263,6 @@ class GymTextEnv(Env):
         for i in range(n):
             kw = dict(make_kwargs or {})
             if map_size is not None:
-                from gymnasium.envs.toy_text.frozen_lake import generate_random_map
-
                 kw["desc"] = generate_random_map(size=map_size, seed=rng.randrange(2**31))
             reset_seed = rng.randrange(2**31)
             tasks.append(Task(id=f"{env_id}-{split}-{seed}-{i}",

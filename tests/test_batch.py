@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from agentgrpo.attention import flex_block_mask, use_segments
-from agentgrpo.batch import attention_pair_cost, choose_row_tokens, make_micro_batches, shard
+from agentgrpo.batch import attention_pair_cost, balanced_parts, make_micro_batches
 from agentgrpo.logprobs import PolicyForward, sequence_logprobs, to_loss_layout
 from agentgrpo.types import StopReason, Trajectory
 from tests.tiny import V, groups_of_trajectories, tiny_llama, traj
@@ -214,23 +214,31 @@ def test_the_cost_model_splits_long_groups_only_when_attention_costs():
     assert r == pytest.approx(1 / 3072)
     assert attention_pair_cost(None) == 0.0
     trajs = long_groups()
-    assert choose_row_tokens(trajs, 2048, 0.0) is None  # attention free: share the whole prompt
-    assert choose_row_tokens(trajs, 2048, r, mode="packed") is None  # nothing to split
+
+    def auto(batch, pair_cost, mode="shared_prefix"):
+        return [mb.input_ids_BT.tolist() for mb in make_micro_batches(
+            batch, [0.0] * len(batch), 2048, mode=mode, row_tokens="auto", pair_cost=pair_cost)]
+
+    def capped(batch, cap, mode="shared_prefix"):
+        return [mb.input_ids_BT.tolist() for mb in make_micro_batches(
+            batch, [0.0] * len(batch), 2048, mode=mode, row_tokens=cap)]
+
+    assert auto(trajs, 0.0) == capped(trajs, None)  # attention free: share the whole prompt
+    assert auto(trajs, r, mode="packed") == capped(trajs, None, mode="packed")  # nothing to split
     # rows of 505 cost 1 + 505 r per token; pieces cost more tokens but shorter rows
-    cheap = choose_row_tokens(trajs, 2048, 100 * r)
-    assert cheap is not None and 85 <= cheap < 505
+    chosen = make_micro_batches(trajs, [0.0] * 16, 2048, row_tokens="auto", pair_cost=100 * r)
+    cheap = max(mb.input_ids_BT.shape[1] for mb in chosen)  # the cap, as the rows show it
+    assert 85 <= cheap < 505
 
     def modeled(cap):
         return sum(mb.num_tokens * (1 + 100 * r * mb.input_ids_BT.shape[1])
                    for mb in make_micro_batches(trajs, [0.0] * 16, 2048, row_tokens=cap))
     assert modeled(cheap) < modeled(None)
-    auto = make_micro_batches(trajs, [0.0] * 16, 2048, row_tokens="auto", pair_cost=100 * r)
-    assert [mb.input_ids_BT.tolist() for mb in auto] == [
-        mb.input_ids_BT.tolist() for mb in make_micro_batches(trajs, [0.0] * 16, 2048, row_tokens=cheap)]
+    assert auto(trajs, 100 * r) == capped(trajs, cheap)
     # a tool-env shape (a 170-token prompt, 40 own tokens each): a copy of the prompt costs more
     # than attention over 490 tokens saves
     tool = [traj([3] * 170 + [5 + k] * 40, [0] * 170 + [1] * 40, group="t") for k in range(8)]
-    assert choose_row_tokens(tool, 2048, r) is None
+    assert auto(tool, r) == capped(tool, None)
 
 
 def test_bad_input_is_rejected():
@@ -243,7 +251,10 @@ def test_bad_input_is_rejected():
         make_micro_batches([traj([1, 2], [0, 1])], [], 64)
 
 
-def test_shard_keeps_groups_together_and_covers_everything():
+def test_rank_parts_keep_groups_together_and_cover_everything():
+    def shard(trajs, rank, world):  # what the learner gives rank `rank` of `world`
+        return balanced_parts(trajs, world, exactly_k=True)[rank]
+
     trajs = groups_of_trajectories(n_groups=5, size=3, seed=2)
     parts = [shard(trajs, r, 2) for r in range(2)]
     assert sorted(parts[0] + parts[1]) == list(range(15)) and not set(parts[0]) & set(parts[1])
@@ -254,6 +265,8 @@ def test_shard_keeps_groups_together_and_covers_everything():
     # fewer groups than ranks: trajectories are dealt one by one
     one = groups_of_trajectories(n_groups=1, size=3)
     assert sorted(shard(one, 0, 2) + shard(one, 1, 2)) == [0, 1, 2] and shard(one, 1, 2)
+    assert shard(one, 0, 1) == [0, 1, 2]
+    assert balanced_parts(one[:1], 3, exactly_k=True) == [[0], [], []]  # a rank may get nothing
 
 
 def _loss_logprobs(model, trajs, mode):

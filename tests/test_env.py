@@ -4,7 +4,7 @@ import time
 import pytest
 
 from agentgrpo import Env, Message, Task, ToolCall, ToolEnv, check_env, tool
-from agentgrpo.env import EnvCheckError, MessagesSpace, String, get_env_class
+from agentgrpo.env import EnvCheckError, MessagesSpace, String, get_env_class, register_env
 from agentgrpo.types import ToolErrorKind
 from envs.calculator import CalculatorEnv, last_number
 
@@ -101,10 +101,40 @@ def test_spaces_accept_unicode_and_nest():
     assert nested.contains({"text": "é", "history": [Message(role="user", content="x")]})
 
 
+def test_envs_registered_at_run_time_and_installs_that_predate_the_entry_points(monkeypatch):
+    import importlib.metadata
+
+    from agentgrpo import env as env_module
+
+    monkeypatch.setattr(env_module, "ENVS", {})
+    register_env("echo-at-run-time", Echo)
+    assert get_env_class("echo-at-run-time") is Echo
+    with pytest.raises(TypeError, match="not an Env subclass"):
+        register_env("int", int)
+
+    class Old:  # agentgrpo installed before pyproject.toml declared the group
+        version = "0.1.0"
+        entry_points = importlib.metadata.EntryPoints(())
+
+    no_entry_points = importlib.metadata.EntryPoints(())
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda **k: no_entry_points)
+    monkeypatch.setattr(importlib.metadata, "distribution", lambda name: Old())
+    with pytest.raises(ValueError, match=r"known: \['echo-at-run-time'\].*predates them\): "
+                                         r"reinstall with pip install -e \."):
+        get_env_class("calculator")
+
+    def not_installed(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+    monkeypatch.setattr(importlib.metadata, "distribution", not_installed)
+    with pytest.raises(ValueError, match="agentgrpo is not installed.*pip install -e ."):
+        get_env_class("calculator")
+
+
 def test_registry_and_calculator_tasks():
     assert get_env_class("calculator") is CalculatorEnv
     assert get_env_class("tests.test_env:Echo") is Echo
-    with pytest.raises(ValueError, match="unknown environment 'nope'"):
+    known = r"unknown environment 'nope'; known: \[.*'calculator'.*'gym_text'"
+    with pytest.raises(ValueError, match=known):
         get_env_class("nope")
     a = CalculatorEnv.load_tasks("train", seed=1, n=5)
     assert a == CalculatorEnv.load_tasks("train", seed=1, n=5)

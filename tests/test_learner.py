@@ -9,8 +9,8 @@ import random
 import pytest
 import torch
 
-from agentgrpo.batch import make_micro_batches
-from agentgrpo.learner import Learner, LearnerConfig, split_mini_batches
+from agentgrpo.batch import balanced_parts, make_micro_batches
+from agentgrpo.learner import Learner, LearnerConfig
 from agentgrpo.logprobs import sequence_logprobs, token_logprobs
 from agentgrpo.loss import LossConfig, compute_loss
 from tests.ranks import spawn_gloo
@@ -257,12 +257,12 @@ def _uneven_groups(seed=0):
 
 
 @pytest.mark.parametrize("seed", range(20))
-def test_split_mini_batches_keeps_groups_whole_and_balances_tokens(seed):
+def test_mini_batches_keep_groups_whole_and_balance_tokens(seed):
     trajs = _uneven_groups(seed)
     groups = {t.group_id for t in trajs}
     tokens = {g: sum(len(t.token_ids) for t in trajs if t.group_id == g) for g in groups}
     for k in range(1, 6):
-        parts = split_mini_batches(trajs, k)
+        parts = balanced_parts(trajs, k)
         assert len(parts) == min(k, len(groups))  # fewer groups than k: one group per mini-batch
         assert sorted(i for p in parts for i in p) == list(range(len(trajs)))  # each exactly once
         owner = {}
@@ -273,8 +273,8 @@ def test_split_mini_batches_keeps_groups_whole_and_balances_tokens(seed):
         load = [sum(len(trajs[i].token_ids) for i in p) for p in parts]
         # greedy largest-first: the lightest and heaviest differ by at most the largest group
         assert max(load) - min(load) <= max(tokens.values())
-        assert split_mini_batches(list(trajs), k) == parts  # a function of the list alone
-    assert split_mini_batches(trajs, 1) == [list(range(len(trajs)))]
+        assert balanced_parts(list(trajs), k) == parts  # a function of the list alone
+    assert balanced_parts(trajs, 1) == [list(range(len(trajs)))]
 
 
 LOSSES = [
@@ -291,7 +291,7 @@ def test_mini_batches_equal_steps_on_the_parts(loss_cfg, passes):
     """With rollout old logprobs a step of 2 mini-batches is 2 steps of 1, on the two parts (each
     normalised by its own tokens / sequences), pass after pass: bit for bit."""
     trajs, adv = batch_and_advantages()
-    parts = split_mini_batches(trajs, 2)
+    parts = balanced_parts(trajs, 2)
     assert sorted(len(p) for p in parts) == [4, 8]  # 3 groups of 4: unequal parts, unequal normalisers
     cfg = dict(lr=1e-2, warmup_steps=3, micro_batch_tokens=48, passes=passes, grad_clip=1e9)
     split = Learner(tiny_llama(), LearnerConfig(mini_batches=2, **cfg), loss_cfg, temperature=TEMPERATURE)
@@ -351,7 +351,7 @@ def test_old_logprobs_recomputed_once_before_the_first_mini_batch():
     assert m["mb3/ratio_max"] > 1.01 and m["mb3/ppo_kl"] != 0
     # the rollout/learner gap is measured before any update: the first mini-batch's tokens
     gap_only_first = Learner(tiny_llama(), LearnerConfig(lr=1e-2), LossConfig(), temperature=TEMPERATURE)
-    part = split_mini_batches(trajs, 3)[0]
+    part = balanced_parts(trajs, 3)[0]
     alone = gap_only_first.train_step([trajs[i] for i in part], [adv[i] for i in part])
     assert m["logprob_gap_max"] == pytest.approx(alone["logprob_gap_max"])
     assert m["logprob_gap_mean"] == pytest.approx(alone["logprob_gap_mean"])

@@ -291,10 +291,11 @@ def test_training_builds_the_local_engine_with_the_runs_seed(tiny_model_dir):
     from transformers import AutoTokenizer
 
     from agentgrpo.config import load_config
-    from agentgrpo.train import build_engine
+    from agentgrpo.engine.config import build_engine
 
     cfg = load_config(None, ["seed=7"])
-    with build_engine(cfg, tiny_model_dir, AutoTokenizer.from_pretrained(tiny_model_dir)) as eng:
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    with build_engine(cfg.engine, tiny_model_dir, tokenizer, seed=cfg.seed) as eng:
         assert eng._generator.initial_seed() == 7
 
 

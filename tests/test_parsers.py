@@ -2,7 +2,7 @@
 
 import pytest
 
-from agentgrpo.parsers import parse_hermes, parse_llama3_json
+from agentgrpo.parsers import parse_deepseek_v3, parse_harmony, parse_hermes, parse_llama3_json
 from agentgrpo.types import ToolErrorKind
 
 HUGE_INT = "1" * 5000  # past Python's 4300-digit int limit: json raises ValueError, not JSONDecodeError
@@ -17,7 +17,16 @@ def _llama(args: str) -> str:
     return '{"name": "f", "parameters": ' + args + "}"
 
 
-@pytest.mark.parametrize("parse, wrap", [(parse_hermes, _hermes), (parse_llama3_json, _llama)])
+def _deepseek(args: str) -> str:
+    return "<｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n" + args + "\n```<｜tool▁call▁end｜>"
+
+
+def _harmony(args: str) -> str:
+    return "<|channel|>commentary to=functions.f <|constrain|>json<|message|>" + args + "<|call|>"
+
+
+@pytest.mark.parametrize("parse, wrap", [(parse_hermes, _hermes), (parse_llama3_json, _llama),
+                                         (parse_deepseek_v3, _deepseek), (parse_harmony, _harmony)])
 @pytest.mark.parametrize("args, why", [
     ('{"n": ' + HUGE_INT + "}", "4300"),
     ('{"n": ' + DEEP + "}", "nested too deeply"),

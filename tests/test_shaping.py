@@ -13,7 +13,6 @@ from agentgrpo.shaping import (
     ShapingConfig,
     describe_algorithm,
     keep_informative_groups,
-    mask_truncated_rows,
     overlong_penalty,
     shaped_rewards,
     truncated_rows,
@@ -55,15 +54,11 @@ def test_overlong_buffer_validated():
         overlong_penalty(torch.tensor([1]), max_len=10, buffer_len=0)
 
 
-def test_truncated_rows_and_mask():
+def test_truncated_rows():
     reasons = [StopReason.COMPLETED, StopReason.MAX_TOKENS, "max_turns", "max_tokens"]
     trunc = truncated_rows(reasons)
     assert trunc.tolist() == [False, True, False, True]
     assert truncated_rows(reasons, {StopReason.MAX_TURNS}).tolist() == [False, False, True, False]
-    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [0, 1, 1], [1, 0, 0]])
-    got = mask_truncated_rows(mask, trunc)
-    assert got.tolist() == [[1, 1, 0], [0, 0, 0], [0, 1, 1], [0, 0, 0]]
-    assert got.dtype == mask.dtype
     with pytest.raises(ValueError):
         truncated_rows(["finished"])
 

@@ -75,6 +75,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import collections
+import inspect
 import logging
 import os
 import queue
@@ -91,7 +92,7 @@ import torch
 from agentgrpo.engine.base import Completion, EngineError, SamplingParams
 from agentgrpo.engine.local_batch import _Batch, _Request, _resolve
 from agentgrpo.engine.prefix_cache import PrefixCache
-from agentgrpo.models import read_safetensors
+from agentgrpo.models import load_model, load_tokenizer, read_safetensors
 
 log = logging.getLogger(__name__)
 
@@ -199,8 +200,6 @@ class LocalEngine:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if isinstance(model_or_path, (str, os.PathLike)):
-            from agentgrpo.models import load_model, load_tokenizer
-
             path = Path(model_or_path)
             model = load_model(path, dtype=dtype)
             if tokenizer is None and (path / "tokenizer_config.json").is_file():
@@ -488,8 +487,6 @@ def _cache_kwarg(model: torch.nn.Module) -> str:
     `past_key_values` to `cache` in 5.2x (the old name deprecated, to go in 5.40). Passing the name a
     version does not know is no error there: the kwarg lands in `**kwargs` and every decode step
     silently runs without the cache, so the engine asks the signature once instead of guessing."""
-    import inspect
-
     params = inspect.signature(model.forward).parameters
     for name in ("cache", "past_key_values"):
         if name in params:

@@ -17,6 +17,7 @@ in the caller's thread, where `waiting_for_capacity` sees them.
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import math
 import threading
@@ -118,8 +119,6 @@ class _RemoteClient:
 
     @staticmethod
     def body(code: bytes, stdin: bytes, files: list[tuple[str, bytes]], limits: Limits) -> dict:
-        import base64
-
         return {
             "code": code.decode("utf-8", "surrogateescape"),
             "stdin_b64": base64.b64encode(stdin).decode(),

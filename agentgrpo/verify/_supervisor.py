@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import select
 import signal
 import socket
 import struct
@@ -105,8 +106,6 @@ class _Warm:
         self.key, self.handle, self.ours, self.born = key, handle, ours, born
 
     def dead(self) -> bool:
-        import select
-
         return bool(select.select([self.handle["pidfd"]], [], [], 0)[0])
 
     def close(self) -> None:

@@ -48,6 +48,7 @@ and numerically (fractions vs decimals, percentages, intervals, sets, equations 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import json
 import math
@@ -402,8 +403,6 @@ def default_pool() -> MathPool:
     with _POOL_LOCK:
         if _POOL is None:
             _POOL = MathPool()
-            import atexit
-
             atexit.register(_POOL.close)
         return _POOL
 

@@ -104,7 +104,6 @@ __all__ = [
     "Status",
     "adefault_sandbox",
     "default_sandbox",
-    "probe_report",
     "sandbox_error",
 ]
 
@@ -158,25 +157,18 @@ class SandboxConfig(BaseModel):
 # ---- probing and the public class -------------------------------------------------------------------
 
 _PROBE_LOCK = threading.Lock()
-_PROBED: dict[str, str] = {}  # backend -> "" if its last start worked, else why not
 # (backend, config) pairs that failed to start: `auto` does not pay for them again. Keyed by the
 # config too, so a SandboxConfig that cannot start (a wrong `python`) does not rule the backend out
 # for every other Sandbox of the process.
 _FAILED: dict[tuple[str, str], str] = {}
 
 
-def probe_report() -> dict[str, str]:
-    """Which local backends were tried in this process and why those that failed (last) failed."""
-    return dict(_PROBED)
-
-
 def _start_local(kind: str, cfg: SandboxConfig) -> _LocalClient:
     try:
         client = _LocalClient(kind, cfg)
     except (RuntimeError, OSError) as e:
-        _PROBED[kind] = _FAILED[kind, cfg.model_dump_json()] = str(e)
+        _FAILED[kind, cfg.model_dump_json()] = str(e)
         raise
-    _PROBED[kind] = ""
     return client
 
 
@@ -229,9 +221,9 @@ class Sandbox:
                 if (kind, key) in _FAILED:  # failed before in this process: do not pay for it again
                     why[kind] = _FAILED[kind, key]
                 elif kind == "namespaces" and os.geteuid() != 0:
-                    why[kind] = _PROBED[kind] = "needs root (CAP_SYS_ADMIN)"
+                    why[kind] = "needs root (CAP_SYS_ADMIN)"
                 elif kind == "bwrap" and shutil.which("bwrap") is None:
-                    why[kind] = _PROBED[kind] = "bwrap not installed"
+                    why[kind] = "bwrap not installed"
                 else:
                     try:
                         return _start_local(kind, self.config)

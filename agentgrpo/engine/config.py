@@ -1,0 +1,74 @@
+"""`EngineConfig` (the `engine:` block of a run config) and `build_engine`, which makes the engine
+it describes: the in-process `LocalEngine`, or a client of SGLang servers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from agentgrpo.engine.base import Engine
+from agentgrpo.engine.local import LocalEngine
+from agentgrpo.engine.sglang_config import SGLangConfig
+
+
+class EngineConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["local", "sglang"] = Field(
+        "local",
+        description="local: in-process transformers engine; sglang: SGLang servers over HTTP",
+    )
+    max_batch_size: int = Field(32, ge=1, description="local engine: sequences decoded together")
+    prefix_cache_tokens: int = Field(
+        16384,
+        ge=0,
+        description="local engine: token budget of the prefix KV cache that lets a "
+        "group's copies of a prompt and a trajectory's next turn skip prefilling what was already "
+        "computed (45 KiB a token for SmolLM2-135M in float32); 0 disables it",
+    )
+    sglang: SGLangConfig | None = Field(
+        None, description="kind=sglang: the servers and client settings"
+    )
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> EngineConfig:
+        # A block for the engine that is not used would be silently ignored: reject it instead.
+        if self.kind == "sglang" and self.sglang is None:
+            raise ValueError(
+                "engine.kind is sglang but there is no engine.sglang block (urls, ...)"
+            )
+        if self.kind == "local" and self.sglang is not None:
+            raise ValueError(
+                "engine.sglang is set but engine.kind is local; set engine.kind: sglang"
+            )
+        if self.kind == "sglang":  # compared with the defaults, so a dumped config.yaml loads again
+            changed = [
+                f"engine.{name}={getattr(self, name)}"
+                for name in ("max_batch_size", "prefix_cache_tokens")
+                if getattr(self, name) != type(self).model_fields[name].default
+            ]
+            if changed:
+                raise ValueError(
+                    f"{', '.join(changed)} configure the local engine, but engine.kind is "
+                    "sglang (its servers batch and cache on their own: set that at launch)"
+                )
+        return self
+
+
+def build_engine(cfg: EngineConfig, model_path: Path, tokenizer: Any, *, seed: int) -> Engine:
+    """The engine `cfg` describes, serving the model at `model_path` (the local engine; SGLang
+    servers load their own model at launch). `seed` seeds the local engine's sampling."""
+    if cfg.kind == "sglang":
+        # Only here: loading a run config imports neither httpx nor the client (sglang_config.py).
+        from agentgrpo.engine.sglang import SGLangEngine
+
+        return SGLangEngine.from_config(cfg.sglang)
+    return LocalEngine(
+        model_path,
+        tokenizer=tokenizer,
+        max_batch_size=cfg.max_batch_size,
+        prefix_cache_tokens=cfg.prefix_cache_tokens,
+        seed=seed,
+    )
