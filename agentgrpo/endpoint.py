@@ -381,9 +381,10 @@ class PolicyEndpoint:
     """
 
     def __init__(self, *, model: str = "policy", token: str | None = None,
-                 max_body_bytes: int = 4 << 20,
+                 max_body_bytes: int = 4 << 20, max_episodes: int = 10_000,
                  new_episode: Callable[[str, int | None], EndpointEpisode] | None = None) -> None:
         self.model, self.token, self.max_body_bytes = model, token, max_body_bytes
+        self.max_episodes = max_episodes  # episodes held at once (POST /episodes: 429 past it)
         self.episodes: dict[str, EndpointEpisode] = {}
         self.new_episode = new_episode
         routes = [Route("/v1/models", self._models, methods=["GET"]),
@@ -459,6 +460,9 @@ class PolicyEndpoint:
                 raise APIError(400, "id must be a string without '/', seed an integer")
             if eid in self.episodes:
                 raise APIError(409, f"episode {eid!r} exists already", param="id")
+            if len(self.episodes) >= self.max_episodes:
+                raise APIError(429, f"{self.max_episodes} episodes are held: DELETE finished ones",
+                               kind="rate_limit_error", code="too_many_episodes")
             self.add(self.new_episode(eid, seed))  # type: ignore[misc]
             base = str(request.base_url).rstrip("/")
             return JSONResponse({"id": eid, "base_url": f"{base}/episodes/{eid}/v1"})

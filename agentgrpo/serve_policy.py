@@ -46,6 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-calls", type=int, default=None, help="calls per episode at most")
     p.add_argument("--max-tokens", type=int, default=None,
                    help="tokens per episode after its first prompt at most")
+    p.add_argument("--max-episodes", type=int, default=10_000,
+                   help="episodes held at once; each stays until DELETE /episodes/<id>")
     p.add_argument("--max-body-mb", type=float, default=4.0, help="request body size at most")
     p.add_argument("--max-connections", type=int, default=1024, help="open connections at most (503 past it)")
     p.add_argument("--keep-alive-s", type=int, default=30, help="idle keep-alive connections closed after")
@@ -88,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
                                max_calls=args.max_calls, max_tokens=args.max_tokens)
 
     endpoint = PolicyEndpoint(model=args.model_name, token=token,
-                              max_body_bytes=int(args.max_body_mb * (1 << 20)), new_episode=new_episode)
+                              max_body_bytes=int(args.max_body_mb * (1 << 20)),
+                              max_episodes=args.max_episodes, new_episode=new_episode)
 
     async def serve() -> None:
         await wait_ready(engine)

@@ -231,7 +231,7 @@ def test_episode_api_start_call_trajectory_reward(chat):
         return EndpointEpisode(id=eid, engine=engine, chat=chat, seed=seed,
                                params=SamplingParams(max_new_tokens=32))
 
-    endpoint = PolicyEndpoint(token="k", new_episode=new_episode)
+    endpoint = PolicyEndpoint(token="k", new_episode=new_episode, max_episodes=1)
 
     async def body():
         async with endpoint.serving() as base, httpx.AsyncClient(
@@ -249,11 +249,12 @@ def test_episode_api_start_call_trajectory_reward(chat):
             await http.post(f"/episodes/{start['id']}/reward", json={"reward": 1.5})
             after = (await http.get(f"/episodes/{start['id']}/trajectory")).json()
             dup = await http.post("/episodes", json={"id": start["id"]})
+            full = await http.post("/episodes", json={})
             gone = await http.delete(f"/episodes/{start['id']}")
             again = await http.get(f"/episodes/{start['id']}/trajectory")
-            return start, before, bad, after, dup, gone, again
+            return start, before, bad, after, dup, full, gone, again
 
-    start, before, bad, after, dup, gone, again = asyncio.run(body())
+    start, before, bad, after, dup, full, gone, again = asyncio.run(body())
     assert start["base_url"].endswith(f"/episodes/{start['id']}/v1")
     assert before["reward"] is None and before["stop_reason"] == "completed" and before["num_turns"] == 2
     sampled = [i for i, m in zip(before["token_ids"], before["loss_mask"]) if m]
@@ -261,7 +262,8 @@ def test_episode_api_start_call_trajectory_reward(chat):
         + chat.tokenizer.encode("8", add_special_tokens=False) + [chat.end_of_turn_id]
     assert engine.calls[1] == before["token_ids"][: len(engine.calls[1])]  # call 2 extends call 1
     assert bad.status_code == 400 and after["reward"] == 1.5
-    assert dup.status_code == 409 and gone.status_code == 200 and again.status_code == 404
+    assert dup.status_code == 409 and full.status_code == 429
+    assert gone.status_code == 200 and again.status_code == 404
 
 
 def test_serve_policy_command_serves_a_model_dir(tiny_model_dir, tmp_path):
