@@ -51,7 +51,8 @@ class AgentEnv(Env):
         >>> class Calculator(AgentEnv):
         ...     async def run(self, client, task):
         ...         messages = [{"role": "user", "content": task.prompt}]
-        ...         reply = await client.chat.completions.create(model=self.model, messages=messages)
+        ...         reply = await client.chat.completions.create(model=self.model,
+        ...                                                      messages=messages)
         ...         return float(str(task.answer) in (reply.choices[0].message.content or ""))
     """
 
@@ -63,29 +64,65 @@ class AgentEnv(Env):
         raise NotImplementedError(f"{type(self).__name__} must implement async run(client, task)")
 
     def step(self, action: Message) -> Any:
-        raise TypeError(f"{type(self).__name__} is an AgentEnv: its episode is run(client, task), "
-                        "not step()")
+        raise TypeError(
+            f"{type(self).__name__} is an AgentEnv: its episode is run(client, task), not step()"
+        )
 
-    async def run_own_episode(self, engine: Engine, chat: ChatFormat, task: Task,
-                              params: SamplingParams, *, limits: EpisodeLimits,
-                              seed: int | None = None, context_len: int | None = None,
-                              deadline: float | None = None) -> Trajectory:
+    async def run_own_episode(
+        self,
+        engine: Engine,
+        chat: ChatFormat,
+        task: Task,
+        params: SamplingParams,
+        *,
+        limits: EpisodeLimits,
+        seed: int | None = None,
+        context_len: int | None = None,
+        deadline: float | None = None,
+    ) -> Trajectory:
         """The rollout's hook (`agentgrpo.rollout._run_new_env`): this env runs its own episode."""
-        return await agent_episode(self, engine, chat, task, params, limits=limits, seed=seed,
-                                   context_len=context_len, deadline=deadline)
+        return await agent_episode(
+            self,
+            engine,
+            chat,
+            task,
+            params,
+            limits=limits,
+            seed=seed,
+            context_len=context_len,
+            deadline=deadline,
+        )
 
 
-async def agent_episode(env: AgentEnv, engine: Engine, chat: ChatFormat, task: Task,
-                        params: SamplingParams, *, limits: EpisodeLimits, seed: int | None = None,
-                        context_len: int | None = None, deadline: float | None = None) -> Trajectory:
+async def agent_episode(
+    env: AgentEnv,
+    engine: Engine,
+    chat: ChatFormat,
+    task: Task,
+    params: SamplingParams,
+    *,
+    limits: EpisodeLimits,
+    seed: int | None = None,
+    context_len: int | None = None,
+    deadline: float | None = None,
+) -> Trajectory:
     """One AgentEnv episode as a Trajectory; never raises for env, engine or deadline failures."""
     import openai  # the optional extra: pip install 'agentgrpo[agent]'
 
     clock = Deadlines(limits.turn_timeout_s, limits.episode_timeout_s, deadline)
     episode = EndpointEpisode(
-        id=secrets.token_urlsafe(12), engine=engine, chat=chat, params=params,
-        context_len=context_len, fixed_sampling=True, seed=params.seed, seed_of=turn_seed,
-        max_calls=limits.max_turns, max_tokens=limits.max_tokens, clock=clock)
+        id=secrets.token_urlsafe(12),
+        engine=engine,
+        chat=chat,
+        params=params,
+        context_len=context_len,
+        fixed_sampling=True,
+        seed=params.seed,
+        seed_of=turn_seed,
+        max_calls=limits.max_turns,
+        max_tokens=limits.max_tokens,
+        clock=clock,
+    )
     reason, detail, reward = StopReason.COMPLETED, "", None
     async with _shared_endpoint() as (endpoint, base):
         endpoint.add(episode)
@@ -94,12 +131,20 @@ async def agent_episode(env: AgentEnv, engine: Engine, chat: ChatFormat, task: T
         client = openai.AsyncOpenAI(base_url=env.base_url, api_key=env.api_key, max_retries=0)
         stage = "reset"
         try:
-            await clock.run(call_env(env.reset, seed=seed, options={"task": task}))  # seeds np_random
+            await clock.run(
+                call_env(env.reset, seed=seed, options={"task": task})
+            )  # seeds np_random
             stage = "run"
             reward = await clock.run(env.run(client, task))
-            if reward is not None and (isinstance(reward, bool) or not isinstance(reward, numbers.Real)
-                                       or not math.isfinite(reward)):
-                reason, detail = StopReason.ENV_ERROR, f"run returned {reward!r:.100}, not a finite number or None"
+            if reward is not None and (
+                isinstance(reward, bool)
+                or not isinstance(reward, numbers.Real)
+                or not math.isfinite(reward)
+            ):
+                reason, detail = (
+                    StopReason.ENV_ERROR,
+                    f"run returned {reward!r:.100}, not a finite number or None",
+                )
         except DeadlineExpired as e:
             reason, detail = StopReason.TIMEOUT, str(e)
             if episode.cut is None:
@@ -165,7 +210,9 @@ class _Shared:
                 await serving.__aexit__(None, None, None)
 
 
-_by_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Shared] = weakref.WeakKeyDictionary()
+_by_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Shared] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def _shared_endpoint() -> _Shared:

@@ -9,9 +9,9 @@ is measured is the endpoint's own work: rendering the prompt (first call: the ch
 later calls: the suffix after the previous turn), parsing the reply into OpenAI tool_calls,
 recording the call, and for the HTTP mode the request and reply through uvicorn, from an httpx
 client in a child process (this process's CPU time is the server's alone; the wall time is the
-client's clock around its calls). Each mode runs multi-turn episodes of `--turns` calls whose history
-grows as an agent's does (reply, tool result, next call). Per call: wall time and this process's
-CPU time.
+client's clock around its calls). Each mode runs multi-turn episodes of `--turns` calls whose
+history grows as an agent's does (reply, tool result, next call). Per call: wall time and this
+process's CPU time.
 
 - direct: `engine.generate(prompt_ids)` with the ids a rollout would send (the baseline).
 - endpoint: `EndpointEpisode.complete(body)`, the endpoint without HTTP.
@@ -50,8 +50,12 @@ class InstantEngine:
         self.ids = ids
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
-        return Completion(token_ids=list(self.ids), logprobs=[-0.5] * len(self.ids),
-                          finish_reason="stop", weight_version="0")
+        return Completion(
+            token_ids=list(self.ids),
+            logprobs=[-0.5] * len(self.ids),
+            finish_reason="stop",
+            weight_version="0",
+        )
 
     async def update_weights(self, weights, *, version: str) -> None:
         pass
@@ -59,7 +63,8 @@ class InstantEngine:
 
 CLIENT = r"""
 import json, sys, time, httpx
-base, episodes, turns, tools = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4])
+base, episodes, turns = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+tools = json.loads(sys.argv[4])
 with httpx.Client(base_url=base) as http:
     t0 = time.perf_counter()
     for e in range(episodes):
@@ -78,13 +83,20 @@ with httpx.Client(base_url=base) as http:
 
 def conversation(turn: int) -> list[dict]:
     """The request body's messages at call `turn` (0-based), as an agent builds them."""
-    messages = [{"role": "system", "content": "You are a careful assistant with a calculator."},
-                {"role": "user", "content": "What is 56 + 55?"}]
+    messages = [
+        {"role": "system", "content": "You are a careful assistant with a calculator."},
+        {"role": "user", "content": "What is 56 + 55?"},
+    ]
     for k in range(turn):
-        call = {"id": f"call_{k}", "type": "function",
-                "function": {"name": "calculator", "arguments": '{"expression": "56 + 55"}'}}
-        messages += [{"role": "assistant", "content": None, "tool_calls": [call]},
-                     {"role": "tool", "tool_call_id": f"call_{k}", "content": "111"}]
+        call = {
+            "id": f"call_{k}",
+            "type": "function",
+            "function": {"name": "calculator", "arguments": '{"expression": "56 + 55"}'},
+        }
+        messages += [
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": f"call_{k}", "content": "111"},
+        ]
     return messages
 
 
@@ -103,8 +115,13 @@ async def run(chat: ChatFormat, episodes: int, turns: int) -> dict[str, tuple[fl
         for _ in range(turns):
             reply = await send(ep, body(messages))
             messages.append(reply["choices"][0]["message"])
-            messages.append({"role": "tool", "content": "111",
-                             "tool_call_id": reply["choices"][0]["message"]["tool_calls"][0]["id"]})
+            messages.append(
+                {
+                    "role": "tool",
+                    "content": "111",
+                    "tool_call_id": reply["choices"][0]["message"]["tool_calls"][0]["id"],
+                }
+            )
 
     async def timed(name: str, episode_fn) -> None:
         t0, c0 = time.perf_counter(), time.process_time()
@@ -133,13 +150,22 @@ async def run(chat: ChatFormat, episodes: int, turns: int) -> dict[str, tuple[fl
             await engine.generate(prompt, params)
 
     await timed("direct", direct_episode)
-    async with endpoint.serving() as base:  # the client in its own process: CPU here is the server's
+    async with (
+        endpoint.serving() as base
+    ):  # the client in its own process: CPU here is the server's
         for e in range(episodes):
             endpoint.add(EndpointEpisode(id=f"h{e}", engine=engine, chat=chat, params=params))
         c0 = time.process_time()
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-c", CLIENT, base, str(episodes), str(turns), json.dumps(tools),
-            stdout=asyncio.subprocess.PIPE)
+            sys.executable,
+            "-c",
+            CLIENT,
+            base,
+            str(episodes),
+            str(turns),
+            json.dumps(tools),
+            stdout=asyncio.subprocess.PIPE,
+        )
         wall_s, _ = await proc.communicate()  # the client's own clock around its calls
         assert proc.returncode == 0
         n = episodes * turns
@@ -152,7 +178,9 @@ def local_turn_ms(path, chat: ChatFormat, max_new_tokens: int) -> tuple[float, f
     from agentgrpo.engine.local import LocalEngine
 
     engine = LocalEngine(path, tokenizer=chat.tokenizer, seed=0, max_batch_size=1)
-    prompt = chat.prompt_ids([Message(role="user", content="What is 56 + 55?")], [calculator.schema])
+    prompt = chat.prompt_ids(
+        [Message(role="user", content="What is 56 + 55?")], [calculator.schema]
+    )
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.7, seed=0)
     asyncio.run(engine.generate(prompt, params))  # warm-up
     t0, c0 = time.perf_counter(), time.process_time()
@@ -164,8 +192,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--episodes", type=int, default=100)
     p.add_argument("--turns", type=int, default=3)
-    p.add_argument("--local-engine", action="store_true",
-                   help="also time one 48-token turn of the embedded model with the local engine")
+    p.add_argument(
+        "--local-engine",
+        action="store_true",
+        help="also time one 48-token turn of the embedded model with the local engine",
+    )
     args = p.parse_args()
     path = default_model_path()
     chat = ChatFormat(AutoTokenizer.from_pretrained(path))
@@ -175,13 +206,18 @@ def main() -> None:
     for name in ("direct", "endpoint", "http"):
         print(f"  {name:9s} {res[name][0]:7.3f} {res[name][1]:7.3f}")
     for name in ("endpoint", "http"):
-        print(f"  overhead {name:9s} wall {res[name][0] - res['direct'][0]:.3f} ms, "
-              f"CPU {res[name][1] - res['direct'][1]:.3f} ms")
+        print(
+            f"  overhead {name:9s} wall {res[name][0] - res['direct'][0]:.3f} ms, "
+            f"CPU {res[name][1] - res['direct'][1]:.3f} ms"
+        )
     if args.local_engine:
         ms, cpu, n = local_turn_ms(path, chat, 48)
         over = res["http"][1] - res["direct"][1]
-        print(f"  local engine turn ({n} tokens, embedded model): wall {ms:.0f} ms, CPU {cpu:.0f} ms; "
-              f"http overhead CPU = {100 * over / ms:.2f}% of its wall time, {100 * over / cpu:.2f}% of its CPU")
+        print(
+            f"  local engine turn ({n} tokens, embedded model): wall {ms:.0f} ms, "
+            f"CPU {cpu:.0f} ms; http overhead CPU = {100 * over / ms:.2f}% of its wall time, "
+            f"{100 * over / cpu:.2f}% of its CPU"
+        )
 
 
 if __name__ == "__main__":

@@ -39,8 +39,9 @@ class CalculatorAgent(AgentEnv):
         messages = [m.to_dict() for m in CalculatorEnv(demo=self.demo).prompt(task)]
         answer = ""
         for _ in range(self.max_turns):
-            reply = await client.chat.completions.create(model=self.model, messages=messages,
-                                                         tools=TOOLS)
+            reply = await client.chat.completions.create(
+                model=self.model, messages=messages, tools=TOOLS
+            )
             message = reply.choices[0].message
             messages.append(message.model_dump(exclude_none=True))
             answer = message.content or ""
@@ -51,7 +52,13 @@ class CalculatorAgent(AgentEnv):
                     result = calculator(**json.loads(call.function.arguments))
                 except Exception as e:  # noqa: BLE001 - the model's arguments: tell it what failed
                     result = f"error: {type(e).__name__}: {e}"
-                messages.append({"role": "tool", "tool_call_id": call.id,
-                                 "name": call.function.name, "content": str(result)})
+                messages.append(
+                    {
+                        "role": "tool",
+                        "tool_call_id": call.id,
+                        "name": call.function.name,
+                        "content": str(result),
+                    }
+                )
         number = last_number(answer)
         return float(number is not None and number == Fraction(str(task.answer)))

@@ -48,9 +48,12 @@ class CalculatorSDKAgent(AgentEnv):
         self.max_turns = max_turns
 
     async def run(self, client: openai.AsyncOpenAI, task: Task) -> float:
-        agent = Agent(name="calculator", instructions=CalculatorEnv.system_prompt,
-                      tools=[calculator_tool],
-                      model=OpenAIChatCompletionsModel(model=self.model, openai_client=client))
+        agent = Agent(
+            name="calculator",
+            instructions=CalculatorEnv.system_prompt,
+            tools=[calculator_tool],
+            model=OpenAIChatCompletionsModel(model=self.model, openai_client=client),
+        )
         try:
             result = await Runner.run(agent, str(task.prompt), max_turns=self.max_turns)
         except MaxTurnsExceeded:

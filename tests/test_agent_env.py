@@ -27,14 +27,27 @@ class Calc(CalculatorAgent):
 
 
 def by_turn(chat, *texts):
-    return lambda ids, i: texts[min(chat.decode(ids).count("<|im_start|>assistant") - 1, len(texts) - 1)]
+    return lambda ids, i: texts[
+        min(chat.decode(ids).count("<|im_start|>assistant") - 1, len(texts) - 1)
+    ]
 
 
-def group(chat, script, env=Calc, n=1, limits=EpisodeLimits(max_turns=4, max_tokens=512),
-          task=TASK):
+def group(
+    chat, script, env=Calc, n=1, limits=EpisodeLimits(max_turns=4, max_tokens=512), task=TASK
+):
     engine = ScriptedEngine(chat.tokenizer, script, chat.end_of_turn_id)
-    g = asyncio.run(run_group(env, engine, chat, task, n, SamplingParams(max_new_tokens=64, seed=3),
-                              seed=0, limits=limits))
+    g = asyncio.run(
+        run_group(
+            env,
+            engine,
+            chat,
+            task,
+            n,
+            SamplingParams(max_new_tokens=64, seed=3),
+            seed=0,
+            limits=limits,
+        )
+    )
     return g.trajectories, engine
 
 
@@ -45,7 +58,9 @@ def assert_token_exact(traj, engine):
     for prompt in engine.calls:
         assert traj.token_ids[: len(prompt)] == prompt
     spans = [(len(p), len(p) + n) for p, n in zip(engine.calls, engine.sampled_lengths)]
-    assert [i for i, m in enumerate(traj.loss_mask) if m] == [i for a, b in spans for i in range(a, b)]
+    assert [i for i, m in enumerate(traj.loss_mask) if m] == [
+        i for a, b in spans for i in range(a, b)
+    ]
 
 
 @pytest.fixture(autouse=True)
@@ -81,7 +96,9 @@ def test_replies_sent_back_are_never_re_tokenized(chat, monkeypatch):
 
     rendered = []
     real = ChatFormat.prompt_ids
-    monkeypatch.setattr(ChatFormat, "prompt_ids", lambda self, *a, **k: rendered.append(1) or real(self, *a, **k))
+    monkeypatch.setattr(
+        ChatFormat, "prompt_ids", lambda self, *a, **k: rendered.append(1) or real(self, *a, **k)
+    )
     [traj], engine = group(chat, by_turn(chat, CALL, CALL, "111"))
     assert traj.num_turns == 3 and len(rendered) == 1
     assert_token_exact(traj, engine)
@@ -121,8 +138,10 @@ class Loops(AgentEnv):
         messages = [{"role": "user", "content": "count"}]
         while True:  # never stops by itself: the turn limit ends it
             reply = await client.chat.completions.create(model=self.model, messages=messages)
-            messages += [reply.choices[0].message.model_dump(exclude_none=True),
-                         {"role": "user", "content": "more"}]
+            messages += [
+                reply.choices[0].message.model_dump(exclude_none=True),
+                {"role": "user", "content": "more"},
+            ]
 
 
 def test_turn_limit_ends_the_episode(chat):
@@ -143,13 +162,17 @@ class BadReset(Raises):
 
 class Slow(AgentEnv):
     async def run(self, client, task):
-        await client.chat.completions.create(model=self.model, messages=[{"role": "user", "content": "x"}])
+        await client.chat.completions.create(
+            model=self.model, messages=[{"role": "user", "content": "x"}]
+        )
         await asyncio.sleep(10)
 
 
 class ReturnsNone(AgentEnv):
     async def run(self, client, task):
-        await client.chat.completions.create(model=self.model, messages=[{"role": "user", "content": "x"}])
+        await client.chat.completions.create(
+            model=self.model, messages=[{"role": "user", "content": "x"}]
+        )
 
 
 def test_failures_are_typed(chat):
@@ -157,7 +180,9 @@ def test_failures_are_typed(chat):
     assert traj.stop_reason == StopReason.ENV_ERROR and "agent bug" in traj.stop_detail
     assert math.isnan(traj.reward)
     [traj], _ = group(chat, ["1"], env=BadReset)
-    assert traj.stop_reason == StopReason.ENV_ERROR and traj.stop_detail.startswith("reset raised KeyError")
+    assert traj.stop_reason == StopReason.ENV_ERROR and traj.stop_detail.startswith(
+        "reset raised KeyError"
+    )
     [traj], _ = group(chat, ["1"], env=Slow, limits=EpisodeLimits(episode_timeout_s=0.5))
     assert traj.stop_reason == StopReason.TIMEOUT and traj.deadline == "episode"
     assert math.isnan(traj.reward) and traj.num_turns == 1
@@ -169,8 +194,17 @@ def test_failures_are_typed(chat):
 
 def test_a_generation_past_the_turn_deadline_is_cut(chat):
     engine = ScriptedEngine(chat.tokenizer, ["1"], chat.end_of_turn_id, delay_s=5.0)
-    g = asyncio.run(run_group(ReturnsNone, engine, chat, TASK, 1, SamplingParams(max_new_tokens=8),
-                              limits=EpisodeLimits(turn_timeout_s=0.3)))
+    g = asyncio.run(
+        run_group(
+            ReturnsNone,
+            engine,
+            chat,
+            TASK,
+            1,
+            SamplingParams(max_new_tokens=8),
+            limits=EpisodeLimits(turn_timeout_s=0.3),
+        )
+    )
     [traj] = g.trajectories
     assert traj.stop_reason == StopReason.TIMEOUT and traj.deadline == "turn", traj.stop_detail
     assert "turn 1 exceeded" in traj.stop_detail and math.isnan(traj.reward)
@@ -193,10 +227,13 @@ class Closes(Calc):
 
 
 def test_collect_groups_seeds_and_close(chat):
-    """AgentEnv classes go through collect like any env: groups, per-member seeds, one close each."""
+    """AgentEnv classes go through collect like any env: groups, per-member seeds, one close
+    each."""
     engine = ScriptedEngine(chat.tokenizer, by_turn(chat, CALL, "111"), chat.end_of_turn_id)
     cfg = RolloutConfig(group_size=4, tasks_per_step=2, max_turns=3, max_new_tokens=64)
-    groups = asyncio.run(collect(Closes, engine, chat, CalculatorAgent.load_tasks("train", n=2), cfg))
+    groups = asyncio.run(
+        collect(Closes, engine, chat, CalculatorAgent.load_tasks("train", n=2), cfg)
+    )
     trajs = [t for g in groups for t in g.trajectories]
     assert len(trajs) == 8 and Closes.closed == 8
     assert all(t.stop_reason == StopReason.COMPLETED and t.num_turns == 2 for t in trajs)
@@ -227,19 +264,29 @@ def test_sampled_ids_are_the_local_engines(chat, stopping_model_dir):
     from agentgrpo.engine.local import LocalEngine
 
     engine = Recording(LocalEngine(stopping_model_dir, tokenizer=chat.tokenizer, seed=0))
-    cfg = RolloutConfig(group_size=4, tasks_per_step=2, max_turns=3, max_new_tokens=24, max_tokens=96)
-    groups = asyncio.run(collect(CalculatorAgent, engine, chat, CalculatorAgent.load_tasks("train", n=2), cfg))
+    cfg = RolloutConfig(
+        group_size=4, tasks_per_step=2, max_turns=3, max_new_tokens=24, max_tokens=96
+    )
+    groups = asyncio.run(
+        collect(CalculatorAgent, engine, chat, CalculatorAgent.load_tasks("train", n=2), cfg)
+    )
     by_prompt = {}  # the members of a group send the same first prompt (with their own seeds)
     for p, ids, lps in engine.seen:
         by_prompt.setdefault(tuple(p), []).append((ids, lps))
     for t in (t for g in groups for t in g.trajectories):
         t.check()
-        assert t.stop_reason in (StopReason.COMPLETED, StopReason.MAX_TURNS, StopReason.MAX_TOKENS), t.stop_detail
+        assert t.stop_reason in (
+            StopReason.COMPLETED,
+            StopReason.MAX_TURNS,
+            StopReason.MAX_TOKENS,
+        ), t.stop_detail
         masked = [i for i, m in enumerate(t.loss_mask) if m]
         starts = [i for i in masked if i == 0 or not t.loss_mask[i - 1]]
         assert len(starts) == t.num_turns >= 1
         for s in starts:  # each sampled span is one engine reply to exactly the ids before it
-            end = next((i for i in range(s, len(t.loss_mask)) if not t.loss_mask[i]), len(t.loss_mask))
+            end = next(
+                (i for i in range(s, len(t.loss_mask)) if not t.loss_mask[i]), len(t.loss_mask)
+            )
             assert (t.token_ids[s:end], t.logprobs[s:end]) in by_prompt[tuple(t.token_ids[:s])]
 
 
