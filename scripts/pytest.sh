@@ -12,17 +12,11 @@
 # abort after a 0 there is reported loudly and does not fail the run. An abort before it (a crash
 # during a test) leaves no file, and fails as always. PYTHONFAULTHANDLER makes such an abort print
 # every thread's Python stack: what a fix of the cause needs.
-#
-# Two xdist workers (-n 2; `-n 0` among the arguments runs in one process): in one process the
-# suite kept under one core of two busy (721 s of CPU, user and system, for 896 tests that CI ran in
-# 15:30). Whole files go to a worker (--dist loadfile), so that a module's fixtures (test_evaluate's
-# four trained runs) are built once.
 set -uo pipefail
 py=$1
 shift
 status=$(mktemp)  # empty until conftest writes the status at the session end
-AGENTGRPO_PYTEST_STATUS_FILE=$status PYTHONFAULTHANDLER=1 \
-  "$py" -m pytest -q -p no:cacheprovider -n 2 --dist loadfile "$@"
+AGENTGRPO_PYTEST_STATUS_FILE=$status PYTHONFAULTHANDLER=1 "$py" -m pytest -q -p no:cacheprovider "$@"
 rc=$?
 ended=$(cat "$status")
 rm -f "$status"
