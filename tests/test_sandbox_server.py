@@ -266,8 +266,9 @@ def test_waiting_for_a_busy_server_is_not_charged_to_a_tool_deadline(open_server
         env = PyEnv()
         env.reset(options={"task": Task(id="t", prompt="p")})
         call = ToolCall(id="1", name="python", arguments={"code": "print(2+2)"})
-        out, _, _, _, info = asyncio.run(env.step(Message(role="assistant", content="", tool_calls=[call])))
-        assert info["tool_errors"] == 0 and "status: ok" in out[0].content, out[0].content
+        step = asyncio.run(env.step(Message(role="assistant", content="", tool_calls=[call])))
+        out = step.messages
+        assert not step.tool_errors and "status: ok" in out[0].content, out[0].content
     finally:
         slow.join()
         sb.close()
