@@ -75,18 +75,33 @@ class MCPServer:
 
     def __post_init__(self) -> None:
         if (self.command is None) == (self.url is None):
-            raise ValueError("an MCPServer has a command (MCPServer.stdio) or a url (MCPServer.http)")
+            raise ValueError(
+                "an MCPServer has a command (MCPServer.stdio) or a url (MCPServer.http)"
+            )
         if self.open_timeout_s <= 0:
             raise ValueError(f"open_timeout_s must be positive, got {self.open_timeout_s}")
 
     @classmethod
-    def stdio(cls, command: str, *args: str, env: dict[str, str] | None = None,
-              cwd: str | None = None, prefix: str = "", open_timeout_s: float = 60.0) -> MCPServer:
+    def stdio(
+        cls,
+        command: str,
+        *args: str,
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+        prefix: str = "",
+        open_timeout_s: float = 60.0,
+    ) -> MCPServer:
         """A server started as `command *args` and spoken to over its stdin and stdout (its
         stderr stays the trainer's). `env` adds variables to the `mcp` package's default
         environment (a few safe ones such as PATH and HOME, not the trainer's whole environment)."""
-        return cls(command=command, args=tuple(args), env=env, cwd=cwd, prefix=prefix,
-                   open_timeout_s=open_timeout_s)
+        return cls(
+            command=command,
+            args=tuple(args),
+            env=env,
+            cwd=cwd,
+            prefix=prefix,
+            open_timeout_s=open_timeout_s,
+        )
 
     @classmethod
     def http(cls, url: str, *, prefix: str = "", open_timeout_s: float = 60.0) -> MCPServer:
@@ -112,11 +127,14 @@ class MCPToolEnv(ToolEnv):
         super().__init_subclass__(**kwargs)
         bad = [s for s in cls.__dict__.get("mcp_servers", ()) if not isinstance(s, MCPServer)]
         if bad:  # fail at import, not in every episode
-            raise TypeError(f"{cls.__name__}.mcp_servers must hold MCPServer.stdio(...) or "
-                            f"MCPServer.http(...), got {bad[0]!r}")
+            raise TypeError(
+                f"{cls.__name__}.mcp_servers must hold MCPServer.stdio(...) or "
+                f"MCPServer.http(...), got {bad[0]!r}"
+            )
 
-    def reset(self, *, seed: int | None = None,
-              options: dict[str, Any] | None = None) -> tuple[list[Message], dict[str, Any]]:
+    def reset(
+        self, *, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[list[Message], dict[str, Any]]:
         with self._mcp_lock():
             self._close_sessions()  # a second reset of one env starts the servers afresh
             # all servers start at once; kept before they answer, so close() ends every one
@@ -130,8 +148,10 @@ class MCPToolEnv(ToolEnv):
         found = super().get_tools()
         for name, t in getattr(self, "_mcp_tools", {}).items():
             if name in found:
-                raise ValueError(f"{type(self).__name__}: the MCP tool {name!r} ({t.server.describe()}) "
-                                 "has the name of an @tool; give its MCPServer a prefix")
+                raise ValueError(
+                    f"{type(self).__name__}: the MCP tool {name!r} ({t.server.describe()}) "
+                    "has the name of an @tool; give its MCPServer a prefix"
+                )
             found[name] = t
         return found
 
@@ -153,9 +173,11 @@ class MCPToolEnv(ToolEnv):
         for session in sessions:
             for t in session.tools:
                 if t.name in tools:
-                    raise ValueError(f"{type(self).__name__}: two MCP servers have a tool {t.name!r} "
-                                     f"({tools[t.name].server.describe()}, {t.server.describe()}); "
-                                     "give one a prefix")
+                    raise ValueError(
+                        f"{type(self).__name__}: two MCP servers have a tool {t.name!r} "
+                        f"({tools[t.name].server.describe()}, {t.server.describe()}); "
+                        "give one a prefix"
+                    )
                 tools[t.name] = t
         return tools
 
@@ -169,7 +191,7 @@ class MCPToolEnv(ToolEnv):
 class MCPTool(Tool):
     """One tool of an MCP server, called through the env's session. Built by `MCPToolEnv`."""
 
-    def __init__(self, session: _Session, remote: Any) -> None:  # noqa: D107 - not Tool's init: no function
+    def __init__(self, session: _Session, remote: Any) -> None:  # not Tool's: no function
         import jsonschema  # a dependency of `mcp`
 
         server = session.server
@@ -186,19 +208,28 @@ class MCPTool(Tool):
             # silently dropped by the server; the schema says so to the model
             parameters.setdefault("additionalProperties", False)
         if not _TOOL_NAME.fullmatch(self.name):
-            raise ValueError(f"MCP tool {self.name!r} of {server.describe()}: a tool name must match "
-                             "[A-Za-z_][A-Za-z0-9_-]*, at most 64 characters")
+            raise ValueError(
+                f"MCP tool {self.name!r} of {server.describe()}: a tool name must match "
+                "[A-Za-z_][A-Za-z0-9_-]*, at most 64 characters"
+            )
         try:
             checker = jsonschema.validators.validator_for(parameters)
             checker.check_schema(parameters)
         except jsonschema.SchemaError as e:
-            raise ValueError(f"MCP tool {self.name!r} of {server.describe()}: its input schema is "
-                             f"not a valid JSON schema ({e.message})") from None
+            raise ValueError(
+                f"MCP tool {self.name!r} of {server.describe()}: its input schema is "
+                f"not a valid JSON schema ({e.message})"
+            ) from None
         self._checker = checker(parameters)
         parameters.setdefault("required", [])
-        self.schema = {"type": "function",
-                       "function": {"name": self.name, "description": self.description,
-                                    "parameters": parameters}}
+        self.schema = {
+            "type": "function",
+            "function": {
+                "name": self.name,
+                "description": self.description,
+                "parameters": parameters,
+            },
+        }
         self.is_async = True
         self._bound_self = None
 
@@ -212,11 +243,15 @@ class MCPTool(Tool):
         """Check the model's arguments against the server's input schema (ToolError naming each
         problem), before anything is sent."""
         if not isinstance(arguments, dict):
-            raise ToolError(f"arguments of {self.name} must be a JSON object, got {type(arguments).__name__}")
+            raise ToolError(
+                f"arguments of {self.name} must be a JSON object, got {type(arguments).__name__}"
+            )
         errors = sorted(self._checker.iter_errors(arguments), key=lambda e: list(e.absolute_path))
         if errors:
-            problems = "; ".join(f"{'.'.join(str(x) for x in e.absolute_path) or '(arguments)'}: {e.message}"
-                                 for e in errors)
+            problems = "; ".join(
+                f"{'.'.join(str(x) for x in e.absolute_path) or '(arguments)'}: {e.message}"
+                for e in errors
+            )
             raise ToolError(f"invalid arguments for {self.name}: {problems}")
         return arguments
 
@@ -285,12 +320,14 @@ class _Session:
             listing = self._opened.result(max(left, 0.0))
         except concurrent.futures.TimeoutError:
             self.close()
-            raise MCPServerError(f"MCP server {server.describe()} did not answer within "
-                                 f"{server.open_timeout_s:g} s") from None
+            raise MCPServerError(
+                f"MCP server {server.describe()} did not answer within {server.open_timeout_s:g} s"
+            ) from None
         except Exception as e:
             self.close()
-            raise MCPServerError(f"MCP server {server.describe()} failed to open: "
-                                 f"{type(e).__name__}: {e}") from e
+            raise MCPServerError(
+                f"MCP server {server.describe()} failed to open: {type(e).__name__}: {e}"
+            ) from e
         self.tools = [MCPTool(self, remote) for remote in listing]
 
     async def _hold(self) -> None:
@@ -328,13 +365,19 @@ class _Session:
         if self.server.url is not None:
             return self.server.url
         from mcp.client.stdio import StdioServerParameters
-        return StdioServerParameters(command=self.server.command, args=list(self.server.args),
-                                     env=self.server.env, cwd=self.server.cwd)
+
+        return StdioServerParameters(
+            command=self.server.command,
+            args=list(self.server.args),
+            env=self.server.env,
+            cwd=self.server.cwd,
+        )
 
     async def call(self, name: str, arguments: dict[str, Any]) -> Any:
         """Call a tool on the MCP loop; cancelling this await cancels the call there."""
-        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._call(name, arguments),
-                                                                          _mcp_loop()))
+        return await asyncio.wrap_future(
+            asyncio.run_coroutine_threadsafe(self._call(name, arguments), _mcp_loop())
+        )
 
     async def _call(self, name: str, arguments: dict[str, Any]) -> Any:
         from mcp.shared.exceptions import MCPError
@@ -347,18 +390,22 @@ class _Session:
             return await client.call_tool(name, arguments)
         except MCPError as e:
             if e.error.code == CONNECTION_CLOSED:
-                raise MCPServerError(f"MCP server {self.server.describe()} went away during "
-                                     f"{name}: {e}") from e
+                raise MCPServerError(
+                    f"MCP server {self.server.describe()} went away during {name}: {e}"
+                ) from e
             # a JSON-RPC error answering the call (bad parameters, an unknown tool, an internal
             # error of the tool): the server is there and said why; the model reads it
             raise ToolError(f"{name}: {e}") from e
         except (OSError, EOFError) as e:  # the transport (pipe, socket) broke
-            raise MCPServerError(f"MCP server {self.server.describe()} failed during {name}: "
-                                 f"{type(e).__name__}: {e}") from e
+            raise MCPServerError(
+                f"MCP server {self.server.describe()} failed during {name}: {type(e).__name__}: {e}"
+            ) from e
         except Exception as e:  # noqa: BLE001 - anyio's closed/broken streams, httpx's errors...
             if type(e).__module__.split(".")[0] in ("anyio", "httpx", "httpx2", "httpcore"):
-                raise MCPServerError(f"MCP server {self.server.describe()} failed during {name}: "
-                                     f"{type(e).__name__}: {e}") from e
+                raise MCPServerError(
+                    f"MCP server {self.server.describe()} failed during {name}: "
+                    f"{type(e).__name__}: {e}"
+                ) from e
             raise
 
     def close(self) -> str | None:
@@ -409,9 +456,11 @@ def _mcp_loop() -> asyncio.AbstractEventLoop:
 
 def _forget_in_child() -> None:
     global _loop, _loop_lock
-    _loop, _loop_lock = None, threading.Lock()  # a forked child has no loop thread: it starts its own
+    _loop, _loop_lock = (
+        None,
+        threading.Lock(),
+    )  # a forked child has no loop thread: it starts its own
 
 
 if hasattr(os, "register_at_fork"):  # POSIX
     os.register_at_fork(after_in_child=_forget_in_child)
-

@@ -78,6 +78,7 @@ def server_env(tmp_path_factory):
 
     class Adder(MCPToolEnv):
         """Adds with the MCP server's `add`."""
+
         mcp_servers = [MCPServer.stdio(sys.executable, str(path), open_timeout_s=60)]
 
         def reward(self, task, messages):
@@ -87,28 +88,54 @@ def server_env(tmp_path_factory):
 
 
 def _group(chat, env_cls, turns, group_size=2):
-    by_turn = lambda ids, i: turns[min(chat.decode(ids).count("<|im_start|>assistant") - 1, len(turns) - 1)]  # noqa: E731
+    def by_turn(ids, i):  # the turn of the trajectory asking, not the global call order
+        return turns[min(chat.decode(ids).count("<|im_start|>assistant") - 1, len(turns) - 1)]
+
     engine = ScriptedEngine(chat.tokenizer, by_turn, chat.end_of_turn_id)
-    return asyncio.run(run_group(env_cls, engine, chat, TASK, group_size, SamplingParams(max_new_tokens=64),
-                                 seed=0, limits=EpisodeLimits(max_turns=8)))
+    return asyncio.run(
+        run_group(
+            env_cls,
+            engine,
+            chat,
+            TASK,
+            group_size,
+            SamplingParams(max_new_tokens=64),
+            seed=0,
+            limits=EpisodeLimits(max_turns=8),
+        )
+    )
 
 
 def test_server_tools_become_env_tools(chat, server_env):
     """The server's names, descriptions and input schemas are what the model sees; a call's answer
     is the tool message; bad arguments, an unknown tool and a failing tool are the model's errors,
     counted as for @tool functions."""
-    turns = [_call("add", a=2, b="three"), _call("nosuch"), _call("fail"), _call("add", a=2, b=3, c=1),
-             _call("add", a=2, b=3), "5"]
+    turns = [
+        _call("add", a=2, b="three"),
+        _call("nosuch"),
+        _call("fail"),
+        _call("add", a=2, b=3, c=1),
+        _call("add", a=2, b=3),
+        "5",
+    ]
     group = _group(chat, server_env, turns)
     for traj in group.trajectories:
-        assert traj.stop_reason == StopReason.COMPLETED and traj.reward == 1.0  # no tool-error penalty set
+        assert (
+            traj.stop_reason == StopReason.COMPLETED and traj.reward == 1.0
+        )  # no tool-error penalty set
         tool_msgs = [m.content for m in traj.messages if m.role == "tool"]
         assert tool_msgs[-1] == "5"
         assert "invalid arguments for add" in tool_msgs[0] and "b" in tool_msgs[0]
         assert "unknown tool 'nosuch'" in tool_msgs[1] and "'add'" in tool_msgs[1]
         assert tool_msgs[2].startswith("Error:")
-        assert "invalid arguments for add" in tool_msgs[3] and "'c'" in tool_msgs[3]  # extra key refused
-        assert traj.tool_error_kinds == {"invalid_arguments": 2, "unknown_tool": 1, "tool_failed": 1}
+        assert (
+            "invalid arguments for add" in tool_msgs[3] and "'c'" in tool_msgs[3]
+        )  # extra key refused
+        assert traj.tool_error_kinds == {
+            "invalid_arguments": 2,
+            "unknown_tool": 1,
+            "tool_failed": 1,
+        }
         assert traj.stop_detail == ""  # close() ended the server without a problem
     env = server_env()
     env.reset(seed=0, options={"task": TASK})
@@ -143,10 +170,12 @@ def test_a_slow_call_is_a_tool_timeout_and_the_session_goes_on(server_env):
     env = Hasty()
     env.reset(seed=0, options={"task": TASK})
     try:
+
         async def two_steps():  # one event loop, as in the rollout
             slow = await env.step(_message(_call("sleep", seconds=30)))
             fast = await env.step(_message(_call("add", a=1, b=1)))
             return slow, fast
+
         start = time.monotonic()
         slow, fast = asyncio.run(two_steps())
         assert time.monotonic() - start < 10
@@ -169,10 +198,12 @@ def test_server_dying_mid_episode_is_unscorable(chat, server_env):
 def test_a_server_that_cannot_start_is_unscorable(chat):
     class Broken(MCPToolEnv):
         """Its server is a command that exits at once."""
+
         mcp_servers = [MCPServer.stdio(sys.executable, "-c", "pass", open_timeout_s=20)]
 
         def reward(self, task, messages):
             return 0.0
+
     group = _group(chat, Broken, ["5"], group_size=1)
     traj = group.trajectories[0]
     assert traj.stop_reason == StopReason.ENV_ERROR and math.isnan(traj.reward)
@@ -205,8 +236,14 @@ def test_names_clash_and_prefix(tmp_path, server_env):
     env = Prefixed()
     env.reset(seed=0, options={"task": TASK})
     try:
-        assert sorted(env.get_tools()) == ["add", "calc_add", "calc_die", "calc_fail", "calc_pid",
-                                           "calc_sleep"]
+        assert sorted(env.get_tools()) == [
+            "add",
+            "calc_add",
+            "calc_die",
+            "calc_fail",
+            "calc_pid",
+            "calc_sleep",
+        ]
         step = asyncio.run(env.step(_message(_call("calc_add", a=1, b=2))))
         assert step[0][0].content == "3"
     finally:
@@ -256,10 +293,12 @@ def test_a_server_that_never_answers_times_out_and_is_ended(tmp_path):
 
     class Mute(MCPToolEnv):
         """Its server reads nothing and says nothing."""
+
         mcp_servers = [MCPServer.stdio(sys.executable, "-c", mute, open_timeout_s=1)]
 
         def reward(self, task, messages):
             return 0.0
+
     env = Mute()
     start = time.monotonic()
     with pytest.raises(MCPServerError, match="did not answer within 1 s"):
@@ -275,6 +314,7 @@ def test_server_spec_errors():
     with pytest.raises(ValueError, match="command"):
         MCPServer()
     with pytest.raises(TypeError, match="mcp_servers must hold MCPServer"):
+
         class Wrong(MCPToolEnv):
             mcp_servers = ["python server.py"]
 

@@ -355,7 +355,8 @@ def test_run_code_gives_sandboxfusion_verdicts_on_verl_requests(open_server):
     # a timeout: TimeLimitExceeded with return_code null, the output so far kept
     slow = post("print('started', flush=True)\nwhile True: pass", timeout=0.5)
     run = slow["run_result"]
-    assert (slow["status"], run["status"], run["return_code"]) == ("Failed", "TimeLimitExceeded", None)
+    assert (slow["status"], run["status"]) == ("Failed", "TimeLimitExceeded")
+    assert run["return_code"] is None
     assert run["stdout"] == "started\n" and _verl_verdict(slow, "started") == -3
     exited = post("raise SystemExit(3)")
     assert exited["run_result"]["return_code"] == 3 and _verl_verdict(exited, "") == -2
