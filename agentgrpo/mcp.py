@@ -246,7 +246,9 @@ class MCPTool(Tool):
             raise ToolError(
                 f"arguments of {self.name} must be a JSON object, got {type(arguments).__name__}"
             )
-        errors = sorted(self._checker.iter_errors(arguments), key=lambda e: list(e.absolute_path))
+        errors = sorted(
+            self._checker.iter_errors(arguments), key=lambda e: [str(x) for x in e.absolute_path]
+        )
         if errors:
             problems = "; ".join(
                 f"{'.'.join(str(x) for x in e.absolute_path) or '(arguments)'}: {e.message}"
