@@ -301,7 +301,13 @@ def _traj_html(row: dict[str, Any], table: dict[int, str], max_tokens: int) -> s
         fields.append(f'<span class="detail">{e(str(row["stop_detail"]))}</span>')
     fields += [f"turns {e(str(row.get('num_turns', '?')))}",
                f"tool calls {e(str(row.get('tool_calls', '?')))} (errors {e(str(row.get('tool_errors', '?')))})",
-               f"group {e(str(row.get('group_id', '')))}", f"weights {e(str(row.get('weight_version')))}"]
+               f"group {e(str(row.get('group_id', '')))}",
+               # runs before typed versions wrote one comma-joined string
+               f"weights {e(str(row.get('weight_versions', row.get('weight_version'))))}"]
+    if row.get("advantage") is not None:
+        fields.append(f"advantage {_num(row['advantage']):.3g}")
+    if isinstance(row.get("turn_rewards"), list) and len(row["turn_rewards"]) > 1:
+        fields.append("turn rewards " + e(", ".join(f"{_num(r):.3g}" for r in row["turn_rewards"])))
     msgs = _list(row, "messages")
     notes = []
     if len(mask) != len(ids):

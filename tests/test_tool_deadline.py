@@ -40,16 +40,25 @@ def _step(env: ToolEnv, *calls: ToolCall):
     return asyncio.run(env.step(Message(role="assistant", content="", tool_calls=list(calls))))
 
 
+def _out_and_step(env, call):
+    step = _step(env, call)
+    return step.messages, step
+
+
+def _kinds(step) -> dict[str, int]:
+    """The step's tool errors by kind, as trajectories.jsonl writes them."""
+    return {kind.value: n for kind, n in step.tool_errors.items()}
+
 def test_time_waiting_for_capacity_is_not_charged_to_the_tool_deadline():
-    out, _, _, _, info = _step(Queued(), ToolCall(id="1", name="fetch", arguments={"wait_s": 0.6, "work_s": 0.05}))
-    assert out[0].content == "fetched" and info["tool_errors"] == 0
+    out, step = _out_and_step(Queued(), ToolCall(id="1", name="fetch", arguments={"wait_s": 0.6, "work_s": 0.05}))
+    assert out[0].content == "fetched" and not step.tool_errors
 
 
 def test_running_time_after_a_wait_is_still_bounded():
     t0 = time.monotonic()
-    out, _, _, _, info = _step(Queued(), ToolCall(id="1", name="fetch", arguments={"wait_s": 0.3, "work_s": 1.0}))
+    out, step = _out_and_step(Queued(), ToolCall(id="1", name="fetch", arguments={"wait_s": 0.3, "work_s": 1.0}))
     took = time.monotonic() - t0
-    assert info["tool_error_kinds"] == {"tool_timeout": 1}
+    assert _kinds(step) == {"tool_timeout": 1}
     assert "did not finish within 0.3 s" in out[0].content
     assert 0.55 < took < 1.0  # the 0.3 s wait plus the 0.3 s of running time, not the whole second
 
@@ -69,9 +78,9 @@ def test_queue_time_for_a_sandbox_slot_is_not_a_tool_timeout():
                                    kwargs={"limits": Limits(wall_s=5)})
         blocker.start()
         time.sleep(0.2)  # the one slot is busy now; the tool's job queues behind it for about 1.3 s
-        out, _, _, _, info = _step(PyEnv(), ToolCall(id="1", name="python", arguments={"code": "print(2+2)"}))
+        out, step = _out_and_step(PyEnv(), ToolCall(id="1", name="python", arguments={"code": "print(2+2)"}))
         blocker.join()
-        assert info["tool_errors"] == 0, out[0].content
+        assert not step.tool_errors, out[0].content
         assert "status: ok" in out[0].content and "4" in out[0].content
     finally:
         box.close()
@@ -155,8 +164,8 @@ def test_a_sandbox_job_whose_caller_gave_up_does_not_stop_the_sandbox():
         env = AsyncPy()
         env.reset(options={"task": TASK})
         msg = Message(role="assistant", content="", tool_calls=[ToolCall(id="1", name="python", arguments={"code": code})])
-        out, *_, info = await asyncio.wait_for(env.step(msg), 8)
-        return out[0].content, info["tool_error_kinds"]
+        step = await asyncio.wait_for(env.step(msg), 8)
+        return step.messages[0].content, _kinds(step)
 
     async def main():
         slow = await call("import time; time.sleep(1)")
@@ -237,9 +246,9 @@ def test_an_async_python_call_past_its_deadline_frees_its_sandbox_slot_at_once(b
             def reward(self, task, messages):
                 return 1.0
 
-        out, _, _, _, info = _step(PyEnv(), ToolCall(id="1", name="python",
+        out, step = _out_and_step(PyEnv(), ToolCall(id="1", name="python",
                                                      arguments={"code": "import time; time.sleep(30)"}))
-        assert info["tool_error_kinds"] == {"tool_timeout": 1}, out[0].content
+        assert _kinds(step) == {"tool_timeout": 1}, out[0].content
         t0 = time.monotonic()
         res = box.run("print('next')", limits=Limits(wall_s=5))
         assert (res.status, res.stdout) == ("ok", "next\n")
