@@ -2,8 +2,9 @@
 
 `sglang.py` decides what to ask the servers (generate, score, weight updates) and how to read the
 answers; this module decides where a `/generate` request goes, how many run at once and what
-happens when a server fails. It keeps the state of each server (`ServerState`) and the httpx
-clients that reach them.
+happens when a server fails. It keeps the state of each server (`ServerState`) and the clients
+that reach them: `/generate` goes over `sglang_http.Http11Pool` (httpx costs ten times its CPU per
+request), health probes and the engine's control calls over one httpx client.
 
 Decisions (see PROTOCOL.md for the server side of each):
 - Balancing: least outstanding requests over the healthy servers, at most `max_inflight_per_server`
@@ -35,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from agentgrpo.engine.base import EngineError
+from agentgrpo.engine.sglang_http import Http11Pool
 from agentgrpo.engine.sglang_protocol import error_message, is_context_length_error
 
 if TYPE_CHECKING:  # sglang.py imports this module; only the annotation needs the config
@@ -42,7 +44,6 @@ if TYPE_CHECKING:  # sglang.py imports this module; only the annotation needs th
 
 log = logging.getLogger(__name__)
 
-_POOL_SIZE = 2  # connections per httpx pool, see ServerPool._client_for
 _RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
 
 
@@ -86,11 +87,13 @@ class ServerPool:
         cfg = config
         self.servers = [ServerState(url=u) for u in cfg.urls]  # updated in place
         self._headers = headers
-        self._ssl = httpx.create_ssl_context()  # one context shared by every pool (costly to build)
+        self._ssl = httpx.create_ssl_context()  # one context shared by every client (costly to build)
         self.client = self._new_client(4 * len(self.servers))  # control calls and probes
-        self._pools: dict[str, list[httpx.AsyncClient]] = {s.url: [] for s in self.servers}
-        # free in-flight places per server; the lowest slots (first pool) are reused first
-        self._slots = {s.url: list(range(cfg.max_inflight_per_server))[::-1] for s in self.servers}
+        self._generate = {  # the /generate connections of each server
+            s.url: Http11Pool(s.url, headers, ssl_context=self._ssl,
+                              connect_timeout_s=cfg.connect_timeout_s)
+            for s in self.servers
+        }
         self._waiters: list[asyncio.Future[None]] = []
         self._probes: dict[str, asyncio.Task[None]] = {}  # running health probes (kept referenced)
         self._rr = 0  # rotates the scan start so equally loaded servers share the work
@@ -105,28 +108,12 @@ class ServerPool:
             trust_env=False,  # never route cluster traffic through a proxy from the environment
         )
 
-    def _client_for(self, s: ServerState, slot: int) -> httpx.AsyncClient:
-        """The connection pool of request slot `slot` of server `s`.
-
-        httpcore scans every connection of a pool for every queued request, which costs O(n^2)
-        at high concurrency. So each server's connections are spread over small pools of
-        `_POOL_SIZE`, created on demand, and a request uses the pool of its slot (a slot = one of
-        the server's in-flight places). The pool size was chosen with bench/sglang_client.py: see
-        docs/performance.md.
-        """
-        pools = self._pools[s.url]
-        i = slot // _POOL_SIZE
-        while len(pools) <= i:
-            pools.append(self._new_client(_POOL_SIZE))
-        return pools[i]
-
     async def aclose(self) -> None:
         probes = [t for t in self._probes.values() if not t.done()]
         for t in probes:
             t.cancel()
         await asyncio.gather(*probes, return_exceptions=True)
-        clients = [self.client] + [c for pools in self._pools.values() for c in pools]
-        await asyncio.gather(*(c.aclose() for c in clients))
+        await asyncio.gather(self.client.aclose(), *(p.aclose() for p in self._generate.values()))
 
     async def wait_ready(self, timeout_s: float | None = None) -> None:
         """Wait until every server answers 200 on `/health_generate`; then all are healthy.
@@ -177,16 +164,13 @@ class ServerPool:
         attempt = 0
         last_error = "no attempt made"
         while True:
-            s, slot = await self._acquire(deadline, last_error)
+            s = await self._acquire(deadline, last_error)
             body["rid"] = uuid.uuid4().hex  # fresh per attempt: the old one may still be running
             url = s.url
             content = json.dumps(body, separators=(",", ":")).encode()
             timeout = max(deadline - loop.time(), 0.001)
             try:
-                r = await self._client_for(s, slot).post(
-                    f"{url}/generate", content=content,
-                    timeout=httpx.Timeout(timeout, connect=cfg.connect_timeout_s),
-                )
+                status, answer = await self._generate[url].post("/generate", content, timeout=timeout)
             except httpx.TimeoutException as e:
                 # network boundary: the deadline is spent (read) or the server is unreachable (connect)
                 if isinstance(e, httpx.ConnectTimeout):
@@ -202,11 +186,10 @@ class ServerPool:
                 last_error = f"{url}: {type(e).__name__}: {e}"
                 self._mark_unhealthy(s, last_error)
             else:
-                status = r.status_code
                 if status == 200:
                     s.completed += 1
-                    return self._decode_output(url, r.content)
-                msg = error_message(r.content)
+                    return self._decode_output(url, answer)
+                msg = error_message(answer)
                 if status == 400 and is_context_length_error(msg):
                     raise _ContextLengthError(msg)
                 if status in (401, 403):
@@ -219,7 +202,7 @@ class ServerPool:
                 last_error = f"{url}: HTTP {status}: {msg}"
                 self._mark_unhealthy(s, last_error)
             finally:
-                self._release(s, slot)  # also when the caller is cancelled mid-request
+                self._release(s)  # also when the caller is cancelled mid-request
             attempt += 1
             if attempt > cfg.max_retries:
                 raise EngineError(
@@ -247,7 +230,7 @@ class ServerPool:
 
     # -- balancing and health ----------------------------------------------------------------
 
-    async def _acquire(self, deadline: float, last_error: str) -> tuple[ServerState, int]:
+    async def _acquire(self, deadline: float, last_error: str) -> ServerState:
         """Reserve a slot on the least loaded healthy server, waiting for one until `deadline`.
 
         The same scan starts the health probes of servers out of rotation whose time has come,
@@ -276,7 +259,7 @@ class ServerPool:
                     wake = min(wake, s.retry_at)
             if best is not None:
                 best.outstanding += 1
-                return best, self._slots[best.url].pop()
+                return best
             if now >= deadline:
                 states = ", ".join(
                     f"{s.url} ({'healthy' if s.healthy else 'down: ' + s.last_error}, "
@@ -305,9 +288,8 @@ class ServerPool:
                 if one:
                     return
 
-    def _release(self, s: ServerState, slot: int) -> None:
+    def _release(self, s: ServerState) -> None:
         s.outstanding -= 1
-        self._slots[s.url].append(slot)
         if self._waiters:
             self._wake(one=True)
 
