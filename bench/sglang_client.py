@@ -20,7 +20,7 @@ round runs every client once, in a rotated order) and medians are printed, with 
 ratio to raw httpx, because on a shared machine single runs swing by 2x.
 
     python bench/sglang_client.py [--server canned] [--requests 4000] [--concurrency 64]
-        [--rounds 3] [--answer-tokens 2]
+        [--rounds 3] [--prompt-tokens 200] [--answer-tokens 2]
 """
 
 from __future__ import annotations
@@ -42,7 +42,6 @@ from agentgrpo.engine.base import SamplingParams  # noqa: E402
 from agentgrpo.engine.sglang import SGLangEngine  # noqa: E402
 from tests.fake_sglang import FakeSGLangProcess  # noqa: E402
 
-PROMPT = list(range(1000, 1200))  # a 200-token prompt
 EOS = 151645
 
 
@@ -50,13 +49,14 @@ def answer_ids(n: int) -> list[int]:
     return [19 + i % 1000 for i in range(n - 1)] + [EOS]
 
 
-def canned_answer(n: int) -> bytes:
+def canned_answer(n: int, prompt_tokens: int) -> bytes:
     """The fake server's answer to the bench's request, as bytes on the wire."""
     ids = answer_ids(n)
     body = json.dumps({
         "text": "x" * n, "output_ids": ids,
         "meta_info": {
-            "id": "bench", "finish_reason": {"type": "stop", "matched": EOS}, "prompt_tokens": 200,
+            "id": "bench", "finish_reason": {"type": "stop", "matched": EOS},
+            "prompt_tokens": prompt_tokens,
             "weight_version": "default", "num_retractions": 0, "input_token_logprobs": [],
             "output_token_logprobs": [[-0.055, i, None] for i in ids],
             "output_token_logprobs_length": n, "reasoning_tokens": 0, "completion_tokens": n,
@@ -93,8 +93,8 @@ class _Canned(asyncio.Protocol):
                 self.transport.write(self.answer)
 
 
-def serve_canned(answer_tokens: int) -> None:
-    _Canned.answer = canned_answer(answer_tokens)
+def serve_canned(answer_tokens: int, prompt_tokens: int) -> None:
+    _Canned.answer = canned_answer(answer_tokens, prompt_tokens)
 
     async def main() -> None:
         server = await asyncio.get_running_loop().create_server(_Canned, "127.0.0.1", 0, backlog=1024)
@@ -105,10 +105,10 @@ def serve_canned(answer_tokens: int) -> None:
 
 
 class CannedProcess:
-    def __init__(self, answer_tokens: int) -> None:
+    def __init__(self, answer_tokens: int, prompt_tokens: int) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), "--serve-canned", str(answer_tokens)],
-            stdout=subprocess.PIPE, text=True)
+            [sys.executable, os.path.abspath(__file__), "--serve-canned", str(answer_tokens),
+             "--prompt-tokens", str(prompt_tokens)], stdout=subprocess.PIPE, text=True)
         self.url = self.proc.stdout.readline().split()[1]
 
     def __enter__(self) -> CannedProcess:
@@ -147,10 +147,11 @@ async def _run(n: int, concurrency: int, call, server_pid: int) -> tuple[float, 
 
 async def bench(url: str, server_pid: int, args: argparse.Namespace) -> None:
     n, concurrency = args.requests, args.concurrency
+    prompt = [1000 + i % 100000 for i in range(args.prompt_tokens)]
     max_new = args.answer_tokens + 6
     params = SamplingParams(max_new_tokens=max_new, stop_token_ids=(EOS,))
     body = {
-        "rid": "bench", "input_ids": PROMPT,
+        "rid": "bench", "input_ids": prompt,
         "sampling_params": {"max_new_tokens": max_new, "temperature": 1.0, "top_p": 1.0,
                             "top_k": -1, "stop_token_ids": [EOS], "skip_special_tokens": False,
                             "spaces_between_special_tokens": False, "no_stop_trim": True},
@@ -196,7 +197,7 @@ async def bench(url: str, server_pid: int, args: argparse.Namespace) -> None:
     await engine.wait_ready()
 
     async def engine_call() -> None:
-        c = await engine.generate(PROMPT, params)
+        c = await engine.generate(prompt, params)
         assert c.finish_reason == "stop" and len(c.token_ids) == args.answer_tokens, c
 
     calls = {"raw httpx": raw, "httpx, 2-conn pools": raw_pooled, "asyncio streams": streams,
@@ -213,7 +214,7 @@ async def bench(url: str, server_pid: int, args: argparse.Namespace) -> None:
     for w in idle:
         w[1].close()
     print(f"{n} requests x {args.rounds} interleaved rounds, concurrency {concurrency}, "
-          f"200-token prompt, {args.answer_tokens}-token answers, {args.server} server in "
+          f"{args.prompt_tokens}-token prompts, {args.answer_tokens}-token answers, {args.server} server in "
           f"another process, {os.cpu_count()} CPUs; medians, [min-max] over rounds")
     base = rounds["raw httpx"]
     for name, rs in rounds.items():
@@ -233,14 +234,15 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=4000)
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--prompt-tokens", type=int, default=200)
     ap.add_argument("--answer-tokens", type=int, default=2)
     ap.add_argument("--serve-canned", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve_canned is not None:
-        serve_canned(args.serve_canned)
+        serve_canned(args.serve_canned, args.prompt_tokens)
         return
     if args.server == "canned":
-        server = CannedProcess(args.answer_tokens)
+        server = CannedProcess(args.answer_tokens, args.prompt_tokens)
     else:
         ids = ",".join(map(str, answer_ids(args.answer_tokens)))
         server = FakeSGLangProcess("--output", ids)
