@@ -97,7 +97,8 @@ def serve_canned(answer_tokens: int, prompt_tokens: int) -> None:
     _Canned.answer = canned_answer(answer_tokens, prompt_tokens)
 
     async def main() -> None:
-        server = await asyncio.get_running_loop().create_server(_Canned, "127.0.0.1", 0, backlog=1024)
+        loop = asyncio.get_running_loop()
+        server = await loop.create_server(_Canned, "127.0.0.1", 0, backlog=1024)
         print(f"CANNED_READY http://127.0.0.1:{server.sockets[0].getsockname()[1]}", flush=True)
         await server.serve_forever()
 
@@ -214,8 +215,8 @@ async def bench(url: str, server_pid: int, args: argparse.Namespace) -> None:
     for w in idle:
         w[1].close()
     print(f"{n} requests x {args.rounds} interleaved rounds, concurrency {concurrency}, "
-          f"{args.prompt_tokens}-token prompts, {args.answer_tokens}-token answers, {args.server} server in "
-          f"another process, {os.cpu_count()} CPUs; medians, [min-max] over rounds")
+          f"{args.prompt_tokens}-token prompts, {args.answer_tokens}-token answers, "
+          f"{args.server} server in another process, {os.cpu_count()} CPUs; medians, [min-max] over rounds")
     base = rounds["raw httpx"]
     for name, rs in rounds.items():
         rate = [n / w for w, _, _ in rs]

@@ -145,6 +145,8 @@ async def test_no_answer_in_time_is_a_read_timeout_and_the_connection_is_dropped
     (b"SSH-2.0-OpenSSH\r\n\r\n", httpx.RemoteProtocolError),
     (b"HTTP/1.1 200 OK\r\ncontent-length: ten\r\n\r\n", httpx.RemoteProtocolError),
     (b"HTTP/1.1 200 OK\r\ntransfer-encoding: gzip\r\n\r\n", httpx.RemoteProtocolError),
+    (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n" + b"f" * 70000,
+     httpx.RemoteProtocolError),  # a chunk-size line past the limit
 ])
 async def test_broken_answers_are_transport_errors(reply, error):
     async def broken(r, w):
@@ -167,6 +169,8 @@ async def test_refused_connection_and_bad_urls():
         pool("http://user:pw@127.0.0.1:1")
     with pytest.raises(ValueError, match="http"):
         pool("ftp://127.0.0.1:1")
+    with pytest.raises(ValueError, match="line break"):
+        pool("http://127.0.0.1:1", Authorization="Bearer k\r\nX-Injected: 1")
 
 
 async def test_a_cancelled_request_does_not_leave_its_connection_for_reuse():

@@ -7,7 +7,7 @@ docs/performance.md). A `/generate` call has one shape: a POST of a JSON body wi
 Content-Length, answered with a body, so it needs little of HTTP. The health probes, control calls
 and weight updates stay on httpx, where a request's cost does not matter.
 
-What it speaks: HTTP/1.1 over TCP or TLS (the SSL context the engine's httpx clients use), persistent
+What it speaks: HTTP/1.1 over TCP or TLS (the SSL context of the engine's httpx clients), persistent
 connections (reused last-in first-out; one the server has closed is dropped before reuse), an
 answer framed by Content-Length, by the chunked transfer coding or by the end of the connection.
 Not: proxies (the engine never uses one: its httpx clients set trust_env=False), redirects,
@@ -73,9 +73,13 @@ class Http11Pool:
                              "use api_key (sent as Authorization: Bearer)")
         self._host = u.hostname
         self._port = u.port or (443 if u.scheme == "https" else 80)
-        self._ssl = (ssl_context or True) if u.scheme == "https" else None  # True: the default context
-        self._path_prefix = u.path.rstrip("/")
+        # True: asyncio's default context
+        self._ssl = (ssl_context or True) if u.scheme == "https" else None
+        self._path_prefix = u.path.rstrip("/").encode()
         host = u.netloc  # with the port and an IPv6 address's brackets, as the Host header wants
+        for k, v in headers.items():
+            if any(c in f"{k}{v}" for c in "\r\n\0") or ":" in k:
+                raise ValueError(f"HTTP header {k!r} has a line break or its name a colon")
         fields = "".join(f"{k}: {v}\r\n" for k, v in headers.items() if k.lower() != "host")
         self._fields = f"host: {host}\r\n{fields}".encode("latin-1")
         self._connect_timeout_s = connect_timeout_s
@@ -95,7 +99,7 @@ class Http11Pool:
         done = False
         try:
             head = b"POST %s%s HTTP/1.1\r\n%scontent-length: %d\r\n\r\n" % (
-                self._path_prefix.encode(), path.encode(), self._fields, len(content))
+                self._path_prefix, path.encode(), self._fields, len(content))
             conn.writer.write(head + content)
             try:
                 await conn.writer.drain()
@@ -103,7 +107,8 @@ class Http11Pool:
                 raise httpx.WriteError(f"sending the request failed: {e!r}") from e
             status, body, keep = await _read_response(conn.reader)
             done = True
-        except (httpx.TransportError, asyncio.IncompleteReadError, OSError) as e:
+        except (httpx.TransportError, asyncio.IncompleteReadError, asyncio.LimitOverrunError,
+                OSError) as e:
             if conn.timed_out:
                 raise httpx.ReadTimeout(f"no whole answer within {timeout:.3g} s") from e
             if isinstance(e, httpx.TransportError):
@@ -111,6 +116,9 @@ class Http11Pool:
             if isinstance(e, asyncio.IncompleteReadError):
                 raise httpx.RemoteProtocolError(
                     "the server closed the connection before a whole answer") from e
+            if isinstance(e, asyncio.LimitOverrunError):
+                raise httpx.RemoteProtocolError(
+                    f"an answer line longer than {_MAX_HEAD} bytes") from e
             raise httpx.ReadError(f"reading the answer failed: {e!r}") from e
         finally:
             timer.cancel()
@@ -135,7 +143,8 @@ class Http11Pool:
                 limit)
         except asyncio.TimeoutError as e:
             if limit < self._connect_timeout_s:  # the request's own time ran out first
-                raise httpx.ReadTimeout(f"no connection within the request's {timeout:.3g} s") from e
+                raise httpx.ReadTimeout(
+                    f"no connection within the request's {timeout:.3g} s") from e
             raise httpx.ConnectTimeout(f"no connection within {limit:.3g} s") from e
         except OSError as e:  # refused, unreachable, TLS handshake failed
             raise httpx.ConnectError(f"{type(e).__name__}: {e}") from e

@@ -87,7 +87,7 @@ class ServerPool:
         cfg = config
         self.servers = [ServerState(url=u) for u in cfg.urls]  # updated in place
         self._headers = headers
-        self._ssl = httpx.create_ssl_context()  # one context shared by every client (costly to build)
+        self._ssl = httpx.create_ssl_context()  # one context for every client (costly to build)
         self.client = self._new_client(4 * len(self.servers))  # control calls and probes
         self._generate = {  # the /generate connections of each server
             s.url: Http11Pool(s.url, headers, ssl_context=self._ssl,
@@ -170,7 +170,8 @@ class ServerPool:
             content = orjson.dumps(body)  # ~15x faster than json.dumps on the token list
             timeout = max(deadline - loop.time(), 0.001)
             try:
-                status, answer = await self._generate[url].post("/generate", content, timeout=timeout)
+                status, answer = await self._generate[url].post(
+                    "/generate", content, timeout=timeout)
             except httpx.TimeoutException as e:
                 # network boundary: the deadline is spent (read) or the server is unreachable (connect)
                 if isinstance(e, httpx.ConnectTimeout):
