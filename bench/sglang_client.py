@@ -20,15 +20,17 @@ round runs every client once, in a rotated order) and medians are printed, with 
 ratio to raw httpx, because on a shared machine single runs swing by 2x.
 
     python bench/sglang_client.py [--server canned] [--requests 4000] [--concurrency 64]
-        [--rounds 3] [--prompt-tokens 200] [--answer-tokens 2]
+        [--rounds 3] [--prompt-tokens 200] [--answer-tokens 2] [--profile]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import cProfile
 import json
 import os
+import pstats
 import statistics
 import subprocess
 import sys
@@ -201,6 +203,15 @@ async def bench(url: str, server_pid: int, args: argparse.Namespace) -> None:
         c = await engine.generate(prompt, params)
         assert c.finish_reason == "stop" and len(c.token_ids) == args.answer_tokens, c
 
+    if args.profile:  # where SGLangEngine's time goes: its calls alone, under cProfile
+        await _run(min(500, n), concurrency, engine_call, server_pid)
+        prof = cProfile.Profile()
+        prof.enable()
+        await _run(n, concurrency, engine_call, server_pid)
+        prof.disable()
+        await engine.aclose()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+        return
     calls = {"raw httpx": raw, "httpx, 2-conn pools": raw_pooled, "asyncio streams": streams,
              "SGLangEngine": engine_call}
     for call in calls.values():  # warm up connections and code paths
@@ -237,6 +248,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--prompt-tokens", type=int, default=200)
     ap.add_argument("--answer-tokens", type=int, default=2)
+    ap.add_argument("--profile", action="store_true",
+                    help="profile SGLangEngine's requests (cProfile) instead of comparing clients")
     ap.add_argument("--serve-canned", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve_canned is not None:
