@@ -1,8 +1,8 @@
 """The HTTP/1.1 client of `/generate`: keep-alive connections to one server over asyncio streams.
 
 Why not httpx here: one learner process must send thousands of `/generate` requests a second, and
-httpx (with httpcore and anyio under it) spends about ten times this client's CPU per request, far
-more than encoding the request or parsing the answer (bench/sglang_client.py; the numbers are in
+httpx (with httpcore and anyio under it) spends many times this client's CPU per request, far more
+than encoding the request or parsing the answer (bench/sglang_client.py; the numbers are in
 docs/performance.md). A `/generate` call has one shape: a POST of a JSON body with a
 Content-Length, answered with a body, so it needs little of HTTP. The health probes, control calls
 and weight updates stay on httpx, where a request's cost does not matter.

@@ -3,8 +3,9 @@
 `sglang.py` decides what to ask the servers (generate, score, weight updates) and how to read the
 answers; this module decides where a `/generate` request goes, how many run at once and what
 happens when a server fails. It keeps the state of each server (`ServerState`) and the clients
-that reach them: `/generate` goes over `sglang_http.Http11Pool` (httpx costs ten times its CPU per
-request), health probes and the engine's control calls over one httpx client.
+that reach them: `/generate` goes over `sglang_http.Http11Pool` (httpx costs many times its CPU per
+request, see docs/performance.md), health probes and the engine's control calls over one httpx
+client.
 
 Decisions (see PROTOCOL.md for the server side of each):
 - Balancing: least outstanding requests over the healthy servers, at most `max_inflight_per_server`
@@ -167,7 +168,7 @@ class ServerPool:
             s = await self._acquire(deadline, last_error)
             body["rid"] = uuid.uuid4().hex  # fresh per attempt: the old one may still be running
             url = s.url
-            content = orjson.dumps(body)  # ~15x faster than json.dumps on the token list
+            content = orjson.dumps(body)  # the stdlib's json is slow on long token lists
             timeout = max(deadline - loop.time(), 0.001)
             try:
                 status, answer = await self._generate[url].post(
