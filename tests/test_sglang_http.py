@@ -1,19 +1,25 @@
-"""`Http11Pool`, the HTTP/1.1 client of SGLang's `/generate`, against scripted servers on loopback:
-what it sends, each framing of an answer, connection reuse, and which httpx error each failure is
-(the engine's retry rules are written against those; tests/test_sglang_engine.py covers them)."""
+"""The `/generate` path of `SGLangEngine`'s server pool (aiohttp) against scripted servers on
+loopback: what goes on the wire, connection reuse, and what each network failure becomes (a typed
+`EngineError`, the server in or out of rotation). The retry and balancing rules themselves are in
+tests/test_sglang_engine.py, against the fake SGLang server."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
-import httpx
+import orjson
 import pytest
 
-from agentgrpo.engine.sglang_http import Http11Pool
+from agentgrpo.engine.base import EngineError
+from agentgrpo.engine.sglang import SGLangEngine
+from agentgrpo.engine.sglang_config import SGLangConfig
+from agentgrpo.engine.sglang_pool import ServerPool, ServerState
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+OUTPUT = {"text": "hi", "output_ids": [1, 2], "meta_info": {"id": "x"}}
 
 
 class Scripted:
@@ -57,137 +63,171 @@ def answer(body: bytes, status: bytes = b"200 OK", extra: bytes = b"") -> bytes:
     return b"HTTP/1.1 %s\r\ncontent-length: %d\r\n%s\r\n%s" % (status, len(body), extra, body)
 
 
-def pool(url: str, **kw) -> Http11Pool:
-    return Http11Pool(url, {"Content-Type": "application/json", **kw}, ssl_context=None,
-                      connect_timeout_s=2.0)
+async def no_resync(s: ServerState) -> str:
+    return ""
+
+
+def pool(url: str, headers: dict[str, str] | None = None, **settings: Any) -> ServerPool:
+    settings = {"max_retries": 0, "connect_timeout_s": 2.0, "request_timeout_s": 5.0, **settings}
+    return ServerPool(SGLangConfig(urls=[url], **settings),
+                      {"Content-Type": "application/json", **(headers or {})}, resync=no_resync)
 
 
 async def test_request_on_the_wire_and_keep_alive():
     seen = []
 
-    async def echo(r, w):
+    async def serve(r, w):
         while True:
             head, body = await read_request(r)
-            seen.append(head)
-            w.write(answer(body[::-1]))
+            seen.append((head, orjson.loads(body)))
+            w.write(answer(orjson.dumps(OUTPUT)))
 
-    async with Scripted(echo) as s:
-        p = pool(s.url + "/prefix", Authorization="Bearer k")
-        assert await p.post("/generate", b'{"a":1}', timeout=5) == (200, b'}1:"a"{')
-        assert await p.post("/generate", b"[2]", timeout=5) == (200, b"]2[")
+    async with Scripted(serve) as s:
+        p = pool(s.url + "/prefix", {"Authorization": "Bearer k"})
+        assert await p.post_generate({"input_ids": [1, 2]}) == OUTPUT
+        assert await p.post_generate({"input_ids": [3]}) == OUTPUT
         await p.aclose()
     assert s.connections == 1  # the second request reused the connection
-    port = s.url.rsplit(":", 1)[1]
-    assert seen[0] == (b"POST /prefix/generate HTTP/1.1\r\nhost: 127.0.0.1:%s\r\n"
-                       b"Content-Type: application/json\r\nAuthorization: Bearer k\r\n"
-                       b"content-length: 7\r\n\r\n" % port.encode())
+    head = seen[0][0].decode().lower()
+    assert head.startswith("post /prefix/generate http/1.1\r\n")
+    for field in ("content-type: application/json", "authorization: bearer k",
+                  f"host: {s.url.split('//')[1]}"):
+        assert f"\r\n{field}\r\n" in head, field
+    assert seen[0][1]["input_ids"] == [1, 2] and seen[1][1]["input_ids"] == [3]
+    assert len({b["rid"] for _, b in seen}) == 2  # a fresh rid per request
 
 
-async def test_chunked_and_interim_answers():
-    async def chunked(r, w):
+async def test_chunked_interim_and_close_framed_answers():
+    async def serve(r, w):
         await read_request(r)
-        w.write(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 503 Service Unavailable\r\n"
-                b"Transfer-Encoding: chunked\r\n\r\n4;ext=1\r\n{\"a\"\r\n3\r\n:1}\r\n0\r\n"
-                b"X-Trailer: t\r\n\r\n")
-        await read_request(r)  # the connection is still usable
-        w.write(answer(b"ok"))
-
-    async with Scripted(chunked) as s:
-        p = pool(s.url)
-        assert await p.post("/generate", b"x", timeout=5) == (503, b'{"a":1}')
-        assert await p.post("/generate", b"x", timeout=5) == (200, b"ok")
-        await p.aclose()
-    assert s.connections == 1
-
-
-async def test_answer_framed_by_closing_and_idle_connections_closed_by_the_server():
-    async def once(r, w):  # one answer per connection, each ended differently
-        await read_request(r)
-        if s.connections == 1:
-            w.write(b"HTTP/1.1 200 OK\r\n\r\nuntil the end")
+        if s.connections == 1:  # 100 Continue, then a chunked answer; the connection stays
+            w.write(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\n"
+                    b"Transfer-Encoding: chunked\r\n\r\n4;ext=1\r\n[{\"a\r\n5\r\n\":1}]\r\n0\r\n"
+                    b"X-Trailer: t\r\n\r\n")
+            await read_request(r)
+            w.write(b"HTTP/1.1 200 OK\r\n\r\n{\"b\":2}")  # framed by closing the connection
         else:
-            w.write(answer(b"kept-alive"))
-            await w.drain()
-            await asyncio.sleep(0.05)  # then closed while idle, as uvicorn does after 5 s
+            w.write(answer(b'{"c":3}'))
 
-    async with Scripted(once) as s:
+    async with Scripted(serve) as s:
         p = pool(s.url)
-        assert await p.post("/generate", b"x", timeout=5) == (200, b"until the end")
-        assert await p.post("/generate", b"x", timeout=5) == (200, b"kept-alive")
-        await asyncio.sleep(0.2)
-        assert await p.post("/generate", b"x", timeout=5) == (200, b"kept-alive")
+        assert await p.post_generate({}) == {"a": 1}  # a one-element list is unwrapped
+        assert await p.post_generate({}) == {"b": 2}
+        assert await p.post_generate({}) == {"c": 3}
+        assert p.servers[0].healthy
         await p.aclose()
-    assert s.connections == 3  # the closed connections were not reused
+    assert s.connections == 2  # the close-framed answer's connection was not reused
 
 
-async def test_no_answer_in_time_is_a_read_timeout_and_the_connection_is_dropped():
-    async def slow(r, w):  # the first connection answers late
+async def test_idle_connections_closed_by_the_server_are_not_reused():
+    async def serve(r, w):  # one answer per connection, then closed while idle (as uvicorn does)
+        await read_request(r)
+        w.write(answer(orjson.dumps(OUTPUT)))
+        await w.drain()
+        await asyncio.sleep(0.05)
+
+    async with Scripted(serve) as s:
+        p = pool(s.url)
+        for _ in range(3):
+            assert await p.post_generate({}) == OUTPUT
+            await asyncio.sleep(0.2)
+        assert p.servers[0].healthy and p.servers[0].failures == 0
+        await p.aclose()
+    assert s.connections == 3
+
+
+async def test_no_answer_before_the_deadline_is_an_engine_error_and_the_connection_is_dropped():
+    async def serve(r, w):  # the first connection answers late
         n = s.connections
         await read_request(r)
         if n == 1:
-            await asyncio.sleep(0.5)
-        w.write(answer(b"connection %d" % n))
+            await asyncio.sleep(1.0)
+        w.write(answer(b'{"connection": %d}' % n))
 
-    async with Scripted(slow) as s:
-        p = pool(s.url)
+    async with Scripted(serve) as s:
+        p = pool(s.url, request_timeout_s=0.3)
         t0 = time.monotonic()
-        with pytest.raises(httpx.ReadTimeout):
-            await p.post("/generate", b"x", timeout=0.2)
-        assert time.monotonic() - t0 < 0.45
-        assert await p.post("/generate", b"x", timeout=5) == (200, b"connection 2")
+        with pytest.raises(EngineError, match="deadline"):
+            await p.post_generate({})
+        assert time.monotonic() - t0 < 0.8
+        assert p.servers[0].healthy  # a slow server is busy, not down
+        assert p.servers[0].outstanding == 0
+        assert await p.post_generate({}) == {"connection": 2}
         await p.aclose()
     assert s.connections == 2
 
 
-@pytest.mark.parametrize("reply, error", [
-    (b"", httpx.RemoteProtocolError),  # closed without answering ("drop")
-    (b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\ncut", httpx.RemoteProtocolError),
-    (b"SSH-2.0-OpenSSH\r\n\r\n", httpx.RemoteProtocolError),
-    (b"HTTP/1.1 200 OK\r\ncontent-length: ten\r\n\r\n", httpx.RemoteProtocolError),
-    (b"HTTP/1.1 200 OK\r\ntransfer-encoding: gzip\r\n\r\n", httpx.RemoteProtocolError),
-    (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n" + b"f" * 70000,
-     httpx.RemoteProtocolError),  # a chunk-size line past the limit
-])
-async def test_broken_answers_are_transport_errors(reply, error):
-    async def broken(r, w):
+@pytest.mark.parametrize("reply", [
+    b"",  # closed without answering
+    b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\ncut",
+    b"SSH-2.0-OpenSSH\r\n\r\n",
+    b"HTTP/1.1 200 OK\r\ncontent-length: ten\r\n\r\n",
+    b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n",
+], ids=["drop", "cut", "not-http", "bad-length", "bad-chunk"])
+async def test_broken_answers_take_the_server_out_with_a_typed_error(reply):
+    async def serve(r, w):
         await read_request(r)
         w.write(reply)
 
-    async with Scripted(broken) as s:
+    async with Scripted(serve) as s:
         p = pool(s.url)
-        with pytest.raises(error):
-            await p.post("/generate", b"x", timeout=5)
+        with pytest.raises(EngineError, match="failed after 1 attempts"):
+            await p.post_generate({})
+        state = p.servers[0]
+        assert not state.healthy and state.failures == 1 and s.url in state.last_error
         await p.aclose()
 
 
-async def test_refused_connection_and_bad_urls():
-    async with Scripted(read_request) as s:
-        url = s.url
-    with pytest.raises(httpx.ConnectError):
-        await pool(url).post("/generate", b"x", timeout=5)
-    with pytest.raises(ValueError, match="credentials"):
-        pool("http://user:pw@127.0.0.1:1")
-    with pytest.raises(ValueError, match="http"):
-        pool("ftp://127.0.0.1:1")
-    with pytest.raises(ValueError, match="line break"):
-        pool("http://127.0.0.1:1", Authorization="Bearer k\r\nX-Injected: 1")
-
-
-async def test_a_cancelled_request_does_not_leave_its_connection_for_reuse():
-    async def slow(r, w):  # the first connection answers late
-        n = s.connections
+@pytest.mark.parametrize("body, message", [
+    (b"<html>Bad gateway</html>", "invalid JSON"),
+    (b"[1, 2]", "returned list, not an object"),
+])
+async def test_answers_that_are_not_an_output_object_are_engine_errors(body, message):
+    async def serve(r, w):
         await read_request(r)
-        if n == 1:
-            await asyncio.sleep(0.3)
-        w.write(answer(b"connection %d" % n))
+        w.write(answer(body))
 
-    async with Scripted(slow) as s:
+    async with Scripted(serve) as s:
         p = pool(s.url)
-        task = asyncio.create_task(p.post("/generate", b"x", timeout=5))
+        with pytest.raises(EngineError, match=message):
+            await p.post_generate({})
+        await p.aclose()
+
+
+async def test_a_refused_connection_takes_the_server_out():
+    async with Scripted(read_request) as s:
+        url = s.url  # closed on leaving: nothing listens there any more
+    p = pool(url)
+    with pytest.raises(EngineError, match="failed after 1 attempts.*Connect"):
+        await p.post_generate({})
+    assert not p.servers[0].healthy
+    await p.aclose()
+
+
+async def test_a_cancelled_request_frees_its_slot_and_its_connection_is_not_reused():
+    async def serve(r, w):  # the first connection answers late
+        n = s.connections
+        while True:
+            await read_request(r)
+            if n == 1:
+                await asyncio.sleep(0.5)
+            w.write(answer(b'{"connection": %d}' % n))
+
+    async with Scripted(serve) as s:
+        p = pool(s.url)
+        task = asyncio.create_task(p.post_generate({}))
         await asyncio.sleep(0.1)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        assert await p.post("/generate", b"x", timeout=5) == (200, b"connection 2")
+        assert p.servers[0].outstanding == 0 and p.servers[0].healthy
+        assert await p.post_generate({}) == {"connection": 2}
+        await asyncio.sleep(0.5)  # past the first connection's late answer
+        assert await p.post_generate({}) == {"connection": 2}
         await p.aclose()
     assert s.connections == 2
+
+
+def test_header_values_with_line_breaks_are_refused():
+    with pytest.raises(ValueError, match="line break"):
+        SGLangEngine(["http://127.0.0.1:1"], api_key="k\r\nX-Injected: 1")
