@@ -8,10 +8,13 @@ sending the same JSON body and parsing the JSON answer, nothing else:
 - raw httpx: one `httpx.AsyncClient` with `concurrency` connections (httpcore scans its pool for
   every queued request, so one big pool is slow);
 - httpx, 2-conn pools: the same over pools of 2 connections, the fastest httpx set-up found (what
-  the engine used before its own HTTP/1.1 client);
+  the engine used for `/generate` before aiohttp);
+- raw aiohttp: one `aiohttp.ClientSession` with `concurrency` keep-alive connections, orjson for
+  the bodies (what the engine's `/generate` stands on);
 - asyncio streams: keep-alive connections over `asyncio.open_connection`, the floor of an asyncio
-  client in Python;
-- SGLangEngine: `generate()`, with balancing, retries bookkeeping and parsing into a Completion.
+  client in Python (no HTTP parsing beyond finding Content-Length);
+- SGLangEngine: `generate()` over aiohttp, with balancing, retries bookkeeping and parsing into a
+  Completion.
 
 Servers: `--server fake` is `tests/fake_sglang.py` (the protocol in full, a few hundred us of CPU
 per request); `--server canned` a stand-in that answers every request with the fake server's
@@ -38,7 +41,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import aiohttp  # noqa: E402
 import httpx  # noqa: E402
+import orjson  # noqa: E402
 
 from agentgrpo.engine.base import SamplingParams  # noqa: E402
 from agentgrpo.engine.sglang import SGLangEngine  # noqa: E402
@@ -184,6 +189,15 @@ async def bench(url: str, server_pid: int, args: argparse.Namespace) -> None:
     async def raw_pooled() -> None:
         await post(pools[next(turn) % len(pools)])
 
+    session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency))
+
+    async def raw_aiohttp() -> None:
+        body["rid"] = f"raw-{next(counter)}"
+        async with session.post(f"{url}/generate", data=orjson.dumps(body),
+                                headers={"Content-Type": "application/json"}) as r:
+            r.raise_for_status()
+            orjson.loads(await r.read())
+
     idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
 
     async def streams() -> None:
@@ -209,11 +223,12 @@ async def bench(url: str, server_pid: int, args: argparse.Namespace) -> None:
         prof.enable()
         await _run(n, concurrency, engine_call, server_pid)
         prof.disable()
-        await engine.aclose()
+        await asyncio.gather(engine.aclose(), client.aclose(), session.close(),
+                             *(p.aclose() for p in pools))
         pstats.Stats(prof).sort_stats("tottime").print_stats(25)
         return
-    calls = {"raw httpx": raw, "httpx, 2-conn pools": raw_pooled, "asyncio streams": streams,
-             "SGLangEngine": engine_call}
+    calls = {"raw httpx": raw, "httpx, 2-conn pools": raw_pooled, "raw aiohttp": raw_aiohttp,
+             "asyncio streams": streams, "SGLangEngine": engine_call}
     for call in calls.values():  # warm up connections and code paths
         await _run(min(500, n), concurrency, call, server_pid)
     rounds: dict[str, list[tuple[float, float, float]]] = {name: [] for name in calls}
@@ -222,7 +237,7 @@ async def bench(url: str, server_pid: int, args: argparse.Namespace) -> None:
         for name in names[r % len(names):] + names[:r % len(names)]:
             rounds[name].append(await _run(n, concurrency, calls[name], server_pid))
     await engine.aclose()
-    await asyncio.gather(client.aclose(), *(p.aclose() for p in pools))
+    await asyncio.gather(client.aclose(), session.close(), *(p.aclose() for p in pools))
     for w in idle:
         w[1].close()
     print(f"{n} requests x {args.rounds} interleaved rounds, concurrency {concurrency}, "
