@@ -6,6 +6,10 @@ tests/test_sglang_engine.py, against the fake SGLang server."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import http.server
+import socket
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -204,6 +208,31 @@ async def test_a_refused_connection_takes_the_server_out():
     await p.aclose()
 
 
+async def test_no_connection_within_connect_timeout_takes_the_server_out():
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)  # never accepts: once its queue is full, connecting hangs
+    port = listener.getsockname()[1]
+    fillers = []
+    for _ in range(3):
+        c = socket.socket()
+        c.setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            c.connect(("127.0.0.1", port))
+        fillers.append(c)
+    p = pool(f"http://127.0.0.1:{port}", connect_timeout_s=0.3)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(EngineError, match="failed after 1 attempts.*connect timeout"):
+            await p.post_generate({})
+        assert time.monotonic() - t0 < 2.0  # the connect timeout, not the 5 s deadline
+        assert not p.servers[0].healthy and "connect timeout" in p.servers[0].last_error
+    finally:
+        await p.aclose()
+        for c in [*fillers, listener]:
+            c.close()
+
+
 async def test_a_cancelled_request_frees_its_slot_and_its_connection_is_not_reused():
     async def serve(r, w):  # the first connection answers late
         n = s.connections
@@ -231,3 +260,31 @@ async def test_a_cancelled_request_frees_its_slot_and_its_connection_is_not_reus
 def test_header_values_with_line_breaks_are_refused():
     with pytest.raises(ValueError, match="line break"):
         SGLangEngine(["http://127.0.0.1:1"], api_key="k\r\nX-Injected: 1")
+
+
+def test_a_pool_used_from_two_event_loops_gets_fresh_connections_in_each():
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # keep-alive
+
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers["Content-Length"]))
+            body = orjson.dumps(OUTPUT)
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        p = pool(f"http://127.0.0.1:{server.server_address[1]}")
+        for _ in range(2):  # the second loop cannot use connections bound to the first
+            assert asyncio.run(p.post_generate({})) == OUTPUT
+        asyncio.run(p.aclose())
+    finally:
+        server.shutdown()
+        server.server_close()

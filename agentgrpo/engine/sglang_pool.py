@@ -124,7 +124,8 @@ class ServerPool:
     def _session(self, url: str) -> aiohttp.ClientSession:
         """The `/generate` session of the server at `url`: up to `max_inflight_per_server`
         keep-alive connections. aiohttp binds a session to an event loop, so a new loop (another
-        `asyncio.run`) gets new sessions; the old loop's connections went with that loop."""
+        `asyncio.run`) gets new sessions; the old loop's idle connections cannot be closed from
+        the new one and are left to the garbage collector (a ResourceWarning each)."""
         loop = asyncio.get_running_loop()
         if self._sessions_loop is not loop:
             self._sessions, self._sessions_loop = {}, loop
