@@ -1,4 +1,6 @@
-"""`SGLangEngine`: an httpx client of SGLang's native `/generate` API, for one or many servers.
+"""`SGLangEngine`: a client of SGLang's native `/generate` API, for one or many servers.
+
+`/generate` goes over aiohttp (`sglang_pool.py`), control calls and probes over httpx.
 
 Token in, token out: the client sends `input_ids` and reads the sampled ids and their logprobs from
 `meta_info.output_token_logprobs` (every SGLang version has it; `output_ids` is missing before

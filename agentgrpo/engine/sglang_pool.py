@@ -2,8 +2,10 @@
 
 `sglang.py` decides what to ask the servers (generate, score, weight updates) and how to read the
 answers; this module decides where a `/generate` request goes, how many run at once and what
-happens when a server fails. It keeps the state of each server (`ServerState`) and the httpx
-clients that reach them.
+happens when a server fails. It keeps the state of each server (`ServerState`) and the clients
+that reach them: `/generate` goes over one aiohttp session per server (keep-alive connections,
+C-accelerated HTTP parsing; httpx costs many times its CPU per request, see docs/performance.md),
+health probes and the engine's control calls over one httpx client.
 
 Decisions (see PROTOCOL.md for the server side of each):
 - Balancing: least outstanding requests over the healthy servers, at most `max_inflight_per_server`
@@ -13,6 +15,10 @@ Decisions (see PROTOCOL.md for the server side of each):
   another one with exponential backoff, all within one per-request deadline. A server taken out is
   re-probed on `/health_generate` and comes back when it answers 200. Every attempt gets a fresh
   rid (a retried request may still be running on the old server and SGLang rejects duplicate rids).
+  On `/generate` (aiohttp) a transport failure is: `aiohttp.ConnectionTimeoutError` (no connection
+  within connect_timeout_s: server out, retry), `TimeoutError` (the request's deadline is spent:
+  `EngineError`), `aiohttp.ClientConnectionError` (refused, reset, closed mid-answer: server out,
+  retry), `ClientPayloadError` / `ClientResponseError` (a cut or malformed answer: the same).
   When retries or the deadline run out the call raises `EngineError`: the rollout records an
   ENGINE_ERROR trajectory, it never sees a made-up completion.
 - A returning server must also pass the engine's `resync` (serve the current weight version, see
@@ -25,14 +31,15 @@ Decisions (see PROTOCOL.md for the server side of each):
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import aiohttp
 import httpx
+import orjson
 
 from agentgrpo.engine.base import EngineError
 from agentgrpo.engine.sglang_protocol import error_message, is_context_length_error
@@ -42,8 +49,14 @@ if TYPE_CHECKING:  # sglang.py imports this module; only the annotation needs th
 
 log = logging.getLogger(__name__)
 
-_POOL_SIZE = 2  # connections per httpx pool, see ServerPool._client_for
 _RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
+# Idle /generate connections are closed by the client after this long, before uvicorn (SGLang's
+# server) closes them after its 5 s keep-alive timeout: a POST is not retried by aiohttp on a
+# connection that the server closed under it, it would take the server out of rotation.
+_KEEPALIVE_S = 4.0
+# A transport failure of /generate: refused, reset or dropped connection, cut or malformed answer.
+_TRANSPORT_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError,
+                     aiohttp.ClientResponseError)
 
 
 @dataclass
@@ -85,12 +98,15 @@ class ServerPool:
         self.config = config
         cfg = config
         self.servers = [ServerState(url=u) for u in cfg.urls]  # updated in place
+        for k, v in headers.items():  # an API key read from a file may end in a newline
+            if any(c in f"{k}{v}" for c in "\r\n\0"):
+                raise ValueError(f"HTTP header {k!r} has a line break or NUL; check the API key")
         self._headers = headers
-        self._ssl = httpx.create_ssl_context()  # one context shared by every pool (costly to build)
+        self._ssl = httpx.create_ssl_context()  # one context for every client (costly to build)
         self.client = self._new_client(4 * len(self.servers))  # control calls and probes
-        self._pools: dict[str, list[httpx.AsyncClient]] = {s.url: [] for s in self.servers}
-        # free in-flight places per server; the lowest slots (first pool) are reused first
-        self._slots = {s.url: list(range(cfg.max_inflight_per_server))[::-1] for s in self.servers}
+        # the /generate sessions of each server, made in the event loop that first uses them
+        self._sessions: dict[str, aiohttp.ClientSession] = {}
+        self._sessions_loop: asyncio.AbstractEventLoop | None = None
         self._waiters: list[asyncio.Future[None]] = []
         self._probes: dict[str, asyncio.Task[None]] = {}  # running health probes (kept referenced)
         self._rr = 0  # rotates the scan start so equally loaded servers share the work
@@ -105,28 +121,33 @@ class ServerPool:
             trust_env=False,  # never route cluster traffic through a proxy from the environment
         )
 
-    def _client_for(self, s: ServerState, slot: int) -> httpx.AsyncClient:
-        """The connection pool of request slot `slot` of server `s`.
-
-        httpcore scans every connection of a pool for every queued request, which costs O(n^2)
-        at high concurrency. So each server's connections are spread over small pools of
-        `_POOL_SIZE`, created on demand, and a request uses the pool of its slot (a slot = one of
-        the server's in-flight places). The pool size was chosen with bench/sglang_client.py: see
-        docs/performance.md.
-        """
-        pools = self._pools[s.url]
-        i = slot // _POOL_SIZE
-        while len(pools) <= i:
-            pools.append(self._new_client(_POOL_SIZE))
-        return pools[i]
+    def _session(self, url: str) -> aiohttp.ClientSession:
+        """The `/generate` session of the server at `url`: up to `max_inflight_per_server`
+        keep-alive connections. aiohttp binds a session to an event loop, so a new loop (another
+        `asyncio.run`) gets new sessions; the old loop's idle connections cannot be closed from
+        the new one and are left to the garbage collector (a ResourceWarning each)."""
+        loop = asyncio.get_running_loop()
+        if self._sessions_loop is not loop:
+            self._sessions, self._sessions_loop = {}, loop
+        session = self._sessions.get(url)
+        if session is None:
+            connector = aiohttp.TCPConnector(
+                limit=self.config.max_inflight_per_server, limit_per_host=0, ssl=self._ssl,
+                keepalive_timeout=_KEEPALIVE_S)
+            session = self._sessions[url] = aiohttp.ClientSession(
+                connector=connector, headers=self._headers,
+                trust_env=False)  # never route cluster traffic through a proxy from the environment
+        return session
 
     async def aclose(self) -> None:
         probes = [t for t in self._probes.values() if not t.done()]
         for t in probes:
             t.cancel()
         await asyncio.gather(*probes, return_exceptions=True)
-        clients = [self.client] + [c for pools in self._pools.values() for c in pools]
-        await asyncio.gather(*(c.aclose() for c in clients))
+        sessions, self._sessions = self._sessions, {}
+        if self._sessions_loop is not asyncio.get_running_loop():
+            sessions = {}  # made in a loop that has ended: nothing left to close from here
+        await asyncio.gather(self.client.aclose(), *(s.close() for s in sessions.values()))
 
     async def wait_ready(self, timeout_s: float | None = None) -> None:
         """Wait until every server answers 200 on `/health_generate`; then all are healthy.
@@ -177,36 +198,41 @@ class ServerPool:
         attempt = 0
         last_error = "no attempt made"
         while True:
-            s, slot = await self._acquire(deadline, last_error)
+            s = await self._acquire(deadline, last_error)
             body["rid"] = uuid.uuid4().hex  # fresh per attempt: the old one may still be running
             url = s.url
-            content = json.dumps(body, separators=(",", ":")).encode()
-            timeout = max(deadline - loop.time(), 0.001)
+            content = orjson.dumps(body)  # the stdlib's json is slow on long token lists
+            timeout = aiohttp.ClientTimeout(total=max(deadline - loop.time(), 0.001),
+                                            sock_connect=cfg.connect_timeout_s)
             try:
-                r = await self._client_for(s, slot).post(
-                    f"{url}/generate", content=content,
-                    timeout=httpx.Timeout(timeout, connect=cfg.connect_timeout_s),
-                )
-            except httpx.TimeoutException as e:
-                # network boundary: the deadline is spent (read) or the server is unreachable (connect)
-                if isinstance(e, httpx.ConnectTimeout):
-                    self._mark_unhealthy(s, f"connect timeout: {e}")
-                last_error = f"{url}: {type(e).__name__}"
+                async with self._session(url).post(
+                    f"{url}/generate", data=content, timeout=timeout) as r:
+                    status, answer = r.status, await r.read()
+            except aiohttp.ConnectionTimeoutError as e:
+                # network boundary: no connection within connect_timeout_s -> server out, retry
+                last_error = f"{url}: connect timeout"
+                self._mark_unhealthy(s, f"connect timeout: {e}")
                 if loop.time() >= deadline:
                     raise EngineError(
                         f"SGLang request did not finish within its {cfg.request_timeout_s:.0f}s "
                         f"deadline (last: {last_error})"
                     ) from e
-            except httpx.TransportError as e:
-                # network boundary: refused / dropped connection -> take the server out, retry
+            except asyncio.TimeoutError as e:
+                # network boundary: the request's deadline is spent (the server may be busy, not down)
+                last_error = f"{url}: no answer within the deadline"
+                raise EngineError(
+                    f"SGLang request did not finish within its {cfg.request_timeout_s:.0f}s "
+                    f"deadline (last: {last_error})"
+                ) from e
+            except _TRANSPORT_ERRORS as e:
+                # network boundary: refused / dropped connection, broken answer -> server out, retry
                 last_error = f"{url}: {type(e).__name__}: {e}"
                 self._mark_unhealthy(s, last_error)
             else:
-                status = r.status_code
                 if status == 200:
                     s.completed += 1
-                    return self._decode_output(url, r.content)
-                msg = error_message(r.content)
+                    return self._decode_output(url, answer)
+                msg = error_message(answer)
                 if status == 400 and is_context_length_error(msg):
                     raise _ContextLengthError(msg)
                 if status in (401, 403):
@@ -219,7 +245,7 @@ class ServerPool:
                 last_error = f"{url}: HTTP {status}: {msg}"
                 self._mark_unhealthy(s, last_error)
             finally:
-                self._release(s, slot)  # also when the caller is cancelled mid-request
+                self._release(s)  # also when the caller is cancelled mid-request
             attempt += 1
             if attempt > cfg.max_retries:
                 raise EngineError(
@@ -236,7 +262,7 @@ class ServerPool:
     @staticmethod
     def _decode_output(url: str, content: bytes) -> dict[str, Any]:
         try:
-            out = json.loads(content)
+            out = orjson.loads(content)
         except ValueError as e:  # trust boundary: a proxy's HTML page, a cut body
             raise EngineError(f"{url}/generate returned invalid JSON: {e}") from e
         if isinstance(out, list) and len(out) == 1:
@@ -247,7 +273,7 @@ class ServerPool:
 
     # -- balancing and health ----------------------------------------------------------------
 
-    async def _acquire(self, deadline: float, last_error: str) -> tuple[ServerState, int]:
+    async def _acquire(self, deadline: float, last_error: str) -> ServerState:
         """Reserve a slot on the least loaded healthy server, waiting for one until `deadline`.
 
         The same scan starts the health probes of servers out of rotation whose time has come,
@@ -276,7 +302,7 @@ class ServerPool:
                     wake = min(wake, s.retry_at)
             if best is not None:
                 best.outstanding += 1
-                return best, self._slots[best.url].pop()
+                return best
             if now >= deadline:
                 states = ", ".join(
                     f"{s.url} ({'healthy' if s.healthy else 'down: ' + s.last_error}, "
@@ -305,9 +331,8 @@ class ServerPool:
                 if one:
                     return
 
-    def _release(self, s: ServerState, slot: int) -> None:
+    def _release(self, s: ServerState) -> None:
         s.outstanding -= 1
-        self._slots[s.url].append(slot)
         if self._waiters:
             self._wake(one=True)
 
