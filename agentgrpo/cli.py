@@ -10,6 +10,8 @@ import argparse
 import os
 import sys
 
+from agentgrpo.hardware import set_cpu_thread_env
+
 
 def _train(args: argparse.Namespace) -> int:
     from agentgrpo.config import load_config
@@ -148,6 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    set_cpu_thread_env()  # first: OpenMP reads it once, when torch loads (agentgrpo.hardware)
     import importlib
 
     from agentgrpo.chat import TemplateError

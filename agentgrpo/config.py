@@ -110,6 +110,10 @@ class EngineConfig(BaseModel):
     kind: Literal["local", "sglang"] = Field(
         "local", description="local: in-process transformers engine; sglang: SGLang servers over HTTP")
     max_batch_size: int = Field(32, ge=1, description="local engine: sequences decoded together")
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="local engine: weight dtype; auto = bfloat16 where the hardware "
+        "computes it natively (CUDA, CPUs with AVX512-BF16 or AMX), else float32 "
+        "(agentgrpo.hardware)")
     prefix_cache_tokens: int = Field(
         16384, ge=0, description="local engine: token budget of the prefix KV cache that lets a "
         "group's copies of a prompt and a trajectory's next turn skip prefilling what was already "
@@ -124,7 +128,8 @@ class EngineConfig(BaseModel):
         if self.kind == "local" and self.sglang is not None:
             raise ValueError("engine.sglang is set but engine.kind is local; set engine.kind: sglang")
         if self.kind == "sglang":  # compared with the defaults, so a dumped config.yaml loads again
-            changed = [f"engine.{name}={getattr(self, name)}" for name in ("max_batch_size", "prefix_cache_tokens")
+            local_only = ("max_batch_size", "dtype", "prefix_cache_tokens")
+            changed = [f"engine.{name}={getattr(self, name)}" for name in local_only
                        if getattr(self, name) != type(self).model_fields[name].default]
             if changed:
                 raise ValueError(f"{', '.join(changed)} configure the local engine, but engine.kind is "

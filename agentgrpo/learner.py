@@ -65,6 +65,7 @@ from agentgrpo.batch import (
     shard,
     split_mini_batches,
 )
+from agentgrpo.hardware import choose_bf16
 from agentgrpo.learner_dist import check_launch, shard_reference, total_norm
 from agentgrpo.learner_metrics import Metrics, over_ranks, step_metrics
 from agentgrpo.logprobs import (
@@ -117,9 +118,9 @@ class LearnerConfig(BaseModel):
         "normalised as a step of its own")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="parameter dtype")
     autocast: Literal["auto", "bf16", "none"] = Field(
-        "auto", description="bf16 autocast of the decoder; auto = on for CUDA, off on CPU (bf16 on CPU "
-        "makes a SmolLM2-135M step ~2x faster but widens the rollout/learner logprob gap; see the README, "
-        "section 'The learner')")
+        "auto", description="bf16 autocast of the decoder; auto = on where bf16 is native: CUDA, "
+        "and CPUs with AVX512-BF16 or AMX (agentgrpo.hardware); none = fp32, what CPUs without "
+        "them run fastest")
     gradient_checkpointing: bool = Field(False, description="recompute activations in backward")
     tf32: Literal["auto"] | bool = Field("auto", description="CUDA: fp32 matmuls (the LM head under bf16 "
         "autocast) on TF32 tensor cores; auto = under bf16 autocast (agentgrpo.logprobs.wants_tf32)")
@@ -254,7 +255,8 @@ class Learner:
         # copies: the cost model then never splits (pair cost 0). Flex skips such pairs by the block
         # (128 x 128): taken as the same (whole groups under flex: 1.08x the mask's speed on an H200).
         self.pair_cost = 0.0 if segments or flex else attention_pair_cost(getattr(model, "config", None))
-        bf16 = cfg.autocast == "bf16" or (cfg.autocast == "auto" and device.type == "cuda")
+        self.precision = choose_bf16(cfg.autocast, device)
+        bf16 = self.precision.bf16
         self.tf32 = wants_tf32(cfg.tf32, device, bf16)
         # kl_coef = 0 means no reference at all (no memory, no forward passes).
         self.ref: PolicyForward | None = None

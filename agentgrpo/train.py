@@ -23,6 +23,7 @@ from agentgrpo.config import ConfigError, RunConfig, dump_config
 from agentgrpo.engine.base import Engine, close_all, wait_ready
 from agentgrpo.env import Env
 from agentgrpo.evaluate import evaluate
+from agentgrpo.hardware import Precision, configure_cpu_threads
 from agentgrpo.learner import Learner
 from agentgrpo.log import Progress, RunLogger, set_aside_after
 from agentgrpo.overlap import memory_lent, train_while_collecting
@@ -71,8 +72,18 @@ def build_engine(cfg: RunConfig, model_path: Path, tokenizer: Any) -> Engine:
         return SGLangEngine.from_config(cfg.engine.sglang)
     from agentgrpo.engine.local import LocalEngine
 
-    return LocalEngine(model_path, tokenizer=tokenizer, max_batch_size=cfg.engine.max_batch_size,
+    return LocalEngine(model_path, tokenizer=tokenizer, dtype=cfg.engine.dtype,
+                       max_batch_size=cfg.engine.max_batch_size,
                        prefix_cache_tokens=cfg.engine.prefix_cache_tokens, seed=cfg.seed)
+
+
+def describe_precision(learner: Precision, engine: Engine, threads: str) -> str:
+    """The start-up line that says which precision the learner and engine run in, and why."""
+    line = f"precision: learner {'bf16 autocast' if learner.bf16 else 'fp32'} ({learner.reason})"
+    if (reason := getattr(engine, "dtype_reason", None)) is not None:  # the local engine
+        dtype = str(next(engine.model.parameters()).dtype).removeprefix("torch.")
+        line += f"; engine {dtype} ({reason})"
+    return f"{line}; {threads}"
 
 
 async def collect_step(cfg: RunConfig, make_env: Callable[[], Env], engine: Engine, chat: ChatFormat,
@@ -122,6 +133,7 @@ def train(cfg: RunConfig) -> Path:
 
     run_dir = Path(cfg.output_dir)
     seed_everything(cfg.seed)
+    threads = configure_cpu_threads()
     env_cls = cfg.env.env_class()  # before the model loads: a misspelt env or task file fails at once
     train_tasks = cfg.env.load_tasks(env_cls, "train", cfg.seed)
     eval_tasks = cfg.env.load_tasks(env_cls, cfg.eval.split, cfg.seed)[: cfg.eval.num_tasks] if cfg.eval.every else []
@@ -159,6 +171,7 @@ def train(cfg: RunConfig) -> Path:
         print(f"chat template: {chat.template_source}, token mode: "
               f"{require_token_safe(chat, make_env(), stream.tasks[0], seed=cfg.seed).mode}", flush=True)
         engine = build_engine(cfg, model_path, tokenizer)
+        print(describe_precision(learner.precision, engine, threads), flush=True)
         sync = WeightSync(engine, cfg.weight_sync)
     loop = asyncio.new_event_loop()  # one loop for the run: engine clients and workers live on it
     if lead:  # SGLang: servers loaded, their versions and context length read, before the first push
