@@ -111,9 +111,9 @@ class EngineConfig(BaseModel):
         "local", description="local: in-process transformers engine; sglang: SGLang servers over HTTP")
     max_batch_size: int = Field(32, ge=1, description="local engine: sequences decoded together")
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
-        "auto", description="local engine: weight dtype; auto = bfloat16 where the hardware "
-        "computes it natively (CUDA, CPUs with AVX512-BF16 or AMX), else float32 "
-        "(agentgrpo.hardware)")
+        "auto", description="local engine: weight dtype; auto = learner.dtype, but float32 where "
+        "bfloat16 is not native (CUDA and CPUs with AVX512-BF16 or AMX have it; "
+        "agentgrpo.hardware.engine_dtype)")
     prefix_cache_tokens: int = Field(
         16384, ge=0, description="local engine: token budget of the prefix KV cache that lets a "
         "group's copies of a prompt and a trajectory's next turn skip prefilling what was already "

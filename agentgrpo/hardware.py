@@ -1,25 +1,28 @@
 """What the machine runs fast: bf16 or fp32 for the learner and the local engine, and CPU threads.
 
 Precision. bf16 pays only where the hardware computes it natively: on CUDA, and on CPUs with
-AVX512-BF16 or AMX, where oneDNN runs bf16 matmuls at about twice the fp32 rate. On a CPU without
-them (AVX2, AVX512 without BF16, most ARM builds of torch) every bf16 op is converted to and from
-fp32 in software, and a SmolLM2-135M forward + backward ran many times slower than in fp32
-(docs/performance.md). So `auto` asks the CPU for the two instruction sets, through the flags torch
-reads at start-up (`torch.cpu._is_avx512_bf16_supported`, `_is_amx_tile_supported`). Not from
-`torch.backends.cpu.get_cpu_capability()`: it says "AVX512" for a Sapphire Rapids with AMX and for a
-Skylake without BF16 alike. Not from a timed probe either: on a machine shared with other
+AVX512-BF16 or AMX, where oneDNN runs bf16 matmuls faster than fp32. On a CPU without them (AVX2,
+AVX512 without BF16, most ARM builds of torch) bf16 ops are emulated, converted to and from fp32,
+and a SmolLM2-135M forward + backward ran many times slower than in fp32 (docs/performance.md).
+So `auto` asks the CPU for the two instruction sets, through the flags torch reads at start-up
+(`torch.cpu._is_avx512_bf16_supported`, `_is_amx_tile_supported`). Not from
+`torch.backends.cpu.get_cpu_capability()`: it says "AVX512" for a Sapphire Rapids with AMX and for
+a Skylake without BF16 alike. Not from a timed probe either: on a machine shared with other
 processes a probe of a second measures the neighbours as much as the hardware, so two runs of one
 config could choose differently; the flags give the same answer every time and tests can mock them.
 
 Threads. torch's OpenMP threads (libgomp in the pip wheels) spin at the end of each parallel
-region, waiting for their siblings, before they sleep. When another process holds one of the cores,
-a sibling is descheduled for a whole time slice while the others spin, and ops of a fraction of a
-millisecond take tens of milliseconds (docs/performance.md). `OMP_WAIT_POLICY=PASSIVE` makes a
-waiting thread sleep at once, so a run that gets a share of the CPU slows in proportion to that
-share. It must be in the environment before torch loads libgomp, hence `set_cpu_thread_env`, which
-the CLI calls before anything imports torch; it sets nothing the user has set. The intra-op thread
-count stays one per CPU this process may run on (`os.sched_getaffinity`: taskset and cpusets
-count, which `os.cpu_count()` ignores).
+region, waiting for their siblings, before they sleep. When other processes hold the cores, a
+sibling is descheduled for a time slice while the others spin, burning CPU that the run's own
+threads and its neighbours could use; small ops then take many times their time (docs/
+performance.md). `OMP_WAIT_POLICY=PASSIVE` makes a waiting thread sleep at once, so a run that gets
+a share of the CPU slows in proportion to that share; on an idle machine it costs a little, the
+wake-up of sleeping threads (numbers in docs/performance.md). It must be in the environment before
+torch loads libgomp, hence `set_cpu_thread_env`, which the CLI calls before anything imports torch;
+it sets nothing the user has set. The intra-op thread count stays one per CPU the process may use
+(`cpu_threads`): fewer would leave cores idle when the machine is free, and more than the CPUs
+(taskset, a container's quota, several ranks on one machine) only adds threads that wait on each
+other.
 
 This module is a stage-level helper: it never imports the run-level modules, and imports torch only
 inside the functions that need it, so that the CLI can call `set_cpu_thread_env` before torch loads.
@@ -89,12 +92,19 @@ def choose_bf16(setting: Literal["auto", "bf16", "none"], device: torch.device |
     return Precision(native, f"auto: {why}")
 
 
-def engine_dtype(setting: str | torch.dtype, device: torch.device | str) -> tuple[torch.dtype, str]:
-    """The local engine's weight dtype and why: `auto` as `choose_bf16` decides; anything else is a
-    torch dtype or its name, used as given."""
+def engine_dtype(
+    setting: str | torch.dtype, device: torch.device | str, weights: str = "float32"
+) -> tuple[torch.dtype, str]:
+    """The local engine's weight dtype and why. `auto` decodes in the dtype of the weights it is
+    sent (`weights`, the learner's parameter dtype), except bf16 where the hardware would emulate
+    it (fp32 then, as `choose_bf16` decides): bf16 decoding against fp32 weights fails the weight
+    sync's probe (its default tolerance; docs/performance.md) and adds that much off-policy noise
+    to the importance ratio. Anything else is a torch dtype or its name, used as given."""
     import torch
 
     if setting == "auto":
+        if weights != "bfloat16":
+            return torch.float32, f"auto: the learner's weights are {weights}"
         choice = choose_bf16("auto", device)
         return (torch.bfloat16 if choice.bf16 else torch.float32), choice.reason
     dtype = setting if isinstance(setting, torch.dtype) else getattr(torch, str(setting), None)

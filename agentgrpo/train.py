@@ -73,7 +73,7 @@ def build_engine(cfg: RunConfig, model_path: Path, tokenizer: Any) -> Engine:
     from agentgrpo.engine.local import LocalEngine
 
     return LocalEngine(model_path, tokenizer=tokenizer, dtype=cfg.engine.dtype,
-                       max_batch_size=cfg.engine.max_batch_size,
+                       weights_dtype=cfg.learner.dtype, max_batch_size=cfg.engine.max_batch_size,
                        prefix_cache_tokens=cfg.engine.prefix_cache_tokens, seed=cfg.seed)
 
 

@@ -130,6 +130,8 @@ def precision(args: argparse.Namespace) -> None:
     for r in range(args.repeats):
         for w in (bf16, fp32) if r % 2 == 0 else (fp32, bf16):
             times[w.name].append(w.step())
+        print(f"  repeat {r + 1}: bf16 {times['bf16'][-1]:.2f} s, fp32 {times['fp32'][-1]:.2f} s; "
+              f"load average {os.getloadavg()[0]:.2f}", flush=True)
     ratios = [b / f for b, f in zip(times["bf16"], times["fp32"])]
     print(f"  fp32 step s: {spread(times['fp32'])}\n  bf16 step s: {spread(times['bf16'])}\n"
           f"  bf16/fp32 per repeat: {spread(ratios)}", flush=True)
@@ -155,6 +157,10 @@ def threads(args: argparse.Namespace) -> None:
         finally:
             hog.kill()
             hog.wait()
+        each = [f"{w.name} {alone[w.name][-1]:.2f} s alone, {busy[w.name][-1]:.2f} s beside"
+                for w in workers]
+        print(f"  repeat {r + 1}: {', '.join(each)}; load average {os.getloadavg()[0]:.2f}",
+              flush=True)
     base = alone["new"]
     for w in workers:
         slow = [b / a for b, a in zip(busy[w.name], alone[w.name])]

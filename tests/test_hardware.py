@@ -23,7 +23,8 @@ def test_auto_is_fp32_on_an_avx2_cpu(monkeypatch):
     choice = choose_bf16("auto", "cpu")
     assert not choice.bf16
     assert "AVX2" in choice.reason and "emulated" in choice.reason
-    assert engine_dtype("auto", "cpu") == (torch.float32, choice.reason)
+    # bf16 learner weights: still an fp32 engine, where bf16 would be emulated
+    assert engine_dtype("auto", "cpu", "bfloat16") == (torch.float32, choice.reason)
 
 
 def test_auto_is_fp32_on_avx512_without_bf16(monkeypatch):
@@ -38,14 +39,18 @@ def test_auto_is_bf16_on_a_cpu_with_native_bf16(monkeypatch, amx, avx512_bf16, n
     cpu_kind(monkeypatch, "AVX512", amx=amx, avx512_bf16=avx512_bf16)
     choice = choose_bf16("auto", "cpu")
     assert choice.bf16 and choice.reason == f"auto: CPU (AVX512) with native bf16: {named}"
-    assert engine_dtype("auto", "cpu")[0] == torch.bfloat16
+    assert engine_dtype("auto", "cpu", "bfloat16")[0] == torch.bfloat16
+    # fp32 learner weights: an fp32 engine (a bf16 one fails the weight sync's probe)
+    assert engine_dtype("auto", "cpu", "float32") == (
+        torch.float32, "auto: the learner's weights are float32")
 
 
 def test_auto_is_bf16_on_cuda_whatever_the_cpu(monkeypatch):
     cpu_kind(monkeypatch, "AVX2", amx=False, avx512_bf16=False)
     assert choose_bf16("auto", "cuda:0") == hardware.Precision(True, "auto: CUDA computes bf16 natively")
     assert choose_bf16("auto", torch.device("cuda", 1)).bf16
-    assert engine_dtype("auto", "cuda")[0] == torch.bfloat16
+    assert engine_dtype("auto", "cuda", "bfloat16")[0] == torch.bfloat16
+    assert engine_dtype("auto", "cuda")[0] == torch.float32  # the learner's default fp32 weights
     assert not choose_bf16("auto", "mps").bf16  # neither CUDA nor a CPU: fp32
 
 
@@ -85,9 +90,13 @@ def test_learner_and_engine_follow_the_choice(monkeypatch, tiny_model_dir):
         cpu_kind(monkeypatch, "AVX512" if native else "AVX2", amx=native, avx512_bf16=native)
         learner = Learner(load_model(tiny_model_dir), LearnerConfig(), LossConfig())
         assert learner.precision.bf16 is native and learner.model.autocast_bf16 is native
-        with LocalEngine(tiny_model_dir, eos_token_ids=()) as engine:
-            assert next(engine.model.parameters()).dtype == (torch.bfloat16 if native else torch.float32)
-            assert engine.dtype_reason == learner.precision.reason
+        for weights in ("float32", "bfloat16"):
+            with LocalEngine(tiny_model_dir, eos_token_ids=(), dtype="auto",
+                             weights_dtype=weights) as engine:
+                bf16 = native and weights == "bfloat16"
+                assert next(engine.model.parameters()).dtype == (
+                    torch.bfloat16 if bf16 else torch.float32)
+                assert ("native bf16" in engine.dtype_reason) is bf16
 
 
 def test_thread_env_is_set_only_where_the_user_set_nothing():

@@ -62,12 +62,12 @@ How it works (decisions):
 - **Weights.** `update_weights` is queued behind the requests already submitted: the worker stops
   admitting, lets the running rows finish, copies the new tensors in place (tied weights stay tied),
   then sets `weight_version`. So every completion comes from exactly one version, the one it reports.
-- **dtype.** `auto` (the default) loads bfloat16 where it is native (CUDA, CPUs with AVX512-BF16
-  or AMX) and float32 elsewhere, as the learner's `autocast: auto` decides (`agentgrpo.hardware`):
-  emulated bfloat16 is many times slower than float32. Where native, bfloat16 decodes faster and
-  halves the KV memory; its logprobs differ from a float32 forward by ~0.03 on average
-  (SmolLM2-135M), which the learner's importance ratio sees as off-policy noise (the run logs the
-  rollout/learner logprob gap).
+- **dtype.** float32 is the default. `auto` decodes in the dtype of the learner's weights
+  (`weights_dtype`), but float32 where bfloat16 is not native (CUDA, CPUs with AVX512-BF16 or AMX
+  have it; elsewhere it is emulated, many times slower): `agentgrpo.hardware.engine_dtype`.
+  bfloat16 decodes faster where native and halves the KV memory, but its logprobs differ from a
+  float32 forward by ~0.03 on average (SmolLM2-135M), noise that a float32 learner's importance
+  ratio would read as off-policy drift, and that fails the weight sync's probe.
 - Not done: shared storage of common prefixes between cache entries (a radix tree; see
   `prefix_cache.py`), speculative decoding, models with sliding-window caches (rejected at
   construction).
@@ -145,11 +145,12 @@ class LocalEngine:
         tokenizer: optional; only its EOS id is used (merged with the model's). Loaded from the
             directory when a path is given and one is there. Exposed as `engine.tokenizer`.
         device: torch device for the model.
-        dtype: dtype to load a path with; ignored for a loaded model. `auto` (default): bfloat16
-            where the device computes it natively, else float32 (`agentgrpo.hardware`); the choice
-            and its reason are in `engine.dtype_reason`. float32 gives logprobs that match a
-            float32 learner; bfloat16's differ from a float32 forward by ~0.03 on average (up to
-            ~0.2) on SmolLM2, which an importance ratio would see as off-policy noise.
+        dtype: dtype to load a path with; ignored for a loaded model. float32 (default) gives
+            logprobs that match a float32 learner; bfloat16's differ from a float32 forward by
+            ~0.03 on average (up to ~0.2) on SmolLM2, which an importance ratio would see as
+            off-policy noise. `auto`: `weights_dtype`, but float32 where bfloat16 is not native
+            (`agentgrpo.hardware.engine_dtype`); the reason is in `engine.dtype_reason`.
+        weights_dtype: with `dtype="auto"`, the dtype of the weights the learner will send.
         max_batch_size: most rows decoded together; further requests wait in a queue.
         batch_window_s: how long an idle worker waits after the first request to collect more.
         prefill_tokens: budget of padded prompt tokens per prefill forward (bounds memory).
@@ -192,7 +193,8 @@ class LocalEngine:
         *,
         tokenizer: Any = None,
         device: str | torch.device = "cpu",
-        dtype: torch.dtype | str = "auto",
+        dtype: torch.dtype | str = torch.float32,
+        weights_dtype: str = "float32",
         max_batch_size: int = 32,
         batch_window_s: float = 0.005,
         prefill_tokens: int = 2048,
@@ -207,7 +209,7 @@ class LocalEngine:
             from agentgrpo.models import load_model, load_tokenizer
 
             path = Path(model_or_path)
-            dtype, self.dtype_reason = engine_dtype(dtype, device)
+            dtype, self.dtype_reason = engine_dtype(dtype, device, weights_dtype)
             model = load_model(path, dtype=dtype)
             if tokenizer is None and (path / "tokenizer_config.json").is_file():
                 tokenizer = load_tokenizer(path)
