@@ -14,10 +14,10 @@ config could choose differently; the flags give the same answer every time and t
 Threads. torch's OpenMP threads (libgomp in the pip wheels) spin at the end of each parallel
 region, waiting for their siblings, before they sleep. When other processes hold the cores, a
 sibling is descheduled for a time slice while the others spin, burning CPU that the run's own
-threads and its neighbours could use; small ops then take many times their time (docs/
-performance.md). `OMP_WAIT_POLICY=PASSIVE` makes a waiting thread sleep at once, so a run that gets
-a share of the CPU slows in proportion to that share; on an idle machine it costs a little, the
-wake-up of sleeping threads (numbers in docs/performance.md). It must be in the environment before
+threads and its neighbours could use; a learner step then took several times as long
+(docs/performance.md). `OMP_WAIT_POLICY=PASSIVE` makes a waiting thread sleep at once, so a run
+that gets a share of the CPU slows in proportion to that share; on an idle machine it costs a
+little, the wake-up of sleeping threads (numbers in docs/performance.md). It must be in the environment before
 torch loads libgomp, hence `set_cpu_thread_env`, which the CLI calls before anything imports torch;
 it sets nothing the user has set. The intra-op thread count stays one per CPU the process may use
 (`cpu_threads`): fewer would leave cores idle when the machine is free, and more than the CPUs
