@@ -11,18 +11,17 @@ a Skylake without BF16 alike. Not from a timed probe either: on a machine shared
 processes a probe of a second measures the neighbours as much as the hardware, so two runs of one
 config could choose differently; the flags give the same answer every time and tests can mock them.
 
-Threads. torch's OpenMP threads (libgomp in the pip wheels) spin at the end of each parallel
-region, waiting for their siblings, before they sleep. When other processes hold the cores, a
-sibling is descheduled for a time slice while the others spin, burning CPU that the run's own
-threads and its neighbours could use; a learner step then took several times as long
-(docs/performance.md). `OMP_WAIT_POLICY=PASSIVE` makes a waiting thread sleep at once, so a run
-that gets a share of the CPU slows in proportion to that share; on an idle machine it costs a
-little, the wake-up of sleeping threads (numbers in docs/performance.md). It must be in the environment before
-torch loads libgomp, hence `set_cpu_thread_env`, which the CLI calls before anything imports torch;
-it sets nothing the user has set. The intra-op thread count stays one per CPU the process may use
-(`cpu_threads`): fewer would leave cores idle when the machine is free, and more than the CPUs
-(taskset, a container's quota, several ranks on one machine) only adds threads that wait on each
-other.
+Threads. torch's OpenMP threads (libgomp in the pip wheels) spin at the end of each parallel region,
+waiting for their siblings, before they sleep. When other processes hold the cores, a sibling is
+descheduled for a time slice while the others spin, burning CPU that the run's own threads and its
+neighbours could use; a learner step then took several times as long (docs/performance.md).
+`OMP_WAIT_POLICY=PASSIVE` makes a waiting thread sleep at once, so a run that gets a share of the
+CPU slows in proportion to that share; on an idle machine it costs a little, the wake-up of sleeping
+threads (numbers in docs/performance.md). It must be in the environment before torch loads libgomp,
+hence `set_cpu_thread_env`, which the CLI calls before anything imports torch; it sets nothing the
+user has set. The intra-op thread count stays one per CPU the process may use (`cpu_threads`): fewer
+would leave cores idle when the machine is free, and more than the CPUs (taskset, a container's
+quota, several ranks on one machine) only adds threads that wait on each other.
 
 This module is a stage-level helper: it never imports the run-level modules, and imports torch only
 inside the functions that need it, so that the CLI can call `set_cpu_thread_env` before torch loads.
@@ -87,7 +86,7 @@ def choose_bf16(setting: Literal["auto", "bf16", "none"], device: torch.device |
     if kind == "cuda":
         return Precision(True, "auto: CUDA computes bf16 natively")
     if kind != "cpu":
-        return Precision(False, f"auto: fp32 on a {kind} device (bf16 only chosen for CUDA and CPUs)")
+        return Precision(False, f"auto: fp32 on a {kind} device (bf16 is chosen on CUDA and CPUs)")
     native, why = cpu_native_bf16()
     return Precision(native, f"auto: {why}")
 

@@ -52,7 +52,8 @@ def worker(autocast: str, groups: int) -> None:
         prompt = [rng.randrange(49152) for _ in range(170)]
         for _ in range(8):
             ids, mask = list(prompt), [0] * len(prompt)
-            for n, m in ((rng.randint(20, 60), 1), (rng.randint(10, 30), 0), (rng.randint(10, 40), 1)):
+            parts = ((rng.randint(20, 60), 1), (rng.randint(10, 30), 0), (rng.randint(10, 40), 1))
+            for n, m in parts:
                 ids += [rng.randrange(49152) for _ in range(n)]
                 mask += [m] * n
             trajs.append(Trajectory(
@@ -124,7 +125,8 @@ def precision(args: argparse.Namespace) -> None:
     print(f"== 1. bf16 autocast vs fp32; CPU capability {torch.backends.cpu.get_cpu_capability()}, "
           f"AVX512-BF16 {torch.cpu._is_avx512_bf16_supported()}, "
           f"AMX {torch.cpu._is_amx_tile_supported()}", flush=True)
-    bf16, fp32 = (Worker("bf16", "new", "bf16", args.groups), Worker("fp32", "new", "none", args.groups))
+    bf16 = Worker("bf16", "new", "bf16", args.groups)
+    fp32 = Worker("fp32", "new", "none", args.groups)
     start([bf16, fp32])
     times: dict[str, list[float]] = {"bf16": [], "fp32": []}
     for r in range(args.repeats):
@@ -140,7 +142,8 @@ def precision(args: argparse.Namespace) -> None:
 
 
 def threads(args: argparse.Namespace) -> None:
-    print(f"== 2. alone vs beside `python -c '{HOG}'` (autocast {args.threads_autocast})", flush=True)
+    print(f"== 2. alone vs beside `python -c '{HOG}'` (autocast {args.threads_autocast})",
+          flush=True)
     workers = [Worker(s, s, args.threads_autocast, args.groups) for s in ("old", "new", "one")]
     start(workers)
     alone: dict[str, list[float]] = {w.name: [] for w in workers}
@@ -165,7 +168,8 @@ def threads(args: argparse.Namespace) -> None:
     for w in workers:
         slow = [b / a for b, a in zip(busy[w.name], alone[w.name])]
         vs_new = [a / n for a, n in zip(alone[w.name], base)]
-        print(f"  {w.name}: alone s {spread(alone[w.name])}; beside the loop s {spread(busy[w.name])}"
+        print(f"  {w.name}: alone s {spread(alone[w.name])}; "
+              f"beside the loop s {spread(busy[w.name])}"
               f"\n    beside/alone per repeat {spread(slow)}; alone vs new alone {spread(vs_new)}",
               flush=True)
         w.close()

@@ -47,7 +47,8 @@ def test_auto_is_bf16_on_a_cpu_with_native_bf16(monkeypatch, amx, avx512_bf16, n
 
 def test_auto_is_bf16_on_cuda_whatever_the_cpu(monkeypatch):
     cpu_kind(monkeypatch, "AVX2", amx=False, avx512_bf16=False)
-    assert choose_bf16("auto", "cuda:0") == hardware.Precision(True, "auto: CUDA computes bf16 natively")
+    cuda = hardware.Precision(True, "auto: CUDA computes bf16 natively")
+    assert choose_bf16("auto", "cuda:0") == cuda
     assert choose_bf16("auto", torch.device("cuda", 1)).bf16
     assert engine_dtype("auto", "cuda", "bfloat16")[0] == torch.bfloat16
     assert engine_dtype("auto", "cuda")[0] == torch.float32  # the learner's default fp32 weights
