@@ -12,13 +12,16 @@ import os
 import sys
 from pathlib import Path
 
-from agentgrpo.chat import TemplateError
-from agentgrpo.env_check import env_report
-from agentgrpo.report import write_report
-from agentgrpo.template_audit import audit_template
+from agentgrpo.hardware import set_cpu_thread_env
+
+set_cpu_thread_env()  # before anything loads torch: OpenMP reads it once (agentgrpo.hardware)
 
 # agentgrpo.config, train and evaluate load torch, and check-template loads transformers: each
 # command imports them when it runs, so the forwarded servers (serve-sandbox, ...) start without.
+from agentgrpo.chat import TemplateError  # noqa: E402
+from agentgrpo.env_check import env_report  # noqa: E402
+from agentgrpo.report import write_report  # noqa: E402
+from agentgrpo.template_audit import audit_template  # noqa: E402
 
 
 def _train(args: argparse.Namespace) -> int:

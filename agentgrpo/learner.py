@@ -22,7 +22,7 @@ So with rollout old logprobs a step of k mini-batches is k steps of one, on the 
 mini-batches are off-policy by the earlier updates, which the ratio and its clip handle (`mb{j}/*`).
 
 Multi-process contract: every rank calls `train_step` with the *same* list (the rollouts come from
-rank 0's engine client and are broadcast; see the README, section "The learner"). Metrics are reduced over ranks.
+rank 0's engine client and are broadcast; see docs/many-gpus.md). Metrics are reduced over ranks.
 `export_model`, `save` and `load` are collective too: every rank calls them, rank 0 gets the model
 to push and writes the files. Under FSDP the weights and the optimizer state are gathered to full,
 unsharded tensors keyed by parameter name (torch's `get_model_state_dict` /
@@ -64,6 +64,7 @@ from agentgrpo.batch import (
     balanced_parts,
     make_micro_batches,
 )
+from agentgrpo.hardware import choose_bf16
 from agentgrpo.learner_dist import check_launch, shard_reference, total_norm
 from agentgrpo.learner_metrics import Metrics, over_ranks, step_metrics
 from agentgrpo.logprobs import (
@@ -116,9 +117,9 @@ class LearnerConfig(BaseModel):
         "normalised as a step of its own")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="parameter dtype")
     autocast: Literal["auto", "bf16", "none"] = Field(
-        "auto", description="bf16 autocast of the decoder; auto = on for CUDA, off on CPU (bf16 on CPU "
-        "makes a SmolLM2-135M step ~2x faster but widens the rollout/learner logprob gap; see the README, "
-        "section 'The learner')")
+        "auto", description="bf16 autocast of the decoder; auto = on where bf16 is native: CUDA, "
+        "and CPUs with AVX512-BF16 or AMX (agentgrpo.hardware); none = fp32, what CPUs without "
+        "them run fastest")
     gradient_checkpointing: bool = Field(False, description="recompute activations in backward")
     tf32: Literal["auto"] | bool = Field("auto", description="CUDA: fp32 matmuls (the LM head under bf16 "
         "autocast) on TF32 tensor cores; auto = under bf16 autocast (agentgrpo.logprobs.wants_tf32)")
@@ -136,7 +137,7 @@ class LearnerConfig(BaseModel):
         "similar size batched into padded sdpa calls (agentgrpo.attention; pairs own x (prompt + own)); mask = one call per row under a 4D mask "
         "(every pair of the row computed); auto = on the CPU segments for micro-batches whose rows are "
         "long enough to pay (agentgrpo.attention.AUTO_MIN_SHARE), else the mask; mask on GPUs "
-        "(segments measured slower there: README, Benchmarks)")
+        "(segments measured slower there: docs/performance.md)")
     ref_offload: bool = Field(False, description="keep the reference model on the CPU between steps "
                               "(not with FSDP, which shards the reference like the policy)")
     checkpoint_format: Literal["full", "sharded"] = Field(
@@ -253,7 +254,8 @@ class Learner:
         # copies: the cost model then never splits (pair cost 0). Flex skips such pairs by the block
         # (128 x 128): taken as the same (whole groups under flex: 1.08x the mask's speed on an H200).
         self.pair_cost = 0.0 if segments or flex else attention_pair_cost(getattr(model, "config", None))
-        bf16 = cfg.autocast == "bf16" or (cfg.autocast == "auto" and device.type == "cuda")
+        self.precision = choose_bf16(cfg.autocast, device)
+        bf16 = self.precision.bf16
         self.tf32 = wants_tf32(cfg.tf32, device, bf16)
         # kl_coef = 0 means no reference at all (no memory, no forward passes).
         self.ref: PolicyForward | None = None

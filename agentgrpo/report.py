@@ -42,7 +42,6 @@ from typing import Any
 import numpy as np
 import yaml
 
-from agentgrpo.config import ConfigError, load_yaml
 from agentgrpo.log import mask_secrets
 from agentgrpo.models import default_model_path, load_tokenizer
 from agentgrpo.report_data import TrajScan, _list, _num, _step, load_metrics, scan_trajectories
@@ -399,6 +398,10 @@ def write_report(run_dir: str | Path, out: str | Path | None = None, *,
     notices: list[str] = []
     config, config_text = {}, ""
     if (run_dir / "config.yaml").is_file():
+        # Only here: agentgrpo.config loads every stage's config, torch with them, and
+        # `agentgrpo report` (and the CLI's start) should not wait for that.
+        from agentgrpo.config import ConfigError, load_yaml
+
         try:  # bounded: a planted config.yaml's nested aliases would expand without end
             config = mask_secrets(load_yaml((run_dir / "config.yaml").read_text(encoding="utf-8"),
                                             "config.yaml") or {})

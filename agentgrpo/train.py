@@ -28,6 +28,7 @@ from agentgrpo.engine.config import build_engine
 from agentgrpo.env import Env
 from agentgrpo.env_check import check_env_at_start
 from agentgrpo.evaluate import evaluate
+from agentgrpo.hardware import Precision, configure_cpu_threads
 from agentgrpo.learner import Learner
 from agentgrpo.log import Progress, RunLogger, aside_name, set_aside_after
 from agentgrpo.overlap import memory_lent, train_while_collecting
@@ -79,6 +80,15 @@ class Rollouts:
     @property
     def trajectories(self) -> list[Trajectory]:
         return [t for g in self.groups for t in g.trajectories]
+
+
+def describe_precision(learner: Precision, engine: Engine, threads: str) -> str:
+    """The start-up line that says which precision the learner and engine run in, and why."""
+    line = f"precision: learner {'bf16 autocast' if learner.bf16 else 'fp32'} ({learner.reason})"
+    if (reason := getattr(engine, "dtype_reason", None)) is not None:  # the local engine
+        dtype = str(next(engine.model.parameters()).dtype).removeprefix("torch.")
+        line += f"; engine {dtype} ({reason})"
+    return f"{line}; {threads}"
 
 
 async def collect_step(cfg: RunConfig, make_env: Callable[[], Env], engine: Engine, chat: ChatFormat,
@@ -296,6 +306,7 @@ def start_run(cfg: RunConfig) -> Run:
     learner's weights, the logger and the run directory's files."""
     run_dir = Path(cfg.output_dir)
     seed_everything(cfg.seed)
+    threads = configure_cpu_threads()
     env_cls = cfg.env.env_class()  # before the model loads: a misspelt env or task file fails at once
     train_tasks = cfg.env.load_tasks(env_cls, "train", cfg.seed)
     eval_tasks = (cfg.env.load_tasks(env_cls, cfg.eval.split, cfg.seed)[: cfg.eval.num_tasks]
@@ -335,7 +346,7 @@ def start_run(cfg: RunConfig) -> Run:
                                 rollouts_per_step=cfg.rollout.tasks_per_step * cfg.rollout.group_size),
               stop=checkpoint.StopRequested(), steps_done=start, saved_step=start)
     if learner.is_main:
-        start_main_rank(run, model_path, tokenizer, eval_tasks,
+        start_main_rank(run, model_path, tokenizer, eval_tasks, threads=threads,
                         resumed_from=found[0] if found is not None else None)
     # Before the first rollout the engine serves the learner's weights, checked by the probe: a
     # server still holding another run's weights (or another model) is caught, not sampled from.
@@ -344,7 +355,7 @@ def start_run(cfg: RunConfig) -> Run:
     return run
 
 
-def start_main_rank(run: Run, model_path: Path, tokenizer: Any, eval_tasks: list[Task], *,
+def start_main_rank(run: Run, model_path: Path, tokenizer: Any, eval_tasks: list[Task], *, threads: str,
                     resumed_from: Path | None) -> None:
     """Rank 0's part of the start: the run directory's files, the effective algorithm, the
     template check, the engine and the logger."""
@@ -359,7 +370,9 @@ def start_main_rank(run: Run, model_path: Path, tokenizer: Any, eval_tasks: list
     # Refuse a template that would make the learner see tokens the model never saw.
     mode = require_token_safe(run.chat, run.make_env(), run.stream.tasks[0], seed=cfg.seed).mode
     print(f"chat template: {run.chat.template_source}, token mode: {mode}", flush=True)
-    run.engine = build_engine(cfg.engine, model_path, tokenizer, seed=cfg.seed)
+    run.engine = build_engine(cfg.engine, model_path, tokenizer, seed=cfg.seed,
+                              weights_dtype=cfg.learner.dtype)
+    print(describe_precision(run.learner.precision, run.engine, threads), flush=True)
     run.sync = WeightSync(run.engine, cfg.weight_sync)
     # SGLang: servers loaded, their versions and context length read, before the first push
     run.loop.run_until_complete(wait_ready(run.engine, seeded=True))

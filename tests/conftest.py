@@ -10,6 +10,9 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# `auto` precision follows the CPU (agentgrpo.hardware); the tests' fp32 tolerances need one answer
+# on every CPU kind, in the processes they spawn too. tests/test_hardware.py covers both answers.
+os.environ.setdefault("AGENTGRPO_CPU_BF16", "0")
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 

@@ -122,7 +122,8 @@ def test_wandb_names_without_a_project_are_refused_not_ignored():
 def test_more_mini_batches_than_groups_per_step_is_refused():
     with pytest.raises(ConfigError, match="learner.mini_batches=8"):
         load_config("examples/calculator.yaml", ["learner.mini_batches=8", "rollout.tasks_per_step=4"])
-    assert load_config("examples/calculator.yaml", ["learner.mini_batches=4"]).learner.mini_batches == 4
+    ok = load_config("examples/calculator.yaml", ["learner.mini_batches=4", "rollout.tasks_per_step=4"])
+    assert ok.learner.mini_batches == 4
 
 
 def test_a_row_cap_without_shared_prefix_is_refused():

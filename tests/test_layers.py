@@ -195,6 +195,7 @@ HEAVY_OR_OPTIONAL = {"accelerate", "matplotlib", "openai", "peft", "reasoning_gy
 # ... or a module of ours that one module loads late, and why.
 LATE = {
     ("agentgrpo.cli", "agentgrpo.config"): "loads torch: only once a command runs",
+    ("agentgrpo.report", "agentgrpo.config"): "loads torch: only when a run has a config.yaml",
     ("agentgrpo.cli", "agentgrpo.train"): "loads torch: only once a command runs",
     ("agentgrpo.cli", "agentgrpo.evaluate"): "loads torch: only once a command runs",
     ("agentgrpo.engine", "agentgrpo.engine.local"): "the protocol is importable without torch",

@@ -21,6 +21,10 @@ class EngineConfig(BaseModel):
         description="local: in-process transformers engine; sglang: SGLang servers over HTTP",
     )
     max_batch_size: int = Field(32, ge=1, description="local engine: sequences decoded together")
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="local engine: weight dtype; auto = learner.dtype, but float32 where "
+        "bfloat16 is not native (CUDA and CPUs with AVX512-BF16 or AMX have it; "
+        "agentgrpo.hardware.engine_dtype)")
     prefix_cache_tokens: int = Field(
         16384,
         ge=0,
@@ -46,7 +50,7 @@ class EngineConfig(BaseModel):
         if self.kind == "sglang":  # compared with the defaults, so a dumped config.yaml loads again
             changed = [
                 f"engine.{name}={getattr(self, name)}"
-                for name in ("max_batch_size", "prefix_cache_tokens")
+                for name in ("max_batch_size", "dtype", "prefix_cache_tokens")
                 if getattr(self, name) != type(self).model_fields[name].default
             ]
             if changed:
@@ -57,9 +61,11 @@ class EngineConfig(BaseModel):
         return self
 
 
-def build_engine(cfg: EngineConfig, model_path: Path, tokenizer: Any, *, seed: int) -> Engine:
+def build_engine(cfg: EngineConfig, model_path: Path, tokenizer: Any, *, seed: int,
+                 weights_dtype: str = "float32") -> Engine:
     """The engine `cfg` describes, serving the model at `model_path` (the local engine; SGLang
-    servers load their own model at launch). `seed` seeds the local engine's sampling."""
+    servers load their own model at launch). `seed` seeds the local engine's sampling;
+    `weights_dtype` is the learner's weight dtype, which `dtype: auto` follows."""
     if cfg.kind == "sglang":
         # Only here: loading a run config imports neither httpx nor the client (sglang_config.py).
         from agentgrpo.engine.sglang import SGLangEngine
@@ -68,6 +74,8 @@ def build_engine(cfg: EngineConfig, model_path: Path, tokenizer: Any, *, seed: i
     return LocalEngine(
         model_path,
         tokenizer=tokenizer,
+        dtype=cfg.dtype,
+        weights_dtype=weights_dtype,
         max_batch_size=cfg.max_batch_size,
         prefix_cache_tokens=cfg.prefix_cache_tokens,
         seed=seed,

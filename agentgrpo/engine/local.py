@@ -57,14 +57,17 @@ How it works (decisions):
   `update_weights` empties the cache (KV of the old weights), and so does `release_memory`, which
   the training loop calls when a step's rollouts are done: the entries are dead from then on, and
   held up to `prefix_cache_tokens` x 45 KiB (SmolLM2-135M, fp32) while the learner trained in the
-  same process. Peak RSS of the default run did not drop (4 steps, 2026-12-01: 8.33 GB vs 8.69 GB
-  kept): the learner's activations set it (7.95 GB during its step, 1.9-2.5 GB for the rollouts).
+  same process. It does not lower the default run's peak memory, which the learner's activations
+  set (docs/performance.md).
 - **Weights.** `update_weights` is queued behind the requests already submitted: the worker stops
   admitting, lets the running rows finish, copies the new tensors in place (tied weights stay tied),
   then sets `weight_version`. So every completion comes from exactly one version, the one it reports.
-- **dtype.** float32 is the default. bfloat16 decodes ~2x faster on this CPU (AVX512-BF16) and halves
-  the KV memory, but its logprobs differ from a float32 forward by ~0.03 on average (SmolLM2-135M),
-  noise that a float32 learner's importance ratio would read as off-policy drift.
+- **dtype.** float32 is the default. `auto` decodes in the dtype of the learner's weights
+  (`weights_dtype`), but float32 where bfloat16 is not native (CUDA, CPUs with AVX512-BF16 or AMX
+  have it; elsewhere it is emulated, many times slower): `agentgrpo.hardware.engine_dtype`.
+  bfloat16 decodes faster where native and halves the KV memory, but its logprobs differ from a
+  float32 forward by ~0.03 on average (SmolLM2-135M), noise that a float32 learner's importance
+  ratio would read as off-policy drift, and that fails the weight sync's probe.
 - Not done: shared storage of common prefixes between cache entries (a radix tree; see
   `prefix_cache.py`), speculative decoding, models with sliding-window caches (rejected at
   construction).
@@ -92,6 +95,7 @@ import torch
 from agentgrpo.engine.base import Completion, EngineError, SamplingParams
 from agentgrpo.engine.local_batch import _Batch, _Request, _resolve
 from agentgrpo.engine.prefix_cache import PrefixCache
+from agentgrpo.hardware import engine_dtype
 from agentgrpo.models import load_model, load_tokenizer, read_safetensors
 
 log = logging.getLogger(__name__)
@@ -143,9 +147,11 @@ class LocalEngine:
             directory when a path is given and one is there. Exposed as `engine.tokenizer`.
         device: torch device for the model.
         dtype: dtype to load a path with; ignored for a loaded model. float32 (default) gives
-            logprobs that match a float32 learner; bfloat16 decodes ~2x faster on CPUs with
-            AVX512-BF16, but its logprobs differ from a float32 forward by ~0.03 on average (up
-            to ~0.2) on SmolLM2, which an importance ratio would see as off-policy noise.
+            logprobs that match a float32 learner; bfloat16's differ from a float32 forward by
+            ~0.03 on average (up to ~0.2) on SmolLM2, which an importance ratio would see as
+            off-policy noise. `auto`: `weights_dtype`, but float32 where bfloat16 is not native
+            (`agentgrpo.hardware.engine_dtype`); the reason is in `engine.dtype_reason`.
+        weights_dtype: with `dtype="auto"`, the dtype of the weights the learner will send.
         max_batch_size: most rows decoded together; further requests wait in a queue.
         batch_window_s: how long an idle worker waits after the first request to collect more.
         prefill_tokens: budget of padded prompt tokens per prefill forward (bounds memory).
@@ -189,6 +195,7 @@ class LocalEngine:
         tokenizer: Any = None,
         device: str | torch.device = "cpu",
         dtype: torch.dtype | str = torch.float32,
+        weights_dtype: str = "float32",
         max_batch_size: int = 32,
         batch_window_s: float = 0.005,
         prefill_tokens: int = 2048,
@@ -201,11 +208,13 @@ class LocalEngine:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if isinstance(model_or_path, (str, os.PathLike)):
             path = Path(model_or_path)
+            dtype, self.dtype_reason = engine_dtype(dtype, device, weights_dtype)
             model = load_model(path, dtype=dtype)
             if tokenizer is None and (path / "tokenizer_config.json").is_file():
                 tokenizer = load_tokenizer(path)
         else:
             model = model_or_path
+            self.dtype_reason = "a loaded model, used in its own dtype"
         self.model = model.to(device).eval()
         self.tokenizer = tokenizer
         self.device = torch.device(device)
