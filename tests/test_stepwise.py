@@ -12,6 +12,7 @@ import copy
 import json
 
 import pytest
+import torch
 
 from agentgrpo import Env, Message
 from agentgrpo.chat import ChatFormat, HistoryRewritten, TemplateError
@@ -19,7 +20,7 @@ from agentgrpo.engine import SamplingParams
 from agentgrpo.rollout import EpisodeLimits, RolloutConfig, run_episode
 from agentgrpo.template_audit import audit
 from agentgrpo.types import Segment, StopReason, Task, ToolCall, Trajectory
-from tests.conftest import shared_template
+from tests.conftest import SHARED, shared_template
 from tests.fakes import ScriptedEngine
 
 TOOL = {"type": "function", "function": {
@@ -127,25 +128,41 @@ def _script(chat: ChatFormat):
 
 def check_token_exact(traj: Trajectory, engine: RecordingEngine, chat: ChatFormat) -> None:
     """Segment by segment: engine request k is the prefix of one segment up to its k-th sampled run,
-    the run holds the ids it sampled with its logprobs, runs of one segment follow each other in
-    order, and a segment's prompt is `prompt_ids` of the messages before its first sampled turn."""
-    traj.check()
+    the run holds the ids it sampled with its logprobs, and a segment's prompt is `prompt_ids` of
+    the messages before its first sampled turn."""
     runs = []  # (segment, start, end) of every sampled run, in order
     for s, seg in enumerate(traj.segments):
         m = seg.loss_mask
         runs += [(s, i, next((j for j in range(i, len(m)) if not m[j]), len(m)))
                  for i in range(len(m)) if m[i] and (i == 0 or not m[i - 1])]
     assert len(runs) == len(engine.calls) == traj.num_turns
-    assistants = [i for i, msg in enumerate(traj.messages) if msg.role == "assistant"]
     for k, (s, start, end) in enumerate(runs):
         seg = traj.segments[s]
         assert seg.token_ids[:start] == engine.calls[k]  # what the engine received, exactly
         assert seg.token_ids[start:end] == engine.outs[k].token_ids  # what it sampled
         assert seg.logprobs[start:end] == engine.outs[k].logprobs
-        if k == 0 or runs[k - 1][0] != s:  # the first turn of a segment: its prompt is the render
-            assert start == seg.prompt_len
-            assert seg.token_ids[:start] == chat.prompt_ids(traj.messages[:assistants[k]], [TOOL])
-    assert [s for s, _, _ in runs] == sorted(s for s, _, _ in runs)
+    check_segment_prompts(traj, chat, [TOOL])
+
+
+def check_segment_prompts(traj: Trajectory, chat: ChatFormat, tools: list[dict] | None,
+                          max_tool_calls: int | None = None) -> None:
+    """What can be checked without the engine: every segment holds the invariant, its sampled runs
+    are turns in order, and its prompt is the template's render of the messages before its first
+    turn (the first segment's: the env's first messages)."""
+    traj.check()
+    # the sampled turns are the last num_turns assistant messages (the env's first messages may
+    # hold a worked example)
+    assistants = [i for i, msg in enumerate(traj.messages) if msg.role == "assistant"]
+    assistants = assistants[len(assistants) - traj.num_turns:]
+    turn = 0
+    for seg in traj.segments:
+        m = seg.loss_mask
+        starts = [i for i in range(len(m)) if m[i] and (i == 0 or not m[i - 1])]
+        assert starts and starts[0] == seg.prompt_len
+        assert seg.token_ids[:seg.prompt_len] == chat.prompt_ids(
+            traj.messages[:assistants[turn]], tools, max_tool_calls=max_tool_calls)
+        turn += len(starts)
+    assert turn == traj.num_turns
 
 
 @pytest.mark.parametrize("name", sorted(TEMPLATES))
@@ -252,3 +269,83 @@ def test_the_report_s_trajectory_viewer_shows_every_segment():
     assert page.index("eight") < page.index("six")
     single = _traj_html(traj([1, 2, 6], [0, 0, 1]).to_dict(), {}, 100)
     assert "segment" not in single and "tokens: 3 (1 generated)" in single
+
+
+def rows_as_trajectories(path) -> list[Trajectory]:
+    from agentgrpo.log import read_jsonl
+
+    out = []
+    for r in read_jsonl(path):
+        t = Trajectory(task_id=r["task_id"], token_ids=r["token_ids"], loss_mask=r["loss_mask"],
+                       logprobs=r["logprobs"], prompt_len=r["prompt_len"],
+                       messages=[Message.from_dict(m) for m in r["messages"]],
+                       stop_reason=StopReason(r["stop_reason"]), num_turns=r["num_turns"])
+        if "segments" in r:
+            *earlier, last = [Segment.from_dict(s) for s in r["segments"]]
+            assert last == t.segments[-1]  # the flat fields are the last segment
+            t.earlier_segments = earlier
+        out.append(t)
+    return out
+
+
+@pytest.mark.slow
+def test_calculator_trains_stepwise_with_qwen3_6_and_thinking_on_the_embedded_model(tmp_path, smol_path):
+    """Issue 30's check: two CPU steps of the calculator env with the Qwen3.6 template attached to
+    the embedded model and thinking on, step-wise, no fallback; every trajectory passes the checks
+    segment by segment."""
+    from transformers import AutoTokenizer
+
+    from agentgrpo.cli import main
+    from agentgrpo.log import read_jsonl
+    from envs.calculator import CalculatorEnv
+
+    template = shared_template("qwen3_6.jinja")
+    out = tmp_path / "run"
+    rc = main(["train", "examples/calculator.yaml", "train.steps=2", f"output_dir={out}",
+               f"model.chat_template={SHARED / 'chat_templates' / 'qwen3_6.jinja'}",
+               "rollout.chat_template_kwargs={enable_thinking: true}",
+               "rollout.trajectory_mode=stepwise", "log.progress=false"])
+    assert rc == 0
+    chat = ChatFormat(AutoTokenizer.from_pretrained(smol_path), template=template,
+                      template_kwargs={"enable_thinking": True}, trajectory_mode="stepwise")
+    env = CalculatorEnv()
+    trajs = rows_as_trajectories(out / "trajectories.jsonl")
+    assert len(trajs) == 64 and all(t.stop_reason != StopReason.ENV_ERROR for t in trajs)
+    for t in trajs:
+        if t.num_sampled:
+            check_segment_prompts(t, chat, env.tool_schemas(), env.max_tool_calls_per_turn)
+    assert all(len(t.segments) == t.num_turns for t in trajs if t.num_sampled)
+    assert all(m["loss"] == m["loss"] for m in read_jsonl(out / "metrics.jsonl"))
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_a_step_wise_episode_trains_exactly_as_its_segments_would_as_trajectories(agg):
+    """The learner's step on episodes of two segments gives the gradient of the same segments given
+    as separate trajectories with the episode's advantage: a row per segment, under either
+    aggregation (docs/learner.md says how that weighs)."""
+    import copy as copying
+
+    from agentgrpo.learner import Learner, LearnerConfig
+    from agentgrpo.loss import LossConfig
+    from tests.test_learner import TEMPERATURE, batch_and_advantages, record_grads
+    from tests.tiny import tiny_llama
+
+    flat, adv = batch_and_advantages()
+    flat_adv = list(adv)
+    episodes, episode_adv = [], []
+    for i in range(0, len(flat), 2):  # members 2k and 2k+1 of a group become one episode
+        first, last = flat[i], copying.copy(flat[i + 1])
+        last.earlier_segments = [first.segments[0]]
+        episodes.append(last)
+        episode_adv.append(adv[i])
+        flat_adv[i + 1] = adv[i]
+    grads = []
+    for trajs, advs in ((episodes, episode_adv), (flat, flat_adv)):
+        learner = Learner(tiny_llama(), LearnerConfig(micro_batch_tokens=64, grad_clip=1e9),
+                          LossConfig(agg=agg), temperature=TEMPERATURE)
+        got = record_grads(learner)
+        metrics = learner.train_step(trajs, advs)
+        grads.append(got[0])
+    assert metrics["train_tokens"] == sum(len(t.token_ids) for t in flat)
+    for name, g in grads[1].items():
+        torch.testing.assert_close(grads[0][name], g, atol=1e-6, rtol=1e-4, msg=name)
