@@ -137,7 +137,8 @@ def segment_rows(trajs: Sequence[Trajectory],
         for seg in t.segments:
             if seg.num_sampled:
                 rows.append(replace(t, token_ids=seg.token_ids, loss_mask=seg.loss_mask,
-                                    logprobs=seg.logprobs, prompt_len=seg.prompt_len, earlier_segments=[]))
+                                    logprobs=seg.logprobs, prompt_len=seg.prompt_len,
+                                    earlier_segments=[]))
                 advs.append(adv)
     return rows, advs
 

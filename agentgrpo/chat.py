@@ -16,8 +16,9 @@ sampled. This module is the one place that turns messages into ids and sampled i
   `HistoryRewritten` (a `TemplateError`) instead of guessing, unless the user chose the explicit
   `keep_history` fallback (see `ChatFormat`). The rollout answers it according to
   `ChatFormat.trajectory_mode`: "single" ends the episode, "auto" and "stepwise" continue it in a
-  new segment whose prompt is `prompt_ids` of the whole history (`agentgrpo.rollout.Episode`). `agentgrpo.template_audit` checks a template on many synthetic conversations
-  before training starts (`require_token_safe`, `agentgrpo check-template`).
+  new segment whose prompt is `prompt_ids` of the whole history (`agentgrpo.rollout.Episode`).
+  `agentgrpo.template_audit` checks a template on many synthetic conversations before training
+  starts (`require_token_safe`, `agentgrpo check-template`).
 - `ChatFormat.truncate(text, max_tokens)`: tool output cut to a token budget, with a marker.
 - Message content is data, never control: a special token's text inside a message (a tool printing
   `<|im_end|>\n<|im_start|>assistant`, a task copied from a chat log) is tokenized as plain text,
@@ -62,8 +63,10 @@ from agentgrpo.parsers import (
 from agentgrpo.types import Message
 
 __all__ = [
-    "HERMES_CHATML_TEMPLATE", "PARSERS", "ChatFormat", "HistoryRewritten", "ParseError", "ParsedTurn",
-    "TemplateError", "TemplateFallback", "TrajectoryMode", "detect_parser", "get_parser", "parse_hermes", "parse_llama3_json",
+    "HERMES_CHATML_TEMPLATE", "PARSERS", "ChatFormat", "HistoryRewritten", "ParseError",
+    "ParsedTurn",
+    "TemplateError", "TemplateFallback", "TrajectoryMode", "detect_parser", "get_parser",
+    "parse_hermes", "parse_llama3_json",
     "template_supports_tools",
 ]
 
@@ -264,8 +267,9 @@ class ChatFormat:
             raise ValueError(f"trajectory_mode must be one of {list(TRAJECTORY_MODES)}, "
                              f"got {trajectory_mode!r}")
         if fallback == "keep_history" and trajectory_mode != "single":
-            raise ValueError(f"template_fallback=keep_history with trajectory_mode={trajectory_mode}: "
-                             "choose one (keep_history continues one sequence, segments re-render)")
+            raise ValueError("template_fallback=keep_history with trajectory_mode="
+                             f"{trajectory_mode}: choose one (keep_history continues one "
+                             "sequence, segments re-render it)")
         self.trajectory_mode: TrajectoryMode = trajectory_mode
         self.template_kwargs: dict[str, Any] = dict(template_kwargs or {})
         eot = end_of_turn or tokenizer.eos_token
@@ -454,8 +458,8 @@ class ChatFormat:
 
         `history` must end with the assistant message whose sampled ids end with the end-of-turn
         token. Raises HistoryRewritten (a TemplateError) when the template rewrites earlier turns
-        (not prefix-preserving, unless `fallback="keep_history"`), TemplateError when it refuses the conversation, or renders the assistant turn
-        without the end-of-turn token.
+        (not prefix-preserving, unless `fallback="keep_history"`), TemplateError when it refuses
+        the conversation or renders the assistant turn without the end-of-turn token.
 
         `max_tool_calls`: assistant messages of `history` are rendered with at most this many of
         their tool calls, the ones the env ran (a `ToolEnv` answers the rest with a too-many-calls

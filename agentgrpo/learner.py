@@ -361,7 +361,8 @@ class Learner:
         keep = [i for i, t in enumerate(trajs)
                 if t.num_sampled > 0 and math.isfinite(advantages[i]) and math.isfinite(t.reward)]
         # a step-wise trajectory trains as one row per segment (docs/learner.md: the weighting)
-        trajs, advantages = segment_rows([trajs[i] for i in keep], [float(advantages[i]) for i in keep])
+        trajs, advantages = segment_rows([trajs[i] for i in keep],
+                                         [float(advantages[i]) for i in keep])
         if not trajs:
             return {"loss": 0.0, "skipped": 1.0}
         t0 = time.perf_counter()

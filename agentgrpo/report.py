@@ -233,7 +233,7 @@ def _decode_table(tokenizer, rows: list[dict[str, Any]], max_tokens: int) -> dic
 
 
 def _segments(row: dict[str, Any]) -> list[dict[str, Any]]:
-    """The token sequences of a row: its `segments` (a step-wise trajectory), else the row itself."""
+    """The token sequences of a row: its `segments` (step-wise), else the row itself."""
     segs = row.get("segments")
     if isinstance(segs, list) and segs and all(isinstance(x, dict) for x in segs):
         return segs
@@ -320,11 +320,13 @@ def _traj_html(row: dict[str, Any], table: dict[int, str], max_tokens: int) -> s
             notes.append(f"showing {max_tokens} of {len(ids)} tokens")
         note = f' <span class="omitted">{e("; ".join(notes))}</span>' if notes else ""
         name = f"segment {k + 1} of {len(segs)}, tokens" if len(segs) > 1 else "tokens"
+        generated = sum(1 for m in mask if m == 1)
         tokens.append(
-            f"<details class=\"tokens\"><summary>{name}: {len(ids)} ({sum(1 for m in mask if m == 1)} generated)"
+            f"<details class=\"tokens\"><summary>{name}: {len(ids)} ({generated} generated)"
             f'<span class="legend"><span class="tok-gen">generated (loss_mask 1)</span>'
-            f'<span class="tok-ctx">not generated: prompt, tool/env output</span></span>{note}</summary>'
-            f'<div class="toks">{_tokens_html(seg, table, max_tokens)}</div></details>')
+            f'<span class="tok-ctx">not generated: prompt, tool/env output</span></span>'
+            f'{note}</summary><div class="toks">{_tokens_html(seg, table, max_tokens)}</div>'
+            "</details>")
     return (f'<article class="traj" data-step="{step}" data-reward="{reward}" data-stop="{e(stop)}">'
             f"<header>{' · '.join(fields)}</header>"
             f'<div class="msgs">{"".join(_message_html(m) for m in msgs) or "<p>(no messages)</p>"}</div>'

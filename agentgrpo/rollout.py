@@ -130,8 +130,9 @@ class RolloutConfig(EpisodeLimits):
     @model_validator(mode="after")
     def _one_answer_to_rewritten_history(self) -> RolloutConfig:
         if self.template_fallback == "keep_history" and self.trajectory_mode != "single":
-            raise ValueError(f"template_fallback=keep_history with trajectory_mode={self.trajectory_mode}: "
-                             "choose one (keep_history continues one sequence, segments re-render it)")
+            raise ValueError("template_fallback=keep_history with trajectory_mode="
+                             f"{self.trajectory_mode}: choose one (keep_history continues one "
+                             "sequence, segments re-render it)")
         return self
 
     def sampling_params(self) -> SamplingParams:
@@ -316,9 +317,10 @@ class Episode:
             except HistoryRewritten as e:
                 if mode == "single":
                     raise EpisodeEnds(StopReason.ENV_ERROR, str(e)) from e
-            except Exception as e:  # noqa: BLE001 - a TemplateError, or a tokenizer's on what the env said
-                raise EpisodeEnds(StopReason.ENV_ERROR, str(e) if isinstance(e, TemplateError)
-                                  else f"rendering the env's messages raised {type(e).__name__}: {e}") from e
+            except Exception as e:  # noqa: BLE001 - a TemplateError, or a tokenizer's
+                detail = (str(e) if isinstance(e, TemplateError)  # on what the env said
+                          else f"rendering the env's messages raised {type(e).__name__}: {e}")
+                raise EpisodeEnds(StopReason.ENV_ERROR, detail) from e
         self.traj.messages.extend(new)
         if suffix is None:
             self._new_segment()
@@ -345,10 +347,10 @@ class Episode:
     def finish(self, reason: StopReason, detail: str = "") -> Trajectory:
         traj = self.traj
         traj.stop_reason, traj.stop_detail = reason, detail
-        if traj.earlier_segments and not any(traj.loss_mask):  # opened, never sampled: not a sequence
+        if traj.earlier_segments and not any(traj.loss_mask):  # opened, never sampled: dropped
             last = traj.earlier_segments.pop()
-            traj.token_ids, traj.loss_mask, traj.logprobs = last.token_ids, last.loss_mask, last.logprobs
-            traj.prompt_len = last.prompt_len
+            traj.token_ids, traj.loss_mask = last.token_ids, last.loss_mask
+            traj.logprobs, traj.prompt_len = last.logprobs, last.prompt_len
         if reason.is_infra_error:
             traj.reward = math.nan
         elif traj.tool_errors and self.limits.tool_error_penalty:

@@ -35,7 +35,8 @@ exact), "keep_history" (the template rewrites history and the user chose that fa
 for every conversation checked), "stepwise" (`chat.trajectory_mode` is "auto" and the template
 rewrites history, or it is "stepwise": the episode goes on in new segments, each the template's own
 rendering; the walk checks each segment token-exact), or "refuse". A rewrite of history is fatal
-only with trajectory_mode "single". `require_token_safe` is what training calls at start-up: it raises
+only with trajectory_mode "single".
+`require_token_safe` is what training calls at start-up: it raises
 TemplateError with the report when the mode is "refuse". `agentgrpo check-template MODEL_DIR`
 prints the report.
 """
@@ -108,9 +109,11 @@ class TemplateReport:
                 out.append("this template has a preserve_thinking switch: try "
                            "rollout.chat_template_kwargs={preserve_thinking: true} and audit again")
             if self.trajectory_mode == "single" and self.fallback != "keep_history":
-                out.append("train each rewritten turn as its own segment: rollout.trajectory_mode=auto "
-                           "(every segment is token-exact; see docs/learner.md for its weight)")
-            if self.fallback != "keep_history" and self.fallback_works and self.trajectory_mode == "single":
+                out.append("train each rewritten turn as its own segment: "
+                           "rollout.trajectory_mode=auto (every segment is token-exact; "
+                           "docs/learner.md says how segments weigh)")
+            single = self.trajectory_mode == "single"
+            if self.fallback != "keep_history" and self.fallback_works and single:
                 out.append("choose rollout.template_fallback=keep_history: the model then keeps "
                            "seeing its earlier turns verbatim (unlike this template at inference), and "
                            "the learner trains on exactly those tokens")
@@ -145,7 +148,8 @@ class TemplateReport:
                                f"(trajectory_mode {self.trajectory_mode})",
                    "refuse": "NOT token-safe: training refuses to start"}[self.mode]
         lines = [f"template: {self.template_source}; end of turn {self.end_of_turn!r}; parser {self.parser}; "
-                 f"fallback {self.fallback}; trajectory mode {self.trajectory_mode}" + (f"; kwargs {self.template_kwargs}" if self.template_kwargs else ""),
+                 f"fallback {self.fallback}; trajectory mode {self.trajectory_mode}"
+                 + (f"; kwargs {self.template_kwargs}" if self.template_kwargs else ""),
                  f"checked {self.conversations} conversations, {self.turns} assistant turns",
                  f"prefix-preserving: {'yes' if self.prefix_preserving else 'no'}",
                  f"mode: {self.mode} - {verdict}"]

@@ -315,7 +315,7 @@ class Trajectory:
     does not extend the tokens sampled so far (it drops earlier `<think>` blocks, say), the episode
     goes on in a new sequence whose prompt is the re-rendered history (`agentgrpo.rollout.Episode`).
     `token_ids`, `loss_mask`, `logprobs` and `prompt_len` are then the *last* segment, the one the
-    engine continues, and `earlier_segments` the closed ones, in order; `segments` lists all of them.
+    engine continues, and `earlier_segments` the closed ones, in order; `segments` lists them all.
     A single-sequence episode has no earlier segments, so code that reads the flat fields sees it
     whole. Each segment holds the invariant above on its own; all share the episode's reward, group
     and advantage.
@@ -355,7 +355,7 @@ class Trajectory:
 
     @property
     def segments(self) -> list[Segment]:
-        """Every segment in order, the last one a view of the flat fields (their lists, not copies)."""
+        """Every segment in order; the last is a view of the flat fields (their lists, no copy)."""
         return [*self.earlier_segments,
                 Segment(self.token_ids, self.loss_mask, self.logprobs, self.prompt_len)]
 

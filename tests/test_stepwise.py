@@ -23,13 +23,22 @@ from agentgrpo.types import Segment, StopReason, Task, ToolCall, Trajectory
 from tests.conftest import SHARED, shared_template
 from tests.fakes import ScriptedEngine
 
-TOOL = {"type": "function", "function": {
-    "name": "calculator", "description": "Evaluate an arithmetic expression.",
-    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
-                   "required": ["expression"]}}}
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "calculator",
+        "description": "Evaluate an arithmetic expression.",
+        "parameters": {
+            "type": "object",
+            "properties": {"expression": {"type": "string"}},
+            "required": ["expression"],
+        },
+    },
+}
 TASK = Task(id="t", prompt="What is 12 * 7 + 3?", answer="87")
 
-# template -> (end-of-turn token, tokens it needs as special tokens, audit mode: single, auto, stepwise)
+# template -> (end-of-turn token, tokens it needs as special tokens,
+#              audit mode under trajectory_mode single, auto, stepwise)
 TEMPLATES = {
     "qwen2_5.jinja": ("<|im_end|>", [], ("exact", "exact", "stepwise")),
     "qwen3.jinja": ("<|im_end|>", [], ("refuse", "stepwise", "stepwise")),
@@ -37,20 +46,42 @@ TEMPLATES = {
     "qwen3_5_think.jinja": ("<|im_end|>", [], ("refuse", "stepwise", "stepwise")),
     "qwen3_6.jinja": ("<|im_end|>", [], ("refuse", "stepwise", "stepwise")),
     "nemotron_3_nano.jinja": ("<|im_end|>", [], ("refuse", "stepwise", "stepwise")),
-    "lfm2_2_5.jinja": ("<|im_end|>", ["<|tool_call_start|>", "<|tool_call_end|>"],
-                       ("refuse", "stepwise", "stepwise")),
-    "llama3_1.jinja": ("<|eot_id|>", ["<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>",
-                                      "<|python_tag|>", "<|eom_id|>"], ("exact", "exact", "stepwise")),
+    "lfm2_2_5.jinja": (
+        "<|im_end|>",
+        ["<|tool_call_start|>", "<|tool_call_end|>"],
+        ("refuse", "stepwise", "stepwise"),
+    ),
+    "llama3_1.jinja": (
+        "<|eot_id|>",
+        ["<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>", "<|python_tag|>", "<|eom_id|>"],
+        ("exact", "exact", "stepwise"),
+    ),
     # refused with segments too: harmony ends a turn with one of three tokens (<|call|>, <|return|>,
     # <|end|>), GLM's turn ends where the next role token starts, DeepSeek-V3's template wants
     # tool-call arguments as a JSON string (see test_parsers_families for their parsers)
-    "gptoss.jinja": ("<|call|>", ["<|start|>", "<|end|>", "<|message|>", "<|channel|>",
-                                  "<|constrain|>", "<|return|>", "<|call|>"],
-                     ("refuse", "refuse", "refuse")),
-    "glm4moe.jinja": ("<|user|>", ["<|user|>", "<|assistant|>", "<|system|>", "<|observation|>",
-                                   "[gMASK]", "<sop>"], ("refuse", "refuse", "refuse")),
-    "deepseekv3.jinja": ("<｜end▁of▁sentence｜>", ["<｜end▁of▁sentence｜>", "<｜begin▁of▁sentence｜>"],
-                         ("refuse", "refuse", "refuse")),
+    "gptoss.jinja": (
+        "<|call|>",
+        [
+            "<|start|>",
+            "<|end|>",
+            "<|message|>",
+            "<|channel|>",
+            "<|constrain|>",
+            "<|return|>",
+            "<|call|>",
+        ],
+        ("refuse", "refuse", "refuse"),
+    ),
+    "glm4moe.jinja": (
+        "<|user|>",
+        ["<|user|>", "<|assistant|>", "<|system|>", "<|observation|>", "[gMASK]", "<sop>"],
+        ("refuse", "refuse", "refuse"),
+    ),
+    "deepseekv3.jinja": (
+        "<｜end▁of▁sentence｜>",
+        ["<｜end▁of▁sentence｜>", "<｜begin▁of▁sentence｜>"],
+        ("refuse", "refuse", "refuse"),
+    ),
 }
 
 
@@ -79,7 +110,9 @@ def _chat(tok, name: str, mode: str, **kw) -> ChatFormat:
     t = copy.deepcopy(tok)
     if specials:
         t.add_special_tokens({"additional_special_tokens": specials})
-    return ChatFormat(t, template=shared_template(name), end_of_turn=eot, trajectory_mode=mode, **kw)
+    return ChatFormat(
+        t, template=shared_template(name), end_of_turn=eot, trajectory_mode=mode, **kw
+    )
 
 
 class Thinker(Env):
@@ -96,8 +129,16 @@ class Thinker(Env):
     def step(self, action: Message):
         self.turn += 1
         if action.tool_calls:
-            return [Message(role="tool", content="84", tool_call_id=c.id, name=c.name)
-                    for c in action.tool_calls], 0.0, False, False, {}
+            return (
+                [
+                    Message(role="tool", content="84", tool_call_id=c.id, name=c.name)
+                    for c in action.tool_calls
+                ],
+                0.0,
+                False,
+                False,
+                {},
+            )
         if self.turn == 2:
             return [Message(role="user", content="Are you sure? Add the 3.")], 0.0, False, False, {}
         return [], 1.0, True, False, {}
@@ -105,21 +146,29 @@ class Thinker(Env):
 
 def _turns() -> list[Message]:
     call = ToolCall(id="call_0", name="calculator", arguments={"expression": "12*7"})
-    return [Message(role="assistant", content="<think>\nThe product first.\n</think>\n\n", tool_calls=[call]),
-            Message(role="assistant", content="<think>\n84 + 3 = 87.\n</think>\n\n84 + 3 = 87."),
-            Message(role="assistant", content="<think>\nChecked.\n</think>\n\nYes, 87.")]
+    return [
+        Message(
+            role="assistant", content="<think>\nThe product first.\n</think>\n\n", tool_calls=[call]
+        ),
+        Message(role="assistant", content="<think>\n84 + 3 = 87.\n</think>\n\n84 + 3 = 87."),
+        Message(role="assistant", content="<think>\nChecked.\n</think>\n\nYes, 87."),
+    ]
 
 
 def _script(chat: ChatFormat):
     """The engine answers with the template's own text for the next scripted assistant turn (the
     render of the history with it, after the generation prompt), so every parser reads it."""
-    env_turns = [[Message(role="tool", content="84", tool_call_id="call_0", name="calculator")],
-                 [Message(role="user", content="Are you sure? Add the 3.")]]
+    env_turns = [
+        [Message(role="tool", content="84", tool_call_id="call_0", name="calculator")],
+        [Message(role="user", content="Are you sure? Add the 3.")],
+    ]
     texts, history = [], TASK.prompt_messages()
     for k, a in enumerate(_turns()):
         gen = chat.render(history, [TOOL], add_generation_prompt=True)
         full = chat.render(history + [a], [TOOL])
-        start = next((i for i, (x, y) in enumerate(zip(gen, full, strict=False)) if x != y), len(gen))
+        start = next(
+            (i for i, (x, y) in enumerate(zip(gen, full, strict=False)) if x != y), len(gen)
+        )
         text = full[start:]
         texts.append(text[: text.index(chat.end_of_turn) + len(chat.end_of_turn)])
         history += [a] + (env_turns[k] if k < len(env_turns) else [])
@@ -133,8 +182,11 @@ def check_token_exact(traj: Trajectory, engine: RecordingEngine, chat: ChatForma
     runs = []  # (segment, start, end) of every sampled run, in order
     for s, seg in enumerate(traj.segments):
         m = seg.loss_mask
-        runs += [(s, i, next((j for j in range(i, len(m)) if not m[j]), len(m)))
-                 for i in range(len(m)) if m[i] and (i == 0 or not m[i - 1])]
+        runs += [
+            (s, i, next((j for j in range(i, len(m)) if not m[j]), len(m)))
+            for i in range(len(m))
+            if m[i] and (i == 0 or not m[i - 1])
+        ]
     assert len(runs) == len(engine.calls) == traj.num_turns
     for k, (s, start, end) in enumerate(runs):
         seg = traj.segments[s]
@@ -144,8 +196,9 @@ def check_token_exact(traj: Trajectory, engine: RecordingEngine, chat: ChatForma
     check_segment_prompts(traj, chat, [TOOL])
 
 
-def check_segment_prompts(traj: Trajectory, chat: ChatFormat, tools: list[dict] | None,
-                          max_tool_calls: int | None = None) -> None:
+def check_segment_prompts(
+    traj: Trajectory, chat: ChatFormat, tools: list[dict] | None, max_tool_calls: int | None = None
+) -> None:
     """What can be checked without the engine: every segment holds the invariant, its sampled runs
     are turns in order, and its prompt is the template's render of the messages before its first
     turn (the first segment's: the env's first messages)."""
@@ -153,14 +206,15 @@ def check_segment_prompts(traj: Trajectory, chat: ChatFormat, tools: list[dict] 
     # the sampled turns are the last num_turns assistant messages (the env's first messages may
     # hold a worked example)
     assistants = [i for i, msg in enumerate(traj.messages) if msg.role == "assistant"]
-    assistants = assistants[len(assistants) - traj.num_turns:]
+    assistants = assistants[len(assistants) - traj.num_turns :]
     turn = 0
     for seg in traj.segments:
         m = seg.loss_mask
         starts = [i for i in range(len(m)) if m[i] and (i == 0 or not m[i - 1])]
         assert starts and starts[0] == seg.prompt_len
-        assert seg.token_ids[:seg.prompt_len] == chat.prompt_ids(
-            traj.messages[:assistants[turn]], tools, max_tool_calls=max_tool_calls)
+        assert seg.token_ids[: seg.prompt_len] == chat.prompt_ids(
+            traj.messages[: assistants[turn]], tools, max_tool_calls=max_tool_calls
+        )
         turn += len(starts)
     assert turn == traj.num_turns
 
@@ -172,7 +226,9 @@ def test_every_tool_template_gets_its_mode_and_token_exact_segments(tok, name):
         report = audit(_chat(tok, name, mode, template_kwargs={"enable_thinking": True}))
         assert report.mode == want, (mode, report.format())
         if want != "refuse":
-            assert report.trajectory_mode == mode and (want == "stepwise") == (report.new_segments > 0)
+            assert report.trajectory_mode == mode and (want == "stepwise") == (
+                report.new_segments > 0
+            )
         elif mode != "single":  # refused for what segments do not mend: the turn's end, the render
             fatal = {i.kind for i in report.issues if i.fatal}
             assert fatal and fatal <= {"no_end_of_turn", "render_error", "no_tool_support"}, fatal
@@ -181,8 +237,16 @@ def test_every_tool_template_gets_its_mode_and_token_exact_segments(tok, name):
             continue
         chat = _chat(tok, name, mode, template_kwargs={"enable_thinking": True})
         engine = RecordingEngine(chat.tokenizer, _script(chat), chat.end_of_turn_id)
-        traj = asyncio.run(run_episode(Thinker(), engine, chat, TASK, SamplingParams(max_new_tokens=200),
-                                       limits=EpisodeLimits(max_turns=4)))
+        traj = asyncio.run(
+            run_episode(
+                Thinker(),
+                engine,
+                chat,
+                TASK,
+                SamplingParams(max_new_tokens=200),
+                limits=EpisodeLimits(max_turns=4),
+            )
+        )
         assert traj.stop_reason == StopReason.COMPLETED and traj.num_turns == 3, traj.stop_detail
         assert [c.name for c in traj.messages[1].tool_calls or []] == ["calculator"]
         check_token_exact(traj, engine, chat)
@@ -196,25 +260,51 @@ def test_qwen3_6_thinking_trains_without_fallback_in_auto_mode_and_is_refused_in
     query the template drops it, and the next segment's prompt is that rewritten history."""
     single = _chat(tok, "qwen3_6.jinja", "single", template_kwargs={"enable_thinking": True})
     engine = RecordingEngine(single.tokenizer, _script(single), single.end_of_turn_id)
-    traj = asyncio.run(run_episode(Thinker(), engine, single, TASK, SamplingParams(max_new_tokens=200),
-                                   limits=EpisodeLimits(max_turns=4)))
+    traj = asyncio.run(
+        run_episode(
+            Thinker(),
+            engine,
+            single,
+            TASK,
+            SamplingParams(max_new_tokens=200),
+            limits=EpisodeLimits(max_turns=4),
+        )
+    )
     assert traj.stop_reason == StopReason.ENV_ERROR and "not prefix-preserving" in traj.stop_detail
     assert "trajectory_mode=auto" in traj.stop_detail
     chat = _chat(tok, "qwen3_6.jinja", "auto", template_kwargs={"enable_thinking": True})
     engine = RecordingEngine(chat.tokenizer, _script(chat), chat.end_of_turn_id)
-    traj = asyncio.run(run_episode(Thinker(), engine, chat, TASK, SamplingParams(max_new_tokens=200),
-                                   limits=EpisodeLimits(max_turns=4)))
+    traj = asyncio.run(
+        run_episode(
+            Thinker(),
+            engine,
+            chat,
+            TASK,
+            SamplingParams(max_new_tokens=200),
+            limits=EpisodeLimits(max_turns=4),
+        )
+    )
     first, second = traj.segments
-    sampled = [chat.decode([t for t, m in zip(s.token_ids, s.loss_mask, strict=True) if m])
-               for s in (first, second)]
+    sampled = [
+        chat.decode([t for t, m in zip(s.token_ids, s.loss_mask, strict=True) if m])
+        for s in (first, second)
+    ]
     assert "The product first." in sampled[0] and "84 + 3 = 87." in sampled[0]
     assert "Checked." in sampled[1]
-    second_prompt = chat.decode(second.token_ids[:second.prompt_len])
+    second_prompt = chat.decode(second.token_ids[: second.prompt_len])
     assert "The product first." not in second_prompt and "84 + 3 = 87." in second_prompt
     assert traj.reward == 1.0 and traj.num_sampled == first.num_sampled + second.num_sampled
     row = json.loads(json.dumps(traj.to_dict()))
     assert [Segment.from_dict(s) for s in row["segments"]] == traj.segments
     assert row["token_ids"] == second.token_ids  # the flat fields are the last segment
+    # the template's own switch keeps the reasoning in history: auto is then one sequence
+    keep = _chat(
+        tok,
+        "qwen3_6.jinja",
+        "auto",
+        template_kwargs={"enable_thinking": True, "preserve_thinking": True},
+    )
+    assert audit(keep).mode == "exact"
 
 
 def test_history_rewritten_is_a_template_error_and_keep_history_excludes_segments(tok):
@@ -234,8 +324,16 @@ def test_a_segment_opened_but_never_sampled_is_dropped_and_the_budget_spans_segm
     script = _script(chat)
     first = len(chat.encode(script([], 0)))  # the first turn's sampled ids (with the end of turn)
     engine = RecordingEngine(chat.tokenizer, script, chat.end_of_turn_id)
-    traj = asyncio.run(run_episode(Thinker(), engine, chat, TASK, SamplingParams(max_new_tokens=200),
-                                   limits=EpisodeLimits(max_turns=4, max_tokens=first)))
+    traj = asyncio.run(
+        run_episode(
+            Thinker(),
+            engine,
+            chat,
+            TASK,
+            SamplingParams(max_new_tokens=200),
+            limits=EpisodeLimits(max_turns=4, max_tokens=first),
+        )
+    )
     assert traj.stop_reason == StopReason.MAX_TOKENS and len(engine.calls) == 1
     assert len(traj.segments) == 1 and traj.num_sampled == first
     traj.check()
@@ -247,11 +345,15 @@ def test_the_learner_trains_a_row_per_segment_with_the_episode_s_advantage():
 
     one = traj([1, 2, 3, 4, 5], [0, 0, 1, 1, 0], group="g")
     two = traj([1, 2, 6, 7], [0, 0, 1, 1], group="g")
-    two.earlier_segments = [Segment([1, 2, 8], [0, 0, 1], [0.0, 0.0, -1.0], 2),
-                            Segment([1, 2, 9, 9], [0, 0, 0, 0], [0.0] * 4, 2)]  # nothing sampled
+    two.earlier_segments = [
+        Segment([1, 2, 8], [0, 0, 1], [0.0, 0.0, -1.0], 2),
+        Segment([1, 2, 9, 9], [0, 0, 0, 0], [0.0] * 4, 2),
+    ]  # nothing sampled
     rows, advs = segment_rows([one, two], [0.5, -1.0])
     assert [r.token_ids for r in rows] == [[1, 2, 3, 4, 5], [1, 2, 8], [1, 2, 6, 7]]
-    assert advs == [0.5, -1.0, -1.0] and all(r.group_id == "g" and not r.earlier_segments for r in rows)
+    assert advs == [0.5, -1.0, -1.0] and all(
+        r.group_id == "g" and not r.earlier_segments for r in rows
+    )
     (mb,) = make_micro_batches(rows, advs, 64, mode="shared_prefix")
     assert mb.advantages_N.tolist() == [advs[r] for r in mb.rows] and sorted(mb.rows) == [0, 1, 2]
     assert mb.loss_mask_NL.sum() == 5
@@ -265,7 +367,10 @@ def test_the_report_s_trajectory_viewer_shows_every_segment():
     t = traj([1, 2, 6, 7], [0, 0, 1, 1])
     t.earlier_segments = [Segment([1, 2, 8], [0, 0, 1], [0.0, 0.0, -1.0], 2)]
     page = _traj_html(t.to_dict(), {8: "eight", 6: "six"}, 100)
-    assert "segment 1 of 2, tokens: 3 (1 generated)" in page and "segment 2 of 2, tokens: 4 (2 generated)" in page
+    assert (
+        "segment 1 of 2, tokens: 3 (1 generated)" in page
+        and "segment 2 of 2, tokens: 4 (2 generated)" in page
+    )
     assert page.index("eight") < page.index("six")
     single = _traj_html(traj([1, 2, 6], [0, 0, 1]).to_dict(), {}, 100)
     assert "segment" not in single and "tokens: 3 (1 generated)" in single
@@ -276,10 +381,16 @@ def rows_as_trajectories(path) -> list[Trajectory]:
 
     out = []
     for r in read_jsonl(path):
-        t = Trajectory(task_id=r["task_id"], token_ids=r["token_ids"], loss_mask=r["loss_mask"],
-                       logprobs=r["logprobs"], prompt_len=r["prompt_len"],
-                       messages=[Message.from_dict(m) for m in r["messages"]],
-                       stop_reason=StopReason(r["stop_reason"]), num_turns=r["num_turns"])
+        t = Trajectory(
+            task_id=r["task_id"],
+            token_ids=r["token_ids"],
+            loss_mask=r["loss_mask"],
+            logprobs=r["logprobs"],
+            prompt_len=r["prompt_len"],
+            messages=[Message.from_dict(m) for m in r["messages"]],
+            stop_reason=StopReason(r["stop_reason"]),
+            num_turns=r["num_turns"],
+        )
         if "segments" in r:
             *earlier, last = [Segment.from_dict(s) for s in r["segments"]]
             assert last == t.segments[-1]  # the flat fields are the last segment
@@ -289,7 +400,9 @@ def rows_as_trajectories(path) -> list[Trajectory]:
 
 
 @pytest.mark.slow
-def test_calculator_trains_stepwise_with_qwen3_6_and_thinking_on_the_embedded_model(tmp_path, smol_path):
+def test_calculator_trains_stepwise_with_qwen3_6_and_thinking_on_the_embedded_model(
+    tmp_path, smol_path
+):
     """Issue 30's check: two CPU steps of the calculator env with the Qwen3.6 template attached to
     the embedded model and thinking on, step-wise, no fallback; every trajectory passes the checks
     segment by segment."""
@@ -301,13 +414,25 @@ def test_calculator_trains_stepwise_with_qwen3_6_and_thinking_on_the_embedded_mo
 
     template = shared_template("qwen3_6.jinja")
     out = tmp_path / "run"
-    rc = main(["train", "examples/calculator.yaml", "train.steps=2", f"output_dir={out}",
-               f"model.chat_template={SHARED / 'chat_templates' / 'qwen3_6.jinja'}",
-               "rollout.chat_template_kwargs={enable_thinking: true}",
-               "rollout.trajectory_mode=stepwise", "log.progress=false"])
+    rc = main(
+        [
+            "train",
+            "examples/calculator.yaml",
+            "train.steps=2",
+            f"output_dir={out}",
+            f"model.chat_template={SHARED / 'chat_templates' / 'qwen3_6.jinja'}",
+            "rollout.chat_template_kwargs={enable_thinking: true}",
+            "rollout.trajectory_mode=stepwise",
+            "log.progress=false",
+        ]
+    )
     assert rc == 0
-    chat = ChatFormat(AutoTokenizer.from_pretrained(smol_path), template=template,
-                      template_kwargs={"enable_thinking": True}, trajectory_mode="stepwise")
+    chat = ChatFormat(
+        AutoTokenizer.from_pretrained(smol_path),
+        template=template,
+        template_kwargs={"enable_thinking": True},
+        trajectory_mode="stepwise",
+    )
     env = CalculatorEnv()
     trajs = rows_as_trajectories(out / "trajectories.jsonl")
     assert len(trajs) == 64 and all(t.stop_reason != StopReason.ENV_ERROR for t in trajs)
@@ -341,8 +466,12 @@ def test_a_step_wise_episode_trains_exactly_as_its_segments_would_as_trajectorie
         flat_adv[i + 1] = adv[i]
     grads = []
     for trajs, advs in ((episodes, episode_adv), (flat, flat_adv)):
-        learner = Learner(tiny_llama(), LearnerConfig(micro_batch_tokens=64, grad_clip=1e9),
-                          LossConfig(agg=agg), temperature=TEMPERATURE)
+        learner = Learner(
+            tiny_llama(),
+            LearnerConfig(micro_batch_tokens=64, grad_clip=1e9),
+            LossConfig(agg=agg),
+            temperature=TEMPERATURE,
+        )
         got = record_grads(learner)
         metrics = learner.train_step(trajs, advs)
         grads.append(got[0])
