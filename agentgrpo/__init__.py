@@ -4,8 +4,9 @@ from agentgrpo.types import EnvStep, Group, Message, StopReason, Task, ToolCall,
 from agentgrpo.tool import tool  # binds the name `tool` to the decorator, not the submodule
 from agentgrpo.env import Env, ToolEnv
 from agentgrpo.env_check import check_env  # the run-level checker: the package face re-exports it
+from agentgrpo.agent import AgentEnv
 
 __all__ = [
-    "Env", "EnvStep", "Group", "Message", "StopReason", "Task", "ToolCall", "ToolEnv", "Trajectory",
-    "check_env", "tool",
+    "AgentEnv", "Env", "EnvStep", "Group", "Message", "StopReason", "Task", "ToolCall", "ToolEnv",
+    "Trajectory", "check_env", "tool",
 ]

@@ -174,7 +174,7 @@ def _map_texts(obj: Any, f: Callable[[str], str], key: str = "") -> Any:
     return obj
 
 
-class _Held:
+class _Placeholders:
     """Message dicts whose special-token texts are replaced by placeholders (`ChatFormat._hold`)."""
 
     def __init__(self, dicts: list[dict[str, Any]]) -> None:
@@ -360,25 +360,25 @@ class ChatFormat:
         prompt, and a new segment's (its assistant turns rendered with at most `max_tool_calls`
         calls, as in `suffix_ids`)."""
         dicts = [self._template_dict(m, max_tool_calls) for m in messages]
-        text, held = self._render_held([], dicts, tools, True)
-        return self._encode_rendered(text, held)
+        text, protected = self._render_protected([], dicts, tools, True)
+        return self._encode_rendered(text, protected)
 
-    def _render_held(self, fixed: list[dict[str, Any]], dicts: list[dict[str, Any]], tools: list[dict] | None,
-                     add_generation_prompt: bool) -> tuple[str, _Held]:
+    def _render_protected(self, fixed: list[dict[str, Any]], dicts: list[dict[str, Any]], tools: list[dict] | None,
+                     add_generation_prompt: bool) -> tuple[str, _Placeholders]:
         """The render of `fixed + dicts` with the special-token texts in `dicts`' contents held
         (`_hold`), and what was held. When something is held, the template's render of the real
         content is computed too: the placeholders avoid its text, and `_Held.check` requires the
         held render with the texts put back to equal it."""
         if self._special_text is None or not any(
                 self._special_text.search(t) for d in dicts for t in _texts(d)):
-            return self._render_dicts(fixed + dicts, tools, add_generation_prompt), _Held(dicts)
+            return self._render_dicts(fixed + dicts, tools, add_generation_prompt), _Placeholders(dicts)
         real = self._render_dicts(fixed + dicts, tools, add_generation_prompt)
-        held = self._hold(dicts, avoid=real)
-        text = self._render_dicts(fixed + held.dicts, tools, add_generation_prompt)
-        held.check(text, real)
-        return text, held
+        protected = self._hold(dicts, avoid=real)
+        text = self._render_dicts(fixed + protected.dicts, tools, add_generation_prompt)
+        protected.check(text, real)
+        return text, protected
 
-    def _hold(self, dicts: list[dict[str, Any]], avoid: str = "") -> _Held:
+    def _hold(self, dicts: list[dict[str, Any]], avoid: str = "") -> _Placeholders:
         """`dicts` with every special token's text inside any string the template may print (the
         content, and as much the tool name a model chose or a tool call id; `_texts`) replaced by
         a placeholder.
@@ -387,27 +387,27 @@ class ChatFormat:
         neither a content nor `avoid`, the real render, holds `agentgrpo<n>h`), which template
         filters such as `trim` and `tojson` leave as they are: the template renders the real content
         around them, and `_encode_rendered` puts the special texts back as plain text."""
-        held = _Held(dicts)
+        protected = _Placeholders(dicts)
         if self._special_text is None:
-            return held
+            return protected
         contents = [t for d in dicts for t in _texts(d)]
         if not any(self._special_text.search(c) for c in contents):
-            return held
+            return protected
         nonce = 0
         while any(f"agentgrpo{nonce}h" in c for c in [*contents, avoid]):
             nonce += 1
 
         def mark(m: re.Match) -> str:
-            held.texts.append(m.group())
-            return f"agentgrpo{nonce}h{len(held.texts) - 1}e"
+            protected.texts.append(m.group())
+            return f"agentgrpo{nonce}h{len(protected.texts) - 1}e"
 
         pattern = self._special_text
-        held.dicts = [_map_texts(d, lambda t: pattern.sub(mark, t)) for d in dicts]
-        held.pattern = re.compile(f"agentgrpo{nonce}h([0-9]+)e")
-        return held
+        protected.dicts = [_map_texts(d, lambda t: pattern.sub(mark, t)) for d in dicts]
+        protected.pattern = re.compile(f"agentgrpo{nonce}h([0-9]+)e")
+        return protected
 
-    def _encode_rendered(self, text: str, held: _Held) -> list[int]:
-        """Tokenize template output rendered from `held.dicts`: the held special texts go where their
+    def _encode_rendered(self, text: str, protected: _Placeholders) -> list[int]:
+        """Tokenize template output rendered from `protected.dicts`: the held special texts go where their
         placeholders are, as plain text.
 
         The text is split at the template's own special tokens (the contents' are placeholders
@@ -419,7 +419,7 @@ class ChatFormat:
         byte-level BPE tokenizers (Qwen, Llama 3, DeepSeek-V3, SmolLM2) do; a SentencePiece tokenizer
         that prepends "▁" to its input shows the model an extra "▁" after each template special token
         on this (rare) path (the held text stays plain text). The ids are what the model sees."""
-        if held.pattern is None:
+        if protected.pattern is None:
             return self.encode(text)
         assert self._special_text is not None  # a pattern exists only when there are special tokens
         ids: list[int] = []
@@ -428,19 +428,19 @@ class ChatFormat:
             lstrip, rstrip = self._strips.get(m.group(), (False, False))
             piece = text[pos:m.start()]
             piece = piece.lstrip() if absorb_left else piece
-            ids += self._encode_plain(held.restore(piece.rstrip() if lstrip else piece))
+            ids += self._encode_plain(protected.restore(piece.rstrip() if lstrip else piece))
             ids.append(self.tokenizer.convert_tokens_to_ids(m.group()))
             pos, absorb_left = m.end(), rstrip
         piece = text[pos:]
-        return ids + self._encode_plain(held.restore(piece.lstrip() if absorb_left else piece))
+        return ids + self._encode_plain(protected.restore(piece.lstrip() if absorb_left else piece))
 
-    def _encode_after_end_of_turn(self, text: str, held: _Held) -> list[int]:
+    def _encode_after_end_of_turn(self, text: str, protected: _Placeholders) -> list[int]:
         """Ids of `text` as the tokenizer reads it right after the end-of-turn token: tokenized
         behind that token, whose id is dropped. Tokenizers split added tokens out first, so this is
         how the whole conversation tokenizes in one piece (an rstrip token absorbs whitespace, as
         there). `text` alone is not, for a tokenizer that prepends "▁" to its input (Metaspace,
         `prepend_scheme="first"`): every suffix began with a "▁" the template never rendered."""
-        ids = self._encode_rendered(self.end_of_turn + text, held)
+        ids = self._encode_rendered(self.end_of_turn + text, protected)
         if not ids or ids[0] != self.end_of_turn_id:
             raise TemplateError(f"the tokenizer does not read {self.end_of_turn!r} as one token at the start "
                                 f"of {self.end_of_turn + text[:40]!r}; cannot continue after the sampled turn")
@@ -472,7 +472,7 @@ class ChatFormat:
             raise ValueError("suffix_ids: history must end with the assistant message just sampled")
         history_dicts = [self._template_dict(m, max_tool_calls) for m in history]  # built once for both renders
         before = self._render_dicts(history_dicts, tools, False)
-        after, held = self._render_held(history_dicts, [self._template_dict(m) for m in new_messages], tools, True)
+        after, protected = self._render_protected(history_dicts, [self._template_dict(m) for m in new_messages], tools, True)
         cut = before.rfind(self.end_of_turn)
         if cut < 0:
             raise TemplateError(
@@ -481,10 +481,10 @@ class ChatFormat:
             )
         glue = before[cut + len(self.end_of_turn):]
         if after.startswith(before):
-            return self._encode_after_end_of_turn(glue + after[len(before):], held)
+            return self._encode_after_end_of_turn(glue + after[len(before):], protected)
         if self.fallback == "keep_history":
-            tail = self._suffix_after_last_turn(history_dicts, held.dicts, tools, after, glue)
-            return self._encode_after_end_of_turn(tail, held)
+            tail = self._suffix_after_last_turn(history_dicts, protected.dicts, tools, after, glue)
+            return self._encode_after_end_of_turn(tail, protected)
         at = _common_prefix(before, after)
         raise HistoryRewritten(
             "the chat template is not prefix-preserving: adding "

@@ -101,6 +101,8 @@ def _report(args: argparse.Namespace) -> int:
 FORWARDED = {
     "serve-sandbox": ("agentgrpo.verify.sandbox_server", "run the code sandbox as an HTTP server"),
     "serve-sglang": ("agentgrpo.engine.sglang_launch", "start SGLang with RL settings: MODEL [sglang args]"),
+    "serve-policy": ("agentgrpo.serve_policy", "serve the policy as OpenAI's Chat Completions API, "
+                     "one URL per episode: MODEL_DIR [--sglang URL ...]"),
 }
 
 

@@ -369,25 +369,25 @@ class Learner:
         acc = self.accelerator
         if acc.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(acc.device)
-        minis = [self._pack([trajs[i] for i in part], [advantages[i] for i in part])
+        packed_mini_batches = [self._pack([trajs[i] for i in part], [advantages[i] for i in part])
                  for part in balanced_parts(trajs, self.cfg.mini_batches)]
-        for mini, n in zip(minis, self._max_over_ranks([len(m.batches) for m in minis]), strict=True):
-            mini.batches += [None] * (n - len(mini.batches))
-        self._score(minis)
+        for mini_batch, n in zip(packed_mini_batches, self._max_over_ranks([len(m.batches) for m in packed_mini_batches]), strict=True):
+            mini_batch.batches += [None] * (n - len(mini_batch.batches))
+        self._score(packed_mini_batches)
         # Each mini-batch's loss shares are of its own loss; scaled by its part of the batch's
         # normaliser they add up to the batch's loss in the logged metrics (see learner_metrics).
         by_tokens = self.loss_cfg.effective_agg == "token-mean"
-        norm = [m.num_tokens if by_tokens else m.num_seqs for m in minis]
-        cells = [[Metrics() for _ in minis] for _ in range(self.cfg.passes)]
+        norm = [m.num_tokens if by_tokens else m.num_seqs for m in packed_mini_batches]
+        opt_step_metrics = [[Metrics() for _ in packed_mini_batches] for _ in range(self.cfg.passes)]
         optim: list[list[dict[str, float]]] = [[] for _ in range(self.cfg.passes)]
         for p in range(self.cfg.passes):
-            for j, mini in enumerate(minis):  # one optimizer step each
-                for k, mb in enumerate(mini.batches):
-                    sync = k == len(mini.batches) - 1  # gradients are all-reduced once per optimizer step
+            for j, mini_batch in enumerate(packed_mini_batches):  # one optimizer step each
+                for k, mb in enumerate(mini_batch.batches):
+                    sync = k == len(mini_batch.batches) - 1  # gradients are all-reduced once per optimizer step
                     with contextlib.nullcontext() if sync else acc.no_sync(self.model):
-                        m = self._micro_step(mb, mini, k, measure_gap=p == 0 and j == 0)
+                        m = self._micro_step(mb, mini_batch, k, measure_gap=p == 0 and j == 0)
                     if mb is not None:
-                        cells[p][j].add(m, float(mb.loss_mask_NL.sum()))
+                        opt_step_metrics[p][j].add(m, float(mb.loss_mask_NL.sum()))
                 grad_norm = acc.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
                 lr = self.scheduler.get_last_lr()[0]
                 self.optimizer.step()
@@ -395,8 +395,8 @@ class Learner:
                 self.optimizer.zero_grad(set_to_none=True)
                 optim[p].append({"grad_norm": total_norm(grad_norm), "lr": lr})
         self.step += 1
-        out = step_metrics(over_ranks(cells, acc), [n / sum(norm) for n in norm], optim)
-        batches = [b for m in minis for b in m.batches]
+        out = step_metrics(over_ranks(opt_step_metrics, acc), [n / sum(norm) for n in norm], optim)
+        batches = [b for m in packed_mini_batches for b in m.batches]
         real = sum(b.num_real_tokens for b in batches if b is not None)
         slots = sum(b.num_tokens for b in batches if b is not None)
         out.update(train_tokens=float(sum(len(t.token_ids) for t in trajs)), packed_tokens=float(real),
@@ -416,25 +416,25 @@ class Learner:
                 row_tokens=self.cfg.row_tokens, pair_cost=self.pair_cost)]
         return _MiniBatch(batches, float(sum(t.num_sampled for t in trajs)), float(len(trajs)))
 
-    def _score(self, minis: list[_MiniBatch]) -> None:
+    def _score(self, packed_mini_batches: list[_MiniBatch]) -> None:
         """No-grad pass before any update (later mini-batches are then off-policy, as they should be):
         recomputed old logprobs and reference logprobs, [N, L] per micro-batch."""
         recompute, kl = self.cfg.old_logprobs == "recompute", self.loss_cfg.kl_coef > 0
-        for mini in minis:
-            mini.olds, mini.refs = [None] * len(mini.batches), [None] * len(mini.batches)
+        for mini_batch in packed_mini_batches:
+            mini_batch.olds, mini_batch.refs = [None] * len(mini_batch.batches), [None] * len(mini_batch.batches)
         if not (recompute or kl):
             return
         if self.ref is not None and self.cfg.ref_offload:
             self.ref.to(self.accelerator.device)
         with torch.no_grad():
-            for mini in minis:
+            for mini_batch in packed_mini_batches:
                 if recompute:
-                    mini.olds = [self._forward_layout(self.model, mb) for mb in mini.batches]
+                    mini_batch.olds = [self._forward_layout(self.model, mb) for mb in mini_batch.batches]
                 if kl and self.ref is not None:
-                    mini.refs = [self._forward_layout(self.ref, mb) for mb in mini.batches]
+                    mini_batch.refs = [self._forward_layout(self.ref, mb) for mb in mini_batch.batches]
                 elif kl:  # LoRA: the reference is the base model, adapter off
-                    mini.refs = [self._forward_layout(self.model, mb, disable_adapter=True)
-                                 for mb in mini.batches]
+                    mini_batch.refs = [self._forward_layout(self.model, mb, disable_adapter=True)
+                                 for mb in mini_batch.batches]
         if self.ref is not None and self.cfg.ref_offload:
             self.ref.to("cpu")
 
@@ -442,7 +442,7 @@ class Learner:
         lp_M, _ = module(mb or TrainBatch.empty(self.pad_id, self.accelerator.device), self.temperature, **kw)
         return None if mb is None else to_loss_layout(lp_M, mb)
 
-    def _micro_step(self, mb: TrainBatch | None, mini: _MiniBatch, k: int, *,
+    def _micro_step(self, mb: TrainBatch | None, mini_batch: _MiniBatch, k: int, *,
                     measure_gap: bool) -> dict[str, float]:
         """Forward and backward of micro-batch `mb` (number `k` of `mini`); `measure_gap`: log the
         rollout/learner logprob gap (only before the first update, so it measures the engine)."""
@@ -455,12 +455,12 @@ class Learner:
             return {}
         lp_NL = to_loss_layout(lp_M, mb)
         rollout_NL, mask_NL = mb.rollout_logprobs_NL, mb.loss_mask_NL
-        old_NL = rollout_NL if mini.olds[k] is None else mini.olds[k]
+        old_NL = rollout_NL if mini_batch.olds[k] is None else mini_batch.olds[k]
         loss, metrics = compute_loss(
-            self.loss_cfg, lp_NL, old_NL, mb.advantages_N, mask_NL, ref_logprobs_BT=mini.refs[k],
+            self.loss_cfg, lp_NL, old_NL, mb.advantages_N, mask_NL, ref_logprobs_BT=mini_batch.refs[k],
             entropy_BT=to_loss_layout(ent_M, mb) if entropy_in_loss else None,
             rollout_logprobs_BT=rollout_NL if self.cfg.old_logprobs == "recompute" else None,
-            num_tokens=mini.num_tokens, num_seqs=mini.num_seqs)
+            num_tokens=mini_batch.num_tokens, num_seqs=mini_batch.num_seqs)
         self.accelerator.backward(loss * world)
         with torch.no_grad():
             m = mask_NL > 0

@@ -9,7 +9,8 @@ follow what `loss.py` returns next to a loss:
 - everything else (clipfrac, ratio_mean, kl, entropy, ...) is a mean over loss tokens, so it is
   averaged weighted by each micro-batch's loss tokens; counts such as `loss_tokens` are summed.
 
-One train step has `passes x mini_batches` optimizer steps, a grid of cells `[pass][mini-batch]`.
+One train step has `passes x mini_batches` optimizer steps, one `Metrics` each, in a grid
+`[pass][mini-batch]` (`opt_step_metrics`).
 A pass's metrics are those of one big step over the pass's whole batch: the token-weighted means
 and extremes simply pool every micro-batch, and each mini-batch's loss shares are scaled by its
 share of the batch's normaliser (its loss tokens for token-mean, its sequences for the seq-mean
@@ -71,30 +72,31 @@ class Metrics:
         return self.sums | means | self.extremes
 
 
-def over_ranks(cells: list[list[Metrics]], acc: Accelerator) -> list[list[Metrics]]:
-    """Every rank's grid of cells pooled cell by cell (one collective for the whole step)."""
+def over_ranks(opt_step_metrics: list[list[Metrics]], acc: Accelerator) -> list[list[Metrics]]:
+    """Every rank's grid of optimizer-step metrics pooled entry by entry (one collective for the
+    whole step)."""
     if acc.num_processes == 1:
-        parts = [cells]
+        parts = [opt_step_metrics]
     else:
-        parts = gather_object([cells])
-    pooled = [[Metrics() for _ in row] for row in cells]
+        parts = gather_object([opt_step_metrics])
+    pooled = [[Metrics() for _ in row] for row in opt_step_metrics]
     for grid in parts:
         for row, prow in zip(pooled, grid, strict=True):
-            for total, cell in zip(row, prow, strict=True):
-                total.merge(cell)
+            for total, opt_step in zip(row, prow, strict=True):
+                total.merge(opt_step)
     return pooled
 
 
-def step_metrics(cells: list[list[Metrics]], shares: list[float],
+def step_metrics(opt_step_metrics: list[list[Metrics]], shares: list[float],
                  optim: list[list[dict[str, float]]]) -> dict[str, float]:
-    """A train step's metrics from its pooled cells `[pass][mini-batch]`, each mini-batch's loss
+    """A train step's metrics from its pooled optimizer steps `[pass][mini-batch]`, each mini-batch's loss
     share of the batch (`shares`), and per optimizer step `grad_norm` and `lr` (`optim`, same grid;
     averaged over the step's optimizer steps)."""
     passes = []
-    for row, orow in zip(cells, optim, strict=True):
+    for row, orow in zip(opt_step_metrics, optim, strict=True):
         total = Metrics()
-        for cell, share in zip(row, shares, strict=True):
-            total.merge(cell, share)
+        for opt_step, share in zip(row, shares, strict=True):
+            total.merge(opt_step, share)
         per_opt = {k: sum(o[k] for o in orow) / len(orow) for k in orow[0]}
         passes.append(total.result() | per_opt)
     out = over_passes(passes)
@@ -103,9 +105,9 @@ def step_metrics(cells: list[list[Metrics]], shares: list[float],
             out.update({f"pass{i}/{k}": p[k] for k in STALENESS_KEYS if k in p})
     if len(shares) > 1:  # how far each later mini-batch is from the policy that sampled it
         for j in range(len(shares)):
-            mb = over_passes([row[j].result() for row in cells])
+            mb = over_passes([row[j].result() for row in opt_step_metrics])
             out.update({f"mb{j + 1}/{k}": mb[k] for k in STALENESS_KEYS if k in mb})
-    out["optimizer_steps"] = float(len(cells) * len(shares))
+    out["optimizer_steps"] = float(len(opt_step_metrics) * len(shares))
     return out
 
 

@@ -475,7 +475,9 @@ async def _run_new_env(env_factory: Callable[[], Env], engine: Engine, chat: Cha
             return traj, None
         if rubric is not None:  # the tool-error penalty applies to the rubric's reward instead
             limits = limits.model_copy(update={"tool_error_penalty": 0.0})
-        traj = await run_episode(env, engine, chat, task, params, limits=limits, **kwargs)
+        own = getattr(env, "run_own_episode", None)  # an AgentEnv runs its own (agentgrpo.agent)
+        traj = await (own(engine, chat, task, params, limits=limits, **kwargs) if own is not None
+                      else run_episode(env, engine, chat, task, params, limits=limits, **kwargs))
         if rubric is not None and not traj.stop_reason.is_infra_error:
             traj.env_reward, traj.reward = traj.reward, math.nan
         return traj, rubric

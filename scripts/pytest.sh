@@ -15,8 +15,20 @@
 set -uo pipefail
 py=$1
 shift
+# Two test processes on a machine with two or more CPUs (pytest-xdist, whole files per process, so
+# module fixtures load once): one process left a 2-core machine half idle. Each gets its share of
+# the CPUs as torch threads, so the two do not oversubscribe the cores. AGENTGRPO_TEST_WORKERS=0
+# runs everything in one process.
+cpus=$(nproc)
+workers=${AGENTGRPO_TEST_WORKERS:-$((cpus >= 2 ? 2 : 0))}
+parallel=()
+if [ "$workers" -gt 1 ] && "$py" -c "import xdist" 2>/dev/null; then
+  parallel=(-n "$workers" --dist loadfile)
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$((cpus / workers > 0 ? cpus / workers : 1))}
+fi
 status=$(mktemp)  # empty until conftest writes the status at the session end
-AGENTGRPO_PYTEST_STATUS_FILE=$status PYTHONFAULTHANDLER=1 "$py" -m pytest -q -p no:cacheprovider "$@"
+AGENTGRPO_PYTEST_STATUS_FILE=$status PYTHONFAULTHANDLER=1 "$py" -m pytest -q -p no:cacheprovider \
+  "${parallel[@]}" "$@"
 rc=$?
 ended=$(cat "$status")
 rm -f "$status"

@@ -6,8 +6,8 @@
 # names the floored packages (torch and the pure-Python ones); their floor wheels, and what those
 # need that the venv lacks (torch's CUDA libraries, pydantic's exact pydantic-core, a huggingface_hub
 # 1.x for transformers 5.17), go into .venv/floors (6.7 GB), put in front of the venv's own by
-# PYTHONPATH; everything else is the venv's. Run by scripts/test.sh after the main suite
-# (AGENTGRPO_FLOOR_TESTS=0 skips it there); arguments go to pytest.
+# PYTHONPATH; everything else is the venv's. Run by .ci/run after scripts/test.sh (setup and the main
+# suite); arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py=.venv/bin/python

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Sets everything up and runs the whole test suite (the command CI runs).
+# Sets everything up and runs the test suite once (the README's test command; CI runs it, then
+# scripts/test-floor.sh). Arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -8,5 +9,3 @@ if [ "$(id -u)" = 0 ]; then bash scripts/system-deps.sh; else echo "not root: te
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 .venv/bin/ruff check --quiet .
 bash scripts/pytest.sh .venv/bin/python "$@"
-# The same suite on the transformers floor of pyproject.toml (scripts/test-floor.sh).
-[ "${AGENTGRPO_FLOOR_TESTS:-1}" = 0 ] || bash scripts/test-floor.sh "$@"

@@ -30,7 +30,7 @@ def pytest_sessionfinish(session, exitstatus):
     """Tell scripts/pytest.sh that the session ended, and how: what the interpreter does after this
     (an abort in its finalization, pytorch#38228) is then told apart from a crash during a test."""
     path = os.environ.get("AGENTGRPO_PYTEST_STATUS_FILE")
-    if path:
+    if path and not hasattr(session.config, "workerinput"):  # an xdist worker's end is not the run's
         Path(path).write_text(str(int(exitstatus)))
 
 

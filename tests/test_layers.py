@@ -21,7 +21,7 @@ PACKAGES = ("agentgrpo", "envs", "tools")
 # of agentgrpo/ is a stage module (a new module is one until it is listed here).
 APPLICATION = {f"agentgrpo.{name}" for name in (
     "checkpoint", "cli", "config", "env_check", "evaluate", "log", "overlap", "report",
-    "report_data", "template_audit", "train",
+    "report_data", "serve_policy", "template_audit", "train",
 )}
 # The package's own `__init__` is the public face: it may re-export from both layers, so stage
 # modules do not import it either.
@@ -189,8 +189,8 @@ def test_stage_modules_import_no_application_module() -> None:
 
 # Imports inside functions, each for a reason: a heavy or optional dependency loaded only by the
 # code that needs it, never at `import agentgrpo` (first part of the imported name) ...
-HEAVY_OR_OPTIONAL = {"accelerate", "matplotlib", "peft", "reasoning_gym", "safetensors", "sglang",
-                     "torch", "transformers", "wandb"}
+HEAVY_OR_OPTIONAL = {"accelerate", "matplotlib", "openai", "peft", "reasoning_gym", "safetensors",
+                     "sglang", "torch", "transformers", "wandb"}
 # ... or a module of ours that one module loads late, and why.
 LATE = {
     ("agentgrpo.cli", "agentgrpo.config"): "loads torch: only once a command runs",
@@ -199,6 +199,7 @@ LATE = {
     ("agentgrpo.engine", "agentgrpo.engine.local"): "the protocol is importable without torch",
     ("agentgrpo.engine", "agentgrpo.engine.sglang"): "... and without httpx",
     ("agentgrpo.engine.config", "agentgrpo.engine.sglang"): "loading a run config imports no httpx",
+    ("agentgrpo.serve_policy", "agentgrpo.engine.local"): "loads torch: only without --sglang",
     ("agentgrpo.verify._remote_client", "httpx"): "a local sandbox imports no httpx",
     # the part of a sandbox job that runs in the jail (stdlib only, its source run by `python -c`);
     # its late stdlib imports are left to the sandbox's own changes
