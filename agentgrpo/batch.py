@@ -9,6 +9,10 @@ A micro-batch has two layouts:
   to its last loss token. This is what `loss.compute_loss` expects (its seq-mean modes assume one
   sequence per row), so packing never changes what the loss sees.
 
+A step-wise trajectory (several segments, `Trajectory.segments`) is trained as one row per segment:
+`segment_rows` turns it into one trajectory per segment with a sampled token, each with the
+episode's advantage and group, before anything here runs (docs/learner.md: how that weighs).
+
 `pred_index_M` / `target_ids_M` / `dest_index_M` connect the two: loss token m is predicted by the
 hidden state at flat position `pred_index_M[m]` of `[B*T]`, is the token id `target_ids_M[m]`, and its
 logprob goes to flat position `dest_index_M[m]` of `[N*L]`. The learner therefore runs the LM head on
@@ -38,7 +42,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import numpy as np
@@ -114,6 +118,29 @@ class _Unit:
     members: list[int]
     prefix_len: int  # 0 for a lone trajectory
     length: int  # tokens the unit occupies in a row
+
+
+def segment_rows(trajs: Sequence[Trajectory],
+                 advantages: Sequence[float]) -> tuple[list[Trajectory], list[float]]:
+    """One trajectory per segment that holds a sampled token, with its episode's advantage: what
+    the learner lays out as rows. A single-sequence trajectory stays itself; a step-wise one's
+    segments become copies of it (same group, reward, messages) with one segment's tokens each,
+    so shared-prefix packing finds the prefix a group's segments share (the task's prompt, or an
+    episode's history where two of its segments render it alike)."""
+    rows: list[Trajectory] = []
+    advs: list[float] = []
+    for t, adv in zip(trajs, advantages, strict=True):
+        if not t.earlier_segments:
+            rows.append(t)
+            advs.append(adv)
+            continue
+        for seg in t.segments:
+            if seg.num_sampled:
+                rows.append(replace(t, token_ids=seg.token_ids, loss_mask=seg.loss_mask,
+                                    logprobs=seg.logprobs, prompt_len=seg.prompt_len,
+                                    earlier_segments=[]))
+                advs.append(adv)
+    return rows, advs
 
 
 def _common_prefix(seqs: Sequence[np.ndarray]) -> int:

@@ -13,9 +13,12 @@ sampled. This module is the one place that turns messages into ids and sampled i
   suffix and carries loss mask 0). Before using a suffix we check that the template is
   prefix-preserving for this conversation (`render(history + new)` starts with `render(history)`);
   if it is not (Qwen3 strips earlier `<think>` blocks when a user turn arrives) we raise
-  `TemplateError` instead of guessing, unless the user chose the explicit `keep_history` fallback
-  (see `ChatFormat`). `agentgrpo.template_audit` checks a template on many synthetic conversations
-  before training starts (`require_token_safe`, `agentgrpo check-template`).
+  `HistoryRewritten` (a `TemplateError`) instead of guessing, unless the user chose the explicit
+  `keep_history` fallback (see `ChatFormat`). The rollout answers it according to
+  `ChatFormat.trajectory_mode`: "single" ends the episode, "auto" and "stepwise" continue it in a
+  new segment whose prompt is `prompt_ids` of the whole history (`agentgrpo.rollout.Episode`).
+  `agentgrpo.template_audit` checks a template on many synthetic conversations before training
+  starts (`require_token_safe`, `agentgrpo check-template`).
 - `ChatFormat.truncate(text, max_tokens)`: tool output cut to a token budget, with a marker.
 - Message content is data, never control: a special token's text inside a message (a tool printing
   `<|im_end|>\n<|im_start|>assistant`, a task copied from a chat log) is tokenized as plain text,
@@ -60,12 +63,16 @@ from agentgrpo.parsers import (
 from agentgrpo.types import Message
 
 __all__ = [
-    "HERMES_CHATML_TEMPLATE", "PARSERS", "ChatFormat", "ParseError", "ParsedTurn", "TemplateError",
-    "TemplateFallback", "detect_parser", "get_parser", "parse_hermes", "parse_llama3_json",
+    "HERMES_CHATML_TEMPLATE", "PARSERS", "ChatFormat", "HistoryRewritten", "ParseError",
+    "ParsedTurn",
+    "TemplateError", "TemplateFallback", "TrajectoryMode", "detect_parser", "get_parser",
+    "parse_hermes", "parse_llama3_json",
     "template_supports_tools",
 ]
 
 TemplateFallback = Literal["none", "keep_history"]
+TrajectoryMode = Literal["single", "auto", "stepwise"]
+TRAJECTORY_MODES = ("single", "auto", "stepwise")
 TRUNCATION_MARKER = "\n[... {omitted} more tokens truncated]"
 
 HERMES_CHATML_TEMPLATE = (
@@ -123,6 +130,11 @@ def _compiled_renderer(template: str, tokenizer: Any, template_kwargs: dict[str,
 
 class TemplateError(ValueError):
     """The chat template cannot produce token-exact multi-turn rollouts for this conversation."""
+
+
+class HistoryRewritten(TemplateError):
+    """The template renders the history differently once the new messages follow, so the tokens
+    sampled so far cannot be continued as one sequence (a new segment can start instead)."""
 
 
 def _utf8(text: str) -> str:
@@ -221,6 +233,10 @@ class ChatFormat:
             difference in context, which is why it must be chosen explicitly.
         template_kwargs: extra variables for the template (e.g. `{"preserve_thinking": True}` for
             templates that have such a switch, `{"enable_thinking": False}`).
+        trajectory_mode: what the rollout does when the history is rewritten (`HistoryRewritten`):
+            "single" (default) ends the episode (or keep_history continues it), "auto" starts a
+            new segment then, "stepwise" starts one at every turn. Not with keep_history: the two
+            are different answers to the same problem.
 
     Example:
         >>> chat = ChatFormat(tokenizer)
@@ -231,7 +247,8 @@ class ChatFormat:
 
     def __init__(self, tokenizer: Any, *, template: str | None = None, parser: str = "auto",
                  end_of_turn: str | None = None, fallback: TemplateFallback = "none",
-                 template_kwargs: dict[str, Any] | None = None) -> None:
+                 template_kwargs: dict[str, Any] | None = None,
+                 trajectory_mode: TrajectoryMode = "single") -> None:
         self.tokenizer = tokenizer
         if template is not None:
             self.template, self.template_source = template, "config"
@@ -246,6 +263,14 @@ class ChatFormat:
         if fallback not in ("none", "keep_history"):
             raise ValueError(f"fallback must be 'none' or 'keep_history', got {fallback!r}")
         self.fallback: TemplateFallback = fallback
+        if trajectory_mode not in TRAJECTORY_MODES:
+            raise ValueError(f"trajectory_mode must be one of {list(TRAJECTORY_MODES)}, "
+                             f"got {trajectory_mode!r}")
+        if fallback == "keep_history" and trajectory_mode != "single":
+            raise ValueError("template_fallback=keep_history with trajectory_mode="
+                             f"{trajectory_mode}: choose one (keep_history continues one "
+                             "sequence, segments re-render it)")
+        self.trajectory_mode: TrajectoryMode = trajectory_mode
         self.template_kwargs: dict[str, Any] = dict(template_kwargs or {})
         eot = end_of_turn or tokenizer.eos_token
         if eot is None:
@@ -329,8 +354,13 @@ class ChatFormat:
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False)
 
-    def prompt_ids(self, messages: Sequence[Message], tools: list[dict] | None = None) -> list[int]:
-        text, protected = self._render_protected([], [self._template_dict(m) for m in messages], tools, True)
+    def prompt_ids(self, messages: Sequence[Message], tools: list[dict] | None = None, *,
+                   max_tool_calls: int | None = None) -> list[int]:
+        """Ids of the prompt that asks for the next assistant turn after `messages`: the first
+        prompt, and a new segment's (its assistant turns rendered with at most `max_tool_calls`
+        calls, as in `suffix_ids`)."""
+        dicts = [self._template_dict(m, max_tool_calls) for m in messages]
+        text, protected = self._render_protected([], dicts, tools, True)
         return self._encode_rendered(text, protected)
 
     def _render_protected(self, fixed: list[dict[str, Any]], dicts: list[dict[str, Any]], tools: list[dict] | None,
@@ -427,9 +457,9 @@ class ChatFormat:
         `render(history + new_messages, add_generation_prompt=True)` would.
 
         `history` must end with the assistant message whose sampled ids end with the end-of-turn
-        token. Raises TemplateError when the template rewrites earlier turns (not prefix-preserving,
-        unless `fallback="keep_history"`), refuses the conversation, or renders the assistant turn
-        without the end-of-turn token.
+        token. Raises HistoryRewritten (a TemplateError) when the template rewrites earlier turns
+        (not prefix-preserving, unless `fallback="keep_history"`), TemplateError when it refuses
+        the conversation or renders the assistant turn without the end-of-turn token.
 
         `max_tool_calls`: assistant messages of `history` are rendered with at most this many of
         their tool calls, the ones the env ran (a `ToolEnv` answers the rest with a too-many-calls
@@ -456,13 +486,14 @@ class ChatFormat:
             tail = self._suffix_after_last_turn(history_dicts, protected.dicts, tools, after, glue)
             return self._encode_after_end_of_turn(tail, protected)
         at = _common_prefix(before, after)
-        raise TemplateError(
+        raise HistoryRewritten(
             "the chat template is not prefix-preserving: adding "
             f"{[m.role for m in new_messages]} messages changes earlier text at character {at} "
             f"(before: {before[max(0, at - 40):at + 40]!r}, after: {after[max(0, at - 40):at + 40]!r}). "
             "The tokens the model saw cannot be continued the way this template renders the "
             "conversation. Use a template that keeps earlier turns verbatim (or its own switch, e.g. "
-            "chat_template_kwargs={preserve_thinking: true}), or choose the explicit fallback "
+            "chat_template_kwargs={preserve_thinking: true}), train the turns as segments "
+            "(rollout.trajectory_mode=auto), or choose the explicit fallback "
             "rollout.template_fallback=keep_history. `agentgrpo check-template MODEL_DIR` shows "
             "which turns break and why."
         )

@@ -72,7 +72,8 @@ def _check_template(args: argparse.Namespace) -> int:
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
     template = Path(args.template).read_text() if args.template else None
     report = audit_template(tokenizer, template, parser=args.parser, end_of_turn=args.end_of_turn,
-                            fallback=args.fallback, template_kwargs=kwargs)
+                            fallback=args.fallback, template_kwargs=kwargs,
+                            trajectory_mode=args.trajectory_mode)
     print(report.format())
     return 1 if report.mode == "refuse" else 0
 
@@ -142,6 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
     ct.add_argument("--end-of-turn", help="token that ends an assistant turn (default: the tokenizer's EOS)")
     ct.add_argument("--fallback", default="none", choices=["none", "keep_history"],
                     help="the rollout.template_fallback to audit with")
+    ct.add_argument("--trajectory-mode", default="single", choices=["single", "auto", "stepwise"],
+                    help="the rollout.trajectory_mode to audit with (auto: segments where the "
+                    "template rewrites history)")
     ct.add_argument("--kwarg", action="append", default=[], metavar="KEY=VALUE",
                     help="a chat-template variable, e.g. --kwarg preserve_thinking=true (repeatable)")
     ct.set_defaults(fn=_check_template)

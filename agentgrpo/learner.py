@@ -5,7 +5,8 @@ DeepSpeed through accelerate's config). Memory holds the policy and, only when `
 frozen reference (with LoRA: the same weights with the adapter disabled); no value model.
 
 One `train_step(trajectories, advantages)`:
-  1. scorable trajectories only (NaN advantage or reward, or no sampled token: left out);
+  1. scorable trajectories only (NaN advantage or reward, or no sampled token: left out); a
+     step-wise trajectory becomes one row per segment, each with its advantage (`segment_rows`);
   2. split into `mini_batches` mini-batches of whole groups (`batch.balanced_parts`), each one
      optimizer step that is exactly a step of its own size: its normalisers (loss tokens, sequences)
      are counted over the whole mini-batch, on every rank alike, so each micro-batch's loss is its
@@ -63,6 +64,7 @@ from agentgrpo.batch import (
     attention_pair_cost,
     balanced_parts,
     make_micro_batches,
+    segment_rows,
 )
 from agentgrpo.hardware import choose_bf16
 from agentgrpo.learner_dist import check_launch, shard_reference, total_norm
@@ -360,8 +362,9 @@ class Learner:
     def _train_step(self, trajs: Sequence[Trajectory], advantages: Sequence[float]) -> dict[str, float]:
         keep = [i for i, t in enumerate(trajs)
                 if t.num_sampled > 0 and math.isfinite(advantages[i]) and math.isfinite(t.reward)]
-        trajs = [trajs[i] for i in keep]
-        advantages = [float(advantages[i]) for i in keep]
+        # a step-wise trajectory trains as one row per segment (docs/learner.md: the weighting)
+        trajs, advantages = segment_rows([trajs[i] for i in keep],
+                                         [float(advantages[i]) for i in keep])
         if not trajs:
             return {"loss": 0.0, "skipped": 1.0}
         t0 = time.perf_counter()

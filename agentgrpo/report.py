@@ -222,13 +222,21 @@ def _decode_table(tokenizer, rows: list[dict[str, Any]], max_tokens: int) -> dic
         return {}
     vocab = len(tokenizer)
     shown = set()
-    for r in rows:
-        ids = _list(r, "token_ids")
+    for seg in (seg for r in rows for seg in _segments(r)):
+        ids = _list(seg, "token_ids")
         head, tail = _window(len(ids), max_tokens)
         shown.update(ids[:head] + ids[tail:])
     ids = sorted(i for i in shown if isinstance(i, int) and 0 <= i < vocab)
     texts = tokenizer.batch_decode([[i] for i in ids], skip_special_tokens=False, clean_up_tokenization_spaces=False)
     return dict(zip(ids, texts, strict=True))
+
+
+def _segments(row: dict[str, Any]) -> list[dict[str, Any]]:
+    """The token sequences of a row: its `segments` (step-wise), else the row itself."""
+    segs = row.get("segments")
+    if isinstance(segs, list) and segs and all(isinstance(x, dict) for x in segs):
+        return segs
+    return [row]
 
 
 def _window(n: int, max_tokens: int) -> tuple[int, int]:
@@ -286,8 +294,6 @@ def _message_html(m: Any) -> str:
 def _traj_html(row: dict[str, Any], table: dict[int, str], max_tokens: int) -> str:
     step, reward = _step(row.get("step")), _num(row.get("reward"))
     stop = str(row.get("stop_reason", "unknown"))
-    ids = _list(row, "token_ids")
-    mask = _list(row, "loss_mask")
     rcls = "reward-none" if math.isnan(reward) else ("reward-good" if reward > 0 else "reward-bad")
     rtext = "unscorable" if math.isnan(reward) else f"{reward:.4g}"
     parts = row.get("reward_parts")
@@ -308,19 +314,28 @@ def _traj_html(row: dict[str, Any], table: dict[int, str], max_tokens: int) -> s
     if isinstance(row.get("turn_rewards"), list) and len(row["turn_rewards"]) > 1:
         fields.append("turn rewards " + e(", ".join(f"{_num(r):.3g}" for r in row["turn_rewards"])))
     msgs = _list(row, "messages")
-    notes = []
-    if len(mask) != len(ids):
-        notes.append(f"loss_mask has {len(mask)} entries for {len(ids)} tokens")
-    if len(ids) > max_tokens:
-        notes.append(f"showing {max_tokens} of {len(ids)} tokens")
-    note = f' <span class="omitted">{e("; ".join(notes))}</span>' if notes else ""
+    segs = _segments(row)
+    tokens = []
+    for k, seg in enumerate(segs):
+        ids, mask = _list(seg, "token_ids"), _list(seg, "loss_mask")
+        notes = []
+        if len(mask) != len(ids):
+            notes.append(f"loss_mask has {len(mask)} entries for {len(ids)} tokens")
+        if len(ids) > max_tokens:
+            notes.append(f"showing {max_tokens} of {len(ids)} tokens")
+        note = f' <span class="omitted">{e("; ".join(notes))}</span>' if notes else ""
+        name = f"segment {k + 1} of {len(segs)}, tokens" if len(segs) > 1 else "tokens"
+        generated = sum(1 for m in mask if m == 1)
+        tokens.append(
+            f"<details class=\"tokens\"><summary>{name}: {len(ids)} ({generated} generated)"
+            f'<span class="legend"><span class="tok-gen">generated (loss_mask 1)</span>'
+            f'<span class="tok-ctx">not generated: prompt, tool/env output</span></span>'
+            f'{note}</summary><div class="toks">{_tokens_html(seg, table, max_tokens)}</div>'
+            "</details>")
     return (f'<article class="traj" data-step="{step}" data-reward="{reward}" data-stop="{e(stop)}">'
             f"<header>{' · '.join(fields)}</header>"
             f'<div class="msgs">{"".join(_message_html(m) for m in msgs) or "<p>(no messages)</p>"}</div>'
-            f"<details class=\"tokens\"><summary>tokens: {len(ids)} ({sum(1 for m in mask if m == 1)} generated)"
-            f'<span class="legend"><span class="tok-gen">generated (loss_mask 1)</span>'
-            f'<span class="tok-ctx">not generated: prompt, tool/env output</span></span>{note}</summary>'
-            f'<div class="toks">{_tokens_html(row, table, max_tokens)}</div></details></article>')
+            f'{"".join(tokens)}</article>')
 
 
 # -- the page ----------------------------------------------------------------------------------

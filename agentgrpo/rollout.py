@@ -9,6 +9,12 @@ latency overlaps with other trajectories' generation. Per turn:
     env.step(message)                             -> tool/env messages, reward, terminated
     chat.suffix_ids(history, new messages)        -> appended, loss_mask 0, logprob 0
 
+When the template renders the history anew instead (`HistoryRewritten`: Qwen3's templates drop the
+reasoning of earlier turns) and `chat.trajectory_mode` is "auto", or at every turn under
+"stepwise", the trajectory goes on in a new segment whose prompt is `chat.prompt_ids` of the whole
+history (`Episode.observe`); under "single" that ends the episode with ENV_ERROR, which the
+start-up audit prevents.
+
 Bounds (RolloutConfig): episodes in flight per step (`max_concurrent_trajectories`, each holds an
 env), engine requests in flight (`max_concurrent_requests`), turns and tokens per trajectory, tool
 calls per turn and tool output tokens (cut with a marker). Sync env methods, tools and verifiers
@@ -49,16 +55,25 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from agentgrpo.chat import TRUNCATION_MARKER, ChatFormat, TemplateError
+from agentgrpo.chat import TRUNCATION_MARKER, ChatFormat, HistoryRewritten, TemplateError
 from agentgrpo.deadlines import DeadlineExpired, Deadlines
 from agentgrpo.engine.base import Completion, Engine, SamplingParams
 from agentgrpo.env import Env, ToolEnv, call_env, close_env, env_rubric, reset_messages
 from agentgrpo.parsers import ParsedTurn
 from agentgrpo.reward import Rubric, score_group
 from agentgrpo.tool import stuck_user_calls
-from agentgrpo.types import EnvStep, Group, Message, StopReason, Task, ToolErrorKind, Trajectory
+from agentgrpo.types import (
+    EnvStep,
+    Group,
+    Message,
+    Segment,
+    StopReason,
+    Task,
+    ToolErrorKind,
+    Trajectory,
+)
 
 
 class EpisodeLimits(BaseModel):
@@ -105,8 +120,20 @@ class RolloutConfig(EpisodeLimits):
     template_fallback: Literal["none", "keep_history"] = Field(
         "none", description="what to do when the chat template rewrites earlier turns: none = refuse, "
         "keep_history = continue the tokens the model saw (see agentgrpo check-template)")
+    trajectory_mode: Literal["single", "auto", "stepwise"] = Field(
+        "single", description="single = one token sequence per episode (a template that rewrites "
+        "history is refused or needs keep_history); auto = a new segment (prompt: the re-rendered "
+        "history) whenever the template rewrites history; stepwise = a new segment every turn")
     chat_template_kwargs: dict[str, Any] = Field(
         default_factory=dict, description="extra chat-template variables, e.g. {preserve_thinking: true}")
+
+    @model_validator(mode="after")
+    def _one_answer_to_rewritten_history(self) -> RolloutConfig:
+        if self.template_fallback == "keep_history" and self.trajectory_mode != "single":
+            raise ValueError("template_fallback=keep_history with trajectory_mode="
+                             f"{self.trajectory_mode}: choose one (keep_history continues one "
+                             "sequence, segments re-render it)")
+        return self
 
     def sampling_params(self) -> SamplingParams:
         return SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature,
@@ -171,6 +198,7 @@ class Episode:
                                prompt_len=0, messages=task.prompt_messages(),
                                stop_reason=StopReason.MAX_TURNS, reward=0.0)
         self.versions: set[int] = set()
+        self.spent = 0  # tokens after the prompt in the closed segments (the token budget's share)
 
     async def start(self, task: Task, seed: int | None) -> None:
         """Reset the env and render the first prompt."""
@@ -199,7 +227,7 @@ class Episode:
         """The model's next turn: the engine continues the token ids as they are."""
         traj, limits = self.traj, self.limits
         budget = min(self.params.max_new_tokens,
-                     limits.max_tokens - (len(traj.token_ids) - traj.prompt_len))
+                     limits.max_tokens - self.spent - (len(traj.token_ids) - traj.prompt_len))
         if self.context_len is not None:
             budget = min(budget, self.context_len - len(traj.token_ids))
         if budget <= 0:
@@ -278,19 +306,51 @@ class Episode:
         return new
 
     def observe(self, new: list[Message]) -> None:
-        """The env's messages as tokens the model did not sample (loss mask 0)."""
-        try:
-            suffix = self.chat.suffix_ids(self.traj.messages, new, self.tools,
-                                          max_tool_calls=self.max_calls)
-        except Exception as e:  # noqa: BLE001 - a TemplateError, or a tokenizer's on what the env said
-            raise EpisodeEnds(StopReason.ENV_ERROR, str(e) if isinstance(e, TemplateError)
-                              else f"rendering the env's messages raised {type(e).__name__}: {e}") from e
+        """The env's messages as tokens the model did not sample (loss mask 0), or, when the chat
+        template renders the history anew (`HistoryRewritten`) and `chat.trajectory_mode` allows
+        it, a new segment (`_new_segment`); "stepwise" starts one every turn."""
+        mode, suffix = self.chat.trajectory_mode, None
+        if mode != "stepwise":
+            try:
+                suffix = self.chat.suffix_ids(self.traj.messages, new, self.tools,
+                                              max_tool_calls=self.max_calls)
+            except HistoryRewritten as e:
+                if mode == "single":
+                    raise EpisodeEnds(StopReason.ENV_ERROR, str(e)) from e
+            except Exception as e:  # noqa: BLE001 - a TemplateError, or a tokenizer's
+                detail = (str(e) if isinstance(e, TemplateError)  # on what the env said
+                          else f"rendering the env's messages raised {type(e).__name__}: {e}")
+                raise EpisodeEnds(StopReason.ENV_ERROR, detail) from e
         self.traj.messages.extend(new)
-        self._extend(suffix, None)
+        if suffix is None:
+            self._new_segment()
+        else:
+            self._extend(suffix, None)
+
+    def _new_segment(self) -> None:
+        """Close the current segment and open one whose prompt is the template's rendering of the
+        whole history, exactly what the engine receives next. The env's messages are then part of
+        that prompt, so they do not count against `max_tokens` (sampled tokens and the env's
+        messages inside a segment do)."""
+        traj = self.traj
+        try:
+            ids = self.chat.prompt_ids(traj.messages, self.tools, max_tool_calls=self.max_calls)
+        except Exception as e:  # noqa: BLE001 - a TemplateError, or a tokenizer's on what the env said
+            raise EpisodeEnds(StopReason.ENV_ERROR, "rendering the history for a new segment: " + (
+                str(e) if isinstance(e, TemplateError) else f"{type(e).__name__}: {e}")) from e
+        self.spent += len(traj.token_ids) - traj.prompt_len
+        traj.earlier_segments.append(Segment(traj.token_ids, traj.loss_mask, traj.logprobs,
+                                             traj.prompt_len))
+        traj.token_ids, traj.loss_mask, traj.logprobs, traj.prompt_len = [], [], [], len(ids)
+        self._extend(ids, None)
 
     def finish(self, reason: StopReason, detail: str = "") -> Trajectory:
         traj = self.traj
         traj.stop_reason, traj.stop_detail = reason, detail
+        if traj.earlier_segments and not any(traj.loss_mask):  # opened, never sampled: dropped
+            last = traj.earlier_segments.pop()
+            traj.token_ids, traj.loss_mask = last.token_ids, last.loss_mask
+            traj.logprobs, traj.prompt_len = last.logprobs, last.prompt_len
         if reason.is_infra_error:
             traj.reward = math.nan
         elif traj.tool_errors and self.limits.tool_error_penalty:

@@ -76,10 +76,12 @@ def overlong_penalty(
 
 def shaped_rewards(trajs: Sequence[Trajectory], cfg: ShapingConfig, max_tokens: int) -> torch.Tensor:
     """[B] rewards after the overlong shaping `cfg` asks for (none: the rewards); NaN stays NaN. The
-    length is the trajectory's tokens after its prompt, what `rollout.max_tokens` limits."""
+    length is the trajectory's tokens after its prompt (summed over a step-wise trajectory's
+    segments, each after its own prompt), what `rollout.max_tokens` limits."""
     rewards_B = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
     if cfg.overlong_buffer_len:
-        lengths_B = torch.tensor([len(t.token_ids) - t.prompt_len for t in trajs], dtype=torch.float32)
+        lengths = [sum(len(s.token_ids) - s.prompt_len for s in t.segments) for t in trajs]
+        lengths_B = torch.tensor(lengths, dtype=torch.float32)
         rewards_B = rewards_B + overlong_penalty(lengths_B, max_tokens, cfg.overlong_buffer_len,
                                                  cfg.overlong_penalty_factor)
     return rewards_B

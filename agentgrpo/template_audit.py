@@ -30,9 +30,13 @@ prompt (it ignores `tools`, like Gemma 3's: `no_tool_support`) or does not rende
 known here), as are differences that keep token-in/token-out exact (retokenization, a generation
 prompt the history does not repeat, a parser that reads other formats).
 
-The report's `mode` is what agentgrpo will do: "exact" (all suffixes exact), "keep_history" (the
-template rewrites history and the user chose that fallback, which works for every conversation
-checked), or "refuse". `require_token_safe` is what training calls at start-up: it raises
+The report's `mode` is what agentgrpo will do: "exact" (one sequence per episode, all suffixes
+exact), "keep_history" (the template rewrites history and the user chose that fallback, which works
+for every conversation checked), "stepwise" (`chat.trajectory_mode` is "auto" and the template
+rewrites history, or it is "stepwise": the episode goes on in new segments, each the template's own
+rendering; the walk checks each segment token-exact), or "refuse". A rewrite of history is fatal
+only with trajectory_mode "single".
+`require_token_safe` is what training calls at start-up: it raises
 TemplateError with the report when the mode is "refuse". `agentgrpo check-template MODEL_DIR`
 prints the report.
 """
@@ -45,14 +49,14 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from agentgrpo.chat import PARSERS, ChatFormat, TemplateError, TemplateFallback
+from agentgrpo.chat import PARSERS, ChatFormat, TemplateError, TemplateFallback, TrajectoryMode
 from agentgrpo.env import Env, _run_sync
 from agentgrpo.env_check import example_arguments
 from agentgrpo.types import Message, Task, ToolCall
 
 IssueKind = Literal["rewrites_history", "no_end_of_turn", "render_error", "retokenizes", "parser_mismatch",
                     "generation_prompt", "end_of_turn", "no_tool_support"]
-Mode = Literal["exact", "keep_history", "refuse"]
+Mode = Literal["exact", "keep_history", "stepwise", "refuse"]
 
 SYNTHETIC_TOOL = {"type": "function", "function": {
     "name": "calculator", "description": "Evaluate an arithmetic expression.",
@@ -81,6 +85,8 @@ class TemplateReport:
     fallback_works: bool = True  # keep_history located the new messages in every rewritten render
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     preserve_thinking_switch: bool = False  # the template has a `preserve_thinking` variable
+    trajectory_mode: str = "single"  # the ChatFormat's (see agentgrpo.chat.TrajectoryMode)
+    new_segments: int = 0  # env turns after which the walk started a new segment
 
     @property
     def prefix_preserving(self) -> bool:
@@ -90,7 +96,7 @@ class TemplateReport:
     def mode(self) -> Mode:
         fatal = {i.kind for i in self.issues if i.fatal}
         if not fatal:
-            return "exact"
+            return "stepwise" if self.new_segments else "exact"
         if fatal == {"rewrites_history"} and self.fallback == "keep_history" and self.fallback_works:
             return "keep_history"
         return "refuse"
@@ -102,7 +108,12 @@ class TemplateReport:
             if self.preserve_thinking_switch and not self.template_kwargs.get("preserve_thinking"):
                 out.append("this template has a preserve_thinking switch: try "
                            "rollout.chat_template_kwargs={preserve_thinking: true} and audit again")
-            if self.fallback != "keep_history" and self.fallback_works:
+            if self.trajectory_mode == "single" and self.fallback != "keep_history":
+                out.append("train each rewritten turn as its own segment: "
+                           "rollout.trajectory_mode=auto (every segment is token-exact; "
+                           "docs/learner.md says how segments weigh)")
+            single = self.trajectory_mode == "single"
+            if self.fallback != "keep_history" and self.fallback_works and single:
                 out.append("choose rollout.template_fallback=keep_history: the model then keeps "
                            "seeing its earlier turns verbatim (unlike this template at inference), and "
                            "the learner trains on exactly those tokens")
@@ -133,9 +144,12 @@ class TemplateReport:
     def format(self) -> str:
         verdict = {"exact": "token-exact (prefix-preserving)",
                    "keep_history": "not prefix-preserving; the explicit keep_history fallback is in use",
+                   "stepwise": f"step-wise: {self.new_segments} env turn(s) started a new segment "
+                               f"(trajectory_mode {self.trajectory_mode})",
                    "refuse": "NOT token-safe: training refuses to start"}[self.mode]
         lines = [f"template: {self.template_source}; end of turn {self.end_of_turn!r}; parser {self.parser}; "
-                 f"fallback {self.fallback}" + (f"; kwargs {self.template_kwargs}" if self.template_kwargs else ""),
+                 f"fallback {self.fallback}; trajectory mode {self.trajectory_mode}"
+                 + (f"; kwargs {self.template_kwargs}" if self.template_kwargs else ""),
                  f"checked {self.conversations} conversations, {self.turns} assistant turns",
                  f"prefix-preserving: {'yes' if self.prefix_preserving else 'no'}",
                  f"mode: {self.mode} - {verdict}"]
@@ -148,6 +162,7 @@ class TemplateReport:
         for (kind, why), found in groups.items():
             first = found[0]
             label = ("fallback" if kind == "rewrites_history" and self.mode == "keep_history"
+                     else "segment" if kind == "rewrites_history" and not first.fatal
                      else "FATAL" if first.fatal else "warn")
             where = ", ".join(sorted({i.conversation for i in found}))
             lines.append(f"  [{label}] {kind}: {why}")
@@ -339,12 +354,18 @@ def _walk(chat: ChatFormat, name: str, conv: list[Message], first: int, tools: l
         except TemplateError as e:
             report.issues.append(_render_error(name, conv, turn, e))
             return
-        if after.startswith(before):
+        single = chat.trajectory_mode == "single"
+        if not after.startswith(before):
+            why, where = _diagnose(before, after, eot)
+            report.issues.append(TemplateIssue(name, turn, "rewrites_history", single, why,
+                                               f"adding {[m.role for m in new]}: {where}"))
+        if not single and (chat.trajectory_mode == "stepwise" or not after.startswith(before)):
+            ids = chat.prompt_ids(history + new, tools)  # a new segment: the rollout's prompt
+            report.new_segments += 1
+            exact_so_far = True
+        elif after.startswith(before):
             ids += chat.suffix_ids(history, new, tools)
         else:
-            why, where = _diagnose(before, after, eot)
-            report.issues.append(TemplateIssue(name, turn, "rewrites_history", True, why,
-                                               f"adding {[m.role for m in new]}: {where}"))
             exact_so_far = False
             try:
                 ids += keep.suffix_ids(history, new, tools)
@@ -389,6 +410,7 @@ def audit(chat: ChatFormat, *, tools: list[dict] | None = None,
     report = TemplateReport(template_source=chat.template_source, end_of_turn=chat.end_of_turn,
                             parser=chat.parser_name, fallback=chat.fallback,
                             template_kwargs=dict(chat.template_kwargs),
+                            trajectory_mode=chat.trajectory_mode,
                             preserve_thinking_switch="preserve_thinking" in (chat.template or ""))
     render_tools = [SYNTHETIC_TOOL] if tools is None else (tools or None)
     # every render of the audit also checks ChatFormat's fast render path against transformers'
@@ -407,14 +429,16 @@ def audit(chat: ChatFormat, *, tools: list[dict] | None = None,
 
 def audit_template(tokenizer: Any, template: str | None = None, *, parser: str = "hermes",
                    end_of_turn: str | None = None, fallback: TemplateFallback = "none",
-                   template_kwargs: dict[str, Any] | None = None) -> TemplateReport:
+                   template_kwargs: dict[str, Any] | None = None,
+                   trajectory_mode: TrajectoryMode = "single") -> TemplateReport:
     """Audit a tokenizer's chat template (or `template`) with and without tools.
 
     An end-of-turn token that the tokenizer does not have is reported, not raised.
     """
     try:
         chat = ChatFormat(tokenizer, template=template, parser=parser, end_of_turn=end_of_turn,
-                          fallback=fallback, template_kwargs=template_kwargs)
+                          fallback=fallback, template_kwargs=template_kwargs,
+                          trajectory_mode=trajectory_mode)
     except ValueError as e:
         report = TemplateReport(template_source="config" if template else "tokenizer",
                                 end_of_turn=str(end_of_turn or tokenizer.eos_token), parser=parser, fallback=fallback)
@@ -427,7 +451,8 @@ def audit_template(tokenizer: Any, template: str | None = None, *, parser: str =
 def require_token_safe(chat: ChatFormat, env: Env, task: Task, *, seed: int = 0) -> TemplateReport:
     """Start-up check of training and evaluation: audit the template for this env's conversation
     shape (its first messages for `task`, its tools or none) and raise TemplateError with the report
-    when rollouts would not be token-safe, unless the fallback chosen in the config makes them so.
+    when rollouts would not be token-safe, unless the fallback or the trajectory mode chosen in the
+    config makes them so.
 
     `env` is a probe instance (reset once here, then discarded). Returns the report; its `mode`
     is worth printing with the effective config.

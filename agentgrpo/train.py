@@ -319,7 +319,8 @@ def start_run(cfg: RunConfig) -> Run:
     template = Path(cfg.model.chat_template).read_text() if cfg.model.chat_template else None
     chat = ChatFormat(tokenizer, template=template, parser=cfg.model.tool_parser,
                       fallback=cfg.rollout.template_fallback,
-                      template_kwargs=cfg.rollout.chat_template_kwargs)
+                      template_kwargs=cfg.rollout.chat_template_kwargs,
+                      trajectory_mode=cfg.rollout.trajectory_mode)
     model = models.load_policy(model_path)  # FSDP with RAM-efficient loading: weights on rank 0 only
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else chat.end_of_turn_id
     learner = Learner(model, cfg.learner, cfg.loss, temperature=cfg.rollout.temperature,

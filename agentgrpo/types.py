@@ -265,6 +265,44 @@ class EnvStep(tuple):
 
 
 @dataclass
+class Segment:
+    """One training sequence of an episode: token ids exactly as the engine received and sampled
+    them, with the invariant of `Trajectory.check()` (the first `prompt_len` ids are its prompt)."""
+
+    token_ids: list[int]
+    loss_mask: list[int]
+    logprobs: list[float]
+    prompt_len: int
+
+    @property
+    def num_sampled(self) -> int:
+        return sum(self.loss_mask)
+
+    def check(self, name: str = "segment") -> None:
+        n = len(self.token_ids)
+        if not (n == len(self.loss_mask) == len(self.logprobs)):
+            raise ValueError(
+                f"{name}: token_ids/loss_mask/logprobs lengths differ: "
+                f"{n}/{len(self.loss_mask)}/{len(self.logprobs)}"
+            )
+        if any(m not in (0, 1) for m in self.loss_mask):
+            raise ValueError(f"{name}: loss_mask holds values other than 0/1")
+        if any(self.loss_mask[: self.prompt_len]):
+            raise ValueError(f"{name}: prompt tokens carry loss_mask 1")
+        if any(lp != 0.0 for lp, m in zip(self.logprobs, self.loss_mask, strict=True) if not m):
+            raise ValueError(f"{name}: a masked-out token has a non-zero logprob")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"token_ids": self.token_ids, "loss_mask": self.loss_mask, "logprobs": self.logprobs,
+                "prompt_len": self.prompt_len}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Segment:
+        return cls(list(d["token_ids"]), list(d["loss_mask"]), list(d["logprobs"]),
+                   int(d["prompt_len"]))
+
+
+@dataclass
 class Trajectory:
     """One episode as token ids, exactly as the model saw and produced them.
 
@@ -272,6 +310,15 @@ class Trajectory:
     exactly for tokens sampled by the policy, whose `logprobs[i]` are the engine's sampling logprobs;
     every other token (prompt, tool and env output, chat-template glue) has mask 0 and logprob 0.
     `reward` is NaN when the episode could not be scored (infrastructure failure).
+
+    Segments (step-wise episodes): when the chat template renders the next prompt as something that
+    does not extend the tokens sampled so far (it drops earlier `<think>` blocks, say), the episode
+    goes on in a new sequence whose prompt is the re-rendered history (`agentgrpo.rollout.Episode`).
+    `token_ids`, `loss_mask`, `logprobs` and `prompt_len` are then the *last* segment, the one the
+    engine continues, and `earlier_segments` the closed ones, in order; `segments` lists them all.
+    A single-sequence episode has no earlier segments, so code that reads the flat fields sees it
+    whole. Each segment holds the invariant above on its own; all share the episode's reward, group
+    and advantage.
 
     Each field is written in one place: the rollout (`agentgrpo.rollout`) writes what the episode
     did, the rubric (`agentgrpo.reward.score_group`) the reward parts and detail, the training
@@ -304,24 +351,23 @@ class Trajectory:
     wall_s: float = 0.0  # from the episode's start (its slot acquired) to its end
     advantage: float | None = None  # set by the training step; None: not trained on
     info: dict[str, Any] = field(default_factory=dict)
+    earlier_segments: list[Segment] = field(default_factory=list)  # step-wise: the closed segments
+
+    @property
+    def segments(self) -> list[Segment]:
+        """Every segment in order; the last is a view of the flat fields (their lists, no copy)."""
+        return [*self.earlier_segments,
+                Segment(self.token_ids, self.loss_mask, self.logprobs, self.prompt_len)]
 
     @property
     def num_sampled(self) -> int:
-        return sum(self.loss_mask)
+        return sum(self.loss_mask) + sum(s.num_sampled for s in self.earlier_segments)
 
     def check(self) -> None:
-        n = len(self.token_ids)
-        if not (n == len(self.loss_mask) == len(self.logprobs)):
-            raise ValueError(
-                f"trajectory {self.task_id!r}: token_ids/loss_mask/logprobs lengths differ: "
-                f"{n}/{len(self.loss_mask)}/{len(self.logprobs)}"
-            )
-        if any(m not in (0, 1) for m in self.loss_mask):
-            raise ValueError(f"trajectory {self.task_id!r}: loss_mask holds values other than 0/1")
-        if any(self.loss_mask[: self.prompt_len]):
-            raise ValueError(f"trajectory {self.task_id!r}: prompt tokens carry loss_mask 1")
-        if any(lp != 0.0 for lp, m in zip(self.logprobs, self.loss_mask, strict=True) if not m):
-            raise ValueError(f"trajectory {self.task_id!r}: a masked-out token has a non-zero logprob")
+        segments = self.segments
+        for k, s in enumerate(segments):
+            where = f" segment {k}" if len(segments) > 1 else ""
+            s.check(f"trajectory {self.task_id!r}{where}")
 
     def to_dict(self) -> dict[str, Any]:
         def number(x: float | None) -> float | None:  # strict JSON: NaN is written as null
@@ -353,7 +399,7 @@ class Trajectory:
             "wall_s": self.wall_s,
             "env_info": self.env_info,
             "info": self.info,
-        }
+        } | ({"segments": [s.to_dict() for s in self.segments]} if self.earlier_segments else {})
 
 
 @dataclass

@@ -1,0 +1,480 @@
+"""Step-wise trajectories (issue 30, items 1 and 2): each chat template of ../shared/chat_templates/
+that supports tools is attached to the embedded tokenizer (with the template's own special tokens
+added), the audit reports the mode it gets, and a multi-turn tool episode with thinking, run against
+a scripted engine, is token-exact segment by segment: every engine request is a prefix of one
+segment, the sampled ids follow it, and each segment's prompt is the template's render of the
+history before it."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+
+import pytest
+import torch
+
+from agentgrpo import Env, Message
+from agentgrpo.chat import ChatFormat, HistoryRewritten, TemplateError
+from agentgrpo.engine import SamplingParams
+from agentgrpo.rollout import EpisodeLimits, RolloutConfig, run_episode
+from agentgrpo.template_audit import audit
+from agentgrpo.types import Segment, StopReason, Task, ToolCall, Trajectory
+from tests.conftest import SHARED, shared_template
+from tests.fakes import ScriptedEngine
+
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "calculator",
+        "description": "Evaluate an arithmetic expression.",
+        "parameters": {
+            "type": "object",
+            "properties": {"expression": {"type": "string"}},
+            "required": ["expression"],
+        },
+    },
+}
+TASK = Task(id="t", prompt="What is 12 * 7 + 3?", answer="87")
+
+# template -> (end-of-turn token, tokens it needs as special tokens,
+#              audit mode under trajectory_mode single, auto, stepwise)
+TEMPLATES = {
+    "qwen2_5.jinja": ("<|im_end|>", [], ("exact", "exact", "stepwise")),
+    "qwen3.jinja": ("<|im_end|>", [], ("refuse", "stepwise", "stepwise")),
+    "qwen3_instruct_2507.jinja": ("<|im_end|>", [], ("exact", "exact", "stepwise")),
+    "qwen3_5_think.jinja": ("<|im_end|>", [], ("refuse", "stepwise", "stepwise")),
+    "qwen3_6.jinja": ("<|im_end|>", [], ("refuse", "stepwise", "stepwise")),
+    "nemotron_3_nano.jinja": ("<|im_end|>", [], ("refuse", "stepwise", "stepwise")),
+    "lfm2_2_5.jinja": (
+        "<|im_end|>",
+        ["<|tool_call_start|>", "<|tool_call_end|>"],
+        ("refuse", "stepwise", "stepwise"),
+    ),
+    "llama3_1.jinja": (
+        "<|eot_id|>",
+        ["<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>", "<|python_tag|>", "<|eom_id|>"],
+        ("exact", "exact", "stepwise"),
+    ),
+    # refused with segments too: harmony ends a turn with one of three tokens (<|call|>, <|return|>,
+    # <|end|>), GLM's turn ends where the next role token starts, DeepSeek-V3's template wants
+    # tool-call arguments as a JSON string (see test_parsers_families for their parsers)
+    "gptoss.jinja": (
+        "<|call|>",
+        [
+            "<|start|>",
+            "<|end|>",
+            "<|message|>",
+            "<|channel|>",
+            "<|constrain|>",
+            "<|return|>",
+            "<|call|>",
+        ],
+        ("refuse", "refuse", "refuse"),
+    ),
+    "glm4moe.jinja": (
+        "<|user|>",
+        ["<|user|>", "<|assistant|>", "<|system|>", "<|observation|>", "[gMASK]", "<sop>"],
+        ("refuse", "refuse", "refuse"),
+    ),
+    "deepseekv3.jinja": (
+        "<｜end▁of▁sentence｜>",
+        ["<｜end▁of▁sentence｜>", "<｜begin▁of▁sentence｜>"],
+        ("refuse", "refuse", "refuse"),
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def tok(smol_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smol_path)
+
+
+class RecordingEngine(ScriptedEngine):
+    """The scripted engine, keeping what it returned."""
+
+    def __init__(self, *args, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.outs = []
+
+    async def generate(self, prompt_ids, params):
+        out = await super().generate(prompt_ids, params)
+        self.outs.append(out)
+        return out
+
+
+def _chat(tok, name: str, mode: str, **kw) -> ChatFormat:
+    eot, specials, _ = TEMPLATES[name]
+    t = copy.deepcopy(tok)
+    if specials:
+        t.add_special_tokens({"additional_special_tokens": specials})
+    return ChatFormat(
+        t, template=shared_template(name), end_of_turn=eot, trajectory_mode=mode, **kw
+    )
+
+
+class Thinker(Env):
+    """Turn 1: the model calls the calculator and gets 84; turn 2: a user asks again (a new query,
+    after which thinking templates drop the earlier reasoning); turn 3 ends the episode."""
+
+    def reset(self, *, seed=None, options=None):
+        self.turn = 0
+        return super().reset(seed=seed, options=options)
+
+    def tool_schemas(self):
+        return [TOOL]
+
+    def step(self, action: Message):
+        self.turn += 1
+        if action.tool_calls:
+            return (
+                [
+                    Message(role="tool", content="84", tool_call_id=c.id, name=c.name)
+                    for c in action.tool_calls
+                ],
+                0.0,
+                False,
+                False,
+                {},
+            )
+        if self.turn == 2:
+            return [Message(role="user", content="Are you sure? Add the 3.")], 0.0, False, False, {}
+        return [], 1.0, True, False, {}
+
+
+def _turns() -> list[Message]:
+    call = ToolCall(id="call_0", name="calculator", arguments={"expression": "12*7"})
+    return [
+        Message(
+            role="assistant", content="<think>\nThe product first.\n</think>\n\n", tool_calls=[call]
+        ),
+        Message(role="assistant", content="<think>\n84 + 3 = 87.\n</think>\n\n84 + 3 = 87."),
+        Message(role="assistant", content="<think>\nChecked.\n</think>\n\nYes, 87."),
+    ]
+
+
+def _script(chat: ChatFormat):
+    """The engine answers with the template's own text for the next scripted assistant turn (the
+    render of the history with it, after the generation prompt), so every parser reads it."""
+    env_turns = [
+        [Message(role="tool", content="84", tool_call_id="call_0", name="calculator")],
+        [Message(role="user", content="Are you sure? Add the 3.")],
+    ]
+    texts, history = [], TASK.prompt_messages()
+    for k, a in enumerate(_turns()):
+        gen = chat.render(history, [TOOL], add_generation_prompt=True)
+        full = chat.render(history + [a], [TOOL])
+        start = next(
+            (i for i, (x, y) in enumerate(zip(gen, full, strict=False)) if x != y), len(gen)
+        )
+        text = full[start:]
+        texts.append(text[: text.index(chat.end_of_turn) + len(chat.end_of_turn)])
+        history += [a] + (env_turns[k] if k < len(env_turns) else [])
+    return lambda ids, i: texts[i]
+
+
+def check_token_exact(traj: Trajectory, engine: RecordingEngine, chat: ChatFormat) -> None:
+    """Segment by segment: engine request k is the prefix of one segment up to its k-th sampled run,
+    the run holds the ids it sampled with its logprobs, and a segment's prompt is `prompt_ids` of
+    the messages before its first sampled turn."""
+    runs = []  # (segment, start, end) of every sampled run, in order
+    for s, seg in enumerate(traj.segments):
+        m = seg.loss_mask
+        runs += [
+            (s, i, next((j for j in range(i, len(m)) if not m[j]), len(m)))
+            for i in range(len(m))
+            if m[i] and (i == 0 or not m[i - 1])
+        ]
+    assert len(runs) == len(engine.calls) == traj.num_turns
+    for k, (s, start, end) in enumerate(runs):
+        seg = traj.segments[s]
+        assert seg.token_ids[:start] == engine.calls[k]  # what the engine received, exactly
+        assert seg.token_ids[start:end] == engine.outs[k].token_ids  # what it sampled
+        assert seg.logprobs[start:end] == engine.outs[k].logprobs
+    check_segment_prompts(traj, chat, [TOOL])
+
+
+def check_segment_prompts(
+    traj: Trajectory, chat: ChatFormat, tools: list[dict] | None, max_tool_calls: int | None = None
+) -> None:
+    """What can be checked without the engine: every segment holds the invariant, its sampled runs
+    are turns in order, and its prompt is the template's render of the messages before its first
+    turn (the first segment's: the env's first messages)."""
+    traj.check()
+    # the sampled turns are the last num_turns assistant messages (the env's first messages may
+    # hold a worked example)
+    assistants = [i for i, msg in enumerate(traj.messages) if msg.role == "assistant"]
+    assistants = assistants[len(assistants) - traj.num_turns :]
+    turn = 0
+    for seg in traj.segments:
+        m = seg.loss_mask
+        starts = [i for i in range(len(m)) if m[i] and (i == 0 or not m[i - 1])]
+        assert starts and starts[0] == seg.prompt_len
+        assert seg.token_ids[: seg.prompt_len] == chat.prompt_ids(
+            traj.messages[: assistants[turn]], tools, max_tool_calls=max_tool_calls
+        )
+        turn += len(starts)
+    assert turn == traj.num_turns
+
+
+@pytest.mark.parametrize("name", sorted(TEMPLATES))
+def test_every_tool_template_gets_its_mode_and_token_exact_segments(tok, name):
+    modes = dict(zip(("single", "auto", "stepwise"), TEMPLATES[name][2], strict=True))
+    for mode, want in modes.items():
+        report = audit(_chat(tok, name, mode, template_kwargs={"enable_thinking": True}))
+        assert report.mode == want, (mode, report.format())
+        if want != "refuse":
+            assert report.trajectory_mode == mode and (want == "stepwise") == (
+                report.new_segments > 0
+            )
+        elif mode != "single":  # refused for what segments do not mend: the turn's end, the render
+            fatal = {i.kind for i in report.issues if i.fatal}
+            assert fatal and fatal <= {"no_end_of_turn", "render_error", "no_tool_support"}, fatal
+    for mode, want in modes.items():
+        if want == "refuse":
+            continue
+        chat = _chat(tok, name, mode, template_kwargs={"enable_thinking": True})
+        engine = RecordingEngine(chat.tokenizer, _script(chat), chat.end_of_turn_id)
+        traj = asyncio.run(
+            run_episode(
+                Thinker(),
+                engine,
+                chat,
+                TASK,
+                SamplingParams(max_new_tokens=200),
+                limits=EpisodeLimits(max_turns=4),
+            )
+        )
+        assert traj.stop_reason == StopReason.COMPLETED and traj.num_turns == 3, traj.stop_detail
+        assert [c.name for c in traj.messages[1].tool_calls or []] == ["calculator"]
+        check_token_exact(traj, engine, chat)
+        assert len(traj.segments) == {"exact": 1, "stepwise": 3 if mode == "stepwise" else 2}[want]
+        if want == "stepwise" and mode == "auto":  # the user's new query rewrote the history
+            assert [s.num_sampled > 0 for s in traj.segments] == [True, True]
+
+
+def test_qwen3_6_thinking_trains_without_fallback_in_auto_mode_and_is_refused_in_single(tok):
+    """The reasoning of turn 1 is sampled and trained in turn 1's segment; after the user's new
+    query the template drops it, and the next segment's prompt is that rewritten history."""
+    single = _chat(tok, "qwen3_6.jinja", "single", template_kwargs={"enable_thinking": True})
+    engine = RecordingEngine(single.tokenizer, _script(single), single.end_of_turn_id)
+    traj = asyncio.run(
+        run_episode(
+            Thinker(),
+            engine,
+            single,
+            TASK,
+            SamplingParams(max_new_tokens=200),
+            limits=EpisodeLimits(max_turns=4),
+        )
+    )
+    assert traj.stop_reason == StopReason.ENV_ERROR and "not prefix-preserving" in traj.stop_detail
+    assert "trajectory_mode=auto" in traj.stop_detail
+    chat = _chat(tok, "qwen3_6.jinja", "auto", template_kwargs={"enable_thinking": True})
+    engine = RecordingEngine(chat.tokenizer, _script(chat), chat.end_of_turn_id)
+    traj = asyncio.run(
+        run_episode(
+            Thinker(),
+            engine,
+            chat,
+            TASK,
+            SamplingParams(max_new_tokens=200),
+            limits=EpisodeLimits(max_turns=4),
+        )
+    )
+    first, second = traj.segments
+    sampled = [
+        chat.decode([t for t, m in zip(s.token_ids, s.loss_mask, strict=True) if m])
+        for s in (first, second)
+    ]
+    assert "The product first." in sampled[0] and "84 + 3 = 87." in sampled[0]
+    assert "Checked." in sampled[1]
+    second_prompt = chat.decode(second.token_ids[: second.prompt_len])
+    assert "The product first." not in second_prompt and "84 + 3 = 87." in second_prompt
+    assert traj.reward == 1.0 and traj.num_sampled == first.num_sampled + second.num_sampled
+    row = json.loads(json.dumps(traj.to_dict()))
+    assert [Segment.from_dict(s) for s in row["segments"]] == traj.segments
+    assert row["token_ids"] == second.token_ids  # the flat fields are the last segment
+    # the template's own switch keeps the reasoning in history: auto is then one sequence
+    keep = _chat(
+        tok,
+        "qwen3_6.jinja",
+        "auto",
+        template_kwargs={"enable_thinking": True, "preserve_thinking": True},
+    )
+    assert audit(keep).mode == "exact"
+
+
+def test_history_rewritten_is_a_template_error_and_keep_history_excludes_segments(tok):
+    assert issubclass(HistoryRewritten, TemplateError)
+    with pytest.raises(ValueError, match="choose one"):
+        _chat(tok, "qwen3.jinja", "auto", fallback="keep_history")
+    with pytest.raises(ValueError, match="choose one"):
+        RolloutConfig(template_fallback="keep_history", trajectory_mode="stepwise")
+    with pytest.raises(ValueError, match="trajectory_mode must be one of"):
+        _chat(tok, "qwen3.jinja", "sometimes")
+
+
+def test_a_segment_opened_but_never_sampled_is_dropped_and_the_budget_spans_segments(tok):
+    """max_tokens counts the tokens after each segment's prompt, over all segments: the episode
+    ends when they are spent, and a segment whose turn never came is not kept."""
+    chat = _chat(tok, "qwen3_6.jinja", "stepwise", template_kwargs={"enable_thinking": True})
+    script = _script(chat)
+    first = len(chat.encode(script([], 0)))  # the first turn's sampled ids (with the end of turn)
+    engine = RecordingEngine(chat.tokenizer, script, chat.end_of_turn_id)
+    traj = asyncio.run(
+        run_episode(
+            Thinker(),
+            engine,
+            chat,
+            TASK,
+            SamplingParams(max_new_tokens=200),
+            limits=EpisodeLimits(max_turns=4, max_tokens=first),
+        )
+    )
+    assert traj.stop_reason == StopReason.MAX_TOKENS and len(engine.calls) == 1
+    assert len(traj.segments) == 1 and traj.num_sampled == first
+    traj.check()
+
+
+def test_the_learner_trains_a_row_per_segment_with_the_episode_s_advantage():
+    from agentgrpo.batch import make_micro_batches, segment_rows
+    from tests.tiny import traj
+
+    one = traj([1, 2, 3, 4, 5], [0, 0, 1, 1, 0], group="g")
+    two = traj([1, 2, 6, 7], [0, 0, 1, 1], group="g")
+    two.earlier_segments = [
+        Segment([1, 2, 8], [0, 0, 1], [0.0, 0.0, -1.0], 2),
+        Segment([1, 2, 9, 9], [0, 0, 0, 0], [0.0] * 4, 2),
+    ]  # nothing sampled
+    rows, advs = segment_rows([one, two], [0.5, -1.0])
+    assert [r.token_ids for r in rows] == [[1, 2, 3, 4, 5], [1, 2, 8], [1, 2, 6, 7]]
+    assert advs == [0.5, -1.0, -1.0] and all(
+        r.group_id == "g" and not r.earlier_segments for r in rows
+    )
+    (mb,) = make_micro_batches(rows, advs, 64, mode="shared_prefix")
+    assert mb.advantages_N.tolist() == [advs[r] for r in mb.rows] and sorted(mb.rows) == [0, 1, 2]
+    assert mb.loss_mask_NL.sum() == 5
+    assert mb.num_real_tokens == 2 + 3 + 1 + 2  # the prefix [1, 2] once, each segment's own tokens
+
+
+def test_the_report_s_trajectory_viewer_shows_every_segment():
+    from agentgrpo.report import _traj_html
+    from tests.tiny import traj
+
+    t = traj([1, 2, 6, 7], [0, 0, 1, 1])
+    t.earlier_segments = [Segment([1, 2, 8], [0, 0, 1], [0.0, 0.0, -1.0], 2)]
+    page = _traj_html(t.to_dict(), {8: "eight", 6: "six"}, 100)
+    assert (
+        "segment 1 of 2, tokens: 3 (1 generated)" in page
+        and "segment 2 of 2, tokens: 4 (2 generated)" in page
+    )
+    assert page.index("eight") < page.index("six")
+    single = _traj_html(traj([1, 2, 6], [0, 0, 1]).to_dict(), {}, 100)
+    assert "segment" not in single and "tokens: 3 (1 generated)" in single
+
+
+def rows_as_trajectories(path) -> list[Trajectory]:
+    from agentgrpo.log import read_jsonl
+
+    out = []
+    for r in read_jsonl(path):
+        t = Trajectory(
+            task_id=r["task_id"],
+            token_ids=r["token_ids"],
+            loss_mask=r["loss_mask"],
+            logprobs=r["logprobs"],
+            prompt_len=r["prompt_len"],
+            messages=[Message.from_dict(m) for m in r["messages"]],
+            stop_reason=StopReason(r["stop_reason"]),
+            num_turns=r["num_turns"],
+        )
+        if "segments" in r:
+            *earlier, last = [Segment.from_dict(s) for s in r["segments"]]
+            assert last == t.segments[-1]  # the flat fields are the last segment
+            t.earlier_segments = earlier
+        out.append(t)
+    return out
+
+
+@pytest.mark.slow
+def test_calculator_trains_stepwise_with_qwen3_6_and_thinking_on_the_embedded_model(
+    tmp_path, smol_path
+):
+    """Issue 30's check: two CPU steps of the calculator env with the Qwen3.6 template attached to
+    the embedded model and thinking on, step-wise, no fallback; every trajectory passes the checks
+    segment by segment."""
+    from transformers import AutoTokenizer
+
+    from agentgrpo.cli import main
+    from agentgrpo.log import read_jsonl
+    from envs.calculator import CalculatorEnv
+
+    template = shared_template("qwen3_6.jinja")
+    out = tmp_path / "run"
+    rc = main(
+        [
+            "train",
+            "examples/calculator.yaml",
+            "train.steps=2",
+            f"output_dir={out}",
+            f"model.chat_template={SHARED / 'chat_templates' / 'qwen3_6.jinja'}",
+            "rollout.chat_template_kwargs={enable_thinking: true}",
+            "rollout.trajectory_mode=stepwise",
+            "log.progress=false",
+        ]
+    )
+    assert rc == 0
+    chat = ChatFormat(
+        AutoTokenizer.from_pretrained(smol_path),
+        template=template,
+        template_kwargs={"enable_thinking": True},
+        trajectory_mode="stepwise",
+    )
+    env = CalculatorEnv()
+    trajs = rows_as_trajectories(out / "trajectories.jsonl")
+    assert len(trajs) == 64 and all(t.stop_reason != StopReason.ENV_ERROR for t in trajs)
+    for t in trajs:
+        if t.num_sampled:
+            check_segment_prompts(t, chat, env.tool_schemas(), env.max_tool_calls_per_turn)
+    assert all(len(t.segments) == t.num_turns for t in trajs if t.num_sampled)
+    assert all(m["loss"] == m["loss"] for m in read_jsonl(out / "metrics.jsonl"))
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_a_step_wise_episode_trains_exactly_as_its_segments_would_as_trajectories(agg):
+    """The learner's step on episodes of two segments gives the gradient of the same segments given
+    as separate trajectories with the episode's advantage: a row per segment, under either
+    aggregation (docs/learner.md says how that weighs)."""
+    import copy as copying
+
+    from agentgrpo.learner import Learner, LearnerConfig
+    from agentgrpo.loss import LossConfig
+    from tests.test_learner import TEMPERATURE, batch_and_advantages, record_grads
+    from tests.tiny import tiny_llama
+
+    flat, adv = batch_and_advantages()
+    flat_adv = list(adv)
+    episodes, episode_adv = [], []
+    for i in range(0, len(flat), 2):  # members 2k and 2k+1 of a group become one episode
+        first, last = flat[i], copying.copy(flat[i + 1])
+        last.earlier_segments = [first.segments[0]]
+        episodes.append(last)
+        episode_adv.append(adv[i])
+        flat_adv[i + 1] = adv[i]
+    grads = []
+    for trajs, advs in ((episodes, episode_adv), (flat, flat_adv)):
+        learner = Learner(
+            tiny_llama(),
+            LearnerConfig(micro_batch_tokens=64, grad_clip=1e9),
+            LossConfig(agg=agg),
+            temperature=TEMPERATURE,
+        )
+        got = record_grads(learner)
+        metrics = learner.train_step(trajs, advs)
+        grads.append(got[0])
+    assert metrics["train_tokens"] == sum(len(t.token_ids) for t in flat)
+    for name, g in grads[1].items():
+        torch.testing.assert_close(grads[0][name], g, atol=1e-6, rtol=1e-4, msg=name)
