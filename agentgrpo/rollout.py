@@ -121,14 +121,17 @@ class RolloutConfig(EpisodeLimits):
         "none", description="what to do when the chat template rewrites earlier turns: none = refuse, "
         "keep_history = continue the tokens the model saw (see agentgrpo check-template)")
     trajectory_mode: Literal["single", "auto", "stepwise"] = Field(
-        "single", description="single = one token sequence per episode (a template that rewrites "
+        "auto", description="single = one token sequence per episode (a template that rewrites "
         "history is refused or needs keep_history); auto = a new segment (prompt: the re-rendered "
-        "history) whenever the template rewrites history; stepwise = a new segment every turn")
+        "history) whenever the template rewrites history, so one sequence where it does not; "
+        "stepwise = a new segment every turn")
     chat_template_kwargs: dict[str, Any] = Field(
         default_factory=dict, description="extra chat-template variables, e.g. {preserve_thinking: true}")
 
     @model_validator(mode="after")
     def _one_answer_to_rewritten_history(self) -> RolloutConfig:
+        if self.template_fallback == "keep_history" and self.trajectory_mode == "auto":
+            self.trajectory_mode = "single"  # the explicit fallback decides what auto would
         if self.template_fallback == "keep_history" and self.trajectory_mode != "single":
             raise ValueError("template_fallback=keep_history with trajectory_mode="
                              f"{self.trajectory_mode}: choose one (keep_history continues one "

@@ -94,7 +94,7 @@ def test_eval_refuses_a_template_that_is_not_token_safe(tmp_path, capsys):
     from tests.conftest import SHARED, shared_template
 
     shared_template("qwen3.jinja")  # skips when shared/ is absent
-    rc = main(["eval", str(_empty_config(tmp_path)), f"output_dir={tmp_path}",
+    rc = main(["eval", str(_empty_config(tmp_path)), f"output_dir={tmp_path}", "rollout.trajectory_mode=single",
                f"model.chat_template={SHARED / 'chat_templates' / 'qwen3.jinja'}"])
     err = capsys.readouterr().err
     assert rc == 2 and "not token-safe for this environment" in err and "template_fallback=keep_history" in err
