@@ -53,7 +53,7 @@ _UNSUPPORTED = ("sliding_window", "softcap", "s_aux", "sinks", "position_bias")
 class _Bucket:
     """Spans of similar size run as one padded sdpa batch: n spans, queries padded to L, keys to K."""
 
-    q_idx: torch.Tensor  # [n, L] long, flat [B*T] position of query i of span j (pads: any real one)
+    q_idx: torch.Tensor  # [n, L] long, flat [R*S] position of query i of span j (pads: any real one)
     k_idx: torch.Tensor  # [n, K] long, flat position of key t: the prefix, then the span itself
     mask: torch.Tensor  # [n, 1, L, K] bool; a pad query sees key 0 only (no all-masked row, no NaN)
     real: torch.Tensor  # [n * L] bool, the queries that are not padding
@@ -78,20 +78,20 @@ class Segments:
 
     @classmethod
     def of(cls, batch: TrainBatch) -> Segments:
-        seg_BT = batch.segment_ids_BT.cpu().numpy()
-        vis_BT = batch.visible_ids_BT.cpu().numpy()
-        T = seg_BT.shape[1]
+        seg_RS = batch.segment_ids_RS.cpu().numpy()
+        vis_RS = batch.visible_ids_RS.cpu().numpy()
+        T = seg_RS.shape[1]
         spans = []
-        for b, (seg_T, vis_T) in enumerate(zip(seg_BT, vis_BT, strict=True)):
-            starts = np.flatnonzero(np.diff(seg_T, prepend=-1)).tolist()  # a segment is one contiguous run
+        for b, (seg_S, vis_S) in enumerate(zip(seg_RS, vis_RS, strict=True)):
+            starts = np.flatnonzero(np.diff(seg_S, prepend=-1)).tolist()  # a segment is one contiguous run
             ends = [*starts[1:], T]
-            where = {int(seg_T[s]): (s, e) for s, e in zip(starts, ends, strict=True)}
+            where = {int(seg_S[s]): (s, e) for s, e in zip(starts, ends, strict=True)}
             for s, e in zip(starts, ends, strict=True):
-                sid, vid = int(seg_T[s]), int(vis_T[s])
+                sid, vid = int(seg_S[s]), int(vis_S[s])
                 if sid != 0:  # 0: row tail
                     ps, pe = where[vid] if vid != sid else (s, s)
                     spans.append((b, s, e, ps, pe))
-        device = batch.segment_ids_BT.device
+        device = batch.segment_ids_RS.device
         buckets, dest = zip(*(_bucket([spans[i] for i in g], T, device) for g in _bucketed(spans)), strict=True)
         return cls(spans, list(buckets), torch.from_numpy(np.concatenate(dest)).to(device))
 
@@ -151,9 +151,9 @@ def segment_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
             raise ValueError(f"segment attention does not implement {name} (this model uses it): "
                              "set learner.attention: mask")
     segments.calls += 1
-    B, H, T, D = query.shape
+    R, H, S, D = query.shape  # the packed rows, as transformers passes them: [R, heads, S, D]
     rep = H // key.shape[1]
-    q, k, v = (x.transpose(1, 2).reshape(B * T, x.shape[1], D) for x in (query, key, value))  # [B*T, heads, D]
+    q, k, v = (x.transpose(1, 2).reshape(R * S, x.shape[1], D) for x in (query, key, value))  # [R*S, heads, D]
     outs = []
     for bk in segments.buckets:
         o = F.scaled_dot_product_attention(
@@ -161,7 +161,7 @@ def segment_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
             repeat_kv(v[bk.k_idx].transpose(1, 2), rep), attn_mask=bk.mask, dropout_p=dropout, scale=scaling)
         outs.append(o.transpose(1, 2).reshape(-1, H, D)[bk.real])  # [real queries, H, D]
     real = torch.cat(outs)  # in sdpa's dtype (bf16 under autocast, whatever the query's)
-    return real.new_zeros(B * T, H, D).index_put((segments.dest,), real).view(B, T, H, D), None
+    return real.new_zeros(R * S, H, D).index_put((segments.dest,), real).view(R, S, H, D), None
 
 
 def flex_block_mask(batch: TrainBatch):
@@ -173,13 +173,13 @@ def flex_block_mask(batch: TrainBatch):
     torch has no flex backward on the CPU (the learner refuses it there); forward runs compiled."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    seg_BT, vis_BT = batch.segment_ids_BT, batch.visible_ids_BT
+    seg_RS, vis_RS = batch.segment_ids_RS, batch.visible_ids_RS
 
     def sees(b, h, q, kv):
-        return (kv <= q) & ((seg_BT[b, kv] == seg_BT[b, q]) | (seg_BT[b, kv] == vis_BT[b, q]))
+        return (kv <= q) & ((seg_RS[b, kv] == seg_RS[b, q]) | (seg_RS[b, kv] == vis_RS[b, q]))
 
-    B, T = seg_BT.shape
-    return create_block_mask(sees, B, None, T, T, device=seg_BT.device)
+    R, S = seg_RS.shape
+    return create_block_mask(sees, R, None, S, S, device=seg_RS.device)
 
 
 def register() -> None:

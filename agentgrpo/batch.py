@@ -2,10 +2,10 @@
 
 A micro-batch has two layouts:
 
-- **model layout** `[B, T]`: what the model runs on. Sequences are *packed*: several lie one after
+- **model layout** `[R, S]`: what the model runs on. Sequences are *packed*: several lie one after
   the other in a row, each with position ids starting again at 0, and an attention mask that lets a
   token see only earlier tokens of its own sequence. Only the tail of a row is padding.
-- **loss layout** `[N, L]`: one row per trajectory, columns = the trajectory's span from its first
+- **loss layout** `[B, T]`: one row per trajectory, columns = the trajectory's span from its first
   to its last loss token. This is what `loss.compute_loss` expects (its seq-mean modes assume one
   sequence per row), so packing never changes what the loss sees.
 
@@ -14,9 +14,9 @@ A step-wise trajectory (several segments, `Trajectory.segments`) is trained as o
 episode's advantage and group, before anything here runs (docs/learner.md: how that weighs).
 
 `pred_index_M` / `target_ids_M` / `dest_index_M` connect the two: loss token m is predicted by the
-hidden state at flat position `pred_index_M[m]` of `[B*T]`, is the token id `target_ids_M[m]`, and its
-logprob goes to flat position `dest_index_M[m]` of `[N*L]`. The learner therefore runs the LM head on
-the M loss positions only (not on all B*T), which is exact and saves most of the head's cost.
+hidden state at flat position `pred_index_M[m]` of `[R*S]`, is the token id `target_ids_M[m]`, and its
+logprob goes to flat position `dest_index_M[m]` of `[B*T]`. The learner therefore runs the LM head on
+the M loss positions only (not on all R*S), which is exact and saves most of the head's cost.
 
 Packing modes (`LearnerConfig.packing`):
 
@@ -56,45 +56,45 @@ PACKING_MODES = ("shared_prefix", "packed", "padded")
 
 @dataclass
 class TrainBatch:
-    """One micro-batch in model layout [B, T] and loss layout [N, L] (see the module docstring)."""
+    """One micro-batch in model layout [R, S] and loss layout [B, T] (see the module docstring)."""
 
-    input_ids_BT: torch.Tensor  # [B, T] long, pad_id in row tails
-    position_ids_BT: torch.Tensor  # [B, T] long, restarts at 0 for every sequence / prefix
-    segment_ids_BT: torch.Tensor  # [B, T] long, one id per sequence, prefix or row tail in a row
-    visible_ids_BT: torch.Tensor  # [B, T] long, the other segment a token may see (its prefix) or its own
-    pred_index_M: torch.Tensor  # [M] long, flat index into [B*T] of the hidden state predicting token m
+    input_ids_RS: torch.Tensor  # [R, S] long, pad_id in row tails
+    position_ids_RS: torch.Tensor  # [R, S] long, restarts at 0 for every sequence / prefix
+    segment_ids_RS: torch.Tensor  # [R, S] long, one id per sequence, prefix or row tail in a row
+    visible_ids_RS: torch.Tensor  # [R, S] long, the other segment a token may see (its prefix) or its own
+    pred_index_M: torch.Tensor  # [M] long, flat index into [R*S] of the hidden state predicting token m
     target_ids_M: torch.Tensor  # [M] long, the token id of loss token m
-    dest_index_M: torch.Tensor  # [M] long, flat index into [N*L] of loss token m
-    loss_mask_NL: torch.Tensor  # [N, L] float, 1 on sampled tokens
-    rollout_logprobs_NL: torch.Tensor  # [N, L] float, the engine's sampling logprobs (0 elsewhere)
-    advantages_N: torch.Tensor  # [N] float
+    dest_index_M: torch.Tensor  # [M] long, flat index into [B*T] of loss token m
+    loss_mask_BT: torch.Tensor  # [B, T] float, 1 on sampled tokens
+    rollout_logprobs_BT: torch.Tensor  # [B, T] float, the engine's sampling logprobs (0 elsewhere)
+    advantages_B: torch.Tensor  # [B] float
     rows: list[int]  # index of each trajectory n in the list given to `make_micro_batches`
     needs_mask: bool = True  # False when plain causal attention is already exact (padded, one row)
 
     @property
     def num_tokens(self) -> int:
-        """Token slots the model runs on (B*T, padding included)."""
-        return self.input_ids_BT.numel()
+        """Token slots the model runs on (R*S, padding included)."""
+        return self.input_ids_RS.numel()
 
     @property
     def num_real_tokens(self) -> int:
         """Slots holding a token (not row-tail padding); a shared prefix counts once."""
-        tail = self.segment_ids_BT == 0
+        tail = self.segment_ids_RS == 0
         return int((~tail).sum())
 
-    def attention_mask_B1TT(self) -> torch.Tensor | None:
-        """[B, 1, T, T] bool, True where query t may attend to key s: s <= t and s is in t's own
+    def attention_mask_R1SS(self) -> torch.Tensor | None:
+        """[R, 1, S, S] bool, True where query t may attend to key s: s <= t and s is in t's own
         segment or in the prefix it continues. Row-tail padding is its own segment, so no query row
         is all-masked (an all-masked row gives NaN that 0-weights would still spread). None when
         causal attention alone is exact."""
         if not self.needs_mask:
             return None
-        T = self.input_ids_BT.shape[1]
-        seg_BT, vis_BT = self.segment_ids_BT, self.visible_ids_BT
-        key_B1T = seg_BT[:, None, :]
-        same_BTT = (key_B1T == seg_BT[:, :, None]) | (key_B1T == vis_BT[:, :, None])
-        causal_TT = torch.ones(T, T, dtype=torch.bool, device=seg_BT.device).tril()
-        return (same_BTT & causal_TT)[:, None]
+        S = self.input_ids_RS.shape[1]
+        seg_RS, vis_RS = self.segment_ids_RS, self.visible_ids_RS
+        key_R1S = seg_RS[:, None, :]
+        same_RSS = (key_R1S == seg_RS[:, :, None]) | (key_R1S == vis_RS[:, :, None])
+        causal_SS = torch.ones(S, S, dtype=torch.bool, device=seg_RS.device).tril()
+        return (same_RSS & causal_SS)[:, None]
 
     def to(self, device: torch.device | str) -> TrainBatch:
         fields = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in vars(self).items()}
@@ -145,8 +145,8 @@ def segment_rows(trajs: Sequence[Trajectory],
 
 def _common_prefix(seqs: Sequence[np.ndarray]) -> int:
     n = min(len(s) for s in seqs)
-    same_N = np.logical_and.reduce([s[:n] == seqs[0][:n] for s in seqs[1:]])
-    return n if same_N.all() else int(np.argmin(same_N))
+    same_B = np.logical_and.reduce([s[:n] == seqs[0][:n] for s in seqs[1:]])
+    return n if same_B.all() else int(np.argmin(same_B))
 
 
 def _groups(trajs: Sequence[Trajectory], mode: PackingMode) -> list[tuple[list[int], int]]:
@@ -326,18 +326,18 @@ def _cheapest_plan(trajs: Sequence[Trajectory], groups: list[tuple[list[int], in
 def _build(trajs: Sequence[Trajectory], advantages: Sequence[float], rows: list[list[_Unit]],
            pad_id: int, needs_mask: bool) -> TrainBatch:
     # numpy throughout (torch.tensor on Python lists is the slow part at GPU batch sizes).
-    B = len(rows)
-    T = max(sum(u.length for u in row) for row in rows)
-    ids_BT = np.full((B, T), pad_id, dtype=np.int64)
-    pos_BT = np.tile(np.arange(T), (B, 1))  # row tails keep counting: they are one causal segment
-    seg_BT = np.zeros((B, T), dtype=np.int64)  # 0 = row tail
-    vis_BT = np.zeros((B, T), dtype=np.int64)
+    R = len(rows)
+    S = max(sum(u.length for u in row) for row in rows)
+    ids_RS = np.full((R, S), pad_id, dtype=np.int64)
+    pos_RS = np.tile(np.arange(S), (R, 1))  # row tails keep counting: they are one causal segment
+    seg_RS = np.zeros((R, S), dtype=np.int64)  # 0 = row tail
+    vis_RS = np.zeros((R, S), dtype=np.int64)
     members = [i for row in rows for u in row for i in u.members]
     masks = {i: np.asarray(trajs[i].loss_mask, dtype=bool) for i in members}
     loss_pos = {i: np.flatnonzero(masks[i]) for i in members}  # positions j of the loss tokens
-    N, L = len(members), max(int(p[-1] - p[0]) + 1 for p in loss_pos.values())
-    loss_mask_NL = np.zeros((N, L), dtype=np.float32)
-    rollout_NL = np.zeros((N, L), dtype=np.float32)
+    B, T = len(members), max(int(p[-1] - p[0]) + 1 for p in loss_pos.values())
+    loss_mask_BT = np.zeros((B, T), dtype=np.float32)
+    rollout_BT = np.zeros((B, T), dtype=np.float32)
     pred, target, dest = [], [], []
     n = 0
     for b, row in enumerate(rows):
@@ -347,37 +347,37 @@ def _build(trajs: Sequence[Trajectory], advantages: Sequence[float], rows: list[
             if P:
                 seg += 1
                 prefix_seg = seg
-                ids_BT[b, start : start + P] = trajs[u.members[0]].token_ids[:P]
-                pos_BT[b, start : start + P] = np.arange(P)
-                seg_BT[b, start : start + P] = vis_BT[b, start : start + P] = prefix_seg
+                ids_RS[b, start : start + P] = trajs[u.members[0]].token_ids[:P]
+                pos_RS[b, start : start + P] = np.arange(P)
+                seg_RS[b, start : start + P] = vis_RS[b, start : start + P] = prefix_seg
             at = start + P
             for i in u.members:
                 t = trajs[i]
                 tokens = np.asarray(t.token_ids, dtype=np.int64)
                 own = len(tokens) - P
                 seg += 1
-                ids_BT[b, at : at + own] = tokens[P:]
-                pos_BT[b, at : at + own] = np.arange(P, P + own)
-                seg_BT[b, at : at + own] = seg
-                vis_BT[b, at : at + own] = prefix_seg if P else seg
+                ids_RS[b, at : at + own] = tokens[P:]
+                pos_RS[b, at : at + own] = np.arange(P, P + own)
+                seg_RS[b, at : at + own] = seg
+                vis_RS[b, at : at + own] = prefix_seg if P else seg
                 # row position of each token j of this trajectory: the prefix, then its own part
                 where = np.concatenate([np.arange(start, start + P), np.arange(at, at + own)])
                 j_M = loss_pos[i]
                 lo, hi = int(j_M[0]), int(j_M[-1])
-                pred.append(b * T + where[j_M - 1])
+                pred.append(b * S + where[j_M - 1])
                 target.append(tokens[j_M])
-                dest.append(n * L + (j_M - lo))
-                loss_mask_NL[n, : hi - lo + 1] = masks[i][lo : hi + 1]
-                rollout_NL[n, : hi - lo + 1] = np.asarray(t.logprobs[lo : hi + 1], dtype=np.float32)
+                dest.append(n * T + (j_M - lo))
+                loss_mask_BT[n, : hi - lo + 1] = masks[i][lo : hi + 1]
+                rollout_BT[n, : hi - lo + 1] = np.asarray(t.logprobs[lo : hi + 1], dtype=np.float32)
                 at += own
                 n += 1
             start = at
     t = torch.from_numpy
     return TrainBatch(
-        input_ids_BT=t(ids_BT), position_ids_BT=t(pos_BT), segment_ids_BT=t(seg_BT), visible_ids_BT=t(vis_BT),
+        input_ids_RS=t(ids_RS), position_ids_RS=t(pos_RS), segment_ids_RS=t(seg_RS), visible_ids_RS=t(vis_RS),
         pred_index_M=t(np.concatenate(pred)), target_ids_M=t(np.concatenate(target)),
-        dest_index_M=t(np.concatenate(dest)), loss_mask_NL=t(loss_mask_NL), rollout_logprobs_NL=t(rollout_NL),
-        advantages_N=torch.tensor([float(advantages[i]) for i in members]), rows=members,
+        dest_index_M=t(np.concatenate(dest)), loss_mask_BT=t(loss_mask_BT), rollout_logprobs_BT=t(rollout_BT),
+        advantages_B=torch.tensor([float(advantages[i]) for i in members]), rows=members,
         needs_mask=needs_mask,
     )
 

@@ -389,7 +389,7 @@ class Learner:
                     with contextlib.nullcontext() if sync else acc.no_sync(self.model):
                         m = self._micro_step(mb, mini_batch, k, measure_gap=p == 0 and j == 0)
                     if mb is not None:
-                        opt_step_metrics[p][j].add(m, float(mb.loss_mask_NL.sum()))
+                        opt_step_metrics[p][j].add(m, float(mb.loss_mask_BT.sum()))
                 grad_norm = acc.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
                 lr = self.scheduler.get_last_lr()[0]
                 self.optimizer.step()
@@ -403,7 +403,7 @@ class Learner:
         slots = sum(b.num_tokens for b in batches if b is not None)
         out.update(train_tokens=float(sum(len(t.token_ids) for t in trajs)), packed_tokens=float(real),
                    padding_frac=1 - real / max(slots, 1), micro_batches=float(len(batches)),
-                   row_tokens=float(max((b.input_ids_BT.shape[1] for b in batches if b is not None), default=0)),
+                   row_tokens=float(max((b.input_ids_RS.shape[1] for b in batches if b is not None), default=0)),
                    learner_s=time.perf_counter() - t0, **self._peak_memory())
         return out
 
@@ -420,7 +420,7 @@ class Learner:
 
     def _score(self, packed_mini_batches: list[_MiniBatch]) -> None:
         """No-grad pass before any update (later mini-batches are then off-policy, as they should be):
-        recomputed old logprobs and reference logprobs, [N, L] per micro-batch."""
+        recomputed old logprobs and reference logprobs, [B, T] per micro-batch."""
         recompute, kl = self.cfg.old_logprobs == "recompute", self.loss_cfg.kl_coef > 0
         for mini_batch in packed_mini_batches:
             mini_batch.olds, mini_batch.refs = [None] * len(mini_batch.batches), [None] * len(mini_batch.batches)
@@ -455,25 +455,25 @@ class Learner:
         if mb is None:  # this rank has no data left: a zero loss that still reaches every parameter
             self.accelerator.backward(lp_M.sum() * 0.0)
             return {}
-        lp_NL = to_loss_layout(lp_M, mb)
-        rollout_NL, mask_NL = mb.rollout_logprobs_NL, mb.loss_mask_NL
-        old_NL = rollout_NL if mini_batch.olds[k] is None else mini_batch.olds[k]
+        lp_BT = to_loss_layout(lp_M, mb)
+        rollout_BT, mask_BT = mb.rollout_logprobs_BT, mb.loss_mask_BT
+        old_BT = rollout_BT if mini_batch.olds[k] is None else mini_batch.olds[k]
         loss, metrics = compute_loss(
-            self.loss_cfg, lp_NL, old_NL, mb.advantages_N, mask_NL, ref_logprobs_BT=mini_batch.refs[k],
+            self.loss_cfg, lp_BT, old_BT, mb.advantages_B, mask_BT, ref_logprobs_BT=mini_batch.refs[k],
             entropy_BT=to_loss_layout(ent_M, mb) if entropy_in_loss else None,
-            rollout_logprobs_BT=rollout_NL if self.cfg.old_logprobs == "recompute" else None,
+            rollout_logprobs_BT=rollout_BT if self.cfg.old_logprobs == "recompute" else None,
             num_tokens=mini_batch.num_tokens, num_seqs=mini_batch.num_seqs)
         self.accelerator.backward(loss * world)
         with torch.no_grad():
-            m = mask_NL > 0
-            lp, old = lp_NL.detach()[m], old_NL[m]
+            m = mask_BT > 0
+            lp, old = lp_BT.detach()[m], old_BT[m]
             ratio = torch.exp((lp - old).clamp(-20, 20))
             out = dict(metrics, ratio_mean=float(ratio.mean()), ratio_min=float(ratio.min()),
                        ratio_max=float(ratio.max()))
             if not entropy_in_loss:
                 out["entropy"] = float(ent_M.detach().mean())
             if measure_gap:
-                gap = (lp - rollout_NL[m]).abs()
+                gap = (lp - rollout_BT[m]).abs()
                 out.update(logprob_gap_mean=float(gap.mean()), logprob_gap_max=float(gap.max()))
         return out
 

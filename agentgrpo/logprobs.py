@@ -110,17 +110,17 @@ class PolicyForward(torch.nn.Module):
                 entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         lm = causal_lm(self.model)
         decoder, head = lm.get_decoder(), lm.get_output_embeddings()
-        device = batch.input_ids_BT.device
+        device = batch.input_ids_RS.device
         off = self.model.disable_adapter() if disable_adapter else contextlib.nullcontext()
         amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.autocast_bf16)
         layout = _layout_kwargs(lm, batch, self.autocast_bf16, self.segment_min_share)
         with off:
             with amp:
-                hidden_BTH = decoder(input_ids=batch.input_ids_BT, position_ids=batch.position_ids_BT,
+                hidden_RSH = decoder(input_ids=batch.input_ids_RS, position_ids=batch.position_ids_RS,
                                      use_cache=False, **layout).last_hidden_state
             if "segments" in layout:
                 _check_segments_seen(lm, layout["segments"])
-            h_MH = hidden_BTH.flatten(0, 1)[batch.pred_index_M]
+            h_MH = hidden_RSH.flatten(0, 1)[batch.pred_index_M]
             run = functools.partial(_head_logprobs, head, temperature=temperature, entropy_grad=entropy_grad,
                                     divisor=self.logits_divisor)
             chunk, M = self.head_chunk_tokens, h_MH.shape[0]
@@ -157,26 +157,26 @@ def _layout_kwargs(lm: torch.nn.Module, batch: TrainBatch, bf16: bool, segment_m
     if not batch.needs_mask:
         return {"attention_mask": None}
     window = sliding_window_of(lm.config)
-    if window is not None and (longest := int(batch.position_ids_BT.max()) + 1) > window:
+    if window is not None and (longest := int(batch.position_ids_RS.max()) + 1) > window:
         raise ValueError(f"this model attends through a sliding window of {window} tokens and a packed "
                          f"micro-batch holds a sequence of {longest}: the packed layouts' masks cannot say "
                          "the window, so its logprobs would be wrong; set learner.packing: padded")
     impl = attn_implementation(lm)
-    T = batch.input_ids_BT.shape[1]
-    if impl == SEGMENTS and attention_pair_cost(lm.config) * T >= segment_min_share:
+    S = batch.input_ids_RS.shape[1]
+    if impl == SEGMENTS and attention_pair_cost(lm.config) * S >= segment_min_share:
         return {"attention_mask": None, "segments": Segments.of(batch)}
     if impl == SEGMENTS:
         impl = "sdpa"
     if impl == "flex_attention":
         return {"attention_mask": flex_block_mask(batch)}
-    mask_B1TT = batch.attention_mask_B1TT()
+    mask_R1SS = batch.attention_mask_R1SS()
     if "flash" in impl:
         raise ValueError("flash attention takes no 4D mask: build micro-batches with one_row=True")
     if impl == "eager":  # eager adds the mask to the scores
         dtype = torch.bfloat16 if bf16 else next(lm.parameters()).dtype
-        mask_B1TT = torch.zeros(mask_B1TT.shape, dtype=dtype, device=mask_B1TT.device).masked_fill(
-            ~mask_B1TT, torch.finfo(dtype).min)
-    return {"attention_mask": mask_B1TT}
+        mask_R1SS = torch.zeros(mask_R1SS.shape, dtype=dtype, device=mask_R1SS.device).masked_fill(
+            ~mask_R1SS, torch.finfo(dtype).min)
+    return {"attention_mask": mask_R1SS}
 
 
 def sliding_window_of(config: object) -> int | None:
@@ -202,8 +202,8 @@ def _check_segments_seen(lm: torch.nn.Module, segments: Segments) -> None:
 
 
 def to_loss_layout(values_M: torch.Tensor, batch: TrainBatch) -> torch.Tensor:
-    """[M] values of the loss tokens -> [N, L] in the batch's loss layout (0 elsewhere); keeps grad."""
-    N, L = batch.loss_mask_NL.shape
+    """[M] values of the loss tokens -> [B, T] in the batch's loss layout (0 elsewhere); keeps grad."""
+    N, L = batch.loss_mask_BT.shape
     out = values_M.new_zeros(N * L).index_put((batch.dest_index_M,), values_M)
     return out.view(N, L)
 

@@ -122,8 +122,8 @@ class Bare:
                 lp = self.forward(mb)[0]
             else:
                 with torch.autocast(self.device, dtype=torch.bfloat16, enabled=self.autocast):
-                    logits = self.model(input_ids=mb.input_ids_BT, position_ids=mb.position_ids_BT,
-                                        attention_mask=mb.attention_mask_B1TT()).logits
+                    logits = self.model(input_ids=mb.input_ids_RS, position_ids=mb.position_ids_RS,
+                                        attention_mask=mb.attention_mask_R1SS()).logits
                 lp = torch.log_softmax(logits.float().flatten(0, 1)[mb.pred_index_M], -1)
                 lp = lp.gather(-1, mb.target_ids_M[:, None])
             (-lp.sum()).backward()
@@ -300,9 +300,9 @@ def real_model_gap(samples: int = 8, new_tokens: int = 48) -> None:
         diffs = []
         with torch.no_grad():
             for mb in make_micro_batches(trajs, [0.0] * samples, 8192):
-                lp_NL = to_loss_layout(fwd(mb)[0], mb)
-                m = mb.loss_mask_NL > 0
-                diffs.append((lp_NL[m] - mb.rollout_logprobs_NL[m]).abs())
+                lp_BT = to_loss_layout(fwd(mb)[0], mb)
+                m = mb.loss_mask_BT > 0
+                diffs.append((lp_BT[m] - mb.rollout_logprobs_BT[m]).abs())
         d = torch.cat(diffs)
         gaps[name] = (float(d.mean()), float(d.max()))
     print(f"   SmolLM2-135M, {samples} samples x {new_tokens} tokens of a {len(prompt)}-token calculator prompt:")

@@ -24,8 +24,8 @@ def _forward_backward(model, mb, bf16=False):
 def test_segments_give_the_masked_kernels_logprobs_and_gradients(mode):
     trajs = groups_of_trajectories(n_groups=4, size=4, seed=2)
     batches = make_micro_batches(trajs, [0.0] * len(trajs), 300, mode=mode)
-    tails = [int((mb.segment_ids_BT == 0).sum()) for mb in batches]
-    assert any(mb.input_ids_BT.shape[0] > 1 for mb in batches) and sum(tails) > 0  # rows and row tails
+    tails = [int((mb.segment_ids_RS == 0).sum()) for mb in batches]
+    assert any(mb.input_ids_RS.shape[0] > 1 for mb in batches) and sum(tails) > 0  # rows and row tails
     for mb in batches:
         masked = _forward_backward(tiny_llama("sdpa"), mb)
         seg_model = tiny_llama("sdpa")
@@ -56,7 +56,7 @@ def test_spans_of_a_shared_prefix_row():
     (mb,) = batches  # row 0 = 1 2 3 | 6 | 4 5 ; row 1 = 7 8 + tail
     seg = Segments.of(mb)
     assert seg.spans == [(0, 0, 3, 0, 0), (0, 3, 4, 0, 3), (0, 4, 6, 0, 3), (1, 0, 2, 0, 0)]
-    T = mb.input_ids_BT.shape[1]
+    T = mb.input_ids_RS.shape[1]
     assert sorted(seg.dest.tolist()) == [0, 1, 2, 3, 4, 5, T, T + 1]  # every real token once, no tail
     # The span of a's own 4 5 (row positions 4, 5) against keys [1 2 3 | 4 5]: the prefix, then causal.
     ((bk, j),) = [(bk, j) for bk in seg.buckets for j, q in enumerate(bk.q_idx.tolist()) if q[:2] == [4, 5]]

@@ -20,10 +20,10 @@ def packed_logprobs(model, batches, temperature):
     out: dict[int, dict[int, float]] = {}
     with torch.no_grad():
         for mb in batches:
-            lp_NL = to_loss_layout(pf(mb, temperature)[0], mb)
+            lp_BT = to_loss_layout(pf(mb, temperature)[0], mb)
             for n, i in enumerate(mb.rows):
-                out[i] = {"lp_NL": lp_NL[n], "mask_NL": mb.loss_mask_NL[n],
-                          "rollout_NL": mb.rollout_logprobs_NL[n]}
+                out[i] = {"lp_BT": lp_BT[n], "mask_BT": mb.loss_mask_BT[n],
+                          "rollout_BT": mb.rollout_logprobs_BT[n]}
     return out
 
 
@@ -32,7 +32,7 @@ def assert_per_sequence(got, trajs, ref, tol):
     for i, t in enumerate(trajs):
         first = t.loss_mask.index(1)
         for j in (j for j, m in enumerate(t.loss_mask) if m):
-            assert got[i]["lp_NL"][j - first].item() == pytest.approx(ref[i][j], abs=tol), (i, j)
+            assert got[i]["lp_BT"][j - first].item() == pytest.approx(ref[i][j], abs=tol), (i, j)
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager", "segments"])
@@ -49,11 +49,11 @@ def test_packed_logprobs_equal_per_sequence_logprobs(attn, mode, budget):
     for i, t in enumerate(trajs):
         first = t.loss_mask.index(1)
         loss_pos = [j for j, m in enumerate(t.loss_mask) if m]
-        lp_NL, mask_NL, rollout_NL = got[i]["lp_NL"], got[i]["mask_NL"], got[i]["rollout_NL"]
+        lp_BT, mask_BT, rollout_BT = got[i]["lp_BT"], got[i]["mask_BT"], got[i]["rollout_BT"]
         for j in loss_pos:
-            assert lp_NL[j - first].item() == pytest.approx(ref[i][j], abs=2e-5)
-            assert rollout_NL[j - first].item() == t.logprobs[j]
-        assert mask_NL.sum().item() == len(loss_pos)  # tool tokens inside the span stay masked
+            assert lp_BT[j - first].item() == pytest.approx(ref[i][j], abs=2e-5)
+            assert rollout_BT[j - first].item() == t.logprobs[j]
+        assert mask_BT.sum().item() == len(loss_pos)  # tool tokens inside the span stay masked
 
 
 @pytest.mark.parametrize("mode", ["packed", "shared_prefix"])
@@ -66,8 +66,8 @@ def test_the_flex_block_mask_is_the_4d_mask_and_skips_the_blocks_across_sequence
     trajs.append(traj([rng.randrange(V) for _ in range(1200)], [0] * 20 + [1] * 1180, group="long"))
     for mb in make_micro_batches(trajs, [0.0] * len(trajs), 4096, mode=mode):
         bm = flex_block_mask(mb)
-        B, T = mb.input_ids_BT.shape
-        assert torch.equal(create_mask(bm.mask_mod, B, 1, T, T, device="cpu"), mb.attention_mask_B1TT())
+        B, T = mb.input_ids_RS.shape
+        assert torch.equal(create_mask(bm.mask_mod, B, 1, T, T, device="cpu"), mb.attention_mask_R1SS())
         blocks = -(-T // 128)
         visited_B = (bm.kv_num_blocks + bm.full_kv_num_blocks).sum(-1).flatten()  # per row
         assert visited_B.max() <= blocks * (blocks + 1) // 2  # never more than causal
@@ -111,13 +111,13 @@ def test_one_row_packing_without_a_mask_is_exact_with_position_ids():
     model = tiny_llama("sdpa")
     trajs = groups_of_trajectories(seed=1)
     batches = make_micro_batches(trajs, [0.0] * len(trajs), 150, mode="packed", one_row=True)
-    assert all(mb.input_ids_BT.shape[0] == 1 and mb.attention_mask_B1TT() is None for mb in batches)
+    assert all(mb.input_ids_RS.shape[0] == 1 and mb.attention_mask_R1SS() is None for mb in batches)
     ref = sequence_logprobs(model, [t.token_ids for t in trajs])
     got = packed_logprobs(model, batches, 1.0)
     for i, t in enumerate(trajs):
         first = t.loss_mask.index(1)
         for j in (j for j, m in enumerate(t.loss_mask) if m):
-            assert got[i]["lp_NL"][j - first].item() == pytest.approx(ref[i][j], abs=2e-5)
+            assert got[i]["lp_BT"][j - first].item() == pytest.approx(ref[i][j], abs=2e-5)
 
 
 def test_shared_prefix_layout_by_hand():
@@ -126,10 +126,10 @@ def test_shared_prefix_layout_by_hand():
     a = traj([1, 2, 3, 4, 5], [0, 0, 1, 1, 1], group="x")
     b = traj([1, 2, 3, 6], [0, 0, 0, 1], group="x")
     (mb,) = make_micro_batches([a, b], [1.0, -1.0], 64, mode="shared_prefix")
-    assert mb.input_ids_BT.tolist() == [[1, 2, 3, 6, 4, 5]]
-    assert mb.position_ids_BT.tolist() == [[0, 1, 2, 3, 3, 4]]
+    assert mb.input_ids_RS.tolist() == [[1, 2, 3, 6, 4, 5]]
+    assert mb.position_ids_RS.tolist() == [[0, 1, 2, 3, 3, 4]]
     assert mb.num_real_tokens == 6  # 5 + 4 tokens unshared
-    allowed = mb.attention_mask_B1TT()[0, 0].int().tolist()
+    allowed = mb.attention_mask_R1SS()[0, 0].int().tolist()
     assert allowed == [[1, 0, 0, 0, 0, 0],
                        [1, 1, 0, 0, 0, 0],
                        [1, 1, 1, 0, 0, 0],
@@ -138,19 +138,19 @@ def test_shared_prefix_layout_by_hand():
                        [1, 1, 1, 0, 1, 1]]
     # b (n=0): token 6 is predicted at row position 2. a (n=1): tokens 3, 4, 5 at positions 1, 2
     # (both in the prefix) and 4 (a's own 4).
-    assert mb.rows == [1, 0] and mb.advantages_N.tolist() == [-1.0, 1.0]
+    assert mb.rows == [1, 0] and mb.advantages_B.tolist() == [-1.0, 1.0]
     assert mb.pred_index_M.tolist() == [2, 1, 2, 4]
     assert mb.target_ids_M.tolist() == [6, 3, 4, 5]
-    assert mb.loss_mask_NL.tolist() == [[1, 0, 0], [1, 1, 1]]
+    assert mb.loss_mask_BT.tolist() == [[1, 0, 0], [1, 1, 1]]
 
 
 def test_packed_rows_never_attend_across_sequences():
     a = traj([1, 2, 3], [0, 1, 1], group="a")
     b = traj([4, 5], [0, 1], group="b")
     (mb,) = make_micro_batches([a, b], [0.0, 0.0], 64, mode="packed")
-    assert mb.input_ids_BT.tolist() == [[1, 2, 3], [4, 5, 0]]  # rows as long as the longest unit
-    assert mb.position_ids_BT[1, :2].tolist() == [0, 1]
-    m = mb.attention_mask_B1TT()[:, 0].int().tolist()
+    assert mb.input_ids_RS.tolist() == [[1, 2, 3], [4, 5, 0]]  # rows as long as the longest unit
+    assert mb.position_ids_RS[1, :2].tolist() == [0, 1]
+    m = mb.attention_mask_R1SS()[:, 0].int().tolist()
     assert m[1] == [[1, 0, 0], [1, 1, 0], [0, 0, 1]]  # the row-tail pad sees only itself
 
 
@@ -161,7 +161,7 @@ def test_budgets_padding_and_counts():
         batches = make_micro_batches(trajs, [0.0] * len(trajs), 256, mode=mode)
         longest = max(len(t.token_ids) for t in trajs)
         assert all(mb.num_tokens <= max(256, longest * 8 + 20) for mb in batches)
-        assert sum(float(mb.loss_mask_NL.sum()) for mb in batches) == total_loss
+        assert sum(float(mb.loss_mask_BT.sum()) for mb in batches) == total_loss
         assert sorted(i for mb in batches for i in mb.rows) == list(range(len(trajs)))
         if mode != "shared_prefix":
             assert all(mb.num_tokens <= 256 for mb in batches)
@@ -194,16 +194,16 @@ def test_a_row_cap_splits_groups_and_keeps_logprobs_exact():
     model = tiny_llama("sdpa")
     trajs = long_groups()
     (whole,) = make_micro_batches(trajs, [0.0] * 16, 2048)  # two units of 25 + 8 x 60 = 505
-    assert whole.input_ids_BT.shape == (2, 505)
+    assert whole.input_ids_RS.shape == (2, 505)
     batches = make_micro_batches(trajs, [0.0] * 16, 2048, row_tokens=150)
     # pieces of 25 + 2 x 60 = 145: 4 per group, each with its own copy of the prompt
-    assert [tuple(mb.input_ids_BT.shape) for mb in batches] == [(8, 145)]
+    assert [tuple(mb.input_ids_RS.shape) for mb in batches] == [(8, 145)]
     assert batches[0].num_real_tokens == 8 * 145
     ref = sequence_logprobs(model, [t.token_ids for t in trajs], temperature=0.7)
     got = packed_logprobs(model, batches, 0.7)
     assert sorted(got) == list(range(16))
     for i in range(16):
-        lp = got[i]["lp_NL"]
+        lp = got[i]["lp_BT"]
         assert lp.tolist() == pytest.approx(ref[i][25:], abs=2e-5)
 
 
@@ -216,22 +216,22 @@ def test_the_cost_model_splits_long_groups_only_when_attention_costs():
     trajs = long_groups()
 
     def auto(batch, pair_cost, mode="shared_prefix"):
-        return [mb.input_ids_BT.tolist() for mb in make_micro_batches(
+        return [mb.input_ids_RS.tolist() for mb in make_micro_batches(
             batch, [0.0] * len(batch), 2048, mode=mode, row_tokens="auto", pair_cost=pair_cost)]
 
     def capped(batch, cap, mode="shared_prefix"):
-        return [mb.input_ids_BT.tolist() for mb in make_micro_batches(
+        return [mb.input_ids_RS.tolist() for mb in make_micro_batches(
             batch, [0.0] * len(batch), 2048, mode=mode, row_tokens=cap)]
 
     assert auto(trajs, 0.0) == capped(trajs, None)  # attention free: share the whole prompt
     assert auto(trajs, r, mode="packed") == capped(trajs, None, mode="packed")  # nothing to split
     # rows of 505 cost 1 + 505 r per token; pieces cost more tokens but shorter rows
     chosen = make_micro_batches(trajs, [0.0] * 16, 2048, row_tokens="auto", pair_cost=100 * r)
-    cheap = max(mb.input_ids_BT.shape[1] for mb in chosen)  # the cap, as the rows show it
+    cheap = max(mb.input_ids_RS.shape[1] for mb in chosen)  # the cap, as the rows show it
     assert 85 <= cheap < 505
 
     def modeled(cap):
-        return sum(mb.num_tokens * (1 + 100 * r * mb.input_ids_BT.shape[1])
+        return sum(mb.num_tokens * (1 + 100 * r * mb.input_ids_RS.shape[1])
                    for mb in make_micro_batches(trajs, [0.0] * 16, 2048, row_tokens=cap))
     assert modeled(cheap) < modeled(None)
     assert auto(trajs, 100 * r) == capped(trajs, cheap)
@@ -272,9 +272,9 @@ def test_rank_parts_keep_groups_together_and_cover_everything():
 def _loss_logprobs(model, trajs, mode):
     b = make_micro_batches(trajs, [1.0] * len(trajs), 4096, mode=mode)[0]
     with torch.no_grad():
-        lp_NL = to_loss_layout(PolicyForward(model)(b, 1.0)[0], b)
+        lp_BT = to_loss_layout(PolicyForward(model)(b, 1.0)[0], b)
     start = [t.loss_mask.index(1) for t in trajs]
-    return {i: lp_NL[n, : len(trajs[i].token_ids) - start[i]].tolist() for n, i in enumerate(b.rows)}
+    return {i: lp_BT[n, : len(trajs[i].token_ids) - start[i]].tolist() for n, i in enumerate(b.rows)}
 
 
 def _reference(model, trajs):

@@ -84,7 +84,7 @@ def test_accumulated_gradient_equals_one_big_batch(loss_cfg, packing, budget, ro
     assert metrics["micro_batches"] > (1 if budget < 1000 else 0)
     if rows != "auto":  # the cap split the groups (their whole units are longer)
         assert metrics["row_tokens"] <= max(30, max(len(t.token_ids) for t in trajs)) < max(
-            b.input_ids_BT.shape[1] for b in make_micro_batches(trajs, adv, budget))
+            b.input_ids_RS.shape[1] for b in make_micro_batches(trajs, adv, budget))
     expected = one_big_batch_grads(trajs, adv, loss_cfg)
     assert grads[0].keys() == expected.keys()
     for name, g in expected.items():

@@ -355,8 +355,8 @@ def test_the_learner_trains_a_row_per_segment_with_the_episode_s_advantage():
         r.group_id == "g" and not r.earlier_segments for r in rows
     )
     (mb,) = make_micro_batches(rows, advs, 64, mode="shared_prefix")
-    assert mb.advantages_N.tolist() == [advs[r] for r in mb.rows] and sorted(mb.rows) == [0, 1, 2]
-    assert mb.loss_mask_NL.sum() == 5
+    assert mb.advantages_B.tolist() == [advs[r] for r in mb.rows] and sorted(mb.rows) == [0, 1, 2]
+    assert mb.loss_mask_BT.sum() == 5
     assert mb.num_real_tokens == 2 + 3 + 1 + 2  # the prefix [1, 2] once, each segment's own tokens
 
 
