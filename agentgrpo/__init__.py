@@ -7,6 +7,16 @@ from agentgrpo.env_check import check_env  # the run-level checker: the package 
 from agentgrpo.agent import AgentEnv
 
 __all__ = [
-    "AgentEnv", "Env", "EnvStep", "Group", "Message", "StopReason", "Task", "ToolCall", "ToolEnv",
-    "Trajectory", "check_env", "tool",
+    "AgentEnv",
+    "Env",
+    "EnvStep",
+    "Group",
+    "Message",
+    "StopReason",
+    "Task",
+    "ToolCall",
+    "ToolEnv",
+    "Trajectory",
+    "check_env",
+    "tool",
 ]

@@ -53,7 +53,9 @@ _UNSUPPORTED = ("sliding_window", "softcap", "s_aux", "sinks", "position_bias")
 class _Bucket:
     """Spans of similar size run as one padded sdpa batch: n spans, queries padded to L, keys to K."""
 
-    q_idx: torch.Tensor  # [n, L] long, flat [R*S] position of query i of span j (pads: any real one)
+    q_idx: (
+        torch.Tensor
+    )  # [n, L] long, flat [R*S] position of query i of span j (pads: any real one)
     k_idx: torch.Tensor  # [n, K] long, flat position of key t: the prefix, then the span itself
     mask: torch.Tensor  # [n, 1, L, K] bool; a pad query sees key 0 only (no all-masked row, no NaN)
     real: torch.Tensor  # [n * L] bool, the queries that are not padding
@@ -83,7 +85,9 @@ class Segments:
         T = seg_RS.shape[1]
         spans = []
         for b, (seg_S, vis_S) in enumerate(zip(seg_RS, vis_RS, strict=True)):
-            starts = np.flatnonzero(np.diff(seg_S, prepend=-1)).tolist()  # a segment is one contiguous run
+            starts = np.flatnonzero(
+                np.diff(seg_S, prepend=-1)
+            ).tolist()  # a segment is one contiguous run
             ends = [*starts[1:], T]
             where = {int(seg_S[s]): (s, e) for s, e in zip(starts, ends, strict=True)}
             for s, e in zip(starts, ends, strict=True):
@@ -92,7 +96,9 @@ class Segments:
                     ps, pe = where[vid] if vid != sid else (s, s)
                     spans.append((b, s, e, ps, pe))
         device = batch.segment_ids_RS.device
-        buckets, dest = zip(*(_bucket([spans[i] for i in g], T, device) for g in _bucketed(spans)), strict=True)
+        buckets, dest = zip(
+            *(_bucket([spans[i] for i in g], T, device) for g in _bucketed(spans)), strict=True
+        )
         return cls(spans, list(buckets), torch.from_numpy(np.concatenate(dest)).to(device))
 
 
@@ -120,7 +126,9 @@ def _bucketed(spans: list[tuple[int, int, int, int, int]]) -> list[list[int]]:
     return groups
 
 
-def _bucket(spans: list[tuple[int, int, int, int, int]], T: int, device: torch.device) -> tuple[_Bucket, np.ndarray]:
+def _bucket(
+    spans: list[tuple[int, int, int, int, int]], T: int, device: torch.device
+) -> tuple[_Bucket, np.ndarray]:
     """The bucket of `spans` in a batch of rows of T, and the flat positions of its real queries."""
     own = np.array([e - s for _, s, e, _, _ in spans])[:, None]
     P = np.array([pe - ps for _, s, e, ps, pe in spans])[:, None]
@@ -131,34 +139,56 @@ def _bucket(spans: list[tuple[int, int, int, int, int]], T: int, device: torch.d
     q_idx = base + np.minimum(i, own - 1)
     k_idx = np.where(t < P, pbase + t, base + np.clip(t - P, 0, own - 1))
     real_q = i < own  # [n, L]
-    mask = (t[:, None, :] <= P[:, :, None] + i[:, :, None]) & (t[:, None, :] < (P + own)[:, :, None])
+    mask = (t[:, None, :] <= P[:, :, None] + i[:, :, None]) & (
+        t[:, None, :] < (P + own)[:, :, None]
+    )
     mask = np.where(real_q[:, :, None], mask, t[:, None, :] == 0)
-    bucket = _Bucket(*(torch.from_numpy(x).to(device) for x in (q_idx, k_idx, mask[:, None], real_q.reshape(-1))))
+    bucket = _Bucket(
+        *(torch.from_numpy(x).to(device) for x in (q_idx, k_idx, mask[:, None], real_q.reshape(-1)))
+    )
     return bucket, (base + i)[real_q]
 
 
-def segment_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                      attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                      segments: Segments | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+def segment_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    segments: Segments | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
     """transformers attention function: query [B, H, T, D], key/value [B, KV, T, D] -> ([B, T, H, D], None)."""
     from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
     if segments is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                      scaling=scaling, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     for name in _UNSUPPORTED:
         if kwargs.get(name) is not None:
-            raise ValueError(f"segment attention does not implement {name} (this model uses it): "
-                             "set learner.attention: mask")
+            raise ValueError(
+                f"segment attention does not implement {name} (this model uses it): "
+                "set learner.attention: mask"
+            )
     segments.calls += 1
     R, H, S, D = query.shape  # the packed rows, as transformers passes them: [R, heads, S, D]
     rep = H // key.shape[1]
-    q, k, v = (x.transpose(1, 2).reshape(R * S, x.shape[1], D) for x in (query, key, value))  # [R*S, heads, D]
+    q, k, v = (
+        x.transpose(1, 2).reshape(R * S, x.shape[1], D) for x in (query, key, value)
+    )  # [R*S, heads, D]
     outs = []
     for bk in segments.buckets:
         o = F.scaled_dot_product_attention(
-            q[bk.q_idx].transpose(1, 2), repeat_kv(k[bk.k_idx].transpose(1, 2), rep),
-            repeat_kv(v[bk.k_idx].transpose(1, 2), rep), attn_mask=bk.mask, dropout_p=dropout, scale=scaling)
+            q[bk.q_idx].transpose(1, 2),
+            repeat_kv(k[bk.k_idx].transpose(1, 2), rep),
+            repeat_kv(v[bk.k_idx].transpose(1, 2), rep),
+            attn_mask=bk.mask,
+            dropout_p=dropout,
+            scale=scaling,
+        )
         outs.append(o.transpose(1, 2).reshape(-1, H, D)[bk.real])  # [real queries, H, D]
     real = torch.cat(outs)  # in sdpa's dtype (bf16 under autocast, whatever the query's)
     return real.new_zeros(R * S, H, D).index_put((segments.dest,), real).view(R, S, H, D), None
@@ -199,5 +229,7 @@ def use_segments(model: torch.nn.Module) -> None:
     model.set_attn_implementation(SEGMENTS)
     got = getattr(model.config, "_attn_implementation", None)
     if got != SEGMENTS:
-        raise ValueError(f"{type(model).__name__} kept attention {got!r}: it does not dispatch through "
-                         "transformers' AttentionInterface; set learner.attention: mask")
+        raise ValueError(
+            f"{type(model).__name__} kept attention {got!r}: it does not dispatch through "
+            "transformers' AttentionInterface; set learner.attention: mask"
+        )

@@ -61,8 +61,12 @@ class TrainBatch:
     input_ids_RS: torch.Tensor  # [R, S] long, pad_id in row tails
     position_ids_RS: torch.Tensor  # [R, S] long, restarts at 0 for every sequence / prefix
     segment_ids_RS: torch.Tensor  # [R, S] long, one id per sequence, prefix or row tail in a row
-    visible_ids_RS: torch.Tensor  # [R, S] long, the other segment a token may see (its prefix) or its own
-    pred_index_M: torch.Tensor  # [M] long, flat index into [R*S] of the hidden state predicting token m
+    visible_ids_RS: (
+        torch.Tensor
+    )  # [R, S] long, the other segment a token may see (its prefix) or its own
+    pred_index_M: (
+        torch.Tensor
+    )  # [M] long, flat index into [R*S] of the hidden state predicting token m
     target_ids_M: torch.Tensor  # [M] long, the token id of loss token m
     dest_index_M: torch.Tensor  # [M] long, flat index into [B*T] of loss token m
     loss_mask_BT: torch.Tensor  # [B, T] float, 1 on sampled tokens
@@ -97,7 +101,9 @@ class TrainBatch:
         return (same_RSS & causal_SS)[:, None]
 
     def to(self, device: torch.device | str) -> TrainBatch:
-        fields = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in vars(self).items()}
+        fields = {
+            k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in vars(self).items()
+        }
         return TrainBatch(**fields)
 
     @staticmethod
@@ -106,9 +112,20 @@ class TrainBatch:
         so that its forward and backward still meet the other ranks' collectives."""
         none = torch.zeros(0, dtype=torch.long, device=device)
         two = torch.tensor([[0, 1]], device=device)
-        return TrainBatch(two * 0 + pad_id, two, two * 0, two * 0, none, none, none,
-                          torch.zeros(0, 1, device=device), torch.zeros(0, 1, device=device),
-                          torch.zeros(0, device=device), [], needs_mask=False)
+        return TrainBatch(
+            two * 0 + pad_id,
+            two,
+            two * 0,
+            two * 0,
+            none,
+            none,
+            none,
+            torch.zeros(0, 1, device=device),
+            torch.zeros(0, 1, device=device),
+            torch.zeros(0, device=device),
+            [],
+            needs_mask=False,
+        )
 
 
 @dataclass
@@ -120,8 +137,9 @@ class _Unit:
     length: int  # tokens the unit occupies in a row
 
 
-def segment_rows(trajs: Sequence[Trajectory],
-                 advantages: Sequence[float]) -> tuple[list[Trajectory], list[float]]:
+def segment_rows(
+    trajs: Sequence[Trajectory], advantages: Sequence[float]
+) -> tuple[list[Trajectory], list[float]]:
     """One trajectory per segment that holds a sampled token, with its episode's advantage: what
     the learner lays out as rows. A single-sequence trajectory stays itself; a step-wise one's
     segments become copies of it (same group, reward, messages) with one segment's tokens each,
@@ -136,9 +154,16 @@ def segment_rows(trajs: Sequence[Trajectory],
             continue
         for seg in t.segments:
             if seg.num_sampled:
-                rows.append(replace(t, token_ids=seg.token_ids, loss_mask=seg.loss_mask,
-                                    logprobs=seg.logprobs, prompt_len=seg.prompt_len,
-                                    earlier_segments=[]))
+                rows.append(
+                    replace(
+                        t,
+                        token_ids=seg.token_ids,
+                        loss_mask=seg.loss_mask,
+                        logprobs=seg.logprobs,
+                        prompt_len=seg.prompt_len,
+                        earlier_segments=[],
+                    )
+                )
                 advs.append(adv)
     return rows, advs
 
@@ -166,7 +191,9 @@ def _groups(trajs: Sequence[Trajectory], mode: PackingMode) -> list[tuple[list[i
     return out
 
 
-def _units(trajs: Sequence[Trajectory], groups: list[tuple[list[int], int]], budget: int) -> list[_Unit]:
+def _units(
+    trajs: Sequence[Trajectory], groups: list[tuple[list[int], int]], budget: int
+) -> list[_Unit]:
     """A unit must sit in one row; a group longer than `budget` is split, each part with its own copy
     of the prefix (shortest members first)."""
     units = []
@@ -184,8 +211,10 @@ def _units(trajs: Sequence[Trajectory], groups: list[tuple[list[int], int]], bud
             cur.append(i)
             size += lens[i] - P
         units.append(_Unit(cur, P, size))
-    return [u if len(u.members) > 1 else _Unit(u.members, 0, len(trajs[u.members[0]].token_ids))
-            for u in units]
+    return [
+        u if len(u.members) > 1 else _Unit(u.members, 0, len(trajs[u.members[0]].token_ids))
+        for u in units
+    ]
 
 
 def _first_fit_decreasing(units: list[_Unit], capacity: int) -> list[list[_Unit]]:
@@ -236,7 +265,9 @@ def make_micro_batches(
         if not any(t.loss_mask):
             raise ValueError(f"trajectory {t.task_id!r} has no loss token")
         if t.loss_mask[0]:
-            raise ValueError(f"trajectory {t.task_id!r}: token 0 carries loss but nothing predicts it")
+            raise ValueError(
+                f"trajectory {t.task_id!r}: token 0 carries loss but nothing predicts it"
+            )
     if not trajs:
         return []
     groups = _groups(trajs, mode)
@@ -248,8 +279,14 @@ def make_micro_batches(
     return [_build(trajs, advantages, b, pad_id, needs_mask) for b in plan]
 
 
-def _plan(trajs: Sequence[Trajectory], groups: list[tuple[list[int], int]], budget: int, mode: PackingMode,
-          one_row: bool, row_tokens: int | None) -> list[list[list[_Unit]]]:
+def _plan(
+    trajs: Sequence[Trajectory],
+    groups: list[tuple[list[int], int]],
+    budget: int,
+    mode: PackingMode,
+    one_row: bool,
+    row_tokens: int | None,
+) -> list[list[list[_Unit]]]:
     """Micro-batches, each a list of rows, each a list of units."""
     units = _units(trajs, groups, min(budget, row_tokens or budget))
     if mode == "padded":
@@ -286,9 +323,14 @@ def attention_pair_cost(config) -> float:
     return 2 * heads * head_dim / (h * (2 * heads + 2 * kv) * head_dim + 3 * h * ff)
 
 
-def _cheapest_plan(trajs: Sequence[Trajectory], groups: list[tuple[list[int], int]], budget: int,
-                   pair_cost: float, mode: PackingMode, one_row: bool,
-                   ) -> tuple[int | None, list[list[list[_Unit]]]]:
+def _cheapest_plan(
+    trajs: Sequence[Trajectory],
+    groups: list[tuple[list[int], int]],
+    budget: int,
+    pair_cost: float,
+    mode: PackingMode,
+    one_row: bool,
+) -> tuple[int | None, list[list[list[_Unit]]]]:
     """(cap, plan): the group-unit cap whose plan costs least (`row_tokens="auto"`), in units of
     one token's matmuls: every micro-batch of B rows of T slots costs B * T * (1 + pair_cost * T).
     Each plan is built once; cap None = no cap.
@@ -315,16 +357,25 @@ def _cheapest_plan(trajs: Sequence[Trajectory], groups: list[tuple[list[int], in
     longest_unit = max(u.length for rows in whole for row in rows for u in row)
     best: tuple[float, int | None, list[list[list[_Unit]]]] = (cost(whole), None, whole)
     cap = float(max(len(t.token_ids) for t in trajs))
-    while cap < longest_unit:  # ties go to the larger cap (fewer prompt copies): later ones must beat it
+    while (
+        cap < longest_unit
+    ):  # ties go to the larger cap (fewer prompt copies): later ones must beat it
         plan = _plan(trajs, groups, budget, mode, False, int(cap))
-        if (c := cost(plan)) < best[0] or (c == best[0] and best[1] is not None and int(cap) > best[1]):
+        if (c := cost(plan)) < best[0] or (
+            c == best[0] and best[1] is not None and int(cap) > best[1]
+        ):
             best = (c, int(cap), plan)
         cap *= 1.25
     return best[1], best[2]
 
 
-def _build(trajs: Sequence[Trajectory], advantages: Sequence[float], rows: list[list[_Unit]],
-           pad_id: int, needs_mask: bool) -> TrainBatch:
+def _build(
+    trajs: Sequence[Trajectory],
+    advantages: Sequence[float],
+    rows: list[list[_Unit]],
+    pad_id: int,
+    needs_mask: bool,
+) -> TrainBatch:
     # numpy throughout (torch.tensor on Python lists is the slow part at GPU batch sizes).
     R = len(rows)
     S = max(sum(u.length for u in row) for row in rows)
@@ -374,16 +425,24 @@ def _build(trajs: Sequence[Trajectory], advantages: Sequence[float], rows: list[
             start = at
     t = torch.from_numpy
     return TrainBatch(
-        input_ids_RS=t(ids_RS), position_ids_RS=t(pos_RS), segment_ids_RS=t(seg_RS), visible_ids_RS=t(vis_RS),
-        pred_index_M=t(np.concatenate(pred)), target_ids_M=t(np.concatenate(target)),
-        dest_index_M=t(np.concatenate(dest)), loss_mask_BT=t(loss_mask_BT), rollout_logprobs_BT=t(rollout_BT),
-        advantages_B=torch.tensor([float(advantages[i]) for i in members]), rows=members,
+        input_ids_RS=t(ids_RS),
+        position_ids_RS=t(pos_RS),
+        segment_ids_RS=t(seg_RS),
+        visible_ids_RS=t(vis_RS),
+        pred_index_M=t(np.concatenate(pred)),
+        target_ids_M=t(np.concatenate(target)),
+        dest_index_M=t(np.concatenate(dest)),
+        loss_mask_BT=t(loss_mask_BT),
+        rollout_logprobs_BT=t(rollout_BT),
+        advantages_B=torch.tensor([float(advantages[i]) for i in members]),
+        rows=members,
         needs_mask=needs_mask,
     )
 
 
-def balanced_parts(trajs: Sequence[Trajectory], k: int, *,
-                   exactly_k: bool = False) -> list[list[int]]:
+def balanced_parts(
+    trajs: Sequence[Trajectory], k: int, *, exactly_k: bool = False
+) -> list[list[int]]:
     """Indices of the trajectories in each of `k` parts (the step's mini-batches, or its ranks):
     whole groups, balanced by tokens (`len(token_ids)`).
 

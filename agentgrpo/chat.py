@@ -63,10 +63,19 @@ from agentgrpo.parsers import (
 from agentgrpo.types import Message
 
 __all__ = [
-    "HERMES_CHATML_TEMPLATE", "PARSERS", "ChatFormat", "HistoryRewritten", "ParseError",
+    "HERMES_CHATML_TEMPLATE",
+    "PARSERS",
+    "ChatFormat",
+    "HistoryRewritten",
+    "ParseError",
     "ParsedTurn",
-    "TemplateError", "TemplateFallback", "TrajectoryMode", "detect_parser", "get_parser",
-    "parse_hermes", "parse_llama3_json",
+    "TemplateError",
+    "TemplateFallback",
+    "TrajectoryMode",
+    "detect_parser",
+    "get_parser",
+    "parse_hermes",
+    "parse_llama3_json",
     "template_supports_tools",
 ]
 
@@ -82,7 +91,7 @@ HERMES_CHATML_TEMPLATE = (
     "{{- '# Tools\\n\\nYou can call these functions. Their signatures are inside <tools></tools>:\\n<tools>' }}"
     "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
     "{{- '\\n</tools>\\n\\nTo call a function, reply with a JSON object inside <tool_call></tool_call> tags:\\n"
-    "<tool_call>\\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    '<tool_call>\\n{"name": <function-name>, "arguments": <args-json-object>}\\n</tool_call><|im_end|>\\n\' }}'
     "{%- elif messages[0]['role'] == 'system' %}"
     "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
     "{%- endif %}"
@@ -121,9 +130,16 @@ def _compiled_renderer(template: str, tokenizer: Any, template_kwargs: dict[str,
         return None
     variables = {**tokenizer.special_tokens_map, **template_kwargs}
 
-    def render(dicts: list[dict[str, Any]], tools: list[dict] | None, add_generation_prompt: bool) -> str:
-        return compiled.render(messages=dicts, tools=tools, documents=None,
-                               add_generation_prompt=add_generation_prompt, **variables)
+    def render(
+        dicts: list[dict[str, Any]], tools: list[dict] | None, add_generation_prompt: bool
+    ) -> str:
+        return compiled.render(
+            messages=dicts,
+            tools=tools,
+            documents=None,
+            add_generation_prompt=add_generation_prompt,
+            **variables,
+        )
 
     return render
 
@@ -196,12 +212,15 @@ class _Placeholders:
             at = _common_prefix(self.restore(rendered), real)
             raise TemplateError(
                 "the chat template renders special-token text inside message content differently from "
-                f"other text (at character {at}: {real[max(0, at - 40):at + 40]!r}); it cannot be kept "
-                "as plain text")
+                f"other text (at character {at}: {real[max(0, at - 40) : at + 40]!r}); it cannot be kept "
+                "as plain text"
+            )
 
 
 def _common_prefix(a: str, b: str) -> int:
-    return next((k for k, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+    return next(
+        (k for k, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -245,10 +264,17 @@ class ChatFormat:
         >>> ids += sampled_ids + chat.suffix_ids(history, tool_messages, tools)
     """
 
-    def __init__(self, tokenizer: Any, *, template: str | None = None, parser: str = "auto",
-                 end_of_turn: str | None = None, fallback: TemplateFallback = "none",
-                 template_kwargs: dict[str, Any] | None = None,
-                 trajectory_mode: TrajectoryMode = "single") -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        *,
+        template: str | None = None,
+        parser: str = "auto",
+        end_of_turn: str | None = None,
+        fallback: TemplateFallback = "none",
+        template_kwargs: dict[str, Any] | None = None,
+        trajectory_mode: TrajectoryMode = "single",
+    ) -> None:
         self.tokenizer = tokenizer
         if template is not None:
             self.template, self.template_source = template, "config"
@@ -264,12 +290,15 @@ class ChatFormat:
             raise ValueError(f"fallback must be 'none' or 'keep_history', got {fallback!r}")
         self.fallback: TemplateFallback = fallback
         if trajectory_mode not in TRAJECTORY_MODES:
-            raise ValueError(f"trajectory_mode must be one of {list(TRAJECTORY_MODES)}, "
-                             f"got {trajectory_mode!r}")
+            raise ValueError(
+                f"trajectory_mode must be one of {list(TRAJECTORY_MODES)}, got {trajectory_mode!r}"
+            )
         if fallback == "keep_history" and trajectory_mode != "single":
-            raise ValueError("template_fallback=keep_history with trajectory_mode="
-                             f"{trajectory_mode}: choose one (keep_history continues one "
-                             "sequence, segments re-render it)")
+            raise ValueError(
+                "template_fallback=keep_history with trajectory_mode="
+                f"{trajectory_mode}: choose one (keep_history continues one "
+                "sequence, segments re-render it)"
+            )
         self.trajectory_mode: TrajectoryMode = trajectory_mode
         self.template_kwargs: dict[str, Any] = dict(template_kwargs or {})
         eot = end_of_turn or tokenizer.eos_token
@@ -288,19 +317,31 @@ class ChatFormat:
         self.stop_token_ids: tuple[int, ...] = tuple(sorted(stops))
         decoder = getattr(tokenizer, "added_tokens_decoder", {}) or {}
         specials = {t.content for t in decoder.values() if getattr(t, "special", False)}
-        specials = {t for t in specials | set(getattr(tokenizer, "all_special_tokens", []) or []) if t}
+        specials = {
+            t for t in specials | set(getattr(tokenizer, "all_special_tokens", []) or []) if t
+        }
         # whitespace an added token absorbs on its left/right (the tokenizer's own split does it)
         self._strips: dict[str, tuple[bool, bool]] = {
             t.content: (bool(getattr(t, "lstrip", False)), bool(getattr(t, "rstrip", False)))
-            for t in decoder.values() if t.content in specials}
+            for t in decoder.values()
+            if t.content in specials
+        }
         # One alternation: ~4 us on 4 KB against Llama 3's 256 special tokens (`any(t in s)`: ~140 us).
-        self._special_text = re.compile("|".join(map(re.escape, sorted(specials, key=len, reverse=True)))) \
-            if specials else None
+        self._special_text = (
+            re.compile("|".join(map(re.escape, sorted(specials, key=len, reverse=True))))
+            if specials
+            else None
+        )
 
     # -- rendering ----------------------------------------------------------------------------
 
-    def render(self, messages: Sequence[Message], tools: list[dict] | None = None, *,
-               add_generation_prompt: bool = False) -> str:
+    def render(
+        self,
+        messages: Sequence[Message],
+        tools: list[dict] | None = None,
+        *,
+        add_generation_prompt: bool = False,
+    ) -> str:
         """The template's text for `messages`, exactly as `tokenizer.apply_chat_template` renders it.
 
         Raises TemplateError when the template refuses the conversation (e.g. Llama 3.1's "only
@@ -309,9 +350,13 @@ class ChatFormat:
         plain dicts built here; the first renders are compared with `apply_chat_template` and any
         difference switches the shortcut off for good.
         """
-        return self._render_dicts([self._template_dict(m) for m in messages], tools, add_generation_prompt)
+        return self._render_dicts(
+            [self._template_dict(m) for m in messages], tools, add_generation_prompt
+        )
 
-    def _render_dicts(self, dicts: list[dict[str, Any]], tools: list[dict] | None, add_generation_prompt: bool) -> str:
+    def _render_dicts(
+        self, dicts: list[dict[str, Any]], tools: list[dict] | None, add_generation_prompt: bool
+    ) -> str:
         try:
             if self._fast is None:
                 return self._render_public(dicts, tools, add_generation_prompt)
@@ -324,20 +369,33 @@ class ChatFormat:
                     return public
             return out
         except (jinja2.TemplateError, TypeError) as e:  # template code is model-supplied: report it
-            raise TemplateError(f"the chat template cannot render {[d['role'] for d in dicts]}: "
-                                f"{type(e).__name__}: {e}") from e
+            raise TemplateError(
+                f"the chat template cannot render {[d['role'] for d in dicts]}: "
+                f"{type(e).__name__}: {e}"
+            ) from e
 
-    def _render_public(self, dicts: list[dict[str, Any]], tools: list[dict] | None, add_generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(dicts, tools=tools or None, chat_template=self.template,
-                                                  add_generation_prompt=add_generation_prompt, tokenize=False,
-                                                  **self.template_kwargs)
+    def _render_public(
+        self, dicts: list[dict[str, Any]], tools: list[dict] | None, add_generation_prompt: bool
+    ) -> str:
+        return self.tokenizer.apply_chat_template(
+            dicts,
+            tools=tools or None,
+            chat_template=self.template,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=False,
+            **self.template_kwargs,
+        )
 
     @staticmethod
     def _template_dict(m: Message, max_tool_calls: int | None = None) -> dict[str, Any]:
         d = m.to_dict()
         if m.tool_calls:  # templates expect arguments as an object (Qwen2.5 double-encodes strings)
             d["tool_calls"] = [
-                {"id": tc.id, "type": "function", "function": {"name": tc.name, "arguments": tc.arguments}}
+                {
+                    "id": tc.id,
+                    "type": "function",
+                    "function": {"name": tc.name, "arguments": tc.arguments},
+                }
                 for tc in m.tool_calls[:max_tool_calls]
             ]
         return d
@@ -354,8 +412,13 @@ class ChatFormat:
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False)
 
-    def prompt_ids(self, messages: Sequence[Message], tools: list[dict] | None = None, *,
-                   max_tool_calls: int | None = None) -> list[int]:
+    def prompt_ids(
+        self,
+        messages: Sequence[Message],
+        tools: list[dict] | None = None,
+        *,
+        max_tool_calls: int | None = None,
+    ) -> list[int]:
         """Ids of the prompt that asks for the next assistant turn after `messages`: the first
         prompt, and a new segment's (its assistant turns rendered with at most `max_tool_calls`
         calls, as in `suffix_ids`)."""
@@ -363,15 +426,23 @@ class ChatFormat:
         text, protected = self._render_protected([], dicts, tools, True)
         return self._encode_rendered(text, protected)
 
-    def _render_protected(self, fixed: list[dict[str, Any]], dicts: list[dict[str, Any]], tools: list[dict] | None,
-                     add_generation_prompt: bool) -> tuple[str, _Placeholders]:
+    def _render_protected(
+        self,
+        fixed: list[dict[str, Any]],
+        dicts: list[dict[str, Any]],
+        tools: list[dict] | None,
+        add_generation_prompt: bool,
+    ) -> tuple[str, _Placeholders]:
         """The render of `fixed + dicts` with the special-token texts in `dicts`' contents held
         (`_hold`), and what was held. When something is held, the template's render of the real
         content is computed too: the placeholders avoid its text, and `_Held.check` requires the
         held render with the texts put back to equal it."""
         if self._special_text is None or not any(
-                self._special_text.search(t) for d in dicts for t in _texts(d)):
-            return self._render_dicts(fixed + dicts, tools, add_generation_prompt), _Placeholders(dicts)
+            self._special_text.search(t) for d in dicts for t in _texts(d)
+        ):
+            return self._render_dicts(fixed + dicts, tools, add_generation_prompt), _Placeholders(
+                dicts
+            )
         real = self._render_dicts(fixed + dicts, tools, add_generation_prompt)
         protected = self._hold(dicts, avoid=real)
         text = self._render_dicts(fixed + protected.dicts, tools, add_generation_prompt)
@@ -426,7 +497,7 @@ class ChatFormat:
         pos, absorb_left = 0, False
         for m in self._special_text.finditer(text):
             lstrip, rstrip = self._strips.get(m.group(), (False, False))
-            piece = text[pos:m.start()]
+            piece = text[pos : m.start()]
             piece = piece.lstrip() if absorb_left else piece
             ids += self._encode_plain(protected.restore(piece.rstrip() if lstrip else piece))
             ids.append(self.tokenizer.convert_tokens_to_ids(m.group()))
@@ -442,17 +513,27 @@ class ChatFormat:
         `prepend_scheme="first"`): every suffix began with a "▁" the template never rendered."""
         ids = self._encode_rendered(self.end_of_turn + text, protected)
         if not ids or ids[0] != self.end_of_turn_id:
-            raise TemplateError(f"the tokenizer does not read {self.end_of_turn!r} as one token at the start "
-                                f"of {self.end_of_turn + text[:40]!r}; cannot continue after the sampled turn")
+            raise TemplateError(
+                f"the tokenizer does not read {self.end_of_turn!r} as one token at the start "
+                f"of {self.end_of_turn + text[:40]!r}; cannot continue after the sampled turn"
+            )
         return ids[1:]
 
     def _encode_plain(self, text: str) -> list[int]:
         if not text:
             return []
-        return self.tokenizer.encode(_utf8(text), add_special_tokens=False, split_special_tokens=True)
+        return self.tokenizer.encode(
+            _utf8(text), add_special_tokens=False, split_special_tokens=True
+        )
 
-    def suffix_ids(self, history: Sequence[Message], new_messages: Sequence[Message],
-                   tools: list[dict] | None = None, *, max_tool_calls: int | None = None) -> list[int]:
+    def suffix_ids(
+        self,
+        history: Sequence[Message],
+        new_messages: Sequence[Message],
+        tools: list[dict] | None = None,
+        *,
+        max_tool_calls: int | None = None,
+    ) -> list[int]:
         """Ids to append after the model's end-of-turn token so that the sequence continues as
         `render(history + new_messages, add_generation_prompt=True)` would.
 
@@ -470,18 +551,22 @@ class ChatFormat:
         """
         if not history or history[-1].role != "assistant":
             raise ValueError("suffix_ids: history must end with the assistant message just sampled")
-        history_dicts = [self._template_dict(m, max_tool_calls) for m in history]  # built once for both renders
+        history_dicts = [
+            self._template_dict(m, max_tool_calls) for m in history
+        ]  # built once for both renders
         before = self._render_dicts(history_dicts, tools, False)
-        after, protected = self._render_protected(history_dicts, [self._template_dict(m) for m in new_messages], tools, True)
+        after, protected = self._render_protected(
+            history_dicts, [self._template_dict(m) for m in new_messages], tools, True
+        )
         cut = before.rfind(self.end_of_turn)
         if cut < 0:
             raise TemplateError(
                 f"the chat template renders the assistant turn without {self.end_of_turn!r}; "
                 "cannot align the suffix with the sampled end-of-turn token"
             )
-        glue = before[cut + len(self.end_of_turn):]
+        glue = before[cut + len(self.end_of_turn) :]
         if after.startswith(before):
-            return self._encode_after_end_of_turn(glue + after[len(before):], protected)
+            return self._encode_after_end_of_turn(glue + after[len(before) :], protected)
         if self.fallback == "keep_history":
             tail = self._suffix_after_last_turn(history_dicts, protected.dicts, tools, after, glue)
             return self._encode_after_end_of_turn(tail, protected)
@@ -489,7 +574,7 @@ class ChatFormat:
         raise HistoryRewritten(
             "the chat template is not prefix-preserving: adding "
             f"{[m.role for m in new_messages]} messages changes earlier text at character {at} "
-            f"(before: {before[max(0, at - 40):at + 40]!r}, after: {after[max(0, at - 40):at + 40]!r}). "
+            f"(before: {before[max(0, at - 40) : at + 40]!r}, after: {after[max(0, at - 40) : at + 40]!r}). "
             "The tokens the model saw cannot be continued the way this template renders the "
             "conversation. Use a template that keeps earlier turns verbatim (or its own switch, e.g. "
             "chat_template_kwargs={preserve_thinking: true}), train the turns as segments "
@@ -498,8 +583,14 @@ class ChatFormat:
             "which turns break and why."
         )
 
-    def _suffix_after_last_turn(self, history_dicts: list[dict[str, Any]], new_dicts: list[dict[str, Any]],
-                                tools: list[dict] | None, after: str, glue: str) -> str:
+    def _suffix_after_last_turn(
+        self,
+        history_dicts: list[dict[str, Any]],
+        new_dicts: list[dict[str, Any]],
+        tools: list[dict] | None,
+        after: str,
+        glue: str,
+    ) -> str:
         """keep_history: the text `after` (the render of history + new) has behind the last
         assistant turn.
 
@@ -518,16 +609,23 @@ class ChatFormat:
             nonce += 1
         marks = [f"agentgrpo{nonce}m{i}e" for i in range(len(new_dicts))]
         marked = [d.get("content") is None or isinstance(d.get("content"), str) for d in new_dicts]
-        probe_dicts = [{**d, "content": mark + (d.get("content") or "")} if m else d
-                       for d, mark, m in zip(new_dicts, marks, marked, strict=True)]
+        probe_dicts = [
+            {**d, "content": mark + (d.get("content") or "")} if m else d
+            for d, mark, m in zip(new_dicts, marks, marked, strict=True)
+        ]
         probe = self._render_dicts(history_dicts + probe_dicts, tools, True)
         found = [probe.find(mark) for mark, m in zip(marks, marked, strict=True) if m]
         eot = self.end_of_turn
         cut = probe.rfind(eot, 0, min(found)) if found and min(found) >= 0 else -1
         end = cut + len(eot)
         tail = after[end:] if cut >= 0 else ""
-        if cut < 0 or any(f < end for f in found) or probe[:end] != after[:end] \
-                or not tail.startswith(glue) or tail == glue:
+        if (
+            cut < 0
+            or any(f < end for f in found)
+            or probe[:end] != after[:end]
+            or not tail.startswith(glue)
+            or tail == glue
+        ):
             raise TemplateError(
                 "keep_history fallback: cannot locate the new messages in the template's rendering "
                 f"(a new message is not rendered after the last {eot!r} of the history, or the history "
@@ -535,7 +633,9 @@ class ChatFormat:
             )
         return tail
 
-    def truncate(self, text: str, max_tokens: int, marker: str = TRUNCATION_MARKER) -> tuple[str, int]:
+    def truncate(
+        self, text: str, max_tokens: int, marker: str = TRUNCATION_MARKER
+    ) -> tuple[str, int]:
         """Cut `text` to its first `max_tokens` tokens plus `marker` (`{omitted}` is replaced by
         the number of tokens dropped; any other braces are plain text, not a format string).
         Returns (text, tokens omitted). Used on tool output before it is rendered, so the model
@@ -553,8 +653,13 @@ class ChatFormat:
 
     # -- parsing ------------------------------------------------------------------------------
 
-    def parse_assistant(self, sampled_ids: Sequence[int], *, parse_tools: bool = True,
-                        tools: Sequence[Mapping] | None = None) -> ParsedTurn:
+    def parse_assistant(
+        self,
+        sampled_ids: Sequence[int],
+        *,
+        parse_tools: bool = True,
+        tools: Sequence[Mapping] | None = None,
+    ) -> ParsedTurn:
         """Turn one assistant turn's sampled ids into a Message (and malformed calls).
 
         Decoding is for reading only: the ids themselves are what the trajectory keeps. With

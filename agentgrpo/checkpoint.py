@@ -61,8 +61,10 @@ class NoUsableCheckpoint(ValueError):
 
     def __init__(self, root: Path, reasons: dict[Path, str]) -> None:
         self.root, self.reasons = root, reasons
-        super().__init__(f"no checkpoint under {root} verifies and loads:\n"
-                         + "\n".join(f"  {d.name}: {r}" for d, r in reasons.items()))
+        super().__init__(
+            f"no checkpoint under {root} verifies and loads:\n"
+            + "\n".join(f"  {d.name}: {r}" for d, r in reasons.items())
+        )
 
 
 def _number(directory: Path) -> int | None:
@@ -119,8 +121,16 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def save(root: Path, step: int, write_payload: Callable[[Path], None], trainer_state: dict[str, Any],
-         keep: int = 2, *, is_main: bool = True, barrier: Callable[[], None] = lambda: None) -> Path:
+def save(
+    root: Path,
+    step: int,
+    write_payload: Callable[[Path], None],
+    trainer_state: dict[str, Any],
+    keep: int = 2,
+    *,
+    is_main: bool = True,
+    barrier: Callable[[], None] = lambda: None,
+) -> Path:
     """Write checkpoint `step` under `root`; `write_payload(tmp_dir)` writes model and optimizer.
 
     The new checkpoint is the run's newest state: checkpoints numbered above `step` (a resumed run
@@ -167,12 +177,16 @@ def save(root: Path, step: int, write_payload: Callable[[Path], None], trainer_s
 def rejected_checkpoints(root: Path) -> list[Path]:
     """The `rejected-step-*` directories under `root`, oldest first (by step, then by the `.N`
     of a step set aside more than once)."""
+
     def order(d: Path) -> tuple[int, int]:
         step, _, n = d.name.removeprefix("rejected-step-").partition(".")
         return int(step), int(n or 1)
 
-    found = [d for d in root.glob("rejected-step-*")
-             if re.fullmatch(r"rejected-step-[0-9]+(\.[0-9]+)?", d.name) and d.is_dir()]
+    found = [
+        d
+        for d in root.glob("rejected-step-*")
+        if re.fullmatch(r"rejected-step-[0-9]+(\.[0-9]+)?", d.name) and d.is_dir()
+    ]
     return sorted(found, key=order)
 
 
@@ -194,7 +208,9 @@ def verify(directory: Path) -> dict[str, Any]:
         if not path.is_file():
             raise CorruptCheckpoint(f"{name} is missing")
         if path.stat().st_size != meta["bytes"]:
-            raise CorruptCheckpoint(f"{name} has {path.stat().st_size} bytes, manifest says {meta['bytes']}")
+            raise CorruptCheckpoint(
+                f"{name} has {path.stat().st_size} bytes, manifest says {meta['bytes']}"
+            )
         if _sha256(path) != meta["sha256"]:
             raise CorruptCheckpoint(f"{name} does not match its checksum")
     return manifest
@@ -210,9 +226,14 @@ def latest(root: Path) -> tuple[Path, dict[str, Any]] | None:
     return None
 
 
-def restore(root: Path, load: Callable[[Path], None], *, check: bool = True,
-            all_ranks: Callable[[bool], bool] = bool,
-            strict: bool = False) -> tuple[Path, dict[str, Any]] | None:
+def restore(
+    root: Path,
+    load: Callable[[Path], None],
+    *,
+    check: bool = True,
+    all_ranks: Callable[[bool], bool] = bool,
+    strict: bool = False,
+) -> tuple[Path, dict[str, Any]] | None:
     """Load the newest checkpoint that verifies and that `load(dir)` accepts; None if there is none.
 
     A checkpoint that fails either way is skipped with a warning and the previous one is tried.
@@ -293,7 +314,10 @@ class StopRequested:
         if self.requested:  # a second signal: stop at once
             raise KeyboardInterrupt
         self.requested = True
-        print(f"signal {signum}: saving after the current step (send again to stop at once)", flush=True)
+        print(
+            f"signal {signum}: saving after the current step (send again to stop at once)",
+            flush=True,
+        )
 
     def install(self) -> StopRequested:
         """Take over the signals (main thread only: elsewhere Python cannot install handlers)."""

@@ -71,9 +71,15 @@ def _check_template(args: argparse.Namespace) -> int:
         apply_override(kwargs, kv)
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
     template = Path(args.template).read_text() if args.template else None
-    report = audit_template(tokenizer, template, parser=args.parser, end_of_turn=args.end_of_turn,
-                            fallback=args.fallback, template_kwargs=kwargs,
-                            trajectory_mode=args.trajectory_mode)
+    report = audit_template(
+        tokenizer,
+        template,
+        parser=args.parser,
+        end_of_turn=args.end_of_turn,
+        fallback=args.fallback,
+        template_kwargs=kwargs,
+        trajectory_mode=args.trajectory_mode,
+    )
     print(report.format())
     return 1 if report.mode == "refuse" else 0
 
@@ -91,8 +97,12 @@ def _eval(args: argparse.Namespace) -> int:
 
 def _report(args: argparse.Namespace) -> int:
     try:
-        out = write_report(args.run_dir, args.out, max_trajectories=args.max_trajectories,
-                           max_tokens=args.max_tokens)
+        out = write_report(
+            args.run_dir,
+            args.out,
+            max_trajectories=args.max_trajectories,
+            max_tokens=args.max_tokens,
+        )
     except FileNotFoundError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -103,58 +113,115 @@ def _report(args: argparse.Namespace) -> int:
 # Subcommands whose argument parsing lives with their server module (they take their own flags).
 FORWARDED = {
     "serve-sandbox": ("agentgrpo.verify.sandbox_server", "run the code sandbox as an HTTP server"),
-    "serve-sglang": ("agentgrpo.engine.sglang_launch", "start SGLang with RL settings: MODEL [sglang args]"),
-    "serve-policy": ("agentgrpo.serve_policy", "serve the policy as OpenAI's Chat Completions API, "
-                     "one URL per episode: MODEL_DIR [--sglang URL ...]"),
+    "serve-sglang": (
+        "agentgrpo.engine.sglang_launch",
+        "start SGLang with RL settings: MODEL [sglang args]",
+    ),
+    "serve-policy": (
+        "agentgrpo.serve_policy",
+        "serve the policy as OpenAI's Chat Completions API, "
+        "one URL per episode: MODEL_DIR [--sglang URL ...]",
+    ),
 }
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="agentgrpo", description="Agentic multi-turn GRPO for tool-using LLMs")
+    p = argparse.ArgumentParser(
+        prog="agentgrpo", description="Agentic multi-turn GRPO for tool-using LLMs"
+    )
     sub = p.add_subparsers(dest="command", required=True)
 
     t = sub.add_parser("train", help="train a policy: agentgrpo train CONFIG.yaml [key=value ...]")
     t.add_argument("config", help="YAML config (see examples/)")
-    t.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=2 output_dir=runs/x")
+    t.add_argument(
+        "overrides", nargs="*", help="dotted overrides, e.g. train.steps=2 output_dir=runs/x"
+    )
     t.set_defaults(fn=_train)
 
-    c = sub.add_parser("check-env", help="validate an environment: agentgrpo check-env NAME|MODULE:CLASS")
+    c = sub.add_parser(
+        "check-env", help="validate an environment: agentgrpo check-env NAME|MODULE:CLASS"
+    )
     c.add_argument("env")
-    c.add_argument("--kwarg", action="append", default=[], metavar="KEY=VALUE",
-                   help="a constructor argument, as in a config's env.kwargs, e.g. --kwarg max_turns=3 "
-                        "or --kwarg python.max_output_chars=2000 (repeatable; values parsed as YAML)")
-    c.add_argument("--tasks", action="append", default=[], metavar="KEY=VALUE",
-                   help="an argument of load_tasks, as in a config's env.tasks, e.g. --tasks "
-                        "'file=data/{split}.jsonl' --tasks prompt_key=question (repeatable); the checks "
-                        "run on the first task of the train split")
+    c.add_argument(
+        "--kwarg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a constructor argument, as in a config's env.kwargs, e.g. --kwarg max_turns=3 "
+        "or --kwarg python.max_output_chars=2000 (repeatable; values parsed as YAML)",
+    )
+    c.add_argument(
+        "--tasks",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an argument of load_tasks, as in a config's env.tasks, e.g. --tasks "
+        "'file=data/{split}.jsonl' --tasks prompt_key=question (repeatable); the checks "
+        "run on the first task of the train split",
+    )
     c.set_defaults(fn=_check_env)
 
-    e = sub.add_parser("eval", help="rollouts without training: agentgrpo eval CONFIG.yaml [key=value ...]")
-    e.add_argument("config", help="YAML config (the training config; eval.* settings pick split, n, k)")
-    e.add_argument("overrides", nargs="*", help="dotted overrides, e.g. eval.samples_per_task=8 eval.pass_k=[1,8]")
+    e = sub.add_parser(
+        "eval", help="rollouts without training: agentgrpo eval CONFIG.yaml [key=value ...]"
+    )
+    e.add_argument(
+        "config", help="YAML config (the training config; eval.* settings pick split, n, k)"
+    )
+    e.add_argument(
+        "overrides",
+        nargs="*",
+        help="dotted overrides, e.g. eval.samples_per_task=8 eval.pass_k=[1,8]",
+    )
     e.set_defaults(fn=_eval)
 
-    ct = sub.add_parser("check-template", help="audit a chat template for token-in/token-out safety: "
-                        "agentgrpo check-template MODEL_DIR")
+    ct = sub.add_parser(
+        "check-template",
+        help="audit a chat template for token-in/token-out safety: "
+        "agentgrpo check-template MODEL_DIR",
+    )
     ct.add_argument("model_dir", help="model directory with a tokenizer (and its chat template)")
     ct.add_argument("--template", help="Jinja template file to audit instead of the tokenizer's")
-    ct.add_argument("--parser", default="auto",
-                    help="tool-call parser name (default auto: the one for the template's format)")
-    ct.add_argument("--end-of-turn", help="token that ends an assistant turn (default: the tokenizer's EOS)")
-    ct.add_argument("--fallback", default="none", choices=["none", "keep_history"],
-                    help="the rollout.template_fallback to audit with")
-    ct.add_argument("--trajectory-mode", default="single", choices=["single", "auto", "stepwise"],
-                    help="the rollout.trajectory_mode to audit with (auto: segments where the "
-                    "template rewrites history)")
-    ct.add_argument("--kwarg", action="append", default=[], metavar="KEY=VALUE",
-                    help="a chat-template variable, e.g. --kwarg preserve_thinking=true (repeatable)")
+    ct.add_argument(
+        "--parser",
+        default="auto",
+        help="tool-call parser name (default auto: the one for the template's format)",
+    )
+    ct.add_argument(
+        "--end-of-turn", help="token that ends an assistant turn (default: the tokenizer's EOS)"
+    )
+    ct.add_argument(
+        "--fallback",
+        default="none",
+        choices=["none", "keep_history"],
+        help="the rollout.template_fallback to audit with",
+    )
+    ct.add_argument(
+        "--trajectory-mode",
+        default="single",
+        choices=["single", "auto", "stepwise"],
+        help="the rollout.trajectory_mode to audit with (auto: segments where the "
+        "template rewrites history)",
+    )
+    ct.add_argument(
+        "--kwarg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a chat-template variable, e.g. --kwarg preserve_thinking=true (repeatable)",
+    )
     ct.set_defaults(fn=_check_template)
 
-    r = sub.add_parser("report", help="write RUN_DIR/report.html (plots + trajectory viewer) and RUN_DIR/plots/")
+    r = sub.add_parser(
+        "report", help="write RUN_DIR/report.html (plots + trajectory viewer) and RUN_DIR/plots/"
+    )
     r.add_argument("run_dir", help="a run directory (output_dir of a train run)")
     r.add_argument("--out", default=None, help="HTML file to write (default: RUN_DIR/report.html)")
-    r.add_argument("--max-trajectories", type=int, default=200, help="trajectories embedded at most")
-    r.add_argument("--max-tokens", type=int, default=2048, help="tokens shown per trajectory at most")
+    r.add_argument(
+        "--max-trajectories", type=int, default=200, help="trajectories embedded at most"
+    )
+    r.add_argument(
+        "--max-tokens", type=int, default=2048, help="tokens shown per trajectory at most"
+    )
     r.set_defaults(fn=_report)
     for name, (_, help_text) in FORWARDED.items():
         sub.add_parser(name, help=f"{help_text} (see: agentgrpo {name} --help)", add_help=False)
@@ -170,7 +237,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
-    except (ConfigError, TemplateError) as e:  # a setup the user must change: the message, no traceback
+    except (
+        ConfigError,
+        TemplateError,
+    ) as e:  # a setup the user must change: the message, no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
 

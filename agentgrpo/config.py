@@ -38,11 +38,18 @@ class ConfigError(ValueError):
 class ModelConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    path: str | None = Field(None, description="model directory; None = the embedded SmolLM2-135M-Instruct")
-    chat_template: str | None = Field(None, description="Jinja template file overriding the tokenizer's")
-    tool_parser: str = Field("auto", description="tool-call parser name (agentgrpo.parsers."
-                             "PARSERS: hermes, llama3_json, qwen3_xml, glm4, deepseek_v3, harmony, "
-                             "pythonic) or auto: the one for the chat template's format")
+    path: str | None = Field(
+        None, description="model directory; None = the embedded SmolLM2-135M-Instruct"
+    )
+    chat_template: str | None = Field(
+        None, description="Jinja template file overriding the tokenizer's"
+    )
+    tool_parser: str = Field(
+        "auto",
+        description="tool-call parser name (agentgrpo.parsers."
+        "PARSERS: hermes, llama3_json, qwen3_xml, glm4, deepseek_v3, harmony, "
+        "pythonic) or auto: the one for the chat template's format",
+    )
 
 
 class EnvConfig(BaseModel):
@@ -71,14 +78,21 @@ class EnvConfig(BaseModel):
             try:
                 file.format(split=split)
             except (KeyError, IndexError, ValueError) as e:
-                raise ConfigError(f"env.tasks.file {file!r}: {{split}} is the only placeholder it may "
-                                  f"hold (double other braces): {e!r}") from None
+                raise ConfigError(
+                    f"env.tasks.file {file!r}: {{split}} is the only placeholder it may "
+                    f"hold (double other braces): {e!r}"
+                ) from None
         try:
             inspect.signature(env_cls.load_tasks).bind(split, seed=seed, **self.tasks)
-            if file is not None and getattr(env_cls.load_tasks, "__func__", None) is Env.load_tasks.__func__:
+            if (
+                file is not None
+                and getattr(env_cls.load_tasks, "__func__", None) is Env.load_tasks.__func__
+            ):
                 inspect.signature(tasks_from_file).bind(file, split=split, **args)
         except TypeError as e:
-            raise ConfigError(f"env.tasks: {env_cls.__name__}.load_tasks cannot take {self.tasks}: {e}") from None
+            raise ConfigError(
+                f"env.tasks: {env_cls.__name__}.load_tasks cannot take {self.tasks}: {e}"
+            ) from None
         try:
             tasks = env_cls.load_tasks(split, seed=seed, **self.tasks)
             if isinstance(tasks, Iterable):
@@ -88,7 +102,9 @@ class EnvConfig(BaseModel):
         except OSError as e:
             if file is None:
                 raise
-            raise ConfigError(f"env.tasks.file: cannot read the tasks of split {split!r}: {e}") from None
+            raise ConfigError(
+                f"env.tasks.file: cannot read the tasks of split {split!r}: {e}"
+            ) from None
         except (TypeError, ValueError) as e:
             if file is not None:
                 if isinstance(e, TypeError):
@@ -99,13 +115,20 @@ class EnvConfig(BaseModel):
             frames = traceback.extract_tb(e.__traceback__)
             try:
                 own = inspect.getsourcefile(env_cls)
-            except (TypeError, OSError):  # defined in __main__ without a file (a notebook, python -c)
+            except (
+                TypeError,
+                OSError,
+            ):  # defined in __main__ without a file (a notebook, python -c)
                 own = None
             where = next((f for f in reversed(frames) if f.filename == own), frames[-1])
-            raise ConfigError(f"env.tasks {self.tasks}: {env_cls.__name__}.load_tasks({split!r}) raised "
-                              f"{type(e).__name__}: {e} (at {where.filename}:{where.lineno})") from e
-        raise ConfigError(f"env.tasks: {env_cls.__name__}.load_tasks({split!r}) returned "
-                          f"{type(tasks).__name__}, not a list of Task")
+            raise ConfigError(
+                f"env.tasks {self.tasks}: {env_cls.__name__}.load_tasks({split!r}) raised "
+                f"{type(e).__name__}: {e} (at {where.filename}:{where.lineno})"
+            ) from e
+        raise ConfigError(
+            f"env.tasks: {env_cls.__name__}.load_tasks({split!r}) returned "
+            f"{type(tasks).__name__}, not a list of Task"
+        )
 
 
 class TrainLoopConfig(BaseModel):
@@ -114,34 +137,55 @@ class TrainLoopConfig(BaseModel):
     steps: int = Field(20, ge=0, description="optimizer steps")
     save_every: int = Field(0, ge=0, description="checkpoint every K steps (0 = only at the end)")
     save_every_s: float | None = Field(
-        600.0, gt=0, description="also checkpoint after a step that starts training this many seconds "
-        "after the last checkpoint (None = off): a SIGKILL or OOM kill loses at most this much work")
+        600.0,
+        gt=0,
+        description="also checkpoint after a step that starts training this many seconds "
+        "after the last checkpoint (None = off): a SIGKILL or OOM kill loses at most this much work",
+    )
     keep_checkpoints: int = Field(
-        2, ge=1, description="checkpoints kept after each save: the one just written and the newest ones "
+        2,
+        ge=1,
+        description="checkpoints kept after each save: the one just written and the newest ones "
         "numbered below it; and as many of the newest rejected-step-* ones a resume set aside "
-        "(agentgrpo.checkpoint.save)")
+        "(agentgrpo.checkpoint.save)",
+    )
     overlap_rollouts: bool = Field(
-        False, description="sample step t+1's rollouts while step t trains (one step off-policy: they come "
-        "from the weights before step t's update); not across a checkpoint, so resuming stays exact")
+        False,
+        description="sample step t+1's rollouts while step t trains (one step off-policy: they come "
+        "from the weights before step t's update); not across a checkpoint, so resuming stays exact",
+    )
 
 
 class LogConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     tensorboard: bool = Field(True, description="write TensorBoard event files")
-    progress: bool = Field(True, description="show a progress bar per step (one plain line per step when not a terminal)")
+    progress: bool = Field(
+        True,
+        description="show a progress bar per step (one plain line per step when not a terminal)",
+    )
     wandb_project: str | None = Field(
-        None, description="Weights & Biases project; set it to log there too (pip install 'agentgrpo[wandb]'; "
-                          "the API key comes from WANDB_API_KEY or `wandb login`, never from this config)")
-    wandb_entity: str | None = Field(None, description="W&B team or user; None = your default entity")
-    wandb_name: str | None = Field(None, description="W&B run name; None = the run directory's name")
+        None,
+        description="Weights & Biases project; set it to log there too (pip install 'agentgrpo[wandb]'; "
+        "the API key comes from WANDB_API_KEY or `wandb login`, never from this config)",
+    )
+    wandb_entity: str | None = Field(
+        None, description="W&B team or user; None = your default entity"
+    )
+    wandb_name: str | None = Field(
+        None, description="W&B run name; None = the run directory's name"
+    )
 
     @model_validator(mode="after")
     def _wandb_needs_a_project(self) -> LogConfig:
-        orphans = [f"log.{k}" for k in ("wandb_entity", "wandb_name") if getattr(self, k) is not None]
+        orphans = [
+            f"log.{k}" for k in ("wandb_entity", "wandb_name") if getattr(self, k) is not None
+        ]
         if orphans and self.wandb_project is None:
-            raise ValueError(f"{', '.join(orphans)} set without log.wandb_project: nothing would go to "
-                             "W&B; set log.wandb_project too, or drop them")
+            raise ValueError(
+                f"{', '.join(orphans)} set without log.wandb_project: nothing would go to "
+                "W&B; set log.wandb_project too, or drop them"
+            )
         return self
 
 
@@ -151,29 +195,46 @@ class EvalConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     split: str = Field("eval", description="task split passed to Env.load_tasks")
-    every: int = Field(0, ge=0, description="during training: evaluate every K steps, logged as eval/* (0 = never)")
-    num_tasks: int | None = Field(100, ge=1, description="the first N tasks of the split (None = all)")
+    every: int = Field(
+        0, ge=0, description="during training: evaluate every K steps, logged as eval/* (0 = never)"
+    )
+    num_tasks: int | None = Field(
+        100, ge=1, description="the first N tasks of the split (None = all)"
+    )
     samples_per_task: int = Field(4, ge=1, description="trajectories per task (the n of pass@k)")
-    pass_k: list[int] = Field(default_factory=lambda: [1], description="k values of pass@k, each <= samples_per_task")
-    success_threshold: float = Field(1.0, description="a trajectory passes when its reward is >= this")
-    checkpoint: str = Field("latest", description="'latest' = newest intact checkpoint of output_dir (an "
-                            "error when it has none), 'none' = the base model, or a checkpoint "
-                            "directory (verified); any format: full, LoRA (set learner.lora as in "
-                            "training) or sharded")
-    output_dir: str | None = Field(None, description="where results go (None = <output_dir>/eval-<split>)")
+    pass_k: list[int] = Field(
+        default_factory=lambda: [1], description="k values of pass@k, each <= samples_per_task"
+    )
+    success_threshold: float = Field(
+        1.0, description="a trajectory passes when its reward is >= this"
+    )
+    checkpoint: str = Field(
+        "latest",
+        description="'latest' = newest intact checkpoint of output_dir (an "
+        "error when it has none), 'none' = the base model, or a checkpoint "
+        "directory (verified); any format: full, LoRA (set learner.lora as in "
+        "training) or sharded",
+    )
+    output_dir: str | None = Field(
+        None, description="where results go (None = <output_dir>/eval-<split>)"
+    )
 
     @model_validator(mode="after")
     def _k_fits(self) -> EvalConfig:
         bad = [k for k in self.pass_k if not 1 <= k <= self.samples_per_task]
         if bad:
-            raise ValueError(f"pass_k {bad}: each k must be between 1 and samples_per_task ({self.samples_per_task})")
+            raise ValueError(
+                f"pass_k {bad}: each k must be between 1 and samples_per_task ({self.samples_per_task})"
+            )
         return self
 
 
 class RunConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    output_dir: str = Field("runs/default", description="run directory (resumed if it holds a checkpoint)")
+    output_dir: str = Field(
+        "runs/default", description="run directory (resumed if it holds a checkpoint)"
+    )
     seed: int = Field(0, description="seed of task order, sampling and initialisation")
     model: ModelConfig = Field(default_factory=ModelConfig)
     env: EnvConfig = Field(default_factory=EnvConfig)
@@ -192,11 +253,17 @@ class RunConfig(BaseModel):
     def _off_policy_is_corrected(self) -> RunConfig:
         # Recomputed old logprobs come from the current weights: with overlapped rollouts that would
         # silently drop the correction for sampling one version behind, unless TIS puts it back.
-        if self.train.overlap_rollouts and self.learner.old_logprobs == "recompute" and self.loss.tis == "none":
-            raise ValueError("train.overlap_rollouts with learner.old_logprobs=recompute ignores that the "
-                             "rollouts came from older weights; set loss.tis (token or sequence) to correct "
-                             "for it, or keep old_logprobs: rollout (the ratio is then taken against the "
-                             "sampling weights)")
+        if (
+            self.train.overlap_rollouts
+            and self.learner.old_logprobs == "recompute"
+            and self.loss.tis == "none"
+        ):
+            raise ValueError(
+                "train.overlap_rollouts with learner.old_logprobs=recompute ignores that the "
+                "rollouts came from older weights; set loss.tis (token or sequence) to correct "
+                "for it, or keep old_logprobs: rollout (the ratio is then taken against the "
+                "sampling weights)"
+            )
         return self
 
     @model_validator(mode="after")
@@ -204,19 +271,23 @@ class RunConfig(BaseModel):
         # TIS weighs pi_old against the engine's sampling logprobs; with old_logprobs=rollout pi_old
         # is those logprobs, the learner has no second set to pass, and every step would raise.
         if self.loss.tis != "none" and self.learner.old_logprobs != "recompute":
-            raise ValueError(f"loss.tis={self.loss.tis} needs learner.old_logprobs=recompute: TIS weighs "
-                             "tokens by min(pi_old / pi_rollout, loss.tis_cap) with pi_old recomputed by the "
-                             f"learner, and with learner.old_logprobs={self.learner.old_logprobs} pi_old is "
-                             "the rollout's own logprobs; set learner.old_logprobs: recompute, or loss.tis: none")
+            raise ValueError(
+                f"loss.tis={self.loss.tis} needs learner.old_logprobs=recompute: TIS weighs "
+                "tokens by min(pi_old / pi_rollout, loss.tis_cap) with pi_old recomputed by the "
+                f"learner, and with learner.old_logprobs={self.learner.old_logprobs} pi_old is "
+                "the rollout's own logprobs; set learner.old_logprobs: recompute, or loss.tis: none"
+            )
         return self
 
     @model_validator(mode="after")
     def _mini_batches_fit(self) -> RunConfig:
         # Mini-batches hold whole groups: more of them than groups per step would silently be fewer.
         if self.learner.mini_batches > self.rollout.tasks_per_step:
-            raise ValueError(f"learner.mini_batches={self.learner.mini_batches} but a step has "
-                             f"rollout.tasks_per_step={self.rollout.tasks_per_step} groups, and a "
-                             "mini-batch holds whole groups: at most tasks_per_step mini-batches")
+            raise ValueError(
+                f"learner.mini_batches={self.learner.mini_batches} but a step has "
+                f"rollout.tasks_per_step={self.rollout.tasks_per_step} groups, and a "
+                "mini-batch holds whole groups: at most tasks_per_step mini-batches"
+            )
         return self
 
     @model_validator(mode="after")
@@ -224,18 +295,26 @@ class RunConfig(BaseModel):
         # checked here, at start-up, not at the first train step after the first rollouts
         buffer = self.shaping.overlong_buffer_len
         if buffer is not None and buffer > self.rollout.max_tokens:
-            raise ValueError(f"shaping.overlong_buffer_len={buffer} is longer than rollout.max_tokens="
-                             f"{self.rollout.max_tokens}, the length it counts back from")
+            raise ValueError(
+                f"shaping.overlong_buffer_len={buffer} is longer than rollout.max_tokens="
+                f"{self.rollout.max_tokens}, the length it counts back from"
+            )
         return self
 
     @model_validator(mode="after")
     def _released_while_training_only(self) -> RunConfig:
         # Overlapped steps sample while the learner trains: the servers' memory cannot be lent then.
         sglang = self.engine.sglang
-        if sglang is not None and sglang.release_memory_during_training and self.train.overlap_rollouts:
-            raise ValueError("engine.sglang.release_memory_during_training with train.overlap_rollouts: "
-                             "the servers sample the next step while the learner trains, so they cannot "
-                             "free their memory meanwhile; turn one of them off")
+        if (
+            sglang is not None
+            and sglang.release_memory_during_training
+            and self.train.overlap_rollouts
+        ):
+            raise ValueError(
+                "engine.sglang.release_memory_during_training with train.overlap_rollouts: "
+                "the servers sample the next step while the learner trains, so they cannot "
+                "free their memory meanwhile; turn one of them off"
+            )
         return self
 
 
@@ -244,8 +323,16 @@ def _field_annotation(model: type[BaseModel], parts: list[str]) -> Any:
     leaves the typed models (an unknown key, or inside a free-form dict such as env.kwargs)."""
     annotation: Any = model
     for p in parts:
-        options = get_args(annotation) if get_origin(annotation) in (Union, types.UnionType) else (annotation,)
-        sub = [o for o in options if get_origin(o) is None and isinstance(o, type) and issubclass(o, BaseModel)]
+        options = (
+            get_args(annotation)
+            if get_origin(annotation) in (Union, types.UnionType)
+            else (annotation,)
+        )
+        sub = [
+            o
+            for o in options
+            if get_origin(o) is None and isinstance(o, type) and issubclass(o, BaseModel)
+        ]
         if not sub or p not in sub[0].model_fields:
             return None
         annotation = sub[0].model_fields[p].annotation
@@ -254,11 +341,17 @@ def _field_annotation(model: type[BaseModel], parts: list[str]) -> Any:
 
 def _is_text(annotation: Any) -> bool:
     """Whether a setting holds only text: `str` or `str | None` (not a list, dict, number, ...)."""
-    options = get_args(annotation) if get_origin(annotation) in (Union, types.UnionType) else (annotation,)
+    options = (
+        get_args(annotation)
+        if get_origin(annotation) in (Union, types.UnionType)
+        else (annotation,)
+    )
     return str in options and all(o in (str, type(None)) for o in options)
 
 
-def apply_override(data: dict[str, Any], override: str, model: type[BaseModel] | None = None) -> None:
+def apply_override(
+    data: dict[str, Any], override: str, model: type[BaseModel] | None = None
+) -> None:
     """Apply `a.b.c=value` to a nested dict; the value is parsed as YAML (`3` is a number, `[1, 2]`
     a list, `null` None), except that a text setting of `model` (a `str` or `str | None` field) gets
     the text as written: `output_dir=2024` is the directory "2024", `log.wandb_name=run #1` keeps
@@ -279,7 +372,9 @@ def apply_override(data: dict[str, Any], override: str, model: type[BaseModel] |
     text = raw.strip()
     if model is not None and _is_text(_field_annotation(model, parts)):
         quoted = len(text) >= 2 and text[0] == text[-1] and text[0] in "'\""
-        value: Any = _yaml_value(override, text) if quoted or text in ("null", "Null", "NULL", "~") else text
+        value: Any = (
+            _yaml_value(override, text) if quoted or text in ("null", "Null", "NULL", "~") else text
+        )
     else:
         value = _yaml_value(override, text) if text else ""
     node[parts[-1]] = value
@@ -322,7 +417,8 @@ def check_expanded_size(data: Any, what: str) -> None:
                 raise ConfigError(
                     f"{what}: expands to over {MAX_CONFIG_VALUES} values through YAML aliases "
                     "(`*name` repeating an `&name` anchor, nested); write the values out or "
-                    "shorten them")
+                    "shorten them"
+                )
         open_.discard(id(node))
         sizes[id(node)] = n
         return n
@@ -371,10 +467,16 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig
         lines = []
         for err in e.errors():
             loc = ".".join(str(x) for x in err["loc"])
-            msg = "unknown key (not a setting of this section)" if err["type"] == "extra_forbidden" else err["msg"]
+            msg = (
+                "unknown key (not a setting of this section)"
+                if err["type"] == "extra_forbidden"
+                else err["msg"]
+            )
             msg = msg.removeprefix("Value error, ")  # a validator's own message names its keys
             lines.append(f"  {loc}: {msg}" if loc else f"  {msg}")
-        raise ConfigError(f"invalid config{f' {path}' if path else ''}:\n" + "\n".join(lines)) from None
+        raise ConfigError(
+            f"invalid config{f' {path}' if path else ''}:\n" + "\n".join(lines)
+        ) from None
 
 
 def dump_config(cfg: RunConfig) -> str:

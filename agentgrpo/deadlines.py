@@ -18,6 +18,7 @@ from typing import TypeVar
 
 T = TypeVar("T")
 
+
 class DeadlineExpired(Exception):
     """Raised inside an episode when one of its deadlines passes; `str(e)` names the deadline."""
 
@@ -29,22 +30,36 @@ class DeadlineExpired(Exception):
 class Deadlines:
     """The absolute deadlines (time.monotonic) that bound every await of one episode."""
 
-    def __init__(self, turn_timeout_s: float | None, episode_timeout_s: float | None,
-                 step_deadline: float | None) -> None:
+    def __init__(
+        self,
+        turn_timeout_s: float | None,
+        episode_timeout_s: float | None,
+        step_deadline: float | None,
+    ) -> None:
         self.turn_timeout_s = turn_timeout_s
         now = time.monotonic()
         self.fixed: list[tuple[float, str, str]] = []
         if episode_timeout_s is not None:
-            self.fixed.append((now + episode_timeout_s, "episode",
-                               f"episode deadline of {episode_timeout_s:g} s expired"))
+            self.fixed.append(
+                (
+                    now + episode_timeout_s,
+                    "episode",
+                    f"episode deadline of {episode_timeout_s:g} s expired",
+                )
+            )
         if step_deadline is not None:
-            self.fixed.append((step_deadline, "step", "step deadline expired (rollout.step_timeout_s)"))
+            self.fixed.append(
+                (step_deadline, "step", "step deadline expired (rollout.step_timeout_s)")
+            )
         self.turn: tuple[float, str, str] | None = None
 
     def start_turn(self, number: int) -> None:
         if self.turn_timeout_s is not None:
-            self.turn = (time.monotonic() + self.turn_timeout_s, "turn",
-                         f"turn {number} exceeded its deadline of {self.turn_timeout_s:g} s")
+            self.turn = (
+                time.monotonic() + self.turn_timeout_s,
+                "turn",
+                f"turn {number} exceeded its deadline of {self.turn_timeout_s:g} s",
+            )
 
     def earliest(self) -> tuple[float, str, str] | None:
         found = self.fixed + ([self.turn] if self.turn else [])
@@ -61,7 +76,9 @@ class Deadlines:
                 aw.close()  # never started: close it so Python does not warn it was never awaited
             raise DeadlineExpired(which, detail)
         try:
-            if _timeout_at is not None:  # Python >= 3.11: no extra task per await (wait_for makes one)
+            if (
+                _timeout_at is not None
+            ):  # Python >= 3.11: no extra task per await (wait_for makes one)
                 loop_time = asyncio.get_running_loop().time()  # the loop's clock may not be ours
                 async with _timeout_at(loop_time + at - time.monotonic()):
                     return await aw
@@ -93,8 +110,8 @@ class WaitClock:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._waited = 0.0
-        self._open = 0            # waits in progress (a call's concurrent sub-calls may overlap)
-        self._since = 0.0         # start of the current stretch with at least one wait open
+        self._open = 0  # waits in progress (a call's concurrent sub-calls may overlap)
+        self._since = 0.0  # start of the current stretch with at least one wait open
 
     def start(self) -> Callable[[], None]:
         """Open a wait; returns its `stop`, which may be called any number of times (a dispatch
@@ -114,6 +131,7 @@ class WaitClock:
                 self._open -= 1
                 if self._open == 0:
                     self._waited += time.monotonic() - self._since
+
         return stop
 
     @property
@@ -126,8 +144,9 @@ class WaitClock:
             return self._waited + (time.monotonic() - self._since if self._open else 0.0)
 
 
-_WAIT_CLOCK: contextvars.ContextVar[WaitClock | None] = contextvars.ContextVar("agentgrpo_wait_clock",
-                                                                               default=None)
+_WAIT_CLOCK: contextvars.ContextVar[WaitClock | None] = contextvars.ContextVar(
+    "agentgrpo_wait_clock", default=None
+)
 
 
 def start_wait() -> Callable[[], None]:
@@ -156,7 +175,9 @@ def waiting_for_capacity() -> Iterator[None]:
 _WAIT_POLL_S = 0.05
 
 
-async def run_charging_only_running_time(aw: Awaitable[T], timeout_s: float | None) -> tuple[T, float]:
+async def run_charging_only_running_time(
+    aw: Awaitable[T], timeout_s: float | None
+) -> tuple[T, float]:
     """Await `aw` with a deadline of `timeout_s` seconds of time not spent waiting for capacity
     (None: no deadline, as for `asyncio.wait_for`).
 
@@ -181,7 +202,9 @@ async def run_charging_only_running_time(aw: Awaitable[T], timeout_s: float | No
             if remaining <= 0 and not clock.waiting:
                 raise asyncio.TimeoutError(f"ran for more than {timeout_s:g} s")
             # while a wait is open `remaining` stays put: wake then and look again
-            await asyncio.wait({task}, timeout=max(remaining, _WAIT_POLL_S if clock.waiting else 1e-3))
+            await asyncio.wait(
+                {task}, timeout=max(remaining, _WAIT_POLL_S if clock.waiting else 1e-3)
+            )
             if task.done():
                 return task.result(), clock.waited_s()
     finally:

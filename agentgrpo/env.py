@@ -171,20 +171,29 @@ class Env(gymnasium.Env):
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         rubric = cls.__dict__.get("rubric")
-        if not (rubric is None or isinstance(rubric, Rubric | property | functools.cached_property)):  # fail at import, not mid-run
-            raise TypeError(f"{cls.__name__}.rubric must be an agentgrpo.reward.Rubric or None, "
-                            f"got {type(rubric).__name__}")
+        if not (
+            rubric is None or isinstance(rubric, Rubric | property | functools.cached_property)
+        ):  # fail at import, not mid-run
+            raise TypeError(
+                f"{cls.__name__}.rubric must be an agentgrpo.reward.Rubric or None, "
+                f"got {type(rubric).__name__}"
+            )
 
-    def reset(self, *, seed: int | None = None,
-              options: dict[str, Any] | None = None) -> tuple[list[Message], dict[str, Any]]:
+    def reset(
+        self, *, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[list[Message], dict[str, Any]]:
         super().reset(seed=seed)
         task = (options or {}).get("task")
         if task is not None:
             if not isinstance(task, Task):
-                raise TypeError(f"options['task'] must be an agentgrpo Task, got {type(task).__name__}")
+                raise TypeError(
+                    f"options['task'] must be an agentgrpo Task, got {type(task).__name__}"
+                )
             self.task = task
         if self.task is None:
-            raise ValueError(f"{type(self).__name__}.reset needs a task: reset(options={{'task': Task(...)}})")
+            raise ValueError(
+                f"{type(self).__name__}.reset needs a task: reset(options={{'task': Task(...)}})"
+            )
         return self.task.prompt_messages(), {}
 
     def step(self, action: Message) -> tuple[list[Message], float, bool, bool, dict[str, Any]]:
@@ -195,19 +204,28 @@ class Env(gymnasium.Env):
         return []
 
     @classmethod
-    def load_tasks(cls, split: str = "train", seed: int = 0, *, file: str | None = None,
-                   **kwargs: Any) -> Sequence[Task]:
+    def load_tasks(
+        cls, split: str = "train", seed: int = 0, *, file: str | None = None, **kwargs: Any
+    ) -> Sequence[Task]:
         """The tasks of a split: from a file (`env.tasks: {file: "data/{split}.jsonl"}` in a config;
         see `tasks_from_file`, which the other keyword arguments go to), or override it to
         generate them."""
         if file is not None:
             return tasks_from_file(file.format(split=split), split=split, **kwargs)
-        raise NotImplementedError(f"{cls.__name__}.load_tasks is not implemented: give env.tasks.file "
-                                  "(a JSONL file of tasks) or override load_tasks")
+        raise NotImplementedError(
+            f"{cls.__name__}.load_tasks is not implemented: give env.tasks.file "
+            "(a JSONL file of tasks) or override load_tasks"
+        )
 
 
-def tasks_from_file(path: str | Path, *, split: str = "train", prompt_key: str = "prompt",
-                    answer_key: str = "answer", id_key: str = "id") -> list[Task]:
+def tasks_from_file(
+    path: str | Path,
+    *,
+    split: str = "train",
+    prompt_key: str = "prompt",
+    answer_key: str = "answer",
+    id_key: str = "id",
+) -> list[Task]:
     """Tasks from a JSONL file (one JSON object per line) or a JSON file holding a list of objects.
 
     Each object gives a task: `prompt_key` holds the prompt (text, or a list of OpenAI-style
@@ -222,7 +240,9 @@ def tasks_from_file(path: str | Path, *, split: str = "train", prompt_key: str =
     if path.suffix == ".json":
         rows = json.loads(text)
         if not isinstance(rows, list):
-            raise ValueError(f"{path}: a JSON task file holds a list of objects, got {type(rows).__name__}")
+            raise ValueError(
+                f"{path}: a JSON task file holds a list of objects, got {type(rows).__name__}"
+            )
         numbered = list(enumerate(rows, 1))
     else:
         numbered = []
@@ -236,11 +256,19 @@ def tasks_from_file(path: str | Path, *, split: str = "train", prompt_key: str =
     for n, row in numbered:
         where = f"{path}:{n}" if path.suffix != ".json" else f"{path}[{n - 1}]"
         if not isinstance(row, dict) or prompt_key not in row:
-            raise ValueError(f"{where}: expected an object with a {prompt_key!r} field (the prompt)")
+            raise ValueError(
+                f"{where}: expected an object with a {prompt_key!r} field (the prompt)"
+            )
         rest = {k: v for k, v in row.items() if k not in (prompt_key, answer_key, id_key)}
         try:
-            tasks.append(Task(id=str(row.get(id_key, f"{split}-{n}")), prompt=row[prompt_key],
-                              answer=row.get(answer_key), metadata=rest))
+            tasks.append(
+                Task(
+                    id=str(row.get(id_key, f"{split}-{n}")),
+                    prompt=row[prompt_key],
+                    answer=row.get(answer_key),
+                    metadata=rest,
+                )
+            )
         except ValueError as e:
             raise ValueError(f"{where}: {e}") from e
     if not tasks:
@@ -292,8 +320,9 @@ class ToolEnv(Env):
     def reward(self, task: Task, messages: list[Message]) -> float:
         if self.rubric is not None:
             return 0.0  # the rubric scores the episode (run_group); this is its `env_reward`
-        raise NotImplementedError(f"{type(self).__name__} must implement reward(task, messages) "
-                                  "or declare a rubric")
+        raise NotImplementedError(
+            f"{type(self).__name__} must implement reward(task, messages) or declare a rubric"
+        )
 
     def get_tools(self) -> dict[str, Tool]:
         found: dict[str, Tool] = {}
@@ -311,8 +340,9 @@ class ToolEnv(Env):
     def tool_schemas(self) -> list[dict[str, Any]]:
         return [t.schema for t in self.get_tools().values()]
 
-    def reset(self, *, seed: int | None = None,
-              options: dict[str, Any] | None = None) -> tuple[list[Message], dict[str, Any]]:
+    def reset(
+        self, *, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[list[Message], dict[str, Any]]:
         super().reset(seed=seed, options=options)
         assert self.task is not None
         self.messages = self.prompt(self.task)
@@ -325,18 +355,31 @@ class ToolEnv(Env):
             reward = await call_env(self.reward, self.task, self.messages)
             return EnvStep([], float(reward), True, False)
         tools = self.get_tools()
-        allowed, extra = calls[: self.max_tool_calls_per_turn], calls[self.max_tool_calls_per_turn:]
+        allowed, extra = (
+            calls[: self.max_tool_calls_per_turn],
+            calls[self.max_tool_calls_per_turn :],
+        )
         results = list(await asyncio.gather(*(self._run_call(tools, c) for c in allowed)))
-        results += [(c, f"Error: too many tool calls in one turn (at most {self.max_tool_calls_per_turn}); "
-                        "this call was not run", ToolErrorKind.TOO_MANY_CALLS) for c in extra]
-        out = [Message(role="tool", content=text, tool_call_id=c.id or None, name=c.name)
-               for c, text, _ in results]
+        results += [
+            (
+                c,
+                f"Error: too many tool calls in one turn (at most {self.max_tool_calls_per_turn}); "
+                "this call was not run",
+                ToolErrorKind.TOO_MANY_CALLS,
+            )
+            for c in extra
+        ]
+        out = [
+            Message(role="tool", content=text, tool_call_id=c.id or None, name=c.name)
+            for c, text, _ in results
+        ]
         self.messages.extend(out)
         errors = Counter(kind for _, _, kind in results if kind is not None)
         return EnvStep(out, 0.0, False, False, tool_errors=errors)
 
-    def set_tool_limits(self, *, timeout_s: float | None = None,
-                        max_calls_per_turn: int | None = None) -> None:
+    def set_tool_limits(
+        self, *, timeout_s: float | None = None, max_calls_per_turn: int | None = None
+    ) -> None:
         """Override this instance's per-call deadline and calls-per-turn limit (None keeps the
         class's own value). The rollout calls it with the config's settings."""
         if timeout_s is not None:
@@ -344,24 +387,34 @@ class ToolEnv(Env):
         if max_calls_per_turn is not None:
             self.max_tool_calls_per_turn = max_calls_per_turn
 
-    async def _run_call(self, tools: dict[str, Tool],
-                        call: ToolCall) -> tuple[ToolCall, str, ToolErrorKind | None]:
+    async def _run_call(
+        self, tools: dict[str, Tool], call: ToolCall
+    ) -> tuple[ToolCall, str, ToolErrorKind | None]:
         t = tools.get(call.name)
         if t is None:
-            return call, f"Error: unknown tool {call.name!r}; available: {sorted(tools)}", ToolErrorKind.UNKNOWN_TOOL
+            return (
+                call,
+                f"Error: unknown tool {call.name!r}; available: {sorted(tools)}",
+                ToolErrorKind.UNKNOWN_TOOL,
+            )
         try:
             t.validate(call.arguments)
         except ToolError as e:
             return call, f"Error: {e}", ToolErrorKind.INVALID_ARGUMENTS
         try:
-            text, _ = await run_charging_only_running_time(t.acall(call.arguments), self.tool_timeout_s)
+            text, _ = await run_charging_only_running_time(
+                t.acall(call.arguments), self.tool_timeout_s
+            )
             return call, text, None
         except ToolError as e:
             return call, f"Error: {e}", ToolErrorKind.TOOL_FAILED
         except asyncio.TimeoutError:
             # A sync tool's thread cannot be killed: it runs on in the background, its result unused.
-            return (call, f"Error: {call.name} did not finish within {self.tool_timeout_s:g} s",
-                    ToolErrorKind.TOOL_TIMEOUT)
+            return (
+                call,
+                f"Error: {call.name} did not finish within {self.tool_timeout_s:g} s",
+                ToolErrorKind.TOOL_TIMEOUT,
+            )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -393,8 +446,10 @@ def env_rubric(env: Env) -> Rubric | None:
     """The env's rubric, checked (a property may return anything)."""
     rubric = env.rubric
     if not (rubric is None or isinstance(rubric, Rubric)):
-        raise TypeError(f"{type(env).__name__}.rubric must be an agentgrpo.reward.Rubric or None, "
-                        f"got {type(rubric).__name__}")
+        raise TypeError(
+            f"{type(env).__name__}.rubric must be an agentgrpo.reward.Rubric or None, "
+            f"got {type(rubric).__name__}"
+        )
     return rubric
 
 
@@ -405,10 +460,17 @@ def reset_messages(result: Any) -> list[Message]:
     if not (isinstance(result, tuple) and len(result) == 2):
         raise ValueError(f"reset must return (messages, info), got {result!r:.200}")
     messages, info = result
-    if not (isinstance(messages, list) and messages and all(isinstance(m, Message) for m in messages)):
-        hint = ("; OpenAI-style dicts convert with Message.from_dict"
-                if isinstance(messages, list) and any(isinstance(m, dict) for m in messages) else "")
-        raise ValueError(f"reset's messages must be a non-empty list of Message, got {messages!r:.200}{hint}")
+    if not (
+        isinstance(messages, list) and messages and all(isinstance(m, Message) for m in messages)
+    ):
+        hint = (
+            "; OpenAI-style dicts convert with Message.from_dict"
+            if isinstance(messages, list) and any(isinstance(m, dict) for m in messages)
+            else ""
+        )
+        raise ValueError(
+            f"reset's messages must be a non-empty list of Message, got {messages!r:.200}{hint}"
+        )
     if not isinstance(info, dict):
         raise ValueError(f"reset's info must be a dict, got {type(info).__name__}")
     return list(messages)
@@ -439,11 +501,13 @@ ENTRY_POINT_GROUP = "agentgrpo.envs"
 def register_env(name: str, cls: type[Env] | None = None) -> Any:
     """Register an env class by name at run time (usable as `@register_env("name")`); a package
     that ships envs declares them as entry points instead (`ENTRY_POINT_GROUP`)."""
+
     def deco(c: type[Env]) -> type[Env]:
         if not (isinstance(c, type) and issubclass(c, Env)):
             raise TypeError(f"register_env({name!r}): {c!r} is not an Env subclass")
         ENVS[name] = c
         return c
+
     return deco(cls) if cls is not None else deco
 
 
@@ -466,24 +530,32 @@ def get_env_class(name: str) -> type[Env]:
         except ModuleNotFoundError as e:
             if not _names_module(e, module):
                 raise  # the user's module imports something that is not installed: their traceback
-            raise ValueError(f"env {name!r}: no module named {e.name!r} (looked in the import path and in "
-                             f"the current directory {os.getcwd()}; set PYTHONPATH to its folder)") from None
+            raise ValueError(
+                f"env {name!r}: no module named {e.name!r} (looked in the import path and in "
+                f"the current directory {os.getcwd()}; set PYTHONPATH to its folder)"
+            ) from None
         cls = getattr(mod, attr, None)
         if not (isinstance(cls, type) and issubclass(cls, Env)):
-            raise ValueError(f"{name!r} does not name an agentgrpo Env class"
-                             + ("" if cls is not None else f" (module {module!r} has no {attr!r})"))
+            raise ValueError(
+                f"{name!r} does not name an agentgrpo Env class"
+                + ("" if cls is not None else f" (module {module!r} has no {attr!r})")
+            )
         return cls
     if name in ENVS:
         return ENVS[name]
     found = importlib.metadata.entry_points(group=ENTRY_POINT_GROUP).select(name=name)
     if not found:
-        raise ValueError(f"unknown environment {name!r}; known: {known_env_names()} (or use "
-                         f"module:Class){_missing_entry_points()}")
+        raise ValueError(
+            f"unknown environment {name!r}; known: {known_env_names()} (or use "
+            f"module:Class){_missing_entry_points()}"
+        )
     entry = next(iter(found))
     cls = entry.load()
     if not (isinstance(cls, type) and issubclass(cls, Env)):
-        raise ValueError(f"env {name!r}: entry point {entry.value!r} ({ENTRY_POINT_GROUP}) is "
-                         "not an agentgrpo Env class")
+        raise ValueError(
+            f"env {name!r}: entry point {entry.value!r} ({ENTRY_POINT_GROUP}) is "
+            "not an agentgrpo Env class"
+        )
     return cls
 
 
@@ -498,11 +570,15 @@ def _missing_entry_points() -> str:
     try:
         dist = importlib.metadata.distribution("agentgrpo")
     except importlib.metadata.PackageNotFoundError:
-        return ("; agentgrpo is not installed, so its own environments (entry points of "
-                f"{ENTRY_POINT_GROUP}) are unknown: install it with pip install -e .")
+        return (
+            "; agentgrpo is not installed, so its own environments (entry points of "
+            f"{ENTRY_POINT_GROUP}) are unknown: install it with pip install -e ."
+        )
     if not any(e.group == ENTRY_POINT_GROUP for e in dist.entry_points):
-        return (f"; the installed agentgrpo {dist.version} declares no {ENTRY_POINT_GROUP} entry "
-                "points (its metadata predates them): reinstall with pip install -e .")
+        return (
+            f"; the installed agentgrpo {dist.version} declares no {ENTRY_POINT_GROUP} entry "
+            "points (its metadata predates them): reinstall with pip install -e ."
+        )
     return ""
 
 

@@ -71,7 +71,9 @@ def _mean(xs: Sequence[float]) -> float:
     return float(sum(xs) / len(xs)) if xs else math.nan
 
 
-def eval_metrics(groups: Sequence[Group], pass_k: Sequence[int], success_threshold: float) -> dict[str, float]:
+def eval_metrics(
+    groups: Sequence[Group], pass_k: Sequence[int], success_threshold: float
+) -> dict[str, float]:
     """Reward, pass@k, tool and error statistics of evaluated groups (one group per task): the
     training steps' `rollout_metrics`, plus success rate, tool error rate and pass@k."""
     trajs: list[Trajectory] = [t for g in groups for t in g.trajectories]
@@ -88,7 +90,9 @@ def eval_metrics(groups: Sequence[Group], pass_k: Sequence[int], success_thresho
         for g in groups:
             rewards = [t.reward for t in g.trajectories if not math.isnan(t.reward)]
             if len(rewards) >= k:
-                per_task.append(pass_at_k(len(rewards), sum(r >= success_threshold for r in rewards), k))
+                per_task.append(
+                    pass_at_k(len(rewards), sum(r >= success_threshold for r in rewards), k)
+                )
         out[f"pass@{k}"] = _mean(per_task)
         out[f"pass@{k}/tasks"] = float(len(per_task))
     out.update(rollout_metrics(groups))
@@ -101,13 +105,32 @@ class EvalResult:
     groups: list[Group]
 
 
-async def evaluate(env_factory: Callable[[], Env], engine: Engine, chat: ChatFormat, tasks: Sequence[Task],
-                   rollout: RolloutConfig, cfg: EvalConfig, *, seed: int = 0, context_len: int | None = None,
-                   on_done: Callable[[Trajectory], None] | None = None) -> EvalResult:
+async def evaluate(
+    env_factory: Callable[[], Env],
+    engine: Engine,
+    chat: ChatFormat,
+    tasks: Sequence[Task],
+    rollout: RolloutConfig,
+    cfg: EvalConfig,
+    *,
+    seed: int = 0,
+    context_len: int | None = None,
+    on_done: Callable[[Trajectory], None] | None = None,
+) -> EvalResult:
     """Sample `cfg.samples_per_task` trajectories per task and compute the metrics."""
-    sampling = rollout.model_copy(update={"group_size": cfg.samples_per_task, "step_timeout_s": None})
-    groups = await collect(env_factory, engine, chat, tasks, sampling, seed=seed, context_len=context_len,
-                           on_done=on_done)
+    sampling = rollout.model_copy(
+        update={"group_size": cfg.samples_per_task, "step_timeout_s": None}
+    )
+    groups = await collect(
+        env_factory,
+        engine,
+        chat,
+        tasks,
+        sampling,
+        seed=seed,
+        context_len=context_len,
+        on_done=on_done,
+    )
     return EvalResult(eval_metrics(groups, cfg.pass_k, cfg.success_threshold), groups)
 
 
@@ -115,7 +138,9 @@ async def evaluate(env_factory: Callable[[], Env], engine: Engine, chat: ChatFor
 # Command-line glue
 
 
-def checkpoint_policy(directory: Path | None, base: Path, learner: LearnerConfig) -> torch.nn.Module:
+def checkpoint_policy(
+    directory: Path | None, base: Path, learner: LearnerConfig
+) -> torch.nn.Module:
     """The policy the checkpoint in `directory` holds (None: the base model), built as the learner
     builds it and returned as `Learner.export_model()` hands it to weight sync: the transformers
     model in `learner.dtype`, or with LoRA the peft model seen through `MergedModel` (base names,
@@ -129,8 +154,10 @@ def checkpoint_policy(directory: Path | None, base: Path, learner: LearnerConfig
         return model
     if learner_state.holds_lora(directory) != (learner.lora is not None):
         held = "LoRA adapters" if learner.lora is None else "full weights"
-        raise ConfigError(f"checkpoint {directory} holds {held} but learner.lora is {learner.lora}: evaluate "
-                          "with the config of the run that wrote it (learner.lora as in training)")
+        raise ConfigError(
+            f"checkpoint {directory} holds {held} but learner.lora is {learner.lora}: evaluate "
+            "with the config of the run that wrote it (learner.lora as in training)"
+        )
     policy = apply_lora(model, learner.lora) if learner.lora is not None else model
     learner_state.load_weights(PolicyForward(policy), directory, lora=learner.lora is not None)
     return MergedModel(policy) if learner.lora is not None else policy
@@ -156,12 +183,16 @@ def resolve_policy(cfg: RunConfig, base: Path) -> tuple[Path | None, int, torch.
     if choice == "latest":
         root = Path(cfg.output_dir) / "checkpoints"
         if not any(root.glob("step-*")):  # a misspelt output_dir, or a run not checkpointed yet
-            raise ConfigError(f"eval.checkpoint=latest: no checkpoint under {root} (output_dir="
-                              f"{cfg.output_dir}); eval.checkpoint=none evaluates the base model")
+            raise ConfigError(
+                f"eval.checkpoint=latest: no checkpoint under {root} (output_dir="
+                f"{cfg.output_dir}); eval.checkpoint=none evaluates the base model"
+            )
         found = checkpoint.restore(root, load)
         if found is None:
-            raise ConfigError(f"no checkpoint under {root} verifies and loads (the warnings say why); "
-                              "eval.checkpoint=none evaluates the base model")
+            raise ConfigError(
+                f"no checkpoint under {root} verifies and loads (the warnings say why); "
+                "eval.checkpoint=none evaluates the base model"
+            )
         return found[0], int(found[1]["step"]), loaded[-1]
     path = Path(choice)
     if not path.is_dir():
@@ -186,10 +217,14 @@ def run_eval(cfg: RunConfig, *, engine: Engine | None = None) -> tuple[Path, Eva
     base = Path(cfg.model.path) if cfg.model.path else default_model_path()
     tokenizer = AutoTokenizer.from_pretrained(base)
     template = Path(cfg.model.chat_template).read_text() if cfg.model.chat_template else None
-    chat = ChatFormat(tokenizer, template=template, parser=cfg.model.tool_parser,
-                      fallback=cfg.rollout.template_fallback,
-                      template_kwargs=cfg.rollout.chat_template_kwargs,
-                      trajectory_mode=cfg.rollout.trajectory_mode)
+    chat = ChatFormat(
+        tokenizer,
+        template=template,
+        parser=cfg.model.tool_parser,
+        fallback=cfg.rollout.template_fallback,
+        template_kwargs=cfg.rollout.chat_template_kwargs,
+        trajectory_mode=cfg.rollout.trajectory_mode,
+    )
     env_cls = cfg.env.env_class()
     make_env = lambda: env_cls(**cfg.env.kwargs)  # noqa: E731 - one env instance per trajectory
     tasks = cfg.env.load_tasks(env_cls, cfg.eval.split, cfg.seed)[: cfg.eval.num_tasks]
@@ -201,8 +236,11 @@ def run_eval(cfg: RunConfig, *, engine: Engine | None = None) -> tuple[Path, Eva
     if policy is None and cfg.engine.kind == "sglang":
         policy = checkpoint_policy(None, base, cfg.learner)
     weights = ckpt or base
-    print(f"chat template: mode {report.mode}; evaluating {weights} (step {step}) on {len(tasks)} "
-          f"{cfg.eval.split} tasks x {cfg.eval.samples_per_task} samples", flush=True)
+    print(
+        f"chat template: mode {report.mode}; evaluating {weights} (step {step}) on {len(tasks)} "
+        f"{cfg.eval.split} tasks x {cfg.eval.samples_per_task} samples",
+        flush=True,
+    )
     context_len = getattr(AutoConfig.from_pretrained(base), "max_position_embeddings", None)
 
     owned = engine is None
@@ -216,14 +254,30 @@ def run_eval(cfg: RunConfig, *, engine: Engine | None = None) -> tuple[Path, Eva
     sync = WeightSync(engine, ws) if policy is not None else None
     loop = asyncio.new_event_loop()  # one loop for the engine's clients, the push and the rollouts
     try:
-        loop.run_until_complete(wait_ready(engine, seeded=True))  # SGLang: servers loaded, versions and window read
+        loop.run_until_complete(
+            wait_ready(engine, seeded=True)
+        )  # SGLang: servers loaded, versions and window read
         if sync is not None:
-            loop.run_until_complete(sync.push(policy, step))  # verified by the probe: the engine serves them
+            loop.run_until_complete(
+                sync.push(policy, step)
+            )  # verified by the probe: the engine serves them
             del policy  # the engine holds its own copy now
-        result = loop.run_until_complete(evaluate(make_env, engine, chat, tasks, cfg.rollout, cfg.eval,
-                                                  seed=cfg.seed, context_len=context_len))
+        result = loop.run_until_complete(
+            evaluate(
+                make_env,
+                engine,
+                chat,
+                tasks,
+                cfg.rollout,
+                cfg.eval,
+                seed=cfg.seed,
+                context_len=context_len,
+            )
+        )
     finally:
-        closer = (getattr(engine, "aclose", None) or getattr(engine, "close", None)) if owned else None
+        closer = (
+            (getattr(engine, "aclose", None) or getattr(engine, "close", None)) if owned else None
+        )
         close_all(loop, sync and sync.close, closer)
     out_dir = Path(cfg.eval.output_dir or Path(cfg.output_dir) / f"eval-{cfg.eval.split}")
     logger = RunLogger(out_dir, tensorboard=False, fresh=True)
@@ -233,12 +287,25 @@ def run_eval(cfg: RunConfig, *, engine: Engine | None = None) -> tuple[Path, Eva
     finally:
         logger.close()
     summary: dict[str, Any] = {
-        "step": step, "weights": str(weights), "split": cfg.eval.split,
-        "metrics": {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in result.metrics.items()},
-        "tasks": [{"task_id": g.task.id, "group_id": g.group_id,
-                   "passed": sum(not math.isnan(t.reward) and t.reward >= cfg.eval.success_threshold
-                                 for t in g.trajectories),
-                   "scored": sum(not math.isnan(t.reward) for t in g.trajectories)} for g in result.groups],
+        "step": step,
+        "weights": str(weights),
+        "split": cfg.eval.split,
+        "metrics": {
+            k: (None if isinstance(v, float) and math.isnan(v) else v)
+            for k, v in result.metrics.items()
+        },
+        "tasks": [
+            {
+                "task_id": g.task.id,
+                "group_id": g.group_id,
+                "passed": sum(
+                    not math.isnan(t.reward) and t.reward >= cfg.eval.success_threshold
+                    for t in g.trajectories
+                ),
+                "scored": sum(not math.isnan(t.reward) for t in g.trajectories),
+            }
+            for g in result.groups
+        ],
     }
     (out_dir / "eval.json").write_text(json.dumps(summary, indent=1))
     return out_dir, result

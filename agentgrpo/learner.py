@@ -95,62 +95,101 @@ class LearnerConfig(BaseModel):
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas")
     grad_clip: float = Field(1.0, gt=0, description="max global gradient norm")
     lr_schedule: Literal["constant", "linear", "cosine"] = Field(
-        "constant", description="after warm-up: constant, or linear / cosine decay to min_lr_ratio * lr "
-        "over the run's optimizer steps")
+        "constant",
+        description="after warm-up: constant, or linear / cosine decay to min_lr_ratio * lr "
+        "over the run's optimizer steps",
+    )
     warmup_steps: int = Field(0, ge=0, description="optimizer steps of linear warm-up from 0 to lr")
-    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="final lr / peak lr of a decaying schedule")
-    micro_batch_tokens: int = Field(4096, ge=16, description="token slots (padding included) per micro-batch")
+    min_lr_ratio: float = Field(
+        0.0, ge=0, le=1, description="final lr / peak lr of a decaying schedule"
+    )
+    micro_batch_tokens: int = Field(
+        4096, ge=16, description="token slots (padding included) per micro-batch"
+    )
     packing: PackingMode = Field(
-        "shared_prefix", description="shared_prefix: pack sequences, a group's common prompt computed "
-        "once; packed: pack sequences; padded: one sequence per row (see agentgrpo.batch)")
+        "shared_prefix",
+        description="shared_prefix: pack sequences, a group's common prompt computed "
+        "once; packed: pack sequences; padded: one sequence per row (see agentgrpo.batch)",
+    )
     row_tokens: Literal["auto"] | int = Field(
-        "auto", description="shared_prefix: the longest a group's row may be before the group is split "
+        "auto",
+        description="shared_prefix: the longest a group's row may be before the group is split "
         "(each piece with its own copy of the prompt). Under a mask attention costs the square of the "
         "row; auto = the cap the packer's cost model finds cheapest (batch.make_micro_batches; "
         "under segment attention never a split); an int caps it (micro_batch_tokens = no cap: a whole "
-        "group per row)")
+        "group per row)",
+    )
     old_logprobs: Literal["rollout", "recompute"] = Field(
-        "rollout", description="pi_old of the ratio: the engine's sampling logprobs, or the learner's own "
-        "recomputed before the first pass (one extra no-grad forward)")
-    passes: int = Field(1, ge=1, description="passes over each batch (mini_batches optimizer steps each)")
+        "rollout",
+        description="pi_old of the ratio: the engine's sampling logprobs, or the learner's own "
+        "recomputed before the first pass (one extra no-grad forward)",
+    )
+    passes: int = Field(
+        1, ge=1, description="passes over each batch (mini_batches optimizer steps each)"
+    )
     mini_batches: int = Field(
-        1, ge=1, description="optimizer steps per pass: the step's groups are split into this many "
+        1,
+        ge=1,
+        description="optimizer steps per pass: the step's groups are split into this many "
         "mini-batches (whole groups, balanced by tokens; fewer when the step has fewer groups), each "
-        "normalised as a step of its own")
+        "normalised as a step of its own",
+    )
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="parameter dtype")
     autocast: Literal["auto", "bf16", "none"] = Field(
-        "auto", description="bf16 autocast of the decoder; auto = on where bf16 is native: CUDA, "
+        "auto",
+        description="bf16 autocast of the decoder; auto = on where bf16 is native: CUDA, "
         "and CPUs with AVX512-BF16 or AMX (agentgrpo.hardware); none = fp32, what CPUs without "
-        "them run fastest")
+        "them run fastest",
+    )
     gradient_checkpointing: bool = Field(False, description="recompute activations in backward")
-    tf32: Literal["auto"] | bool = Field("auto", description="CUDA: fp32 matmuls (the LM head under bf16 "
-        "autocast) on TF32 tensor cores; auto = under bf16 autocast (agentgrpo.logprobs.wants_tf32)")
+    tf32: Literal["auto"] | bool = Field(
+        "auto",
+        description="CUDA: fp32 matmuls (the LM head under bf16 "
+        "autocast) on TF32 tensor cores; auto = under bf16 autocast (agentgrpo.logprobs.wants_tf32)",
+    )
     head_chunk_tokens: int | None = Field(
-        None, ge=1, description="run the LM head over chunks of this many loss tokens, each recomputed "
+        None,
+        ge=1,
+        description="run the LM head over chunks of this many loss tokens, each recomputed "
         "in backward, so only one chunk's [chunk, vocab] logits are alive (agentgrpo.logprobs); "
-        "None: all of a micro-batch's loss tokens at once")
+        "None: all of a micro-batch's loss tokens at once",
+    )
     attn_implementation: str | None = Field(
-        None, description="set the model's attention kernel (sdpa, eager, flash_attention_2, "
+        None,
+        description="set the model's attention kernel (sdpa, eager, flash_attention_2, "
         "flex_attention, ...); flash kernels pack by position ids (varlen) instead of a mask, "
-        "flex_attention gets a block mask that skips the blocks across sequences (GPU only)")
+        "flex_attention gets a block mask that skips the blocks across sequences (GPU only)",
+    )
     attention: Literal["auto", "segments", "mask"] = Field(
-        "auto", description="how packed rows keep sequences apart (not with flash or flex kernels, which "
+        "auto",
+        description="how packed rows keep sequences apart (not with flash or flex kernels, which "
         "do it themselves: by position ids, by a block mask): segments = each sequence attends only to its prompt and itself, sequences of "
         "similar size batched into padded sdpa calls (agentgrpo.attention; pairs own x (prompt + own)); mask = one call per row under a 4D mask "
         "(every pair of the row computed); auto = on the CPU segments for micro-batches whose rows are "
         "long enough to pay (agentgrpo.attention.AUTO_MIN_SHARE), else the mask; mask on GPUs "
-        "(segments measured slower there: docs/performance.md)")
-    ref_offload: bool = Field(False, description="keep the reference model on the CPU between steps "
-                              "(not with FSDP, which shards the reference like the policy)")
+        "(segments measured slower there: docs/performance.md)",
+    )
+    ref_offload: bool = Field(
+        False,
+        description="keep the reference model on the CPU between steps "
+        "(not with FSDP, which shards the reference like the policy)",
+    )
     checkpoint_format: Literal["full", "sharded"] = Field(
-        "full", description="full: HF safetensors + the whole optimizer state, gathered and written by "
+        "full",
+        description="full: HF safetensors + the whole optimizer state, gathered and written by "
         "rank 0 (loads anywhere, needs the full state in rank 0's CPU memory); sharded: "
         "torch.distributed.checkpoint, every rank writes its own shards in parallel (loads into any "
-        "number of ranks; no HF weights file). Resuming reads either format.")
+        "number of ranks; no HF weights file). Resuming reads either format.",
+    )
     collective_timeout_s: float = Field(
-        3600.0, gt=0, description="many processes: how long a rank waits in a collective (other ranks "
-        "wait for rank 0's rollouts in one) before the run fails instead of hanging")
-    lora: LoraConfig | None = Field(None, description="train LoRA adapters (peft) instead of all weights")
+        3600.0,
+        gt=0,
+        description="many processes: how long a rank waits in a collective (other ranks "
+        "wait for rank 0's rollouts in one) before the run fails instead of hanging",
+    )
+    lora: LoraConfig | None = Field(
+        None, description="train LoRA adapters (peft) instead of all weights"
+    )
 
     @field_validator("row_tokens")
     @classmethod
@@ -162,8 +201,10 @@ class LearnerConfig(BaseModel):
     @model_validator(mode="after")
     def _row_tokens_need_shared_prefix(self) -> LearnerConfig:
         if self.row_tokens != "auto" and self.packing != "shared_prefix":
-            raise ValueError(f"row_tokens={self.row_tokens} caps shared-prefix rows, but packing is "
-                             f"{self.packing!r}: leave row_tokens 'auto'")
+            raise ValueError(
+                f"row_tokens={self.row_tokens} caps shared-prefix rows, but packing is "
+                f"{self.packing!r}: leave row_tokens 'auto'"
+            )
         return self
 
 
@@ -174,8 +215,13 @@ def _lr_lambda(cfg: LearnerConfig, total: int | None):
         if cfg.lr_schedule == "constant":
             return 1.0
         progress = min(1.0, (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps))
-        decay = 1 - progress if cfg.lr_schedule == "linear" else 0.5 * (1 + math.cos(math.pi * progress))
+        decay = (
+            1 - progress
+            if cfg.lr_schedule == "linear"
+            else 0.5 * (1 + math.cos(math.pi * progress))
+        )
         return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * decay
+
     return f
 
 
@@ -206,9 +252,17 @@ class Learner:
         >>> await sync.push(learner.export_model(), step)   # merged weights with LoRA
     """
 
-    def __init__(self, model: torch.nn.Module, cfg: LearnerConfig, loss_cfg: LossConfig, *,
-                 temperature: float = 1.0, pad_id: int = 0, accelerator: Accelerator | None = None,
-                 total_steps: int | None = None) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        cfg: LearnerConfig,
+        loss_cfg: LossConfig,
+        *,
+        temperature: float = 1.0,
+        pad_id: int = 0,
+        accelerator: Accelerator | None = None,
+        total_steps: int | None = None,
+    ) -> None:
         if cfg.lr_schedule != "constant" and not total_steps:
             raise ValueError(f"lr_schedule={cfg.lr_schedule!r} needs total_steps (the run's steps)")
         self.cfg, self.loss_cfg, self.temperature, self.pad_id = cfg, loss_cfg, temperature, pad_id
@@ -216,13 +270,20 @@ class Learner:
         # would silently train alone); the timeout covers ranks waiting for rank 0's rollouts.
         self.accelerator = accelerator or Accelerator(
             cpu=not torch.cuda.is_available(),
-            kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.collective_timeout_s))])
+            kwargs_handlers=[
+                InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.collective_timeout_s))
+            ],
+        )
         check_launch(self.accelerator)
         self.sharded = self.accelerator.distributed_type == DistributedType.FSDP
-        if any(p.is_meta for p in model.parameters()) and (self.is_main or not (
-                self.sharded and self.accelerator.state.fsdp_plugin.cpu_ram_efficient_loading)):
-            raise ValueError("the model has no weights (meta tensors): only ranks other than 0 under FSDP "
-                             "with cpu_ram_efficient_loading may pass one (rank 0's weights fill it)")
+        if any(p.is_meta for p in model.parameters()) and (
+            self.is_main
+            or not (self.sharded and self.accelerator.state.fsdp_plugin.cpu_ram_efficient_loading)
+        ):
+            raise ValueError(
+                "the model has no weights (meta tensors): only ranks other than 0 under FSDP "
+                "with cpu_ram_efficient_loading may pass one (rank 0's weights fill it)"
+            )
         device = self.accelerator.device
         model = model.to(getattr(torch, cfg.dtype))
         if cfg.attn_implementation:
@@ -231,14 +292,19 @@ class Learner:
         # flex_attention gets each micro-batch's layout as a BlockMask (agentgrpo.attention.flex_block_mask)
         flex = attn_implementation(model) == "flex_attention"
         if (self.flash or flex) and cfg.attention != "auto":
-            raise ValueError(f"learner.attention={cfg.attention!r} with {attn_implementation(model)}: that "
-                             "kernel keeps sequences apart itself (flash by position ids, flex by a block "
-                             "mask), with neither the 4D mask nor segments; leave it 'auto'")
+            raise ValueError(
+                f"learner.attention={cfg.attention!r} with {attn_implementation(model)}: that "
+                "kernel keeps sequences apart itself (flash by position ids, flex by a block "
+                "mask), with neither the 4D mask nor segments; leave it 'auto'"
+            )
         if flex and device.type == "cpu":
-            raise ValueError("learner.attn_implementation=flex_attention: torch has no flex-attention "
-                             "backward on the CPU; use the default (sdpa) there")
-        segments = cfg.attention == "segments" or (cfg.attention == "auto" and device.type == "cpu"
-                                                   and not self.flash)
+            raise ValueError(
+                "learner.attn_implementation=flex_attention: torch has no flex-attention "
+                "backward on the CPU; use the default (sdpa) there"
+            )
+        segments = cfg.attention == "segments" or (
+            cfg.attention == "auto" and device.type == "cpu" and not self.flash
+        )
         if segments:  # before the reference is copied from the model, so that it gets it too
             use_segments(model)
         # auto: segments only on micro-batches whose rows are long enough for them to pay.
@@ -247,15 +313,23 @@ class Learner:
             if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x's name
                 model.activation_checkpointing_enable({"use_reentrant": False})
             else:
-                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        self.packing: PackingMode = "packed" if self.flash and cfg.packing == "shared_prefix" else cfg.packing
+                model.gradient_checkpointing_enable(
+                    gradient_checkpointing_kwargs={"use_reentrant": False}
+                )
+        self.packing: PackingMode = (
+            "packed" if self.flash and cfg.packing == "shared_prefix" else cfg.packing
+        )
         if cfg.row_tokens != "auto" and self.flash:
-            raise ValueError(f"learner.row_tokens={cfg.row_tokens} caps shared-prefix rows, but flash "
-                             "attention takes no mask and packs without sharing: leave it 'auto'")
+            raise ValueError(
+                f"learner.row_tokens={cfg.row_tokens} caps shared-prefix rows, but flash "
+                "attention takes no mask and packs without sharing: leave it 'auto'"
+            )
         # Segment attention computes no pair across sequences, so splitting a group only adds prompt
         # copies: the cost model then never splits (pair cost 0). Flex skips such pairs by the block
         # (128 x 128): taken as the same (whole groups under flex: 1.08x the mask's speed on an H200).
-        self.pair_cost = 0.0 if segments or flex else attention_pair_cost(getattr(model, "config", None))
+        self.pair_cost = (
+            0.0 if segments or flex else attention_pair_cost(getattr(model, "config", None))
+        )
         self.precision = choose_bf16(cfg.autocast, device)
         bf16 = self.precision.bf16
         self.tf32 = wants_tf32(cfg.tf32, device, bf16)
@@ -264,11 +338,17 @@ class Learner:
         if loss_cfg.kl_coef > 0 and cfg.lora is None:
             if self.sharded:  # a full copy per rank would undo what FSDP saves on the policy
                 if cfg.ref_offload:
-                    raise ValueError("learner.ref_offload with FSDP: the reference is sharded like the "
-                                     "policy instead; turn ref_offload off")
+                    raise ValueError(
+                        "learner.ref_offload with FSDP: the reference is sharded like the "
+                        "policy instead; turn ref_offload off"
+                    )
                 self.ref = shard_reference(model, bf16, from_main=self.is_main)
             else:
-                ref = PolicyForward(copy.deepcopy(model), autocast_bf16=bf16).eval().requires_grad_(False)
+                ref = (
+                    PolicyForward(copy.deepcopy(model), autocast_bf16=bf16)
+                    .eval()
+                    .requires_grad_(False)
+                )
                 self.ref = ref.to("cpu" if cfg.ref_offload else device)
             self.ref.head_chunk_tokens = cfg.head_chunk_tokens
             self.ref.segment_min_share = self.segment_min_share
@@ -278,20 +358,33 @@ class Learner:
         if cfg.lora is not None:
             model = apply_lora(model, cfg.lora)
         params = [p for p in model.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+        optimizer = torch.optim.AdamW(
+            params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay
+        )
         per_step = cfg.passes * cfg.mini_batches  # optimizer steps per train_step
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, _lr_lambda(cfg, None if total_steps is None else total_steps * per_step))
-        policy = PolicyForward(model, autocast_bf16=bf16, head_chunk_tokens=cfg.head_chunk_tokens,
-                               segment_min_share=self.segment_min_share)
-        if hasattr(model, "tie_weights"):  # accelerate's RAM-efficient FSDP2 preparation moves the model
+            optimizer, _lr_lambda(cfg, None if total_steps is None else total_steps * per_step)
+        )
+        policy = PolicyForward(
+            model,
+            autocast_bf16=bf16,
+            head_chunk_tokens=cfg.head_chunk_tokens,
+            segment_min_share=self.segment_min_share,
+        )
+        if hasattr(
+            model, "tie_weights"
+        ):  # accelerate's RAM-efficient FSDP2 preparation moves the model
             # to meta, which unties lm_head from the embeddings, and re-ties it through this method
             # of the module it prepares; untied, the two would train as separate matrices.
             policy.tie_weights = model.tie_weights
         self.model, self.optimizer = self.accelerator.prepare(policy, optimizer)
-        if self.sharded:  # accelerate maps the optimizer to the shards by data pointer, 0 for every meta
+        if (
+            self.sharded
+        ):  # accelerate maps the optimizer to the shards by data pointer, 0 for every meta
             # tensor (a rank without weights, RAM-efficient loading); the order of `params` is the map.
-            optimizer.param_groups[0]["params"] = [p for p in self.model.parameters() if p.requires_grad]
+            optimizer.param_groups[0]["params"] = [
+                p for p in self.model.parameters() if p.requires_grad
+            ]
         self.model.train()
         self.step = 0
 
@@ -346,7 +439,9 @@ class Learner:
     def export_state_dict(self) -> dict[str, torch.Tensor]:
         """Full weights under the base model's names, on the CPU, adapters merged. Collective under
         FSDP (the shards are gathered to rank 0; other ranks get an empty dict)."""
-        sd = {k.removeprefix("model."): v for k, v in learner_state.full_weights(self.model).items()}
+        sd = {
+            k.removeprefix("model."): v for k, v in learner_state.full_weights(self.model).items()
+        }
         if self.cfg.lora is None or not sd:
             return sd
         sd = {k.removeprefix("base_model.model."): v for k, v in sd.items()}
@@ -354,38 +449,56 @@ class Learner:
 
     # -- one step ----------------------------------------------------------------------------------
 
-    def train_step(self, trajs: Sequence[Trajectory], advantages: Sequence[float]) -> dict[str, float]:
+    def train_step(
+        self, trajs: Sequence[Trajectory], advantages: Sequence[float]
+    ) -> dict[str, float]:
         """Optimisation passes on the scorable trajectories of one step; returns metrics."""
         with tf32_matmuls(self.tf32):
             return self._train_step(trajs, advantages)
 
-    def _train_step(self, trajs: Sequence[Trajectory], advantages: Sequence[float]) -> dict[str, float]:
-        keep = [i for i, t in enumerate(trajs)
-                if t.num_sampled > 0 and math.isfinite(advantages[i]) and math.isfinite(t.reward)]
+    def _train_step(
+        self, trajs: Sequence[Trajectory], advantages: Sequence[float]
+    ) -> dict[str, float]:
+        keep = [
+            i
+            for i, t in enumerate(trajs)
+            if t.num_sampled > 0 and math.isfinite(advantages[i]) and math.isfinite(t.reward)
+        ]
         # a step-wise trajectory trains as one row per segment (docs/learner.md: the weighting)
-        trajs, advantages = segment_rows([trajs[i] for i in keep],
-                                         [float(advantages[i]) for i in keep])
+        trajs, advantages = segment_rows(
+            [trajs[i] for i in keep], [float(advantages[i]) for i in keep]
+        )
         if not trajs:
             return {"loss": 0.0, "skipped": 1.0}
         t0 = time.perf_counter()
         acc = self.accelerator
         if acc.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(acc.device)
-        packed_mini_batches = [self._pack([trajs[i] for i in part], [advantages[i] for i in part])
-                 for part in balanced_parts(trajs, self.cfg.mini_batches)]
-        for mini_batch, n in zip(packed_mini_batches, self._max_over_ranks([len(m.batches) for m in packed_mini_batches]), strict=True):
+        packed_mini_batches = [
+            self._pack([trajs[i] for i in part], [advantages[i] for i in part])
+            for part in balanced_parts(trajs, self.cfg.mini_batches)
+        ]
+        for mini_batch, n in zip(
+            packed_mini_batches,
+            self._max_over_ranks([len(m.batches) for m in packed_mini_batches]),
+            strict=True,
+        ):
             mini_batch.batches += [None] * (n - len(mini_batch.batches))
         self._score(packed_mini_batches)
         # Each mini-batch's loss shares are of its own loss; scaled by its part of the batch's
         # normaliser they add up to the batch's loss in the logged metrics (see learner_metrics).
         by_tokens = self.loss_cfg.effective_agg == "token-mean"
         norm = [m.num_tokens if by_tokens else m.num_seqs for m in packed_mini_batches]
-        opt_step_metrics = [[Metrics() for _ in packed_mini_batches] for _ in range(self.cfg.passes)]
+        opt_step_metrics = [
+            [Metrics() for _ in packed_mini_batches] for _ in range(self.cfg.passes)
+        ]
         optim: list[list[dict[str, float]]] = [[] for _ in range(self.cfg.passes)]
         for p in range(self.cfg.passes):
             for j, mini_batch in enumerate(packed_mini_batches):  # one optimizer step each
                 for k, mb in enumerate(mini_batch.batches):
-                    sync = k == len(mini_batch.batches) - 1  # gradients are all-reduced once per optimizer step
+                    sync = (
+                        k == len(mini_batch.batches) - 1
+                    )  # gradients are all-reduced once per optimizer step
                     with contextlib.nullcontext() if sync else acc.no_sync(self.model):
                         m = self._micro_step(mb, mini_batch, k, measure_gap=p == 0 and j == 0)
                     if mb is not None:
@@ -401,10 +514,17 @@ class Learner:
         batches = [b for m in packed_mini_batches for b in m.batches]
         real = sum(b.num_real_tokens for b in batches if b is not None)
         slots = sum(b.num_tokens for b in batches if b is not None)
-        out.update(train_tokens=float(sum(len(t.token_ids) for t in trajs)), packed_tokens=float(real),
-                   padding_frac=1 - real / max(slots, 1), micro_batches=float(len(batches)),
-                   row_tokens=float(max((b.input_ids_RS.shape[1] for b in batches if b is not None), default=0)),
-                   learner_s=time.perf_counter() - t0, **self._peak_memory())
+        out.update(
+            train_tokens=float(sum(len(t.token_ids) for t in trajs)),
+            packed_tokens=float(real),
+            padding_frac=1 - real / max(slots, 1),
+            micro_batches=float(len(batches)),
+            row_tokens=float(
+                max((b.input_ids_RS.shape[1] for b in batches if b is not None), default=0)
+            ),
+            learner_s=time.perf_counter() - t0,
+            **self._peak_memory(),
+        )
         return out
 
     def _pack(self, trajs: list[Trajectory], advantages: list[float]) -> _MiniBatch:
@@ -413,9 +533,18 @@ class Learner:
         idx = balanced_parts(trajs, acc.num_processes, exactly_k=True)[acc.process_index]
         mine, adv = [trajs[i] for i in idx], [advantages[i] for i in idx]
         batches: list[TrainBatch | None] = [
-            b.to(acc.device) for b in make_micro_batches(
-                mine, adv, self.cfg.micro_batch_tokens, self.pad_id, mode=self.packing, one_row=self.flash,
-                row_tokens=self.cfg.row_tokens, pair_cost=self.pair_cost)]
+            b.to(acc.device)
+            for b in make_micro_batches(
+                mine,
+                adv,
+                self.cfg.micro_batch_tokens,
+                self.pad_id,
+                mode=self.packing,
+                one_row=self.flash,
+                row_tokens=self.cfg.row_tokens,
+                pair_cost=self.pair_cost,
+            )
+        ]
         return _MiniBatch(batches, float(sum(t.num_sampled for t in trajs)), float(len(trajs)))
 
     def _score(self, packed_mini_batches: list[_MiniBatch]) -> None:
@@ -423,7 +552,10 @@ class Learner:
         recomputed old logprobs and reference logprobs, [B, T] per micro-batch."""
         recompute, kl = self.cfg.old_logprobs == "recompute", self.loss_cfg.kl_coef > 0
         for mini_batch in packed_mini_batches:
-            mini_batch.olds, mini_batch.refs = [None] * len(mini_batch.batches), [None] * len(mini_batch.batches)
+            mini_batch.olds, mini_batch.refs = (
+                [None] * len(mini_batch.batches),
+                [None] * len(mini_batch.batches),
+            )
         if not (recompute or kl):
             return
         if self.ref is not None and self.cfg.ref_offload:
@@ -431,27 +563,39 @@ class Learner:
         with torch.no_grad():
             for mini_batch in packed_mini_batches:
                 if recompute:
-                    mini_batch.olds = [self._forward_layout(self.model, mb) for mb in mini_batch.batches]
+                    mini_batch.olds = [
+                        self._forward_layout(self.model, mb) for mb in mini_batch.batches
+                    ]
                 if kl and self.ref is not None:
-                    mini_batch.refs = [self._forward_layout(self.ref, mb) for mb in mini_batch.batches]
+                    mini_batch.refs = [
+                        self._forward_layout(self.ref, mb) for mb in mini_batch.batches
+                    ]
                 elif kl:  # LoRA: the reference is the base model, adapter off
-                    mini_batch.refs = [self._forward_layout(self.model, mb, disable_adapter=True)
-                                 for mb in mini_batch.batches]
+                    mini_batch.refs = [
+                        self._forward_layout(self.model, mb, disable_adapter=True)
+                        for mb in mini_batch.batches
+                    ]
         if self.ref is not None and self.cfg.ref_offload:
             self.ref.to("cpu")
 
     def _forward_layout(self, module, mb: TrainBatch | None, **kw) -> torch.Tensor | None:
-        lp_M, _ = module(mb or TrainBatch.empty(self.pad_id, self.accelerator.device), self.temperature, **kw)
+        lp_M, _ = module(
+            mb or TrainBatch.empty(self.pad_id, self.accelerator.device), self.temperature, **kw
+        )
         return None if mb is None else to_loss_layout(lp_M, mb)
 
-    def _micro_step(self, mb: TrainBatch | None, mini_batch: _MiniBatch, k: int, *,
-                    measure_gap: bool) -> dict[str, float]:
+    def _micro_step(
+        self, mb: TrainBatch | None, mini_batch: _MiniBatch, k: int, *, measure_gap: bool
+    ) -> dict[str, float]:
         """Forward and backward of micro-batch `mb` (number `k` of `mini`); `measure_gap`: log the
         rollout/learner logprob gap (only before the first update, so it measures the engine)."""
         world = self.accelerator.num_processes
         entropy_in_loss = self.loss_cfg.entropy_coef != 0
-        lp_M, ent_M = self.model(mb or TrainBatch.empty(self.pad_id, self.accelerator.device), self.temperature,
-                                 entropy_grad=entropy_in_loss)
+        lp_M, ent_M = self.model(
+            mb or TrainBatch.empty(self.pad_id, self.accelerator.device),
+            self.temperature,
+            entropy_grad=entropy_in_loss,
+        )
         if mb is None:  # this rank has no data left: a zero loss that still reaches every parameter
             self.accelerator.backward(lp_M.sum() * 0.0)
             return {}
@@ -459,17 +603,28 @@ class Learner:
         rollout_BT, mask_BT = mb.rollout_logprobs_BT, mb.loss_mask_BT
         old_BT = rollout_BT if mini_batch.olds[k] is None else mini_batch.olds[k]
         loss, metrics = compute_loss(
-            self.loss_cfg, lp_BT, old_BT, mb.advantages_B, mask_BT, ref_logprobs_BT=mini_batch.refs[k],
+            self.loss_cfg,
+            lp_BT,
+            old_BT,
+            mb.advantages_B,
+            mask_BT,
+            ref_logprobs_BT=mini_batch.refs[k],
             entropy_BT=to_loss_layout(ent_M, mb) if entropy_in_loss else None,
             rollout_logprobs_BT=rollout_BT if self.cfg.old_logprobs == "recompute" else None,
-            num_tokens=mini_batch.num_tokens, num_seqs=mini_batch.num_seqs)
+            num_tokens=mini_batch.num_tokens,
+            num_seqs=mini_batch.num_seqs,
+        )
         self.accelerator.backward(loss * world)
         with torch.no_grad():
             m = mask_BT > 0
             lp, old = lp_BT.detach()[m], old_BT[m]
             ratio = torch.exp((lp - old).clamp(-20, 20))
-            out = dict(metrics, ratio_mean=float(ratio.mean()), ratio_min=float(ratio.min()),
-                       ratio_max=float(ratio.max()))
+            out = dict(
+                metrics,
+                ratio_mean=float(ratio.mean()),
+                ratio_min=float(ratio.min()),
+                ratio_max=float(ratio.max()),
+            )
             if not entropy_in_loss:
                 out["entropy"] = float(ent_M.detach().mean())
             if measure_gap:

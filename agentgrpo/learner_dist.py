@@ -14,7 +14,9 @@ from torch.distributed.fsdp import fully_shard
 from agentgrpo.logprobs import PolicyForward
 
 
-def shard_reference(model: torch.nn.Module, autocast_bf16: bool, *, from_main: bool) -> PolicyForward:
+def shard_reference(
+    model: torch.nn.Module, autocast_bf16: bool, *, from_main: bool
+) -> PolicyForward:
     """The frozen KL reference under FSDP2, sharded like accelerate shards the policy (one unit per
     decoder layer, the model's `_no_split_modules`, then the root; accelerate's own preparation wants
     an optimizer, which a frozen model has no use for).
@@ -26,16 +28,24 @@ def shard_reference(model: torch.nn.Module, autocast_bf16: bool, *, from_main: b
     batches)."""
     # Parameters on meta; buffers copied (the non-persistent ones, e.g. rotary frequencies, are in
     # no state dict; fully_shard moves them to the device).
-    memo = {id(p): torch.nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
-            for p in model.parameters()}
-    ref = PolicyForward(copy.deepcopy(model, memo), autocast_bf16=autocast_bf16).eval().requires_grad_(False)
+    memo = {
+        id(p): torch.nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
+        for p in model.parameters()
+    }
+    ref = (
+        PolicyForward(copy.deepcopy(model, memo), autocast_bf16=autocast_bf16)
+        .eval()
+        .requires_grad_(False)
+    )
     layers = set(getattr(model, "_no_split_modules", None) or [])
     for module in ref.modules():
         if type(module).__name__ in layers:
             fully_shard(module)
     fully_shard(ref)
     full = {f"model.{k}": v for k, v in model.state_dict().items()} if from_main else {}
-    set_model_state_dict(ref, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    set_model_state_dict(
+        ref, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    )
     return ref
 
 
@@ -43,20 +53,29 @@ def check_launch(acc: Accelerator) -> None:
     """Refuse a launch the learner would get silently wrong."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world != acc.num_processes:
-        raise ValueError(f"WORLD_SIZE={world} but accelerate runs {acc.num_processes} process(es): each "
-                         "rank would train alone. Without GPUs, launch with torchrun (the learner then "
-                         "uses gloo) or pass Accelerator(cpu=True).")
+        raise ValueError(
+            f"WORLD_SIZE={world} but accelerate runs {acc.num_processes} process(es): each "
+            "rank would train alone. Without GPUs, launch with torchrun (the learner then "
+            "uses gloo) or pass Accelerator(cpu=True)."
+        )
     if acc.distributed_type == DistributedType.DEEPSPEED:
-        raise ValueError("DeepSpeed is not supported by the learner: its optimizer state and gathered "
-                         "weights live in DeepSpeed's engine, which checkpoints and weight sync do not "
-                         "reach. Use FSDP (`accelerate config` -> FSDP).")
-    if acc.distributed_type == DistributedType.FSDP and (v := acc.state.fsdp_plugin.fsdp_version) != 2:
+        raise ValueError(
+            "DeepSpeed is not supported by the learner: its optimizer state and gathered "
+            "weights live in DeepSpeed's engine, which checkpoints and weight sync do not "
+            "reach. Use FSDP (`accelerate config` -> FSDP)."
+        )
+    if (
+        acc.distributed_type == DistributedType.FSDP
+        and (v := acc.state.fsdp_plugin.fsdp_version) != 2
+    ):
         # accelerate's default is FSDP1; the learner relies on FSDP2 (DTensor parameters, `fully_shard`
         # for the reference, torch.distributed.checkpoint state dicts), and FSDP1 cannot run on a CPU
         # to be tested here.
-        raise ValueError(f"FSDP version {v}: the learner supports FSDP2 only. Set `fsdp_version: 2` under "
-                         "`fsdp_config` in the accelerate config file (examples/gpu/accelerate_fsdp2.yml "
-                         "has it), or export FSDP_VERSION=2.")
+        raise ValueError(
+            f"FSDP version {v}: the learner supports FSDP2 only. Set `fsdp_version: 2` under "
+            "`fsdp_config` in the accelerate config file (examples/gpu/accelerate_fsdp2.yml "
+            "has it), or export FSDP_VERSION=2."
+        )
 
 
 def total_norm(norm: torch.Tensor) -> float:

@@ -40,7 +40,9 @@ class Metrics:
     def __init__(self) -> None:
         self.sums: dict[str, float] = {}
         self.weighted: dict[str, float] = {}
-        self.weights: dict[str, float] = {}  # per key: a key may be logged by some micro-batches only
+        self.weights: dict[
+            str, float
+        ] = {}  # per key: a key may be logged by some micro-batches only
         self.extremes: dict[str, float] = {}
 
     def add(self, m: dict[str, float], weight: float) -> None:
@@ -87,8 +89,9 @@ def over_ranks(opt_step_metrics: list[list[Metrics]], acc: Accelerator) -> list[
     return pooled
 
 
-def step_metrics(opt_step_metrics: list[list[Metrics]], shares: list[float],
-                 optim: list[list[dict[str, float]]]) -> dict[str, float]:
+def step_metrics(
+    opt_step_metrics: list[list[Metrics]], shares: list[float], optim: list[list[dict[str, float]]]
+) -> dict[str, float]:
     """A train step's metrics from its pooled optimizer steps `[pass][mini-batch]`, each mini-batch's loss
     share of the batch (`shares`), and per optimizer step `grad_norm` and `lr` (`optim`, same grid;
     averaged over the step's optimizer steps)."""
@@ -116,6 +119,9 @@ def over_passes(passes: list[dict[str, float]]) -> dict[str, float]:
     out: dict[str, float] = {}
     for k in passes[0]:
         vals = [p[k] for p in passes if k in p]
-        out[k] = max(vals) if k.endswith(("_max", "max_abs_diff")) else (
-            min(vals) if k.endswith("_min") else sum(vals) / len(vals))
+        out[k] = (
+            max(vals)
+            if k.endswith(("_max", "max_abs_diff"))
+            else (min(vals) if k.endswith("_min") else sum(vals) / len(vals))
+        )
     return out

@@ -68,9 +68,16 @@ class UnsafeCheckpoint(ValueError):
 # records, torch.Size, dtypes and layouts (looked up by name), and the path it was saved to.
 _METADATA_TYPES = {
     ("torch.distributed.checkpoint.metadata", name): getattr(dcp_metadata, name)
-    for name in ("Metadata", "MetadataIndex", "StorageMeta", "TensorStorageMetadata",
-                 "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
-                 "_MEM_FORMAT_ENCODING")
+    for name in (
+        "Metadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "_MEM_FORMAT_ENCODING",
+    )
 } | {
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): dcp_filesystem._StorageInfo,
     ("torch", "Size"): torch.Size,
@@ -94,7 +101,8 @@ class _MetadataUnpickler(pickle.Unpickler):
                 f"its DCP metadata names {module}.{name}, which is not one of DCP's metadata "
                 "types: refused without unpickling it (agentgrpo never runs code from a "
                 "checkpoint; this one was not written by torch.distributed.checkpoint, or was "
-                "altered since)")
+                "altered since)"
+            )
         return found
 
 
@@ -110,7 +118,8 @@ class _SafeReader(dcp.FileSystemReader):
             raise UnsafeCheckpoint(f"{path}: {e}") from None
         except (pickle.UnpicklingError, EOFError, TypeError, AttributeError) as e:
             raise UnsafeCheckpoint(
-                f"{path}: unreadable DCP metadata ({type(e).__name__}: {e})") from None
+                f"{path}: unreadable DCP metadata ({type(e).__name__}: {e})"
+            ) from None
         if not isinstance(metadata, dcp_metadata.Metadata):
             raise UnsafeCheckpoint(f"{path}: holds a {type(metadata).__name__}, not DCP metadata")
         for info in (metadata.storage_data or {}).values():
@@ -144,7 +153,9 @@ def _dcp_load(state: dict[str, Any], directory: Path, *, no_dist: bool) -> None:
 def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """`model`'s unsharded state dict on rank 0's CPU, keyed by parameter name (empty on other
     ranks when there are several)."""
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
 
 
 def save(learner: Learner, directory: Path) -> None:
@@ -152,14 +163,18 @@ def save(learner: Learner, directory: Path) -> None:
     optimizer = learner.optimizer.optimizer  # under accelerate's wrapper
     if learner.cfg.checkpoint_format == "sharded":
         model_sd, optim_sd = get_state_dict(learner.model, optimizer)
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=directory / "dcp",
-                 no_dist=learner.accelerator.num_processes == 1)
+        dcp.save(
+            {"model": model_sd, "optim": optim_sd},
+            checkpoint_id=directory / "dcp",
+            no_dist=learner.accelerator.num_processes == 1,
+        )
         if learner.is_main:
             torch.save(schedule, directory / "learner.pt")
         return
     weights = full_weights(learner.model)
-    optim = get_optimizer_state_dict(learner.model, optimizer,
-                                     options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    optim = get_optimizer_state_dict(
+        learner.model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
     if not learner.is_main:
         return
     sd = {k.removeprefix("model."): v for k, v in weights.items()}
@@ -175,14 +190,22 @@ def load(learner: Learner, directory: Path) -> None:
 
 
 def _load_full(learner: Learner, directory: Path) -> None:
-    _load_full_weights(learner.model, learner.unwrapped, directory, lora=learner.cfg.lora is not None)
+    _load_full_weights(
+        learner.model, learner.unwrapped, directory, lora=learner.cfg.lora is not None
+    )
     st = torch.load(directory / "learner.pt", weights_only=True, map_location="cpu")
-    set_optimizer_state_dict(learner.model, learner.optimizer.optimizer, st["optimizer"],
-                             options=StateDictOptions(full_state_dict=True))
+    set_optimizer_state_dict(
+        learner.model,
+        learner.optimizer.optimizer,
+        st["optimizer"],
+        options=StateDictOptions(full_state_dict=True),
+    )
     _load_schedule(learner, st)
 
 
-def _load_full_weights(policy: torch.nn.Module, model: torch.nn.Module, directory: Path, *, lora: bool) -> None:
+def _load_full_weights(
+    policy: torch.nn.Module, model: torch.nn.Module, directory: Path, *, lora: bool
+) -> None:
     """The weights of a full-format checkpoint into `policy` (the learner's `PolicyForward`, plain,
     DDP or FSDP-sharded) whose transformers or peft model is `model`; ValueError if they do not fit."""
     if lora:
@@ -197,8 +220,10 @@ def _load_full_weights(policy: torch.nn.Module, model: torch.nn.Module, director
     missing = [k for k in needed if k not in weights]
     unexpected = [k for k in weights if k not in known]
     if missing or unexpected:
-        raise ValueError(f"checkpoint {directory} does not match the model: missing {missing[:5]}, "
-                         f"unexpected {unexpected[:5]}")
+        raise ValueError(
+            f"checkpoint {directory} does not match the model: missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]}"
+        )
     full = StateDictOptions(full_state_dict=True, strict=False)
     set_model_state_dict(policy, {f"model.{k}": v for k, v in weights.items()}, options=full)
 
@@ -209,9 +234,15 @@ def _load_sharded(learner: Learner, directory: Path) -> None:
     model_sd, optim_sd = get_state_dict(learner.model, learner.optimizer.optimizer)
     state = {"model": model_sd, "optim": optim_sd}
     _dcp_load(state, directory / "dcp", no_dist=learner.accelerator.num_processes == 1)
-    set_state_dict(learner.model, learner.optimizer.optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optim"])
-    _load_schedule(learner, torch.load(directory / "learner.pt", weights_only=True, map_location="cpu"))
+    set_state_dict(
+        learner.model,
+        learner.optimizer.optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optim"],
+    )
+    _load_schedule(
+        learner, torch.load(directory / "learner.pt", weights_only=True, map_location="cpu")
+    )
 
 
 def _load_schedule(learner: Learner, st: dict[str, Any]) -> None:

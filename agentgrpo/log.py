@@ -36,9 +36,26 @@ from agentgrpo.types import Group, Trajectory
 if TYPE_CHECKING:
     from agentgrpo.config import RunConfig
 
-SECRET_WORDS = ("key", "keys", "token", "secret", "secrets", "password", "passwords", "passwd",
-                "pass", "authorization", "auth", "bearer", "credential", "credentials", "cookie",
-                "cookies", "signature", "signatures")
+SECRET_WORDS = (
+    "key",
+    "keys",
+    "token",
+    "secret",
+    "secrets",
+    "password",
+    "passwords",
+    "passwd",
+    "pass",
+    "authorization",
+    "auth",
+    "bearer",
+    "credential",
+    "credentials",
+    "cookie",
+    "cookies",
+    "signature",
+    "signatures",
+)
 _BEARER = re.compile(r"^\s*(bearer|basic|token)\s+\S", re.IGNORECASE)
 # Values that are credentials whatever their key is called: the prefixes of common API keys
 # (OpenAI/Anthropic `sk-`, Hugging Face `hf_`, GitHub `ghp_`/`github_pat_`, Slack `xox?-`, AWS
@@ -73,7 +90,8 @@ def _masked_text(text: str) -> str:
     text = _KEY_LIKE.sub("***", text)
     text = _URL_USERINFO.sub(r"\g<scheme>***@", text)
     return _URL_PARAM.sub(
-        lambda m: m["name"] + "***" if _secret_key(m["name"][1:-1]) and m["value"] else m[0], text)
+        lambda m: m["name"] + "***" if _secret_key(m["name"][1:-1]) and m["value"] else m[0], text
+    )
 
 
 def mask_secrets(obj: Any) -> Any:
@@ -103,15 +121,27 @@ class RunLogger:
         >>> logger.close()  # doctest: +SKIP
     """
 
-    def __init__(self, run_dir: Path, *, tensorboard: bool = True, wandb_project: str | None = None,
-                 wandb_entity: str | None = None, wandb_name: str | None = None,
-                 config: dict[str, Any] | None = None, fresh: bool = False) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        *,
+        tensorboard: bool = True,
+        wandb_project: str | None = None,
+        wandb_entity: str | None = None,
+        wandb_name: str | None = None,
+        config: dict[str, Any] | None = None,
+        fresh: bool = False,
+    ) -> None:
         """`fresh=True` replaces the JSONL files a directory already holds (an evaluation's);
         otherwise they are appended to (a resumed run)."""
         self.run_dir = run_dir
         run_dir.mkdir(parents=True, exist_ok=True)
         # W&B first: a missing package or a bad login fails before any file is opened
-        self._wandb = self._init_wandb(wandb_project, wandb_entity, wandb_name, config) if wandb_project else None
+        self._wandb = (
+            self._init_wandb(wandb_project, wandb_entity, wandb_name, config)
+            if wandb_project
+            else None
+        )
         mode = "w" if fresh else "a"
         self._metrics = open(run_dir / "metrics.jsonl", mode, encoding="utf-8")
         self._trajs = open(run_dir / "trajectories.jsonl", mode, encoding="utf-8")
@@ -125,28 +155,47 @@ class RunLogger:
     def from_config(cls, run_dir: Path, cfg: RunConfig) -> RunLogger:
         """The logger a training run's `log:` section asks for (the config goes to W&B, masked)."""
         log = cfg.log
-        return cls(run_dir, tensorboard=log.tensorboard, wandb_project=log.wandb_project,
-                   wandb_entity=log.wandb_entity, wandb_name=log.wandb_name,
-                   config=cfg.model_dump(mode="json"))
+        return cls(
+            run_dir,
+            tensorboard=log.tensorboard,
+            wandb_project=log.wandb_project,
+            wandb_entity=log.wandb_entity,
+            wandb_name=log.wandb_name,
+            config=cfg.model_dump(mode="json"),
+        )
 
-    def _init_wandb(self, project: str, entity: str | None, name: str | None, config: dict[str, Any] | None):
+    def _init_wandb(
+        self, project: str, entity: str | None, name: str | None, config: dict[str, Any] | None
+    ):
         try:
             import wandb
         except ImportError as e:
-            raise ImportError("log.wandb_project is set but wandb is not installed: "
-                              "pip install 'agentgrpo[wandb]' (or unset log.wandb_project)") from e
+            raise ImportError(
+                "log.wandb_project is set but wandb is not installed: "
+                "pip install 'agentgrpo[wandb]' (or unset log.wandb_project)"
+            ) from e
         id_file = self.run_dir / "wandb_id"
         run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:16]
         id_file.write_text(run_id + "\n")
-        return wandb.init(project=project, entity=entity, name=name or self.run_dir.name, id=run_id,
-                          resume="allow", dir=str(self.run_dir), config=mask_secrets(config or {}))
+        return wandb.init(
+            project=project,
+            entity=entity,
+            name=name or self.run_dir.name,
+            id=run_id,
+            resume="allow",
+            dir=str(self.run_dir),
+            config=mask_secrets(config or {}),
+        )
 
     def log_step(self, step: int, metrics: dict[str, float]) -> None:
         row = {"step": step, **{k: _finite(v) for k, v in metrics.items()}}
         self._metrics.write(json.dumps(row) + "\n")
         self._metrics.flush()
-        scalars = {k: v for k, v in metrics.items()
-                   if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+        scalars = {
+            k: v
+            for k, v in metrics.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        }
         if self._tb is not None:
             for k, v in scalars.items():
                 self._tb.add_scalar(k, v, step)
@@ -195,8 +244,11 @@ def set_aside_after(run_dir: Path, step: int) -> dict[str, int]:
         if not moved[name]:
             continue
         tmp = run_dir / f".{name}.tmp"
-        with (open(path, "rb") as src, open(tmp, "wb") as keep,
-              open(aside_path(run_dir, name, step, n), "xb") as aside):
+        with (
+            open(path, "rb") as src,
+            open(tmp, "wb") as keep,
+            open(aside_path(run_dir, name, step, n), "xb") as aside,
+        ):
             for line in src:
                 if line.strip():
                     (keep if _kept(line, step) else aside).write(_ended(line))
@@ -258,7 +310,13 @@ def _is_terminal(file: IO[str]) -> bool:
 
 def _duration(s: float) -> str:
     s = max(0, int(round(s)))
-    return f"{s}s" if s < 60 else f"{s // 60}m{s % 60:02d}s" if s < 3600 else f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return (
+        f"{s}s"
+        if s < 60
+        else f"{s // 60}m{s % 60:02d}s"
+        if s < 3600
+        else f"{s // 3600}h{s % 3600 // 60:02d}m"
+    )
 
 
 class Progress:
@@ -286,9 +344,17 @@ class Progress:
         >>> progress.close()
     """
 
-    def __init__(self, total_steps: int, *, start_step: int = 0, rollouts_per_step: int | None = None,
-                 enabled: bool = True, file: IO[str] | None = None, live: bool | None = None,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(
+        self,
+        total_steps: int,
+        *,
+        start_step: int = 0,
+        rollouts_per_step: int | None = None,
+        enabled: bool = True,
+        file: IO[str] | None = None,
+        live: bool | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
         self.total_steps, self.step = total_steps, start_step  # `step`: steps finished so far
         self.rollouts_per_step = rollouts_per_step
         self.enabled = enabled
@@ -303,7 +369,11 @@ class Progress:
         self._durations: deque[float] = deque(maxlen=10)
         self._n = self._tokens = self._rewards_n = 0
         self._rewards_sum = 0.0
-        self._count_phase, self._count_t0, self._count_t_last = "", 0.0, 0.0  # who reported rollouts, when
+        self._count_phase, self._count_t0, self._count_t_last = (
+            "",
+            0.0,
+            0.0,
+        )  # who reported rollouts, when
 
     # -- what the loop calls -------------------------------------------------------------------
 
@@ -318,7 +388,11 @@ class Progress:
         if not self._in_step:
             if self.step >= self.total_steps:  # after the last step (final checkpoint): just say so
                 if self.enabled:
-                    print(f"{name} after step {self.step}/{self.total_steps}", file=self.file, flush=True)
+                    print(
+                        f"{name} after step {self.step}/{self.total_steps}",
+                        file=self.file,
+                        flush=True,
+                    )
                 return
             self._begin_step(now)
         self._close_phase(now)
@@ -357,18 +431,25 @@ class Progress:
         self.step, self._in_step, self._phase = step, False, "done"
         if not self.enabled:
             return
-        parts = [f"reward {_fmt(metrics.get('reward_mean'))}"
-                 + (f" ± {_fmt(metrics['reward_std'])}" if "reward_std" in metrics else ""),
-                 f"loss {_fmt(metrics.get('loss'))}", f"{_fmt(metrics.get('tokens_per_s'), '.0f')} tok/s",
-                 f"{now - self._step_t0:.1f}s (" + ", ".join(f"{k} {v:.1f}s" for k, v in self.phase_s.items()) + ")",
-                 f"eta {_duration(self.eta())}"]
+        parts = [
+            f"reward {_fmt(metrics.get('reward_mean'))}"
+            + (f" ± {_fmt(metrics['reward_std'])}" if "reward_std" in metrics else ""),
+            f"loss {_fmt(metrics.get('loss'))}",
+            f"{_fmt(metrics.get('tokens_per_s'), '.0f')} tok/s",
+            f"{now - self._step_t0:.1f}s ("
+            + ", ".join(f"{k} {v:.1f}s" for k, v in self.phase_s.items())
+            + ")",
+            f"eta {_duration(self.eta())}",
+        ]
         if self._bar is not None:
             self._bar.set_description_str(f"step {step}/{self.total_steps} done", refresh=False)
             self._bar.set_postfix_str(" · ".join(parts))
             self._bar.close()
             self._bar = None
         else:
-            print(f"step {step}/{self.total_steps} · " + " · ".join(parts), file=self.file, flush=True)
+            print(
+                f"step {step}/{self.total_steps} · " + " · ".join(parts), file=self.file, flush=True
+            )
 
     def close(self) -> None:
         """Close a bar left open (the run failed or was interrupted inside a step)."""
@@ -405,9 +486,15 @@ class Progress:
         self._in_step, self._step_t0, self._phase = True, now, ""
         self.phase_s = {}
         if self.live and self.enabled:
-            self._bar = tqdm(total=self.rollouts_per_step, file=self.file, leave=True, dynamic_ncols=True,
-                             desc=f"step {self.step + 1}/{self.total_steps}", unit="rollout",
-                             bar_format="{desc} |{bar:20}| {n_fmt}/{total_fmt} rollouts{postfix}")
+            self._bar = tqdm(
+                total=self.rollouts_per_step,
+                file=self.file,
+                leave=True,
+                dynamic_ncols=True,
+                desc=f"step {self.step + 1}/{self.total_steps}",
+                unit="rollout",
+                bar_format="{desc} |{bar:20}| {n_fmt}/{total_fmt} rollouts{postfix}",
+            )
 
     def _close_phase(self, now: float) -> None:
         if self._phase:
@@ -416,13 +503,18 @@ class Progress:
     def _refresh(self, force: bool = True) -> None:
         if self._bar is None:
             return
-        self._bar.set_description_str(f"step {self.step + 1}/{self.total_steps} · {self._phase}", refresh=False)
+        self._bar.set_description_str(
+            f"step {self.step + 1}/{self.total_steps} · {self._phase}", refresh=False
+        )
         span = self._count_t_last - self._count_t0
         label = "reward" if self._count_phase in ("rollout", "") else f"{self._count_phase} reward"
         reward = self._rewards_sum / self._rewards_n if self._rewards_n else math.nan
         eta = self.eta()
-        self._bar.set_postfix_str(f"{label} {_fmt(reward)} · {_fmt(self._tokens / span if span > 0 else None, '.0f')} tok/s"
-                                  f" · eta {_duration(eta) if math.isfinite(eta) else '?'}", refresh=force)
+        self._bar.set_postfix_str(
+            f"{label} {_fmt(reward)} · {_fmt(self._tokens / span if span > 0 else None, '.0f')} tok/s"
+            f" · eta {_duration(eta) if math.isfinite(eta) else '?'}",
+            refresh=force,
+        )
 
 
 def _fmt(v: Any, spec: str = ".4g") -> str:

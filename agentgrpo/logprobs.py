@@ -47,7 +47,10 @@ def tf32_matmuls(enabled: bool):
         yield
         return
     flags = torch.backends.cuda.matmul
-    before, flags.allow_tf32 = flags.allow_tf32, True  # the legacy name: torch 2.9 .. 2.13 read it alike
+    before, flags.allow_tf32 = (
+        flags.allow_tf32,
+        True,
+    )  # the legacy name: torch 2.9 .. 2.13 read it alike
     try:
         yield
     finally:
@@ -59,8 +62,10 @@ def wants_tf32(setting: str | bool, device: torch.device, bf16_autocast: bool) -
     input, bf16 values, is exact in TF32 and only the head's weights (and in backward the logits'
     gradient) are rounded; the fp32 matmuls of a decoder without autocast stay fp32 unless asked."""
     if setting is True and device.type != "cuda":
-        raise ValueError(f"learner.tf32=true: TF32 is a CUDA matmul mode, and this learner runs on "
-                         f"{device.type}; leave it 'auto'")
+        raise ValueError(
+            f"learner.tf32=true: TF32 is a CUDA matmul mode, and this learner runs on "
+            f"{device.type}; leave it 'auto'"
+        )
     return device.type == "cuda" and (setting is True or (setting == "auto" and bf16_autocast))
 
 
@@ -90,13 +95,23 @@ class PolicyForward(torch.nn.Module):
     see the module docstring (None: the head over all M at once).
     """
 
-    def __init__(self, model: torch.nn.Module, *, autocast_bf16: bool = False,
-                 head_chunk_tokens: int | None = None, segment_min_share: float = 0.0) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        autocast_bf16: bool = False,
+        head_chunk_tokens: int | None = None,
+        segment_min_share: float = 0.0,
+    ) -> None:
         super().__init__()
         lm = causal_lm(model)
-        if getattr(lm.config, "final_logit_softcapping", None) or getattr(lm.config, "logit_scale", None):
-            raise ValueError("models whose head does more than lm_head(h) (logit soft-capping or "
-                             "scaling) are not supported by the head-only logprob path")
+        if getattr(lm.config, "final_logit_softcapping", None) or getattr(
+            lm.config, "logit_scale", None
+        ):
+            raise ValueError(
+                "models whose head does more than lm_head(h) (logit soft-capping or "
+                "scaling) are not supported by the head-only logprob path"
+            )
         # Granite divides its logits by `logits_scaling` after lm_head; so does this path.
         self.logits_divisor = float(getattr(lm.config, "logits_scaling", None) or 1.0)
         self.model = model
@@ -106,8 +121,14 @@ class PolicyForward(torch.nn.Module):
         # accelerate's FSDP auto-wrap policy reads this to find the transformer blocks.
         self._no_split_modules = getattr(lm, "_no_split_modules", None)
 
-    def forward(self, batch: TrainBatch, temperature: float = 1.0, *, disable_adapter: bool = False,
-                entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        batch: TrainBatch,
+        temperature: float = 1.0,
+        *,
+        disable_adapter: bool = False,
+        entropy_grad: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         lm = causal_lm(self.model)
         decoder, head = lm.get_decoder(), lm.get_output_embeddings()
         device = batch.input_ids_RS.device
@@ -116,25 +137,45 @@ class PolicyForward(torch.nn.Module):
         layout = _layout_kwargs(lm, batch, self.autocast_bf16, self.segment_min_share)
         with off:
             with amp:
-                hidden_RSH = decoder(input_ids=batch.input_ids_RS, position_ids=batch.position_ids_RS,
-                                     use_cache=False, **layout).last_hidden_state
+                hidden_RSH = decoder(
+                    input_ids=batch.input_ids_RS,
+                    position_ids=batch.position_ids_RS,
+                    use_cache=False,
+                    **layout,
+                ).last_hidden_state
             if "segments" in layout:
                 _check_segments_seen(lm, layout["segments"])
             h_MH = hidden_RSH.flatten(0, 1)[batch.pred_index_M]
-            run = functools.partial(_head_logprobs, head, temperature=temperature, entropy_grad=entropy_grad,
-                                    divisor=self.logits_divisor)
+            run = functools.partial(
+                _head_logprobs,
+                head,
+                temperature=temperature,
+                entropy_grad=entropy_grad,
+                divisor=self.logits_divisor,
+            )
             chunk, M = self.head_chunk_tokens, h_MH.shape[0]
             if not chunk or M <= chunk:
                 return run(h_MH, batch.target_ids_M)
-            if torch.is_grad_enabled():  # keep only each chunk's input; backward recomputes its head
+            if (
+                torch.is_grad_enabled()
+            ):  # keep only each chunk's input; backward recomputes its head
                 run = functools.partial(checkpoint, run, use_reentrant=False)
-            parts = [run(h_MH[i : i + chunk], batch.target_ids_M[i : i + chunk]) for i in range(0, M, chunk)]
+            parts = [
+                run(h_MH[i : i + chunk], batch.target_ids_M[i : i + chunk])
+                for i in range(0, M, chunk)
+            ]
         return torch.cat([lp for lp, _ in parts]), torch.cat([ent for _, ent in parts])
 
 
-def _head_logprobs(head: torch.nn.Module, h_MH: torch.Tensor, target_ids_M: torch.Tensor, *,
-                   temperature: float, entropy_grad: bool,
-                   divisor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+def _head_logprobs(
+    head: torch.nn.Module,
+    h_MH: torch.Tensor,
+    target_ids_M: torch.Tensor,
+    *,
+    temperature: float,
+    entropy_grad: bool,
+    divisor: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
     with torch.autocast(h_MH.device.type, enabled=False):
         logits_MV = head(h_MH.to(head.weight.dtype)).float()
     divisor *= temperature if temperature > 0 else 1.0
@@ -149,7 +190,9 @@ def _head_logprobs(head: torch.nn.Module, h_MH: torch.Tensor, target_ids_M: torc
     return logprobs_M, entropy_M
 
 
-def _layout_kwargs(lm: torch.nn.Module, batch: TrainBatch, bf16: bool, segment_min_share: float = 0.0) -> dict:
+def _layout_kwargs(
+    lm: torch.nn.Module, batch: TrainBatch, bf16: bool, segment_min_share: float = 0.0
+) -> dict:
     """How the decoder learns the row layout: nothing (plain causal is exact), the spans for segment
     attention (`agentgrpo.attention`; on a switched model, for rows where masked attention would cost
     at least `segment_min_share` of the matmuls), a flex BlockMask (`flex_attention` models), or a 4D
@@ -158,9 +201,11 @@ def _layout_kwargs(lm: torch.nn.Module, batch: TrainBatch, bf16: bool, segment_m
         return {"attention_mask": None}
     window = sliding_window_of(lm.config)
     if window is not None and (longest := int(batch.position_ids_RS.max()) + 1) > window:
-        raise ValueError(f"this model attends through a sliding window of {window} tokens and a packed "
-                         f"micro-batch holds a sequence of {longest}: the packed layouts' masks cannot say "
-                         "the window, so its logprobs would be wrong; set learner.packing: padded")
+        raise ValueError(
+            f"this model attends through a sliding window of {window} tokens and a packed "
+            f"micro-batch holds a sequence of {longest}: the packed layouts' masks cannot say "
+            "the window, so its logprobs would be wrong; set learner.packing: padded"
+        )
     impl = attn_implementation(lm)
     S = batch.input_ids_RS.shape[1]
     if impl == SEGMENTS and attention_pair_cost(lm.config) * S >= segment_min_share:
@@ -175,7 +220,8 @@ def _layout_kwargs(lm: torch.nn.Module, batch: TrainBatch, bf16: bool, segment_m
     if impl == "eager":  # eager adds the mask to the scores
         dtype = torch.bfloat16 if bf16 else next(lm.parameters()).dtype
         mask_R1SS = torch.zeros(mask_R1SS.shape, dtype=dtype, device=mask_R1SS.device).masked_fill(
-            ~mask_R1SS, torch.finfo(dtype).min)
+            ~mask_R1SS, torch.finfo(dtype).min
+        )
     return {"attention_mask": mask_R1SS}
 
 
@@ -196,9 +242,11 @@ def sliding_window_of(config: object) -> int | None:
 def _check_segments_seen(lm: torch.nn.Module, segments: Segments) -> None:
     layers = getattr(lm.config, "num_hidden_layers", None)
     if segments.calls != layers:
-        raise RuntimeError(f"segment attention ran in {segments.calls} of {layers} layers: this model's "
-                           "decoder does not pass its kwargs to attention, so packed sequences would see "
-                           "each other; set learner.attention: mask")
+        raise RuntimeError(
+            f"segment attention ran in {segments.calls} of {layers} layers: this model's "
+            "decoder does not pass its kwargs to attention, so packed sequences would see "
+            "each other; set learner.attention: mask"
+        )
 
 
 def to_loss_layout(values_M: torch.Tensor, batch: TrainBatch) -> torch.Tensor:
@@ -208,8 +256,12 @@ def to_loss_layout(values_M: torch.Tensor, batch: TrainBatch) -> torch.Tensor:
     return out.view(N, L)
 
 
-def token_logprobs(model: torch.nn.Module, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor,
-                   temperature: float = 1.0) -> torch.Tensor:
+def token_logprobs(
+    model: torch.nn.Module,
+    input_ids_BT: torch.Tensor,
+    attention_mask_BT: torch.Tensor,
+    temperature: float = 1.0,
+) -> torch.Tensor:
     """Reference implementation on a right-padded batch: logprobs_BT[b, t] = log p(input_ids[b, t] |
     input_ids[b, :t]) at `temperature` from the full logits; 0 at t = 0. Used by tests and benchmarks
     to check the packed, head-only path."""
@@ -221,8 +273,9 @@ def token_logprobs(model: torch.nn.Module, input_ids_BT: torch.Tensor, attention
     return torch.cat([torch.zeros_like(lp[:, :1]), lp], dim=1)
 
 
-def sequence_logprobs(model: torch.nn.Module, seqs: Sequence[Sequence[int]],
-                      temperature: float = 1.0) -> list[list[float]]:
+def sequence_logprobs(
+    model: torch.nn.Module, seqs: Sequence[Sequence[int]], temperature: float = 1.0
+) -> list[list[float]]:
     """Per-sequence reference: each sequence alone, full logits; entry j = logprob of token j (0 at 0)."""
     out = []
     with torch.no_grad():
@@ -230,4 +283,3 @@ def sequence_logprobs(model: torch.nn.Module, seqs: Sequence[Sequence[int]],
             ids = torch.tensor([list(s)])
             out.append(token_logprobs(model, ids, torch.ones_like(ids), temperature)[0].tolist())
     return out
-

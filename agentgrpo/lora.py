@@ -28,10 +28,17 @@ class LoraConfig(BaseModel):
 
     r: int = Field(16, ge=1, description="adapter rank")
     alpha: float = Field(32.0, gt=0, description="scaling numerator: delta W = alpha / r * B @ A")
-    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapter input (0: exact "
-                           "old logprobs recomputation and a deterministic reference)")
+    dropout: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="dropout on the adapter input (0: exact "
+        "old logprobs recomputation and a deterministic reference)",
+    )
     target_modules: list[str] | str = Field(
-        "all-linear", description="module names to adapt, or 'all-linear' (every linear layer but the head)")
+        "all-linear",
+        description="module names to adapt, or 'all-linear' (every linear layer but the head)",
+    )
 
 
 def apply_lora(model: torch.nn.Module, cfg: LoraConfig) -> torch.nn.Module:
@@ -40,8 +47,13 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig) -> torch.nn.Module:
         import peft
     except ImportError as e:  # optional dependency: say which extra brings it
         raise ImportError("learner.lora needs peft: pip install 'agentgrpo[lora]'") from e
-    pcfg = peft.LoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
-                           target_modules=cfg.target_modules, task_type="CAUSAL_LM")
+    pcfg = peft.LoraConfig(
+        r=cfg.r,
+        lora_alpha=cfg.alpha,
+        lora_dropout=cfg.dropout,
+        target_modules=cfg.target_modules,
+        task_type="CAUSAL_LM",
+    )
     return peft.get_peft_model(model, pcfg)
 
 
@@ -52,8 +64,9 @@ def _lora_layers(peft_model: torch.nn.Module) -> dict[str, torch.nn.Module]:
     return {name: m for name, m in base.named_modules() if isinstance(m, LoraLayer)}
 
 
-def merged_state_dict(peft_model: torch.nn.Module, state_dict: dict[str, torch.Tensor] | None = None
-                      ) -> dict[str, torch.Tensor]:
+def merged_state_dict(
+    peft_model: torch.nn.Module, state_dict: dict[str, torch.Tensor] | None = None
+) -> dict[str, torch.Tensor]:
     """The base model's state dict (its own parameter names) with every adapter merged in.
 
     `state_dict` is the peft base model's state dict (names with `.base_layer.` and `lora_A/B`); by
@@ -94,10 +107,14 @@ class MergedModel(torch.nn.Module):
     def state_dict(self, *args, **kwargs) -> dict[str, torch.Tensor]:  # type: ignore[override]
         return merged_state_dict(self.inner)
 
-    def save_pretrained(self, directory: str | Path, state_dict: dict[str, torch.Tensor] | None = None,
-                        **kwargs) -> None:
+    def save_pretrained(
+        self, directory: str | Path, state_dict: dict[str, torch.Tensor] | None = None, **kwargs
+    ) -> None:
         self.inner.get_base_model().save_pretrained(
-            directory, state_dict=state_dict if state_dict is not None else self.state_dict(), **kwargs)
+            directory,
+            state_dict=state_dict if state_dict is not None else self.state_dict(),
+            **kwargs,
+        )
 
 
 def adapter_weights(peft_model: torch.nn.Module, directory: Path) -> dict[str, torch.Tensor]:

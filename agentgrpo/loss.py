@@ -383,5 +383,3 @@ def _prepare(
 def _masked(mask_BT: torch.Tensor, *tensors_BT: torch.Tensor) -> tuple[torch.Tensor, ...]:
     # torch.where, not multiplication: 0 * inf is NaN, and where's backward sends exactly 0 there.
     return tuple(torch.where(mask_BT, t, 0.0) for t in tensors_BT)
-
-

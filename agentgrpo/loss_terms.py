@@ -79,6 +79,7 @@ def _normaliser(given: Normaliser, local: torch.Tensor, name: str) -> torch.Tens
         )
     return max(value, 1.0)
 
+
 # --- KL to the reference -------------------------------------------------------------------------
 
 
@@ -161,7 +162,9 @@ def sequence_tis_weights(
         weights_BT = torch.where(mask_BT, ratio_B.clamp(max=cap).unsqueeze(-1), 0.0)
         metrics = {
             "tis/ratio_mean": _masked_mean(ratio_B.unsqueeze(-1).expand_as(mask_BT), mask_BT),
-            "tis/clipped_frac": _masked_mean((ratio_B > cap).unsqueeze(-1).expand_as(mask_BT), mask_BT),
+            "tis/clipped_frac": _masked_mean(
+                (ratio_B > cap).unsqueeze(-1).expand_as(mask_BT), mask_BT
+            ),
             **rollout_mismatch_metrics(old_logprobs_BT, rollout_logprobs_BT, loss_mask_BT),
         }
     return weights_BT, metrics

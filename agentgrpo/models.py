@@ -102,8 +102,11 @@ def default_model_path(*, cache_dir: Path | str | None = None) -> Path:
         return target
     for old in (root / "models" / name for name in _OLD_DIR_NAMES):
         if old.is_dir():
-            log.warning("%s holds an older conversion of the model, no longer used: delete it to "
-                        "free its ~0.5 GB", old)
+            log.warning(
+                "%s holds an older conversion of the model, no longer used: delete it to "
+                "free its ~0.5 GB",
+                old,
+            )
     convert_gguf(gguf_path(), target)
     return target
 
@@ -140,7 +143,12 @@ def convert_gguf(gguf: Path, target: Path) -> Path:
     return target
 
 
-_GGUF_SPECIAL = {"bos": "bos_token", "eos": "eos_token", "padding": "pad_token", "unknown": "unk_token"}
+_GGUF_SPECIAL = {
+    "bos": "bos_token",
+    "eos": "eos_token",
+    "padding": "pad_token",
+    "unknown": "unk_token",
+}
 
 
 def _set_gguf_special_tokens(tokenizer: Any, gguf: Path) -> None:
@@ -156,8 +164,13 @@ def _set_gguf_special_tokens(tokenizer: Any, gguf: Path) -> None:
             continue
         token = tokenizer.convert_ids_to_tokens(int(field.contents()))
         if getattr(tokenizer, attr) != token:
-            log.info("%s: %s is %r in the GGUF, %r after conversion; using the GGUF's",
-                     gguf.name, attr, token, getattr(tokenizer, attr))
+            log.info(
+                "%s: %s is %r in the GGUF, %r after conversion; using the GGUF's",
+                gguf.name,
+                attr,
+                token,
+                getattr(tokenizer, attr),
+            )
             setattr(tokenizer, attr, token)
 
 
@@ -195,8 +208,11 @@ def load_policy(path: Path | str):
     from accelerate.utils import parse_flag_from_env
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    weightless = (parse_flag_from_env("ACCELERATE_USE_FSDP") and parse_flag_from_env("FSDP_CPU_RAM_EFFICIENT_LOADING")
-                  and os.environ.get("RANK", "0") != "0")
+    weightless = (
+        parse_flag_from_env("ACCELERATE_USE_FSDP")
+        and parse_flag_from_env("FSDP_CPU_RAM_EFFICIENT_LOADING")
+        and os.environ.get("RANK", "0") != "0"
+    )
     if not weightless:
         return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     config = AutoConfig.from_pretrained(path)

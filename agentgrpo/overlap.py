@@ -25,8 +25,11 @@ T = TypeVar("T")
 _TRAIN_THREAD = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="agentgrpo-train")
 
 
-async def train_while_collecting(train_step: Callable[[], dict[str, float]], collecting: Awaitable[T],
-                                 abandon: Callable[[], bool]) -> tuple[dict[str, float], T | None]:
+async def train_while_collecting(
+    train_step: Callable[[], dict[str, float]],
+    collecting: Awaitable[T],
+    abandon: Callable[[], bool],
+) -> tuple[dict[str, float], T | None]:
     """Run the blocking `train_step()` in a worker thread while `collecting` runs on this event loop
     (the engine samples the next step while the learner trains), then wait for the collection, or
     cancel it when `abandon()` says so after training (a stop was requested) or the step failed."""
@@ -41,8 +44,9 @@ async def train_while_collecting(train_step: Callable[[], dict[str, float]], col
 
 
 @contextlib.contextmanager
-def memory_lent(learner: Learner, engine: Engine | None, loop: asyncio.AbstractEventLoop, *,
-                colocated: bool) -> Iterator[None]:
+def memory_lent(
+    learner: Learner, engine: Engine | None, loop: asyncio.AbstractEventLoop, *, colocated: bool
+) -> Iterator[None]:
     """While the learner trains and nothing samples, the engine lends it its memory: rank 0 has it
     released (`release_memory`: SGLang's weights and KV cache when `colocated`, the local engine's
     prefix cache, dead once the weights change) and resumed before the push. `colocated`: the

@@ -124,8 +124,9 @@ def call_from_object(obj: object, raw: str) -> ToolCall | ParseError:
         return ParseError(raw, 'a tool call must be a JSON object with a string "name"')
     unknown = sorted(set(obj) - _CALL_KEYS)
     if unknown:
-        return ParseError(raw, f"unknown key(s) {unknown} in the tool call; the arguments go in "
-                          '"arguments"')
+        return ParseError(
+            raw, f'unknown key(s) {unknown} in the tool call; the arguments go in "arguments"'
+        )
     if "arguments" in obj and "parameters" in obj:
         return ParseError(raw, 'the tool call has both "arguments" and "parameters"; give one')
     args = obj.get("arguments", obj.get("parameters", {}))
@@ -137,8 +138,12 @@ def call_from_object(obj: object, raw: str) -> ToolCall | ParseError:
     if not isinstance(args, dict):
         return ParseError(raw, '"arguments" must be a JSON object')
     if _bad_text(obj["name"]) or _bad_text(args):
-        return ParseError(raw, "the tool call holds a lone UTF-16 surrogate (an unpaired \\ud800-"
-                          "\\udfff escape), which is not text", ToolErrorKind.BAD_JSON)
+        return ParseError(
+            raw,
+            "the tool call holds a lone UTF-16 surrogate (an unpaired \\ud800-"
+            "\\udfff escape), which is not text",
+            ToolErrorKind.BAD_JSON,
+        )
     return ToolCall(id=_call_id(), name=obj["name"], arguments=args)
 
 
@@ -186,8 +191,13 @@ def parse_hermes(text: str, tools: Sequence[Mapping] | None = None) -> ParsedTur
         if call is None:
             close = text.find(_CLOSE, body)
             if close < 0:
-                errors.append(ParseError(text[body:].strip(), "the tool call was not closed with "
-                                         "</tool_call>", ToolErrorKind.UNCLOSED))
+                errors.append(
+                    ParseError(
+                        text[body:].strip(),
+                        "the tool call was not closed with </tool_call>",
+                        ToolErrorKind.UNCLOSED,
+                    )
+                )
                 pos = len(text)
                 break
             call, pos = decode_call(text[body:close].strip()), close + len(_CLOSE)
@@ -212,12 +222,21 @@ def parse_llama3_json(text: str, tools: Sequence[Mapping] | None = None) -> Pars
     """
     stripped = text.strip()
     tagged = stripped.startswith(LLAMA_PYTHON_TAG)
-    body = stripped[len(LLAMA_PYTHON_TAG):].lstrip() if tagged else stripped
+    body = stripped[len(LLAMA_PYTHON_TAG) :].lstrip() if tagged else stripped
     if not body.startswith("{"):
         if tagged:  # Llama's built-in tool syntax (`brave_search.call(...)`, ipython code)
-            return _turn("", [], [ParseError(body, f"after {LLAMA_PYTHON_TAG} a tool call must be "
-                                             'a JSON object {"name": ..., "parameters": {...}}; '
-                                             "built-in tool syntax is not supported")])
+            return _turn(
+                "",
+                [],
+                [
+                    ParseError(
+                        body,
+                        f"after {LLAMA_PYTHON_TAG} a tool call must be "
+                        'a JSON object {"name": ..., "parameters": {...}}; '
+                        "built-in tool syntax is not supported",
+                    )
+                ],
+            )
         return _turn(stripped, [], [])
     calls: list[ToolCall] = []
     pos = 0
@@ -241,8 +260,17 @@ def parse_llama3_json(text: str, tools: Sequence[Mapping] | None = None) -> Pars
         while pos < len(body) and body[pos] in " \t\r\n;":
             pos += 1
         if pos < len(body) and body[pos] != "{":
-            return _turn("", calls, [ParseError(body[pos:], "text after a tool call; in this format "
-                                                "a turn is either tool calls or an answer")])
+            return _turn(
+                "",
+                calls,
+                [
+                    ParseError(
+                        body[pos:],
+                        "text after a tool call; in this format "
+                        "a turn is either tool calls or an answer",
+                    )
+                ],
+            )
     return _turn("", calls, [])
 
 
@@ -250,8 +278,9 @@ def parse_llama3_json(text: str, tools: Sequence[Mapping] | None = None) -> Pars
 # Shared by the formats with their own delimiters
 
 
-def _scan(text: str, open_: str, close: str, read: Callable[[str], list[ToolCall | ParseError]]
-          ) -> tuple[str, list[ToolCall], list[ParseError]]:
+def _scan(
+    text: str, open_: str, close: str, read: Callable[[str], list[ToolCall | ParseError]]
+) -> tuple[str, list[ToolCall], list[ParseError]]:
     """Every `open_ ... close` block of `text` read by `read`; the text outside the blocks is the
     content. A block still open at the end of the text (the turn hit its token limit) is
     UNCLOSED."""
@@ -264,8 +293,13 @@ def _scan(text: str, open_: str, close: str, read: Callable[[str], list[ToolCall
         body = start + len(open_)
         end = text.find(close, body)
         if end < 0:
-            errors.append(ParseError(text[body:].strip(), "the tool call was not closed with "
-                                     f"{close}", ToolErrorKind.UNCLOSED))
+            errors.append(
+                ParseError(
+                    text[body:].strip(),
+                    f"the tool call was not closed with {close}",
+                    ToolErrorKind.UNCLOSED,
+                )
+            )
             pos = len(text)
             break
         for call in read(text[body:end]):
@@ -297,8 +331,13 @@ def _schema_types(schema: object) -> set[str]:
     if not isinstance(schema, Mapping):
         return set()
     kind = schema.get("type")
-    types = {kind} if isinstance(kind, str) else {t for t in kind if isinstance(t, str)} \
-        if isinstance(kind, list) else set()
+    types = (
+        {kind}
+        if isinstance(kind, str)
+        else {t for t in kind if isinstance(t, str)}
+        if isinstance(kind, list)
+        else set()
+    )
     for key in ("anyOf", "oneOf"):
         branches = schema.get(key)
         for branch in branches if isinstance(branches, list) else []:
@@ -336,14 +375,18 @@ def typed_value(text: str, schema: object) -> object:
     except (ValueError, RecursionError):
         decoded = None
     finite = type(decoded) is int or (type(decoded) is float and math.isfinite(decoded))
-    if ("number" in types and finite) or ("object" in types and isinstance(decoded, dict)) \
-            or ("array" in types and isinstance(decoded, list)):
+    if (
+        ("number" in types and finite)
+        or ("object" in types and isinstance(decoded, dict))
+        or ("array" in types and isinstance(decoded, list))
+    ):
         return decoded
     raise ValueError(f"expected {' or '.join(sorted(types))}")
 
 
-def _typed_call(name: str, pairs: list[tuple[str, str]], schemas: dict[str, dict[str, Any]],
-                raw: str) -> ToolCall | ParseError:
+def _typed_call(
+    name: str, pairs: list[tuple[str, str]], schemas: dict[str, dict[str, Any]], raw: str
+) -> ToolCall | ParseError:
     """A call from its name and (parameter, text) pairs, each value typed by the tool's schema."""
     if not _NAME.fullmatch(name):
         return ParseError(raw, f"{name!r} is not a tool name")
@@ -355,17 +398,21 @@ def _typed_call(name: str, pairs: list[tuple[str, str]], schemas: dict[str, dict
         try:
             args[key] = typed_value(text, props.get(key))
         except ValueError as e:
-            return ParseError(raw, f"parameter {key!r} of {name}: {e}, got {text.strip()[:80]!r}",
-                              ToolErrorKind.INVALID_ARGUMENTS)
+            return ParseError(
+                raw,
+                f"parameter {key!r} of {name}: {e}, got {text.strip()[:80]!r}",
+                ToolErrorKind.INVALID_ARGUMENTS,
+            )
     return call_from_object({"name": name, "arguments": args}, raw)
 
 
-def _pairs(inner: str, pattern: re.Pattern[str], what: str,
-           raw: str) -> list[tuple[str, str]] | ParseError:
+def _pairs(
+    inner: str, pattern: re.Pattern[str], what: str, raw: str
+) -> list[tuple[str, str]] | ParseError:
     """The (key, value) matches of `pattern` in `inner`, which must hold nothing else but space."""
     pairs, pos = [], 0
     for m in pattern.finditer(inner):
-        if inner[pos:m.start()].strip():
+        if inner[pos : m.start()].strip():
             break
         pairs.append((m.group(1).strip(), m.group(2)))
         pos = m.end()
@@ -402,8 +449,13 @@ def parse_qwen3_xml(text: str, tools: Sequence[Mapping] | None = None) -> Parsed
         raw = body.strip()
         m = _FUNCTION.fullmatch(body)
         if m is None:
-            return [ParseError(raw, "a tool call must be <function=NAME> with its <parameter=KEY> "
-                               "values, closed by </function>")]
+            return [
+                ParseError(
+                    raw,
+                    "a tool call must be <function=NAME> with its <parameter=KEY> "
+                    "values, closed by </function>",
+                )
+            ]
         pairs = _pairs(m.group(2), _PARAMETER, "<parameter=KEY>...</parameter>", raw)
         if isinstance(pairs, ParseError):
             return [pairs]
@@ -446,7 +498,11 @@ def parse_glm4(text: str, tools: Sequence[Mapping] | None = None) -> ParsedTurn:
 # deepseek_v3: DeepSeek-V3 / R1
 
 DS_CALLS_BEGIN, DS_CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
-DS_CALL_BEGIN, DS_CALL_END, DS_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+DS_CALL_BEGIN, DS_CALL_END, DS_SEP = (
+    "<｜tool▁call▁begin｜>",
+    "<｜tool▁call▁end｜>",
+    "<｜tool▁sep｜>",
+)
 _DS_BODY = re.compile(r"([^\n]*)\n```(?:json)?[ \t]*\n(.*?)\n?```\s*", re.DOTALL)
 
 
@@ -455,8 +511,13 @@ def _read_deepseek(body: str) -> list[ToolCall | ParseError]:
     kind, sep, rest = body.partition(DS_SEP)
     m = _DS_BODY.fullmatch(rest)
     if not sep or kind.strip() != "function" or m is None:
-        return [ParseError(raw, f"a tool call must be function{DS_SEP}NAME followed by its "
-                           "arguments in a ```json block")]
+        return [
+            ParseError(
+                raw,
+                f"a tool call must be function{DS_SEP}NAME followed by its "
+                "arguments in a ```json block",
+            )
+        ]
     name, args = m.group(1).strip(), m.group(2)
     if not _NAME.fullmatch(name):
         return [ParseError(raw, f"{name!r} is not a tool name")]
@@ -491,17 +552,23 @@ _HARMONY_ROLE = re.compile(r"\s*assistant\b")
 def _harmony_call(recipient: str, body: str, terminated: bool) -> ToolCall | ParseError:
     raw = body.strip()
     if not recipient.startswith("functions."):
-        return ParseError(raw, f"the recipient {recipient!r} is not a function: call "
-                          "functions.NAME (built-in tools such as browser or python are not "
-                          "supported)")
-    name = recipient[len("functions."):]
+        return ParseError(
+            raw,
+            f"the recipient {recipient!r} is not a function: call "
+            "functions.NAME (built-in tools such as browser or python are not "
+            "supported)",
+        )
+    name = recipient[len("functions.") :]
     if not _NAME.fullmatch(name):
         return ParseError(raw, f"{name!r} is not a tool name")
     try:
         obj = loads_call_json(raw)
     except (ValueError, RecursionError) as e:
-        if not terminated and isinstance(e, json.JSONDecodeError) and (
-                e.pos >= len(raw) or e.msg.startswith("Unterminated string")):  # ran out of text
+        if (
+            not terminated
+            and isinstance(e, json.JSONDecodeError)
+            and (e.pos >= len(raw) or e.msg.startswith("Unterminated string"))
+        ):  # ran out of text
             return ParseError(raw, "the tool call's JSON was cut off", ToolErrorKind.UNCLOSED)
         return _not_json(raw, e)
     return call_from_object({"name": name, "arguments": obj}, raw)
@@ -526,7 +593,7 @@ def parse_harmony(text: str, tools: Sequence[Mapping] | None = None) -> ParsedTu
     pieces = text.split(HARMONY_START)
     for i, piece in enumerate(pieces):
         if i > 0 and (role := _HARMONY_ROLE.match(piece)):
-            piece = piece[role.end():]
+            piece = piece[role.end() :]
         header, has_body, rest = piece.partition(HARMONY_MESSAGE)
         recipient = _HARMONY_TO.search(header)
         if not has_body:
@@ -537,7 +604,7 @@ def parse_harmony(text: str, tools: Sequence[Mapping] | None = None) -> ParsedTu
                 other.append(piece.strip())
             continue
         end = _HARMONY_ENDS.search(rest)
-        body, after = (rest[:end.start()], rest[end.end():]) if end else (rest, "")
+        body, after = (rest[: end.start()], rest[end.end() :]) if end else (rest, "")
         if recipient:
             call = _harmony_call(recipient.group(1), body, end is not None)
             (errors if isinstance(call, ParseError) else calls).append(call)
@@ -571,8 +638,12 @@ def _literal(node: ast.AST) -> object:
         return node.value
     if isinstance(node, ast.Name) and node.id in _JSON_NAMES:
         return _JSON_NAMES[node.id]
-    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)) \
-            and isinstance(node.operand, ast.Constant) and type(node.operand.value) in (int, float):
+    if (
+        isinstance(node, ast.UnaryOp)
+        and isinstance(node.op, (ast.USub, ast.UAdd))
+        and isinstance(node.operand, ast.Constant)
+        and type(node.operand.value) in (int, float)
+    ):
         return _literal(node.operand) * (-1 if isinstance(node.op, ast.USub) else 1)
     if isinstance(node, (ast.List, ast.Tuple)):
         return [_literal(e) for e in node.elts]
@@ -606,7 +677,7 @@ def _escape_raw_newlines(source: str) -> str:
     while i < len(source):
         ch = source[i]
         if quote and ch == "\\":
-            out.append(source[i:i + 2])
+            out.append(source[i : i + 2])
             i += 2
             continue
         if quote and ch in "\r\n":
@@ -635,8 +706,13 @@ def _read_pythonic(block: str) -> list[ToolCall | ParseError]:
         except (ValueError, RecursionError, MemoryError) as e:  # null bytes, huge ints, nesting
             why = str(e).split(";")[0] or type(e).__name__
     if tree is None:
-        return [ParseError(source, f"the tool call is not valid Python call syntax ({why})",
-                           ToolErrorKind.BAD_JSON)]
+        return [
+            ParseError(
+                source,
+                f"the tool call is not valid Python call syntax ({why})",
+                ToolErrorKind.BAD_JSON,
+            )
+        ]
     nodes = tree.body.elts if isinstance(tree.body, ast.List) else [tree.body]
     return [_call_from_ast(node, source) for node in nodes]
 

@@ -54,23 +54,46 @@ MAX_EVAL_PANELS = 12
 # (file name, title, metrics keys, per-trajectory stat drawn as a p10-p90 band)
 PANELS: list[tuple[str, str, list[str], str | None]] = [
     ("reward", "Reward per step (mean ± std)", ["reward_mean"], "reward"),
-    ("response_length", "Generated tokens per trajectory", ["response_tokens_mean"], "response_tokens"),
+    (
+        "response_length",
+        "Generated tokens per trajectory",
+        ["response_tokens_mean"],
+        "response_tokens",
+    ),
     ("turns", "Turns per trajectory", ["turns_mean"], "turns"),
-    ("tool_calls", "Tool calls and tool errors per trajectory", ["tool_calls_mean", "tool_errors_mean"], "tool_calls"),
+    (
+        "tool_calls",
+        "Tool calls and tool errors per trajectory",
+        ["tool_calls_mean", "tool_errors_mean"],
+        "tool_calls",
+    ),
     ("stop_reasons", "Why episodes ended (StopReason counts)", [], None),
     ("loss", "Loss", ["loss", "pg_loss", "kl_loss", "entropy_loss"], None),
     ("clipfrac", "Clip fraction", ["clipfrac", "clipfrac_dual"], None),
     ("kl", "KL (ppo_kl: rollout policy vs updated; kl: vs reference)", ["ppo_kl", "kl"], None),
     ("lr", "Learning rate", ["lr"], None),
-    ("logprob_gap", "Rollout vs learner logprob gap |Δ logp|", ["logprob_gap_mean", "logprob_gap_max"], None),
+    (
+        "logprob_gap",
+        "Rollout vs learner logprob gap |Δ logp|",
+        ["logprob_gap_mean", "logprob_gap_max"],
+        None,
+    ),
     ("grad_norm", "Gradient norm (before clipping)", ["grad_norm"], None),
     ("throughput", "Sampled tokens per second (rollout)", ["tokens_per_s"], None),
     ("time", "Seconds per step", ["rollout_s", "learner_s", "step_s"], None),
 ]
-STOP_COLOURS = {"completed": "#2f9a4b", "truncated": "#7aa6d8", "max_turns": "#c2a32f",
-                "max_tokens": "#e08a2c", "parse_error": "#b04ac2", "tool_error": "#d0508a",
-                "timeout": "#8c5a3c", "env_error": "#c03030", "engine_error": "#801818",
-                "aborted": "#555555"}
+STOP_COLOURS = {
+    "completed": "#2f9a4b",
+    "truncated": "#7aa6d8",
+    "max_turns": "#c2a32f",
+    "max_tokens": "#e08a2c",
+    "parse_error": "#b04ac2",
+    "tool_error": "#d0508a",
+    "timeout": "#8c5a3c",
+    "env_error": "#c03030",
+    "engine_error": "#801818",
+    "aborted": "#555555",
+}
 
 
 @dataclass
@@ -81,6 +104,7 @@ class Plot:
 
 
 # -- plots -------------------------------------------------------------------------------------
+
 
 def _series(metrics: dict[int, dict[str, float]], key: str) -> tuple[np.ndarray, np.ndarray] | None:
     pts = [(s, m[key]) for s, m in metrics.items() if key in m]
@@ -146,9 +170,14 @@ def _panel(metrics, scan: TrajScan, name: str, title: str, keys: list[str], stat
             if std is not None and len(std[0]) == len(xy[0]):
                 ax.fill_between(xy[0], xy[1] - std[1], xy[1] + std[1], alpha=0.2, label="± std")
     if stat is not None and drawn:
-        lo, hi = _traj_series(scan, stat, lambda v: np.percentile(v, 10)), _traj_series(scan, stat, lambda v: np.percentile(v, 90))
+        lo, hi = (
+            _traj_series(scan, stat, lambda v: np.percentile(v, 10)),
+            _traj_series(scan, stat, lambda v: np.percentile(v, 90)),
+        )
         if lo is not None and hi is not None and name != "reward":
-            ax.fill_between(lo[0], lo[1], hi[1], alpha=0.15, color="grey", label="p10–p90 of trajectories")
+            ax.fill_between(
+                lo[0], lo[1], hi[1], alpha=0.15, color="grey", label="p10–p90 of trajectories"
+            )
     if name == "reward" and (ev := _series(metrics, "eval/reward_mean")) is not None:
         _line(ax, ev, "eval/reward_mean")
         drawn = True
@@ -161,8 +190,10 @@ def _panel(metrics, scan: TrajScan, name: str, title: str, keys: list[str], stat
 
 
 def _stop_panel(metrics, scan: TrajScan, title: str) -> Plot | None:
-    counts: dict[int, dict[str, float]] = {s: {k[5:]: v for k, v in m.items() if k.startswith("stop/") and math.isfinite(v)}
-                                           for s, m in metrics.items()}
+    counts: dict[int, dict[str, float]] = {
+        s: {k[5:]: v for k, v in m.items() if k.startswith("stop/") and math.isfinite(v)}
+        for s, m in metrics.items()
+    }
     counts = {s: c for s, c in counts.items() if c}
     if not counts:  # no stop/* metrics: count the logged trajectories
         counts = {s: dict(c) for s, c in scan.stops.items() if c}
@@ -171,7 +202,9 @@ def _stop_panel(metrics, scan: TrajScan, title: str) -> Plot | None:
     fig, ax = _figure(title)
     steps = np.asarray(sorted(counts), dtype=float)
     width = 0.8 * (float(np.min(np.diff(steps))) if len(steps) > 1 else 1.0)
-    reasons = sorted({r for c in counts.values() for r in c}, key=lambda r: (r not in STOP_COLOURS, r))
+    reasons = sorted(
+        {r for c in counts.values() for r in c}, key=lambda r: (r not in STOP_COLOURS, r)
+    )
     bottom = np.zeros(len(steps))
     for r in reasons:
         vals = np.asarray([counts[int(s)].get(r, 0.0) for s in steps])
@@ -182,17 +215,25 @@ def _stop_panel(metrics, scan: TrajScan, title: str) -> Plot | None:
     return Plot("stop_reasons", title, _png(fig))
 
 
-def make_plots(metrics: dict[int, dict[str, float]], scan: TrajScan, notices: list[str]) -> list[Plot]:
+def make_plots(
+    metrics: dict[int, dict[str, float]], scan: TrajScan, notices: list[str]
+) -> list[Plot]:
     plots, missing = [], []
     for name, title, keys, stat in PANELS:
-        p = _stop_panel(metrics, scan, title) if name == "stop_reasons" else _panel(metrics, scan, name, title, keys, stat)
+        p = (
+            _stop_panel(metrics, scan, title)
+            if name == "stop_reasons"
+            else _panel(metrics, scan, name, title, keys, stat)
+        )
         if p is None:
             missing.append(name)
         else:
             plots.append(p)
     eval_keys = sorted({k for m in metrics.values() for k in m if k.startswith("eval/")})
     if len(eval_keys) > MAX_EVAL_PANELS:
-        notices.append(f"{len(eval_keys)} eval metrics: only the first {MAX_EVAL_PANELS} are plotted")
+        notices.append(
+            f"{len(eval_keys)} eval metrics: only the first {MAX_EVAL_PANELS} are plotted"
+        )
     for key in eval_keys[:MAX_EVAL_PANELS]:
         p = _panel(metrics, scan, "eval_" + key[5:].replace("/", "_"), key, [key], None)
         if p is not None:
@@ -204,6 +245,7 @@ def make_plots(metrics: dict[int, dict[str, float]], scan: TrajScan, notices: li
 
 # -- trajectories ------------------------------------------------------------------------------
 
+
 def load_run_tokenizer(run_dir: Path, config: dict[str, Any], notices: list[str]):
     """The run's tokenizer (config.yaml's model.path; null = the embedded model) or None."""
     model = config.get("model") if isinstance(config.get("model"), dict) else {}
@@ -213,7 +255,9 @@ def load_run_tokenizer(run_dir: Path, config: dict[str, Any], notices: list[str]
             path = Path(path) if Path(path).is_absolute() or Path(path).exists() else run_dir / path
         return load_tokenizer(path or default_model_path())
     except Exception as e:  # noqa: BLE001 - any failure (moved model, missing package) means: show ids
-        notices.append(f"tokens are shown as ids: the run's tokenizer could not be loaded ({type(e).__name__}: {e})")
+        notices.append(
+            f"tokens are shown as ids: the run's tokenizer could not be loaded ({type(e).__name__}: {e})"
+        )
         return None
 
 
@@ -227,7 +271,9 @@ def _decode_table(tokenizer, rows: list[dict[str, Any]], max_tokens: int) -> dic
         head, tail = _window(len(ids), max_tokens)
         shown.update(ids[:head] + ids[tail:])
     ids = sorted(i for i in shown if isinstance(i, int) and 0 <= i < vocab)
-    texts = tokenizer.batch_decode([[i] for i in ids], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    texts = tokenizer.batch_decode(
+        [[i] for i in ids], skip_special_tokens=False, clean_up_tokenization_spaces=False
+    )
     return dict(zip(ids, texts, strict=True))
 
 
@@ -263,8 +309,10 @@ def _tokens_html(row: dict[str, Any], table: dict[int, str], max_tokens: int) ->
             run_cls = cls
         tid = ids[i]
         text = table.get(tid) if isinstance(tid, int) else None
-        text = (f"⟨{tid}⟩" if text is None else text.replace("\n", "↵\n"))
-        tip = f"#{i} id {tid}" + (f" logp {_num(lps[i]):.3f}" if cls == "tok-gen" and i < len(lps) else "")
+        text = f"⟨{tid}⟩" if text is None else text.replace("\n", "↵\n")
+        tip = f"#{i} id {tid}" + (
+            f" logp {_num(lps[i]):.3f}" if cls == "tok-gen" and i < len(lps) else ""
+        )
         out.append(f'<i title="{html.escape(tip)}">{html.escape(text)}</i>')
     if run_cls:
         out.append("</span>")
@@ -287,8 +335,10 @@ def _message_html(m: Any) -> str:
     if calls:
         body += "\n" + _content("tool_calls: " + json.dumps(calls, ensure_ascii=False))
     extra = f" · {html.escape(str(m['name']))}" if m.get("name") else ""
-    return (f'<div class="msg role-{html.escape(role)}"><div class="role">{html.escape(role)}{extra}</div>'
-            f"<pre>{body}</pre></div>")
+    return (
+        f'<div class="msg role-{html.escape(role)}"><div class="role">{html.escape(role)}{extra}</div>'
+        f"<pre>{body}</pre></div>"
+    )
 
 
 def _traj_html(row: dict[str, Any], table: dict[int, str], max_tokens: int) -> str:
@@ -300,15 +350,21 @@ def _traj_html(row: dict[str, Any], table: dict[int, str], max_tokens: int) -> s
     if isinstance(parts, dict) and parts:
         rtext += " (" + ", ".join(f"{k}: {_num(v):.3g}" for k, v in parts.items()) + ")"
     e = html.escape
-    fields = [f"<b>step {step}</b>", f"task {e(str(row.get('task_id', '?')))}",
-              f'<span class="{rcls}">reward <b>{e(rtext)}</b></span>', f'<span class="stop">{e(stop)}</span>']
+    fields = [
+        f"<b>step {step}</b>",
+        f"task {e(str(row.get('task_id', '?')))}",
+        f'<span class="{rcls}">reward <b>{e(rtext)}</b></span>',
+        f'<span class="stop">{e(stop)}</span>',
+    ]
     if row.get("stop_detail"):
         fields.append(f'<span class="detail">{e(str(row["stop_detail"]))}</span>')
-    fields += [f"turns {e(str(row.get('num_turns', '?')))}",
-               f"tool calls {e(str(row.get('tool_calls', '?')))} (errors {e(str(row.get('tool_errors', '?')))})",
-               f"group {e(str(row.get('group_id', '')))}",
-               # runs before typed versions wrote one comma-joined string
-               f"weights {e(str(row.get('weight_versions', row.get('weight_version'))))}"]
+    fields += [
+        f"turns {e(str(row.get('num_turns', '?')))}",
+        f"tool calls {e(str(row.get('tool_calls', '?')))} (errors {e(str(row.get('tool_errors', '?')))})",
+        f"group {e(str(row.get('group_id', '')))}",
+        # runs before typed versions wrote one comma-joined string
+        f"weights {e(str(row.get('weight_versions', row.get('weight_version'))))}",
+    ]
     if row.get("advantage") is not None:
         fields.append(f"advantage {_num(row['advantage']):.3g}")
     if isinstance(row.get("turn_rewards"), list) and len(row["turn_rewards"]) > 1:
@@ -327,52 +383,84 @@ def _traj_html(row: dict[str, Any], table: dict[int, str], max_tokens: int) -> s
         name = f"segment {k + 1} of {len(segs)}, tokens" if len(segs) > 1 else "tokens"
         generated = sum(1 for m in mask if m == 1)
         tokens.append(
-            f"<details class=\"tokens\"><summary>{name}: {len(ids)} ({generated} generated)"
+            f'<details class="tokens"><summary>{name}: {len(ids)} ({generated} generated)'
             f'<span class="legend"><span class="tok-gen">generated (loss_mask 1)</span>'
             f'<span class="tok-ctx">not generated: prompt, tool/env output</span></span>'
             f'{note}</summary><div class="toks">{_tokens_html(seg, table, max_tokens)}</div>'
-            "</details>")
-    return (f'<article class="traj" data-step="{step}" data-reward="{reward}" data-stop="{e(stop)}">'
-            f"<header>{' · '.join(fields)}</header>"
-            f'<div class="msgs">{"".join(_message_html(m) for m in msgs) or "<p>(no messages)</p>"}</div>'
-            f'{"".join(tokens)}</article>')
+            "</details>"
+        )
+    return (
+        f'<article class="traj" data-step="{step}" data-reward="{reward}" data-stop="{e(stop)}">'
+        f"<header>{' · '.join(fields)}</header>"
+        f'<div class="msgs">{"".join(_message_html(m) for m in msgs) or "<p>(no messages)</p>"}</div>'
+        f"{''.join(tokens)}</article>"
+    )
 
 
 # -- the page ----------------------------------------------------------------------------------
+
 
 def _fmt(v: float) -> str:
     return "—" if not math.isfinite(v) else f"{v:.6g}"
 
 
-def _body(run_dir: Path, config: dict[str, Any], config_text: str, metrics, scan: TrajScan,
-          plots: list[Plot], table: dict[int, str], max_tokens: int, notices: list[str]) -> str:
+def _body(
+    run_dir: Path,
+    config: dict[str, Any],
+    config_text: str,
+    metrics,
+    scan: TrajScan,
+    plots: list[Plot],
+    table: dict[int, str],
+    max_tokens: int,
+    notices: list[str],
+) -> str:
     e = html.escape
     env = (config.get("env") or {}).get("name", "?") if isinstance(config.get("env"), dict) else "?"
-    model = (config.get("model") or {}).get("path") if isinstance(config.get("model"), dict) else None
+    model = (
+        (config.get("model") or {}).get("path") if isinstance(config.get("model"), dict) else None
+    )
     when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    out = [f"<header><h1>agentgrpo report · {e(run_dir.name)}</h1>"
-           f'<p class="meta">{e(str(run_dir))} · env {e(str(env))} · model {e(str(model or "embedded SmolLM2-135M-Instruct"))}'
-           f" · {len(metrics)} step(s) with metrics · {scan.total} trajectories · written {when}</p></header>"]
+    out = [
+        f"<header><h1>agentgrpo report · {e(run_dir.name)}</h1>"
+        f'<p class="meta">{e(str(run_dir))} · env {e(str(env))} · model {e(str(model or "embedded SmolLM2-135M-Instruct"))}'
+        f" · {len(metrics)} step(s) with metrics · {scan.total} trajectories · written {when}</p></header>"
+    ]
     if notices:
-        out.append('<ul class="notices">' + "".join(f'<li class="notice">{e(n)}</li>' for n in notices) + "</ul>")
+        out.append(
+            '<ul class="notices">'
+            + "".join(f'<li class="notice">{e(n)}</li>' for n in notices)
+            + "</ul>"
+        )
     last = next(reversed(metrics.values()), {}) if metrics else {}
     stops = Counter()
     for c in scan.stops.values():
         stops.update(c)
     out.append('<section id="summary"><h2>Summary</h2>')
     if stops:
-        out.append("<p>Episodes by stop reason: " + ", ".join(f"{e(k)} {v}" for k, v in stops.most_common()) + "</p>")
+        out.append(
+            "<p>Episodes by stop reason: "
+            + ", ".join(f"{e(k)} {v}" for k, v in stops.most_common())
+            + "</p>"
+        )
     if last:
-        rows = "".join(f'<tr><td>{e(k)}</td><td class="num">{_fmt(v)}</td></tr>' for k, v in sorted(last.items()))
-        out.append(f"<details><summary>metrics at step {next(reversed(metrics))}</summary><table>{rows}</table></details>")
+        rows = "".join(
+            f'<tr><td>{e(k)}</td><td class="num">{_fmt(v)}</td></tr>'
+            for k, v in sorted(last.items())
+        )
+        out.append(
+            f"<details><summary>metrics at step {next(reversed(metrics))}</summary><table>{rows}</table></details>"
+        )
     if config_text:
         out.append(f"<details><summary>config.yaml</summary><pre>{e(config_text)}</pre></details>")
     out.append("</section>")
     out.append('<section id="plots"><h2>Training curves</h2><div class="grid">')
     for p in plots:
         src = "data:image/png;base64," + base64.b64encode(p.png).decode("ascii")
-        out.append(f'<figure class="plot" id="plot-{e(p.name)}"><img src="{src}" alt="{e(p.title)}">'
-                   f"<figcaption>{e(p.title)} · plots/{e(p.name)}.png</figcaption></figure>")
+        out.append(
+            f'<figure class="plot" id="plot-{e(p.name)}"><img src="{src}" alt="{e(p.title)}">'
+            f"<figcaption>{e(p.title)} · plots/{e(p.name)}.png</figcaption></figure>"
+        )
     out.append("</div></section>")
     out.append('<section id="trajectories"><h2>Trajectories</h2>')
     if scan.rows:
@@ -380,12 +468,14 @@ def _body(run_dir: Path, config: dict[str, Any], config_text: str, metrics, scan
         stops_shown = sorted({str(r.get("stop_reason", "unknown")) for r in scan.rows})
         opts = "".join(f'<option value="{s}">{s}</option>' for s in steps)
         sopts = "".join(f'<option value="{e(s)}">{e(s)}</option>' for s in stops_shown)
-        out.append(f'<div id="filters"><label>step <select id="f-step"><option value="">all</option>{opts}</select></label>'
-                   '<label>reward ≥ <input id="f-rmin" type="number" step="any"></label>'
-                   '<label>reward ≤ <input id="f-rmax" type="number" step="any"></label>'
-                   f'<label>stop <select id="f-stop"><option value="">all</option>{sopts}</select></label>'
-                   '<button type="button" id="f-tokens">open all token views</button>'
-                   f'<span id="shown">{len(scan.rows)} of {len(scan.rows)} shown</span></div>')
+        out.append(
+            f'<div id="filters"><label>step <select id="f-step"><option value="">all</option>{opts}</select></label>'
+            '<label>reward ≥ <input id="f-rmin" type="number" step="any"></label>'
+            '<label>reward ≤ <input id="f-rmax" type="number" step="any"></label>'
+            f'<label>stop <select id="f-stop"><option value="">all</option>{sopts}</select></label>'
+            '<button type="button" id="f-tokens">open all token views</button>'
+            f'<span id="shown">{len(scan.rows)} of {len(scan.rows)} shown</span></div>'
+        )
         out += [_traj_html(r, table, max_tokens) for r in scan.rows]
     else:
         out.append("<p>No trajectories to show.</p>")
@@ -393,9 +483,14 @@ def _body(run_dir: Path, config: dict[str, Any], config_text: str, metrics, scan
     return "\n".join(out)
 
 
-def write_report(run_dir: str | Path, out: str | Path | None = None, *,
-                 max_trajectories: int = DEFAULT_MAX_TRAJECTORIES, max_tokens: int = DEFAULT_MAX_TOKENS,
-                 tokenizer: Any = None) -> Path:
+def write_report(
+    run_dir: str | Path,
+    out: str | Path | None = None,
+    *,
+    max_trajectories: int = DEFAULT_MAX_TRAJECTORIES,
+    max_tokens: int = DEFAULT_MAX_TOKENS,
+    tokenizer: Any = None,
+) -> Path:
     """Write the HTML report of `run_dir` (default `run_dir/report.html`) and `run_dir/plots/*.png`.
 
     `tokenizer` overrides the run's own (useful when the caller has it loaded). Returns the path of
@@ -418,8 +513,10 @@ def write_report(run_dir: str | Path, out: str | Path | None = None, *,
         from agentgrpo.config import ConfigError, load_yaml
 
         try:  # bounded: a planted config.yaml's nested aliases would expand without end
-            config = mask_secrets(load_yaml((run_dir / "config.yaml").read_text(encoding="utf-8"),
-                                            "config.yaml") or {})
+            config = mask_secrets(
+                load_yaml((run_dir / "config.yaml").read_text(encoding="utf-8"), "config.yaml")
+                or {}
+            )
             config = config if isinstance(config, dict) else {}
             config_text = yaml.safe_dump(config, sort_keys=False)
         except ConfigError as e:
@@ -439,7 +536,9 @@ def write_report(run_dir: str | Path, out: str | Path | None = None, *,
     table = _decode_table(tokenizer, scan.rows, max_tokens)
     body = _body(run_dir, config, config_text, metrics, scan, plots, table, max_tokens, notices)
     page = (resources.files("agentgrpo") / "report_template.html").read_text(encoding="utf-8")
-    page = page.replace("<!--TITLE-->", html.escape(f"agentgrpo report · {run_dir.name}")).replace("<!--BODY-->", body, 1)
+    page = page.replace("<!--TITLE-->", html.escape(f"agentgrpo report · {run_dir.name}")).replace(
+        "<!--BODY-->", body, 1
+    )
     tmp = out.with_name(out.name + ".tmp")
     tmp.write_text(page, encoding="utf-8")
     os.replace(tmp, out)  # a reader (or a browser refresh) never sees a half-written report

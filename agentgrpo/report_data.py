@@ -26,7 +26,9 @@ class TrajScan:
 
     total: int = 0
     bad_lines: int = 0
-    stats: dict[int, dict[str, list[float]]] = field(default_factory=lambda: defaultdict(lambda: defaultdict(list)))
+    stats: dict[int, dict[str, list[float]]] = field(
+        default_factory=lambda: defaultdict(lambda: defaultdict(list))
+    )
     stops: dict[int, Counter] = field(default_factory=lambda: defaultdict(Counter))
     rows: list[dict[str, Any]] = field(default_factory=list)
 
@@ -66,7 +68,9 @@ def load_metrics(path: Path, notices: list[str]) -> dict[int, dict[str, float]]:
                 bad += 1
                 continue
             merged = by_step.setdefault(row["step"], {})
-            merged.update({k: _num(v) for k, v in row.items() if k != "step" and isinstance(k, str)})
+            merged.update(
+                {k: _num(v) for k, v in row.items() if k != "step" and isinstance(k, str)}
+            )
     if bad:
         notices.append(f"{path.name}: {bad} unreadable line(s) skipped")
     return dict(sorted(by_step.items()))
@@ -82,12 +86,18 @@ def _choose(by_step: dict[int, list[tuple[int, float]]], budget: int) -> list[in
         return []
     per_step = max(budget // len(steps), min(budget, MIN_PER_STEP))
     n = max(1, min(len(steps), budget // per_step))
-    chosen = [steps[-1]] if n == 1 else [steps[round(i * (len(steps) - 1) / (n - 1))] for i in range(n)]
+    chosen = (
+        [steps[-1]] if n == 1 else [steps[round(i * (len(steps) - 1) / (n - 1))] for i in range(n)]
+    )
     out = []
     for s in chosen:
         rows = sorted(by_step[s], key=lambda e: (not math.isnan(e[1]), e[1]))
         if len(rows) > per_step:
-            idx = [0] if per_step == 1 else [round(i * (len(rows) - 1) / (per_step - 1)) for i in range(per_step)]
+            idx = (
+                [0]
+                if per_step == 1
+                else [round(i * (len(rows) - 1) / (per_step - 1)) for i in range(per_step)]
+            )
             rows = [rows[i] for i in idx]
         out += [off for off, _ in rows]
     return out
@@ -135,7 +145,13 @@ def scan_trajectories(path: Path, max_trajectories: int, notices: list[str]) -> 
         notices.append(f"{path.name}: {scan.bad_lines} unreadable line(s) skipped")
     if scan.total > len(scan.rows):
         shown = sorted({_step(r.get("step")) for r in scan.rows})
-        which = ", ".join(map(str, shown)) if len(shown) <= 12 else f"{len(shown)} steps from {shown[0]} to {shown[-1]}"
-        notices.append(f"{len(scan.rows)} of {scan.total} trajectories embedded (cap max_trajectories="
-                       f"{max_trajectories}), from steps {which}")
+        which = (
+            ", ".join(map(str, shown))
+            if len(shown) <= 12
+            else f"{len(shown)} steps from {shown[0]} to {shown[-1]}"
+        )
+        notices.append(
+            f"{len(scan.rows)} of {scan.total} trajectories embedded (cap max_trajectories="
+            f"{max_trajectories}), from steps {which}"
+        )
     return scan

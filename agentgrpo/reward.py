@@ -218,12 +218,20 @@ def env_reward(trajectory: Trajectory, task: Task) -> float:
     `trajectory.env_reward`; list this verifier in the rubric to count it, with a weight.
     """
     if trajectory.env_reward is None:
-        raise ValueError("trajectory.env_reward is not set: run_group records it for envs with a rubric")
+        raise ValueError(
+            "trajectory.env_reward is not set: run_group records it for envs with a rubric"
+        )
     return float(trajectory.env_reward)
 
 
-async def score_group(rubric: Rubric, trajectories: Sequence[Trajectory], task: Task, *,
-                      tool_error_penalty: float = 0.0, deadline: float | None = None) -> None:
+async def score_group(
+    rubric: Rubric,
+    trajectories: Sequence[Trajectory],
+    task: Task,
+    *,
+    tool_error_penalty: float = 0.0,
+    deadline: float | None = None,
+) -> None:
     """Score the finished trajectories of one group with `rubric`, in place.
 
     Sets `reward` = the rubric's weighted sum minus `tool_error_penalty` per tool error (the
@@ -243,8 +251,10 @@ async def score_group(rubric: Rubric, trajectories: Sequence[Trajectory], task: 
     except asyncio.TimeoutError:
         if deadline is None or time.monotonic() < deadline - 1e-3:
             raise  # raised by a verifier under strict=True, not by our deadline
-        results = [VerifierResult(math.nan, "the step deadline expired while the rubric scored the group")
-                   for _ in trajectories]
+        results = [
+            VerifierResult(math.nan, "the step deadline expired while the rubric scored the group")
+            for _ in trajectories
+        ]
     for t, r in zip(trajectories, results, strict=True):
         t.reward_parts = dict(r.parts)
         t.reward_detail = r.detail

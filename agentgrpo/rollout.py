@@ -83,21 +83,40 @@ class EpisodeLimits(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     max_turns: int = Field(4, ge=1, description="assistant turns per episode")
-    max_tokens: int = Field(512, ge=1, description="tokens after the prompt per trajectory (sampled + env)")
+    max_tokens: int = Field(
+        512, ge=1, description="tokens after the prompt per trajectory (sampled + env)"
+    )
     turn_timeout_s: float | None = Field(
-        None, gt=0, description="deadline of one turn, generation + env step; ends the episode with TIMEOUT (None = none)")
+        None,
+        gt=0,
+        description="deadline of one turn, generation + env step; ends the episode with TIMEOUT (None = none)",
+    )
     episode_timeout_s: float | None = Field(
-        None, gt=0, description="deadline of one episode; ends it with TIMEOUT (None = none)")
+        None, gt=0, description="deadline of one episode; ends it with TIMEOUT (None = none)"
+    )
     tool_timeout_s: float | None = Field(
-        None, gt=0, description="deadline of one tool call, answered with an error message (None = the env's tool_timeout_s)")
+        None,
+        gt=0,
+        description="deadline of one tool call, answered with an error message (None = the env's tool_timeout_s)",
+    )
     max_tool_calls_per_turn: int | None = Field(
-        None, ge=1, description="tool calls run per turn, extra ones answered with an error (None = the env's own limit)")
+        None,
+        ge=1,
+        description="tool calls run per turn, extra ones answered with an error (None = the env's own limit)",
+    )
     max_tool_output_tokens: int | None = Field(
-        None, ge=1, description="tool message content cut to this many tokens plus truncation_marker (None = no cut)")
+        None,
+        ge=1,
+        description="tool message content cut to this many tokens plus truncation_marker (None = no cut)",
+    )
     truncation_marker: str = Field(
-        TRUNCATION_MARKER, description="appended to cut tool output; {omitted} becomes the number of tokens dropped "
-        "(other braces stay as written)")
-    tool_error_penalty: float = Field(0.0, ge=0.0, description="subtracted from the reward per malformed or failed tool call")
+        TRUNCATION_MARKER,
+        description="appended to cut tool output; {omitted} becomes the number of tokens dropped "
+        "(other braces stay as written)",
+    )
+    tool_error_penalty: float = Field(
+        0.0, ge=0.0, description="subtracted from the reward per malformed or failed tool call"
+    )
 
 
 class RolloutConfig(EpisodeLimits):
@@ -106,41 +125,71 @@ class RolloutConfig(EpisodeLimits):
     group_size: int = Field(8, ge=1, description="trajectories per task (G)")
     tasks_per_step: int = Field(4, ge=1, description="tasks (groups) per optimizer step")
     max_new_tokens: int = Field(128, ge=1, description="tokens sampled per assistant turn")
-    temperature: float = Field(1.0, ge=0.0, description="sampling temperature (the learner uses the same)")
-    top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling; rollout logprobs stay the full "
-                         "distribution's (both engines), so < 1 samples off the policy the loss assumes")
+    temperature: float = Field(
+        1.0, ge=0.0, description="sampling temperature (the learner uses the same)"
+    )
+    top_p: float = Field(
+        1.0,
+        gt=0.0,
+        le=1.0,
+        description="nucleus sampling; rollout logprobs stay the full "
+        "distribution's (both engines), so < 1 samples off the policy the loss assumes",
+    )
     top_k: int = Field(-1, description="top-k sampling, -1 for all (logprobs: as for top_p)")
     max_concurrent_trajectories: int | None = Field(
-        None, ge=1, description="episodes in flight at once in a step (None = all of them); each holds an env")
+        None,
+        ge=1,
+        description="episodes in flight at once in a step (None = all of them); each holds an env",
+    )
     max_concurrent_requests: int | None = Field(
-        None, ge=1, description="engine requests in flight at once (None = unbounded; the engine queues)")
-    episode_timeout_s: float = Field(600.0, gt=0, description="deadline of one episode; ends it with TIMEOUT")
+        None,
+        ge=1,
+        description="engine requests in flight at once (None = unbounded; the engine queues)",
+    )
+    episode_timeout_s: float = Field(
+        600.0, gt=0, description="deadline of one episode; ends it with TIMEOUT"
+    )
     step_timeout_s: float | None = Field(
-        None, gt=0, description="deadline of a step's whole collection; unfinished episodes end with TIMEOUT (None = none)")
+        None,
+        gt=0,
+        description="deadline of a step's whole collection; unfinished episodes end with TIMEOUT (None = none)",
+    )
     template_fallback: Literal["none", "keep_history"] = Field(
-        "none", description="what to do when the chat template rewrites earlier turns: none = refuse, "
-        "keep_history = continue the tokens the model saw (see agentgrpo check-template)")
+        "none",
+        description="what to do when the chat template rewrites earlier turns: none = refuse, "
+        "keep_history = continue the tokens the model saw (see agentgrpo check-template)",
+    )
     trajectory_mode: Literal["single", "auto", "stepwise"] = Field(
-        "auto", description="single = one token sequence per episode (a template that rewrites "
+        "auto",
+        description="single = one token sequence per episode (a template that rewrites "
         "history is refused or needs keep_history); auto = a new segment (prompt: the re-rendered "
         "history) whenever the template rewrites history, so one sequence where it does not; "
-        "stepwise = a new segment every turn")
+        "stepwise = a new segment every turn",
+    )
     chat_template_kwargs: dict[str, Any] = Field(
-        default_factory=dict, description="extra chat-template variables, e.g. {preserve_thinking: true}")
+        default_factory=dict,
+        description="extra chat-template variables, e.g. {preserve_thinking: true}",
+    )
 
     @model_validator(mode="after")
     def _one_answer_to_rewritten_history(self) -> RolloutConfig:
         if self.template_fallback == "keep_history" and self.trajectory_mode == "auto":
             self.trajectory_mode = "single"  # the explicit fallback decides what auto would
         if self.template_fallback == "keep_history" and self.trajectory_mode != "single":
-            raise ValueError("template_fallback=keep_history with trajectory_mode="
-                             f"{self.trajectory_mode}: choose one (keep_history continues one "
-                             "sequence, segments re-render it)")
+            raise ValueError(
+                "template_fallback=keep_history with trajectory_mode="
+                f"{self.trajectory_mode}: choose one (keep_history continues one "
+                "sequence, segments re-render it)"
+            )
         return self
 
     def sampling_params(self) -> SamplingParams:
-        return SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature,
-                              top_p=self.top_p, top_k=self.top_k)
+        return SamplingParams(
+            max_new_tokens=self.max_new_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -187,9 +236,17 @@ class Episode:
     of what the env said) is caught narrowly here: its failure ends this trajectory, never the step.
     """
 
-    def __init__(self, env: Env, engine: Engine, chat: ChatFormat, task: Task,
-                 params: SamplingParams, limits: EpisodeLimits, context_len: int | None,
-                 clock: Deadlines) -> None:
+    def __init__(
+        self,
+        env: Env,
+        engine: Engine,
+        chat: ChatFormat,
+        task: Task,
+        params: SamplingParams,
+        limits: EpisodeLimits,
+        context_len: int | None,
+        clock: Deadlines,
+    ) -> None:
         self.env, self.engine, self.chat, self.limits = env, engine, chat, limits
         self.context_len, self.clock = context_len, clock
         stops = tuple(sorted(set(params.stop_token_ids) | set(chat.stop_token_ids)))
@@ -197,20 +254,31 @@ class Episode:
         self.tools: list[dict[str, Any]] = []
         self.max_calls: int | None = None  # tool calls per turn the env runs (rendered); None = all
         # Until the first prompt is rendered: no tokens, and the task's own messages.
-        self.traj = Trajectory(task_id=task.id, token_ids=[], loss_mask=[], logprobs=[],
-                               prompt_len=0, messages=task.prompt_messages(),
-                               stop_reason=StopReason.MAX_TURNS, reward=0.0)
+        self.traj = Trajectory(
+            task_id=task.id,
+            token_ids=[],
+            loss_mask=[],
+            logprobs=[],
+            prompt_len=0,
+            messages=task.prompt_messages(),
+            stop_reason=StopReason.MAX_TURNS,
+            reward=0.0,
+        )
         self.versions: set[int] = set()
         self.spent = 0  # tokens after the prompt in the closed segments (the token budget's share)
 
     async def start(self, task: Task, seed: int | None) -> None:
         """Reset the env and render the first prompt."""
         if isinstance(self.env, ToolEnv):
-            self.env.set_tool_limits(timeout_s=self.limits.tool_timeout_s,
-                                     max_calls_per_turn=self.limits.max_tool_calls_per_turn)
+            self.env.set_tool_limits(
+                timeout_s=self.limits.tool_timeout_s,
+                max_calls_per_turn=self.limits.max_tool_calls_per_turn,
+            )
             self.max_calls = self.env.max_tool_calls_per_turn
         try:
-            first = await self.clock.run(call_env(self.env.reset, seed=seed, options={"task": task}))
+            first = await self.clock.run(
+                call_env(self.env.reset, seed=seed, options={"task": task})
+            )
             self.tools = self.env.tool_schemas()
         except DeadlineExpired:
             raise
@@ -229,8 +297,10 @@ class Episode:
     async def sample(self, turn: int) -> Completion:
         """The model's next turn: the engine continues the token ids as they are."""
         traj, limits = self.traj, self.limits
-        budget = min(self.params.max_new_tokens,
-                     limits.max_tokens - self.spent - (len(traj.token_ids) - traj.prompt_len))
+        budget = min(
+            self.params.max_new_tokens,
+            limits.max_tokens - self.spent - (len(traj.token_ids) - traj.prompt_len),
+        )
         if self.context_len is not None:
             budget = min(budget, self.context_len - len(traj.token_ids))
         if budget <= 0:
@@ -238,12 +308,16 @@ class Episode:
         self.clock.start_turn(turn)
         params = replace(self.params, max_new_tokens=budget, seed=turn_seed(self.params.seed, turn))
         try:
-            out: Completion = await self.clock.run(self.engine.generate(list(traj.token_ids), params))
+            out: Completion = await self.clock.run(
+                self.engine.generate(list(traj.token_ids), params)
+            )
         except DeadlineExpired:
             raise
         except Exception as e:  # noqa: BLE001 - EngineError or not (a client's TimeoutError, a CUDA
             # error), the engine failed: infrastructure, unscorable, and the rest of the step goes on
-            raise EpisodeEnds(StopReason.ENGINE_ERROR, f"generate raised {type(e).__name__}: {e}") from e
+            raise EpisodeEnds(
+                StopReason.ENGINE_ERROR, f"generate raised {type(e).__name__}: {e}"
+            ) from e
         if out.weight_version is not None and out.weight_version.isdigit():
             self.versions.add(int(out.weight_version))
         traj.num_turns = turn
@@ -261,17 +335,23 @@ class Episode:
         """
         traj = self.traj
         try:
-            parsed = self.chat.parse_assistant(out.token_ids, parse_tools=bool(self.tools),
-                                               tools=self.tools)
+            parsed = self.chat.parse_assistant(
+                out.token_ids, parse_tools=bool(self.tools), tools=self.tools
+            )
         except Exception as e:  # noqa: BLE001 - a parser that raises (a bug) costs its episode only
-            raise EpisodeEnds(StopReason.ENV_ERROR,
-                              f"the tool-call parser raised {type(e).__name__}: {e}") from e
+            raise EpisodeEnds(
+                StopReason.ENV_ERROR, f"the tool-call parser raised {type(e).__name__}: {e}"
+            ) from e
         traj.tool_calls += len(parsed.message.tool_calls or []) + len(parsed.errors)
         traj.tool_errors += len(parsed.errors)
         _count_kinds(traj.tool_error_kinds, Counter(err.kind for err in parsed.errors))
         if out.finish_reason == "length":
-            traj.messages.append(self.chat.parse_assistant(out.token_ids, parse_tools=False).message)
-            raise EpisodeEnds(StopReason.MAX_TOKENS, out.detail or f"turn {turn} hit the token limit")
+            traj.messages.append(
+                self.chat.parse_assistant(out.token_ids, parse_tools=False).message
+            )
+            raise EpisodeEnds(
+                StopReason.MAX_TOKENS, out.detail or f"turn {turn} hit the token limit"
+            )
         traj.messages.append(parsed.message)
         return parsed
 
@@ -285,7 +365,9 @@ class Episode:
             except DeadlineExpired:
                 raise
             except Exception as e:  # noqa: BLE001 - env code is user code
-                raise EpisodeEnds(StopReason.ENV_ERROR, f"step raised {type(e).__name__}: {e}") from e
+                raise EpisodeEnds(
+                    StopReason.ENV_ERROR, f"step raised {type(e).__name__}: {e}"
+                ) from e
             try:
                 step = EnvStep.of(result)
             except ValueError as e:
@@ -296,16 +378,19 @@ class Episode:
         traj.reward += float(step.reward)
         traj.tool_errors += sum(step.tool_errors.values())
         _count_kinds(traj.tool_error_kinds, step.tool_errors)
-        new = step.messages + [Message(role="tool", content=f"Error: malformed tool call: {err.reason}")
-                               for err in parsed.errors]
+        new = step.messages + [
+            Message(role="tool", content=f"Error: malformed tool call: {err.reason}")
+            for err in parsed.errors
+        ]
         new = [self._cut_tool_output(m) for m in new]
         if step.stop_reason is not None:
             traj.messages.extend(new)
             traj.env_info = _as_json(step.info)
             raise EpisodeEnds(step.stop_reason)
         if not new:
-            raise EpisodeEnds(StopReason.ENV_ERROR,
-                              "step returned no messages but did not end the episode")
+            raise EpisodeEnds(
+                StopReason.ENV_ERROR, "step returned no messages but did not end the episode"
+            )
         return new
 
     def observe(self, new: list[Message]) -> None:
@@ -315,14 +400,18 @@ class Episode:
         mode, suffix = self.chat.trajectory_mode, None
         if mode != "stepwise":
             try:
-                suffix = self.chat.suffix_ids(self.traj.messages, new, self.tools,
-                                              max_tool_calls=self.max_calls)
+                suffix = self.chat.suffix_ids(
+                    self.traj.messages, new, self.tools, max_tool_calls=self.max_calls
+                )
             except HistoryRewritten as e:
                 if mode == "single":
                     raise EpisodeEnds(StopReason.ENV_ERROR, str(e)) from e
             except Exception as e:  # noqa: BLE001 - a TemplateError, or a tokenizer's
-                detail = (str(e) if isinstance(e, TemplateError)  # on what the env said
-                          else f"rendering the env's messages raised {type(e).__name__}: {e}")
+                detail = (
+                    str(e)
+                    if isinstance(e, TemplateError)  # on what the env said
+                    else f"rendering the env's messages raised {type(e).__name__}: {e}"
+                )
                 raise EpisodeEnds(StopReason.ENV_ERROR, detail) from e
         self.traj.messages.extend(new)
         if suffix is None:
@@ -339,11 +428,15 @@ class Episode:
         try:
             ids = self.chat.prompt_ids(traj.messages, self.tools, max_tool_calls=self.max_calls)
         except Exception as e:  # noqa: BLE001 - a TemplateError, or a tokenizer's on what the env said
-            raise EpisodeEnds(StopReason.ENV_ERROR, "rendering the history for a new segment: " + (
-                str(e) if isinstance(e, TemplateError) else f"{type(e).__name__}: {e}")) from e
+            raise EpisodeEnds(
+                StopReason.ENV_ERROR,
+                "rendering the history for a new segment: "
+                + (str(e) if isinstance(e, TemplateError) else f"{type(e).__name__}: {e}"),
+            ) from e
         self.spent += len(traj.token_ids) - traj.prompt_len
-        traj.earlier_segments.append(Segment(traj.token_ids, traj.loss_mask, traj.logprobs,
-                                             traj.prompt_len))
+        traj.earlier_segments.append(
+            Segment(traj.token_ids, traj.loss_mask, traj.logprobs, traj.prompt_len)
+        )
         traj.token_ids, traj.loss_mask, traj.logprobs, traj.prompt_len = [], [], [], len(ids)
         self._extend(ids, None)
 
@@ -370,17 +463,27 @@ class Episode:
     def _cut_tool_output(self, m: Message) -> Message:
         if m.role != "tool" or self.limits.max_tool_output_tokens is None:
             return m
-        text, omitted = self.chat.truncate(m.content, self.limits.max_tool_output_tokens,
-                                           self.limits.truncation_marker)
+        text, omitted = self.chat.truncate(
+            m.content, self.limits.max_tool_output_tokens, self.limits.truncation_marker
+        )
         if not omitted:
             return m
         self.traj.tool_outputs_truncated += 1
         return m.model_copy(update={"content": text})
 
 
-async def run_episode(env: Env, engine: Engine, chat: ChatFormat, task: Task, params: SamplingParams,
-                      *, seed: int | None = None, limits: EpisodeLimits = EpisodeLimits(),
-                      context_len: int | None = None, deadline: float | None = None) -> Trajectory:
+async def run_episode(
+    env: Env,
+    engine: Engine,
+    chat: ChatFormat,
+    task: Task,
+    params: SamplingParams,
+    *,
+    seed: int | None = None,
+    limits: EpisodeLimits = EpisodeLimits(),
+    context_len: int | None = None,
+    deadline: float | None = None,
+) -> Trajectory:
     """Run one episode and return its Trajectory; never raises for env, engine or deadline failures
     (cancellation still propagates).
 
@@ -424,13 +527,22 @@ def _as_json(info: dict[str, Any]) -> dict[str, Any]:
     try:
         return json.loads(json.dumps(info, default=str, skipkeys=True)) if info else {}
     except Exception as e:  # noqa: BLE001 - the values are user objects: any of them may fail
-        raise EpisodeEnds(StopReason.ENV_ERROR,
-                          f"step's info cannot be kept as JSON ({type(e).__name__}: {e})") from e
+        raise EpisodeEnds(
+            StopReason.ENV_ERROR, f"step's info cannot be kept as JSON ({type(e).__name__}: {e})"
+        ) from e
 
 
 def _empty_trajectory(task: Task, reason: StopReason, detail: str) -> Trajectory:
-    return Trajectory(task_id=task.id, token_ids=[], loss_mask=[], logprobs=[], prompt_len=0,
-                      messages=task.prompt_messages(), stop_reason=reason, stop_detail=detail)
+    return Trajectory(
+        task_id=task.id,
+        token_ids=[],
+        loss_mask=[],
+        logprobs=[],
+        prompt_len=0,
+        messages=task.prompt_messages(),
+        stop_reason=reason,
+        stop_detail=detail,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -456,9 +568,15 @@ class BoundedEngine:
         await self.engine.update_weights(weights, version=version)
 
 
-async def _run_new_env(env_factory: Callable[[], Env], engine: Engine, chat: ChatFormat, task: Task,
-                       params: SamplingParams, limits: EpisodeLimits,
-                       **kwargs: Any) -> tuple[Trajectory, Rubric | None]:
+async def _run_new_env(
+    env_factory: Callable[[], Env],
+    engine: Engine,
+    chat: ChatFormat,
+    task: Task,
+    params: SamplingParams,
+    limits: EpisodeLimits,
+    **kwargs: Any,
+) -> tuple[Trajectory, Rubric | None]:
     """One episode on a new env, and the env's rubric. With a rubric the reward waits for the
     group (NaN until `score_group`), and the env's own, without penalty, goes to `env_reward`.
 
@@ -468,19 +586,26 @@ async def _run_new_env(env_factory: Callable[[], Env], engine: Engine, chat: Cha
     try:
         env = env_factory()
     except Exception as e:  # noqa: BLE001 - the env's constructor is user code
-        return _empty_trajectory(task, StopReason.ENV_ERROR, f"creating the env raised {type(e).__name__}: {e}"), None
+        return _empty_trajectory(
+            task, StopReason.ENV_ERROR, f"creating the env raised {type(e).__name__}: {e}"
+        ), None
     traj = None
     try:
         try:
             rubric = env_rubric(env)
         except Exception as e:  # noqa: BLE001 - a rubric property is user code
-            traj = _empty_trajectory(task, StopReason.ENV_ERROR, f"the env's rubric: {type(e).__name__}: {e}")
+            traj = _empty_trajectory(
+                task, StopReason.ENV_ERROR, f"the env's rubric: {type(e).__name__}: {e}"
+            )
             return traj, None
         if rubric is not None:  # the tool-error penalty applies to the rubric's reward instead
             limits = limits.model_copy(update={"tool_error_penalty": 0.0})
         own = getattr(env, "run_own_episode", None)  # an AgentEnv runs its own (agentgrpo.agent)
-        traj = await (own(engine, chat, task, params, limits=limits, **kwargs) if own is not None
-                      else run_episode(env, engine, chat, task, params, limits=limits, **kwargs))
+        traj = await (
+            own(engine, chat, task, params, limits=limits, **kwargs)
+            if own is not None
+            else run_episode(env, engine, chat, task, params, limits=limits, **kwargs)
+        )
         if rubric is not None and not traj.stop_reason.is_infra_error:
             traj.env_reward, traj.reward = traj.reward, math.nan
         return traj, rubric
@@ -501,12 +626,22 @@ async def _acquire(slots: asyncio.Semaphore, deadline: float | None) -> bool:
     return True
 
 
-async def run_group(env_factory: Callable[[], Env], engine: Engine, chat: ChatFormat, task: Task,
-                    group_size: int, params: SamplingParams, *, seed: int | None = None,
-                    group_id: str | None = None, limits: EpisodeLimits = EpisodeLimits(),
-                    context_len: int | None = None, deadline: float | None = None,
-                    slots: asyncio.Semaphore | None = None,
-                    on_done: Callable[[Trajectory], None] | None = None) -> Group:
+async def run_group(
+    env_factory: Callable[[], Env],
+    engine: Engine,
+    chat: ChatFormat,
+    task: Task,
+    group_size: int,
+    params: SamplingParams,
+    *,
+    seed: int | None = None,
+    group_id: str | None = None,
+    limits: EpisodeLimits = EpisodeLimits(),
+    context_len: int | None = None,
+    deadline: float | None = None,
+    slots: asyncio.Semaphore | None = None,
+    on_done: Callable[[Trajectory], None] | None = None,
+) -> Group:
     """Sample `group_size` trajectories of one task concurrently, all from the same env seed.
 
     Each member gets its own sampling seed (`params.seed + i`, then one per turn: `turn_seed`) so
@@ -527,13 +662,24 @@ async def run_group(env_factory: Callable[[], Env], engine: Engine, chat: ChatFo
         start = time.monotonic()
         if slots is None or await _acquire(slots, deadline):
             try:
-                traj, rubrics[i] = await _run_new_env(env_factory, engine, chat, task, p, limits, seed=seed,
-                                                      context_len=context_len, deadline=deadline)
+                traj, rubrics[i] = await _run_new_env(
+                    env_factory,
+                    engine,
+                    chat,
+                    task,
+                    p,
+                    limits,
+                    seed=seed,
+                    context_len=context_len,
+                    deadline=deadline,
+                )
             finally:
                 if slots is not None:
                     slots.release()
         else:
-            traj = _empty_trajectory(task, StopReason.TIMEOUT, "step deadline expired before the episode started")
+            traj = _empty_trajectory(
+                task, StopReason.TIMEOUT, "step deadline expired before the episode started"
+            )
             traj.deadline = "step"
         traj.group_id = gid
         traj.wall_s = round(time.monotonic() - start, 4)
@@ -546,32 +692,60 @@ async def run_group(env_factory: Callable[[], Env], engine: Engine, chat: ChatFo
     if rubric is not None:
         by_rubric = [t for t, r in zip(trajs, rubrics, strict=True) if r is not None]
         if scorable := [t for t in by_rubric if not t.stop_reason.is_infra_error]:
-            await score_group(rubric, scorable, task, tool_error_penalty=limits.tool_error_penalty,
-                              deadline=deadline)
+            await score_group(
+                rubric,
+                scorable,
+                task,
+                tool_error_penalty=limits.tool_error_penalty,
+                deadline=deadline,
+            )
         if on_done is not None:
             for t in by_rubric:
                 on_done(t)
     return Group(group_id=gid, task=task, trajectories=trajs)
 
 
-async def collect(env_factory: Callable[[], Env], engine: Engine, chat: ChatFormat,
-                  tasks: Sequence[Task], cfg: RolloutConfig, *, seed: int = 0,
-                  context_len: int | None = None, on_done: Callable[[Trajectory], None] | None = None) -> list[Group]:
+async def collect(
+    env_factory: Callable[[], Env],
+    engine: Engine,
+    chat: ChatFormat,
+    tasks: Sequence[Task],
+    cfg: RolloutConfig,
+    *,
+    seed: int = 0,
+    context_len: int | None = None,
+    on_done: Callable[[Trajectory], None] | None = None,
+) -> list[Group]:
     """All groups of one step, concurrently, within the config's bounds and step deadline.
 
     `on_done` is called as each trajectory finishes (and is scored, when the env has a rubric).
     """
     params = replace(cfg.sampling_params(), seed=seed * 1_000_003)
     deadline = None if cfg.step_timeout_s is None else time.monotonic() + cfg.step_timeout_s
-    slots = None if cfg.max_concurrent_trajectories is None else asyncio.Semaphore(cfg.max_concurrent_trajectories)
+    slots = (
+        None
+        if cfg.max_concurrent_trajectories is None
+        else asyncio.Semaphore(cfg.max_concurrent_trajectories)
+    )
     if cfg.max_concurrent_requests is not None:
         engine = BoundedEngine(engine, cfg.max_concurrent_requests)
 
     async def group(i: int, task: Task) -> Group:
-        return await run_group(env_factory, engine, chat, task, cfg.group_size,
-                               replace(params, seed=params.seed + i * cfg.group_size),
-                               seed=seed + i, group_id=f"{seed}:{i}:{task.id}", limits=cfg,
-                               context_len=context_len, deadline=deadline, slots=slots, on_done=on_done)
+        return await run_group(
+            env_factory,
+            engine,
+            chat,
+            task,
+            cfg.group_size,
+            replace(params, seed=params.seed + i * cfg.group_size),
+            seed=seed + i,
+            group_id=f"{seed}:{i}:{task.id}",
+            limits=cfg,
+            context_len=context_len,
+            deadline=deadline,
+            slots=slots,
+            on_done=on_done,
+        )
 
     return list(await asyncio.gather(*(group(i, t) for i, t in enumerate(tasks))))
 

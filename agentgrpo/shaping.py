@@ -74,7 +74,9 @@ def overlong_penalty(
     return penalty_B.float()
 
 
-def shaped_rewards(trajs: Sequence[Trajectory], cfg: ShapingConfig, max_tokens: int) -> torch.Tensor:
+def shaped_rewards(
+    trajs: Sequence[Trajectory], cfg: ShapingConfig, max_tokens: int
+) -> torch.Tensor:
     """[B] rewards after the overlong shaping `cfg` asks for (none: the rewards); NaN stays NaN. The
     length is the trajectory's tokens after its prompt (summed over a step-wise trajectory's
     segments, each after its own prompt), what `rollout.max_tokens` limits."""
@@ -82,8 +84,9 @@ def shaped_rewards(trajs: Sequence[Trajectory], cfg: ShapingConfig, max_tokens: 
     if cfg.overlong_buffer_len:
         lengths = [sum(len(s.token_ids) - s.prompt_len for s in t.segments) for t in trajs]
         lengths_B = torch.tensor(lengths, dtype=torch.float32)
-        rewards_B = rewards_B + overlong_penalty(lengths_B, max_tokens, cfg.overlong_buffer_len,
-                                                 cfg.overlong_penalty_factor)
+        rewards_B = rewards_B + overlong_penalty(
+            lengths_B, max_tokens, cfg.overlong_buffer_len, cfg.overlong_penalty_factor
+        )
     return rewards_B
 
 

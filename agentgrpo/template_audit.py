@@ -54,13 +54,30 @@ from agentgrpo.env import Env, _run_sync
 from agentgrpo.env_check import example_arguments
 from agentgrpo.types import Message, Task, ToolCall
 
-IssueKind = Literal["rewrites_history", "no_end_of_turn", "render_error", "retokenizes", "parser_mismatch",
-                    "generation_prompt", "end_of_turn", "no_tool_support"]
+IssueKind = Literal[
+    "rewrites_history",
+    "no_end_of_turn",
+    "render_error",
+    "retokenizes",
+    "parser_mismatch",
+    "generation_prompt",
+    "end_of_turn",
+    "no_tool_support",
+]
 Mode = Literal["exact", "keep_history", "stepwise", "refuse"]
 
-SYNTHETIC_TOOL = {"type": "function", "function": {
-    "name": "calculator", "description": "Evaluate an arithmetic expression.",
-    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}
+SYNTHETIC_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "calculator",
+        "description": "Evaluate an arithmetic expression.",
+        "parameters": {
+            "type": "object",
+            "properties": {"expression": {"type": "string"}},
+            "required": ["expression"],
+        },
+    },
+}
 
 
 @dataclass
@@ -68,7 +85,9 @@ class TemplateIssue:
     conversation: str
     turn: int  # the assistant turn (1-based) it concerns; 0 = the first prompt
     kind: IssueKind
-    fatal: bool  # fatal issues make the learner's tokens differ from the model's (or break rollouts)
+    fatal: (
+        bool  # fatal issues make the learner's tokens differ from the model's (or break rollouts)
+    )
     why: str  # the cause, shared by all occurrences of one problem (the report groups by it)
     detail: str = ""  # this occurrence: where the text changed, what the template raised
 
@@ -97,7 +116,11 @@ class TemplateReport:
         fatal = {i.kind for i in self.issues if i.fatal}
         if not fatal:
             return "stepwise" if self.new_segments else "exact"
-        if fatal == {"rewrites_history"} and self.fallback == "keep_history" and self.fallback_works:
+        if (
+            fatal == {"rewrites_history"}
+            and self.fallback == "keep_history"
+            and self.fallback_works
+        ):
             return "keep_history"
         return "refuse"
 
@@ -106,64 +129,103 @@ class TemplateReport:
         kinds = {i.kind for i in self.issues}
         if "rewrites_history" in kinds:
             if self.preserve_thinking_switch and not self.template_kwargs.get("preserve_thinking"):
-                out.append("this template has a preserve_thinking switch: try "
-                           "rollout.chat_template_kwargs={preserve_thinking: true} and audit again")
+                out.append(
+                    "this template has a preserve_thinking switch: try "
+                    "rollout.chat_template_kwargs={preserve_thinking: true} and audit again"
+                )
             if self.trajectory_mode == "single" and self.fallback != "keep_history":
-                out.append("train each rewritten turn as its own segment: "
-                           "rollout.trajectory_mode=auto (every segment is token-exact; "
-                           "docs/learner.md says how segments weigh)")
+                out.append(
+                    "train each rewritten turn as its own segment: "
+                    "rollout.trajectory_mode=auto (every segment is token-exact; "
+                    "docs/learner.md says how segments weigh)"
+                )
             single = self.trajectory_mode == "single"
             if self.fallback != "keep_history" and self.fallback_works and single:
-                out.append("choose rollout.template_fallback=keep_history: the model then keeps "
-                           "seeing its earlier turns verbatim (unlike this template at inference), and "
-                           "the learner trains on exactly those tokens")
+                out.append(
+                    "choose rollout.template_fallback=keep_history: the model then keeps "
+                    "seeing its earlier turns verbatim (unlike this template at inference), and "
+                    "the learner trains on exactly those tokens"
+                )
             elif not self.fallback_works:
                 out.append("keep_history cannot locate the new messages in this template's output")
             if self.mode == "refuse":
-                out.append("point model.chat_template at a template that keeps earlier turns verbatim")
+                out.append(
+                    "point model.chat_template at a template that keeps earlier turns verbatim"
+                )
         if "no_end_of_turn" in kinds or "end_of_turn" in kinds:
-            out.append(f"assistant turns must end with the token the model stops on ({self.end_of_turn!r} "
-                       "here): pass the model's end-of-turn token (--end-of-turn) or fix the template")
+            out.append(
+                f"assistant turns must end with the token the model stops on ({self.end_of_turn!r} "
+                "here): pass the model's end-of-turn token (--end-of-turn) or fix the template"
+            )
         mismatches = [i.why for i in self.issues if i.kind == "parser_mismatch"]
-        fits = sorted({m.group(1) for w in mismatches for m in [re.search(r"parser (\w+) reads them", w)] if m})
+        fits = sorted(
+            {
+                m.group(1)
+                for w in mismatches
+                for m in [re.search(r"parser (\w+) reads them", w)]
+                if m
+            }
+        )
         if any("no tool support" in w for w in mismatches) or "no_tool_support" in kinds:
-            out.append("this template cannot show tool calls: use a tool-aware template (model.chat_template)")
+            out.append(
+                "this template cannot show tool calls: use a tool-aware template (model.chat_template)"
+            )
         elif fits:
             out.append(f"set model.tool_parser={fits[0]}")
         elif mismatches:
-            out.append("register a parser for this template's tool-call format (agentgrpo.parsers.PARSERS)")
+            out.append(
+                "register a parser for this template's tool-call format (agentgrpo.parsers.PARSERS)"
+            )
         if "render_error" in kinds:
-            out.append("episodes of a shape the template cannot render end with ENV_ERROR (unscorable)")
-            if {i.conversation for i in self.issues if i.kind == "render_error"} == {"parallel tool calls"}:
-                out.append("this template refuses several tool calls in one turn: set "
-                           "rollout.max_tool_calls_per_turn=1; a ToolEnv then runs the first call, answers "
-                           "the others with a too_many_calls error, and the chat template renders only "
-                           "the call it ran (the model's tokens stay as sampled)")
+            out.append(
+                "episodes of a shape the template cannot render end with ENV_ERROR (unscorable)"
+            )
+            if {i.conversation for i in self.issues if i.kind == "render_error"} == {
+                "parallel tool calls"
+            }:
+                out.append(
+                    "this template refuses several tool calls in one turn: set "
+                    "rollout.max_tool_calls_per_turn=1; a ToolEnv then runs the first call, answers "
+                    "the others with a too_many_calls error, and the chat template renders only "
+                    "the call it ran (the model's tokens stay as sampled)"
+                )
         return out
 
     def format(self) -> str:
-        verdict = {"exact": "token-exact (prefix-preserving)",
-                   "keep_history": "not prefix-preserving; the explicit keep_history fallback is in use",
-                   "stepwise": f"step-wise: {self.new_segments} env turn(s) started a new segment "
-                               f"(trajectory_mode {self.trajectory_mode})",
-                   "refuse": "NOT token-safe: training refuses to start"}[self.mode]
-        lines = [f"template: {self.template_source}; end of turn {self.end_of_turn!r}; parser {self.parser}; "
-                 f"fallback {self.fallback}; trajectory mode {self.trajectory_mode}"
-                 + (f"; kwargs {self.template_kwargs}" if self.template_kwargs else ""),
-                 f"checked {self.conversations} conversations, {self.turns} assistant turns",
-                 f"prefix-preserving: {'yes' if self.prefix_preserving else 'no'}",
-                 f"mode: {self.mode} - {verdict}"]
+        verdict = {
+            "exact": "token-exact (prefix-preserving)",
+            "keep_history": "not prefix-preserving; the explicit keep_history fallback is in use",
+            "stepwise": f"step-wise: {self.new_segments} env turn(s) started a new segment "
+            f"(trajectory_mode {self.trajectory_mode})",
+            "refuse": "NOT token-safe: training refuses to start",
+        }[self.mode]
+        lines = [
+            f"template: {self.template_source}; end of turn {self.end_of_turn!r}; parser {self.parser}; "
+            f"fallback {self.fallback}; trajectory mode {self.trajectory_mode}"
+            + (f"; kwargs {self.template_kwargs}" if self.template_kwargs else ""),
+            f"checked {self.conversations} conversations, {self.turns} assistant turns",
+            f"prefix-preserving: {'yes' if self.prefix_preserving else 'no'}",
+            f"mode: {self.mode} - {verdict}",
+        ]
         if self.template_source == "agentgrpo-hermes-chatml":
-            lines.append("note: the tokenizer's own template has no tool support; agentgrpo's Hermes-style "
-                         "ChatML template is used instead")
+            lines.append(
+                "note: the tokenizer's own template has no tool support; agentgrpo's Hermes-style "
+                "ChatML template is used instead"
+            )
         groups: dict[tuple[str, str], list[TemplateIssue]] = {}
         for i in self.issues:
             groups.setdefault((i.kind, i.why), []).append(i)
         for (kind, why), found in groups.items():
             first = found[0]
-            label = ("fallback" if kind == "rewrites_history" and self.mode == "keep_history"
-                     else "segment" if kind == "rewrites_history" and not first.fatal
-                     else "FATAL" if first.fatal else "warn")
+            label = (
+                "fallback"
+                if kind == "rewrites_history" and self.mode == "keep_history"
+                else "segment"
+                if kind == "rewrites_history" and not first.fatal
+                else "FATAL"
+                if first.fatal
+                else "warn"
+            )
             where = ", ".join(sorted({i.conversation for i in found}))
             lines.append(f"  [{label}] {kind}: {why}")
             lines.append(f"      {len(found)} turn(s) in: {where}")
@@ -183,28 +245,50 @@ def _a(content: str, *calls: ToolCall) -> Message:
 
 
 def _t(content: str, call: ToolCall | None = None) -> Message:
-    return Message(role="tool", content=content, tool_call_id=call.id if call else None,
-                   name=call.name if call else None)
+    return Message(
+        role="tool",
+        content=content,
+        tool_call_id=call.id if call else None,
+        name=call.name if call else None,
+    )
 
 
 def _u(content: str) -> Message:
     return Message(role="user", content=content)
 
 
-def conversations(tools: list[dict] | None,
-                  prompt: list[Message] | None) -> list[tuple[str, list[Message], int]]:
+def conversations(
+    tools: list[dict] | None, prompt: list[Message] | None
+) -> list[tuple[str, list[Message], int]]:
     """The synthetic conversations the audit walks, as (name, messages, length of the head that
     the first prompt renders): plain shapes always, tool shapes when the env has tools. `prompt`
     (the env's first messages, which may hold worked examples) replaces the synthetic heads."""
-    head = list(prompt) if prompt else [Message(role="system", content="You are a careful assistant."),
-                                        _u("What is 12 * 7 + 3?")]
+    head = (
+        list(prompt)
+        if prompt
+        else [
+            Message(role="system", content="You are a careful assistant."),
+            _u("What is 12 * 7 + 3?"),
+        ]
+    )
     short = list(prompt) if prompt else [_u("Hi!")]
     plain = [
         ("chat", head, [_a("12 * 7 = 84, plus 3 is 87."), _u("Are you sure?"), _a("Yes: 87.")]),
         ("chat without system", short, [_a("Hello! How can I help?"), _u("Say 4."), _a("4")]),
-        ("feedback loop", head, [_a("86"), _u("No, try again."), _a("88"), _u("No, try again."), _a("87")]),
-        ("reasoning", head, [_a("<think>\n12 * 7 = 84.\n</think>\n\n87"), _u("Are you sure?"),
-                             _a("<think>\nCheck: 84 + 3 = 87.\n</think>\n\nYes, 87.")]),
+        (
+            "feedback loop",
+            head,
+            [_a("86"), _u("No, try again."), _a("88"), _u("No, try again."), _a("87")],
+        ),
+        (
+            "reasoning",
+            head,
+            [
+                _a("<think>\n12 * 7 = 84.\n</think>\n\n87"),
+                _u("Are you sure?"),
+                _a("<think>\nCheck: 84 + 3 = 87.\n</think>\n\nYes, 87."),
+            ],
+        ),
     ]
     with_tools = []
     if tools != []:
@@ -216,17 +300,54 @@ def conversations(tools: list[dict] | None,
 
         with_tools = [
             ("tool call", head, [_a("", c(0)), _t("84", c(0)), _a("The answer is 87.")]),
-            ("text and tool call", head, [_a("Let me compute 12 * 7 first.", c(0)), _t('{"result": 84}', c(0)),
-                                          _a("87")]),
-            ("parallel tool calls", head, [_a("", c(0), c(1)), _t("84", c(0)), _t("3", c(1)), _a("87")]),
-            ("several tool turns", head, [_a("", c(0)), _t("84", c(0)), _a("", c(1)), _t("87", c(1)), _a("87")]),
-            ("tool then user feedback", head, [_a("", c(0)), _t("84", c(0)), _a("84"), _u("Add the 3."),
-                                               _a("", c(1)), _t("87", c(1)), _a("87")]),
-            ("reasoning with tools", head, [_a("<think>\nProduct first.\n</think>\n\n", c(0)), _t("84", c(0)),
-                                            _a("<think>\nNow add 3.\n</think>\n\n87"), _u("Sure?"),
-                                            _a("<think>\nYes.\n</think>\n\nYes.")]),
-            ("awkward tool output", head, [_a("", c(0)), _t('  line 1\n\tline 2: ünïcode ✓ {"k": [1, 2]}\n', c(0)),
-                                           _a("done")]),
+            (
+                "text and tool call",
+                head,
+                [_a("Let me compute 12 * 7 first.", c(0)), _t('{"result": 84}', c(0)), _a("87")],
+            ),
+            (
+                "parallel tool calls",
+                head,
+                [_a("", c(0), c(1)), _t("84", c(0)), _t("3", c(1)), _a("87")],
+            ),
+            (
+                "several tool turns",
+                head,
+                [_a("", c(0)), _t("84", c(0)), _a("", c(1)), _t("87", c(1)), _a("87")],
+            ),
+            (
+                "tool then user feedback",
+                head,
+                [
+                    _a("", c(0)),
+                    _t("84", c(0)),
+                    _a("84"),
+                    _u("Add the 3."),
+                    _a("", c(1)),
+                    _t("87", c(1)),
+                    _a("87"),
+                ],
+            ),
+            (
+                "reasoning with tools",
+                head,
+                [
+                    _a("<think>\nProduct first.\n</think>\n\n", c(0)),
+                    _t("84", c(0)),
+                    _a("<think>\nNow add 3.\n</think>\n\n87"),
+                    _u("Sure?"),
+                    _a("<think>\nYes.\n</think>\n\nYes."),
+                ],
+            ),
+            (
+                "awkward tool output",
+                head,
+                [
+                    _a("", c(0)),
+                    _t('  line 1\n\tline 2: ünïcode ✓ {"k": [1, 2]}\n', c(0)),
+                    _a("done"),
+                ],
+            ),
             ("empty tool output", head, [_a("", c(0)), _t("", c(0)), _a("done")]),
         ]
     return [(name, h + rest, len(h)) for name, h, rest in plain + with_tools]
@@ -240,7 +361,7 @@ def _diagnose(before: str, after: str, end_of_turn: str) -> tuple[str, str]:
     """(why, where): the first change `after` makes to `before`'s text, and a guess at its cause."""
     sm = difflib.SequenceMatcher(None, before, after, autojunk=False)
     _, i1, i2, j1, j2 = next(op for op in sm.get_opcodes() if op[0] != "equal")
-    window = before[max(0, i1 - 12):i2 + 12]  # the diff may cut a tag in two: look around it
+    window = before[max(0, i1 - 12) : i2 + 12]  # the diff may cut a tag in two: look around it
     removed, added = before[i1:i2], after[j1:j2]
     if re.search(r"<think>\s*</think>", window):
         why = "it renders an empty <think></think> block in the last assistant turn only"
@@ -252,8 +373,10 @@ def _diagnose(before: str, after: str, end_of_turn: str) -> tuple[str, str]:
         why = "it changes whitespace in earlier turns"
     else:
         why = "it renders an earlier turn differently once more messages follow"
-    where = (f"at character {i1}, {before[max(0, i1 - 20):i2 + 20]!r} becomes "
-             f"{after[max(0, j1 - 20):j2 + 20]!r}")
+    where = (
+        f"at character {i1}, {before[max(0, i1 - 20) : i2 + 20]!r} becomes "
+        f"{after[max(0, j1 - 20) : j2 + 20]!r}"
+    )
     return why, where
 
 
@@ -261,20 +384,41 @@ def _calls(m: Message) -> list[tuple[str, dict]]:
     return [(c.name, c.arguments) for c in m.tool_calls or []]
 
 
-def _parser_issue(chat: ChatFormat, name: str, turn: int, text: str,
-                  want: list[tuple[str, dict]], tools: list[dict]) -> TemplateIssue:
+def _parser_issue(
+    chat: ChatFormat,
+    name: str,
+    turn: int,
+    text: str,
+    want: list[tuple[str, dict]],
+    tools: list[dict],
+) -> TemplateIssue:
     if not all(n in text for n, _ in want):
-        return TemplateIssue(name, turn, "parser_mismatch", True,
-                             "the template does not render tool calls (no tool support)", f"turn text {text[:80]!r}")
+        return TemplateIssue(
+            name,
+            turn,
+            "parser_mismatch",
+            True,
+            "the template does not render tool calls (no tool support)",
+            f"turn text {text[:80]!r}",
+        )
     fits = [p for p, parse in PARSERS.items() if _calls(parse(text, tools).message) == want]
     why = f"parser {chat.parser_name} does not read the calls this template renders" + (
-        f"; parser {fits[0]} reads them" if fits else "")
-    return TemplateIssue(name, turn, "parser_mismatch", False, why,
-                         f"{text[:100]!r} -> {_calls(chat.parse(text, tools).message)}")
+        f"; parser {fits[0]} reads them" if fits else ""
+    )
+    return TemplateIssue(
+        name,
+        turn,
+        "parser_mismatch",
+        False,
+        why,
+        f"{text[:100]!r} -> {_calls(chat.parse(text, tools).message)}",
+    )
 
 
 def _common_prefix(a: str, b: str) -> int:
-    return next((k for k, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+    return next(
+        (k for k, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
+    )
 
 
 def _render_error(name: str, conv: list[Message], turn: int, e: TemplateError) -> TemplateIssue:
@@ -286,21 +430,34 @@ def _render_error(name: str, conv: list[Message], turn: int, e: TemplateError) -
     else:
         why = "the template cannot render a tool conversation"
         if "dict" in str(e) and "TypeError" in str(e):
-            why += (" (it fails on tool-call arguments passed as a JSON object; it may want them as a JSON "
-                    "string, which agentgrpo does not pass: use a template that takes an object)")
-    return TemplateIssue(name, turn, "render_error", tool_shape and name != "parallel tool calls", why, str(e))
+            why += (
+                " (it fails on tool-call arguments passed as a JSON object; it may want them as a JSON "
+                "string, which agentgrpo does not pass: use a template that takes an object)"
+            )
+    return TemplateIssue(
+        name, turn, "render_error", tool_shape and name != "parallel tool calls", why, str(e)
+    )
 
 
-def _walk(chat: ChatFormat, name: str, conv: list[Message], first: int, tools: list[dict] | None,
-          report: TemplateReport) -> None:
+def _walk(
+    chat: ChatFormat,
+    name: str,
+    conv: list[Message],
+    first: int,
+    tools: list[dict] | None,
+    report: TemplateReport,
+) -> None:
     """Replay one conversation turn by turn as the rollout would (the first prompt renders
     `conv[:first]`), recording every issue."""
     history = conv[:first]
     try:
         ids = chat.prompt_ids(history, tools)
     except TemplateError as e:
-        report.issues.append(TemplateIssue(name, 0, "render_error", True,
-                                           "the template cannot render the first prompt", str(e)))
+        report.issues.append(
+            TemplateIssue(
+                name, 0, "render_error", True, "the template cannot render the first prompt", str(e)
+            )
+        )
         return
     keep = copy.copy(chat)
     keep.fallback = "keep_history"
@@ -319,24 +476,40 @@ def _walk(chat: ChatFormat, name: str, conv: list[Message], first: int, tools: l
         start = len(gen)
         if not full.startswith(gen):  # e.g. DeepSeek-V3 opens <think> in the generation prompt only
             start = _common_prefix(gen, full)
-            report.issues.append(TemplateIssue(
-                name, turn, "generation_prompt", False,
-                f"the generation prompt ends with {gen[start:][:40]!r}, which the template does not render "
-                "for assistant turns in history (harmless token-in/token-out; a server re-rendering text "
-                "would show the model another history)"))
+            report.issues.append(
+                TemplateIssue(
+                    name,
+                    turn,
+                    "generation_prompt",
+                    False,
+                    f"the generation prompt ends with {gen[start:][:40]!r}, which the template does not render "
+                    "for assistant turns in history (harmless token-in/token-out; a server re-rendering text "
+                    "would show the model another history)",
+                )
+            )
             exact_so_far = False
         text = full[start:]
         end = text.find(eot)
         if end < 0:
-            report.issues.append(TemplateIssue(name, turn, "no_end_of_turn", True,
-                                               f"the template does not end assistant turns with {eot!r}",
-                                               f"turn text {text[:80]!r}"))
+            report.issues.append(
+                TemplateIssue(
+                    name,
+                    turn,
+                    "no_end_of_turn",
+                    True,
+                    f"the template does not end assistant turns with {eot!r}",
+                    f"turn text {text[:80]!r}",
+                )
+            )
             return
         # the turn's ids as they stand in the conversation (a tokenizer may treat the start of its
         # input differently, e.g. SentencePiece's "▁"), else as text on its own
-        in_place, head = chat.encode(full[:start + end + len(eot)]), chat.encode(full[:start])
-        sampled = (in_place[len(head):] if in_place[:len(head)] == head
-                   else chat.encode(text[:end + len(eot)]))
+        in_place, head = chat.encode(full[: start + end + len(eot)]), chat.encode(full[:start])
+        sampled = (
+            in_place[len(head) :]
+            if in_place[: len(head)] == head
+            else chat.encode(text[: end + len(eot)])
+        )
         if tools and _calls(chat.parse_assistant(sampled, tools=tools).message) != _calls(a):
             report.issues.append(_parser_issue(chat, name, turn, text[:end], _calls(a), tools))
         ids += sampled
@@ -357,8 +530,16 @@ def _walk(chat: ChatFormat, name: str, conv: list[Message], first: int, tools: l
         single = chat.trajectory_mode == "single"
         if not after.startswith(before):
             why, where = _diagnose(before, after, eot)
-            report.issues.append(TemplateIssue(name, turn, "rewrites_history", single, why,
-                                               f"adding {[m.role for m in new]}: {where}"))
+            report.issues.append(
+                TemplateIssue(
+                    name,
+                    turn,
+                    "rewrites_history",
+                    single,
+                    why,
+                    f"adding {[m.role for m in new]}: {where}",
+                )
+            )
         if not single and (chat.trajectory_mode == "stepwise" or not after.startswith(before)):
             ids = chat.prompt_ids(history + new, tools)  # a new segment: the rollout's prompt
             report.new_segments += 1
@@ -371,54 +552,87 @@ def _walk(chat: ChatFormat, name: str, conv: list[Message], first: int, tools: l
                 ids += keep.suffix_ids(history, new, tools)
             except TemplateError as e:
                 report.fallback_works = False
-                report.issues.append(TemplateIssue(name, turn, "rewrites_history", True,
-                                                   "keep_history cannot continue this conversation", str(e)))
+                report.issues.append(
+                    TemplateIssue(
+                        name,
+                        turn,
+                        "rewrites_history",
+                        True,
+                        "keep_history cannot continue this conversation",
+                        str(e),
+                    )
+                )
                 return
         history += new
         if exact_so_far and ids != (whole := chat.encode(after)):
-            report.issues.append(TemplateIssue(
-                name, turn, "retokenizes", False,
-                "the same text tokenizes differently in one piece (a server re-rendering text would "
-                "show the model other tokens)", f"first difference at token {_first_diff(ids, whole)}"))
+            report.issues.append(
+                TemplateIssue(
+                    name,
+                    turn,
+                    "retokenizes",
+                    False,
+                    "the same text tokenizes differently in one piece (a server re-rendering text would "
+                    "show the model other tokens)",
+                    f"first difference at token {_first_diff(ids, whole)}",
+                )
+            )
             exact_so_far = False
 
 
 def _first_diff(a: list[int], b: list[int]) -> int:
-    return next((k for k, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+    return next(
+        (k for k, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
+    )
 
 
-def _check_tools_shown(chat: ChatFormat, head: list[Message], tools: list[dict], report: TemplateReport) -> None:
+def _check_tools_shown(
+    chat: ChatFormat, head: list[Message], tools: list[dict], report: TemplateReport
+) -> None:
     """Fatal `no_tool_support` when the first prompt renders the same with and without the tools."""
     try:
-        shown = chat.render(head, tools, add_generation_prompt=True) != chat.render(head, None, add_generation_prompt=True)
+        shown = chat.render(head, tools, add_generation_prompt=True) != chat.render(
+            head, None, add_generation_prompt=True
+        )
     except TemplateError:
         return  # the walk reports the render error
     if not shown:
-        report.issues.append(TemplateIssue(
-            "-", 0, "no_tool_support", True,
-            "the template does not show the tools to the model (its prompt is the same with and without "
-            "`tools`)", f"tools {[t.get('function', {}).get('name') for t in tools]}"))
+        report.issues.append(
+            TemplateIssue(
+                "-",
+                0,
+                "no_tool_support",
+                True,
+                "the template does not show the tools to the model (its prompt is the same with and without "
+                "`tools`)",
+                f"tools {[t.get('function', {}).get('name') for t in tools]}",
+            )
+        )
 
 
-def audit(chat: ChatFormat, *, tools: list[dict] | None = None,
-          prompt: list[Message] | None = None) -> TemplateReport:
+def audit(
+    chat: ChatFormat, *, tools: list[dict] | None = None, prompt: list[Message] | None = None
+) -> TemplateReport:
     """Audit `chat`'s template on synthetic conversations (see the module docstring).
 
     `tools`: the env's tool schemas; `[]` audits only conversations without tools, None uses a
     synthetic calculator tool. `prompt`: the env's first messages, used as every conversation's head.
     """
-    report = TemplateReport(template_source=chat.template_source, end_of_turn=chat.end_of_turn,
-                            parser=chat.parser_name, fallback=chat.fallback,
-                            template_kwargs=dict(chat.template_kwargs),
-                            trajectory_mode=chat.trajectory_mode,
-                            preserve_thinking_switch="preserve_thinking" in (chat.template or ""))
+    report = TemplateReport(
+        template_source=chat.template_source,
+        end_of_turn=chat.end_of_turn,
+        parser=chat.parser_name,
+        fallback=chat.fallback,
+        template_kwargs=dict(chat.template_kwargs),
+        trajectory_mode=chat.trajectory_mode,
+        preserve_thinking_switch="preserve_thinking" in (chat.template or ""),
+    )
     render_tools = [SYNTHETIC_TOOL] if tools is None else (tools or None)
     # every render of the audit also checks ChatFormat's fast render path against transformers'
     checks, chat._fast_checks_left = chat._fast_checks_left, 1 << 30
     try:
         plans = conversations(tools, prompt)
         if render_tools:
-            _check_tools_shown(chat, plans[0][1][:plans[0][2]], render_tools, report)
+            _check_tools_shown(chat, plans[0][1][: plans[0][2]], render_tools, report)
         for name, conv, first in plans:
             report.conversations += 1
             _walk(chat, name, conv, first, render_tools, report)
@@ -427,23 +641,47 @@ def audit(chat: ChatFormat, *, tools: list[dict] | None = None,
     return report
 
 
-def audit_template(tokenizer: Any, template: str | None = None, *, parser: str = "hermes",
-                   end_of_turn: str | None = None, fallback: TemplateFallback = "none",
-                   template_kwargs: dict[str, Any] | None = None,
-                   trajectory_mode: TrajectoryMode = "single") -> TemplateReport:
+def audit_template(
+    tokenizer: Any,
+    template: str | None = None,
+    *,
+    parser: str = "hermes",
+    end_of_turn: str | None = None,
+    fallback: TemplateFallback = "none",
+    template_kwargs: dict[str, Any] | None = None,
+    trajectory_mode: TrajectoryMode = "single",
+) -> TemplateReport:
     """Audit a tokenizer's chat template (or `template`) with and without tools.
 
     An end-of-turn token that the tokenizer does not have is reported, not raised.
     """
     try:
-        chat = ChatFormat(tokenizer, template=template, parser=parser, end_of_turn=end_of_turn,
-                          fallback=fallback, template_kwargs=template_kwargs,
-                          trajectory_mode=trajectory_mode)
+        chat = ChatFormat(
+            tokenizer,
+            template=template,
+            parser=parser,
+            end_of_turn=end_of_turn,
+            fallback=fallback,
+            template_kwargs=template_kwargs,
+            trajectory_mode=trajectory_mode,
+        )
     except ValueError as e:
-        report = TemplateReport(template_source="config" if template else "tokenizer",
-                                end_of_turn=str(end_of_turn or tokenizer.eos_token), parser=parser, fallback=fallback)
-        report.issues.append(TemplateIssue("-", 0, "end_of_turn", True,
-                                           "the end-of-turn token is not a token of this tokenizer", str(e)))
+        report = TemplateReport(
+            template_source="config" if template else "tokenizer",
+            end_of_turn=str(end_of_turn or tokenizer.eos_token),
+            parser=parser,
+            fallback=fallback,
+        )
+        report.issues.append(
+            TemplateIssue(
+                "-",
+                0,
+                "end_of_turn",
+                True,
+                "the end-of-turn token is not a token of this tokenizer",
+                str(e),
+            )
+        )
         return report
     return audit(chat)
 
@@ -460,5 +698,7 @@ def require_token_safe(chat: ChatFormat, env: Env, task: Task, *, seed: int = 0)
     prompt, _ = _run_sync(env.reset(seed=seed, options={"task": task}))
     report = audit(chat, tools=list(env.tool_schemas()), prompt=list(prompt))
     if report.mode == "refuse":
-        raise TemplateError("the chat template is not token-safe for this environment:\n" + report.format())
+        raise TemplateError(
+            "the chat template is not token-safe for this environment:\n" + report.format()
+        )
     return report

@@ -65,7 +65,7 @@ def _doc_parts(doc: str | None) -> tuple[str, dict[str, str]]:
         return doc.strip(), arg_docs
     description = doc[: m.start()].strip()
     current = None
-    for line in doc[m.end():].splitlines():
+    for line in doc[m.end() :].splitlines():
         if not line.strip():
             continue
         if not line.startswith((" ", "\t")):
@@ -82,32 +82,44 @@ def _doc_parts(doc: str | None) -> tuple[str, dict[str, str]]:
 class Tool:
     """A callable tool with a JSON schema. Create it with `@tool`, not directly."""
 
-    def __init__(self, fn: Callable[..., Any], *, name: str | None = None,
-                 description: str | None = None) -> None:
+    def __init__(
+        self, fn: Callable[..., Any], *, name: str | None = None, description: str | None = None
+    ) -> None:
         self.fn = fn
         self.name = name or fn.__name__
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_\-]{0,63}", self.name):
-            raise ValueError(f"tool name {self.name!r} must match [A-Za-z_][A-Za-z0-9_-]*, max 64 chars")
+            raise ValueError(
+                f"tool name {self.name!r} must match [A-Za-z_][A-Za-z0-9_-]*, max 64 chars"
+            )
         doc_description, arg_docs = _doc_parts(fn.__doc__)
         self.description = description or doc_description
         if not self.description:
-            raise ValueError(f"tool {self.name!r} needs a description (a docstring): the model reads it")
+            raise ValueError(
+                f"tool {self.name!r} needs a description (a docstring): the model reads it"
+            )
         try:
             sig = inspect.signature(fn, eval_str=True)
         except NameError as e:
-            raise TypeError(f"tool {self.name!r}: an annotation names something undefined when @tool "
-                            f"runs ({e}); define or import it before the tool") from None
+            raise TypeError(
+                f"tool {self.name!r}: an annotation names something undefined when @tool "
+                f"runs ({e}); define or import it before the tool"
+            ) from None
         fields: dict[str, Any] = {}
         params = list(sig.parameters.values())
         if params and params[0].name == "self":
             params = params[1:]
         for p in params:
             if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
-                raise TypeError(f"tool {self.name!r}: *args/**kwargs cannot be described to the model")
+                raise TypeError(
+                    f"tool {self.name!r}: *args/**kwargs cannot be described to the model"
+                )
             if p.annotation is inspect.Parameter.empty:
                 raise TypeError(f"tool {self.name!r}: parameter {p.name!r} needs a type annotation")
             default = ... if p.default is inspect.Parameter.empty else p.default
-            fields[p.name] = (p.annotation, pydantic.Field(default, description=arg_docs.get(p.name)))
+            fields[p.name] = (
+                p.annotation,
+                pydantic.Field(default, description=arg_docs.get(p.name)),
+            )
         self.params_model = pydantic.create_model(
             f"{self.name}_args", __config__=pydantic.ConfigDict(extra="forbid"), **fields
         )
@@ -122,7 +134,11 @@ class Tool:
         parameters.setdefault("required", [])
         self.schema: dict[str, Any] = {
             "type": "function",
-            "function": {"name": self.name, "description": self.description, "parameters": parameters},
+            "function": {
+                "name": self.name,
+                "description": self.description,
+                "parameters": parameters,
+            },
         }
         self.is_async = inspect.iscoroutinefunction(fn)
         self._bound_self: Any = None
@@ -144,13 +160,19 @@ class Tool:
     def validate(self, arguments: dict[str, Any]) -> dict[str, Any]:
         """Check the model's arguments against the signature; raise ToolError naming the problem."""
         if not isinstance(arguments, dict):
-            raise ToolError(f"arguments of {self.name} must be a JSON object, got {type(arguments).__name__}")
+            raise ToolError(
+                f"arguments of {self.name} must be a JSON object, got {type(arguments).__name__}"
+            )
         try:
-            parsed = (self.params_model.model_validate(arguments, extra="forbid") if _EXTRA_PER_CALL
-                      else self.params_model.model_validate(arguments))
+            parsed = (
+                self.params_model.model_validate(arguments, extra="forbid")
+                if _EXTRA_PER_CALL
+                else self.params_model.model_validate(arguments)
+            )
         except pydantic.ValidationError as e:
             problems = "; ".join(
-                f"{'.'.join(str(x) for x in err['loc']) or '(arguments)'}: {err['msg']}" for err in e.errors()
+                f"{'.'.join(str(x) for x in err['loc']) or '(arguments)'}: {err['msg']}"
+                for err in e.errors()
             )
             raise ToolError(f"invalid arguments for {self.name}: {problems}") from None
         return {k: getattr(parsed, k) for k in type(parsed).model_fields}
@@ -190,8 +212,9 @@ def render_result(result: Any) -> str:
         return str(result)
 
 
-def tool(fn: Callable[..., Any] | None = None, *, name: str | None = None,
-         description: str | None = None) -> Any:
+def tool(
+    fn: Callable[..., Any] | None = None, *, name: str | None = None, description: str | None = None
+) -> Any:
     """Decorator: `@tool` or `@tool(name=..., description=...)`. See the module docstring."""
     if fn is None:
         return lambda f: Tool(f, name=name, description=description)
@@ -272,7 +295,9 @@ def _abandoned(fut: Future, fn: Callable[..., Any]) -> None:
             f"{n} sync calls of user code (the latest: {name}) overran their deadlines and still hold "
             f"worker threads ({USER_THREADS} in all); when all are held every sync tool, env step and "
             "verifier waits. Give blocking code its own timeout, or make it async.",
-            RuntimeWarning, stacklevel=3)
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 async def to_user_thread(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
@@ -290,6 +315,7 @@ async def to_user_thread(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> 
     def run() -> T:
         stop_wait()
         return work()
+
     fut = _user_executor().submit(ctx.run, run)
     try:
         return await asyncio.wrap_future(fut)

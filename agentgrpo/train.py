@@ -91,14 +91,29 @@ def describe_precision(learner: Precision, engine: Engine, threads: str) -> str:
     return f"{line}; {threads}"
 
 
-async def collect_step(cfg: RunConfig, make_env: Callable[[], Env], engine: Engine, chat: ChatFormat,
-                       stream: TaskStream, step: int, context_len: int | None,
-                       on_done: Callable[[Trajectory], None] | None = None) -> Rollouts:
+async def collect_step(
+    cfg: RunConfig,
+    make_env: Callable[[], Env],
+    engine: Engine,
+    chat: ChatFormat,
+    stream: TaskStream,
+    step: int,
+    context_len: int | None,
+    on_done: Callable[[Trajectory], None] | None = None,
+) -> Rollouts:
     """The step's groups. With dynamic sampling, groups whose rewards are all equal (no learning
     signal) are dropped and more tasks are sampled, at most `max_extra_rounds` times."""
     t0, seed = time.perf_counter(), cfg.seed * 100_003 + step * 101
-    groups = await collect(make_env, engine, chat, stream.take(cfg.rollout.tasks_per_step), cfg.rollout,
-                           seed=seed, context_len=context_len, on_done=on_done)
+    groups = await collect(
+        make_env,
+        engine,
+        chat,
+        stream.take(cfg.rollout.tasks_per_step),
+        cfg.rollout,
+        seed=seed,
+        context_len=context_len,
+        on_done=on_done,
+    )
     stats = {"groups_sampled": float(len(groups))}
     if not cfg.shaping.dynamic_sampling:
         stats["rollout_s"] = time.perf_counter() - t0
@@ -107,12 +122,25 @@ async def collect_step(cfg: RunConfig, make_env: Callable[[], Env], engine: Engi
     rounds = 0
     while len(kept) < cfg.rollout.tasks_per_step and rounds < cfg.shaping.max_extra_rounds:
         rounds += 1
-        more = await collect(make_env, engine, chat, stream.take(cfg.rollout.tasks_per_step - len(kept)),
-                             cfg.rollout, seed=seed + rounds, context_len=context_len, on_done=on_done)
+        more = await collect(
+            make_env,
+            engine,
+            chat,
+            stream.take(cfg.rollout.tasks_per_step - len(kept)),
+            cfg.rollout,
+            seed=seed + rounds,
+            context_len=context_len,
+            on_done=on_done,
+        )
         stats["groups_sampled"] += len(more)
         kept += [g for g, ok in zip(more, keep_informative_groups([g.rewards for g in more])) if ok]
-    stats.update({"dynamic/extra_rounds": float(rounds), "dynamic/groups_kept": float(len(kept)),
-                  "rollout_s": time.perf_counter() - t0})
+    stats.update(
+        {
+            "dynamic/extra_rounds": float(rounds),
+            "dynamic/groups_kept": float(len(kept)),
+            "rollout_s": time.perf_counter() - t0,
+        }
+    )
     return Rollouts(kept[: cfg.rollout.tasks_per_step], stats)
 
 
@@ -120,9 +148,13 @@ def assign_advantages(trajs: Sequence[Trajectory], cfg: RunConfig) -> None:
     """Each trajectory's advantage, from its group's shaped rewards (`Trajectory.advantage`; None
     for one not trained on: unscorable, or cut and `shaping.mask_truncated`)."""
     rewards_B = shaped_rewards(trajs, cfg.shaping, cfg.rollout.max_tokens)
-    advantages_B = compute_advantages(rewards_B, [t.group_id for t in trajs],
-                                      estimator=cfg.advantage.estimator, eps=cfg.advantage.eps,
-                                      batch_std=cfg.advantage.batch_std)
+    advantages_B = compute_advantages(
+        rewards_B,
+        [t.group_id for t in trajs],
+        estimator=cfg.advantage.estimator,
+        eps=cfg.advantage.eps,
+        batch_std=cfg.advantage.batch_std,
+    )
     if cfg.shaping.mask_truncated:  # truncated rows still counted in their group's statistics
         advantages_B[truncated_rows([t.stop_reason for t in trajs])] = float("nan")
     for t, a in zip(trajs, advantages_B.tolist(), strict=True):
@@ -175,8 +207,16 @@ class Run:
         return self.learner.is_main
 
     def collect(self, step: int) -> Awaitable[Rollouts]:
-        return collect_step(self.cfg, self.make_env, self.engine, self.chat, self.stream, step,
-                            self.context_len, self.progress.rollout_done)
+        return collect_step(
+            self.cfg,
+            self.make_env,
+            self.engine,
+            self.chat,
+            self.stream,
+            step,
+            self.context_len,
+            self.progress.rollout_done,
+        )
 
     def checkpoint_due(self, step: int) -> bool:
         """Whether the step ending at `step` saves a checkpoint; decided before it trains (an
@@ -200,11 +240,15 @@ class Run:
         """A checkpoint of the run after `step`. Collective: every rank writes its part."""
         self.progress.phase("checkpoint")
         position = self.prefetched.data_position if self.prefetched else self.stream.position
-        checkpoint.save(self.run_dir / "checkpoints", step, self.learner.save,
-                        {"data_position": position, "weight_version": str(step),
-                         "rng": checkpoint.rng_state()},
-                        keep=self.cfg.train.keep_checkpoints, is_main=self.is_main,
-                        barrier=self.learner.accelerator.wait_for_everyone)
+        checkpoint.save(
+            self.run_dir / "checkpoints",
+            step,
+            self.learner.save,
+            {"data_position": position, "weight_version": str(step), "rng": checkpoint.rng_state()},
+            keep=self.cfg.train.keep_checkpoints,
+            is_main=self.is_main,
+            barrier=self.learner.accelerator.wait_for_everyone,
+        )
         self.saved_step, self.saved_at = step, time.monotonic()
 
 
@@ -215,14 +259,18 @@ def run_step(run: Run, step: int) -> bool:
     run.progress.phase("rollout")
     rollouts = None
     if run.is_main:
-        rollouts = run.prefetched.rollouts if run.prefetched else run.loop.run_until_complete(
-            run.collect(step))
+        rollouts = (
+            run.prefetched.rollouts
+            if run.prefetched
+            else run.loop.run_until_complete(run.collect(step))
+        )
     rollouts = learner.broadcast(rollouts)  # every rank trains on rank 0's rollouts
     run.prefetched, done = None, step + 1
     trajs = rollouts.trajectories
     assign_advantages(trajs, cfg)
-    update = functools.partial(learner.train_step, trajs,
-                               [math.nan if t.advantage is None else t.advantage for t in trajs])
+    update = functools.partial(
+        learner.train_step, trajs, [math.nan if t.advantage is None else t.advantage for t in trajs]
+    )
     save_now = run.checkpoint_due(done)
     metrics = dict(rollouts.metrics)
     # One step off-policy: the next step samples with the weights before this update, while it
@@ -231,8 +279,9 @@ def run_step(run: Run, step: int) -> bool:
     if run.is_main and cfg.train.overlap_rollouts and done < cfg.train.steps and not save_now:
         run.progress.phase("train+rollout", total=run.progress.rollouts_per_step)
         position = run.stream.position
-        trained, upcoming = run.loop.run_until_complete(train_while_collecting(
-            update, run.collect(done), abandon=lambda: bool(run.stop)))
+        trained, upcoming = run.loop.run_until_complete(
+            train_while_collecting(update, run.collect(done), abandon=lambda: bool(run.stop))
+        )
         if upcoming is None:  # a stop cancelled them: their tasks are sampled after resuming
             run.stream.position = position
         else:
@@ -248,9 +297,14 @@ def run_step(run: Run, step: int) -> bool:
     run.steps_done = done
     stopping = learner.any_rank(bool(run.stop))
     if run.is_main:
-        metrics.update(rollout_metrics(rollouts.groups), step_s=time.perf_counter() - t0,
-                       policy_lag=policy_lag(trajs, step))
-        metrics["tokens_per_s"] = metrics.get("sampled_tokens", 0.0) / max(metrics["rollout_s"], 1e-9)
+        metrics.update(
+            rollout_metrics(rollouts.groups),
+            step_s=time.perf_counter() - t0,
+            policy_lag=policy_lag(trajs, step),
+        )
+        metrics["tokens_per_s"] = metrics.get("sampled_tokens", 0.0) / max(
+            metrics["rollout_s"], 1e-9
+        )
         if cfg.eval.every and done % cfg.eval.every == 0:
             metrics.update(evaluate_now(run))
         metrics.update({f"phase_s/{k}": v for k, v in run.progress.phase_times().items()})
@@ -265,9 +319,19 @@ def run_step(run: Run, step: int) -> bool:
 def evaluate_now(run: Run) -> dict[str, float]:
     """Rank 0: the current policy on the evaluation tasks, as `eval/` metrics."""
     run.progress.phase("eval", total=len(run.eval_tasks) * run.cfg.eval.samples_per_task)
-    result = run.loop.run_until_complete(evaluate(
-        run.make_env, run.engine, run.chat, run.eval_tasks, run.cfg.rollout, run.cfg.eval,
-        seed=run.cfg.seed, context_len=run.context_len, on_done=run.progress.rollout_done))
+    result = run.loop.run_until_complete(
+        evaluate(
+            run.make_env,
+            run.engine,
+            run.chat,
+            run.eval_tasks,
+            run.cfg.rollout,
+            run.cfg.eval,
+            seed=run.cfg.seed,
+            context_len=run.context_len,
+            on_done=run.progress.rollout_done,
+        )
+    )
     return {f"eval/{k}": v for k, v in result.metrics.items()}
 
 
@@ -307,48 +371,87 @@ def start_run(cfg: RunConfig) -> Run:
     run_dir = Path(cfg.output_dir)
     seed_everything(cfg.seed)
     threads = configure_cpu_threads()
-    env_cls = cfg.env.env_class()  # before the model loads: a misspelt env or task file fails at once
+    env_cls = (
+        cfg.env.env_class()
+    )  # before the model loads: a misspelt env or task file fails at once
     train_tasks = cfg.env.load_tasks(env_cls, "train", cfg.seed)
-    eval_tasks = (cfg.env.load_tasks(env_cls, cfg.eval.split, cfg.seed)[: cfg.eval.num_tasks]
-                  if cfg.eval.every else [])
+    eval_tasks = (
+        cfg.env.load_tasks(env_cls, cfg.eval.split, cfg.seed)[: cfg.eval.num_tasks]
+        if cfg.eval.every
+        else []
+    )
     if cfg.eval.every and not eval_tasks:  # it would log NaN eval metrics every eval.every steps
-        raise ConfigError(f"eval.every={cfg.eval.every} but {cfg.env.name} has no tasks in split "
-                          f"{cfg.eval.split!r} (eval.split); set eval.every: 0 or another split")
+        raise ConfigError(
+            f"eval.every={cfg.eval.every} but {cfg.env.name} has no tasks in split "
+            f"{cfg.eval.split!r} (eval.split); set eval.every: 0 or another split"
+        )
     model_path = Path(cfg.model.path) if cfg.model.path else models.default_model_path()
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     template = Path(cfg.model.chat_template).read_text() if cfg.model.chat_template else None
-    chat = ChatFormat(tokenizer, template=template, parser=cfg.model.tool_parser,
-                      fallback=cfg.rollout.template_fallback,
-                      template_kwargs=cfg.rollout.chat_template_kwargs,
-                      trajectory_mode=cfg.rollout.trajectory_mode)
-    model = models.load_policy(model_path)  # FSDP with RAM-efficient loading: weights on rank 0 only
+    chat = ChatFormat(
+        tokenizer,
+        template=template,
+        parser=cfg.model.tool_parser,
+        fallback=cfg.rollout.template_fallback,
+        template_kwargs=cfg.rollout.chat_template_kwargs,
+        trajectory_mode=cfg.rollout.trajectory_mode,
+    )
+    model = models.load_policy(
+        model_path
+    )  # FSDP with RAM-efficient loading: weights on rank 0 only
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else chat.end_of_turn_id
-    learner = Learner(model, cfg.learner, cfg.loss, temperature=cfg.rollout.temperature,
-                      pad_id=pad_id, total_steps=cfg.train.steps)
+    learner = Learner(
+        model,
+        cfg.learner,
+        cfg.loss,
+        temperature=cfg.rollout.temperature,
+        pad_id=pad_id,
+        total_steps=cfg.train.steps,
+    )
     start, stream = 0, TaskStream(train_tasks, cfg.seed)
     ckpt_root = run_dir / "checkpoints"
     try:  # before anything is written: a run that cannot resume leaves its directory as it was
-        found = checkpoint.restore(ckpt_root, learner.load, check=learner.is_main,
-                                   all_ranks=learner.all_ranks, strict=True)
+        found = checkpoint.restore(
+            ckpt_root, learner.load, check=learner.is_main, all_ranks=learner.all_ranks, strict=True
+        )
     except checkpoint.NoUsableCheckpoint as e:  # never silently start again from step 0 over them
-        raise ConfigError(f"{e}\nif the config changed since they were written "
-                          f"({run_dir / 'config.yaml'} holds that run's), restore it; to start a "
-                          "new run, use another output_dir") from None
+        raise ConfigError(
+            f"{e}\nif the config changed since they were written "
+            f"({run_dir / 'config.yaml'} holds that run's), restore it; to start a "
+            "new run, use another output_dir"
+        ) from None
     if found is not None:  # damaged checkpoints were skipped, on every rank alike
         ckpt_dir, manifest = found
         start, stream.position = int(manifest["step"]), int(manifest["data_position"])
         checkpoint.set_rng_state(manifest["rng"])  # after the setup above: only steps draw from it
-    run = Run(cfg=cfg, run_dir=run_dir, learner=learner, chat=chat,
-              make_env=lambda: env_cls(**cfg.env.kwargs),  # one env instance per trajectory
-              stream=stream, context_len=getattr(model.config, "max_position_embeddings", None),
-              loop=asyncio.new_event_loop(),  # one loop for the run: engine clients live on it
-              progress=Progress(cfg.train.steps, start_step=start,
-                                enabled=cfg.log.progress and learner.is_main,
-                                rollouts_per_step=cfg.rollout.tasks_per_step * cfg.rollout.group_size),
-              stop=checkpoint.StopRequested(), steps_done=start, saved_step=start)
+    run = Run(
+        cfg=cfg,
+        run_dir=run_dir,
+        learner=learner,
+        chat=chat,
+        make_env=lambda: env_cls(**cfg.env.kwargs),  # one env instance per trajectory
+        stream=stream,
+        context_len=getattr(model.config, "max_position_embeddings", None),
+        loop=asyncio.new_event_loop(),  # one loop for the run: engine clients live on it
+        progress=Progress(
+            cfg.train.steps,
+            start_step=start,
+            enabled=cfg.log.progress and learner.is_main,
+            rollouts_per_step=cfg.rollout.tasks_per_step * cfg.rollout.group_size,
+        ),
+        stop=checkpoint.StopRequested(),
+        steps_done=start,
+        saved_step=start,
+    )
     if learner.is_main:
-        start_main_rank(run, model_path, tokenizer, eval_tasks, threads=threads,
-                        resumed_from=found[0] if found is not None else None)
+        start_main_rank(
+            run,
+            model_path,
+            tokenizer,
+            eval_tasks,
+            threads=threads,
+            resumed_from=found[0] if found is not None else None,
+        )
     # Before the first rollout the engine serves the learner's weights, checked by the probe: a
     # server still holding another run's weights (or another model) is caught, not sampled from.
     run.push_weights(start)
@@ -356,8 +459,15 @@ def start_run(cfg: RunConfig) -> Run:
     return run
 
 
-def start_main_rank(run: Run, model_path: Path, tokenizer: Any, eval_tasks: list[Task], *, threads: str,
-                    resumed_from: Path | None) -> None:
+def start_main_rank(
+    run: Run,
+    model_path: Path,
+    tokenizer: Any,
+    eval_tasks: list[Task],
+    *,
+    threads: str,
+    resumed_from: Path | None,
+) -> None:
     """Rank 0's part of the start: the run directory's files, the effective algorithm, the
     template check, the engine and the logger."""
     cfg, start = run.cfg, run.steps_done
@@ -365,14 +475,18 @@ def start_main_rank(run: Run, model_path: Path, tokenizer: Any, eval_tasks: list
     (run.run_dir / "config.yaml").write_text(dump_config(cfg))
     print(describe_algorithm(cfg.advantage, cfg.loss, cfg.shaping), flush=True)
     if (world := run.learner.accelerator.num_processes) > 1:
-        print(f"processes: {world} ({run.learner.accelerator.distributed_type.value}); rank 0 rolls "
-              "out, every rank trains", flush=True)
+        print(
+            f"processes: {world} ({run.learner.accelerator.distributed_type.value}); rank 0 rolls "
+            "out, every rank trains",
+            flush=True,
+        )
     check_env_at_start(run.make_env(), run.stream.tasks[0])
     # Refuse a template that would make the learner see tokens the model never saw.
     mode = require_token_safe(run.chat, run.make_env(), run.stream.tasks[0], seed=cfg.seed).mode
     print(f"chat template: {run.chat.template_source}, token mode: {mode}", flush=True)
-    run.engine = build_engine(cfg.engine, model_path, tokenizer, seed=cfg.seed,
-                              weights_dtype=cfg.learner.dtype)
+    run.engine = build_engine(
+        cfg.engine, model_path, tokenizer, seed=cfg.seed, weights_dtype=cfg.learner.dtype
+    )
     print(describe_precision(run.learner.precision, run.engine, threads), flush=True)
     run.sync = WeightSync(run.engine, cfg.weight_sync)
     # SGLang: servers loaded, their versions and context length read, before the first push
@@ -380,14 +494,21 @@ def start_main_rank(run: Run, model_path: Path, tokenizer: Any, eval_tasks: list
     if resumed_from is not None:
         # Newer ones that were skipped leave the run: later saves, prunes and resumes ignore them.
         aside = checkpoint.set_aside_newer(run.run_dir / "checkpoints", start)
-        print(f"resumed from {resumed_from} at step {start}"
-              + (f"; set aside {', '.join(p.name for p in aside)}" if aside else ""), flush=True)
+        print(
+            f"resumed from {resumed_from} at step {start}"
+            + (f"; set aside {', '.join(p.name for p in aside)}" if aside else ""),
+            flush=True,
+        )
     # Rows of steps after the one resumed from (or after 0: a run killed before its first
     # checkpoint) are trained again: theirs from the cut-off timeline go aside, not twice in the logs.
     moved = {k: n for k, n in set_aside_after(run.run_dir, start).items() if n}
     if moved:
-        print(f"log rows of steps after {start} set aside: "
-              + ", ".join(f"{n} of {k} -> {aside_name(run.run_dir, k, start)}"
-                          for k, n in moved.items()), flush=True)
+        print(
+            f"log rows of steps after {start} set aside: "
+            + ", ".join(
+                f"{n} of {k} -> {aside_name(run.run_dir, k, start)}" for k, n in moved.items()
+            ),
+            flush=True,
+        )
     run.logger = RunLogger.from_config(run.run_dir, cfg)
     run.eval_tasks = eval_tasks

@@ -55,7 +55,9 @@ class ToolCall(BaseModel):
             try:
                 args = json.loads(args) if args.strip() else {}
             except json.JSONDecodeError as e:
-                raise ValueError(f"tool call {fn.get('name')!r}: arguments are not JSON ({e})") from e
+                raise ValueError(
+                    f"tool call {fn.get('name')!r}: arguments are not JSON ({e})"
+                ) from e
         return {"id": d.get("id") or "", "name": fn.get("name"), "arguments": args}
 
     @classmethod
@@ -101,8 +103,10 @@ class Message(BaseModel):
         elif isinstance(content, list):
             kinds = [p.get("type") if isinstance(p, dict) else type(p).__name__ for p in content]
             if any(k != "text" for k in kinds):
-                raise ValueError(f"content parts of type {sorted({k for k in kinds if k != 'text'})}: only "
-                                 "text parts are supported")
+                raise ValueError(
+                    f"content parts of type {sorted({k for k in kinds if k != 'text'})}: only "
+                    "text parts are supported"
+                )
             d["content"] = "".join(p.get("text", "") for p in content)
         return d
 
@@ -161,8 +165,12 @@ class StopReason(str, enum.Enum):
         by MAX_TURNS and MAX_TOKENS. A tool call that overruns its deadline is different: the model
         chose the call, so it becomes an error tool message (`ToolErrorKind.TOOL_TIMEOUT`).
         """
-        return self in (StopReason.ENV_ERROR, StopReason.ENGINE_ERROR, StopReason.ABORTED,
-                        StopReason.TIMEOUT)
+        return self in (
+            StopReason.ENV_ERROR,
+            StopReason.ENGINE_ERROR,
+            StopReason.ABORTED,
+            StopReason.TIMEOUT,
+        )
 
 
 class ToolErrorKind(str, enum.Enum):
@@ -176,12 +184,15 @@ class ToolErrorKind(str, enum.Enum):
     INVALID_ARGUMENTS = "invalid_arguments"  # arguments fail the tool's schema
     TOOL_FAILED = "tool_failed"  # the tool raised
     TOOL_TIMEOUT = "tool_timeout"  # the tool overran its per-call deadline
-    TOO_MANY_CALLS = "too_many_calls"  # more calls in one turn than allowed; the extra ones were not run
+    TOO_MANY_CALLS = (
+        "too_many_calls"  # more calls in one turn than allowed; the extra ones were not run
+    )
 
 
 # Endings an env may choose (`EnvStep.stop_reason`); the infrastructure endings are the rollout's.
-ENV_STOP_REASONS = frozenset({StopReason.COMPLETED, StopReason.TRUNCATED, StopReason.PARSE_ERROR,
-                              StopReason.TOOL_ERROR})
+ENV_STOP_REASONS = frozenset(
+    {StopReason.COMPLETED, StopReason.TRUNCATED, StopReason.PARSE_ERROR, StopReason.TOOL_ERROR}
+)
 
 
 class EnvStep(tuple):
@@ -211,28 +222,48 @@ class EnvStep(tuple):
     stop_reason: StopReason | None
     tool_errors: dict[ToolErrorKind, int]
 
-    def __new__(cls, messages: list[Message], reward: float = 0.0, terminated: bool = False,
-                truncated: bool = False, info: dict[str, Any] | None = None, *,
-                stop_reason: StopReason | str | None = None,
-                tool_errors: dict[ToolErrorKind, int] | None = None) -> EnvStep:
+    def __new__(
+        cls,
+        messages: list[Message],
+        reward: float = 0.0,
+        terminated: bool = False,
+        truncated: bool = False,
+        info: dict[str, Any] | None = None,
+        *,
+        stop_reason: StopReason | str | None = None,
+        tool_errors: dict[ToolErrorKind, int] | None = None,
+    ) -> EnvStep:
         info = {} if info is None else info
         self = super().__new__(cls, (messages, reward, terminated, truncated, info))
         if stop_reason is None:
-            stop_reason = (StopReason.COMPLETED if terminated
-                           else StopReason.TRUNCATED if truncated else None)
+            stop_reason = (
+                StopReason.COMPLETED if terminated else StopReason.TRUNCATED if truncated else None
+            )
         elif not (terminated or truncated):
-            raise ValueError(f"stop_reason={stop_reason!r} on a step that ends nothing (set "
-                             "terminated or truncated)")
+            raise ValueError(
+                f"stop_reason={stop_reason!r} on a step that ends nothing (set "
+                "terminated or truncated)"
+            )
         elif stop_reason not in ENV_STOP_REASONS:
-            raise ValueError(f"stop_reason={stop_reason!r}: an env may choose one of "
-                             f"{sorted(r.value for r in ENV_STOP_REASONS)}")
-        kinds = {ToolErrorKind(k): int(n) if isinstance(n, numbers.Integral) else n for k, n in (tool_errors or {}).items()}
+            raise ValueError(
+                f"stop_reason={stop_reason!r}: an env may choose one of "
+                f"{sorted(r.value for r in ENV_STOP_REASONS)}"
+            )
+        kinds = {
+            ToolErrorKind(k): int(n) if isinstance(n, numbers.Integral) else n
+            for k, n in (tool_errors or {}).items()
+        }
         if any(not isinstance(n, numbers.Integral) or n < 0 for n in kinds.values()):
             raise ValueError(f"tool_errors must count with non-negative ints, got {tool_errors!r}")
-        vars(self).update(messages=messages, reward=reward, terminated=terminated,
-                          truncated=truncated, info=info,
-                          stop_reason=None if stop_reason is None else StopReason(stop_reason),
-                          tool_errors=kinds)
+        vars(self).update(
+            messages=messages,
+            reward=reward,
+            terminated=terminated,
+            truncated=truncated,
+            info=info,
+            stop_reason=None if stop_reason is None else StopReason(stop_reason),
+            tool_errors=kinds,
+        )
         return self
 
     @classmethod
@@ -248,16 +279,27 @@ class EnvStep(tuple):
         elif isinstance(result, tuple) and len(result) == 5:
             step = cls(*result)
         else:
-            raise ValueError("step must return (messages, reward, terminated, truncated, info), "
-                             f"got {result!r:.200}")
-        if not (isinstance(step.messages, list)
-                and all(isinstance(m, Message) for m in step.messages)):
-            hint = ("; OpenAI-style dicts convert with Message.from_dict"
-                    if isinstance(step.messages, list) else "")
-            raise ValueError(f"step's messages must be a list of Message, got "
-                             f"{step.messages!r:.200}{hint}")
+            raise ValueError(
+                "step must return (messages, reward, terminated, truncated, info), "
+                f"got {result!r:.200}"
+            )
+        if not (
+            isinstance(step.messages, list) and all(isinstance(m, Message) for m in step.messages)
+        ):
+            hint = (
+                "; OpenAI-style dicts convert with Message.from_dict"
+                if isinstance(step.messages, list)
+                else ""
+            )
+            raise ValueError(
+                f"step's messages must be a list of Message, got {step.messages!r:.200}{hint}"
+            )
         reward = step.reward
-        if isinstance(reward, bool) or not isinstance(reward, numbers.Real) or not math.isfinite(reward):
+        if (
+            isinstance(reward, bool)
+            or not isinstance(reward, numbers.Real)
+            or not math.isfinite(reward)
+        ):
             raise ValueError(f"step's reward must be a finite number, got {reward!r:.100}")
         if not isinstance(step.info, dict):
             raise ValueError(f"step's info must be a dict, got {type(step.info).__name__}")
@@ -293,13 +335,18 @@ class Segment:
             raise ValueError(f"{name}: a masked-out token has a non-zero logprob")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"token_ids": self.token_ids, "loss_mask": self.loss_mask, "logprobs": self.logprobs,
-                "prompt_len": self.prompt_len}
+        return {
+            "token_ids": self.token_ids,
+            "loss_mask": self.loss_mask,
+            "logprobs": self.logprobs,
+            "prompt_len": self.prompt_len,
+        }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Segment:
-        return cls(list(d["token_ids"]), list(d["loss_mask"]), list(d["logprobs"]),
-                   int(d["prompt_len"]))
+        return cls(
+            list(d["token_ids"]), list(d["loss_mask"]), list(d["logprobs"]), int(d["prompt_len"])
+        )
 
 
 @dataclass
@@ -356,8 +403,10 @@ class Trajectory:
     @property
     def segments(self) -> list[Segment]:
         """Every segment in order; the last is a view of the flat fields (their lists, no copy)."""
-        return [*self.earlier_segments,
-                Segment(self.token_ids, self.loss_mask, self.logprobs, self.prompt_len)]
+        return [
+            *self.earlier_segments,
+            Segment(self.token_ids, self.loss_mask, self.logprobs, self.prompt_len),
+        ]
 
     @property
     def num_sampled(self) -> int:

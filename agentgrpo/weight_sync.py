@@ -70,7 +70,9 @@ class WeightSyncConfig(BaseModel):
         description="auto = in_process for in-process engines; for SGLang, disk when shared_dir "
         "is set, else distributed.",
     )
-    timeout_s: float = Field(600.0, gt=0, description="Deadline of one push, verification included.")
+    timeout_s: float = Field(
+        600.0, gt=0, description="Deadline of one push, verification included."
+    )
     shared_dir: str | None = Field(
         None, description="disk: a directory every server reads under the same path."
     )
@@ -157,8 +159,13 @@ def join_weight_update_group(
     )
     store.set_timeout(timeout)
     pg, _ = _new_process_group_helper(
-        world_size, rank, [], Backend(backend), PrefixStore(group_name, store),
-        group_name=group_name, timeout=timeout,
+        world_size,
+        rank,
+        [],
+        Backend(backend),
+        PrefixStore(group_name, store),
+        group_name=group_name,
+        timeout=timeout,
     )
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg
@@ -170,7 +177,9 @@ def _free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-async def _beside(call: asyncio.Future[Any], fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+async def _beside(
+    call: asyncio.Future[Any], fn: Callable[..., Any], *args: Any, **kwargs: Any
+) -> Any:
     """Run the trainer's blocking side of a collective (`fn`: the rendezvous, a broadcast) in a
     daemon thread while the servers' HTTP `call` is pending; `fn`'s result once both succeeded.
 
@@ -245,7 +254,11 @@ class WeightSync:
     """
 
     def __init__(
-        self, engine: Any, cfg: WeightSyncConfig | None = None, *, probe_ids: list[int] | None = None
+        self,
+        engine: Any,
+        cfg: WeightSyncConfig | None = None,
+        *,
+        probe_ids: list[int] | None = None,
     ) -> None:
         self.engine = engine
         self.cfg = cfg = cfg or WeightSyncConfig()
@@ -254,7 +267,9 @@ class WeightSync:
         if method == "auto":
             method = ("disk" if cfg.shared_dir else "distributed") if is_remote else "in_process"
         if method in ("disk", "distributed") and not is_remote:
-            raise ValueError(f"method {method!r} needs an SGLang engine, got {type(engine).__name__}")
+            raise ValueError(
+                f"method {method!r} needs an SGLang engine, got {type(engine).__name__}"
+            )
         if method == "disk" and not cfg.shared_dir:
             raise ValueError("method 'disk' needs shared_dir (a directory every server can read)")
         if cfg.probe_every and not hasattr(engine, "score"):
@@ -306,7 +321,9 @@ class WeightSync:
             versions = await self.engine.weight_versions()
             stale = {u: v for u, v in versions.items() if v != version}
             if stale:
-                raise WeightSyncError(f"servers report another weight version than {version}: {stale}")
+                raise WeightSyncError(
+                    f"servers report another weight version than {version}: {stale}"
+                )
         if self.cfg.probe_every and self._pushes % self.cfg.probe_every == 0:
             await self.verify(model, version=version)
 
@@ -343,8 +360,11 @@ class WeightSync:
             model.save_pretrained(tmp, state_dict=sd, safe_serialization=True)
         else:
             tmp.mkdir()
-            save_file({k: v.contiguous() for k, v in sd.items()}, str(tmp / "model.safetensors"),
-                      metadata={"format": "pt"})
+            save_file(
+                {k: v.contiguous() for k, v in sd.items()},
+                str(tmp / "model.safetensors"),
+                metadata={"format": "pt"},
+            )
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -355,28 +375,44 @@ class WeightSync:
         if self._pg is None:
             world_size = 1 + sum(await engine.gpus_per_server())
             port = cfg.master_port or _free_port(cfg.master_address)
-            init = asyncio.ensure_future(engine.init_weights_update_group(
-                master_address=cfg.master_address, master_port=port,
-                group_name=cfg.group_name, backend=cfg.backend,
-            ))
+            init = asyncio.ensure_future(
+                engine.init_weights_update_group(
+                    master_address=cfg.master_address,
+                    master_port=port,
+                    group_name=cfg.group_name,
+                    backend=cfg.backend,
+                )
+            )
             self._pg = await _beside(
-                init, join_weight_update_group, cfg.master_address, port, rank=0,
-                world_size=world_size, group_name=cfg.group_name, backend=cfg.backend,
+                init,
+                join_weight_update_group,
+                cfg.master_address,
+                port,
+                rank=0,
+                world_size=world_size,
+                group_name=cfg.group_name,
+                backend=cfg.backend,
                 timeout_s=cfg.timeout_s,
             )
-        device = torch.device("cuda", torch.cuda.current_device()) if cfg.backend == "nccl" \
+        device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if cfg.backend == "nccl"
             else torch.device("cpu")
+        )
         named = [(n, t.to(device)) for n, t in self._state_dict(model, clone=False).items()]
         buckets = list(_buckets(named, int(cfg.bucket_mb * 2**20)))
         async with engine.paused(every_server=True):  # every rank of the group, or none
             for i, bucket in enumerate(buckets):
                 last = i == len(buckets) - 1
-                call = asyncio.ensure_future(engine.update_weights_from_distributed(
-                    [n for n, _ in bucket],
-                    [str(t.dtype).removeprefix("torch.") for _, t in bucket],
-                    [list(t.shape) for _, t in bucket],
-                    group_name=cfg.group_name, version=version if last else None,
-                ))
+                call = asyncio.ensure_future(
+                    engine.update_weights_from_distributed(
+                        [n for n, _ in bucket],
+                        [str(t.dtype).removeprefix("torch.") for _, t in bucket],
+                        [list(t.shape) for _, t in bucket],
+                        group_name=cfg.group_name,
+                        version=version if last else None,
+                    )
+                )
                 await _beside(call, self._broadcast, [t for _, t in bucket])
 
     def _broadcast(self, tensors: list[torch.Tensor]) -> None:
@@ -405,8 +441,11 @@ class WeightSync:
         if mean > self.cfg.probe_tolerance:
             engine_lps = scored[where]
             i = max(range(len(learner_lps)), key=lambda j: abs(engine_lps[j] - learner_lps[j]))
-            others = [f"{w} ({m:.4f})" for w, m in means.items()
-                      if w != where and m > self.cfg.probe_tolerance]
+            others = [
+                f"{w} ({m:.4f})"
+                for w, m in means.items()
+                if w != where and m > self.cfg.probe_tolerance
+            ]
             raise ProbeMismatchError(
                 f"after syncing weight version {version or self.version}: probe logprobs of "
                 f"{where} differ by {mean:.4f} on average (tolerance {self.cfg.probe_tolerance}); "
@@ -431,6 +470,7 @@ def _vocab_size(model: torch.nn.Module) -> int:
     config = getattr(model, "config", None)
     vocab = getattr(config, "vocab_size", None)
     if vocab is None:
-        raise ValueError("cannot pick a default probe: the model has no config.vocab_size; pass probe_ids")
+        raise ValueError(
+            "cannot pick a default probe: the model has no config.vocab_size; pass probe_ids"
+        )
     return int(vocab)
-

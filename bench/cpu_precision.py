@@ -42,9 +42,14 @@ def worker(autocast: str, groups: int) -> None:
     from agentgrpo.models import default_model_path, load_model
     from agentgrpo.types import StopReason, Trajectory
 
-    threads = configure_cpu_threads() if os.environ.get("BENCH_SETTING") != "old" else (
-        f"torch threads {torch.get_num_threads()} (torch's default), OMP_WAIT_POLICY="
-        f"{os.environ.get('OMP_WAIT_POLICY', 'unset')}")
+    threads = (
+        configure_cpu_threads()
+        if os.environ.get("BENCH_SETTING") != "old"
+        else (
+            f"torch threads {torch.get_num_threads()} (torch's default), OMP_WAIT_POLICY="
+            f"{os.environ.get('OMP_WAIT_POLICY', 'unset')}"
+        )
+    )
     torch.manual_seed(0)
     rng = random.Random(0)
     trajs = []
@@ -56,18 +61,32 @@ def worker(autocast: str, groups: int) -> None:
             for n, m in parts:
                 ids += [rng.randrange(49152) for _ in range(n)]
                 mask += [m] * n
-            trajs.append(Trajectory(
-                task_id=f"g{g}", token_ids=ids, loss_mask=mask, prompt_len=len(prompt),
-                logprobs=[-rng.uniform(0.1, 3.0) if m else 0.0 for m in mask], messages=[],
-                stop_reason=StopReason.COMPLETED, group_id=f"g{g}", reward=rng.random()))
+            trajs.append(
+                Trajectory(
+                    task_id=f"g{g}",
+                    token_ids=ids,
+                    loss_mask=mask,
+                    prompt_len=len(prompt),
+                    logprobs=[-rng.uniform(0.1, 3.0) if m else 0.0 for m in mask],
+                    messages=[],
+                    stop_reason=StopReason.COMPLETED,
+                    group_id=f"g{g}",
+                    reward=rng.random(),
+                )
+            )
     advantages = [((i * 7) % 5 - 2) / 2 for i in range(len(trajs))]
-    learner = Learner(load_model(default_model_path()),
-                      LearnerConfig(lr=1e-7, autocast=autocast, micro_batch_tokens=1024),
-                      LossConfig(), temperature=0.7)
+    learner = Learner(
+        load_model(default_model_path()),
+        LearnerConfig(lr=1e-7, autocast=autocast, micro_batch_tokens=1024),
+        LossConfig(),
+        temperature=0.7,
+    )
     learner.train_step(trajs, advantages)  # warm-up: first-call allocations and kernel choices
     tokens = sum(len(t.token_ids) for t in trajs)
-    print(f"ready {learner.precision.bf16} {tokens} | {learner.precision.reason} | {threads}",
-          flush=True)
+    print(
+        f"ready {learner.precision.bf16} {tokens} | {learner.precision.reason} | {threads}",
+        flush=True,
+    )
     for _ in sys.stdin:
         t0 = time.perf_counter()
         learner.train_step(trajs, advantages)
@@ -76,8 +95,13 @@ def worker(autocast: str, groups: int) -> None:
 
 class Worker:
     def __init__(self, name: str, setting: str, autocast: str, groups: int) -> None:
-        env = dict(os.environ, BENCH_SETTING=setting, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-                   TOKENIZERS_PARALLELISM="false")
+        env = dict(
+            os.environ,
+            BENCH_SETTING=setting,
+            HF_HUB_OFFLINE="1",
+            TRANSFORMERS_OFFLINE="1",
+            TOKENIZERS_PARALLELISM="false",
+        )
         for key in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS"):
             env.pop(key, None)
         if setting != "old":
@@ -90,7 +114,11 @@ class Worker:
         self.name = name
         self.proc = subprocess.Popen(
             [sys.executable, __file__, "--worker", autocast, "--groups", str(groups)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
         self.info = ""
 
     def wait_ready(self) -> None:
@@ -122,9 +150,12 @@ def start(workers: list[Worker]) -> None:
 def precision(args: argparse.Namespace) -> None:
     import torch
 
-    print(f"== 1. bf16 autocast vs fp32; CPU capability {torch.backends.cpu.get_cpu_capability()}, "
-          f"AVX512-BF16 {torch.cpu._is_avx512_bf16_supported()}, "
-          f"AMX {torch.cpu._is_amx_tile_supported()}", flush=True)
+    print(
+        f"== 1. bf16 autocast vs fp32; CPU capability {torch.backends.cpu.get_cpu_capability()}, "
+        f"AVX512-BF16 {torch.cpu._is_avx512_bf16_supported()}, "
+        f"AMX {torch.cpu._is_amx_tile_supported()}",
+        flush=True,
+    )
     bf16 = Worker("bf16", "new", "bf16", args.groups)
     fp32 = Worker("fp32", "new", "none", args.groups)
     start([bf16, fp32])
@@ -132,24 +163,31 @@ def precision(args: argparse.Namespace) -> None:
     for r in range(args.repeats):
         for w in (bf16, fp32) if r % 2 == 0 else (fp32, bf16):
             times[w.name].append(w.step())
-        print(f"  repeat {r + 1}: bf16 {times['bf16'][-1]:.2f} s, fp32 {times['fp32'][-1]:.2f} s; "
-              f"load average {os.getloadavg()[0]:.2f}", flush=True)
+        print(
+            f"  repeat {r + 1}: bf16 {times['bf16'][-1]:.2f} s, fp32 {times['fp32'][-1]:.2f} s; "
+            f"load average {os.getloadavg()[0]:.2f}",
+            flush=True,
+        )
     ratios = [b / f for b, f in zip(times["bf16"], times["fp32"])]
-    print(f"  fp32 step s: {spread(times['fp32'])}\n  bf16 step s: {spread(times['bf16'])}\n"
-          f"  bf16/fp32 per repeat: {spread(ratios)}", flush=True)
+    print(
+        f"  fp32 step s: {spread(times['fp32'])}\n  bf16 step s: {spread(times['bf16'])}\n"
+        f"  bf16/fp32 per repeat: {spread(ratios)}",
+        flush=True,
+    )
     for w in (bf16, fp32):
         w.close()
 
 
 def threads(args: argparse.Namespace) -> None:
-    print(f"== 2. alone vs beside `python -c '{HOG}'` (autocast {args.threads_autocast})",
-          flush=True)
+    print(
+        f"== 2. alone vs beside `python -c '{HOG}'` (autocast {args.threads_autocast})", flush=True
+    )
     workers = [Worker(s, s, args.threads_autocast, args.groups) for s in ("old", "new", "one")]
     start(workers)
     alone: dict[str, list[float]] = {w.name: [] for w in workers}
     busy: dict[str, list[float]] = {w.name: [] for w in workers}
     for r in range(args.repeats):
-        order = workers[r % 3:] + workers[: r % 3]
+        order = workers[r % 3 :] + workers[: r % 3]
         for w in order:
             alone[w.name].append(w.step())
         hog = subprocess.Popen([sys.executable, "-c", HOG])
@@ -160,18 +198,24 @@ def threads(args: argparse.Namespace) -> None:
         finally:
             hog.kill()
             hog.wait()
-        each = [f"{w.name} {alone[w.name][-1]:.2f} s alone, {busy[w.name][-1]:.2f} s beside"
-                for w in workers]
-        print(f"  repeat {r + 1}: {', '.join(each)}; load average {os.getloadavg()[0]:.2f}",
-              flush=True)
+        each = [
+            f"{w.name} {alone[w.name][-1]:.2f} s alone, {busy[w.name][-1]:.2f} s beside"
+            for w in workers
+        ]
+        print(
+            f"  repeat {r + 1}: {', '.join(each)}; load average {os.getloadavg()[0]:.2f}",
+            flush=True,
+        )
     base = alone["new"]
     for w in workers:
         slow = [b / a for b, a in zip(busy[w.name], alone[w.name])]
         vs_new = [a / n for a, n in zip(alone[w.name], base)]
-        print(f"  {w.name}: alone s {spread(alone[w.name])}; "
-              f"beside the loop s {spread(busy[w.name])}"
-              f"\n    beside/alone per repeat {spread(slow)}; alone vs new alone {spread(vs_new)}",
-              flush=True)
+        print(
+            f"  {w.name}: alone s {spread(alone[w.name])}; "
+            f"beside the loop s {spread(busy[w.name])}"
+            f"\n    beside/alone per repeat {spread(slow)}; alone vs new alone {spread(vs_new)}",
+            flush=True,
+        )
         w.close()
 
 
@@ -179,16 +223,23 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--groups", type=int, default=1, help="groups of 8 trajectories in the batch")
-    p.add_argument("--threads-autocast", default="auto", choices=["auto", "bf16", "none"],
-                   help="precision of section 2's steps")
+    p.add_argument(
+        "--threads-autocast",
+        default="auto",
+        choices=["auto", "bf16", "none"],
+        help="precision of section 2's steps",
+    )
     p.add_argument("--only", choices=["precision", "threads"], help="run one section")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
         worker(args.worker, args.groups)
         return
-    print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {os.cpu_count()} CPUs; "
-          f"load average {os.getloadavg()[0]:.2f}; {args.repeats} interleaved repeats", flush=True)
+    print(
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {os.cpu_count()} CPUs; "
+        f"load average {os.getloadavg()[0]:.2f}; {args.repeats} interleaved repeats",
+        flush=True,
+    )
     if args.only != "threads":
         precision(args)
     if args.only != "precision":

@@ -50,17 +50,32 @@ def smol_shaped(layers: int, seed: int = 0):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=layers,
-                      num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048,
-                      tie_word_embeddings=True, attn_implementation="sdpa")
+    cfg = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=layers,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        attn_implementation="sdpa",
+    )
     return LlamaForCausalLM(cfg)
 
 
 def _traj(ids: list[int], mask: list[int], group: str, rng: random.Random) -> Trajectory:
-    return Trajectory(task_id=group, token_ids=ids, loss_mask=mask,
-                      logprobs=[-rng.uniform(0.1, 3.0) if m else 0.0 for m in mask],
-                      prompt_len=mask.index(1), messages=[], stop_reason=StopReason.COMPLETED,
-                      group_id=group, reward=rng.random())
+    return Trajectory(
+        task_id=group,
+        token_ids=ids,
+        loss_mask=mask,
+        logprobs=[-rng.uniform(0.1, 3.0) if m else 0.0 for m in mask],
+        prompt_len=mask.index(1),
+        messages=[],
+        stop_reason=StopReason.COMPLETED,
+        group_id=group,
+        reward=rng.random(),
+    )
 
 
 def spread_batch(n: int, lo: int, hi: int, seed: int = 0, vocab: int = 49152) -> list[Trajectory]:
@@ -83,10 +98,17 @@ def grpo_batch(groups: int, size: int, seed: int = 0, vocab: int = 49152) -> lis
     for g in range(groups):
         prompt = [rng.randrange(vocab) for _ in range(170)]
         for _ in range(size):
-            parts = [(prompt, 0), (rng.randint(20, 60), 1), (rng.randint(10, 30), 0), (rng.randint(10, 40), 1)]
+            parts = [
+                (prompt, 0),
+                (rng.randint(20, 60), 1),
+                (rng.randint(10, 30), 0),
+                (rng.randint(10, 40), 1),
+            ]
             ids, mask = [], []
             for part, m in parts:
-                toks = part if isinstance(part, list) else [rng.randrange(vocab) for _ in range(part)]
+                toks = (
+                    part if isinstance(part, list) else [rng.randrange(vocab) for _ in range(part)]
+                )
                 ids += toks
                 mask += [m] * len(toks)
             out.append(_traj(ids, mask, f"g{g}", rng))
@@ -102,11 +124,20 @@ class Bare:
     loss positions, backward, AdamW step. `head_only` uses the same head-at-loss-positions forward
     as the learner; otherwise the model's full logits."""
 
-    def __init__(self, model, head_only: bool, budget: int, autocast: bool = False, device: str = "cpu",
-                 tf32: bool = False) -> None:
+    def __init__(
+        self,
+        model,
+        head_only: bool,
+        budget: int,
+        autocast: bool = False,
+        device: str = "cpu",
+        tf32: bool = False,
+    ) -> None:
         if device == "cpu":  # the attention the learner's `attention: auto` runs there
             use_segments(model)
-        self.forward = PolicyForward(model, autocast_bf16=autocast, segment_min_share=AUTO_MIN_SHARE).train()
+        self.forward = PolicyForward(
+            model, autocast_bf16=autocast, segment_min_share=AUTO_MIN_SHARE
+        ).train()
         self.model, self.head_only, self.budget, self.autocast = model, head_only, budget, autocast
         self.device, self.tf32 = device, tf32
         self.opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
@@ -122,8 +153,11 @@ class Bare:
                 lp = self.forward(mb)[0]
             else:
                 with torch.autocast(self.device, dtype=torch.bfloat16, enabled=self.autocast):
-                    logits = self.model(input_ids=mb.input_ids_RS, position_ids=mb.position_ids_RS,
-                                        attention_mask=mb.attention_mask_R1SS()).logits
+                    logits = self.model(
+                        input_ids=mb.input_ids_RS,
+                        position_ids=mb.position_ids_RS,
+                        attention_mask=mb.attention_mask_R1SS(),
+                    ).logits
                 lp = torch.log_softmax(logits.float().flatten(0, 1)[mb.pred_index_M], -1)
                 lp = lp.gather(-1, mb.target_ids_M[:, None])
             (-lp.sum()).backward()
@@ -170,21 +204,33 @@ def spread_section(model, n: int, B: int, repeats: int) -> None:
     adv = advantages(trajs)
     tokens = sum(len(t.token_ids) for t in trajs)
     runs = {
-        "learner packed": partial(learner(model, packing="packed", micro_batch_tokens=B).train_step, trajs, adv),
-        "learner padded": partial(learner(model, packing="padded", micro_batch_tokens=B).train_step, trajs, adv),
+        "learner packed": partial(
+            learner(model, packing="packed", micro_batch_tokens=B).train_step, trajs, adv
+        ),
+        "learner padded": partial(
+            learner(model, packing="padded", micro_batch_tokens=B).train_step, trajs, adv
+        ),
         "bare head-only": partial(Bare(copy.deepcopy(model), True, B).step, trajs),
         "bare full-logits": partial(Bare(copy.deepcopy(model), False, B).step, trajs),
     }
     t = compare(runs, repeats)
     print(f"1. {len(trajs)} trajectories of 20..400 tokens ({tokens} tokens)")
     for k, v in t.items():
-        print(f"   {k:18s} {statistics.median(v):6.2f} s/step  {tokens / statistics.median(v):7.0f} tok/s")
-    print(f"   padding waste: padded {padding_waste(trajs, 'padded', B):.1%}, packed "
-          f"{padding_waste(trajs, 'packed', B):.1%}")
+        print(
+            f"   {k:18s} {statistics.median(v):6.2f} s/step  {tokens / statistics.median(v):7.0f} tok/s"
+        )
+    print(
+        f"   padding waste: padded {padding_waste(trajs, 'padded', B):.1%}, packed "
+        f"{padding_waste(trajs, 'packed', B):.1%}"
+    )
     print(f"   packed / padded throughput: {ratio(t, 'learner padded', 'learner packed'):.2f}x")
-    print(f"2. learner step / bare fwd+bwd+AdamW, head-only (same compute): "
-          f"{ratio(t, 'learner packed', 'bare head-only'):.3f}x (target <= 1.15)")
-    print(f"   learner step / bare loop with full logits: {ratio(t, 'learner packed', 'bare full-logits'):.3f}x")
+    print(
+        f"2. learner step / bare fwd+bwd+AdamW, head-only (same compute): "
+        f"{ratio(t, 'learner packed', 'bare head-only'):.3f}x (target <= 1.15)"
+    )
+    print(
+        f"   learner step / bare loop with full logits: {ratio(t, 'learner packed', 'bare full-logits'):.3f}x"
+    )
 
 
 def grpo_section(model, B: int, repeats: int) -> None:
@@ -194,17 +240,27 @@ def grpo_section(model, B: int, repeats: int) -> None:
     gtok = sum(len(x.token_ids) for x in g)
     shared = make_micro_batches(g, gadv, B, mode="shared_prefix")
     runs = {
-        "packed": partial(learner(model, packing="packed", micro_batch_tokens=B).train_step, g, gadv),
+        "packed": partial(
+            learner(model, packing="packed", micro_batch_tokens=B).train_step, g, gadv
+        ),
         "shared_prefix": partial(learner(model, micro_batch_tokens=B).train_step, g, gadv),
-        "shared_prefix bf16": partial(learner(model, micro_batch_tokens=B, autocast="bf16").train_step, g, gadv),
+        "shared_prefix bf16": partial(
+            learner(model, micro_batch_tokens=B, autocast="bf16").train_step, g, gadv
+        ),
     }
     t = compare(runs, repeats)
-    print(f"3. GRPO-shaped: 4 groups x 8, 170-token prompt ({gtok} trajectory tokens, "
-          f"{sum(mb.num_real_tokens for mb in shared)} computed with the prompt shared)")
+    print(
+        f"3. GRPO-shaped: 4 groups x 8, 170-token prompt ({gtok} trajectory tokens, "
+        f"{sum(mb.num_real_tokens for mb in shared)} computed with the prompt shared)"
+    )
     for k, v in t.items():
-        print(f"   {k:20s} {statistics.median(v):6.2f} s/step  {gtok / statistics.median(v):7.0f} trajectory tok/s")
+        print(
+            f"   {k:20s} {statistics.median(v):6.2f} s/step  {gtok / statistics.median(v):7.0f} trajectory tok/s"
+        )
     print(f"   shared_prefix speed-up over packed: {ratio(t, 'packed', 'shared_prefix'):.2f}x")
-    print(f"4. bf16 autocast speed-up (shared_prefix): {ratio(t, 'shared_prefix', 'shared_prefix bf16'):.2f}x")
+    print(
+        f"4. bf16 autocast speed-up (shared_prefix): {ratio(t, 'shared_prefix', 'shared_prefix bf16'):.2f}x"
+    )
 
 
 def main() -> None:
@@ -213,16 +269,23 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--budget", type=int, default=4096, help="learner.micro_batch_tokens")
     p.add_argument("--trajectories", type=int, default=24)
-    p.add_argument("--no-real-model", action="store_true", help="skip the SmolLM2-135M logprob-gap section")
-    p.add_argument("--real-step", action="store_true",
-                   help="also time learner steps of SmolLM2-135M itself on the GRPO-shaped batch (minutes)")
+    p.add_argument(
+        "--no-real-model", action="store_true", help="skip the SmolLM2-135M logprob-gap section"
+    )
+    p.add_argument(
+        "--real-step",
+        action="store_true",
+        help="also time learner steps of SmolLM2-135M itself on the GRPO-shaped batch (minutes)",
+    )
     args = p.parse_args()
     torch.manual_seed(0)
     model = smol_shaped(args.layers)
     B = args.budget
-    print(f"model: SmolLM2-shaped, {args.layers} layers, "
-          f"{sum(p.numel() for p in model.parameters()) / 1e6:.0f}M params; torch threads "
-          f"{torch.get_num_threads()}; micro_batch_tokens {B}; {args.repeats} interleaved repeats\n")
+    print(
+        f"model: SmolLM2-shaped, {args.layers} layers, "
+        f"{sum(p.numel() for p in model.parameters()) / 1e6:.0f}M params; torch threads "
+        f"{torch.get_num_threads()}; micro_batch_tokens {B}; {args.repeats} interleaved repeats\n"
+    )
 
     spread_section(model, args.trajectories, B, args.repeats)  # each section frees its learners
     grpo_section(model, B, args.repeats)
@@ -247,8 +310,11 @@ def real_model_steps(budget: int) -> None:
     g = grpo_batch(groups=4, size=8)
     gadv = advantages(g)
     gtok = sum(len(x.token_ids) for x in g)
-    variants = {"shared_prefix fp32": {}, "shared_prefix bf16": {"autocast": "bf16"},
-                "packed fp32": {"packing": "packed"}}
+    variants = {
+        "shared_prefix fp32": {},
+        "shared_prefix bf16": {"autocast": "bf16"},
+        "packed fp32": {"packing": "packed"},
+    }
     t: dict[str, list[float]] = {}
     for k, kw in variants.items():
         L = learner(model, micro_batch_tokens=budget, **kw)
@@ -256,12 +322,16 @@ def real_model_steps(budget: int) -> None:
         t[k] = [timed(partial(L.train_step, g, gadv))]
         del L
         gc.collect()
-    print(f"5. SmolLM2-135M learner step, 4 groups x 8 ({gtok} trajectory tokens), micro_batch_tokens {budget}:")
+    print(
+        f"5. SmolLM2-135M learner step, 4 groups x 8 ({gtok} trajectory tokens), micro_batch_tokens {budget}:"
+    )
     for k, v in t.items():
         print(f"   {k:20s} {v[0]:6.1f} s/step  {gtok / v[0]:6.0f} trajectory tok/s")
-    print(f"   bf16 autocast speed-up {ratio(t, 'shared_prefix fp32', 'shared_prefix bf16'):.2f}x; "
-          f"shared_prefix over packed {ratio(t, 'packed fp32', 'shared_prefix fp32'):.2f}x; "
-          f"process peak RSS {rss:.1f} GB")
+    print(
+        f"   bf16 autocast speed-up {ratio(t, 'shared_prefix fp32', 'shared_prefix bf16'):.2f}x; "
+        f"shared_prefix over packed {ratio(t, 'packed fp32', 'shared_prefix fp32'):.2f}x; "
+        f"process peak RSS {rss:.1f} GB"
+    )
 
 
 def real_model_gap(samples: int = 8, new_tokens: int = 48) -> None:
@@ -282,14 +352,26 @@ def real_model_gap(samples: int = 8, new_tokens: int = 48) -> None:
     prompt = ChatFormat(tok).prompt_ids(messages, env.tool_schemas())
     torch.manual_seed(0)
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                             max_new_tokens=new_tokens, num_return_sequences=samples,
-                             output_scores=True, return_dict_in_generate=True, pad_token_id=tok.eos_token_id)
+        out = model.generate(
+            torch.tensor([prompt]),
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=new_tokens,
+            num_return_sequences=samples,
+            output_scores=True,
+            return_dict_in_generate=True,
+            pad_token_id=tok.eos_token_id,
+        )
     trajs = []
     rng = random.Random(0)
     for i in range(samples):
-        resp = out.sequences[i, len(prompt):].tolist()
-        lps = [torch.log_softmax(s[i].float(), -1)[t].item() for s, t in zip(out.scores, resp, strict=False)]
+        resp = out.sequences[i, len(prompt) :].tolist()
+        lps = [
+            torch.log_softmax(s[i].float(), -1)[t].item()
+            for s, t in zip(out.scores, resp, strict=False)
+        ]
         n = len(lps)
         tr = _traj(prompt + resp[:n], [0] * len(prompt) + [1] * n, "g", rng)
         tr.logprobs = [0.0] * len(prompt) + lps
@@ -305,7 +387,9 @@ def real_model_gap(samples: int = 8, new_tokens: int = 48) -> None:
                 diffs.append((lp_BT[m] - mb.rollout_logprobs_BT[m]).abs())
         d = torch.cat(diffs)
         gaps[name] = (float(d.mean()), float(d.max()))
-    print(f"   SmolLM2-135M, {samples} samples x {new_tokens} tokens of a {len(prompt)}-token calculator prompt:")
+    print(
+        f"   SmolLM2-135M, {samples} samples x {new_tokens} tokens of a {len(prompt)}-token calculator prompt:"
+    )
     for name, (mean, mx) in gaps.items():
         print(f"   |learner - rollout| logprob, learner {name:13s}: mean {mean:.2e}, max {mx:.2e}")
 

@@ -69,13 +69,30 @@ def qwen2_shaped(tiny: bool, attn: str):
 
     torch.manual_seed(0)
     if tiny:
-        cfg = Qwen2Config(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
-                          max_position_embeddings=4096, attn_implementation=attn)
+        cfg = Qwen2Config(
+            vocab_size=1024,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+            max_position_embeddings=4096,
+            attn_implementation=attn,
+        )
     else:
-        cfg = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                          num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True,
-                          max_position_embeddings=32768, rope_theta=1e6, attn_implementation=attn)
+        cfg = Qwen2Config(
+            vocab_size=151936,
+            hidden_size=896,
+            intermediate_size=4864,
+            num_hidden_layers=24,
+            num_attention_heads=14,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+            max_position_embeddings=32768,
+            rope_theta=1e6,
+            attn_implementation=attn,
+        )
     return Qwen2ForCausalLM(cfg)
 
 
@@ -85,8 +102,10 @@ def useful_flops(model, trajs) -> float:
     body = sum(p.numel() for p in model.parameters()) - head  # tied: the embedding is the head
     tokens = sum(len(t.token_ids) for t in trajs)
     loss_tokens = sum(sum(t.loss_mask) for t in trajs)
-    attn = sum(12 * cfg.num_hidden_layers * cfg.hidden_size * (n * (n + 1) / 2)
-               for n in (len(t.token_ids) for t in trajs))
+    attn = sum(
+        12 * cfg.num_hidden_layers * cfg.hidden_size * (n * (n + 1) / 2)
+        for n in (len(t.token_ids) for t in trajs)
+    )
     return 6 * body * tokens + 6 * head * loss_tokens + attn
 
 
@@ -100,7 +119,9 @@ def measure(named: dict, repeats: int, device: str) -> dict[str, dict[str, float
     peak during the step above what was allocated before it (weights, gradients and optimizer state
     of every variant stay resident: 16 bytes per trained parameter each)."""
     out: dict[str, dict[str, float]] = {}
-    for k, fn in list(named.items()):  # warm-up (kernels, allocator) and peak memory, one variant at a time
+    for k, fn in list(
+        named.items()
+    ):  # warm-up (kernels, allocator) and peak memory, one variant at a time
         before = 0
         if device == "cuda":
             torch.cuda.empty_cache()
@@ -115,7 +136,11 @@ def measure(named: dict, repeats: int, device: str) -> dict[str, dict[str, float
             continue
         sync(device)
         print(f"  {k}: warm-up step {time.perf_counter() - t0:.1f} s", flush=True)
-        peak = (torch.cuda.max_memory_allocated() - before) / 2**30 if device == "cuda" else float("nan")
+        peak = (
+            (torch.cuda.max_memory_allocated() - before) / 2**30
+            if device == "cuda"
+            else float("nan")
+        )
         out[k] = {"step_peak_gb": peak}
     times: dict[str, list[float]] = {k: [] for k in named}
     for _ in range(repeats):
@@ -143,7 +168,9 @@ def profile(label: str, fn, device: str) -> None:
         sync(device)
     key = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
     print(f"\n{label}: one step, ops by self {device} time")
-    print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60), flush=True)
+    print(
+        prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60), flush=True
+    )
 
 
 def main() -> None:
@@ -157,11 +184,20 @@ def main() -> None:
     p.add_argument("--max-len", type=int, default=2048, help="length spread: 32..max-len tokens")
     p.add_argument("--groups", type=int, default=32, help="GRPO-shaped batch: groups of 8")
     p.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the GPU")
-    p.add_argument("--shapes", default="spread,grpo,long", help="which batch shapes to run, comma-separated")
-    p.add_argument("--variants", help="only these learner variants, comma-separated names as printed "
-                   "(the bare baseline always runs)")
-    p.add_argument("--profile", metavar="VARIANT", help="instead of timing: profile one step of VARIANT "
-                   "(e.g. 'learner packed') on each selected shape and print its costliest kernels")
+    p.add_argument(
+        "--shapes", default="spread,grpo,long", help="which batch shapes to run, comma-separated"
+    )
+    p.add_argument(
+        "--variants",
+        help="only these learner variants, comma-separated names as printed "
+        "(the bare baseline always runs)",
+    )
+    p.add_argument(
+        "--profile",
+        metavar="VARIANT",
+        help="instead of timing: profile one step of VARIANT "
+        "(e.g. 'learner packed') on each selected shape and print its costliest kernels",
+    )
     args = p.parse_args()
     if args.tiny:
         args.trajectories, args.max_len, args.groups, args.budget = 8, 200, 2, 1024
@@ -170,37 +206,70 @@ def main() -> None:
     vocab = model.config.vocab_size
     n_params = sum(p.numel() for p in model.parameters())
     name = torch.cuda.get_device_name() if dev == "cuda" else "cpu"
-    print(f"{name}; Qwen2-shaped {n_params / 1e6:.0f}M params; attn {args.attn}; fp32 weights + bf16 "
-          f"autocast; micro_batch_tokens {args.budget}; {args.repeats} repeats", flush=True)
+    print(
+        f"{name}; Qwen2-shaped {n_params / 1e6:.0f}M params; attn {args.attn}; fp32 weights + bf16 "
+        f"autocast; micro_batch_tokens {args.budget}; {args.repeats} repeats",
+        flush=True,
+    )
 
     def learner(**kw) -> Learner:
         cfg = LearnerConfig(lr=1e-6, micro_batch_tokens=args.budget, autocast="bf16", **kw)
         return Learner(copy.deepcopy(model), cfg, LossConfig())
 
-    results: dict[str, object] = {"date": datetime.date.today().isoformat(), "device": name,
-                                  "params_M": n_params / 1e6, "attn": args.attn, "budget": args.budget}
+    results: dict[str, object] = {
+        "date": datetime.date.today().isoformat(),
+        "device": name,
+        "params_M": n_params / 1e6,
+        "attn": args.attn,
+        "budget": args.budget,
+    }
     spread = spread_batch(args.trajectories, 32, args.max_len, vocab=vocab)
     grpo = grpo_batch(args.groups, 8, vocab=vocab)
     long = long_batch(max(1, args.groups // 4), 8, vocab)
     flex = {"attn_implementation": "flex_attention"}
     for label, trajs, variants in (
-        ("spread", spread, {"learner packed": {"packing": "packed"}, "learner padded": {"packing": "padded"},
-                            "learner packed flex": {"packing": "packed", **flex},
-                            "learner packed segments": {"packing": "packed", "attention": "segments"},
-                            "learner packed fp32 head": {"packing": "packed", "tf32": False}}),
-        ("grpo", grpo, {"learner packed": {"packing": "packed"}, "learner shared_prefix": {},
-                        "learner shared_prefix fp32 head": {"tf32": False},
-                        "learner head chunks": {"head_chunk_tokens": 2048}, "learner flex": flex}),
-        ("long", long, {"learner packed": {"packing": "packed"}, "learner shared_prefix": {},
-                        "learner whole groups": {"row_tokens": args.budget},
-                        "learner segments": {"attention": "segments"}, "learner flex": flex}),
+        (
+            "spread",
+            spread,
+            {
+                "learner packed": {"packing": "packed"},
+                "learner padded": {"packing": "padded"},
+                "learner packed flex": {"packing": "packed", **flex},
+                "learner packed segments": {"packing": "packed", "attention": "segments"},
+                "learner packed fp32 head": {"packing": "packed", "tf32": False},
+            },
+        ),
+        (
+            "grpo",
+            grpo,
+            {
+                "learner packed": {"packing": "packed"},
+                "learner shared_prefix": {},
+                "learner shared_prefix fp32 head": {"tf32": False},
+                "learner head chunks": {"head_chunk_tokens": 2048},
+                "learner flex": flex,
+            },
+        ),
+        (
+            "long",
+            long,
+            {
+                "learner packed": {"packing": "packed"},
+                "learner shared_prefix": {},
+                "learner whole groups": {"row_tokens": args.budget},
+                "learner segments": {"attention": "segments"},
+                "learner flex": flex,
+            },
+        ),
     ):
         if label not in args.shapes.split(","):
             continue
         adv = advantages(trajs)
         named = {}
         for k, kw in variants.items():
-            if kw.get("attn_implementation") == "flex_attention" and dev != "cuda":  # no flex backward on a CPU
+            if (
+                kw.get("attn_implementation") == "flex_attention" and dev != "cuda"
+            ):  # no flex backward on a CPU
                 continue
             if args.variants and k not in args.variants.split(","):
                 continue
@@ -210,7 +279,14 @@ def main() -> None:
                 named[k] = partial(learner(**kw).train_step, trajs, adv)
             except Exception as e:  # noqa: BLE001 - as in `measure`: report it, measure the rest
                 print(f"  {k}: FAILED to build, left out: {e!r}", flush=True)
-        bare = Bare(copy.deepcopy(model).to(dev), True, args.budget, autocast=True, device=dev, tf32=dev == "cuda")
+        bare = Bare(
+            copy.deepcopy(model).to(dev),
+            True,
+            args.budget,
+            autocast=True,
+            device=dev,
+            tf32=dev == "cuda",
+        )
         named["bare fwd+bwd"] = partial(bare.step, trajs)
         if args.profile:
             profile(label, named[args.profile], dev)
@@ -222,33 +298,62 @@ def main() -> None:
         flops = useful_flops(model, trajs)
         mbs = {m: make_micro_batches(trajs, adv, args.budget, mode=m) for m in ("padded", "packed")}
         waste = {m: 1 - tokens / sum(mb.num_tokens for mb in v) for m, v in mbs.items()}
-        print(f"\n{label}: {len(trajs)} trajectories, {tokens} tokens; padding waste padded "
-              f"{waste['padded']:.1%}, packed {waste['packed']:.1%}")
+        print(
+            f"\n{label}: {len(trajs)} trajectories, {tokens} tokens; padding waste padded "
+            f"{waste['padded']:.1%}, packed {waste['packed']:.1%}"
+        )
         for k, v in r.items():
             v["tok_s"] = tokens / v["s"]
             v["mfu"] = flops / v["s"] / (args.peak_tflops * 1e12)
-            print(f"  {k:24s} {v['s']:7.3f} s  {v['tok_s']:9.0f} tok/s  MFU {v['mfu']:6.1%}  "
-                  f"step peak {v['step_peak_gb']:6.1f} GB")
+            print(
+                f"  {k:24s} {v['s']:7.3f} s  {v['tok_s']:9.0f} tok/s  MFU {v['mfu']:6.1%}  "
+                f"step peak {v['step_peak_gb']:6.1f} GB"
+            )
         pairs = {  # name: (numerator variant, denominator variant, measure), where both ran
             "learner/bare": ("learner packed", "bare fwd+bwd", "s"),
             "packed speed-up over padded": ("learner padded", "learner packed", "s"),
             "packed flex speed-up over padded": ("learner padded", "learner packed flex", "s"),
-            "packed segments speed-up over padded": ("learner padded", "learner packed segments", "s"),
+            "packed segments speed-up over padded": (
+                "learner padded",
+                "learner packed segments",
+                "s",
+            ),
             "shared_prefix speed-up over packed": ("learner packed", "learner shared_prefix", "s"),
             "head chunks time": ("learner head chunks", "learner shared_prefix", "s"),
-            "head chunks peak memory": ("learner head chunks", "learner shared_prefix", "step_peak_gb"),
-            "row_tokens auto speed-up over whole groups": ("learner whole groups", "learner shared_prefix", "s"),
-            "segments speed-up over the default": ("learner shared_prefix", "learner segments", "s"),
+            "head chunks peak memory": (
+                "learner head chunks",
+                "learner shared_prefix",
+                "step_peak_gb",
+            ),
+            "row_tokens auto speed-up over whole groups": (
+                "learner whole groups",
+                "learner shared_prefix",
+                "s",
+            ),
+            "segments speed-up over the default": (
+                "learner shared_prefix",
+                "learner segments",
+                "s",
+            ),
             "flex speed-up over the default": ("learner shared_prefix", "learner flex", "s"),
-            "tf32 head speed-up over fp32 (packed)": ("learner packed fp32 head", "learner packed", "s"),
-            "tf32 head speed-up over fp32 (shared_prefix)": ("learner shared_prefix fp32 head",
-                                                             "learner shared_prefix", "s"),
+            "tf32 head speed-up over fp32 (packed)": (
+                "learner packed fp32 head",
+                "learner packed",
+                "s",
+            ),
+            "tf32 head speed-up over fp32 (shared_prefix)": (
+                "learner shared_prefix fp32 head",
+                "learner shared_prefix",
+                "s",
+            ),
         }
         ratios = {name: r[a][m] / r[b][m] for name, (a, b, m) in pairs.items() if a in r and b in r}
         for k, v in ratios.items():
             print(f"  {k}: {v:.3f}x")
         results[label] = {"variants": r, "ratios": ratios, "padding_waste": waste, "tokens": tokens}
-        if os.environ.get("OUT"):  # each shape as it ends: a run cut off by a time limit keeps what it measured
+        if os.environ.get(
+            "OUT"
+        ):  # each shape as it ends: a run cut off by a time limit keeps what it measured
             with open(os.path.join(os.environ["OUT"], "learner_gpu.json"), "w") as f:
                 json.dump(results, f, indent=1)
 

@@ -68,30 +68,41 @@ def child(spec: str, groups: int, steps: int, shape: str, autocast: str) -> dict
     trajs = grpo_batch(groups, 8, vocab=vocab) if shape == "tool" else long_batch(groups, 8, vocab)
     budget, *options = spec.split("/")
     chunk = [int(o.removeprefix("head=")) for o in options if o.startswith("head=")]
-    cfg = LearnerConfig(lr=1e-6, micro_batch_tokens=int(budget), autocast=autocast,
-                        row_tokens=int(budget) if "whole" in options else "auto",
-                        head_chunk_tokens=chunk[0] if chunk else None,
-                        attention="mask" if "mask" in options else "auto")
-    learner = Learner(model, cfg,
-                      LossConfig(clip_low=0.2, clip_high=0.28), temperature=0.7)
+    cfg = LearnerConfig(
+        lr=1e-6,
+        micro_batch_tokens=int(budget),
+        autocast=autocast,
+        row_tokens=int(budget) if "whole" in options else "auto",
+        head_chunk_tokens=chunk[0] if chunk else None,
+        attention="mask" if "mask" in options else "auto",
+    )
+    learner = Learner(model, cfg, LossConfig(clip_low=0.2, clip_high=0.28), temperature=0.7)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     times = []
     for _ in range(steps):
         m = learner.train_step(trajs, advantages(trajs))
         times.append(m["learner_s"])
-    return {"budget": spec, "micro_batches": int(m["micro_batches"]), "packed": int(m["packed_tokens"]),
-            "row": int(m["row_tokens"]),
-            "tokens": int(m["train_tokens"]), "rss_loaded_gb": before,
-            "rss_peak_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
-            "step_s": statistics.median(times[1:] or times)}  # the first step warms up
+    return {
+        "budget": spec,
+        "micro_batches": int(m["micro_batches"]),
+        "packed": int(m["packed_tokens"]),
+        "row": int(m["row_tokens"]),
+        "tokens": int(m["train_tokens"]),
+        "rss_loaded_gb": before,
+        "rss_peak_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+        "step_s": statistics.median(times[1:] or times),
+    }  # the first step warms up
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--budgets", default="4096,2048,1024",
-                   help="micro_batch_tokens values, the first the baseline; N/whole: learner.row_tokens=N "
-                        "(a whole group per row, as before the row cap) instead of auto; N/head=C: "
-                        "learner.head_chunk_tokens=C; N/mask: learner.attention=mask")
+    p.add_argument(
+        "--budgets",
+        default="4096,2048,1024",
+        help="micro_batch_tokens values, the first the baseline; N/whole: learner.row_tokens=N "
+        "(a whole group per row, as before the row cap) instead of auto; N/head=C: "
+        "learner.head_chunk_tokens=C; N/mask: learner.attention=mask",
+    )
     p.add_argument("--groups", type=int, default=4)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--repeats", type=int, default=1)
@@ -107,22 +118,45 @@ def main() -> None:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     for r in range(args.repeats):
         for b in budgets if r % 2 == 0 else budgets[::-1]:
-            out = subprocess.run([sys.executable, __file__, "--child", b, "--groups", str(args.groups),
-                                  "--steps", str(args.steps), "--shape", args.shape, "--autocast", args.autocast],
-                                 capture_output=True, text=True, env=env, check=True)
+            out = subprocess.run(
+                [
+                    sys.executable,
+                    __file__,
+                    "--child",
+                    b,
+                    "--groups",
+                    str(args.groups),
+                    "--steps",
+                    str(args.steps),
+                    "--shape",
+                    args.shape,
+                    "--autocast",
+                    args.autocast,
+                ],
+                capture_output=True,
+                text=True,
+                env=env,
+                check=True,
+            )
             results[b].append(json.loads(out.stdout.strip().splitlines()[-1]))
     base = budgets[0]
     peak = {b: max(x["rss_peak_gb"] for x in rs) for b, rs in results.items()}
     step = {b: statistics.median(x["step_s"] for x in rs) for b, rs in results.items()}
     first = results[base][0]
-    print(f"SmolLM2-135M, {args.shape} shape, {args.groups} groups x 8 ({first['tokens']} tokens), "
-          f"autocast {args.autocast}, model loaded: {first['rss_loaded_gb']:.2f} GB")
-    print(f"{'budget':>10} {'micro-batches':>13} {'row':>5} {'packed':>6} {'peak RSS GB':>11} {'step s':>7} "
-          f"{'peak / base':>11} {'step / base':>11}")
+    print(
+        f"SmolLM2-135M, {args.shape} shape, {args.groups} groups x 8 ({first['tokens']} tokens), "
+        f"autocast {args.autocast}, model loaded: {first['rss_loaded_gb']:.2f} GB"
+    )
+    print(
+        f"{'budget':>10} {'micro-batches':>13} {'row':>5} {'packed':>6} {'peak RSS GB':>11} {'step s':>7} "
+        f"{'peak / base':>11} {'step / base':>11}"
+    )
     for b in budgets:
         x = results[b][0]
-        print(f"{b:>10} {x['micro_batches']:>13} {x['row']:>5} {x['packed']:>6} {peak[b]:>11.2f} {step[b]:>7.2f} "
-              f"{peak[b] / peak[base]:>11.2f} {step[b] / step[base]:>11.2f}")
+        print(
+            f"{b:>10} {x['micro_batches']:>13} {x['row']:>5} {x['packed']:>6} {peak[b]:>11.2f} {step[b]:>7.2f} "
+            f"{peak[b] / peak[base]:>11.2f} {step[b] / step[base]:>11.2f}"
+        )
 
 
 if __name__ == "__main__":

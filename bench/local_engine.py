@@ -56,7 +56,9 @@ async def run_phase(engine: LocalEngine, prompts: list[list[int]], new_tokens: i
         first_step.set_result(time.perf_counter() - wall0)
 
     watcher = asyncio.create_task(watch())
-    outs = await asyncio.gather(*(engine.generate(p, q) for p, q in zip(prompts, params, strict=True)))
+    outs = await asyncio.gather(
+        *(engine.generate(p, q) for p, q in zip(prompts, params, strict=True))
+    )
     wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
     await watcher
     prefill_s = first_step.result()
@@ -79,11 +81,15 @@ async def main(args: argparse.Namespace) -> None:
         prompts += [chat.prompt_ids(messages, tools)] * args.group_size
     # The env's reply to a tool call, as chat.suffix_ids renders it after an assistant turn.
     history = [Message(role="user", content="?"), Message(role="assistant", content="...")]
-    suffix = chat.suffix_ids(history, [Message(role="tool", content="42", name="calculator")], tools)
+    suffix = chat.suffix_ids(
+        history, [Message(role="tool", content="42", name="calculator")], tools
+    )
     sampled = len(prompts) * args.new_tokens
-    print(f"{len(prompts)} prompts of {len(prompts[0])} tokens ({args.groups} groups of "
-          f"{args.group_size}), {args.new_tokens} new tokens per turn, turn-2 suffix of "
-          f"{len(suffix)} tokens, {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}")
+    print(
+        f"{len(prompts)} prompts of {len(prompts[0])} tokens ({args.groups} groups of "
+        f"{args.group_size}), {args.new_tokens} new tokens per turn, turn-2 suffix of "
+        f"{len(suffix)} tokens, {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}"
+    )
     print(f"{'run':4} {'phase':24} {'cache':5} {'wall s':>7} {'prefill s':>9} {'cpu s':>7} "
           f"{'tok/s':>7} {'prefill tok':>11} {'cached tok':>10}")  # fmt: skip
 
@@ -112,8 +118,10 @@ async def main(args: argparse.Namespace) -> None:
     for phase in ("a", "b"):
         for stat, fn in (("best", min), ("mean", statistics.mean)):
             off, on = (fn(walls[(phase, n)]) for n in ("off", "on"))
-            print(f"{labels[phase]}: {stat} tok/s off {sampled / off:.1f}, on {sampled / on:.1f}: "
-                  f"on/off = {off / on:.2f}x")
+            print(
+                f"{labels[phase]}: {stat} tok/s off {sampled / off:.1f}, on {sampled / on:.1f}: "
+                f"on/off = {off / on:.2f}x"
+            )
 
 
 if __name__ == "__main__":

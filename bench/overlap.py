@@ -34,13 +34,25 @@ from tests.fake_sglang import FakeSGLangProcess  # noqa: E402
 
 
 def run(out: Path, url: str, steps: int, overlap: bool) -> tuple[float, list[dict]]:
-    cfg = load_config("examples/calculator.yaml", [
-        f"output_dir={out}", f"train.steps={steps}", "engine.kind=sglang", f"engine.sglang.urls=[{url}]",
-        "engine.sglang.context_length=8192", f"weight_sync.shared_dir={out / 'weights'}",
-        "rollout.tasks_per_step=4", "rollout.group_size=4", "rollout.max_turns=1",
-        "weight_sync.probe_every=0",  # scripted outputs: no logprobs to check the weights against
-        "log.progress=false", "log.tensorboard=false", "eval.every=0", f"train.overlap_rollouts={overlap}",
-    ])
+    cfg = load_config(
+        "examples/calculator.yaml",
+        [
+            f"output_dir={out}",
+            f"train.steps={steps}",
+            "engine.kind=sglang",
+            f"engine.sglang.urls=[{url}]",
+            "engine.sglang.context_length=8192",
+            f"weight_sync.shared_dir={out / 'weights'}",
+            "rollout.tasks_per_step=4",
+            "rollout.group_size=4",
+            "rollout.max_turns=1",
+            "weight_sync.probe_every=0",  # scripted outputs: no logprobs to check the weights against
+            "log.progress=false",
+            "log.tensorboard=false",
+            "eval.every=0",
+            f"train.overlap_rollouts={overlap}",
+        ],
+    )
     t0 = time.perf_counter()
     train(cfg)
     return time.perf_counter() - t0, read_jsonl(out / "metrics.jsonl")
@@ -55,25 +67,43 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     eos = AutoTokenizer.from_pretrained(model).convert_tokens_to_ids("<|im_end|>")
-    with FakeSGLangProcess("--model-path", str(model), "--output", f"19,{eos}", "--eos", str(eos),
-                           "--generate-delay", str(args.generate_delay)) as server, \
-            tempfile.TemporaryDirectory() as tmp:
+    with (
+        FakeSGLangProcess(
+            "--model-path",
+            str(model),
+            "--output",
+            f"19,{eos}",
+            "--eos",
+            str(eos),
+            "--generate-delay",
+            str(args.generate_delay),
+        ) as server,
+        tempfile.TemporaryDirectory() as tmp,
+    ):
         results = {}
         for overlap in (False, True):
             wall, metrics = run(Path(tmp) / f"overlap-{overlap}", server.url, args.steps, overlap)
             results[overlap] = (wall, metrics)
             step_s = [m["step_s"] for m in metrics]
-            phases = {k.removeprefix("phase_s/"): round(sum(m.get(k, 0.0) for m in metrics) / len(metrics), 2)
-                      for k in sorted({k for m in metrics for k in m if k.startswith("phase_s/")})}
-            print(f"overlap={overlap}: run {wall:.1f} s, step_s {[round(s, 2) for s in step_s]}, "
-                  f"rollout_s {[round(m['rollout_s'], 2) for m in metrics]}, "
-                  f"learner_s {[round(m['learner_s'], 2) for m in metrics]}, "
-                  f"policy_lag {[m['policy_lag'] for m in metrics]}, mean phase s {json.dumps(phases)}")
+            phases = {
+                k.removeprefix("phase_s/"): round(
+                    sum(m.get(k, 0.0) for m in metrics) / len(metrics), 2
+                )
+                for k in sorted({k for m in metrics for k in m if k.startswith("phase_s/")})
+            }
+            print(
+                f"overlap={overlap}: run {wall:.1f} s, step_s {[round(s, 2) for s in step_s]}, "
+                f"rollout_s {[round(m['rollout_s'], 2) for m in metrics]}, "
+                f"learner_s {[round(m['learner_s'], 2) for m in metrics]}, "
+                f"policy_lag {[m['policy_lag'] for m in metrics]}, mean phase s {json.dumps(phases)}"
+            )
         (w0, m0), (w1, m1) = results[False], results[True]
         later0 = sum(m["step_s"] for m in m0[2:]) / (len(m0) - 2)  # after the warm-up steps
         later1 = sum(m["step_s"] for m in m1[2:]) / (len(m1) - 2)
-        print(f"steps 3..{args.steps}: {later0:.2f} s synchronous, {later1:.2f} s overlapped "
-              f"({later0 / later1:.2f}x); whole runs {w0:.1f} s vs {w1:.1f} s ({w0 / w1:.2f}x)")
+        print(
+            f"steps 3..{args.steps}: {later0:.2f} s synchronous, {later1:.2f} s overlapped "
+            f"({later0 / later1:.2f}x); whole runs {w0:.1f} s vs {w1:.1f} s ({w0 / w1:.2f}x)"
+        )
 
 
 if __name__ == "__main__":

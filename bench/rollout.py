@@ -56,9 +56,25 @@ class _Req:
 class SimEngine:
     """A continuous-batching engine in simulated time (see the module docstring)."""
 
-    def __init__(self, chat: ChatFormat, *, capacity: int, step_s: float, turns: int,
-                 lengths: tuple[int, int], sigma: float, tool_ms: tuple[int, int], tokens_per_tick: int = 4) -> None:
-        self.chat, self.capacity, self.step_s, self.turns, self.sigma = chat, capacity, step_s, turns, sigma
+    def __init__(
+        self,
+        chat: ChatFormat,
+        *,
+        capacity: int,
+        step_s: float,
+        turns: int,
+        lengths: tuple[int, int],
+        sigma: float,
+        tool_ms: tuple[int, int],
+        tokens_per_tick: int = 4,
+    ) -> None:
+        self.chat, self.capacity, self.step_s, self.turns, self.sigma = (
+            chat,
+            capacity,
+            step_s,
+            turns,
+            sigma,
+        )
         self.lengths, self.tool_ms, self.tpt = lengths, tool_ms, tokens_per_tick
         self.im_start = chat.tokenizer.convert_tokens_to_ids("<|im_start|>")
         self.filler = chat.encode(" think")[0]
@@ -73,14 +89,19 @@ class SimEngine:
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
         c0 = time.thread_time()
-        turn = (prompt_ids.count(self.im_start) - 3) // 2  # system, user, generation prompt; +2 a turn
+        turn = (
+            prompt_ids.count(self.im_start) - 3
+        ) // 2  # system, user, generation prompt; +2 a turn
         rng = random.Random(params.seed * 1009 + turn)
         lo, hi = self.lengths
         # heavy-tailed like real responses: log-normal around the geometric middle of [lo, hi]
         n = int(min(hi, max(lo, rng.lognormvariate(math.log((lo * hi) ** 0.5), self.sigma))))
         ms = rng.randint(*self.tool_ms)
-        text = ("The answer is 42." if turn >= self.turns - 1 else
-                f'<tool_call>{{"name": "wait", "arguments": {{"ms": {ms}}}}}</tool_call>')
+        text = (
+            "The answer is 42."
+            if turn >= self.turns - 1
+            else f'<tool_call>{{"name": "wait", "arguments": {{"ms": {ms}}}}}</tool_call>'
+        )
         tail = self.chat.encode(text) + [self.chat.end_of_turn_id]
         ids = [self.filler] * max(0, n - len(tail)) + tail
         req = _Req(ids, asyncio.get_running_loop().create_future())
@@ -166,25 +187,44 @@ class WaitEnv(ToolEnv):
         return 1.0
 
 
-async def run_agentgrpo(engine: SimEngine, chat: ChatFormat, tasks: list[Task], cfg: RolloutConfig) -> list:
+async def run_agentgrpo(
+    engine: SimEngine, chat: ChatFormat, tasks: list[Task], cfg: RolloutConfig
+) -> list:
     return await collect(WaitEnv, engine, chat, tasks, cfg, seed=0)
 
 
-async def run_lockstep(engine: SimEngine, chat: ChatFormat, tasks: list[Task], cfg: RolloutConfig) -> list:
+async def run_lockstep(
+    engine: SimEngine, chat: ChatFormat, tasks: list[Task], cfg: RolloutConfig
+) -> list:
     """Waves of `max_concurrent_trajectories`; the same per-group seeds as `collect(seed=0)`."""
     params = replace(cfg.sampling_params(), seed=0)
     per_wave = max(1, cfg.max_concurrent_trajectories // cfg.group_size)
     groups = []
     for w in range(0, len(tasks), per_wave):
-        wave = list(enumerate(tasks))[w:w + per_wave]
+        wave = list(enumerate(tasks))[w : w + per_wave]
         barrier = Barrier(engine, len(wave) * cfg.group_size)
-        groups += await asyncio.gather(*(
-            run_group(WaitEnv, barrier, chat, t, cfg.group_size, replace(params, seed=i * cfg.group_size),
-                      seed=i, limits=cfg, on_done=barrier.leave) for i, t in wave))
+        groups += await asyncio.gather(
+            *(
+                run_group(
+                    WaitEnv,
+                    barrier,
+                    chat,
+                    t,
+                    cfg.group_size,
+                    replace(params, seed=i * cfg.group_size),
+                    seed=i,
+                    limits=cfg,
+                    on_done=barrier.leave,
+                )
+                for i, t in wave
+            )
+        )
     return groups
 
 
-def measure(name: str, runner, chat: ChatFormat, tasks: list[Task], cfg: RolloutConfig, sim: dict) -> dict:
+def measure(
+    name: str, runner, chat: ChatFormat, tasks: list[Task], cfg: RolloutConfig, sim: dict
+) -> dict:
     async def main() -> dict:
         engine = SimEngine(chat, **sim)
         server = asyncio.create_task(engine.serve())
@@ -196,16 +236,27 @@ def measure(name: str, runner, chat: ChatFormat, tasks: list[Task], cfg: Rollout
         turns = sum(t.num_turns for t in trajs)
         bad = [t.stop_reason.value for t in trajs if t.stop_reason.value != "completed"]
         if bad:
-            raise RuntimeError(f"{name}: {len(bad)} trajectories did not complete: {sorted(set(bad))}")
-        return {"name": name, "wall_s": wall, "traj_per_s": len(trajs) / wall, "util": engine.busy_s / wall,
-                "occupancy": engine.seq_s / (wall * engine.capacity), "turns": turns,
-                "framework_ms_per_turn": (cpu - engine.cpu_s) / turns * 1e3}
+            raise RuntimeError(
+                f"{name}: {len(bad)} trajectories did not complete: {sorted(set(bad))}"
+            )
+        return {
+            "name": name,
+            "wall_s": wall,
+            "traj_per_s": len(trajs) / wall,
+            "util": engine.busy_s / wall,
+            "occupancy": engine.seq_s / (wall * engine.capacity),
+            "turns": turns,
+            "framework_ms_per_turn": (cpu - engine.cpu_s) / turns * 1e3,
+        }
+
     return asyncio.run(main())
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="128 trajectories, 64 in flight, capacity 32")
+    p.add_argument(
+        "--quick", action="store_true", help="128 trajectories, 64 in flight, capacity 32"
+    )
     p.add_argument("--trajectories", type=int, default=512)
     p.add_argument("--concurrency", type=int, default=256, help="trajectories in flight")
     p.add_argument("--capacity", type=int, default=128, help="sequences the engine decodes at once")
@@ -213,8 +264,12 @@ def main() -> None:
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--step-ms", type=float, default=2.0, help="decode step time of one sequence")
     p.add_argument("--time-scale", type=float, default=1.0, help="multiplies tool latencies")
-    p.add_argument("--sigma", type=float, default=0.8,
-                   help="spread of the log-normal response lengths (0 = all the same length)")
+    p.add_argument(
+        "--sigma",
+        type=float,
+        default=0.8,
+        help="spread of the log-normal response lengths (0 = all the same length)",
+    )
     a = p.parse_args()
     if a.quick:
         a.trajectories, a.concurrency, a.capacity = 128, 64, 32
@@ -225,22 +280,42 @@ def main() -> None:
 
     chat = ChatFormat(AutoTokenizer.from_pretrained(default_model_path()))
     WaitEnv.time_scale = a.time_scale
-    tasks = [Task(id=f"t{i}", prompt=f"Task {i}: find the answer.") for i in range(a.trajectories // a.group_size)]
-    cfg = RolloutConfig(group_size=a.group_size, max_turns=a.turns, max_tokens=4096, max_new_tokens=512,
-                        max_concurrent_trajectories=a.concurrency)
-    sim = {"capacity": a.capacity, "step_s": a.step_ms / 1e3, "turns": a.turns, "lengths": (16, 512),
-           "sigma": a.sigma, "tool_ms": (50, 500)}
-    print(f"{len(tasks) * a.group_size} trajectories x {a.turns} turns, {a.concurrency} in flight, engine capacity "
-          f"{a.capacity}, decode step {a.step_ms:g} ms x (1 + n/64)^0.6, responses 16-512 tokens (log-normal, "
-          f"sigma {a.sigma:g}), tools 50-500 ms x {a.time_scale:g}")
+    tasks = [
+        Task(id=f"t{i}", prompt=f"Task {i}: find the answer.")
+        for i in range(a.trajectories // a.group_size)
+    ]
+    cfg = RolloutConfig(
+        group_size=a.group_size,
+        max_turns=a.turns,
+        max_tokens=4096,
+        max_new_tokens=512,
+        max_concurrent_trajectories=a.concurrency,
+    )
+    sim = {
+        "capacity": a.capacity,
+        "step_s": a.step_ms / 1e3,
+        "turns": a.turns,
+        "lengths": (16, 512),
+        "sigma": a.sigma,
+        "tool_ms": (50, 500),
+    }
+    print(
+        f"{len(tasks) * a.group_size} trajectories x {a.turns} turns, {a.concurrency} in flight, engine capacity "
+        f"{a.capacity}, decode step {a.step_ms:g} ms x (1 + n/64)^0.6, responses 16-512 tokens (log-normal, "
+        f"sigma {a.sigma:g}), tools 50-500 ms x {a.time_scale:g}"
+    )
     base = measure("lock-step", run_lockstep, chat, tasks, cfg, sim)
     ours = measure("agentgrpo", run_agentgrpo, chat, tasks, cfg, sim)
     print(f"{'scheduler':<10} {'wall s':>8} {'traj/s':>8} {'engine util':>12} {'occupancy':>10}")
     for r in (base, ours):
-        print(f"{r['name']:<10} {r['wall_s']:8.2f} {r['traj_per_s']:8.2f} {r['util']:12.1%} {r['occupancy']:10.1%}")
+        print(
+            f"{r['name']:<10} {r['wall_s']:8.2f} {r['traj_per_s']:8.2f} {r['util']:12.1%} {r['occupancy']:10.1%}"
+        )
     print(f"throughput agentgrpo / lock-step: {ours['traj_per_s'] / base['traj_per_s']:.2f}x")
     print(f"engine utilisation agentgrpo / lock-step: {ours['util']:.1%} / {base['util']:.1%}")
-    print(f"agentgrpo framework CPU per turn: {ours['framework_ms_per_turn']:.3f} ms over {ours['turns']} turns")
+    print(
+        f"agentgrpo framework CPU per turn: {ours['framework_ms_per_turn']:.3f} ms over {ours['turns']} turns"
+    )
 
 
 if __name__ == "__main__":

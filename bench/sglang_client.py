@@ -59,19 +59,32 @@ def answer_ids(n: int) -> list[int]:
 def canned_answer(n: int, prompt_tokens: int) -> bytes:
     """The fake server's answer to the bench's request, as bytes on the wire."""
     ids = answer_ids(n)
-    body = json.dumps({
-        "text": "x" * n, "output_ids": ids,
-        "meta_info": {
-            "id": "bench", "finish_reason": {"type": "stop", "matched": EOS},
-            "prompt_tokens": prompt_tokens,
-            "weight_version": "default", "num_retractions": 0, "input_token_logprobs": [],
-            "output_token_logprobs": [[-0.055, i, None] for i in ids],
-            "output_token_logprobs_length": n, "reasoning_tokens": 0, "completion_tokens": n,
-            "cached_tokens": 0, "e2e_latency": 5e-05, "response_sent_to_client_ts": 1796439765.0,
+    body = json.dumps(
+        {
+            "text": "x" * n,
+            "output_ids": ids,
+            "meta_info": {
+                "id": "bench",
+                "finish_reason": {"type": "stop", "matched": EOS},
+                "prompt_tokens": prompt_tokens,
+                "weight_version": "default",
+                "num_retractions": 0,
+                "input_token_logprobs": [],
+                "output_token_logprobs": [[-0.055, i, None] for i in ids],
+                "output_token_logprobs_length": n,
+                "reasoning_tokens": 0,
+                "completion_tokens": n,
+                "cached_tokens": 0,
+                "e2e_latency": 5e-05,
+                "response_sent_to_client_ts": 1796439765.0,
+            },
         },
-    }, separators=(",", ":")).encode()
-    return (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n"
-            % len(body)) + body
+        separators=(",", ":"),
+    ).encode()
+    return (
+        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n"
+        % len(body)
+    ) + body
 
 
 class _Canned(asyncio.Protocol):
@@ -90,10 +103,10 @@ class _Canned(asyncio.Protocol):
                 return
             head = bytes(self.buf[:end]).lower()
             i = head.find(b"content-length:")
-            n = int(head[i + 15:].split(b"\r\n", 1)[0]) if i >= 0 else 0
+            n = int(head[i + 15 :].split(b"\r\n", 1)[0]) if i >= 0 else 0
             if len(self.buf) < end + 4 + n:
                 return
-            del self.buf[:end + 4 + n]
+            del self.buf[: end + 4 + n]
             if head.startswith(b"get"):  # /health_generate, /server_info
                 self.transport.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}")
             else:
@@ -115,8 +128,17 @@ def serve_canned(answer_tokens: int, prompt_tokens: int) -> None:
 class CannedProcess:
     def __init__(self, answer_tokens: int, prompt_tokens: int) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), "--serve-canned", str(answer_tokens),
-             "--prompt-tokens", str(prompt_tokens)], stdout=subprocess.PIPE, text=True)
+            [
+                sys.executable,
+                os.path.abspath(__file__),
+                "--serve-canned",
+                str(answer_tokens),
+                "--prompt-tokens",
+                str(prompt_tokens),
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         self.url = self.proc.stdout.readline().split()[1]
 
     def __enter__(self) -> CannedProcess:
@@ -159,11 +181,21 @@ async def bench(url: str, server_pid: int, args: argparse.Namespace) -> None:
     max_new = args.answer_tokens + 6
     params = SamplingParams(max_new_tokens=max_new, stop_token_ids=(EOS,))
     body = {
-        "rid": "bench", "input_ids": prompt,
-        "sampling_params": {"max_new_tokens": max_new, "temperature": 1.0, "top_p": 1.0,
-                            "top_k": -1, "stop_token_ids": [EOS], "skip_special_tokens": False,
-                            "spaces_between_special_tokens": False, "no_stop_trim": True},
-        "return_logprob": True, "logprob_start_len": -1, "stream": False,
+        "rid": "bench",
+        "input_ids": prompt,
+        "sampling_params": {
+            "max_new_tokens": max_new,
+            "temperature": 1.0,
+            "top_p": 1.0,
+            "top_k": -1,
+            "stop_token_ids": [EOS],
+            "skip_special_tokens": False,
+            "spaces_between_special_tokens": False,
+            "no_stop_trim": True,
+        },
+        "return_logprob": True,
+        "logprob_start_len": -1,
+        "stream": False,
     }
     counter = iter(range(10**9))
     host, port = url.rsplit("/", 1)[1].split(":")
@@ -173,13 +205,16 @@ async def bench(url: str, server_pid: int, args: argparse.Namespace) -> None:
         return json.dumps(body).encode()
 
     client = httpx.AsyncClient(limits=httpx.Limits(max_connections=concurrency))
-    pools = [httpx.AsyncClient(limits=httpx.Limits(max_connections=2))
-             for _ in range(max(1, concurrency // 2))]
+    pools = [
+        httpx.AsyncClient(limits=httpx.Limits(max_connections=2))
+        for _ in range(max(1, concurrency // 2))
+    ]
     turn = iter(range(10**9))
 
     async def post(c: httpx.AsyncClient) -> None:
-        r = await c.post(f"{url}/generate", content=content(),
-                         headers={"Content-Type": "application/json"})
+        r = await c.post(
+            f"{url}/generate", content=content(), headers={"Content-Type": "application/json"}
+        )
         r.raise_for_status()
         json.loads(r.content)
 
@@ -193,8 +228,9 @@ async def bench(url: str, server_pid: int, args: argparse.Namespace) -> None:
 
     async def raw_aiohttp() -> None:
         body["rid"] = f"raw-{next(counter)}"
-        async with session.post(f"{url}/generate", data=orjson.dumps(body),
-                                headers={"Content-Type": "application/json"}) as r:
+        async with session.post(
+            f"{url}/generate", data=orjson.dumps(body), headers={"Content-Type": "application/json"}
+        ) as r:
             r.raise_for_status()
             orjson.loads(await r.read())
 
@@ -203,11 +239,13 @@ async def bench(url: str, server_pid: int, args: argparse.Namespace) -> None:
     async def streams() -> None:
         data = content()
         reader, writer = idle.pop() if idle else await asyncio.open_connection(host, int(port))
-        writer.write(b"POST /generate HTTP/1.1\r\nhost: %s\r\ncontent-type: application/json\r\n"
-                     b"content-length: %d\r\n\r\n" % (host.encode(), len(data)) + data)
+        writer.write(
+            b"POST /generate HTTP/1.1\r\nhost: %s\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\n\r\n" % (host.encode(), len(data)) + data
+        )
         head = await reader.readuntil(b"\r\n\r\n")
         i = head.lower().find(b"content-length:")
-        json.loads(await reader.readexactly(int(head[i + 15:].split(b"\r\n", 1)[0])))
+        json.loads(await reader.readexactly(int(head[i + 15 :].split(b"\r\n", 1)[0])))
         idle.append((reader, writer))
 
     engine = SGLangEngine([url])
@@ -223,36 +261,46 @@ async def bench(url: str, server_pid: int, args: argparse.Namespace) -> None:
         prof.enable()
         await _run(n, concurrency, engine_call, server_pid)
         prof.disable()
-        await asyncio.gather(engine.aclose(), client.aclose(), session.close(),
-                             *(p.aclose() for p in pools))
+        await asyncio.gather(
+            engine.aclose(), client.aclose(), session.close(), *(p.aclose() for p in pools)
+        )
         pstats.Stats(prof).sort_stats("tottime").print_stats(25)
         return
-    calls = {"raw httpx": raw, "httpx, 2-conn pools": raw_pooled, "raw aiohttp": raw_aiohttp,
-             "asyncio streams": streams, "SGLangEngine": engine_call}
+    calls = {
+        "raw httpx": raw,
+        "httpx, 2-conn pools": raw_pooled,
+        "raw aiohttp": raw_aiohttp,
+        "asyncio streams": streams,
+        "SGLangEngine": engine_call,
+    }
     for call in calls.values():  # warm up connections and code paths
         await _run(min(500, n), concurrency, call, server_pid)
     rounds: dict[str, list[tuple[float, float, float]]] = {name: [] for name in calls}
     names = list(calls)
     for r in range(args.rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
+        for name in names[r % len(names) :] + names[: r % len(names)]:
             rounds[name].append(await _run(n, concurrency, calls[name], server_pid))
     await engine.aclose()
     await asyncio.gather(client.aclose(), session.close(), *(p.aclose() for p in pools))
     for w in idle:
         w[1].close()
-    print(f"{n} requests x {args.rounds} interleaved rounds, concurrency {concurrency}, "
-          f"{args.prompt_tokens}-token prompts, {args.answer_tokens}-token answers, "
-          f"{args.server} server in another process, {os.cpu_count()} CPUs; medians, [min-max] over rounds")
+    print(
+        f"{n} requests x {args.rounds} interleaved rounds, concurrency {concurrency}, "
+        f"{args.prompt_tokens}-token prompts, {args.answer_tokens}-token answers, "
+        f"{args.server} server in another process, {os.cpu_count()} CPUs; medians, [min-max] over rounds"
+    )
     base = rounds["raw httpx"]
     for name, rs in rounds.items():
         rate = [n / w for w, _, _ in rs]
         cpu = [1e6 * c / n for _, c, _ in rs]
         srv = [1e6 * s / n for _, _, s in rs]
         ratio = [b[0] / w for b, (w, _, _) in zip(base, rs, strict=True)]
-        print(f"  {name:20s} {statistics.median(rate):6.0f} req/s [{min(rate):.0f}-{max(rate):.0f}]"
-              f"  client {statistics.median(cpu):5.0f} us CPU/req [{min(cpu):.0f}-{max(cpu):.0f}]"
-              f"  server {statistics.median(srv):4.0f} us CPU/req"
-              f"  vs raw httpx {statistics.median(ratio):.2f}x [{min(ratio):.2f}-{max(ratio):.2f}]")
+        print(
+            f"  {name:20s} {statistics.median(rate):6.0f} req/s [{min(rate):.0f}-{max(rate):.0f}]"
+            f"  client {statistics.median(cpu):5.0f} us CPU/req [{min(cpu):.0f}-{max(cpu):.0f}]"
+            f"  server {statistics.median(srv):4.0f} us CPU/req"
+            f"  vs raw httpx {statistics.median(ratio):.2f}x [{min(ratio):.2f}-{max(ratio):.2f}]"
+        )
 
 
 def main() -> None:
@@ -263,8 +311,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--prompt-tokens", type=int, default=200)
     ap.add_argument("--answer-tokens", type=int, default=2)
-    ap.add_argument("--profile", action="store_true",
-                    help="profile SGLangEngine's requests (cProfile) instead of comparing clients")
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="profile SGLangEngine's requests (cProfile) instead of comparing clients",
+    )
     ap.add_argument("--serve-canned", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve_canned is not None:

@@ -55,8 +55,15 @@ class CalculatorEnv(ToolEnv):
         if self.demo:
             msgs += [
                 Message(role="user", content="What is 12 + 30?"),
-                Message(role="assistant", content="", tool_calls=[
-                    ToolCall(id="call_demo", name="calculator", arguments={"expression": "12 + 30"})]),
+                Message(
+                    role="assistant",
+                    content="",
+                    tool_calls=[
+                        ToolCall(
+                            id="call_demo", name="calculator", arguments={"expression": "12 + 30"}
+                        )
+                    ],
+                ),
                 Message(role="tool", content="42", tool_call_id="call_demo", name="calculator"),
                 Message(role="assistant", content="42"),
             ]
@@ -67,8 +74,17 @@ class CalculatorEnv(ToolEnv):
         return float(answer is not None and answer == Fraction(str(task.answer)))
 
     @classmethod
-    def load_tasks(cls, split: str = "train", seed: int = 0, *, n: int = 10_000, digits: int = 2,
-                   terms: int = 2, ops: str = "+", **kwargs: Any) -> Sequence[Task]:
+    def load_tasks(
+        cls,
+        split: str = "train",
+        seed: int = 0,
+        *,
+        n: int = 10_000,
+        digits: int = 2,
+        terms: int = 2,
+        ops: str = "+",
+        **kwargs: Any,
+    ) -> Sequence[Task]:
         if kwargs:
             raise TypeError(f"CalculatorEnv.load_tasks: unknown options {sorted(kwargs)}")
         if digits < 1 or terms < 2 or not ops or set(ops) - set("+-*"):
@@ -82,6 +98,12 @@ class CalculatorEnv(ToolEnv):
             expr = str(nums[0])
             for x in nums[1:]:
                 expr += f" {rng.choice(ops)} {x}"
-            tasks.append(Task(id=f"{split}-{seed}-{i}", prompt=f"What is {expr}?",
-                              answer=format_number(evaluate(expr)), metadata={"expression": expr}))
+            tasks.append(
+                Task(
+                    id=f"{split}-{seed}-{i}",
+                    prompt=f"What is {expr}?",
+                    answer=format_number(evaluate(expr)),
+                    metadata={"expression": expr},
+                )
+            )
         return tasks

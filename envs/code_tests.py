@@ -96,10 +96,12 @@ class Example:
 
     def as_test(self) -> str:
         """An assert test whose failure message shows what the code returned."""
-        return (f"_got = {self.call}\n_want = {self.expected}\n"
-                "assert _got == _want or (isinstance(_got, float) and isinstance(_want, (int, float))"
-                " and abs(_got - _want) <= 1e-6 * max(1.0, abs(_want))), "
-                f"{self.call!r} + ' returned ' + repr(_got) + ', expected ' + {self.expected!r}\n")
+        return (
+            f"_got = {self.call}\n_want = {self.expected}\n"
+            "assert _got == _want or (isinstance(_got, float) and isinstance(_want, (int, float))"
+            " and abs(_got - _want) <= 1e-6 * max(1.0, abs(_want))), "
+            f"{self.call!r} + ' returned ' + repr(_got) + ', expected ' + {self.expected!r}\n"
+        )
 
 
 def _literal(node: ast.AST) -> bool:
@@ -116,9 +118,14 @@ def _valid(call: str, expected: str, entry_point: str) -> bool:
         tree, want = ast.parse(call, mode="eval").body, ast.parse(expected, mode="eval").body
     except SyntaxError:
         return False
-    return (isinstance(tree, ast.Call) and isinstance(tree.func, ast.Name)
-            and tree.func.id == entry_point and not tree.keywords
-            and all(_literal(a) for a in tree.args) and _literal(want))
+    return (
+        isinstance(tree, ast.Call)
+        and isinstance(tree.func, ast.Name)
+        and tree.func.id == entry_point
+        and not tree.keywords
+        and all(_literal(a) for a in tree.args)
+        and _literal(want)
+    )
 
 
 def docstring_examples(problem: HumanEvalProblem) -> list[Example]:
@@ -135,7 +142,9 @@ def docstring_examples(problem: HumanEvalProblem) -> list[Example]:
         call, want = ex.source.strip(), "\n".join(want_lines).strip()
         if want and _valid(call, want, ep):
             found.append(Example(call, want))
-    line_form = re.compile(rf"^\s*(?:[*-]|>>>|for)?\s*({re.escape(ep)}\(.*\))\s*{_SEP}\s*(.+?)\s*\.?\s*$")
+    line_form = re.compile(
+        rf"^\s*(?:[*-]|>>>|for)?\s*({re.escape(ep)}\(.*\))\s*{_SEP}\s*(.+?)\s*\.?\s*$"
+    )
     for line in problem.prompt.splitlines():
         m = line_form.match(line)
         if not m:
@@ -149,8 +158,13 @@ def docstring_examples(problem: HumanEvalProblem) -> list[Example]:
 
 def _problem(task: Task) -> HumanEvalProblem:
     m = task.metadata
-    return HumanEvalProblem(task_id=task.id, prompt=m["prompt"], canonical_solution="",
-                            test=m["test"], entry_point=m["entry_point"])
+    return HumanEvalProblem(
+        task_id=task.id,
+        prompt=m["prompt"],
+        canonical_solution="",
+        test=m["test"],
+        entry_point=m["entry_point"],
+    )
 
 
 def _public_tests(task: Task) -> list[str]:
@@ -195,8 +209,9 @@ class CodeTestsEnv(ToolEnv):
 
     tool_timeout_s = 60.0  # up to 8 examples at `timeout_s` each, plus the sandbox's start
 
-    def __init__(self, sandbox: Sandbox | None = None, public_credit: float = 0.0,
-                 timeout_s: float = 5.0) -> None:
+    def __init__(
+        self, sandbox: Sandbox | None = None, public_credit: float = 0.0, timeout_s: float = 5.0
+    ) -> None:
         if not 0.0 <= public_credit < 1.0:
             raise ValueError(f"public_credit must be in [0, 1), got {public_credit}")
         check_sandbox(sandbox, "CodeTestsEnv", "run", "arun")  # the tool runs, the reward aruns
@@ -210,8 +225,12 @@ class CodeTestsEnv(ToolEnv):
             code: the complete function (with any imports and helpers it needs).
         """
         assert self.task is not None
-        res = run_tests(humaneval_solution(_problem(self.task), code), _public_tests(self.task),
-                        sandbox=self.sandbox, timeout_per_test_s=self.timeout_s)
+        res = run_tests(
+            humaneval_solution(_problem(self.task), code),
+            _public_tests(self.task),
+            sandbox=self.sandbox,
+            timeout_per_test_s=self.timeout_s,
+        )
         if res.unscorable:
             # An InfrastructureError: the tool layer re-raises it out of the step that made this
             # call, never shown to the model. Nothing is stored on the env, so a call abandoned at
@@ -220,8 +239,10 @@ class CodeTestsEnv(ToolEnv):
         if self.task.metadata["examples"]:
             lines = [f"{res.passed}/{len(res.tests)} examples passed."]
         else:
-            lines = ["The docstring has no examples; checked only that the code runs and defines "
-                     "the function."]
+            lines = [
+                "The docstring has no examples; checked only that the code runs and defines "
+                "the function."
+            ]
         for t in res.tests:
             why = f": {t.detail}" if t.detail and t.outcome != "passed" else ""
             lines.append(f"example {t.index + 1}: {t.outcome}{why}")
@@ -230,33 +251,51 @@ class CodeTestsEnv(ToolEnv):
     async def reward(self, task: Task, messages: list[Message]) -> float:
         problem = _problem(task)
         code = submission(messages, problem.entry_point)
-        hidden = await ascore_humaneval(problem, code, sandbox=self.sandbox, timeout_s=self.timeout_s)
+        hidden = await ascore_humaneval(
+            problem, code, sandbox=self.sandbox, timeout_s=self.timeout_s
+        )
         if hidden.unscorable:
             raise SandboxUnavailable(f"hidden tests: {hidden.exec.detail}")
         if hidden.all_passed or not self.public_credit or not task.metadata["examples"]:
             return float(hidden.all_passed)
-        public = await arun_tests(humaneval_solution(problem, code), _public_tests(task),
-                                  sandbox=self.sandbox, timeout_per_test_s=self.timeout_s)
+        public = await arun_tests(
+            humaneval_solution(problem, code),
+            _public_tests(task),
+            sandbox=self.sandbox,
+            timeout_per_test_s=self.timeout_s,
+        )
         if public.unscorable:
             raise SandboxUnavailable(f"public examples: {public.exec.detail}")
         return self.public_credit * public.score
 
     @classmethod
-    def load_tasks(cls, split: str = "train", seed: int = 0, *, n: int | None = None,
-                   **kwargs: Any) -> Sequence[Task]:
+    def load_tasks(
+        cls, split: str = "train", seed: int = 0, *, n: int | None = None, **kwargs: Any
+    ) -> Sequence[Task]:
         """The problems of `split` in HumanEval order (`n` caps the count; `seed` is unused: the
         split is fixed, and the trainer shuffles)."""
         if kwargs:
             raise TypeError(f"CodeTestsEnv.load_tasks: unknown options {sorted(kwargs)}")
         if split not in SPLITS:
-            raise ValueError(f"CodeTestsEnv.load_tasks: split must be one of {SPLITS}, got {split!r}")
+            raise ValueError(
+                f"CodeTestsEnv.load_tasks: split must be one of {SPLITS}, got {split!r}"
+            )
         tasks = []
         for p in load_humaneval():
             number = int(p.task_id.rsplit("/", 1)[1])
             if split != "all" and (number % 5 == 0) != (split == "eval"):
                 continue
             examples = [{"call": e.call, "expected": e.expected} for e in docstring_examples(p)]
-            tasks.append(Task(id=p.task_id, prompt=f"```python\n{p.prompt.rstrip()}\n```",
-                              metadata={"entry_point": p.entry_point, "prompt": p.prompt,
-                                        "test": p.test, "examples": examples}))
+            tasks.append(
+                Task(
+                    id=p.task_id,
+                    prompt=f"```python\n{p.prompt.rstrip()}\n```",
+                    metadata={
+                        "entry_point": p.entry_point,
+                        "prompt": p.prompt,
+                        "test": p.test,
+                        "examples": examples,
+                    },
+                )
+            )
         return tasks[:n] if n is not None else tasks

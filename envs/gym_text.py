@@ -61,6 +61,7 @@ _BACKGROUND = {str(c) for c in (*range(40, 48), *range(100, 108))}  # Gymnasium'
 
 def plain_ansi(text: str) -> str:
     """An `ansi` render as plain text: a highlighted span becomes `[span]`, other colours go."""
+
     def span(m: re.Match[str]) -> str:
         return f"[{m.group(2)}]" if _BACKGROUND & set(m.group(1).split(";")) else m.group(2)
 
@@ -78,10 +79,12 @@ class TextSpec:
 
 def _frozen_lake_rules(env: gymnasium.Env) -> str:
     slippery = len(env.unwrapped.P[0][0]) > 1  # a slippery lake has several outcomes per move
-    return ("You walk on a frozen lake drawn as a grid: S is the start, F frozen ice, H a hole, "
-            "G the goal, and X marks where you stand. Reach G without falling into a hole; you "
-            "get 1 point at G. Moving off the grid leaves you where you are."
-            + (" The ice is slippery: you sometimes slide sideways." if slippery else ""))
+    return (
+        "You walk on a frozen lake drawn as a grid: S is the start, F frozen ice, H a hole, "
+        "G the goal, and X marks where you stand. Reach G without falling into a hole; you "
+        "get 1 point at G. Moving off the grid leaves you where you are."
+        + (" The ice is slippery: you sometimes slide sideways." if slippery else "")
+    )
 
 
 def _frozen_lake_render(env: gymnasium.Env, obs: Any) -> str:
@@ -106,9 +109,11 @@ def _taxi_render(env: gymnasium.Env, obs: Any) -> str:
     grid = [[c.decode() for c in line] for line in u.desc]
     grid[1 + taxi_row][2 * taxi_col + 1] = "T"
     where = "in the taxi" if passenger == 4 else f"at {_TAXI_STOPS[passenger]}"
-    return ("\n".join("".join(line) for line in grid)
-            + f"\nThe taxi T is at row {taxi_row + 1}, column {taxi_col + 1}. The passenger is "
-            f"{where}; the destination is {_TAXI_STOPS[dest]}.")
+    return (
+        "\n".join("".join(line) for line in grid)
+        + f"\nThe taxi T is at row {taxi_row + 1}, column {taxi_col + 1}. The passenger is "
+        f"{where}; the destination is {_TAXI_STOPS[dest]}."
+    )
 
 
 def _blackjack_render(env: gymnasium.Env, obs: Any) -> str:
@@ -119,16 +124,26 @@ def _blackjack_render(env: gymnasium.Env, obs: Any) -> str:
 
 
 TEXT_SPECS: dict[str, TextSpec] = {
-    "FrozenLake": TextSpec(_frozen_lake_rules, ("LEFT", "DOWN", "RIGHT", "UP"), _frozen_lake_render),
+    "FrozenLake": TextSpec(
+        _frozen_lake_rules, ("LEFT", "DOWN", "RIGHT", "UP"), _frozen_lake_render
+    ),
     "Taxi": TextSpec(
-        lambda env: ("You drive a taxi T on the grid (walls are | and -). R, G, Y and B are stops. "
-                     "Drive to the passenger, PICKUP, drive to the destination, DROPOFF. Each move "
-                     "costs 1 point, a wrong PICKUP or DROPOFF 10, delivering earns 20."),
-        ("SOUTH", "NORTH", "EAST", "WEST", "PICKUP", "DROPOFF"), _taxi_render),
+        lambda env: (
+            "You drive a taxi T on the grid (walls are | and -). R, G, Y and B are stops. "
+            "Drive to the passenger, PICKUP, drive to the destination, DROPOFF. Each move "
+            "costs 1 point, a wrong PICKUP or DROPOFF 10, delivering earns 20."
+        ),
+        ("SOUTH", "NORTH", "EAST", "WEST", "PICKUP", "DROPOFF"),
+        _taxi_render,
+    ),
     "Blackjack": TextSpec(
-        lambda env: ("You play blackjack against the dealer: get closer to 21 than the dealer "
-                     "without going over. HIT takes a card, STICK stops. Win 1, lose -1, draw 0."),
-        ("STICK", "HIT"), _blackjack_render),
+        lambda env: (
+            "You play blackjack against the dealer: get closer to 21 than the dealer "
+            "without going over. HIT takes a card, STICK stops. Win 1, lose -1, draw 0."
+        ),
+        ("STICK", "HIT"),
+        _blackjack_render,
+    ),
 }
 
 
@@ -142,8 +157,11 @@ def generic_spec(env: gymnasium.Env) -> TextSpec:
         return f"Observation: {obs!r}"
 
     def rules(e: gymnasium.Env) -> str:
-        marks = (" In the picture, [ ] marks the highlighted cell (usually where you are)."
-                 if e.render_mode == "ansi" else "")
+        marks = (
+            " In the picture, [ ] marks the highlighted cell (usually where you are)."
+            if e.render_mode == "ansi"
+            else ""
+        )
         return f"You play the Gymnasium environment {e.spec.id if e.spec else e}.{marks}"
 
     return TextSpec(rules, tuple(str(i) for i in range(n)), render)
@@ -152,7 +170,11 @@ def generic_spec(env: gymnasium.Env) -> TextSpec:
 def text_spec_name(game: gymnasium.Env) -> str:
     """The `TEXT_SPECS` key of `game`: by its unwrapped class for the toy-text envs (so
     `FrozenLake8x8-v1` is "FrozenLake"), else its id's name (`spec.name`); "" when it has none."""
-    for cls, name in ((FrozenLakeEnv, "FrozenLake"), (TaxiEnv, "Taxi"), (BlackjackEnv, "Blackjack")):
+    for cls, name in (
+        (FrozenLakeEnv, "FrozenLake"),
+        (TaxiEnv, "Taxi"),
+        (BlackjackEnv, "Blackjack"),
+    ):
         if isinstance(game.unwrapped, cls):
             return name
     return game.spec.name if game.spec is not None else ""
@@ -173,13 +195,21 @@ class GymTextEnv(Env):
         (-0.1, True)
     """
 
-    def __init__(self, on_invalid: Literal["reprompt", "end"] = "reprompt",
-                 invalid_penalty: float = 0.1, max_invalid: int = 3) -> None:
+    def __init__(
+        self,
+        on_invalid: Literal["reprompt", "end"] = "reprompt",
+        invalid_penalty: float = 0.1,
+        max_invalid: int = 3,
+    ) -> None:
         if on_invalid not in ("reprompt", "end"):
             raise ValueError(f"on_invalid must be 'reprompt' or 'end', got {on_invalid!r}")
         if invalid_penalty < 0 or max_invalid < 1:
             raise ValueError("need invalid_penalty >= 0 and max_invalid >= 1")
-        self.on_invalid, self.invalid_penalty, self.max_invalid = on_invalid, invalid_penalty, max_invalid
+        self.on_invalid, self.invalid_penalty, self.max_invalid = (
+            on_invalid,
+            invalid_penalty,
+            max_invalid,
+        )
         self.game: gymnasium.Env | None = None
 
     def text_spec(self, game: gymnasium.Env) -> TextSpec | None:
@@ -187,8 +217,9 @@ class GymTextEnv(Env):
         wrapper an env that `TEXT_SPECS` does not know."""
         return TEXT_SPECS.get(text_spec_name(game))
 
-    def reset(self, *, seed: int | None = None,
-              options: dict[str, Any] | None = None) -> tuple[list[Message], dict[str, Any]]:
+    def reset(
+        self, *, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[list[Message], dict[str, Any]]:
         super().reset(seed=seed, options=options)
         assert self.task is not None
         meta = self.task.metadata
@@ -198,7 +229,9 @@ class GymTextEnv(Env):
         game = gymnasium.make(env_id, **make_kwargs)
         if not isinstance(game.action_space, gymnasium.spaces.Discrete):
             game.close()
-            raise TypeError(f"{env_id} has action space {game.action_space}; GymTextEnv needs Discrete")
+            raise TypeError(
+                f"{env_id} has action space {game.action_space}; GymTextEnv needs Discrete"
+            )
         view = self.text_spec(game)
         if view is None:
             if "ansi" in game.metadata.get("render_modes", ()):
@@ -206,15 +239,19 @@ class GymTextEnv(Env):
                 game = gymnasium.make(env_id, render_mode="ansi", **make_kwargs)
             view = generic_spec(game)
         if len(view.action_words) != game.action_space.n:
-            raise ValueError(f"{env_id}: {len(view.action_words)} action words for {game.action_space}")
+            raise ValueError(
+                f"{env_id}: {len(view.action_words)} action words for {game.action_space}"
+            )
         self.game, self.view = game, view
         self.words = {w.lower(): i for i, w in enumerate(view.action_words)}
         self._word = re.compile(r"\b(" + "|".join(re.escape(w) for w in self.words) + r")\b", re.I)
         obs, _ = game.reset(seed=int(meta["reset_seed"]))
         self.invalid = 0
         system = f"{self.view.rules(game)}\n{self._ask()}"
-        return [Message(role="system", content=system),
-                Message(role="user", content=self.view.render(game, obs))], {}
+        return [
+            Message(role="system", content=system),
+            Message(role="user", content=self.view.render(game, obs)),
+        ], {}
 
     def _ask(self) -> str:
         return f"Reply with one action: {', '.join(self.view.action_words)}."
@@ -231,8 +268,9 @@ class GymTextEnv(Env):
             self.invalid += 1
             info = {"action": None, "invalid_replies": self.invalid}
             if self.on_invalid == "end" or self.invalid >= self.max_invalid:
-                return EnvStep([], -self.invalid_penalty, True, False, info,
-                               stop_reason=StopReason.PARSE_ERROR)
+                return EnvStep(
+                    [], -self.invalid_penalty, True, False, info, stop_reason=StopReason.PARSE_ERROR
+                )
             msg = f"That reply names no action. {self._ask()}"
             return [Message(role="user", content=msg)], -self.invalid_penalty, False, False, info
         obs, reward, terminated, truncated, _ = self.game.step(idx)
@@ -240,7 +278,13 @@ class GymTextEnv(Env):
         text = self.view.render(self.game, obs)
         if terminated or truncated:
             text += f"\nThe episode is over (reward {float(reward):g})."
-        return [Message(role="user", content=text)], float(reward), bool(terminated), bool(truncated), info
+        return (
+            [Message(role="user", content=text)],
+            float(reward),
+            bool(terminated),
+            bool(truncated),
+            info,
+        )
 
     def close(self) -> None:
         if self.game is not None:
@@ -248,9 +292,17 @@ class GymTextEnv(Env):
             self.game = None
 
     @classmethod
-    def load_tasks(cls, split: str = "train", seed: int = 0, *, n: int = 1000,
-                   env_id: str = "FrozenLake-v1", make_kwargs: dict[str, Any] | None = None,
-                   map_size: int | None = None, **kwargs: Any) -> Sequence[Task]:
+    def load_tasks(
+        cls,
+        split: str = "train",
+        seed: int = 0,
+        *,
+        n: int = 1000,
+        env_id: str = "FrozenLake-v1",
+        make_kwargs: dict[str, Any] | None = None,
+        map_size: int | None = None,
+        **kwargs: Any,
+    ) -> Sequence[Task]:
         """`n` start states of `env_id` (`make_kwargs` go to `gymnasium.make`; `map_size` gives
         FrozenLake a random solvable map of that size per task)."""
         if kwargs:
@@ -265,7 +317,11 @@ class GymTextEnv(Env):
             if map_size is not None:
                 kw["desc"] = generate_random_map(size=map_size, seed=rng.randrange(2**31))
             reset_seed = rng.randrange(2**31)
-            tasks.append(Task(id=f"{env_id}-{split}-{seed}-{i}",
-                              prompt=f"Play {env_id} from start state {reset_seed}.",
-                              metadata={"env_id": env_id, "make_kwargs": kw, "reset_seed": reset_seed}))
+            tasks.append(
+                Task(
+                    id=f"{env_id}-{split}-{seed}-{i}",
+                    prompt=f"Play {env_id} from start state {reset_seed}.",
+                    metadata={"env_id": env_id, "make_kwargs": kw, "reset_seed": reset_seed},
+                )
+            )
         return tasks

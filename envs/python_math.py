@@ -127,12 +127,20 @@ class PythonMathEnv(ToolEnv):
         "\\boxed{}, for example \\boxed{42}."
     )
 
-    def __init__(self, sandbox: Sandbox | None = None,
-                 python: PythonToolConfig | dict[str, Any] | None = None, math_timeout_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        sandbox: Sandbox | None = None,
+        python: PythonToolConfig | dict[str, Any] | None = None,
+        math_timeout_s: float = 5.0,
+    ) -> None:
         if not math_timeout_s > 0:
             raise ValueError(f"PythonMathEnv: math_timeout_s must be > 0, got {math_timeout_s!r}")
         self.math_timeout_s = math_timeout_s
-        cfg = python if isinstance(python, PythonToolConfig) or python is None else PythonToolConfig(**python)
+        cfg = (
+            python
+            if isinstance(python, PythonToolConfig) or python is None
+            else PythonToolConfig(**python)
+        )
         self._run_python = make_async_python_tool(sandbox, cfg)
         self._check: MathCheck | None = None  # the last reward's check, for step's info
 
@@ -158,9 +166,15 @@ class PythonMathEnv(ToolEnv):
         self._check = None
         step = await super().step(action)
         if self._check is not None and self._check.status == "timeout":
-            return EnvStep(step.messages, step.reward, step.terminated, step.truncated,
-                           {**step.info, "math_verify": self._check.detail},
-                           stop_reason=StopReason.PARSE_ERROR, tool_errors=step.tool_errors)
+            return EnvStep(
+                step.messages,
+                step.reward,
+                step.terminated,
+                step.truncated,
+                {**step.info, "math_verify": self._check.detail},
+                stop_reason=StopReason.PARSE_ERROR,
+                tool_errors=step.tool_errors,
+            )
         return step
 
     async def reward(self, task: Task, messages: list[Message]) -> float:
@@ -172,8 +186,15 @@ class PythonMathEnv(ToolEnv):
         return float(self._check is not None and self._check.equal)
 
     @classmethod
-    def load_tasks(cls, split: str = "train", seed: int = 0, *, n: int = 2000,
-                   dataset: str = "gsm_symbolic", **dataset_kwargs: Any) -> Sequence[Task]:
+    def load_tasks(
+        cls,
+        split: str = "train",
+        seed: int = 0,
+        *,
+        n: int = 2000,
+        dataset: str = "gsm_symbolic",
+        **dataset_kwargs: Any,
+    ) -> Sequence[Task]:
         """`n` problems of `split` ("train" or "eval") from reasoning-gym's `dataset` generator.
 
         `dataset_kwargs` go to the generator's config (an unknown one is an error that names it).
@@ -182,9 +203,13 @@ class PythonMathEnv(ToolEnv):
         from reasoning_gym.factory import DATASETS as RG_DATASETS
 
         if split not in ("train", "eval"):
-            raise ValueError(f"PythonMathEnv.load_tasks: split must be 'train' or 'eval', got {split!r}")
+            raise ValueError(
+                f"PythonMathEnv.load_tasks: split must be 'train' or 'eval', got {split!r}"
+            )
         if dataset not in RG_DATASETS:
-            raise ValueError(f"unknown reasoning-gym dataset {dataset!r} (e.g. {', '.join(DATASETS)})")
+            raise ValueError(
+                f"unknown reasoning-gym dataset {dataset!r} (e.g. {', '.join(DATASETS)})"
+            )
         if n < 1:
             raise ValueError("n must be >= 1")
         # Generation is lazy per index; the stream is long enough for the eval bucket (1 in 10) to
@@ -201,9 +226,14 @@ class PythonMathEnv(ToolEnv):
             bucket = int(hashlib.sha256(entry["question"].encode()).hexdigest(), 16) % 10
             if (bucket == _EVAL_BUCKET) != want_eval:
                 continue
-            tasks.append(Task(id=f"{dataset}-{seed}-{i}", prompt=entry["question"],
-                              answer=str(entry["answer"]),
-                              metadata={"dataset": dataset, "split": split, "index": i}))
+            tasks.append(
+                Task(
+                    id=f"{dataset}-{seed}-{i}",
+                    prompt=entry["question"],
+                    answer=str(entry["answer"]),
+                    metadata={"dataset": dataset, "split": split, "index": i},
+                )
+            )
             if len(tasks) == n:
                 break
         return tasks

@@ -31,16 +31,27 @@ try:
 except ImportError:  # Python 3.10
     from pip._vendor import tomli as tomllib
 
-FLOORED = ("torch", "transformers", "accelerate", "peft", "pydantic", "gymnasium", "httpx", "gguf",
-           "math-verify")
+FLOORED = (
+    "torch",
+    "transformers",
+    "accelerate",
+    "peft",
+    "pydantic",
+    "gymnasium",
+    "httpx",
+    "gguf",
+    "math-verify",
+)
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def floors() -> dict[str, str]:
     """name -> the `>=` bound pyproject.toml gives it (in `dependencies` or an extra)."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    reqs = [*project["dependencies"], *(r for extra in project["optional-dependencies"].values()
-                                        for r in extra)]
+    reqs = [
+        *project["dependencies"],
+        *(r for extra in project["optional-dependencies"].values() for r in extra),
+    ]
     found: dict[str, str] = {}
     for text in reqs:
         req = Requirement(text)
@@ -50,14 +61,18 @@ def floors() -> dict[str, str]:
             if len(lows) != 1:
                 raise SystemExit(f"floors: {text!r} in pyproject.toml has no single >= bound")
             if found.setdefault(name, lows[0]) != lows[0]:
-                raise SystemExit(f"floors: {name} has two floors in pyproject.toml: {found[name]}, {lows[0]}")
+                raise SystemExit(
+                    f"floors: {name} has two floors in pyproject.toml: {found[name]}, {lows[0]}"
+                )
     absent = set(FLOORED) - set(found)
     if absent:
         raise SystemExit(f"floors: pyproject.toml names no floor for {sorted(absent)}")
     return found
 
 
-def installed(overlay: Path) -> tuple[dict[str, metadata.Distribution], list[metadata.Distribution]]:
+def installed(
+    overlay: Path,
+) -> tuple[dict[str, metadata.Distribution], list[metadata.Distribution]]:
     """Every package as Python will see it with `overlay` first on the path (name -> distribution),
     and the overlay's own distributions."""
     ours = list(metadata.distributions(path=[str(overlay)]))
@@ -109,10 +124,16 @@ def main(argv: list[str]) -> int:
             return 0
         # (public: a wheel's local label, torch's +cu128, is not part of the version pinned)
         version = {name: Version(dist.version) for name, dist in seen.items()}
-        wrong = [f"{name} {version.get(name)} (floor {v})" for name, v in floors().items()
-                 if name not in version or Version(version[name].public) != Version(v)]
+        wrong = [
+            f"{name} {version.get(name)} (floor {v})"
+            for name, v in floors().items()
+            if name not in version or Version(version[name].public) != Version(v)
+        ]
         if wrong or needs:
-            print(f"floors: not at the floor: {wrong}; needed, not installed: {needs}", file=sys.stderr)
+            print(
+                f"floors: not at the floor: {wrong}; needed, not installed: {needs}",
+                file=sys.stderr,
+            )
             return 1
         print("floors:", ", ".join(f"{name} {version[name]}" for name in floors()))
         return 0

@@ -35,9 +35,22 @@ def main() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = subprocess.Popen([sys.executable, "-m", "agentgrpo.cli", "serve-sandbox", "--port",
-                               str(port), "--backend", "namespaces", "--max-body-mb", "16"],
-                              env={**os.environ}, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "agentgrpo.cli",
+            "serve-sandbox",
+            "--port",
+            str(port),
+            "--backend",
+            "namespaces",
+            "--max-body-mb",
+            "16",
+        ],
+        env={**os.environ},
+        stderr=subprocess.DEVNULL,
+    )
     import httpx
 
     try:
@@ -53,8 +66,12 @@ def main() -> None:
         codes = []
 
         def post() -> None:
-            r = httpx.post(f"http://127.0.0.1:{port}/run", content=body, timeout=300,
-                           headers={"Content-Type": "application/json"})
+            r = httpx.post(
+                f"http://127.0.0.1:{port}/run",
+                content=body,
+                timeout=300,
+                headers={"Content-Type": "application/json"},
+            )
             codes.append(r.status_code)
 
         threads = [threading.Thread(target=post) for _ in range(args.bodies)]
@@ -62,8 +79,10 @@ def main() -> None:
             t.start()
         for t in threads:
             t.join()
-        print(f"{args.bodies} bodies of {len(body) / (1 << 20):.1f} MB: answers {sorted(codes)}; "
-              f"server peak RSS {before:.0f} MB before, {peak_mb(server.pid):.0f} MB after")
+        print(
+            f"{args.bodies} bodies of {len(body) / (1 << 20):.1f} MB: answers {sorted(codes)}; "
+            f"server peak RSS {before:.0f} MB before, {peak_mb(server.pid):.0f} MB after"
+        )
     finally:
         server.terminate()
         server.wait()

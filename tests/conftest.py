@@ -33,7 +33,9 @@ def pytest_sessionfinish(session, exitstatus):
     """Tell scripts/pytest.sh that the session ended, and how: what the interpreter does after this
     (an abort in its finalization, pytorch#38228) is then told apart from a crash during a test."""
     path = os.environ.get("AGENTGRPO_PYTEST_STATUS_FILE")
-    if path and not hasattr(session.config, "workerinput"):  # an xdist worker's end is not the run's
+    if path and not hasattr(
+        session.config, "workerinput"
+    ):  # an xdist worker's end is not the run's
         Path(path).write_text(str(int(exitstatus)))
 
 
@@ -65,10 +67,18 @@ def tiny_model_dir(tmp_path_factory, smol_tokenizer) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(smol_tokenizer), hidden_size=32, intermediate_size=64,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=1024, tie_word_embeddings=True,
-                      eos_token_id=smol_tokenizer.eos_token_id, pad_token_id=smol_tokenizer.pad_token_id)
+    cfg = LlamaConfig(
+        vocab_size=len(smol_tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        eos_token_id=smol_tokenizer.eos_token_id,
+        pad_token_id=smol_tokenizer.pad_token_id,
+    )
     d = tmp_path_factory.mktemp("tiny-llama")
     LlamaForCausalLM(cfg).save_pretrained(d)
     smol_tokenizer.save_pretrained(d)
@@ -89,9 +99,22 @@ def llama31_chat(tokenizer):
     from agentgrpo.chat import ChatFormat
 
     tok = copy.deepcopy(tokenizer)
-    tok.add_special_tokens({"additional_special_tokens": ["<|eot_id|>", "<|start_header_id|>",
-                                                         "<|end_header_id|>", "<|python_tag|>"]})
-    return ChatFormat(tok, template=shared_template("llama3_1.jinja"), parser="llama3_json", end_of_turn="<|eot_id|>")
+    tok.add_special_tokens(
+        {
+            "additional_special_tokens": [
+                "<|eot_id|>",
+                "<|start_header_id|>",
+                "<|end_header_id|>",
+                "<|python_tag|>",
+            ]
+        }
+    )
+    return ChatFormat(
+        tok,
+        template=shared_template("llama3_1.jinja"),
+        parser="llama3_json",
+        end_of_turn="<|eot_id|>",
+    )
 
 
 @pytest.fixture(scope="session")

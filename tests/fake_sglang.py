@@ -53,21 +53,61 @@ from typing import Any
 from agentgrpo.engine.base import Completion, SamplingParams
 
 QWEN_SPECIAL = {151643: "<|endoftext|>", 151644: "<|im_start|>", 151645: "<|im_end|>"}
-SAMPLING_KEYS = frozenset({
-    "max_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids",
-    "stop_regex", "ignore_eos", "min_new_tokens", "skip_special_tokens",
-    "spaces_between_special_tokens", "no_stop_trim", "n", "frequency_penalty",
-    "presence_penalty", "repetition_penalty", "json_schema", "regex", "ebnf", "structural_tag",
-    "logit_bias", "sampling_seed", "custom_params", "stream_interval",
-})
-ADMIN_PATHS = frozenset({
-    "/update_weights_from_disk", "/update_weights_from_tensor", "/update_weights_from_distributed",
-    "/init_weights_update_group", "/destroy_weights_update_group", "/release_memory_occupation",
-    "/resume_memory_occupation", "/pause_generation", "/continue_generation", "/abort_request",
-    "/flush_cache", "/update_weight_version",
-})
-REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 403: "Forbidden", 404: "Not Found",
-           405: "Method Not Allowed", 500: "Internal Server Error", 503: "Service Unavailable"}
+SAMPLING_KEYS = frozenset(
+    {
+        "max_new_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "stop",
+        "stop_token_ids",
+        "stop_regex",
+        "ignore_eos",
+        "min_new_tokens",
+        "skip_special_tokens",
+        "spaces_between_special_tokens",
+        "no_stop_trim",
+        "n",
+        "frequency_penalty",
+        "presence_penalty",
+        "repetition_penalty",
+        "json_schema",
+        "regex",
+        "ebnf",
+        "structural_tag",
+        "logit_bias",
+        "sampling_seed",
+        "custom_params",
+        "stream_interval",
+    }
+)
+ADMIN_PATHS = frozenset(
+    {
+        "/update_weights_from_disk",
+        "/update_weights_from_tensor",
+        "/update_weights_from_distributed",
+        "/init_weights_update_group",
+        "/destroy_weights_update_group",
+        "/release_memory_occupation",
+        "/resume_memory_occupation",
+        "/pause_generation",
+        "/continue_generation",
+        "/abort_request",
+        "/flush_cache",
+        "/update_weight_version",
+    }
+)
+REASONS = {
+    200: "OK",
+    400: "Bad Request",
+    401: "Unauthorized",
+    403: "Forbidden",
+    404: "Not Found",
+    405: "Method Not Allowed",
+    500: "Internal Server Error",
+    503: "Service Unavailable",
+}
 CONTEXT_MSG = (
     "Requested token count exceeds the model's maximum context length of {C} tokens. You "
     "requested a total of {T} tokens: {P} tokens from the input messages and {N} tokens for the "
@@ -105,7 +145,9 @@ class Faults:
 class FakeTokenizer:
     """Deterministic toy tokenizer: special tokens by table, other ids are `chr(id)`."""
 
-    def __init__(self, special: Mapping[int, str] | None = None, vocab: Mapping[int, str] | None = None) -> None:
+    def __init__(
+        self, special: Mapping[int, str] | None = None, vocab: Mapping[int, str] | None = None
+    ) -> None:
         self.special = dict(QWEN_SPECIAL if special is None else special)
         self.table = {**(vocab or {}), **self.special}
         self._by_text = sorted(((t, i) for i, t in self.special.items()), key=lambda x: -len(x[0]))
@@ -141,8 +183,10 @@ def _value_error(message: str) -> _HTTPError:
 
 
 def _schema_error(message: str) -> _HTTPError:
-    return _HTTPError(400, {"object": "error", "message": message, "type": "Bad Request",
-                            "param": None, "code": 400})
+    return _HTTPError(
+        400,
+        {"object": "error", "message": message, "type": "Bad Request", "param": None, "code": 400},
+    )
 
 
 @dataclass
@@ -198,7 +242,10 @@ class _RWLock:
             self.cond.notify_all()
 
 
-Script = Callable[[list[int]], Sequence[int | tuple[int, float]]] | Mapping[tuple[int, ...], Sequence[int | tuple[int, float]]]
+Script = (
+    Callable[[list[int]], Sequence[int | tuple[int, float]]]
+    | Mapping[tuple[int, ...], Sequence[int | tuple[int, float]]]
+)
 
 
 class FakeSGLang:
@@ -250,7 +297,9 @@ class FakeSGLang:
         self.start_delay_s = start_delay_s
         self.model_path = model_path
         self.tp_size = tp_size
-        self.version = version if legacy is None else {"0.5.2": "0.5.2", "0.4.6": "0.4.6.post5"}[legacy]
+        self.version = (
+            version if legacy is None else {"0.5.2": "0.5.2", "0.4.6": "0.4.6.post5"}[legacy]
+        )
         self.weight_version = weight_version
         self.tokenizer = FakeTokenizer(special_tokens, vocab)
         self.calls_log = calls_log  # append every control call as a JSON line (subprocess tests)
@@ -338,15 +387,19 @@ class FakeSGLang:
             writer.close()
 
     @staticmethod
-    async def _send(writer: asyncio.StreamWriter, status: int, body: Any, ctype: str = "application/json") -> None:
+    async def _send(
+        writer: asyncio.StreamWriter, status: int, body: Any, ctype: str = "application/json"
+    ) -> None:
         if isinstance(body, bytes):
             data = body
         elif isinstance(body, str):
             data, ctype = body.encode(), "text/plain; charset=utf-8"
         else:
             data = json.dumps(body, separators=(",", ":")).encode()
-        head = (f"HTTP/1.1 {status} {REASONS.get(status, 'Error')}\r\ncontent-type: {ctype}\r\n"
-                f"content-length: {len(data)}\r\n\r\n").encode("latin-1")
+        head = (
+            f"HTTP/1.1 {status} {REASONS.get(status, 'Error')}\r\ncontent-type: {ctype}\r\n"
+            f"content-length: {len(data)}\r\n\r\n"
+        ).encode("latin-1")
         writer.write(head + data)
         await writer.drain()
 
@@ -356,13 +409,22 @@ class FakeSGLang:
         token = headers.get("authorization", "")
         token = token[7:] if token.startswith("Bearer ") else None
         if self.admin_api_key is not None and path in ADMIN_PATHS:
-            return None if token == self.admin_api_key else _HTTPError(401, {"error": "Unauthorized"})
+            return (
+                None if token == self.admin_api_key else _HTTPError(401, {"error": "Unauthorized"})
+            )
         if self.api_key is not None and token != self.api_key:
             return _HTTPError(401, {"error": "Unauthorized"})
         return None
 
-    async def _dispatch(self, method: str, path: str, query: str, headers: Mapping[str, str],
-                        raw: bytes, writer: asyncio.StreamWriter) -> bool:
+    async def _dispatch(
+        self,
+        method: str,
+        path: str,
+        query: str,
+        headers: Mapping[str, str],
+        raw: bytes,
+        writer: asyncio.StreamWriter,
+    ) -> bool:
         """Answer one request; returns False when the connection must be closed."""
         try:
             err = self._auth_error(path, headers)
@@ -432,22 +494,38 @@ class FakeSGLang:
         return (503 if starting or self.unhealthy else 200), b""
 
     async def _model_info(self, body: Any, query: str, w: Any) -> tuple[int, Any]:
-        info = {"model_path": self.model_path, "tokenizer_path": self.model_path,
-                "is_generation": True, "preferred_sampling_params": None,
-                "weight_version": self.weight_version}
+        info = {
+            "model_path": self.model_path,
+            "tokenizer_path": self.model_path,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": self.weight_version,
+        }
         if self.legacy is None:
-            info |= {"has_image_understanding": False, "has_audio_understanding": False,
-                     "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]}
+            info |= {
+                "has_image_understanding": False,
+                "has_audio_understanding": False,
+                "model_type": "qwen2",
+                "architectures": ["Qwen2ForCausalLM"],
+            }
         return 200, info
 
     async def _server_info(self, body: Any, query: str, w: Any) -> tuple[int, Any]:
         return 200, {
-            "model_path": self.model_path, "host": self.host, "port": self.port,
-            "tp_size": self.tp_size, "dp_size": 1, "mem_fraction_static": 0.8,
-            "skip_tokenizer_init": self.skip_tokenizer_init, "enable_memory_saver": self.memory_saver,
-            "context_length": self.context_length, "weight_version": self.weight_version,
-            "max_total_num_tokens": 1048576, "max_req_input_len": self.context_length - 5,
-            "internal_states": [{"last_gen_throughput": 0.0}], "version": self.version,
+            "model_path": self.model_path,
+            "host": self.host,
+            "port": self.port,
+            "tp_size": self.tp_size,
+            "dp_size": 1,
+            "mem_fraction_static": 0.8,
+            "skip_tokenizer_init": self.skip_tokenizer_init,
+            "enable_memory_saver": self.memory_saver,
+            "context_length": self.context_length,
+            "weight_version": self.weight_version,
+            "max_total_num_tokens": 1048576,
+            "max_req_input_len": self.context_length - 5,
+            "internal_states": [{"last_gen_throughput": 0.0}],
+            "version": self.version,
         }
 
     async def _get_weight_version(self, body: Any, query: str, w: Any) -> tuple[int, Any]:
@@ -468,19 +546,38 @@ class FakeSGLang:
         if not include <= {"core", "memory", "spec", "lora", "disagg", "queues", "all"}:
             raise _HTTPError(400, {"error": {"message": f"invalid include: {sorted(include)}"}})
         running, waiting = self._load()
-        return 200, {"timestamp": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime()),
-                     "version": self.version,
-                     "loads": [{"timestamp": time.time(), "dp_rank": 0, "num_running_reqs": running,
-                                "num_waiting_reqs": waiting, "num_waiting_uncached_tokens": 0,
-                                "num_used_tokens": 0, "num_total_tokens": 1048576,
-                                "max_total_num_tokens": 1048576, "max_running_requests": 2048,
-                                "token_usage": 0.0, "gen_throughput": 0.0, "cache_hit_rate": 0.0,
-                                "utilization": 0.0}]}
+        return 200, {
+            "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime()),
+            "version": self.version,
+            "loads": [
+                {
+                    "timestamp": time.time(),
+                    "dp_rank": 0,
+                    "num_running_reqs": running,
+                    "num_waiting_reqs": waiting,
+                    "num_waiting_uncached_tokens": 0,
+                    "num_used_tokens": 0,
+                    "num_total_tokens": 1048576,
+                    "max_total_num_tokens": 1048576,
+                    "max_running_requests": 2048,
+                    "token_usage": 0.0,
+                    "gen_throughput": 0.0,
+                    "cache_hit_rate": 0.0,
+                    "utilization": 0.0,
+                }
+            ],
+        }
 
     async def _get_load(self, body: Any, query: str, w: Any) -> tuple[int, Any]:
         running, waiting = self._load()
-        return 200, [{"dp_rank": 0, "num_reqs": running + waiting, "num_waiting_reqs": waiting,
-                      "num_tokens": 0}]
+        return 200, [
+            {
+                "dp_rank": 0,
+                "num_reqs": running + waiting,
+                "num_waiting_reqs": waiting,
+                "num_tokens": 0,
+            }
+        ]
 
     # -- control endpoints -----------------------------------------------------------------------
 
@@ -488,14 +585,18 @@ class FakeSGLang:
         if self.busy:
             return 400, "Flush cache failed.\n"
         self._cache.clear()
-        return 200, ("Cache flushed.\nPlease check backend logs for more details. (When there are "
-                     "running or waiting requests, the operation will not be performed.)\n")
+        return 200, (
+            "Cache flushed.\nPlease check backend logs for more details. (When there are "
+            "running or waiting requests, the operation will not be performed.)\n"
+        )
 
     def _abort(self, rid: str = "", abort_all: bool = False) -> None:
         live = [it for it in self._items.values() if not it.finished]
         if abort_all:
             targets = live
-        elif rid in self._items:  # single tokenizer worker: only a live exact rid reaches the scheduler
+        elif (
+            rid in self._items
+        ):  # single tokenizer worker: only a live exact rid reaches the scheduler
             targets = [it for it in live if it.rid.startswith(rid)]
         else:
             targets = []
@@ -527,8 +628,13 @@ class FakeSGLang:
     async def _release_memory(self, body: Any, query: str, w: Any) -> tuple[int, Any]:
         if self.busy:  # SGLang's scheduler asserts idleness here: the process dies
             self.unhealthy = True
-            return 500, {"object": "error", "message": "AssertionError: not fully idle",
-                         "type": "500", "param": None, "code": 500}
+            return 500, {
+                "object": "error",
+                "message": "AssertionError: not fully idle",
+                "type": "500",
+                "param": None,
+                "code": 500,
+            }
         tags = (body or {}).get("tags") or ["weights", "kv_cache"]
         self.released_tags |= set(tags)
         return 200, None
@@ -544,17 +650,27 @@ class FakeSGLang:
         if body.get("abort_all_requests", True):
             self._abort(abort_all=True)
         self.weight_version = body["new_version"]
-        return 200, {"success": True, "message": f"Weight version updated to {self.weight_version}",
-                     "new_version": self.weight_version}
+        return 200, {
+            "success": True,
+            "message": f"Weight version updated to {self.weight_version}",
+            "new_version": self.weight_version,
+        }
 
     # -- weight updates --------------------------------------------------------------------------
 
     async def _locked_update(self, fn: Callable[[], Any]) -> Any:
         """Run an update under the writer lock, unless generation is paused (then at once)."""
-        if "weights" in self.released_tags:  # SGLang would write into unmapped memory: the process dies
+        if (
+            "weights" in self.released_tags
+        ):  # SGLang would write into unmapped memory: the process dies
             self.unhealthy = True
-            return 500, {"object": "error", "message": "weights released: resume_memory_occupation first",
-                         "type": "500", "param": None, "code": 500}
+            return 500, {
+                "object": "error",
+                "message": "weights released: resume_memory_occupation first",
+                "type": "500",
+                "param": None,
+                "code": 500,
+            }
         if self.paused:
             return await fn()
         await self._rw.acquire_write()
@@ -581,15 +697,24 @@ class FakeSGLang:
         async def run() -> tuple[int, Any]:
             path = body["model_path"]
             if not os.path.isdir(path):
-                return 400, {"success": False, "num_paused_requests": 0,
-                             "message": f"Failed to get weights iterator: {path} (model_path not found)"}
-            if self.backend is not None and hasattr(self.backend, "update_weights") \
-                    and not self.faults.ignore_weight_updates:
+                return 400, {
+                    "success": False,
+                    "num_paused_requests": 0,
+                    "message": f"Failed to get weights iterator: {path} (model_path not found)",
+                }
+            if (
+                self.backend is not None
+                and hasattr(self.backend, "update_weights")
+                and not self.faults.ignore_weight_updates
+            ):
                 try:
                     await self.backend.update_weights(path, version=str(body.get("weight_version")))
                 except Exception as e:  # the fake reports loader failures like SGLang does
-                    return 400, {"success": False, "num_paused_requests": 0,
-                                 "message": f"Failed to update weights: {e}"}
+                    return 400, {
+                        "success": False,
+                        "num_paused_requests": 0,
+                        "message": f"Failed to update weights: {e}",
+                    }
             self.model_path = path
             msg = self._finish_update(body, "Succeeded to update model weights.")
             return 200, {"success": True, "message": msg, "num_paused_requests": 0}
@@ -599,8 +724,10 @@ class FakeSGLang:
     async def _update_from_tensor(self, body: Any, query: str, w: Any) -> tuple[int, Any]:
         entries = (body or {}).get("serialized_named_tensors")
         if not isinstance(entries, list) or len(entries) != self.tp_size:
-            return 400, {"success": False,
-                         "message": f"serialized_named_tensors must have one entry per TP rank ({self.tp_size})"}
+            return 400, {
+                "success": False,
+                "message": f"serialized_named_tensors must have one entry per TP rank ({self.tp_size})",
+            }
         for e in entries:
             try:
                 base64.b64decode(e, validate=True)
@@ -613,8 +740,15 @@ class FakeSGLang:
         return await self._locked_update(run)
 
     async def _init_group(self, body: Any, query: str, w: Any) -> tuple[int, Any]:
-        need = {"master_address": str, "master_port": (int, str), "rank_offset": int, "world_size": int}
-        if not isinstance(body, dict) or any(not isinstance(body.get(k), t) for k, t in need.items()):
+        need = {
+            "master_address": str,
+            "master_port": (int, str),
+            "rank_offset": int,
+            "world_size": int,
+        }
+        if not isinstance(body, dict) or any(
+            not isinstance(body.get(k), t) for k, t in need.items()
+        ):
             raise _schema_error(f"init_weights_update_group needs {sorted(need)}")
         name = body.get("group_name", "weight_update_group")
         backend = body.get("backend", "nccl")
@@ -622,15 +756,26 @@ class FakeSGLang:
             return 400, {"success": False, "message": "rank_offset must be in [1, world_size)"}
         try:
             pg = await asyncio.to_thread(
-                _join_group, body["master_address"], int(body["master_port"]),
-                body["rank_offset"], body["world_size"], name, backend)
+                _join_group,
+                body["master_address"],
+                int(body["master_port"]),
+                body["rank_offset"],
+                body["world_size"],
+                name,
+                backend,
+            )
         except Exception as e:  # rendezvous timeout, bad backend: SGLang answers success=false
-            return 400, {"success": False, "message": f"Failed to initialize custom process group: {e}"}
+            return 400, {
+                "success": False,
+                "message": f"Failed to initialize custom process group: {e}",
+            }
         self._groups[name] = pg
         return 200, {"success": True, "message": "Succeeded to initialize custom process group."}
 
     async def _update_from_distributed(self, body: Any, query: str, w: Any) -> tuple[int, Any]:
-        if not isinstance(body, dict) or not all(isinstance(body.get(k), list) for k in ("names", "dtypes", "shapes")):
+        if not isinstance(body, dict) or not all(
+            isinstance(body.get(k), list) for k in ("names", "dtypes", "shapes")
+        ):
             raise _schema_error("names, dtypes and shapes: lists required")
         names, dtypes, shapes = body["names"], body["dtypes"], body["shapes"]
         if not len(names) == len(dtypes) == len(shapes):
@@ -644,10 +789,14 @@ class FakeSGLang:
                 tensors = await asyncio.to_thread(_receive_broadcast, pg, dtypes, shapes)
             except Exception as e:  # reported, like SGLang's success=false
                 return 400, {"success": False, "message": f"Failed to update parameter online: {e}"}
-            if self.backend is not None and hasattr(self.backend, "update_weights") \
-                    and not self.faults.ignore_weight_updates:
-                await self.backend.update_weights(dict(zip(names, tensors, strict=True)),
-                                                  version=str(body.get("weight_version")))
+            if (
+                self.backend is not None
+                and hasattr(self.backend, "update_weights")
+                and not self.faults.ignore_weight_updates
+            ):
+                await self.backend.update_weights(
+                    dict(zip(names, tensors, strict=True)), version=str(body.get("weight_version"))
+                )
             msg = self._finish_update(body, "Succeeded to update parameter online.")
             return 200, {"success": True, "message": msg}
 
@@ -683,8 +832,13 @@ class FakeSGLang:
         if fault == "drop":
             return _DROP
         if fault in ("503", "500"):
-            return int(fault), {"object": "error", "message": f"injected {fault}", "type": fault,
-                                "param": None, "code": int(fault)}
+            return int(fault), {
+                "object": "error",
+                "message": f"injected {fault}",
+                "type": fault,
+                "param": None,
+                "code": int(fault),
+            }
         if fault == "400":
             raise _value_error("injected bad request")
         if fault == "hang":
@@ -694,11 +848,18 @@ class FakeSGLang:
             p = len(items[0].prompt)
             raise _value_error(CONTEXT_MSG.format(C=p, T=p + 1, P=p, N=1))
         if self.released_tags & {"weights", "kv_cache"}:
-            return 500, {"object": "error", "message": "memory released", "type": "500",
-                         "param": None, "code": 500}
+            return 500, {
+                "object": "error",
+                "message": "memory released",
+                "type": "500",
+                "param": None,
+                "code": 500,
+            }
         for it in items:
             self._items[it.rid] = it
-        self.peak_inflight = max(self.peak_inflight, sum(not i.finished for i in self._items.values()))
+        self.peak_inflight = max(
+            self.peak_inflight, sum(not i.finished for i in self._items.values())
+        )
         try:
             await self._resume.wait()  # new requests block while paused
             await self._rw.acquire_read()
@@ -706,7 +867,9 @@ class FakeSGLang:
                 if stream:
                     await self._stream(items, is_list, writer, abort_fault=fault == "abort")
                     return _STREAMED
-                outs = await asyncio.gather(*(self._run(it, abort_fault=fault == "abort") for it in items))
+                outs = await asyncio.gather(
+                    *(self._run(it, abort_fault=fault == "abort") for it in items)
+                )
             finally:
                 await self._rw.release_read()
         finally:
@@ -721,7 +884,9 @@ class FakeSGLang:
             raise _value_error("Either text or input_ids should be provided.")
         if text is not None:
             if self.skip_tokenizer_init:
-                raise _value_error("text input requires a tokenizer; the server runs with --skip-tokenizer-init")
+                raise _value_error(
+                    "text input requires a tokenizer; the server runs with --skip-tokenizer-init"
+                )
             is_list = isinstance(text, list)
             texts = text if is_list else [text]
             if not all(isinstance(t, str) for t in texts):
@@ -733,7 +898,9 @@ class FakeSGLang:
             is_list = bool(ids) and isinstance(ids[0], list)
             prompts = ids if is_list else [ids]
             for p in prompts:
-                if not isinstance(p, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in p):
+                if not isinstance(p, list) or not all(
+                    isinstance(x, int) and not isinstance(x, bool) for x in p
+                ):
                     raise _schema_error("input_ids: Input should be a list of integers")
                 if not p:
                     raise _value_error("input_ids cannot be empty.")
@@ -749,7 +916,9 @@ class FakeSGLang:
             self._validate_sampling(sp)
         n = int(sps[0].get("n", 1))
         if any(int(sp.get("n", 1)) != n for sp in sps):
-            raise _value_error("The parallel_sample_num should be the same for all samples in sample params.")
+            raise _value_error(
+                "The parallel_sample_num should be the same for all samples in sample params."
+            )
 
         def per_item(key: str, default: Any) -> list[Any]:
             v = body.get(key, default)
@@ -761,7 +930,11 @@ class FakeSGLang:
                 return v
             return [v] * b
 
-        ret_lp, start_len, top_k = per_item("return_logprob", False), per_item("logprob_start_len", -1), per_item("top_logprobs_num", 0)
+        ret_lp, start_len, top_k = (
+            per_item("return_logprob", False),
+            per_item("logprob_start_len", -1),
+            per_item("top_logprobs_num", 0),
+        )
         rid = body.get("rid")
         if n > 1:
             rids = [uuid.uuid4().hex for _ in range(b * n)]
@@ -773,7 +946,9 @@ class FakeSGLang:
             elif isinstance(rid, list) and len(rid) == b:
                 rids = [str(r) for r in rid]
             else:
-                raise _value_error("The specified rids length mismatch with the batch_size for batch processing.")
+                raise _value_error(
+                    "The specified rids length mismatch with the batch_size for batch processing."
+                )
         else:
             if isinstance(rid, list):
                 raise _value_error("The rid should be a string for a single request.")
@@ -788,21 +963,37 @@ class FakeSGLang:
             sp.setdefault("max_new_tokens", 128)
             p = len(prompt)
             if p >= self.context_length:
-                raise _value_error(f"The input ({p} tokens) is longer than the model's context length ({self.context_length} tokens).")
+                raise _value_error(
+                    f"The input ({p} tokens) is longer than the model's context length ({self.context_length} tokens)."
+                )
             if sp["max_new_tokens"] is None:
                 sp["max_new_tokens"] = self.context_length - p - 1
             if p + sp["max_new_tokens"] >= self.context_length:
                 m = sp["max_new_tokens"]
                 raise _value_error(CONTEXT_MSG.format(C=self.context_length, T=p + m, P=p, N=m))
-            if self.skip_tokenizer_init and (sp.get("stop") or sp.get("stop_regex") or sp.get("min_new_tokens")):
-                raise _value_error("stop strings and min_new_tokens need a tokenizer (--skip-tokenizer-init)")
+            if self.skip_tokenizer_init and (
+                sp.get("stop") or sp.get("stop_regex") or sp.get("min_new_tokens")
+            ):
+                raise _value_error(
+                    "stop strings and min_new_tokens need a tokenizer (--skip-tokenizer-init)"
+                )
             k = int(start_len[i] if start_len[i] is not None else -1)
             if k > p:
-                raise _value_error(f"logprob_start_len ({k}) is larger than the input length ({p}).")
-            items.append(_Item(rid=rids[j], index=j, prompt=prompt, sp=sp,
-                               return_logprob=bool(ret_lp[i]), logprob_start_len=k,
-                               top_k=int(top_k[i] or 0),
-                               text_in_logprobs=bool(body.get("return_text_in_logprobs", False))))
+                raise _value_error(
+                    f"logprob_start_len ({k}) is larger than the input length ({p})."
+                )
+            items.append(
+                _Item(
+                    rid=rids[j],
+                    index=j,
+                    prompt=prompt,
+                    sp=sp,
+                    return_logprob=bool(ret_lp[i]),
+                    logprob_start_len=k,
+                    top_k=int(top_k[i] or 0),
+                    text_in_logprobs=bool(body.get("return_text_in_logprobs", False)),
+                )
+            )
         return items, is_list or n > 1, bool(body.get("stream", False))
 
     @staticmethod
@@ -825,9 +1016,14 @@ class FakeSGLang:
         if self.backend is not None:
             stops = tuple(sorted(set(it.sp.get("stop_token_ids") or ()) | self.eos_token_ids))
             t = it.sp.get("temperature", 1.0)
-            params = SamplingParams(max_new_tokens=max(1, max_new), temperature=1.0 if t is None else t,
-                                    top_p=it.sp.get("top_p", 1.0), top_k=it.sp.get("top_k", -1),
-                                    stop_token_ids=stops, seed=it.sp.get("sampling_seed"))
+            params = SamplingParams(
+                max_new_tokens=max(1, max_new),
+                temperature=1.0 if t is None else t,
+                top_p=it.sp.get("top_p", 1.0),
+                top_k=it.sp.get("top_k", -1),
+                stop_token_ids=stops,
+                seed=it.sp.get("sampling_seed"),
+            )
             c: Completion = await self.backend.generate(list(it.prompt), params)
             toks = list(zip(c.token_ids, c.logprobs, strict=True))
             if c.finish_reason == "stop" and toks:
@@ -841,15 +1037,25 @@ class FakeSGLang:
         elif self.script is not None:
             best = -1
             for suffix, o in self.script.items():
-                if len(suffix) > best and tuple(it.prompt[-len(suffix):]) == tuple(suffix):
+                if len(suffix) > best and tuple(it.prompt[-len(suffix) :]) == tuple(suffix):
                     best, out = len(suffix), o
-        toks = [(x, scripted_logprob(i, x)) if isinstance(x, int) else (int(x[0]), float(x[1]))
-                for i, x in enumerate(out)]
-        toks += [(self.filler_token_id, scripted_logprob(i, self.filler_token_id))
-                 for i in range(len(toks), max_new)]
+        toks = [
+            (x, scripted_logprob(i, x)) if isinstance(x, int) else (int(x[0]), float(x[1]))
+            for i, x in enumerate(out)
+        ]
+        toks += [
+            (self.filler_token_id, scripted_logprob(i, self.filler_token_id))
+            for i in range(len(toks), max_new)
+        ]
         return toks, {"type": "length", "length": max_new}
 
-    async def _run(self, it: _Item, *, abort_fault: bool = False, on_token: Callable[[list, Any], Any] | None = None) -> dict[str, Any]:
+    async def _run(
+        self,
+        it: _Item,
+        *,
+        abort_fault: bool = False,
+        on_token: Callable[[list, Any], Any] | None = None,
+    ) -> dict[str, Any]:
         """Decode `it` token by token (stops, aborts, pauses) and build its output object."""
         it.t0 = time.monotonic()
         sp = it.sp
@@ -858,11 +1064,15 @@ class FakeSGLang:
         stop_strs = sp.get("stop") or []
         stop_strs = [stop_strs] if isinstance(stop_strs, str) else list(stop_strs)
         min_new = int(sp.get("min_new_tokens") or 0)
-        proposal, exhausted = await self._propose(it) if max_new > 0 else ([], {"type": "length", "length": 0})
+        proposal, exhausted = (
+            await self._propose(it) if max_new > 0 else ([], {"type": "length", "length": 0})
+        )
         k = it.logprob_start_len
         if it.return_logprob and 0 <= k < len(it.prompt) - 1 and hasattr(self.backend, "score"):
             t = sp.get("temperature", 1.0)
-            it.prompt_lps = list(await self.backend.score(it.prompt[:k + 1], it.prompt[k + 1:], t or 1.0))
+            it.prompt_lps = list(
+                await self.backend.score(it.prompt[: k + 1], it.prompt[k + 1 :], t or 1.0)
+            )
         it.started = True
         out: list[tuple[int, float]] = []
         finish: dict[str, Any] | None = None
@@ -904,29 +1114,46 @@ class FakeSGLang:
             return {}
         return self._output(it, out, finish, time.monotonic() - it.t0)
 
-    def _output(self, it: _Item, out: list[tuple[int, float]], finish: dict[str, Any], latency: float,
-                chunk_from: int = 0, final: bool = True) -> dict[str, Any]:
+    def _output(
+        self,
+        it: _Item,
+        out: list[tuple[int, float]],
+        finish: dict[str, Any],
+        latency: float,
+        chunk_from: int = 0,
+        final: bool = True,
+    ) -> dict[str, Any]:
         """One output object in the shape of the configured SGLang version."""
         ids = [t for t, _ in out]
         legacy = self.legacy
         cached = max((_lcp(it.prompt, c) for c in self._cache), default=0)
         if final:
             self._cache.append(it.prompt + ids)
-        meta: dict[str, Any] = {"id": it.rid, "finish_reason": finish if final else None,
-                                "prompt_tokens": len(it.prompt)}
+        meta: dict[str, Any] = {
+            "id": it.rid,
+            "finish_reason": finish if final else None,
+            "prompt_tokens": len(it.prompt),
+        }
         if legacy != "0.4.6":
             meta["weight_version"] = self.weight_version
         if legacy is None:
             meta["num_retractions"] = 0
         if it.return_logprob:
             meta["input_token_logprobs"] = self._input_logprobs(it)
-            meta["output_token_logprobs"] = [[lp, t, self._tok_text(it, t)] for t, lp in out[chunk_from:]]
+            meta["output_token_logprobs"] = [
+                [lp, t, self._tok_text(it, t)] for t, lp in out[chunk_from:]
+            ]
             if legacy is None:
                 meta["output_token_logprobs_length"] = len(out)
             if it.top_k > 0:
-                meta["input_top_logprobs"] = [
-                    None if e[0] is None else self._top(it, e[1], e[0]) for e in meta["input_token_logprobs"]
-                ] if it.logprob_start_len >= 0 else []
+                meta["input_top_logprobs"] = (
+                    [
+                        None if e[0] is None else self._top(it, e[1], e[0])
+                        for e in meta["input_token_logprobs"]
+                    ]
+                    if it.logprob_start_len >= 0
+                    else []
+                )
                 meta["output_top_logprobs"] = [self._top(it, t, lp) for t, lp in out[chunk_from:]]
         if legacy is None:
             meta["reasoning_tokens"] = 0
@@ -938,14 +1165,20 @@ class FakeSGLang:
                 meta["response_sent_to_client_ts"] = time.time()
         obj: dict[str, Any] = {}
         if not self.skip_tokenizer_init:
-            obj["text"] = self._text(it, ids[chunk_from:] if chunk_from else ids, finish if final else None)
+            obj["text"] = self._text(
+                it, ids[chunk_from:] if chunk_from else ids, finish if final else None
+            )
         if legacy != "0.4.6" or self.skip_tokenizer_init:
             obj["output_ids"] = ids[chunk_from:]
         obj["meta_info"] = meta
         return obj
 
     def _tok_text(self, it: _Item, tid: int) -> str | None:
-        return self.tokenizer.decode_one(tid) if it.text_in_logprobs and not self.skip_tokenizer_init else None
+        return (
+            self.tokenizer.decode_one(tid)
+            if it.text_in_logprobs and not self.skip_tokenizer_init
+            else None
+        )
 
     def _top(self, it: _Item, tid: int, lp: float) -> list[list[Any]]:
         alts = [[lp, tid, self._tok_text(it, tid)]]
@@ -962,33 +1195,55 @@ class FakeSGLang:
         if values is None:  # placeholder values in scripted mode; the backend's score() otherwise
             values = [round(-0.5 - 0.37 * j, 6) for j in range(len(it.prompt) - k - 1)]
         return [[None, it.prompt[k], self._tok_text(it, it.prompt[k])]] + [
-            [v, t, self._tok_text(it, t)] for v, t in zip(values, it.prompt[k + 1:], strict=True)
+            [v, t, self._tok_text(it, t)] for v, t in zip(values, it.prompt[k + 1 :], strict=True)
         ]
 
     def _text(self, it: _Item, ids: list[int], finish: dict[str, Any] | None) -> str:
         sp = it.sp
         ids = list(ids)
-        if finish is not None and not sp.get("no_stop_trim", False) and finish.get("type") == "stop" \
-                and isinstance(finish.get("matched"), int) and ids and ids[-1] == finish["matched"]:
+        if (
+            finish is not None
+            and not sp.get("no_stop_trim", False)
+            and finish.get("type") == "stop"
+            and isinstance(finish.get("matched"), int)
+            and ids
+            and ids[-1] == finish["matched"]
+        ):
             ids = ids[:-1]
         special = set(self.tokenizer.special) | self.eos_token_ids
         if sp.get("skip_special_tokens", True):
             ids = [t for t in ids if t not in special]
         text = "".join(self.tokenizer.decode_one(t) for t in ids)
-        if finish is not None and not sp.get("no_stop_trim", False) and isinstance(finish.get("matched"), str):
+        if (
+            finish is not None
+            and not sp.get("no_stop_trim", False)
+            and isinstance(finish.get("matched"), str)
+        ):
             cut = text.find(finish["matched"])
             if cut >= 0:
                 text = text[:cut]
         return text
 
-    async def _stream(self, items: list[_Item], is_list: bool, writer: asyncio.StreamWriter, *, abort_fault: bool) -> None:
+    async def _stream(
+        self, items: list[_Item], is_list: bool, writer: asyncio.StreamWriter, *, abort_fault: bool
+    ) -> None:
         """SSE: one `data:` event per token (the last one carries the finish), then `[DONE]`.
         Cumulative chunks by default, deltas with `incremental_streaming`."""
-        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\n"
-                     b"transfer-encoding: chunked\r\n\r\n")
+        writer.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\n"
+            b"transfer-encoding: chunked\r\n\r\n"
+        )
 
         async def emit(obj: Any) -> None:
-            data = b"data: " + (obj if isinstance(obj, bytes) else json.dumps(obj, separators=(",", ":")).encode()) + b"\n\n"
+            data = (
+                b"data: "
+                + (
+                    obj
+                    if isinstance(obj, bytes)
+                    else json.dumps(obj, separators=(",", ":")).encode()
+                )
+                + b"\n\n"
+            )
             writer.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
             await writer.drain()
 
@@ -1008,9 +1263,12 @@ class FakeSGLang:
                 frm = sent if self.incremental_streaming else 0
                 obj = self._output(it, out, finish, time.monotonic() - it.t0, chunk_from=frm)
                 await emit(obj | ({"index": it.index} if is_list else {}))
+
             return on_token
 
-        await asyncio.gather(*(self._run(it, abort_fault=abort_fault, on_token=hook(it)) for it in items))
+        await asyncio.gather(
+            *(self._run(it, abort_fault=abort_fault, on_token=hook(it)) for it in items)
+        )
         await emit(b"[DONE]")
         writer.write(b"0\r\n\r\n")
         await writer.drain()
@@ -1031,7 +1289,9 @@ def _lcp(a: Sequence[int], b: Sequence[int]) -> int:
     return i
 
 
-def _join_group(addr: str, port: int, rank: int, world_size: int, group_name: str, backend: str) -> Any:
+def _join_group(
+    addr: str, port: int, rank: int, world_size: int, group_name: str, backend: str
+) -> Any:
     """Join the trainer's weight-update group the way SGLang's server does (a second, named
     process group next to any default group: rendezvous store + PrefixStore(group_name))."""
     from datetime import timedelta
@@ -1045,11 +1305,19 @@ def _join_group(addr: str, port: int, rank: int, world_size: int, group_name: st
     )
 
     timeout = timedelta(seconds=120)
-    store, rank, world_size = next(rendezvous(f"tcp://{addr}:{port}", rank, world_size, timeout=timeout))
+    store, rank, world_size = next(
+        rendezvous(f"tcp://{addr}:{port}", rank, world_size, timeout=timeout)
+    )
     store.set_timeout(timeout)
-    pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend),
-                                      PrefixStore(group_name, store), group_name=group_name,
-                                      timeout=timeout)
+    pg, _ = _new_process_group_helper(
+        world_size,
+        rank,
+        [],
+        Backend(backend),
+        PrefixStore(group_name, store),
+        group_name=group_name,
+        timeout=timeout,
+    )
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg
 
@@ -1125,13 +1393,15 @@ class TinyModelBackend:
                 break
         return Completion(out, lps, finish, weight_version=self.version)
 
-    async def score(self, prompt_ids: list[int], completion_ids: list[int], temperature: float = 1.0) -> list[float]:
+    async def score(
+        self, prompt_ids: list[int], completion_ids: list[int], temperature: float = 1.0
+    ) -> list[float]:
         import torch
 
         ids = list(prompt_ids) + list(completion_ids)
         logp = torch.log_softmax(self._logits(ids)[:-1] / (temperature or 1.0), -1)
         pos = torch.arange(len(prompt_ids) - 1, len(ids) - 1)
-        return logp[pos, torch.tensor(ids[len(prompt_ids):])].tolist()
+        return logp[pos, torch.tensor(ids[len(prompt_ids) :])].tolist()
 
     async def update_weights(self, weights: Any, *, version: str) -> None:
         import torch
@@ -1170,11 +1440,16 @@ class FakeSGLangProcess:
     e.g. the gloo broadcast, and for the benchmark). Use as a context manager; `.url` is set once
     the server listens."""
 
-    def __init__(self, *args: str, env: Mapping[str, str] | None = None, timeout_s: float = 120.0) -> None:
+    def __init__(
+        self, *args: str, env: Mapping[str, str] | None = None, timeout_s: float = 120.0
+    ) -> None:
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tests.fake_sglang", "--port", "0", *args],
-            cwd=root, stdout=subprocess.PIPE, stderr=None, text=True,
+            cwd=root,
+            stdout=subprocess.PIPE,
+            stderr=None,
+            text=True,
             env={**os.environ, **(env or {}), "PYTHONPATH": root},
         )
         deadline = time.monotonic() + timeout_s
@@ -1215,21 +1490,30 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output", default="19,151645", help="scripted output ids, comma separated")
     ap.add_argument("--eos", default="151645,151643")
     ap.add_argument("--start-delay", type=float, default=0.0)
-    ap.add_argument("--generate-delay", type=float, default=0.0, help="seconds added to every /generate")
+    ap.add_argument(
+        "--generate-delay", type=float, default=0.0, help="seconds added to every /generate"
+    )
     ap.add_argument("--context-length", type=int, default=4096)
     ap.add_argument("--api-key-env", default=None, help="read --api-key from this variable")
     ap.add_argument("--calls-log", default=None, help="append control calls to this JSONL file")
-    ap.add_argument("--enable-memory-saver", action="store_true", help="as SGLang's flag: memory can be released")
+    ap.add_argument(
+        "--enable-memory-saver",
+        action="store_true",
+        help="as SGLang's flag: memory can be released",
+    )
     args, _unknown = ap.parse_known_args(argv)  # real SGLang flags (from the launcher) are ignored
     backend = TinyModelBackend.from_pretrained(args.model_path) if args.backend == "model" else None
     output = [int(x) for x in args.output.split(",") if x]
     server = FakeSGLang(
-        script=lambda prompt: output, backend=backend,
+        script=lambda prompt: output,
+        backend=backend,
         eos_token_ids=[int(x) for x in args.eos.split(",") if x],
-        start_delay_s=args.start_delay, context_length=args.context_length,
+        start_delay_s=args.start_delay,
+        context_length=args.context_length,
         model_path=args.model_path,
         api_key=os.environ.get(args.api_key_env) if args.api_key_env else None,
-        calls_log=args.calls_log, memory_saver=args.enable_memory_saver,
+        calls_log=args.calls_log,
+        memory_saver=args.enable_memory_saver,
     )
 
     server.faults.generate_delay_s = args.generate_delay

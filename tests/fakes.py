@@ -18,10 +18,18 @@ class ScriptedEngine:
     check they land in the trajectory unchanged.
     """
 
-    def __init__(self, tokenizer, script: Callable[[list[int], int], str | Exception] | Sequence[str],
-                 eot_id: int, *, delay_s: float | Callable[[int], float] = 0.0) -> None:
+    def __init__(
+        self,
+        tokenizer,
+        script: Callable[[list[int], int], str | Exception] | Sequence[str],
+        eot_id: int,
+        *,
+        delay_s: float | Callable[[int], float] = 0.0,
+    ) -> None:
         self.tokenizer = tokenizer
-        self.script = script if callable(script) else (lambda _ids, i, s=list(script): s[i % len(s)])
+        self.script = (
+            script if callable(script) else (lambda _ids, i, s=list(script): s[i % len(s)])
+        )
         self.eot_id = eot_id
         self.calls: list[list[int]] = []
         self.delay_s = delay_s if callable(delay_s) else (lambda _i, d=delay_s: d)
@@ -49,8 +57,12 @@ class ScriptedEngine:
         if len(ids) > params.max_new_tokens:
             ids, finish = ids[: params.max_new_tokens], "length"
         rng = random.Random(len(prompt_ids) * 7919 + i)
-        return Completion(token_ids=ids, logprobs=[-rng.uniform(0.01, 3.0) for _ in ids],
-                          finish_reason=finish, weight_version=self.version)
+        return Completion(
+            token_ids=ids,
+            logprobs=[-rng.uniform(0.01, 3.0) for _ in ids],
+            finish_reason=finish,
+            weight_version=self.version,
+        )
 
     async def update_weights(self, weights, *, version: str) -> None:
         self.version = version

@@ -24,8 +24,14 @@ def spawn_gloo(fn, *args) -> None:
 
 
 def _rank(rank: int, port: int, fn, args) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE="2",
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE="2",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     torch.set_num_threads(1)  # two ranks share this machine's cores
     fn(rank, *args)
     if torch.distributed.is_initialized():  # exiting with the group alive can abort the process

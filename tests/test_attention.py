@@ -25,7 +25,9 @@ def test_segments_give_the_masked_kernels_logprobs_and_gradients(mode):
     trajs = groups_of_trajectories(n_groups=4, size=4, seed=2)
     batches = make_micro_batches(trajs, [0.0] * len(trajs), 300, mode=mode)
     tails = [int((mb.segment_ids_RS == 0).sum()) for mb in batches]
-    assert any(mb.input_ids_RS.shape[0] > 1 for mb in batches) and sum(tails) > 0  # rows and row tails
+    assert (
+        any(mb.input_ids_RS.shape[0] > 1 for mb in batches) and sum(tails) > 0
+    )  # rows and row tails
     for mb in batches:
         masked = _forward_backward(tiny_llama("sdpa"), mb)
         seg_model = tiny_llama("sdpa")
@@ -57,9 +59,20 @@ def test_spans_of_a_shared_prefix_row():
     seg = Segments.of(mb)
     assert seg.spans == [(0, 0, 3, 0, 0), (0, 3, 4, 0, 3), (0, 4, 6, 0, 3), (1, 0, 2, 0, 0)]
     T = mb.input_ids_RS.shape[1]
-    assert sorted(seg.dest.tolist()) == [0, 1, 2, 3, 4, 5, T, T + 1]  # every real token once, no tail
+    assert sorted(seg.dest.tolist()) == [
+        0,
+        1,
+        2,
+        3,
+        4,
+        5,
+        T,
+        T + 1,
+    ]  # every real token once, no tail
     # The span of a's own 4 5 (row positions 4, 5) against keys [1 2 3 | 4 5]: the prefix, then causal.
-    ((bk, j),) = [(bk, j) for bk in seg.buckets for j, q in enumerate(bk.q_idx.tolist()) if q[:2] == [4, 5]]
+    ((bk, j),) = [
+        (bk, j) for bk in seg.buckets for j, q in enumerate(bk.q_idx.tolist()) if q[:2] == [4, 5]
+    ]
     assert bk.k_idx[j].tolist()[:5] == [0, 1, 2, 4, 5]
     assert bk.mask[j, 0, :2, :5].int().tolist() == [[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
     assert not bk.mask[j, 0, :2, 5:].any()  # key padding is never seen
@@ -99,14 +112,20 @@ def test_a_layout_that_never_reaches_attention_raises():
 
 
 def test_features_it_does_not_implement_are_named():
-    (mb,) = make_micro_batches([traj([1, 2, 3], [0, 1, 1]), traj([4, 5, 6], [0, 1, 1], group="h")],
-                               [0.0, 0.0], 64, mode="packed")
+    (mb,) = make_micro_batches(
+        [traj([1, 2, 3], [0, 1, 1]), traj([4, 5, 6], [0, 1, 1], group="h")],
+        [0.0, 0.0],
+        64,
+        mode="packed",
+    )
     seg = Segments.of(mb)
     q = torch.zeros(2, 4, 3, 8)
     kv = torch.zeros(2, 2, 3, 8)
     with pytest.raises(ValueError, match="sliding_window"):
         segment_attention(torch.nn.Module(), q, kv, kv, None, segments=seg, sliding_window=4096)
-    out, _ = segment_attention(torch.nn.Module(), q, kv, kv, None, segments=seg, sliding_window=None)
+    out, _ = segment_attention(
+        torch.nn.Module(), q, kv, kv, None, segments=seg, sliding_window=None
+    )
     assert out.shape == (2, 3, 4, 8)
 
 
@@ -128,13 +147,21 @@ def test_the_learner_picks_segments_on_the_cpu_and_trains_the_same_as_the_mask()
     adv = [float(t.reward) - 0.5 for t in trajs]
     weights, learners, metrics = {}, {}, {}
     for attention in ("auto", "mask"):
-        learner = Learner(tiny_llama("sdpa"), LearnerConfig(lr=1e-3, micro_batch_tokens=200, attention=attention),
-                          LossConfig(kl_coef=0.05), temperature=0.7)
+        learner = Learner(
+            tiny_llama("sdpa"),
+            LearnerConfig(lr=1e-3, micro_batch_tokens=200, attention=attention),
+            LossConfig(kl_coef=0.05),
+            temperature=0.7,
+        )
         metrics[attention] = learner.train_step(trajs, adv)
         learners[attention] = learner
-        weights[attention] = {n: p.detach().clone() for n, p in learner.unwrapped.named_parameters()}
+        weights[attention] = {
+            n: p.detach().clone() for n, p in learner.unwrapped.named_parameters()
+        }
     assert learners["auto"].unwrapped.config._attn_implementation == SEGMENTS
-    assert learners["auto"].ref.model.config._attn_implementation == SEGMENTS  # the KL reference too
+    assert (
+        learners["auto"].ref.model.config._attn_implementation == SEGMENTS
+    )  # the KL reference too
     assert learners["auto"].pair_cost == 0 and learners["mask"].pair_cost > 0
     assert learners["mask"].unwrapped.config._attn_implementation == "sdpa"
     for key in ("loss", "grad_norm", "kl", "logprob_gap_mean"):
@@ -150,7 +177,9 @@ def test_flash_kernels_take_neither_segments_nor_a_mask():
     model.config._attn_implementation_internal = "flash_attention_2"  # no flash kernel on a CPU
     for attention in ("segments", "mask"):
         with pytest.raises(ValueError, match="flash"):
-            Learner(model, LearnerConfig(lr=1e-3, attention=attention), LossConfig(), temperature=1.0)
+            Learner(
+                model, LearnerConfig(lr=1e-3, attention=attention), LossConfig(), temperature=1.0
+            )
 
 
 def test_flex_attention_is_refused_for_training_on_the_cpu_and_with_segments_or_a_mask():
@@ -172,7 +201,9 @@ def test_auto_runs_segments_only_on_rows_long_enough_to_pay():
     r = attention_pair_cost(model.config)
     short = int(AUTO_MIN_SHARE / r) - 4  # rows whose masked attention costs less than the threshold
     for T, want in ((short, "mask"), (short + 8, "segments")):
-        (mb,) = make_micro_batches([traj(list(range(T)), [0] + [1] * (T - 1))], [0.0], 4096, mode="packed")
+        (mb,) = make_micro_batches(
+            [traj(list(range(T)), [0] + [1] * (T - 1))], [0.0], 4096, mode="packed"
+        )
         mb.needs_mask = True  # a lone row needs none; force the choice
         got = _layout_kwargs(model, mb, False, AUTO_MIN_SHARE)
         assert ("segments" in got) == (want == "segments"), T

@@ -22,8 +22,11 @@ def packed_logprobs(model, batches, temperature):
         for mb in batches:
             lp_BT = to_loss_layout(pf(mb, temperature)[0], mb)
             for n, i in enumerate(mb.rows):
-                out[i] = {"lp_BT": lp_BT[n], "mask_BT": mb.loss_mask_BT[n],
-                          "rollout_BT": mb.rollout_logprobs_BT[n]}
+                out[i] = {
+                    "lp_BT": lp_BT[n],
+                    "mask_BT": mb.loss_mask_BT[n],
+                    "rollout_BT": mb.rollout_logprobs_BT[n],
+                }
     return out
 
 
@@ -44,7 +47,9 @@ def test_packed_logprobs_equal_per_sequence_logprobs(attn, mode, budget):
         use_segments(model)
     trajs = groups_of_trajectories()
     ref = sequence_logprobs(model, [t.token_ids for t in trajs], temperature=0.7)
-    got = packed_logprobs(model, make_micro_batches(trajs, [0.0] * len(trajs), budget, mode=mode), 0.7)
+    got = packed_logprobs(
+        model, make_micro_batches(trajs, [0.0] * len(trajs), budget, mode=mode), 0.7
+    )
     assert sorted(got) == list(range(len(trajs)))  # every trajectory exactly once
     for i, t in enumerate(trajs):
         first = t.loss_mask.index(1)
@@ -62,16 +67,23 @@ def test_the_flex_block_mask_is_the_4d_mask_and_skips_the_blocks_across_sequence
 
     rng = random.Random(0)
     prompt = [rng.randrange(V) for _ in range(100)]
-    trajs = [traj(prompt + [rng.randrange(V) for _ in range(150)], [0] * 100 + [1] * 150) for _ in range(8)]
+    trajs = [
+        traj(prompt + [rng.randrange(V) for _ in range(150)], [0] * 100 + [1] * 150)
+        for _ in range(8)
+    ]
     trajs.append(traj([rng.randrange(V) for _ in range(1200)], [0] * 20 + [1] * 1180, group="long"))
     for mb in make_micro_batches(trajs, [0.0] * len(trajs), 4096, mode=mode):
         bm = flex_block_mask(mb)
         B, T = mb.input_ids_RS.shape
-        assert torch.equal(create_mask(bm.mask_mod, B, 1, T, T, device="cpu"), mb.attention_mask_R1SS())
+        assert torch.equal(
+            create_mask(bm.mask_mod, B, 1, T, T, device="cpu"), mb.attention_mask_R1SS()
+        )
         blocks = -(-T // 128)
         visited_B = (bm.kv_num_blocks + bm.full_kv_num_blocks).sum(-1).flatten()  # per row
         assert visited_B.max() <= blocks * (blocks + 1) // 2  # never more than causal
-        assert visited_B.min() < blocks * (blocks + 1) // 4  # a row of several sequences: under half
+        assert (
+            visited_B.min() < blocks * (blocks + 1) // 4
+        )  # a row of several sequences: under half
 
 
 def test_packed_logprobs_under_flex_attention_equal_per_sequence_logprobs():
@@ -79,7 +91,9 @@ def test_packed_logprobs_under_flex_attention_equal_per_sequence_logprobs():
     ref = sequence_logprobs(tiny_llama("sdpa"), [t.token_ids for t in trajs], temperature=0.7)
     model = tiny_llama("flex_attention")  # the same weights (same seed)
     for mode in ("packed", "shared_prefix"):  # micro-batches of several lengths: recompiles and all
-        got = packed_logprobs(model, make_micro_batches(trajs, [0.0] * len(trajs), 40, mode=mode), 0.7)
+        got = packed_logprobs(
+            model, make_micro_batches(trajs, [0.0] * len(trajs), 40, mode=mode), 0.7
+        )
         assert sorted(got) == list(range(len(trajs)))
         assert_per_sequence(got, trajs, ref, 2e-5)
 
@@ -98,8 +112,9 @@ def test_a_chunked_head_gives_the_same_logprobs_entropy_and_gradients():
     torch.testing.assert_close(out[7][1], out[None][1], atol=1e-6, rtol=0)
     for name, g in out[None][2].items():  # chunks sum the head's gradient in another order: float32
         # rounding of a sum of magnitude ~10 (1.4e-6 seen on this CPU's kernels), so the bound scales with it
-        torch.testing.assert_close(out[7][2][name], g, atol=1e-6 * max(1.0, g.abs().max().item()), rtol=1e-5,
-                                   msg=name)
+        torch.testing.assert_close(
+            out[7][2][name], g, atol=1e-6 * max(1.0, g.abs().max().item()), rtol=1e-5, msg=name
+        )
     with torch.no_grad():  # scoring chunks too, without checkpointing
         lp, _ = PolicyForward(tiny_llama("sdpa"), head_chunk_tokens=7)(mb, 0.7)
     torch.testing.assert_close(lp, out[None][0], atol=1e-6, rtol=0)
@@ -130,12 +145,14 @@ def test_shared_prefix_layout_by_hand():
     assert mb.position_ids_RS.tolist() == [[0, 1, 2, 3, 3, 4]]
     assert mb.num_real_tokens == 6  # 5 + 4 tokens unshared
     allowed = mb.attention_mask_R1SS()[0, 0].int().tolist()
-    assert allowed == [[1, 0, 0, 0, 0, 0],
-                       [1, 1, 0, 0, 0, 0],
-                       [1, 1, 1, 0, 0, 0],
-                       [1, 1, 1, 1, 0, 0],
-                       [1, 1, 1, 0, 1, 0],   # 4 sees the prefix and itself, not 6
-                       [1, 1, 1, 0, 1, 1]]
+    assert allowed == [
+        [1, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0],
+        [1, 1, 1, 0, 0, 0],
+        [1, 1, 1, 1, 0, 0],
+        [1, 1, 1, 0, 1, 0],  # 4 sees the prefix and itself, not 6
+        [1, 1, 1, 0, 1, 1],
+    ]
     # b (n=0): token 6 is predicted at row position 2. a (n=1): tokens 3, 4, 5 at positions 1, 2
     # (both in the prefix) and 4 (a's own 4).
     assert mb.rows == [1, 0] and mb.advantages_B.tolist() == [-1.0, 1.0]
@@ -165,8 +182,10 @@ def test_budgets_padding_and_counts():
         assert sorted(i for mb in batches for i in mb.rows) == list(range(len(trajs)))
         if mode != "shared_prefix":
             assert all(mb.num_tokens <= 256 for mb in batches)
-    real = {m: sum(mb.num_real_tokens for mb in make_micro_batches(trajs, [0.0] * 48, 256, mode=m))
-            for m in ("packed", "shared_prefix")}
+    real = {
+        m: sum(mb.num_real_tokens for mb in make_micro_batches(trajs, [0.0] * 48, 256, mode=m))
+        for m in ("packed", "shared_prefix")
+    }
     assert real["packed"] == sum(len(t.token_ids) for t in trajs)
     assert real["shared_prefix"] < real["packed"]
 
@@ -208,20 +227,29 @@ def test_a_row_cap_splits_groups_and_keeps_logprobs_exact():
 
 
 def test_the_cost_model_splits_long_groups_only_when_attention_costs():
-    cfg = type("Cfg", (), dict(hidden_size=576, num_attention_heads=9, num_key_value_heads=3,
-                               intermediate_size=1536))  # SmolLM2-135M's shape
+    cfg = type(
+        "Cfg",
+        (),
+        dict(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, intermediate_size=1536),
+    )  # SmolLM2-135M's shape
     r = attention_pair_cost(cfg)
     assert r == pytest.approx(1 / 3072)
     assert attention_pair_cost(None) == 0.0
     trajs = long_groups()
 
     def auto(batch, pair_cost, mode="shared_prefix"):
-        return [mb.input_ids_RS.tolist() for mb in make_micro_batches(
-            batch, [0.0] * len(batch), 2048, mode=mode, row_tokens="auto", pair_cost=pair_cost)]
+        return [
+            mb.input_ids_RS.tolist()
+            for mb in make_micro_batches(
+                batch, [0.0] * len(batch), 2048, mode=mode, row_tokens="auto", pair_cost=pair_cost
+            )
+        ]
 
     def capped(batch, cap, mode="shared_prefix"):
-        return [mb.input_ids_RS.tolist() for mb in make_micro_batches(
-            batch, [0.0] * len(batch), 2048, mode=mode, row_tokens=cap)]
+        return [
+            mb.input_ids_RS.tolist()
+            for mb in make_micro_batches(batch, [0.0] * len(batch), 2048, mode=mode, row_tokens=cap)
+        ]
 
     assert auto(trajs, 0.0) == capped(trajs, None)  # attention free: share the whole prompt
     assert auto(trajs, r, mode="packed") == capped(trajs, None, mode="packed")  # nothing to split
@@ -231,8 +259,11 @@ def test_the_cost_model_splits_long_groups_only_when_attention_costs():
     assert 85 <= cheap < 505
 
     def modeled(cap):
-        return sum(mb.num_tokens * (1 + 100 * r * mb.input_ids_RS.shape[1])
-                   for mb in make_micro_batches(trajs, [0.0] * 16, 2048, row_tokens=cap))
+        return sum(
+            mb.num_tokens * (1 + 100 * r * mb.input_ids_RS.shape[1])
+            for mb in make_micro_batches(trajs, [0.0] * 16, 2048, row_tokens=cap)
+        )
+
     assert modeled(cheap) < modeled(None)
     assert auto(trajs, 100 * r) == capped(trajs, cheap)
     # a tool-env shape (a 170-token prompt, 40 own tokens each): a copy of the prompt costs more
@@ -243,8 +274,9 @@ def test_the_cost_model_splits_long_groups_only_when_attention_costs():
 
 def test_bad_input_is_rejected():
     with pytest.raises(ValueError, match="token 0"):
-        make_micro_batches([Trajectory("t", [1, 2], [1, 1], [-1.0, -1.0], 0, [], StopReason.COMPLETED)],
-                           [0.0], 64)
+        make_micro_batches(
+            [Trajectory("t", [1, 2], [1, 1], [-1.0, -1.0], 0, [], StopReason.COMPLETED)], [0.0], 64
+        )
     with pytest.raises(ValueError, match="shared prefix"):
         make_micro_batches([traj([1, 2], [0, 1])], [0.0], 64, mode="shared_prefix", one_row=True)
     with pytest.raises(ValueError, match="advantages"):
@@ -274,12 +306,14 @@ def _loss_logprobs(model, trajs, mode):
     with torch.no_grad():
         lp_BT = to_loss_layout(PolicyForward(model)(b, 1.0)[0], b)
     start = [t.loss_mask.index(1) for t in trajs]
-    return {i: lp_BT[n, : len(trajs[i].token_ids) - start[i]].tolist() for n, i in enumerate(b.rows)}
+    return {
+        i: lp_BT[n, : len(trajs[i].token_ids) - start[i]].tolist() for n, i in enumerate(b.rows)
+    }
 
 
 def _reference(model, trajs):
     ref = sequence_logprobs(model, [t.token_ids for t in trajs])
-    return {i: ref[i][t.loss_mask.index(1):] for i, t in enumerate(trajs)}
+    return {i: ref[i][t.loss_mask.index(1) :] for i, t in enumerate(trajs)}
 
 
 def test_a_sequence_longer_than_a_sliding_window_is_refused_in_packed_layouts():
@@ -288,9 +322,18 @@ def test_a_sequence_longer_than_a_sliding_window_is_refused_in_packed_layouts():
     from transformers import MistralConfig, MistralForCausalLM
 
     torch.manual_seed(0)
-    model = MistralForCausalLM(MistralConfig(
-        vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, sliding_window=4, attn_implementation="sdpa")).eval()
+    model = MistralForCausalLM(
+        MistralConfig(
+            vocab_size=V,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            sliding_window=4,
+            attn_implementation="sdpa",
+        )
+    ).eval()
     ids = torch.randint(0, V, (16,), generator=torch.Generator().manual_seed(1)).tolist()
     mask = [0] * 3 + [1] * 13
     trajs = [traj(ids, mask), traj(ids[:12] + [1, 2, 3, 4], mask)]
@@ -298,7 +341,9 @@ def test_a_sequence_longer_than_a_sliding_window_is_refused_in_packed_layouts():
     for i in want:
         assert got[i] == pytest.approx(want[i], abs=1e-5)
     for mode in ("packed", "shared_prefix"):
-        with pytest.raises(ValueError, match="sliding window of 4 tokens .* a sequence of 16.*packing: padded"):
+        with pytest.raises(
+            ValueError, match="sliding window of 4 tokens .* a sequence of 16.*packing: padded"
+        ):
             _loss_logprobs(model, trajs, mode)
     short = [traj(ids[:4], [0, 1, 1, 1]), traj(ids[4:8], [0, 1, 1, 1])]  # within the window: exact
     got, want = _loss_logprobs(model, short, "packed"), _reference(model, short)
@@ -310,9 +355,18 @@ def test_granite_logits_scaling_is_applied_by_the_head_only_path():
     from transformers import GraniteConfig, GraniteForCausalLM
 
     torch.manual_seed(0)
-    model = GraniteForCausalLM(GraniteConfig(
-        vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, logits_scaling=8.0, attn_implementation="sdpa")).eval()
+    model = GraniteForCausalLM(
+        GraniteConfig(
+            vocab_size=V,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            logits_scaling=8.0,
+            attn_implementation="sdpa",
+        )
+    ).eval()
     trajs = [traj([3, 14, 15, 92 % V, 65, 35, 89 % V, 79 % V], [0, 0, 0, 1, 1, 1, 1, 1])]
     got, want = _loss_logprobs(model, trajs, "padded"), _reference(model, trajs)
     assert got[0] == pytest.approx(want[0], abs=1e-5)  # the divisor was ignored: 0.09 off

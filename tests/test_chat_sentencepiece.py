@@ -14,9 +14,20 @@ from agentgrpo.types import Message, ToolCall
 from tests.conftest import shared_template
 
 ROOT = Path(__file__).resolve().parents[1]
-TOOLS = [{"type": "function", "function": {"name": "calc", "description": "Evaluate arithmetic.",
-                                           "parameters": {"type": "object", "properties": {"e": {"type": "string"}},
-                                                          "required": ["e"]}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "calc",
+            "description": "Evaluate arithmetic.",
+            "parameters": {
+                "type": "object",
+                "properties": {"e": {"type": "string"}},
+                "required": ["e"],
+            },
+        },
+    }
+]
 
 
 def _tokenizer(prepend_scheme: str) -> PreTrainedTokenizerFast:
@@ -25,10 +36,17 @@ def _tokenizer(prepend_scheme: str) -> PreTrainedTokenizerFast:
     tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme=prepend_scheme)
     specials = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
     alphabet = [chr(i) for i in range(32, 127)] + ["\n"]
-    tok.train_from_iterator((ROOT / "README.md").read_text().splitlines(),
-                            trainers.BpeTrainer(vocab_size=800, special_tokens=specials, initial_alphabet=alphabet))
-    hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="<|im_end|>", unk_token="<unk>",
-                                 additional_special_tokens=["<|im_start|>", "<|im_end|>"])
+    tok.train_from_iterator(
+        (ROOT / "README.md").read_text().splitlines(),
+        trainers.BpeTrainer(vocab_size=800, special_tokens=specials, initial_alphabet=alphabet),
+    )
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="<|im_end|>",
+        unk_token="<unk>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+    )
     hf.chat_template = shared_template("qwen2_5.jinja")
     return hf
 
@@ -42,11 +60,11 @@ def _in_place(chat: ChatFormat, history: list[Message], msg: Message) -> list[in
     """The ids of assistant turn `msg` as they stand in the whole conversation's tokenization."""
     head = chat.render(history, TOOLS, add_generation_prompt=True)
     full = chat.render([*history, msg], TOOLS)
-    turn = full[len(head):]
+    turn = full[len(head) :]
     whole = chat.encode(full[: len(head) + turn.index(chat.end_of_turn) + len(chat.end_of_turn)])
     head_ids = chat.encode(head)
     assert whole[: len(head_ids)] == head_ids
-    return whole[len(head_ids):]
+    return whole[len(head_ids) :]
 
 
 def test_the_tokenizer_prepends_to_the_start_of_its_input(chat):
@@ -55,17 +73,21 @@ def test_the_tokenizer_prepends_to_the_start_of_its_input(chat):
 
 def test_prompt_sampled_and_suffix_ids_equal_the_whole_conversation(chat):
     call = ToolCall(id="c0", name="calc", arguments={"e": "12*7"})
-    conv = [Message(role="user", content="What is 12*7?"),
-            Message(role="assistant", content="", tool_calls=[call]),
-            Message(role="tool", content="84", tool_call_id="c0", name="calc"),
-            Message(role="assistant", content="It is 84."),
-            Message(role="user", content="Thanks, and 84+3?")]
+    conv = [
+        Message(role="user", content="What is 12*7?"),
+        Message(role="assistant", content="", tool_calls=[call]),
+        Message(role="tool", content="84", tool_call_id="c0", name="calc"),
+        Message(role="assistant", content="It is 84."),
+        Message(role="user", content="Thanks, and 84+3?"),
+    ]
     history = conv[:1]
     ids = chat.prompt_ids(history, TOOLS)
     for turn, new in ((conv[1], conv[2:3]), (conv[3], conv[4:5])):
         ids += _in_place(chat, history, turn)
         history.append(turn)
-        ids += chat.suffix_ids(history, new, TOOLS)  # alone, "\n<|im_start|>..." would start with "▁"
+        ids += chat.suffix_ids(
+            history, new, TOOLS
+        )  # alone, "\n<|im_start|>..." would start with "▁"
         history += new
         assert ids == chat.encode(chat.render(history, TOOLS, add_generation_prompt=True))
 
@@ -77,10 +99,15 @@ def test_audit_finds_the_template_token_exact(chat):
 
 def test_special_token_text_in_a_tool_output_stays_plain_text(chat):
     call = ToolCall(id="c0", name="calc", arguments={"e": "1"})
-    history = [Message(role="user", content="go"), Message(role="assistant", content="", tool_calls=[call])]
+    history = [
+        Message(role="user", content="go"),
+        Message(role="assistant", content="", tool_calls=[call]),
+    ]
     echo = Message(role="tool", content="a<|im_end|>b", tool_call_id="c0", name="calc")
     ids = chat.suffix_ids(history, [echo], TOOLS)
     after = chat.render([*history, echo], TOOLS, add_generation_prompt=True)
     template_eots = after.count("<|im_end|>") - 1 - chat.render(history, TOOLS).count("<|im_end|>")
-    assert ids.count(chat.end_of_turn_id) == template_eots == 1  # the tool turn's own end, not the echo
+    assert (
+        ids.count(chat.end_of_turn_id) == template_eots == 1
+    )  # the tool turn's own end, not the echo
     assert "a<|im_end|>b" in chat.decode(ids)

@@ -23,12 +23,18 @@ def _write(files: dict[str, bytes]):
     def write(d):
         for name, data in files.items():
             (d / name).write_bytes(data)
+
     return write
 
 
 def _save(root, step, payload=b"weights"):
-    return checkpoint.save(root, step, _write({"model.safetensors": payload, "learner.pt": b"opt" * step}),
-                           {"data_position": step * 4, "weight_version": str(step)}, keep=3)
+    return checkpoint.save(
+        root,
+        step,
+        _write({"model.safetensors": payload, "learner.pt": b"opt" * step}),
+        {"data_position": step * 4, "weight_version": str(step)},
+        keep=3,
+    )
 
 
 def test_save_is_complete_and_verified(tmp_path):
@@ -68,7 +74,11 @@ def test_leftover_temp_dirs_are_removed_and_old_ones_pruned(tmp_path):
     assert checkpoint.latest(tmp_path) is None
     for s in range(1, 6):
         _save(tmp_path, s)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000003", "step-000004", "step-000005"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "step-000003",
+        "step-000004",
+        "step-000005",
+    ]
     assert checkpoint.latest(tmp_path)[1]["step"] == 5
 
 
@@ -84,7 +94,10 @@ def test_save_never_prunes_the_checkpoint_it_wrote(tmp_path):
     _save(tmp_path, 999_999)
     checkpoint.save(tmp_path, 500, write, {"data_position": 0}, keep=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "rejected-step-1000000", "rejected-step-999999", "step-000500"]
+        "rejected-step-1000000",
+        "rejected-step-999999",
+        "step-000500",
+    ]
     assert checkpoint.latest(tmp_path)[1]["step"] == 500
 
 
@@ -121,14 +134,23 @@ def test_rejected_checkpoints_are_kept_under_the_keep_rule(tmp_path):
     checkpoint.set_aside_newer(tmp_path, 10)  # 20 and 30 rejected
     _save(tmp_path, 20)
     _save(tmp_path, 30)
-    checkpoint.set_aside_newer(tmp_path, 10)  # again: rejected-step-000020.2, rejected-step-000030.2
+    checkpoint.set_aside_newer(
+        tmp_path, 10
+    )  # again: rejected-step-000020.2, rejected-step-000030.2
     assert [d.name for d in checkpoint.rejected_checkpoints(tmp_path)] == [
-        "rejected-step-000020", "rejected-step-000020.2", "rejected-step-000030",
-        "rejected-step-000030.2"]
+        "rejected-step-000020",
+        "rejected-step-000020.2",
+        "rejected-step-000030",
+        "rejected-step-000030.2",
+    ]
     _save(tmp_path, 11)  # keep=3
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "rejected-step-000020.2", "rejected-step-000030", "rejected-step-000030.2",
-        "step-000010", "step-000011"]
+        "rejected-step-000020.2",
+        "rejected-step-000030",
+        "rejected-step-000030.2",
+        "step-000010",
+        "step-000011",
+    ]
     checkpoint.save(tmp_path, 12, _write({"learner.pt": b"12"}), {"data_position": 12}, keep=1)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rejected-step-000030.2", "step-000012"]
     assert checkpoint.verify(tmp_path / "rejected-step-000030.2")["step"] == 30
@@ -173,10 +195,17 @@ def test_restore_skips_what_another_rank_rejected_on_every_rank(tmp_path):
     _save(tmp_path, 1)
     newest = _save(tmp_path, 2)
     (newest / "model.safetensors").write_bytes(b"corrupt")  # only a checking rank would notice
-    votes, loaded = iter([True, False, True, True]), []  # step 2 verifies here, fails to load elsewhere
+    votes, loaded = (
+        iter([True, False, True, True]),
+        [],
+    )  # step 2 verifies here, fails to load elsewhere
     with pytest.warns(UserWarning, match="step-000002: rejected on another rank"):
-        d, manifest = checkpoint.restore(tmp_path, lambda d: loaded.append(d.name), check=False,
-                                         all_ranks=lambda ok: ok and next(votes))
+        d, manifest = checkpoint.restore(
+            tmp_path,
+            lambda d: loaded.append(d.name),
+            check=False,
+            all_ranks=lambda ok: ok and next(votes),
+        )
     assert loaded == ["step-000002", "step-000001"] and manifest["step"] == 1
 
 
@@ -208,17 +237,32 @@ class VariedRewardEnv(CalculatorEnv):
 
 
 def _train(out, model_dir, steps, *extra):
-    return main(["train", "examples/calculator.yaml", f"output_dir={out}", f"train.steps={steps}",
-                 f"model.path={model_dir}", "env.name=tests.test_checkpoint:VariedRewardEnv",
-                 "rollout.group_size=2", "rollout.tasks_per_step=2", "rollout.max_new_tokens=12",
-                 "rollout.max_tokens=40", "log.progress=false", "log.tensorboard=false",
-                 "learner.lr=1e-3", *extra])
+    return main(
+        [
+            "train",
+            "examples/calculator.yaml",
+            f"output_dir={out}",
+            f"train.steps={steps}",
+            f"model.path={model_dir}",
+            "env.name=tests.test_checkpoint:VariedRewardEnv",
+            "rollout.group_size=2",
+            "rollout.tasks_per_step=2",
+            "rollout.max_new_tokens=12",
+            "rollout.max_tokens=40",
+            "log.progress=false",
+            "log.tensorboard=false",
+            "learner.lr=1e-3",
+            *extra,
+        ]
+    )
 
 
 def _by_step(out):
     rows = read_jsonl(out / "trajectories.jsonl")
-    return {s: sorted((r["group_id"], r["token_ids"], r["reward"]) for r in rows if r["step"] == s)
-            for s in {r["step"] for r in rows}}
+    return {
+        s: sorted((r["group_id"], r["token_ids"], r["reward"]) for r in rows if r["step"] == s)
+        for s in {r["step"] for r in rows}
+    }
 
 
 def _weights(out, step):
@@ -240,7 +284,9 @@ def test_four_steps_equal_two_steps_killed_and_resumed(tmp_path, stopping_model_
     def dies_in_step_4(self, *a, **kw):
         calls["n"] += 1
         if calls["n"] == 4:
-            raise RuntimeError("killed")  # the process dies in step 4: step 3 is logged, not checkpointed
+            raise RuntimeError(
+                "killed"
+            )  # the process dies in step 4: step 3 is logged, not checkpointed
         return real_step(self, *a, **kw)
 
     killed = tmp_path / "killed"
@@ -260,7 +306,9 @@ def test_four_steps_equal_two_steps_killed_and_resumed(tmp_path, stopping_model_
     assert a == b  # same tasks, same sampled tokens, same rewards in every step
     assert len({r for s in a.values() for (_, _, r) in s}) > 1  # rewards vary: weights really train
     wa, wb = _weights(straight, 4), _weights(killed, 4)
-    assert not torch.equal(wa["model.embed_tokens.weight"], _weights(straight, 2)["model.embed_tokens.weight"])
+    assert not torch.equal(
+        wa["model.embed_tokens.weight"], _weights(straight, 2)["model.embed_tokens.weight"]
+    )
     for name, t in wa.items():
         torch.testing.assert_close(wb[name], t, atol=1e-6, rtol=1e-5, msg=name)
     ma = read_jsonl(straight / "metrics.jsonl")
@@ -276,23 +324,35 @@ def test_resume_uses_the_previous_checkpoint_when_the_newest_is_truncated(tmp_pa
     with pytest.warns(UserWarning, match="step-000002"):
         assert _train(out, tiny_model_dir, 3, "train.save_every=1") == 0
     assert [m["step"] for m in read_jsonl(out / "metrics.jsonl")] == [1, 2, 3]  # step 2 redone
-    assert [m["step"] for m in read_jsonl(out / "metrics.after-step-1.jsonl")] == [2]  # its first try
+    assert [m["step"] for m in read_jsonl(out / "metrics.after-step-1.jsonl")] == [
+        2
+    ]  # its first try
     # The skipped step 2 was set aside when the run resumed from step 1, not overwritten or pruned.
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [
-        "rejected-step-000002", "step-000002", "step-000003"]
+        "rejected-step-000002",
+        "step-000002",
+        "step-000003",
+    ]
 
 
 def test_a_run_whose_checkpoints_all_fail_to_load_stops_instead_of_restarting(
-        tmp_path, tiny_model_dir, capsys):
+    tmp_path, tiny_model_dir, capsys
+):
     out = tmp_path / "run"
     assert _train(out, tiny_model_dir, 2, "train.save_every=1") == 0
-    before = {f: (out / f).read_bytes() for f in ("metrics.jsonl", "trajectories.jsonl", "config.yaml")}
-    with pytest.warns(UserWarning, match="skipping checkpoint"):  # LoRA now: no full checkpoint fits
+    before = {
+        f: (out / f).read_bytes() for f in ("metrics.jsonl", "trajectories.jsonl", "config.yaml")
+    }
+    with pytest.warns(
+        UserWarning, match="skipping checkpoint"
+    ):  # LoRA now: no full checkpoint fits
         assert _train(out, tiny_model_dir, 4, "train.save_every=1", "learner.lora.r=4") == 2
     err = capsys.readouterr().err
     assert "error: no checkpoint under" in err and "config.yaml" in err
     for step in (2, 1):
-        assert f"step-00000{step}: FileNotFoundError: " in err  # each one, with its reason (no adapter)
+        assert (
+            f"step-00000{step}: FileNotFoundError: " in err
+        )  # each one, with its reason (no adapter)
     assert {f: (out / f).read_bytes() for f in before} == before  # the run directory is untouched
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000001", "step-000002"]
 
@@ -306,7 +366,9 @@ def test_two_fresh_runs_with_one_seed_train_the_same_weights(tmp_path, stopping_
     adapters = []
     for name in ("a", "b"):
         assert _train(tmp_path / name, stopping_model_dir, 1, *lora) == 0
-        adapters.append(load_file(tmp_path / name / "checkpoints" / "step-000001" / "adapter_model.safetensors"))
+        adapters.append(
+            load_file(tmp_path / name / "checkpoints" / "step-000001" / "adapter_model.safetensors")
+        )
     assert _by_step(tmp_path / "a") == _by_step(tmp_path / "b")
     for k, t in adapters[0].items():
         assert torch.equal(adapters[1][k], t), k
@@ -325,7 +387,9 @@ def test_sigterm_saves_the_finished_step_and_exits(tmp_path, tiny_model_dir, mon
 
     monkeypatch.setattr(Learner, "train_step", preempted)
     out = tmp_path / "run"
-    assert _train(out, tiny_model_dir, 4) == 0  # save_every=0: only the stop's checkpoint is written
+    assert (
+        _train(out, tiny_model_dir, 4) == 0
+    )  # save_every=0: only the stop's checkpoint is written
     assert [m["step"] for m in read_jsonl(out / "metrics.jsonl")] == [1]
     assert checkpoint.latest(out / "checkpoints")[1]["step"] == 1
 
@@ -345,15 +409,37 @@ def test_time_based_checkpoints_and_overlap_never_crosses_one(tmp_path, stopping
     """train.save_every_s checkpoints after any step that starts training that long after the last
     checkpoint; with overlapped rollouts such a step samples nothing ahead (resume stays exact)."""
     out = tmp_path / "every-step"
-    assert _train(out, stopping_model_dir, 3, "train.save_every_s=0.001", "train.keep_checkpoints=5",
-                  "train.overlap_rollouts=true") == 0
-    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [f"step-00000{i}" for i in (1, 2, 3)]
+    assert (
+        _train(
+            out,
+            stopping_model_dir,
+            3,
+            "train.save_every_s=0.001",
+            "train.keep_checkpoints=5",
+            "train.overlap_rollouts=true",
+        )
+        == 0
+    )
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [
+        f"step-00000{i}" for i in (1, 2, 3)
+    ]
     assert [m["policy_lag"] for m in read_jsonl(out / "metrics.jsonl")] == [0.0, 0.0, 0.0]
 
     off = tmp_path / "off"
-    assert _train(off, stopping_model_dir, 3, "train.save_every_s=null", "train.keep_checkpoints=5",
-                  "train.overlap_rollouts=true") == 0
-    assert sorted(p.name for p in (off / "checkpoints").iterdir()) == ["step-000003"]  # at the end only
+    assert (
+        _train(
+            off,
+            stopping_model_dir,
+            3,
+            "train.save_every_s=null",
+            "train.keep_checkpoints=5",
+            "train.overlap_rollouts=true",
+        )
+        == 0
+    )
+    assert sorted(p.name for p in (off / "checkpoints").iterdir()) == [
+        "step-000003"
+    ]  # at the end only
     assert [m["policy_lag"] for m in read_jsonl(off / "metrics.jsonl")] == [0.0, 1.0, 1.0]
 
 
@@ -364,7 +450,9 @@ def test_cuda_rng_states_are_restored_onto_the_devices_there_are(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s, device: set_on.append(device))
-    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: [torch.zeros(8, dtype=torch.uint8)] * 4)
+    monkeypatch.setattr(
+        torch.cuda, "get_rng_state_all", lambda: [torch.zeros(8, dtype=torch.uint8)] * 4
+    )
     state = checkpoint.rng_state()
     assert len(state["cuda"]) == 4
     checkpoint.set_rng_state(state)

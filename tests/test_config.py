@@ -33,16 +33,32 @@ def test_example_configs_load():
 def test_secrets_are_masked():
     from agentgrpo.log import mask_secrets
 
-    assert mask_secrets({"a": {"api_key": "sk-1", "n": 1}, "token": "t"}) == {"a": {"api_key": "***", "n": 1}, "token": "***"}
+    assert mask_secrets({"a": {"api_key": "sk-1", "n": 1}, "token": "t"}) == {
+        "a": {"api_key": "***", "n": 1},
+        "token": "***",
+    }
     assert mask_secrets({"HF-Token": "hf_x", "apiKey": "k", "row_tokens": "auto"}) == {
-        "HF-Token": "***", "apiKey": "***", "row_tokens": "auto"}
+        "HF-Token": "***",
+        "apiKey": "***",
+        "row_tokens": "auto",
+    }
     assert "***" not in dump_config(load_config(None))
     # plural keys, lists and dicts below a secret key, HTTP credentials anywhere (these were kept)
-    assert mask_secrets({"api_keys": ["sk-2", "sk-3"], "credentials": {"user": "u", "pw": "p"},
-                         "judge": {"headers": {"Authorization": "Bearer sk-4", "X": "Token abc"}},
-                         "cookie": "s=1", "max_tokens": 7}) == {
-        "api_keys": ["***", "***"], "credentials": {"user": "***", "pw": "***"},
-        "judge": {"headers": {"Authorization": "***", "X": "***"}}, "cookie": "***", "max_tokens": 7}
+    assert mask_secrets(
+        {
+            "api_keys": ["sk-2", "sk-3"],
+            "credentials": {"user": "u", "pw": "p"},
+            "judge": {"headers": {"Authorization": "Bearer sk-4", "X": "Token abc"}},
+            "cookie": "s=1",
+            "max_tokens": 7,
+        }
+    ) == {
+        "api_keys": ["***", "***"],
+        "credentials": {"user": "***", "pw": "***"},
+        "judge": {"headers": {"Authorization": "***", "X": "***"}},
+        "cookie": "***",
+        "max_tokens": 7,
+    }
 
 
 def test_secret_masking_catches_what_it_once_missed():
@@ -50,20 +66,46 @@ def test_secret_masking_catches_what_it_once_missed():
     name; credentials inside URLs (engine.sglang.urls) were written in clear."""
     from agentgrpo.log import mask_secrets
 
-    assert mask_secrets({"passwd": "p1", "db_pass": "p2", "bearer": "b", "X-Amz-Signature": "s",
-                         "eval": {"pass_k": [1, 4]}, "learner": {"passes": 2}}) == {
-        "passwd": "***", "db_pass": "***", "bearer": "***", "X-Amz-Signature": "***",
-        "eval": {"pass_k": [1, 4]}, "learner": {"passes": 2}}  # numbers are never secrets
-    assert mask_secrets({"judge_model": "sk-proj-abcdefghijklmnop0123",
-                         "note": "hf_abcdefghijklmnopqrstu", "name": "sk-2",
-                         "tag": "task-abcdefghijklmnopq"}) == {
-        "judge_model": "***", "note": "***", "name": "sk-2", "tag": "task-abcdefghijklmnopq"}
-    assert mask_secrets(["https://user:hunter2@box:8765/run?api_key=zz&n=3&token=",
-                         "http://h:1", "see http://h/a@b"]) == [
-        "https://***@box:8765/run?api_key=***&n=3&token=", "http://h:1", "see http://h/a@b"]
-    cfg = load_config("examples/calculator.yaml", [
-        "engine.kind=sglang", "engine.sglang.urls=[http://admin:hunter2@h:1, http://h:2]",
-        "env.kwargs={note: 'sk-abcdefghijklmnop0123'}"])
+    assert mask_secrets(
+        {
+            "passwd": "p1",
+            "db_pass": "p2",
+            "bearer": "b",
+            "X-Amz-Signature": "s",
+            "eval": {"pass_k": [1, 4]},
+            "learner": {"passes": 2},
+        }
+    ) == {
+        "passwd": "***",
+        "db_pass": "***",
+        "bearer": "***",
+        "X-Amz-Signature": "***",
+        "eval": {"pass_k": [1, 4]},
+        "learner": {"passes": 2},
+    }  # numbers are never secrets
+    assert mask_secrets(
+        {
+            "judge_model": "sk-proj-abcdefghijklmnop0123",
+            "note": "hf_abcdefghijklmnopqrstu",
+            "name": "sk-2",
+            "tag": "task-abcdefghijklmnopq",
+        }
+    ) == {"judge_model": "***", "note": "***", "name": "sk-2", "tag": "task-abcdefghijklmnopq"}
+    assert mask_secrets(
+        [
+            "https://user:hunter2@box:8765/run?api_key=zz&n=3&token=",
+            "http://h:1",
+            "see http://h/a@b",
+        ]
+    ) == ["https://***@box:8765/run?api_key=***&n=3&token=", "http://h:1", "see http://h/a@b"]
+    cfg = load_config(
+        "examples/calculator.yaml",
+        [
+            "engine.kind=sglang",
+            "engine.sglang.urls=[http://admin:hunter2@h:1, http://h:2]",
+            "env.kwargs={note: 'sk-abcdefghijklmnop0123'}",
+        ],
+    )
     dumped = dump_config(cfg)
     assert "hunter2" not in dumped and "sk-abcdef" not in dumped and "http://***@h:1" in dumped
 
@@ -87,12 +129,16 @@ def test_yaml_alias_bombs_are_refused_quickly(tmp_path):
         bomb = tmp_path / f"bomb{levels}.yaml"
         bomb.write_text(_alias_bomb(levels))
         start = time.monotonic()
-        with pytest.raises(ConfigError, match=f"{bomb}: expands to over 100000 values through YAML"):
+        with pytest.raises(
+            ConfigError, match=f"{bomb}: expands to over 100000 values through YAML"
+        ):
             load_config(bomb)
         assert time.monotonic() - start < 2
     with pytest.raises(ConfigError, match="expands to over"):
-        load_config("examples/calculator.yaml", [f"env.kwargs={{a: &a [{', '.join(['x'] * 400)}], "
-                                                 f"b: [{', '.join(['*a'] * 400)}]}}"])
+        load_config(
+            "examples/calculator.yaml",
+            [f"env.kwargs={{a: &a [{', '.join(['x'] * 400)}], b: [{', '.join(['*a'] * 400)}]}}"],
+        )
     cycle = tmp_path / "cycle.yaml"
     cycle.write_text("env:\n  name: calculator\n  kwargs: {a: &a [*a]}\n")
     with pytest.raises(ConfigError, match="cycle"):
@@ -109,53 +155,108 @@ def test_local_engine_settings_with_sglang_are_refused_not_ignored():
         with pytest.raises(ConfigError, match=f"{extra} configure the local engine"):
             load_config("examples/calculator.yaml", [*sglang, extra])
     cfg = load_config("examples/calculator.yaml", sglang)
-    assert load_config(None, [f"{k}={v}" for k, v in [("engine.kind", "sglang"),
-                                                       ("engine.max_batch_size", cfg.engine.max_batch_size)]]
-                       + sglang[1:]).engine.kind == "sglang"  # its own defaults, as config.yaml has them
+    assert (
+        load_config(
+            None,
+            [
+                f"{k}={v}"
+                for k, v in [
+                    ("engine.kind", "sglang"),
+                    ("engine.max_batch_size", cfg.engine.max_batch_size),
+                ]
+            ]
+            + sglang[1:],
+        ).engine.kind
+        == "sglang"
+    )  # its own defaults, as config.yaml has them
 
 
 def test_wandb_names_without_a_project_are_refused_not_ignored():
-    with pytest.raises(ConfigError, match="log.wandb_entity, log.wandb_name set without log.wandb_project"):
+    with pytest.raises(
+        ConfigError, match="log.wandb_entity, log.wandb_name set without log.wandb_project"
+    ):
         load_config(None, ["log.wandb_entity=team", "log.wandb_name=r1"])
 
 
 def test_more_mini_batches_than_groups_per_step_is_refused():
     with pytest.raises(ConfigError, match="learner.mini_batches=8"):
-        load_config("examples/calculator.yaml", ["learner.mini_batches=8", "rollout.tasks_per_step=4"])
-    ok = load_config("examples/calculator.yaml", ["learner.mini_batches=4", "rollout.tasks_per_step=4"])
+        load_config(
+            "examples/calculator.yaml", ["learner.mini_batches=8", "rollout.tasks_per_step=4"]
+        )
+    ok = load_config(
+        "examples/calculator.yaml", ["learner.mini_batches=4", "rollout.tasks_per_step=4"]
+    )
     assert ok.learner.mini_batches == 4
 
 
 def test_a_row_cap_without_shared_prefix_is_refused():
     with pytest.raises(ConfigError, match="row_tokens=512 caps shared-prefix rows"):
-        load_config("examples/calculator.yaml", ["learner.row_tokens=512", "learner.packing=packed"])
+        load_config(
+            "examples/calculator.yaml", ["learner.row_tokens=512", "learner.packing=packed"]
+        )
     with pytest.raises(ConfigError, match="row_tokens"):
         load_config("examples/calculator.yaml", ["learner.row_tokens=8"])
-    assert load_config("examples/calculator.yaml", ["learner.row_tokens=512"]).learner.row_tokens == 512
+    assert (
+        load_config("examples/calculator.yaml", ["learner.row_tokens=512"]).learner.row_tokens
+        == 512
+    )
 
 
 def test_tis_needs_recomputed_old_logprobs():
     """TIS weighs recomputed old logprobs against the rollout's; with old_logprobs=rollout the two
     are the same numbers and every train step would fail: the config is refused up front."""
     for tis in ("token", "sequence"):
-        with pytest.raises(ConfigError, match=f"loss.tis={tis} needs learner.old_logprobs=recompute"):
+        with pytest.raises(
+            ConfigError, match=f"loss.tis={tis} needs learner.old_logprobs=recompute"
+        ):
             load_config(None, [f"loss.tis={tis}"])
     cfg = load_config(None, ["loss.tis=token", "learner.old_logprobs=recompute"])
     assert cfg.loss.tis == "token" and cfg.learner.old_logprobs == "recompute"
 
 
 def test_text_settings_take_the_override_as_written():
-    cfg = load_config(None, ["output_dir=2024", "log.wandb_name=1", "eval.split=1",
-                             "log.wandb_entity=run #1", 'log.wandb_project="2024"', "model.path=2024-01-01"])
+    cfg = load_config(
+        None,
+        [
+            "output_dir=2024",
+            "log.wandb_name=1",
+            "eval.split=1",
+            "log.wandb_entity=run #1",
+            'log.wandb_project="2024"',
+            "model.path=2024-01-01",
+        ],
+    )
     assert (cfg.output_dir, cfg.log.wandb_name, cfg.eval.split) == ("2024", "1", "1")
-    assert (cfg.log.wandb_entity, cfg.log.wandb_project, cfg.model.path) == ("run #1", "2024", "2024-01-01")
+    assert (cfg.log.wandb_entity, cfg.log.wandb_project, cfg.model.path) == (
+        "run #1",
+        "2024",
+        "2024-01-01",
+    )
     assert load_config(None, ["log.wandb_name=1", "log.wandb_name=null"]).log.wandb_name is None
     # Typed and free-form settings still read YAML.
-    cfg = load_config(None, ["train.steps=3", "learner.row_tokens=512", "learner.lora.target_modules=[q_proj]",
-                             "env.kwargs.n=2024", "rollout.temperature=0.5", "train.save_every_s=null",
-                             "engine.kind=sglang", "engine.sglang.urls=[http://h:1]"])
-    assert (cfg.train.steps, cfg.learner.row_tokens, cfg.learner.lora.target_modules) == (3, 512, ["q_proj"])
-    assert cfg.env.kwargs == {"n": 2024} and cfg.rollout.temperature == 0.5 and cfg.train.save_every_s is None
+    cfg = load_config(
+        None,
+        [
+            "train.steps=3",
+            "learner.row_tokens=512",
+            "learner.lora.target_modules=[q_proj]",
+            "env.kwargs.n=2024",
+            "rollout.temperature=0.5",
+            "train.save_every_s=null",
+            "engine.kind=sglang",
+            "engine.sglang.urls=[http://h:1]",
+        ],
+    )
+    assert (cfg.train.steps, cfg.learner.row_tokens, cfg.learner.lora.target_modules) == (
+        3,
+        512,
+        ["q_proj"],
+    )
+    assert (
+        cfg.env.kwargs == {"n": 2024}
+        and cfg.rollout.temperature == 0.5
+        and cfg.train.save_every_s is None
+    )
     assert cfg.engine.sglang.urls == ["http://h:1"]
 
 
@@ -169,7 +270,9 @@ def test_unreadable_config_files_and_bad_yaml_are_clean_errors(tmp_path, capsys)
     bad.write_text("train:\n  steps: [1\n")
     with pytest.raises(ConfigError, match=f"{bad} is not valid YAML: .*line 3"):
         load_config(bad)
-    with pytest.raises(ConfigError, match=r"override 'eval.pass_k=\[1': the value is not valid YAML"):
+    with pytest.raises(
+        ConfigError, match=r"override 'eval.pass_k=\[1': the value is not valid YAML"
+    ):
         load_config(None, ["eval.pass_k=[1"])
     for argv in (["train", str(missing)], ["eval", str(bad)]):
         assert main(argv) == 2

@@ -20,10 +20,13 @@ from tests.tiny import tiny_llama
 CFG = LearnerConfig(lr=1e-2, micro_batch_tokens=64, grad_clip=1e9, warmup_steps=2)
 LOSS = LossConfig(kl_coef=0.1)
 SHARDED = CFG.model_copy(update={"checkpoint_format": "sharded"})
-HANG = "learner.collective_timeout_s=120"  # a rank left waiting fails the test instead of hanging it
+HANG = (
+    "learner.collective_timeout_s=120"  # a rank left waiting fails the test instead of hanging it
+)
 
 
 # --- the whole loop ----------------------------------------------------------------------------------
+
 
 def _train_on_rank(rank: int, out: str, model_dir: str, steps: int, *extra: str) -> None:
     worlds, close = [], Learner.close
@@ -44,7 +47,9 @@ def test_two_ranks_run_the_loop_like_one_process_and_resume(tmp_path, stopping_m
     # Rank 0 alone logged: one row per step, no second copy from rank 1.
     assert [m["step"] for m in read_jsonl(two / "metrics.jsonl")] == [1, 2]
     assert sorted(p.name for p in (two / "checkpoints").iterdir()) == ["step-000002"]
-    spawn_gloo(_train_on_rank, str(two), str(stopping_model_dir), 3)  # both ranks resume from step 2
+    spawn_gloo(
+        _train_on_rank, str(two), str(stopping_model_dir), 3
+    )  # both ranks resume from step 2
     assert [m["step"] for m in read_jsonl(two / "metrics.jsonl")] == [1, 2, 3]
 
     a, b = _by_step(one), _by_step(two)
@@ -75,7 +80,13 @@ def test_two_ranks_resume_from_sharded_checkpoints(tmp_path, stopping_model_dir)
     one, two = tmp_path / "one", tmp_path / "two"
     assert _train(one, stopping_model_dir, 3, "train.save_every=2") == 0
     for steps in (2, 3):  # the second run resumes from the shards both ranks wrote at step 2
-        spawn_gloo(_train_on_rank, str(two), str(stopping_model_dir), steps, "learner.checkpoint_format=sharded")
+        spawn_gloo(
+            _train_on_rank,
+            str(two),
+            str(stopping_model_dir),
+            steps,
+            "learner.checkpoint_format=sharded",
+        )
     assert [m["step"] for m in read_jsonl(two / "metrics.jsonl")] == [1, 2, 3]
     assert list((two / "checkpoints" / "step-000003" / "dcp").glob("*.distcp"))
     assert _by_step(one) == _by_step(two)  # step 3 sampled the same tokens: the weights came back
@@ -96,7 +107,9 @@ def _stopped_on_rank_1(rank: int, out: str, model_dir: str) -> None:
     assert _train(out, model_dir, 4, HANG) == 0
 
 
-def test_a_stop_signal_on_one_rank_stops_every_rank_after_a_checkpoint(tmp_path, stopping_model_dir):
+def test_a_stop_signal_on_one_rank_stops_every_rank_after_a_checkpoint(
+    tmp_path, stopping_model_dir
+):
     out = tmp_path / "run"
     spawn_gloo(_stopped_on_rank_1, str(out), str(stopping_model_dir))
     assert [m["step"] for m in read_jsonl(out / "metrics.jsonl")] == [1]
@@ -104,6 +117,7 @@ def test_a_stop_signal_on_one_rank_stops_every_rank_after_a_checkpoint(tmp_path,
 
 
 # --- FSDP ----------------------------------------------------------------------------------------------
+
 
 def _fsdp_accelerator(launch_env: dict[str, str] | None = None):
     """accelerate chooses FSDP only on accelerators (CUDA, XPU, ...). On CPU the test sets the
@@ -117,8 +131,10 @@ def _fsdp_accelerator(launch_env: dict[str, str] | None = None):
     acc.state.distributed_type = DistributedType.FSDP
     if launch_env is None:
         acc.state.fsdp_plugin = FullyShardedDataParallelPlugin(
-            fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
-            transformer_cls_names_to_wrap=["LlamaDecoderLayer"])
+            fsdp_version=2,
+            auto_wrap_policy="transformer_based_wrap",
+            transformer_cls_names_to_wrap=["LlamaDecoderLayer"],
+        )
     else:
         os.environ.update(launch_env)  # this rank's own process
         acc.state.fsdp_plugin = FullyShardedDataParallelPlugin()
@@ -134,7 +150,9 @@ def test_fsdp1_is_refused_with_the_setting_that_selects_fsdp2(monkeypatch):
     acc = Accelerator(cpu=True)  # one process: the refusal comes before any collective
     # The state is shared by every Accelerator of this process: monkeypatch puts it back.
     monkeypatch.setattr(acc.state, "distributed_type", DistributedType.FSDP)
-    monkeypatch.setattr(acc.state, "fsdp_plugin", FullyShardedDataParallelPlugin(fsdp_version=1), raising=False)
+    monkeypatch.setattr(
+        acc.state, "fsdp_plugin", FullyShardedDataParallelPlugin(fsdp_version=1), raising=False
+    )
     with pytest.raises(ValueError, match="FSDP version 1: .*`fsdp_version: 2`.*FSDP_VERSION=2"):
         Learner(tiny_llama(), CFG, LOSS, accelerator=acc)
 
@@ -148,9 +166,15 @@ def _launch_env(config_file: Path) -> dict[str, str]:
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
     from accelerate.utils.launch import prepare_multi_gpu_env
 
-    args = launch_command_parser().parse_args(["--config_file", str(config_file), "-m", "agentgrpo.cli"])
+    args = launch_command_parser().parse_args(
+        ["--config_file", str(config_file), "-m", "agentgrpo.cli"]
+    )
     args, _, _ = _validate_launch_command(args)
-    return {k: v for k, v in prepare_multi_gpu_env(args).items() if k.startswith(("FSDP_", "ACCELERATE_"))}
+    return {
+        k: v
+        for k, v in prepare_multi_gpu_env(args).items()
+        if k.startswith(("FSDP_", "ACCELERATE_"))
+    }
 
 
 def test_the_fsdp2_accelerate_config_file_launches_fsdp2(monkeypatch):
@@ -171,7 +195,9 @@ def test_the_fsdp2_accelerate_config_file_launches_fsdp2(monkeypatch):
         monkeypatch.setenv(k, v)
     plugin = FullyShardedDataParallelPlugin()  # what each launched rank's Accelerator builds
     assert plugin.fsdp_version == 2 and plugin.reshard_after_forward is True
-    assert plugin.auto_wrap_policy is transformer_auto_wrap_policy and plugin.cpu_ram_efficient_loading
+    assert (
+        plugin.auto_wrap_policy is transformer_auto_wrap_policy and plugin.cpu_ram_efficient_loading
+    )
 
 
 def _steps(learner: Learner, n: int, seed: int = 0) -> dict[str, list[float]]:
@@ -185,8 +211,9 @@ def _steps(learner: Learner, n: int, seed: int = 0) -> dict[str, list[float]]:
     return {k: [m[k] for m in steps] for k in ("loss", "grad_norm")}
 
 
-def _assert_steps_alike(got: dict[str, list[float]], want: dict[str, list[float]], what: str,
-                        **loss_tolerance: float) -> None:
+def _assert_steps_alike(
+    got: dict[str, list[float]], want: dict[str, list[float]], what: str, **loss_tolerance: float
+) -> None:
     assert got["loss"] == pytest.approx(want["loss"], **loss_tolerance), what
     assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5), what
 
@@ -195,7 +222,9 @@ def _fsdp_rank(rank: int, tmp: str) -> None:
     from torch.distributed.tensor import DTensor
 
     tmp_path = Path(tmp)
-    learner = Learner(tiny_llama(), CFG, LOSS, temperature=TEMPERATURE, accelerator=_fsdp_accelerator())
+    learner = Learner(
+        tiny_llama(), CFG, LOSS, temperature=TEMPERATURE, accelerator=_fsdp_accelerator()
+    )
     assert learner.sharded and all(isinstance(p, DTensor) for p in learner.model.parameters())
     assert all(isinstance(p, DTensor) for p in learner.ref.parameters())  # the KL reference too
     _steps(learner, 2)
@@ -205,7 +234,9 @@ def _fsdp_rank(rank: int, tmp: str) -> None:
     if rank == 0:
         torch.save(exported.state_dict(), tmp_path / "fsdp-2steps.pt")
 
-    resumed = Learner(tiny_llama(), CFG, LOSS, temperature=TEMPERATURE, accelerator=_fsdp_accelerator())
+    resumed = Learner(
+        tiny_llama(), CFG, LOSS, temperature=TEMPERATURE, accelerator=_fsdp_accelerator()
+    )
     resumed.load(tmp_path / "one-ckpt")  # written by 1 process, loaded into shards
     _steps(resumed, 1, seed=1)
     exported = resumed.export_model()
@@ -236,11 +267,17 @@ def test_fsdp_shards_train_checkpoint_and_export_like_one_process(tmp_path):
     loaded = Learner(tiny_llama(), CFG, LOSS, temperature=TEMPERATURE)
     loaded.load(tmp_path / "fsdp-ckpt")
     _steps(loaded, 1, seed=1)
-    _assert_close(loaded.unwrapped.state_dict(), one.unwrapped.state_dict(),
-                  "FSDP checkpoint, resumed by 1 process")
+    _assert_close(
+        loaded.unwrapped.state_dict(),
+        one.unwrapped.state_dict(),
+        "FSDP checkpoint, resumed by 1 process",
+    )
     # A 1-process checkpoint loaded into FSDP shards continues like the 1-process run too.
-    _assert_close(torch.load(tmp_path / "fsdp-resumed.pt"), one.unwrapped.state_dict(),
-                  "1-process checkpoint, resumed under FSDP")
+    _assert_close(
+        torch.load(tmp_path / "fsdp-resumed.pt"),
+        one.unwrapped.state_dict(),
+        "1-process checkpoint, resumed under FSDP",
+    )
 
 
 def _tied_llama():
@@ -271,7 +308,9 @@ def _ram_efficient_rank(rank: int, tmp: str, launch_env: dict[str, str]) -> None
     os.environ.update(launch_env)  # what accelerate launch gives each rank (load_policy reads it)
     for build in (tiny_llama, _tied_llama):
         model = build() if rank == 0 else _weightless(build, f"{tmp}/{build.__name__}-config")
-        learner = Learner(model, CFG, LOSS, temperature=TEMPERATURE, accelerator=_fsdp_accelerator(launch_env))
+        learner = Learner(
+            model, CFG, LOSS, temperature=TEMPERATURE, accelerator=_fsdp_accelerator(launch_env)
+        )
         assert learner.accelerator.state.fsdp_plugin.cpu_ram_efficient_loading
         for module in (learner.model, learner.ref):
             assert not any(p.to_local().is_meta for p in module.parameters()), rank
@@ -279,8 +318,10 @@ def _ram_efficient_rank(rank: int, tmp: str, launch_env: dict[str, str]) -> None
         steps = _steps(learner, 2)
         exported = learner.export_model()
         if rank == 0:
-            torch.save({"ref": ref, "steps": steps, "weights": exported.state_dict()},
-                       f"{tmp}/ram-efficient-{build.__name__}.pt")
+            torch.save(
+                {"ref": ref, "steps": steps, "weights": exported.state_dict()},
+                f"{tmp}/ram-efficient-{build.__name__}.pt",
+            )
 
 
 def test_ram_efficient_loading_trains_like_one_process_when_only_rank_0_has_weights(tmp_path):
@@ -296,8 +337,12 @@ def test_ram_efficient_loading_trains_like_one_process_when_only_rank_0_has_weig
         got = torch.load(tmp_path / f"ram-efficient-{build.__name__}.pt")
         _assert_close(got["ref"], base, f"{build.__name__}: the KL reference, filled from rank 0")
         _assert_steps_alike(got["steps"], steps, build.__name__, abs=1e-6)
-        assert_trained_alike(got["weights"], one.unwrapped.state_dict(), start,
-                              f"{build.__name__}: weights on rank 0 only")
+        assert_trained_alike(
+            got["weights"],
+            one.unwrapped.state_dict(),
+            start,
+            f"{build.__name__}: weights on rank 0 only",
+        )
 
 
 def test_the_documented_torchrun_command_runs_two_ranks(tmp_path, tiny_model_dir):
@@ -307,10 +352,27 @@ def test_the_documented_torchrun_command_runs_two_ranks(tmp_path, tiny_model_dir
     import sys
 
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-           str(free_port()), "-m", "agentgrpo.cli", "train", "examples/calculator.yaml", f"output_dir={out}",
-           "train.steps=1", f"model.path={tiny_model_dir}", "rollout.group_size=2", "rollout.tasks_per_step=2",
-           "rollout.max_new_tokens=8", "rollout.max_tokens=32", "log.progress=false"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port()),
+        "-m",
+        "agentgrpo.cli",
+        "train",
+        "examples/calculator.yaml",
+        f"output_dir={out}",
+        "train.steps=1",
+        f"model.path={tiny_model_dir}",
+        "rollout.group_size=2",
+        "rollout.tasks_per_step=2",
+        "rollout.max_new_tokens=8",
+        "rollout.max_tokens=32",
+        "log.progress=false",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "processes: 2 (MULTI_CPU)" in proc.stdout
@@ -324,19 +386,28 @@ LORA = LearnerConfig(lr=1e-2, micro_batch_tokens=64, grad_clip=1e9, lora={"r": 4
 def _ddp_lora_rank(rank: int, tmp: str) -> None:
     from accelerate import Accelerator
 
-    learner = Learner(tiny_llama(), LORA, LOSS, temperature=TEMPERATURE, accelerator=Accelerator(cpu=True))
+    learner = Learner(
+        tiny_llama(), LORA, LOSS, temperature=TEMPERATURE, accelerator=Accelerator(cpu=True)
+    )
     _steps(learner, 2)
     if rank == 0:
         torch.save(learner.export_state_dict(), f"{tmp}/lora-ddp.pt")
 
 
 def _fsdp_lora_rank(rank: int, tmp: str) -> None:
-    learner = Learner(tiny_llama(), LORA, LOSS, temperature=TEMPERATURE, accelerator=_fsdp_accelerator())
+    learner = Learner(
+        tiny_llama(), LORA, LOSS, temperature=TEMPERATURE, accelerator=_fsdp_accelerator()
+    )
     _steps(learner, 2)
     learner.save(Path(tmp) / "lora-ckpt")
-    resumed = Learner(tiny_llama(), LORA, LOSS, temperature=TEMPERATURE, accelerator=_fsdp_accelerator())
+    resumed = Learner(
+        tiny_llama(), LORA, LOSS, temperature=TEMPERATURE, accelerator=_fsdp_accelerator()
+    )
     resumed.load(Path(tmp) / "lora-ckpt")
-    for name, exported in (("trained", learner.export_model()), ("resumed", resumed.export_model())):
+    for name, exported in (
+        ("trained", learner.export_model()),
+        ("resumed", resumed.export_model()),
+    ):
         if rank == 0:
             torch.save(exported.state_dict(), Path(tmp) / f"lora-{name}.pt")
 
@@ -348,16 +419,26 @@ def test_lora_under_ddp_and_fsdp_exports_merged_weights_and_resumes_like_one_pro
     spawn_gloo(_fsdp_lora_rank, str(tmp_path))
     merged = one.export_state_dict()
     _assert_close(torch.load(tmp_path / "lora-ddp.pt"), merged, "LoRA under DDP, merged export")
-    _assert_close(torch.load(tmp_path / "lora-trained.pt"), merged, "LoRA under FSDP, merged export")
-    _assert_close(torch.load(tmp_path / "lora-resumed.pt"), merged, "LoRA adapter checkpoint, resumed under FSDP")
+    _assert_close(
+        torch.load(tmp_path / "lora-trained.pt"), merged, "LoRA under FSDP, merged export"
+    )
+    _assert_close(
+        torch.load(tmp_path / "lora-resumed.pt"),
+        merged,
+        "LoRA adapter checkpoint, resumed under FSDP",
+    )
 
 
 def _fsdp_sharded_rank(rank: int, tmp: str) -> None:
-    learner = Learner(tiny_llama(), SHARDED, LOSS, temperature=TEMPERATURE, accelerator=_fsdp_accelerator())
+    learner = Learner(
+        tiny_llama(), SHARDED, LOSS, temperature=TEMPERATURE, accelerator=_fsdp_accelerator()
+    )
     _steps(learner, 2)
     learner.save(Path(tmp) / "sharded")  # every rank writes its own shards
     assert len(list((Path(tmp) / "sharded" / "dcp").glob("*.distcp"))) == 2
-    resumed = Learner(tiny_llama(), SHARDED, LOSS, temperature=TEMPERATURE, accelerator=_fsdp_accelerator())
+    resumed = Learner(
+        tiny_llama(), SHARDED, LOSS, temperature=TEMPERATURE, accelerator=_fsdp_accelerator()
+    )
     resumed.load(Path(tmp) / "sharded")
     _steps(resumed, 1, seed=1)
     exported = resumed.export_model()
@@ -370,18 +451,27 @@ def test_sharded_checkpoints_resume_on_two_fsdp_ranks_and_reshard_to_one_process
     _steps(one, 2)
     _steps(one, 1, seed=1)
     spawn_gloo(_fsdp_sharded_rank, str(tmp_path))
-    _assert_close(torch.load(tmp_path / "sharded-resumed.pt"), one.unwrapped.state_dict(),
-                  "2 FSDP ranks resumed from their own shards")
+    _assert_close(
+        torch.load(tmp_path / "sharded-resumed.pt"),
+        one.unwrapped.state_dict(),
+        "2 FSDP ranks resumed from their own shards",
+    )
     single = Learner(tiny_llama(), SHARDED, LOSS, temperature=TEMPERATURE)
     single.load(tmp_path / "sharded")  # written by 2 ranks, read by 1: DCP reshards
     assert single.step == 2
     _steps(single, 1, seed=1)
-    _assert_close(single.unwrapped.state_dict(), one.unwrapped.state_dict(), "1 process resumed from 2 ranks' shards")
+    _assert_close(
+        single.unwrapped.state_dict(),
+        one.unwrapped.state_dict(),
+        "1 process resumed from 2 ranks' shards",
+    )
 
 
 def _chunked_head_rank(rank: int, tmp: str) -> None:
     cfg = CFG.model_copy(update={"head_chunk_tokens": 5})
-    learner = Learner(_tied_llama(), cfg, LOSS, temperature=TEMPERATURE, accelerator=_fsdp_accelerator())
+    learner = Learner(
+        _tied_llama(), cfg, LOSS, temperature=TEMPERATURE, accelerator=_fsdp_accelerator()
+    )
     steps = _steps(learner, 2)
     exported = learner.export_model()
     if rank == 0:
@@ -419,12 +509,17 @@ def _record_clipped_norms(learner: Learner) -> list[float]:
 
 
 def _clipped_rank(rank: int, tmp: str) -> None:
-    learner = Learner(tiny_llama(), CLIPPED, LOSS, temperature=TEMPERATURE, accelerator=_fsdp_accelerator())
+    learner = Learner(
+        tiny_llama(), CLIPPED, LOSS, temperature=TEMPERATURE, accelerator=_fsdp_accelerator()
+    )
     clipped = _record_clipped_norms(learner)
     steps = _steps(learner, 3)
     exported = learner.export_model()
     if rank == 0:
-        torch.save({"steps": steps, "clipped": clipped, "weights": exported.state_dict()}, f"{tmp}/clipped.pt")
+        torch.save(
+            {"steps": steps, "clipped": clipped, "weights": exported.state_dict()},
+            f"{tmp}/clipped.pt",
+        )
 
 
 def test_fsdp_clips_by_the_whole_models_norm_like_one_process(tmp_path):

@@ -66,9 +66,11 @@ def test_check_env_reports_contract_breaks():
 def test_tool_env_errors_are_messages_not_crashes():
     env = Slow()
     env.reset(seed=0, options={"task": TASK})
-    calls = [ToolCall(id="1", name="nap", arguments={"seconds": 1.0}),
-             ToolCall(id="2", name="fail", arguments={}),
-             ToolCall(id="3", name="nap", arguments={"seconds": 0})]
+    calls = [
+        ToolCall(id="1", name="nap", arguments={"seconds": 1.0}),
+        ToolCall(id="2", name="fail", arguments={}),
+        ToolCall(id="3", name="nap", arguments={"seconds": 0}),
+    ]
     step = asyncio.run(env.step(Message(role="assistant", content="", tool_calls=calls)))
     out, reward, terminated, truncated, info = step  # Gymnasium's 5-tuple
     assert [m.tool_call_id for m in out] == ["1", "2", "3"]
@@ -119,12 +121,16 @@ def test_envs_registered_at_run_time_and_installs_that_predate_the_entry_points(
     no_entry_points = importlib.metadata.EntryPoints(())
     monkeypatch.setattr(importlib.metadata, "entry_points", lambda **k: no_entry_points)
     monkeypatch.setattr(importlib.metadata, "distribution", lambda name: Old())
-    with pytest.raises(ValueError, match=r"known: \['echo-at-run-time'\].*predates them\): "
-                                         r"reinstall with pip install -e \."):
+    with pytest.raises(
+        ValueError,
+        match=r"known: \['echo-at-run-time'\].*predates them\): "
+        r"reinstall with pip install -e \.",
+    ):
         get_env_class("calculator")
 
     def not_installed(name):
         raise importlib.metadata.PackageNotFoundError(name)
+
     monkeypatch.setattr(importlib.metadata, "distribution", not_installed)
     with pytest.raises(ValueError, match="agentgrpo is not installed.*pip install -e ."):
         get_env_class("calculator")
@@ -138,7 +144,9 @@ def test_registry_and_calculator_tasks():
         get_env_class("nope")
     a = CalculatorEnv.load_tasks("train", seed=1, n=5)
     assert a == CalculatorEnv.load_tasks("train", seed=1, n=5)
-    assert [t.prompt for t in a] != [t.prompt for t in CalculatorEnv.load_tasks("eval", seed=1, n=5)]
+    assert [t.prompt for t in a] != [
+        t.prompt for t in CalculatorEnv.load_tasks("eval", seed=1, n=5)
+    ]
     for t in a:
         x, _, y = t.metadata["expression"].split()
         assert int(t.answer) == int(x) + int(y)
@@ -148,13 +156,21 @@ def test_registry_and_calculator_tasks():
 def test_tool_errors_are_counted_by_kind():
     env = Slow()
     env.reset(seed=0, options={"task": TASK})
-    calls = [ToolCall(id="1", name="nap", arguments={"seconds": 0.4}),
-             ToolCall(id="2", name="nap", arguments={"minutes": 1}),
-             ToolCall(id="3", name="nope", arguments={})]
+    calls = [
+        ToolCall(id="1", name="nap", arguments={"seconds": 0.4}),
+        ToolCall(id="2", name="nap", arguments={"minutes": 1}),
+        ToolCall(id="3", name="nope", arguments={}),
+    ]
     env.set_tool_limits(max_calls_per_turn=3)
-    step = asyncio.run(env.step(Message(role="assistant", content="", tool_calls=calls + calls[:1])))
-    assert step.tool_errors == {ToolErrorKind.TOOL_TIMEOUT: 1, ToolErrorKind.INVALID_ARGUMENTS: 1,
-                                ToolErrorKind.UNKNOWN_TOOL: 1, ToolErrorKind.TOO_MANY_CALLS: 1}
+    step = asyncio.run(
+        env.step(Message(role="assistant", content="", tool_calls=calls + calls[:1]))
+    )
+    assert step.tool_errors == {
+        ToolErrorKind.TOOL_TIMEOUT: 1,
+        ToolErrorKind.INVALID_ARGUMENTS: 1,
+        ToolErrorKind.UNKNOWN_TOOL: 1,
+        ToolErrorKind.TOO_MANY_CALLS: 1,
+    }
     assert sum(step.tool_errors.values()) == 4
 
 
@@ -164,7 +180,9 @@ def test_check_env_flags_undeclared_randomness():
     class Dice(Env):
         def reset(self, *, seed=None, options=None):
             super().reset(seed=seed, options=options)
-            return [Message(role="user", content=f"Roll: {random.random()}")], {}  # not from the seed
+            return [
+                Message(role="user", content=f"Roll: {random.random()}")
+            ], {}  # not from the seed
 
         def step(self, action):
             return [], 0.0, True, False, {}
@@ -187,7 +205,10 @@ def test_check_env_explains_instead_of_crashing():
 
     report = env_report(Crashing(), TASK)
     assert not report.ok
-    assert "raised ZeroDivisionError: division by zero" in report.format() and "ENV_ERROR" in report.format()
+    assert (
+        "raised ZeroDivisionError: division by zero" in report.format()
+        and "ENV_ERROR" in report.format()
+    )
 
     class Forgetful(ToolEnv):  # answers tool calls without saying which call
         @tool
@@ -216,5 +237,7 @@ def test_check_env_command(capsys):
     assert main(["check-env", "tests.test_env:Echo"]) == 1  # no load_tasks: no task to run
     assert "no task given and Echo.load_tasks is not implemented" in capsys.readouterr().err
     assert main(["check-env", "no_such_module:Env"]) == 1
-    assert "cannot create the env: ConfigError: env.name: env 'no_such_module:Env': no module named" \
+    assert (
+        "cannot create the env: ConfigError: env.name: env 'no_such_module:Env': no module named"
         in capsys.readouterr().err
+    )

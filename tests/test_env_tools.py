@@ -30,9 +30,12 @@ def test_final_answer_writes_out_only_small_exponents():
     assert final_answer("so it is 1.5e3") == "1500"
     assert final_answer("\\boxed{2.5E-3}") == "0.0025"
     assert final_answer("about 1e100") == "1" + "0" * 100
-    for text, kept in [("the answer is 1e999999999999", "1e999999999999"),
-                       ("the answer is 1e100000000", "1e100000000"),
-                       ("\\boxed{1e-100000000}", "1e-100000000"), ("it is 1e101", "1e101")]:
+    for text, kept in [
+        ("the answer is 1e999999999999", "1e999999999999"),
+        ("the answer is 1e100000000", "1e100000000"),
+        ("\\boxed{1e-100000000}", "1e-100000000"),
+        ("it is 1e101", "1e101"),
+    ]:
         start = time.monotonic()
         assert final_answer(text) == kept
         assert time.monotonic() - start < 1.0
@@ -51,7 +54,9 @@ def test_python_math_huge_exponent_answer_scores_zero():
 
 
 def _result(status: str, stdout: str = "", detail: str = "") -> ExecResult:
-    return ExecResult(status, 0 if status == "ok" else None, None, stdout, "", False, 0.1, "fake", detail)
+    return ExecResult(
+        status, 0 if status == "ok" else None, None, stdout, "", False, 0.1, "fake", detail
+    )
 
 
 class HangingSandbox:
@@ -74,13 +79,18 @@ class HangingSandbox:
         # late sandbox_error for HANG) arrives with nobody waiting for it.
         done: Future = Future()
         done.set_running_or_notify_cancel()  # running: a cancelled await leaves it be
-        threading.Thread(target=lambda: done.set_result(self.run(code, files, **kwargs)), daemon=True).start()
+        threading.Thread(
+            target=lambda: done.set_result(self.run(code, files, **kwargs)), daemon=True
+        ).start()
         return await asyncio.wrap_future(done)
 
 
 def _call(i: str, name: str, code: str) -> Message:
-    return Message(role="assistant", content="",
-                   tool_calls=[ToolCall(id=i, name=name, arguments={"code": code})])
+    return Message(
+        role="assistant",
+        content="",
+        tool_calls=[ToolCall(id=i, name=name, arguments={"code": code})],
+    )
 
 
 def test_python_math_late_sandbox_failure_does_not_poison_the_next_step():
@@ -89,7 +99,10 @@ def test_python_math_late_sandbox_failure_does_not_poison_the_next_step():
     env.reset(seed=0, options={"task": Task(id="t", prompt="2+2?", answer="4")})
     env.set_tool_limits(timeout_s=0.2)
     step = asyncio.run(env.step(_call("1", "python", "HANG")))
-    assert step.tool_errors == {ToolErrorKind.TOOL_TIMEOUT: 1} and "did not finish" in step.messages[0].content
+    assert (
+        step.tool_errors == {ToolErrorKind.TOOL_TIMEOUT: 1}
+        and "did not finish" in step.messages[0].content
+    )
     env.set_tool_limits(timeout_s=10.0)  # the abandoned call fails while this healthy step runs
     step = asyncio.run(env.step(_call("2", "python", "print(2+2)")))
     assert sandbox.failed.is_set()
@@ -135,8 +148,10 @@ class RunOnlySandbox:
 
 
 def test_a_sandbox_without_the_methods_an_env_calls_is_refused_when_the_env_is_built():
-    for build in (lambda: PythonMathEnv(sandbox=RunOnlySandbox()),
-                  lambda: CodeTestsEnv(sandbox=RunOnlySandbox())):
+    for build in (
+        lambda: PythonMathEnv(sandbox=RunOnlySandbox()),
+        lambda: CodeTestsEnv(sandbox=RunOnlySandbox()),
+    ):
         with pytest.raises(TypeError, match="RunOnlySandbox has no arun method"):
             build()
     PythonMathEnv(sandbox=HangingSandbox())  # both methods: accepted
@@ -146,10 +161,18 @@ def test_a_sandbox_without_the_methods_an_env_calls_is_refused_when_the_env_is_b
 # ---- calculator -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("expression, reason", [
-    ("0**-1", "division by zero"), ("0^-1", "division by zero"), ("(1-1)**-2", "division by zero"),
-    ("1e999", "digits"), ("1e-400", "digits"), ("9" * 61, "digits"), ("1" + "0" * 60 + ".5", "digits"),
-])
+@pytest.mark.parametrize(
+    "expression, reason",
+    [
+        ("0**-1", "division by zero"),
+        ("0^-1", "division by zero"),
+        ("(1-1)**-2", "division by zero"),
+        ("1e999", "digits"),
+        ("1e-400", "digits"),
+        ("9" * 61, "digits"),
+        ("1" + "0" * 60 + ".5", "digits"),
+    ],
+)
 def test_calculator_refuses_with_its_own_error(expression, reason):
     with pytest.raises(ToolError, match=reason):
         evaluate(expression)
@@ -170,8 +193,15 @@ def test_calculator_constants_are_exact():
 
 
 @pytest.mark.parametrize("max_chars", [200, 300, 4000])
-@pytest.mark.parametrize("stdout, stderr", [("a" * 100_000, "b" * 100_000), ("a" * 100_000, ""),
-                                            ("x\n" * 50_000, "y" * 10), ("", "e" * 100_000)])
+@pytest.mark.parametrize(
+    "stdout, stderr",
+    [
+        ("a" * 100_000, "b" * 100_000),
+        ("a" * 100_000, ""),
+        ("x\n" * 50_000, "y" * 10),
+        ("", "e" * 100_000),
+    ],
+)
 def test_python_tool_message_never_exceeds_its_bound(max_chars, stdout, stderr):
     for truncated in (False, True):
         res = ExecResult("output_limit", None, 9, stdout, stderr, truncated, 1.0, "fake")
@@ -226,4 +256,6 @@ def test_gym_text_generic_ansi_render_marks_the_highlighted_cell(env_id):
     start, _, after = _lake_texts(GenericGym(), env_id)
     assert "\x1b" not in start + after
     assert "[S]" in start and "[S]" not in after and "[F]" in after
-    assert [ln for ln in start.splitlines() if "F" in ln] != [ln for ln in after.splitlines() if "F" in ln]
+    assert [ln for ln in start.splitlines() if "F" in ln] != [
+        ln for ln in after.splitlines() if "F" in ln
+    ]

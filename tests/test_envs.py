@@ -42,8 +42,9 @@ class BrokenSandbox:
 
     def _result(self) -> ExecResult:
         self.jobs += 1
-        return ExecResult("sandbox_error", None, None, "", "", False, 0.0, "broken",
-                          "supervisor died 3 times")
+        return ExecResult(
+            "sandbox_error", None, None, "", "", False, 0.0, "broken", "supervisor died 3 times"
+        )
 
     def run(self, code, **kwargs) -> ExecResult:
         return self._result()
@@ -54,14 +55,23 @@ class BrokenSandbox:
 
 def episode(chat, env, task, script, *, max_turns=4, max_tokens=1024, max_new_tokens=400):
     engine = ScriptedEngine(chat.tokenizer, script, chat.end_of_turn_id)
-    traj = asyncio.run(run_episode(env, engine, chat, task, SamplingParams(max_new_tokens=max_new_tokens),
-                                   seed=0, limits=EpisodeLimits(max_turns=max_turns, max_tokens=max_tokens)))
+    traj = asyncio.run(
+        run_episode(
+            env,
+            engine,
+            chat,
+            task,
+            SamplingParams(max_new_tokens=max_new_tokens),
+            seed=0,
+            limits=EpisodeLimits(max_turns=max_turns, max_tokens=max_tokens),
+        )
+    )
     traj.check()
     return traj, engine
 
 
 def call(name: str, **arguments) -> str:
-    return f'<tool_call>\n{json.dumps({"name": name, "arguments": arguments})}\n</tool_call>'
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
 
 
 # ---- all envs ---------------------------------------------------------------------------------
@@ -90,7 +100,9 @@ def test_final_answer_extraction():
     assert final_answer("so \\boxed{\\frac{1}{2}} it is") == "\\frac{1}{2}"
     assert math_equal(final_answer("so \\boxed{\\frac{1}{2}}"), "0.5")
     assert final_answer("first \\boxed{3} then \\boxed{7}") == "7"
-    assert final_answer("about 1.5e3 of them") == final_answer("\\boxed{1.5e3}") == "1500"  # not 1*e*3
+    assert (
+        final_answer("about 1.5e3 of them") == final_answer("\\boxed{1.5e3}") == "1500"
+    )  # not 1*e*3
     assert math_equal(final_answer("about 1.5e3 of them"), "1500")
     assert final_answer("We had 12 eggs, so 1,234.5 in all.") == "1234.5"
     assert final_answer("-3 and then 3/4") == "3/4"
@@ -121,12 +133,20 @@ def math_task() -> Task:
 
 def test_python_math_solved_with_the_tool(chat, math_task):
     code = "print(2 * 6 * 12 * 195)"
-    traj, engine = episode(chat, PythonMathEnv(), math_task,
-                           [call("python", code=code), "He earns \\boxed{28080}."])
+    traj, engine = episode(
+        chat, PythonMathEnv(), math_task, [call("python", code=code), "He earns \\boxed{28080}."]
+    )
     assert math_task.answer == "28080"
-    assert (traj.stop_reason, traj.reward, traj.tool_calls, traj.tool_errors) == (StopReason.COMPLETED, 1.0, 1, 0)
+    assert (traj.stop_reason, traj.reward, traj.tool_calls, traj.tool_errors) == (
+        StopReason.COMPLETED,
+        1.0,
+        1,
+        0,
+    )
     tool_msg = traj.messages[3]
-    assert tool_msg.role == "tool" and "status: ok" in tool_msg.content and "28080" in tool_msg.content
+    assert (
+        tool_msg.role == "tool" and "status: ok" in tool_msg.content and "28080" in tool_msg.content
+    )
     assert tool_msg.content in chat.decode(engine.calls[1][-60:])  # the model saw the output
 
 
@@ -137,19 +157,32 @@ def test_python_math_wrong_missing_and_malformed_answers_score_zero(chat, math_t
     assert (missing.stop_reason, missing.reward) == (StopReason.COMPLETED, 0.0)
     bad_call = '<tool_call>{"name": "python", "arguments": {"code": </tool_call>'
     malformed, _ = episode(chat, PythonMathEnv(), math_task, [bad_call, "28080"])
-    assert (malformed.stop_reason, malformed.reward, malformed.tool_errors) == (StopReason.COMPLETED, 1.0, 1)
+    assert (malformed.stop_reason, malformed.reward, malformed.tool_errors) == (
+        StopReason.COMPLETED,
+        1.0,
+        1,
+    )
 
 
 def test_python_math_model_code_errors_are_tool_output_not_env_errors(chat, math_task):
-    traj, _ = episode(chat, PythonMathEnv(), math_task, [call("python", code="print(1/0)"), "28080"])
+    traj, _ = episode(
+        chat, PythonMathEnv(), math_task, [call("python", code="print(1/0)"), "28080"]
+    )
     assert traj.stop_reason == StopReason.COMPLETED and traj.reward == 1.0
-    assert "runtime_error" in traj.messages[3].content and "ZeroDivisionError" in traj.messages[3].content
+    assert (
+        "runtime_error" in traj.messages[3].content
+        and "ZeroDivisionError" in traj.messages[3].content
+    )
 
 
 def test_python_math_sandbox_failure_is_unscorable(chat, math_task):
     sandbox = BrokenSandbox()
-    traj, engine = episode(chat, PythonMathEnv(sandbox=sandbox), math_task,
-                           [call("python", code="print(1)"), "\\boxed{28080}"])
+    traj, engine = episode(
+        chat,
+        PythonMathEnv(sandbox=sandbox),
+        math_task,
+        [call("python", code="print(1)"), "\\boxed{28080}"],
+    )
     assert traj.stop_reason == StopReason.ENV_ERROR and math.isnan(traj.reward)
     assert "SandboxUnavailable" in traj.stop_detail and sandbox.jobs == 1
     assert len(engine.calls) == 1  # the failure was never shown to the model as its tool error
@@ -165,7 +198,9 @@ def math_pool(monkeypatch):
 
 
 def test_python_math_verifier_failure_is_unscorable(chat, math_task, math_pool, monkeypatch):
-    monkeypatch.setattr(sys, "executable", "/nonexistent/python3")  # math-verify workers cannot start
+    monkeypatch.setattr(
+        sys, "executable", "/nonexistent/python3"
+    )  # math-verify workers cannot start
     traj, _ = episode(chat, PythonMathEnv(), math_task, ["\\boxed{28080.0}"])  # needs a real check
     assert traj.stop_reason == StopReason.ENV_ERROR and math.isnan(traj.reward)  # not 0
     assert "MathVerifyUnavailable" in traj.stop_detail and "could not start" in traj.stop_detail
@@ -175,11 +210,18 @@ def test_python_math_verifier_failure_is_unscorable(chat, math_task, math_pool, 
 RUNAWAY = "So the answer is \\boxed{10**10**10**10}"  # sympy cannot finish this power
 
 
-@pytest.mark.parametrize("reply", ["so \\boxed{10^{3}}", "so \\boxed{2**10}", "so \\boxed{1.5e3}", "it is 1000"])
+@pytest.mark.parametrize(
+    "reply", ["so \\boxed{10^{3}}", "so \\boxed{2**10}", "so \\boxed{1.5e3}", "it is 1000"]
+)
 def test_python_math_reads_latex_and_expressions_in_the_box(chat, math_task, math_pool, reply):
     """`10^{3}` is LaTeX (math-verify reads it only inside the box), `2**10` an expression (only
     outside it): each reading is tried, so both score."""
-    want = {"so \\boxed{10^{3}}": 1000, "so \\boxed{2**10}": 1024, "so \\boxed{1.5e3}": 1500, "it is 1000": 1000}
+    want = {
+        "so \\boxed{10^{3}}": 1000,
+        "so \\boxed{2**10}": 1024,
+        "so \\boxed{1.5e3}": 1500,
+        "it is 1000": 1000,
+    }
     env = PythonMathEnv()
     env.reset(seed=0, options={"task": math_task.model_copy(update={"answer": want[reply]})})
     _, reward, *_ = asyncio.run(env.step(Message(role="assistant", content=reply)))
@@ -219,7 +261,11 @@ def test_public_examples_hold_for_the_canonical_solutions():
             continue
         with_examples += 1
         res = run_tests(p.prompt + p.canonical_solution, [e.as_test() for e in examples])
-        failures += [(p.task_id, examples[t.index].call, t.detail) for t in res.tests if t.outcome != "passed"]
+        failures += [
+            (p.task_id, examples[t.index].call, t.detail)
+            for t in res.tests
+            if t.outcome != "passed"
+        ]
     assert failures == []
     assert with_examples >= 135
 
@@ -230,7 +276,10 @@ def test_code_tests_splits_are_fixed_and_cover_humaneval():
     assert {t.id for t in train} | {t.id for t in held_out} == set(PROBLEMS)
     assert all(int(t.id.split("/")[1]) % 5 == 0 for t in held_out)
     assert held_out == CodeTestsEnv.load_tasks("eval", seed=0)
-    assert len(CodeTestsEnv.load_tasks("all")) == 164 and len(CodeTestsEnv.load_tasks("train", n=3)) == 3
+    assert (
+        len(CodeTestsEnv.load_tasks("all")) == 164
+        and len(CodeTestsEnv.load_tasks("train", n=3)) == 3
+    )
     with pytest.raises(ValueError, match="split"):
         CodeTestsEnv.load_tasks("test")
 
@@ -245,11 +294,17 @@ def _fence(code: str) -> str:
 
 
 CANONICAL = PROBLEMS["HumanEval/0"].prompt + PROBLEMS["HumanEval/0"].canonical_solution
-ALWAYS_TRUE = "def has_close_elements(numbers, threshold):\n    return True\n"  # passes example 2 only
+ALWAYS_TRUE = (
+    "def has_close_elements(numbers, threshold):\n    return True\n"  # passes example 2 only
+)
 
 
 def test_code_tests_test_revise_submit(chat, code_task):
-    script = [call("run_tests", code=ALWAYS_TRUE), call("run_tests", code=CANONICAL), _fence(CANONICAL)]
+    script = [
+        call("run_tests", code=ALWAYS_TRUE),
+        call("run_tests", code=CANONICAL),
+        _fence(CANONICAL),
+    ]
     traj, _ = episode(chat, CodeTestsEnv(), code_task, script)
     assert (traj.stop_reason, traj.reward, traj.tool_calls) == (StopReason.COMPLETED, 1.0, 2)
     first, second = traj.messages[3].content, traj.messages[5].content
@@ -267,7 +322,9 @@ def test_code_tests_wrong_and_malformed_submissions(chat, code_task):
     assert (wrong.stop_reason, wrong.reward) == (StopReason.COMPLETED, 0.0)
     partial, _ = episode(chat, CodeTestsEnv(public_credit=0.5), code_task, [_fence(ALWAYS_TRUE)])
     assert partial.reward == 0.25  # 0.5 * (1 of 2 examples)
-    prose, _ = episode(chat, CodeTestsEnv(public_credit=0.5), code_task, ["I would sort the list first."])
+    prose, _ = episode(
+        chat, CodeTestsEnv(public_credit=0.5), code_task, ["I would sort the list first."]
+    )
     assert (prose.stop_reason, prose.reward) == (StopReason.COMPLETED, 0.0)
     broken_call = '<tool_call>{"name": "run_tests", "arguments": {"code": 1}}</tool_call>'
     invalid, _ = episode(chat, CodeTestsEnv(), code_task, [broken_call, _fence(CANONICAL)])
@@ -276,7 +333,9 @@ def test_code_tests_wrong_and_malformed_submissions(chat, code_task):
 
 
 def test_code_tests_problem_without_examples_still_runs_the_code(chat):
-    task = next(t for t in CodeTestsEnv.load_tasks("all") if t.id == "HumanEval/38")  # decode_cyclic
+    task = next(
+        t for t in CodeTestsEnv.load_tasks("all") if t.id == "HumanEval/38"
+    )  # decode_cyclic
     assert task.metadata["examples"] == []
     env = CodeTestsEnv()
     env.reset(seed=0, options={"task": task})
@@ -289,7 +348,11 @@ def test_code_tests_problem_without_examples_still_runs_the_code(chat):
 @pytest.mark.parametrize("where", ["run_tests", "scoring"])
 def test_code_tests_sandbox_failure_is_unscorable(chat, code_task, where):
     sandbox = BrokenSandbox()
-    script = [call("run_tests", code=CANONICAL), _fence(CANONICAL)] if where == "run_tests" else [_fence(CANONICAL)]
+    script = (
+        [call("run_tests", code=CANONICAL), _fence(CANONICAL)]
+        if where == "run_tests"
+        else [_fence(CANONICAL)]
+    )
     traj, engine = episode(chat, CodeTestsEnv(sandbox=sandbox), code_task, script)
     assert traj.stop_reason == StopReason.ENV_ERROR and math.isnan(traj.reward)
     assert "SandboxUnavailable" in traj.stop_detail and sandbox.jobs == 1 and len(engine.calls) == 1
@@ -301,9 +364,15 @@ LAKE = ["SFFF", "FHFH", "FFFH", "HFFG"]  # Gymnasium's 4x4 map
 
 
 def lake_task(**make_kwargs) -> Task:
-    return Task(id="lake", prompt="Play FrozenLake-v1.", metadata={
-        "env_id": "FrozenLake-v1", "reset_seed": 0,
-        "make_kwargs": {"desc": LAKE, "is_slippery": False, **make_kwargs}})
+    return Task(
+        id="lake",
+        prompt="Play FrozenLake-v1.",
+        metadata={
+            "env_id": "FrozenLake-v1",
+            "reset_seed": 0,
+            "make_kwargs": {"desc": LAKE, "is_slippery": False, **make_kwargs},
+        },
+    )
 
 
 def test_gym_text_reaches_the_goal(chat):
@@ -325,9 +394,16 @@ def test_gym_text_hole_ends_the_episode_without_reward(chat):
 def test_gym_text_invalid_replies_reprompt_then_end(chat):
     traj, _ = episode(chat, GymTextEnv(), lake_task(), ["hmm", "DOWN", "what?", "no"], max_turns=10)
     assert traj.stop_reason == StopReason.PARSE_ERROR and traj.num_turns == 4
-    assert traj.reward == pytest.approx(-0.3)  # three invalid replies at 0.1 each; ended by the third
-    assert traj.messages[3].content == "That reply names no action. Reply with one action: LEFT, DOWN, RIGHT, UP."
-    ended, _ = episode(chat, GymTextEnv(on_invalid="end", invalid_penalty=0.5), lake_task(), ["hmm"])
+    assert traj.reward == pytest.approx(
+        -0.3
+    )  # three invalid replies at 0.1 each; ended by the third
+    assert (
+        traj.messages[3].content
+        == "That reply names no action. Reply with one action: LEFT, DOWN, RIGHT, UP."
+    )
+    ended, _ = episode(
+        chat, GymTextEnv(on_invalid="end", invalid_penalty=0.5), lake_task(), ["hmm"]
+    )
     assert (ended.stop_reason, ended.reward, ended.num_turns) == (StopReason.PARSE_ERROR, -0.5, 1)
 
 
@@ -361,7 +437,9 @@ def test_gym_text_other_toy_text_and_generic_envs():
     msgs, _ = env.reset(seed=0, options={"task": cliff})
     assert "\x1b" not in msgs[1].content and "x  C  C" in msgs[1].content
     assert msgs[0].content.endswith("Reply with one action: 0, 1, 2, 3.")
-    continuous = Task(id="c", prompt="-", metadata={"env_id": "MountainCarContinuous-v0", "reset_seed": 0})
+    continuous = Task(
+        id="c", prompt="-", metadata={"env_id": "MountainCarContinuous-v0", "reset_seed": 0}
+    )
     with pytest.raises(TypeError, match="needs Discrete"):
         env.reset(seed=0, options={"task": continuous})
 
@@ -381,10 +459,19 @@ def terse_model_dir(tmp_path_factory, smol_tokenizer, chat) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(smol_tokenizer), hidden_size=32, intermediate_size=64,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=1024, tie_word_embeddings=True, mlp_bias=True,
-                      eos_token_id=smol_tokenizer.eos_token_id, pad_token_id=smol_tokenizer.pad_token_id)
+    cfg = LlamaConfig(
+        vocab_size=len(smol_tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        mlp_bias=True,
+        eos_token_id=smol_tokenizer.eos_token_id,
+        pad_token_id=smol_tokenizer.pad_token_id,
+    )
     model = LlamaForCausalLM(cfg)
     direction = torch.nn.functional.normalize(torch.randn(32), dim=0)
     with torch.no_grad():
@@ -406,9 +493,21 @@ SHORT = {
 @pytest.mark.parametrize("name", list(SHORT))
 def test_one_training_step(tmp_path, terse_model_dir, name):
     out = tmp_path / "run"
-    rc = main(["train", f"examples/{name}.yaml", f"output_dir={out}", "train.steps=1",
-               f"model.path={terse_model_dir}", "rollout.group_size=2", "rollout.tasks_per_step=2",
-               "rollout.max_new_tokens=12", "log.progress=false", "log.tensorboard=false", *SHORT[name]])
+    rc = main(
+        [
+            "train",
+            f"examples/{name}.yaml",
+            f"output_dir={out}",
+            "train.steps=1",
+            f"model.path={terse_model_dir}",
+            "rollout.group_size=2",
+            "rollout.tasks_per_step=2",
+            "rollout.max_new_tokens=12",
+            "log.progress=false",
+            "log.tensorboard=false",
+            *SHORT[name],
+        ]
+    )
     assert rc == 0
     (metrics,) = read_jsonl(out / "metrics.jsonl")
     assert metrics["step"] == 1 and math.isfinite(metrics["loss"]) and metrics["unscorable"] == 0
@@ -418,7 +517,9 @@ def test_one_training_step(tmp_path, terse_model_dir, name):
     # the env scored episodes (python_math and code_tests through the sandbox and verifiers;
     # gym_text ends on the random model's unparseable replies as parse_error)
     assert any(r["stop_reason"] in ("completed", "parse_error") for r in rows)
-    assert all(r["stop_reason"] in ("completed", "parse_error", "max_tokens", "max_turns") for r in rows)
+    assert all(
+        r["stop_reason"] in ("completed", "parse_error", "max_tokens", "max_turns") for r in rows
+    )
 
 
 @pytest.mark.slow
@@ -428,12 +529,28 @@ def test_one_step_with_the_embedded_model(tmp_path, name):
     real tool calls): nothing is unscorable and every trajectory is well formed."""
     out = tmp_path / "run"
     extra = SHORT.get(name, [])[:1]  # the task count
-    rc = main(["train", f"examples/{name}.yaml", f"output_dir={out}", "train.steps=1",
-               "rollout.group_size=2", "rollout.tasks_per_step=2", "rollout.max_turns=2",
-               "rollout.max_new_tokens=48", "rollout.max_tokens=128", "log.progress=false",
-               "log.tensorboard=false", *extra])
+    rc = main(
+        [
+            "train",
+            f"examples/{name}.yaml",
+            f"output_dir={out}",
+            "train.steps=1",
+            "rollout.group_size=2",
+            "rollout.tasks_per_step=2",
+            "rollout.max_turns=2",
+            "rollout.max_new_tokens=48",
+            "rollout.max_tokens=128",
+            "log.progress=false",
+            "log.tensorboard=false",
+            *extra,
+        ]
+    )
     assert rc == 0
     (metrics,) = read_jsonl(out / "metrics.jsonl")
-    assert math.isfinite(metrics["loss"]) and metrics["unscorable"] == 0 and metrics["sampled_tokens"] > 0
+    assert (
+        math.isfinite(metrics["loss"])
+        and metrics["unscorable"] == 0
+        and metrics["sampled_tokens"] > 0
+    )
     rows = read_jsonl(out / "trajectories.jsonl")
     assert len(rows) == 4 and all(math.isfinite(r["reward"]) for r in rows)

@@ -19,15 +19,18 @@ from envs.calculator import CalculatorEnv
 from tests.fakes import ScriptedEngine
 
 
-@pytest.mark.parametrize("n, c, k, want", [
-    (4, 1, 1, 0.25),               # c/n
-    (4, 1, 2, 0.5),                # 1 - C(3,2)/C(4,2) = 1 - 3/6
-    (4, 2, 2, 5 / 6),              # 1 - C(2,2)/C(4,2) = 1 - 1/6
-    (5, 2, 3, 0.9),                # 1 - C(3,3)/C(5,3) = 1 - 1/10
-    (4, 0, 3, 0.0),
-    (4, 4, 1, 1.0),
-    (3, 2, 2, 1.0),                # n - c < k: every draw of 2 holds a pass
-])
+@pytest.mark.parametrize(
+    "n, c, k, want",
+    [
+        (4, 1, 1, 0.25),  # c/n
+        (4, 1, 2, 0.5),  # 1 - C(3,2)/C(4,2) = 1 - 3/6
+        (4, 2, 2, 5 / 6),  # 1 - C(2,2)/C(4,2) = 1 - 1/6
+        (5, 2, 3, 0.9),  # 1 - C(3,3)/C(5,3) = 1 - 1/10
+        (4, 0, 3, 0.0),
+        (4, 4, 1, 1.0),
+        (3, 2, 2, 1.0),  # n - c < k: every draw of 2 holds a pass
+    ],
+)
 def test_pass_at_k_by_hand(n, c, k, want):
     assert pass_at_k(n, c, k) == pytest.approx(want)
 
@@ -52,7 +55,9 @@ def test_run_eval_writes_a_run_like_directory(tmp_path, smol_tokenizer):
     asked: Counter = Counter()
 
     def script(ids, i):
-        a, b = map(int, re.findall(r"What is (\d+) \+ (\d+)\?", smol_tokenizer.decode(ids))[-1])  # not the demo
+        a, b = map(
+            int, re.findall(r"What is (\d+) \+ (\d+)\?", smol_tokenizer.decode(ids))[-1]
+        )  # not the demo
         task = order.index((a, b))
         asked[task] += 1
         if task == 2 and asked[task] == 4:
@@ -61,30 +66,66 @@ def test_run_eval_writes_a_run_like_directory(tmp_path, smol_tokenizer):
 
     from envs.calculator import CalculatorEnv
 
-    order = [tuple(map(int, t.metadata["expression"].split(" + ")))
-             for t in CalculatorEnv.load_tasks("eval", seed=0, n=3)]
-    cfg = load_config(None, ["env.name=calculator", f"output_dir={tmp_path}", "eval.num_tasks=3",
-                             "eval.samples_per_task=4", "eval.pass_k=[1,2]", "eval.checkpoint=none"])
-    engine = ScriptedEngine(smol_tokenizer, script, smol_tokenizer.convert_tokens_to_ids("<|im_end|>"))
+    order = [
+        tuple(map(int, t.metadata["expression"].split(" + ")))
+        for t in CalculatorEnv.load_tasks("eval", seed=0, n=3)
+    ]
+    cfg = load_config(
+        None,
+        [
+            "env.name=calculator",
+            f"output_dir={tmp_path}",
+            "eval.num_tasks=3",
+            "eval.samples_per_task=4",
+            "eval.pass_k=[1,2]",
+            "eval.checkpoint=none",
+        ],
+    )
+    engine = ScriptedEngine(
+        smol_tokenizer, script, smol_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    )
     out_dir, result = run_eval(cfg, engine=engine)
     m = result.metrics
     # per task (n, c): (4, 0), (4, 1), (3, 2)
     assert m["pass@1"] == pytest.approx((0 + 1 / 4 + 2 / 3) / 3)
-    assert m["pass@2"] == pytest.approx((0 + 0.5 + 1.0) / 3)  # task 1: 1 - C(3,2)/C(4,2); task 2: n-c < k
+    assert m["pass@2"] == pytest.approx(
+        (0 + 0.5 + 1.0) / 3
+    )  # task 1: 1 - C(3,2)/C(4,2); task 2: n-c < k
     assert m["reward_mean"] == pytest.approx(3 / 11) and m["unscorable"] == 1
     assert m["stop/completed"] == 11 and m["stop/engine_error"] == 1 and m["pass@2/tasks"] == 3
     rows = read_jsonl(out_dir / "trajectories.jsonl")
     assert len(rows) == 12 and {r["step"] for r in rows} == {0}
-    assert {"step", "group_id", "token_ids", "loss_mask", "logprobs", "messages", "stop_reason", "reward"} <= set(rows[0])
+    assert {
+        "step",
+        "group_id",
+        "token_ids",
+        "loss_mask",
+        "logprobs",
+        "messages",
+        "stop_reason",
+        "reward",
+    } <= set(rows[0])
     assert [r["step"] for r in read_jsonl(out_dir / "metrics.jsonl")] == [0]
     summary = json.loads((out_dir / "eval.json").read_text())
     assert [(t["scored"], t["passed"]) for t in summary["tasks"]] == [(4, 0), (4, 1), (3, 2)]
 
     # a second evaluation into the same directory replaces the first (its files used to append)
-    cfg2 = load_config(None, ["env.name=calculator", f"output_dir={tmp_path}", "eval.num_tasks=3",
-                              "eval.samples_per_task=2", "eval.checkpoint=none"])
-    run_eval(cfg2, engine=ScriptedEngine(smol_tokenizer, lambda ids, i: "0",
-                                         smol_tokenizer.convert_tokens_to_ids("<|im_end|>")))
+    cfg2 = load_config(
+        None,
+        [
+            "env.name=calculator",
+            f"output_dir={tmp_path}",
+            "eval.num_tasks=3",
+            "eval.samples_per_task=2",
+            "eval.checkpoint=none",
+        ],
+    )
+    run_eval(
+        cfg2,
+        engine=ScriptedEngine(
+            smol_tokenizer, lambda ids, i: "0", smol_tokenizer.convert_tokens_to_ids("<|im_end|>")
+        ),
+    )
     assert len(read_jsonl(out_dir / "trajectories.jsonl")) == 6
     assert [r["step"] for r in read_jsonl(out_dir / "metrics.jsonl")] == [0]
 
@@ -94,10 +135,21 @@ def test_eval_refuses_a_template_that_is_not_token_safe(tmp_path, capsys):
     from tests.conftest import SHARED, shared_template
 
     shared_template("qwen3.jinja")  # skips when shared/ is absent
-    rc = main(["eval", str(_empty_config(tmp_path)), f"output_dir={tmp_path}", "rollout.trajectory_mode=single",
-               f"model.chat_template={SHARED / 'chat_templates' / 'qwen3.jinja'}"])
+    rc = main(
+        [
+            "eval",
+            str(_empty_config(tmp_path)),
+            f"output_dir={tmp_path}",
+            "rollout.trajectory_mode=single",
+            f"model.chat_template={SHARED / 'chat_templates' / 'qwen3.jinja'}",
+        ]
+    )
     err = capsys.readouterr().err
-    assert rc == 2 and "not token-safe for this environment" in err and "template_fallback=keep_history" in err
+    assert (
+        rc == 2
+        and "not token-safe for this environment" in err
+        and "template_fallback=keep_history" in err
+    )
 
 
 def _empty_config(tmp_path):
@@ -111,7 +163,12 @@ def _empty_config(tmp_path):
 LORA = ["learner.lora.r=4", "loss.kl_coef=0.1", "learner.lr=1e-2"]
 SHARDED = ["learner.checkpoint_format=sharded"]
 RUNS = {"full": [], "sharded": SHARDED, "lora": LORA, "lora-sharded": [*LORA, *SHARDED]}
-SAME_TRAINING = {"full": "full", "sharded": "full", "lora": "lora", "lora-sharded": "lora"}  # the format aside
+SAME_TRAINING = {
+    "full": "full",
+    "sharded": "full",
+    "lora": "lora",
+    "lora-sharded": "lora",
+}  # the format aside
 
 
 @pytest.fixture(scope="module")
@@ -128,13 +185,24 @@ def runs(tmp_path_factory, stopping_model_dir):
 
 
 def _eval_overrides(run_dir, model_dir, extra, *more):
-    return [f"output_dir={run_dir}", f"model.path={model_dir}", "env.name=tests.test_checkpoint:VariedRewardEnv",
-            "rollout.max_new_tokens=12", "rollout.max_tokens=40", "eval.num_tasks=2", "eval.samples_per_task=2",
-            f"eval.output_dir={run_dir / 'eval-out'}", *extra, *more]
+    return [
+        f"output_dir={run_dir}",
+        f"model.path={model_dir}",
+        "env.name=tests.test_checkpoint:VariedRewardEnv",
+        "rollout.max_new_tokens=12",
+        "rollout.max_tokens=40",
+        "eval.num_tasks=2",
+        "eval.samples_per_task=2",
+        f"eval.output_dir={run_dir / 'eval-out'}",
+        *extra,
+        *more,
+    ]
 
 
 def _eval_cfg(run_dir, model_dir, extra, *more):
-    return load_config("examples/calculator.yaml", _eval_overrides(run_dir, model_dir, extra, *more))
+    return load_config(
+        "examples/calculator.yaml", _eval_overrides(run_dir, model_dir, extra, *more)
+    )
 
 
 def _tokens(result):
@@ -178,7 +246,9 @@ def test_eval_serves_the_trained_weights_of_every_checkpoint_format(runs, stoppi
         assert {t.weight_versions for g in result.groups for t in g.trajectories} == {(1,)}
         reference = _trained_reference(runs[SAME_TRAINING[name]][0], stopping_model_dir)
         for key, t in reference.items():
-            torch.testing.assert_close(served[name][key], t, atol=1e-6, rtol=1e-5, msg=f"{name}: {key}")
+            torch.testing.assert_close(
+                served[name][key], t, atol=1e-6, rtol=1e-5, msg=f"{name}: {key}"
+            )
         moved = [k for k in reference if not torch.equal(reference[k], base[k])]
         assert moved, f"{name}: one step changed no weight, the test would prove nothing"
     for a, b in (("full", "sharded"), ("lora", "lora-sharded")):
@@ -187,7 +257,9 @@ def test_eval_serves_the_trained_weights_of_every_checkpoint_format(runs, stoppi
         assert tokens[a] == tokens[b]
 
 
-def test_the_eval_command_evaluates_a_sharded_lora_checkpoint(runs, stopping_model_dir, capsys, tmp_path):
+def test_the_eval_command_evaluates_a_sharded_lora_checkpoint(
+    runs, stopping_model_dir, capsys, tmp_path
+):
     """`agentgrpo eval` end to end (engine built from the config): the newest checkpoint of a run
     with LoRA and sharded checkpoints samples what the same adapter in the full format does."""
     from agentgrpo.cli import main
@@ -207,8 +279,11 @@ def test_the_eval_command_evaluates_a_sharded_lora_checkpoint(runs, stopping_mod
 def _get_weight(url, name):
     import urllib.request
 
-    req = urllib.request.Request(f"{url}/get_weights_by_name", data=json.dumps({"name": name}).encode(),
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        f"{url}/get_weights_by_name",
+        data=json.dumps({"name": name}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(req, timeout=30) as r:
         return torch.tensor(json.loads(r.read()))
 
@@ -225,13 +300,22 @@ def test_sglang_servers_get_the_evaluated_weights_pushed(runs, stopping_model_di
     with FakeSGLangProcess("--backend", "model", "--model-path", str(stopping_model_dir)) as server:
         initial = _get_weight(server.url, key)
         assert not torch.allclose(initial, trained, atol=1e-4)
-        sglang = ["engine.kind=sglang", f"engine.sglang.urls=[{server.url}]", f"weight_sync.shared_dir={tmp_path}",
-                  "eval.num_tasks=1", "rollout.max_turns=1"]  # the fake's model has no KV cache: keep it short
+        sglang = [
+            "engine.kind=sglang",
+            f"engine.sglang.urls=[{server.url}]",
+            f"weight_sync.shared_dir={tmp_path}",
+            "eval.num_tasks=1",
+            "rollout.max_turns=1",
+        ]  # the fake's model has no KV cache: keep it short
         _, result = run_eval(_eval_cfg(run_dir, stopping_model_dir, extra, *sglang))
         torch.testing.assert_close(_get_weight(server.url, key), trained, atol=1e-6, rtol=1e-5)
-        assert [p.name for p in tmp_path.iterdir()] == ["eval"]  # a training run's step_<N> stay its own
+        assert [p.name for p in tmp_path.iterdir()] == [
+            "eval"
+        ]  # a training run's step_<N> stay its own
         assert {t.weight_versions for g in result.groups for t in g.trajectories} == {(1,)}
-        _, result = run_eval(_eval_cfg(run_dir, stopping_model_dir, extra, *sglang, "eval.checkpoint=none"))
+        _, result = run_eval(
+            _eval_cfg(run_dir, stopping_model_dir, extra, *sglang, "eval.checkpoint=none")
+        )
         torch.testing.assert_close(_get_weight(server.url, key), initial, atol=0, rtol=0)
         assert {t.weight_versions for g in result.groups for t in g.trajectories} == {(0,)}
 
@@ -245,8 +329,9 @@ def _copy_run(run, tmp_path):
     return copy, extra
 
 
-def test_damaged_and_mismatched_checkpoints_are_refused_never_replaced_by_the_base(runs, stopping_model_dir,
-                                                                                   tmp_path):
+def test_damaged_and_mismatched_checkpoints_are_refused_never_replaced_by_the_base(
+    runs, stopping_model_dir, tmp_path
+):
     from agentgrpo import checkpoint
     from agentgrpo.config import ConfigError
 
@@ -267,14 +352,23 @@ def test_damaged_and_mismatched_checkpoints_are_refused_never_replaced_by_the_ba
     with pytest.warns(UserWarning, match="step-000002"):  # as resume does: the previous one
         assert resolve_policy(cfg, stopping_model_dir)[:2] == (first, 1)
     named = _eval_cfg(run_dir, stopping_model_dir, extra, f"eval.checkpoint={second}")
-    with pytest.raises(ConfigError, match="not an intact checkpoint: .*does not match its checksum"):
+    with pytest.raises(
+        ConfigError, match="not an intact checkpoint: .*does not match its checksum"
+    ):
         resolve_policy(named, stopping_model_dir)
     (first / "learner.pt").unlink()
-    with pytest.warns(UserWarning), pytest.raises(ConfigError, match="no checkpoint .* verifies and loads"):
+    with (
+        pytest.warns(UserWarning),
+        pytest.raises(ConfigError, match="no checkpoint .* verifies and loads"),
+    ):
         resolve_policy(cfg, stopping_model_dir)
     fresh = _eval_cfg(tmp_path / "fresh", stopping_model_dir, extra)
-    with pytest.raises(ConfigError, match=r"no checkpoint under .*fresh/checkpoints.*eval.checkpoint=none"):
-        resolve_policy(fresh, stopping_model_dir)  # a misspelt output_dir: never the base model instead
+    with pytest.raises(
+        ConfigError, match=r"no checkpoint under .*fresh/checkpoints.*eval.checkpoint=none"
+    ):
+        resolve_policy(
+            fresh, stopping_model_dir
+        )  # a misspelt output_dir: never the base model instead
 
     for name in ("lora", "lora-sharded"):  # the config must say LoRA, as training's did
         ckpt = runs[name][0] / "checkpoints" / "step-000001"
@@ -283,8 +377,10 @@ def test_damaged_and_mismatched_checkpoints_are_refused_never_replaced_by_the_ba
             resolve_policy(plain, stopping_model_dir)
     ckpt = runs["full"][0] / "checkpoints" / "step-000001"
     with pytest.raises(ConfigError, match="holds full weights but learner.lora is"):
-        resolve_policy(_eval_cfg(runs["full"][0], stopping_model_dir, LORA, f"eval.checkpoint={ckpt}"),
-                       stopping_model_dir)
+        resolve_policy(
+            _eval_cfg(runs["full"][0], stopping_model_dir, LORA, f"eval.checkpoint={ckpt}"),
+            stopping_model_dir,
+        )
 
 
 class _Planted:
@@ -308,8 +404,10 @@ def _plant_metadata(checkpoint_dir, marker):
     meta = checkpoint_dir / "dcp" / ".metadata"
     meta.write_bytes(pickle.dumps(_Planted(marker)))
     manifest = json.loads((checkpoint_dir / checkpoint.MANIFEST).read_text())
-    manifest["files"]["dcp/.metadata"] = {"bytes": meta.stat().st_size,
-                                         "sha256": hashlib.sha256(meta.read_bytes()).hexdigest()}
+    manifest["files"]["dcp/.metadata"] = {
+        "bytes": meta.stat().st_size,
+        "sha256": hashlib.sha256(meta.read_bytes()).hexdigest(),
+    }
     (checkpoint_dir / checkpoint.MANIFEST).write_text(json.dumps(manifest))
     checkpoint.verify(checkpoint_dir)
 
@@ -331,11 +429,15 @@ def test_a_planted_checkpoint_runs_no_code_in_eval_or_resume(runs, stopping_mode
         named = _eval_cfg(run_dir, stopping_model_dir, extra, f"eval.checkpoint={ckpt}")
         with pytest.raises(UnsafeCheckpoint, match="names io.open, which is not one of DCP"):
             resolve_policy(named, stopping_model_dir)
-        with pytest.warns(UserWarning, match="UnsafeCheckpoint: .*io.open"), \
-                pytest.raises(ConfigError, match="no checkpoint .* verifies and loads"):
+        with (
+            pytest.warns(UserWarning, match="UnsafeCheckpoint: .*io.open"),
+            pytest.raises(ConfigError, match="no checkpoint .* verifies and loads"),
+        ):
             resolve_policy(_eval_cfg(run_dir, stopping_model_dir, extra), stopping_model_dir)
         for formats in (extra, [x for x in extra if "checkpoint_format" not in x]):
-            assert _train(run_dir, stopping_model_dir, 2, *formats) == 2  # refused: no usable checkpoint
+            assert (
+                _train(run_dir, stopping_model_dir, 2, *formats) == 2
+            )  # refused: no usable checkpoint
         assert not marker.exists()
 
 
@@ -372,7 +474,9 @@ def _fsdp_sharded_checkpoint(rank: int, tmp: str) -> None:
     from tests.tiny import tiny_llama
 
     cfg = CFG.model_copy(update={"checkpoint_format": "sharded"})
-    learner = Learner(tiny_llama(), cfg, LOSS, temperature=TEMPERATURE, accelerator=_fsdp_accelerator())
+    learner = Learner(
+        tiny_llama(), cfg, LOSS, temperature=TEMPERATURE, accelerator=_fsdp_accelerator()
+    )
     _steps(learner, 1)
     learner.save(Path(tmp) / "ckpt")
     exported = learner.export_model()
@@ -412,7 +516,17 @@ def test_an_empty_eval_split_is_a_config_error_for_eval_and_train(tmp_path, caps
     assert main(["eval", str(_empty_config(tmp_path)), f"output_dir={tmp_path}", env]) == 2
     assert "has no tasks in split 'eval'" in capsys.readouterr().err  # was a traceback
     # training with eval.every used to log NaN eval metrics every few steps instead
-    rc = main(["train", "examples/calculator.yaml", f"output_dir={tmp_path / 'run'}", "train.steps=1",
-               f"model.path={tiny_model_dir}", env, "eval.every=1", "log.progress=false",
-               "log.tensorboard=false"])
+    rc = main(
+        [
+            "train",
+            "examples/calculator.yaml",
+            f"output_dir={tmp_path / 'run'}",
+            "train.steps=1",
+            f"model.path={tiny_model_dir}",
+            env,
+            "eval.every=1",
+            "log.progress=false",
+            "log.tensorboard=false",
+        ]
+    )
     assert rc == 2 and "eval.every=1 but" in capsys.readouterr().err

@@ -59,18 +59,26 @@ def test_flex_attention_on_cuda_trains_with_the_4d_masks_gradient():
     trajs, adv = batch_and_advantages(model=flex_sized())
     grads = {}
     for impl in ("sdpa", "flex_attention"):  # block mask against the 4D mask, both on CUDA
-        cfg = LearnerConfig(micro_batch_tokens=48, grad_clip=1e9, autocast="none", attn_implementation=impl)
+        cfg = LearnerConfig(
+            micro_batch_tokens=48, grad_clip=1e9, autocast="none", attn_implementation=impl
+        )
         learner = Learner(flex_sized(), cfg, LossConfig(kl_coef=0.1), temperature=TEMPERATURE)
         grads[impl] = record_grads(learner)
         learner.train_step(trajs, adv)
     for name, g in grads["sdpa"][0].items():
-        torch.testing.assert_close(grads["flex_attention"][0][name], g, atol=1e-5, rtol=1e-3, msg=name)
+        torch.testing.assert_close(
+            grads["flex_attention"][0][name], g, atol=1e-5, rtol=1e-3, msg=name
+        )
 
 
 def test_bf16_autocast_is_the_cuda_default_close_to_fp32_and_reports_peak_memory():
     trajs, adv = batch_and_advantages()
-    fp32 = Learner(tiny_llama(), LearnerConfig(autocast="none"), LossConfig(), temperature=TEMPERATURE)
-    bf16 = Learner(tiny_llama(), LearnerConfig(), LossConfig(), temperature=TEMPERATURE)  # auto -> bf16
+    fp32 = Learner(
+        tiny_llama(), LearnerConfig(autocast="none"), LossConfig(), temperature=TEMPERATURE
+    )
+    bf16 = Learner(
+        tiny_llama(), LearnerConfig(), LossConfig(), temperature=TEMPERATURE
+    )  # auto -> bf16
     a, b = fp32.train_step(trajs, adv), bf16.train_step(trajs, adv)
     assert a["logprob_gap_mean"] != b["logprob_gap_mean"]  # bf16 really ran
     assert abs(a["logprob_gap_mean"] - b["logprob_gap_mean"]) < 0.05

@@ -33,8 +33,10 @@ def test_auto_is_fp32_on_avx512_without_bf16(monkeypatch):
     assert not choose_bf16("auto", torch.device("cpu")).bf16
 
 
-@pytest.mark.parametrize(("amx", "avx512_bf16", "named"), [
-    (True, True, "AMX and AVX512-BF16"), (False, True, "AVX512-BF16"), (True, False, "AMX")])
+@pytest.mark.parametrize(
+    ("amx", "avx512_bf16", "named"),
+    [(True, True, "AMX and AVX512-BF16"), (False, True, "AVX512-BF16"), (True, False, "AMX")],
+)
 def test_auto_is_bf16_on_a_cpu_with_native_bf16(monkeypatch, amx, avx512_bf16, named):
     cpu_kind(monkeypatch, "AVX512", amx=amx, avx512_bf16=avx512_bf16)
     choice = choose_bf16("auto", "cpu")
@@ -42,7 +44,9 @@ def test_auto_is_bf16_on_a_cpu_with_native_bf16(monkeypatch, amx, avx512_bf16, n
     assert engine_dtype("auto", "cpu", "bfloat16")[0] == torch.bfloat16
     # fp32 learner weights: an fp32 engine (a bf16 one fails the weight sync's probe)
     assert engine_dtype("auto", "cpu", "float32") == (
-        torch.float32, "auto: the learner's weights are float32")
+        torch.float32,
+        "auto: the learner's weights are float32",
+    )
 
 
 def test_auto_is_bf16_on_cuda_whatever_the_cpu(monkeypatch):
@@ -92,11 +96,13 @@ def test_learner_and_engine_follow_the_choice(monkeypatch, tiny_model_dir):
         learner = Learner(load_model(tiny_model_dir), LearnerConfig(), LossConfig())
         assert learner.precision.bf16 is native and learner.model.autocast_bf16 is native
         for weights in ("float32", "bfloat16"):
-            with LocalEngine(tiny_model_dir, eos_token_ids=(), dtype="auto",
-                             weights_dtype=weights) as engine:
+            with LocalEngine(
+                tiny_model_dir, eos_token_ids=(), dtype="auto", weights_dtype=weights
+            ) as engine:
                 bf16 = native and weights == "bfloat16"
                 assert next(engine.model.parameters()).dtype == (
-                    torch.bfloat16 if bf16 else torch.float32)
+                    torch.bfloat16 if bf16 else torch.float32
+                )
                 assert ("native bf16" in engine.dtype_reason) is bf16
 
 

@@ -22,9 +22,14 @@ class SandboxDown(ToolEnv):
 
 
 def test_sandbox_outage_is_unscorable(chat):
-    engine = ScriptedEngine(chat.tokenizer, ['<tool_call>{"name": "python", "arguments": {"code": "print(1)"}}</tool_call>'],
-                            chat.end_of_turn_id)
-    traj = asyncio.run(run_episode(SandboxDown(), engine, chat, Task(id="t", prompt="hi"), SamplingParams()))
+    engine = ScriptedEngine(
+        chat.tokenizer,
+        ['<tool_call>{"name": "python", "arguments": {"code": "print(1)"}}</tool_call>'],
+        chat.end_of_turn_id,
+    )
+    traj = asyncio.run(
+        run_episode(SandboxDown(), engine, chat, Task(id="t", prompt="hi"), SamplingParams())
+    )
     assert traj.stop_reason == StopReason.ENV_ERROR and math.isnan(traj.reward)
     assert "supervisor died" in traj.stop_detail
     assert not any(m.role == "tool" for m in traj.messages)  # the model was never shown an error

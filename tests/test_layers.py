@@ -19,10 +19,23 @@ PACKAGES = ("agentgrpo", "envs", "tools")
 
 # The run-level modules: they read a config, drive a run and write its outputs. Every other module
 # of agentgrpo/ is a stage module (a new module is one until it is listed here).
-APPLICATION = {f"agentgrpo.{name}" for name in (
-    "checkpoint", "cli", "config", "env_check", "evaluate", "log", "overlap", "report",
-    "report_data", "serve_policy", "template_audit", "train",
-)}
+APPLICATION = {
+    f"agentgrpo.{name}"
+    for name in (
+        "checkpoint",
+        "cli",
+        "config",
+        "env_check",
+        "evaluate",
+        "log",
+        "overlap",
+        "report",
+        "report_data",
+        "serve_policy",
+        "template_audit",
+        "train",
+    )
+}
 # The package's own `__init__` is the public face: it may re-export from both layers, so stage
 # modules do not import it either.
 FACADE = {"agentgrpo"}
@@ -42,7 +55,8 @@ def module_files() -> dict[str, Path]:
 
 def _is_type_checking(test: ast.expr) -> bool:
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def _imported_names(tree: ast.AST, module: str, is_package: bool) -> list[tuple[str, int]]:
@@ -62,7 +76,7 @@ def _imported_names(tree: ast.AST, module: str, is_package: bool) -> list[tuple[
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base_parts = package.split(".")
-                base_parts = base_parts[:len(base_parts) - (node.level - 1)]
+                base_parts = base_parts[: len(base_parts) - (node.level - 1)]
                 base = ".".join(base_parts + ([node.module] if node.module else []))
             else:
                 base = node.module or ""
@@ -80,7 +94,8 @@ def _imported_names(tree: ast.AST, module: str, is_package: bool) -> list[tuple[
 
 def _is_import_module(func: ast.expr) -> bool:
     return (isinstance(func, ast.Attribute) and func.attr == "import_module") or (
-        isinstance(func, ast.Name) and func.id == "import_module")
+        isinstance(func, ast.Name) and func.id == "import_module"
+    )
 
 
 def _owning_module(name: str, modules: set[str]) -> str | None:
@@ -120,7 +135,7 @@ def find_cycle(graph: dict[str, dict[str, int]]) -> list[str] | None:
         path.append(node)
         for nxt in sorted(graph.get(node, {})):
             if state.get(nxt) == 1:
-                return path[path.index(nxt):] + [nxt]
+                return path[path.index(nxt) :] + [nxt]
             if nxt not in state and (cycle := walk(nxt)) is not None:
                 return cycle
         path.pop()
@@ -135,8 +150,9 @@ def find_cycle(graph: dict[str, dict[str, int]]) -> list[str] | None:
 
 def _describe(cycle: list[str], graph: dict[str, dict[str, int]]) -> str:
     files = module_files()
-    steps = [f"{a} ({files[a].relative_to(ROOT)}:{graph[a][b]}) -> {b}"
-             for a, b in zip(cycle, cycle[1:])]
+    steps = [
+        f"{a} ({files[a].relative_to(ROOT)}:{graph[a][b]}) -> {b}" for a, b in zip(cycle, cycle[1:])
+    ]
     return "\n  ".join(steps)
 
 
@@ -172,26 +188,46 @@ def test_no_import_cycle() -> None:
 
 def test_agentgrpo_imports_neither_envs_nor_tools() -> None:
     files = module_files()
-    bad = [f"{files[m].relative_to(ROOT)}:{line} imports {target}"
-           for m, edges in import_graph().items() if m.split(".")[0] == "agentgrpo"
-           for target, line in edges.items() if target.split(".")[0] in ("envs", "tools")]
+    bad = [
+        f"{files[m].relative_to(ROOT)}:{line} imports {target}"
+        for m, edges in import_graph().items()
+        if m.split(".")[0] == "agentgrpo"
+        for target, line in edges.items()
+        if target.split(".")[0] in ("envs", "tools")
+    ]
     assert not bad, "the library imports its own examples:\n  " + "\n  ".join(bad)
 
 
 def test_stage_modules_import_no_application_module() -> None:
     files = module_files()
-    bad = [f"{files[m].relative_to(ROOT)}:{line} imports {target}"
-           for m, edges in import_graph().items()
-           if m.split(".")[0] == "agentgrpo" and m not in APPLICATION | FACADE
-           for target, line in edges.items() if target in APPLICATION | FACADE]
+    bad = [
+        f"{files[m].relative_to(ROOT)}:{line} imports {target}"
+        for m, edges in import_graph().items()
+        if m.split(".")[0] == "agentgrpo" and m not in APPLICATION | FACADE
+        for target, line in edges.items()
+        if target in APPLICATION | FACADE
+    ]
     assert not bad, "a stage module imports the run level:\n  " + "\n  ".join(bad)
 
 
 # Imports inside functions, each for a reason: a heavy or optional dependency loaded only by the
 # code that needs it, never at `import agentgrpo` (first part of the imported name) ...
-HEAVY_OR_OPTIONAL = {"accelerate", "matplotlib", "openai", "peft", "reasoning_gym", "safetensors",
-                     "sglang", "torch", "transformers", "wandb",
-                     "mcp", "mcp_types", "jsonschema", "anyio"}  # agentgrpo.mcp: the `mcp` extra
+HEAVY_OR_OPTIONAL = {
+    "accelerate",
+    "matplotlib",
+    "openai",
+    "peft",
+    "reasoning_gym",
+    "safetensors",
+    "sglang",
+    "torch",
+    "transformers",
+    "wandb",
+    "mcp",
+    "mcp_types",
+    "jsonschema",
+    "anyio",
+}  # agentgrpo.mcp: the `mcp` extra
 # ... or a module of ours that one module loads late, and why.
 LATE = {
     ("agentgrpo.cli", "agentgrpo.config"): "loads torch: only once a command runs",
@@ -205,9 +241,12 @@ LATE = {
     ("agentgrpo.verify._remote_client", "httpx"): "a local sandbox imports no httpx",
     # the part of a sandbox job that runs in the jail (stdlib only, its source run by `python -c`);
     # its late stdlib imports are left to the sandbox's own changes
-    ("agentgrpo.verify._runner", "builtins"): "jail child", ("agentgrpo.verify._runner", "io"): "",
-    ("agentgrpo.verify._runner", "types"): "", ("agentgrpo.verify._runner", "atexit"): "",
-    ("agentgrpo.verify._runner", "threading"): "", ("agentgrpo.verify._runner", "traceback"): "",
+    ("agentgrpo.verify._runner", "builtins"): "jail child",
+    ("agentgrpo.verify._runner", "io"): "",
+    ("agentgrpo.verify._runner", "types"): "",
+    ("agentgrpo.verify._runner", "atexit"): "",
+    ("agentgrpo.verify._runner", "threading"): "",
+    ("agentgrpo.verify._runner", "traceback"): "",
 }
 
 
@@ -220,8 +259,9 @@ def imports_inside_functions() -> list[tuple[str, str, int]]:
     return found
 
 
-def _late_imports(node: ast.AST, module: str, package: str, in_function: bool,
-                  found: list[tuple[str, str, int]]) -> None:
+def _late_imports(
+    node: ast.AST, module: str, package: str, in_function: bool, found: list[tuple[str, str, int]]
+) -> None:
     if isinstance(node, ast.If) and _is_type_checking(node.test):
         node = ast.Module(body=node.orelse, type_ignores=[])
     if in_function and isinstance(node, ast.Import):
@@ -230,7 +270,7 @@ def _late_imports(node: ast.AST, module: str, package: str, in_function: bool,
         base = node.module or ""
         if node.level:
             parts = package.split(".")
-            base = ".".join(parts[:len(parts) - node.level + 1] + ([base] if base else []))
+            base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
         found.append((module, base, node.lineno))
     inside = in_function or isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
     for child in ast.iter_child_nodes(node):
@@ -239,7 +279,9 @@ def _late_imports(node: ast.AST, module: str, package: str, in_function: bool,
 
 def test_imports_inside_functions_only_for_heavy_or_optional_dependencies() -> None:
     files = module_files()
-    bad = [f"{files[m].relative_to(ROOT)}:{line} imports {name} inside a function"
-           for m, name, line in imports_inside_functions()
-           if name.split(".")[0] not in HEAVY_OR_OPTIONAL and (m, name) not in LATE]
+    bad = [
+        f"{files[m].relative_to(ROOT)}:{line} imports {name} inside a function"
+        for m, name, line in imports_inside_functions()
+        if name.split(".")[0] not in HEAVY_OR_OPTIONAL and (m, name) not in LATE
+    ]
     assert not bad, "move these to the module's top:\n  " + "\n  ".join(bad)

@@ -25,7 +25,9 @@ def off_policy(trajs, model, seed=0):
     ref = sequence_logprobs(model, [t.token_ids for t in trajs], TEMPERATURE)
     for t, lps in zip(trajs, ref, strict=True):
         noise = (torch.randn(len(lps), generator=g) * 0.3).tolist()
-        t.logprobs = [lp + e if m else 0.0 for lp, e, m in zip(lps, noise, t.loss_mask, strict=True)]
+        t.logprobs = [
+            lp + e if m else 0.0 for lp, e, m in zip(lps, noise, t.loss_mask, strict=True)
+        ]
     return trajs
 
 
@@ -41,7 +43,13 @@ def record_grads(learner):
     step = learner.optimizer.step
 
     def recording(*a, **kw):
-        grads.append({n: p.grad.clone() for n, p in learner.unwrapped.named_parameters() if p.grad is not None})
+        grads.append(
+            {
+                n: p.grad.clone()
+                for n, p in learner.unwrapped.named_parameters()
+                if p.grad is not None
+            }
+        )
         return step(*a, **kw)
 
     learner.optimizer.step = recording
@@ -58,33 +66,57 @@ def one_big_batch_grads(trajs, advantages, loss_cfg):
     for i, t in enumerate(trajs):
         n = len(t.token_ids)
         ids[i, :n], attn[i, :n] = torch.tensor(t.token_ids), 1
-        mask[i, :n], old[i, :n] = torch.tensor(t.loss_mask, dtype=torch.float), torch.tensor(t.logprobs)
+        mask[i, :n], old[i, :n] = (
+            torch.tensor(t.loss_mask, dtype=torch.float),
+            torch.tensor(t.logprobs),
+        )
     lp = token_logprobs(model, ids, attn, TEMPERATURE)
-    ref = token_logprobs(tiny_llama(), ids, attn, TEMPERATURE).detach() if loss_cfg.kl_coef else None
+    ref = (
+        token_logprobs(tiny_llama(), ids, attn, TEMPERATURE).detach() if loss_cfg.kl_coef else None
+    )
     loss, _ = compute_loss(loss_cfg, lp, old, torch.tensor(advantages), mask, ref_logprobs_BT=ref)
     loss.backward()
     return {n: p.grad for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("loss_cfg", [
-    LossConfig(),
-    LossConfig(agg="seq-mean-token-mean", kl_coef=0.1, dual_clip=3.0),
-    LossConfig(agg="seq-mean-token-sum-norm", max_response_len=24, loss="gspo"),
-], ids=["token-mean", "seq-mean+kl", "dr-grpo+gspo"])
-@pytest.mark.parametrize("packing,budget,rows,chunk", [
-    ("shared_prefix", 48, "auto", None), ("packed", 64, "auto", None), ("padded", 64, "auto", None),
-    ("shared_prefix", 100_000, "auto", None), ("shared_prefix", 100_000, 30, 5)])
+@pytest.mark.parametrize(
+    "loss_cfg",
+    [
+        LossConfig(),
+        LossConfig(agg="seq-mean-token-mean", kl_coef=0.1, dual_clip=3.0),
+        LossConfig(agg="seq-mean-token-sum-norm", max_response_len=24, loss="gspo"),
+    ],
+    ids=["token-mean", "seq-mean+kl", "dr-grpo+gspo"],
+)
+@pytest.mark.parametrize(
+    "packing,budget,rows,chunk",
+    [
+        ("shared_prefix", 48, "auto", None),
+        ("packed", 64, "auto", None),
+        ("padded", 64, "auto", None),
+        ("shared_prefix", 100_000, "auto", None),
+        ("shared_prefix", 100_000, 30, 5),
+    ],
+)
 def test_accumulated_gradient_equals_one_big_batch(loss_cfg, packing, budget, rows, chunk):
     trajs, adv = batch_and_advantages()
-    cfg = LearnerConfig(micro_batch_tokens=budget, packing=packing, row_tokens=rows, head_chunk_tokens=chunk,
-                        grad_clip=1e9)
+    cfg = LearnerConfig(
+        micro_batch_tokens=budget,
+        packing=packing,
+        row_tokens=rows,
+        head_chunk_tokens=chunk,
+        grad_clip=1e9,
+    )
     learner = Learner(tiny_llama(), cfg, loss_cfg, temperature=TEMPERATURE)
     grads = record_grads(learner)
     metrics = learner.train_step(trajs, adv)
     assert metrics["micro_batches"] > (1 if budget < 1000 else 0)
     if rows != "auto":  # the cap split the groups (their whole units are longer)
-        assert metrics["row_tokens"] <= max(30, max(len(t.token_ids) for t in trajs)) < max(
-            b.input_ids_RS.shape[1] for b in make_micro_batches(trajs, adv, budget))
+        assert (
+            metrics["row_tokens"]
+            <= max(30, max(len(t.token_ids) for t in trajs))
+            < max(b.input_ids_RS.shape[1] for b in make_micro_batches(trajs, adv, budget))
+        )
     expected = one_big_batch_grads(trajs, adv, loss_cfg)
     assert grads[0].keys() == expected.keys()
     for name, g in expected.items():
@@ -103,8 +135,12 @@ def test_scorable_filter_and_empty_step():
 
 def test_recomputed_old_logprobs_and_several_passes():
     trajs, adv = batch_and_advantages()
-    learner = Learner(tiny_llama(), LearnerConfig(passes=3, old_logprobs="recompute", lr=1e-2),
-                      LossConfig(), temperature=TEMPERATURE)
+    learner = Learner(
+        tiny_llama(),
+        LearnerConfig(passes=3, old_logprobs="recompute", lr=1e-2),
+        LossConfig(),
+        temperature=TEMPERATURE,
+    )
     m = learner.train_step(trajs, adv)
     # pass 1: pi == pi_old exactly, so every ratio is 1 and nothing clips; later passes move away.
     assert m["pass1/ratio_mean"] == pytest.approx(1.0, abs=1e-6) and m["pass1/clipfrac"] == 0.0
@@ -120,9 +156,13 @@ def test_logprobs_are_at_the_rollout_temperature():
     own = sequence_logprobs(tiny_llama(), [t.token_ids for t in trajs], TEMPERATURE)
     for t, lps in zip(trajs, own, strict=True):  # on-policy rollout logprobs at T = 0.8
         t.logprobs = [lp if m else 0.0 for lp, m in zip(lps, t.loss_mask, strict=True)]
-    m = Learner(tiny_llama(), LearnerConfig(), LossConfig(), temperature=TEMPERATURE).train_step(trajs, adv)
+    m = Learner(tiny_llama(), LearnerConfig(), LossConfig(), temperature=TEMPERATURE).train_step(
+        trajs, adv
+    )
     assert m["logprob_gap_max"] < 1e-5 and m["ratio_max"] == pytest.approx(1.0, abs=1e-5)
-    wrong = Learner(tiny_llama(), LearnerConfig(), LossConfig(), temperature=1.0).train_step(trajs, adv)
+    wrong = Learner(tiny_llama(), LearnerConfig(), LossConfig(), temperature=1.0).train_step(
+        trajs, adv
+    )
     assert wrong["logprob_gap_mean"] > 1e-2
 
 
@@ -152,7 +192,9 @@ def test_tf32_is_set_for_the_step_only_and_refused_where_it_cannot_run():
     assert not flags.allow_tf32  # restored after an error too
     with tf32_matmuls(False):
         assert not flags.allow_tf32
-    assert not Learner(tiny_llama(), LearnerConfig(autocast="bf16"), LossConfig()).tf32  # CUDA's mode
+    assert not Learner(
+        tiny_llama(), LearnerConfig(autocast="bf16"), LossConfig()
+    ).tf32  # CUDA's mode
     with pytest.raises(ValueError, match="tf32=true: TF32 is a CUDA matmul mode.*runs on cpu"):
         Learner(tiny_llama(), LearnerConfig(tf32=True), LossConfig())
 
@@ -160,9 +202,13 @@ def test_tf32_is_set_for_the_step_only_and_refused_where_it_cannot_run():
 def test_reference_only_with_kl_frozen_and_equal_to_the_initial_policy():
     assert Learner(tiny_llama(), LearnerConfig(), LossConfig()).ref is None
     trajs, adv = batch_and_advantages()
-    learner = Learner(tiny_llama(), LearnerConfig(lr=1e-2), LossConfig(kl_coef=0.5), temperature=TEMPERATURE)
+    learner = Learner(
+        tiny_llama(), LearnerConfig(lr=1e-2), LossConfig(kl_coef=0.5), temperature=TEMPERATURE
+    )
     assert not learner.ref.training and not any(p.requires_grad for p in learner.ref.parameters())
-    assert learner.train_step(trajs, adv)["kl"] == pytest.approx(0.0, abs=1e-7)  # policy == reference
+    assert learner.train_step(trajs, adv)["kl"] == pytest.approx(
+        0.0, abs=1e-7
+    )  # policy == reference
     assert learner.train_step(trajs, adv)["kl"] > 1e-6  # the policy moved, the reference did not
     offloaded = Learner(tiny_llama(), LearnerConfig(ref_offload=True), LossConfig(kl_coef=0.5))
     offloaded.train_step(trajs, adv)
@@ -173,7 +219,9 @@ def test_lora_reference_is_the_base_model_and_export_merges():
     from transformers import LlamaForCausalLM
 
     trajs, adv = batch_and_advantages()
-    cfg = LearnerConfig(lr=5e-2, lora={"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "up_proj"]})
+    cfg = LearnerConfig(
+        lr=5e-2, lora={"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "up_proj"]}
+    )
     learner = Learner(tiny_llama(), cfg, LossConfig(kl_coef=0.1), temperature=TEMPERATURE)
     assert learner.ref is None  # no second copy: the reference is the adapter switched off
     trainable = {n for n, p in learner.unwrapped.named_parameters() if p.requires_grad}
@@ -202,8 +250,11 @@ def test_lora_reference_is_the_base_model_and_export_merges():
 def test_gradient_checkpointing_and_eager_attention_give_the_same_gradient():
     trajs, adv = batch_and_advantages()
     grads = []
-    for cfg in (LearnerConfig(grad_clip=1e9), LearnerConfig(grad_clip=1e9, gradient_checkpointing=True),
-                LearnerConfig(grad_clip=1e9, attn_implementation="eager")):
+    for cfg in (
+        LearnerConfig(grad_clip=1e9),
+        LearnerConfig(grad_clip=1e9, gradient_checkpointing=True),
+        LearnerConfig(grad_clip=1e9, attn_implementation="eager"),
+    ):
         learner = Learner(tiny_llama(), cfg, LossConfig(), temperature=TEMPERATURE)
         grads.append(record_grads(learner))
         learner.train_step(trajs, adv)
@@ -215,7 +266,9 @@ def test_gradient_checkpointing_and_eager_attention_give_the_same_gradient():
 def test_bf16_autocast_on_cpu_is_close_to_fp32():
     trajs, adv = batch_and_advantages()
     fp32 = Learner(tiny_llama(), LearnerConfig(), LossConfig(), temperature=TEMPERATURE)
-    bf16 = Learner(tiny_llama(), LearnerConfig(autocast="bf16"), LossConfig(), temperature=TEMPERATURE)
+    bf16 = Learner(
+        tiny_llama(), LearnerConfig(autocast="bf16"), LossConfig(), temperature=TEMPERATURE
+    )
     a, b = fp32.train_step(trajs, adv), bf16.train_step(trajs, adv)
     assert a["logprob_gap_mean"] != b["logprob_gap_mean"]  # bf16 really ran
     assert abs(a["logprob_gap_mean"] - b["logprob_gap_mean"]) < 0.05
@@ -238,11 +291,14 @@ def test_save_load_continues_exactly(tmp_path, fmt, mini_batches):
     assert resumed.scheduler.last_epoch == mini_batches  # optimizer steps, not train steps
     for _ in range(2):
         resumed.train_step(trajs, adv)
-    for (n, p), q in zip(straight.unwrapped.named_parameters(), resumed.unwrapped.parameters(), strict=True):
+    for (n, p), q in zip(
+        straight.unwrapped.named_parameters(), resumed.unwrapped.parameters(), strict=True
+    ):
         torch.testing.assert_close(p, q, atol=0, rtol=0, msg=n)
 
 
 # --- mini-batches: several optimizer steps per pass --------------------------------------------------
+
 
 def _uneven_groups(seed=0):
     """Groups of random sizes and lengths, shuffled together (group ids, not positions, count)."""
@@ -292,23 +348,36 @@ def test_mini_batches_equal_steps_on_the_parts(loss_cfg, passes):
     normalised by its own tokens / sequences), pass after pass: bit for bit."""
     trajs, adv = batch_and_advantages()
     parts = balanced_parts(trajs, 2)
-    assert sorted(len(p) for p in parts) == [4, 8]  # 3 groups of 4: unequal parts, unequal normalisers
+    assert sorted(len(p) for p in parts) == [
+        4,
+        8,
+    ]  # 3 groups of 4: unequal parts, unequal normalisers
     cfg = dict(lr=1e-2, warmup_steps=3, micro_batch_tokens=48, passes=passes, grad_clip=1e9)
-    split = Learner(tiny_llama(), LearnerConfig(mini_batches=2, **cfg), loss_cfg, temperature=TEMPERATURE)
+    split = Learner(
+        tiny_llama(), LearnerConfig(mini_batches=2, **cfg), loss_cfg, temperature=TEMPERATURE
+    )
     grads = record_grads(split)
     m = split.train_step(trajs, adv)
     # the first optimizer step's gradient is the plain one-batch gradient of the first part alone
-    expected = one_big_batch_grads([trajs[i] for i in parts[0]], [adv[i] for i in parts[0]], loss_cfg)
+    expected = one_big_batch_grads(
+        [trajs[i] for i in parts[0]], [adv[i] for i in parts[0]], loss_cfg
+    )
     for name, g in expected.items():
         torch.testing.assert_close(grads[0][name], g, atol=1e-6, rtol=1e-4, msg=name)
-    steps = Learner(tiny_llama(), LearnerConfig(**{**cfg, "passes": 1}), loss_cfg, temperature=TEMPERATURE)
+    steps = Learner(
+        tiny_llama(), LearnerConfig(**{**cfg, "passes": 1}), loss_cfg, temperature=TEMPERATURE
+    )
     ref = []
     for _ in range(passes):
         for part in parts:
             ref.append(steps.train_step([trajs[i] for i in part], [adv[i] for i in part]))
-    for (n, p), q in zip(steps.unwrapped.named_parameters(), split.unwrapped.parameters(), strict=True):
+    for (n, p), q in zip(
+        steps.unwrapped.named_parameters(), split.unwrapped.parameters(), strict=True
+    ):
         torch.testing.assert_close(q, p, atol=0, rtol=0, msg=n)
-    assert split.scheduler.last_epoch == steps.scheduler.last_epoch == 2 * passes and split.step == 1
+    assert (
+        split.scheduler.last_epoch == steps.scheduler.last_epoch == 2 * passes and split.step == 1
+    )
     assert m["optimizer_steps"] == len(grads) == 2 * passes and m["grad_norm"] > 0
     assert m["mb1/loss"] == pytest.approx(sum(r["loss"] for r in ref[0::2]) / passes, abs=1e-7)
     assert m["mb2/loss"] == pytest.approx(sum(r["loss"] for r in ref[1::2]) / passes, abs=1e-7)
@@ -323,17 +392,34 @@ def test_mini_batches_with_zero_lr_log_the_metrics_of_one(loss_cfg):
     trajs, adv = batch_and_advantages()
     out = []
     for k in (1, 3):
-        learner = Learner(tiny_llama(), LearnerConfig(mini_batches=k, passes=2, micro_batch_tokens=48),
-                          loss_cfg, temperature=TEMPERATURE)
+        learner = Learner(
+            tiny_llama(),
+            LearnerConfig(mini_batches=k, passes=2, micro_batch_tokens=48),
+            loss_cfg,
+            temperature=TEMPERATURE,
+        )
         learner.scheduler.base_lrs = [0.0]
         learner.optimizer.param_groups[0]["lr"] = 0.0
         out.append(learner.train_step(trajs, adv))
     one, three = out
     assert one["optimizer_steps"] == 2 and three["optimizer_steps"] == 6
-    keys = ["loss", "pg_loss", "loss_tokens", "clipfrac", "ppo_kl", "ratio_mean", "ratio_min", "ratio_max",
-            "entropy", "pass2/loss", "pass2/clipfrac"]
+    keys = [
+        "loss",
+        "pg_loss",
+        "loss_tokens",
+        "clipfrac",
+        "ppo_kl",
+        "ratio_mean",
+        "ratio_min",
+        "ratio_max",
+        "entropy",
+        "pass2/loss",
+        "pass2/clipfrac",
+    ]
     keys += ["kl", "kl_loss"] if loss_cfg.kl_coef else []
-    assert abs(one["pg_loss"]) > 1e-3 and (one["clipfrac"] > 0 or loss_cfg.loss == "gspo")  # not trivial
+    assert abs(one["pg_loss"]) > 1e-3 and (
+        one["clipfrac"] > 0 or loss_cfg.loss == "gspo"
+    )  # not trivial
     for k in keys:
         assert three[k] == pytest.approx(one[k], rel=1e-5, abs=1e-7), k
     assert {f"mb{j}/ratio_mean" for j in (1, 2, 3)} <= set(three) and "mb1/loss" not in one
@@ -343,14 +429,20 @@ def test_mini_batches_with_zero_lr_log_the_metrics_of_one(loss_cfg):
 
 def test_old_logprobs_recomputed_once_before_the_first_mini_batch():
     trajs, adv = batch_and_advantages()
-    learner = Learner(tiny_llama(), LearnerConfig(mini_batches=3, old_logprobs="recompute", lr=1e-2),
-                      LossConfig(), temperature=TEMPERATURE)
+    learner = Learner(
+        tiny_llama(),
+        LearnerConfig(mini_batches=3, old_logprobs="recompute", lr=1e-2),
+        LossConfig(),
+        temperature=TEMPERATURE,
+    )
     m = learner.train_step(trajs, adv)
     # mini-batch 1 runs on the policy that was scored: ratio 1; mini-batch 3 after two updates.
     assert m["mb1/ratio_mean"] == pytest.approx(1.0, abs=1e-6) and m["mb1/clipfrac"] == 0.0
     assert m["mb3/ratio_max"] > 1.01 and m["mb3/ppo_kl"] != 0
     # the rollout/learner gap is measured before any update: the first mini-batch's tokens
-    gap_only_first = Learner(tiny_llama(), LearnerConfig(lr=1e-2), LossConfig(), temperature=TEMPERATURE)
+    gap_only_first = Learner(
+        tiny_llama(), LearnerConfig(lr=1e-2), LossConfig(), temperature=TEMPERATURE
+    )
     part = balanced_parts(trajs, 3)[0]
     alone = gap_only_first.train_step([trajs[i] for i in part], [adv[i] for i in part])
     assert m["logprob_gap_max"] == pytest.approx(alone["logprob_gap_max"])
@@ -363,16 +455,25 @@ def test_lr_schedule_advances_passes_times_mini_batches():
     learner = Learner(tiny_llama(), cfg, LossConfig(), temperature=TEMPERATURE, total_steps=2)
     m = learner.train_step(trajs, adv)
     # 2 train steps x 2 passes x 3 mini-batches = 12 optimizer steps of linear decay: lr_i = 1 - i/12
-    assert learner.scheduler.last_epoch == 6 and learner.scheduler.get_last_lr()[0] == pytest.approx(0.5)
-    assert m["optimizer_steps"] == 6 and m["lr"] == pytest.approx(sum(1 - i / 12 for i in range(6)) / 6)
+    assert learner.scheduler.last_epoch == 6 and learner.scheduler.get_last_lr()[
+        0
+    ] == pytest.approx(0.5)
+    assert m["optimizer_steps"] == 6 and m["lr"] == pytest.approx(
+        sum(1 - i / 12 for i in range(6)) / 6
+    )
     learner.train_step(trajs, adv)
-    assert learner.scheduler.last_epoch == 12 and learner.scheduler.get_last_lr()[0] == pytest.approx(0.0)
+    assert learner.scheduler.last_epoch == 12 and learner.scheduler.get_last_lr()[
+        0
+    ] == pytest.approx(0.0)
     # one group: one mini-batch (never an optimizer step on nothing)
     few = Learner(tiny_llama(), cfg, LossConfig(), temperature=TEMPERATURE, total_steps=2)
-    assert few.train_step(trajs[:4], adv[:4])["optimizer_steps"] == 2 and few.scheduler.last_epoch == 2
+    assert (
+        few.train_step(trajs[:4], adv[:4])["optimizer_steps"] == 2 and few.scheduler.last_epoch == 2
+    )
 
 
 # --- 2 processes (gloo) == 1 process ---------------------------------------------------------------
+
 
 def assert_trained_alike(a: dict, b: dict, before: dict, what: str) -> None:
     """`a` and `b` trained from `before` alike: each tensor within 0.1% of how far it moved (+1e-6).
@@ -405,7 +506,9 @@ def _steps(learner):
 
 def _make(accelerator=None, mini_batches=1):
     cfg = LearnerConfig(lr=1e-2, micro_batch_tokens=64, grad_clip=1e9, mini_batches=mini_batches)
-    return Learner(tiny_llama(), cfg, LossConfig(kl_coef=0.1), temperature=TEMPERATURE, accelerator=accelerator)
+    return Learner(
+        tiny_llama(), cfg, LossConfig(kl_coef=0.1), temperature=TEMPERATURE, accelerator=accelerator
+    )
 
 
 def _worker(rank: int, out: str, mini_batches: int) -> None:
@@ -414,7 +517,9 @@ def _worker(rank: int, out: str, mini_batches: int) -> None:
     learner = _make(Accelerator(cpu=True), mini_batches)
     grads, metrics = _steps(learner)
     if rank == 0:
-        torch.save({"weights": learner.unwrapped.state_dict(), "grads": grads, "metrics": metrics}, out)
+        torch.save(
+            {"weights": learner.unwrapped.state_dict(), "grads": grads, "metrics": metrics}, out
+        )
     learner.close()  # both ranks leave together; spawn_gloo then skips the interpreter's teardown
 
 
@@ -435,8 +540,9 @@ def test_two_gloo_processes_equal_one_process(tmp_path, mini_batches):
     # normalisation error is orders of magnitude larger.
     for step, (g2, g1) in enumerate(zip(two["grads"], grads, strict=True)):
         for name, g in g1.items():
-            torch.testing.assert_close(g2[name], g, atol=1e-6 if step == 0 else 2e-5, rtol=1e-4,
-                                       msg=f"step {step}: {name}")
+            torch.testing.assert_close(
+                g2[name], g, atol=1e-6 if step == 0 else 2e-5, rtol=1e-4, msg=f"step {step}: {name}"
+            )
     assert_trained_alike(two["weights"], one.unwrapped.state_dict(), start, "2 gloo ranks")
     for k in ("loss", "kl", "loss_tokens", "clipfrac", "grad_norm"):
         assert two["metrics"][k] == pytest.approx(metrics[k], rel=1e-4, abs=1e-7), k

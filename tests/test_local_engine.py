@@ -165,7 +165,9 @@ async def test_top_k_and_top_p_sample_the_truncated_set_and_report_full_logprobs
     top_ids = logits.topk(3, dim=-1).indices
     for i, tok in enumerate(out.token_ids):
         assert tok in top_ids[i].tolist()
-        assert out.logprobs[i] == pytest.approx(torch.log_softmax(logits[i], -1)[tok].item(), abs=1e-4)
+        assert out.logprobs[i] == pytest.approx(
+            torch.log_softmax(logits[i], -1)[tok].item(), abs=1e-4
+        )
 
     out = await engine.generate(prompt, SamplingParams(max_new_tokens=10, top_p=0.5))
     with torch.inference_mode():
@@ -335,7 +337,9 @@ async def test_close_during_the_batch_window_aborts_the_arrivals(model):
     await asyncio.sleep(0.05)
     await eng.aclose()
     outs = await asyncio.wait_for(asyncio.gather(*tasks), timeout=10)
-    assert [(o.finish_reason, o.token_ids, o.detail) for o in outs] == [("abort", [], "engine closed")] * 2
+    assert [(o.finish_reason, o.token_ids, o.detail) for o in outs] == [
+        ("abort", [], "engine closed")
+    ] * 2
 
 
 async def test_close_aborts_running_and_queued_requests(model):
@@ -728,7 +732,8 @@ def test_a_script_that_ends_while_the_engine_decodes_exits_with_its_own_status()
     exception", pytorch#38228) instead of exiting 0: 4 runs out of 4 before the engine closed itself
     at exit."""
     for _ in range(2):
-        proc = subprocess.run([sys.executable, "-c", _EXIT_MID_DECODE], capture_output=True, text=True,
-                              timeout=120)
+        proc = subprocess.run(
+            [sys.executable, "-c", _EXIT_MID_DECODE], capture_output=True, text=True, timeout=120
+        )
         assert (proc.returncode, proc.stdout) == (0, "exiting mid-decode\n"), proc.stderr[-2000:]
         assert "terminate called" not in proc.stderr

@@ -25,8 +25,16 @@ class Clock:
 
 def traj(reward: float, sampled: int) -> Trajectory:
     n = sampled + 2
-    return Trajectory("t", list(range(n)), [0, 0] + [1] * sampled, [0.0, 0.0] + [-1.0] * sampled, 2, [],
-                      StopReason.COMPLETED, reward=reward)
+    return Trajectory(
+        "t",
+        list(range(n)),
+        [0, 0] + [1] * sampled,
+        [0.0, 0.0] + [-1.0] * sampled,
+        2,
+        [],
+        StopReason.COMPLETED,
+        reward=reward,
+    )
 
 
 def one_step(p: Progress, clock: Clock, step: int, *, loss: float = 0.25) -> None:
@@ -47,8 +55,10 @@ def test_plain_lines_name_phases_and_estimate_time_left():
     assert math.isnan(p.eta())
     assert not Progress(1).live or sys.stderr.isatty()  # a log file or a pipe gets plain lines
     one_step(p, clock, 1)
-    assert out.getvalue().strip() == ("step 1/4 · reward 0.5 ± 0.5 · loss 0.25 · 5 tok/s · "
-                                      "4.0s (rollout 2.0s, train 1.0s, sync 1.0s) · eta 12s")
+    assert out.getvalue().strip() == (
+        "step 1/4 · reward 0.5 ± 0.5 · loss 0.25 · 5 tok/s · "
+        "4.0s (rollout 2.0s, train 1.0s, sync 1.0s) · eta 12s"
+    )
     p.phase("rollout")
     clock.t += 1.0
     assert p.eta() == pytest.approx(3 * 4.0 - 1.0)  # 3 steps to go at 4 s each, 1 s already spent
@@ -89,14 +99,18 @@ def test_after_the_last_step_a_phase_is_a_line_not_a_new_step():
     one_step(p, clock, 1)
     p.phase("checkpoint")
     p.close()
-    assert "step 2/1" not in out.getvalue() and out.getvalue().endswith("checkpoint after step 1/1\n")
+    assert "step 2/1" not in out.getvalue() and out.getvalue().endswith(
+        "checkpoint after step 1/1\n"
+    )
 
 
 def test_disabled_progress_writes_nothing_but_still_times_the_phases():
     out, clock = io.StringIO(), Clock()
     p = Progress(2, rollouts_per_step=2, file=out, enabled=False, live=True, clock=clock)
     one_step(p, clock, 1)
-    assert p.phase_s and all(v > 0 for v in p.phase_s.values())  # phase_s/* metrics do not need a display
+    assert p.phase_s and all(
+        v > 0 for v in p.phase_s.values()
+    )  # phase_s/* metrics do not need a display
     p.phase("checkpoint")
     p.close()
     assert out.getvalue() == ""
@@ -128,19 +142,28 @@ def fake_wandb(monkeypatch):
 
 
 def test_wandb_gets_masked_config_and_finite_metrics_and_resumes(tmp_path, fake_wandb):
-    cfg = RunConfig(output_dir=str(tmp_path), log={"wandb_project": "proj", "wandb_name": "n", "tensorboard": False},
-                    env={"kwargs": {"api_key": "sekrit"}})
+    cfg = RunConfig(
+        output_dir=str(tmp_path),
+        log={"wandb_project": "proj", "wandb_name": "n", "tensorboard": False},
+        env={"kwargs": {"api_key": "sekrit"}},
+    )
     logger = RunLogger.from_config(tmp_path, cfg)
     logger.log_step(1, {"reward_mean": 0.5, "loss": float("nan")})
     logger.close()
     run = fake_wandb.runs[0]
-    assert run.init["project"] == "proj" and run.init["name"] == "n" and run.init["resume"] == "allow"
+    assert (
+        run.init["project"] == "proj" and run.init["name"] == "n" and run.init["resume"] == "allow"
+    )
     assert run.init["config"]["env"]["kwargs"]["api_key"] == "***"
     assert "sekrit" not in json.dumps(run.init["config"])
     assert run.logged == [(1, {"reward_mean": 0.5})] and run.finished
     assert read_jsonl(tmp_path / "metrics.jsonl") == [{"step": 1, "reward_mean": 0.5, "loss": None}]
     RunLogger.from_config(tmp_path, cfg).close()  # a resumed run continues the same W&B run
-    assert fake_wandb.runs[1].init["id"] == run.init["id"] == (tmp_path / "wandb_id").read_text().strip()
+    assert (
+        fake_wandb.runs[1].init["id"]
+        == run.init["id"]
+        == (tmp_path / "wandb_id").read_text().strip()
+    )
 
 
 def test_wandb_is_imported_only_when_configured(tmp_path, monkeypatch):
@@ -155,15 +178,22 @@ def test_rows_after_the_resumed_step_go_aside_and_nothing_is_lost(tmp_path):
     from agentgrpo.log import read_jsonl, set_aside_after
 
     rows = [{"step": s, "k": i} for i, s in enumerate([1, 2, 2, 3, 4])]
-    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 5, "k"')
+    (tmp_path / "metrics.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in rows) + '{"step": 5, "k"'
+    )
     (tmp_path / "trajectories.jsonl").write_text(json.dumps({"step": 1}) + "\n")
     assert set_aside_after(tmp_path, 2) == {"metrics.jsonl": 3, "trajectories.jsonl": 0}
     assert read_jsonl(tmp_path / "metrics.jsonl") == rows[:3]
     aside = (tmp_path / "metrics.after-step-2.jsonl").read_text().splitlines()
-    assert [json.loads(x) for x in aside[:2]] == rows[3:] and aside[2] == '{"step": 5, "k"'  # cut line kept
+    assert [json.loads(x) for x in aside[:2]] == rows[3:] and aside[
+        2
+    ] == '{"step": 5, "k"'  # cut line kept
     assert not (tmp_path / "trajectories.after-step-2.jsonl").exists()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.after-step-2.jsonl", "metrics.jsonl",
-                                                         "trajectories.jsonl"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "metrics.after-step-2.jsonl",
+        "metrics.jsonl",
+        "trajectories.jsonl",
+    ]
 
 
 def test_each_set_aside_timeline_gets_files_of_its_own(tmp_path):

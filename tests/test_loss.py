@@ -471,13 +471,20 @@ def test_sequence_tis_metrics_pool_across_micro_batches_like_one_batch():
     old = t([[LN(3), LN(0.5), 0.0], [LN(9), 0.0, 0.0]])
     mask = t([[1, 1, 1], [1, 0, 0]])
     _, whole = sequence_tis_weights(old, torch.zeros_like(old), mask, cap=2.0)
-    parts = [sequence_tis_weights(old[i : i + 1], torch.zeros_like(old[i : i + 1]), mask[i : i + 1], cap=2.0)[1]
-             for i in range(2)]
+    parts = [
+        sequence_tis_weights(
+            old[i : i + 1], torch.zeros_like(old[i : i + 1]), mask[i : i + 1], cap=2.0
+        )[1]
+        for i in range(2)
+    ]
     n = mask.sum(-1)
     for key in ("tis/ratio_mean", "tis/clipped_frac"):
         pooled = sum(float(n[i]) * parts[i][key] for i in range(2)) / float(n.sum())
         assert whole[key] == pytest.approx(pooled)
-    assert whole["tis/ratio_mean"] == pytest.approx((3 * 1.5 + 9) / 4) and whole["tis/clipped_frac"] == 0.25
+    assert (
+        whole["tis/ratio_mean"] == pytest.approx((3 * 1.5 + 9) / 4)
+        and whole["tis/clipped_frac"] == 0.25
+    )
 
 
 def test_tis_weights_are_detached_and_clamped():

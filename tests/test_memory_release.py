@@ -50,7 +50,10 @@ async def test_release_then_resume_follow_sglangs_memory_saver_protocol(fake, tm
     s, e = await fake(memory_saver=True)
     await e.release_memory()
     assert control_calls(s) == RELEASE
-    assert s.calls[-1][1] == {"tags": ["kv_cache", "weights"]} and s.released_tags == {"kv_cache", "weights"}
+    assert s.calls[-1][1] == {"tags": ["kv_cache", "weights"]} and s.released_tags == {
+        "kv_cache",
+        "weights",
+    }
     # Generation waits in the client (the released server would fail it), and a push is refused
     # before it reaches a server whose weights are unmapped.
     waiting = asyncio.create_task(e.generate([1], SamplingParams(max_new_tokens=2)))
@@ -61,7 +64,10 @@ async def test_release_then_resume_follow_sglangs_memory_saver_protocol(fake, tm
     assert control_calls(s) == RELEASE
     await e.resume_memory()
     assert control_calls(s) == RELEASE + RESUME
-    assert [b for p, b in s.calls if p == "/resume_memory_occupation"] == [{"tags": ["weights"]}, {"tags": ["kv_cache"]}]
+    assert [b for p, b in s.calls if p == "/resume_memory_occupation"] == [
+        {"tags": ["weights"]},
+        {"tags": ["kv_cache"]},
+    ]
     assert (await waiting).finish_reason == "length"
     assert not s.released_tags and not s.paused and not s.unhealthy
     await e.update_weights_from_disk(tmp_path, version="1")
@@ -108,14 +114,21 @@ async def test_the_fake_dies_on_a_weight_update_into_released_weights(fake, tmp_
 
 
 def test_config_refuses_releasing_while_overlapped_rollouts_sample():
-    sglang = ["engine.kind=sglang", "engine.sglang.urls=[http://127.0.0.1:30000]",
-              "engine.sglang.release_memory_during_training=true"]
+    sglang = [
+        "engine.kind=sglang",
+        "engine.sglang.urls=[http://127.0.0.1:30000]",
+        "engine.sglang.release_memory_during_training=true",
+    ]
     load_config(None, sglang)
-    with pytest.raises(ConfigError, match="release_memory_during_training with train.overlap_rollouts"):
+    with pytest.raises(
+        ConfigError, match="release_memory_during_training with train.overlap_rollouts"
+    ):
         load_config(None, [*sglang, "train.overlap_rollouts=true"])
 
 
-def test_a_training_run_lends_the_servers_memory_to_every_learner_step(tmp_path, stopping_model_dir, monkeypatch):
+def test_a_training_run_lends_the_servers_memory_to_every_learner_step(
+    tmp_path, stopping_model_dir, monkeypatch
+):
     """Per step: rollouts, then pause + release, the learner step, resume + continue, then the push;
     the run samples with every pushed version, so the weights the servers got back were refilled."""
     from agentgrpo.learner import Learner
@@ -130,23 +143,61 @@ def test_a_training_run_lends_the_servers_memory_to_every_learner_step(tmp_path,
 
     monkeypatch.setattr(Learner, "train_step", logged_step)
     out = tmp_path / "run"
-    with FakeSGLangProcess("--backend", "model", "--model-path", str(stopping_model_dir), "--enable-memory-saver",
-                           "--calls-log", str(log)) as server:
-        assert _train(out, stopping_model_dir, 2, "engine.kind=sglang", f"engine.sglang.urls=[{server.url}]",
-                      "engine.sglang.release_memory_during_training=true", f"weight_sync.shared_dir={tmp_path / 'w'}",
-                      "rollout.max_turns=1") == 0
-    paths = [c["path"] for c in map(json.loads, log.read_text().splitlines())
-             if c["path"] in {"TRAIN", *RELEASE, *RESUME, *PUSH}]
+    with FakeSGLangProcess(
+        "--backend",
+        "model",
+        "--model-path",
+        str(stopping_model_dir),
+        "--enable-memory-saver",
+        "--calls-log",
+        str(log),
+    ) as server:
+        assert (
+            _train(
+                out,
+                stopping_model_dir,
+                2,
+                "engine.kind=sglang",
+                f"engine.sglang.urls=[{server.url}]",
+                "engine.sglang.release_memory_during_training=true",
+                f"weight_sync.shared_dir={tmp_path / 'w'}",
+                "rollout.max_turns=1",
+            )
+            == 0
+        )
+    paths = [
+        c["path"]
+        for c in map(json.loads, log.read_text().splitlines())
+        if c["path"] in {"TRAIN", *RELEASE, *RESUME, *PUSH}
+    ]
     assert paths == PUSH + 2 * (RELEASE + ["TRAIN"] + RESUME + PUSH)
-    versions = {r["step"]: set(r["weight_versions"]) for r in read_jsonl(out / "trajectories.jsonl")}
+    versions = {
+        r["step"]: set(r["weight_versions"]) for r in read_jsonl(out / "trajectories.jsonl")
+    }
     assert versions == {1: {0}, 2: {1}}
 
 
-def test_a_run_against_a_server_without_the_memory_saver_stops_before_training(tmp_path, stopping_model_dir):
+def test_a_run_against_a_server_without_the_memory_saver_stops_before_training(
+    tmp_path, stopping_model_dir
+):
     with FakeSGLangProcess("--backend", "model", "--model-path", str(stopping_model_dir)) as server:
         with pytest.raises(EngineError, match="without --enable-memory-saver"):
-            main(["train", "examples/calculator.yaml", f"output_dir={tmp_path / 'run'}", "train.steps=1",
-                  f"model.path={stopping_model_dir}", "rollout.group_size=2", "rollout.tasks_per_step=1",
-                  "rollout.max_new_tokens=4", "rollout.max_tokens=16", "rollout.max_turns=1", "log.progress=false",
-                  "engine.kind=sglang", f"engine.sglang.urls=[{server.url}]", f"weight_sync.shared_dir={tmp_path}",
-                  "engine.sglang.release_memory_during_training=true"])
+            main(
+                [
+                    "train",
+                    "examples/calculator.yaml",
+                    f"output_dir={tmp_path / 'run'}",
+                    "train.steps=1",
+                    f"model.path={stopping_model_dir}",
+                    "rollout.group_size=2",
+                    "rollout.tasks_per_step=1",
+                    "rollout.max_new_tokens=4",
+                    "rollout.max_tokens=16",
+                    "rollout.max_turns=1",
+                    "log.progress=false",
+                    "engine.kind=sglang",
+                    f"engine.sglang.urls=[{server.url}]",
+                    f"weight_sync.shared_dir={tmp_path}",
+                    "engine.sglang.release_memory_during_training=true",
+                ]
+            )

@@ -137,15 +137,16 @@ def test_cached_directory_is_reused_without_the_package(tmp_path, monkeypatch):
 
     monkeypatch.setattr(models.importlib.metadata, "distribution", not_installed)
     assert (
-        models.default_model_path(cache_dir=tmp_path)
-        == tmp_path / "models" / models.MODEL_DIR_NAME
+        models.default_model_path(cache_dir=tmp_path) == tmp_path / "models" / models.MODEL_DIR_NAME
     )
 
 
 RAM_EFFICIENT_FSDP = {"ACCELERATE_USE_FSDP": "true", "FSDP_CPU_RAM_EFFICIENT_LOADING": "true"}
 
 
-def test_load_policy_reads_weights_on_rank_0_only_under_ram_efficient_fsdp(tiny_model_dir, monkeypatch):
+def test_load_policy_reads_weights_on_rank_0_only_under_ram_efficient_fsdp(
+    tiny_model_dir, monkeypatch
+):
     import torch
 
     from agentgrpo.learner import Learner, LearnerConfig
@@ -157,7 +158,9 @@ def test_load_policy_reads_weights_on_rank_0_only_under_ram_efficient_fsdp(tiny_
     empty = models.load_policy(tiny_model_dir)
     assert all(p.is_meta for p in empty.parameters())
     # The same parameters as rank 0's (tied embeddings stay one parameter), so the shards match.
-    assert [(n, p.shape) for n, p in empty.named_parameters()] == [(n, p.shape) for n, p in full.named_parameters()]
+    assert [(n, p.shape) for n, p in empty.named_parameters()] == [
+        (n, p.shape) for n, p in full.named_parameters()
+    ]
     # Non-persistent buffers (rotary frequencies) travel in no state dict: computed, real, equal.
     buffers = dict(full.named_buffers())
     assert buffers and all(torch.equal(b, buffers[n]) for n, b in empty.named_buffers())

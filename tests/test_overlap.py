@@ -40,11 +40,15 @@ def test_overlapped_rollouts_come_from_the_weights_before_the_update(tmp_path, s
     assert [m["policy_lag"] for m in read_jsonl(plain / "metrics.jsonl")] == [0.0, 0.0, 0.0]
     a, b = _by_step(out), _by_step(plain)
     assert a[1] == b[1]  # the same first step; afterwards the same tasks and seeds, older weights
-    assert [sorted(g for g, _, _ in a[s]) for s in (2, 3)] == [sorted(g for g, _, _ in b[s]) for s in (2, 3)]
+    assert [sorted(g for g, _, _ in a[s]) for s in (2, 3)] == [
+        sorted(g for g, _, _ in b[s]) for s in (2, 3)
+    ]
     assert a[3] != b[3]
 
 
-def test_overlapped_run_killed_and_resumed_equals_uninterrupted(tmp_path, stopping_model_dir, monkeypatch):
+def test_overlapped_run_killed_and_resumed_equals_uninterrupted(
+    tmp_path, stopping_model_dir, monkeypatch
+):
     straight = tmp_path / "straight"
     assert _train(straight, stopping_model_dir, 4, "train.save_every=2", OVERLAP) == 0
 
@@ -75,15 +79,18 @@ def test_overlapped_run_killed_and_resumed_equals_uninterrupted(tmp_path, stoppi
         torch.testing.assert_close(_weights(killed, 4)[name], t, msg=name)
 
 
-def test_a_stop_during_overlapped_sampling_cancels_it_and_rewinds_the_data(tmp_path, stopping_model_dir,
-                                                                          monkeypatch):
+def test_a_stop_during_overlapped_sampling_cancels_it_and_rewinds_the_data(
+    tmp_path, stopping_model_dir, monkeypatch
+):
     from agentgrpo.learner import Learner
 
     real_step = Learner.train_step
 
     def sigterm_in_the_first_step(self, *a, **kw):
         metrics = real_step(self, *a, **kw)
-        os.kill(os.getpid(), signal.SIGTERM)  # from the learner's thread; the handler runs in the main one
+        os.kill(
+            os.getpid(), signal.SIGTERM
+        )  # from the learner's thread; the handler runs in the main one
         time.sleep(0.2)
         return metrics
 
@@ -92,7 +99,9 @@ def test_a_stop_during_overlapped_sampling_cancels_it_and_rewinds_the_data(tmp_p
     assert _train(out, stopping_model_dir, 3, OVERLAP) == 0
     monkeypatch.setattr(Learner, "train_step", real_step)
     manifest = json.loads((out / "checkpoints" / "step-000001" / "trainer.json").read_text())
-    assert manifest["data_position"] == 2  # step 1's 2 tasks; step 2's were sampled, never trained on
+    assert (
+        manifest["data_position"] == 2
+    )  # step 1's 2 tasks; step 2's were sampled, never trained on
     assert [r["step"] for r in read_jsonl(out / "trajectories.jsonl")] == [1] * 4
 
     assert _train(out, stopping_model_dir, 3, OVERLAP) == 0
@@ -119,7 +128,9 @@ def test_a_failing_train_step_cancels_the_collection():
     async def main():
         with pytest.raises(ValueError, match="bad batch"):
             await train_while_collecting(fails, collecting(), abandon=lambda: False)
-        metrics, result = await train_while_collecting(lambda: {"loss": 1.0}, collecting(), abandon=lambda: True)
+        metrics, result = await train_while_collecting(
+            lambda: {"loss": 1.0}, collecting(), abandon=lambda: True
+        )
         assert (metrics, result) == ({"loss": 1.0}, None)
 
     asyncio.run(asyncio.wait_for(main(), 10))
@@ -128,8 +139,16 @@ def test_a_failing_train_step_cancels_the_collection():
 
 def test_policy_lag_reads_the_engines_versions():
     def traj(version):
-        return Trajectory(task_id="t", token_ids=[1, 2], loss_mask=[0, 1], logprobs=[0.0, -1.0], prompt_len=1,
-                          messages=[], stop_reason=StopReason.COMPLETED, weight_versions=version)
+        return Trajectory(
+            task_id="t",
+            token_ids=[1, 2],
+            loss_mask=[0, 1],
+            logprobs=[0.0, -1.0],
+            prompt_len=1,
+            messages=[],
+            stop_reason=StopReason.COMPLETED,
+            weight_versions=version,
+        )
 
     assert policy_lag([traj((3,)), traj((2, 3))], 3) == 1.0
     assert policy_lag([traj(())], 3) != policy_lag([traj(())], 3)  # NaN: nothing to read
@@ -138,7 +157,9 @@ def test_policy_lag_reads_the_engines_versions():
 def test_overlap_with_recomputed_old_logprobs_needs_tis():
     with pytest.raises(Exception, match="loss.tis"):
         load_config("examples/calculator.yaml", [OVERLAP, "learner.old_logprobs=recompute"])
-    load_config("examples/calculator.yaml", [OVERLAP, "learner.old_logprobs=recompute", "loss.tis=token"])
+    load_config(
+        "examples/calculator.yaml", [OVERLAP, "learner.old_logprobs=recompute", "loss.tis=token"]
+    )
 
 
 def test_two_ranks_overlap_like_one_process(tmp_path, stopping_model_dir):
@@ -150,7 +171,9 @@ def test_two_ranks_overlap_like_one_process(tmp_path, stopping_model_dir):
     one, two = tmp_path / "one", tmp_path / "two"
     assert _train(one, stopping_model_dir, 3, OVERLAP) == 0
     # (_train_on_rank checkpoints every 2 steps, where overlapping pauses; 3 lets step 3 overlap.)
-    spawn_gloo(_train_on_rank, str(two), str(stopping_model_dir), 3, OVERLAP, HANG, "train.save_every=3")
+    spawn_gloo(
+        _train_on_rank, str(two), str(stopping_model_dir), 3, OVERLAP, HANG, "train.save_every=3"
+    )
     assert _by_step(one) == _by_step(two)
     m1, m2 = read_jsonl(one / "metrics.jsonl"), read_jsonl(two / "metrics.jsonl")
     assert [m["policy_lag"] for m in m2] == [0.0, 1.0, 1.0]

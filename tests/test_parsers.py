@@ -5,7 +5,9 @@ import pytest
 from agentgrpo.parsers import parse_deepseek_v3, parse_harmony, parse_hermes, parse_llama3_json
 from agentgrpo.types import ToolErrorKind
 
-HUGE_INT = "1" * 5000  # past Python's 4300-digit int limit: json raises ValueError, not JSONDecodeError
+HUGE_INT = (
+    "1" * 5000
+)  # past Python's 4300-digit int limit: json raises ValueError, not JSONDecodeError
 DEEP = "[" * 3000 + "]" * 3000  # json raises RecursionError
 
 
@@ -18,32 +20,55 @@ def _llama(args: str) -> str:
 
 
 def _deepseek(args: str) -> str:
-    return "<｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n" + args + "\n```<｜tool▁call▁end｜>"
+    return (
+        "<｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n"
+        + args
+        + "\n```<｜tool▁call▁end｜>"
+    )
 
 
 def _harmony(args: str) -> str:
     return "<|channel|>commentary to=functions.f <|constrain|>json<|message|>" + args + "<|call|>"
 
 
-@pytest.mark.parametrize("parse, wrap", [(parse_hermes, _hermes), (parse_llama3_json, _llama),
-                                         (parse_deepseek_v3, _deepseek), (parse_harmony, _harmony)])
-@pytest.mark.parametrize("args, why", [
-    ('{"n": ' + HUGE_INT + "}", "4300"),
-    ('{"n": ' + DEEP + "}", "nested too deeply"),
-    ('{"x": NaN}', "NaN is not JSON"),
-    ('{"q": "a\\ud83d"}', "surrogate"),  # an unpaired escape: not text, and no tokenizer takes it
-])
+@pytest.mark.parametrize(
+    "parse, wrap",
+    [
+        (parse_hermes, _hermes),
+        (parse_llama3_json, _llama),
+        (parse_deepseek_v3, _deepseek),
+        (parse_harmony, _harmony),
+    ],
+)
+@pytest.mark.parametrize(
+    "args, why",
+    [
+        ('{"n": ' + HUGE_INT + "}", "4300"),
+        ('{"n": ' + DEEP + "}", "nested too deeply"),
+        ('{"x": NaN}', "NaN is not JSON"),
+        (
+            '{"q": "a\\ud83d"}',
+            "surrogate",
+        ),  # an unpaired escape: not text, and no tokenizer takes it
+    ],
+)
 def test_json_the_decoder_cannot_take_is_a_bad_json_event(parse, wrap, args, why):
     turn = parse(wrap(args))
     assert turn.message.tool_calls is None
-    assert [e.kind for e in turn.errors] == [ToolErrorKind.BAD_JSON] and why in turn.errors[0].reason
+    assert [e.kind for e in turn.errors] == [ToolErrorKind.BAD_JSON] and why in turn.errors[
+        0
+    ].reason
 
 
 def test_a_closing_tag_inside_a_string_does_not_end_the_call():
-    turn = parse_hermes('Writing.<tool_call>{"name": "write", "arguments": {"text": "end with '
-                        '</tool_call> here"}}</tool_call> done')
+    turn = parse_hermes(
+        'Writing.<tool_call>{"name": "write", "arguments": {"text": "end with '
+        '</tool_call> here"}}</tool_call> done'
+    )
     assert turn.errors == [] and turn.message.content == "Writing. done"
-    assert [c.arguments for c in turn.message.tool_calls] == [{"text": "end with </tool_call> here"}]
+    assert [c.arguments for c in turn.message.tool_calls] == [
+        {"text": "end with </tool_call> here"}
+    ]
     # where the JSON is broken, the call still ends at the first closing tag
     turn = parse_hermes('<tool_call>{"name": "f", "arguments": {</tool_call>after')
     assert [e.kind for e in turn.errors] == [ToolErrorKind.BAD_JSON]
@@ -52,27 +77,41 @@ def test_a_closing_tag_inside_a_string_does_not_end_the_call():
     assert [e.kind for e in turn.errors] == [ToolErrorKind.UNCLOSED] and turn.message.content == "a"
 
 
-@pytest.mark.parametrize("obj, why", [
-    ('{"name": "search", "args": {"q": "x"}}', "unknown key(s) ['args']"),
-    ('{"name": "search", "params": {"q": "x"}}', "unknown key(s) ['params']"),
-    ('{"name": "s", "arguments": {}, "parameters": {"q": 1}}', 'both "arguments" and "parameters"'),
-])
+@pytest.mark.parametrize(
+    "obj, why",
+    [
+        ('{"name": "search", "args": {"q": "x"}}', "unknown key(s) ['args']"),
+        ('{"name": "search", "params": {"q": "x"}}', "unknown key(s) ['params']"),
+        (
+            '{"name": "s", "arguments": {}, "parameters": {"q": 1}}',
+            'both "arguments" and "parameters"',
+        ),
+    ],
+)
 def test_arguments_under_another_key_are_not_dropped(obj, why):
     # The call used to run as search({}) with no event: the model never learned what it did wrong.
     for turn in (parse_hermes(f"<tool_call>{obj}</tool_call>"), parse_llama3_json(obj)):
         assert turn.message.tool_calls is None
-        assert [e.kind for e in turn.errors] == [ToolErrorKind.BAD_CALL] and why in turn.errors[0].reason
+        assert [e.kind for e in turn.errors] == [ToolErrorKind.BAD_CALL] and why in turn.errors[
+            0
+        ].reason
 
 
 def test_keys_models_really_send_are_accepted():
     turn = parse_llama3_json('{"type": "function", "name": "f", "parameters": {"a": 1}}')
     assert turn.errors == [] and turn.message.tool_calls[0].arguments == {"a": 1}
-    turn = parse_hermes('<tool_call>{"id": "c1", "name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>')
+    turn = parse_hermes(
+        '<tool_call>{"id": "c1", "name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>'
+    )
     assert turn.errors == [] and turn.message.tool_calls[0].arguments == {"a": 1}
 
 
 def test_llama_python_tag_without_json_is_a_malformed_call_not_an_answer():
-    for text in ('<|python_tag|>brave_search.call(query="x")', "<|python_tag|>print(1)", "<|python_tag|>"):
+    for text in (
+        '<|python_tag|>brave_search.call(query="x")',
+        "<|python_tag|>print(1)",
+        "<|python_tag|>",
+    ):
         turn = parse_llama3_json(text)
         assert turn.message.content == "" and turn.message.tool_calls is None
         assert [e.kind for e in turn.errors] == [ToolErrorKind.BAD_CALL]

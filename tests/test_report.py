@@ -18,8 +18,17 @@ from agentgrpo.log import read_jsonl
 from agentgrpo.report import write_report
 from agentgrpo.report_data import _choose
 
-REQUIRED_PLOTS = ["reward", "response_length", "turns", "tool_calls", "stop_reasons", "clipfrac", "kl", "lr",
-                  "logprob_gap"]
+REQUIRED_PLOTS = [
+    "reward",
+    "response_length",
+    "turns",
+    "tool_calls",
+    "stop_reasons",
+    "clipfrac",
+    "kl",
+    "lr",
+    "logprob_gap",
+]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
@@ -89,9 +98,20 @@ def parse(path: Path) -> Page:
 def tiny_run(tmp_path_factory, tiny_model_dir) -> Path:
     """A real 2-step training run of the tiny model: 2 tasks x 2 samples per step = 8 trajectories."""
     out = tmp_path_factory.mktemp("report") / "run"
-    rc = main(["train", "examples/calculator.yaml", f"output_dir={out}", "train.steps=2",
-               f"model.path={tiny_model_dir}", "rollout.group_size=2", "rollout.tasks_per_step=2",
-               "rollout.max_new_tokens=12", "rollout.max_tokens=40", "log.progress=false"])
+    rc = main(
+        [
+            "train",
+            "examples/calculator.yaml",
+            f"output_dir={out}",
+            "train.steps=2",
+            f"model.path={tiny_model_dir}",
+            "rollout.group_size=2",
+            "rollout.tasks_per_step=2",
+            "rollout.max_new_tokens=12",
+            "rollout.max_tokens=40",
+            "log.progress=false",
+        ]
+    )
     assert rc == 0
     return out
 
@@ -99,7 +119,9 @@ def tiny_run(tmp_path_factory, tiny_model_dir) -> Path:
 @pytest.fixture
 def run_copy(tiny_run, tmp_path) -> Path:
     dst = tmp_path / "run"
-    shutil.copytree(tiny_run, dst, ignore=shutil.ignore_patterns("checkpoints", "report.html", "plots"))
+    shutil.copytree(
+        tiny_run, dst, ignore=shutil.ignore_patterns("checkpoints", "report.html", "plots")
+    )
     return dst
 
 
@@ -109,7 +131,9 @@ def test_report_of_a_real_run_has_plots_and_coloured_tokens(run_copy):
     page = parse(out)
     for name in REQUIRED_PLOTS:
         src = page.figures.get(f"plot-{name}")
-        assert src and src.startswith("data:image/png;base64,"), f"plot {name} missing from the HTML"
+        assert src and src.startswith("data:image/png;base64,"), (
+            f"plot {name} missing from the HTML"
+        )
         assert base64.b64decode(src.split(",", 1)[1]).startswith(PNG_MAGIC)
         assert (run_copy / "plots" / f"{name}.png").read_bytes().startswith(PNG_MAGIC)
     rows = read_jsonl(run_copy / "trajectories.jsonl")
@@ -121,7 +145,9 @@ def test_report_of_a_real_run_has_plots_and_coloured_tokens(run_copy):
         assert page.n_tokens(art, "tok-gen") == sum(row["loss_mask"]) > 0
         assert page.n_tokens(art, "tok-ctx") == len(row["loss_mask"]) - sum(row["loss_mask"]) > 0
         ctx_text = "".join(art["tok-ctx"])
-        assert row["messages"][1]["content"] in ctx_text  # decoded with the run's tokenizer, not ids
+        assert (
+            row["messages"][1]["content"] in ctx_text
+        )  # decoded with the run's tokenizer, not ids
         assert row["messages"][-1]["content"] in "".join(art["tok-gen"])
     assert not any("shown as ids" in n for n in page.notices)
     assert page.tags["script"] == 1 and page.tags["link"] == 0  # self-contained: no external files
@@ -132,11 +158,25 @@ def test_text_is_escaped_not_interpreted(run_copy, smol_tokenizer):
     nasty = '<tool_call>{"name": "calculator", "arguments": {"expression": "1<2"}}</tool_call></script><script>alert(1)</script>'
     prompt = smol_tokenizer.encode("What is <marquee>1+1</marquee>?")
     gen = smol_tokenizer.encode(nasty)
-    row = {"step": 2, "task_id": "t<x>", "group_id": "g", "token_ids": prompt + gen,
-           "loss_mask": [0] * len(prompt) + [1] * len(gen), "logprobs": [0.0] * len(prompt) + [-0.5] * len(gen),
-           "prompt_len": len(prompt), "stop_reason": "completed", "stop_detail": "<done>", "reward": 1.0,
-           "messages": [{"role": "user", "content": "What is <marquee>1+1</marquee>?"}, {"role": "assistant", "content": nasty}],
-           "num_turns": 1, "tool_calls": 1, "tool_errors": 0}
+    row = {
+        "step": 2,
+        "task_id": "t<x>",
+        "group_id": "g",
+        "token_ids": prompt + gen,
+        "loss_mask": [0] * len(prompt) + [1] * len(gen),
+        "logprobs": [0.0] * len(prompt) + [-0.5] * len(gen),
+        "prompt_len": len(prompt),
+        "stop_reason": "completed",
+        "stop_detail": "<done>",
+        "reward": 1.0,
+        "messages": [
+            {"role": "user", "content": "What is <marquee>1+1</marquee>?"},
+            {"role": "assistant", "content": nasty},
+        ],
+        "num_turns": 1,
+        "tool_calls": 1,
+        "tool_errors": 0,
+    }
     with open(run_copy / "trajectories.jsonl", "a") as f:
         f.write(json.dumps(row) + "\n")
     page = parse(write_report(run_copy))
@@ -184,25 +224,56 @@ def test_empty_run_directory(tmp_path):
 
 def test_partial_run_directory(tmp_path):
     """One step, None/NaN values, broken lines, an empty and a malformed trajectory, no tokenizer."""
-    (tmp_path / "config.yaml").write_text("model: {path: /nonexistent/model}\nwandb_api_key: sekrit\n")
+    (tmp_path / "config.yaml").write_text(
+        "model: {path: /nonexistent/model}\nwandb_api_key: sekrit\n"
+    )
     (tmp_path / "metrics.jsonl").write_text(
-        json.dumps({"step": 1, "reward_mean": 0.5, "loss": None, "clipfrac": float("nan"), "lr": "x"}) + "\n"
-        + json.dumps({"step": 1, "eval/reward_mean": 0.25}) + "\n[1, 2]\n" + '{"step": 2, "rew')
-    empty = {"step": 1, "token_ids": [], "loss_mask": [], "logprobs": [], "messages": [],
-             "stop_reason": "env_error", "reward": None}
-    odd = {"step": 1, "token_ids": [5, 6, 7], "loss_mask": [0, 1], "messages": ["not a dict"], "reward": 0}
-    (tmp_path / "trajectories.jsonl").write_text(json.dumps(empty) + "\n" + json.dumps(odd) + "\n{broken\n")
+        json.dumps(
+            {"step": 1, "reward_mean": 0.5, "loss": None, "clipfrac": float("nan"), "lr": "x"}
+        )
+        + "\n"
+        + json.dumps({"step": 1, "eval/reward_mean": 0.25})
+        + "\n[1, 2]\n"
+        + '{"step": 2, "rew'
+    )
+    empty = {
+        "step": 1,
+        "token_ids": [],
+        "loss_mask": [],
+        "logprobs": [],
+        "messages": [],
+        "stop_reason": "env_error",
+        "reward": None,
+    }
+    odd = {
+        "step": 1,
+        "token_ids": [5, 6, 7],
+        "loss_mask": [0, 1],
+        "messages": ["not a dict"],
+        "reward": 0,
+    }
+    (tmp_path / "trajectories.jsonl").write_text(
+        json.dumps(empty) + "\n" + json.dumps(odd) + "\n{broken\n"
+    )
     out = write_report(tmp_path)
     page = parse(out)
     assert {"plot-reward", "plot-eval_reward_mean", "plot-stop_reasons"} <= set(page.figures)
-    assert "plot-loss" not in page.figures and "plot-clipfrac" not in page.figures  # no finite values
+    assert (
+        "plot-loss" not in page.figures and "plot-clipfrac" not in page.figures
+    )  # no finite values
     notices = " ".join(page.notices)
-    assert "metrics.jsonl: 2 unreadable line(s)" in notices and "trajectories.jsonl: 1 unreadable" in notices
+    assert (
+        "metrics.jsonl: 2 unreadable line(s)" in notices
+        and "trajectories.jsonl: 1 unreadable" in notices
+    )
     assert "no data for plot(s):" in notices and "loss" in notices
     assert "shown as ids" in notices
     assert [a["data-stop"] for a in page.articles] == ["env_error", "unknown"]
     assert page.articles[0]["data-reward"] == "nan"
-    assert page.n_tokens(page.articles[1], "tok-gen") == 1 and page.n_tokens(page.articles[1], "tok-ctx") == 2
+    assert (
+        page.n_tokens(page.articles[1], "tok-gen") == 1
+        and page.n_tokens(page.articles[1], "tok-ctx") == 2
+    )
     assert "⟨5⟩" in "".join(page.articles[1]["tok-ctx"])
     assert "loss_mask has 2 entries for 3 tokens" in "".join(page.articles[1]["text"])
     assert "sekrit" not in out.read_text()
@@ -211,25 +282,47 @@ def test_partial_run_directory(tmp_path):
 def test_curves_fall_back_to_trajectories(run_copy):
     (run_copy / "metrics.jsonl").unlink()
     page = parse(write_report(run_copy))
-    assert {"plot-reward", "plot-response_length", "plot-turns", "plot-stop_reasons"} <= set(page.figures)
+    assert {"plot-reward", "plot-response_length", "plot-turns", "plot-stop_reasons"} <= set(
+        page.figures
+    )
     assert "plot-lr" not in page.figures
 
 
 def test_cli_report(run_copy, tmp_path, capsys):
-    assert main(["report", str(run_copy), "--out", str(tmp_path / "r.html"), "--max-trajectories", "2"]) == 0
+    assert (
+        main(
+            ["report", str(run_copy), "--out", str(tmp_path / "r.html"), "--max-trajectories", "2"]
+        )
+        == 0
+    )
     assert len(parse(tmp_path / "r.html").articles) == 2
     assert "report:" in capsys.readouterr().out
     assert main(["report", str(tmp_path / "missing")]) == 1
 
 
-@pytest.mark.skipif(shutil.which("chromium") is None,
-                    reason="chromium is not installed (scripts/system-deps.sh installs it)")
+@pytest.mark.skipif(
+    shutil.which("chromium") is None,
+    reason="chromium is not installed (scripts/system-deps.sh installs it)",
+)
 def test_report_in_a_headless_browser(run_copy):
     """The page loads without script errors and the step filter, driven by the URL hash, works."""
     out = write_report(run_copy)
-    proc = subprocess.run(["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--enable-logging=stderr",
-                           "--v=0", "--virtual-time-budget=3000", "--dump-dom", f"{out.as_uri()}#step=2"],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            "chromium",
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--enable-logging=stderr",
+            "--v=0",
+            "--virtual-time-budget=3000",
+            "--dump-dom",
+            f"{out.as_uri()}#step=2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "Uncaught" not in proc.stderr, proc.stderr[-2000:]
     dom = Page(proc.stdout)

@@ -101,7 +101,9 @@ def test_an_infinite_score_is_a_bug_named_at_its_verifier():
     # it used to pass through and fail later in compute_advantages, naming no verifier
     for value in (math.inf, VerifierResult(-math.inf)):
         r = Rubric([("ok", lambda t, k: 1.0, 1.0), ("runaway", lambda t, k, v=value: v, 0.5)])
-        with pytest.raises(ValueError, match="verifier 'runaway' returned -?inf; a score must be finite"):
+        with pytest.raises(
+            ValueError, match="verifier 'runaway' returned -?inf; a score must be finite"
+        ):
             r.score(traj("4"), TASK)
 
 

@@ -60,8 +60,10 @@ class BySeed:
             return lambda ids, i: texts[min(turn(ids) - 1, len(texts) - 1)]
 
         self.turn = turn
-        self.engines = [ScriptedEngine(chat.tokenizer, by_turn(CALL, "111"), chat.end_of_turn_id),
-                        ScriptedEngine(chat.tokenizer, by_turn("112"), chat.end_of_turn_id)]
+        self.engines = [
+            ScriptedEngine(chat.tokenizer, by_turn(CALL, "111"), chat.end_of_turn_id),
+            ScriptedEngine(chat.tokenizer, by_turn("112"), chat.end_of_turn_id),
+        ]
 
     async def generate(self, prompt_ids, params):
         # The member's seed is its first turn's; later turns sample with their own (rollout.turn_seed),
@@ -72,25 +74,43 @@ class BySeed:
 
 def group(chat, env, engine=None, size=4, **limits):
     engine = engine or BySeed(chat)
-    return asyncio.run(run_group(env, engine, chat, TASK, size, SamplingParams(seed=0),
-                                 limits=EpisodeLimits(**limits)))
+    return asyncio.run(
+        run_group(
+            env, engine, chat, TASK, size, SamplingParams(seed=0), limits=EpisodeLimits(**limits)
+        )
+    )
 
 
 def test_rubric_scores_collected_groups_with_weights_and_parts(chat):
     verifier_threads.clear()
     done = []  # two groups of the same task (the script knows one answer)
-    groups = asyncio.run(collect(RubricCalc, BySeed(chat), chat, [TASK, TASK], RolloutConfig(group_size=4),
-                                 on_done=done.append))
+    groups = asyncio.run(
+        collect(
+            RubricCalc,
+            BySeed(chat),
+            chat,
+            [TASK, TASK],
+            RolloutConfig(group_size=4),
+            on_done=done.append,
+        )
+    )
     trajs = [t for g in groups for t in g.trajectories]
     for t in trajs:
-        assert t.stop_reason == StopReason.COMPLETED and set(t.reward_parts) == {"correct", "used_tool"}
+        assert t.stop_reason == StopReason.COMPLETED and set(t.reward_parts) == {
+            "correct",
+            "used_tool",
+        }
         assert t.reward == 1.0 * t.reward_parts["correct"] + 0.5 * t.reward_parts["used_tool"]
         assert t.env_reward == 0.0  # ToolEnv.reward with a rubric: the env has no say
     assert [t.reward for t in trajs] == [1.5, 0.0] * 4  # tool then 111: 1 + 0.5; 112: 0
     assert sorted(t.reward for t in done) == [0.0] * 4 + [1.5] * 4  # on_done saw the scored rewards
     assert verifier_threads and all(n.startswith("agentgrpo-user") for n in verifier_threads)
     m = rollout_metrics(groups)
-    assert m["reward_parts/correct"] == 0.5 and m["reward_parts/used_tool"] == 0.5 and m["unscorable"] == 0
+    assert (
+        m["reward_parts/correct"] == 0.5
+        and m["reward_parts/used_tool"] == 0.5
+        and m["unscorable"] == 0
+    )
     # and on into the advantage step: each group's 1.5s above its mean, its 0s below
     rewards_B = torch.tensor([t.reward for t in trajs])
     group_ids_B = torch.tensor([i for i, g in enumerate(groups) for _ in g.trajectories])
@@ -105,7 +125,9 @@ def test_env_reward_is_kept_aside_and_the_penalty_applied_once(chat):
         def reward(self, task, messages):
             return 1.0
 
-    engine = ScriptedEngine(chat.tokenizer, ["<tool_call>{bad</tool_call>", "111"], chat.end_of_turn_id)
+    engine = ScriptedEngine(
+        chat.tokenizer, ["<tool_call>{bad</tool_call>", "111"], chat.end_of_turn_id
+    )
     g = group(chat, Both, engine, size=1, tool_error_penalty=0.25, max_turns=3)
     t = g.trajectories[0]
     assert t.tool_errors == 1 and t.env_reward == 1.0  # the env's own, without the penalty
@@ -123,11 +145,19 @@ def test_failing_verifier_is_unscorable_with_its_reason_not_zero(chat):
     class Silent(RubricCalc):
         rubric = Rubric([("correct", correct, 1.0), ("judge", lambda t, k: math.nan, 1.0)])
 
-    for env, why in [(Broken, "unscorable: tests: ConnectionError: sandbox down"), (Silent, "unscorable: NaN from judge")]:
+    for env, why in [
+        (Broken, "unscorable: tests: ConnectionError: sandbox down"),
+        (Silent, "unscorable: NaN from judge"),
+    ]:
         g = group(chat, env)
         for t in g.trajectories:
-            assert math.isnan(t.reward) and t.stop_reason == StopReason.COMPLETED  # the episode was fine
-            assert why in t.stop_detail and t.reward_parts["correct"] in (0.0, 1.0)  # the other part kept
+            assert (
+                math.isnan(t.reward) and t.stop_reason == StopReason.COMPLETED
+            )  # the episode was fine
+            assert why in t.stop_detail and t.reward_parts["correct"] in (
+                0.0,
+                1.0,
+            )  # the other part kept
         assert rollout_metrics([g])["unscorable"] == 4
         if env is Broken:
             assert all("sandbox down" in t.reward_detail for t in g.trajectories)
@@ -143,11 +173,17 @@ def test_scoring_is_bounded_by_the_step_deadline(chat):
         rubric = Rubric([("judge", hangs, 1.0)])
 
     t0 = time.monotonic()
-    groups = asyncio.run(collect(Hanging, BySeed(chat), chat, [TASK],
-                                 RolloutConfig(group_size=2, step_timeout_s=0.5)))
+    groups = asyncio.run(
+        collect(
+            Hanging, BySeed(chat), chat, [TASK], RolloutConfig(group_size=2, step_timeout_s=0.5)
+        )
+    )
     assert time.monotonic() - t0 < 5
     for t in groups[0].trajectories:
-        assert math.isnan(t.reward) and "step deadline expired while the rubric scored" in t.stop_detail
+        assert (
+            math.isnan(t.reward)
+            and "step deadline expired while the rubric scored" in t.stop_detail
+        )
 
 
 def test_group_hook_sees_the_whole_group_and_infra_failures_stay_nan(chat):
@@ -157,15 +193,22 @@ def test_group_hook_sees_the_whole_group_and_infra_failures_stay_nan(chat):
         seen.append((len(trajectories), task.id, [r.score for r in results]))
         right = [i for i, r in enumerate(results) if r.score > 0]
         best = min(right, key=lambda i: trajectories[i].num_sampled, default=None)
-        return [VerifierResult(r.score + (0.25 if i == best else 0.0), r.detail, r.parts)
-                for i, r in enumerate(results)]
+        return [
+            VerifierResult(r.score + (0.25 if i == best else 0.0), r.detail, r.parts)
+            for i, r in enumerate(results)
+        ]
 
     class Hooked(RubricCalc):
         rubric = Rubric([("correct", correct, 1.0)], group_hook=bonus_for_the_shortest_right_answer)
 
     g = group(chat, Hooked)
     assert seen == [(4, TASK.id, [1.0, 0.0, 1.0, 0.0])]  # one call, with every member of the group
-    assert [t.reward for t in g.trajectories] == [1.25, 0.0, 1.0, 0.0]  # equal lengths: the first wins
+    assert [t.reward for t in g.trajectories] == [
+        1.25,
+        0.0,
+        1.0,
+        0.0,
+    ]  # equal lengths: the first wins
 
     made = iter(range(3))
 
@@ -181,7 +224,10 @@ def test_group_hook_sees_the_whole_group_and_infra_failures_stay_nan(chat):
 
 
 def test_a_rubric_must_be_a_rubric_and_a_tool_env_needs_one_or_a_reward(chat):
-    with pytest.raises(TypeError, match="Bad.rubric must be an agentgrpo.reward.Rubric or None, got function"):
+    with pytest.raises(
+        TypeError, match="Bad.rubric must be an agentgrpo.reward.Rubric or None, got function"
+    ):
+
         class Bad(Env):
             rubric = correct
 
@@ -191,7 +237,10 @@ def test_a_rubric_must_be_a_rubric_and_a_tool_env_needs_one_or_a_reward(chat):
             return correct  # not a Rubric: found when the env is made, and that member fails
 
     g = group(chat, ByProperty, size=1)
-    assert g.trajectories[0].stop_reason == StopReason.ENV_ERROR and "rubric must be" in g.trajectories[0].stop_detail
+    assert (
+        g.trajectories[0].stop_reason == StopReason.ENV_ERROR
+        and "rubric must be" in g.trajectories[0].stop_detail
+    )
 
     class Neither(ToolEnv):
         tools = (calculator,)
@@ -205,10 +254,24 @@ def test_run_directory_and_report_show_the_parts(tmp_path, tiny_model_dir):
     from agentgrpo.log import read_jsonl
 
     out = tmp_path / "run"
-    assert main(["train", "examples/calculator.yaml", f"output_dir={out}", "train.steps=1",
-                 "env.name=tests.test_rewards_rubric:RubricCalc", f"model.path={tiny_model_dir}",
-                 "rollout.group_size=2", "rollout.tasks_per_step=2", "rollout.max_new_tokens=12",
-                 "rollout.max_tokens=40", "log.progress=false"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "examples/calculator.yaml",
+                f"output_dir={out}",
+                "train.steps=1",
+                "env.name=tests.test_rewards_rubric:RubricCalc",
+                f"model.path={tiny_model_dir}",
+                "rollout.group_size=2",
+                "rollout.tasks_per_step=2",
+                "rollout.max_new_tokens=12",
+                "rollout.max_tokens=40",
+                "log.progress=false",
+            ]
+        )
+        == 0
+    )
     rows = read_jsonl(out / "trajectories.jsonl")
     scored = [r for r in rows if r["reward"] is not None]
     assert scored and all(set(r["reward_parts"]) == {"correct", "used_tool"} for r in scored)

@@ -37,15 +37,25 @@ CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "56+55"}
 
 def run(chat, script, *, env=Calc, task=TASK, max_new_tokens=64, delay_s=0.0, **limits):
     engine = ScriptedEngine(chat.tokenizer, script, chat.end_of_turn_id, delay_s=delay_s)
-    traj = asyncio.run(run_episode(env(), engine, chat, task, SamplingParams(max_new_tokens=max_new_tokens),
-                                   limits=EpisodeLimits(**limits)))
+    traj = asyncio.run(
+        run_episode(
+            env(),
+            engine,
+            chat,
+            task,
+            SamplingParams(max_new_tokens=max_new_tokens),
+            limits=EpisodeLimits(**limits),
+        )
+    )
     return traj, engine
 
 
 def by_turn(chat, *texts):
     """A script that answers by the turn of the trajectory asking (not by global call order, which
     interleaves when many trajectories run at once)."""
-    return lambda ids, i: texts[min(chat.decode(ids).count("<|im_start|>assistant") - 1, len(texts) - 1)]
+    return lambda ids, i: texts[
+        min(chat.decode(ids).count("<|im_start|>assistant") - 1, len(texts) - 1)
+    ]
 
 
 def assert_invariants(traj, engine, chat):
@@ -74,15 +84,19 @@ def test_tool_call_then_answer(chat):
     # the full trajectory is exactly the template's rendering of the conversation
     tools = Calc().tool_schemas()
     text = chat.decode(traj.token_ids)
-    assert text == chat.render(traj.messages[:2], tools, add_generation_prompt=True) + chat.decode(traj.token_ids[traj.prompt_len:])
+    assert text == chat.render(traj.messages[:2], tools, add_generation_prompt=True) + chat.decode(
+        traj.token_ids[traj.prompt_len :]
+    )
     assert traj.token_ids[-1] == chat.end_of_turn_id
 
 
 def test_malformed_calls_are_answered_and_counted(chat):
-    script = ['<tool_call>{"name": "calculator", "arguments": {"expression": </tool_call>',
-              '<tool_call>{"name": "abacus", "arguments": {}}</tool_call>',
-              '<tool_call>{"name": "calculator", "arguments": {"expr": "1"}}</tool_call>',
-              "111"]
+    script = [
+        '<tool_call>{"name": "calculator", "arguments": {"expression": </tool_call>',
+        '<tool_call>{"name": "abacus", "arguments": {}}</tool_call>',
+        '<tool_call>{"name": "calculator", "arguments": {"expr": "1"}}</tool_call>',
+        "111",
+    ]
     traj, engine = run(chat, script, max_turns=5)
     assert traj.stop_reason == StopReason.COMPLETED and traj.reward == 1.0
     assert (traj.tool_calls, traj.tool_errors) == (3, 3)
@@ -95,7 +109,7 @@ def test_malformed_calls_are_answered_and_counted(chat):
 
 
 def test_tool_error_penalty(chat):
-    traj, _ = run(chat, ['<tool_call>{bad</tool_call>', "111"], tool_error_penalty=0.25)
+    traj, _ = run(chat, ["<tool_call>{bad</tool_call>", "111"], tool_error_penalty=0.25)
     assert traj.reward == pytest.approx(0.75)
 
 
@@ -107,7 +121,9 @@ def test_limits_end_the_episode(chat):
     assert traj.stop_reason == StopReason.MAX_TOKENS and traj.num_sampled == 16
     traj, _ = run(chat, [CALL], max_turns=10, max_tokens=60)
     assert traj.stop_reason == StopReason.MAX_TOKENS
-    assert len(traj.token_ids) - traj.prompt_len <= 60 + 20  # the budget is checked before each turn
+    assert (
+        len(traj.token_ids) - traj.prompt_len <= 60 + 20
+    )  # the budget is checked before each turn
 
 
 def test_infrastructure_failures_are_unscorable_not_zero(chat):
@@ -128,14 +144,21 @@ def test_infrastructure_failures_are_unscorable_not_zero(chat):
             raise OSError("dataset missing")
 
     traj, _ = run(chat, ["111"], env=BrokenReset)
-    assert traj.stop_reason == StopReason.ENV_ERROR and math.isnan(traj.reward) and traj.token_ids == []
+    assert (
+        traj.stop_reason == StopReason.ENV_ERROR
+        and math.isnan(traj.reward)
+        and traj.token_ids == []
+    )
 
     class BadReward(Env):
         def step(self, action):
             return [], "1.0", True, False, {}
 
     traj, _ = run(chat, ["111"], env=BadReward)
-    assert traj.stop_reason == StopReason.ENV_ERROR and "reward must be a finite number, got '1.0'" in traj.stop_detail
+    assert (
+        traj.stop_reason == StopReason.ENV_ERROR
+        and "reward must be a finite number, got '1.0'" in traj.stop_detail
+    )
 
 
 def test_plain_env_with_user_feedback(chat):
@@ -164,7 +187,9 @@ def test_env_may_name_its_ending(chat):
     traj, _ = run(chat, ["four"], env=Strict)
     assert traj.stop_reason == StopReason.PARSE_ERROR and traj.reward == -1.0
     traj, _ = run(chat, ["4"], env=Strict)
-    assert traj.stop_reason == StopReason.ENV_ERROR and "an env may choose one of" in traj.stop_detail
+    assert (
+        traj.stop_reason == StopReason.ENV_ERROR and "an env may choose one of" in traj.stop_detail
+    )
 
 
 def test_group_members_share_task_and_env_seed(chat):
@@ -183,10 +208,14 @@ def test_group_members_share_task_and_env_seed(chat):
 
 
 def test_collect_runs_groups_concurrently(chat):
-    engine = ScriptedEngine(chat.tokenizer, by_turn(chat, CALL, "111"), chat.end_of_turn_id, delay_s=0.05)
+    engine = ScriptedEngine(
+        chat.tokenizer, by_turn(chat, CALL, "111"), chat.end_of_turn_id, delay_s=0.05
+    )
     tasks = Calc.load_tasks("train", seed=0, n=4)
     done = []
-    groups = asyncio.run(collect(Calc, engine, chat, tasks, RolloutConfig(group_size=4), on_done=done.append))
+    groups = asyncio.run(
+        collect(Calc, engine, chat, tasks, RolloutConfig(group_size=4), on_done=done.append)
+    )
     assert len(groups) == 4 and len(done) == 16
     assert len({g.group_id for g in groups}) == 4
     assert engine.max_in_flight == 16  # every first turn was in the engine at once, not one by one
@@ -223,8 +252,14 @@ def _call(name, **args):
 
 def test_turn_deadline_keeps_what_was_generated(chat):
     # turn 1 is quick, the engine then stalls on turn 2: TIMEOUT, unscorable, turn 1 kept intact
-    traj, engine = run(chat, [_call("wait", seconds=0), "done"], env=SlowTools,
-                       delay_s=lambda i: 0 if i == 0 else 5.0, turn_timeout_s=0.3, max_turns=3)
+    traj, engine = run(
+        chat,
+        [_call("wait", seconds=0), "done"],
+        env=SlowTools,
+        delay_s=lambda i: 0 if i == 0 else 5.0,
+        turn_timeout_s=0.3,
+        max_turns=3,
+    )
     assert traj.stop_reason == StopReason.TIMEOUT and math.isnan(traj.reward)
     assert traj.deadline == "turn" and "turn 2 exceeded its deadline of 0.3 s" in traj.stop_detail
     assert traj.num_turns == 1 and [m.role for m in traj.messages][-2:] == ["assistant", "tool"]
@@ -246,13 +281,17 @@ def test_slow_env_step_hits_the_turn_deadline(chat):
     finally:
         release.set()
     assert traj.stop_reason == StopReason.TIMEOUT and traj.deadline == "turn"
-    assert traj.num_sampled == len(chat.encode("hi")) + 1  # the sampled turn is kept, nothing after it
+    assert (
+        traj.num_sampled == len(chat.encode("hi")) + 1
+    )  # the sampled turn is kept, nothing after it
     assert_invariants(traj, engine, chat)
     assert stuck >= 1  # the abandoned step still holds its thread, and the metrics say so
 
 
 def test_episode_deadline(chat):
-    traj, engine = run(chat, [_call("wait", seconds=0.1)], env=SlowTools, max_turns=50, episode_timeout_s=0.5)
+    traj, engine = run(
+        chat, [_call("wait", seconds=0.1)], env=SlowTools, max_turns=50, episode_timeout_s=0.5
+    )
     assert traj.stop_reason == StopReason.TIMEOUT and traj.deadline == "episode"
     assert 1 <= traj.num_turns < 50
     assert_invariants(traj, engine, chat)
@@ -269,17 +308,31 @@ def test_timeout_raised_by_env_code_is_an_env_error_not_a_deadline(chat):
 
 def test_tool_deadline_and_call_limit_from_config_are_tool_errors(chat):
     calls = _call("wait", seconds=5) + _call("dump", n=1) + _call("dump", n=2)
-    traj, engine = run(chat, [calls, "done"], env=SlowTools, tool_timeout_s=0.2, max_tool_calls_per_turn=2,
-                       max_new_tokens=200)
+    traj, engine = run(
+        chat,
+        [calls, "done"],
+        env=SlowTools,
+        tool_timeout_s=0.2,
+        max_tool_calls_per_turn=2,
+        max_new_tokens=200,
+    )
     assert traj.stop_reason == StopReason.COMPLETED and traj.reward == 1.0  # the episode went on
-    assert traj.tool_error_kinds == {"tool_timeout": 1, "too_many_calls": 1} and traj.tool_errors == 2
+    assert (
+        traj.tool_error_kinds == {"tool_timeout": 1, "too_many_calls": 1} and traj.tool_errors == 2
+    )
     outputs = [m.content for m in traj.messages if m.role == "tool"]
-    assert "did not finish within 0.2 s" in outputs[0] and outputs[1] == "word0" and "too many" in outputs[2]
+    assert (
+        "did not finish within 0.2 s" in outputs[0]
+        and outputs[1] == "word0"
+        and "too many" in outputs[2]
+    )
     assert_invariants(traj, engine, chat)
 
 
 def test_tool_output_is_truncated_to_a_token_budget(chat):
-    traj, engine = run(chat, [_call("dump", n=500), "done"], env=SlowTools, max_tool_output_tokens=12)
+    traj, engine = run(
+        chat, [_call("dump", n=500), "done"], env=SlowTools, max_tool_output_tokens=12
+    )
     out = next(m.content for m in traj.messages if m.role == "tool")
     assert out.startswith("word0 word1") and "more tokens truncated]" in out
     assert len(chat.encode(out.split("\n[...")[0])) == 12 and traj.tool_outputs_truncated == 1
@@ -294,7 +347,11 @@ def test_step_deadline_ends_the_stragglers_and_keeps_the_rest(chat):
     reasons = sorted(t.stop_reason.value for t in groups[0].trajectories)
     assert reasons == ["completed", "completed", "timeout", "timeout"]  # 2 in flight, 0.4 s each
     metrics = rollout_metrics(groups)
-    assert metrics["timeout/step"] == 2 and metrics["unscorable"] == 2 and metrics["stop/completed"] == 2
+    assert (
+        metrics["timeout/step"] == 2
+        and metrics["unscorable"] == 2
+        and metrics["stop/completed"] == 2
+    )
     scored = [t.reward for t in groups[0].trajectories if not math.isnan(t.reward)]
     assert metrics["reward_mean"] == pytest.approx(sum(scored) / 2)  # the timeouts (NaN) left out
     assert metrics["sampled_tokens"] == sum(t.num_sampled for t in groups[0].trajectories)
@@ -304,8 +361,12 @@ def test_step_deadline_ends_the_stragglers_and_keeps_the_rest(chat):
 
 def test_in_flight_bounds(chat):
     tasks = Calc.load_tasks("train", seed=0, n=3)
-    engine = ScriptedEngine(chat.tokenizer, by_turn(chat, CALL, "111"), chat.end_of_turn_id, delay_s=0.02)
-    asyncio.run(collect(Calc, engine, chat, tasks, RolloutConfig(group_size=4, max_concurrent_requests=3)))
+    engine = ScriptedEngine(
+        chat.tokenizer, by_turn(chat, CALL, "111"), chat.end_of_turn_id, delay_s=0.02
+    )
+    asyncio.run(
+        collect(Calc, engine, chat, tasks, RolloutConfig(group_size=4, max_concurrent_requests=3))
+    )
     assert engine.max_in_flight == 3 and len(engine.calls) == 24
     live, most = 0, 0
 
@@ -321,9 +382,21 @@ def test_in_flight_bounds(chat):
             live -= 1
             return super().reward(task, messages)
 
-    engine = ScriptedEngine(chat.tokenizer, by_turn(chat, CALL, "111"), chat.end_of_turn_id, delay_s=0.02)
-    groups = asyncio.run(collect(Counting, engine, chat, tasks, RolloutConfig(group_size=4, max_concurrent_trajectories=5)))
-    assert most == 5 and all(t.stop_reason == StopReason.COMPLETED for g in groups for t in g.trajectories)
+    engine = ScriptedEngine(
+        chat.tokenizer, by_turn(chat, CALL, "111"), chat.end_of_turn_id, delay_s=0.02
+    )
+    groups = asyncio.run(
+        collect(
+            Counting,
+            engine,
+            chat,
+            tasks,
+            RolloutConfig(group_size=4, max_concurrent_trajectories=5),
+        )
+    )
+    assert most == 5 and all(
+        t.stop_reason == StopReason.COMPLETED for g in groups for t in g.trajectories
+    )
 
 
 def test_no_lock_step_a_slow_tool_does_not_hold_back_other_trajectories(chat):
@@ -357,9 +430,14 @@ def test_no_lock_step_a_slow_tool_does_not_hold_back_other_trajectories(chat):
     def on_done(t):
         released.set()
 
-    engine = ScriptedEngine(chat.tokenizer, lambda ids, i: _call("wait", seconds=0) if i < 2 else "ok",
-                            chat.end_of_turn_id)
-    group = asyncio.run(run_group(factory, engine, chat, TASK, 2, SamplingParams(), on_done=on_done))
+    engine = ScriptedEngine(
+        chat.tokenizer,
+        lambda ids, i: _call("wait", seconds=0) if i < 2 else "ok",
+        chat.end_of_turn_id,
+    )
+    group = asyncio.run(
+        run_group(factory, engine, chat, TASK, 2, SamplingParams(), on_done=on_done)
+    )
     assert order == [1, 0]
     assert [m.content for m in group.trajectories[0].messages if m.role == "tool"] == ["released"]
 
@@ -374,8 +452,14 @@ def test_env_factory_failure_ends_one_trajectory(chat):
 
     engine = ScriptedEngine(chat.tokenizer, ["111"], chat.end_of_turn_id)
     g = asyncio.run(run_group(factory, engine, chat, TASK, 3, SamplingParams()))
-    assert [t.stop_reason for t in g.trajectories] == [StopReason.COMPLETED, StopReason.ENV_ERROR, StopReason.COMPLETED]
-    assert "no GPU for the simulator" in g.trajectories[1].stop_detail and math.isnan(g.trajectories[1].reward)
+    assert [t.stop_reason for t in g.trajectories] == [
+        StopReason.COMPLETED,
+        StopReason.ENV_ERROR,
+        StopReason.COMPLETED,
+    ]
+    assert "no GPU for the simulator" in g.trajectories[1].stop_detail and math.isnan(
+        g.trajectories[1].reward
+    )
 
 
 def test_sync_reward_runs_off_the_event_loop(chat):
@@ -442,13 +526,25 @@ def test_every_turn_gets_its_own_sampling_seed(chat):
 
     def seeds_of_a_group():
         engine = SeedSpy(chat)
-        asyncio.run(run_group(Chatty, engine, chat, TASK, 3, SamplingParams(max_new_tokens=8, seed=1234),
-                              seed=0, limits=EpisodeLimits(max_turns=4)))
+        asyncio.run(
+            run_group(
+                Chatty,
+                engine,
+                chat,
+                TASK,
+                3,
+                SamplingParams(max_new_tokens=8, seed=1234),
+                seed=0,
+                limits=EpisodeLimits(max_turns=4),
+            )
+        )
         return engine.seeds
 
     seeds = seeds_of_a_group()
     assert len(seeds) == 12 and len(set(seeds)) == 12  # 3 members x 4 turns, all distinct
-    assert {1234, 1235, 1236} <= set(seeds)  # turn 1: params.seed + member, as for single-turn episodes
+    assert {1234, 1235, 1236} <= set(
+        seeds
+    )  # turn 1: params.seed + member, as for single-turn episodes
     assert all(0 <= s < 2**63 for s in seeds)  # fits SGLang's int64 sampling_seed
     assert seeds_of_a_group() == seeds  # reproducible: the same seed gives the same turn seeds
     # the mix is fixed (SplitMix64 of (seed, turn)), not Python's per-process salted hash()
@@ -469,8 +565,15 @@ def test_a_group_without_a_seed_still_shares_one_start_state(chat):
             return [], 0.0, True, False, {"target": self.target}
 
     engine = ScriptedEngine(chat.tokenizer, ["7"], chat.end_of_turn_id)
-    starts = [[t.env_info["target"] for t in asyncio.run(
-        run_group(Dice, engine, chat, TASK, 6, SamplingParams())).trajectories] for _ in range(2)]
+    starts = [
+        [
+            t.env_info["target"]
+            for t in asyncio.run(
+                run_group(Dice, engine, chat, TASK, 6, SamplingParams())
+            ).trajectories
+        ]
+        for _ in range(2)
+    ]
     assert all(len(set(s)) == 1 for s in starts)  # one state per group
     assert starts[0][0] != starts[1][0]  # drawn per group (a 1-in-a-million coincidence otherwise)
 
@@ -484,13 +587,22 @@ class DictObs(Env):
         return [], 1.0, True, False, {}
 
 
-@pytest.mark.parametrize("reset_returns, why", [
-    (lambda env: ([{"role": "user", "content": "hi"}], {}), "reset's messages must be a non-empty list of Message"),
-    (lambda env: ("hi", {}), "reset's messages must be a non-empty list of Message, got 'hi'"),
-    (lambda env: ([], {}), "reset's messages must be a non-empty list of Message, got []"),
-    (lambda env: env.task.prompt_messages(), "reset must return (messages, info)"),
-    (lambda env: (env.task.prompt_messages(), None), "reset's info must be a dict, got NoneType"),
-])
+@pytest.mark.parametrize(
+    "reset_returns, why",
+    [
+        (
+            lambda env: ([{"role": "user", "content": "hi"}], {}),
+            "reset's messages must be a non-empty list of Message",
+        ),
+        (lambda env: ("hi", {}), "reset's messages must be a non-empty list of Message, got 'hi'"),
+        (lambda env: ([], {}), "reset's messages must be a non-empty list of Message, got []"),
+        (lambda env: env.task.prompt_messages(), "reset must return (messages, info)"),
+        (
+            lambda env: (env.task.prompt_messages(), None),
+            "reset's info must be a dict, got NoneType",
+        ),
+    ],
+)
 def test_bad_reset_values_end_the_trajectory_with_env_error(chat, reset_returns, why):
     class Bad(Env):
         def reset(self, *, seed=None, options=None):
@@ -501,19 +613,28 @@ def test_bad_reset_values_end_the_trajectory_with_env_error(chat, reset_returns,
             return [], 1.0, True, False, {}
 
     traj, engine = run(chat, ["7"], env=Bad)
-    assert traj.stop_reason == StopReason.ENV_ERROR and why in traj.stop_detail and math.isnan(traj.reward)
+    assert (
+        traj.stop_reason == StopReason.ENV_ERROR
+        and why in traj.stop_detail
+        and math.isnan(traj.reward)
+    )
     assert traj.token_ids == [] and engine.calls == []
 
 
-@pytest.mark.parametrize("errors, why", [
-    ({"bad_json": "n/a"}, "tool_errors must count with non-negative ints"),
-    ({"bad_json": -1}, "tool_errors must count with non-negative ints"),
-    ({"x": 1}, "'x' is not a valid ToolErrorKind"),
-])
+@pytest.mark.parametrize(
+    "errors, why",
+    [
+        ({"bad_json": "n/a"}, "tool_errors must count with non-negative ints"),
+        ({"bad_json": -1}, "tool_errors must count with non-negative ints"),
+        ({"x": 1}, "'x' is not a valid ToolErrorKind"),
+    ],
+)
 def test_bad_typed_step_fields_end_the_trajectory_with_env_error(chat, errors, why):
     class Bad(Env):
         def step(self, action):
-            return EnvStep([Message(role="user", content="more")], 0.0, False, False, tool_errors=errors)
+            return EnvStep(
+                [Message(role="user", content="more")], 0.0, False, False, tool_errors=errors
+            )
 
     traj, _ = run(chat, ["7"], env=Bad)
     assert traj.stop_reason == StopReason.ENV_ERROR and why in traj.stop_detail
@@ -528,7 +649,10 @@ def test_final_info_that_is_not_json_is_an_env_error(chat):
             return [], 1.0, True, False, {"state": loop}
 
     traj, _ = run(chat, ["7"], env=Circular)
-    assert traj.stop_reason == StopReason.ENV_ERROR and "info cannot be kept as JSON" in traj.stop_detail
+    assert (
+        traj.stop_reason == StopReason.ENV_ERROR
+        and "info cannot be kept as JSON" in traj.stop_detail
+    )
     assert "Circular reference" in traj.stop_detail
 
 
@@ -546,28 +670,49 @@ def test_numpy_rewards_are_numbers(chat):
             return [], np.float32(0.5), np.bool_(True), False, {}
 
     traj, _ = run(chat, ["7"], env=Numpy)
-    assert traj.stop_reason == StopReason.COMPLETED and traj.reward == 0.5 and type(traj.reward) is float
+    assert (
+        traj.stop_reason == StopReason.COMPLETED
+        and traj.reward == 0.5
+        and type(traj.reward) is float
+    )
 
     class NumpyNaN(Env):
         def step(self, action):
             return [], np.float32("nan"), True, False, {}
 
     traj, _ = run(chat, ["7"], env=NumpyNaN)
-    assert traj.stop_reason == StopReason.ENV_ERROR and "reward must be a finite number" in traj.stop_detail
+    assert (
+        traj.stop_reason == StopReason.ENV_ERROR
+        and "reward must be a finite number" in traj.stop_detail
+    )
 
 
-@pytest.mark.parametrize("exc", [TimeoutError("read timed out"), RuntimeError("CUDA error: device-side assert")])
+@pytest.mark.parametrize(
+    "exc", [TimeoutError("read timed out"), RuntimeError("CUDA error: device-side assert")]
+)
 def test_any_engine_exception_is_an_engine_error_that_keeps_the_turns(chat, exc):
     """Not only EngineError: a builtin TimeoutError from a client library is the engine's failure,
     not a step deadline before the episode started, and any other exception ends one trajectory."""
     script = lambda ids, i: CALL if chat.decode(ids).count("<|im_start|>assistant") == 1 else exc  # noqa: E731
     engine = ScriptedEngine(chat.tokenizer, script, chat.end_of_turn_id)
-    g = asyncio.run(run_group(Calc, engine, chat, TASK, 2, SamplingParams(), seed=0,
-                              limits=EpisodeLimits(episode_timeout_s=600)))
+    g = asyncio.run(
+        run_group(
+            Calc,
+            engine,
+            chat,
+            TASK,
+            2,
+            SamplingParams(),
+            seed=0,
+            limits=EpisodeLimits(episode_timeout_s=600),
+        )
+    )
     for traj in g.trajectories:
         assert traj.stop_reason == StopReason.ENGINE_ERROR and math.isnan(traj.reward)
         assert type(exc).__name__ in traj.stop_detail and str(exc) in traj.stop_detail
-        assert traj.num_turns == 1 and traj.messages[-1].role == "tool"  # turn 1 and its tool output kept
+        assert (
+            traj.num_turns == 1 and traj.messages[-1].role == "tool"
+        )  # turn 1 and its tool output kept
         assert "deadline" not in traj.info
         traj.check()
     # through collect's slot wait too: only the wait for a slot is a step-deadline timeout
@@ -588,8 +733,18 @@ def test_only_the_slot_wait_is_timed_as_the_step_deadline(chat, monkeypatch):
 
     monkeypatch.setattr(rollout, "run_episode", broken)
     with pytest.raises(TimeoutError, match="a bug inside the episode"):
-        asyncio.run(run_group(Calc, ScriptedEngine(chat.tokenizer, ["111"], chat.end_of_turn_id), chat, TASK,
-                              2, SamplingParams(), slots=asyncio.Semaphore(1), deadline=time.monotonic() + 60))
+        asyncio.run(
+            run_group(
+                Calc,
+                ScriptedEngine(chat.tokenizer, ["111"], chat.end_of_turn_id),
+                chat,
+                TASK,
+                2,
+                SamplingParams(),
+                slots=asyncio.Semaphore(1),
+                deadline=time.monotonic() + 60,
+            )
+        )
 
 
 def test_cancellation_is_not_an_engine_error(chat):
@@ -609,7 +764,7 @@ def test_a_call_cut_by_the_token_limit_is_a_counted_error(chat):
     assert traj.stop_reason == StopReason.MAX_TOKENS
     assert (traj.tool_calls, traj.tool_errors, traj.tool_error_kinds) == (1, 1, {"unclosed": 1})
     assert traj.reward == pytest.approx(-0.5)
-    sampled = chat.decode(traj.token_ids[traj.prompt_len:])
+    sampled = chat.decode(traj.token_ids[traj.prompt_len :])
     assert sampled.startswith("<tool_call>") and traj.messages[-1].role == "assistant"
     assert traj.messages[-1].content == sampled.strip() and not traj.messages[-1].tool_calls
 
@@ -625,25 +780,39 @@ def test_parallel_calls_under_a_single_call_template_are_tool_errors(llama_chat)
     """Llama 3.1's template refuses two calls in one turn. With max_tool_calls_per_turn=1 (the
     audit's advice) the extra call is answered with an error and the episode goes on: the rendered
     history holds only the calls the env ran, while the tokens stay the ones sampled."""
-    two = ('{"name": "calculator", "parameters": {"expression": "56+55"}}; '
-           '{"name": "calculator", "parameters": {"expression": "1+1"}}')
+    two = (
+        '{"name": "calculator", "parameters": {"expression": "56+55"}}; '
+        '{"name": "calculator", "parameters": {"expression": "1+1"}}'
+    )
     traj, engine = run(llama_chat, [two, "111"], max_tool_calls_per_turn=1)
     assert traj.stop_reason == StopReason.COMPLETED and traj.reward == 1.0
-    assert traj.tool_error_kinds == {"too_many_calls": 1} and (traj.tool_calls, traj.tool_errors) == (2, 1)
+    assert traj.tool_error_kinds == {"too_many_calls": 1} and (
+        traj.tool_calls,
+        traj.tool_errors,
+    ) == (2, 1)
     assert len(traj.messages[2].tool_calls) == 2  # the record keeps what the model asked for
     assert [m.content for m in traj.messages if m.role == "tool"][0] == "111"
     assert traj.token_ids[: len(engine.calls[1])] == engine.calls[1]
-    assert llama_chat.decode(engine.calls[1]).count("56+55") == 1 and "1+1" in llama_chat.decode(engine.calls[1])
+    assert llama_chat.decode(engine.calls[1]).count("56+55") == 1 and "1+1" in llama_chat.decode(
+        engine.calls[1]
+    )
     traj.check()
     # without the limit the template cannot show the turn: unscorable, and the detail says why
     traj, _ = run(llama_chat, [two, "111"])
-    assert traj.stop_reason == StopReason.ENV_ERROR and "only supports single tool-calls" in traj.stop_detail
+    assert (
+        traj.stop_reason == StopReason.ENV_ERROR
+        and "only supports single tool-calls" in traj.stop_detail
+    )
 
 
 def test_json_the_decoder_cannot_take_is_an_event_and_the_episode_goes_on(chat):
     # a 5000-digit integer made json raise ValueError (not JSONDecodeError) out of run_episode,
     # and asyncio.gather then took the whole step down
-    huge = '<tool_call>{"name": "calculator", "arguments": {"expression": ' + "9" * 5000 + "}}</tool_call>"
+    huge = (
+        '<tool_call>{"name": "calculator", "arguments": {"expression": '
+        + "9" * 5000
+        + "}}</tool_call>"
+    )
     traj, engine = run(chat, [huge, CALL, "111"], max_new_tokens=8000, max_tokens=16000)
     assert traj.stop_reason == StopReason.COMPLETED and traj.reward == 1.0
     assert traj.tool_error_kinds == {"bad_json": 1}
@@ -688,16 +857,24 @@ class AsyncClosing(Closing):
 
 
 @pytest.mark.parametrize("env_cls", [Closing, AsyncClosing])
-@pytest.mark.parametrize("case, reason", [
-    ("answer", StopReason.COMPLETED), ("max_turns", StopReason.MAX_TURNS),
-    ("max_tokens", StopReason.MAX_TOKENS), ("raise", StopReason.ENV_ERROR),
-    ("parse_error", StopReason.PARSE_ERROR), ("engine", StopReason.ENGINE_ERROR),
-    ("timeout", StopReason.TIMEOUT),
-])
+@pytest.mark.parametrize(
+    "case, reason",
+    [
+        ("answer", StopReason.COMPLETED),
+        ("max_turns", StopReason.MAX_TURNS),
+        ("max_tokens", StopReason.MAX_TOKENS),
+        ("raise", StopReason.ENV_ERROR),
+        ("parse_error", StopReason.PARSE_ERROR),
+        ("engine", StopReason.ENGINE_ERROR),
+        ("timeout", StopReason.TIMEOUT),
+    ],
+)
 def test_every_episode_closes_its_env_once(chat, env_cls, case, reason):
     script = {"max_turns": [CALL], "max_tokens": ["word " * 90]}.get(case, ["The answer is 111."])
     engine_cls = FailingEngine if case == "engine" else ScriptedEngine
-    engine = engine_cls(chat.tokenizer, script, chat.end_of_turn_id, delay_s=0.5 if case == "timeout" else 0.0)
+    engine = engine_cls(
+        chat.tokenizer, script, chat.end_of_turn_id, delay_s=0.5 if case == "timeout" else 0.0
+    )
     limits = EpisodeLimits(max_turns=1, turn_timeout_s=0.1 if case == "timeout" else None)
     made: list[int] = []
 
@@ -708,18 +885,25 @@ def test_every_episode_closes_its_env_once(chat, env_cls, case, reason):
         return env
 
     Closing.closed = []
-    group = asyncio.run(run_group(factory, engine, chat, TASK, 3, SamplingParams(max_new_tokens=64),
-                                  seed=0, limits=limits))
+    group = asyncio.run(
+        run_group(
+            factory, engine, chat, TASK, 3, SamplingParams(max_new_tokens=64), seed=0, limits=limits
+        )
+    )
     assert [t.stop_reason for t in group.trajectories] == [reason] * 3
     assert sorted(Closing.closed) == sorted(made) and len(made) == 3  # each env once
 
 
 def test_a_cancelled_episode_still_closes_its_env(chat):
-    engine = ScriptedEngine(chat.tokenizer, ["The answer is 111."], chat.end_of_turn_id, delay_s=5.0)
+    engine = ScriptedEngine(
+        chat.tokenizer, ["The answer is 111."], chat.end_of_turn_id, delay_s=5.0
+    )
     Closing.closed = []
 
     async def main():
-        task = asyncio.ensure_future(run_group(Closing, engine, chat, TASK, 2, SamplingParams(), seed=0))
+        task = asyncio.ensure_future(
+            run_group(Closing, engine, chat, TASK, 2, SamplingParams(), seed=0)
+        )
         await asyncio.sleep(0.2)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -734,7 +918,16 @@ def test_a_close_that_fails_is_noted_and_the_outcome_stands(chat):
         def close(self):
             raise OSError("socket already gone")
 
-    traj = asyncio.run(run_group(BadClose, ScriptedEngine(chat.tokenizer, ["The answer is 111."], chat.end_of_turn_id),
-                                 chat, TASK, 1, SamplingParams(), seed=0)).trajectories[0]
+    traj = asyncio.run(
+        run_group(
+            BadClose,
+            ScriptedEngine(chat.tokenizer, ["The answer is 111."], chat.end_of_turn_id),
+            chat,
+            TASK,
+            1,
+            SamplingParams(),
+            seed=0,
+        )
+    ).trajectories[0]
     assert traj.stop_reason == StopReason.COMPLETED and traj.reward == 1.0
     assert "close raised OSError: socket already gone" in traj.stop_detail

@@ -49,7 +49,11 @@ def smooth(seed: int, scale: float) -> torch.Tensor:
     return torch.randn(V, generator=g) * scale
 
 
-DISTRIBUTIONS = {"long_tail": long_tail(0), "smooth_peaky": smooth(1, 4.0), "smooth_flat": smooth(2, 1.5)}
+DISTRIBUTIONS = {
+    "long_tail": long_tail(0),
+    "smooth_peaky": smooth(1, 4.0),
+    "smooth_flat": smooth(2, 1.5),
+}
 SETTINGS = [  # (temperature, top_k, top_p)
     (1.0, -1, 0.9), (1.0, -1, 0.5), (0.7, -1, 0.95), (1.3, -1, 0.7),  # top-p only
     (1.0, 40, 0.9), (1.0, 300, 0.95), (1.0, 2000, 0.8), (0.8, 1000, 1.0), (1.0, 5, 1.0),
@@ -67,7 +71,9 @@ def test_truncated_sampling_equals_the_reference(name, temperature, top_k, top_p
     kept, probs = reference(logits, temperature, top_k, top_p)
     cdf = probs.cumsum(0)
     rows = torch.linspace(0, len(kept) - 1, min(len(kept), 400)).round().long().unique()
-    uniforms = torch.cat([cdf[rows] - probs[rows] / 2, torch.tensor([1 - 1e-12], dtype=torch.float64)])
+    uniforms = torch.cat(
+        [cdf[rows] - probs[rows] / 2, torch.tensor([1 - 1e-12], dtype=torch.float64)]
+    )
     expected = torch.cat([kept[rows], kept[-1:]])
     n = len(uniforms)
     ids, logprobs = sample(

@@ -176,8 +176,20 @@ def test_malformed_request_shapes_each_get_a_400_naming_the_field(open_server):
 
 @pytest.fixture(scope="module")
 def small_server():
-    url, server, sb = _serve(["--max-wall-s", "3", "--max-memory-mb", "512", "--max-processes", "32",
-                              "--max-disk-mb", "8", "--max-open-files", "64"])
+    url, server, sb = _serve(
+        [
+            "--max-wall-s",
+            "3",
+            "--max-memory-mb",
+            "512",
+            "--max-processes",
+            "32",
+            "--max-disk-mb",
+            "8",
+            "--max-open-files",
+            "64",
+        ]
+    )
     yield url
     server.shutdown()
     server.server_close()
@@ -187,18 +199,33 @@ def small_server():
 def test_every_limit_is_clamped_even_above_the_hard_maximum(small_server):
     """processes, disk_mb and open_files are clamped to the server's maxima like wall time and
     memory; a request above `Limits`' own hard maximum is clamped too, not refused (issue 33)."""
-    code = ("import resource as r\n"
-            "print(*(r.getrlimit(x)[0] for x in (r.RLIMIT_NPROC, r.RLIMIT_FSIZE, r.RLIMIT_NOFILE)))")
-    asked = {"processes": 4096, "disk_mb": 1 << 20, "open_files": 65536, "wall_s": 1e6,
-             "memory_mb": 1 << 30, "output_bytes": 1 << 40}  # all but processes over Limits' bound
+    code = (
+        "import resource as r\n"
+        "print(*(r.getrlimit(x)[0] for x in (r.RLIMIT_NPROC, r.RLIMIT_FSIZE, r.RLIMIT_NOFILE)))"
+    )
+    asked = {
+        "processes": 4096,
+        "disk_mb": 1 << 20,
+        "open_files": 65536,
+        "wall_s": 1e6,
+        "memory_mb": 1 << 30,
+        "output_bytes": 1 << 40,
+    }  # all but processes over Limits' bound
     r = httpx.post(small_server + "/run", json={"code": code, "limits": asked}, timeout=30)
     assert r.status_code == 200, r.text
     assert r.json()["stdout"].split() == ["32", str(8 << 20), "64"]
-    r = httpx.post(small_server + "/run_code", json={"code": "print(1)", "run_timeout": 1e9,
-                                                     "memory_limit_MB": 1e12}, timeout=30)
+    r = httpx.post(
+        small_server + "/run_code",
+        json={"code": "print(1)", "run_timeout": 1e9, "memory_limit_MB": 1e12},
+        timeout=30,
+    )
     assert r.status_code == 200 and r.json()["status"] == "Success", r.text
-    assert httpx.post(small_server + "/run", json={"code": "1", "limits": {"processes": 0}}
-                      ).status_code == 400  # below the minimum is nonsense, not clamped
+    assert (
+        httpx.post(
+            small_server + "/run", json={"code": "1", "limits": {"processes": 0}}
+        ).status_code
+        == 400
+    )  # below the minimum is nonsense, not clamped
     with pytest.raises(SystemExit, match="server maximum processes"):
         sandbox_server.make_server(["--port", "0", "--max-processes", "100000"])
 
@@ -258,8 +285,13 @@ def test_waiting_for_a_busy_server_is_not_charged_to_a_tool_deadline(open_server
         def reward(self, task, messages):
             return 1.0
 
-    slow = threading.Thread(target=lambda: httpx.post(
-        open_server + "/run", json={"code": "import time; time.sleep(1.2)", "limits": {"wall_s": 2}}, timeout=10))
+    slow = threading.Thread(
+        target=lambda: httpx.post(
+            open_server + "/run",
+            json={"code": "import time; time.sleep(1.2)", "limits": {"wall_s": 2}},
+            timeout=10,
+        )
+    )
     slow.start()
     time.sleep(0.3)
     try:
@@ -308,8 +340,15 @@ def test_sandboxfusion_run_code(open_server):
 def _verl_request(code: str, stdin: str = "", timeout: float = 2) -> dict:
     """The body verl's SandboxFusion client posts (`call_sandbox_api` in
     verl/utils/reward_score/sandbox_fusion/utils.py)."""
-    return {"compile_timeout": timeout, "run_timeout": timeout, "code": code, "stdin": stdin,
-            "language": "python", "files": {}, "fetch_files": []}
+    return {
+        "compile_timeout": timeout,
+        "run_timeout": timeout,
+        "code": code,
+        "stdin": stdin,
+        "language": "python",
+        "files": {},
+        "fetch_files": [],
+    }
 
 
 def _verl_verdict(answer: dict, expected: str) -> bool | int:
@@ -320,8 +359,10 @@ def _verl_verdict(answer: dict, expected: str) -> bool | int:
         return (run.get("stdout") or "").rstrip("\n") == expected.rstrip("\n")
     if answer["status"] == "Failed" and run.get("status") == "TimeLimitExceeded":
         return -3
-    if answer["status"] == "Failed" and (run.get("status") == "Error" or (
-            run.get("status") == "Finished" and run.get("return_code") != 0)):
+    if answer["status"] == "Failed" and (
+        run.get("status") == "Error"
+        or (run.get("status") == "Finished" and run.get("return_code") != 0)
+    ):
         return -2
     return -1
 
@@ -329,9 +370,14 @@ def _verl_verdict(answer: dict, expected: str) -> bool | int:
 def test_run_code_gives_sandboxfusion_verdicts_on_verl_requests(open_server):
     """verl's request shape; large output, killed processes and timeouts answered as
     SandboxFusion answers them (issue 29, item 6)."""
+
     def post(code, stdin="", timeout=2):
-        r = httpx.post(open_server + "/run_code", json=_verl_request(code, stdin, timeout),
-                       headers={"Accept": "application/json"}, timeout=30)
+        r = httpx.post(
+            open_server + "/run_code",
+            json=_verl_request(code, stdin, timeout),
+            headers={"Accept": "application/json"},
+            timeout=30,
+        )
         assert r.status_code == 200, r.text
         return r.json()
 
@@ -539,8 +585,9 @@ def test_request_bodies_parsed_at_once_are_bounded(monkeypatch):
             with lock:
                 inside[0] -= len(raw)
 
-    monkeypatch.setattr(sandbox_server, "json", types.SimpleNamespace(loads=loads,
-                                                                      dumps=real_json.dumps))
+    monkeypatch.setattr(
+        sandbox_server, "json", types.SimpleNamespace(loads=loads, dumps=real_json.dumps)
+    )
     url, server, sb = _serve(["--max-body-mb", "8"])
     body = {"code": "print(1)", "pad": "x" * (6 << 20)}
 
@@ -562,15 +609,27 @@ def test_request_bodies_parsed_at_once_are_bounded(monkeypatch):
 
 # --- the client trusts no server (issue 33, finding 5) ------------------------------------------
 
-GOOD = {"status": "ok", "exit_code": 0, "signal": None, "stdout": "", "stderr": "",
-        "truncated": False, "wall_s": 0.1, "backend": "namespaces"}
+GOOD = {
+    "status": "ok",
+    "exit_code": 0,
+    "signal": None,
+    "stdout": "",
+    "stderr": "",
+    "truncated": False,
+    "wall_s": 0.1,
+    "backend": "namespaces",
+}
 HOSTILE = {  # what a broken or hostile server answers: (status, headers, body or a callable)
     "a JSON list": (200, {}, b"[1, 2]"),
     "an unknown status": (200, {}, {**GOOD, "status": "pwned"}),
     "a number as stdout": (200, {}, {**GOOD, "stdout": 5}),
     "a string as exit_code": (200, {}, {**GOOD, "exit_code": "0"}),
-    "NaN as wall_s": (200, {}, b'{"status": "ok", "exit_code": 0, "signal": null, "stdout": "", '
-                               b'"stderr": "", "truncated": false, "wall_s": NaN, "backend": "x"}'),
+    "NaN as wall_s": (
+        200,
+        {},
+        b'{"status": "ok", "exit_code": 0, "signal": null, "stdout": "", '
+        b'"stderr": "", "truncated": false, "wall_s": NaN, "backend": "x"}',
+    ),
     "a missing field": (200, {}, {"status": "ok"}),
     "not JSON": (200, {}, b"<html>"),
     "Retry-After: nan": (429, {"Retry-After": "nan"}, b"{}"),
@@ -620,7 +679,9 @@ def hostile_server():
     server.server_close()
 
 
-def test_every_hostile_answer_is_a_sandbox_error_within_the_calls_bound(hostile_server, monkeypatch):
+def test_every_hostile_answer_is_a_sandbox_error_within_the_calls_bound(
+    hostile_server, monkeypatch
+):
     from agentgrpo.verify import _remote_client
 
     url, handler = hostile_server
@@ -629,11 +690,15 @@ def test_every_hostile_answer_is_a_sandbox_error_within_the_calls_bound(hostile_
     limits = Limits(wall_s=1, output_bytes=1000)
     try:
         handler.answer = (200, {}, GOOD)  # the client reads a good answer as it is
-        assert sb.run("1", limits=limits).stdout == "" and sb.run("1").backend == "remote:namespaces"
+        assert (
+            sb.run("1", limits=limits).stdout == "" and sb.run("1").backend == "remote:namespaces"
+        )
         for name, answer in HOSTILE.items():
             handler.answer = answer
-            for call in (lambda: sb.run("1", limits=limits),
-                         lambda: asyncio.run(sb.arun("1", limits=limits))):
+            for call in (
+                lambda: sb.run("1", limits=limits),
+                lambda: asyncio.run(sb.arun("1", limits=limits)),
+            ):
                 start = time.monotonic()
                 res = call()
                 took = time.monotonic() - start

@@ -44,7 +44,9 @@ def fixture(name: str) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
-def assert_matches(exp: Any, got: Any, path: str = "$", *, loose: frozenset[str] = frozenset()) -> None:
+def assert_matches(
+    exp: Any, got: Any, path: str = "$", *, loose: frozenset[str] = frozenset()
+) -> None:
     """`got` has exactly the structure of `exp` (keys in order, lengths, types) and its values,
     except invented ones (`VOLATILE`) and keys in `loose`, compared by type and shape only."""
     if isinstance(exp, dict):
@@ -80,10 +82,17 @@ def _assert_shape(exp: Any, got: Any, path: str) -> None:
         assert isinstance(got, (int, float) if isinstance(exp, (int, float)) else type(exp)), path
 
 
-async def send(url: str, req: dict[str, Any], headers: dict[str, str] | None = None) -> httpx.Response:
+async def send(
+    url: str, req: dict[str, Any], headers: dict[str, str] | None = None
+) -> httpx.Response:
     async with httpx.AsyncClient(timeout=10) as c:
-        return await c.request(req["method"], url + req["path"], json=req.get("json"),
-                               params=req.get("query"), headers={**req.get("headers", {}), **(headers or {})})
+        return await c.request(
+            req["method"],
+            url + req["path"],
+            json=req.get("json"),
+            params=req.get("query"),
+            headers={**req.get("headers", {}), **(headers or {})},
+        )
 
 
 def scripted(*outputs: list[Any]) -> Any:
@@ -160,30 +169,42 @@ async def test_fake_n2_gives_a_list_with_fresh_rids(server):
 async def test_fake_prompt_and_top_logprobs(server):
     fx = fixture("generate_top_logprobs_prompt_logprobs.json")
     exp = fx["response"]["json"]  # the fixture shows the meta_info object
-    s = await server(script=scripted(_lp(exp["output_token_logprobs"])), eos_token_ids=(151643,))  # a base model
+    s = await server(
+        script=scripted(_lp(exp["output_token_logprobs"])), eos_token_ids=(151643,)
+    )  # a base model
     got = (await send(s.url, fx["request"])).json()
-    assert_matches(exp, got["meta_info"], loose=frozenset({"input_top_logprobs", "output_top_logprobs"}))
+    assert_matches(
+        exp, got["meta_info"], loose=frozenset({"input_top_logprobs", "output_top_logprobs"})
+    )
     assert [e[:2] for e in got["meta_info"]["output_top_logprobs"][0][:1]] == [[-0.1053, 151645]]
 
 
 async def test_fake_skip_tokenizer_init_has_no_text(server):
     fx = fixture("generate_skip_tokenizer_init.json")
-    s = await server(script=scripted(_lp(fx["response"]["json"]["meta_info"]["output_token_logprobs"])),
-                     skip_tokenizer_init=True)
+    s = await server(
+        script=scripted(_lp(fx["response"]["json"]["meta_info"]["output_token_logprobs"])),
+        skip_tokenizer_init=True,
+    )
     assert_matches(fx["response"]["json"], (await send(s.url, fx["request"])).json())
     bad = {"method": "POST", "path": "/generate", "json": {"text": "hi"}}
     assert (await send(s.url, bad)).status_code == 400
 
 
-@pytest.mark.parametrize("name,incremental", [("generate_stream_default.json", False),
-                                              ("generate_stream_incremental.json", True)])
+@pytest.mark.parametrize(
+    "name,incremental",
+    [("generate_stream_default.json", False), ("generate_stream_incremental.json", True)],
+)
 async def test_fake_sse_stream(server, name, incremental):
     fx = fixture(name)
     events = fx["response"]["events_parsed"]
-    s = await server(script=scripted(_lp(events[-2]["meta_info"]["output_token_logprobs"])
-                                     if not incremental else
-                                     [t for e in events[:-1] for t in _lp(e["meta_info"]["output_token_logprobs"])]),
-                     incremental_streaming=incremental)
+    s = await server(
+        script=scripted(
+            _lp(events[-2]["meta_info"]["output_token_logprobs"])
+            if not incremental
+            else [t for e in events[:-1] for t in _lp(e["meta_info"]["output_token_logprobs"])]
+        ),
+        incremental_streaming=incremental,
+    )
     r = await send(s.url, fx["request"])
     assert r.headers["content-type"].startswith("text/event-stream")
     raw = r.text
@@ -209,15 +230,20 @@ async def test_fake_schema_error_and_unknown_sampling_key(server):
     assert r.status_code == 400
     exp = dict(fx["response"]["json"], message=r.json()["message"])
     assert r.json() == exp
-    bad = {"method": "POST", "path": "/generate",
-           "json": {"input_ids": [1, 2], "sampling_params": {"max_tokens": 4}}}
+    bad = {
+        "method": "POST",
+        "path": "/generate",
+        "json": {"input_ids": [1, 2], "sampling_params": {"max_tokens": 4}},
+    }
     assert (await send(s.url, bad)).status_code == 500  # SGLang's TypeError, not a 400
 
 
 async def test_fake_abort_returns_partial_output(server):
     fx = fixture("generate_aborted_response.json")
     exp = fx["response"]["json"]
-    s = await server(script=scripted(_lp(exp["meta_info"]["output_token_logprobs"]) + [(5, -1.0)] * 10))
+    s = await server(
+        script=scripted(_lp(exp["meta_info"]["output_token_logprobs"]) + [(5, -1.0)] * 10)
+    )
     s.faults.inject("abort")
     assert_matches(exp, (await send(s.url, fx["request"])).json())
 
@@ -226,8 +252,15 @@ async def test_fake_abort_request_aborts_a_live_request(server):
     fx = fixture("abort_request.json")
     s = await server()
     s.faults.token_delay_s = 0.01
-    gen = {"method": "POST", "path": "/generate",
-           "json": {"rid": "traj-0001-turn-3", "input_ids": [1, 2], "sampling_params": {"max_new_tokens": 500}}}
+    gen = {
+        "method": "POST",
+        "path": "/generate",
+        "json": {
+            "rid": "traj-0001-turn-3",
+            "input_ids": [1, 2],
+            "sampling_params": {"max_new_tokens": 500},
+        },
+    }
     task = asyncio.create_task(send(s.url, gen))
     await asyncio.sleep(0.1)
     r = await send(s.url, fx["request"])
@@ -241,7 +274,9 @@ async def test_fake_abort_request_aborts_a_live_request(server):
 async def test_fake_legacy_shapes(server, version):
     fx = fixture("generate_legacy_versions.json")
     exp = fx["response_v0_5_2" if version == "0.5.2" else "response_v0_4_6_post5"]["json"]
-    s = await server(script=scripted(_lp(exp["meta_info"]["output_token_logprobs"])), legacy=version)
+    s = await server(
+        script=scripted(_lp(exp["meta_info"]["output_token_logprobs"])), legacy=version
+    )
     assert_matches(exp, (await send(s.url, fx["request"])).json())
 
 
@@ -255,13 +290,24 @@ async def test_fake_auth(server):
     assert ok.status_code == 200
 
 
-@pytest.mark.parametrize("name", [
-    "health_generate.json", "continue_generation.json", "pause_generation.json",
-    "flush_cache.json", "model_info.json", "release_memory_occupation.json",
-    "resume_memory_occupation.json", "update_weight_version.json", "v1_loads_core.json",
-    "server_info.json", "update_weights_from_disk.json", "update_weights_from_tensor.json",
-    "get_weights_by_name.json",
-])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "health_generate.json",
+        "continue_generation.json",
+        "pause_generation.json",
+        "flush_cache.json",
+        "model_info.json",
+        "release_memory_occupation.json",
+        "resume_memory_occupation.json",
+        "update_weight_version.json",
+        "v1_loads_core.json",
+        "server_info.json",
+        "update_weights_from_disk.json",
+        "update_weights_from_tensor.json",
+        "get_weights_by_name.json",
+    ],
+)
 async def test_fake_control_endpoints(server, name, tmp_path):
     fx = fixture(name)
     req, res = copy.deepcopy(fx["request"]), fx["response"]
@@ -296,7 +342,11 @@ async def test_fake_control_endpoints(server, name, tmp_path):
 async def test_fake_flush_is_refused_while_busy_and_release_is_fatal(server):
     s = await server()
     s.faults.token_delay_s = 0.01
-    gen = {"method": "POST", "path": "/generate", "json": {"input_ids": [1], "sampling_params": {"max_new_tokens": 30}}}
+    gen = {
+        "method": "POST",
+        "path": "/generate",
+        "json": {"input_ids": [1], "sampling_params": {"max_new_tokens": 30}},
+    }
     task = asyncio.create_task(send(s.url, gen))
     await asyncio.sleep(0.05)
     r = await send(s.url, {"method": "POST", "path": "/flush_cache"})
@@ -310,16 +360,25 @@ async def test_fake_flush_is_refused_while_busy_and_release_is_fatal(server):
 async def test_fake_pause_retract_blocks_and_updates_run_at_once(server, tmp_path):
     s = await server()
     s.faults.token_delay_s = 0.01
-    gen = {"method": "POST", "path": "/generate", "json": {"input_ids": [1], "sampling_params": {"max_new_tokens": 20}}}
+    gen = {
+        "method": "POST",
+        "path": "/generate",
+        "json": {"input_ids": [1], "sampling_params": {"max_new_tokens": 20}},
+    }
     running = asyncio.create_task(send(s.url, gen))
     await asyncio.sleep(0.05)
-    r = await send(s.url, {"method": "POST", "path": "/pause_generation", "json": {"mode": "retract"}})
+    r = await send(
+        s.url, {"method": "POST", "path": "/pause_generation", "json": {"mode": "retract"}}
+    )
     assert r.json()["status"] == "ok"
     new = asyncio.create_task(send(s.url, gen))  # blocks while paused
     r = await send(s.url, {"method": "POST", "path": "/flush_cache"})
     assert r.status_code == 400  # the retracted request is still waiting
-    upd = {"method": "POST", "path": "/update_weights_from_disk",
-           "json": {"model_path": str(tmp_path), "weight_version": "2"}}
+    upd = {
+        "method": "POST",
+        "path": "/update_weights_from_disk",
+        "json": {"model_path": str(tmp_path), "weight_version": "2"},
+    }
     r = await asyncio.wait_for(send(s.url, upd), 2)  # no writer-lock wait while paused
     assert r.json()["success"] is True
     await asyncio.sleep(0.1)
@@ -333,25 +392,45 @@ async def test_fake_pause_retract_blocks_and_updates_run_at_once(server, tmp_pat
 
 async def test_fake_batch_stream_chunks_carry_an_index(server):
     s = await server(script=lambda p: [5, 6, 151645])
-    req = {"method": "POST", "path": "/generate",
-           "json": {"input_ids": [[1, 2], [3]], "sampling_params": {"max_new_tokens": 8}, "stream": True}}
-    chunks = [json.loads(c[6:]) for c in (await send(s.url, req)).text.split("\n\n") if c and c != "data: [DONE]"]
+    req = {
+        "method": "POST",
+        "path": "/generate",
+        "json": {
+            "input_ids": [[1, 2], [3]],
+            "sampling_params": {"max_new_tokens": 8},
+            "stream": True,
+        },
+    }
+    chunks = [
+        json.loads(c[6:])
+        for c in (await send(s.url, req)).text.split("\n\n")
+        if c and c != "data: [DONE]"
+    ]
     finals = {c["index"]: c for c in chunks if c["meta_info"]["finish_reason"]}
     assert sorted(finals) == [0, 1]
-    assert all(f["output_ids"] == [5, 6, 151645] and f["text"] == "\x05\x06" for f in finals.values())
+    assert all(
+        f["output_ids"] == [5, 6, 151645] and f["text"] == "\x05\x06" for f in finals.values()
+    )
 
 
 async def test_fake_destroy_missing_group(server):
     fx = fixture("destroy_weights_update_group.json")
     s = await server()
     r = await send(s.url, fx["request"])
-    assert (r.status_code, r.json()) == (400, {"success": False, "message": "The group to be destroyed does not exist."})
+    assert (r.status_code, r.json()) == (
+        400,
+        {"success": False, "message": "The group to be destroyed does not exist."},
+    )
 
 
 async def test_fake_duplicate_inflight_rid_is_rejected(server):
     s = await server()
     s.faults.token_delay_s = 0.01
-    gen = {"method": "POST", "path": "/generate", "json": {"rid": "r1", "input_ids": [1], "sampling_params": {"max_new_tokens": 20}}}
+    gen = {
+        "method": "POST",
+        "path": "/generate",
+        "json": {"rid": "r1", "input_ids": [1], "sampling_params": {"max_new_tokens": 20}},
+    }
     task = asyncio.create_task(send(s.url, gen))
     await asyncio.sleep(0.05)
     r = await send(s.url, gen)
@@ -378,14 +457,20 @@ def test_parse_legacy_versions_take_ids_from_logprobs():
     fx = fixture("generate_legacy_versions.json")
     for key, version in (("response_v0_5_2", "default"), ("response_v0_4_6_post5", "7")):
         (c,) = parse_generate_response(fx[key]["json"], weight_version="7")
-        assert (c.token_ids, c.logprobs, c.finish_reason) == ([19, 151645], [-0.0213, -0.0009], "stop")
+        assert (c.token_ids, c.logprobs, c.finish_reason) == (
+            [19, 151645],
+            [-0.0213, -0.0009],
+            "stop",
+        )
         assert c.weight_version == version  # 0.4.6 has none: the client's own version is used
 
 
 def test_parse_other_shapes():
     (c,) = parse_generate_response(fixture("generate_skip_tokenizer_init.json")["response"]["json"])
     assert c.token_ids == [19, 151645]
-    (c,) = parse_generate_response(fixture("generate_top_logprobs_prompt_logprobs.json")["response"]["json"])
+    (c,) = parse_generate_response(
+        fixture("generate_top_logprobs_prompt_logprobs.json")["response"]["json"]
+    )
     assert (c.token_ids, c.finish_reason) == ([151645, 198], "length")
     (c,) = parse_generate_response(fixture("generate_aborted_response.json")["response"]["json"])
     assert (c.token_ids, c.finish_reason) == ([13048, 1052], "abort") and "Aborted" in c.detail
@@ -405,7 +490,10 @@ def test_parse_rejects_untrustworthy_outputs():
     bad["output_ids"], bad["meta_info"]["finish_reason"] = [19, 151645], {"type": "weird"}
     with pytest.raises(EngineError, match="unknown SGLang finish_reason"):
         parse_generate_response(bad)
-    bad["meta_info"]["finish_reason"], bad["meta_info"]["output_token_logprobs"][0][0] = {"type": "stop"}, None
+    bad["meta_info"]["finish_reason"], bad["meta_info"]["output_token_logprobs"][0][0] = (
+        {"type": "stop"},
+        None,
+    )
     with pytest.raises(EngineError, match="malformed"):
         parse_generate_response(bad)
 
@@ -416,7 +504,10 @@ def test_error_messages_of_every_error_shape():
     assert msg.startswith("Requested token count exceeds") and is_context_length_error(msg)
     val = fixture("generate_error_validation_422_as_400.json")["response"]["json"]
     assert not is_context_length_error(error_message(json.dumps(val).encode()))
-    assert error_message(json.dumps(fixture("auth_unauthorized.json")["response"]["json"]).encode()) == "Unauthorized"
+    assert (
+        error_message(json.dumps(fixture("auth_unauthorized.json")["response"]["json"]).encode())
+        == "Unauthorized"
+    )
     assert error_message(b"Flush cache failed.\n") == "Flush cache failed."
 
 
@@ -592,7 +683,9 @@ async def test_dead_server_among_several_is_taken_out(server, engine):
     dead_url = dead.url
     await dead.stop()
     e = engine([dead_url, live.url])
-    outs = await asyncio.gather(*(e.generate([1], SamplingParams(max_new_tokens=2)) for _ in range(20)))
+    outs = await asyncio.gather(
+        *(e.generate([1], SamplingParams(max_new_tokens=2)) for _ in range(20))
+    )
     assert all(c.finish_reason == "length" for c in outs)
     st = {s.url: s for s in e.servers()}
     assert not st[dead_url].healthy and st[dead_url].completed == 0
@@ -637,7 +730,9 @@ async def test_waiting_requests_sleep_while_a_health_probe_hangs(server, engine)
 
     pool._waiters = CountedWaiters()
     pool._mark_unhealthy(pool.servers[0], "HTTP 503: simulated")
-    tasks = [asyncio.create_task(e.generate([1], SamplingParams(max_new_tokens=2))) for _ in range(20)]
+    tasks = [
+        asyncio.create_task(e.generate([1], SamplingParams(max_new_tokens=2))) for _ in range(20)
+    ]
     await asyncio.sleep(0.5)
     assert sleeps <= 2 * len(tasks)  # polling every millisecond made thousands
     answer.set()
@@ -678,7 +773,9 @@ async def test_inflight_per_server_is_bounded(server, engine):
     s = await server()
     s.faults.generate_delay_s = 0.05
     e = engine([s.url], max_inflight_per_server=3)
-    outs = await asyncio.gather(*(e.generate([1], SamplingParams(max_new_tokens=2)) for _ in range(12)))
+    outs = await asyncio.gather(
+        *(e.generate([1], SamplingParams(max_new_tokens=2)) for _ in range(12))
+    )
     assert len(outs) == 12 and s.peak_inflight == 3
 
 
@@ -713,9 +810,17 @@ async def test_update_weights_from_disk_sequence(server, engine, tmp_path):
     s = await server()
     e = engine([s.url])
     await e.update_weights_from_disk(tmp_path, version="3")
-    assert [p for p, _ in s.calls] == ["/pause_generation", "/flush_cache",
-                                       "/update_weights_from_disk", "/continue_generation"]
-    assert s.calls[2][1] == {"model_path": str(tmp_path), "weight_version": "3", "flush_cache": True}
+    assert [p for p, _ in s.calls] == [
+        "/pause_generation",
+        "/flush_cache",
+        "/update_weights_from_disk",
+        "/continue_generation",
+    ]
+    assert s.calls[2][1] == {
+        "model_path": str(tmp_path),
+        "weight_version": "3",
+        "flush_cache": True,
+    }
     assert (await e.generate([1], SamplingParams(max_new_tokens=2))).weight_version == "3"
     assert await e.weight_versions() == {s.url: "3"} and s.model_path == str(tmp_path)
 
@@ -794,8 +899,14 @@ async def test_multi_turn_episode_matches_the_backend_exactly(server, engine):
 def test_launcher_starts_waits_and_stops_a_server(tmp_path):
     from agentgrpo.engine.sglang_launch import SGLangServer
 
-    with SGLangServer("fake-model", port=0, module="tests.fake_sglang", ready_timeout_s=60,
-                      extra_args=["--start-delay", "0.3"], log_path=tmp_path / "server.log") as srv:
+    with SGLangServer(
+        "fake-model",
+        port=0,
+        module="tests.fake_sglang",
+        ready_timeout_s=60,
+        extra_args=["--start-delay", "0.3"],
+        log_path=tmp_path / "server.log",
+    ) as srv:
         r = httpx.get(f"{srv.url}/model_info", timeout=5)
         assert r.json()["model_path"] == "fake-model"
         proc = srv.process
@@ -819,10 +930,25 @@ def test_serve_sglang_main_runs_until_sigterm(tmp_path):
 
     root = Path(__file__).resolve().parents[1]
     p = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from agentgrpo.engine.sglang_launch import main; "
-         "sys.exit(main(sys.argv[1:]))", "fake-model", "--port", "0", "--ready-timeout", "60",
-         "--sglang-module", "tests.fake_sglang", "--log-file", str(tmp_path / "log")],
-        cwd=root, stdout=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-c",
+            "import sys; from agentgrpo.engine.sglang_launch import main; "
+            "sys.exit(main(sys.argv[1:]))",
+            "fake-model",
+            "--port",
+            "0",
+            "--ready-timeout",
+            "60",
+            "--sglang-module",
+            "tests.fake_sglang",
+            "--log-file",
+            str(tmp_path / "log"),
+        ],
+        cwd=root,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     line = p.stdout.readline()
     assert line.startswith("SGLang ready at http://127.0.0.1:"), line
     url = line.split()[-1]
@@ -837,12 +963,19 @@ def test_launcher_reports_a_server_that_dies_during_startup(tmp_path):
     from agentgrpo.engine.sglang_launch import SGLangServer
 
     with pytest.raises(RuntimeError, match="exited with code"):
-        with SGLangServer("m", port=0, module="tests.no_such_module", ready_timeout_s=30,
-                          log_path=tmp_path / "server.log"):
+        with SGLangServer(
+            "m",
+            port=0,
+            module="tests.no_such_module",
+            ready_timeout_s=30,
+            log_path=tmp_path / "server.log",
+        ):
             pass
 
 
-async def test_update_skips_a_dead_server_which_catches_up_when_it_returns(server, engine, tmp_path):
+async def test_update_skips_a_dead_server_which_catches_up_when_it_returns(
+    server, engine, tmp_path
+):
     a, b = await server(), await server()
     e = engine([a.url, b.url], probe_interval_s=0.02)
     port = b.port
@@ -855,12 +988,16 @@ async def test_update_skips_a_dead_server_which_catches_up_when_it_returns(serve
     await restarted.start(port=port)
     try:
         for _ in range(50):
-            await asyncio.gather(*(e.generate([1], SamplingParams(max_new_tokens=2)) for _ in range(4)))
+            await asyncio.gather(
+                *(e.generate([1], SamplingParams(max_new_tokens=2)) for _ in range(4))
+            )
             if restarted.requests:
                 break
             await asyncio.sleep(0.02)
-        assert ("/update_weights_from_disk",
-                {"model_path": str(tmp_path), "weight_version": "3", "flush_cache": True}) in restarted.calls
+        assert (
+            "/update_weights_from_disk",
+            {"model_path": str(tmp_path), "weight_version": "3", "flush_cache": True},
+        ) in restarted.calls
         c = await e.generate([1], SamplingParams(max_new_tokens=2))
         assert restarted.weight_version == "3" and c.weight_version == "3"
     finally:
@@ -931,12 +1068,25 @@ def test_a_training_run_waits_for_its_servers_before_the_first_push(tmp_path, ti
     log = tmp_path / "calls.jsonl"
     with FakeSGLangProcess("--start-delay", "100", "--calls-log", str(log)) as server:
         with pytest.raises(EngineError, match=r"not ready after 3s.*HTTP 503"):
-            main(["train", "examples/calculator.yaml", f"output_dir={tmp_path / 'run'}", "train.steps=1",
-                  f"model.path={tiny_model_dir}", "rollout.group_size=2", "rollout.tasks_per_step=1",
-                  "rollout.max_new_tokens=4", "rollout.max_tokens=16", "log.progress=false",
-                  "engine.kind=sglang", f"engine.sglang.urls=[{server.url}]",
-                  "engine.sglang.ready_timeout_s=3", "engine.sglang.ready_poll_s=0.1",
-                  f"weight_sync.shared_dir={tmp_path / 'w'}"])
+            main(
+                [
+                    "train",
+                    "examples/calculator.yaml",
+                    f"output_dir={tmp_path / 'run'}",
+                    "train.steps=1",
+                    f"model.path={tiny_model_dir}",
+                    "rollout.group_size=2",
+                    "rollout.tasks_per_step=1",
+                    "rollout.max_new_tokens=4",
+                    "rollout.max_tokens=16",
+                    "log.progress=false",
+                    "engine.kind=sglang",
+                    f"engine.sglang.urls=[{server.url}]",
+                    "engine.sglang.ready_timeout_s=3",
+                    "engine.sglang.ready_poll_s=0.1",
+                    f"weight_sync.shared_dir={tmp_path / 'w'}",
+                ]
+            )
     paths = [json.loads(line)["path"] for line in log.read_text().splitlines()]
     assert paths and set(paths) == {"/health_generate"}
 
@@ -945,12 +1095,16 @@ async def test_a_cancelled_request_frees_its_slot(server, engine):
     s = await server()
     s.faults.generate_delay_s = 5.0
     e = engine([s.url], max_inflight_per_server=2)
-    tasks = [asyncio.create_task(e.generate([1], SamplingParams(max_new_tokens=2))) for _ in range(3)]
+    tasks = [
+        asyncio.create_task(e.generate([1], SamplingParams(max_new_tokens=2))) for _ in range(3)
+    ]
     await asyncio.sleep(0.1)
     for t in tasks:
         t.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
     assert e.servers()[0].outstanding == 0
     s.faults.generate_delay_s = 0.0
-    outs = await asyncio.gather(*(e.generate([1], SamplingParams(max_new_tokens=2)) for _ in range(2)))
+    outs = await asyncio.gather(
+        *(e.generate([1], SamplingParams(max_new_tokens=2)) for _ in range(2))
+    )
     assert [c.finish_reason for c in outs] == ["length", "length"]

@@ -58,8 +58,11 @@ class Scripted:
 async def read_request(r: asyncio.StreamReader) -> tuple[bytes, bytes]:
     """(head, body) of one request."""
     head = await r.readuntil(b"\r\n\r\n")
-    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                  if line.lower().startswith(b"content-length:"))
+    length = next(
+        int(line.split(b":")[1])
+        for line in head.split(b"\r\n")
+        if line.lower().startswith(b"content-length:")
+    )
     return head, await r.readexactly(length)
 
 
@@ -73,8 +76,11 @@ async def no_resync(s: ServerState) -> str:
 
 def pool(url: str, headers: dict[str, str] | None = None, **settings: Any) -> ServerPool:
     settings = {"max_retries": 0, "connect_timeout_s": 2.0, "request_timeout_s": 5.0, **settings}
-    return ServerPool(SGLangConfig(urls=[url], **settings),
-                      {"Content-Type": "application/json", **(headers or {})}, resync=no_resync)
+    return ServerPool(
+        SGLangConfig(urls=[url], **settings),
+        {"Content-Type": "application/json", **(headers or {})},
+        resync=no_resync,
+    )
 
 
 async def test_request_on_the_wire_and_keep_alive():
@@ -94,8 +100,11 @@ async def test_request_on_the_wire_and_keep_alive():
     assert s.connections == 1  # the second request reused the connection
     head = seen[0][0].decode().lower()
     assert head.startswith("post /prefix/generate http/1.1\r\n")
-    for field in ("content-type: application/json", "authorization: bearer k",
-                  f"host: {s.url.split('//')[1]}"):
+    for field in (
+        "content-type: application/json",
+        "authorization: bearer k",
+        f"host: {s.url.split('//')[1]}",
+    ):
         assert f"\r\n{field}\r\n" in head, field
     assert seen[0][1]["input_ids"] == [1, 2] and seen[1][1]["input_ids"] == [3]
     assert len({b["rid"] for _, b in seen}) == 2  # a fresh rid per request
@@ -105,11 +114,13 @@ async def test_chunked_interim_and_close_framed_answers():
     async def serve(r, w):
         await read_request(r)
         if s.connections == 1:  # 100 Continue, then a chunked answer; the connection stays
-            w.write(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\n"
-                    b"Transfer-Encoding: chunked\r\n\r\n4;ext=1\r\n[{\"a\r\n5\r\n\":1}]\r\n0\r\n"
-                    b"X-Trailer: t\r\n\r\n")
+            w.write(
+                b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\n"
+                b'Transfer-Encoding: chunked\r\n\r\n4;ext=1\r\n[{"a\r\n5\r\n":1}]\r\n0\r\n'
+                b"X-Trailer: t\r\n\r\n"
+            )
             await read_request(r)
-            w.write(b"HTTP/1.1 200 OK\r\n\r\n{\"b\":2}")  # framed by closing the connection
+            w.write(b'HTTP/1.1 200 OK\r\n\r\n{"b":2}')  # framed by closing the connection
         else:
             w.write(answer(b'{"c":3}'))
 
@@ -161,13 +172,17 @@ async def test_no_answer_before_the_deadline_is_an_engine_error_and_the_connecti
     assert s.connections == 2
 
 
-@pytest.mark.parametrize("reply", [
-    b"",  # closed without answering
-    b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\ncut",
-    b"SSH-2.0-OpenSSH\r\n\r\n",
-    b"HTTP/1.1 200 OK\r\ncontent-length: ten\r\n\r\n",
-    b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n",
-], ids=["drop", "cut", "not-http", "bad-length", "bad-chunk"])
+@pytest.mark.parametrize(
+    "reply",
+    [
+        b"",  # closed without answering
+        b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\ncut",
+        b"SSH-2.0-OpenSSH\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\ncontent-length: ten\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n",
+    ],
+    ids=["drop", "cut", "not-http", "bad-length", "bad-chunk"],
+)
 async def test_broken_answers_take_the_server_out_with_a_typed_error(reply):
     async def serve(r, w):
         await read_request(r)
@@ -182,10 +197,13 @@ async def test_broken_answers_take_the_server_out_with_a_typed_error(reply):
         await p.aclose()
 
 
-@pytest.mark.parametrize("body, message", [
-    (b"<html>Bad gateway</html>", "invalid JSON"),
-    (b"[1, 2]", "returned list, not an object"),
-])
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        (b"<html>Bad gateway</html>", "invalid JSON"),
+        (b"[1, 2]", "returned list, not an object"),
+    ],
+)
 async def test_answers_that_are_not_an_output_object_are_engine_errors(body, message):
     async def serve(r, w):
         await read_request(r)

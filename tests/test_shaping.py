@@ -25,7 +25,10 @@ NAN = math.nan
 
 def test_shaped_rewards_count_tokens_after_the_prompt_and_keep_nan():
     # prompts of 5; after it 10, 18 and 18 tokens; max_tokens 20, buffer 4: 0, -0.5, -0.5 (NaN stays)
-    trajs = [traj([1] * (5 + n), [0] * 5 + [1] * n, reward=r) for n, r in ((10, 1.0), (18, 1.0), (18, NAN))]
+    trajs = [
+        traj([1] * (5 + n), [0] * 5 + [1] * n, reward=r)
+        for n, r in ((10, 1.0), (18, 1.0), (18, NAN))
+    ]
     got = shaped_rewards(trajs, ShapingConfig(overlong_buffer_len=4), max_tokens=20)
     assert got[:2].tolist() == pytest.approx([1.0, 0.5]) and math.isnan(got[2])
     assert shaped_rewards(trajs, ShapingConfig(), max_tokens=20)[:2].tolist() == [1.0, 1.0]
@@ -151,12 +154,20 @@ def test_the_printed_formula_is_the_one_computed_with_batch_std():
     others = torch.stack([(r.sum() - r[i]) / 2 for i in range(3)])
     assert adv.tolist() == pytest.approx(((r - others) / (r.std() + cfg.eps)).tolist(), abs=1e-5)
     assert "grpo  A = (r - group mean) / (batch std" in describe_algorithm(
-        AdvantageConfig(batch_std=True), LossConfig(), ShapingConfig())
+        AdvantageConfig(batch_std=True), LossConfig(), ShapingConfig()
+    )
 
 
 def test_an_overlong_buffer_past_max_tokens_is_refused_at_start_up():
     from agentgrpo.config import ConfigError, load_config
 
-    with pytest.raises(ConfigError, match="shaping.overlong_buffer_len=128 is longer than rollout.max_tokens=64"):
+    with pytest.raises(
+        ConfigError, match="shaping.overlong_buffer_len=128 is longer than rollout.max_tokens=64"
+    ):
         load_config(None, ["shaping.overlong_buffer_len=128", "rollout.max_tokens=64"])
-    assert load_config(None, ["shaping.overlong_buffer_len=64", "rollout.max_tokens=64"]).shaping.overlong_buffer_len == 64
+    assert (
+        load_config(
+            None, ["shaping.overlong_buffer_len=64", "rollout.max_tokens=64"]
+        ).shaping.overlong_buffer_len
+        == 64
+    )

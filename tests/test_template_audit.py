@@ -19,15 +19,19 @@ def kinds(report):
 def test_prefix_preserving_templates_are_exact(smol_tokenizer, name):
     report = audit_template(smol_tokenizer, shared_template(name) if name else None)
     assert report.mode == "exact" and report.prefix_preserving and not report.issues
-    assert report.conversations == 12 and report.turns == 29  # every turn of every conversation walked
+    assert (
+        report.conversations == 12 and report.turns == 29
+    )  # every turn of every conversation walked
 
 
 def test_qwen3_is_refused_with_the_reasons(smol_tokenizer):
     report = audit_template(smol_tokenizer, shared_template("qwen3.jinja"))
     assert report.mode == "refuse" and not report.prefix_preserving
     whys = {i.why for i in report.issues}
-    assert whys == {"it drops the reasoning (<think>...</think>) of earlier assistant turns",
-                    "it renders an empty <think></think> block in the last assistant turn only"}
+    assert whys == {
+        "it drops the reasoning (<think>...</think>) of earlier assistant turns",
+        "it renders an empty <think></think> block in the last assistant turn only",
+    }
     reasoning = next(i for i in report.issues if i.conversation == "reasoning")
     assert reasoning.turn == 1 and "<think>\\n12 * 7 = 84.\\n</think>" in reasoning.detail
     text = report.format()
@@ -46,12 +50,15 @@ def test_preserve_thinking_switch_is_suggested(smol_tokenizer):
     # a Qwen3 variant with the switch newer Qwen templates have
     t = shared_template("qwen3.jinja").replace(
         "{%- if loop.index0 > ns.last_query_index %}",
-        "{%- if (preserve_thinking is defined and preserve_thinking) or loop.index0 > ns.last_query_index %}")
+        "{%- if (preserve_thinking is defined and preserve_thinking) or loop.index0 > ns.last_query_index %}",
+    )
     report = audit_template(smol_tokenizer, t)
     assert "chat_template_kwargs={preserve_thinking: true}" in report.format()
     fixed = audit_template(smol_tokenizer, t, template_kwargs={"preserve_thinking": True})
     # reasoning now survives; the empty think block of a last turn without reasoning still does not
-    assert {i.why for i in fixed.issues} == {"it renders an empty <think></think> block in the last assistant turn only"}
+    assert {i.why for i in fixed.issues} == {
+        "it renders an empty <think></think> block in the last assistant turn only"
+    }
 
 
 def test_wrong_end_of_turn_and_missing_tool_support(smol_tokenizer):
@@ -68,9 +75,19 @@ def test_wrong_end_of_turn_and_missing_tool_support(smol_tokenizer):
 
 def test_llama_with_its_tokens_is_exact_and_the_parser_is_checked(smol_tokenizer):
     tok = copy.deepcopy(smol_tokenizer)
-    tok.add_special_tokens({"additional_special_tokens": ["<|eot_id|>", "<|start_header_id|>",
-                                                         "<|end_header_id|>", "<|python_tag|>"]})
-    report = audit_template(tok, shared_template("llama3_1.jinja"), parser="llama3_json", end_of_turn="<|eot_id|>")
+    tok.add_special_tokens(
+        {
+            "additional_special_tokens": [
+                "<|eot_id|>",
+                "<|start_header_id|>",
+                "<|end_header_id|>",
+                "<|python_tag|>",
+            ]
+        }
+    )
+    report = audit_template(
+        tok, shared_template("llama3_1.jinja"), parser="llama3_json", end_of_turn="<|eot_id|>"
+    )
     assert report.mode == "exact"
     # warnings only: no parallel calls in Llama 3.1, and "\n\n" + "12" merge differently when the
     # text is tokenized in one piece (harmless token-in/token-out, so not fatal)
@@ -79,7 +96,9 @@ def test_llama_with_its_tokens_is_exact_and_the_parser_is_checked(smol_tokenizer
     # ...and the advice holds: the rollout renders only the call the env ran (test_rollout checks it)
     assert "answers the others with a too_many_calls error" in report.format()
     hermes = audit_template(tok, shared_template("llama3_1.jinja"), end_of_turn="<|eot_id|>")
-    assert ("parser_mismatch", False) in kinds(hermes) and "model.tool_parser=llama3_json" in hermes.format()
+    assert ("parser_mismatch", False) in kinds(
+        hermes
+    ) and "model.tool_parser=llama3_json" in hermes.format()
 
 
 def test_require_token_safe_uses_the_env_shape(smol_tokenizer, chat):
@@ -89,7 +108,9 @@ def test_require_token_safe_uses_the_env_shape(smol_tokenizer, chat):
     with pytest.raises(TemplateError, match="not token-safe for this environment") as e:
         require_token_safe(qwen3, CalculatorEnv(), TASK)
     assert "rollout.template_fallback=keep_history" in str(e.value)
-    loose = ChatFormat(smol_tokenizer, template=shared_template("qwen3.jinja"), fallback="keep_history")
+    loose = ChatFormat(
+        smol_tokenizer, template=shared_template("qwen3.jinja"), fallback="keep_history"
+    )
     assert require_token_safe(loose, CalculatorEnv(), TASK).mode == "keep_history"
     # without tools only the plain shapes are walked, headed by the env's own first messages
     plain = audit(chat, tools=[], prompt=CalculatorEnv().reset(options={"task": TASK})[0])
@@ -105,7 +126,10 @@ def test_check_template_command(smol_path, capsys):
     qwen3 = str(SHARED / "chat_templates" / "qwen3.jinja")
     assert main(["check-template", str(smol_path), "--template", qwen3]) == 1
     assert "NOT token-safe" in capsys.readouterr().out
-    assert main(["check-template", str(smol_path), "--template", qwen3, "--fallback", "keep_history"]) == 0
+    assert (
+        main(["check-template", str(smol_path), "--template", qwen3, "--fallback", "keep_history"])
+        == 0
+    )
 
 
 def _with_specials(tokenizer, *tokens):
@@ -119,16 +143,22 @@ def test_a_template_that_cannot_render_tool_calls_is_refused_for_a_tool_env(smol
     Gemma 3's shows no tools at all: with tools both would make every tool episode ENV_ERROR or
     useless, so the audit refuses; without tools they stay usable."""
     eos = "<｜end▁of▁sentence｜>"
-    deepseek = ChatFormat(_with_specials(smol_tokenizer, eos), template=shared_template("deepseekv3.jinja"),
-                          end_of_turn=eos)
+    deepseek = ChatFormat(
+        _with_specials(smol_tokenizer, eos),
+        template=shared_template("deepseekv3.jinja"),
+        end_of_turn=eos,
+    )
     report = audit(deepseek)
     assert report.mode == "refuse" and ("render_error", True) in kinds(report)
     assert ("no_tool_support", True) in kinds(report)
     assert "the template cannot render a tool conversation" in report.format()
     assert "max_tool_calls_per_turn" not in report.format()  # not only parallel calls fail
     assert audit(deepseek, tools=[]).mode == "exact"
-    gemma = ChatFormat(_with_specials(smol_tokenizer, "<start_of_turn>", "<end_of_turn>"),
-                       template=shared_template("gemma3.jinja"), end_of_turn="<end_of_turn>")
+    gemma = ChatFormat(
+        _with_specials(smol_tokenizer, "<start_of_turn>", "<end_of_turn>"),
+        template=shared_template("gemma3.jinja"),
+        end_of_turn="<end_of_turn>",
+    )
     report = audit(gemma)
     assert report.mode == "refuse" and ("no_tool_support", True) in kinds(report)
     assert "does not show the tools" in report.format()

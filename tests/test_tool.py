@@ -39,12 +39,15 @@ def test_call_validates_and_renders():
     assert asyncio.run(add.acall({"a": "4", "b": 1})) == "5"  # pydantic's lax int parsing
 
 
-@pytest.mark.parametrize("args, needle", [
-    ({}, "a: Field required"),
-    ({"a": "x"}, "a: Input should be a valid integer"),
-    ({"a": 1, "c": 3}, "c: Extra inputs are not permitted"),
-    ([1, 2], "must be a JSON object"),
-])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        ({}, "a: Field required"),
+        ({"a": "x"}, "a: Input should be a valid integer"),
+        ({"a": 1, "c": 3}, "c: Extra inputs are not permitted"),
+        ([1, 2], "must be a JSON object"),
+    ],
+)
 def test_bad_arguments_name_the_problem(args, needle):
     with pytest.raises(ToolError, match=needle):
         asyncio.run(add.acall(args))
@@ -82,9 +85,11 @@ def test_definition_errors_are_loud():
     with pytest.raises(ValueError, match="needs a description"):
         tool(undocumented)
     with pytest.raises(TypeError, match="needs a type annotation"):
+
         @tool
         def f(x):
             """Doc."""
+
     with pytest.raises(ValueError, match="tool name"):
         tool(name="bad name!")(add.fn)
 
@@ -99,6 +104,7 @@ def nap(seconds: float) -> str:
 def test_many_sync_tool_calls_run_in_one_wave():
     """64 sync calls of 0.2 s at once: asyncio's default pool (min(32, cpus + 4) threads, 6 on a
     2-core machine) ran them 6 at a time, 2.2 s; the user pool runs them all at once."""
+
     async def main():
         t0 = time.perf_counter()
         names = await asyncio.gather(*(nap.acall({"seconds": 0.2}) for _ in range(64)))
@@ -134,7 +140,9 @@ def test_a_stuck_call_does_not_starve_later_ones(monkeypatch):
         return stuck, time.perf_counter() - t0
 
     try:
-        with pytest.warns(RuntimeWarning, match=r"4 sync calls of user code \(the latest: .*hang\) overran") as w:
+        with pytest.warns(
+            RuntimeWarning, match=r"4 sync calls of user code \(the latest: .*hang\) overran"
+        ) as w:
             stuck, elapsed = asyncio.run(main())
     finally:
         release.set()
@@ -167,8 +175,10 @@ def test_to_user_thread_keeps_context_and_drops_queued_calls():
 
     async def cancelled_in_queue():
         gate = threading.Event()
-        blockers = [asyncio.ensure_future(to_user_thread(gate.wait, 5))
-                    for _ in range(tool_module.USER_THREADS)]
+        blockers = [
+            asyncio.ensure_future(to_user_thread(gate.wait, 5))
+            for _ in range(tool_module.USER_THREADS)
+        ]
         await asyncio.sleep(0.2)  # every thread busy: the next call waits in the queue
         with pytest.raises(asyncio.TimeoutError):
             await asyncio.wait_for(to_user_thread(never_started), 0.05)
@@ -186,7 +196,9 @@ def test_a_forked_child_gets_its_own_pool():
     asyncio.run(to_user_thread(time.sleep, 0))  # the parent's pool exists and has an idle thread
     ctx = multiprocessing.get_context("fork")
     with ctx.Pool(1) as pool:
-        assert pool.apply(_name_of_user_thread, ()).startswith("agentgrpo-user")  # ran, did not hang
+        assert pool.apply(_name_of_user_thread, ()).startswith(
+            "agentgrpo-user"
+        )  # ran, did not hang
 
 
 def _name_of_user_thread() -> str:
@@ -218,7 +230,9 @@ def test_an_awaitable_returned_by_a_sync_function_is_awaited():
 
     assert not lookup.is_async
     assert asyncio.run(lookup.acall({"key": "a"})) == "value of a" and ran == ["a"]
-    with pytest.raises(ToolError, match="lookup raised KeyError"):  # its failure is a tool error too
+    with pytest.raises(
+        ToolError, match="lookup raised KeyError"
+    ):  # its failure is a tool error too
         asyncio.run(lookup.acall({"key": "bad"}))
 
 
@@ -239,7 +253,10 @@ def test_string_annotations_resolve_in_the_tools_module(tmp_path, monkeypatch):
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     mod = importlib.import_module("future_tools")
-    assert mod.move.schema["function"]["parameters"]["properties"]["mode"]["enum"] == ["fast", "slow"]
+    assert mod.move.schema["function"]["parameters"]["properties"]["mode"]["enum"] == [
+        "fast",
+        "slow",
+    ]
     assert mod.move(**mod.move.validate({"p": {"x": 3}, "mode": "slow"})) == "3 slow"
     with pytest.raises(ToolError, match="mode"):
         mod.move.validate({"p": {"x": 3}, "mode": "warp"})
@@ -255,7 +272,9 @@ def test_an_annotation_naming_nothing_is_a_clear_error():
 def test_a_misspelt_key_of_a_nested_model_is_refused_not_defaulted():
     import pydantic
 
-    tool_module = importlib.import_module("agentgrpo.tool")  # `agentgrpo.tool` is also the decorator
+    tool_module = importlib.import_module(
+        "agentgrpo.tool"
+    )  # `agentgrpo.tool` is also the decorator
 
     class Point(pydantic.BaseModel):
         x: int

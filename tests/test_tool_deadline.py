@@ -49,14 +49,19 @@ def _kinds(step) -> dict[str, int]:
     """The step's tool errors by kind, as trajectories.jsonl writes them."""
     return {kind.value: n for kind, n in step.tool_errors.items()}
 
+
 def test_time_waiting_for_capacity_is_not_charged_to_the_tool_deadline():
-    out, step = _out_and_step(Queued(), ToolCall(id="1", name="fetch", arguments={"wait_s": 0.6, "work_s": 0.05}))
+    out, step = _out_and_step(
+        Queued(), ToolCall(id="1", name="fetch", arguments={"wait_s": 0.6, "work_s": 0.05})
+    )
     assert out[0].content == "fetched" and not step.tool_errors
 
 
 def test_running_time_after_a_wait_is_still_bounded():
     t0 = time.monotonic()
-    out, step = _out_and_step(Queued(), ToolCall(id="1", name="fetch", arguments={"wait_s": 0.3, "work_s": 1.0}))
+    out, step = _out_and_step(
+        Queued(), ToolCall(id="1", name="fetch", arguments={"wait_s": 0.3, "work_s": 1.0})
+    )
     took = time.monotonic() - t0
     assert _kinds(step) == {"tool_timeout": 1}
     assert "did not finish within 0.3 s" in out[0].content
@@ -67,6 +72,7 @@ def test_running_time_after_a_wait_is_still_bounded():
 def test_queue_time_for_a_sandbox_slot_is_not_a_tool_timeout():
     box = Sandbox(backend="unsafe-local", config=SandboxConfig(slots=1))
     try:
+
         class PyEnv(ToolEnv):
             tool_timeout_s = 0.6
             tools = (tool(make_python_tool(box)),)
@@ -74,11 +80,16 @@ def test_queue_time_for_a_sandbox_slot_is_not_a_tool_timeout():
             def reward(self, task, messages):
                 return 1.0
 
-        blocker = threading.Thread(target=box.run, args=("import time; time.sleep(1.5)",),
-                                   kwargs={"limits": Limits(wall_s=5)})
+        blocker = threading.Thread(
+            target=box.run,
+            args=("import time; time.sleep(1.5)",),
+            kwargs={"limits": Limits(wall_s=5)},
+        )
         blocker.start()
         time.sleep(0.2)  # the one slot is busy now; the tool's job queues behind it for about 1.3 s
-        out, step = _out_and_step(PyEnv(), ToolCall(id="1", name="python", arguments={"code": "print(2+2)"}))
+        out, step = _out_and_step(
+            PyEnv(), ToolCall(id="1", name="python", arguments={"code": "print(2+2)"})
+        )
         blocker.join()
         assert not step.tool_errors, out[0].content
         assert "status: ok" in out[0].content and "4" in out[0].content
@@ -95,6 +106,7 @@ def test_time_queued_for_a_worker_thread_is_a_wait(monkeypatch):
     async def main():
         async def call():
             return await tool_mod.to_user_thread(lambda: "ran")
+
         timer = asyncio.get_running_loop().call_later(0.4, release.set)
         try:
             return await run_charging_only_running_time(call(), 0.2)
@@ -131,6 +143,7 @@ def test_a_cancelled_caller_cancels_the_call():
             except asyncio.CancelledError:
                 cancelled.append(True)
                 raise
+
         outer = asyncio.ensure_future(run_charging_only_running_time(slow(), 5))
         await started.wait()
         outer.cancel()
@@ -163,7 +176,11 @@ def test_a_sandbox_job_whose_caller_gave_up_does_not_stop_the_sandbox():
     async def call(code: str):
         env = AsyncPy()
         env.reset(options={"task": TASK})
-        msg = Message(role="assistant", content="", tool_calls=[ToolCall(id="1", name="python", arguments={"code": code})])
+        msg = Message(
+            role="assistant",
+            content="",
+            tool_calls=[ToolCall(id="1", name="python", arguments={"code": code})],
+        )
         step = await asyncio.wait_for(env.step(msg), 8)
         return step.messages[0].content, _kinds(step)
 
@@ -214,6 +231,7 @@ def test_an_open_wait_late_in_a_call_is_not_polled_in_a_busy_loop(monkeypatch):
     def counting(self):
         polls.append(1)
         return real_waited(self)
+
     monkeypatch.setattr(deadlines.WaitClock, "waited_s", counting)
 
     async def almost_out_then_wait():
@@ -239,6 +257,7 @@ def test_an_async_python_call_past_its_deadline_frees_its_sandbox_slot_at_once(b
     except (RuntimeError, OSError) as e:  # namespaces needs root (CI runs as root)
         pytest.skip(f"{backend} sandbox backend cannot start on this host: {e}")
     try:
+
         class PyEnv(ToolEnv):
             tool_timeout_s = 0.5
             tools = (tool(make_async_python_tool(box, PythonToolConfig(limits=Limits(wall_s=30)))),)
@@ -246,8 +265,10 @@ def test_an_async_python_call_past_its_deadline_frees_its_sandbox_slot_at_once(b
             def reward(self, task, messages):
                 return 1.0
 
-        out, step = _out_and_step(PyEnv(), ToolCall(id="1", name="python",
-                                                     arguments={"code": "import time; time.sleep(30)"}))
+        out, step = _out_and_step(
+            PyEnv(),
+            ToolCall(id="1", name="python", arguments={"code": "import time; time.sleep(30)"}),
+        )
         assert _kinds(step) == {"tool_timeout": 1}, out[0].content
         t0 = time.monotonic()
         res = box.run("print('next')", limits=Limits(wall_s=5))
@@ -355,13 +376,19 @@ def test_a_blocking_run_whose_caller_gives_up_kills_its_job():
     box = Sandbox(backend="unsafe-local", config=SandboxConfig(slots=1, retries=2))
     try:
         t0 = time.monotonic()
-        res = box.run("import time; time.sleep(30)", limits=Limits(wall_s=30),
-                      gave_up=lambda: time.monotonic() - t0 > 0.5)
+        res = box.run(
+            "import time; time.sleep(30)",
+            limits=Limits(wall_s=30),
+            gave_up=lambda: time.monotonic() - t0 > 0.5,
+        )
         assert (res.status, res.detail) == ("sandbox_error", "cancelled: its caller gave up")
         queued_at = time.monotonic()
         busy = box._impl.submit(b"import time; time.sleep(30)", b"", [], Limits(wall_s=30))
-        res = box.run("print('never')", limits=Limits(wall_s=5),  # queued behind `busy`
-                      gave_up=lambda: time.monotonic() - queued_at > 0.5)
+        res = box.run(
+            "print('never')",
+            limits=Limits(wall_s=5),  # queued behind `busy`
+            gave_up=lambda: time.monotonic() - queued_at > 0.5,
+        )
         assert res.detail == "cancelled: its caller gave up"
         box._impl.abandon(busy)
         # the one slot is free within moments (each given-up job was killed), not after 30 s
@@ -403,7 +430,9 @@ def test_close_waits_for_a_supervisor_another_thread_is_still_killing():
     client = box._impl
     pid = client._proc.pid
     os.kill(pid, signal.SIGSTOP)  # hung: it will not exit on EOF, so its kill takes a while
-    dropper = threading.Thread(target=client._drop, args=(client._sock, "supervisor missed a job deadline"))
+    dropper = threading.Thread(
+        target=client._drop, args=(client._sock, "supervisor missed a job deadline")
+    )
     dropper.start()
     time.sleep(0.1)  # the drop is killing it, outside `_lock`
     box.close()
@@ -429,8 +458,9 @@ def test_the_default_sandboxs_first_start_is_not_charged_to_the_tool(monkeypatch
     tool = make_async_python_tool(None, PythonToolConfig(limits=Limits(wall_s=5)))
 
     async def main():
-        return await asyncio.gather(*(run_charging_only_running_time(tool(f"print({i})"), 1.0)
-                                      for i in range(4)))
+        return await asyncio.gather(
+            *(run_charging_only_running_time(tool(f"print({i})"), 1.0) for i in range(4))
+        )
 
     try:
         outs = asyncio.run(main())
@@ -454,8 +484,11 @@ def test_a_big_frame_waits_for_a_supervisor_busy_for_a_moment():
         os.kill(pid, signal.SIGSTOP)  # busy for a second
         timer = threading.Timer(1.0, os.kill, (pid, signal.SIGCONT))
         timer.start()
-        res = box.run("import os; print(os.path.getsize('big'))", files={"big": b"x" * (8 << 20)},
-                      limits=Limits(wall_s=10))
+        res = box.run(
+            "import os; print(os.path.getsize('big'))",
+            files={"big": b"x" * (8 << 20)},
+            limits=Limits(wall_s=10),
+        )
         timer.join()
         assert (res.status, res.stdout) == ("ok", f"{8 << 20}\n"), res.detail
         assert box._impl._proc.pid == pid  # the same supervisor: not dropped and restarted

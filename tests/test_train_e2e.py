@@ -12,9 +12,21 @@ from agentgrpo.types import Message, StopReason, Trajectory
 
 def _run(tmp_path, model_dir, *extra):
     out = tmp_path / "run"
-    rc = main(["train", "examples/calculator.yaml", f"output_dir={out}", "train.steps=2",
-               f"model.path={model_dir}", "rollout.group_size=2", "rollout.tasks_per_step=2",
-               "rollout.max_new_tokens=12", "rollout.max_tokens=40", "log.progress=false", *extra])
+    rc = main(
+        [
+            "train",
+            "examples/calculator.yaml",
+            f"output_dir={out}",
+            "train.steps=2",
+            f"model.path={model_dir}",
+            "rollout.group_size=2",
+            "rollout.tasks_per_step=2",
+            "rollout.max_new_tokens=12",
+            "rollout.max_tokens=40",
+            "log.progress=false",
+            *extra,
+        ]
+    )
     assert rc == 0
     return out
 
@@ -24,14 +36,21 @@ def _check_run_dir(out, steps):
     assert [m["step"] for m in metrics] == list(range(1, steps + 1))
     for m in metrics:
         assert math.isfinite(m["loss"]) and math.isfinite(m["reward_mean"])
-        assert m["phase_s/rollout"] > 0 and m["phase_s/train"] > 0  # logged with log.progress=false too
+        assert (
+            m["phase_s/rollout"] > 0 and m["phase_s/train"] > 0
+        )  # logged with log.progress=false too
     rows = read_jsonl(out / "trajectories.jsonl")
     assert rows and {r["step"] for r in rows} == set(range(1, steps + 1))
     for r in rows:
-        t = Trajectory(task_id=r["task_id"], token_ids=r["token_ids"], loss_mask=r["loss_mask"],
-                       logprobs=r["logprobs"], prompt_len=r["prompt_len"],
-                       messages=[Message.from_dict(m) for m in r["messages"]],
-                       stop_reason=StopReason(r["stop_reason"]))
+        t = Trajectory(
+            task_id=r["task_id"],
+            token_ids=r["token_ids"],
+            loss_mask=r["loss_mask"],
+            logprobs=r["logprobs"],
+            prompt_len=r["prompt_len"],
+            messages=[Message.from_dict(m) for m in r["messages"]],
+            stop_reason=StopReason(r["stop_reason"]),
+        )
         t.check()
         assert t.num_sampled > 0 and r["reward"] is not None
     assert (out / "config.yaml").exists() and list((out / "checkpoints").glob("step-*"))
@@ -43,28 +62,55 @@ def _check_run_dir(out, steps):
 def test_two_steps_with_a_tiny_model(tmp_path, tiny_model_dir):
     out = _run(tmp_path, tiny_model_dir)
     _check_run_dir(out, 2)
-    weight_versions = {tuple(r["weight_versions"]) for r in read_jsonl(out / "trajectories.jsonl") if r["step"] == 2}
+    weight_versions = {
+        tuple(r["weight_versions"])
+        for r in read_jsonl(out / "trajectories.jsonl")
+        if r["step"] == 2
+    }
     assert weight_versions == {(1,)}  # step 2 was sampled with the weights after step 1
 
 
 def test_rerun_resumes_instead_of_restarting(tmp_path, tiny_model_dir):
     out = _run(tmp_path, tiny_model_dir)
-    rc = main(["train", "examples/calculator.yaml", f"output_dir={out}", "train.steps=3",
-               f"model.path={tiny_model_dir}", "rollout.group_size=2", "rollout.tasks_per_step=2",
-               "rollout.max_new_tokens=12", "rollout.max_tokens=40", "log.progress=false"])
+    rc = main(
+        [
+            "train",
+            "examples/calculator.yaml",
+            f"output_dir={out}",
+            "train.steps=3",
+            f"model.path={tiny_model_dir}",
+            "rollout.group_size=2",
+            "rollout.tasks_per_step=2",
+            "rollout.max_new_tokens=12",
+            "rollout.max_tokens=40",
+            "log.progress=false",
+        ]
+    )
     assert rc == 0
     assert [m["step"] for m in read_jsonl(out / "metrics.jsonl")] == [1, 2, 3]
 
 
 def test_bad_config_key_fails_before_any_work(tmp_path, capsys):
-    assert main(["train", "examples/calculator.yaml", f"output_dir={tmp_path}/x", "rollout.temprature=0.5"]) == 2
+    assert (
+        main(
+            [
+                "train",
+                "examples/calculator.yaml",
+                f"output_dir={tmp_path}/x",
+                "rollout.temprature=0.5",
+            ]
+        )
+        == 2
+    )
     assert "rollout.temprature: unknown key" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
 
 
 @pytest.mark.slow
 def test_one_step_with_the_embedded_model(tmp_path, smol_path):
-    out = _run(tmp_path, smol_path, "train.steps=1", "rollout.max_new_tokens=48", "rollout.max_tokens=96")
+    out = _run(
+        tmp_path, smol_path, "train.steps=1", "rollout.max_new_tokens=48", "rollout.max_tokens=96"
+    )
     metrics = _check_run_dir(out, 1)
     assert metrics[0]["sampled_tokens"] > 0
     rows = read_jsonl(out / "trajectories.jsonl")
@@ -74,10 +120,20 @@ def test_one_step_with_the_embedded_model(tmp_path, smol_path):
 def test_dynamic_sampling_and_overlong_shaping_are_wired(tmp_path, tiny_model_dir):
     # The random tiny model never answers right: every group has equal rewards, so dynamic sampling
     # drops them all, samples one extra round, and the step trains on nothing (no NaN anywhere).
-    out = _run(tmp_path, tiny_model_dir, "train.steps=1", "shaping.dynamic_sampling=true",
-               "shaping.max_extra_rounds=1", "shaping.overlong_buffer_len=8")
+    out = _run(
+        tmp_path,
+        tiny_model_dir,
+        "train.steps=1",
+        "shaping.dynamic_sampling=true",
+        "shaping.max_extra_rounds=1",
+        "shaping.overlong_buffer_len=8",
+    )
     m = read_jsonl(out / "metrics.jsonl")[0]
-    assert m["dynamic/extra_rounds"] == 1 and m["groups_sampled"] == 4 and m["dynamic/groups_kept"] == 0
+    assert (
+        m["dynamic/extra_rounds"] == 1
+        and m["groups_sampled"] == 4
+        and m["dynamic/groups_kept"] == 0
+    )
     assert m["skipped"] == 1.0
     assert m["reward_mean"] is None  # no group was kept: logged as null, never as a fake 0
 
@@ -94,8 +150,14 @@ def test_engine_blocks_that_would_be_ignored_are_rejected():
 
 
 def test_periodic_evaluation_is_logged_beside_training(tmp_path, tiny_model_dir):
-    out = _run(tmp_path, tiny_model_dir, "eval.every=1", "eval.num_tasks=2", "eval.samples_per_task=2",
-               "eval.pass_k=[1,2]")
+    out = _run(
+        tmp_path,
+        tiny_model_dir,
+        "eval.every=1",
+        "eval.num_tasks=2",
+        "eval.samples_per_task=2",
+        "eval.pass_k=[1,2]",
+    )
     for m in read_jsonl(out / "metrics.jsonl"):
         assert m["eval/tasks"] == 2 and m["eval/trajectories"] == 4
         assert "eval/pass@2" in m and "eval/reward_mean" in m

@@ -64,8 +64,11 @@ def test_assert_outcomes_each_typed(sb):
 def test_the_budget_is_cpu_time_so_waiting_is_not_charged(sb):
     # A slow machine makes a correct solution wait, not compute: 1.2 s of sleep under a 0.5 s
     # budget passes (wall clock used to fail it), while 0.5 s of CPU in a loop does not.
-    tests = ["import time\ntime.sleep(1.2)\nassert add(1, 2) == 3", "while True:\n    pass",
-             "import time\ntime.sleep(60)"]
+    tests = [
+        "import time\ntime.sleep(1.2)\nassert add(1, 2) == 3",
+        "while True:\n    pass",
+        "import time\ntime.sleep(60)",
+    ]
     res = run_tests(ADD, tests, sandbox=sb, timeout_per_test_s=0.5, wall_per_test_s=2.5)
     assert [t.outcome for t in res.tests] == ["passed", "timeout", "timeout"], res.tests
     assert res.tests[0].cpu_s < 0.5 and res.tests[1].cpu_s >= 0.45
@@ -157,25 +160,37 @@ def add(a, b):
 """
 
 
-@pytest.mark.parametrize("result", ["Anything()", "[Anything()]", "{'k': Anything()}", "(1, Anything())"])
+@pytest.mark.parametrize(
+    "result", ["Anything()", "[Anything()]", "{'k': Anything()}", "(1, Anything())"]
+)
 def test_rigged_comparisons_do_not_pass(sb, result):
-    tests = ["assert add(1, 2) == 3", "assert not add(1, 2) != 3", "assert abs(add(1, 2) - 3) < 1e-9",
-             "assert add(1, 2)", "assert all(add(i, 0) == i for i in range(3))",
-             "def check(candidate):\n    assert candidate(1, 2) == 3, 'msg'\ncheck(add)"]
+    tests = [
+        "assert add(1, 2) == 3",
+        "assert not add(1, 2) != 3",
+        "assert abs(add(1, 2) - 3) < 1e-9",
+        "assert add(1, 2)",
+        "assert all(add(i, 0) == i for i in range(3))",
+        "def check(candidate):\n    assert candidate(1, 2) == 3, 'msg'\ncheck(add)",
+    ]
     res = run_tests(ALWAYS_EQUAL.replace("RESULT", result), tests, sandbox=sb)
     assert res.passed == 0, res.tests
     # Each test fails on the rigged object, except where the container itself already breaks the
     # expression (abs([...] - 3) is a TypeError: an error, not a pass either).
     for t in res.tests:
-        assert (t.outcome, "rigged comparison" in t.detail) in {("failed", True), ("error", False)}, t
+        assert (t.outcome, "rigged comparison" in t.detail) in {
+            ("failed", True),
+            ("error", False),
+        }, t
     if result == "Anything()":
         assert all(t.outcome == "failed" for t in res.tests)
 
 
 def test_patched_modules_cannot_forge_a_pass(sb):
-    patch = ("import json, os, builtins\n"
-             "json.dumps = lambda *a, **k: '{\"o\": \"passed\", \"d\": \"\"}'\n"
-             "builtins.isinstance = lambda *a: True\nbuiltins.type = lambda *a: int\n")
+    patch = (
+        "import json, os, builtins\n"
+        'json.dumps = lambda *a, **k: \'{"o": "passed", "d": ""}\'\n'
+        "builtins.isinstance = lambda *a: True\nbuiltins.type = lambda *a: int\n"
+    )
     res = run_tests(patch + "def add(a, b):\n    return 0\n", ["assert add(1, 2) == 3"], sandbox=sb)
     assert [t.outcome for t in res.tests] == ["failed"]
 
@@ -185,20 +200,33 @@ def test_the_harness_is_out_of_the_solutions_reach(sb):
     # solution shares, a metaclass lying about its class's flags, the report pipe written directly,
     # and the harness's own names patched through `import __main__`.
     rigged = ALWAYS_EQUAL.replace("RESULT", "Anything()")
-    liar = ("class Liar(type):\n    def __getattribute__(cls, name):\n"
-            "        return 0 if name in ('__flags__', '__mro__', '__dict__') else super().__getattribute__(name)\n"
-            "class Anything(metaclass=Liar):\n    def __eq__(self, other): return True\n"
-            "def add(a, b):\n    return Anything()\n")
-    forge = ("import os\nfor fd in range(3, 64):\n    try:\n        os.write(fd, b'passed\\n')\n"
-             "    except OSError:\n        pass\nos._exit(0)\n")
-    patch = ("import __main__\n__main__._own = lambda cls, name: None\n" + rigged)
-    tests = ["assert add(1, 2) == 3", "def check(candidate):\n    assert candidate(1, 2) == 3\ncheck(add)"]
-    for name, cheat in [("rebind", rigged + "__agentgrpo_plain__ = lambda v: v\n"), ("liar", liar),
-                        ("forge", forge), ("patch", patch)]:
+    liar = (
+        "class Liar(type):\n    def __getattribute__(cls, name):\n"
+        "        return 0 if name in ('__flags__', '__mro__', '__dict__') else super().__getattribute__(name)\n"
+        "class Anything(metaclass=Liar):\n    def __eq__(self, other): return True\n"
+        "def add(a, b):\n    return Anything()\n"
+    )
+    forge = (
+        "import os\nfor fd in range(3, 64):\n    try:\n        os.write(fd, b'passed\\n')\n"
+        "    except OSError:\n        pass\nos._exit(0)\n"
+    )
+    patch = "import __main__\n__main__._own = lambda cls, name: None\n" + rigged
+    tests = [
+        "assert add(1, 2) == 3",
+        "def check(candidate):\n    assert candidate(1, 2) == 3\ncheck(add)",
+    ]
+    for name, cheat in [
+        ("rebind", rigged + "__agentgrpo_plain__ = lambda v: v\n"),
+        ("liar", liar),
+        ("forge", forge),
+        ("patch", patch),
+    ]:
         res = run_tests(cheat, tests, sandbox=sb)
         assert res.passed == 0, (name, res.tests)
     res = run_tests(forge, tests, sandbox=sb)
-    assert {t.detail for t in res.tests} == {"the report pipe held something the harness did not write"}
+    assert {t.detail for t in res.tests} == {
+        "the report pipe held something the harness did not write"
+    }
     # `import __main__` is the solution's own module, as under `python prog.py`
     own = "import __main__\ndef add(a, b):\n    return a + b\nassert __main__.add is add\n"
     assert run_tests(own, ["assert add(1, 2) == 3"], sandbox=sb).all_passed
@@ -225,19 +253,30 @@ def test_programs_end_as_under_python(sb):
 
 
 def test_honest_values_of_every_kind_still_pass(sb):
-    solution = ("import collections, decimal, enum\nPoint = collections.namedtuple('Point', 'x y')\n"
-                "class Color(enum.IntEnum):\n    RED = 1\n"
-                "class Name(str):\n    pass\n"
-                "class Plain:\n    pass\nP = Plain()\n"
-                "def f(k):\n    return {'int': 3, 'list': [1, (2, 3.0)], 'dict': {'a': [None, b'x']},\n"
-                "            'tuple': Point(1, 2), 'set': {1, 2}, 'dec': decimal.Decimal('1.5'),\n"
-                "            'obj': P, 'gen': (i for i in range(3)), 'od': collections.OrderedDict(a=1),\n"
-                "            'enum': Color.RED, 'name': Name('ada')}[k]\n")
-    tests = ["assert f('int') == 3", "assert f('list') == [1, (2, 3)]", "assert f('dict')['a'][1] == b'x'",
-             "assert f('tuple') == (1, 2) and f('tuple').x == 1", "assert f('set') == {2, 1}",
-             "assert f('dec') == decimal.Decimal('1.5')", "assert f('obj') is P", "assert list(f('gen')) == [0, 1, 2]",
-             "assert f('od') == {'a': 1}", "assert f('int') != 4 and not f('int') < 3",
-             "assert f('enum') == 1 and f('enum')", "assert f('name') == 'ada'"]
+    solution = (
+        "import collections, decimal, enum\nPoint = collections.namedtuple('Point', 'x y')\n"
+        "class Color(enum.IntEnum):\n    RED = 1\n"
+        "class Name(str):\n    pass\n"
+        "class Plain:\n    pass\nP = Plain()\n"
+        "def f(k):\n    return {'int': 3, 'list': [1, (2, 3.0)], 'dict': {'a': [None, b'x']},\n"
+        "            'tuple': Point(1, 2), 'set': {1, 2}, 'dec': decimal.Decimal('1.5'),\n"
+        "            'obj': P, 'gen': (i for i in range(3)), 'od': collections.OrderedDict(a=1),\n"
+        "            'enum': Color.RED, 'name': Name('ada')}[k]\n"
+    )
+    tests = [
+        "assert f('int') == 3",
+        "assert f('list') == [1, (2, 3)]",
+        "assert f('dict')['a'][1] == b'x'",
+        "assert f('tuple') == (1, 2) and f('tuple').x == 1",
+        "assert f('set') == {2, 1}",
+        "assert f('dec') == decimal.Decimal('1.5')",
+        "assert f('obj') is P",
+        "assert list(f('gen')) == [0, 1, 2]",
+        "assert f('od') == {'a': 1}",
+        "assert f('int') != 4 and not f('int') < 3",
+        "assert f('enum') == 1 and f('enum')",
+        "assert f('name') == 'ada'",
+    ]
     res = run_tests(solution, tests, sandbox=sb)
     assert [t.outcome for t in res.tests] == ["passed"] * len(tests), res.tests
 

@@ -171,10 +171,17 @@ def test_worker_dying_mid_request_is_retried_then_unscorable(monkeypatch):
 
 
 def test_worker_without_math_verify_says_why(monkeypatch):
-    monkeypatch.setattr(math_mod, "_WORKER", math_mod._WORKER.replace(
-        "from math_verify import", "from math_verify_not_installed import"))
+    monkeypatch.setattr(
+        math_mod,
+        "_WORKER",
+        math_mod._WORKER.replace(
+            "from math_verify import", "from math_verify_not_installed import"
+        ),
+    )
     p = MathPool(workers=1)
-    with pytest.raises(MathVerifyUnavailable, match="could not load math-verify: ModuleNotFoundError"):
+    with pytest.raises(
+        MathVerifyUnavailable, match="could not load math-verify: ModuleNotFoundError"
+    ):
         p.warm()
     with pytest.raises(MathVerifyUnavailable, match="ModuleNotFoundError"):
         p.check("\\boxed{2}", "3")
@@ -223,7 +230,9 @@ def test_math_verifier(pool):
 def test_math_verifier_names_a_timeout():
     p = MathPool(workers=1, wall_factor=10)
     try:
-        res = MathVerifier(timeout_s=0.5, pool=p)(_traj(RUNAWAY), Task(id="a", prompt="q", answer="1"))
+        res = MathVerifier(timeout_s=0.5, pool=p)(
+            _traj(RUNAWAY), Task(id="a", prompt="q", answer="1")
+        )
         assert res.score == 0.0 and res.detail.startswith("timeout: ") and p.timeouts == 1
     finally:
         p.close()

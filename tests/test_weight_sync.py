@@ -37,10 +37,18 @@ def tiny_model(seed: int = 0) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
-                      max_position_embeddings=128, tie_word_embeddings=False,
-                      eos_token_id=EOS, bos_token_id=1)
+    cfg = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        eos_token_id=EOS,
+        bos_token_id=1,
+    )
     return LlamaForCausalLM(cfg).eval()
 
 
@@ -74,7 +82,9 @@ def test_sequence_logprobs_hand_computed():
     # log p(0) = log(1/4) = -1.386294, log p(1) = log(3/4) = -0.287682
     lps = sequence_logprobs(ConstantLM(), [1, 0, 1, 1], start=1)
     assert lps == pytest.approx([-1.386294, -0.287682, -0.287682], abs=1e-6)
-    assert sequence_logprobs(ConstantLM(), [1, 0, 1, 1], start=3) == pytest.approx([-0.287682], abs=1e-6)
+    assert sequence_logprobs(ConstantLM(), [1, 0, 1, 1], start=3) == pytest.approx(
+        [-0.287682], abs=1e-6
+    )
     with pytest.raises(ValueError, match="start"):
         sequence_logprobs(ConstantLM(), [1], start=1)
 
@@ -117,8 +127,12 @@ async def test_disk_push_loads_verifies_and_versions(fake_with_model, tmp_path):
     assert await sync.push(learner, 1) == "1"
     assert same_weights(server.backend.model, learner)
     assert sync.last_probe_error is not None and sync.last_probe_error < 1e-5
-    assert [p for p, _ in server.calls[-5:-1]] == ["/pause_generation", "/flush_cache",
-                                                   "/update_weights_from_disk", "/continue_generation"]
+    assert [p for p, _ in server.calls[-5:-1]] == [
+        "/pause_generation",
+        "/flush_cache",
+        "/update_weights_from_disk",
+        "/continue_generation",
+    ]
     assert (tmp_path / "step_1" / "model.safetensors").exists()
     assert (tmp_path / "step_1" / "config.json").exists()
     c = await engine.generate([1, 2, 3], SamplingParams(max_new_tokens=4))
@@ -138,14 +152,18 @@ async def test_probe_mismatch_names_both_numbers(fake_with_model, tmp_path):
     server.faults.ignore_weight_updates = True  # the server answers success but keeps old weights
     sync = WeightSync(engine, WeightSyncConfig(shared_dir=str(tmp_path)))
     train_step(learner, 0.2)
-    with pytest.raises(ProbeMismatchError, match=r"version 1.*engine -\d+\.\d{4} vs learner -\d+\.\d{4}"):
+    with pytest.raises(
+        ProbeMismatchError, match=r"version 1.*engine -\d+\.\d{4} vs learner -\d+\.\d{4}"
+    ):
         await sync.push(learner, 1)
 
 
 async def test_the_probe_runs_on_every_server_and_names_the_stale_one(tmp_path):
     learner = tiny_model()
-    good, stale = (FakeSGLang(backend=TinyModelBackend(copy.deepcopy(learner)), eos_token_ids=(EOS,))
-                   for _ in range(2))
+    good, stale = (
+        FakeSGLang(backend=TinyModelBackend(copy.deepcopy(learner)), eos_token_ids=(EOS,))
+        for _ in range(2)
+    )
     stale.faults.ignore_weight_updates = True  # answers success but keeps the old weights
     await good.start()
     await stale.start()
@@ -154,8 +172,11 @@ async def test_the_probe_runs_on_every_server_and_names_the_stale_one(tmp_path):
         sync = WeightSync(engine, WeightSyncConfig(shared_dir=str(tmp_path)))
         for step in (1, 2):  # whichever server the balancer would have picked
             train_step(learner, 0.2)
-            with pytest.raises(ProbeMismatchError, match=rf"version {step}: probe logprobs of "
-                               rf"{re.escape(stale.url)} differ") as err:
+            with pytest.raises(
+                ProbeMismatchError,
+                match=rf"version {step}: probe logprobs of "
+                rf"{re.escape(stale.url)} differ",
+            ) as err:
                 await sync.push(learner, step)
             assert good.url not in str(err.value)
         probes = [r for r in good.requests + stale.requests if r["logprob_start_len"] >= 0]
@@ -217,18 +238,25 @@ async def test_a_server_refusing_the_group_fails_the_push_at_once_with_its_messa
     server = FakeSGLang()
 
     async def refuse(body: Any, query: str, w: Any) -> tuple[int, Any]:
-        return 400, {"success": False, "message": "Failed to initialize custom process group: "
-                     "connect to 127.0.0.1 refused"}
+        return 400, {
+            "success": False,
+            "message": "Failed to initialize custom process group: connect to 127.0.0.1 refused",
+        }
 
     server._init_group = refuse
     await server.start()
     engine = SGLangEngine([server.url])
     try:
-        sync = WeightSync(engine, WeightSyncConfig(method="distributed", backend="gloo", timeout_s=10,
-                                                   probe_every=0))
+        sync = WeightSync(
+            engine,
+            WeightSyncConfig(method="distributed", backend="gloo", timeout_s=10, probe_every=0),
+        )
         t0 = time.monotonic()
-        with pytest.raises(EngineError, match="init_weights_update_group answered HTTP 400: Failed "
-                           "to initialize custom process group: connect to 127.0.0.1 refused"):
+        with pytest.raises(
+            EngineError,
+            match="init_weights_update_group answered HTTP 400: Failed "
+            "to initialize custom process group: connect to 127.0.0.1 refused",
+        ):
             await sync.push(tiny_model(), 1)
         assert time.monotonic() - t0 < 5  # not timeout_s
     finally:
@@ -244,7 +272,10 @@ def test_config_and_construction_errors(tmp_path):
         WeightSync(engine, WeightSyncConfig(method="disk"))
     assert WeightSync(engine, WeightSyncConfig()).method == "distributed"
     with pytest.raises(ValueError, match="needs an SGLang engine"):
-        WeightSync(TinyModelBackend(tiny_model()), WeightSyncConfig(method="disk", shared_dir=str(tmp_path)))
+        WeightSync(
+            TinyModelBackend(tiny_model()),
+            WeightSyncConfig(method="disk", shared_dir=str(tmp_path)),
+        )
 
     class NoScore:
         async def update_weights(self, weights: Any, *, version: str) -> None: ...
@@ -257,12 +288,22 @@ async def test_distributed_push_with_gloo_in_two_processes(tmp_path):
     learner = tiny_model()
     learner.save_pretrained(tmp_path / "init")
     log = tmp_path / "calls.jsonl"
-    with FakeSGLangProcess("--backend", "model", "--model-path", str(tmp_path / "init"),
-                           "--eos", str(EOS), "--calls-log", str(log)) as proc:
+    with FakeSGLangProcess(
+        "--backend",
+        "model",
+        "--model-path",
+        str(tmp_path / "init"),
+        "--eos",
+        str(EOS),
+        "--calls-log",
+        str(log),
+    ) as proc:
         engine = SGLangEngine([proc.url])
         try:
             await engine.wait_ready(timeout_s=60)
-            cfg = WeightSyncConfig(method="distributed", backend="gloo", timeout_s=120, bucket_mb=0.01)
+            cfg = WeightSyncConfig(
+                method="distributed", backend="gloo", timeout_s=120, bucket_mb=0.01
+            )
             sync = WeightSync(engine, cfg, probe_ids=[1, 5, 9, 33, 64, 100, 2])
             for step in (1, 2):
                 train_step(learner)
@@ -275,7 +316,11 @@ async def test_distributed_push_with_gloo_in_two_processes(tmp_path):
         finally:
             await engine.aclose()
     calls = [json.loads(line) for line in log.read_text().splitlines()]
-    paths = [c["path"] for c in calls if c["path"] not in ("/health_generate", "/server_info", "/model_info")]
+    paths = [
+        c["path"]
+        for c in calls
+        if c["path"] not in ("/health_generate", "/server_info", "/model_info")
+    ]
     inits = [c["body"] for c in calls if c["path"] == "/init_weights_update_group"]
     updates = [c["body"] for c in calls if c["path"] == "/update_weights_from_distributed"]
     assert len(inits) == 1  # the group is created once
@@ -289,8 +334,12 @@ async def test_distributed_push_with_gloo_in_two_processes(tmp_path):
     assert names == list(sd)
     assert [u.get("weight_version") for u in updates[:per_push]] == [None] * (per_push - 1) + ["1"]
     if (FIXTURES / "init_weights_update_group.json").exists():
-        fx_init = json.loads((FIXTURES / "init_weights_update_group.json").read_text())["request"]["json"]
-        fx_upd = json.loads((FIXTURES / "update_weights_from_distributed.json").read_text())["request"]["json"]
+        fx_init = json.loads((FIXTURES / "init_weights_update_group.json").read_text())["request"][
+            "json"
+        ]
+        fx_upd = json.loads((FIXTURES / "update_weights_from_distributed.json").read_text())[
+            "request"
+        ]["json"]
         assert set(inits[0]) == set(fx_init)
         assert set(updates[-1]) == set(fx_upd) and all(set(u) <= set(fx_upd) for u in updates)
 
@@ -306,8 +355,11 @@ async def test_a_distributed_push_reaches_every_server_of_the_group_or_none(tmp_
         engine = SGLangEngine([a.url, b.url])
         try:
             await engine.wait_ready(timeout_s=60)
-            sync = WeightSync(engine, WeightSyncConfig(method="distributed", backend="gloo", timeout_s=30),
-                              probe_ids=[1, 5, 9, 33, 64, 100, 2])
+            sync = WeightSync(
+                engine,
+                WeightSyncConfig(method="distributed", backend="gloo", timeout_s=30),
+                probe_ids=[1, 5, 9, 33, 64, 100, 2],
+            )
             train_step(learner)
             await sync.push(learner, 1)
             pool = engine._pool

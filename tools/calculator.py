@@ -21,8 +21,13 @@ from fractions import Fraction
 from agentgrpo.tool import ToolError, tool
 
 _BINOPS = {
-    ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-    ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow,
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.Pow: operator.pow,
 }
 _UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
 MAX_DIGITS = 60
@@ -66,7 +71,11 @@ def evaluate(expression: str) -> Fraction:
     def ev(node: ast.AST) -> Fraction:
         if isinstance(node, ast.Expression):
             return ev(node.body)
-        if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
+        if (
+            isinstance(node, ast.Constant)
+            and isinstance(node.value, (int, float))
+            and not isinstance(node.value, bool)
+        ):
             return _number(node, source)
         if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
             return _UNARY[type(node.op)](ev(node.operand))
@@ -84,7 +93,9 @@ def evaluate(expression: str) -> Fraction:
             except ZeroDivisionError:
                 raise ToolError("division by zero") from None
             return _bounded(out, "result")
-        raise ToolError(f"only numbers, + - * / // % ** and parentheses are allowed, not {type(node).__name__}")
+        raise ToolError(
+            f"only numbers, + - * / // % ** and parentheses are allowed, not {type(node).__name__}"
+        )
 
     return ev(tree)
 

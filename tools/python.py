@@ -52,7 +52,7 @@ def _clip(text: str, budget: int) -> str:
         return text[:budget]
     head = keep * 2 // 3
     tail = keep - head
-    return f"{text[:head]}\n... [{len(text) - keep} characters cut] ...\n{text[len(text) - tail:]}"
+    return f"{text[:head]}\n... [{len(text) - keep} characters cut] ...\n{text[len(text) - tail :]}"
 
 
 _MAX_STATUS_CHARS = 120  # the status line (an unknown status shows the sandbox's detail)
@@ -90,7 +90,10 @@ def format_result(res: ExecResult, max_chars: int) -> str:
             short = min(range(2), key=lambda i: shares[i])
             shares[short] = min(shares[short], room // 2)
             shares[1 - short] = room - shares[short]
-    parts = [status, *(f"{n}:\n{_clip(t, share)}" for (n, t), share in zip(streams, shares, strict=True))]
+    parts = [
+        status,
+        *(f"{n}:\n{_clip(t, share)}" for (n, t), share in zip(streams, shares, strict=True)),
+    ]
     return "\n".join(parts + trailer) + "\n"
 
 

@@ -3,7 +3,15 @@ protocol pulls in neither torch nor httpx."""
 
 from agentgrpo.engine.base import Completion, Engine, EngineError, FinishReason, SamplingParams
 
-__all__ = ["Completion", "Engine", "EngineError", "FinishReason", "SamplingParams", "LocalEngine", "SGLangEngine"]
+__all__ = [
+    "Completion",
+    "Engine",
+    "EngineError",
+    "FinishReason",
+    "SamplingParams",
+    "LocalEngine",
+    "SGLangEngine",
+]
 
 
 def __getattr__(name: str):

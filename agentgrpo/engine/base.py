@@ -124,6 +124,8 @@ def close_all(loop: asyncio.AbstractEventLoop, *closers: Callable[[], Any] | Non
             if inspect.isawaitable(result):
                 loop.run_until_complete(result)
         except Exception as e:  # noqa: BLE001 - cleanup: report, go on with the rest
-            warnings.warn(f"closing {getattr(close, '__qualname__', close)} failed: {type(e).__name__}: {e}",
-                          stacklevel=2)
+            warnings.warn(
+                f"closing {getattr(close, '__qualname__', close)} failed: {type(e).__name__}: {e}",
+                stacklevel=2,
+            )
     loop.close()

@@ -22,9 +22,11 @@ class EngineConfig(BaseModel):
     )
     max_batch_size: int = Field(32, ge=1, description="local engine: sequences decoded together")
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
-        "auto", description="local engine: weight dtype; auto = learner.dtype, but float32 where "
+        "auto",
+        description="local engine: weight dtype; auto = learner.dtype, but float32 where "
         "bfloat16 is not native (CUDA and CPUs with AVX512-BF16 or AMX have it; "
-        "agentgrpo.hardware.engine_dtype)")
+        "agentgrpo.hardware.engine_dtype)",
+    )
     prefix_cache_tokens: int = Field(
         16384,
         ge=0,
@@ -61,8 +63,14 @@ class EngineConfig(BaseModel):
         return self
 
 
-def build_engine(cfg: EngineConfig, model_path: Path, tokenizer: Any, *, seed: int,
-                 weights_dtype: str = "float32") -> Engine:
+def build_engine(
+    cfg: EngineConfig,
+    model_path: Path,
+    tokenizer: Any,
+    *,
+    seed: int,
+    weights_dtype: str = "float32",
+) -> Engine:
     """The engine `cfg` describes, serving the model at `model_path` (the local engine; SGLang
     servers load their own model at launch). `seed` seeds the local engine's sampling;
     `weights_dtype` is the learner's weight dtype, which `dtype: auto` follows."""

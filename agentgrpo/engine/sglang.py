@@ -105,7 +105,9 @@ class SGLangEngine(NcclUpdates):
         self._update_targets: list[ServerState] | None = None
         self._released: list[ServerState] | None = None  # servers whose memory release_memory freed
         self._memory_saver: set[str] = set()  # urls seen with --enable-memory-saver
-        self._context_length = self.config.context_length  # smallest window known, see the module doc
+        self._context_length = (
+            self.config.context_length
+        )  # smallest window known, see the module doc
 
     @classmethod
     def from_config(cls, cfg: SGLangConfig) -> SGLangEngine:
@@ -154,8 +156,13 @@ class SGLangEngine(NcclUpdates):
         s.dp_size = 1 if info.get("enable_dp_attention") else int(info.get("dp_size") or 1)
         ctx = info.get("context_length")  # null unless launched with --context-length
         self._learn_context_length(int(ctx) if ctx else None)
-        log.info("SGLang server %s: version %s, tp_size %s, context_length %s", s.url, s.version,
-                 s.tp_size, ctx)
+        log.info(
+            "SGLang server %s: version %s, tp_size %s, context_length %s",
+            s.url,
+            s.version,
+            s.tp_size,
+            ctx,
+        )
 
     def _learn_context_length(self, ctx: int | None) -> bool:
         """Keep the smallest context window seen; True when `ctx` lowered it."""
@@ -189,7 +196,10 @@ class SGLangEngine(NcclUpdates):
                 max_new = min(max_new, ctx - len(prompt_ids) - 1)
                 if max_new < 1:
                     return Completion(
-                        [], [], "length", self._weight_version,
+                        [],
+                        [],
+                        "length",
+                        self._weight_version,
                         detail=f"context length: the prompt has {len(prompt_ids)} tokens and the "
                         f"servers' context length is {ctx}; no room for a new token",
                     )
@@ -202,7 +212,9 @@ class SGLangEngine(NcclUpdates):
                 learned = self._learn_context_length(context_length_of(str(e)))
                 if learned and len(prompt_ids) + 1 < (self._context_length or 0):
                     continue  # the window is known now: sent again, clamped to it
-                return Completion([], [], "length", self._weight_version, detail=f"context length: {e}")
+                return Completion(
+                    [], [], "length", self._weight_version, detail=f"context length: {e}"
+                )
             c = parse_generate_output(raw, weight_version=self._weight_version)
             if c.finish_reason == "abort" and (epoch != self._epoch or not self._resumed.is_set()):
                 continue  # aborted by our own weight-update pause: resubmit under the new weights
@@ -232,8 +244,13 @@ class SGLangEngine(NcclUpdates):
         servers = self._in_rotation()
 
         async def one(s: ServerState) -> list[float]:
-            r = await self._control(s, "POST", "/generate", {**body, "rid": uuid.uuid4().hex},
-                                    timeout=self.config.request_timeout_s)
+            r = await self._control(
+                s,
+                "POST",
+                "/generate",
+                {**body, "rid": uuid.uuid4().hex},
+                timeout=self.config.request_timeout_s,
+            )
             return score_result(ServerPool._decode_output(s.url, r.content), body)
 
         results = await asyncio.gather(*(one(s) for s in servers))
@@ -268,10 +285,17 @@ class SGLangEngine(NcclUpdates):
                 if r.json().get("weight_version") == self._weight_version:
                     return ""
                 if self._last_disk_update is None:
-                    return (f"serves weight version {r.json().get('weight_version')!r}, not "
-                            f"{self._weight_version!r}, and the last update was not from disk")
-                await self._control(s, "POST", "/update_weights_from_disk", self._last_disk_update,
-                                    timeout=self.config.weight_update_timeout_s)
+                    return (
+                        f"serves weight version {r.json().get('weight_version')!r}, not "
+                        f"{self._weight_version!r}, and the last update was not from disk"
+                    )
+                await self._control(
+                    s,
+                    "POST",
+                    "/update_weights_from_disk",
+                    self._last_disk_update,
+                    timeout=self.config.weight_update_timeout_s,
+                )
             except EngineError as e:  # it stays out of rotation and is probed again later
                 return f"could not bring it to weight version {self._weight_version}: {e}"
             log.warning("SGLang server %s reloaded weight version %s", s.url, self._weight_version)
@@ -291,7 +315,9 @@ class SGLangEngine(NcclUpdates):
         timeout = self.config.connect_timeout_s + 30.0 if timeout is None else timeout
         try:
             r = await self._pool.client.request(
-                method, f"{s.url}{path}", json=payload,
+                method,
+                f"{s.url}{path}",
+                json=payload,
                 timeout=httpx.Timeout(timeout, connect=self.config.connect_timeout_s),
             )
         except httpx.HTTPError as e:  # network boundary: name the server and the call
@@ -309,18 +335,30 @@ class SGLangEngine(NcclUpdates):
         ones. Servers out of rotation catch up when they return (`_resync`)."""
         servers = self._update_targets or [s for s in self._pool.servers if s.healthy]
         if not servers:
-            raise EngineError("no SGLang server in rotation: " + "; ".join(
-                f"{s.url}: {s.last_error}" for s in self._pool.servers))
+            raise EngineError(
+                "no SGLang server in rotation: "
+                + "; ".join(f"{s.url}: {s.last_error}" for s in self._pool.servers)
+            )
         return servers
 
     async def _all(self, method: str, path: str, payload: Any = None, **kw: Any) -> list[Any]:
         return await self._each(self._in_rotation(), method, path, payload, **kw)
 
-    async def _each(self, servers: Sequence[ServerState], method: str, path: str, payload: Any = None,
-                    *, return_exceptions: bool = False, **kw: Any) -> list[Any]:
+    async def _each(
+        self,
+        servers: Sequence[ServerState],
+        method: str,
+        path: str,
+        payload: Any = None,
+        *,
+        return_exceptions: bool = False,
+        **kw: Any,
+    ) -> list[Any]:
         """The same control call to each of `servers`, concurrently."""
-        return await asyncio.gather(*(self._control(s, method, path, payload, **kw) for s in servers),
-                                    return_exceptions=return_exceptions)
+        return await asyncio.gather(
+            *(self._control(s, method, path, payload, **kw) for s in servers),
+            return_exceptions=return_exceptions,
+        )
 
     async def flush_cache(self, timeout_s: float | None = None) -> None:
         """Flush the prefix cache on every server, retrying while requests are still in flight
@@ -353,8 +391,10 @@ class SGLangEngine(NcclUpdates):
             await self._pool.reprobe([s for s in self._pool.servers if not s.healthy])
         async with self._update_lock:
             if self._released is not None:
-                raise EngineError("weights pushed while the SGLang servers' memory is released: "
-                                  "call resume_memory() first (the update would write into freed memory)")
+                raise EngineError(
+                    "weights pushed while the SGLang servers' memory is released: "
+                    "call resume_memory() first (the update would write into freed memory)"
+                )
             targets = self._in_rotation()
             if every_server:
                 self._require_every_server(targets)
@@ -366,8 +406,9 @@ class SGLangEngine(NcclUpdates):
                 await self.flush_cache()
                 yield
             finally:
-                results = await self._each(self._update_targets, "POST", "/continue_generation", {},
-                                           return_exceptions=True)
+                results = await self._each(
+                    self._update_targets, "POST", "/continue_generation", {}, return_exceptions=True
+                )
                 self._update_targets = None
                 self._resumed.set()
                 failed = [r for r in results if isinstance(r, BaseException)]
@@ -389,10 +430,19 @@ class SGLangEngine(NcclUpdates):
             self._epoch += 1  # what the pause aborts is resubmitted after resume_memory()
             try:
                 await self._each(servers, "POST", "/pause_generation", {"mode": "abort"})
-                await self._each(servers, "POST", "/release_memory_occupation",
-                                 {"tags": ["kv_cache", "weights"]}, timeout=self.config.weight_update_timeout_s)
-            except BaseException:  # let generation go on where it still can; the error says what failed
-                await self._each(servers, "POST", "/continue_generation", {}, return_exceptions=True)
+                await self._each(
+                    servers,
+                    "POST",
+                    "/release_memory_occupation",
+                    {"tags": ["kv_cache", "weights"]},
+                    timeout=self.config.weight_update_timeout_s,
+                )
+            except (
+                BaseException
+            ):  # let generation go on where it still can; the error says what failed
+                await self._each(
+                    servers, "POST", "/continue_generation", {}, return_exceptions=True
+                )
                 self._resumed.set()
                 raise
             self._released = servers
@@ -408,8 +458,13 @@ class SGLangEngine(NcclUpdates):
                 return
             try:
                 for tags in (["weights"], ["kv_cache"]):
-                    await self._each(servers, "POST", "/resume_memory_occupation", {"tags": tags},
-                                     timeout=self.config.weight_update_timeout_s)
+                    await self._each(
+                        servers,
+                        "POST",
+                        "/resume_memory_occupation",
+                        {"tags": tags},
+                        timeout=self.config.weight_update_timeout_s,
+                    )
                 await self._each(servers, "POST", "/continue_generation", {})
             finally:
                 self._resumed.set()
@@ -423,7 +478,8 @@ class SGLangEngine(NcclUpdates):
                     f"SGLang server {s.url} was started without --enable-memory-saver: with "
                     "release_memory_during_training it would accept the release and free nothing, "
                     "and the learner would run out of memory instead. Restart it with the flag or "
-                    "turn release_memory_during_training off.")
+                    "turn release_memory_during_training off."
+                )
             self._memory_saver.add(s.url)
 
     async def update_weights(self, weights: Any, *, version: str) -> None:
@@ -443,7 +499,9 @@ class SGLangEngine(NcclUpdates):
         body = {"model_path": str(Path(path)), "weight_version": str(version), "flush_cache": True}
         async with self.paused():
             await self._all(
-                "POST", "/update_weights_from_disk", body,
+                "POST",
+                "/update_weights_from_disk",
+                body,
                 timeout=self.config.weight_update_timeout_s,
             )
         self._weight_version, self._last_disk_update = str(version), body
@@ -458,4 +516,3 @@ class SGLangEngine(NcclUpdates):
                 r = await self._control(s, "GET", "/get_model_info")
             out[s.url] = r.json().get("weight_version")
         return out
-

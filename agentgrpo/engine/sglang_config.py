@@ -24,7 +24,9 @@ class SGLangConfig(BaseModel):
     )
     connect_timeout_s: float = Field(10.0, gt=0, description="TCP connect timeout per attempt.")
     max_retries: int = Field(
-        6, ge=0, description="Retries of one request after transport errors / 5xx (within the deadline)."
+        6,
+        ge=0,
+        description="Retries of one request after transport errors / 5xx (within the deadline).",
     )
     backoff_initial_s: float = Field(0.2, ge=0, description="First retry delay; doubles per retry.")
     backoff_max_s: float = Field(10.0, ge=0, description="Upper bound of one retry delay.")

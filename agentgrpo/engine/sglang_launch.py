@@ -138,8 +138,9 @@ class SGLangServer:
         host = _value(extra_args, "--host") or host
         extra_args = _without(extra_args, ("--host", "--port"))  # resolved above, passed below
         self.api_key = _value(extra_args, "--api-key") or os.environ.get(api_key_env) or None
-        self.command = build_command(model, extra_args, host=host, port=port,
-                                     api_key=self.api_key, module=module)
+        self.command = build_command(
+            model, extra_args, host=host, port=port, api_key=self.api_key, module=module
+        )
         connect_host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
         self.url = f"http://{connect_host}:{port}"
         self.ready_timeout_s = ready_timeout_s
@@ -147,22 +148,31 @@ class SGLangServer:
         self.process: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
         if host not in ("127.0.0.1", "localhost", "::1") and not self.api_key:
-            print(f"warning: SGLang will listen on {host} without an API key: anyone who reaches "
-                  f"it can generate and replace its weights (set {api_key_env})", file=sys.stderr)
+            print(
+                f"warning: SGLang will listen on {host} without an API key: anyone who reaches "
+                f"it can generate and replace its weights (set {api_key_env})",
+                file=sys.stderr,
+            )
 
     def start(self) -> str:
         """Start the process and wait until it serves; returns the URL."""
         env = dict(os.environ)
         if env.pop("SGLANG_RETURN_ORIGINAL_LOGPROB", None) not in (None, "", "0", "false"):
-            print("warning: SGLANG_RETURN_ORIGINAL_LOGPROB removed from the server's environment "
-                  "(rollout logprobs must be those of the sampling distribution)", file=sys.stderr)
+            print(
+                "warning: SGLANG_RETURN_ORIGINAL_LOGPROB removed from the server's environment "
+                "(rollout logprobs must be those of the sampling distribution)",
+                file=sys.stderr,
+            )
         out: IO[bytes] | None = None
         if self.log_path is not None:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             out = self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
         print(f"starting SGLang: {masked(self.command)}", file=sys.stderr)
         self.process = subprocess.Popen(
-            self.command, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
+            self.command,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT if out else None,
             start_new_session=True,  # its own process group: stop() reaches TP workers too
         )
         try:
@@ -249,12 +259,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         "sglang.launch_server unchanged (e.g. --tp-size 2 --port 30001).",
     )
     ap.add_argument("model", help="model path or hub id (SGLang's --model-path)")
-    ap.add_argument("--ready-timeout", type=float, default=900.0, help="seconds to wait for readiness")
+    ap.add_argument(
+        "--ready-timeout", type=float, default=900.0, help="seconds to wait for readiness"
+    )
     ap.add_argument("--log-file", default=None, help="write the server's output to this file")
     ap.add_argument("--sglang-module", default="sglang.launch_server", help=argparse.SUPPRESS)
     args, sglang_args = ap.parse_known_args(argv)
-    server = SGLangServer(args.model, extra_args=sglang_args, ready_timeout_s=args.ready_timeout,
-                          log_path=args.log_file, module=args.sglang_module)
+    server = SGLangServer(
+        args.model,
+        extra_args=sglang_args,
+        ready_timeout_s=args.ready_timeout,
+        log_path=args.log_file,
+        module=args.sglang_module,
+    )
     stopping = False
 
     def on_signal(signum: int, frame: object) -> None:
@@ -285,6 +302,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         server.stop()
         for s, h in old.items():
             signal.signal(s, h)
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -33,7 +33,8 @@ class NcclUpdates:
                 "completes only when every rank joins), and "
                 + "; ".join(f"{s.url} is out of rotation ({s.last_error})" for s in missing)
                 + ". A server that restarted has left the group: start the run again (it resumes "
-                "from its last checkpoint and creates the group anew) or sync from disk.")
+                "from its last checkpoint and creates the group anew) or sync from disk."
+            )
 
     async def gpus_per_server(self) -> list[int]:
         """TP size of each server, in `urls` order: the ranks each joins in the NCCL group."""
@@ -58,18 +59,25 @@ class NcclUpdates:
         gpus = await self.gpus_per_server()
         world_size = 1 + sum(gpus)
         offsets = [1 + sum(gpus[:i]) for i in range(len(gpus))]
-        await asyncio.gather(*(
-            self._control(
-                s, "POST", "/init_weights_update_group",
-                {
-                    "master_address": master_address, "master_port": int(master_port),
-                    "rank_offset": off, "world_size": world_size,
-                    "group_name": group_name, "backend": backend,
-                },
-                timeout=self.config.weight_update_timeout_s,
+        await asyncio.gather(
+            *(
+                self._control(
+                    s,
+                    "POST",
+                    "/init_weights_update_group",
+                    {
+                        "master_address": master_address,
+                        "master_port": int(master_port),
+                        "rank_offset": off,
+                        "world_size": world_size,
+                        "group_name": group_name,
+                        "backend": backend,
+                    },
+                    timeout=self.config.weight_update_timeout_s,
+                )
+                for s, off in zip(self._pool.servers, offsets, strict=True)
             )
-            for s, off in zip(self._pool.servers, offsets, strict=True)
-        ))
+        )
 
     async def update_weights_from_distributed(
         self,
@@ -94,13 +102,18 @@ class NcclUpdates:
         """
         self._require_every_server(self._in_rotation())
         body: dict[str, Any] = {
-            "names": names, "dtypes": dtypes, "shapes": shapes,
-            "group_name": group_name, "flush_cache": version is not None,
+            "names": names,
+            "dtypes": dtypes,
+            "shapes": shapes,
+            "group_name": group_name,
+            "flush_cache": version is not None,
         }
         if version is not None:
             body["weight_version"] = str(version)
         await self._all(
-            "POST", "/update_weights_from_distributed", body,
+            "POST",
+            "/update_weights_from_distributed",
+            body,
             timeout=self.config.weight_update_timeout_s,
         )
         if version is not None:

@@ -55,8 +55,11 @@ _RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
 # connection that the server closed under it, it would take the server out of rotation.
 _KEEPALIVE_S = 4.0
 # A transport failure of /generate: refused, reset or dropped connection, cut or malformed answer.
-_TRANSPORT_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError,
-                     aiohttp.ClientResponseError)
+_TRANSPORT_ERRORS = (
+    aiohttp.ClientConnectionError,
+    aiohttp.ClientPayloadError,
+    aiohttp.ClientResponseError,
+)
 
 
 @dataclass
@@ -115,7 +118,9 @@ class ServerPool:
     def _new_client(self, connections: int) -> httpx.AsyncClient:
         return httpx.AsyncClient(
             headers=self._headers,
-            timeout=httpx.Timeout(self.config.request_timeout_s, connect=self.config.connect_timeout_s),
+            timeout=httpx.Timeout(
+                self.config.request_timeout_s, connect=self.config.connect_timeout_s
+            ),
             limits=httpx.Limits(max_connections=connections, max_keepalive_connections=connections),
             verify=self._ssl,
             trust_env=False,  # never route cluster traffic through a proxy from the environment
@@ -132,11 +137,14 @@ class ServerPool:
         session = self._sessions.get(url)
         if session is None:
             connector = aiohttp.TCPConnector(
-                limit=self.config.max_inflight_per_server, limit_per_host=0, ssl=self._ssl,
-                keepalive_timeout=_KEEPALIVE_S)
+                limit=self.config.max_inflight_per_server,
+                limit_per_host=0,
+                ssl=self._ssl,
+                keepalive_timeout=_KEEPALIVE_S,
+            )
             session = self._sessions[url] = aiohttp.ClientSession(
-                connector=connector, headers=self._headers,
-                trust_env=False)  # never route cluster traffic through a proxy from the environment
+                connector=connector, headers=self._headers, trust_env=False
+            )  # never route cluster traffic through a proxy from the environment
         return session
 
     async def aclose(self) -> None:
@@ -202,11 +210,13 @@ class ServerPool:
             body["rid"] = uuid.uuid4().hex  # fresh per attempt: the old one may still be running
             url = s.url
             content = orjson.dumps(body)  # the stdlib's json is slow on long token lists
-            timeout = aiohttp.ClientTimeout(total=max(deadline - loop.time(), 0.001),
-                                            sock_connect=cfg.connect_timeout_s)
+            timeout = aiohttp.ClientTimeout(
+                total=max(deadline - loop.time(), 0.001), sock_connect=cfg.connect_timeout_s
+            )
             try:
                 async with self._session(url).post(
-                    f"{url}/generate", data=content, timeout=timeout) as r:
+                    f"{url}/generate", data=content, timeout=timeout
+                ) as r:
                     status, answer = r.status, await r.read()
             except aiohttp.ConnectionTimeoutError as e:
                 # network boundary: no connection within connect_timeout_s -> server out, retry
@@ -306,7 +316,8 @@ class ServerPool:
             if now >= deadline:
                 states = ", ".join(
                     f"{s.url} ({'healthy' if s.healthy else 'down: ' + s.last_error}, "
-                    f"{s.outstanding} in flight)" for s in servers
+                    f"{s.outstanding} in flight)"
+                    for s in servers
                 )
                 raise EngineError(
                     f"no SGLang server available before the request deadline: {states}; "

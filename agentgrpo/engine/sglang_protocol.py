@@ -82,9 +82,7 @@ def parse_generate_output(
     )
 
 
-def parse_generate_response(
-    body: Any, *, weight_version: str | None = None
-) -> list[Completion]:
+def parse_generate_response(body: Any, *, weight_version: str | None = None) -> list[Completion]:
     """Parse a whole `/generate` body: one object, or a list (batch input or `n > 1`)."""
     items = body if isinstance(body, list) else [body]
     if not all(isinstance(i, Mapping) for i in items):
@@ -139,7 +137,9 @@ def sampling_body(params: SamplingParams, max_new_tokens: int) -> dict[str, Any]
     return sp
 
 
-def score_body(prompt_ids: list[int], completion_ids: list[int], temperature: float) -> dict[str, Any]:
+def score_body(
+    prompt_ids: list[int], completion_ids: list[int], temperature: float
+) -> dict[str, Any]:
     """The `/generate` body whose prompt logprobs (section 1.4) score `completion_ids` after
     `prompt_ids`; `score_result` reads the answer."""
     if not prompt_ids or not completion_ids:
@@ -149,7 +149,8 @@ def score_body(prompt_ids: list[int], completion_ids: list[int], temperature: fl
         "input_ids": list(prompt_ids) + list(completion_ids),
         "sampling_params": {"max_new_tokens": 1, "temperature": temperature},
         "return_logprob": True,
-        "logprob_start_len": len(prompt_ids) - 1,  # one position early: SGLang nulls the first entry
+        "logprob_start_len": len(prompt_ids)
+        - 1,  # one position early: SGLang nulls the first entry
         "stream": False,
     }
 

@@ -4,6 +4,7 @@ The parent reads the spec, forks a child per test and prints one JSON line per f
 job killed at its wall limit still reports the tests it finished). See code.py's docstring for
 what the child guards against.
 """
+
 import ast
 import atexit
 import base64
@@ -38,11 +39,14 @@ _CONTAINERS = (list, tuple, set, frozenset, dict)
 _DUNDERS = ("__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "__bool__", "__len__")
 _PYTHON_CLASS = (1 << 9) | (1 << 8)  # Py_TPFLAGS_HEAPTYPE | Py_TPFLAGS_IMMUTABLETYPE
 
+
 class _Rigged(Exception):
     pass
 
+
 def _own(cls, name):  # the attribute instances see (the class's MRO, not its metaclass)
     return next((_vars(k)[name] for k in _mro(cls) if name in _vars(k)), None)
+
 
 def _plain(value):
     # An operand of an assert's comparison: reject objects whose class (Python code, so possibly the
@@ -59,15 +63,22 @@ def _plain(value):
             base = next(b for b in _mro(t) if _flags(b) & _PYTHON_CLASS != 1 << 9)
             for name in _DUNDERS:
                 if _own(t, name) is not _own(base, name):
-                    raise _Rigged(f"compared a {_tname(t)}, whose class defines its own {name} (an assert compares "
-                                  "plain values)")
+                    raise _Rigged(
+                        f"compared a {_tname(t)}, whose class defines its own {name} (an assert compares "
+                        "plain values)"
+                    )
         if _isinstance(v, dict):
             todo += list(v.keys()) + list(v.values())
         elif _isinstance(v, _CONTAINERS):
             todo += list(v)
-        elif _tname(t) == "ndarray" and _getattr(v, "dtype", None) is not None and v.dtype.kind == "O":
+        elif (
+            _tname(t) == "ndarray"
+            and _getattr(v, "dtype", None) is not None
+            and v.dtype.kind == "O"
+        ):
             todo += list(v.flat)
     return value
+
 
 class _GuardAsserts(ast.NodeTransformer):
     # Every comparison inside an assert gets its operands checked by _plain; a bare `assert x` or
@@ -75,6 +86,7 @@ class _GuardAsserts(ast.NodeTransformer):
     def visit_Assert(self, node):
         node.test = self._guard(node.test)
         return node
+
     def _guard(self, e):
         if _isinstance(e, ast.Compare) or not _isinstance(e, (ast.BoolOp, ast.UnaryOp)):
             e = _Compares().visit(e)
@@ -85,35 +97,46 @@ class _GuardAsserts(ast.NodeTransformer):
             e.operand = self._guard(e.operand)
         return e
 
+
 class _Compares(ast.NodeTransformer):
     def visit_Compare(self, node):
         self.generic_visit(node)
         node.left, node.comparators = _call(node.left), [_call(c) for c in node.comparators]
         return node
 
+
 def _call(e):
     return ast.copy_location(ast.Call(ast.Name("__agentgrpo_plain__", ast.Load()), [e], []), e)
+
 
 def _compile_test(code):
     tree = _GuardAsserts().visit(ast.parse(code, "<test>"))
     return compile(ast.fix_missing_locations(tree), "<test>", "exec")
+
 
 def _end_program():
     # What `python prog.py` does after its last line: wait for its non-daemon threads (a solution
     # may work in a big-stack thread it never joins), then run its atexit handlers.
     threading = sys.modules.get("threading")
     while threading is not None:
-        left = [t for t in threading.enumerate()
-                if t is not threading.current_thread() and not t.daemon and t.is_alive()]
+        left = [
+            t
+            for t in threading.enumerate()
+            if t is not threading.current_thread() and not t.daemon and t.is_alive()
+        ]
         if not left:
             break
         for t in left:
             t.join()
     atexit._run_exitfuncs()
 
+
 def child(test, wfd, nonce):
-    def send(outcome, detail=""):  # "nonce\noutcome\ndetail": no encoder a solution could have patched
+    def send(
+        outcome, detail=""
+    ):  # "nonce\noutcome\ndetail": no encoder a solution could have patched
         _write(wfd, (nonce + "\n" + outcome + "\n" + detail[-500:]).encode("utf-8", "replace"))
+
     main = types.ModuleType("__main__")
     sys.modules["__main__"] = main
     ns = main.__dict__
@@ -123,7 +146,9 @@ def child(test, wfd, nonce):
         test_code = None if io else _compile_test(test["code"])
         try:
             exec(compile(solution, "<solution>", "exec"), ns)
-        except SystemExit as e:  # a program may end itself with sys.exit(0); a function under test may not
+        except (
+            SystemExit
+        ) as e:  # a program may end itself with sys.exit(0); a function under test may not
             if not io or e.code not in (None, 0):
                 raise
         if io:
@@ -148,6 +173,7 @@ def child(test, wfd, nonce):
         pass
     _exit(0)
 
+
 def run_one(i, test):
     # The report pipe is open in the child while the solution runs, so the solution can write to it;
     # a report counts only if it starts with this test's nonce, which lives in frames' locals alone.
@@ -162,15 +188,20 @@ def run_one(i, test):
         signal.setitimer(signal.ITIMER_PROF, per_test)
         hard = resource.getrlimit(resource.RLIMIT_CPU)[1]
         lim = (math.ceil(per_test), math.ceil(per_test) + 1)
-        resource.setrlimit(resource.RLIMIT_CPU,
-                           lim if hard == resource.RLIM_INFINITY else tuple(min(x, hard) for x in lim))
+        resource.setrlimit(
+            resource.RLIMIT_CPU,
+            lim if hard == resource.RLIM_INFINITY else tuple(min(x, hard) for x in lim),
+        )
         for fd, std in ((pipes[0][0], 0), (pipes[1][1], 1), (pipes[2][1], 2)):
             os.dup2(fd, std)
         rep = pipes[3][1]
         for fd in [devnull, out.fileno()] + [fd for p in pipes for fd in p if fd != rep]:
             os.close(fd)
-        sys.stdin, sys.stdout, sys.stderr = (open(0, closefd=False), open(1, "w", closefd=False),
-                                             open(2, "w", closefd=False))
+        sys.stdin, sys.stdout, sys.stderr = (
+            open(0, closefd=False),
+            open(1, "w", closefd=False),
+            open(2, "w", closefd=False),
+        )
         child(test, rep, nonce)
     for fd in (pipes[0][0], pipes[1][1], pipes[2][1], pipes[3][1]):
         os.close(fd)
@@ -190,7 +221,7 @@ def run_one(i, test):
         readable, writable, _ = select.select(list(live) + [pidfd], writers, [], left)
         if writable:
             try:
-                pending = pending[os.write(stdin_fd, pending[:65536]):]
+                pending = pending[os.write(stdin_fd, pending[:65536]) :]
             except OSError:
                 pending = b""
             if not pending:
@@ -221,8 +252,9 @@ def run_one(i, test):
             pass
     _, status, usage = os.wait4(pid, 0)
     cpu = usage.ru_utime + usage.ru_stime  # the child's and its reaped descendants'
-    over_cpu = cpu > per_test or (os.WIFSIGNALED(status)
-                                  and os.WTERMSIG(status) in (signal.SIGPROF, signal.SIGXCPU))
+    over_cpu = cpu > per_test or (
+        os.WIFSIGNALED(status) and os.WTERMSIG(status) in (signal.SIGPROF, signal.SIGXCPU)
+    )
     for fd in [pidfd] + list(bufs) + ([stdin_fd] if stdin_fd >= 0 else []):
         os.close(fd)
     head, _, report = bufs[pipes[3][0]].decode("utf-8", "replace").partition("\n")
@@ -232,21 +264,33 @@ def run_one(i, test):
     if over_cpu:
         res = {"i": i, "o": "timeout", "d": f"over {per_test:g}s of CPU"}
     elif timed_out:
-        res = {"i": i, "o": "timeout",
-               "d": f"over {wall_per_test:g}s of wall time ({cpu:.2f}s of CPU): it sleeps or blocks"}
+        res = {
+            "i": i,
+            "o": "timeout",
+            "d": f"over {wall_per_test:g}s of wall time ({cpu:.2f}s of CPU): it sleeps or blocks",
+        }
     elif outcome:
         res = {"i": i, "o": outcome, "d": detail}
     elif test["kind"] == "io" and clean_exit:  # os._exit(0) after printing, as a program may
         res = {"i": i, "o": "ran", "d": ""}
     elif bufs[pipes[3][0]]:
-        res = {"i": i, "o": "error", "d": "the report pipe held something the harness did not write"}
+        res = {
+            "i": i,
+            "o": "error",
+            "d": "the report pipe held something the harness did not write",
+        }
     else:
-        res = {"i": i, "o": "error", "d": ("exited before the test finished; " + stderr[-300:]).strip()}
+        res = {
+            "i": i,
+            "o": "error",
+            "d": ("exited before the test finished; " + stderr[-300:]).strip(),
+        }
     res["cpu"] = round(cpu, 4)
     if test["kind"] == "io":  # raw bytes: JSON's escapes would make the size unbounded by `cap`
         res["out"] = base64.b64encode(bufs[pipes[1][0]]).decode()
     out.write(json.dumps(res) + "\n")
     out.flush()
+
 
 for i, test in enumerate(spec["tests"]):
     run_one(i, test)

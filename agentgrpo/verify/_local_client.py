@@ -142,7 +142,9 @@ class _LocalClient:
                 "files": [n for n, _ in files],
             }
             frame = _supervisor.pack(header, [code, stdin] + [b for _, b in files])
-            self._queue.append((self._next, frame, limits.wall_s + self.cfg.margin_s, fut, stop_wait))
+            self._queue.append(
+                (self._next, frame, limits.wall_s + self.cfg.margin_s, fut, stop_wait)
+            )
         self._pump()
         return fut
 
@@ -223,8 +225,14 @@ class _LocalClient:
                 if entry is not None:
                     try:
                         res = _result_from(header, blobs)
-                    except (KeyError, TypeError, ValueError) as e:  # one bad frame must not stop the reader
-                        res = sandbox_error(f"bad result frame from the supervisor: {e!r}", self.kind)
+                    except (
+                        KeyError,
+                        TypeError,
+                        ValueError,
+                    ) as e:  # one bad frame must not stop the reader
+                        res = sandbox_error(
+                            f"bad result frame from the supervisor: {e!r}", self.kind
+                        )
                     entry[0].set_result(res)
             if time.monotonic() - checked > 0.25:
                 checked = time.monotonic()
@@ -276,7 +284,9 @@ class _LocalClient:
             self._drop(sock, "sandbox closed")
         with self._lock:
             stopping = list(self._stopping)
-        for proc in stopping:  # another thread's `_drop` is still stopping it: do not leave it behind
+        for (
+            proc
+        ) in stopping:  # another thread's `_drop` is still stopping it: do not leave it behind
             _kill(proc, grace_s=0.5)
 
 

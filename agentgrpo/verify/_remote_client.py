@@ -185,8 +185,9 @@ class _RemoteClient:
         with self._lock:
             if self._loop is None:
                 self._loop = asyncio.new_event_loop()
-                threading.Thread(target=self._loop.run_forever, name="sandbox-remote",
-                                 daemon=True).start()
+                threading.Thread(
+                    target=self._loop.run_forever, name="sandbox-remote", daemon=True
+                ).start()
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     def run(self, payload: dict, limits: Limits) -> ExecResult:

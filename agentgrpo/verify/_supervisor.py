@@ -392,8 +392,16 @@ async def _serve(sup: Supervisor, sock: socket.socket) -> None:
             res, out = await sup.run(header, blobs)
         except Exception as e:  # a bug here must not leave the job unanswered (the client would
             # restart the supervisor, failing every job in flight): this job alone is a sandbox error
-            res, out = {"id": header["id"], "status": "sandbox_error", "exit_code": None,
-                        "signal": None, "detail": f"supervisor: {type(e).__name__}: {e}"}, [b"", b""]
+            res, out = (
+                {
+                    "id": header["id"],
+                    "status": "sandbox_error",
+                    "exit_code": None,
+                    "signal": None,
+                    "detail": f"supervisor: {type(e).__name__}: {e}",
+                },
+                [b"", b""],
+            )
         if not writer.transport.is_closing():
             writer.write(pack(res, out))
 

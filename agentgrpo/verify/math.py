@@ -375,9 +375,15 @@ class MathPool:
             if "timeout" in rep:  # not cached: another call may have a larger budget
                 with self._lock:
                     self.timeouts += 1
-                return MathCheck(False, "timeout", f"math-verify used its {timeout_s:g} s CPU "
-                                 f"budget ({rep['timeout']:.2f} s) without an answer")
-            result = MathCheck(False, "error", rep["e"]) if "e" in rep else MathCheck(bool(rep["r"]))
+                return MathCheck(
+                    False,
+                    "timeout",
+                    f"math-verify used its {timeout_s:g} s CPU "
+                    f"budget ({rep['timeout']:.2f} s) without an answer",
+                )
+            result = (
+                MathCheck(False, "error", rep["e"]) if "e" in rep else MathCheck(bool(rep["r"]))
+            )
             with self._lock:
                 self.errors += "e" in rep
                 self._cache[key] = result
@@ -386,7 +392,9 @@ class MathPool:
             return result
         with self._lock:
             self.unscorable += 1
-        raise MathVerifyUnavailable(f"math-verify could not check the answer (tries: {tries}): {failed}")
+        raise MathVerifyUnavailable(
+            f"math-verify could not check the answer (tries: {tries}): {failed}"
+        )
 
     def equal(self, prediction: str, answer: str, timeout_s: float = 5.0) -> bool:
         """`check(...).equal`: False also for inputs that time out or make math-verify raise."""

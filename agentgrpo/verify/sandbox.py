@@ -348,7 +348,9 @@ def check_sandbox(sandbox: object, owner: str, *methods: str) -> None:
     Anything with the `Sandbox` methods a caller uses may stand in for one (a test double, a
     wrapper); without this check a stand-in with only `run` would fail as an AttributeError
     inside the first tool call or reward, mid-rollout, instead of when the env is built."""
-    missing = [m for m in methods if sandbox is not None and not callable(getattr(sandbox, m, None))]
+    missing = [
+        m for m in methods if sandbox is not None and not callable(getattr(sandbox, m, None))
+    ]
     if missing:
         raise TypeError(
             f"{owner}: sandbox {type(sandbox).__name__} has no {', '.join(missing)} method; pass an "

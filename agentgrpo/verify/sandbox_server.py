@@ -93,7 +93,8 @@ class ServerLimits:
         self.max_parse_bytes = max_parse_bytes or max_body_bytes
         if self.max_parse_bytes < max_body_bytes:
             raise ValueError(
-                f"--max-parse-mb must hold one body of --max-body-mb ({max_body_bytes} bytes)")
+                f"--max-parse-mb must hold one body of --max-body-mb ({max_body_bytes} bytes)"
+            )
         self.max_waiting, self.head_timeout_s = max_waiting, head_timeout_s
         try:  # the maxima must themselves be limits a job may have
             self.maxima = Limits(
@@ -217,8 +218,12 @@ def parse_run_code(body: dict, srv: ServerLimits) -> tuple[str, bytes, dict[str,
     files = body.get("files")
     if isinstance(files, dict):  # SandboxFusion sends null for a file it does not want
         body = {**body, "files": {k: v for k, v in files.items() if v is not None}}
-    return (body["code"], (_text(body, "stdin") or "").encode(), _files(body, "files", b64=True),
-            srv.limits(lim, "run_timeout/memory_limit_MB"))
+    return (
+        body["code"],
+        (_text(body, "stdin") or "").encode(),
+        _files(body, "files", b64=True),
+        srv.limits(lim, "run_timeout/memory_limit_MB"),
+    )
 
 
 def to_sandboxfusion(res) -> dict:
@@ -337,8 +342,9 @@ class _Server(ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = 128  # the listen backlog: a burst of connections is accepted, then shed
 
-    def __init__(self, address: tuple, handler: type[BaseHTTPRequestHandler], gate: _Gate,
-                 ipv6: bool) -> None:
+    def __init__(
+        self, address: tuple, handler: type[BaseHTTPRequestHandler], gate: _Gate, ipv6: bool
+    ) -> None:
         self.gate = gate
         self.address_family = socket.AF_INET6 if ipv6 else socket.AF_INET
         super().__init__(address, handler)
@@ -354,8 +360,9 @@ class _Server(ThreadingHTTPServer):
             super().handle_error(request, client_address)
 
 
-def make_handler(sb: Sandbox, token: str | None, srv: ServerLimits,
-                 gate: _Gate | None = None) -> type[BaseHTTPRequestHandler]:
+def make_handler(
+    sb: Sandbox, token: str | None, srv: ServerLimits, gate: _Gate | None = None
+) -> type[BaseHTTPRequestHandler]:
     admitted = threading.BoundedSemaphore(srv.max_queue)
     parsing = _ByteBudget(srv.max_parse_bytes)
     gate = gate or _Gate(srv.max_waiting, srv.head_timeout_s)
@@ -512,12 +519,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-processes", type=int, default=256)
     p.add_argument("--max-disk-mb", type=int, default=1024)
     p.add_argument("--max-open-files", type=int, default=1024)
-    p.add_argument("--max-parse-mb", type=float, default=None,
-                   help="request bodies read and parsed at once (default: --max-body-mb)")
-    p.add_argument("--max-waiting", type=int, default=128,
-                   help="connections not yet past their request head; the oldest is closed beyond")
-    p.add_argument("--head-timeout-s", type=float, default=10.0,
-                   help="time a connection has to send its request head; and each read and write")
+    p.add_argument(
+        "--max-parse-mb",
+        type=float,
+        default=None,
+        help="request bodies read and parsed at once (default: --max-body-mb)",
+    )
+    p.add_argument(
+        "--max-waiting",
+        type=int,
+        default=128,
+        help="connections not yet past their request head; the oldest is closed beyond",
+    )
+    p.add_argument(
+        "--head-timeout-s",
+        type=float,
+        default=10.0,
+        help="time a connection has to send its request head; and each read and write",
+    )
     return p
 
 
@@ -549,8 +568,9 @@ def make_server(argv: list[str] | None = None) -> tuple[ThreadingHTTPServer, San
     sb = Sandbox(backend=args.backend, config=SandboxConfig(slots=args.slots))
     gate = _Gate(srv.max_waiting, srv.head_timeout_s)
     try:
-        server = _Server((args.host, args.port), make_handler(sb, token, srv, gate), gate,
-                         ipv6=":" in args.host)
+        server = _Server(
+            (args.host, args.port), make_handler(sb, token, srv, gate), gate, ipv6=":" in args.host
+        )
     except OSError:
         sb.close()
         raise
