@@ -8,4 +8,5 @@ bash scripts/setup.sh
 if [ "$(id -u)" = 0 ]; then bash scripts/system-deps.sh; else echo "not root: tests that need bubblewrap or chromium may skip"; fi
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 .venv/bin/ruff check --quiet .
+.venv/bin/ruff format --check --quiet .
 bash scripts/pytest.sh .venv/bin/python "$@"
