@@ -6,15 +6,16 @@ Sections:
      step and the padding waste of each layout.
   2. overhead: the learner step against a bare forward + backward + AdamW step of the same packed
      micro-batches; once with full logits (what a plain `model(...).logits` loop does) and once with
-     the head at loss positions only (the same compute as the learner: the apples-to-apples overhead,
-     target <= 1.15x).
+     the head at loss positions only (the same compute as the learner: the apples-to-apples
+     overhead, target <= 1.15x).
   3. GRPO-shaped batch (groups of 8 sharing a ~170-token tool prompt, 20..60-token responses, a
      tool result and a second response): shared_prefix vs packed.
   4. bf16 autocast vs fp32 on the same step; and, with the embedded SmolLM2-135M (forward only), the
      logprob gap bf16 autocast causes against the fp32 logprobs the rollout engine reports.
 
 The default model is a random SmolLM2-shaped network (hidden 576, 9 heads / 3 KV, vocab 49152) with
-fewer layers (`--layers`, 30 = the real depth) so the benchmark takes minutes on a shared 2-core CPU.
+fewer layers (`--layers`, 30 = the real depth) so the benchmark takes minutes on a shared 2-core
+CPU.
 
     python bench/learner.py [--layers 4] [--repeats 3] [--no-real-model] [--real-step]
 """
@@ -217,7 +218,8 @@ def spread_section(model, n: int, B: int, repeats: int) -> None:
     print(f"1. {len(trajs)} trajectories of 20..400 tokens ({tokens} tokens)")
     for k, v in t.items():
         print(
-            f"   {k:18s} {statistics.median(v):6.2f} s/step  {tokens / statistics.median(v):7.0f} tok/s"
+            f"   {k:18s} {statistics.median(v):6.2f} s/step  "
+            f"{tokens / statistics.median(v):7.0f} tok/s"
         )
     print(
         f"   padding waste: padded {padding_waste(trajs, 'padded', B):.1%}, packed "
@@ -229,7 +231,8 @@ def spread_section(model, n: int, B: int, repeats: int) -> None:
         f"{ratio(t, 'learner packed', 'bare head-only'):.3f}x (target <= 1.15)"
     )
     print(
-        f"   learner step / bare loop with full logits: {ratio(t, 'learner packed', 'bare full-logits'):.3f}x"
+        "   learner step / bare loop with full logits: "
+        f"{ratio(t, 'learner packed', 'bare full-logits'):.3f}x"
     )
 
 
@@ -255,11 +258,13 @@ def grpo_section(model, B: int, repeats: int) -> None:
     )
     for k, v in t.items():
         print(
-            f"   {k:20s} {statistics.median(v):6.2f} s/step  {gtok / statistics.median(v):7.0f} trajectory tok/s"
+            f"   {k:20s} {statistics.median(v):6.2f} s/step  "
+            f"{gtok / statistics.median(v):7.0f} trajectory tok/s"
         )
     print(f"   shared_prefix speed-up over packed: {ratio(t, 'packed', 'shared_prefix'):.2f}x")
     print(
-        f"4. bf16 autocast speed-up (shared_prefix): {ratio(t, 'shared_prefix', 'shared_prefix bf16'):.2f}x"
+        "4. bf16 autocast speed-up (shared_prefix): "
+        f"{ratio(t, 'shared_prefix', 'shared_prefix bf16'):.2f}x"
     )
 
 
@@ -323,7 +328,8 @@ def real_model_steps(budget: int) -> None:
         del L
         gc.collect()
     print(
-        f"5. SmolLM2-135M learner step, 4 groups x 8 ({gtok} trajectory tokens), micro_batch_tokens {budget}:"
+        f"5. SmolLM2-135M learner step, 4 groups x 8 ({gtok} trajectory tokens), "
+        f"micro_batch_tokens {budget}:"
     )
     for k, v in t.items():
         print(f"   {k:20s} {v[0]:6.1f} s/step  {gtok / v[0]:6.0f} trajectory tok/s")
@@ -335,8 +341,8 @@ def real_model_steps(budget: int) -> None:
 
 
 def real_model_gap(samples: int = 8, new_tokens: int = 48) -> None:
-    """Rollout logprobs (fp32 sampling, KV cache) vs the learner's head-only logprobs in fp32 and with
-    bf16 autocast, on SmolLM2-135M-Instruct's own samples of a calculator-env prompt."""
+    """Rollout logprobs (fp32 sampling, KV cache) vs the learner's head-only logprobs in fp32 and
+    with bf16 autocast, on SmolLM2-135M-Instruct's own samples of a calculator-env prompt."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from agentgrpo.chat import ChatFormat
@@ -388,7 +394,8 @@ def real_model_gap(samples: int = 8, new_tokens: int = 48) -> None:
         d = torch.cat(diffs)
         gaps[name] = (float(d.mean()), float(d.max()))
     print(
-        f"   SmolLM2-135M, {samples} samples x {new_tokens} tokens of a {len(prompt)}-token calculator prompt:"
+        f"   SmolLM2-135M, {samples} samples x {new_tokens} tokens of a {len(prompt)}-token "
+        "calculator prompt:"
     )
     for name, (mean, mx) in gaps.items():
         print(f"   |learner - rollout| logprob, learner {name:13s}: mean {mean:.2e}, max {mx:.2e}")

@@ -5,30 +5,34 @@ Model: a random-initialised Qwen2-style network of ~0.5B parameters (Qwen2.5-0.5
 896, 24 layers, 14 heads / 2 KV, MLP 4864, vocab 151936, tied embeddings), so nothing is downloaded.
 fp32 master weights with bf16 autocast and the LM head's fp32 matmuls on TF32 (the learner's
 defaults on CUDA), sdpa attention (packed rows
-use a 4D block mask, `learner.attention: auto` on CUDA; `--attn flash_attention_2` uses varlen packing
-when flash-attn is installed).
+use a 4D block mask, `learner.attention: auto` on CUDA; `--attn flash_attention_2` uses varlen
+packing when flash-attn is installed).
 
 Variants, each timed over interleaved repeats after a warm-up step:
   - learner, packed        learner.train_step, packing=packed
   - learner, padded        packing=padded (one trajectory per row, rows of similar length)
-  - learner, packed flex   packing=packed under flex attention (block mask: no pair across sequences,
-                           the varlen kernel torch has without flash-attn), and packed segments
-                           (agentgrpo.attention): is packing faster than padding on a GPU with them?
+  - learner, packed flex   packing=packed under flex attention (block mask: no pair across
+                           sequences, the varlen kernel torch has without flash-attn), and packed
+                           segments (agentgrpo.attention): is packing faster than padding on a GPU
+                           with them?
   - learner, shared_prefix the default (a group's prompt computed once), on the GRPO-shaped batch
   - learner, fp32 head     `tf32: false`: the LM head's matmuls in plain fp32 (SIMT on a GPU), the
                            default before 2026-12-04, on the spread and GRPO-shaped batches
-  - learner, head chunks   shared_prefix with `head_chunk_tokens: 2048` (the 152k-vocabulary head over
-                           chunks of loss tokens, recomputed in backward): its time and peak memory
+  - learner, head chunks   shared_prefix with `head_chunk_tokens: 2048` (the 152k-vocabulary head
+                           over chunks of loss tokens, recomputed in backward): its time and peak
+                           memory
   - learner, whole groups  on python_math-shaped groups (8 x ~870 tokens, bench/learner_memory.py's
                            long shape): shared_prefix with `row_tokens` = the budget (a whole group
                            per row) against the default `row_tokens: auto` (the attention cost model
-                           splits long groups; its FLOP count may undersell masked attention on a GPU)
+                           splits long groups; its FLOP count may undersell masked attention on a
+                           GPU)
   - learner, segments      same long groups with `attention: segments` (agentgrpo.attention: an sdpa
                            call per sequence against its prompt, no mask; whole groups per row): is
                            it faster than the masked default on a GPU too, launches and all?
   - learner, flex          shared_prefix under transformers' flex_attention with a block mask per
                            micro-batch (agentgrpo.attention.flex_block_mask: the blocks across
-                           sequences skipped, compiled by torch; GPU only), on both GRPO-shaped batches
+                           sequences skipped, compiled by torch; GPU only), on both GRPO-shaped
+                           batches
   - bare fwd+bwd           the same packed micro-batches through the same head-only forward,
                            -sum(logprob) backward and an AdamW step: the learner's overhead baseline
 
@@ -38,7 +42,8 @@ against the H200's dense bf16 peak (989 TFLOP/s; override with --peak-tflops).
 
     python bench/learner_gpu.py                      # on the GPU machine
     python bench/learner_gpu.py --tiny --device cpu  # smoke test of the script itself
-Writes the results as JSON to $OUT/learner_gpu.json when $OUT is set, rewritten after each batch shape.
+Writes the results as JSON to $OUT/learner_gpu.json when $OUT is set, rewritten after each batch
+shape.
 """
 
 from __future__ import annotations

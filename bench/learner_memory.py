@@ -10,15 +10,18 @@ trajectories run) with `--autocast none`, the fp32 learner of the long-trajector
 A budget written `N/whole` sets `learner.row_tokens=N`: a whole group per row, as the learner packed
 before its row cap (`row_tokens: auto`, the default, lets the cost model split long groups);
 `N/head=C` sets `learner.head_chunk_tokens=C` (the LM head over chunks of C loss tokens); `N/mask`
-sets `learner.attention=mask` (one masked sdpa call per row, what `auto` ran before segment attention).
+sets `learner.attention=mask` (one masked sdpa call per row, what `auto` ran before segment
+attention).
 
 Each budget runs in a fresh process, since the peak resident size (`ru_maxrss`) only grows within
 one; printed: micro-batches, the longest row, packed tokens, peak RSS and the median learner step,
 then each budget's ratios against the first one (the baseline), measured in the same run. Budgets
-run in the given order, then reversed, `--repeats` times, so a drifting machine weighs on all of them.
+run in the given order, then reversed, `--repeats` times, so a drifting machine weighs on all of
+them.
 
     python bench/learner_memory.py [--budgets 4096,2048,1024] [--groups 4] [--steps 3] [--repeats 1]
-    python bench/learner_memory.py --shape long --autocast none --budgets 8192/whole/mask,8192/mask,8192,2048 --steps 1
+    python bench/learner_memory.py --shape long --autocast none --steps 1 \\
+        --budgets 8192/whole/mask,8192/mask,8192,2048
 """
 
 from __future__ import annotations
@@ -148,13 +151,15 @@ def main() -> None:
         f"autocast {args.autocast}, model loaded: {first['rss_loaded_gb']:.2f} GB"
     )
     print(
-        f"{'budget':>10} {'micro-batches':>13} {'row':>5} {'packed':>6} {'peak RSS GB':>11} {'step s':>7} "
+        f"{'budget':>10} {'micro-batches':>13} {'row':>5} {'packed':>6} {'peak RSS GB':>11} "
+        f"{'step s':>7} "
         f"{'peak / base':>11} {'step / base':>11}"
     )
     for b in budgets:
         x = results[b][0]
         print(
-            f"{b:>10} {x['micro_batches']:>13} {x['row']:>5} {x['packed']:>6} {peak[b]:>11.2f} {step[b]:>7.2f} "
+            f"{b:>10} {x['micro_batches']:>13} {x['row']:>5} {x['packed']:>6} "
+            f"{peak[b]:>11.2f} {step[b]:>7.2f} "
             f"{peak[b] / peak[base]:>11.2f} {step[b] / step[base]:>11.2f}"
         )
 

@@ -46,7 +46,8 @@ def run(out: Path, url: str, steps: int, overlap: bool) -> tuple[float, list[dic
             "rollout.tasks_per_step=4",
             "rollout.group_size=4",
             "rollout.max_turns=1",
-            "weight_sync.probe_every=0",  # scripted outputs: no logprobs to check the weights against
+            # scripted outputs: no logprobs to check the weights against
+            "weight_sync.probe_every=0",
             "log.progress=false",
             "log.tensorboard=false",
             "eval.every=0",
@@ -95,7 +96,8 @@ def main() -> None:
                 f"overlap={overlap}: run {wall:.1f} s, step_s {[round(s, 2) for s in step_s]}, "
                 f"rollout_s {[round(m['rollout_s'], 2) for m in metrics]}, "
                 f"learner_s {[round(m['learner_s'], 2) for m in metrics]}, "
-                f"policy_lag {[m['policy_lag'] for m in metrics]}, mean phase s {json.dumps(phases)}"
+                f"policy_lag {[m['policy_lag'] for m in metrics]}, mean phase s "
+                f"{json.dumps(phases)}"
             )
         (w0, m0), (w1, m1) = results[False], results[True]
         later0 = sum(m["step_s"] for m in m0[2:]) / (len(m0) - 2)  # after the warm-up steps

@@ -12,7 +12,8 @@ sequences by one token and takes `step_s * (1 + n / 64) ** 0.6` seconds for n ru
 (sub-linear growth: batching is cheap until compute-bound), at most `capacity` sequences run at once
 and the rest queue. Responses are 16-512 tokens, log-normal around 90 (heavy-tailed like real model
 output; `--sigma 0` makes them all equal), filler then a tool call (or the final answer); the tool
-sleeps 50-500 ms (uniform). Real token ids go through the real chat template, parser and suffix code.
+sleeps 50-500 ms (uniform). Real token ids go through the real chat template, parser and suffix
+code.
 
 - agentgrpo: `rollout.collect` with `max_concurrent_trajectories = concurrency`: each trajectory
   sends its next turn as soon as its tool returns, and a finished trajectory's slot is refilled.
@@ -300,8 +301,10 @@ def main() -> None:
         "tool_ms": (50, 500),
     }
     print(
-        f"{len(tasks) * a.group_size} trajectories x {a.turns} turns, {a.concurrency} in flight, engine capacity "
-        f"{a.capacity}, decode step {a.step_ms:g} ms x (1 + n/64)^0.6, responses 16-512 tokens (log-normal, "
+        f"{len(tasks) * a.group_size} trajectories x {a.turns} turns, {a.concurrency} in "
+        "flight, engine capacity "
+        f"{a.capacity}, decode step {a.step_ms:g} ms x (1 + n/64)^0.6, responses 16-512 "
+        "tokens (log-normal, "
         f"sigma {a.sigma:g}), tools 50-500 ms x {a.time_scale:g}"
     )
     base = measure("lock-step", run_lockstep, chat, tasks, cfg, sim)
@@ -309,12 +312,14 @@ def main() -> None:
     print(f"{'scheduler':<10} {'wall s':>8} {'traj/s':>8} {'engine util':>12} {'occupancy':>10}")
     for r in (base, ours):
         print(
-            f"{r['name']:<10} {r['wall_s']:8.2f} {r['traj_per_s']:8.2f} {r['util']:12.1%} {r['occupancy']:10.1%}"
+            f"{r['name']:<10} {r['wall_s']:8.2f} {r['traj_per_s']:8.2f} {r['util']:12.1%} "
+            f"{r['occupancy']:10.1%}"
         )
     print(f"throughput agentgrpo / lock-step: {ours['traj_per_s'] / base['traj_per_s']:.2f}x")
     print(f"engine utilisation agentgrpo / lock-step: {ours['util']:.1%} / {base['util']:.1%}")
     print(
-        f"agentgrpo framework CPU per turn: {ours['framework_ms_per_turn']:.3f} ms over {ours['turns']} turns"
+        f"agentgrpo framework CPU per turn: {ours['framework_ms_per_turn']:.3f} ms over "
+        f"{ours['turns']} turns"
     )
 
 

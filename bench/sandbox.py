@@ -100,7 +100,8 @@ def main() -> None:
     sb = Sandbox(backend=args.backend)
     lim = Limits(wall_s=5)
     print(
-        f"backend={sb.backend} slots={sb.info['slots']} cpus={os.cpu_count()} features={sb.info['features']}"
+        f"backend={sb.backend} slots={sb.info['slots']} cpus={os.cpu_count()} "
+        f"features={sb.info['features']}"
     )
 
     def box_print() -> None:
@@ -144,7 +145,8 @@ def main() -> None:
         t0 = time.perf_counter()
         ok = sum(score_humaneval(p, p.canonical_solution, sandbox=sb).all_passed for p in problems)
         print(
-            f"\nHumanEval canonical solutions: {ok}/{len(problems)} pass, {time.perf_counter() - t0:.1f} s sequential"
+            f"\nHumanEval canonical solutions: {ok}/{len(problems)} pass, "
+            f"{time.perf_counter() - t0:.1f} s sequential"
         )
     sb.close()
 
@@ -177,7 +179,8 @@ def main() -> None:
             t.join()
         rate = done[0] / (time.monotonic() - t0)
         print(
-            f"math_equal, {workers} worker process{'es' if workers > 1 else ''}: {rate:8.1f} pairs/s "
+            f"math_equal, {workers} worker process{'es' if workers > 1 else ''}: {rate:8.1f} "
+            "pairs/s "
             f"({statistics.fmean([1000 / rate]):.2f} ms/pair amortised)"
         )
         pool.close()

@@ -287,7 +287,8 @@ async def bench(url: str, server_pid: int, args: argparse.Namespace) -> None:
     print(
         f"{n} requests x {args.rounds} interleaved rounds, concurrency {concurrency}, "
         f"{args.prompt_tokens}-token prompts, {args.answer_tokens}-token answers, "
-        f"{args.server} server in another process, {os.cpu_count()} CPUs; medians, [min-max] over rounds"
+        f"{args.server} server in another process, {os.cpu_count()} CPUs; medians, [min-max] "
+        "over rounds"
     )
     base = rounds["raw httpx"]
     for name, rs in rounds.items():

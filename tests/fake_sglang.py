@@ -726,7 +726,8 @@ class FakeSGLang:
         if not isinstance(entries, list) or len(entries) != self.tp_size:
             return 400, {
                 "success": False,
-                "message": f"serialized_named_tensors must have one entry per TP rank ({self.tp_size})",
+                "message": "serialized_named_tensors must have one entry per TP rank "
+                f"({self.tp_size})",
             }
         for e in entries:
             try:
@@ -964,7 +965,8 @@ class FakeSGLang:
             p = len(prompt)
             if p >= self.context_length:
                 raise _value_error(
-                    f"The input ({p} tokens) is longer than the model's context length ({self.context_length} tokens)."
+                    f"The input ({p} tokens) is longer than the model's context length "
+                    f"({self.context_length} tokens)."
                 )
             if sp["max_new_tokens"] is None:
                 sp["max_new_tokens"] = self.context_length - p - 1

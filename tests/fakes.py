@@ -14,8 +14,8 @@ class ScriptedEngine:
 
     `script(prompt_ids, call_index) -> str | Exception`; the text is encoded and the end-of-turn id
     appended unless the text already ends with it. `delay_s` (seconds, or a function of the call
-    index) simulates generation time; `max_in_flight` records the most concurrent requests. Logprobs are fixed negative numbers so tests can
-    check they land in the trajectory unchanged.
+    index) simulates generation time; `max_in_flight` records the most concurrent requests. Logprobs
+    are fixed negative numbers so tests can check they land in the trajectory unchanged.
     """
 
     def __init__(

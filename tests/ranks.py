@@ -17,7 +17,8 @@ def free_port() -> int:
 
 
 def spawn_gloo(fn, *args) -> None:
-    """Run `fn(rank, *args)` in 2 fresh processes; `fn` must be a module-level (picklable) function."""
+    """Run `fn(rank, *args)` in 2 fresh processes; `fn` must be a module-level (picklable)
+    function."""
     import torch.multiprocessing as mp
 
     mp.spawn(_rank, args=(free_port(), fn, args), nprocs=2, join=True)

@@ -69,7 +69,8 @@ def test_spans_of_a_shared_prefix_row():
         T,
         T + 1,
     ]  # every real token once, no tail
-    # The span of a's own 4 5 (row positions 4, 5) against keys [1 2 3 | 4 5]: the prefix, then causal.
+    # The span of a's own 4 5 (row positions 4, 5) against keys [1 2 3 | 4 5]: the prefix, then
+    # causal.
     ((bk, j),) = [
         (bk, j) for bk in seg.buckets for j, q in enumerate(bk.q_idx.tolist()) if q[:2] == [4, 5]
     ]
@@ -79,8 +80,8 @@ def test_spans_of_a_shared_prefix_row():
 
 
 def test_the_switched_model_stays_correct_without_segments():
-    # A left-padded batch with a 2D mask (how an engine or a probe would run the model): the fallback
-    # must apply the padding mask exactly as sdpa does.
+    # A left-padded batch with a 2D mask (how an engine or a probe would run the model): the
+    # fallback must apply the padding mask exactly as sdpa does.
     ids = torch.tensor([[0, 0, 5, 6, 7], [1, 2, 3, 4, 5]])
     attn = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
     plain, switched = tiny_llama("sdpa"), tiny_llama("sdpa")

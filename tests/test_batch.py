@@ -31,7 +31,8 @@ def packed_logprobs(model, batches, temperature):
 
 
 def assert_per_sequence(got, trajs, ref, tol):
-    """Every loss token's packed logprob (`packed_logprobs`) equals the per-sequence one in `ref`."""
+    """Every loss token's packed logprob (`packed_logprobs`) equals the per-sequence one in
+    `ref`."""
     for i, t in enumerate(trajs):
         first = t.loss_mask.index(1)
         for j in (j for j, m in enumerate(t.loss_mask) if m):
@@ -111,7 +112,8 @@ def test_a_chunked_head_gives_the_same_logprobs_entropy_and_gradients():
     torch.testing.assert_close(out[7][0], out[None][0], atol=1e-6, rtol=0)
     torch.testing.assert_close(out[7][1], out[None][1], atol=1e-6, rtol=0)
     for name, g in out[None][2].items():  # chunks sum the head's gradient in another order: float32
-        # rounding of a sum of magnitude ~10 (1.4e-6 seen on this CPU's kernels), so the bound scales with it
+        # rounding of a sum of magnitude ~10 (1.4e-6 seen on this CPU's kernels), so the bound
+        # scales with it
         torch.testing.assert_close(
             out[7][2][name], g, atol=1e-6 * max(1.0, g.abs().max().item()), rtol=1e-5, msg=name
         )
@@ -121,8 +123,8 @@ def test_a_chunked_head_gives_the_same_logprobs_entropy_and_gradients():
 
 
 def test_one_row_packing_without_a_mask_is_exact_with_position_ids():
-    # The flash-attention layout (one row, positions reset, no mask); under sdpa transformers derives
-    # the block-diagonal mask from the position ids, so this checks the layout on a CPU.
+    # The flash-attention layout (one row, positions reset, no mask); under sdpa transformers
+    # derives the block-diagonal mask from the position ids, so this checks the layout on a CPU.
     model = tiny_llama("sdpa")
     trajs = groups_of_trajectories(seed=1)
     batches = make_micro_batches(trajs, [0.0] * len(trajs), 150, mode="packed", one_row=True)

@@ -29,7 +29,8 @@ def _call(expr: str, i: int) -> ToolCall:
 
 
 def _conversation():
-    """A 3-turn tool conversation: (messages before each assistant turn, canonical assistant text)."""
+    """A 3-turn tool conversation: (messages before each assistant turn, canonical assistant
+    text)."""
     return [
         Message(role="system", content="Use tools."),
         Message(role="user", content="What is 12*7+3?"),
@@ -100,7 +101,8 @@ def test_qwen25_suffix_matches_the_documented_rendering(smol_tokenizer):
     )
     assert (
         chat.decode(suffix)
-        == '\n<|im_start|>user\n<tool_response>\n{"temp_c": 18}\n</tool_response><|im_end|>\n<|im_start|>assistant\n'
+        == '\n<|im_start|>user\n<tool_response>\n{"temp_c": 18}\n</tool_response><|im_end|>\n'
+        "<|im_start|>assistant\n"
     )
 
 
@@ -132,7 +134,8 @@ def test_template_with_tools_is_kept(smol_tokenizer):
             "",
         ),
         (
-            'Let me see.<tool_call>{"name": "f", "arguments": {}}</tool_call><tool_call>{"name": "g", "arguments": "{\\"y\\": 2}"}</tool_call>',
+            'Let me see.<tool_call>{"name": "f", "arguments": '
+            '{}}</tool_call><tool_call>{"name": "g", "arguments": "{\\"y\\": 2}"}</tool_call>',
             [("f", {}), ("g", {"y": 2})],
             [],
             "Let me see.",
@@ -306,8 +309,8 @@ def test_llama_template_round_trip_with_its_own_special_tokens(smol_tokenizer):
     suffix = chat.suffix_ids(hist, [Message(role="tool", content="84")], TOOLS)
     # the template JSON-encodes string tool results (a Jinja string is "iterable"): rendered as is
     assert (
-        chat.decode(suffix)
-        == '<|start_header_id|>ipython<|end_header_id|>\n\n"84"<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n'
+        chat.decode(suffix) == "<|start_header_id|>ipython<|end_header_id|>\n\n"
+        '"84"<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n'
     )
 
 
@@ -383,8 +386,10 @@ def test_special_token_text_in_a_message_stays_plain_text(smol_tokenizer, name):
 NAMED_TEMPLATE = (
     "{%- for m in messages %}<|im_start|>{{ m.role }}{% if m.name %} name={{ m.name }}{% endif %}"
     "{% if m.tool_call_id %} id={{ m.tool_call_id }}{% endif %}\n{{ m.content }}"
-    "{%- for c in m.tool_calls or [] %} call {{ c.function.name }} {{ c.function.arguments | tojson }}"
-    "{%- endfor %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    "{%- for c in m.tool_calls or [] %} call {{ c.function.name }} {{ c.function.arguments | "
+    "tojson }}"
+    "{%- endfor %}<|im_end|>\n{% endfor %}{% if add_generation_prompt "
+    "%}<|im_start|>assistant\n{% endif %}"
 )
 
 

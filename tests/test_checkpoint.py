@@ -84,8 +84,8 @@ def test_leftover_temp_dirs_are_removed_and_old_ones_pruned(tmp_path):
 
 def test_save_never_prunes_the_checkpoint_it_wrote(tmp_path):
     """Pruning keeps the new checkpoint and the `keep - 1` newest ones numbered below it, by number
-    (step-1000000 is newer than step-999999, though its name sorts first); checkpoints numbered above
-    it are set aside, not pruned and not resumed over it."""
+    (step-1000000 is newer than step-999999, though its name sorts first); checkpoints numbered
+    above it are set aside, not pruned and not resumed over it."""
     for s in (1, 2, 999_999):
         _save(tmp_path, s)
     write = _write({"model.safetensors": b"w"})
@@ -298,7 +298,8 @@ def test_four_steps_equal_two_steps_killed_and_resumed(tmp_path, stopping_model_
     step3 = [r for r in read_jsonl(killed / "trajectories.jsonl") if r["step"] == 3]
     assert _train(killed, tiny_model_dir, 4, "train.save_every=2") == 0
 
-    # step 3 trained again from the step-2 checkpoint: its first rows went aside, not twice in the logs
+    # step 3 trained again from the step-2 checkpoint: its first rows went aside, not twice in the
+    # logs
     assert [m["step"] for m in read_jsonl(killed / "metrics.jsonl")] == [1, 2, 3, 4]
     assert [m["step"] for m in read_jsonl(killed / "metrics.after-step-2.jsonl")] == [3]
     assert read_jsonl(killed / "trajectories.after-step-2.jsonl") == step3 and step3
@@ -359,7 +360,8 @@ def test_a_run_whose_checkpoints_all_fail_to_load_stops_instead_of_restarting(
 
 def test_two_fresh_runs_with_one_seed_train_the_same_weights(tmp_path, stopping_model_dir):
     """Nothing reseeds torch's global RNG after the run's seed (the local engine has its own
-    generator): LoRA dropout draws the same masks, so the adapters are equal, not only the tokens."""
+    generator): LoRA dropout draws the same masks, so the adapters are equal, not only the
+    tokens."""
     from safetensors.torch import load_file
 
     lora = ["learner.lora.r=4", "learner.lora.dropout=0.5", "learner.lr=1e-2", "loss.clip_high=100"]

@@ -25,7 +25,7 @@ HANG = (
 )
 
 
-# --- the whole loop ----------------------------------------------------------------------------------
+# --- the whole loop -------------------------------------------------------------------------------
 
 
 def _train_on_rank(rank: int, out: str, model_dir: str, steps: int, *extra: str) -> None:
@@ -116,7 +116,7 @@ def test_a_stop_signal_on_one_rank_stops_every_rank_after_a_checkpoint(
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000001"]
 
 
-# --- FSDP ----------------------------------------------------------------------------------------------
+# --- FSDP -----------------------------------------------------------------------------------------
 
 
 def _fsdp_accelerator(launch_env: dict[str, str] | None = None):
@@ -480,7 +480,8 @@ def _chunked_head_rank(rank: int, tmp: str) -> None:
 
 def test_a_chunked_head_under_fsdp_trains_like_one_process_without_chunks(tmp_path):
     # The head is recomputed per chunk in backward (activation checkpointing) while FSDP2 holds the
-    # root's parameters; tied to the embeddings, its gradient sums over the chunks and the input side.
+    # root's parameters; tied to the embeddings, its gradient sums over the chunks and the input
+    # side.
     start = _tied_llama().state_dict()
     one = Learner(_tied_llama(), CFG, LOSS, temperature=TEMPERATURE)
     steps = _steps(one, 2)

@@ -60,7 +60,8 @@ def _result(status: str, stdout: str = "", detail: str = "") -> ExecResult:
 
 
 class HangingSandbox:
-    """Jobs that hold `HANG` report sandbox_error after `hang_s`; other jobs succeed after `ok_s`."""
+    """Jobs that hold `HANG` report sandbox_error after `hang_s`; other jobs succeed after
+    `ok_s`."""
 
     def __init__(self, hang_s: float = 0.6, ok_s: float = 0.8) -> None:
         self.hang_s, self.ok_s = hang_s, ok_s

@@ -1,6 +1,6 @@
-"""The bundled environments: the Env contract, rewards and stop reasons of whole episodes (a scripted
-engine on the real SmolLM2 tokenizer, the real sandbox), sandbox failures as NaN, and one training
-step of each env with a tiny random model through the command line."""
+"""The bundled environments: the Env contract, rewards and stop reasons of whole episodes (a
+scripted engine on the real SmolLM2 tokenizer, the real sandbox), sandbox failures as NaN, and one
+training step of each env with a tiny random model through the command line."""
 
 from __future__ import annotations
 

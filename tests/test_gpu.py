@@ -1,8 +1,8 @@
-"""On a CUDA GPU (skipped without one; `bash scripts/gpu-check.sh` runs these and the GPU benchmark):
-packed layouts give the per-sequence logprobs with CUDA's attention kernels (flex attention's block
-masks too, whose gradient equals the 4D mask's), the learner's accumulated gradient on the GPU equals
-the plain CPU computation, and bf16 autocast (the GPU default) stays close to fp32 and reports the
-step's peak memory."""
+"""On a CUDA GPU (skipped without one; `bash scripts/gpu-check.sh` runs these and the GPU
+benchmark): packed layouts give the per-sequence logprobs with CUDA's attention kernels (flex
+attention's block masks too, whose gradient equals the 4D mask's), the learner's accumulated
+gradient on the GPU equals the plain CPU computation, and bf16 autocast (the GPU default) stays
+close to fp32 and reports the step's peak memory."""
 
 from __future__ import annotations
 

@@ -297,7 +297,7 @@ def test_save_load_continues_exactly(tmp_path, fmt, mini_batches):
         torch.testing.assert_close(p, q, atol=0, rtol=0, msg=n)
 
 
-# --- mini-batches: several optimizer steps per pass --------------------------------------------------
+# --- mini-batches: several optimizer steps per pass -----------------------------------------------
 
 
 def _uneven_groups(seed=0):
@@ -454,7 +454,8 @@ def test_lr_schedule_advances_passes_times_mini_batches():
     cfg = LearnerConfig(lr=1.0, lr_schedule="linear", passes=2, mini_batches=3)
     learner = Learner(tiny_llama(), cfg, LossConfig(), temperature=TEMPERATURE, total_steps=2)
     m = learner.train_step(trajs, adv)
-    # 2 train steps x 2 passes x 3 mini-batches = 12 optimizer steps of linear decay: lr_i = 1 - i/12
+    # 2 train steps x 2 passes x 3 mini-batches = 12 optimizer steps of linear decay: lr_i = 1 -
+    # i/12
     assert learner.scheduler.last_epoch == 6 and learner.scheduler.get_last_lr()[
         0
     ] == pytest.approx(0.5)
@@ -472,7 +473,7 @@ def test_lr_schedule_advances_passes_times_mini_batches():
     )
 
 
-# --- 2 processes (gloo) == 1 process ---------------------------------------------------------------
+# --- 2 processes (gloo) == 1 process --------------------------------------------------------------
 
 
 def assert_trained_alike(a: dict, b: dict, before: dict, what: str) -> None:
@@ -490,10 +491,10 @@ def assert_trained_alike(a: dict, b: dict, before: dict, what: str) -> None:
 
 
 def _steps(learner):
-    """Three steps: a normal one, one with unequal micro-batch counts per rank, and one with a single
-    trajectory, where one rank has no data and runs an empty micro-batch. The rollouts exist on rank
-    0 only and are broadcast, as in the loop. Returns the gradients each optimizer step applied (Adam
-    hides gradient scale, so weights alone would be a weak check)."""
+    """Three steps: a normal one, one with unequal micro-batch counts per rank, and one with a
+    single trajectory, where one rank has no data and runs an empty micro-batch. The rollouts exist
+    on rank 0 only and are broadcast, as in the loop. Returns the gradients each optimizer step
+    applied (Adam hides gradient scale, so weights alone would be a weak check)."""
     grads = record_grads(learner)
     first = second = None
     if learner.is_main:
@@ -534,10 +535,10 @@ def test_two_gloo_processes_equal_one_process(tmp_path, mini_batches):
     start = {k: v.clone() for k, v in one.unwrapped.state_dict().items()}
     grads, metrics = _steps(one)
     assert len(two["grads"]) == len(grads) == (3 if mini_batches == 1 else 5)
-    # The ranks pack other micro-batches than one process does, so sums run in another order (segment
-    # attention's padded buckets depend on a span's companions): the first step's gradients agree to
-    # ~4e-9, and two AdamW steps at lr 1e-2 grow that to ~4e-6 in single elements. A sharding or
-    # normalisation error is orders of magnitude larger.
+    # The ranks pack other micro-batches than one process does, so sums run in another order
+    # (segment attention's padded buckets depend on a span's companions): the first step's gradients
+    # agree to ~4e-9, and two AdamW steps at lr 1e-2 grow that to ~4e-6 in single elements. A
+    # sharding or normalisation error is orders of magnitude larger.
     for step, (g2, g1) in enumerate(zip(two["grads"], grads, strict=True)):
         for name, g in g1.items():
             torch.testing.assert_close(

@@ -714,8 +714,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from agentgrpo.engine import LocalEngine, SamplingParams
 torch.manual_seed(0)
-config = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
-                     num_key_value_heads=2, vocab_size=128, max_position_embeddings=4096)
+config = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                     num_attention_heads=4, num_key_value_heads=2,
+                     vocab_size=128, max_position_embeddings=4096)
 engine = LocalEngine(LlamaForCausalLM(config).eval(), eos_token_ids=())
 def decode():  # a caller still waiting when the script ends
     asyncio.run(engine.generate(list(range(1, 9)), SamplingParams(max_new_tokens=4000)))

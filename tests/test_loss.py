@@ -384,8 +384,9 @@ def test_ppo_gradient_matches_reference(seed, dual):
 
 @pytest.mark.parametrize("seed", range(3))
 def test_gspo_gradient_matches_sequence_level_reference(seed):
-    """GSPO as the paper writes it: one ratio per sequence, exp(mean log-ratio), clipped per sequence,
-    differentiated through the mean. For seq-mean-token-mean that is exactly verl's token form."""
+    """GSPO as the paper writes it: one ratio per sequence, exp(mean log-ratio), clipped per
+    sequence, differentiated through the mean. For seq-mean-token-mean that is exactly verl's token
+    form."""
     logp, old, adv, mask, *_ = _batch(seed)
     for agg in AGG_MODES:
         p = logp.clone().requires_grad_()
@@ -414,7 +415,8 @@ def test_gspo_gradient_matches_sequence_level_reference(seed):
 
 def test_kl_estimators_hand_computed():
     # logp = -1, ref = -2: d = logp - ref = 1
-    #   k1 = 1 ; k2 = 0.5 * 1 = 0.5 ; k3 = e^(ref - logp) - (ref - logp) - 1 = e^-1 + 1 - 1 = 0.36788
+    #   k1 = 1 ; k2 = 0.5 * 1 = 0.5 ; k3 = e^(ref - logp) - (ref - logp) - 1
+    #        = e^-1 + 1 - 1 = 0.36788
     lp, ref = t([[-1.0]]).requires_grad_(), t([[-2.0]])
     assert kl_penalty(lp, ref, "k1").item() == pytest.approx(1.0)
     assert kl_penalty(lp, ref, "k2").item() == pytest.approx(0.5)
@@ -446,7 +448,8 @@ def test_unknown_kl_kind():
 def test_token_tis_hand_computed():
     # old - rollout = [ln 3, ln 0.5, (masked)], cap 2 -> weights [2, 0.5, 0]
     #   ratio_mean = (3 + 0.5) / 2 = 1.75 ; clipped_frac = 1/2
-    #   mismatch/kl = mean(rollout - old) = (-ln 3 - ln 0.5) / 2 = (-1.09861 + 0.69315) / 2 = -0.20273
+    #   mismatch/kl = mean(rollout - old) = (-ln 3 - ln 0.5) / 2
+    #       = (-1.09861 + 0.69315) / 2 = -0.20273
     old, rollout, mask = t([[LN(3), LN(0.5), 7.0]]), torch.zeros(1, 3, dtype=F64), t([[1, 1, 0]])
     w, m = token_tis_weights(old, rollout, mask, cap=2.0)
     close(w, [[2.0, 0.5, 0.0]])

@@ -1,4 +1,5 @@
-"""The HTML report: a real tiny run, crafted hostile/partial/empty run directories, a browser check."""
+"""The HTML report: a real tiny run, crafted hostile/partial/empty run directories, a browser
+check."""
 
 from __future__ import annotations
 
@@ -96,7 +97,8 @@ def parse(path: Path) -> Page:
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory, tiny_model_dir) -> Path:
-    """A real 2-step training run of the tiny model: 2 tasks x 2 samples per step = 8 trajectories."""
+    """A real 2-step training run of the tiny model: 2 tasks x 2 samples per step = 8
+    trajectories."""
     out = tmp_path_factory.mktemp("report") / "run"
     rc = main(
         [
@@ -155,7 +157,10 @@ def test_report_of_a_real_run_has_plots_and_coloured_tokens(run_copy):
 
 
 def test_text_is_escaped_not_interpreted(run_copy, smol_tokenizer):
-    nasty = '<tool_call>{"name": "calculator", "arguments": {"expression": "1<2"}}</tool_call></script><script>alert(1)</script>'
+    nasty = (
+        '<tool_call>{"name": "calculator", "arguments": {"expression": '
+        '"1<2"}}</tool_call></script><script>alert(1)</script>'
+    )
     prompt = smol_tokenizer.encode("What is <marquee>1+1</marquee>?")
     gen = smol_tokenizer.encode(nasty)
     row = {
@@ -223,7 +228,8 @@ def test_empty_run_directory(tmp_path):
 
 
 def test_partial_run_directory(tmp_path):
-    """One step, None/NaN values, broken lines, an empty and a malformed trajectory, no tokenizer."""
+    """One step, None/NaN values, broken lines, an empty and a malformed trajectory, no
+    tokenizer."""
     (tmp_path / "config.yaml").write_text(
         "model: {path: /nonexistent/model}\nwandb_api_key: sekrit\n"
     )

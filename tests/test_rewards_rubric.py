@@ -1,6 +1,6 @@
-"""An env's `rubric` scores its groups in the rollout: the weighted reward and its parts, NaN with the
-reason, the group hook over the whole group, the env's own reward kept aside, the tool-error penalty
-applied once, and the run directory and report showing the parts."""
+"""An env's `rubric` scores its groups in the rollout: the weighted reward and its parts, NaN with
+the reason, the group hook over the whole group, the env's own reward kept aside, the tool-error
+penalty applied once, and the run directory and report showing the parts."""
 
 from __future__ import annotations
 
@@ -66,8 +66,8 @@ class BySeed:
         ]
 
     async def generate(self, prompt_ids, params):
-        # The member's seed is its first turn's; later turns sample with their own (rollout.turn_seed),
-        # and only even members (the tool users) have a later turn.
+        # The member's seed is its first turn's; later turns sample with their own
+        # (rollout.turn_seed), and only even members (the tool users) have a later turn.
         member = params.seed % 2 if self.turn(prompt_ids) == 1 else 0
         return await self.engines[member].generate(prompt_ids, params)
 

@@ -1,4 +1,5 @@
-"""`sampling.sample` against a straightforward reference, on vocabularies larger than its candidates.
+"""`sampling.sample` against a straightforward reference, on vocabularies larger than its
+candidates.
 
 The reference is top-k then top-p as HF, vLLM and SGLang define them: sort the tempered distribution
 (most likely first; equal probabilities by ascending id), keep the first k, renormalise, keep the
@@ -20,7 +21,8 @@ assert V > 4 * _CANDIDATES
 
 def reference(logits_V: torch.Tensor, temperature: float, top_k: int, top_p: float):
     """(kept ids, their sampling probabilities), in sampling order. The order is that of the
-    float32 logprobs the sampler sees (float64 would split ties of float32); the sums are float64."""
+    float32 logprobs the sampler sees (float64 would split ties of float32); the sums are
+    float64."""
     logp = torch.log_softmax(logits_V / temperature, dim=-1)
     logp, order = logp.sort(descending=True, stable=True)  # ties: lower id first
     probs = logp.double().exp()
@@ -105,7 +107,8 @@ def test_a_rows_sample_does_not_depend_on_its_batch_companions():
             )  # fmt: skip
             for what, (other, t, k, p) in companions.items():
                 batched, _ = sample(
-                    torch.cat([logits.repeat(n, 1), other[None]]), temperature=[temperature] * n + [t],
+                    torch.cat([logits.repeat(n, 1), other[None]]),
+                    temperature=[temperature] * n + [t],
                     top_k=[top_k] * n + [k], top_p=[top_p] * n + [p],
                     uniforms=torch.cat([uniforms, torch.tensor([0.5], dtype=torch.float64)]),
                 )  # fmt: skip

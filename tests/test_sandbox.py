@@ -123,7 +123,8 @@ def test_cannot_read_planted_host_secrets(sb, tmp_path):
         f.write("TOPSECRET")
     try:
         code = (
-            f"import os\nfor p in [{str(secret)!r}, {root_secret!r}, '/etc/shadow', '/proc/1/environ']:\n"
+            f"import os\nfor p in [{str(secret)!r}, {root_secret!r}, '/etc/shadow', "
+            "'/proc/1/environ']:\n"
             "    print(os.path.exists(p))"
         )
         assert out(run(sb, code)).split() == ["False", "False", "False", "False"]
@@ -135,13 +136,19 @@ def test_cannot_read_trainer_source(sb):
     # item: the trainer's source
     import agentgrpo.verify.sandbox as mod
 
-    code = f"import os\nprint(os.path.exists({mod.__file__!r}), os.path.exists('/work'), os.path.exists('/sys'))"
+    code = (
+        f"import os\nprint(os.path.exists({mod.__file__!r}), os.path.exists('/work'), "
+        "os.path.exists('/sys'))"
+    )
     assert out(run(sb, code)) == "False False False"
 
 
 def test_root_is_minimal(sb):
     # item: host files; the whole visible tree is the read-only minimal root
-    code = "import os\nprint(sorted(os.listdir('/')))\nprint(sorted(os.listdir('/dev')))\nprint(os.listdir('/root'))"
+    code = (
+        "import os\nprint(sorted(os.listdir('/')))\nprint(sorted(os.listdir('/dev')))\n"
+        "print(os.listdir('/root'))"
+    )
     lines = out(run(sb, code)).splitlines()
     assert set(eval(lines[0])) <= {
         "bin",
@@ -187,7 +194,10 @@ def test_symlink_and_chroot_escape_fail(sb):
 
 def test_proc_shows_only_own_processes(sb):
     # item: other jobs and the trainer are invisible (pid namespace, hidepid)
-    code = "import os\nprint(sorted(p for p in os.listdir('/proc') if p.isdigit()), os.getpid(), os.getppid())"
+    code = (
+        "import os\nprint(sorted(p for p in os.listdir('/proc') if p.isdigit()), os.getpid(), "
+        "os.getppid())"
+    )
     assert out(run(sb, code)) == "['2'] 2 1"
 
 
@@ -207,18 +217,23 @@ def test_writes_outside_tmp_fail(sb):
 def test_disk_space_bounded(sb):
     # item: disk exhaustion: several files up to the tmpfs size -> ENOSPC; one big file -> EFBIG
     code = (
-        "import errno\ntry:\n    for i in range(4):\n        open(f'f{i}', 'wb').write(b'x' * (3 << 20))\n"
+        "import errno\ntry:\n    for i in range(4):\n"
+        "        open(f'f{i}', 'wb').write(b'x' * (3 << 20))\n"
         "except OSError as e:\n    print(errno.errorcode[e.errno], i)"
     )
     assert out(run(sb, code)) == "ENOSPC 2"
-    code = "import errno\ntry:\n    open('big', 'wb').write(b'x' * (9 << 20))\nexcept OSError as e:\n    print(errno.errorcode[e.errno])"
+    code = (
+        "import errno\ntry:\n    open('big', 'wb').write(b'x' * (9 << 20))\n"
+        "except OSError as e:\n    print(errno.errorcode[e.errno])"
+    )
     assert out(run(sb, code)) == "EFBIG"
 
 
 def test_inodes_bounded(sb):
     # item: inode exhaustion of the host: the job's tmpfs has its own inode limit
     code = (
-        "import errno\nn = 0\ntry:\n    while n < 100000:\n        open(f'f{n}', 'w').close(); n += 1\n"
+        "import errno\nn = 0\ntry:\n    while n < 100000:\n"
+        "        open(f'f{n}', 'w').close(); n += 1\n"
         "except OSError as e:\n    print(errno.errorcode[e.errno], n)"
     )
     name, n = out(run(sb, code)).split()
@@ -237,7 +252,8 @@ def test_no_loopback_to_host_services(sb):
     port = srv.getsockname()[1]
     try:
         code = (
-            f"import socket, errno\ns = socket.socket()\ntry:\n    s.connect(('127.0.0.1', {port}))\n"
+            "import socket, errno\ns = socket.socket()\ntry:\n"
+            f"    s.connect(('127.0.0.1', {port}))\n"
             "    print('connected')\nexcept OSError as e:\n    print(errno.errorcode[e.errno])\n"
             "s6 = socket.socket(socket.AF_INET6)\ntry:\n    s6.connect(('::1', 22))\n"
             "except OSError as e:\n    print(errno.errorcode[e.errno])"
@@ -252,9 +268,11 @@ def test_no_loopback_to_host_services(sb):
 def test_no_dns_no_udp(sb):
     # item: network (the package registry proxy and any resolver are unreachable)
     code = (
-        "import socket, errno\ntry:\n    socket.getaddrinfo('pypi.org', 443)\nexcept socket.gaierror as e:\n"
+        "import socket, errno\ntry:\n    socket.getaddrinfo('pypi.org', 443)\n"
+        "except socket.gaierror as e:\n"
         "    print('gaierror')\nu = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\ntry:\n"
-        "    u.sendto(b'x', ('127.0.0.1', 53))\nexcept OSError as e:\n    print(errno.errorcode[e.errno])"
+        "    u.sendto(b'x', ('127.0.0.1', 53))\nexcept OSError as e:\n"
+        "    print(errno.errorcode[e.errno])"
     )
     assert out(run(sb, code)).split() == ["gaierror", "ENETUNREACH"]
 
@@ -267,7 +285,8 @@ def test_host_abstract_unix_socket_unreachable(sb):
     srv.listen()
     try:
         code = (
-            f"import socket, errno\ns = socket.socket(socket.AF_UNIX)\ntry:\n    s.connect({name!r})\n"
+            "import socket, errno\ns = socket.socket(socket.AF_UNIX)\ntry:\n"
+            f"    s.connect({name!r})\n"
             "    print('connected')\nexcept OSError as e:\n    print(errno.errorcode[e.errno])"
         )
         assert out(run(sb, code)) == "ECONNREFUSED"
@@ -311,7 +330,10 @@ def test_trainer_environment_invisible(sb):
 def test_cannot_signal_trainer(sb):
     # item: signalling the trainer: its pid does not exist in the job's pid namespace
     me = os.getpid()
-    code = f"import os, errno\ntry:\n    os.kill({me}, 9)\nexcept OSError as e:\n    print(errno.errorcode[e.errno])"
+    code = (
+        f"import os, errno\ntry:\n    os.kill({me}, 9)\nexcept OSError as e:\n"
+        "    print(errno.errorcode[e.errno])"
+    )
     assert out(run(sb, code)) == "ESRCH"
     res = run(sb, "import os\nos.kill(-1, 9)")  # nothing else to signal
     assert res.status == "runtime_error" and res.stderr.rstrip().endswith(
@@ -322,7 +344,10 @@ def test_cannot_signal_trainer(sb):
 
 def test_cannot_kill_own_init(sb):
     # item: signals: the init runs as another uid and ignores signals from inside its namespace
-    code = "import os, errno\ntry:\n    os.kill(1, 9)\nexcept OSError as e:\n    print(errno.errorcode[e.errno])"
+    code = (
+        "import os, errno\ntry:\n    os.kill(1, 9)\nexcept OSError as e:\n"
+        "    print(errno.errorcode[e.errno])"
+    )
     assert out(run(sb, code)) == "EPERM"
 
 
@@ -340,8 +365,10 @@ def test_concurrent_jobs_cannot_see_each_other(sb):
     # item: other jobs: a victim sleeps while an attacker scans and signals every pid it can name
     victim = "import time; time.sleep(1.0); print('survived')"
     attacker = (
-        "import os\nhits = 0\nfor pid in range(1, 4096):\n    if pid == os.getpid():\n        continue\n"
-        "    try:\n        os.kill(pid, 9); hits += 1\n    except OSError:\n        pass\nprint(hits)"
+        "import os\nhits = 0\nfor pid in range(1, 4096):\n    if pid == os.getpid():\n"
+        "        continue\n"
+        "    try:\n        os.kill(pid, 9); hits += 1\n    except OSError:\n        pass\n"
+        "print(hits)"
     )
 
     async def both():
@@ -371,7 +398,8 @@ def test_fork_bomb_bounded(sb):
     # item: processes: at most `processes` of them, and everything is gone afterwards
     code = (
         "import os, time\nn = 0\ntry:\n    for i in range(500):\n        if os.fork() == 0:\n"
-        "            time.sleep(30)\n            os._exit(0)\n        n += 1\nexcept OSError as e:\n    print(n, e.errno)"
+        "            time.sleep(30)\n            os._exit(0)\n        n += 1\n"
+        "except OSError as e:\n    print(n, e.errno)"
     )
     n, err = out(run(sb, code)).split()
     assert 1 <= int(n) < FAST.processes and int(err) == errno.EAGAIN
@@ -401,7 +429,10 @@ def test_file_descriptors_bounded(sb):
 
 def test_raise_own_limits_refused(sb):
     # item: processes/memory: hard rlimits cannot be raised back
-    code = "import resource\ntry:\n    resource.setrlimit(resource.RLIMIT_NPROC, (10**6, 10**6))\nexcept ValueError:\n    print('refused')"
+    code = (
+        "import resource\ntry:\n    resource.setrlimit(resource.RLIMIT_NPROC, (10**6, 10**6))\n"
+        "except ValueError:\n    print('refused')"
+    )
     assert out(run(sb, code)) == "refused"
 
 
@@ -430,7 +461,8 @@ def test_daemon_double_fork_killed(sb):
     # item: leaving processes behind: a setsid double-forked daemon dies with the job
     code = (
         "import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
-        "        os.close(1); os.close(2)\n        time.sleep(300)\n    os._exit(0)\nos.wait()\nprint('parent done')"
+        "        os.close(1); os.close(2)\n        time.sleep(300)\n    os._exit(0)\n"
+        "os.wait()\nprint('parent done')"
     )
     assert out(run(sb, code)) == "parent done"
     assert _wait_no_slot_processes() == []
@@ -443,7 +475,8 @@ def test_no_state_persists_between_jobs():
     box = _start("namespaces", slots=1)
     try:
         write = (
-            "import ctypes\nopen('/tmp/mark', 'w').write('1')\nopen('/dev/shm/mark', 'w').write('1')\n"
+            "import ctypes\nopen('/tmp/mark', 'w').write('1')\n"
+            "open('/dev/shm/mark', 'w').write('1')\n"
             "libc = ctypes.CDLL(None)\nprint(libc.shmget(4242, 4096, 0o1000 | 0o666) >= 0)"
         )  # IPC_CREAT
         assert out(box.run(write, limits=FAST)) == "True"
@@ -483,7 +516,8 @@ def test_closed_streams_sleeping_job_times_out(sb):
 def test_cannot_fake_a_sandbox_error(sb):
     # a job must not make itself unscorable: the status pipe is closed before user code runs
     code = (
-        'import os, sys, errno\ntry:\n    os.write(4, b\'{"error": "x"}\\n\')\nexcept OSError as e:\n'
+        'import os, sys, errno\ntry:\n    os.write(4, b\'{"error": "x"}\\n\')\n'
+        "except OSError as e:\n"
         "    print(errno.errorcode[e.errno])\nsys.stderr.write('job setup: fake\\n')\nsys.exit(125)"
     )
     res = run(sb, code)
@@ -512,7 +546,8 @@ def test_namespace_and_mount_syscalls_denied(sb):
 def test_capabilities_and_seccomp_in_effect(sb):
     code = (
         "for line in open('/proc/self/status'):\n"
-        "    if line.startswith(('CapEff', 'CapPrm', 'NoNewPrivs', 'Seccomp:')):\n        print(line.split()[1])\n"
+        "    if line.startswith(('CapEff', 'CapPrm', 'NoNewPrivs', 'Seccomp:')):\n"
+        "        print(line.split()[1])\n"
         "import os; print(os.getuid() >= 1500000, os.getgroups())"
     )
     assert out(run(sb, code)).split() == [
@@ -540,7 +575,10 @@ def test_real_time_signal_is_a_typed_result(sb):
 
 def test_tiocsti_denied(sb):
     # item: injecting input into a terminal (TIOCSTI) is denied even on an fd that is not a tty
-    code = "import ctypes, errno\nlibc = ctypes.CDLL(None, use_errno=True)\nlibc.ioctl(0, 0x5412, b'x')\nprint(errno.errorcode[ctypes.get_errno()])"
+    code = (
+        "import ctypes, errno\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+        "libc.ioctl(0, 0x5412, b'x')\nprint(errno.errorcode[ctypes.get_errno()])"
+    )
     assert out(run(sb, code)) == "EPERM"
 
 

@@ -870,7 +870,8 @@ class ScriptedModel:
 
 
 async def _episode(engine: Any) -> tuple[list[int], list[int], list[float], list[str]]:
-    """A token-in/token-out multi-turn loop: prompt + sampled ids (mask 1) + tool suffix (mask 0)."""
+    """A token-in/token-out multi-turn loop: prompt + sampled ids (mask 1) + tool suffix (mask
+    0)."""
     ids, mask, lps, reasons = [151644, 872, 198, 30, 151644, 77091, 198], [0] * 7, [0.0] * 7, []
     params = SamplingParams(max_new_tokens=8, stop_token_ids=(151645,))
     for _ in range(3):

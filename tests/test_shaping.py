@@ -24,7 +24,8 @@ NAN = math.nan
 
 
 def test_shaped_rewards_count_tokens_after_the_prompt_and_keep_nan():
-    # prompts of 5; after it 10, 18 and 18 tokens; max_tokens 20, buffer 4: 0, -0.5, -0.5 (NaN stays)
+    # prompts of 5; after it 10, 18 and 18 tokens; max_tokens 20, buffer 4: 0, -0.5, -0.5 (NaN
+    # stays)
     trajs = [
         traj([1] * (5 + n), [0] * 5 + [1] * n, reward=r)
         for n, r in ((10, 1.0), (18, 1.0), (18, NAN))
@@ -36,7 +37,8 @@ def test_shaped_rewards_count_tokens_after_the_prompt_and_keep_nan():
 
 def test_overlong_penalty_hand_computed():
     # max_len 20, buffer 4 -> the penalty starts after 16 tokens; e = len - 16
-    #   len 10: e = -6 -> 0 ; 16: e = 0 -> 0 ; 17: -1/4 = -0.25 ; 18: -0.5 ; 20: -1 ; 25: capped at -1
+    #   len 10: e = -6 -> 0 ; 16: e = 0 -> 0 ; 17: -1/4 = -0.25 ; 18: -0.5 ; 20: -1
+    #   25: capped at -1
     got = overlong_penalty(torch.tensor([10, 16, 17, 18, 20, 25]), max_len=20, buffer_len=4)
     assert got.tolist() == pytest.approx([0, 0, -0.25, -0.5, -1, -1])
     # penalty_factor 0.5 scales it: len 18 -> -0.5 * 2/4 = -0.25 ; 22 -> -0.5
@@ -145,7 +147,8 @@ def test_describe_algorithm_names_every_choice():
 
 
 def test_the_printed_formula_is_the_one_computed_with_batch_std():
-    # rloo with batch_std centres on the mean of the others: n/(n-1) x (r - group mean), not r - mean
+    # rloo with batch_std centres on the mean of the others: n/(n-1) x (r - group mean), not r -
+    # mean
     cfg = AdvantageConfig(estimator="rloo", batch_std=True)
     text = describe_algorithm(cfg, LossConfig(), ShapingConfig())
     assert "A = (r - mean of the other group members) / (batch std" in text

@@ -50,7 +50,8 @@ def test_preserve_thinking_switch_is_suggested(smol_tokenizer):
     # a Qwen3 variant with the switch newer Qwen templates have
     t = shared_template("qwen3.jinja").replace(
         "{%- if loop.index0 > ns.last_query_index %}",
-        "{%- if (preserve_thinking is defined and preserve_thinking) or loop.index0 > ns.last_query_index %}",
+        "{%- if (preserve_thinking is defined and preserve_thinking) or loop.index0 > "
+        "ns.last_query_index %}",
     )
     report = audit_template(smol_tokenizer, t)
     assert "chat_template_kwargs={preserve_thinking: true}" in report.format()
@@ -93,7 +94,8 @@ def test_llama_with_its_tokens_is_exact_and_the_parser_is_checked(smol_tokenizer
     # text is tokenized in one piece (harmless token-in/token-out, so not fatal)
     assert kinds(report) == {("render_error", False), ("retokenizes", False)}
     assert "max_tool_calls_per_turn=1" in report.format()
-    # ...and the advice holds: the rollout renders only the call the env ran (test_rollout checks it)
+    # ...and the advice holds: the rollout renders only the call the env ran (test_rollout checks
+    # it)
     assert "answers the others with a too_many_calls error" in report.format()
     hermes = audit_template(tok, shared_template("llama3_1.jinja"), end_of_turn="<|eot_id|>")
     assert ("parser_mismatch", False) in kinds(

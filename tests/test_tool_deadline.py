@@ -250,8 +250,9 @@ def test_an_open_wait_late_in_a_call_is_not_polled_in_a_busy_loop(monkeypatch):
 @pytest.mark.filterwarnings("ignore:Sandbox.backend=.unsafe-local")
 @pytest.mark.parametrize("backend", ["unsafe-local", "namespaces"])
 def test_an_async_python_call_past_its_deadline_frees_its_sandbox_slot_at_once(backend):
-    """The async python tool's call, cancelled at `tool_timeout_s`, kills its job: with the sync tool
-    the job ran on to its 30 s wall limit, holding the only slot, and the next call waited for it."""
+    """The async python tool's call, cancelled at `tool_timeout_s`, kills its job: with the sync
+    tool the job ran on to its 30 s wall limit, holding the only slot, and the next call waited for
+    it."""
     try:
         box = Sandbox(backend=backend, config=SandboxConfig(slots=1))
     except (RuntimeError, OSError) as e:  # namespaces needs root (CI runs as root)

@@ -1,4 +1,5 @@
-"""The whole loop, end to end: config -> rollouts -> advantages -> update -> sync -> run directory."""
+"""The whole loop, end to end: config -> rollouts -> advantages -> update -> sync -> run
+directory."""
 
 import json
 import math

@@ -202,7 +202,8 @@ def test_the_harness_is_out_of_the_solutions_reach(sb):
     rigged = ALWAYS_EQUAL.replace("RESULT", "Anything()")
     liar = (
         "class Liar(type):\n    def __getattribute__(cls, name):\n"
-        "        return 0 if name in ('__flags__', '__mro__', '__dict__') else super().__getattribute__(name)\n"
+        "        return 0 if name in ('__flags__', '__mro__', '__dict__') else "
+        "super().__getattribute__(name)\n"
         "class Anything(metaclass=Liar):\n    def __eq__(self, other): return True\n"
         "def add(a, b):\n    return Anything()\n"
     )
@@ -339,7 +340,8 @@ def test_humaneval_loader_and_scoring(sb):
     # a chat-style answer: the whole function in a fenced block
     p = problems[0]
     chat = (
-        f"Sure:\n```python\nfrom typing import List\n\ndef {p.entry_point}(numbers: List[float], threshold: float) -> bool:\n"
+        "Sure:\n```python\nfrom typing import List\n\n"
+        f"def {p.entry_point}(numbers: List[float], threshold: float) -> bool:\n"
         f"{p.canonical_solution}```"
     )
     assert "pass" in humaneval_solution(p, chat)

@@ -99,8 +99,8 @@ RUNAWAY = "\\boxed{10^{10^{10^{10}}}}"  # sympy computes this power until it is 
 
 
 def test_runaway_input_is_cut_off_and_pool_recovers():
-    # The answer's own doing: it burns its whole CPU budget, so it scores 0 (status "timeout", counted).
-    # wall_factor is generous so a loaded test machine cannot turn this into "starved".
+    # The answer's own doing: it burns its whole CPU budget, so it scores 0 (status "timeout",
+    # counted). wall_factor is generous so a loaded test machine cannot turn this into "starved".
     p = MathPool(workers=1, wall_factor=10)
     p.warm()
     try:

@@ -1,4 +1,5 @@
-"""WeightSync: in-process, disk (against the fake SGLang server) and distributed (gloo, 2 processes).
+"""WeightSync: in-process, disk (against the fake SGLang server) and distributed (gloo, 2
+processes).
 
 The learner is a tiny random Llama; the "engine" side runs a copy of it (`TinyModelBackend`), so a
 push is only verified when the engine really computes with the learner's new weights.
