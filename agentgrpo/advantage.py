@@ -37,7 +37,8 @@ Estimator = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
 
 
 class GroupStats:
-    """Per-group statistics of the scorable (non-NaN) rewards, in float64. `G` = number of groups."""
+    """Per-group statistics of the scorable (non-NaN) rewards, in float64. `G` = number of
+    groups."""
 
     def __init__(self, rewards_B: torch.Tensor, group_index_B: torch.Tensor, num_groups: int):
         r = rewards_B.double()
@@ -117,7 +118,8 @@ def compute_advantages(
     *,
     batch_std: bool = False,
 ) -> torch.Tensor:
-    """One advantage per row from the rewards of its group (see the module docstring for edge cases).
+    """One advantage per row from the rewards of its group (see the module docstring for edge
+    cases).
 
     Args:
         rewards_B: [B] rewards, NaN where a trajectory could not be scored.
@@ -148,7 +150,8 @@ def compute_advantages(
 
 
 def batch_reward_std(rewards_B: torch.Tensor) -> torch.Tensor:
-    """Std (Bessel) of the scorable rewards of the whole call; 0 when fewer than two are scorable."""
+    """Std (Bessel) of the scorable rewards of the whole call; 0 when fewer than two are
+    scorable."""
     r = rewards_B.double()
     r = r[~torch.isnan(r)]
     return r.std() if r.numel() >= 2 else r.new_zeros(())
@@ -156,7 +159,8 @@ def batch_reward_std(rewards_B: torch.Tensor) -> torch.Tensor:
 
 def is_zero_variance(rewards: Sequence[float] | torch.Tensor) -> bool:
     """True when a group carries no learning signal: fewer than two scorable (non-NaN) rewards, or
-    all of them exactly equal. The same rule decides advantage 0 here and dynamic sampling's filter."""
+    all of them exactly equal. The same rule decides advantage 0 here and dynamic sampling's
+    filter."""
     vals = [float(x) for x in (rewards.tolist() if isinstance(rewards, torch.Tensor) else rewards)]
     vals = [x for x in vals if not math.isnan(x)]
     return len(vals) < 2 or max(vals) == min(vals)

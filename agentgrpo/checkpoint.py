@@ -57,7 +57,8 @@ class CorruptCheckpoint(ValueError):
 
 
 class NoUsableCheckpoint(ValueError):
-    """Checkpoints exist but none verifies and loads; `reasons` maps each directory to its reason."""
+    """Checkpoints exist but none verifies and loads; `reasons` maps each directory to its
+    reason."""
 
     def __init__(self, root: Path, reasons: dict[Path, str]) -> None:
         self.root, self.reasons = root, reasons
@@ -258,7 +259,8 @@ def restore(
                 load(d)
             except (OSError, ValueError, RuntimeError, KeyError) as e:
                 # Damaged files surface as any of these (safetensors header errors are ValueError or
-                # RuntimeError, a mismatched state dict is RuntimeError/KeyError): all mean "not this one".
+                # RuntimeError, a mismatched state dict is RuntimeError/KeyError): all mean "not
+                # this one".
                 error = e
             if all_ranks(error is None):
                 return d, manifest  # type: ignore[return-value]

@@ -139,8 +139,8 @@ class TrainLoopConfig(BaseModel):
     save_every_s: float | None = Field(
         600.0,
         gt=0,
-        description="also checkpoint after a step that starts training this many seconds "
-        "after the last checkpoint (None = off): a SIGKILL or OOM kill loses at most this much work",
+        description="also checkpoint after a step that starts training this many seconds after "
+        "the last checkpoint (None = off): a SIGKILL or OOM kill loses at most this much work",
     )
     keep_checkpoints: int = Field(
         2,
@@ -151,8 +151,9 @@ class TrainLoopConfig(BaseModel):
     )
     overlap_rollouts: bool = Field(
         False,
-        description="sample step t+1's rollouts while step t trains (one step off-policy: they come "
-        "from the weights before step t's update); not across a checkpoint, so resuming stays exact",
+        description="sample step t+1's rollouts while step t trains (one step off-policy: they "
+        "come from the weights before step t's update); not across a checkpoint, so resuming "
+        "stays exact",
     )
 
 
@@ -166,8 +167,9 @@ class LogConfig(BaseModel):
     )
     wandb_project: str | None = Field(
         None,
-        description="Weights & Biases project; set it to log there too (pip install 'agentgrpo[wandb]'; "
-        "the API key comes from WANDB_API_KEY or `wandb login`, never from this config)",
+        description="Weights & Biases project; set it to log there too (pip install "
+        "'agentgrpo[wandb]'; the API key comes from WANDB_API_KEY or `wandb login`, never from "
+        "this config)",
     )
     wandb_entity: str | None = Field(
         None, description="W&B team or user; None = your default entity"
@@ -224,7 +226,8 @@ class EvalConfig(BaseModel):
         bad = [k for k in self.pass_k if not 1 <= k <= self.samples_per_task]
         if bad:
             raise ValueError(
-                f"pass_k {bad}: each k must be between 1 and samples_per_task ({self.samples_per_task})"
+                f"pass_k {bad}: each k must be between 1 and samples_per_task "
+                f"({self.samples_per_task})"
             )
         return self
 

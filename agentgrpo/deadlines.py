@@ -209,7 +209,8 @@ async def run_charging_only_running_time(
                 return task.result(), clock.waited_s()
     finally:
         if not task.done():
-            task.cancel()  # not awaited: a tool that ignores cancellation must not hold up the episode
+            # not awaited: a tool that ignores cancellation must not hold up the episode
+            task.cancel()
             task.add_done_callback(_retrieve)
 
 

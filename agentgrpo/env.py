@@ -289,11 +289,11 @@ class ToolEnv(Env):
     scores every scorable episode, cut ones included (its verifiers decide what a cut one earns).
     A call to an unknown tool, invalid arguments, a tool that raises or times out, or too many
     calls in one turn all produce an error tool message the model can react to, counted by
-    `ToolErrorKind` in the returned `EnvStep.tool_errors`. The rollout config may override `tool_timeout_s` and
-    `max_tool_calls_per_turn` (`set_tool_limits`). `tool_timeout_s` counts the time a call runs,
-    not the time it waits for a worker thread, a sandbox slot, or anything its code marks with
-    `agentgrpo.deadlines.waiting_for_capacity`: that wait is load, not the model's doing, and the
-    turn, episode and step deadlines bound it (a TIMEOUT, unscorable).
+    `ToolErrorKind` in the returned `EnvStep.tool_errors`. The rollout config may override
+    `tool_timeout_s` and `max_tool_calls_per_turn` (`set_tool_limits`). `tool_timeout_s` counts the
+    time a call runs, not the time it waits for a worker thread, a sandbox slot, or anything its
+    code marks with `agentgrpo.deadlines.waiting_for_capacity`: that wait is load, not the model's
+    doing, and the turn, episode and step deadlines bound it (a TIMEOUT, unscorable).
 
     Example:
         >>> class Calc(ToolEnv):
@@ -409,7 +409,8 @@ class ToolEnv(Env):
         except ToolError as e:
             return call, f"Error: {e}", ToolErrorKind.TOOL_FAILED
         except asyncio.TimeoutError:
-            # A sync tool's thread cannot be killed: it runs on in the background, its result unused.
+            # A sync tool's thread cannot be killed: it runs on in the background, its result
+            # unused.
             return (
                 call,
                 f"Error: {call.name} did not finish within {self.tool_timeout_s:g} s",

@@ -342,8 +342,8 @@ def env_report(env: Env, task: Task | None = None) -> EnvReport:
                     same,
                     ""
                     if same
-                    else "two resets with seed=0 gave different messages; every member of a "
-                    "GRPO group must start from the same state. Seed all randomness from reset's seed, "
+                    else "two resets with seed=0 gave different messages; every member of a GRPO "
+                    "group must start from the same state. Seed all randomness from reset's seed, "
                     "or set stochastic = True and document what varies",
                 )
             )

@@ -164,8 +164,8 @@ def checkpoint_policy(
 
 
 def resolve_policy(cfg: RunConfig, base: Path) -> tuple[Path | None, int, torch.nn.Module | None]:
-    """The checkpoint `eval.checkpoint` names, its training step and its policy (`checkpoint_policy`);
-    (None, 0, None) for the base model.
+    """The checkpoint `eval.checkpoint` names, its training step and its policy
+    (`checkpoint_policy`); (None, 0, None) for the base model.
 
     `latest` picks the newest checkpoint of `output_dir` that verifies (checksums) and loads, as a
     resumed run does, skipping damaged ones with a warning. Never the base model in its place: no
@@ -206,7 +206,8 @@ def resolve_policy(cfg: RunConfig, base: Path) -> tuple[Path | None, int, torch.
 
 
 def run_eval(cfg: RunConfig, *, engine: Engine | None = None) -> tuple[Path, EvalResult]:
-    """`agentgrpo eval`: evaluate the run's policy on `cfg.eval.split`; returns (output dir, result).
+    """`agentgrpo eval`: evaluate the run's policy on `cfg.eval.split`; returns (output dir,
+    result).
 
     The engine is built from the base model as in training (`build_engine`), and the evaluated
     checkpoint's weights are pushed to it by `WeightSync` (as training pushes them: in process for

@@ -18,8 +18,8 @@ def shard_reference(
     model: torch.nn.Module, autocast_bf16: bool, *, from_main: bool
 ) -> PolicyForward:
     """The frozen KL reference under FSDP2, sharded like accelerate shards the policy (one unit per
-    decoder layer, the model's `_no_split_modules`, then the root; accelerate's own preparation wants
-    an optimizer, which a frozen model has no use for).
+    decoder layer, the model's `_no_split_modules`, then the root; accelerate's own preparation
+    wants an optimizer, which a frozen model has no use for).
 
     Built on the meta device, so no rank holds a second full copy, then filled from rank 0's `model`
     (torch's `set_model_state_dict`, broadcast from rank 0): with RAM-efficient loading
@@ -68,9 +68,9 @@ def check_launch(acc: Accelerator) -> None:
         acc.distributed_type == DistributedType.FSDP
         and (v := acc.state.fsdp_plugin.fsdp_version) != 2
     ):
-        # accelerate's default is FSDP1; the learner relies on FSDP2 (DTensor parameters, `fully_shard`
-        # for the reference, torch.distributed.checkpoint state dicts), and FSDP1 cannot run on a CPU
-        # to be tested here.
+        # accelerate's default is FSDP1; the learner relies on FSDP2 (DTensor parameters,
+        # `fully_shard` for the reference, torch.distributed.checkpoint state dicts), and FSDP1
+        # cannot run on a CPU to be tested here.
         raise ValueError(
             f"FSDP version {v}: the learner supports FSDP2 only. Set `fsdp_version: 2` under "
             "`fsdp_config` in the accelerate config file (examples/gpu/accelerate_fsdp2.yml "
@@ -79,8 +79,8 @@ def check_launch(acc: Accelerator) -> None:
 
 
 def total_norm(norm: torch.Tensor) -> float:
-    """The gradient norm `clip_grad_norm_` returned, as a number every rank agrees on. Under FSDP2 it
-    is a DTensor: replicated from torch 2.10 on, but on 2.9 still partial over the shards
+    """The gradient norm `clip_grad_norm_` returned, as a number every rank agrees on. Under FSDP2
+    it is a DTensor: replicated from torch 2.10 on, but on 2.9 still partial over the shards
     (`_NormPartial`), and its float() is then this rank's own part (2 CPU ranks: 0.54 and 0.53 for a
     norm of 0.76), so rank 0 logged its shard's norm. The clipping itself used the whole norm; only
     the reading was partial. `full_tensor()` reduces it (a no-op once replicated)."""

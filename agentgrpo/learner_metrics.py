@@ -35,7 +35,8 @@ def _is_share(key: str) -> bool:
 
 
 class Metrics:
-    """The metrics of the micro-batches of one optimizer step on one rank (or pooled over several)."""
+    """The metrics of the micro-batches of one optimizer step on one rank (or pooled over
+    several)."""
 
     def __init__(self) -> None:
         self.sums: dict[str, float] = {}
@@ -92,9 +93,9 @@ def over_ranks(opt_step_metrics: list[list[Metrics]], acc: Accelerator) -> list[
 def step_metrics(
     opt_step_metrics: list[list[Metrics]], shares: list[float], optim: list[list[dict[str, float]]]
 ) -> dict[str, float]:
-    """A train step's metrics from its pooled optimizer steps `[pass][mini-batch]`, each mini-batch's loss
-    share of the batch (`shares`), and per optimizer step `grad_norm` and `lr` (`optim`, same grid;
-    averaged over the step's optimizer steps)."""
+    """A train step's metrics from its pooled optimizer steps `[pass][mini-batch]`, each
+    mini-batch's loss share of the batch (`shares`), and per optimizer step `grad_norm` and `lr`
+    (`optim`, same grid; averaged over the step's optimizer steps)."""
     passes = []
     for row, orow in zip(opt_step_metrics, optim, strict=True):
         total = Metrics()

@@ -207,7 +207,8 @@ def _load_full_weights(
     policy: torch.nn.Module, model: torch.nn.Module, directory: Path, *, lora: bool
 ) -> None:
     """The weights of a full-format checkpoint into `policy` (the learner's `PolicyForward`, plain,
-    DDP or FSDP-sharded) whose transformers or peft model is `model`; ValueError if they do not fit."""
+    DDP or FSDP-sharded) whose transformers or peft model is `model`; ValueError if they do not
+    fit."""
     if lora:
         weights = adapter_weights(model, directory)
         needed = [n for n, _ in model.named_parameters() if "lora_" in n]
@@ -270,7 +271,8 @@ def load_weights(policy: torch.nn.Module, directory: Path, *, lora: bool) -> Non
 
 
 def holds_lora(directory: Path) -> bool:
-    """Whether the checkpoint in `directory` was written by a LoRA run (its weights are adapters)."""
+    """Whether the checkpoint in `directory` was written by a LoRA run (its weights are
+    adapters)."""
     if (directory / "dcp").is_dir():
         names = _SafeReader(directory / "dcp").read_metadata().state_dict_metadata
         return any(".lora_A." in name for name in names)

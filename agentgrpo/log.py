@@ -67,7 +67,8 @@ _URL_PARAM = re.compile(r"(?P<name>[?&;][^=&#;\s]+=)(?P<value>[^&#;\s]*)")
 
 def _secret_key(key: Any) -> bool:
     """A key one of whose `_`/`-`/`.`-separated words ends in a secret word: api_key, apiKey,
-    api_keys, hf_token, password, Authorization; not row_tokens or max_tokens (counts, not tokens)."""
+    api_keys, hf_token, password, Authorization; not row_tokens or max_tokens (counts, not
+    tokens)."""
     return any(w.endswith(SECRET_WORDS) for w in re.split(r"[_\-.]", str(key).lower()))
 
 
@@ -323,13 +324,13 @@ class Progress:
     """What a training run is doing now: one progress bar per step, its phase, and the time left.
 
     The bar of a step counts the rollouts finished so far and shows their running mean reward and
-    sampled tokens per second; its label names the phase (rollout / train / sync / checkpoint / eval,
-    or any name the loop passes). When a step ends it keeps the step's final reward, loss, tokens/s
-    and the estimated time left (mean duration of the last 10 steps times the steps to go, minus the
-    time already spent in the current step). On a terminal the bar updates in place; in a log file
-    (not a TTY) it writes one plain line per step instead, with the seconds spent in each phase.
-    `enabled=False` turns the display off; the phase timings (`phase_times`, logged as `phase_s/*`)
-    are kept either way, so metrics do not depend on whether anyone watched.
+    sampled tokens per second; its label names the phase (rollout / train / sync / checkpoint /
+    eval, or any name the loop passes). When a step ends it keeps the step's final reward, loss,
+    tokens/s and the estimated time left (mean duration of the last 10 steps times the steps to go,
+    minus the time already spent in the current step). On a terminal the bar updates in place; in a
+    log file (not a TTY) it writes one plain line per step instead, with the seconds spent in each
+    phase. `enabled=False` turns the display off; the phase timings (`phase_times`, logged as
+    `phase_s/*`) are kept either way, so metrics do not depend on whether anyone watched.
 
     Example (the calls of the training loop):
         >>> progress = Progress(total_steps=30, rollouts_per_step=32)
@@ -422,7 +423,8 @@ class Progress:
             self._bar.update(1)  # redraws at most every tqdm mininterval
 
     def step_done(self, step: int, metrics: dict[str, float]) -> None:
-        """Step `step` (1-based, as logged) is finished; `metrics` are the ones written to metrics.jsonl."""
+        """Step `step` (1-based, as logged) is finished; `metrics` are the ones written to
+        metrics.jsonl."""
         now = self.clock()
         if not self._in_step:
             self._begin_step(now)
@@ -511,8 +513,8 @@ class Progress:
         reward = self._rewards_sum / self._rewards_n if self._rewards_n else math.nan
         eta = self.eta()
         self._bar.set_postfix_str(
-            f"{label} {_fmt(reward)} · {_fmt(self._tokens / span if span > 0 else None, '.0f')} tok/s"
-            f" · eta {_duration(eta) if math.isfinite(eta) else '?'}",
+            f"{label} {_fmt(reward)} · {_fmt(self._tokens / span if span > 0 else None, '.0f')} "
+            f"tok/s · eta {_duration(eta) if math.isfinite(eta) else '?'}",
             refresh=force,
         )
 

@@ -8,8 +8,8 @@
   under the base model's names: `merged_state_dict` computes W + scaling * B @ A out of place (the
   training weights are never merged and unmerged, which would drift them by float rounding), and
   `MergedModel` presents them to `WeightSync` as an ordinary model.
-- Checkpoints hold the adapter only (peft's `save_pretrained` / `adapter_weights`); the base comes from
-  `model.path` when the run resumes.
+- Checkpoints hold the adapter only (peft's `save_pretrained` / `adapter_weights`); the base comes
+  from `model.path` when the run resumes.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from safetensors.torch import load_file
 
 
 class LoraConfig(BaseModel):
-    """LoRA adapter of the policy (peft). Set `learner.lora` to train adapters instead of all weights."""
+    """LoRA adapter of the policy (peft). Set `learner.lora` to train adapters instead of all
+    weights."""
 
     model_config = ConfigDict(extra="forbid")
 

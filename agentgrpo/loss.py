@@ -233,16 +233,19 @@ class LossConfig(BaseModel):
     dual_clip: float | None = Field(
         None,
         gt=1,
-        description="Dual-clip constant c (> 1) bounding the loss of A < 0 tokens at -A*c; ppo only.",
+        description="Dual-clip constant c (> 1) bounding the loss of A < 0 tokens at -A*c; ppo "
+        "only.",
     )
     agg: AggMode | None = Field(
         None,
-        description="Loss aggregation; None = the loss's default (ppo: token-mean, gspo: seq-mean-token-mean).",
+        description="Loss aggregation; None = the loss's default (ppo: token-mean, gspo: "
+        "seq-mean-token-mean).",
     )
     max_response_len: int | None = Field(
         None,
         gt=0,
-        description="Constant divisor of seq-mean-token-sum-norm (Dr. GRPO); required by that mode.",
+        description="Constant divisor of seq-mean-token-sum-norm (Dr. GRPO); required by that "
+        "mode.",
     )
     kl_coef: float = Field(
         0.0, ge=0, description="beta of the KL-to-reference term; 0 loads no reference model."
@@ -370,7 +373,8 @@ def _prepare(
     ):
         raise ValueError(
             f"logprobs_BT, old_logprobs_BT and loss_mask_BT must share one [B, T] shape, got "
-            f"{tuple(logprobs_BT.shape)}, {tuple(old_logprobs_BT.shape)}, {tuple(loss_mask_BT.shape)}"
+            f"{tuple(logprobs_BT.shape)}, {tuple(old_logprobs_BT.shape)}, "
+            f"{tuple(loss_mask_BT.shape)}"
         )
     if advantages_B.dim() == 1:
         advantages_B = advantages_B.unsqueeze(-1)

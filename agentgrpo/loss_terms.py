@@ -1,4 +1,5 @@
-"""The terms around the policy loss: aggregation modes, KL estimators, truncated importance sampling.
+"""The terms around the policy loss: aggregation modes, KL estimators, truncated importance
+sampling.
 
 Pure functions over [B, T] tensors with the conventions of `agentgrpo.loss` (read its docstring:
 masking before arithmetic, step-wide normalisers, metrics as Python floats). The named modes sit

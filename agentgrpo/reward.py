@@ -17,7 +17,9 @@ Example:
         n = trajectory.num_sampled
         return VerifierResult(score=1.0 if n < 512 else 0.0, detail=f"{n} tokens")
 
-    rubric = Rubric([("correct", MathVerifier(), 1.0), ("boxed", boxed, 0.1), ("short", short, 0.05)])
+    rubric = Rubric(
+        [("correct", MathVerifier(), 1.0), ("boxed", boxed, 0.1), ("short", short, 0.05)]
+    )
     result = await rubric.ascore(trajectory, task)   # result.score, result.parts["correct"], ...
     results = await rubric.ascore_group(group.trajectories, group.task)
     result = rubric.score(trajectory, task)          # from sync code (no running event loop)

@@ -33,7 +33,8 @@ class ShapingConfig(BaseModel):
 
     dynamic_sampling: bool = Field(
         False,
-        description="Drop groups whose rewards are all equal and sample more tasks to refill the batch.",
+        description="Drop groups whose rewards are all equal and sample more tasks to refill the "
+        "batch.",
     )
     max_extra_rounds: int = Field(
         3,
@@ -43,14 +44,16 @@ class ShapingConfig(BaseModel):
     overlong_buffer_len: int | None = Field(
         None,
         gt=0,
-        description="Overlong shaping: penalise the last this-many tokens before the length limit (None: off).",
+        description="Overlong shaping: penalise the last this-many tokens before the length limit "
+        "(None: off).",
     )
     overlong_penalty_factor: float = Field(
         1.0, ge=0, description="Overlong shaping: the penalty reached at the length limit."
     )
     mask_truncated: bool = Field(
         False,
-        description="Leave trajectories that hit the token limit out of the loss (DAPO overlong filtering).",
+        description="Leave trajectories that hit the token limit out of the loss (DAPO overlong "
+        "filtering).",
     )
 
 
@@ -124,7 +127,10 @@ def describe_algorithm(
         )
         loss += f", dual clip c = {c.dual_clip:g}" if c.dual_clip is not None else ", no dual clip"
     else:
-        loss = f"gspo  sequence ratio in [{1 - c.clip_low:g}, {1 + c.clip_high:g}], log-ratio capped at 10"
+        loss = (
+            f"gspo  sequence ratio in [{1 - c.clip_low:g}, {1 + c.clip_high:g}], log-ratio "
+            "capped at 10"
+        )
     agg = c.effective_agg
     if agg == "seq-mean-token-sum-norm":
         agg += f"  (token sums / {c.max_response_len} / sequences)"

@@ -292,17 +292,18 @@ def _abandoned(fut: Future, fn: Callable[..., Any]) -> None:
     if warn:
         name = getattr(fn, "__qualname__", None) or getattr(fn, "name", None) or repr(fn)
         warnings.warn(
-            f"{n} sync calls of user code (the latest: {name}) overran their deadlines and still hold "
-            f"worker threads ({USER_THREADS} in all); when all are held every sync tool, env step and "
-            "verifier waits. Give blocking code its own timeout, or make it async.",
+            f"{n} sync calls of user code (the latest: {name}) overran their deadlines and still "
+            f"hold worker threads ({USER_THREADS} in all); when all are held every sync tool, env "
+            "step and verifier waits. Give blocking code its own timeout, or make it async.",
             RuntimeWarning,
             stacklevel=3,
         )
 
 
 async def to_user_thread(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
-    """Run sync user code in the `agentgrpo-user` pool and await its result (like `asyncio.to_thread`,
-    context variables included, but on a pool sized for rollouts: see `USER_THREADS`).
+    """Run sync user code in the `agentgrpo-user` pool and await its result (like
+    `asyncio.to_thread`, context variables included, but on a pool sized for rollouts: see
+    `USER_THREADS`).
 
     When the caller is cancelled (a tool, turn or step deadline passed) a call still queued is
     dropped; one already running cannot be stopped: it finishes in its thread, its result is thrown

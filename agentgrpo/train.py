@@ -500,7 +500,8 @@ def start_main_rank(
             flush=True,
         )
     # Rows of steps after the one resumed from (or after 0: a run killed before its first
-    # checkpoint) are trained again: theirs from the cut-off timeline go aside, not twice in the logs.
+    # checkpoint) are trained again: theirs from the cut-off timeline go aside, not twice in the
+    # logs.
     moved = {k: n for k, n in set_aside_after(run.run_dir, start).items() if n}
     if moved:
         print(

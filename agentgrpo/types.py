@@ -161,9 +161,10 @@ class StopReason(str, enum.Enum):
         """Endings that say nothing about the policy: their reward is NaN (unscorable), never 0.
 
         TIMEOUT is one of them: how long a turn or an episode takes depends on engine load, queueing
-        and the other trajectories of the step, while the policy's own length is bounded (and scored)
-        by MAX_TURNS and MAX_TOKENS. A tool call that overruns its deadline is different: the model
-        chose the call, so it becomes an error tool message (`ToolErrorKind.TOOL_TIMEOUT`).
+        and the other trajectories of the step, while the policy's own length is bounded (and
+        scored) by MAX_TURNS and MAX_TOKENS. A tool call that overruns its deadline is different:
+        the model chose the call, so it becomes an error tool message
+        (`ToolErrorKind.TOOL_TIMEOUT`).
         """
         return self in (
             StopReason.ENV_ERROR,
@@ -210,7 +211,8 @@ class EnvStep(tuple):
     - `tool_errors`: calls this step answered with an error message, counted by `ToolErrorKind`.
 
     Example (an answer the env cannot read ends the episode as a parse error):
-        >>> EnvStep([], -1.0, True, False, {"raw": "??"}, stop_reason=StopReason.PARSE_ERROR).stop_reason
+        >>> step = EnvStep([], -1.0, True, False, {"raw": "??"}, stop_reason=StopReason.PARSE_ERROR)
+        >>> step.stop_reason
         <StopReason.PARSE_ERROR: 'parse_error'>
     """
 
@@ -354,9 +356,9 @@ class Trajectory:
     """One episode as token ids, exactly as the model saw and produced them.
 
     Invariant (`check()`): `len(token_ids) == len(loss_mask) == len(logprobs)`; `loss_mask[i] == 1`
-    exactly for tokens sampled by the policy, whose `logprobs[i]` are the engine's sampling logprobs;
-    every other token (prompt, tool and env output, chat-template glue) has mask 0 and logprob 0.
-    `reward` is NaN when the episode could not be scored (infrastructure failure).
+    exactly for tokens sampled by the policy, whose `logprobs[i]` are the engine's sampling
+    logprobs; every other token (prompt, tool and env output, chat-template glue) has mask 0 and
+    logprob 0. `reward` is NaN when the episode could not be scored (infrastructure failure).
 
     Segments (step-wise episodes): when the chat template renders the next prompt as something that
     does not extend the tokens sampled so far (it drops earlier `<think>` blocks, say), the episode

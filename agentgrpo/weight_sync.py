@@ -7,8 +7,8 @@ methods moves the weights:
   version=...)` with a detached copy of the weights.
 - `disk`: save safetensors (HF layout, `save_pretrained` when the model has it) into
   `shared_dir/step_<step>`, a directory every SGLang server can read under the same path, then
-  `engine.update_weights_from_disk` (pause -> flush -> update -> continue on every server). Works for
-  any topology with a shared filesystem; the slowest but simplest method.
+  `engine.update_weights_from_disk` (pause -> flush -> update -> continue on every server). Works
+  for any topology with a shared filesystem; the slowest but simplest method.
 - `distributed`: a process group made of this process (rank 0) and every SGLang GPU, created once
   (`/init_weights_update_group`), then per push a broadcast of every tensor, bucketed, while
   `/update_weights_from_distributed` is pending on every server. NCCL between GPUs; gloo works on

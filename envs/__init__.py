@@ -4,7 +4,8 @@ pyproject.toml declares in the `agentgrpo.envs` group, as any installed package 
 - `calculator`: arithmetic with a calculator tool.
 - `python_math`: reasoning-gym word problems solved with a sandboxed `python` tool.
 - `code_tests`: HumanEval with a `run_tests` tool over the docstring's examples; hidden tests score.
-- `gym_text`: any Gymnasium env with a discrete action space, played in text (FrozenLake by default).
+- `gym_text`: any Gymnasium env with a discrete action space, played in text (FrozenLake by
+  default).
 """
 
 from envs.calculator import CalculatorEnv

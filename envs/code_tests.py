@@ -25,9 +25,9 @@ is scored on the code it tested); otherwise the final reply as written. The prog
 Reward: 1.0 when the hidden tests pass, else 0.0. HumanEval's hidden test is one `check`
 function that stops at its first failed assert, so it gives no fraction of hidden tests passed.
 Partial credit is opt-in (`public_credit=w`, default 0): a submission that fails the hidden tests
-gets `w * (fraction of public examples passed)` (0 for a problem without examples). It is off by default because the public examples
-are visible, so a policy can learn to hard-code them; with `w` small a correct solution still
-earns far more than a hard-coded one.
+gets `w * (fraction of public examples passed)` (0 for a problem without examples). It is off by
+default because the public examples are visible, so a policy can learn to hard-code them; with `w`
+small a correct solution still earns far more than a hard-coded one.
 
 Sandbox failure: when the sandbox fails (after its retries) in a `run_tests` call or while
 scoring, `step` raises `SandboxUnavailable`: the rollout ends the trajectory as `ENV_ERROR` with

@@ -21,7 +21,8 @@ Action parsing: the action is the last action word in the reply (case-insensitiv
 the list of valid words (`on_invalid="reprompt"`, the default: the model gets another chance and
 the wrapped env does not move) or ends the episode (`on_invalid="end"`). After `max_invalid`
 invalid replies in one episode it ends in both modes (terminated, with
-`EnvStep.stop_reason` PARSE_ERROR, which the rollout records as the episode's stop reason), so a model that never answers cannot fill its whole turn budget.
+`EnvStep.stop_reason` PARSE_ERROR, which the rollout records as the episode's stop reason), so a
+model that never answers cannot fill its whole turn budget.
 
 Tasks: one task is one start state: `metadata` holds the env id, its `gymnasium.make` arguments and
 the seed of `reset`, so every draw of a task (and every member of a group) starts from the same

@@ -19,13 +19,15 @@ number in it (`-1,234.5`, `3/4` and `1e3` forms; thousands separators dropped, `
 written, so a hostile answer costs nothing and scores 0). That string, and for a boxed answer the
 box itself read as LaTeX (`10^{3}`), is compared with the reference by `math_check` (math-verify:
 `28080.0` equals `28080`, `1/2` equals `0.5`). Reward 1.0 when equal, 0.0 otherwise, also when
-the reply holds no number. An answer whose check uses up its CPU budget (a tower of powers sympy cannot finish) is the model's doing: reward
-0.0, and the episode ends as `parse_error` (its output was unusable) with `info["math_verify"]`
-saying why, so it is counted (`stop/parse_error`) rather than passing for a plain wrong answer.
+the reply holds no number. An answer whose check uses up its CPU budget (a tower of powers sympy
+cannot finish) is the model's doing: reward 0.0, and the episode ends as `parse_error` (its output
+was unusable) with `info["math_verify"]` saying why, so it is counted (`stop/parse_error`) rather
+than passing for a plain wrong answer.
 
 Verifier failure: when math-verify could not check the answer at all (its worker failed to start or
-died, also on a retry, or was starved of CPU: see `agentgrpo.verify.math`), `MathVerifyUnavailable` propagates
-out of `step`, so the trajectory ends as `ENV_ERROR` with reward NaN, the reason in `stop_detail`.
+died, also on a retry, or was starved of CPU: see `agentgrpo.verify.math`), `MathVerifyUnavailable`
+propagates out of `step`, so the trajectory ends as `ENV_ERROR` with reward NaN, the reason in
+`stop_detail`.
 
 Sandbox failure: a `sandbox_error` during a `python` call (after the sandbox's retries) is an
 infrastructure failure, not the model's: `step` raises `SandboxUnavailable`, so the rollout ends
@@ -78,8 +80,8 @@ def _last_boxed(text: str) -> str | None:
 
 
 def final_answer(text: str) -> str | None:
-    """The answer a reply commits to: its last `\\boxed{}` content, else its last number. A number in
-    scientific notation is written out (`1.5e3` -> `1500`): math-verify reads `1e3` as `1*e*3`.
+    """The answer a reply commits to: its last `\\boxed{}` content, else its last number. A number
+    in scientific notation is written out (`1.5e3` -> `1500`): math-verify reads `1e3` as `1*e*3`.
     Only when its decimal exponent is at most `_MAX_WRITTEN_EXPONENT` in size: `1e999999999999`
     written out would not fit in memory, so it stays as written (and scores 0 as a wrong answer)."""
     answer = _last_boxed(text)

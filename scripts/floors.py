@@ -11,8 +11,10 @@ against them, and matplotlib needs a newer numpy than numpy's floor); numpy's fl
 in its own venv (pyproject.toml's comment says so).
 
     python scripts/floors.py pins          # "torch==2.9 transformers==5.17 ..." (pip's words)
-    python scripts/floors.py missing DIR   # what DIR's packages need that neither DIR nor the venv has
-    python scripts/floors.py check DIR     # every floor at its version, every need met; exit 1 if not
+    python scripts/floors.py missing DIR   # what DIR's packages need that neither DIR nor the
+                                           # venv has
+    python scripts/floors.py check DIR     # every floor at its version, every need met; exit 1
+                                           # if not
 """
 
 from __future__ import annotations
@@ -85,7 +87,8 @@ def installed(
 def unmet(seen: dict[str, metadata.Distribution], ours: list[metadata.Distribution]) -> list[str]:
     """Requirements of the overlay's packages that nothing installed satisfies (`seen`, `ours`: what
     `installed(overlay)` returns), with those of the extras they ask of others: torch 2.11 needs
-    `cuda-toolkit[cufile,...]`, whose libraries come only with those extras. Their own extras are off."""
+    `cuda-toolkit[cufile,...]`, whose libraries come only with those extras. Their own extras are
+    off."""
     needs: dict[str, tuple[str, SpecifierSet]] = {}  # name -> (as written, every bound asked)
     todo = [(dist, "") for dist in ours]  # (distribution, extra) whose requirements must hold
     done: set[tuple[str, str]] = set()

@@ -30,9 +30,9 @@ How it works (decisions):
 - **Stopping.** The model's EOS ids (generation config, config and tokenizer) plus
   `params.stop_token_ids` end a request; the matched id is the last returned token and
   `finish_reason == "stop"`. Reaching `max_new_tokens` gives `"length"`. Prompt + completion never
-  exceed `config.max_position_embeddings`: `max_new_tokens` is clamped to what fits and a request cut
-  by that clamp (or whose prompt already fills the context, which returns no tokens) finishes with
-  `"length"` and a `detail` saying so. `close()` finishes in-flight and queued requests with
+  exceed `config.max_position_embeddings`: `max_new_tokens` is clamped to what fits and a request
+  cut by that clamp (or whose prompt already fills the context, which returns no tokens) finishes
+  with `"length"` and a `detail` saying so. `close()` finishes in-flight and queued requests with
   `"abort"`.
 - **Seeds.** A request with `params.seed` draws its random numbers from its own `torch.Generator`
   (one uniform per token, inverse-CDF sampling), so which other requests share its batch does not
@@ -43,25 +43,26 @@ How it works (decisions):
   boundary). Two requests with the same seed in one batch sample the same tokens: give the members
   of a GRPO group distinct seeds or none.
 - **Prefix cache** (`prefix_cache.py`; `prefix_cache_tokens`, 0 disables it). After a request's
-  prefill the KV of its prompt is kept, and when it finishes, the KV of prompt + sampled ids (all but
-  the last, which was never fed). A new request takes the cached entry sharing the longest common
-  prefix with it and prefills only the rest; at least its last prompt id is always fed, for the
-  logits. Before prefilling an admitted set, every prefix that several of them share is prefilled
-  once, shortest first (the system prompt of several tasks, then each GRPO group's prompt), when
-  that saves at least `_MIN_SAVED` ids of prefill. So G copies of a prompt cost one prefill plus G
-  single ids, and turn k+1 (= turn k's prompt + sampled ids + env suffix) prefills only the last
-  sampled id and the suffix. Rows of one prefill forward may reuse different lengths: every row
-  feeds as many trailing ids as the row that needs the most (recomputing a few cached ones), so the
-  padding stays on the left. Exactness: the KV of a token depends only on the ids up to it and its
-  position id, so the result differs from a fresh prefill by float rounding only (tests check 1e-4).
-  `update_weights` empties the cache (KV of the old weights), and so does `release_memory`, which
-  the training loop calls when a step's rollouts are done: the entries are dead from then on, and
-  held up to `prefix_cache_tokens` x 45 KiB (SmolLM2-135M, fp32) while the learner trained in the
-  same process. It does not lower the default run's peak memory, which the learner's activations
-  set (docs/performance.md).
+  prefill the KV of its prompt is kept, and when it finishes, the KV of prompt + sampled ids (all
+  but the last, which was never fed). A new request takes the cached entry sharing the longest
+  common prefix with it and prefills only the rest; at least its last prompt id is always fed, for
+  the logits. Before prefilling an admitted set, every prefix that several of them share is
+  prefilled once, shortest first (the system prompt of several tasks, then each GRPO group's
+  prompt), when that saves at least `_MIN_SAVED` ids of prefill. So G copies of a prompt cost one
+  prefill plus G single ids, and turn k+1 (= turn k's prompt + sampled ids + env suffix) prefills
+  only the last sampled id and the suffix. Rows of one prefill forward may reuse different lengths:
+  every row feeds as many trailing ids as the row that needs the most (recomputing a few cached
+  ones), so the padding stays on the left. Exactness: the KV of a token depends only on the ids up
+  to it and its position id, so the result differs from a fresh prefill by float rounding only
+  (tests check 1e-4). `update_weights` empties the cache (KV of the old weights), and so does
+  `release_memory`, which the training loop calls when a step's rollouts are done: the entries are
+  dead from then on, and held up to `prefix_cache_tokens` x 45 KiB (SmolLM2-135M, fp32) while the
+  learner trained in the same process. It does not lower the default run's peak memory, which the
+  learner's activations set (docs/performance.md).
 - **Weights.** `update_weights` is queued behind the requests already submitted: the worker stops
   admitting, lets the running rows finish, copies the new tensors in place (tied weights stay tied),
-  then sets `weight_version`. So every completion comes from exactly one version, the one it reports.
+  then sets `weight_version`. So every completion comes from exactly one version, the one it
+  reports.
 - **dtype.** float32 is the default. `auto` decodes in the dtype of the learner's weights
   (`weights_dtype`), but float32 where bfloat16 is not native (CUDA, CPUs with AVX512-BF16 or AMX
   have it; elsewhere it is emulated, many times slower): `agentgrpo.hardware.engine_dtype`.
@@ -252,7 +253,8 @@ class LocalEngine:
 
     # ----------------------------------------------------------------------------- public API
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
-        """Sample a completion of `prompt_ids`; see the module docstring for batching and logprobs."""
+        """Sample a completion of `prompt_ids`; see the module docstring for batching and
+        logprobs."""
         prompt_ids = self._check_ids(prompt_ids, "prompt_ids")
         if not prompt_ids:
             raise ValueError("prompt_ids is empty")
@@ -260,7 +262,8 @@ class LocalEngine:
         if room <= 0:
             return Completion(
                 [], [], "length", self.weight_version,
-                detail=f"prompt of {len(prompt_ids)} tokens fills the context length {self.max_context}",
+                detail=f"prompt of {len(prompt_ids)} tokens fills the context length "
+                f"{self.max_context}",
             )  # fmt: skip
         loop = asyncio.get_running_loop()
         req = _Request(
@@ -493,8 +496,8 @@ class LocalEngine:
 
 def _cache_kwarg(model: torch.nn.Module) -> str:
     """The name under which the model's forward takes a KV cache: transformers renamed
-    `past_key_values` to `cache` in 5.2x (the old name deprecated, to go in 5.40). Passing the name a
-    version does not know is no error there: the kwarg lands in `**kwargs` and every decode step
+    `past_key_values` to `cache` in 5.2x (the old name deprecated, to go in 5.40). Passing the name
+    a version does not know is no error there: the kwarg lands in `**kwargs` and every decode step
     silently runs without the cache, so the engine asks the signature once instead of guessing."""
     params = inspect.signature(model.forward).parameters
     for name in ("cache", "past_key_values"):

@@ -1,5 +1,5 @@
-"""`SGLangConfig`: the settings of `SGLangEngine`, apart from the client so that loading a run config
-does not import httpx and the client's machinery."""
+"""`SGLangConfig`: the settings of `SGLangEngine`, apart from the client so that loading a run
+config does not import httpx and the client's machinery."""
 
 from __future__ import annotations
 

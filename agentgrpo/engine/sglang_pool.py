@@ -228,7 +228,8 @@ class ServerPool:
                         f"deadline (last: {last_error})"
                     ) from e
             except asyncio.TimeoutError as e:
-                # network boundary: the request's deadline is spent (the server may be busy, not down)
+                # network boundary: the request's deadline is spent (the server may be busy, not
+                # down)
                 last_error = f"{url}: no answer within the deadline"
                 raise EngineError(
                     f"SGLang request did not finish within its {cfg.request_timeout_s:.0f}s "

@@ -27,9 +27,9 @@ wall_per_test = spec["wall_s"]
 out = os.fdopen(os.dup(1), "w")
 devnull = os.open(os.devnull, os.O_RDWR)
 os.dup2(devnull, 1)
-# Bound before any solution runs, so patching json, os or builtins cannot change a report or a check;
-# the solution cannot reach them either: it runs as a fresh `__main__` module (so `import __main__`
-# is its own namespace, as under `python prog.py`), not in this harness's.
+# Bound before any solution runs, so patching json, os or builtins cannot change a report or a
+# check; the solution cannot reach them either: it runs as a fresh `__main__` module (so `import
+# __main__` is its own namespace, as under `python prog.py`), not in this harness's.
 _write, _exit, _type, _isinstance, _getattr = os.write, os._exit, type, isinstance, getattr
 # type's own descriptors: a metaclass's __getattribute__ cannot fake a class's flags, MRO or dict
 _flags, _mro = type.__dict__["__flags__"].__get__, type.__dict__["__mro__"].__get__
@@ -51,7 +51,8 @@ def _own(cls, name):  # the attribute instances see (the class's MRO, not its me
 def _plain(value):
     # An operand of an assert's comparison: reject objects whose class (Python code, so possibly the
     # solution's) defines its own comparison or truth, e.g. an __eq__ that is always True, also
-    # inside containers. Classes written in C (int, list, numpy's) cannot be redefined by a solution.
+    # inside containers. Classes written in C (int, list, numpy's) cannot be redefined by a
+    # solution.
     todo, seen = [value], 0
     while todo and seen < 100000:
         v = todo.pop()
@@ -64,8 +65,8 @@ def _plain(value):
             for name in _DUNDERS:
                 if _own(t, name) is not _own(base, name):
                     raise _Rigged(
-                        f"compared a {_tname(t)}, whose class defines its own {name} (an assert compares "
-                        "plain values)"
+                        f"compared a {_tname(t)}, whose class defines its own {name} (an assert "
+                        "compares plain values)"
                     )
         if _isinstance(v, dict):
             todo += list(v.keys()) + list(v.values())

@@ -57,7 +57,10 @@ class ForkServerLauncher:
             "ro_paths": self.cfg["ro_paths"],
             "preimport": self.cfg["preimport"],
         }
-        boot = "import sys; sys.path.append(sys.argv[1]); import _forkserver; sys.exit(_forkserver.main(sys.argv[2:]))"
+        boot = (
+            "import sys; sys.path.append(sys.argv[1]); import _forkserver; "
+            "sys.exit(_forkserver.main(sys.argv[2:]))"
+        )
         self.proc = subprocess.Popen(
             [
                 self.cfg["python"],

@@ -32,11 +32,13 @@ _VERIFY_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 class _LocalClient:
-    """Client end of a supervisor process (`_supervisor.py`) for the namespaces / bwrap / unsafe backends.
+    """Client end of a supervisor process (`_supervisor.py`) for the namespaces / bwrap / unsafe
+    backends.
 
     Dispatches at most `slots` jobs at a time, so a dispatched job starts at once and its deadline
-    (wall_s + margin) is meaningful; the rest wait in a local queue. A supervisor that dies or misses
-    a deadline is killed; its jobs come back as sandbox_error and the next call starts a new one.
+    (wall_s + margin) is meaningful; the rest wait in a local queue. A supervisor that dies or
+    misses a deadline is killed; its jobs come back as sandbox_error and the next call starts a new
+    one.
     """
 
     def __init__(self, kind: str, cfg: SandboxConfig) -> None:
@@ -84,7 +86,10 @@ class _LocalClient:
             "preimport": self.cfg.preimport,
             "default_limits": Limits().model_dump(),
         }
-        boot = "import sys; sys.path.append(sys.argv[1]); import _supervisor; sys.exit(_supervisor.main(sys.argv[1:]))"
+        boot = (
+            "import sys; sys.path.append(sys.argv[1]); import _supervisor; "
+            "sys.exit(_supervisor.main(sys.argv[1:]))"
+        )
         proc = subprocess.Popen(
             [sys.executable, "-I", "-c", boot, _VERIFY_DIR, json.dumps(cfg), str(theirs.fileno())],
             pass_fds=[theirs.fileno()],
@@ -126,8 +131,9 @@ class _LocalClient:
     def submit(
         self, code: bytes, stdin: bytes, files: list[tuple[str, bytes]], limits: Limits
     ) -> Future:
-        """Queue a job. Inside a tool call, its time in the queue is a wait (`deadlines.start_wait`),
-        which ends when it leaves the queue for a slot, or when it is answered without one."""
+        """Queue a job. Inside a tool call, its time in the queue is a wait
+        (`deadlines.start_wait`), which ends when it leaves the queue for a slot, or when it is
+        answered without one."""
         fut: Future = Future()
         stop_wait = start_wait()
         fut.add_done_callback(lambda _: stop_wait())  # whatever path answers it

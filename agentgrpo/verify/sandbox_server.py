@@ -4,7 +4,8 @@
     export AGENTGRPO_SANDBOX_TOKEN=$(openssl rand -hex 32)     # or --token-file PATH
     agentgrpo serve-sandbox --host 0.0.0.0 --port 8765
     # on the trainer
-    AGENTGRPO_SANDBOX_URL=http://box1:8765,http://box2:8765 AGENTGRPO_SANDBOX_TOKEN=... agentgrpo train ...
+    AGENTGRPO_SANDBOX_URL=http://box1:8765,http://box2:8765 AGENTGRPO_SANDBOX_TOKEN=... \\
+        agentgrpo train ...
     # or Sandbox(url=["http://box1:8765", ...], token=...)
 
 Security: it executes code for whoever reaches it, so it binds 127.0.0.1 by default and refuses
@@ -546,8 +547,8 @@ def make_server(argv: list[str] | None = None) -> tuple[ThreadingHTTPServer, San
     token = _read_token(args.token_file)
     if token is None and not _is_loopback(args.host):
         raise SystemExit(
-            f"serve-sandbox: refusing to bind {args.host} without a token: anyone who can reach it could run "
-            f"code here. Set {TOKEN_ENV} or pass --token-file."
+            f"serve-sandbox: refusing to bind {args.host} without a token: anyone who can reach it "
+            f"could run code here. Set {TOKEN_ENV} or pass --token-file."
         )
     try:
         srv = ServerLimits(
