@@ -16,6 +16,7 @@ import torch
 
 from agentgrpo import Env, Message
 from agentgrpo.chat import ChatFormat, HistoryRewritten, TemplateError
+from agentgrpo.config import load_config
 from agentgrpo.engine import SamplingParams
 from agentgrpo.rollout import EpisodeLimits, RolloutConfig, run_episode
 from agentgrpo.template_audit import audit
@@ -435,7 +436,9 @@ def test_calculator_trains_stepwise_with_qwen3_6_and_thinking_on_the_embedded_mo
     )
     env = CalculatorEnv()
     trajs = rows_as_trajectories(out / "trajectories.jsonl")
-    assert len(trajs) == 64 and all(t.stop_reason != StopReason.ENV_ERROR for t in trajs)
+    rollout = load_config("examples/calculator.yaml").rollout
+    assert len(trajs) == 2 * rollout.tasks_per_step * rollout.group_size
+    assert all(t.stop_reason != StopReason.ENV_ERROR for t in trajs)
     for t in trajs:
         if t.num_sampled:
             check_segment_prompts(t, chat, env.tool_schemas(), env.max_tool_calls_per_turn)
