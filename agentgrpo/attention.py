@@ -24,11 +24,11 @@ How it is wired: `use_segments(model)` registers `segment_attention` with transf
 through that interface: Llama, Qwen2/3, Mistral, SmolLM2, ...). `PolicyForward` then passes
 `segments=Segments.of(batch)` through the decoder's kwargs, which transformers hands to every
 attention call. A call without `segments` (anything else that runs the model: a weight-sync probe,
-a plain `model(...)`) falls back to transformers' sdpa with its own mask, so the switched model stays
-correct for every other use. Each call counts itself on the `Segments`, and `PolicyForward` checks
-that every layer saw the layout: a model whose attention did not receive the kwarg raises instead of
-silently attending across sequences. Unsupported: logit soft-capping and attention sinks (a
-ValueError names the feature; `learner.attention: mask` runs them). A sliding window no packed
+a plain `model(...)`) falls back to transformers' sdpa with its own mask, so the switched model
+stays correct for every other use. Each call counts itself on the `Segments`, and `PolicyForward`
+checks that every layer saw the layout: a model whose attention did not receive the kwarg raises
+instead of silently attending across sequences. Unsupported: logit soft-capping and attention sinks
+(a ValueError names the feature; `learner.attention: mask` runs them). A sliding window no packed
 layout expresses (segments, flex or the 4D mask): a packed sequence longer than the model's window
 is refused (`logprobs.sliding_window_of`); `learner.packing: padded` runs it with the model's masks.
 """
@@ -51,7 +51,8 @@ _UNSUPPORTED = ("sliding_window", "softcap", "s_aux", "sinks", "position_bias")
 
 @dataclass
 class _Bucket:
-    """Spans of similar size run as one padded sdpa batch: n spans, queries padded to L, keys to K."""
+    """Spans of similar size run as one padded sdpa batch: n spans, queries padded to L,
+    keys to K."""
 
     q_idx: (
         torch.Tensor
@@ -64,14 +65,14 @@ class _Bucket:
 @dataclass
 class Segments:
     """The row layout of one micro-batch: `spans[i] = (row, start, end, prefix_start, prefix_end)`,
-    the query span [start, end) of row `row` attends to keys [prefix_start, prefix_end) + [start, end)
-    causally (an empty prefix for a prompt or a lone sequence). Row tails (padding) are no span: their
-    attention output is 0 (nothing reads their hidden states).
+    the query span [start, end) of row `row` attends to keys [prefix_start, prefix_end) +
+    [start, end) causally (an empty prefix for a prompt or a lone sequence). Row tails (padding) are
+    no span: their attention output is 0 (nothing reads their hidden states).
 
     Spans run in `buckets`: sorted by key length, grouped while padding them to the group's longest
-    keeps the pairs computed within `_SLACK` of the spans' own; each group is one sdpa call on gathered,
-    padded queries and keys. `dest`: flat position of every real query, bucket by bucket. Built once
-    per micro-batch, shared by every layer."""
+    keeps the pairs computed within `_SLACK` of the spans' own; each group is one sdpa call on
+    gathered, padded queries and keys. `dest`: flat position of every real query, bucket by bucket.
+    Built once per micro-batch, shared by every layer."""
 
     spans: list[tuple[int, int, int, int, int]]
     buckets: list[_Bucket]
@@ -160,7 +161,8 @@ def segment_attention(
     segments: Segments | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """transformers attention function: query [B, H, T, D], key/value [B, KV, T, D] -> ([B, T, H, D], None)."""
+    """transformers attention function: query [B, H, T, D], key/value [B, KV, T, D] ->
+    ([B, T, H, D], None)."""
     from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
     if segments is None:
@@ -223,8 +225,8 @@ def register() -> None:
 
 
 def use_segments(model: torch.nn.Module) -> None:
-    """Switch `model` (a transformers PreTrainedModel) to segment attention; ValueError when it cannot
-    (its attention does not go through transformers' AttentionInterface)."""
+    """Switch `model` (a transformers PreTrainedModel) to segment attention; ValueError when it
+    cannot (its attention does not go through transformers' AttentionInterface)."""
     register()
     model.set_attn_implementation(SEGMENTS)
     got = getattr(model.config, "_attn_implementation", None)

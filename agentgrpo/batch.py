@@ -14,9 +14,10 @@ A step-wise trajectory (several segments, `Trajectory.segments`) is trained as o
 episode's advantage and group, before anything here runs (docs/learner.md: how that weighs).
 
 `pred_index_M` / `target_ids_M` / `dest_index_M` connect the two: loss token m is predicted by the
-hidden state at flat position `pred_index_M[m]` of `[R*S]`, is the token id `target_ids_M[m]`, and its
-logprob goes to flat position `dest_index_M[m]` of `[B*T]`. The learner therefore runs the LM head on
-the M loss positions only (not on all R*S), which is exact and saves most of the head's cost.
+hidden state at flat position `pred_index_M[m]` of `[R*S]`, is the token id `target_ids_M[m]`, and
+its logprob goes to flat position `dest_index_M[m]` of `[B*T]`. The learner therefore runs the
+LM head on the M loss positions only (not on all R*S), which is exact and saves most of the head's
+cost.
 
 Packing modes (`LearnerConfig.packing`):
 
@@ -31,11 +32,12 @@ Packing modes (`LearnerConfig.packing`):
   its G uses, as it would be over G copies); the prefix is computed once instead of G times.
 
 Attention: with a 4D mask (sdpa, eager: the default GPU path) every mode is exact; so is segment
-attention (`agentgrpo.attention`, on the CPU for long rows by default), which reads the same `segment_ids_BT` /
-`visible_ids_BT` as spans and computes no pair across sequences.
+attention (`agentgrpo.attention`, on the CPU for long rows by default), which reads the same
+`segment_ids_BT` / `visible_ids_BT` as spans and computes no pair across sequences.
 Flash-attention kernels take no 4D mask but pack natively: `one_row=True` puts a whole micro-batch
 in a single row with position ids reset per sequence and no mask, which transformers turns into
-`flash_attn_varlen_func` calls (`shared_prefix` is not expressible there; the learner uses `packed`).
+`flash_attn_varlen_func` calls (`shared_prefix` is not expressible there; the learner uses
+`packed`).
 """
 
 from __future__ import annotations
@@ -175,8 +177,9 @@ def _common_prefix(seqs: Sequence[np.ndarray]) -> int:
 
 
 def _groups(trajs: Sequence[Trajectory], mode: PackingMode) -> list[tuple[list[int], int]]:
-    """(members, shared prefix length) of every unit-to-be: a GRPO group with its common prefix under
-    `shared_prefix`, else (and for a group with nothing to share) each trajectory alone with 0."""
+    """(members, shared prefix length) of every unit-to-be: a GRPO group with its common prefix
+    under `shared_prefix`, else (and for a group with nothing to share) each trajectory alone
+    with 0."""
     if mode != "shared_prefix":
         return [([i], 0) for i in range(len(trajs))]
     by_id: dict[str, list[int]] = defaultdict(list)
@@ -194,8 +197,8 @@ def _groups(trajs: Sequence[Trajectory], mode: PackingMode) -> list[tuple[list[i
 def _units(
     trajs: Sequence[Trajectory], groups: list[tuple[list[int], int]], budget: int
 ) -> list[_Unit]:
-    """A unit must sit in one row; a group longer than `budget` is split, each part with its own copy
-    of the prefix (shortest members first)."""
+    """A unit must sit in one row; a group longer than `budget` is split, each part with its own
+    copy of the prefix (shortest members first)."""
     units = []
     for members, P in groups:
         lens = {i: len(trajs[i].token_ids) for i in members}
@@ -248,11 +251,11 @@ def make_micro_batches(
     `padded`: rows sorted by length, as many per micro-batch as fit padded (a trajectory longer than
     the budget gets a micro-batch of its own). `packed` / `shared_prefix`: units (trajectories, or
     a group's prefix + continuations) are bin-packed into rows as long as the longest unit, and
-    `token_budget // row_length` rows make a micro-batch. `row_tokens` (shared_prefix): the longest a
-    group's unit may be; longer groups are split, each piece with its own copy of the prefix; None =
-    the budget; "auto" = the cap whose modelled cost for `pair_cost` is least (`_cheapest_plan`).
-    `one_row`: each micro-batch is a single row of up to `token_budget` tokens with no mask
-    (flash-attention varlen; not with `shared_prefix`).
+    `token_budget // row_length` rows make a micro-batch. `row_tokens` (shared_prefix): the longest
+    a group's unit may be; longer groups are split, each piece with its own copy of the prefix;
+    None = the budget; "auto" = the cap whose modelled cost for `pair_cost` is least
+    (`_cheapest_plan`). `one_row`: each micro-batch is a single row of up to `token_budget` tokens
+    with no mask (flash-attention varlen; not with `shared_prefix`).
     Every trajectory needs at least one loss token and none at position 0 (nothing predicts it).
     """
     if len(trajs) != len(advantages):
@@ -308,11 +311,11 @@ def _plan(
 def attention_pair_cost(config) -> float:
     """What one (query, key) pair of attention costs, relative to one token's matmuls, for a
     transformers decoder config: QK^T and AV take 2 * heads * head_dim multiply-adds per pair; a
-    token's q/k/v/o projections and gated MLP take h * (2 * heads + 2 * kv_heads) * head_dim + 3 * h * ff
-    (the layer count cancels; the LM head runs on loss tokens only and is left out). Under a 4D mask
-    every pair of a row is computed, so a token in a row of T costs about `1 + r * T`. SmolLM2-135M:
-    r = 3.3e-4 (attention equals the matmuls at T ~ 3000); Qwen2-0.5B: 1.2e-4. 0.0 for a config
-    without these fields (rows are then as long as the budget allows)."""
+    token's q/k/v/o projections and gated MLP take h * (2 * heads + 2 * kv_heads) * head_dim +
+    3 * h * ff (the layer count cancels; the LM head runs on loss tokens only and is left out).
+    Under a 4D mask every pair of a row is computed, so a token in a row of T costs about
+    `1 + r * T`. SmolLM2-135M: r = 3.3e-4 (attention equals the matmuls at T ~ 3000); Qwen2-0.5B:
+    1.2e-4. 0.0 for a config without these fields (rows are then as long as the budget allows)."""
     h = getattr(config, "hidden_size", None)
     heads = getattr(config, "num_attention_heads", None)
     if not h or not heads:
@@ -336,10 +339,10 @@ def _cheapest_plan(
     Each plan is built once; cap None = no cap.
 
     Sharing a group's prompt saves (G - 1) * prompt tokens but makes one row of the whole group, and
-    under a mask attention costs the square of the row: python_math-shaped groups (8 x ~870 tokens, a
-    250-token prompt) become 5311-token rows, where SmolLM2's attention is 1.7x its matmuls. At 8192
-    slots the cap chosen here gives rows of <= 1907 tokens, each prompt computed 4 times instead of
-    once (the modeled and measured step times: docs/performance.md).
+    under a mask attention costs the square of the row: python_math-shaped groups (8 x ~870 tokens,
+    a 250-token prompt) become 5311-token rows, where SmolLM2's attention is 1.7x its matmuls. At
+    8192 slots the cap chosen here gives rows of <= 1907 tokens, each prompt computed 4 times
+    instead of once (the modeled and measured step times: docs/performance.md).
     Candidates run from the longest trajectory to the longest unit the budget allows, in steps of
     1.25x. None (no cap) outside `shared_prefix`, with `one_row`, or when pair_cost is 0, where
     nothing is gained by splitting."""
@@ -448,8 +451,8 @@ def balanced_parts(
 
     Whole groups: a group's advantages sum to 0 (grpo, dr_grpo, rloo), so each optimizer step gets
     a baseline-centred gradient, and shared-prefix packing still computes a group's prompt once.
-    (verl cuts each rank's batch by position, `data.split(ppo_mini_batch_size)`, sized in prompts x n
-    but not checked to keep groups whole; TRL shuffles its generation batch and cuts it into
+    (verl cuts each rank's batch by position, `data.split(ppo_mini_batch_size)`, sized in prompts
+    x n but not checked to keep groups whole; TRL shuffles its generation batch and cuts it into
     `steps_per_generation` pieces, so groups straddle.) The largest group goes to the lightest part.
     Fewer groups than `k`: fewer parts, rather than an optimizer step on nothing; with `exactly_k`
     (ranks, which all take part in every step), single trajectories are dealt instead, and a part

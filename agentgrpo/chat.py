@@ -88,10 +88,13 @@ HERMES_CHATML_TEMPLATE = (
     "{%- if tools %}"
     "{{- '<|im_start|>system\\n' }}"
     "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}"
-    "{{- '# Tools\\n\\nYou can call these functions. Their signatures are inside <tools></tools>:\\n<tools>' }}"
+    "{{- '# Tools\\n\\nYou can call these functions. "
+    "Their signatures are inside <tools></tools>:\\n<tools>' }}"
     "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
-    "{{- '\\n</tools>\\n\\nTo call a function, reply with a JSON object inside <tool_call></tool_call> tags:\\n"
-    '<tool_call>\\n{"name": <function-name>, "arguments": <args-json-object>}\\n</tool_call><|im_end|>\\n\' }}'
+    "{{- '\\n</tools>\\n\\nTo call a function, reply with a JSON object inside "
+    "<tool_call></tool_call> tags:\\n"
+    '<tool_call>\\n{"name": <function-name>, "arguments": <args-json-object>}\\n'
+    "</tool_call><|im_end|>\\n' }}"
     "{%- elif messages[0]['role'] == 'system' %}"
     "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
     "{%- endif %}"
@@ -211,8 +214,9 @@ class _Placeholders:
         if self.restore(rendered) != real:
             at = _common_prefix(self.restore(rendered), real)
             raise TemplateError(
-                "the chat template renders special-token text inside message content differently from "
-                f"other text (at character {at}: {real[max(0, at - 40) : at + 40]!r}); it cannot be kept "
+                "the chat template renders special-token text inside message content differently "
+                f"from other text (at character {at}: {real[max(0, at - 40) : at + 40]!r}); it "
+                "cannot be kept "
                 "as plain text"
             )
 
@@ -326,7 +330,8 @@ class ChatFormat:
             for t in decoder.values()
             if t.content in specials
         }
-        # One alternation: ~4 us on 4 KB against Llama 3's 256 special tokens (`any(t in s)`: ~140 us).
+        # One alternation: ~4 us on 4 KB against Llama 3's 256 special tokens
+        # (`any(t in s)`: ~140 us).
         self._special_text = (
             re.compile("|".join(map(re.escape, sorted(specials, key=len, reverse=True))))
             if specials
@@ -342,7 +347,8 @@ class ChatFormat:
         *,
         add_generation_prompt: bool = False,
     ) -> str:
-        """The template's text for `messages`, exactly as `tokenizer.apply_chat_template` renders it.
+        """The template's text for `messages`, exactly as
+        `tokenizer.apply_chat_template` renders it.
 
         Raises TemplateError when the template refuses the conversation (e.g. Llama 3.1's "only
         supports single tool-calls"). The compiled template is called directly when possible: it
@@ -478,8 +484,8 @@ class ChatFormat:
         return protected
 
     def _encode_rendered(self, text: str, protected: _Placeholders) -> list[int]:
-        """Tokenize template output rendered from `protected.dicts`: the held special texts go where their
-        placeholders are, as plain text.
+        """Tokenize template output rendered from `protected.dicts`: the held special texts go where
+        their placeholders are, as plain text.
 
         The text is split at the template's own special tokens (the contents' are placeholders
         there) as the tokenizer's added-token split does, including the whitespace a token with
@@ -487,9 +493,10 @@ class ChatFormat:
         with special tokens split into plain text. So BPE merges run across the held text as they
         would if it were ordinary text, and ordinary text tokenizes exactly as `encode` does. This
         assumes the tokenizer treats each piece between added tokens the same wherever it starts, as
-        byte-level BPE tokenizers (Qwen, Llama 3, DeepSeek-V3, SmolLM2) do; a SentencePiece tokenizer
-        that prepends "▁" to its input shows the model an extra "▁" after each template special token
-        on this (rare) path (the held text stays plain text). The ids are what the model sees."""
+        byte-level BPE tokenizers (Qwen, Llama 3, DeepSeek-V3, SmolLM2) do; a SentencePiece
+        tokenizer that prepends "▁" to its input shows the model an extra "▁" after each template
+        special token on this (rare) path (the held text stays plain text). The ids are what the
+        model sees."""
         if protected.pattern is None:
             return self.encode(text)
         assert self._special_text is not None  # a pattern exists only when there are special tokens
@@ -574,9 +581,11 @@ class ChatFormat:
         raise HistoryRewritten(
             "the chat template is not prefix-preserving: adding "
             f"{[m.role for m in new_messages]} messages changes earlier text at character {at} "
-            f"(before: {before[max(0, at - 40) : at + 40]!r}, after: {after[max(0, at - 40) : at + 40]!r}). "
+            f"(before: {before[max(0, at - 40) : at + 40]!r}, "
+            f"after: {after[max(0, at - 40) : at + 40]!r}). "
             "The tokens the model saw cannot be continued the way this template renders the "
-            "conversation. Use a template that keeps earlier turns verbatim (or its own switch, e.g. "
+            "conversation. Use a template that keeps earlier turns verbatim "
+            "(or its own switch, e.g. "
             "chat_template_kwargs={preserve_thinking: true}), train the turns as segments "
             "(rollout.trajectory_mode=auto), or choose the explicit fallback "
             "rollout.template_fallback=keep_history. `agentgrpo check-template MODEL_DIR` shows "
@@ -628,7 +637,8 @@ class ChatFormat:
         ):
             raise TemplateError(
                 "keep_history fallback: cannot locate the new messages in the template's rendering "
-                f"(a new message is not rendered after the last {eot!r} of the history, or the history "
+                f"(a new message is not rendered after the last {eot!r} of the history, "
+                "or the history "
                 "renders differently depending on the new messages' content)"
             )
         return tail

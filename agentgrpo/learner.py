@@ -114,10 +114,10 @@ class LearnerConfig(BaseModel):
     row_tokens: Literal["auto"] | int = Field(
         "auto",
         description="shared_prefix: the longest a group's row may be before the group is split "
-        "(each piece with its own copy of the prompt). Under a mask attention costs the square of the "
-        "row; auto = the cap the packer's cost model finds cheapest (batch.make_micro_batches; "
-        "under segment attention never a split); an int caps it (micro_batch_tokens = no cap: a whole "
-        "group per row)",
+        "(each piece with its own copy of the prompt). Under a mask attention costs the square of "
+        "the row; auto = the cap the packer's cost model finds cheapest (batch.make_micro_batches; "
+        "under segment attention never a split); an int caps it (micro_batch_tokens = no cap: a "
+        "whole group per row)",
     )
     old_logprobs: Literal["rollout", "recompute"] = Field(
         "rollout",
@@ -131,8 +131,8 @@ class LearnerConfig(BaseModel):
         1,
         ge=1,
         description="optimizer steps per pass: the step's groups are split into this many "
-        "mini-batches (whole groups, balanced by tokens; fewer when the step has fewer groups), each "
-        "normalised as a step of its own",
+        "mini-batches (whole groups, balanced by tokens; fewer when the step has fewer groups), "
+        "each normalised as a step of its own",
     )
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="parameter dtype")
     autocast: Literal["auto", "bf16", "none"] = Field(
@@ -145,7 +145,8 @@ class LearnerConfig(BaseModel):
     tf32: Literal["auto"] | bool = Field(
         "auto",
         description="CUDA: fp32 matmuls (the LM head under bf16 "
-        "autocast) on TF32 tensor cores; auto = under bf16 autocast (agentgrpo.logprobs.wants_tf32)",
+        "autocast) on TF32 tensor cores; auto = under bf16 autocast "
+        "(agentgrpo.logprobs.wants_tf32)",
     )
     head_chunk_tokens: int | None = Field(
         None,
@@ -163,9 +164,12 @@ class LearnerConfig(BaseModel):
     attention: Literal["auto", "segments", "mask"] = Field(
         "auto",
         description="how packed rows keep sequences apart (not with flash or flex kernels, which "
-        "do it themselves: by position ids, by a block mask): segments = each sequence attends only to its prompt and itself, sequences of "
-        "similar size batched into padded sdpa calls (agentgrpo.attention; pairs own x (prompt + own)); mask = one call per row under a 4D mask "
-        "(every pair of the row computed); auto = on the CPU segments for micro-batches whose rows are "
+        "do it themselves: by position ids, by a block mask): segments = each sequence attends "
+        "only to its prompt and itself, sequences of "
+        "similar size batched into padded sdpa calls (agentgrpo.attention; pairs own x "
+        "(prompt + own)); mask = one call per row under a 4D mask "
+        "(every pair of the row computed); auto = on the CPU segments for micro-batches whose "
+        "rows are "
         "long enough to pay (agentgrpo.attention.AUTO_MIN_SHARE), else the mask; mask on GPUs "
         "(segments measured slower there: docs/performance.md)",
     )
@@ -178,8 +182,8 @@ class LearnerConfig(BaseModel):
         "full",
         description="full: HF safetensors + the whole optimizer state, gathered and written by "
         "rank 0 (loads anywhere, needs the full state in rank 0's CPU memory); sharded: "
-        "torch.distributed.checkpoint, every rank writes its own shards in parallel (loads into any "
-        "number of ranks; no HF weights file). Resuming reads either format.",
+        "torch.distributed.checkpoint, every rank writes its own shards in parallel (loads into "
+        "any number of ranks; no HF weights file). Resuming reads either format.",
     )
     collective_timeout_s: float = Field(
         3600.0,
@@ -227,8 +231,9 @@ def _lr_lambda(cfg: LearnerConfig, total: int | None):
 
 @dataclass
 class _MiniBatch:
-    """One optimizer step's data on this rank: micro-batches (None: empty, to keep ranks in step), the
-    whole mini-batch's normalisers (all ranks), scored old / reference logprobs (None: not needed)."""
+    """One optimizer step's data on this rank: micro-batches (None: empty, to keep ranks in step),
+    the whole mini-batch's normalisers (all ranks), scored old / reference logprobs (None: not
+    needed)."""
 
     batches: list[TrainBatch | None]
     num_tokens: float
@@ -266,8 +271,8 @@ class Learner:
         if cfg.lr_schedule != "constant" and not total_steps:
             raise ValueError(f"lr_schedule={cfg.lr_schedule!r} needs total_steps (the run's steps)")
         self.cfg, self.loss_cfg, self.temperature, self.pad_id = cfg, loss_cfg, temperature, pad_id
-        # Without cpu=True accelerate treats a GPU-less multi-process launch as one process (each rank
-        # would silently train alone); the timeout covers ranks waiting for rank 0's rollouts.
+        # Without cpu=True accelerate treats a GPU-less multi-process launch as one process (each
+        # rank would silently train alone); the timeout covers ranks waiting for rank 0's rollouts.
         self.accelerator = accelerator or Accelerator(
             cpu=not torch.cuda.is_available(),
             kwargs_handlers=[
@@ -289,7 +294,8 @@ class Learner:
         if cfg.attn_implementation:
             model.set_attn_implementation(cfg.attn_implementation)
         self.flash = uses_flash(model)
-        # flex_attention gets each micro-batch's layout as a BlockMask (agentgrpo.attention.flex_block_mask)
+        # flex_attention gets each micro-batch's layout as a BlockMask
+        # (agentgrpo.attention.flex_block_mask)
         flex = attn_implementation(model) == "flex_attention"
         if (self.flash or flex) and cfg.attention != "auto":
             raise ValueError(
@@ -326,7 +332,8 @@ class Learner:
             )
         # Segment attention computes no pair across sequences, so splitting a group only adds prompt
         # copies: the cost model then never splits (pair cost 0). Flex skips such pairs by the block
-        # (128 x 128): taken as the same (whole groups under flex: 1.08x the mask's speed on an H200).
+        # (128 x 128): taken as the same (whole groups under flex: 1.08x the mask's speed
+        # on an H200).
         self.pair_cost = (
             0.0 if segments or flex else attention_pair_cost(getattr(model, "config", None))
         )
@@ -381,7 +388,8 @@ class Learner:
         if (
             self.sharded
         ):  # accelerate maps the optimizer to the shards by data pointer, 0 for every meta
-            # tensor (a rank without weights, RAM-efficient loading); the order of `params` is the map.
+            # tensor (a rank without weights, RAM-efficient loading); the order of `params` is
+            # the map.
             optimizer.param_groups[0]["params"] = [
                 p for p in self.model.parameters() if p.requires_grad
             ]
@@ -424,7 +432,8 @@ class Learner:
             self.accelerator.end_training()
 
     def export_model(self) -> torch.nn.Module | None:
-        """The model to hand to `WeightSync.push` on rank 0: plain transformers names, LoRA merged in.
+        """The model to hand to `WeightSync.push` on rank 0: plain transformers names, LoRA merged
+        in.
 
         Collective under FSDP: every rank calls it, the full weights are gathered into rank 0's CPU
         copy of the model, and other ranks get None. Otherwise the live model itself (no copy)."""
@@ -528,7 +537,8 @@ class Learner:
         return out
 
     def _pack(self, trajs: list[Trajectory], advantages: list[float]) -> _MiniBatch:
-        """One mini-batch as a step of its size: normalisers over all ranks, this rank's shard packed."""
+        """One mini-batch as a step of its size: normalisers over all ranks, this rank's shard
+        packed."""
         acc = self.accelerator
         idx = balanced_parts(trajs, acc.num_processes, exactly_k=True)[acc.process_index]
         mine, adv = [trajs[i] for i in idx], [advantages[i] for i in idx]
@@ -548,8 +558,8 @@ class Learner:
         return _MiniBatch(batches, float(sum(t.num_sampled for t in trajs)), float(len(trajs)))
 
     def _score(self, packed_mini_batches: list[_MiniBatch]) -> None:
-        """No-grad pass before any update (later mini-batches are then off-policy, as they should be):
-        recomputed old logprobs and reference logprobs, [B, T] per micro-batch."""
+        """No-grad pass before any update (later mini-batches are then off-policy, as they should
+        be): recomputed old logprobs and reference logprobs, [B, T] per micro-batch."""
         recompute, kl = self.cfg.old_logprobs == "recompute", self.loss_cfg.kl_coef > 0
         for mini_batch in packed_mini_batches:
             mini_batch.olds, mini_batch.refs = (
@@ -653,5 +663,6 @@ class Learner:
         learner_state.save(self, directory)
 
     def load(self, directory: Path) -> None:
-        """Restore what `save` wrote, in either format (collective); ValueError if it does not fit."""
+        """Restore what `save` wrote, in either format (collective); ValueError if it does not
+        fit."""
         learner_state.load(self, directory)

@@ -58,9 +58,10 @@ def tf32_matmuls(enabled: bool):
 
 
 def wants_tf32(setting: str | bool, device: torch.device, bf16_autocast: bool) -> bool:
-    """The learner's `tf32` setting on `device`: auto = on CUDA under bf16 autocast, where the head's
-    input, bf16 values, is exact in TF32 and only the head's weights (and in backward the logits'
-    gradient) are rounded; the fp32 matmuls of a decoder without autocast stay fp32 unless asked."""
+    """The learner's `tf32` setting on `device`: auto = on CUDA under bf16 autocast, where the
+    head's input, bf16 values, is exact in TF32 and only the head's weights (and in backward the
+    logits' gradient) are rounded; the fp32 matmuls of a decoder without autocast stay fp32 unless
+    asked."""
     if setting is True and device.type != "cuda":
         raise ValueError(
             f"learner.tf32=true: TF32 is a CUDA matmul mode, and this learner runs on "
@@ -87,12 +88,12 @@ def uses_flash(model: torch.nn.Module) -> bool:
 class PolicyForward(torch.nn.Module):
     """`forward(batch, temperature)` -> (logprobs_M, entropy_M) of the batch's loss tokens.
 
-    `logprobs_M[m] = log softmax(head(h[pred_index_M[m]]) / T)[target_ids_M[m]]`; temperature 0 (greedy
-    rollouts) scores with T = 1, as the engines report. `entropy_M` is the entropy of the same
-    distribution (always returned: it costs an elementwise pass over [M, V], small next to the
+    `logprobs_M[m] = log softmax(head(h[pred_index_M[m]]) / T)[target_ids_M[m]]`; temperature 0
+    (greedy rollouts) scores with T = 1, as the engines report. `entropy_M` is the entropy of the
+    same distribution (always returned: it costs an elementwise pass over [M, V], small next to the
     head's matmul; it carries a gradient only with `entropy_grad=True`).
-    `disable_adapter=True` runs a peft model's base weights (the LoRA reference). `head_chunk_tokens`:
-    see the module docstring (None: the head over all M at once).
+    `disable_adapter=True` runs a peft model's base weights (the LoRA reference).
+    `head_chunk_tokens`: see the module docstring (None: the head over all M at once).
     """
 
     def __init__(
@@ -194,9 +195,9 @@ def _layout_kwargs(
     lm: torch.nn.Module, batch: TrainBatch, bf16: bool, segment_min_share: float = 0.0
 ) -> dict:
     """How the decoder learns the row layout: nothing (plain causal is exact), the spans for segment
-    attention (`agentgrpo.attention`; on a switched model, for rows where masked attention would cost
-    at least `segment_min_share` of the matmuls), a flex BlockMask (`flex_attention` models), or a 4D
-    mask (which a switched model runs as sdpa)."""
+    attention (`agentgrpo.attention`; on a switched model, for rows where masked attention would
+    cost at least `segment_min_share` of the matmuls), a flex BlockMask (`flex_attention` models),
+    or a 4D mask (which a switched model runs as sdpa)."""
     if not batch.needs_mask:
         return {"attention_mask": None}
     window = sliding_window_of(lm.config)
@@ -250,7 +251,8 @@ def _check_segments_seen(lm: torch.nn.Module, segments: Segments) -> None:
 
 
 def to_loss_layout(values_M: torch.Tensor, batch: TrainBatch) -> torch.Tensor:
-    """[M] values of the loss tokens -> [B, T] in the batch's loss layout (0 elsewhere); keeps grad."""
+    """[M] values of the loss tokens -> [B, T] in the batch's loss layout (0 elsewhere); keeps
+    grad."""
     N, L = batch.loss_mask_BT.shape
     out = values_M.new_zeros(N * L).index_put((batch.dest_index_M,), values_M)
     return out.view(N, L)
@@ -263,8 +265,8 @@ def token_logprobs(
     temperature: float = 1.0,
 ) -> torch.Tensor:
     """Reference implementation on a right-padded batch: logprobs_BT[b, t] = log p(input_ids[b, t] |
-    input_ids[b, :t]) at `temperature` from the full logits; 0 at t = 0. Used by tests and benchmarks
-    to check the packed, head-only path."""
+    input_ids[b, :t]) at `temperature` from the full logits; 0 at t = 0. Used by tests and
+    benchmarks to check the packed, head-only path."""
     logits = model(input_ids=input_ids_BT, attention_mask=attention_mask_BT).logits[:, :-1].float()
     if temperature > 0 and temperature != 1.0:
         logits = logits / temperature
@@ -276,7 +278,8 @@ def token_logprobs(
 def sequence_logprobs(
     model: torch.nn.Module, seqs: Sequence[Sequence[int]], temperature: float = 1.0
 ) -> list[list[float]]:
-    """Per-sequence reference: each sequence alone, full logits; entry j = logprob of token j (0 at 0)."""
+    """Per-sequence reference: each sequence alone, full logits; entry j = logprob of token j
+    (0 at 0)."""
     out = []
     with torch.no_grad():
         for s in seqs:

@@ -7,7 +7,8 @@ metrics or no trajectories: whatever is missing is named in a notice at the top 
 Decisions:
 - Self-contained: plots are PNGs (matplotlib's Agg canvas, never pyplot, so the caller's backend
   is untouched) embedded as data URIs; the CSS and the small filter script are inlined from
-  `report_template.html`. Nothing is fetched from the network, so a report can be mailed or archived.
+  `report_template.html`. Nothing is fetched from the network, so a report can be mailed or
+  archived.
 - Trajectories are rendered as HTML on the server side (not built by script from embedded JSON), so
   the viewer also works with scripts disabled and every piece of text passes through `html.escape`.
 - Curves come from `metrics.jsonl` (rows of the same step are merged: an eval row and a train row of
@@ -256,7 +257,8 @@ def load_run_tokenizer(run_dir: Path, config: dict[str, Any], notices: list[str]
         return load_tokenizer(path or default_model_path())
     except Exception as e:  # noqa: BLE001 - any failure (moved model, missing package) means: show ids
         notices.append(
-            f"tokens are shown as ids: the run's tokenizer could not be loaded ({type(e).__name__}: {e})"
+            "tokens are shown as ids: the run's tokenizer could not be loaded "
+            f"({type(e).__name__}: {e})"
         )
         return None
 
@@ -336,7 +338,8 @@ def _message_html(m: Any) -> str:
         body += "\n" + _content("tool_calls: " + json.dumps(calls, ensure_ascii=False))
     extra = f" · {html.escape(str(m['name']))}" if m.get("name") else ""
     return (
-        f'<div class="msg role-{html.escape(role)}"><div class="role">{html.escape(role)}{extra}</div>'
+        f'<div class="msg role-{html.escape(role)}">'
+        f'<div class="role">{html.escape(role)}{extra}</div>'
         f"<pre>{body}</pre></div>"
     )
 
@@ -360,7 +363,8 @@ def _traj_html(row: dict[str, Any], table: dict[int, str], max_tokens: int) -> s
         fields.append(f'<span class="detail">{e(str(row["stop_detail"]))}</span>')
     fields += [
         f"turns {e(str(row.get('num_turns', '?')))}",
-        f"tool calls {e(str(row.get('tool_calls', '?')))} (errors {e(str(row.get('tool_errors', '?')))})",
+        f"tool calls {e(str(row.get('tool_calls', '?')))} "
+        f"(errors {e(str(row.get('tool_errors', '?')))})",
         f"group {e(str(row.get('group_id', '')))}",
         # runs before typed versions wrote one comma-joined string
         f"weights {e(str(row.get('weight_versions', row.get('weight_version'))))}",
@@ -392,7 +396,8 @@ def _traj_html(row: dict[str, Any], table: dict[int, str], max_tokens: int) -> s
     return (
         f'<article class="traj" data-step="{step}" data-reward="{reward}" data-stop="{e(stop)}">'
         f"<header>{' · '.join(fields)}</header>"
-        f'<div class="msgs">{"".join(_message_html(m) for m in msgs) or "<p>(no messages)</p>"}</div>'
+        '<div class="msgs">'
+        f"{''.join(_message_html(m) for m in msgs) or '<p>(no messages)</p>'}</div>"
         f"{''.join(tokens)}</article>"
     )
 
@@ -423,8 +428,10 @@ def _body(
     when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     out = [
         f"<header><h1>agentgrpo report · {e(run_dir.name)}</h1>"
-        f'<p class="meta">{e(str(run_dir))} · env {e(str(env))} · model {e(str(model or "embedded SmolLM2-135M-Instruct"))}'
-        f" · {len(metrics)} step(s) with metrics · {scan.total} trajectories · written {when}</p></header>"
+        f'<p class="meta">{e(str(run_dir))} · env {e(str(env))} · '
+        f"model {e(str(model or 'embedded SmolLM2-135M-Instruct'))}"
+        f" · {len(metrics)} step(s) with metrics · {scan.total} trajectories · "
+        f"written {when}</p></header>"
     ]
     if notices:
         out.append(
@@ -449,7 +456,8 @@ def _body(
             for k, v in sorted(last.items())
         )
         out.append(
-            f"<details><summary>metrics at step {next(reversed(metrics))}</summary><table>{rows}</table></details>"
+            f"<details><summary>metrics at step {next(reversed(metrics))}</summary>"
+            f"<table>{rows}</table></details>"
         )
     if config_text:
         out.append(f"<details><summary>config.yaml</summary><pre>{e(config_text)}</pre></details>")
@@ -469,7 +477,8 @@ def _body(
         opts = "".join(f'<option value="{s}">{s}</option>' for s in steps)
         sopts = "".join(f'<option value="{e(s)}">{e(s)}</option>' for s in stops_shown)
         out.append(
-            f'<div id="filters"><label>step <select id="f-step"><option value="">all</option>{opts}</select></label>'
+            '<div id="filters"><label>step <select id="f-step"><option value="">all</option>'
+            f"{opts}</select></label>"
             '<label>reward ≥ <input id="f-rmin" type="number" step="any"></label>'
             '<label>reward ≤ <input id="f-rmax" type="number" step="any"></label>'
             f'<label>stop <select id="f-stop"><option value="">all</option>{sopts}</select></label>'

@@ -34,10 +34,10 @@ optionally penalised (`tool_error_penalty` per error). A call cut off by the tok
 is counted and penalised too, though the cut turn ends the episode.
 
 Failures end one trajectory, never the step: an env that raises, or returns values that break its
-contract (`agentgrpo.env.reset_messages`, `agentgrpo.types.EnvStep.of`), ends it with ENV_ERROR naming the
-problem; any exception of the engine (`EngineError` after its retries, or anything else a client
-library raises) ends it with ENGINE_ERROR and the exception in `stop_detail`. Both are unscorable
-(reward NaN, never 0).
+contract (`agentgrpo.env.reset_messages`, `agentgrpo.types.EnvStep.of`), ends it with ENV_ERROR
+naming the problem; any exception of the engine (`EngineError` after its retries, or anything else a
+client library raises) ends it with ENGINE_ERROR and the exception in `stop_detail`. Both are
+unscorable (reward NaN, never 0).
 
 Seeds: every turn of a trajectory samples with its own seed (`turn_seed`), since engines seed a
 fresh generator per request; the members of a group get `params.seed + i` (`run_group`).
@@ -89,7 +89,8 @@ class EpisodeLimits(BaseModel):
     turn_timeout_s: float | None = Field(
         None,
         gt=0,
-        description="deadline of one turn, generation + env step; ends the episode with TIMEOUT (None = none)",
+        description="deadline of one turn, generation + env step; ends the episode with TIMEOUT "
+        "(None = none)",
     )
     episode_timeout_s: float | None = Field(
         None, gt=0, description="deadline of one episode; ends it with TIMEOUT (None = none)"
@@ -97,17 +98,20 @@ class EpisodeLimits(BaseModel):
     tool_timeout_s: float | None = Field(
         None,
         gt=0,
-        description="deadline of one tool call, answered with an error message (None = the env's tool_timeout_s)",
+        description="deadline of one tool call, answered with an error message "
+        "(None = the env's tool_timeout_s)",
     )
     max_tool_calls_per_turn: int | None = Field(
         None,
         ge=1,
-        description="tool calls run per turn, extra ones answered with an error (None = the env's own limit)",
+        description="tool calls run per turn, extra ones answered with an error "
+        "(None = the env's own limit)",
     )
     max_tool_output_tokens: int | None = Field(
         None,
         ge=1,
-        description="tool message content cut to this many tokens plus truncation_marker (None = no cut)",
+        description="tool message content cut to this many tokens plus truncation_marker "
+        "(None = no cut)",
     )
     truncation_marker: str = Field(
         TRUNCATION_MARKER,
@@ -152,7 +156,8 @@ class RolloutConfig(EpisodeLimits):
     step_timeout_s: float | None = Field(
         None,
         gt=0,
-        description="deadline of a step's whole collection; unfinished episodes end with TIMEOUT (None = none)",
+        description="deadline of a step's whole collection; unfinished episodes end with TIMEOUT "
+        "(None = none)",
     )
     template_fallback: Literal["none", "keep_history"] = Field(
         "none",
@@ -314,7 +319,8 @@ class Episode:
         except DeadlineExpired:
             raise
         except Exception as e:  # noqa: BLE001 - EngineError or not (a client's TimeoutError, a CUDA
-            # error), the engine failed: infrastructure, unscorable, and the rest of the step goes on
+            # error), the engine failed: infrastructure, unscorable, and the rest of the step
+            # goes on
             raise EpisodeEnds(
                 StopReason.ENGINE_ERROR, f"generate raised {type(e).__name__}: {e}"
             ) from e
@@ -760,9 +766,9 @@ def rollout_metrics(groups: Sequence[Group]) -> dict[str, float]:
     ended them; `tool_errors/<kind>`: malformed or failed tool calls per ToolErrorKind;
     `tool_outputs_truncated`: tool messages cut to `max_tool_output_tokens`; `unscorable`:
     trajectories with a NaN reward (left out of their group's statistics); `reward_parts/<name>`:
-    the mean score of each rubric verifier over the trajectories it could score; `user_threads_stuck`:
-    sync user calls that overran a deadline and still hold a worker thread now (process-wide, read
-    when called; see `agentgrpo.tool.stuck_user_calls`).
+    the mean score of each rubric verifier over the trajectories it could score;
+    `user_threads_stuck`: sync user calls that overran a deadline and still hold a worker thread now
+    (process-wide, read when called; see `agentgrpo.tool.stuck_user_calls`).
     """
     trajs = [t for g in groups for t in g.trajectories]
     scored = [t.reward for t in trajs if math.isfinite(t.reward)]

@@ -22,13 +22,14 @@ What is fatal: a rewrite of history (unless the keep_history fallback is chosen 
 assistant turn without the end-of-turn token, a first prompt the template cannot render, and a tool
 conversation it cannot render (every tool episode would end with ENV_ERROR, and a policy could steer
 episodes into it; DeepSeek-V3's template wants tool-call arguments as a JSON string and fails on the
-object agentgrpo passes), except parallel tool calls alone, which `rollout.max_tool_calls_per_turn=1`
-avoids (a warning with that advice). With tools, a template that does not show the tools in the
-prompt (it ignores `tools`, like Gemma 3's: `no_tool_support`) or does not render tool calls
-(`parser_mismatch` "no tool support") is fatal too: the model could not learn to call them. A plain
-(tool-free) shape the template cannot render is a warning (whether the env is multi-turn is not
-known here), as are differences that keep token-in/token-out exact (retokenization, a generation
-prompt the history does not repeat, a parser that reads other formats).
+object agentgrpo passes), except parallel tool calls alone, which
+`rollout.max_tool_calls_per_turn=1` avoids (a warning with that advice). With tools, a template that
+does not show the tools in the prompt (it ignores `tools`, like Gemma 3's: `no_tool_support`) or
+does not render tool calls (`parser_mismatch` "no tool support") is fatal too: the model could not
+learn to call them. A plain (tool-free) shape the template cannot render is a warning (whether the
+env is multi-turn is not known here), as are differences that keep token-in/token-out exact
+(retokenization, a generation prompt the history does not repeat, a parser that reads other
+formats).
 
 The report's `mode` is what agentgrpo will do: "exact" (one sequence per episode, all suffixes
 exact), "keep_history" (the template rewrites history and the user chose that fallback, which works
@@ -168,7 +169,8 @@ class TemplateReport:
         )
         if any("no tool support" in w for w in mismatches) or "no_tool_support" in kinds:
             out.append(
-                "this template cannot show tool calls: use a tool-aware template (model.chat_template)"
+                "this template cannot show tool calls: use a tool-aware template "
+                "(model.chat_template)"
             )
         elif fits:
             out.append(f"set model.tool_parser={fits[0]}")
@@ -185,9 +187,9 @@ class TemplateReport:
             }:
                 out.append(
                     "this template refuses several tool calls in one turn: set "
-                    "rollout.max_tool_calls_per_turn=1; a ToolEnv then runs the first call, answers "
-                    "the others with a too_many_calls error, and the chat template renders only "
-                    "the call it ran (the model's tokens stay as sampled)"
+                    "rollout.max_tool_calls_per_turn=1; a ToolEnv then runs the first call, "
+                    "answers the others with a too_many_calls error, and the chat template renders "
+                    "only the call it ran (the model's tokens stay as sampled)"
                 )
         return out
 
@@ -200,7 +202,8 @@ class TemplateReport:
             "refuse": "NOT token-safe: training refuses to start",
         }[self.mode]
         lines = [
-            f"template: {self.template_source}; end of turn {self.end_of_turn!r}; parser {self.parser}; "
+            f"template: {self.template_source}; end of turn {self.end_of_turn!r}; "
+            f"parser {self.parser}; "
             f"fallback {self.fallback}; trajectory mode {self.trajectory_mode}"
             + (f"; kwargs {self.template_kwargs}" if self.template_kwargs else ""),
             f"checked {self.conversations} conversations, {self.turns} assistant turns",
@@ -431,8 +434,8 @@ def _render_error(name: str, conv: list[Message], turn: int, e: TemplateError) -
         why = "the template cannot render a tool conversation"
         if "dict" in str(e) and "TypeError" in str(e):
             why += (
-                " (it fails on tool-call arguments passed as a JSON object; it may want them as a JSON "
-                "string, which agentgrpo does not pass: use a template that takes an object)"
+                " (it fails on tool-call arguments passed as a JSON object; it may want them as a "
+                "JSON string, which agentgrpo does not pass: use a template that takes an object)"
             )
     return TemplateIssue(
         name, turn, "render_error", tool_shape and name != "parallel tool calls", why, str(e)
@@ -482,9 +485,9 @@ def _walk(
                     turn,
                     "generation_prompt",
                     False,
-                    f"the generation prompt ends with {gen[start:][:40]!r}, which the template does not render "
-                    "for assistant turns in history (harmless token-in/token-out; a server re-rendering text "
-                    "would show the model another history)",
+                    f"the generation prompt ends with {gen[start:][:40]!r}, which the template "
+                    "does not render for assistant turns in history (harmless token-in/token-out; "
+                    "a server re-rendering text would show the model another history)",
                 )
             )
             exact_so_far = False
@@ -571,8 +574,8 @@ def _walk(
                     turn,
                     "retokenizes",
                     False,
-                    "the same text tokenizes differently in one piece (a server re-rendering text would "
-                    "show the model other tokens)",
+                    "the same text tokenizes differently in one piece (a server re-rendering text "
+                    "would show the model other tokens)",
                     f"first difference at token {_first_diff(ids, whole)}",
                 )
             )
@@ -602,8 +605,8 @@ def _check_tools_shown(
                 0,
                 "no_tool_support",
                 True,
-                "the template does not show the tools to the model (its prompt is the same with and without "
-                "`tools`)",
+                "the template does not show the tools to the model (its prompt is the same with "
+                "and without `tools`)",
                 f"tools {[t.get('function', {}).get('name') for t in tools]}",
             )
         )
@@ -615,7 +618,8 @@ def audit(
     """Audit `chat`'s template on synthetic conversations (see the module docstring).
 
     `tools`: the env's tool schemas; `[]` audits only conversations without tools, None uses a
-    synthetic calculator tool. `prompt`: the env's first messages, used as every conversation's head.
+    synthetic calculator tool. `prompt`: the env's first messages, used as every conversation's
+    head.
     """
     report = TemplateReport(
         template_source=chat.template_source,
