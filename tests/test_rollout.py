@@ -10,7 +10,7 @@ import time
 import pytest
 
 from agentgrpo import Env, EnvStep, Group, Message, StopReason, ToolEnv, tool
-from agentgrpo.engine import SamplingParams
+from agentgrpo.engine import Completion, SamplingParams
 from agentgrpo.engine.base import EngineError
 from agentgrpo.rollout import (
     EpisodeLimits,
@@ -844,10 +844,27 @@ class Closing(Calc):
             raise RuntimeError("env bug")
         if self.mode == "parse_error":
             return EnvStep([], 0.0, True, False, stop_reason=StopReason.PARSE_ERROR)
+        if self.mode == "tool_error":
+            return EnvStep([], 0.0, True, False, stop_reason=StopReason.TOOL_ERROR)
+        if self.mode == "truncated":
+            return EnvStep([], 0.0, False, True)
         return super().step(action)
 
     def close(self):
         Closing.closed.append(id(self))
+
+
+class AbortingEngine(ScriptedEngine):
+    """Answers every request as aborted (a weight update or a shutdown, on a real server)."""
+
+    async def generate(self, prompt_ids, params):
+        out = await super().generate(prompt_ids, params)
+        return Completion(
+            token_ids=out.token_ids[:1],
+            logprobs=out.logprobs[:1],
+            finish_reason="abort",
+            weight_version=out.weight_version,
+        )
 
 
 class AsyncClosing(Closing):
@@ -865,13 +882,16 @@ class AsyncClosing(Closing):
         ("max_tokens", StopReason.MAX_TOKENS),
         ("raise", StopReason.ENV_ERROR),
         ("parse_error", StopReason.PARSE_ERROR),
+        ("tool_error", StopReason.TOOL_ERROR),
+        ("truncated", StopReason.TRUNCATED),
         ("engine", StopReason.ENGINE_ERROR),
+        ("aborted", StopReason.ABORTED),
         ("timeout", StopReason.TIMEOUT),
     ],
 )
 def test_every_episode_closes_its_env_once(chat, env_cls, case, reason):
     script = {"max_turns": [CALL], "max_tokens": ["word " * 90]}.get(case, ["The answer is 111."])
-    engine_cls = FailingEngine if case == "engine" else ScriptedEngine
+    engine_cls = {"engine": FailingEngine, "aborted": AbortingEngine}.get(case, ScriptedEngine)
     engine = engine_cls(
         chat.tokenizer, script, chat.end_of_turn_id, delay_s=0.5 if case == "timeout" else 0.0
     )
