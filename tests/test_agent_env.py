@@ -291,7 +291,8 @@ def test_sampled_ids_are_the_local_engines(chat, stopping_model_dir):
 
 
 def test_an_openai_agents_sdk_agent_trains_token_exact(chat):
-    pytest.importorskip("agents")
+    # optional; on the dependency floors (pydantic 2.6) the Agents SDK does not import
+    pytest.importorskip("agents", exc_type=ImportError)
     from examples.openai_agents_sdk import CalculatorSDKAgent
 
     [traj], engine = group(chat, by_turn(chat, CALL, "The answer is 111."), env=CalculatorSDKAgent)
