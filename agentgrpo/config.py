@@ -20,6 +20,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from agentgrpo.advantage import AdvantageConfig
+from agentgrpo.chat import ChatFormat
 from agentgrpo.engine.config import EngineConfig
 from agentgrpo.env import Env, get_env_class, tasks_from_file
 from agentgrpo.learner import LearnerConfig
@@ -251,6 +252,20 @@ class RunConfig(BaseModel):
     train: TrainLoopConfig = Field(default_factory=TrainLoopConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     log: LogConfig = Field(default_factory=LogConfig)
+
+    def chat_format(self, tokenizer: Any) -> ChatFormat:
+        """The chat format this run's rollouts use (training and evaluation alike): `tokenizer`
+        with `model.chat_template` (or its own), `model.tool_parser` and the rollout's template
+        settings."""
+        path = self.model.chat_template
+        return ChatFormat(
+            tokenizer,
+            template=Path(path).read_text() if path else None,
+            parser=self.model.tool_parser,
+            fallback=self.rollout.template_fallback,
+            template_kwargs=self.rollout.chat_template_kwargs,
+            trajectory_mode=self.rollout.trajectory_mode,
+        )
 
     @model_validator(mode="after")
     def _off_policy_is_corrected(self) -> RunConfig:

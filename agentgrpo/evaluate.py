@@ -217,15 +217,7 @@ def run_eval(cfg: RunConfig, *, engine: Engine | None = None) -> tuple[Path, Eva
     """
     base = Path(cfg.model.path) if cfg.model.path else default_model_path()
     tokenizer = AutoTokenizer.from_pretrained(base)
-    template = Path(cfg.model.chat_template).read_text() if cfg.model.chat_template else None
-    chat = ChatFormat(
-        tokenizer,
-        template=template,
-        parser=cfg.model.tool_parser,
-        fallback=cfg.rollout.template_fallback,
-        template_kwargs=cfg.rollout.chat_template_kwargs,
-        trajectory_mode=cfg.rollout.trajectory_mode,
-    )
+    chat = cfg.chat_format(tokenizer)
     env_cls = cfg.env.env_class()
     make_env = lambda: env_cls(**cfg.env.kwargs)  # noqa: E731 - one env instance per trajectory
     tasks = cfg.env.load_tasks(env_cls, cfg.eval.split, cfg.seed)[: cfg.eval.num_tasks]

@@ -387,15 +387,7 @@ def start_run(cfg: RunConfig) -> Run:
         )
     model_path = Path(cfg.model.path) if cfg.model.path else models.default_model_path()
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    template = Path(cfg.model.chat_template).read_text() if cfg.model.chat_template else None
-    chat = ChatFormat(
-        tokenizer,
-        template=template,
-        parser=cfg.model.tool_parser,
-        fallback=cfg.rollout.template_fallback,
-        template_kwargs=cfg.rollout.chat_template_kwargs,
-        trajectory_mode=cfg.rollout.trajectory_mode,
-    )
+    chat = cfg.chat_format(tokenizer)
     model = models.load_policy(
         model_path
     )  # FSDP with RAM-efficient loading: weights on rank 0 only
