@@ -324,13 +324,24 @@ class Episode:
             raise EpisodeEnds(
                 StopReason.ENGINE_ERROR, f"generate raised {type(e).__name__}: {e}"
             ) from e
-        if out.weight_version is not None and out.weight_version.isdigit():
-            self.versions.add(int(out.weight_version))
+        self._record_versions(out)
         traj.num_turns = turn
         self._extend(out.token_ids, out.logprobs)
         if out.finish_reason == "abort":
             raise EpisodeEnds(StopReason.ABORTED, out.detail or "the engine aborted the request")
         return out
+
+    def _record_versions(self, out: Completion) -> None:
+        """Which weights sampled each of the turn's ids (`Trajectory.token_versions`)."""
+        runs = self.traj.token_versions
+        for n, version in out.token_version_runs:
+            v = int(version) if version is not None and version.isdigit() else -1
+            if v >= 0:
+                self.versions.add(v)
+            if runs and runs[-1][1] == v:
+                runs[-1] = (runs[-1][0] + n, v)
+            else:
+                runs.append((n, v))
 
     def read(self, out: Completion, turn: int) -> ParsedTurn:
         """The sampled turn as a message and its tool calls; malformed calls are counted here.
@@ -665,6 +676,7 @@ async def run_group(
 
     async def one(i: int) -> Trajectory:
         p = params if params.seed is None else replace(params, seed=params.seed + i)
+        p = replace(p, session_id=f"{gid}/{i}")
         start = time.monotonic()
         if slots is None or await _acquire(slots, deadline):
             try:

@@ -397,6 +397,10 @@ class Trajectory:
     reward_parts: dict[str, float] = field(default_factory=dict)
     reward_detail: str = ""  # the rubric's notes (errors, verifier details)
     weight_versions: tuple[int, ...] = ()  # the weight versions that sampled its tokens, sorted
+    # The version of every sampled token, run-length over the sampled tokens in episode order
+    # (segment by segment): [(n1, v1), (n2, v2), ...] = the first n1 from v1, and so on. A version
+    # the engine did not number is -1. The counts sum to `num_sampled`.
+    token_versions: list[tuple[int, int]] = field(default_factory=list)
     wall_s: float = 0.0  # from the episode's start (its slot acquired) to its end
     advantage: float | None = None  # set by the training step; None: not trained on
     info: dict[str, Any] = field(default_factory=dict)
@@ -447,6 +451,7 @@ class Trajectory:
             "tool_error_kinds": self.tool_error_kinds,
             "tool_outputs_truncated": self.tool_outputs_truncated,
             "weight_versions": list(self.weight_versions),
+            "token_versions": [list(r) for r in self.token_versions],
             "wall_s": self.wall_s,
             "env_info": self.env_info,
             "info": self.info,

@@ -951,3 +951,55 @@ def test_a_close_that_fails_is_noted_and_the_outcome_stands(chat):
     ).trajectories[0]
     assert traj.stop_reason == StopReason.COMPLETED and traj.reward == 1.0
     assert "close raised OSError: socket already gone" in traj.stop_detail
+
+
+def test_every_sampled_token_keeps_the_weight_version_that_sampled_it(chat):
+    """A turn that ran across a weight update (version_runs) and turns of one version each: the
+    trajectory holds one (count, version) run per stretch, summing to the sampled tokens; a
+    version the engine does not number is -1."""
+
+    class Swapping(ScriptedEngine):
+        async def generate(self, prompt_ids, params):
+            out = await super().generate(prompt_ids, params)
+            if len(self.calls) == 1:  # the first turn: its first 3 ids from v4, the rest from v5
+                out.version_runs = [(3, "4"), (len(out.token_ids) - 3, "5")]
+                out.weight_version = "5"
+            else:
+                out.weight_version = "next"
+            return out
+
+    engine = Swapping(chat.tokenizer, by_turn(chat, CALL, "111"), chat.end_of_turn_id)
+    traj = asyncio.run(
+        run_episode(Calc(), engine, chat, TASK, SamplingParams(), limits=EpisodeLimits())
+    )
+    first = sum(traj.loss_mask) - len(chat.tokenizer.encode("111")) - 1
+    assert traj.token_versions == [(3, 4), (first - 3, 5), (traj.num_sampled - first, -1)]
+    assert traj.weight_versions == (4, 5)
+    assert traj.to_dict()["token_versions"] == [
+        [3, 4],
+        [first - 3, 5],
+        [traj.num_sampled - first, -1],
+    ]
+
+
+def test_version_runs_must_cover_the_completion():
+    with pytest.raises(ValueError, match="cover 2 ids, the completion has 3"):
+        Completion([1, 2, 3], [-0.1] * 3, "stop", "1", version_runs=[(2, "1")])
+    assert Completion([1, 2], [-0.1] * 2, "stop", "7").token_version_runs == [(2, "7")]
+
+
+def test_every_turn_of_an_episode_carries_its_session_id(chat):
+    sessions = []
+
+    class Recording(ScriptedEngine):
+        async def generate(self, prompt_ids, params):
+            sessions.append(
+                (chat.decode(prompt_ids).count("<|im_start|>assistant"), params.session_id)
+            )
+            return await super().generate(prompt_ids, params)
+
+    engine = Recording(chat.tokenizer, by_turn(chat, CALL, "111"), chat.end_of_turn_id)
+    asyncio.run(
+        run_group(Calc, engine, chat, TASK, 3, SamplingParams(seed=1), seed=7, group_id="g")
+    )
+    assert sorted(sessions) == sorted((turn, f"g/{i}") for i in range(3) for turn in (1, 2))

@@ -32,6 +32,10 @@ class SamplingParams:
     top_k: int = -1
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
+    # The episode the request belongs to (every turn of it carries the same id): an engine with
+    # several servers keeps a session's requests on one server while it is healthy, where its
+    # prefix cache holds the episode so far. Not a sampling setting; engines may ignore it.
+    session_id: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -48,7 +52,12 @@ class Completion:
 
     `token_ids` are the sampled ids, including the stop/EOS token when `finish_reason == "stop"`;
     `logprobs[i]` is the log-probability of `token_ids[i]` under the distribution it was sampled
-    from (after temperature). `weight_version` names the weights that produced it.
+    from (after temperature). `weight_version` names the weights that produced it: the version
+    when the request finished. A request that ran across a weight update (partial rollouts: the
+    engine swapped weights between two decode steps and kept the request) says which tokens came
+    from which version in `version_runs`, run-length: `[(n1, v1), (n2, v2)]` = the first n1 ids
+    from v1, the next n2 from v2; the counts sum to `len(token_ids)`. None = all from
+    `weight_version` (`token_version_runs` reads both forms).
     """
 
     token_ids: list[int]
@@ -57,12 +66,27 @@ class Completion:
     weight_version: str | None = None
     detail: str = ""  # why it finished when that is not obvious (context length, abort message)
     meta: dict[str, Any] = field(default_factory=dict)
+    version_runs: list[tuple[int, str]] | None = None
 
     def __post_init__(self) -> None:
         if len(self.token_ids) != len(self.logprobs):
             raise ValueError(
                 f"Completion: {len(self.token_ids)} token ids but {len(self.logprobs)} logprobs"
             )
+        if self.version_runs is not None:
+            if any(n < 0 for n, _ in self.version_runs):
+                raise ValueError(f"Completion: negative count in version_runs {self.version_runs}")
+            if (total := sum(n for n, _ in self.version_runs)) != len(self.token_ids):
+                raise ValueError(
+                    f"Completion: version_runs cover {total} ids, the completion has "
+                    f"{len(self.token_ids)}"
+                )
+
+    @property
+    def token_version_runs(self) -> list[tuple[int, str | None]]:
+        """(count, version) runs over `token_ids` in order, empty runs left out."""
+        runs = self.version_runs or [(len(self.token_ids), self.weight_version)]
+        return [(n, v) for n, v in runs if n > 0]
 
 
 class EngineError(InfrastructureError):
