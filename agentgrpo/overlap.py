@@ -1,7 +1,9 @@
 """How a learner step shares the machine with the engine.
 
-- `train_while_collecting` (`train.overlap_rollouts`): the engine samples the next step's rollouts
+- `train_while_collecting` (`train.max_staleness: 1`): the engine samples the next step's rollouts
   while the learner trains this one, one step off-policy.
+- `train_beside` (`train.max_staleness` >= 2): the learner trains in its thread while the event
+  loop runs the asynchronous pipeline's producer (`agentgrpo.pipeline`).
 - `memory_lent` (`engine.sglang.release_memory_during_training`, and the local engine's prefix
   cache): nothing samples while the learner trains, so the engine hands its memory over for the
   step.
@@ -42,6 +44,12 @@ async def train_while_collecting(
         if not task.done():
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
+
+
+async def train_beside(train_step: Callable[[], dict[str, float]]) -> dict[str, float]:
+    """Run the blocking `train_step()` in the training thread while this event loop goes on
+    running what it holds (the asynchronous pipeline's producer and episodes)."""
+    return await asyncio.get_running_loop().run_in_executor(_TRAIN_THREAD, train_step)
 
 
 @contextlib.contextmanager

@@ -723,6 +723,63 @@ async def run_group(
     return Group(group_id=gid, task=task, trajectories=trajs)
 
 
+class GroupSampler:
+    """Samples groups under bounds that every group in flight shares: at most
+    `max_concurrent_trajectories` episodes and `max_concurrent_requests` engine requests at once,
+    however many groups run (one step's in `collect`, several steps' in the asynchronous pipeline).
+    `on_done` is called as each trajectory finishes (and is scored, when the env has a rubric)."""
+
+    def __init__(
+        self,
+        env_factory: Callable[[], Env],
+        engine: Engine,
+        chat: ChatFormat,
+        cfg: RolloutConfig,
+        *,
+        context_len: int | None = None,
+        on_done: Callable[[Trajectory], None] | None = None,
+    ) -> None:
+        self.env_factory, self.chat, self.cfg = env_factory, chat, cfg
+        self.context_len, self.on_done = context_len, on_done
+        self.params = cfg.sampling_params()
+        self.slots = (
+            None
+            if cfg.max_concurrent_trajectories is None
+            else asyncio.Semaphore(cfg.max_concurrent_trajectories)
+        )
+        self.engine = (
+            engine
+            if cfg.max_concurrent_requests is None
+            else BoundedEngine(engine, cfg.max_concurrent_requests)
+        )
+
+    async def group(
+        self,
+        task: Task,
+        *,
+        env_seed: int,
+        sampling_seed: int,
+        group_id: str,
+        deadline: float | None = None,
+    ) -> Group:
+        """One group of `task`: its members share `env_seed` and sample with `sampling_seed + i`."""
+        return await run_group(
+            self.env_factory,
+            self.engine,
+            self.chat,
+            task,
+            self.cfg.group_size,
+            replace(self.params, seed=sampling_seed),
+            seed=env_seed,
+            group_id=group_id,
+            limits=self.cfg,
+            context_len=self.context_len,
+            deadline=deadline,
+            slots=self.slots,
+            on_done=self.on_done,
+        )
+
+
 async def collect(
     env_factory: Callable[[], Env],
     engine: Engine,
@@ -738,34 +795,22 @@ async def collect(
 
     `on_done` is called as each trajectory finishes (and is scored, when the env has a rubric).
     """
-    params = replace(cfg.sampling_params(), seed=seed * 1_000_003)
+    sampler = GroupSampler(env_factory, engine, chat, cfg, context_len=context_len, on_done=on_done)
     deadline = None if cfg.step_timeout_s is None else time.monotonic() + cfg.step_timeout_s
-    slots = (
-        None
-        if cfg.max_concurrent_trajectories is None
-        else asyncio.Semaphore(cfg.max_concurrent_trajectories)
-    )
-    if cfg.max_concurrent_requests is not None:
-        engine = BoundedEngine(engine, cfg.max_concurrent_requests)
-
-    async def group(i: int, task: Task) -> Group:
-        return await run_group(
-            env_factory,
-            engine,
-            chat,
-            task,
-            cfg.group_size,
-            replace(params, seed=params.seed + i * cfg.group_size),
-            seed=seed + i,
-            group_id=f"{seed}:{i}:{task.id}",
-            limits=cfg,
-            context_len=context_len,
-            deadline=deadline,
-            slots=slots,
-            on_done=on_done,
+    return list(
+        await asyncio.gather(
+            *(
+                sampler.group(
+                    task,
+                    env_seed=seed + i,
+                    sampling_seed=seed * 1_000_003 + i * cfg.group_size,
+                    group_id=f"{seed}:{i}:{task.id}",
+                    deadline=deadline,
+                )
+                for i, task in enumerate(tasks)
+            )
         )
-
-    return list(await asyncio.gather(*(group(i, t) for i, t in enumerate(tasks))))
+    )
 
 
 def rollout_metrics(groups: Sequence[Group]) -> dict[str, float]:

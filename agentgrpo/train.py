@@ -31,9 +31,10 @@ from agentgrpo.evaluate import evaluate
 from agentgrpo.hardware import Precision, configure_cpu_threads
 from agentgrpo.learner import Learner
 from agentgrpo.log import Progress, RunLogger, aside_name, set_aside_after
-from agentgrpo.overlap import memory_lent, train_while_collecting
+from agentgrpo.overlap import memory_lent, train_beside, train_while_collecting
+from agentgrpo.pipeline import StalenessPipeline, Ticket
 from agentgrpo.report import write_report
-from agentgrpo.rollout import collect, rollout_metrics
+from agentgrpo.rollout import GroupSampler, collect, rollout_metrics
 from agentgrpo.shaping import (
     describe_algorithm,
     keep_informative_groups,
@@ -52,22 +53,33 @@ def seed_everything(seed: int) -> None:
 
 
 class TaskStream:
-    """Tasks in a seeded order, reshuffled every epoch; `position` is what a checkpoint stores."""
+    """Tasks in a seeded order, reshuffled every epoch. A task is named by its place in that order
+    (its position); `position` is the next new one and `resume` the positions to hand out before
+    it (those a checkpoint lists as sampled but not trained on): both are what a checkpoint
+    stores."""
 
-    def __init__(self, tasks: Sequence[Task], seed: int, position: int = 0) -> None:
+    def __init__(
+        self, tasks: Sequence[Task], seed: int, position: int = 0, resume: Sequence[int] = ()
+    ) -> None:
         if not tasks:
             raise ValueError("the environment returned no tasks")
         self.tasks, self.seed, self.position = list(tasks), seed, position
+        self.resume = list(resume)
+
+    def next_position(self) -> int:
+        if self.resume:
+            return self.resume.pop(0)
+        self.position += 1
+        return self.position - 1
+
+    def task_at(self, position: int) -> Task:
+        epoch, i = divmod(position, len(self.tasks))
+        order = list(range(len(self.tasks)))
+        random.Random(f"{self.seed}/{epoch}").shuffle(order)
+        return self.tasks[order[i]]
 
     def take(self, n: int) -> list[Task]:
-        out = []
-        for _ in range(n):
-            epoch, i = divmod(self.position, len(self.tasks))
-            order = list(range(len(self.tasks)))
-            random.Random(f"{self.seed}/{epoch}").shuffle(order)
-            out.append(self.tasks[order[i]])
-            self.position += 1
-        return out
+        return [self.task_at(self.next_position()) for _ in range(n)]
 
 
 @dataclass
@@ -144,6 +156,65 @@ async def collect_step(
     return Rollouts(kept[: cfg.rollout.tasks_per_step], stats)
 
 
+async def take_step(pipeline: StalenessPipeline[Group], step: int) -> Rollouts:
+    """The step's groups from the asynchronous pipeline, and what waiting for them measured."""
+    t0, rejected = time.perf_counter(), pipeline.rejected
+    groups = await pipeline.take(step)
+    return Rollouts(
+        groups,
+        {
+            "rollout_s": time.perf_counter() - t0,  # the learner's wait: 0 when they were ready
+            "groups_sampled": float(len(groups) + pipeline.rejected - rejected),
+            "pipeline/in_flight": float(pipeline.in_flight()),
+            "pipeline/ready_ahead": float(pipeline.ready_ahead()),
+        },
+    )
+
+
+def start_pipeline(run: Run) -> StalenessPipeline[Group]:
+    """Rank 0, `train.max_staleness` >= 2: the producer, started once the engine serves the
+    learner's weights. A group's task and seeds follow from its position in the task stream, so a
+    resumed run samples a pending one with the same task and seeds."""
+    cfg = run.cfg
+    sampler = GroupSampler(
+        run.make_env,
+        run.engine,
+        run.chat,
+        cfg.rollout,
+        context_len=run.context_len,
+        on_done=run.progress.rollout_done,
+    )
+
+    async def produce(ticket: Ticket[Group]) -> Group:
+        task = run.stream.task_at(ticket.position)
+        env_seed = cfg.seed * 100_003 + ticket.position
+        timeout = cfg.rollout.step_timeout_s  # per group, from its start
+        return await sampler.group(
+            task,
+            env_seed=env_seed,
+            sampling_seed=env_seed * 1_000_003,
+            group_id=f"p{ticket.position}:{task.id}",
+            deadline=None if timeout is None else time.monotonic() + timeout,
+        )
+
+    def informative(group: Group) -> bool:
+        return keep_informative_groups([group.rewards])[0]
+
+    dynamic = cfg.shaping.dynamic_sampling
+    pipeline = StalenessPipeline(
+        produce,
+        run.stream.next_position,
+        per_step=cfg.rollout.tasks_per_step,
+        max_staleness=cfg.train.staleness,
+        steps=cfg.train.steps,
+        version=run.steps_done,
+        keep=informative if dynamic else None,
+        max_dropped=cfg.shaping.max_extra_rounds * cfg.rollout.tasks_per_step if dynamic else None,
+    )
+    run.loop.call_soon(pipeline.start)
+    return pipeline
+
+
 def assign_advantages(trajs: Sequence[Trajectory], cfg: RunConfig) -> None:
     """Each trajectory's advantage, from its group's shaped rewards (`Trajectory.advantage`; None
     for one not trained on: unscorable, or cut and `shaping.mask_truncated`)."""
@@ -166,6 +237,13 @@ def policy_lag(trajs: Sequence[Trajectory], version: int) -> float:
     NaN when the engine reports no numbered versions."""
     versions = [v for t in trajs for v in t.weight_versions]
     return float(version - min(versions)) if versions else float("nan")
+
+
+def policy_lag_mean(trajs: Sequence[Trajectory], version: int) -> float:
+    """The mean over trajectories of their policy lag (`version` minus the oldest weights that
+    sampled any of their tokens); NaN when no trajectory has numbered versions."""
+    lags = [version - min(t.weight_versions) for t in trajs if t.weight_versions]
+    return float(sum(lags) / len(lags)) if lags else float("nan")
 
 
 @dataclass
@@ -201,12 +279,15 @@ class Run:
     saved_step: int = 0  # the step of the last checkpoint
     saved_at: float = field(default_factory=time.monotonic)
     prefetched: Prefetched | None = None
+    pipeline: StalenessPipeline[Group] | None = None  # rank 0, train.max_staleness >= 2
 
     @property
     def is_main(self) -> bool:
         return self.learner.is_main
 
     def collect(self, step: int) -> Awaitable[Rollouts]:
+        if self.pipeline is not None:
+            return take_step(self.pipeline, step)
         return collect_step(
             self.cfg,
             self.make_env,
@@ -240,11 +321,18 @@ class Run:
         """A checkpoint of the run after `step`. Collective: every rank writes its part."""
         self.progress.phase("checkpoint")
         position = self.prefetched.data_position if self.prefetched else self.stream.position
+        # sampled, not trained on: the resumed run samples them again first (same tasks, seeds)
+        pending = self.pipeline.pending() if self.pipeline else list(self.stream.resume)
         checkpoint.save(
             self.run_dir / "checkpoints",
             step,
             self.learner.save,
-            {"data_position": position, "weight_version": str(step), "rng": checkpoint.rng_state()},
+            {
+                "data_position": position,
+                "pending_positions": pending,
+                "weight_version": str(step),
+                "rng": checkpoint.rng_state(),
+            },
             keep=self.cfg.train.keep_checkpoints,
             is_main=self.is_main,
             barrier=self.learner.accelerator.wait_for_everyone,
@@ -276,16 +364,19 @@ def run_step(run: Run, step: int) -> bool:
     # One step off-policy: the next step samples with the weights before this update, while it
     # trains (rank 0's engine in the event loop, the learner in a thread). Never across a
     # checkpoint, so a resumed run samples exactly what an uninterrupted one did.
-    if run.is_main and cfg.train.overlap_rollouts and done < cfg.train.steps and not save_now:
+    if run.is_main and cfg.train.staleness == 1 and done < cfg.train.steps and not save_now:
         run.progress.phase("train+rollout", total=run.progress.rollouts_per_step)
-        position = run.stream.position
+        position, resume = run.stream.position, list(run.stream.resume)
         trained, upcoming = run.loop.run_until_complete(
             train_while_collecting(update, run.collect(done), abandon=lambda: bool(run.stop))
         )
         if upcoming is None:  # a stop cancelled them: their tasks are sampled after resuming
-            run.stream.position = position
+            run.stream.position, run.stream.resume = position, resume
         else:
             run.prefetched = Prefetched(upcoming, position)
+    elif run.pipeline is not None:  # the producer samples on while the learner trains
+        run.progress.phase("train")
+        trained = run.loop.run_until_complete(train_beside(update))
     else:
         run.progress.phase("train")
         colocated = bool(cfg.engine.sglang and cfg.engine.sglang.release_memory_during_training)
@@ -295,16 +386,19 @@ def run_step(run: Run, step: int) -> bool:
     run.progress.phase("sync")
     run.push_weights(done)  # after the overlapped rollouts finished: no request sees weights change
     run.steps_done = done
+    if run.pipeline is not None:
+        run.pipeline.advance(done)
     stopping = learner.any_rank(bool(run.stop))
     if run.is_main:
         metrics.update(
             rollout_metrics(rollouts.groups),
             step_s=time.perf_counter() - t0,
             policy_lag=policy_lag(trajs, step),
+            policy_lag_mean=policy_lag_mean(trajs, step),
         )
-        metrics["tokens_per_s"] = metrics.get("sampled_tokens", 0.0) / max(
-            metrics["rollout_s"], 1e-9
-        )
+        # sampled while waiting (synchronous) or all along (pipeline: per step, overall)
+        sampling_s = metrics["step_s"] if run.pipeline is not None else metrics["rollout_s"]
+        metrics["tokens_per_s"] = metrics.get("sampled_tokens", 0.0) / max(sampling_s, 1e-9)
         if cfg.eval.every and done % cfg.eval.every == 0:
             metrics.update(evaluate_now(run))
         metrics.update({f"phase_s/{k}": v for k, v in run.progress.phase_times().items()})
@@ -353,6 +447,8 @@ def train(cfg: RunConfig) -> Path:
         if run.steps_done > run.saved_step:  # at exit: the last finished step
             run.save(run.steps_done)
     finally:
+        if run.pipeline is not None:
+            run.loop.run_until_complete(run.pipeline.close())
         run.stop.uninstall()
         run.progress.close()
         if run.logger is not None:
@@ -415,6 +511,7 @@ def start_run(cfg: RunConfig) -> Run:
     if found is not None:  # damaged checkpoints were skipped, on every rank alike
         ckpt_dir, manifest = found
         start, stream.position = int(manifest["step"]), int(manifest["data_position"])
+        stream.resume = [int(p) for p in manifest.get("pending_positions", [])]
         checkpoint.set_rng_state(manifest["rng"])  # after the setup above: only steps draw from it
     run = Run(
         cfg=cfg,
@@ -447,6 +544,8 @@ def start_run(cfg: RunConfig) -> Run:
     # Before the first rollout the engine serves the learner's weights, checked by the probe: a
     # server still holding another run's weights (or another model) is caught, not sampled from.
     run.push_weights(start)
+    if learner.is_main and cfg.train.staleness >= 2:
+        run.pipeline = start_pipeline(run)
     run.stop.install()  # SIGTERM/SIGINT: checkpoint after this step, exit
     return run
 

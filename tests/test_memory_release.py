@@ -121,7 +121,7 @@ def test_config_refuses_releasing_while_overlapped_rollouts_sample():
     ]
     load_config(None, sglang)
     with pytest.raises(
-        ConfigError, match="release_memory_during_training with train.overlap_rollouts"
+        ConfigError, match="release_memory_during_training with train.max_staleness=1"
     ):
         load_config(None, [*sglang, "train.overlap_rollouts=true"])
 

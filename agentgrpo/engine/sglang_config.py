@@ -54,7 +54,7 @@ class SGLangConfig(BaseModel):
         False,
         description="The servers share GPUs with the learner: they free their weights and KV cache "
         "while the learner trains and take them back before each weight push. Needs SGLang's "
-        "--enable-memory-saver (checked); not with train.overlap_rollouts.",
+        "--enable-memory-saver (checked); not with train.max_staleness >= 1.",
     )
 
     @field_validator("urls")
