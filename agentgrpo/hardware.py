@@ -145,6 +145,15 @@ def cpu_threads(environ: Mapping[str, str] | None = None) -> int | None:
     return max(1, min(limits) // per_machine)
 
 
+def share_cpu(threads: int) -> tuple[int, int]:
+    """(engine, learner) torch threads when the local engine decodes while the learner trains on
+    the same CPU (`train.max_staleness` >= 1): `threads` split in two, at least one each. Both at
+    full width would put twice as many busy threads as CPUs on the machine, each of the two
+    OpenMP teams waiting on members the other one holds (measured in docs/performance.md)."""
+    engine = max(1, threads // 2)
+    return engine, max(1, threads - engine)
+
+
 def cgroup_cpu_quota(path: Path = Path("/sys/fs/cgroup/cpu.max")) -> float | None:
     """CPUs' worth of time the cgroup v2 quota allows ("200000 100000" = 2.0), None when unlimited
     or unknown."""

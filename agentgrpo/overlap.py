@@ -28,6 +28,11 @@ T = TypeVar("T")
 _TRAIN_THREAD = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="agentgrpo-train")
 
 
+def set_train_threads(threads: int) -> None:
+    """torch threads of the training thread (its own OpenMP team; other threads keep theirs)."""
+    _TRAIN_THREAD.submit(torch.set_num_threads, threads).result()
+
+
 async def train_while_collecting(
     train_step: Callable[[], dict[str, float]],
     collecting: Awaitable[T],

@@ -28,10 +28,15 @@ from agentgrpo.engine.config import build_engine
 from agentgrpo.env import Env
 from agentgrpo.env_check import check_env_at_start
 from agentgrpo.evaluate import evaluate
-from agentgrpo.hardware import Precision, configure_cpu_threads
+from agentgrpo.hardware import Precision, configure_cpu_threads, share_cpu
 from agentgrpo.learner import Learner
 from agentgrpo.log import Progress, RunLogger, aside_name, set_aside_after
-from agentgrpo.overlap import memory_lent, train_beside, train_while_collecting
+from agentgrpo.overlap import (
+    memory_lent,
+    set_train_threads,
+    train_beside,
+    train_while_collecting,
+)
 from agentgrpo.pipeline import StalenessPipeline, Ticket
 from agentgrpo.report import write_report
 from agentgrpo.rollout import GroupSampler, collect, rollout_metrics
@@ -550,6 +555,21 @@ def start_run(cfg: RunConfig) -> Run:
     return run
 
 
+def cpu_sharing(run: Run, threads: str) -> tuple[int | None, str]:
+    """The local engine's decoding threads, and the start-up line's thread part. When the engine
+    samples while the learner trains on the CPU (max_staleness >= 1), the two share the run's
+    threads (`share_cpu`; `engine.threads` chooses the engine's, the learner then keeps the run's);
+    otherwise each runs alone and uses them all."""
+    cfg = run.cfg
+    if cfg.engine.kind != "local" or run.learner.accelerator.device.type != "cpu":
+        return cfg.engine.threads, threads
+    if cfg.engine.threads is not None or not cfg.train.staleness:
+        return cfg.engine.threads, threads
+    engine, learner = share_cpu(torch.get_num_threads())
+    set_train_threads(learner)
+    return engine, f"{threads}; sampling beside training: engine {engine}, learner {learner}"
+
+
 def start_main_rank(
     run: Run,
     model_path: Path,
@@ -575,8 +595,14 @@ def start_main_rank(
     # Refuse a template that would make the learner see tokens the model never saw.
     mode = require_token_safe(run.chat, run.make_env(), run.stream.tasks[0], seed=cfg.seed).mode
     print(f"chat template: {run.chat.template_source}, token mode: {mode}", flush=True)
+    engine_threads, threads = cpu_sharing(run, threads)
     run.engine = build_engine(
-        cfg.engine, model_path, tokenizer, seed=cfg.seed, weights_dtype=cfg.learner.dtype
+        cfg.engine,
+        model_path,
+        tokenizer,
+        seed=cfg.seed,
+        weights_dtype=cfg.learner.dtype,
+        threads=engine_threads,
     )
     print(describe_precision(run.learner.precision, run.engine, threads), flush=True)
     run.sync = WeightSync(run.engine, cfg.weight_sync)

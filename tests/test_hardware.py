@@ -163,3 +163,34 @@ def test_cgroup_quota_is_read_from_cpu_max(tmp_path):
     path.write_text("max 100000\n")
     assert hardware.cgroup_cpu_quota(path) is None
     assert hardware.cgroup_cpu_quota(tmp_path / "absent") is None
+
+
+def test_sampling_beside_training_shares_the_cpu_threads():
+    from agentgrpo.hardware import share_cpu
+
+    assert share_cpu(2) == (1, 1)
+    assert share_cpu(8) == (4, 4)
+    assert share_cpu(7) == (3, 4)
+    assert share_cpu(1) == (1, 1)  # one CPU: both take turns on it
+
+
+def test_the_local_engine_sets_threads_in_its_own_thread_only(tiny_model_dir):
+    import asyncio
+
+    import torch
+
+    from agentgrpo.engine import LocalEngine, SamplingParams
+
+    before = torch.get_num_threads()
+    seen = []  # a count unlike the process's, so the test sees whose setting the worker runs with
+    with LocalEngine(tiny_model_dir, threads=before + 1, eos_token_ids=()) as engine:
+        real = engine.model.forward
+
+        def forward(*a, **kw):
+            seen.append(torch.get_num_threads())
+            return real(*a, **kw)
+
+        engine.model.forward = forward
+        asyncio.run(engine.generate([1, 2, 3], SamplingParams(max_new_tokens=2)))
+    assert seen and set(seen) == {before + 1}
+    assert torch.get_num_threads() == before

@@ -34,6 +34,13 @@ class EngineConfig(BaseModel):
         "group's copies of a prompt and a trajectory's next turn skip prefilling what was already "
         "computed (45 KiB a token for SmolLM2-135M in float32); 0 disables it",
     )
+    threads: int | None = Field(
+        None,
+        ge=1,
+        description="local engine: torch threads of its decoding thread; None = auto: where it "
+        "samples while the learner trains on the CPU (train.max_staleness >= 1), half of the "
+        "run's threads and the learner the rest (agentgrpo.hardware.share_cpu), else the run's",
+    )
     sglang: SGLangConfig | None = Field(
         None, description="kind=sglang: the servers and client settings"
     )
@@ -52,7 +59,7 @@ class EngineConfig(BaseModel):
         if self.kind == "sglang":  # compared with the defaults, so a dumped config.yaml loads again
             changed = [
                 f"engine.{name}={getattr(self, name)}"
-                for name in ("max_batch_size", "dtype", "prefix_cache_tokens")
+                for name in ("max_batch_size", "dtype", "prefix_cache_tokens", "threads")
                 if getattr(self, name) != type(self).model_fields[name].default
             ]
             if changed:
@@ -70,10 +77,12 @@ def build_engine(
     *,
     seed: int,
     weights_dtype: str = "float32",
+    threads: int | None = None,
 ) -> Engine:
     """The engine `cfg` describes, serving the model at `model_path` (the local engine; SGLang
     servers load their own model at launch). `seed` seeds the local engine's sampling;
-    `weights_dtype` is the learner's weight dtype, which `dtype: auto` follows."""
+    `weights_dtype` is the learner's weight dtype, which `dtype: auto` follows; `threads` the
+    local engine's decoding threads (None: the process's)."""
     if cfg.kind == "sglang":
         # Only here: loading a run config imports neither httpx nor the client (sglang_config.py).
         from agentgrpo.engine.sglang import SGLangEngine
@@ -87,4 +96,5 @@ def build_engine(
         max_batch_size=cfg.max_batch_size,
         prefix_cache_tokens=cfg.prefix_cache_tokens,
         seed=seed,
+        threads=threads,
     )

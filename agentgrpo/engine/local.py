@@ -166,6 +166,9 @@ class LocalEngine:
         eos_token_ids: ids that end every request; default: the EOS ids of the generation config,
             the model config and the tokenizer. `()` leaves only `params.stop_token_ids`
             (benchmarks and tests that need exact lengths).
+        threads: torch (OpenMP) threads of the decoding thread, set in that thread only; None
+            keeps the process's. The training loop sets it when the engine samples while the
+            learner trains on the same CPU (`agentgrpo.hardware.share_cpu`).
 
     Example:
         ```python
@@ -204,6 +207,7 @@ class LocalEngine:
         seed: int | None = None,
         weight_version: str | None = None,
         eos_token_ids: Iterable[int] | None = None,
+        threads: int | None = None,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
@@ -224,6 +228,7 @@ class LocalEngine:
         self.prefill_tokens = prefill_tokens
         self.prefix_cache = PrefixCache(prefix_cache_tokens)  # worker thread only
         self.weight_version = weight_version
+        self.threads = threads  # torch threads of the worker; None = the process's setting
         config = self.model.config
         self.vocab_size: int = self.model.get_output_embeddings().weight.shape[0]
         self.max_context: int = int(getattr(config, "max_position_embeddings", 0) or 1 << 30)
@@ -399,6 +404,8 @@ class LocalEngine:
     # ----------------------------------------------------------------------------- worker thread
     def _run(self) -> None:
         """The worker: admit queued items between decode steps, decode, resolve futures."""
+        if self.threads is not None:  # this thread's own OpenMP team; other threads keep theirs
+            torch.set_num_threads(self.threads)
         batch = _Batch(self)
         waiting: collections.deque = collections.deque()
         while True:

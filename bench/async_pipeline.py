@@ -1,0 +1,236 @@
+"""`train.max_staleness`: synchronous steps, one step of overlap and the asynchronous pipeline at
+k = 2, 4, 8, on the same long-tailed multi-turn workload, in one run.
+
+Simulated (the default): the real scheduler (`agentgrpo.pipeline.StalenessPipeline`) drives a
+simulated engine and learner on asyncio's clock. The engine decodes at most `--engine-slots`
+requests at once (a batch); an episode alternates model turns, which hold an engine slot for a time
+proportional to the turn's tokens, and tool calls, which hold none. Turn counts, turn lengths and
+tool latencies are heavy-tailed (a few episodes take ten times the median), drawn from the group's
+position in the task stream, so every mode runs the same episodes. At most `--max-episodes` episodes
+run at once (`rollout.max_concurrent_trajectories`), in every mode: more would only queue their
+turns in front of the engine, behind which a long episode's turns wait too. A learner step takes
+`--train-s`. Weight pushes are free here: the engine is assumed to swap weights between decode
+steps (partial rollouts), so a push never waits for episodes in flight.
+
+Printed per mode, and as a ratio to the synchronous loop of the same run: trajectories trained per
+second, engine utilisation (mean busy slots / slots) and the learner's idle fraction (waiting for a
+step's groups), all over the steady state (without the first and last `--warm` steps, where the
+pipeline fills and drains; the whole run's throughput is printed too), and the policy lag of the
+trained groups (mean, max).
+
+    python bench/async_pipeline.py [--steps 30] [--seed 0]
+    python bench/async_pipeline.py --real   # the real local engine and learner on this CPU, short
+
+`--real` trains the embedded model on the calculator env for a few steps per mode (sync, overlap,
+k = 2, 4) with the local engine in this process, and prints trajectories per second from the run's
+own metrics: what the pipeline buys when the engine and the learner share this machine's cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from agentgrpo.pipeline import StalenessPipeline, Ticket  # noqa: E402
+
+MODES = {"sync": 0, "overlap": 1, "k=2": 2, "k=4": 4, "k=8": 8}
+
+
+@dataclass
+class Workload:
+    """Heavy-tailed episodes, the same for every mode: drawn from (seed, position, member)."""
+
+    seed: int
+    group_size: int
+    token_s: float  # seconds of engine time per generated token (one slot)
+
+    def episode(self, position: int, member: int) -> list[tuple[float, float]]:
+        """[(engine seconds of the turn, tool seconds after it)], one pair per turn."""
+        rng = random.Random(f"{self.seed}/{position}/{member}")
+        turns = min(1 + int(rng.paretovariate(1.6)), 12)
+        out = []
+        for _ in range(turns):
+            tokens = min(rng.lognormvariate(math.log(60), 0.8), 1500)
+            tool = rng.lognormvariate(math.log(0.004), 1.0) if rng.random() < 0.97 else 0.25
+            out.append((tokens * self.token_s, tool))
+        return out
+
+
+@dataclass
+class Engine:
+    """`slots` requests decode at once; busy time is integrated for the utilisation."""
+
+    slots: int
+    sem: asyncio.Semaphore = field(init=False)
+    active: int = 0
+    busy: float = 0.0
+    since: float = field(default_factory=time.perf_counter)
+
+    def __post_init__(self) -> None:
+        self.sem = asyncio.Semaphore(self.slots)
+
+    def _tick(self, delta: int) -> None:
+        now = time.perf_counter()
+        self.busy += self.active * (now - self.since)
+        self.since, self.active = now, self.active + delta
+
+    async def generate(self, seconds: float) -> None:
+        async with self.sem:
+            self._tick(+1)
+            try:
+                await asyncio.sleep(seconds)
+            finally:
+                self._tick(-1)
+
+
+async def simulate(k: int, args: argparse.Namespace, workload: Workload) -> dict[str, float]:
+    engine = Engine(args.engine_slots)
+    counter = iter(range(10**9))
+    episodes = asyncio.Semaphore(args.max_episodes)  # rollout.max_concurrent_trajectories
+
+    async def episode(position: int, member: int) -> None:
+        async with episodes:
+            for gen_s, tool_s in workload.episode(position, member):
+                await engine.generate(gen_s)
+                await asyncio.sleep(tool_s)
+
+    async def produce(t: Ticket) -> tuple[int, int]:
+        await asyncio.gather(*(episode(t.position, i) for i in range(args.group_size)))
+        return t.position, t.version
+
+    pipe = StalenessPipeline(
+        produce,
+        lambda: next(counter),
+        per_step=args.groups_per_step,
+        max_staleness=k,
+        steps=args.steps,
+    )
+    lags, waited = [], []
+    marks = []  # (time, engine busy slot-seconds) at the start of each step and at the end
+    t0 = time.perf_counter()
+    engine.since = t0
+    pipe.start()
+    try:
+        for step in range(args.steps):
+            engine._tick(0)
+            marks.append((time.perf_counter(), engine.busy))
+            groups = await pipe.take(step)
+            waited.append(time.perf_counter() - marks[-1][0])
+            lags += [step - v for _, v in groups]
+            await asyncio.sleep(args.train_s)
+            pipe.advance(step + 1)
+    finally:
+        await pipe.close()
+    engine._tick(0)
+    marks.append((time.perf_counter(), engine.busy))
+    # steady state: without the first and last `warm` steps, where the pipeline fills and drains
+    a, b = args.warm, args.steps - args.warm
+    span = marks[b][0] - marks[a][0]
+    per_step = args.groups_per_step * args.group_size
+    return {
+        "trajectories_per_s": (b - a) * per_step / span,
+        "engine_utilisation": (marks[b][1] - marks[a][1]) / (engine.slots * span),
+        "learner_idle": sum(waited[a:b]) / span,
+        "policy_lag_mean": statistics.fmean(lags),
+        "policy_lag_max": float(max(lags)),
+        "whole_run_trajectories_per_s": args.steps * per_step / (marks[-1][0] - t0),
+    }
+
+
+def run_simulated(args: argparse.Namespace) -> dict:
+    workload = Workload(args.seed, args.group_size, args.token_s)
+    results = {name: asyncio.run(simulate(k, args, workload)) for name, k in MODES.items()}
+    base = results["sync"]
+    for r in results.values():
+        r["throughput_vs_sync"] = r["trajectories_per_s"] / base["trajectories_per_s"]
+        r["utilisation_vs_sync"] = r["engine_utilisation"] / base["engine_utilisation"]
+    return results
+
+
+def run_real(args: argparse.Namespace) -> dict:
+    """A few steps per mode of the calculator run on the local engine, in this process."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    from agentgrpo.config import load_config
+    from agentgrpo.log import read_jsonl
+    from agentgrpo.train import train
+
+    results = {}
+    for name, k in {"sync": 0, "overlap": 1, "k=2": 2, "k=4": 4}.items():
+        with tempfile.TemporaryDirectory() as tmp:
+            cfg = load_config(
+                "examples/calculator.yaml",
+                [
+                    f"output_dir={tmp}/run",
+                    f"train.steps={args.real_steps}",
+                    f"train.max_staleness={k}",
+                    "rollout.group_size=4",
+                    "rollout.tasks_per_step=2",
+                    "log.progress=false",
+                    "log.tensorboard=false",
+                    "train.save_every_s=null",
+                ],
+            )
+            t0 = time.perf_counter()
+            train(cfg)
+            wall = time.perf_counter() - t0
+            metrics = read_jsonl(Path(tmp) / "run" / "metrics.jsonl")
+        trajectories = args.real_steps * 2 * 4
+        steps_s = sum(m["step_s"] for m in metrics)
+        results[name] = {
+            "trajectories_per_s": trajectories / steps_s,
+            "steps_s": steps_s,
+            "wall_s": wall,
+            "policy_lag_max": max(m["policy_lag"] for m in metrics),
+            "learner_wait_s": sum(m["rollout_s"] for m in metrics if k >= 2),
+        }
+    base = results["sync"]["trajectories_per_s"]
+    for r in results.values():
+        r["throughput_vs_sync"] = r["trajectories_per_s"] / base
+    return results
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--groups-per-step", type=int, default=16)
+    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--engine-slots", type=int, default=32)
+    p.add_argument(
+        "--max-episodes",
+        type=int,
+        default=64,
+        help="episodes in flight at most (rollout.max_concurrent_trajectories), every mode",
+    )
+    p.add_argument("--token-s", type=float, default=0.0005, help="engine seconds per token")
+    p.add_argument("--train-s", type=float, default=0.15, help="seconds per learner step")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warm", type=int, default=3, help="steps left out at each end")
+    p.add_argument("--real", action="store_true", help="the real local engine and learner")
+    p.add_argument("--real-steps", type=int, default=4)
+    p.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
+    args = p.parse_args()
+    results = run_real(args) if args.real else run_simulated(args)
+    name = "async_pipeline_real.json" if args.real else "async_pipeline.json"
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / name).write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
+    keys = list(next(iter(results.values())))
+    print("mode     " + "  ".join(f"{k:>20}" for k in keys))
+    for mode, r in results.items():
+        print(f"{mode:8} " + "  ".join(f"{r[k]:20.3f}" for k in keys))
+
+
+if __name__ == "__main__":
+    main()
