@@ -34,6 +34,13 @@ class EngineConfig(BaseModel):
         "group's copies of a prompt and a trajectory's next turn skip prefilling what was already "
         "computed (45 KiB a token for SmolLM2-135M in float32); 0 disables it",
     )
+    partial_rollouts: bool = Field(
+        False,
+        description="local engine: a weight update lands between two decode steps instead of "
+        "waiting for the running requests, which keep their tokens and KV cache and finish "
+        "under the new weights (Completion.version_runs says which version sampled which ids); "
+        "false: an update waits until they finish",
+    )
     sglang: SGLangConfig | None = Field(
         None, description="kind=sglang: the servers and client settings"
     )
@@ -52,7 +59,7 @@ class EngineConfig(BaseModel):
         if self.kind == "sglang":  # compared with the defaults, so a dumped config.yaml loads again
             changed = [
                 f"engine.{name}={getattr(self, name)}"
-                for name in ("max_batch_size", "dtype", "prefix_cache_tokens")
+                for name in ("max_batch_size", "dtype", "prefix_cache_tokens", "partial_rollouts")
                 if getattr(self, name) != type(self).model_fields[name].default
             ]
             if changed:
@@ -87,4 +94,5 @@ def build_engine(
         max_batch_size=cfg.max_batch_size,
         prefix_cache_tokens=cfg.prefix_cache_tokens,
         seed=seed,
+        partial_rollouts=cfg.partial_rollouts,
     )
