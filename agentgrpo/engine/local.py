@@ -59,10 +59,10 @@ How it works (decisions):
   dead from then on, and held up to `prefix_cache_tokens` x 45 KiB (SmolLM2-135M, fp32) while the
   learner trained in the same process. It does not lower the default run's peak memory, which the
   learner's activations set (docs/performance.md).
-- **Weights.** `update_weights` is queued behind the requests already submitted: the worker stops
-  admitting, lets the running rows finish, copies the new tensors in place (tied weights stay tied),
-  then sets `weight_version`. So every completion comes from exactly one version, the one it
-  reports.
+- **Weights.** By default `update_weights` is queued behind the requests already submitted: the
+  worker stops admitting, lets the running rows finish, copies the new tensors in place (tied
+  weights stay tied), then sets `weight_version`. So every completion comes from exactly one
+  version, the one it reports.
 - **Partial rollouts** (`partial_rollouts=True`): an update does not wait for the running rows. The
   worker applies it between two decode steps, where it finds it in the queue, and the rows carry
   on: they keep the ids and logprobs they sampled and the KV cache they hold, and sample the rest
@@ -73,10 +73,10 @@ How it works (decisions):
   the new weights reading an old-weight cache, a distribution neither version alone defines. The
   loss corrects for that as for any off-policy token, through the logprob it was sampled with
   (`loss.tis`, `loss.mis`). Recomputing the cache would cost a prefill of every running row's
-  whole context (prompt and sampled ids) at each update, the engine's most expensive work, to
-  make the version labels exact; kept, an update costs only the weight copy. Such a row's KV never
-  reaches the prefix cache (emptied at the update, as in the barrier mode), so requests admitted
-  after it are computed by the new weights only.
+  whole context (prompt and sampled ids) at each update, the work the prefix cache exists to save,
+  to make the version labels exact; kept, an update costs only the weight copy. Such a row's KV
+  never reaches the prefix cache (emptied at the update, as in the barrier mode), so requests
+  admitted after it are computed by the new weights only.
 - **dtype.** float32 is the default. `auto` decodes in the dtype of the learner's weights
   (`weights_dtype`), but float32 where bfloat16 is not native (CUDA, CPUs with AVX512-BF16 or AMX
   have it; elsewhere it is emulated, many times slower): `agentgrpo.hardware.engine_dtype`.
