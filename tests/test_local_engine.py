@@ -530,6 +530,28 @@ async def test_partial_rollouts_admit_behind_an_update_and_one_version_stays_uns
     assert_matches_fresh_forward(new, [9, 9], after, 1.0)
 
 
+async def test_partial_rollouts_an_update_passes_requests_waiting_for_a_row(model, monkeypatch):
+    """A full batch (1 row) and a request queued before the update: the update does not wait for a
+    row to free up; the queued request then starts under the new weights."""
+    new = tiny_model(seed=5)
+    held, go = hold_after_step(monkeypatch, 2)
+    with LocalEngine(
+        model, eos_token_ids=(), weight_version="1", partial_rollouts=True, max_batch_size=1
+    ) as eng:
+        running = asyncio.create_task(eng.generate([5, 6], SamplingParams(max_new_tokens=40)))
+        await asyncio.to_thread(held.wait, 10)
+        queued = asyncio.create_task(eng.generate([9, 9], SamplingParams(max_new_tokens=3)))
+        update = asyncio.create_task(eng.update_weights(new.state_dict(), version="2"))
+        await asyncio.sleep(0)
+        go.set()
+        await update
+        assert not running.done() and not queued.done()
+        out, after = await running, await queued
+    assert out.version_runs == [(3, "1"), (37, "2")]
+    assert after.version_runs is None and after.weight_version == "2"
+    assert_matches_fresh_forward(new, [9, 9], after, 1.0)
+
+
 async def test_score_matches_generation_logprobs(model, engine):
     prompt = [40, 41]
     for temperature in (1.0, 0.5, 0.0):

@@ -64,19 +64,20 @@ How it works (decisions):
   weights stay tied), then sets `weight_version`. So every completion comes from exactly one
   version, the one it reports.
 - **Partial rollouts** (`partial_rollouts=True`): an update does not wait for the running rows. The
-  worker applies it between two decode steps, where it finds it in the queue, and the rows carry
-  on: they keep the ids and logprobs they sampled and the KV cache they hold, and sample the rest
-  with the new weights. Each completion then reports which ids each version sampled
-  (`Completion.version_runs`; `weight_version` is the version that sampled its last id) and every
-  logprob stays the one its id was sampled with. The KV of the tokens before the update is *not*
-  recomputed: it was computed by the old weights, so a token sampled after the update comes from
-  the new weights reading an old-weight cache, a distribution neither version alone defines. The
-  loss corrects for that as for any off-policy token, through the logprob it was sampled with
-  (`loss.tis`, `loss.mis`). Recomputing the cache would cost a prefill of every running row's
-  whole context (prompt and sampled ids) at each update, the work the prefix cache exists to save,
-  to make the version labels exact; kept, an update costs only the weight copy. Such a row's KV
-  never reaches the prefix cache (emptied at the update, as in the barrier mode), so requests
-  admitted after it are computed by the new weights only.
+  worker applies it between two decode steps, where it finds it in the queue (ahead of requests
+  still waiting for a free row, which then start under it), and the rows carry on: they keep the
+  ids and logprobs they sampled and the KV cache they hold, and sample the rest with the new
+  weights. Each completion then reports which ids each version sampled (`Completion.version_runs`;
+  `weight_version` is the version that sampled its last id) and every logprob stays the one its id
+  was sampled with. The KV of the tokens before the update is *not* recomputed: it was computed by
+  the old weights, so a token sampled after the update comes from the new weights reading an
+  old-weight cache, a distribution neither version alone defines. The loss corrects for that as
+  for any off-policy token, through the logprob it was sampled with (`loss.tis`, `loss.mis`).
+  Recomputing the cache would cost a prefill of every running row's whole context (prompt and
+  sampled ids) at each update, the work the prefix cache exists to save, to make the version
+  labels exact; kept, an update costs only the weight copy. Such a row's KV never reaches the
+  prefix cache (emptied at the update, as in the barrier mode), so requests admitted after it are
+  computed by the new weights only.
 - **dtype.** float32 is the default. `auto` decodes in the dtype of the learner's weights
   (`weights_dtype`), but float32 where bfloat16 is not native (CUDA, CPUs with AVX512-BF16 or AMX
   have it; elsewhere it is emulated, many times slower): `agentgrpo.hardware.engine_dtype`.
@@ -439,8 +440,11 @@ class LocalEngine:
             if any(item is _STOP for item in waiting):
                 break
             admit: list[_Request] = []
-            # In arrival order; an update is a barrier for everything behind it, unless partial
-            # rollouts let it land now (requests admitted before it are prefilled after it).
+            no_room: list[_Request] = []  # partial rollouts: requests waiting for a free row
+            # In arrival order; an update is a barrier for everything behind it. With partial
+            # rollouts it lands at once instead, also ahead of the requests still waiting for a
+            # row (a saturated engine always has some): they, and those admitted in this round
+            # (prefilled after it), start under the new weights.
             while waiting:
                 item = waiting[0]
                 if isinstance(item, _Request):
@@ -448,7 +452,10 @@ class LocalEngine:
                         waiting.popleft()
                         continue
                     if len(batch.rows) + len(admit) >= self.max_batch_size:
-                        break
+                        if not self.partial_rollouts:
+                            break
+                        no_room.append(waiting.popleft())
+                        continue
                     admit.append(waiting.popleft())
                 elif isinstance(item, _Score):
                     waiting.popleft()
@@ -461,6 +468,7 @@ class LocalEngine:
                         break  # let the running rows finish under the weights they started with
                     waiting.popleft()
                     self._guarded(item, self._update_now, item)
+            waiting.extendleft(reversed(no_room))  # still first in line, in arrival order
             try:
                 if admit:
                     batch.admit(admit)
