@@ -292,30 +292,41 @@ class RunConfig(BaseModel):
     @model_validator(mode="after")
     def _off_policy_is_corrected(self) -> RunConfig:
         # Recomputed old logprobs come from the current weights: with overlapped rollouts that would
-        # silently drop the correction for sampling one version behind, unless TIS puts it back.
+        # silently drop the correction for sampling one version behind, unless TIS or MIS put it
+        # back.
         if (
             self.train.staleness
             and self.learner.old_logprobs == "recompute"
             and self.loss.tis == "none"
+            and self.loss.mis == "none"
         ):
             raise ValueError(
                 f"train.max_staleness={self.train.staleness} with learner.old_logprobs=recompute "
-                "ignores that the rollouts came from older weights; set loss.tis (token or "
-                "sequence) to correct for it, or keep old_logprobs: rollout (the ratio is then "
-                "taken against the sampling weights)"
+                "ignores that the rollouts came from older weights; set loss.tis or loss.mis "
+                "(token or sequence) to correct for it, or keep old_logprobs: rollout (the ratio "
+                "is then taken against the sampling weights)"
             )
         return self
 
     @model_validator(mode="after")
     def _tis_has_two_logprobs(self) -> RunConfig:
-        # TIS weighs pi_old against the engine's sampling logprobs; with old_logprobs=rollout pi_old
-        # is those logprobs, the learner has no second set to pass, and every step would raise.
+        # TIS and MIS weigh pi_old against the engine's sampling logprobs; with old_logprobs=rollout
+        # pi_old is those logprobs, the learner has no second set to pass, and every step would
+        # raise.
         if self.loss.tis != "none" and self.learner.old_logprobs != "recompute":
             raise ValueError(
                 f"loss.tis={self.loss.tis} needs learner.old_logprobs=recompute: TIS weighs "
                 "tokens by min(pi_old / pi_rollout, loss.tis_cap) with pi_old recomputed by the "
                 f"learner, and with learner.old_logprobs={self.learner.old_logprobs} pi_old is "
                 "the rollout's own logprobs; set learner.old_logprobs: recompute, or loss.tis: none"
+            )
+        if self.loss.mis != "none" and self.learner.old_logprobs != "recompute":
+            raise ValueError(
+                f"loss.mis={self.loss.mis} needs learner.old_logprobs=recompute: MIS drops "
+                "tokens whose pi_old / pi_rollout lies outside [loss.mis_low, loss.mis_high] with "
+                "pi_old recomputed by the learner, and with learner.old_logprobs="
+                f"{self.learner.old_logprobs} pi_old is the rollout's own logprobs (the ratio is "
+                "always 1); set learner.old_logprobs: recompute, or loss.mis: none"
             )
         return self
 

@@ -19,8 +19,9 @@ Metrics returned next to a loss are Python floats: "*loss*" entries are shares (
 micro-batches); the others are means over this call's loss tokens (average them weighted by
 "loss_tokens").
 
-The aggregation modes, KL estimators and truncated importance sampling live in `loss_terms.py` and
-are re-exported here, so `from agentgrpo.loss import aggregate, kl_penalty, ...` still works.
+The aggregation modes, KL estimators and truncated and masked importance sampling live in
+`loss_terms.py` and are re-exported here, so `from agentgrpo.loss import aggregate, kl_penalty,
+...` still works.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from agentgrpo.loss_terms import (  # noqa: F401
     K3_CLAMP,
     KL_ESTIMATORS,
     LOG_RATIO_CLAMP,
+    MIS_MODES,
     TIS_MODES,
     Normaliser,
     _masked_mean,
@@ -46,7 +48,9 @@ from agentgrpo.loss_terms import (  # noqa: F401
     k3,
     kl_penalty,
     rollout_mismatch_metrics,
+    sequence_mis_mask,
     sequence_tis_weights,
+    token_mis_mask,
     token_tis_weights,
 )
 
@@ -116,8 +120,9 @@ def policy_loss(
     """PPO-clip policy loss (`ppo_clip_token_loss` per token, then `aggregate`).
 
     advantages_B is [B] (one per trajectory, broadcast over its tokens) or [B, T]. Clip-higher is
-    clip_high > clip_low (DAPO: 0.2 / 0.28). `tis_weights_BT` (from `token_tis_weights` /
-    `sequence_tis_weights`, detached) multiply the per-token losses before aggregation, as verl's
+    clip_high > clip_low (DAPO: 0.2 / 0.28). `tis_weights_BT` (the rollout correction: TIS weights
+    from `token_tis_weights` / `sequence_tis_weights`, times the 0/1 mask of `token_mis_mask` /
+    `sequence_mis_mask`; detached) multiply the per-token losses before aggregation, as verl's
     rollout importance weights. Metrics: clipfrac, clipfrac_dual, ppo_kl (mean of old - new logp),
     loss_tokens.
     """
@@ -219,7 +224,8 @@ DEFAULT_AGG = {"ppo": "token-mean", "gspo": "seq-mean-token-mean"}
 
 
 class LossConfig(BaseModel):
-    """Which policy loss, how it is aggregated, and the KL, entropy and TIS terms added to it."""
+    """Which policy loss, how it is aggregated, the KL and entropy terms added to it, and the
+    correction for the rollout's sampling logprobs (TIS, MIS)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -262,6 +268,15 @@ class LossConfig(BaseModel):
     tis_cap: float = Field(
         2.0, gt=0, description="Cap C of the TIS weight min(pi_old / pi_rollout, C)."
     )
+    mis: Literal["none", "token", "sequence"] = Field(
+        "none",
+        description="Masked importance sampling: drop from the policy loss the tokens (token) or "
+        "whole sequences (sequence: geometric mean of the ratios over the sequence's loss "
+        "tokens) whose ratio pi_old / pi_rollout lies outside [mis_low, mis_high]. Combines "
+        "with tis (dropped tokens weigh 0, the others min(ratio, tis_cap)).",
+    )
+    mis_low: float = Field(0.5, gt=0, le=1, description="Lower end of the MIS band (<= 1).")
+    mis_high: float = Field(2.0, ge=1, description="Upper end of the MIS band (>= 1).")
 
     @model_validator(mode="after")
     def _check(self) -> LossConfig:
@@ -291,12 +306,13 @@ def compute_loss(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The full training loss of one micro-batch, as configured:
 
-        loss = policy_loss · w_tis + kl_coef · agg(KL) - entropy_coef · agg(entropy)
+        loss = agg(l_policy · w_tis · keep_mis) + kl_coef · agg(KL) - entropy_coef · agg(entropy)
 
-    with one aggregation mode and the same step normalisers for all three terms. Inputs that the
+    with one aggregation mode and the same step normalisers for all three terms (tokens MIS drops
+    stay in the normalisers: they count as loss tokens whose policy loss is 0). Inputs that the
     config needs are required (ref logprobs when kl_coef > 0, entropy when entropy_coef != 0,
-    rollout logprobs when tis != none); inputs it does not use are still logged when given (kl,
-    entropy, mismatch/*).
+    rollout logprobs when tis or mis != none); inputs it does not use are still logged when given
+    (kl, entropy, mismatch/*).
     """
     agg_kw = {
         "agg": cfg.effective_agg,
@@ -306,15 +322,22 @@ def compute_loss(
     }
     mask_BT = loss_mask_BT > 0
     metrics: dict[str, float] = {}
-    tis_weights_BT = None
+    tis_weights_BT = None  # the rollout correction: TIS weights times the MIS keep mask
+    for name, mode in (("tis", cfg.tis), ("mis", cfg.mis)):
+        if mode != "none" and rollout_logprobs_BT is None:
+            raise ValueError(f"{name}={mode!r} needs rollout_logprobs_BT")
     if cfg.tis != "none":
-        if rollout_logprobs_BT is None:
-            raise ValueError(f"tis={cfg.tis!r} needs rollout_logprobs_BT")
         tis_weights_BT, m = TIS_MODES[cfg.tis](
             old_logprobs_BT, rollout_logprobs_BT, mask_BT, cfg.tis_cap
         )
         metrics.update(m)
-    elif rollout_logprobs_BT is not None:
+    if cfg.mis != "none":
+        keep_BT, m = MIS_MODES[cfg.mis](
+            old_logprobs_BT, rollout_logprobs_BT, mask_BT, cfg.mis_low, cfg.mis_high
+        )
+        tis_weights_BT = keep_BT if tis_weights_BT is None else tis_weights_BT * keep_BT
+        metrics.update(m)
+    if cfg.tis == cfg.mis == "none" and rollout_logprobs_BT is not None:
         metrics.update(rollout_mismatch_metrics(old_logprobs_BT, rollout_logprobs_BT, mask_BT))
 
     loss_fn = get_loss_fn(cfg.loss)

@@ -1,10 +1,10 @@
-"""The terms around the policy loss: aggregation modes, KL estimators, truncated importance
-sampling.
+"""The terms around the policy loss: aggregation modes, KL estimators, truncated and masked
+importance sampling.
 
 Pure functions over [B, T] tensors with the conventions of `agentgrpo.loss` (read its docstring:
 masking before arithmetic, step-wide normalisers, metrics as Python floats). The named modes sit
-in small registries (`AGG_MODES`, `KL_ESTIMATORS`, `TIS_MODES`); `aggregate` and `kl_penalty`
-raise with the list of valid names.
+in small registries (`AGG_MODES`, `KL_ESTIMATORS`, `TIS_MODES`, `MIS_MODES`); `aggregate` and
+`kl_penalty` raise with the list of valid names.
 
 Why a module of its own: none of these terms depends on which policy loss is used. `loss.py` keeps
 the PPO-clip / GSPO formulas and the configured entry point (`LossConfig`, `compute_loss`) that
@@ -14,6 +14,7 @@ combines them with these terms; it re-exports every public name here, so
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -172,6 +173,82 @@ def sequence_tis_weights(
 
 
 TIS_MODES = {"token": token_tis_weights, "sequence": sequence_tis_weights}
+
+
+# --- masked importance sampling (rollout engine vs learner) --------------------------------------
+
+
+def token_mis_mask(
+    old_logprobs_BT: torch.Tensor,
+    rollout_logprobs_BT: torch.Tensor,
+    loss_mask_BT: torch.Tensor,
+    low: float,
+    high: float,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Token-level MIS: keep_t = 1 if low <= r_t <= high else 0, r_t = exp(old_logp_t -
+    rollout_logp_t) (the log-ratio clamped to [-20, 20], compared in log space).
+
+    Where TIS caps a large ratio, MIS drops the token: a token whose behaviour probability is far
+    from pi_old (sampled by weights several updates old, or by an engine whose numbers went wrong)
+    gives no gradient at all, instead of a bounded but biased one. Returns the keep mask (float,
+    detached, 0 at masked positions) and metrics over loss tokens: mis/masked_frac (the share
+    dropped), mis/ratio_mean, plus `rollout_mismatch_metrics`.
+    """
+    mask_BT = loss_mask_BT > 0
+    with torch.no_grad():
+        d_BT = torch.where(mask_BT, old_logprobs_BT - rollout_logprobs_BT, 0.0)
+        d_BT = d_BT.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        keep_BT = mask_BT & _in_band(d_BT, low, high)
+        metrics = {
+            "mis/masked_frac": _masked_mean(~keep_BT, mask_BT),
+            "mis/ratio_mean": _masked_mean(torch.exp(d_BT), mask_BT),
+            **rollout_mismatch_metrics(old_logprobs_BT, rollout_logprobs_BT, loss_mask_BT),
+        }
+    return keep_BT.to(old_logprobs_BT.dtype), metrics
+
+
+def sequence_mis_mask(
+    old_logprobs_BT: torch.Tensor,
+    rollout_logprobs_BT: torch.Tensor,
+    loss_mask_BT: torch.Tensor,
+    low: float,
+    high: float,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Sequence-level MIS: row i is kept whole or dropped whole, by the geometric mean of its
+    token ratios, r_i = exp(mean over its loss tokens of (old_logp - rollout_logp)):
+    keep_i = 1 if low <= r_i <= high else 0.
+
+    The geometric mean, not the product exp(sum): the product of n ratios drifts with n (a mismatch
+    of 0.002 nats a token is a ratio of e^2 = 7.4 over 1000 tokens and 1.02 over 10), so one band
+    would drop long sequences for a per-token gap it lets short ones keep. The mean log-ratio is
+    per token, as GSPO's sequence ratio, so the band means the same at every length. Metrics as
+    `token_mis_mask`, over loss tokens each carrying its row's decision and ratio (the learner
+    pools micro-batches by loss tokens).
+    """
+    mask_BT = loss_mask_BT > 0
+    with torch.no_grad():
+        d_BT = torch.where(mask_BT, old_logprobs_BT - rollout_logprobs_BT, 0.0)
+        mean_B = d_BT.sum(-1) / mask_BT.sum(-1).clamp(min=1)
+        mean_B = mean_B.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        keep_BT = mask_BT & _in_band(mean_B, low, high).unsqueeze(-1)
+        metrics = {
+            "mis/masked_frac": _masked_mean(~keep_BT, mask_BT),
+            "mis/ratio_mean": _masked_mean(
+                torch.exp(mean_B).unsqueeze(-1).expand_as(mask_BT), mask_BT
+            ),
+            **rollout_mismatch_metrics(old_logprobs_BT, rollout_logprobs_BT, loss_mask_BT),
+        }
+    return keep_BT.to(old_logprobs_BT.dtype), metrics
+
+
+MIS_MODES = {"token": token_mis_mask, "sequence": sequence_mis_mask}
+
+
+def _in_band(log_ratio: torch.Tensor, low: float, high: float) -> torch.Tensor:
+    """low <= exp(log_ratio) <= high, compared as logs (no overflow for far-off ratios)."""
+    if not 0 < low <= 1 <= high:
+        raise ValueError(f"MIS band must satisfy 0 < low <= 1 <= high, got [{low}, {high}]")
+    return (log_ratio >= math.log(low)) & (log_ratio <= math.log(high))
 
 
 def rollout_mismatch_metrics(

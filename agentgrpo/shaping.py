@@ -141,6 +141,10 @@ def describe_algorithm(
     )
     ent = f"coef {c.entropy_coef:g}" if c.entropy_coef else "off"
     tis = f"{c.tis}-level, cap {c.tis_cap:g}" if c.tis != "none" else "off"
+    mis = "off"
+    if c.mis != "none":
+        ratio = "geometric-mean ratio of each sequence" if c.mis == "sequence" else "token ratio"
+        mis = f"{c.mis}-level, drop where the {ratio} is outside [{c.mis_low:g}, {c.mis_high:g}]"
     filters = []
     filters.append(
         f"dynamic sampling (<= {s.max_extra_rounds} extra rounds)"
@@ -162,6 +166,7 @@ def describe_algorithm(
         ("kl", kl),
         ("entropy", ent),
         ("tis", tis),
+        ("mis", mis),
         ("filters", "; ".join(filters)),
     ]
     return "algorithm:\n" + "\n".join(f"  {k:<13}{v}" for k, v in rows)

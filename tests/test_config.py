@@ -214,6 +214,23 @@ def test_tis_needs_recomputed_old_logprobs():
     assert cfg.loss.tis == "token" and cfg.learner.old_logprobs == "recompute"
 
 
+def test_mis_needs_recomputed_old_logprobs_and_corrects_overlap():
+    """MIS compares the same two logprobs as TIS (refused without recompute, for the same reason)
+    and, like TIS, is a correction that overlapped rollouts with recomputed old logprobs accept."""
+    for mis in ("token", "sequence"):
+        with pytest.raises(
+            ConfigError, match=f"loss.mis={mis} needs learner.old_logprobs=recompute"
+        ):
+            load_config(None, [f"loss.mis={mis}"])
+    recompute = ["learner.old_logprobs=recompute", "train.overlap_rollouts=true"]
+    cfg = load_config(None, [*recompute, "loss.mis=sequence", "loss.mis_low=0.8"])
+    assert (cfg.loss.mis, cfg.loss.mis_low, cfg.loss.mis_high) == ("sequence", 0.8, 2.0)
+    with pytest.raises(ConfigError, match="set loss.tis or loss.mis"):
+        load_config(None, recompute)
+    with pytest.raises(ConfigError, match="mis_high"):
+        load_config(None, [*recompute, "loss.mis=token", "loss.mis_high=0.5"])
+
+
 def test_text_settings_take_the_override_as_written():
     cfg = load_config(
         None,

@@ -16,6 +16,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from agentgrpo.engine import Engine, EngineError, LocalEngine, SamplingParams
+from agentgrpo.engine.local_batch import _Batch
 from agentgrpo.engine.prefix_cache import PrefixCache, common_prefix_len, shared_prefixes
 from agentgrpo.engine.sampling import sample
 
@@ -295,10 +296,11 @@ def test_training_builds_the_local_engine_with_the_runs_seed(tiny_model_dir):
     from agentgrpo.config import load_config
     from agentgrpo.engine.config import build_engine
 
-    cfg = load_config(None, ["seed=7"])
+    cfg = load_config(None, ["seed=7", "engine.partial_rollouts=true"])
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     with build_engine(cfg.engine, tiny_model_dir, tokenizer, seed=cfg.seed) as eng:
         assert eng._generator.initial_seed() == 7
+        assert eng.partial_rollouts
 
 
 async def test_cancelled_request_leaves_the_batch(engine):
@@ -436,6 +438,118 @@ async def test_update_waits_for_running_requests(model, engine):
     out = running.result()
     assert out.weight_version is None and len(out.token_ids) == 30
     assert_matches_fresh_forward(tiny_model(seed=0), [5, 6, 7], out, 0.0)
+
+
+def hold_after_step(monkeypatch, n: int) -> tuple[threading.Event, threading.Event]:
+    """Make the worker stop after its n-th decode step until the test sets `go`; `held` is set
+    when it stops there. Lets a test queue an update at an exact point of a request."""
+    held, go = threading.Event(), threading.Event()
+    step = _Batch.step
+
+    def holding_step(self):
+        step(self)
+        if self.engine.stats["steps"] == n:
+            held.set()
+            go.wait(10)
+
+    monkeypatch.setattr(_Batch, "step", holding_step)
+    return held, go
+
+
+async def test_partial_rollouts_keep_tokens_and_kv_across_an_update(model, monkeypatch):
+    """An update lands after decode step 4: the request keeps its first 5 ids (1 sampled from the
+    prefill, 4 from the steps) and their logprobs, which the old weights computed, samples the
+    other 25 with the new weights over the KV cache the old weights wrote (prompt + the first 4
+    ids; the 5th is fed after the update), and reports the split."""
+    prompt, params = [5, 6, 7], SamplingParams(max_new_tokens=30, temperature=0.0)
+    old, new = tiny_model(seed=0), tiny_model(seed=5)
+    held, go = hold_after_step(monkeypatch, 4)
+    with LocalEngine(model, eos_token_ids=(), weight_version="1", partial_rollouts=True) as eng:
+        running = asyncio.create_task(eng.generate(prompt, params))
+        await asyncio.to_thread(held.wait, 10)
+        update = asyncio.create_task(eng.update_weights(new.state_dict(), version="2"))
+        await asyncio.sleep(0)  # the update is queued: release the worker
+        go.set()
+        await update
+        assert not running.done()  # it landed while the request was still decoding
+        out = await running
+        assert len(eng.prefix_cache) == 0  # the row's mixed KV was not kept for new requests
+        before = dict(eng.stats)
+        turn2 = prompt + out.token_ids
+        nxt = await eng.generate(turn2, SamplingParams(max_new_tokens=4, temperature=0.0))
+        assert prefill_delta(eng, before) == (len(turn2), 0)
+        cache_kwarg = eng.cache_kwarg
+    assert out.version_runs == [(5, "1"), (25, "2")] and out.weight_version == "2"
+    assert out.token_version_runs == [(5, "1"), (25, "2")]
+    ids = out.token_ids
+    # The first 5: the old weights alone (a fresh forward of the old model).
+    first = fresh_logprobs(old, prompt, ids[:5], 0.0)
+    assert torch.allclose(torch.tensor(out.logprobs[:5]), first, atol=1e-4, rtol=0)
+    # The rest: the new weights fed ids[4:] over the old model's cache of prompt + ids[:4].
+    from transformers import DynamicCache
+
+    with torch.inference_mode():
+        cache = DynamicCache(config=old.config)
+        old(input_ids=torch.tensor([prompt + ids[:4]]), use_cache=True, **{cache_kwarg: cache})
+        logits = new(
+            input_ids=torch.tensor([ids[4:-1]]), use_cache=True, **{cache_kwarg: cache}
+        ).logits[0]
+    logp = torch.log_softmax(logits, dim=-1)
+    assert ids[5:] == logp.argmax(-1).tolist()  # greedy under the mixed cache
+    expected = logp.gather(-1, torch.tensor(ids[5:])[:, None])[:, 0]
+    assert torch.allclose(torch.tensor(out.logprobs[5:]), expected, atol=1e-4, rtol=0)
+    # Neither version alone gives those numbers: the old KV was kept, not recomputed.
+    assert not torch.allclose(
+        torch.tensor(out.logprobs[5:]), fresh_logprobs(new, prompt + ids[:5], ids[5:], 0.0),
+        atol=1e-2,
+    )  # fmt: skip
+    # The next turn, admitted after the update, is the new weights' alone, one version.
+    assert nxt.version_runs is None and nxt.weight_version == "2"
+    assert_matches_fresh_forward(new, turn2, nxt, 0.0)
+
+
+async def test_partial_rollouts_admit_behind_an_update_and_one_version_stays_unsplit(
+    model, monkeypatch
+):
+    """Requests queued behind the update are not held back by the running row; a request that
+    runs entirely under one version reports no runs (None), as without partial rollouts."""
+    new = tiny_model(seed=5)
+    held, go = hold_after_step(monkeypatch, 2)
+    with LocalEngine(model, eos_token_ids=(), weight_version="1", partial_rollouts=True) as eng:
+        long = asyncio.create_task(eng.generate([5, 6], SamplingParams(max_new_tokens=40)))
+        await asyncio.to_thread(held.wait, 10)
+        update = asyncio.create_task(eng.update_weights(new.state_dict(), version="2"))
+        short = asyncio.create_task(eng.generate([9, 9], SamplingParams(max_new_tokens=3)))
+        await asyncio.sleep(0)
+        go.set()
+        after = await short
+        assert update.done() and not long.done()
+        out = await long
+    assert out.version_runs == [(3, "1"), (37, "2")]
+    assert after.version_runs is None and after.weight_version == "2"
+    assert_matches_fresh_forward(new, [9, 9], after, 1.0)
+
+
+async def test_partial_rollouts_an_update_passes_requests_waiting_for_a_row(model, monkeypatch):
+    """A full batch (1 row) and a request queued before the update: the update does not wait for a
+    row to free up; the queued request then starts under the new weights."""
+    new = tiny_model(seed=5)
+    held, go = hold_after_step(monkeypatch, 2)
+    with LocalEngine(
+        model, eos_token_ids=(), weight_version="1", partial_rollouts=True, max_batch_size=1
+    ) as eng:
+        running = asyncio.create_task(eng.generate([5, 6], SamplingParams(max_new_tokens=40)))
+        await asyncio.to_thread(held.wait, 10)
+        queued = asyncio.create_task(eng.generate([9, 9], SamplingParams(max_new_tokens=3)))
+        update = asyncio.create_task(eng.update_weights(new.state_dict(), version="2"))
+        await asyncio.sleep(0)
+        go.set()
+        await update
+        assert not running.done() and not queued.done()
+        out, after = await running, await queued
+    assert out.version_runs == [(3, "1"), (37, "2")]
+    assert after.version_runs is None and after.weight_version == "2"
+    assert_matches_fresh_forward(new, [9, 9], after, 1.0)
 
 
 async def test_score_matches_generation_logprobs(model, engine):

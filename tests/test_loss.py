@@ -19,7 +19,9 @@ from agentgrpo.loss import (
     kl_penalty,
     policy_loss,
     rollout_mismatch_metrics,
+    sequence_mis_mask,
     sequence_tis_weights,
+    token_mis_mask,
     token_tis_weights,
 )
 
@@ -295,11 +297,16 @@ def test_micro_batches_add_up(name, agg):
 
 
 @pytest.mark.parametrize("agg", AGG_MODES)
-@pytest.mark.parametrize("tis", ["token", "sequence"])
-def test_compute_loss_micro_batches_add_up(agg, tis):
+@pytest.mark.parametrize(
+    ("tis", "mis"),
+    [("token", "none"), ("sequence", "none"), ("none", "token"), ("token", "sequence")],
+)
+def test_compute_loss_micro_batches_add_up(agg, tis, mis):
+    # narrow MIS band, so that some tokens of the random batch are dropped and others kept
     cfg = LossConfig(
-        agg=agg, max_response_len=6, kl_coef=0.1, entropy_coef=0.01, tis=tis, dual_clip=3.0
-    )
+        agg=agg, max_response_len=6, kl_coef=0.1, entropy_coef=0.01, tis=tis, dual_clip=3.0,
+        mis=mis, mis_low=0.9, mis_high=1.1,
+    )  # fmt: skip
 
     def call(logp, old, adv, mask, ref, ent, rollout, n_tok, n_seq):
         # entropy depends on logp so its gradient is part of the check
@@ -499,6 +506,60 @@ def test_tis_weights_are_detached_and_clamped():
     assert rollout_mismatch_metrics(old, old.detach(), torch.ones(1, 2))["mismatch/kl"] == 0.0
 
 
+# --- MIS -----------------------------------------------------------------------------------------
+
+
+def test_token_mis_hand_computed():
+    # old - rollout = [ln 3, ln 0.5, ln 1.5, ln 0.25, (masked)], band [0.5, 2] (ends included)
+    #   ratios 3 (out), 0.5 (in: the lower end), 1.5 (in), 0.25 (out) -> keep [0, 1, 1, 0, 0]
+    #   masked_frac = 2 / 4 = 0.5 ; ratio_mean = (3 + 0.5 + 1.5 + 0.25) / 4 = 1.3125
+    old = t([[LN(3), LN(0.5), LN(1.5), LN(0.25), 7.0]])
+    rollout, mask = torch.zeros(1, 5, dtype=F64), t([[1, 1, 1, 1, 0]])
+    keep, m = token_mis_mask(old, rollout, mask, low=0.5, high=2.0)
+    close(keep, [[0.0, 1.0, 1.0, 0.0, 0.0]])
+    assert m["mis/masked_frac"] == 0.5 and m["mis/ratio_mean"] == pytest.approx(1.3125)
+    assert m["mismatch/kl"] == pytest.approx(-(LN(3) + LN(0.5) + LN(1.5) + LN(0.25)) / 4)
+    assert not keep.requires_grad
+
+
+def test_sequence_mis_hand_computed():
+    # geometric mean r_i = exp(mean of old - rollout over row i's loss tokens), band [0.5, 2]:
+    #   row 0: (ln 3 + ln 0.5) / 2 = ln 1.5 / 2     -> r = sqrt(1.5) = 1.22474  kept
+    #   row 1: (ln 3 + ln 3) / 2 = ln 3              -> r = 3                   dropped
+    #   row 2: (ln 4 + ln 0.25) / 2 = 0 (3rd masked) -> r = 1                   kept
+    #   row 3: 4 x ln 1.5 -> mean ln 1.5             -> r = 1.5                 kept
+    #          (the product 1.5^4 = 5.06 would drop it: a longer row, the same per-token gap)
+    #   row 4: no loss tokens                        -> 0 everywhere
+    #   masked_frac = 2 dropped / 10 loss tokens = 0.2
+    #   ratio_mean over loss tokens = (2 sqrt(1.5) + 2 * 3 + 2 * 1 + 4 * 1.5) / 10 = 1.64495
+    old = t(
+        [
+            [LN(3), LN(0.5), 0.0, 0.0],
+            [LN(3), LN(3), 0.0, 0.0],
+            [LN(4), LN(0.25), 9.0, 0.0],
+            [LN(1.5)] * 4,
+            [5.0, 5.0, 5.0, 5.0],
+        ]
+    )
+    mask = t([[1, 1, 0, 0], [1, 1, 0, 0], [1, 1, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0]])
+    keep, m = sequence_mis_mask(old, torch.zeros_like(old), mask, low=0.5, high=2.0)
+    close(keep, [[1, 1, 0, 0], [0, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0]])
+    assert m["mis/masked_frac"] == pytest.approx(0.2)
+    assert m["mis/ratio_mean"] == pytest.approx((2 * math.sqrt(1.5) + 6 + 2 + 6) / 10)
+
+
+def test_mis_band_must_hold_ratio_one():
+    x = torch.zeros(1, 1)
+    with pytest.raises(ValueError, match="0 < low <= 1 <= high"):
+        token_mis_mask(x, x, torch.ones(1, 1), low=1.2, high=2.0)
+    with pytest.raises(ValidationError, match="mis_low"):
+        LossConfig(mis="token", mis_low=1.5)
+    with pytest.raises(ValidationError, match="mis_high"):
+        LossConfig(mis="token", mis_high=0.9)
+    with pytest.raises(ValidationError, match="mis"):
+        LossConfig(mis="geometric")
+
+
 # --- compute_loss --------------------------------------------------------------------------------
 
 
@@ -540,6 +601,33 @@ def test_compute_loss_applies_tis_to_policy_term_only():
     assert m["tis/clipped_frac"] == 0.5
 
 
+def test_compute_loss_mis_drops_tokens_from_the_policy_term_only():
+    # logp = old = [ln 3, ln 0.5, ln 1.5, ln 0.25], rollout 0: rho = 1, A = 1 -> pg losses -1 each
+    # MIS token, band [0.5, 2]: keep [0, 1, 1, 0] (test_token_mis_hand_computed)
+    #   token-mean, dropped tokens still counted: (0 - 1 - 1 + 0) / 4 = -0.5
+    #   d pg / d logp = -A rho keep / 4 = [0, -0.25, -0.25, 0] (dropped tokens get no gradient)
+    # with TIS token, cap 1.2 on top: weights min(ratio, 1.2) = [1.2, 0.5, 1.2, 0.25] x keep
+    #   = [0, 0.5, 1.2, 0] -> pg = -(0.5 + 1.2) / 4 = -0.425
+    #   gradient -w / 4 = [0, -0.125, -0.3, 0]
+    # the KL term (k1 = 0.5 per token, beta 0.1) is not masked: loss = pg + 0.05
+    old = t([[LN(3), LN(0.5), LN(1.5), LN(0.25)]])
+    rollout, mask = torch.zeros(1, 4, dtype=F64), torch.ones(1, 4)
+    for tis, pg, grad in [
+        ("none", -0.5, [0, -0.25, -0.25, 0]),
+        ("token", -0.425, [0, -0.125, -0.3, 0]),
+    ]:
+        cfg = LossConfig(tis=tis, tis_cap=1.2, mis="token", kl_coef=0.1, kl_estimator="k1")
+        loss, m = compute_loss(
+            cfg, old, old, t([1.0]), mask, ref_logprobs_BT=old - 0.5, rollout_logprobs_BT=rollout
+        )
+        assert m["pg_loss"] == pytest.approx(pg) and loss.item() == pytest.approx(pg + 0.05)
+        assert m["mis/masked_frac"] == 0.5 and m["kl_loss"] == pytest.approx(0.5)
+        logp = old.clone().requires_grad_()
+        cfg = LossConfig(tis=tis, tis_cap=1.2, mis="token")
+        compute_loss(cfg, logp, old, t([1.0]), mask, rollout_logprobs_BT=rollout)[0].backward()
+        close(logp.grad, [grad])
+
+
 def test_compute_loss_requires_what_the_config_uses():
     x, a, m = torch.zeros(1, 2), torch.ones(1), torch.ones(1, 2)
     with pytest.raises(ValueError, match="ref_logprobs_BT"):
@@ -548,6 +636,8 @@ def test_compute_loss_requires_what_the_config_uses():
         compute_loss(LossConfig(entropy_coef=0.1), x, x, a, m)
     with pytest.raises(ValueError, match="rollout_logprobs_BT"):
         compute_loss(LossConfig(tis="sequence"), x, x, a, m)
+    with pytest.raises(ValueError, match="mis='token' needs rollout_logprobs_BT"):
+        compute_loss(LossConfig(mis="token"), x, x, a, m)
     # given but unused inputs are logged, not added
     loss, met = compute_loss(
         LossConfig(), x, x, a, m, ref_logprobs_BT=x - 1, entropy_BT=m, rollout_logprobs_BT=x + 0.1

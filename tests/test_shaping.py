@@ -107,6 +107,9 @@ def test_describe_algorithm_names_every_choice():
             kl_estimator="k2",
             tis="sequence",
             tis_cap=1.5,
+            mis="sequence",
+            mis_low=0.25,
+            mis_high=4.0,
         ),
         ShapingConfig(
             dynamic_sampling=True, max_extra_rounds=5, overlong_buffer_len=256, mask_truncated=True
@@ -121,6 +124,7 @@ def test_describe_algorithm_names_every_choice():
         "k2",
         "beta = 0.001",
         "sequence-level, cap 1.5",
+        "sequence-level, drop where the geometric-mean ratio of each sequence is outside [0.25, 4]",
         "<= 5 extra rounds",
         "last 256 tokens",
         "truncated trajectories masked",
@@ -135,9 +139,12 @@ def test_describe_algorithm_names_every_choice():
         "kl           off (no reference model)",
         "no dynamic sampling",
         "tis          off",
+        "mis          off",
     ]:
         assert piece in plain, piece
-    assert text.startswith("algorithm:\n") and len(text.splitlines()) == 8
+    assert text.startswith("algorithm:\n") and len(text.splitlines()) == 9
+    token = describe_algorithm(AdvantageConfig(), LossConfig(mis="token"), ShapingConfig())
+    assert "mis          token-level, drop where the token ratio is outside [0.5, 2]" in token
     norm = describe_algorithm(
         AdvantageConfig(estimator="dr_grpo", batch_std=True),
         LossConfig(agg="seq-mean-token-sum-norm", max_response_len=1024),

@@ -41,6 +41,13 @@ class EngineConfig(BaseModel):
         "samples while the learner trains on the CPU (train.max_staleness >= 1), half of the "
         "run's threads and the learner the rest (agentgrpo.hardware.share_cpu), else the run's",
     )
+    partial_rollouts: bool = Field(
+        False,
+        description="local engine: a weight update lands between two decode steps instead of "
+        "waiting for the running requests, which keep their tokens and KV cache and finish "
+        "under the new weights (Completion.version_runs says which version sampled which ids); "
+        "false: an update waits until they finish",
+    )
     sglang: SGLangConfig | None = Field(
         None, description="kind=sglang: the servers and client settings"
     )
@@ -59,7 +66,13 @@ class EngineConfig(BaseModel):
         if self.kind == "sglang":  # compared with the defaults, so a dumped config.yaml loads again
             changed = [
                 f"engine.{name}={getattr(self, name)}"
-                for name in ("max_batch_size", "dtype", "prefix_cache_tokens", "threads")
+                for name in (
+                    "max_batch_size",
+                    "dtype",
+                    "prefix_cache_tokens",
+                    "threads",
+                    "partial_rollouts",
+                )
                 if getattr(self, name) != type(self).model_fields[name].default
             ]
             if changed:
@@ -97,4 +110,5 @@ def build_engine(
         prefix_cache_tokens=cfg.prefix_cache_tokens,
         seed=seed,
         threads=threads,
+        partial_rollouts=cfg.partial_rollouts,
     )

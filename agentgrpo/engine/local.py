@@ -59,10 +59,25 @@ How it works (decisions):
   dead from then on, and held up to `prefix_cache_tokens` x 45 KiB (SmolLM2-135M, fp32) while the
   learner trained in the same process. It does not lower the default run's peak memory, which the
   learner's activations set (docs/performance.md).
-- **Weights.** `update_weights` is queued behind the requests already submitted: the worker stops
-  admitting, lets the running rows finish, copies the new tensors in place (tied weights stay tied),
-  then sets `weight_version`. So every completion comes from exactly one version, the one it
-  reports.
+- **Weights.** By default `update_weights` is queued behind the requests already submitted: the
+  worker stops admitting, lets the running rows finish, copies the new tensors in place (tied
+  weights stay tied), then sets `weight_version`. So every completion comes from exactly one
+  version, the one it reports.
+- **Partial rollouts** (`partial_rollouts=True`): an update does not wait for the running rows. The
+  worker applies it between two decode steps, where it finds it in the queue (ahead of requests
+  still waiting for a free row, which then start under it), and the rows carry on: they keep the
+  ids and logprobs they sampled and the KV cache they hold, and sample the rest with the new
+  weights. Each completion then reports which ids each version sampled (`Completion.version_runs`;
+  `weight_version` is the version that sampled its last id) and every logprob stays the one its id
+  was sampled with. The KV of the tokens before the update is *not* recomputed: it was computed by
+  the old weights, so a token sampled after the update comes from the new weights reading an
+  old-weight cache, a distribution neither version alone defines. The loss corrects for that as
+  for any off-policy token, through the logprob it was sampled with (`loss.tis`, `loss.mis`).
+  Recomputing the cache would cost a prefill of every running row's whole context (prompt and
+  sampled ids) at each update, the work the prefix cache exists to save, to make the version
+  labels exact; kept, an update costs only the weight copy. Such a row's KV never reaches the
+  prefix cache (emptied at the update, as in the barrier mode), so requests admitted after it are
+  computed by the new weights only.
 - **dtype.** float32 is the default. `auto` decodes in the dtype of the learner's weights
   (`weights_dtype`), but float32 where bfloat16 is not native (CUDA, CPUs with AVX512-BF16 or AMX
   have it; elsewhere it is emulated, many times slower): `agentgrpo.hardware.engine_dtype`.
@@ -163,6 +178,10 @@ class LocalEngine:
         seed: seed of the generator used by requests without `params.seed` (None: random). The
             engine draws only from that generator: torch's global RNG is left as it was.
         weight_version: version reported by completions until the first `update_weights`.
+        partial_rollouts: False (default): an update waits until the running rows finish, so a
+            completion comes from one version. True: it lands between two decode steps and the
+            running rows continue with the new weights over their old KV cache (module docstring,
+            Partial rollouts; `Completion.version_runs` says which version sampled which ids).
         eos_token_ids: ids that end every request; default: the EOS ids of the generation config,
             the model config and the tokenizer. `()` leaves only `params.stop_token_ids`
             (benchmarks and tests that need exact lengths).
@@ -208,6 +227,7 @@ class LocalEngine:
         weight_version: str | None = None,
         eos_token_ids: Iterable[int] | None = None,
         threads: int | None = None,
+        partial_rollouts: bool = False,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
@@ -229,6 +249,8 @@ class LocalEngine:
         self.prefix_cache = PrefixCache(prefix_cache_tokens)  # worker thread only
         self.weight_version = weight_version
         self.threads = threads  # torch threads of the worker; None = the process's setting
+        self.partial_rollouts = partial_rollouts
+        self.updates_applied = 0  # updates the worker has applied (worker thread only)
         config = self.model.config
         self.vocab_size: int = self.model.get_output_embeddings().weight.shape[0]
         self.max_context: int = int(getattr(config, "max_position_embeddings", 0) or 1 << 30)
@@ -288,7 +310,8 @@ class LocalEngine:
             raise
 
     async def update_weights(self, weights: Any, *, version: str) -> None:
-        """Load new weights in place, after the requests already submitted have finished.
+        """Load new weights in place, after the requests already submitted have finished (with
+        `partial_rollouts`: at the next decode step, the running requests continuing under them).
 
         `weights` is a state dict (name -> tensor; names as in `model.state_dict()`) or a path to a
         `.safetensors` file or a directory of them. Names left out keep their values; an unknown
@@ -424,14 +447,22 @@ class LocalEngine:
             if any(item is _STOP for item in waiting):
                 break
             admit: list[_Request] = []
-            while waiting:  # in arrival order; an update is a barrier for everything behind it
+            no_room: list[_Request] = []  # partial rollouts: requests waiting for a free row
+            # In arrival order; an update is a barrier for everything behind it. With partial
+            # rollouts it lands at once instead, also ahead of the requests still waiting for a
+            # row (a saturated engine always has some): they, and those admitted in this round
+            # (prefilled after it), start under the new weights.
+            while waiting:
                 item = waiting[0]
                 if isinstance(item, _Request):
                     if item.cancelled:
                         waiting.popleft()
                         continue
                     if len(batch.rows) + len(admit) >= self.max_batch_size:
-                        break
+                        if not self.partial_rollouts:
+                            break
+                        no_room.append(waiting.popleft())
+                        continue
                     admit.append(waiting.popleft())
                 elif isinstance(item, _Score):
                     waiting.popleft()
@@ -440,10 +471,11 @@ class LocalEngine:
                     waiting.popleft()
                     self._guarded(item, self.prefix_cache.clear)
                 elif isinstance(item, _Update):
-                    if batch.rows or admit:
+                    if (batch.rows or admit) and not self.partial_rollouts:
                         break  # let the running rows finish under the weights they started with
                     waiting.popleft()
                     self._guarded(item, self._update_now, item)
+            waiting.extendleft(reversed(no_room))  # still first in line, in arrival order
             try:
                 if admit:
                     batch.admit(admit)
@@ -499,6 +531,7 @@ class LocalEngine:
             for name, tensor in weights.items():
                 own[name].copy_(tensor)
         self.weight_version = item.version
+        self.updates_applied += 1
 
 
 def _cache_kwarg(model: torch.nn.Module) -> str:

@@ -1,7 +1,7 @@
 """The running batch of `LocalEngine`: prefill, the shared KV cache and one decode step.
 
 `LocalEngine` (`local.py`) is the concurrency side of the engine: the request queue, the worker
-thread, admission order and the weight-version barrier. Between two decode steps its worker hands
+thread, admission order and when weight updates land. Between two decode steps its worker hands
 the requests it admits to `_Batch`, the tensor side: it prefills them (prefixes that several share
 first, then each request from its longest cached prefix), merges their KV into the running
 left-padded cache, feeds every row its pending token, samples the next one (`sampling.sample`),
@@ -37,7 +37,10 @@ class _Request:
     future: asyncio.Future
     loop: asyncio.AbstractEventLoop
     generator: torch.Generator | None = None
-    version: str | None = None  # weight version at admission (updates drain the batch first)
+    updates_seen: int = 0  # the engine's `updates_applied` at prefill: its prompt KV's weights
+    # Which weights sampled out_ids, run-length: [(count, version), ...]. One run unless an update
+    # landed while the row decoded (`LocalEngine(partial_rollouts=True)`).
+    version_runs: list[tuple[int, str | None]] = field(default_factory=list)
     out_ids: list[int] = field(default_factory=list)
     out_logprobs: list[float] = field(default_factory=list)
     cancelled: bool = False  # set by the caller's task when it is cancelled; row is dropped
@@ -94,7 +97,7 @@ class _Batch:
     def _prefill(self, requests: list[_Request]) -> None:
         engine = self.engine
         for req in requests:
-            req.version = engine.weight_version
+            req.updates_seen = engine.updates_applied
             if req.params.seed is not None:
                 req.generator = torch.Generator().manual_seed(req.params.seed)
         cache, mask, logits = self._forward([r.prompt_ids for r in requests])
@@ -224,16 +227,27 @@ class _Batch:
         self.next_ids[first:] = ids_B
         self.engine.stats["tokens"] += len(rows)
         keep: list[int] = list(range(first))
+        version = self.engine.weight_version
         for i, (req, tok, lp) in enumerate(
             zip(rows, ids_B.tolist(), logprobs_B.tolist(), strict=True)
         ):
             req.out_ids.append(tok)
             req.out_logprobs.append(lp)
+            runs = req.version_runs
+            if runs and runs[-1][1] == version:
+                runs[-1] = (runs[-1][0] + 1, version)
+            else:
+                runs.append((1, version))
             if req.cancelled:
                 continue
             done = tok in req.stop_ids or len(req.out_ids) >= req.max_new
-            if done and self.engine.prefix_cache.enabled:
-                # The next turn starts with these ids; the last sampled one was never fed.
+            # The next turn starts with these ids; the last sampled one was never fed. A row that
+            # ran across a weight update holds KV of the old weights: never handed to new requests.
+            if (
+                done
+                and self.engine.prefix_cache.enabled
+                and req.updates_seen == self.engine.updates_applied
+            ):
                 self._store(self.cache, first + i, req.prompt_ids + req.out_ids[:-1])
             if tok in req.stop_ids:
                 self.finish(req, "stop")
@@ -262,10 +276,12 @@ class _Batch:
         self.next_pos = self.next_pos.index_select(0, index)
 
     def finish(self, req: _Request, reason: FinishReason, detail: str = "") -> None:
+        runs = req.version_runs
         completion = Completion(
             token_ids=req.out_ids, logprobs=req.out_logprobs, finish_reason=reason,
-            weight_version=req.version if req.out_ids else self.engine.weight_version,
+            weight_version=runs[-1][1] if runs else self.engine.weight_version,
             detail=detail, meta={"prompt_tokens": len(req.prompt_ids)},
+            version_runs=list(runs) if len(runs) > 1 else None,
         )  # fmt: skip
         _resolve(req.loop, req.future, completion)
 

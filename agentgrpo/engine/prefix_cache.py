@@ -19,7 +19,9 @@ Decisions:
   batch already holds one copy per row, so this at most doubles the KV memory of the running
   trajectories; the token budget bounds it.
 - **Invalidation is the owner's job.** The cache knows nothing of weights: `LocalEngine` clears it
-  whenever weights change, because KV computed under old weights is wrong under new ones.
+  whenever weights change, because KV computed under old weights is wrong under new ones, and with
+  partial rollouts it never inserts the KV of a row that ran across an update (old-weight KV
+  followed by new-weight KV, which no single version would compute).
 - Single-threaded: only the engine's worker thread touches it.
 
 Example:
