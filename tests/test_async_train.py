@@ -83,3 +83,38 @@ def test_a_sigterm_and_resume_lose_no_group_and_train_none_twice(
     # weights that sample them depend on timing, in an uninterrupted run too)
     assert sorted(positions) == list(range(10))
     assert all(0 <= m["policy_lag"] <= 2 for m in read_jsonl(out / "metrics.jsonl"))
+
+
+def test_dynamic_sampling_evaluation_and_the_report_work_as_in_the_synchronous_loop(
+    tmp_path, stopping_model_dir
+):
+    out = tmp_path / "run"
+    assert (
+        _train(
+            out,
+            stopping_model_dir,
+            3,
+            *ASYNC,
+            "shaping.dynamic_sampling=true",
+            "shaping.max_extra_rounds=2",
+            "eval.every=2",
+            "eval.num_tasks=2",
+            "eval.samples_per_task=1",
+        )
+        == 0
+    )
+    metrics = read_jsonl(out / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    assert ["eval/reward_mean" in m for m in metrics] == [False, True, False]
+    # every trained group carries signal: all-equal ones were replaced (or the step trained fewer)
+    for group_id, rows in _rows_by_group(out).items():
+        assert len({r["reward"] for r in rows}) > 1, group_id
+    assert all(m["groups_sampled"] >= 1 for m in metrics)
+    assert (out / "report.html").is_file()
+
+
+def _rows_by_group(out):
+    groups: dict[str, list[dict]] = {}
+    for r in read_jsonl(out / "trajectories.jsonl"):
+        groups.setdefault(r["group_id"], []).append(r)
+    return groups
