@@ -348,13 +348,15 @@ class EndpointEpisode:
             and len(messages) > len(prev)
             and messages[: len(prev)] == prev
             and last.token_ids
-            and last.token_ids[-1] == self.chat.end_of_turn_id
+            and last.token_ids[-1] in self.chat.end_of_turn_ids
         ):
             try:
                 return (
                     last.prompt_ids
                     + last.token_ids
-                    + self.chat.suffix_ids(prev, messages[len(prev) :], tools)
+                    + self.chat.suffix_ids(
+                        prev, messages[len(prev) :], tools, end_id=last.token_ids[-1]
+                    )
                 )
             except TemplateError:
                 pass  # rendered from scratch below; the trajectory tells whether it still extends
