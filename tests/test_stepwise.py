@@ -575,3 +575,21 @@ def test_deepseek_v3_is_refused_only_because_its_template_never_shows_the_tools(
         ("calculator", {"expression": "12*7"})
     ]
     check_token_exact(traj, engine, chat)
+
+
+def test_the_run_config_passes_its_end_of_turn_tokens(tok):
+    from agentgrpo.config import RunConfig
+
+    t = copy.deepcopy(tok)
+    t.add_special_tokens({"additional_special_tokens": TEMPLATES["gptoss.jinja"][1]})
+    config = RunConfig.model_validate(
+        {
+            "model": {
+                "chat_template": str(SHARED / "chat_templates" / "gptoss.jinja"),
+                "end_of_turn": ["<|call|>", "<|return|>"],
+            }
+        }
+    )
+    chat = config.chat_format(t)
+    assert chat.end_of_turns == ("<|call|>", "<|return|>") and chat.parser_name == "harmony"
+    assert RunConfig().chat_format(tok).end_of_turns == (tok.eos_token,)
