@@ -159,8 +159,10 @@ class TemplateError(ValueError):
 
 
 class HistoryRewritten(TemplateError):
-    """The template renders the history differently once the new messages follow, so the tokens
-    sampled so far cannot be continued as one sequence (a new segment can start instead)."""
+    """The template renders the history differently once the new messages follow, or (a turn that
+    ends at the next role token) opens them with another token than the one the model stopped on,
+    so the tokens sampled so far cannot be continued as one sequence (a new segment can start
+    instead)."""
 
 
 def _utf8(text: str) -> str:
