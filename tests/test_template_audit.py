@@ -5,7 +5,7 @@ import copy
 import pytest
 
 from agentgrpo.chat import ChatFormat, TemplateError
-from agentgrpo.template_audit import audit, audit_template, require_token_safe
+from agentgrpo.template_audit import ONE_CALL, audit, audit_template, require_token_safe
 from envs.calculator import CalculatorEnv
 from tests.conftest import SHARED, shared_template
 from tests.test_rollout import TASK
@@ -206,6 +206,11 @@ def test_several_end_of_turn_tokens_and_a_turn_ending_at_the_next_role_token(
     assert auto.mode == "stepwise" and not [i for i in auto.issues if i.fatal], auto.format()
     assert auto.turn_end_opens_next == (name == "glm4moe.jinja")
     assert ("next message's role token" in auto.format()) == (name == "glm4moe.jinja")
+    # GPT-OSS renders one call of a parallel turn: a warning with the advice that avoids it
+    one_call = [i for i in auto.issues if i.why == ONE_CALL]
+    assert [i.conversation for i in one_call] == (["parallel tool calls"] if "gpt" in name else [])
+    assert ("max_tool_calls_per_turn=1" in auto.format()) == ("gpt" in name)
+    assert "register a parser" not in auto.format()
     # the first token alone does not end every turn (an answer, a turn before a user message)
     one = audit_template(tok, template, parser="auto", end_of_turn=eots[0], trajectory_mode="auto")
     assert ("no_end_of_turn", True) in kinds(one)
