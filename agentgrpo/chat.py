@@ -19,6 +19,12 @@ sampled. This module is the one place that turns messages into ids and sampled i
   new segment whose prompt is `prompt_ids` of the whole history (`agentgrpo.rollout.Episode`).
   `agentgrpo.template_audit` checks a template on many synthetic conversations before training
   starts (`require_token_safe`, `agentgrpo check-template`).
+- A template may end turns with several tokens (GPT-OSS: `<|call|>`, `<|return|>`; all are stop
+  tokens and the sampled one stays), or with none of its own, the turn ending where the next
+  message's role token starts (GLM-4.5: the model stops on `<|observation|>` or `<|user|>`, which
+  the suffix then does not render again; `turn_end_opens_next`). A template that wants tool-call
+  arguments as a JSON string (DeepSeek-V3) gets them so (`string_arguments`); both are found by
+  probe renders at construction, never by the template's name.
 - `ChatFormat.truncate(text, max_tokens)`: tool output cut to a token budget, with a marker.
 - Message content is data, never control: a special token's text inside a message (a tool printing
   `<|im_end|>\n<|im_start|>assistant`, a task copied from a chat log) is tokenized as plain text,
@@ -45,6 +51,7 @@ error tool messages. The XML formats type argument values by the tools' schemas,
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal
@@ -152,8 +159,10 @@ class TemplateError(ValueError):
 
 
 class HistoryRewritten(TemplateError):
-    """The template renders the history differently once the new messages follow, so the tokens
-    sampled so far cannot be continued as one sequence (a new segment can start instead)."""
+    """The template renders the history differently once the new messages follow, or (a turn that
+    ends at the next role token) opens them with another token than the one the model stopped on,
+    so the tokens sampled so far cannot be continued as one sequence (a new segment can start
+    instead)."""
 
 
 def _utf8(text: str) -> str:
@@ -221,6 +230,11 @@ class _Placeholders:
             )
 
 
+def _last_of(text: str, tokens: Sequence[str], end: int | None = None) -> tuple[int, str]:
+    """(position, token) of the last occurrence in `text[:end]` of any of `tokens`; (-1, "")."""
+    return max(((text.rfind(t, 0, end), t) for t in tokens), default=(-1, ""))
+
+
 def _common_prefix(a: str, b: str) -> int:
     return next(
         (k for k, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
@@ -246,7 +260,15 @@ class ChatFormat:
         parser: name of the tool-call parser in `PARSERS`, or "auto" (default): the parser for the
             format the template renders (`detect_parser`), Hermes where it shows none it knows.
             `self.parser_name` is the parser chosen.
-        end_of_turn: the token that ends an assistant turn; default the tokenizer's EOS token.
+        end_of_turn: the token that ends an assistant turn, or several (GPT-OSS ends a turn with
+            `<|call|>` after a tool call and `<|return|>` after an answer); default the tokenizer's
+            EOS token. Every one is a stop token, and whichever the model sampled stays the last
+            id of its turn. `self.end_of_turn` / `self.end_of_turn_id` are the first.
+            A template may render an assistant turn with no end token of its own, the next message
+            beginning with its role token (GLM-4.5: `<|observation|>`, `<|user|>`); those role
+            tokens are then the end-of-turn tokens, and the one the model sampled is the start of
+            the next message (`self.turn_end_opens_next`, found by a probe render; see
+            `suffix_ids`).
         fallback: what `suffix_ids` does when the template rewrites earlier turns. "none" (default)
             raises TemplateError. "keep_history" continues the token sequence the model actually
             saw: the suffix is the template's rendering of the new messages (located after the last
@@ -274,7 +296,7 @@ class ChatFormat:
         *,
         template: str | None = None,
         parser: str = "auto",
-        end_of_turn: str | None = None,
+        end_of_turn: str | Sequence[str] | None = None,
         fallback: TemplateFallback = "none",
         template_kwargs: dict[str, Any] | None = None,
         trajectory_mode: TrajectoryMode = "single",
@@ -305,17 +327,24 @@ class ChatFormat:
             )
         self.trajectory_mode: TrajectoryMode = trajectory_mode
         self.template_kwargs: dict[str, Any] = dict(template_kwargs or {})
-        eot = end_of_turn or tokenizer.eos_token
-        if eot is None:
+        eots = [end_of_turn] if isinstance(end_of_turn, str) else list(end_of_turn or [])
+        eots = eots or [tokenizer.eos_token]
+        if None in eots or not all(eots):
             raise ValueError("the tokenizer has no EOS token: pass end_of_turn= explicitly")
-        eot_ids = tokenizer.convert_tokens_to_ids([eot])
-        if not eot_ids or eot_ids[0] is None or eot_ids[0] == tokenizer.unk_token_id:
-            raise ValueError(f"end-of-turn token {eot!r} is not a single token of this tokenizer")
+        eot_ids = []
+        for eot in eots:
+            (eot_id,) = tokenizer.convert_tokens_to_ids([eot]) or [None]
+            if eot_id is None or eot_id == tokenizer.unk_token_id:
+                raise ValueError(
+                    f"end-of-turn token {eot!r} is not a single token of this tokenizer"
+                )
+            eot_ids.append(eot_id)
         self._fast = _compiled_renderer(self.template, tokenizer, self.template_kwargs)
         self._fast_checks_left = FAST_RENDER_CHECKS
-        self.end_of_turn = eot
-        self.end_of_turn_id: int = eot_ids[0]
-        stops = {self.end_of_turn_id}
+        self.end_of_turns: tuple[str, ...] = tuple(eots)
+        self.end_of_turn_ids: tuple[int, ...] = tuple(eot_ids)
+        self.end_of_turn, self.end_of_turn_id = eots[0], eot_ids[0]
+        stops = set(self.end_of_turn_ids)
         if tokenizer.eos_token_id is not None:
             stops.add(tokenizer.eos_token_id)
         self.stop_token_ids: tuple[int, ...] = tuple(sorted(stops))
@@ -337,6 +366,51 @@ class ChatFormat:
             if specials
             else None
         )
+        self.string_arguments = self._wants_string_arguments()
+        self.turn_end_opens_next = self._turn_end_opens_next()
+
+    def _wants_string_arguments(self) -> bool:
+        """Whether the template takes a tool call's `arguments` as a JSON string rather than an
+        object (DeepSeek-V3's concatenates them as text): a probe call it cannot render with an
+        object and renders, as the JSON text, with a string. Then the history's calls are rendered
+        from that JSON text (`_template_dict`)."""
+        if "tool_calls" not in self.template:
+            return False
+        args = {"agentgrpo_probe": 1}
+
+        def probe(arguments: Any) -> str:
+            call = {"id": "call_0", "type": "function"}
+            call["function"] = {"name": "probe", "arguments": arguments}
+            user = {"role": "user", "content": "Hi"}
+            return self._render_dicts(
+                [user, {"role": "assistant", "content": "", "tool_calls": [call]}], None, False
+            )
+
+        try:
+            probe(args)
+            return False
+        except TemplateError:
+            pass
+        try:
+            return json.dumps(args) in probe(json.dumps(args))
+        except TemplateError:
+            return False
+
+    def _turn_end_opens_next(self) -> bool:
+        """Whether the template renders an assistant turn with none of the end-of-turn tokens and
+        starts the next message with one (GLM-4.5: the model stops on the next role token). Found
+        by a probe render of a short chat with and without a user message after the answer."""
+        answer = "agentgrpo probe answer"
+        chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": answer}]
+        try:
+            alone = self._render_dicts(chat, None, False)
+            followed = self._render_dicts([*chat, {"role": "user", "content": "Hi"}], None, False)
+        except TemplateError:
+            return False
+        at = alone.rfind(answer)
+        if at < 0 or any(e in alone[at:] for e in self.end_of_turns):
+            return False
+        return followed.startswith(alone) and followed[len(alone) :].startswith(self.end_of_turns)
 
     # -- rendering ----------------------------------------------------------------------------
 
@@ -392,15 +466,23 @@ class ChatFormat:
             **self.template_kwargs,
         )
 
-    @staticmethod
-    def _template_dict(m: Message, max_tool_calls: int | None = None) -> dict[str, Any]:
+    def _template_dict(self, m: Message, max_tool_calls: int | None = None) -> dict[str, Any]:
+        """`m` as the template reads it. Tool-call arguments are an object, as most templates
+        expect (Qwen2.5 double-encodes strings), or their JSON text where the template wants a
+        string (`string_arguments`, DeepSeek-V3), so the rendered call reads as the model wrote
+        it (JSON, non-ASCII kept as it is)."""
         d = m.to_dict()
-        if m.tool_calls:  # templates expect arguments as an object (Qwen2.5 double-encodes strings)
+        if m.tool_calls:
             d["tool_calls"] = [
                 {
                     "id": tc.id,
                     "type": "function",
-                    "function": {"name": tc.name, "arguments": tc.arguments},
+                    "function": {
+                        "name": tc.name,
+                        "arguments": json.dumps(tc.arguments, ensure_ascii=False)
+                        if self.string_arguments
+                        else tc.arguments,
+                    },
                 }
                 for tc in m.tool_calls[:max_tool_calls]
             ]
@@ -512,17 +594,20 @@ class ChatFormat:
         piece = text[pos:]
         return ids + self._encode_plain(protected.restore(piece.lstrip() if absorb_left else piece))
 
-    def _encode_after_end_of_turn(self, text: str, protected: _Placeholders) -> list[int]:
+    def _encode_after_end_of_turn(
+        self, text: str, protected: _Placeholders, eot: str | None = None
+    ) -> list[int]:
         """Ids of `text` as the tokenizer reads it right after the end-of-turn token: tokenized
         behind that token, whose id is dropped. Tokenizers split added tokens out first, so this is
         how the whole conversation tokenizes in one piece (an rstrip token absorbs whitespace, as
         there). `text` alone is not, for a tokenizer that prepends "▁" to its input (Metaspace,
         `prepend_scheme="first"`): every suffix began with a "▁" the template never rendered."""
-        ids = self._encode_rendered(self.end_of_turn + text, protected)
-        if not ids or ids[0] != self.end_of_turn_id:
+        eot = eot or self.end_of_turn
+        ids = self._encode_rendered(eot + text, protected)
+        if not ids or ids[0] != self.end_of_turn_ids[self.end_of_turns.index(eot)]:
             raise TemplateError(
-                f"the tokenizer does not read {self.end_of_turn!r} as one token at the start "
-                f"of {self.end_of_turn + text[:40]!r}; cannot continue after the sampled turn"
+                f"the tokenizer does not read {eot!r} as one token at the start "
+                f"of {eot + text[:40]!r}; cannot continue after the sampled turn"
             )
         return ids[1:]
 
@@ -540,14 +625,24 @@ class ChatFormat:
         tools: list[dict] | None = None,
         *,
         max_tool_calls: int | None = None,
+        end_id: int | None = None,
     ) -> list[int]:
         """Ids to append after the model's end-of-turn token so that the sequence continues as
         `render(history + new_messages, add_generation_prompt=True)` would.
 
-        `history` must end with the assistant message whose sampled ids end with the end-of-turn
+        `history` must end with the assistant message whose sampled ids end with an end-of-turn
         token. Raises HistoryRewritten (a TemplateError) when the template rewrites earlier turns
         (not prefix-preserving, unless `fallback="keep_history"`), TemplateError when it refuses
-        the conversation or renders the assistant turn without the end-of-turn token.
+        the conversation or renders the assistant turn without an end-of-turn token.
+
+        With several end-of-turn tokens the suffix follows the last one the template renders in
+        the history (GPT-OSS: `<|call|>` after a call; an answer's `<|return|>` becomes `<|end|>`
+        once more messages follow, which is a rewrite). Where the turn ends at the next message's
+        role token (`turn_end_opens_next`, GLM-4.5), `end_id`, the id the model stopped on (default
+        `end_of_turn_id`), is the first token of the new messages' render: the suffix is what
+        follows it, never that token again. When the template opens them with another token than
+        the one sampled (a call answered by `<|user|>`), the sampled ids cannot go on as rendered:
+        HistoryRewritten, so "auto" starts a new segment.
 
         `max_tool_calls`: assistant messages of `history` are rendered with at most this many of
         their tool calls, the ones the env ran (a `ToolEnv` answers the rest with a too-many-calls
@@ -565,18 +660,37 @@ class ChatFormat:
         after, protected = self._render_protected(
             history_dicts, [self._template_dict(m) for m in new_messages], tools, True
         )
-        cut = before.rfind(self.end_of_turn)
-        if cut < 0:
-            raise TemplateError(
-                f"the chat template renders the assistant turn without {self.end_of_turn!r}; "
-                "cannot align the suffix with the sampled end-of-turn token"
+        if self.turn_end_opens_next:  # the sampled stop token opens the next message
+            eot = self.tokenizer.convert_ids_to_tokens(
+                self.end_of_turn_id if end_id is None else end_id
             )
-        glue = before[cut + len(self.end_of_turn) :]
-        if after.startswith(before):
-            return self._encode_after_end_of_turn(glue + after[len(before) :], protected)
+            glue, rest = "", after[len(before) :]
+            if after.startswith(before) and eot in self.end_of_turns and rest.startswith(eot):
+                return self._encode_after_end_of_turn(rest[len(eot) :], protected, eot)
+        else:
+            cut, eot = _last_of(before, self.end_of_turns)
+            if cut < 0:
+                raise TemplateError(
+                    "the chat template renders the assistant turn without "
+                    f"{' or '.join(map(repr, self.end_of_turns))}; cannot align the suffix "
+                    "with the sampled end-of-turn token"
+                )
+            glue = before[cut + len(eot) :]
+            if after.startswith(before):
+                return self._encode_after_end_of_turn(glue + after[len(before) :], protected, eot)
         if self.fallback == "keep_history":
-            tail = self._suffix_after_last_turn(history_dicts, protected.dicts, tools, after, glue)
-            return self._encode_after_end_of_turn(tail, protected)
+            tail, found = self._suffix_after_last_turn(
+                history_dicts, protected.dicts, tools, after, glue
+            )
+            if not self.turn_end_opens_next or found == eot:
+                return self._encode_after_end_of_turn(tail, protected, found)
+        if after.startswith(before):  # only where the turn ends at the next role token
+            raise HistoryRewritten(
+                f"the model ended its turn with {eot!r}, but the chat template starts "
+                f"{[m.role for m in new_messages]} messages with {after[len(before) :][:40]!r}: "
+                "the sampled tokens cannot be continued as this template renders the "
+                "conversation (rollout.trajectory_mode=auto trains the next turn as a new segment)"
+            )
         at = _common_prefix(before, after)
         raise HistoryRewritten(
             "the chat template is not prefix-preserving: adding "
@@ -599,9 +713,9 @@ class ChatFormat:
         tools: list[dict] | None,
         after: str,
         glue: str,
-    ) -> str:
+    ) -> tuple[str, str]:
         """keep_history: the text `after` (the render of history + new) has behind the last
-        assistant turn.
+        assistant turn, and the end-of-turn token it follows.
 
         The new messages are located by a probe render in which each new message's content starts
         with a placeholder (`agentgrpo<n>m<i>e`, absent from `after`): the last end-of-turn marker
@@ -624,8 +738,11 @@ class ChatFormat:
         ]
         probe = self._render_dicts(history_dicts + probe_dicts, tools, True)
         found = [probe.find(mark) for mark, m in zip(marks, marked, strict=True) if m]
-        eot = self.end_of_turn
-        cut = probe.rfind(eot, 0, min(found)) if found and min(found) >= 0 else -1
+        cut, eot = (
+            _last_of(probe, self.end_of_turns, min(found))
+            if found and min(found) >= 0
+            else (-1, "")
+        )
         end = cut + len(eot)
         tail = after[end:] if cut >= 0 else ""
         if (
@@ -637,11 +754,12 @@ class ChatFormat:
         ):
             raise TemplateError(
                 "keep_history fallback: cannot locate the new messages in the template's rendering "
-                f"(a new message is not rendered after the last {eot!r} of the history, "
+                "(a new message is not rendered after the last "
+                f"{' or '.join(map(repr, self.end_of_turns))} of the history, "
                 "or the history "
                 "renders differently depending on the new messages' content)"
             )
-        return tail
+        return tail, eot
 
     def truncate(
         self, text: str, max_tokens: int, marker: str = TRUNCATION_MARKER

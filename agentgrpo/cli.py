@@ -187,7 +187,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="tool-call parser name (default auto: the one for the template's format)",
     )
     ct.add_argument(
-        "--end-of-turn", help="token that ends an assistant turn (default: the tokenizer's EOS)"
+        "--end-of-turn",
+        action="append",
+        help="token that ends an assistant turn (default: the tokenizer's EOS); repeat it for a "
+        "template with several (GPT-OSS: <|call|> and <|return|>)",
     )
     ct.add_argument(
         "--fallback",

@@ -51,6 +51,12 @@ class ModelConfig(BaseModel):
         "PARSERS: hermes, llama3_json, qwen3_xml, glm4, deepseek_v3, harmony, "
         "pythonic) or auto: the one for the chat template's format",
     )
+    end_of_turn: list[str] | None = Field(
+        None,
+        description="the tokens that end an assistant turn, all of them stop tokens; None = the "
+        "tokenizer's EOS. GPT-OSS: [<|call|>, <|return|>]; GLM-4.5: [<|observation|>, <|user|>] "
+        "(its turn ends at the next message's role token)",
+    )
 
 
 class EnvConfig(BaseModel):
@@ -284,6 +290,7 @@ class RunConfig(BaseModel):
             tokenizer,
             template=Path(path).read_text() if path else None,
             parser=self.model.tool_parser,
+            end_of_turn=self.model.end_of_turn,
             fallback=self.rollout.template_fallback,
             template_kwargs=self.rollout.chat_template_kwargs,
             trajectory_mode=self.rollout.trajectory_mode,

@@ -14,7 +14,10 @@ messages plus the reply this endpoint gave plus new messages (the usual agent lo
 the previous prompt + the sampled ids + `chat.suffix_ids(new messages)`, exactly as in
 `agentgrpo.rollout`: the text the client sends back is never re-tokenized. Any other request is
 rendered from scratch; `EndpointEpisode.trajectory` then finds whether it still extends the
-previous call token-exactly, and names the call whose prompt diverged when it does not.
+previous call token-exactly. When it does not (the agent trimmed or summarised its history, or the
+template renders it anew), the episode goes on in a new segment, as in `agentgrpo.rollout`, under
+`chat.trajectory_mode` "auto" or "stepwise" ("stepwise": every call renders from scratch and is a
+segment); under "single" the trajectory ends before that call, naming it.
 
 Requests: `messages`, `tools`, `tool_choice`, `temperature`, `top_p`, `max_tokens` /
 `max_completion_tokens`, `stop` (strings that are one token each: stop strings spanning tokens
@@ -59,7 +62,7 @@ from agentgrpo.chat import ChatFormat, TemplateError
 from agentgrpo.deadlines import DeadlineExpired, Deadlines
 from agentgrpo.engine.base import Completion, Engine, SamplingParams
 from agentgrpo.parsers import ParseError
-from agentgrpo.types import Message, StopReason, Trajectory
+from agentgrpo.types import Message, Segment, StopReason, Trajectory
 
 # Fields of OpenAI's Chat Completions request that do not change what is sampled: ignored.
 IGNORED_FIELDS = frozenset(
@@ -194,9 +197,11 @@ class EndpointEpisode:
         return list(self._history or [])
 
     def trajectory(self, task_id: str) -> tuple[Trajectory, str | None]:
-        """The calls as one token sequence (loss mask 1 exactly on sampled ids), and None; or the
-        sequence up to the last call that extends, and a message naming the call whose prompt does
-        not extend the previous prompt + completion. Reward and stop reason are the caller's."""
+        """The calls as token sequences (loss mask 1 exactly on sampled ids), and None: one
+        sequence while each call's prompt extends the previous prompt + completion, a new segment
+        (its prompt the call's) where one does not, or at every call under "stepwise". Under
+        `chat.trajectory_mode` "single": the sequence up to the last call that extends, and a
+        message naming the call that does not. Reward and stop reason are the caller's."""
         traj = Trajectory(
             task_id=task_id,
             token_ids=[],
@@ -207,20 +212,28 @@ class EndpointEpisode:
             stop_reason=StopReason.COMPLETED,
         )
         versions, kinds = set(), Counter()
+        mode = self.chat.trajectory_mode
         for k, call in enumerate(self.calls, start=1):
             ids = traj.token_ids
             if k == 1:
                 traj.prompt_len = len(call.prompt_ids)
-            elif call.prompt_ids[: len(ids)] != ids:
-                at = next(
-                    (i for i, (a, b) in enumerate(zip(call.prompt_ids, ids)) if a != b),
-                    min(len(ids), len(call.prompt_ids)),
+            elif mode == "stepwise" or call.prompt_ids[: len(ids)] != ids:
+                if mode == "single":
+                    at = next(
+                        (i for i, (a, b) in enumerate(zip(call.prompt_ids, ids)) if a != b),
+                        min(len(ids), len(call.prompt_ids)),
+                    )
+                    return traj, (
+                        f"call {k}'s prompt does not extend call {k - 1}'s prompt + completion "
+                        f"(first difference at token {at} of {len(ids)}): the agent changed "
+                        "its history, or the chat template renders it differently "
+                        "(rollout.trajectory_mode=auto trains it as a new segment)"
+                    )
+                traj.earlier_segments.append(
+                    Segment(traj.token_ids, traj.loss_mask, traj.logprobs, traj.prompt_len)
                 )
-                return traj, (
-                    f"call {k}'s prompt does not extend call {k - 1}'s prompt + completion "
-                    f"(first difference at token {at} of {len(ids)}): the agent changed "
-                    "its history, or the chat template renders it differently"
-                )
+                traj.token_ids, traj.loss_mask, traj.logprobs = [], [], []
+                traj.prompt_len, ids = len(call.prompt_ids), []
             new = call.prompt_ids[len(ids) :]
             traj.token_ids += new + call.token_ids
             traj.loss_mask += [0] * len(new) + [1] * len(call.token_ids)
@@ -348,13 +361,16 @@ class EndpointEpisode:
             and len(messages) > len(prev)
             and messages[: len(prev)] == prev
             and last.token_ids
-            and last.token_ids[-1] == self.chat.end_of_turn_id
+            and last.token_ids[-1] in self.chat.end_of_turn_ids
+            and self.chat.trajectory_mode != "stepwise"  # every call is a segment of its own
         ):
             try:
                 return (
                     last.prompt_ids
                     + last.token_ids
-                    + self.chat.suffix_ids(prev, messages[len(prev) :], tools)
+                    + self.chat.suffix_ids(
+                        prev, messages[len(prev) :], tools, end_id=last.token_ids[-1]
+                    )
                 )
             except TemplateError:
                 pass  # rendered from scratch below; the trajectory tells whether it still extends

@@ -418,7 +418,11 @@ class Episode:
         if mode != "stepwise":
             try:
                 suffix = self.chat.suffix_ids(
-                    self.traj.messages, new, self.tools, max_tool_calls=self.max_calls
+                    self.traj.messages,
+                    new,
+                    self.tools,
+                    max_tool_calls=self.max_calls,
+                    end_id=self.traj.token_ids[-1],  # the stop token the model sampled
                 )
             except HistoryRewritten as e:
                 if mode == "single":

@@ -14,15 +14,17 @@ tool output). For every assistant turn it takes the template's own rendering of 
 
 - text: does `render(history + new)` start with `render(history)`? If not, which text changed and
   why (a heuristic diagnosis: reasoning dropped, empty think block, whitespace, other rewrite);
-- the end-of-turn token: does the template end an assistant turn with `chat.end_of_turn`?
+- the end-of-turn token: does the template end an assistant turn with one of
+  `chat.end_of_turns` (or, where `chat.turn_end_opens_next`, open the next message with one: the
+  walk then takes the token the model would stop on as the turn's last sampled id)?
 - tokens: do prompt + sampled + suffix ids equal the ids of the full render in one piece?
 - the parser: does `chat.parse_assistant` read back the calls the template rendered?
 
 What is fatal: a rewrite of history (unless the keep_history fallback is chosen and works), an
 assistant turn without the end-of-turn token, a first prompt the template cannot render, and a tool
 conversation it cannot render (every tool episode would end with ENV_ERROR, and a policy could steer
-episodes into it; DeepSeek-V3's template wants tool-call arguments as a JSON string and fails on the
-object agentgrpo passes), except parallel tool calls alone, which
+episodes into it; a template that wants tool-call arguments as a JSON string, like DeepSeek-V3's,
+gets them so: `ChatFormat.string_arguments`), except parallel tool calls alone, which
 `rollout.max_tool_calls_per_turn=1` avoids (a warning with that advice). With tools, a template that
 does not show the tools in the prompt (it ignores `tools`, like Gemma 3's: `no_tool_support`) or
 does not render tool calls (`parser_mismatch` "no tool support") is fatal too: the model could not
@@ -47,6 +49,7 @@ from __future__ import annotations
 import copy
 import difflib
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -66,6 +69,7 @@ IssueKind = Literal[
     "no_tool_support",
 ]
 Mode = Literal["exact", "keep_history", "stepwise", "refuse"]
+ONE_CALL = "the template renders only the first of several tool calls in one turn"
 
 SYNTHETIC_TOOL = {
     "type": "function",
@@ -106,6 +110,7 @@ class TemplateReport:
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     preserve_thinking_switch: bool = False  # the template has a `preserve_thinking` variable
     trajectory_mode: str = "single"  # the ChatFormat's (see agentgrpo.chat.TrajectoryMode)
+    turn_end_opens_next: bool = False  # the turn ends at the next message's role token (GLM)
     new_segments: int = 0  # env turns after which the walk started a new segment
 
     @property
@@ -158,7 +163,14 @@ class TemplateReport:
                 f"assistant turns must end with the token the model stops on ({self.end_of_turn!r} "
                 "here): pass the model's end-of-turn token (--end-of-turn) or fix the template"
             )
-        mismatches = [i.why for i in self.issues if i.kind == "parser_mismatch"]
+        mismatches = [
+            i.why for i in self.issues if i.kind == "parser_mismatch" and i.why != ONE_CALL
+        ]
+        if any(i.why == ONE_CALL for i in self.issues):
+            out.append(
+                "set rollout.max_tool_calls_per_turn=1: the template shows one call per turn, "
+                "and a ToolEnv then runs only that one"
+            )
         fits = sorted(
             {
                 m.group(1)
@@ -207,6 +219,11 @@ class TemplateReport:
             f"fallback {self.fallback}; trajectory mode {self.trajectory_mode}"
             + (f"; kwargs {self.template_kwargs}" if self.template_kwargs else ""),
             f"checked {self.conversations} conversations, {self.turns} assistant turns",
+            *(
+                ["the turn has no end token of its own: it ends at the next message's role token"]
+                if self.turn_end_opens_next
+                else []
+            ),
             f"prefix-preserving: {'yes' if self.prefix_preserving else 'no'}",
             f"mode: {self.mode} - {verdict}",
         ]
@@ -404,6 +421,11 @@ def _parser_issue(
             "the template does not render tool calls (no tool support)",
             f"turn text {text[:80]!r}",
         )
+    got = _calls(chat.parse(text, tools).message)
+    if 0 < len(got) < len(want) and got == want[: len(got)]:  # GPT-OSS renders the first call
+        return TemplateIssue(
+            name, turn, "parser_mismatch", False, ONE_CALL, f"{text[:100]!r} -> {got}"
+        )
     fits = [p for p, parse in PARSERS.items() if _calls(parse(text, tools).message) == want]
     why = f"parser {chat.parser_name} does not read the calls this template renders" + (
         f"; parser {fits[0]} reads them" if fits else ""
@@ -434,8 +456,8 @@ def _render_error(name: str, conv: list[Message], turn: int, e: TemplateError) -
         why = "the template cannot render a tool conversation"
         if "dict" in str(e) and "TypeError" in str(e):
             why += (
-                " (it fails on tool-call arguments passed as a JSON object; it may want them as a "
-                "JSON string, which agentgrpo does not pass: use a template that takes an object)"
+                " (it fails on tool-call arguments passed as a JSON object, and ChatFormat's probe "
+                "did not find it rendering them as a JSON string either)"
             )
     return TemplateIssue(
         name, turn, "render_error", tool_shape and name != "parallel tool calls", why, str(e)
@@ -465,19 +487,28 @@ def _walk(
     keep = copy.copy(chat)
     keep.fallback = "keep_history"
     exact_so_far = True  # False once our ids legitimately differ from a re-render of the text
-    eot = chat.end_of_turn
+    eots = chat.end_of_turns
     i, turn = first, 0
     while i < len(conv):
         a, turn = conv[i], turn + 1
         report.turns += 1
+        new = []  # the env's messages after this turn
+        for m in conv[i + 1 :]:
+            if m.role == "assistant":
+                break
+            new.append(m)
         try:
             gen = chat.render(history, tools, add_generation_prompt=True)
             full = chat.render(history + [a], tools)
+            alone = _turn_alone(chat, conv[:first], a, tools) if not full.startswith(gen) else None
         except TemplateError as e:
             report.issues.append(_render_error(name, conv, turn, e))
             return
         start = len(gen)
-        if not full.startswith(gen):  # e.g. DeepSeek-V3 opens <think> in the generation prompt only
+        if alone is not None:  # the template rendered history anew once the turn was added
+            gen, full, start = alone  # (GPT-OSS drops a call's analysis once an answer follows)
+            exact_so_far = False
+        elif not full.startswith(gen):  # DeepSeek-V3 opens <think> in the generation prompt only
             start = _common_prefix(gen, full)
             report.issues.append(
                 TemplateIssue(
@@ -492,7 +523,11 @@ def _walk(
             )
             exact_so_far = False
         text = full[start:]
-        end = text.find(eot)
+        try:
+            end, stop = _turn_end(chat, text, full, history + [a] + new, tools)
+        except TemplateError as e:
+            report.issues.append(_render_error(name, conv, turn, e))
+            return
         if end < 0:
             report.issues.append(
                 TemplateIssue(
@@ -500,28 +535,28 @@ def _walk(
                     turn,
                     "no_end_of_turn",
                     True,
-                    f"the template does not end assistant turns with {eot!r}",
+                    "the template does not end assistant turns with "
+                    + " or ".join(map(repr, eots)),
                     f"turn text {text[:80]!r}",
                 )
             )
             return
         # the turn's ids as they stand in the conversation (a tokenizer may treat the start of its
-        # input differently, e.g. SentencePiece's "▁"), else as text on its own
-        in_place, head = chat.encode(full[: start + end + len(eot)]), chat.encode(full[:start])
+        # input differently, e.g. SentencePiece's "▁"), else as text on its own; where the turn
+        # ends at the next message's role token, that token, which the model stops on, follows
+        stop_id = [chat.end_of_turn_ids[eots.index(stop)]] if chat.turn_end_opens_next else []
+        closed = start + end + (0 if chat.turn_end_opens_next else len(stop))
+        in_place, head = chat.encode(full[:closed]), chat.encode(full[:start])
         sampled = (
             in_place[len(head) :]
             if in_place[: len(head)] == head
-            else chat.encode(text[: end + len(eot)])
-        )
+            else chat.encode(full[start:closed])
+        ) + stop_id
         if tools and _calls(chat.parse_assistant(sampled, tools=tools).message) != _calls(a):
             report.issues.append(_parser_issue(chat, name, turn, text[:end], _calls(a), tools))
         ids += sampled
         history.append(a)
-        i += 1
-        new = []
-        while i < len(conv) and conv[i].role != "assistant":
-            new.append(conv[i])
-            i += 1
+        i += 1 + len(new)
         if not new:
             continue
         try:
@@ -532,7 +567,7 @@ def _walk(
             return
         single = chat.trajectory_mode == "single"
         if not after.startswith(before):
-            why, where = _diagnose(before, after, eot)
+            why, where = _diagnose(before, after, stop)
             report.issues.append(
                 TemplateIssue(
                     name,
@@ -548,11 +583,11 @@ def _walk(
             report.new_segments += 1
             exact_so_far = True
         elif after.startswith(before):
-            ids += chat.suffix_ids(history, new, tools)
+            ids += chat.suffix_ids(history, new, tools, end_id=ids[-1])
         else:
             exact_so_far = False
             try:
-                ids += keep.suffix_ids(history, new, tools)
+                ids += keep.suffix_ids(history, new, tools, end_id=ids[-1])
             except TemplateError as e:
                 report.fallback_works = False
                 report.issues.append(
@@ -580,6 +615,34 @@ def _walk(
                 )
             )
             exact_so_far = False
+
+
+def _turn_alone(
+    chat: ChatFormat, head: list[Message], a: Message, tools: list[dict] | None
+) -> tuple[str, str, int] | None:
+    """(generation prompt, render, where the turn starts) of `a` right after the conversation's
+    head, when the template renders earlier turns anew once `a` follows them (so its text cannot
+    be cut from the render of the whole history) but not there; else None."""
+    gen = chat.render(head, tools, add_generation_prompt=True)
+    full = chat.render(head + [a], tools)
+    return (gen, full, len(gen)) if full.startswith(gen) else None
+
+
+def _turn_end(
+    chat: ChatFormat, text: str, full: str, upto: list[Message], tools: list[dict] | None
+) -> tuple[int, str]:
+    """(where the turn `text` ends, the end-of-turn token the model stops on), (-1, "") when it
+    does not end. With several end-of-turn tokens the first in the text ends the turn. Where the
+    turn ends at the next message's role token (`turn_end_opens_next`), the turn is all of `text`
+    and the token is the one the render of `upto` (the conversation up to the env's messages after
+    the turn, `full` being its render up to the turn) opens those messages with, the first
+    end-of-turn token when nothing follows or the template rewrites the history then."""
+    if not chat.turn_end_opens_next:
+        found = [(text.find(e), e) for e in chat.end_of_turns if e in text]
+        return min(found) if found else (-1, "")
+    after = chat.render(upto, tools, add_generation_prompt=True)
+    rest = after[len(full) :] if after.startswith(full) else ""
+    return len(text), next((e for e in chat.end_of_turns if rest.startswith(e)), chat.end_of_turn)
 
 
 def _first_diff(a: list[int], b: list[int]) -> int:
@@ -623,11 +686,12 @@ def audit(
     """
     report = TemplateReport(
         template_source=chat.template_source,
-        end_of_turn=chat.end_of_turn,
+        end_of_turn=" or ".join(chat.end_of_turns),
         parser=chat.parser_name,
         fallback=chat.fallback,
         template_kwargs=dict(chat.template_kwargs),
         trajectory_mode=chat.trajectory_mode,
+        turn_end_opens_next=chat.turn_end_opens_next,
         preserve_thinking_switch="preserve_thinking" in (chat.template or ""),
     )
     render_tools = [SYNTHETIC_TOOL] if tools is None else (tools or None)
@@ -650,7 +714,7 @@ def audit_template(
     template: str | None = None,
     *,
     parser: str = "hermes",
-    end_of_turn: str | None = None,
+    end_of_turn: str | Sequence[str] | None = None,
     fallback: TemplateFallback = "none",
     template_kwargs: dict[str, Any] | None = None,
     trajectory_mode: TrajectoryMode = "single",
@@ -672,7 +736,10 @@ def audit_template(
     except ValueError as e:
         report = TemplateReport(
             template_source="config" if template else "tokenizer",
-            end_of_turn=str(end_of_turn or tokenizer.eos_token),
+            end_of_turn=" or ".join(
+                [end_of_turn] if isinstance(end_of_turn, str) else end_of_turn or []
+            )
+            or str(tokenizer.eos_token),
             parser=parser,
             fallback=fallback,
         )

@@ -13,7 +13,8 @@ class ScriptedEngine:
     """Returns scripted assistant turns (text, tokenized once) with deterministic fake logprobs.
 
     `script(prompt_ids, call_index) -> str | Exception`; the text is encoded and the end-of-turn id
-    appended unless the text already ends with it. `delay_s` (seconds, or a function of the call
+    appended unless the text already ends with it or another stop token of the request (a template
+    with several end-of-turn tokens). `delay_s` (seconds, or a function of the call
     index) simulates generation time; `max_in_flight` records the most concurrent requests. Logprobs
     are fixed negative numbers so tests can check they land in the trajectory unchanged.
     """
@@ -52,7 +53,7 @@ class ScriptedEngine:
             raise out
         ids = self.tokenizer.encode(out, add_special_tokens=False)
         finish = "stop"
-        if not ids or ids[-1] != self.eot_id:
+        if not ids or (ids[-1] != self.eot_id and ids[-1] not in params.stop_token_ids):
             ids.append(self.eot_id)
         if len(ids) > params.max_new_tokens:
             ids, finish = ids[: params.max_new_tokens], "length"

@@ -131,6 +131,34 @@ def test_divergent_prompt_is_a_typed_env_error(chat):
     assert "call 2's prompt does not extend call 1's" in traj.stop_detail
     traj.check()
     assert traj.num_turns == 1  # the sequence up to the last call that extends
+    assert "trajectory_mode=auto" in traj.stop_detail
+
+
+@pytest.mark.parametrize("mode", ["auto", "stepwise"])
+def test_a_divergent_prompt_opens_a_segment_unless_the_mode_is_single(smol_tokenizer, mode):
+    """As in the rollout: the call whose prompt does not extend the sequence (here: the agent
+    starts another conversation) begins a new segment, its prompt the call's own; "stepwise" makes
+    every call a segment, each prompt rendered from the request's messages."""
+    from agentgrpo.chat import ChatFormat
+
+    chat = ChatFormat(smol_tokenizer, trajectory_mode=mode)
+    [traj], engine = group(chat, ["2", "ok"], env=Rewriter)
+    assert traj.stop_reason == StopReason.COMPLETED and traj.reward == 1.0, traj.stop_detail
+    assert traj.num_turns == 2 and len(traj.segments) == 2
+    traj.check()
+    for seg, prompt, (sampled, logprobs) in zip(
+        traj.segments, engine.calls, engine.sampled, strict=True
+    ):
+        assert seg.token_ids == prompt + sampled and seg.prompt_len == len(prompt)
+        assert seg.logprobs[seg.prompt_len :] == logprobs and all(seg.loss_mask[seg.prompt_len :])
+    [traj], engine = group(chat, by_turn(chat, CALL, "The answer is 111."))
+    assert traj.stop_reason == StopReason.COMPLETED and traj.num_turns == 2
+    assert len(traj.segments) == {"auto": 1, "stepwise": 2}[mode]
+    traj.check()
+    if mode == "stepwise":  # the second prompt is the template's render of the whole history
+        from examples.openai_agent import TOOLS
+
+        assert engine.calls[1] == chat.prompt_ids(traj.messages[:-1], TOOLS)
 
 
 class Loops(AgentEnv):

@@ -1,10 +1,11 @@
 """Token-in/token-out rendering: prompt + sampled ids + suffix ids == the template's full render."""
 
+import copy
 import json
 
 import pytest
 
-from agentgrpo.chat import ChatFormat, TemplateError, parse_hermes
+from agentgrpo.chat import ChatFormat, HistoryRewritten, TemplateError, parse_hermes
 from agentgrpo.types import Message, ToolCall
 from tests.conftest import llama31_chat, shared_template
 
@@ -591,3 +592,92 @@ def test_placeholder_like_text_in_history_or_content_changes_nothing(chat):
             chat.decode(suffix) == f"\n<|im_start|>tool\n{out}<|im_end|>\n<|im_start|>assistant\n"
         )
         assert suffix.count(chat.end_of_turn_id) == 1
+
+
+def _family_chat(smol_tokenizer, name: str, specials: list[str], **kw) -> ChatFormat:
+    tok = copy.deepcopy(smol_tokenizer)
+    tok.add_special_tokens({"additional_special_tokens": specials})
+    return ChatFormat(tok, template=shared_template(name), **kw)
+
+
+HARMONY = ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|return|>", "<|call|>"]
+GLM = ["<|user|>", "<|assistant|>", "<|system|>", "<|observation|>", "[gMASK]", "<sop>"]
+
+
+def test_several_end_of_turn_tokens_all_stop_and_the_suffix_follows_the_rendered_one(
+    smol_tokenizer,
+):
+    """GPT-OSS ends a call with <|call|> and an answer with <|return|>: both stop the engine, the
+    suffix after a call follows <|call|>, and an answer followed by more messages is rendered with
+    <|end|>, which the sampled <|return|> cannot continue (a new segment in auto mode)."""
+    chat = _family_chat(
+        smol_tokenizer, "gptoss.jinja", HARMONY, end_of_turn=["<|call|>", "<|return|>"]
+    )
+    call, ret = chat.end_of_turn_ids
+    assert {call, ret} <= set(chat.stop_token_ids) and chat.end_of_turn == "<|call|>"
+    assert not chat.turn_end_opens_next and not chat.string_arguments
+    head = [Message(role="user", content="What is 12*7?")]
+    a = Message(role="assistant", content="Multiply.", tool_calls=[_call("12*7", 0)])
+    gen = chat.render(head, TOOLS, add_generation_prompt=True)
+    turn = chat.render(head + [a], TOOLS)[len(gen) :]
+    assert turn.endswith("<|call|>") and "<|end|><|start|>assistant to=functions" in turn
+    sampled = chat.encode(turn)
+    assert chat.parse_assistant(sampled, tools=TOOLS).message.tool_calls[0].arguments == {
+        "expression": "12*7"
+    }
+    tool = [Message(role="tool", content="84", tool_call_id="call_0", name="calculator")]
+    suffix = chat.suffix_ids(head + [a], tool, TOOLS, end_id=call)
+    full = chat.render(head + [a] + tool, TOOLS, add_generation_prompt=True)
+    assert chat.prompt_ids(head, TOOLS) + sampled + suffix == chat.encode(full)
+    answer = Message(role="assistant", content="84.")
+    with pytest.raises(HistoryRewritten, match="not prefix-preserving"):
+        chat.suffix_ids(
+            head + [a] + tool + [answer], [Message(role="user", content="Sure?")], end_id=ret
+        )
+    with pytest.raises(ValueError, match="'<\\|nope\\|>' is not a single token"):
+        ChatFormat(chat.tokenizer, end_of_turn=["<|call|>", "<|nope|>"])
+
+
+def test_a_turn_that_ends_at_the_next_role_token_continues_after_the_sampled_one(smol_tokenizer):
+    """GLM-4.5's assistant turn has no end token: the model stops on the role token that opens
+    what follows (<|observation|> before tool results). That sampled token is the start of the
+    next message, so the suffix does not render it again; a turn stopped on another role token
+    than the template opens the new messages with cannot be continued (HistoryRewritten)."""
+    chat = _family_chat(
+        smol_tokenizer, "glm4moe.jinja", GLM, end_of_turn=["<|observation|>", "<|user|>"]
+    )
+    obs, user = chat.end_of_turn_ids
+    assert chat.turn_end_opens_next and set(chat.stop_token_ids) >= {obs, user}
+    head = [Message(role="user", content="What is 12*7?")]
+    a = Message(role="assistant", content="Multiply.", tool_calls=[_call("12*7", 0)])
+    gen = chat.render(head, TOOLS, add_generation_prompt=True)
+    sampled = chat.encode(chat.render(head + [a], TOOLS)[len(gen) :]) + [obs]
+    assert chat.parse_assistant(sampled, tools=TOOLS).message.tool_calls[0].name == "calculator"
+    tool = [Message(role="tool", content="84", tool_call_id="call_0", name="calculator")]
+    suffix = chat.suffix_ids(head + [a], tool, TOOLS, end_id=obs)
+    assert chat.decode(suffix).startswith("\n<tool_response>")
+    full = chat.render(head + [a] + tool, TOOLS, add_generation_prompt=True)
+    assert chat.prompt_ids(head, TOOLS) + sampled + suffix == chat.encode(full)
+    with pytest.raises(HistoryRewritten, match="ended its turn with '<\\|user\\|>'"):
+        chat.suffix_ids(head + [a], tool, TOOLS, end_id=user)
+    # the same template with a token of its own at the end of the turn is not such a template
+    own = _family_chat(smol_tokenizer, "glm4moe.jinja", GLM, end_of_turn="<|assistant|>")
+    assert not own.turn_end_opens_next
+
+
+def test_a_template_that_wants_string_arguments_gets_the_calls_as_json_text(smol_tokenizer):
+    """DeepSeek-V3's template concatenates the arguments as text: a probe render finds that it
+    fails on an object and renders a JSON string, and the history's calls are rendered from their
+    JSON text (non-ASCII as written); templates that take an object keep getting one."""
+    eos = "<｜end▁of▁sentence｜>"
+    chat = _family_chat(smol_tokenizer, "deepseekv3.jinja", [eos], end_of_turn=eos)
+    assert chat.string_arguments
+    call = ToolCall(id="c0", name="weather", arguments={"city": "Zürich", "days": 2})
+    asks = Message(role="assistant", content="", tool_calls=[call])
+    text = chat.render([Message(role="user", content="Hi"), asks])
+    assert '```json\n{"city": "Zürich", "days": 2}\n```' in text
+    turn = text[text.index("<｜tool▁calls▁begin｜>") :]
+    assert chat.parse(turn, None).message.tool_calls[0].arguments == call.arguments
+    for name in ("qwen2_5.jinja", "gptoss.jinja", "llama3_1.jinja"):
+        assert not ChatFormat(smol_tokenizer, template=shared_template(name)).string_arguments
+    assert not ChatFormat(smol_tokenizer).string_arguments

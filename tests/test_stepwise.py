@@ -57,11 +57,12 @@ TEMPLATES = {
         ["<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>", "<|python_tag|>", "<|eom_id|>"],
         ("exact", "exact", "stepwise"),
     ),
-    # refused with segments too: harmony ends a turn with one of three tokens (<|call|>, <|return|>,
-    # <|end|>), GLM's turn ends where the next role token starts, DeepSeek-V3's template wants
-    # tool-call arguments as a JSON string (see test_parsers_families for their parsers)
+    # GPT-OSS ends a turn with <|call|> after a call, <|return|> after an answer (<|end|> ends a
+    # message inside the turn, e.g. the analysis before the call); an answer's <|return|> is
+    # rendered <|end|> once more messages follow, and a call's analysis is dropped once an answer
+    # follows: step-wise (test_gpt_oss_...)
     "gptoss.jinja": (
-        "<|call|>",
+        ["<|call|>", "<|return|>"],
         [
             "<|start|>",
             "<|end|>",
@@ -71,13 +72,18 @@ TEMPLATES = {
             "<|return|>",
             "<|call|>",
         ],
-        ("refuse", "refuse", "refuse"),
+        ("refuse", "stepwise", "stepwise"),
     ),
+    # GLM-4.5's turn has no end token: it ends where the next role token starts, which is the stop
+    # token; the earlier turns' reasoning is dropped after a user message: step-wise
     "glm4moe.jinja": (
-        "<|user|>",
+        ["<|observation|>", "<|user|>"],
         ["<|user|>", "<|assistant|>", "<|system|>", "<|observation|>", "[gMASK]", "<sop>"],
-        ("refuse", "refuse", "refuse"),
+        ("refuse", "stepwise", "stepwise"),
     ),
+    # DeepSeek-V3's template takes tool-call arguments as a JSON string (given so: ChatFormat
+    # finds it by a probe) and is token-exact as one sequence, but it never shows the tools to the
+    # model (it ignores `tools`): refused for that alone (test_deepseek_v3_...)
     "deepseekv3.jinja": (
         "<｜end▁of▁sentence｜>",
         ["<｜end▁of▁sentence｜>", "<｜begin▁of▁sentence｜>"],
@@ -158,7 +164,11 @@ def _turns() -> list[Message]:
 
 def _script(chat: ChatFormat):
     """The engine answers with the template's own text for the next scripted assistant turn (the
-    render of the history with it, after the generation prompt), so every parser reads it."""
+    render of the history with it, after the generation prompt, up to the first end-of-turn token),
+    so every parser reads it. Where the template renders the earlier turns anew once the turn
+    follows them (GPT-OSS drops a call's analysis once an answer follows), the turn is cut from its
+    render right after the task's messages. GLM's turn has no end token: the model stops on the
+    role token of what follows, <|observation|> after a call, <|user|> after an answer."""
     env_turns = [
         [Message(role="tool", content="84", tool_call_id="call_0", name="calculator")],
         [Message(role="user", content="Are you sure? Add the 3.")],
@@ -167,11 +177,20 @@ def _script(chat: ChatFormat):
     for k, a in enumerate(_turns()):
         gen = chat.render(history, [TOOL], add_generation_prompt=True)
         full = chat.render(history + [a], [TOOL])
+        if not full.startswith(gen):
+            alone = TASK.prompt_messages()
+            gen_alone = chat.render(alone, [TOOL], add_generation_prompt=True)
+            if chat.render(alone + [a], [TOOL]).startswith(gen_alone):
+                gen, full = gen_alone, chat.render(alone + [a], [TOOL])
         start = next(
             (i for i, (x, y) in enumerate(zip(gen, full, strict=False)) if x != y), len(gen)
         )
         text = full[start:]
-        texts.append(text[: text.index(chat.end_of_turn) + len(chat.end_of_turn)])
+        if chat.turn_end_opens_next:
+            texts.append(text + ("<|observation|>" if a.tool_calls else "<|user|>"))
+        else:
+            end = min(text.index(e) + len(e) for e in chat.end_of_turns if e in text)
+            texts.append(text[:end])
         history += [a] + (env_turns[k] if k < len(env_turns) else [])
     return lambda ids, i: texts[i]
 
@@ -481,3 +500,96 @@ def test_a_step_wise_episode_trains_exactly_as_its_segments_would_as_trajectorie
     assert metrics["train_tokens"] == sum(len(t.token_ids) for t in flat)
     for name, g in grads[1].items():
         torch.testing.assert_close(grads[0][name], g, atol=1e-6, rtol=1e-4, msg=name)
+
+
+def _run(chat: ChatFormat, script=None) -> tuple[Trajectory, RecordingEngine]:
+    engine = RecordingEngine(chat.tokenizer, script or _script(chat), chat.end_of_turn_id)
+    traj = asyncio.run(
+        run_episode(
+            Thinker(),
+            engine,
+            chat,
+            TASK,
+            SamplingParams(max_new_tokens=200),
+            limits=EpisodeLimits(max_turns=4),
+        )
+    )
+    return traj, engine
+
+
+def test_gpt_oss_keeps_the_sampled_end_tokens_and_segments_where_the_template_rewrites(tok):
+    """The call ends with <|call|> and the answer with <|return|>, each the last sampled id of its
+    turn; the tool result continues the call's sequence, and the user's question after the answer
+    (rendered with <|end|>, the call's analysis dropped) opens the second segment."""
+    chat = _chat(tok, "gptoss.jinja", "auto")
+    traj, engine = _run(chat)
+    call, ret = chat.end_of_turn_ids
+    assert [out.token_ids[-1] for out in engine.outs] == [call, ret, ret]
+    first, second = traj.segments
+    assert chat.decode(first.token_ids).count("<|call|>") == 1
+    assert chat.decode(first.token_ids).endswith("<|return|>")
+    prompt = chat.decode(second.token_ids[: second.prompt_len])
+    assert "84 + 3 = 87.<|end|><|start|>user" in prompt and "The product first." not in prompt
+    check_token_exact(traj, engine, chat)
+
+
+def test_glm_stops_on_the_next_role_token_and_a_mismatched_one_opens_a_segment(tok):
+    """The model's stop token is the first token of what follows; a call stopped on <|user|>
+    (the template opens tool results with <|observation|>) cannot be continued: a new segment in
+    auto mode, the episode's end with the reason in single mode."""
+    chat = _chat(tok, "glm4moe.jinja", "auto")
+    traj, engine = _run(chat)
+    obs, user = chat.end_of_turn_ids
+    assert [out.token_ids[-1] for out in engine.outs] == [obs, user, user]
+    assert len(traj.segments) == 2 and traj.segments[0].token_ids.count(obs) == 1
+    script = _script(chat)
+
+    def stops_on_user(ids, i):
+        return script(ids, i).replace("<|observation|>", "<|user|>")
+
+    traj, engine = _run(chat, stops_on_user)
+    assert traj.stop_reason == StopReason.COMPLETED and len(traj.segments) == 3
+    check_token_exact(traj, engine, chat)
+    single = _chat(tok, "glm4moe.jinja", "single")
+    traj, _ = _run(single, stops_on_user)
+    assert traj.stop_reason == StopReason.ENV_ERROR
+    assert "ended its turn with '<|user|>'" in traj.stop_detail
+
+
+def test_deepseek_v3_is_refused_only_because_its_template_never_shows_the_tools(tok):
+    """With the arguments rendered as JSON text (the probe finds that the template wants a
+    string), every tool conversation renders and continues as one exact sequence; what remains is
+    that the template ignores `tools`, so the model would be trained to call tools it is never
+    shown: refused in every mode for that alone. Without tools it is exact."""
+    for mode in ("single", "auto", "stepwise"):
+        chat = _chat(tok, "deepseekv3.jinja", mode)
+        report = audit(chat)
+        assert {i.kind for i in report.issues if i.fatal} == {"no_tool_support"}, report.format()
+        assert not [i for i in report.issues if i.kind in ("render_error", "parser_mismatch")]
+    assert chat.string_arguments
+    assert audit(_chat(tok, "deepseekv3.jinja", "auto"), tools=[]).mode == "exact"
+    chat = _chat(tok, "deepseekv3.jinja", "auto")
+    traj, engine = _run(chat)  # the rollout itself, which the audit would not let start
+    assert traj.stop_reason == StopReason.COMPLETED and len(traj.segments) == 1
+    assert [(c.name, c.arguments) for c in traj.messages[1].tool_calls] == [
+        ("calculator", {"expression": "12*7"})
+    ]
+    check_token_exact(traj, engine, chat)
+
+
+def test_the_run_config_passes_its_end_of_turn_tokens(tok):
+    from agentgrpo.config import RunConfig
+
+    t = copy.deepcopy(tok)
+    t.add_special_tokens({"additional_special_tokens": TEMPLATES["gptoss.jinja"][1]})
+    config = RunConfig.model_validate(
+        {
+            "model": {
+                "chat_template": str(SHARED / "chat_templates" / "gptoss.jinja"),
+                "end_of_turn": ["<|call|>", "<|return|>"],
+            }
+        }
+    )
+    chat = config.chat_format(t)
+    assert chat.end_of_turns == ("<|call|>", "<|return|>") and chat.parser_name == "harmony"
+    assert RunConfig().chat_format(tok).end_of_turns == (tok.eos_token,)

@@ -5,7 +5,7 @@ import copy
 import pytest
 
 from agentgrpo.chat import ChatFormat, TemplateError
-from agentgrpo.template_audit import audit, audit_template, require_token_safe
+from agentgrpo.template_audit import ONE_CALL, audit, audit_template, require_token_safe
 from envs.calculator import CalculatorEnv
 from tests.conftest import SHARED, shared_template
 from tests.test_rollout import TASK
@@ -141,19 +141,27 @@ def _with_specials(tokenizer, *tokens):
 
 
 def test_a_template_that_cannot_render_tool_calls_is_refused_for_a_tool_env(smol_tokenizer):
-    """DeepSeek-V3's template concatenates arguments as a string (every tool conversation raises),
-    Gemma 3's shows no tools at all: with tools both would make every tool episode ENV_ERROR or
-    useless, so the audit refuses; without tools they stay usable."""
+    """DeepSeek-V3's template concatenates arguments as a string: given objects (its string form
+    turned off here, as for a template that takes neither) every tool conversation raises, and it
+    shows no tools at all, like Gemma 3's. With tools both would make every tool episode ENV_ERROR
+    or useless, so the audit refuses; without tools they stay usable. With the JSON text that
+    ChatFormat's probe finds it wants, only the missing tools remain (test_stepwise)."""
     eos = "<｜end▁of▁sentence｜>"
     deepseek = ChatFormat(
         _with_specials(smol_tokenizer, eos),
         template=shared_template("deepseekv3.jinja"),
         end_of_turn=eos,
     )
+    assert deepseek.string_arguments
+    as_found = audit(deepseek)
+    assert as_found.mode == "refuse" and kinds(as_found) >= {("no_tool_support", True)}
+    assert ("render_error", True) not in kinds(as_found)
+    deepseek.string_arguments = False
     report = audit(deepseek)
     assert report.mode == "refuse" and ("render_error", True) in kinds(report)
     assert ("no_tool_support", True) in kinds(report)
     assert "the template cannot render a tool conversation" in report.format()
+    assert "as a JSON string either" in report.format()
     assert "max_tool_calls_per_turn" not in report.format()  # not only parallel calls fail
     assert audit(deepseek, tools=[]).mode == "exact"
     gemma = ChatFormat(
@@ -167,3 +175,48 @@ def test_a_template_that_cannot_render_tool_calls_is_refused_for_a_tool_env(smol
     assert audit(gemma, tools=[]).mode == "exact"
     with pytest.raises(TemplateError, match="not token-safe"):
         require_token_safe(gemma, CalculatorEnv(), TASK)
+
+
+HARMONY = ["<|start|>", "<|end|>", "<|message|>", "<|channel|>"]
+GLM = ["<|assistant|>", "<|system|>", "[gMASK]", "<sop>"]
+
+
+@pytest.mark.parametrize(
+    "name, specials, eots",
+    [
+        ("gptoss.jinja", HARMONY, ["<|call|>", "<|return|>"]),
+        ("glm4moe.jinja", GLM, ["<|observation|>", "<|user|>"]),
+    ],
+)
+def test_several_end_of_turn_tokens_and_a_turn_ending_at_the_next_role_token(
+    smol_tokenizer, tmp_path, capsys, name, specials, eots
+):
+    """`--end-of-turn` may be repeated: GPT-OSS (<|call|>, <|return|>) and GLM-4.5 (whose turn ends
+    where the <|observation|> or <|user|> of the next message starts) are refused as one sequence
+    for the history they rewrite, and train step-wise (test_stepwise runs their episodes)."""
+    from agentgrpo.cli import main
+
+    tok = _with_specials(smol_tokenizer, *specials, *eots)
+    template = shared_template(name)
+    single = audit_template(tok, template, parser="auto", end_of_turn=eots)
+    assert single.mode == "refuse" and kinds(single) >= {("rewrites_history", True)}
+    assert ("no_end_of_turn", True) not in kinds(single)
+    assert single.end_of_turn == " or ".join(eots)
+    auto = audit_template(tok, template, parser="auto", end_of_turn=eots, trajectory_mode="auto")
+    assert auto.mode == "stepwise" and not [i for i in auto.issues if i.fatal], auto.format()
+    assert auto.turn_end_opens_next == (name == "glm4moe.jinja")
+    assert ("next message's role token" in auto.format()) == (name == "glm4moe.jinja")
+    # GPT-OSS renders one call of a parallel turn: a warning with the advice that avoids it
+    one_call = [i for i in auto.issues if i.why == ONE_CALL]
+    assert [i.conversation for i in one_call] == (["parallel tool calls"] if "gpt" in name else [])
+    assert ("max_tool_calls_per_turn=1" in auto.format()) == ("gpt" in name)
+    assert "register a parser" not in auto.format()
+    # the first token alone does not end every turn (an answer, a turn before a user message)
+    one = audit_template(tok, template, parser="auto", end_of_turn=eots[0], trajectory_mode="auto")
+    assert ("no_end_of_turn", True) in kinds(one)
+    tok.save_pretrained(tmp_path)
+    args = ["check-template", str(tmp_path), "--template", str(SHARED / "chat_templates" / name)]
+    args += [a for e in eots for a in ("--end-of-turn", e)]
+    assert main([*args, "--trajectory-mode", "auto"]) == 0
+    assert "mode: stepwise" in capsys.readouterr().out
+    assert main(args) == 1
