@@ -22,7 +22,8 @@ trained groups (mean, max).
     python bench/async_pipeline.py --real   # the real local engine and learner on this CPU, short
 
 `--real` trains the embedded model on the calculator env for a few steps per mode (sync, overlap,
-k = 2, 4) with the local engine in this process, and prints trajectories per second from the run's
+k = 2, 4, and k = 2 with the engine's decoding thread at full width instead of half the CPU
+threads) with the local engine in this process, and prints trajectories per second from the run's
 own metrics: what the pipeline buys when the engine and the learner share this machine's cores.
 """
 
@@ -163,12 +164,17 @@ def run_real(args: argparse.Namespace) -> dict:
     """A few steps per mode of the calculator run on the local engine, in this process."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    import torch
+
     from agentgrpo.config import load_config
     from agentgrpo.log import read_jsonl
     from agentgrpo.train import train
 
     results = {}
-    for name, k in {"sync": 0, "overlap": 1, "k=2": 2, "k=4": 4}.items():
+    modes = {"sync": (0, []), "overlap": (1, []), "k=2": (2, []), "k=4": (4, [])}
+    # k = 2 without the CPU split: the engine's decoding thread at the run's full width too
+    modes["k=2 unsplit"] = (2, [f"engine.threads={torch.get_num_threads()}"])
+    for name, (k, extra) in modes.items():
         with tempfile.TemporaryDirectory() as tmp:
             cfg = load_config(
                 "examples/calculator.yaml",
@@ -181,6 +187,7 @@ def run_real(args: argparse.Namespace) -> dict:
                     "log.progress=false",
                     "log.tensorboard=false",
                     "train.save_every_s=null",
+                    *extra,
                 ],
             )
             t0 = time.perf_counter()
@@ -225,7 +232,9 @@ def main() -> None:
     results = run_real(args) if args.real else run_simulated(args)
     name = "async_pipeline_real.json" if args.real else "async_pipeline.json"
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / name).write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
+    (Path(args.out) / name).write_text(
+        json.dumps({"args": vars(args), "results": results}, indent=1)
+    )
     keys = list(next(iter(results.values())))
     print("mode     " + "  ".join(f"{k:>20}" for k in keys))
     for mode, r in results.items():
