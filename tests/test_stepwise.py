@@ -256,17 +256,7 @@ def test_every_tool_template_gets_its_mode_and_token_exact_segments(tok, name):
         if want == "refuse":
             continue
         chat = _chat(tok, name, mode, template_kwargs={"enable_thinking": True})
-        engine = RecordingEngine(chat.tokenizer, _script(chat), chat.end_of_turn_id)
-        traj = asyncio.run(
-            run_episode(
-                Thinker(),
-                engine,
-                chat,
-                TASK,
-                SamplingParams(max_new_tokens=200),
-                limits=EpisodeLimits(max_turns=4),
-            )
-        )
+        traj, engine = _run(chat)
         assert traj.stop_reason == StopReason.COMPLETED and traj.num_turns == 3, traj.stop_detail
         assert [c.name for c in traj.messages[1].tool_calls or []] == ["calculator"]
         check_token_exact(traj, engine, chat)
@@ -279,31 +269,11 @@ def test_qwen3_6_thinking_trains_without_fallback_in_auto_mode_and_is_refused_in
     """The reasoning of turn 1 is sampled and trained in turn 1's segment; after the user's new
     query the template drops it, and the next segment's prompt is that rewritten history."""
     single = _chat(tok, "qwen3_6.jinja", "single", template_kwargs={"enable_thinking": True})
-    engine = RecordingEngine(single.tokenizer, _script(single), single.end_of_turn_id)
-    traj = asyncio.run(
-        run_episode(
-            Thinker(),
-            engine,
-            single,
-            TASK,
-            SamplingParams(max_new_tokens=200),
-            limits=EpisodeLimits(max_turns=4),
-        )
-    )
+    traj, engine = _run(single)
     assert traj.stop_reason == StopReason.ENV_ERROR and "not prefix-preserving" in traj.stop_detail
     assert "trajectory_mode=auto" in traj.stop_detail
     chat = _chat(tok, "qwen3_6.jinja", "auto", template_kwargs={"enable_thinking": True})
-    engine = RecordingEngine(chat.tokenizer, _script(chat), chat.end_of_turn_id)
-    traj = asyncio.run(
-        run_episode(
-            Thinker(),
-            engine,
-            chat,
-            TASK,
-            SamplingParams(max_new_tokens=200),
-            limits=EpisodeLimits(max_turns=4),
-        )
-    )
+    traj, engine = _run(chat)
     first, second = traj.segments
     sampled = [
         chat.decode([t for t, m in zip(s.token_ids, s.loss_mask, strict=True) if m])
