@@ -207,7 +207,7 @@ class SGLangEngine(NcclUpdates):
             await self._resumed.wait()
             epoch = self._epoch
             try:
-                raw = await self._pool.post_generate(body)
+                raw = await self._pool.post_generate(body, session_id=params.session_id)
             except _ContextLengthError as e:
                 learned = self._learn_context_length(context_length_of(str(e)))
                 if learned and len(prompt_ids) + 1 < (self._context_length or 0):

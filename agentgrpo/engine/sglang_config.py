@@ -33,6 +33,14 @@ class SGLangConfig(BaseModel):
     max_inflight_per_server: int = Field(
         256, ge=1, description="Requests in flight per server; more callers wait for a free slot."
     )
+    max_sticky_sessions: int = Field(
+        100_000,
+        ge=0,
+        description="Sticky routing: every request of an episode (SamplingParams.session_id) goes "
+        "to the server of its first request while that server is healthy, where its prefix cache "
+        "holds the episode. The client remembers this many sessions, the least recently used "
+        "forgotten first; 0 = no sticky routing (each request to the least loaded server).",
+    )
     probe_interval_s: float = Field(
         5.0, gt=0, description="Longest wait between two health probes of a server taken out."
     )
