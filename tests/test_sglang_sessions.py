@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
-from agentgrpo.engine.base import SamplingParams
-from agentgrpo.engine.sglang import SGLangEngine
+from agentgrpo.engine.base import EngineError, SamplingParams
+from agentgrpo.engine.sglang import SGLangEngine, StreamFold, parse_generate_output
 from tests.fake_sglang import FakeSGLang
-from tests.test_sglang_engine import FAST
+from tests.test_sglang_engine import FAST, fixture
 
 
 @pytest.fixture
@@ -167,3 +167,145 @@ async def test_the_session_table_forgets_the_least_recently_used(server, engine)
     ]
     with pytest.raises(ValueError):
         engine([a.url], max_sticky_sessions=-1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Partial rollouts: a weight update keeps the requests in flight
+
+
+def _script(prompt: list[int]) -> list[int]:
+    return list(range(100, 130))  # 30 distinct ids, whatever the prompt
+
+
+async def _wait_decoding(s: FakeSGLang) -> None:
+    for _ in range(2000):
+        if any(it.produced for it in s._items.values()):
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError("no request started decoding")
+
+
+@pytest.mark.parametrize("incremental", [False, True])
+async def test_a_request_in_flight_keeps_its_tokens_across_a_push(
+    server, engine, tmp_path, incremental
+):
+    """The request is paused (retract), not aborted: it finishes with all its tokens from one
+    request, and says how many the old weights sampled (the fake records how many it had
+    decoded when paused). The update does not ask to flush: over the parked request that would
+    kill stock SGLang's scheduler (the fake's too)."""
+    s = await server(script=_script, weight_version="0", incremental_streaming=incremental)
+    s.faults.token_delay_s = 0.01
+    e = engine([s.url], partial_rollouts=True)
+    task = asyncio.create_task(e.generate([1, 2], SamplingParams(max_new_tokens=30)))
+    await _wait_decoding(s)
+    await e.update_weights_from_disk(tmp_path, version="1")
+    c = await task
+    (before,) = s.pauses[0].values()
+    assert 0 < before < 30
+    assert (c.finish_reason, c.token_ids, c.weight_version) == ("length", _script([]), "1")
+    assert c.version_runs == [(before, "0"), (30 - before, "1")]
+    assert len(s.requests) == 1 and s.requests[0]["stream"] is True
+    assert [(p, b) for p, b in s.calls] == [
+        ("/pause_generation", {"mode": "retract"}),
+        ("/flush_cache", None),
+        (
+            "/update_weights_from_disk",
+            {"model_path": str(tmp_path), "weight_version": "1", "flush_cache": False},
+        ),
+        ("/continue_generation", {}),
+    ]
+    assert not s.unhealthy
+    # a request that did not cross the push has one version: no runs
+    c = await e.generate([1, 2], SamplingParams(max_new_tokens=3))
+    assert (c.weight_version, c.version_runs, c.token_version_runs) == ("1", None, [(3, "1")])
+
+
+async def test_without_partial_rollouts_a_push_still_aborts_and_resends(server, engine, tmp_path):
+    s = await server(script=_script)
+    s.faults.token_delay_s = 0.01
+    e = engine([s.url])
+    task = asyncio.create_task(e.generate([1, 2], SamplingParams(max_new_tokens=30)))
+    await _wait_decoding(s)
+    await e.update_weights_from_disk(tmp_path, version="1")
+    c = await task
+    assert (c.version_runs, len(s.requests), s.calls[0]) == (
+        None,
+        2,
+        ("/pause_generation", {"mode": "abort"}),
+    )
+    assert "stream" not in s.requests[0] or s.requests[0]["stream"] is False
+
+
+@pytest.mark.parametrize("retract_flush", [False, True])
+async def test_a_server_that_cannot_flush_under_retract_is_reported_once(
+    server, engine, tmp_path, caplog, retract_flush
+):
+    s = await server(script=_script, retract_flush=retract_flush)
+    s.faults.token_delay_s = 0.01
+    e = engine([s.url], partial_rollouts=True)
+    task = asyncio.create_task(e.generate([1], SamplingParams(max_new_tokens=30)))
+    await _wait_decoding(s)
+    with caplog.at_level("WARNING", logger="agentgrpo.engine.sglang"):
+        for v in ("1", "2"):
+            await e.update_weights_from_disk(tmp_path, version=v)
+    runs = (await task).version_runs
+    assert [v for _, v in runs] == ["default", "1", "2"][: len(runs)] and len(runs) >= 2
+    warned = [r for r in caplog.records if "cannot flush" in r.getMessage()]
+    assert len(warned) == (0 if retract_flush else 1)
+
+
+async def test_a_streamed_request_learns_the_context_window(server, engine):
+    """SGLang reports a streamed request's validation error as an event of a 200 stream: the
+    client still learns the window from it and clamps, as from the 400 of a plain request."""
+    s = await server(context_length=32)
+    e = engine([s.url], partial_rollouts=True)
+    c = await e.generate([1] * 10, SamplingParams(max_new_tokens=100))
+    assert (c.finish_reason, len(c.token_ids)) == ("length", 32 - 10 - 1)
+    assert [r["sampling_params"]["max_new_tokens"] for r in s.requests] == [100, 21]
+
+
+async def test_partial_rollouts_need_a_new_enough_server_and_live_memory(server, engine):
+    s = await server(version="0.5.5")
+    with pytest.raises(Exception, match="partial_rollouts needs SGLang >= 0.5.6"):
+        await engine([s.url], partial_rollouts=True).wait_ready(timeout_s=5)
+    await engine([s.url]).wait_ready(timeout_s=5)  # fine without
+    with pytest.raises(ValueError, match="choose one"):
+        engine([s.url], partial_rollouts=True, release_memory_during_training=True)
+
+
+@pytest.mark.parametrize(
+    "name", ["generate_stream_default.json", "generate_stream_incremental.json"]
+)
+def test_stream_fold_reads_both_chunk_forms_of_the_fixtures(name):
+    events = fixture(name)["response"]["events_parsed"][:-1]  # without "[DONE]"
+    fold = StreamFold()
+    for e in events:
+        fold.feed(e)
+    c = parse_generate_output(fold.output())
+    assert c.token_ids == [13048, 1052, 0] and c.logprobs == [-0.4521, -1.2034, -0.0871]
+    assert c.finish_reason == "length" and fold.version_runs(None) == [(3, "default")]
+
+
+def test_stream_fold_counts_tokens_to_the_version_of_their_chunk_and_rejects_nonsense():
+    def chunk(entries: int, total: int, version: str, finish: Any = None) -> dict[str, Any]:
+        meta = {
+            "finish_reason": finish,
+            "weight_version": version,
+            "output_token_logprobs": [[-0.1, 5, None]] * entries,
+            "completion_tokens": total,
+        }
+        return {"meta_info": meta}
+
+    fold = StreamFold()
+    for c in (chunk(2, 2, "3"), chunk(3, 3, "3"), chunk(5, 5, "4"), chunk(6, 6, "4", {"t": 1})):
+        fold.feed(c)  # cumulative
+    assert fold.version_runs(None) == [(3, "3"), (3, "4")]
+    fold = StreamFold()
+    for c in (chunk(2, 2, "3"), chunk(1, 3, "3"), chunk(2, 5, "4"), chunk(1, 6, "4", {"t": 1})):
+        fold.feed(c)  # deltas
+    assert fold.version_runs(None) == [(3, "3"), (3, "4")]
+    assert len(fold.output()["meta_info"]["output_token_logprobs"]) == 6
+    with pytest.raises(EngineError, match="neither cumulative nor a delta"):
+        fold.feed(chunk(2, 9, "4"))
+    with pytest.raises(EngineError, match="ended before its request finished"):
+        StreamFold().output()

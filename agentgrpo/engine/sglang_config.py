@@ -3,7 +3,7 @@ config does not import httpx and the client's machinery."""
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class SGLangConfig(BaseModel):
@@ -64,6 +64,27 @@ class SGLangConfig(BaseModel):
         "while the learner trains and take them back before each weight push. Needs SGLang's "
         "--enable-memory-saver (checked); not with train.overlap_rollouts.",
     )
+
+    partial_rollouts: bool = Field(
+        False,
+        description="Weight pushes keep the requests in flight (partial rollouts): pause with "
+        "SGLang's mode 'retract' instead of aborting, update, continue; a request that ran across "
+        "the push says which of its tokens each version sampled (Completion.version_runs). "
+        "Requests are streamed to learn that split: start the servers with "
+        "--incremental-streaming-output, else every chunk repeats the whole output so far. Needs "
+        "SGLang >= 0.5.6. Off: a push aborts the requests in flight and sends them again under "
+        "the new weights.",
+    )
+
+    @model_validator(mode="after")
+    def _partial_needs_live_servers(self) -> SGLangConfig:
+        if self.partial_rollouts and self.release_memory_during_training:
+            raise ValueError(
+                "partial_rollouts keeps requests running across a weight push, but "
+                "release_memory_during_training frees the servers' memory while the learner "
+                "trains, which needs them idle: choose one"
+            )
+        return self
 
     @field_validator("urls")
     @classmethod
