@@ -541,6 +541,7 @@ class FakeSGLang:
             "mem_fraction_static": 0.8,
             "skip_tokenizer_init": self.skip_tokenizer_init,
             "enable_memory_saver": self.memory_saver,
+            "incremental_streaming_output": self.incremental_streaming,
             "context_length": self.context_length,
             "weight_version": self.weight_version,
             "max_total_num_tokens": 1048576,

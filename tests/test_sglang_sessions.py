@@ -309,3 +309,12 @@ def test_stream_fold_counts_tokens_to_the_version_of_their_chunk_and_rejects_non
         fold.feed(chunk(2, 9, "4"))
     with pytest.raises(EngineError, match="ended before its request finished"):
         StreamFold().output()
+
+
+@pytest.mark.parametrize("incremental", [False, True])
+async def test_cumulative_streaming_servers_are_reported(server, engine, caplog, incremental):
+    s = await server(incremental_streaming=incremental)
+    with caplog.at_level("WARNING", logger="agentgrpo.engine.sglang"):
+        await engine([s.url], partial_rollouts=True).wait_ready(timeout_s=5)
+    warned = [r for r in caplog.records if "streams cumulative chunks" in r.getMessage()]
+    assert len(warned) == (0 if incremental else 1)

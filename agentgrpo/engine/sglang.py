@@ -181,6 +181,17 @@ class SGLangEngine(NcclUpdates):
         s.dp_size = 1 if info.get("enable_dp_attention") else int(info.get("dp_size") or 1)
         ctx = info.get("context_length")  # null unless launched with --context-length
         self._learn_context_length(int(ctx) if ctx else None)
+        # the flag is --incremental-streaming-output since 2026-03, --stream-output before
+        if self.config.partial_rollouts and not (
+            info.get("incremental_streaming_output") or info.get("stream_output")
+        ):
+            log.warning(
+                "SGLang server %s streams cumulative chunks (no --incremental-streaming-output): "
+                "with partial_rollouts every request is streamed and each chunk repeats the "
+                "output so far, O(n^2) bytes for n tokens on the server and the client "
+                "(docs/rollouts.md has the numbers). Restart it with the flag.",
+                s.url,
+            )
         log.info(
             "SGLang server %s: version %s, tp_size %s, context_length %s",
             s.url,
