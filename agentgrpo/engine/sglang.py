@@ -9,7 +9,8 @@ other `sampling_params` key, because SGLang answers an unknown key with a 500.
 
 Decisions (see PROTOCOL.md for the server side of each):
 - Balancing, failures and retries live in `sglang_pool.py`: least outstanding requests over the
-  healthy servers; a failing server leaves the rotation and rejoins once healthy; a request that
+  healthy servers, every turn of an episode on one server (`SamplingParams.session_id`, sticky
+  routing); a failing server leaves the rotation and rejoins once healthy; a request that
   runs out of retries or of its deadline raises `EngineError`, never a made-up completion.
 - The context window: SGLang rejects `prompt + max_new_tokens >= context_length` with a 400, so
   `max_new_tokens` is always clamped client-side to `context_length - prompt - 1` once the window
