@@ -407,7 +407,7 @@ async def test_fake_update_that_flushes_over_parked_requests_kills_the_scheduler
     flush while a retract pause parks requests (sgl-project/sglang#33783), a build with
     sgl-project/sglang#33784 can. The update is applied either way (loaded before the flush)."""
     s = await server(retract_flush=retract_flush)
-    s.faults.token_delay_s = 0.01
+    s.faults.token_delay_s = 0.05  # 1 s: each httpx call here takes ~0.2 s
     gen = {
         "method": "POST",
         "path": "/generate",
@@ -439,7 +439,7 @@ async def test_fake_stream_chunks_carry_the_version_that_decoded_them(server, tm
     before carry the old version, the others the new one; a streamed validation error is an
     error event in a 200 stream."""
     s = await server(weight_version="0")
-    s.faults.token_delay_s = 0.01
+    s.faults.token_delay_s = 0.05  # 1 s: each httpx call here takes ~0.2 s
     gen = {
         "method": "POST",
         "path": "/generate",

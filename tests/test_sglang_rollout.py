@@ -134,7 +134,7 @@ def test_a_turn_sampled_across_a_weight_push_records_both_versions(chat, tmp_pat
     async def go():
         backend = ScriptedEngine(chat.tokenizer, _by_turn(chat), chat.end_of_turn_id)
         server = FakeSGLang(backend=backend, eos_token_ids=chat.stop_token_ids, weight_version="0")
-        server.faults.token_delay_s = 0.01
+        server.faults.token_delay_s = 0.03
         engine = SGLangEngine([await server.start()], partial_rollouts=True)
         try:
             episode = asyncio.create_task(

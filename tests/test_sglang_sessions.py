@@ -138,7 +138,7 @@ async def test_a_full_session_server_is_waited_for_and_others_pass(server, engin
     for s in (a, b):
         s.faults.token_delay_s = 0.01
     e = engine([a.url, b.url], max_inflight_per_server=1)
-    long = asyncio.create_task(e.generate([1], SamplingParams(max_new_tokens=40, session_id="ep")))
+    long = asyncio.create_task(e.generate([1], SamplingParams(max_new_tokens=300, session_id="ep")))
     await asyncio.sleep(0.05)
     home = e._pool.session_server("ep")
     busy, free = (a, b) if home == a.url else (b, a)
@@ -147,7 +147,7 @@ async def test_a_full_session_server_is_waited_for_and_others_pass(server, engin
     )
     await asyncio.sleep(0.05)
     other = await asyncio.wait_for(
-        e.generate([3], SamplingParams(max_new_tokens=2, session_id="other")), 0.3
+        e.generate([3], SamplingParams(max_new_tokens=2, session_id="other")), 2
     )
     assert other.finish_reason == "length" and not long.done() and not turn.done()
     await asyncio.gather(long, turn)
@@ -194,7 +194,7 @@ async def test_a_request_in_flight_keeps_its_tokens_across_a_push(
     decoded when paused). The update does not ask to flush: over the parked request that would
     kill stock SGLang's scheduler (the fake's too)."""
     s = await server(script=_script, weight_version="0", incremental_streaming=incremental)
-    s.faults.token_delay_s = 0.01
+    s.faults.token_delay_s = 0.05  # 1.5 s of decoding: the push lands mid-request under load
     e = engine([s.url], partial_rollouts=True)
     task = asyncio.create_task(e.generate([1, 2], SamplingParams(max_new_tokens=30)))
     await _wait_decoding(s)
@@ -241,7 +241,7 @@ async def test_a_server_that_cannot_flush_under_retract_is_reported_once(
     server, engine, tmp_path, caplog, retract_flush
 ):
     s = await server(script=_script, retract_flush=retract_flush)
-    s.faults.token_delay_s = 0.01
+    s.faults.token_delay_s = 0.05
     e = engine([s.url], partial_rollouts=True)
     task = asyncio.create_task(e.generate([1], SamplingParams(max_new_tokens=30)))
     await _wait_decoding(s)
@@ -249,7 +249,10 @@ async def test_a_server_that_cannot_flush_under_retract_is_reported_once(
         for v in ("1", "2"):
             await e.update_weights_from_disk(tmp_path, version=v)
     runs = (await task).version_runs
-    assert [v for _, v in runs] == ["default", "1", "2"][: len(runs)] and len(runs) >= 2
+    order = ["default", "1", "2"]  # "1" may have decoded nothing: the second push came at once
+    versions = [v for _, v in runs]
+    assert versions[0] == "default" and len(versions) >= 2
+    assert versions == sorted(set(versions), key=order.index) and sum(n for n, _ in runs) == 30
     warned = [r for r in caplog.records if "cannot flush" in r.getMessage()]
     assert len(warned) == (0 if retract_flush else 1)
 

@@ -158,7 +158,7 @@ async def test_a_partial_rollouts_push_keeps_the_request_in_flight(tmp_path):
     try:
         sync = WeightSync(engine, WeightSyncConfig(shared_dir=str(tmp_path)))
         await sync.push(learner, 1)
-        s.faults.token_delay_s = 0.01
+        s.faults.token_delay_s = 0.05  # 2 s of decoding: the push (save, load) lands mid-request
         params = SamplingParams(max_new_tokens=40, stop_token_ids=(), temperature=1.0, seed=3)
         task = asyncio.create_task(engine.generate([1, 2, 3], params))
         while not any(it.produced for it in s._items.values()):
