@@ -20,8 +20,10 @@ methods moves the weights:
   group or an update says why, instead of the trainer's side timing out later).
 
 Every push has a deadline (`timeout_s`) and sets the weight version `str(step)` on the engine, which
-the completions it produces afterwards carry. Then the push is verified: the engine scores a probe
-sequence (temperature 1) and the learner computes the same logprobs with the model
+the completions it produces afterwards carry. On SGLang a push aborts the requests in flight (they
+are sent again) unless `SGLangConfig.partial_rollouts` keeps them across it (see `sglang.py`).
+Then the push is verified: the engine scores a probe sequence (temperature 1) and the learner
+computes the same logprobs with the model
 (`sequence_logprobs`); a mean absolute difference above `probe_tolerance` raises
 `ProbeMismatchError` naming the engine's and the learner's numbers. An engine with several servers
 (`score_each`, SGLang) is probed on every server in rotation, and the error names each server that

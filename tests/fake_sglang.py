@@ -8,11 +8,17 @@ tested end to end on a CPU:
   with SGLang's exact message; EOS ids = model EOS + `stop_token_ids`; `stop` strings; the `text`
   trimming rules; `[logprob, id, text|null]` tuples; both `input_token_logprobs` forms; top
   logprobs; every `finish_reason` variant; SSE with cumulative (default) or incremental chunks and
-  `[DONE]`; aborts answer 200 with the partial output; unknown `sampling_params` keys -> 500.
+  `[DONE]`, a validation error of a streamed request as an error event (HTTP 200, as SGLang);
+  aborts answer 200 with the partial output; unknown `sampling_params` keys -> 500.
 - Versions: `legacy=None` (HEAD shapes), `"0.5.2"` or `"0.4.6"` (older meta keys and shapes), and
   `skip_tokenizer_init=True` (no text).
 - Concurrency: generation holds a reader lock, weight updates a writer lock; `/pause_generation`
-  blocks new generations (mode abort aborts the running ones); `/flush_cache` is 400 while busy;
+  blocks new generations (mode abort aborts the running ones; retract and in_place keep them, they
+  decode no token until `/continue_generation`, and a weight update meanwhile runs at once, the
+  tokens after it stamped with the new version in every chunk); `/flush_cache` is 400 while busy,
+  which requests parked by a retract / in_place pause are (stock SGLang; `retract_flush=True` is a
+  build that flushes while paused in retract mode, sgl-project/sglang#33784), and a weight update
+  asking to flush the cache then kills the scheduler (its assert: 500, then unhealthy);
   `/release_memory_occupation` while busy is fatal (500, then unhealthy), and so is a weight update
   while the weights are released; `enable_memory_saver` in `/server_info` is the `memory_saver`
   argument (SGLang's --enable-memory-saver); `/health_generate` is 503
@@ -171,6 +177,10 @@ class FakeTokenizer:
         return ids
 
 
+class _SchedulerCrash(Exception):
+    """SGLang's scheduler process dies (an assert in it): the whole server goes down."""
+
+
 class _HTTPError(Exception):
     def __init__(self, status: int, body: Any) -> None:
         super().__init__(status)
@@ -206,6 +216,8 @@ class _Item:
     prompt_lps: list[float] | None = None  # from the backend's score(), when it has one
     aborted: bool = False
     finished: bool = False
+    scheduled: bool = False  # past the pause gate and the model lock: in the scheduler's queues
+    produced: int = 0  # tokens decoded so far
 
 
 class _RWLock:
@@ -283,6 +295,7 @@ class FakeSGLang:
         vocab: Mapping[int, str] | None = None,
         calls_log: str | None = None,
         memory_saver: bool = False,
+        retract_flush: bool = False,
     ) -> None:
         if legacy not in (None, "0.5.2", "0.4.6"):
             raise ValueError(f"legacy must be None, '0.5.2' or '0.4.6', got {legacy!r}")
@@ -304,6 +317,9 @@ class FakeSGLang:
         self.tokenizer = FakeTokenizer(special_tokens, vocab)
         self.calls_log = calls_log  # append every control call as a JSON line (subprocess tests)
         self.memory_saver = memory_saver  # launched with --enable-memory-saver
+        self.retract_flush = retract_flush  # can flush while paused in retract mode (see above)
+        self.pause_mode: str | None = None  # of the pause in force
+        self.pauses: list[dict[str, int]] = []  # per pause: tokens decoded by each live request
         self.peak_inflight = 0  # most sequences generating at once (bounded-concurrency tests)
         self.faults = Faults()
         self.requests: list[dict[str, Any]] = []  # every /generate body, for assertions
@@ -351,7 +367,12 @@ class FakeSGLang:
 
     @property
     def busy(self) -> bool:
-        return any(not it.finished for it in self._items.values())
+        """Requests in the scheduler (running, or parked by a pause). Requests held at the
+        tokenizer manager's pause gate or model lock are not: SGLang has not scheduled them."""
+        return any(it.scheduled and not it.finished for it in self._items.values())
+
+    def _can_flush(self) -> bool:
+        return not self.busy or (self.retract_flush and self.pause_mode == "retract")
 
     # -- HTTP plumbing ---------------------------------------------------------------------------
 
@@ -520,6 +541,7 @@ class FakeSGLang:
             "mem_fraction_static": 0.8,
             "skip_tokenizer_init": self.skip_tokenizer_init,
             "enable_memory_saver": self.memory_saver,
+            "incremental_streaming_output": self.incremental_streaming,
             "context_length": self.context_length,
             "weight_version": self.weight_version,
             "max_total_num_tokens": 1048576,
@@ -582,7 +604,7 @@ class FakeSGLang:
     # -- control endpoints -----------------------------------------------------------------------
 
     async def _flush_cache(self, body: Any, query: str, w: Any) -> tuple[int, str]:
-        if self.busy:
+        if not self._can_flush():
             return 400, "Flush cache failed.\n"
         self._cache.clear()
         return 200, (
@@ -612,8 +634,9 @@ class FakeSGLang:
         mode = (body or {}).get("mode", "abort")
         if mode not in ("abort", "retract", "in_place"):
             raise _schema_error(f"invalid pause mode {mode!r}")
-        self.paused = True
+        self.paused, self.pause_mode = True, mode
         self._resume.clear()
+        self.pauses.append({it.rid: it.produced for it in self._items.values() if it.scheduled})
         if mode == "abort":
             self._abort(abort_all=True)
             while self._rw.readers:  # wait until no request holds the model lock
@@ -621,7 +644,7 @@ class FakeSGLang:
         return 200, {"message": "Generation paused successfully.", "status": "ok"}
 
     async def _continue(self, body: Any, query: str, w: Any) -> tuple[int, Any]:
-        self.paused = False
+        self.paused, self.pause_mode = False, None
         self._resume.set()
         return 200, {"message": "Generation continued successfully.", "status": "ok"}
 
@@ -671,16 +694,31 @@ class FakeSGLang:
                 "param": None,
                 "code": 500,
             }
-        if self.paused:
-            return await fn()
-        await self._rw.acquire_write()
         try:
-            return await fn()
-        finally:
-            await self._rw.release_write()
+            if self.paused:
+                return await fn()
+            await self._rw.acquire_write()
+            try:
+                return await fn()
+            finally:
+                await self._rw.release_write()
+        except _SchedulerCrash as e:  # SGLang's scheduler dies; the HTTP call gets an error
+            self.unhealthy = True  # for good: /health_generate answers 503 from now on
+            self._abort(abort_all=True)  # every request ends (aborted, with what it had)
+            self.paused, self.pause_mode = False, None
+            self._resume.set()
+            return 500, {
+                "object": "error",
+                "message": str(e),
+                "type": "500",
+                "param": None,
+                "code": 500,
+            }
 
     def _finish_update(self, body: Mapping[str, Any], message: str) -> str:
         if body.get("flush_cache", True):
+            if not self._can_flush():  # requests parked by a retract / in_place pause
+                raise _SchedulerCrash("AssertionError: Cache flush failed after updating weights")
             self._cache.clear()
         v = body.get("weight_version")
         if v is not None:
@@ -844,10 +882,17 @@ class FakeSGLang:
             raise _value_error("injected bad request")
         if fault == "hang":
             await asyncio.Event().wait()
-        items, is_list, stream = self._parse_generate(body)
-        if fault == "context":
-            p = len(items[0].prompt)
-            raise _value_error(CONTEXT_MSG.format(C=p, T=p + 1, P=p, N=1))
+        try:
+            items, is_list, stream = self._parse_generate(body)
+            if fault == "context":
+                p = len(items[0].prompt)
+                raise _value_error(CONTEXT_MSG.format(C=p, T=p + 1, P=p, N=1))
+        except _HTTPError as e:
+            if body.get("stream") and isinstance(e.body, dict) and set(e.body) == {"error"}:
+                # a ValueError of a streamed request: SGLang's stream has begun (HTTP 200)
+                await self._stream_events(writer, [e.body, b"[DONE]"])
+                return _STREAMED
+            raise
         if self.released_tags & {"weights", "kv_cache"}:
             return 500, {
                 "object": "error",
@@ -864,6 +909,8 @@ class FakeSGLang:
         try:
             await self._resume.wait()  # new requests block while paused
             await self._rw.acquire_read()
+            for it in items:
+                it.scheduled = True
             try:
                 if stream:
                     await self._stream(items, is_list, writer, abort_fault=fault == "abort")
@@ -1080,17 +1127,14 @@ class FakeSGLang:
         finish: dict[str, Any] | None = None
         text = ""
         for tid, lp in proposal:
-            if it.aborted:
-                break
-            if self.paused:  # retract / in_place: wait for /continue_generation
-                await self._resume.wait()
-                if it.aborted:
-                    break
             if self.faults.token_delay_s:
                 await asyncio.sleep(self.faults.token_delay_s)
-                if it.aborted:
-                    break
-            out.append((tid, lp))
+            while self.paused and not it.aborted:  # retract / in_place: no token until continue
+                await self._resume.wait()
+            if it.aborted:
+                break
+            out.append((tid, lp))  # decoded now, under the weights now loaded
+            it.produced = len(out)
             if abort_fault and len(out) == 2:
                 it.aborted = True
             if on_token is not None:
@@ -1226,11 +1270,9 @@ class FakeSGLang:
                 text = text[:cut]
         return text
 
-    async def _stream(
-        self, items: list[_Item], is_list: bool, writer: asyncio.StreamWriter, *, abort_fault: bool
-    ) -> None:
-        """SSE: one `data:` event per token (the last one carries the finish), then `[DONE]`.
-        Cumulative chunks by default, deltas with `incremental_streaming`."""
+    @staticmethod
+    async def _sse_start(writer: asyncio.StreamWriter) -> Callable[[Any], Any]:
+        """Send the headers of an SSE answer; returns `emit(obj_or_bytes)` for its events."""
         writer.write(
             b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\n"
             b"transfer-encoding: chunked\r\n\r\n"
@@ -1248,6 +1290,27 @@ class FakeSGLang:
             )
             writer.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
             await writer.drain()
+
+        return emit
+
+    @staticmethod
+    async def _sse_end(writer: asyncio.StreamWriter) -> None:
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+
+    async def _stream_events(self, writer: asyncio.StreamWriter, events: list[Any]) -> None:
+        emit = await self._sse_start(writer)
+        for e in events:
+            await emit(e)
+        await self._sse_end(writer)
+
+    async def _stream(
+        self, items: list[_Item], is_list: bool, writer: asyncio.StreamWriter, *, abort_fault: bool
+    ) -> None:
+        """SSE: one `data:` event per token (the last one carries the finish), then `[DONE]`.
+        Cumulative chunks by default, deltas with `incremental_streaming`. Each chunk is built
+        when its token is decoded, so its `weight_version` is the one that decoded it."""
+        emit = await self._sse_start(writer)
 
         def hook(it: _Item) -> Callable[..., Any]:
             sent, pending = 0, None  # tokens covered by sent chunks; the chunk held back
@@ -1272,8 +1335,7 @@ class FakeSGLang:
             *(self._run(it, abort_fault=abort_fault, on_token=hook(it)) for it in items)
         )
         await emit(b"[DONE]")
-        writer.write(b"0\r\n\r\n")
-        await writer.drain()
+        await self._sse_end(writer)
 
 
 class _Sentinel:

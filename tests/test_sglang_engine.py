@@ -95,6 +95,15 @@ async def send(
         )
 
 
+async def until_decoding(s: FakeSGLang, timeout_s: float = 10.0) -> None:
+    """Wait until a request on `s` has decoded a token (a new httpx client alone can take 0.2 s
+    to make its SSL context on a loaded machine: a fixed sleep raced it)."""
+    t0 = time.monotonic()
+    while not any(it.produced for it in s._items.values()):
+        assert time.monotonic() - t0 < timeout_s, "no request started decoding"
+        await asyncio.sleep(0.005)
+
+
 def scripted(*outputs: list[Any]) -> Any:
     """A script that returns the given outputs in turn (one per generated sequence)."""
     queue = list(outputs)
@@ -262,7 +271,7 @@ async def test_fake_abort_request_aborts_a_live_request(server):
         },
     }
     task = asyncio.create_task(send(s.url, gen))
-    await asyncio.sleep(0.1)
+    await until_decoding(s)
     r = await send(s.url, fx["request"])
     assert (r.status_code, r.content) == (200, b"")
     out = (await task).json()
@@ -374,10 +383,10 @@ async def test_fake_pause_retract_blocks_and_updates_run_at_once(server, tmp_pat
     new = asyncio.create_task(send(s.url, gen))  # blocks while paused
     r = await send(s.url, {"method": "POST", "path": "/flush_cache"})
     assert r.status_code == 400  # the retracted request is still waiting
-    upd = {
+    upd = {  # no flush: the parked request holds its KV (see the test below)
         "method": "POST",
         "path": "/update_weights_from_disk",
-        "json": {"model_path": str(tmp_path), "weight_version": "2"},
+        "json": {"model_path": str(tmp_path), "weight_version": "2", "flush_cache": False},
     }
     r = await asyncio.wait_for(send(s.url, upd), 2)  # no writer-lock wait while paused
     assert r.json()["success"] is True
@@ -388,6 +397,81 @@ async def test_fake_pause_retract_blocks_and_updates_run_at_once(server, tmp_pat
         out = (await t).json()
         assert out["meta_info"]["finish_reason"]["type"] == "length"
         assert out["meta_info"]["weight_version"] == "2"
+
+
+@pytest.mark.parametrize("retract_flush", [False, True])
+async def test_fake_update_that_flushes_over_parked_requests_kills_the_scheduler(
+    server, tmp_path, retract_flush
+):
+    """SGLang asserts that the cache flush after a weight update succeeds; stock SGLang cannot
+    flush while a retract pause parks requests (sgl-project/sglang#33783), a build with
+    sgl-project/sglang#33784 can. The update is applied either way (loaded before the flush)."""
+    s = await server(retract_flush=retract_flush)
+    s.faults.token_delay_s = 0.05  # 1 s: each httpx call here takes ~0.2 s
+    gen = {
+        "method": "POST",
+        "path": "/generate",
+        "json": {"input_ids": [1], "sampling_params": {"max_new_tokens": 20}},
+    }
+    running = asyncio.create_task(send(s.url, gen))
+    await until_decoding(s)
+    await send(s.url, {"method": "POST", "path": "/pause_generation", "json": {"mode": "retract"}})
+    flushed = await send(s.url, {"method": "POST", "path": "/flush_cache"})
+    upd = {
+        "method": "POST",
+        "path": "/update_weights_from_disk",
+        "json": {"model_path": str(tmp_path), "weight_version": "2"},
+    }
+    r = await send(s.url, upd)
+    if retract_flush:
+        assert flushed.status_code == 200 and r.json()["success"] is True
+        await send(s.url, {"method": "POST", "path": "/continue_generation", "json": {}})
+        assert (await running).json()["meta_info"]["finish_reason"]["type"] == "length"
+    else:
+        assert flushed.status_code == 400 and r.status_code == 500
+        assert "Cache flush failed" in r.json()["message"]
+        assert (await send(s.url, {"method": "GET", "path": "/health_generate"})).status_code == 503
+        assert (await running).json()["meta_info"]["finish_reason"]["type"] == "abort"
+
+
+async def test_fake_stream_chunks_carry_the_version_that_decoded_them(server, tmp_path):
+    """A streamed request paused (retract) across an update: the chunks of the tokens decoded
+    before carry the old version, the others the new one; a streamed validation error is an
+    error event in a 200 stream."""
+    s = await server(weight_version="0")
+    s.faults.token_delay_s = 0.05  # 1 s: each httpx call here takes ~0.2 s
+    gen = {
+        "method": "POST",
+        "path": "/generate",
+        "json": {
+            "input_ids": [1],
+            "sampling_params": {"max_new_tokens": 20},
+            "return_logprob": True,
+            "stream": True,
+        },
+    }
+    running = asyncio.create_task(send(s.url, gen))
+    await until_decoding(s)
+    await send(s.url, {"method": "POST", "path": "/pause_generation", "json": {"mode": "retract"}})
+    upd = {
+        "method": "POST",
+        "path": "/update_weights_from_disk",
+        "json": {"model_path": str(tmp_path), "weight_version": "1", "flush_cache": False},
+    }
+    assert (await send(s.url, upd)).json()["success"] is True
+    await send(s.url, {"method": "POST", "path": "/continue_generation", "json": {}})
+    chunks = [json.loads(c[6:]) for c in (await running).text.split("\n\n")[:-2]]
+    (before,) = s.pauses[0].values()
+    assert 0 < before < 20
+    versions = {
+        c["meta_info"]["completion_tokens"]: c["meta_info"]["weight_version"] for c in chunks
+    }
+    assert versions == {n: "0" if n <= before else "1" for n in range(1, 21)}
+    bad = copy.deepcopy(gen)
+    bad["json"]["sampling_params"]["max_new_tokens"] = 5000
+    r = await send(s.url, bad)
+    assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
+    assert "maximum context length" in json.loads(r.text.split("\n\n")[0][6:])["error"]["message"]
 
 
 async def test_fake_batch_stream_chunks_carry_an_index(server):

@@ -5,7 +5,7 @@ import asyncio
 import dataclasses
 
 from agentgrpo.engine import SamplingParams, SGLangEngine
-from agentgrpo.rollout import EpisodeLimits, run_episode
+from agentgrpo.rollout import EpisodeLimits, run_episode, run_group, turn_seed
 from envs.calculator import CalculatorEnv
 from tests.fake_sglang import FakeSGLang
 from tests.fakes import ScriptedEngine
@@ -76,3 +76,89 @@ def test_sglang_and_in_process_trajectories_are_identical(chat):
         r["sampling_params"]["no_stop_trim"] and not r["sampling_params"]["skip_special_tokens"]
         for r in requests
     )
+
+
+def _by_turn(chat):
+    """The script's turn for the episode asking (its assistant turns since the task's question;
+    the env's examples come before it), whatever the order in which the group's episodes call."""
+
+    def script(ids: list[int], i: int) -> str:
+        turn = chat.decode(ids).rsplit("<|im_start|>user", 1)[1].count("<|im_start|>assistant")
+        return SCRIPT[min(turn - 1, 2)]
+
+    return script
+
+
+def test_every_turn_of_a_groups_episodes_stays_on_one_server(chat):
+    """run_group gives each episode a session id; over 2 servers each episode's turns all reach
+    one server (told apart by their sampling seed, seed + index), and the group spreads over
+    both."""
+
+    async def go():
+        backends = [  # one fast, one slow server: without sessions, turns would hop to the fast
+            ScriptedEngine(chat.tokenizer, _by_turn(chat), chat.end_of_turn_id, delay_s=d)
+            for d in (0.01, 0.08)
+        ]
+        servers = [FakeSGLang(backend=b, eos_token_ids=chat.stop_token_ids) for b in backends]
+        engine = SGLangEngine([await s.start() for s in servers])
+        try:
+            g = await run_group(
+                CalculatorEnv,
+                engine,
+                chat,
+                TASK,
+                4,
+                SamplingParams(max_new_tokens=64, seed=100),
+                seed=0,
+                group_id="g",
+                limits=EpisodeLimits(max_turns=4, max_tokens=400),
+            )
+            return g, [[r["sampling_params"]["sampling_seed"] for r in s.requests] for s in servers]
+        finally:
+            await engine.aclose()
+            for s in servers:
+                await s.stop()
+
+    g, seeds = asyncio.run(go())
+    assert [t.num_turns for t in g.trajectories] == [3] * 4
+    assert all(seeds)  # both servers served episodes
+    for i in range(4):  # episode i: 3 turns (seeds turn_seed(100 + i, k)), all on one server
+        turns = {turn_seed(100 + i, k) for k in (1, 2, 3)}
+        assert sorted(sum(x in turns for x in s) for s in seeds) == [0, 3]
+
+
+def test_a_turn_sampled_across_a_weight_push_records_both_versions(chat, tmp_path):
+    """Partial rollouts end to end: a push lands while the first turn is being decoded; the
+    trajectory keeps every token and knows which version sampled each."""
+
+    async def go():
+        backend = ScriptedEngine(chat.tokenizer, _by_turn(chat), chat.end_of_turn_id)
+        server = FakeSGLang(backend=backend, eos_token_ids=chat.stop_token_ids, weight_version="0")
+        server.faults.token_delay_s = 0.03
+        engine = SGLangEngine([await server.start()], partial_rollouts=True)
+        try:
+            episode = asyncio.create_task(
+                run_episode(
+                    CalculatorEnv(),
+                    engine,
+                    chat,
+                    TASK,
+                    SamplingParams(max_new_tokens=64),
+                    seed=0,
+                    limits=EpisodeLimits(max_turns=4, max_tokens=400),
+                )
+            )
+            while not any(it.produced for it in server._items.values()):
+                await asyncio.sleep(0.005)
+            await engine.update_weights_from_disk(tmp_path, version="1")
+            return await episode, server.pauses[0]
+        finally:
+            await engine.aclose()
+            await server.stop()
+
+    traj, paused = asyncio.run(go())
+    local = _episode(chat, ScriptedEngine(chat.tokenizer, SCRIPT, chat.end_of_turn_id))
+    assert traj.token_ids == local.token_ids and traj.stop_reason == local.stop_reason
+    (before,) = paused.values()
+    assert traj.token_versions == [(before, 0), (traj.num_sampled - before, 1)]
+    assert traj.weight_versions == (0, 1)

@@ -147,6 +147,38 @@ async def test_disk_push_loads_verifies_and_versions(fake_with_model, tmp_path):
         await sync.push(learner, 3)
 
 
+async def test_a_partial_rollouts_push_keeps_the_request_in_flight(tmp_path):
+    """With `partial_rollouts` the push does not wait for, nor abort, a request in flight: it
+    finishes as one request whose tokens are split between the versions, and the push is
+    verified as usual."""
+    learner = tiny_model()
+    s = FakeSGLang(backend=TinyModelBackend(copy.deepcopy(learner)), eos_token_ids=(EOS,))
+    await s.start()
+    engine = SGLangEngine([s.url], backoff_initial_s=0.01, partial_rollouts=True)
+    try:
+        sync = WeightSync(engine, WeightSyncConfig(shared_dir=str(tmp_path)))
+        await sync.push(learner, 1)
+        s.faults.token_delay_s = 0.05  # 2 s of decoding: the push (save, load) lands mid-request
+        params = SamplingParams(max_new_tokens=40, stop_token_ids=(), temperature=1.0, seed=3)
+        task = asyncio.create_task(engine.generate([1, 2, 3], params))
+        while not any(it.produced for it in s._items.values()):
+            await asyncio.sleep(0.005)
+        train_step(learner)
+        assert await sync.push(learner, 2) == "2"
+        assert sync.last_probe_error < 1e-5 and same_weights(s.backend.model, learner)
+        c = await task
+        (before,) = s.pauses[-1].values()
+        assert c.version_runs == [(before, "1"), (len(c.token_ids) - before, "2")]
+        assert 0 < before < len(c.token_ids)
+        assert sum(bool(r.get("stream")) for r in s.requests) == 1  # kept, not sent again
+        assert [p for p, _ in s.calls if p.startswith("/update")] == [
+            "/update_weights_from_disk"
+        ] * 2
+    finally:
+        await engine.aclose()
+        await s.stop()
+
+
 async def test_probe_mismatch_names_both_numbers(fake_with_model, tmp_path):
     learner = tiny_model()
     server, engine = await fake_with_model(learner)

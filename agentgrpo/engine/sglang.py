@@ -9,7 +9,8 @@ other `sampling_params` key, because SGLang answers an unknown key with a 500.
 
 Decisions (see PROTOCOL.md for the server side of each):
 - Balancing, failures and retries live in `sglang_pool.py`: least outstanding requests over the
-  healthy servers; a failing server leaves the rotation and rejoins once healthy; a request that
+  healthy servers, every turn of an episode on one server (`SamplingParams.session_id`, sticky
+  routing); a failing server leaves the rotation and rejoins once healthy; a request that
   runs out of retries or of its deadline raises `EngineError`, never a made-up completion.
 - The context window: SGLang rejects `prompt + max_new_tokens >= context_length` with a 400, so
   `max_new_tokens` is always clamped client-side to `context_length - prompt - 1` once the window
@@ -29,7 +30,19 @@ Decisions (see PROTOCOL.md for the server side of each):
 - Weight updates follow pause -> flush_cache -> update -> continue on every server in rotation.
   Requests that SGLang aborts because of our own pause are resubmitted once generation continues
   (their partial tokens came from the old weights); new requests wait client-side until the update
-  is done. A server that was out of rotation during an update (or restarted) must serve the
+  is done.
+- Partial rollouts (`partial_rollouts`): the pause is SGLang's mode `retract` instead, which keeps
+  the requests in flight (their KV is dropped and recomputed under the new weights when they
+  continue), so an update does not wait for long episodes and throws no token away. Every request
+  is then streamed: SGLang stamps each chunk with the weight version of the moment it sent it, and
+  no token is decoded while paused, so the tokens of the chunks before the update are the old
+  version's (`StreamFold`, `Completion.version_runs`). The update itself is sent with
+  `flush_cache: false`: SGLang asserts that this flush succeeds, and stock SGLang cannot flush while
+  retracted requests wait in its queue (the scheduler dies; sgl-project/sglang#33783). The cache
+  is flushed by `/flush_cache` after the pause instead; a server that refuses (400) keeps the
+  prefixes it cached before the update, old-weight KV that later requests (the retracted ones too)
+  may reuse until it is evicted: logged once per server. Builds with sgl-project/sglang#33784
+  flush. A server that was out of rotation during an update (or restarted) must serve the
   current weight version to rejoin, checked under the update lock (one coming back during an
   update waits for it to end, then is checked against the new version): after a disk update the
   client replays it on that server. An NCCL update goes to every server of the group or to none
@@ -56,6 +69,7 @@ from agentgrpo.engine.sglang_config import SGLangConfig
 from agentgrpo.engine.sglang_nccl import NcclUpdates
 from agentgrpo.engine.sglang_pool import ServerPool, ServerState, _ContextLengthError
 from agentgrpo.engine.sglang_protocol import (  # noqa: F401 - re-exported: the client's public parsing API
+    StreamFold,
     _version_tuple,
     context_length_of,
     error_message,
@@ -105,6 +119,7 @@ class SGLangEngine(NcclUpdates):
         self._update_targets: list[ServerState] | None = None
         self._released: list[ServerState] | None = None  # servers whose memory release_memory freed
         self._memory_saver: set[str] = set()  # urls seen with --enable-memory-saver
+        self._stale_cache: set[str] = set()  # urls that could not flush under a retract pause
         self._context_length = (
             self.config.context_length
         )  # smallest window known, see the module doc
@@ -142,6 +157,17 @@ class SGLangEngine(NcclUpdates):
         await asyncio.gather(*(self._read_server_info(s) for s in self._pool.servers))
         if seeded:
             self._check_seed_support()
+        if self.config.partial_rollouts:
+            old = [
+                f"{s.url} ({s.version})"
+                for s in self._pool.servers
+                if s.version is not None and _version_tuple(s.version) < (0, 5, 6)
+            ]
+            if old:
+                raise EngineError(
+                    "partial_rollouts needs SGLang >= 0.5.6 (pause_generation modes; older "
+                    f"servers abort every request on a pause): {', '.join(old)}"
+                )
 
     async def _server_info(self, s: ServerState) -> dict[str, Any]:
         r = await self._control(s, "GET", "/server_info", allow_404=True)
@@ -156,6 +182,17 @@ class SGLangEngine(NcclUpdates):
         s.dp_size = 1 if info.get("enable_dp_attention") else int(info.get("dp_size") or 1)
         ctx = info.get("context_length")  # null unless launched with --context-length
         self._learn_context_length(int(ctx) if ctx else None)
+        # the flag is --incremental-streaming-output since 2026-03, --stream-output before
+        if self.config.partial_rollouts and not (
+            info.get("incremental_streaming_output") or info.get("stream_output")
+        ):
+            log.warning(
+                "SGLang server %s streams cumulative chunks (no --incremental-streaming-output): "
+                "with partial_rollouts every request is streamed and each chunk repeats the "
+                "output so far, O(n^2) bytes for n tokens on the server and the client "
+                "(docs/rollouts.md has the numbers). Restart it with the flag.",
+                s.url,
+            )
         log.info(
             "SGLang server %s: version %s, tp_size %s, context_length %s",
             s.url,
@@ -188,8 +225,9 @@ class SGLangEngine(NcclUpdates):
             "sampling_params": None,
             "return_logprob": True,
             "logprob_start_len": -1,
-            "stream": False,
+            "stream": self.config.partial_rollouts,  # the version of every chunk, see above
         }
+        sid = params.session_id  # sticky routing (sglang_pool.py); never sent to SGLang
         while True:
             max_new, ctx = params.max_new_tokens, self._context_length
             if ctx is not None:
@@ -206,8 +244,12 @@ class SGLangEngine(NcclUpdates):
             body["sampling_params"] = sampling_body(params, max_new)
             await self._resumed.wait()
             epoch = self._epoch
+            fold: StreamFold | None = None
             try:
-                raw = await self._pool.post_generate(body)
+                if body["stream"]:
+                    fold = await self._pool.post_generate_stream(body, session_id=sid)
+                else:
+                    raw = await self._pool.post_generate(body, session_id=sid)
             except _ContextLengthError as e:
                 learned = self._learn_context_length(context_length_of(str(e)))
                 if learned and len(prompt_ids) + 1 < (self._context_length or 0):
@@ -215,9 +257,13 @@ class SGLangEngine(NcclUpdates):
                 return Completion(
                     [], [], "length", self._weight_version, detail=f"context length: {e}"
                 )
+            if fold is not None:
+                raw = fold.output()
             c = parse_generate_output(raw, weight_version=self._weight_version)
             if c.finish_reason == "abort" and (epoch != self._epoch or not self._resumed.is_set()):
                 continue  # aborted by our own weight-update pause: resubmit under the new weights
+            if fold is not None and len(runs := fold.version_runs(self._weight_version)) > 1:
+                c.version_runs = runs
             return c
 
     async def score(
@@ -310,8 +356,10 @@ class SGLangEngine(NcclUpdates):
         *,
         timeout: float | None = None,
         allow_404: bool = False,
+        tolerate: tuple[int, ...] = (),
     ) -> httpx.Response | None:
-        """One control call to one server; raises `EngineError` on anything but 2xx."""
+        """One control call to one server; raises `EngineError` on anything but 2xx and the
+        statuses in `tolerate` (returned like a 2xx)."""
         timeout = self.config.connect_timeout_s + 30.0 if timeout is None else timeout
         try:
             r = await self._pool.client.request(
@@ -324,7 +372,7 @@ class SGLangEngine(NcclUpdates):
             raise EngineError(f"{s.url}{path} failed: {type(e).__name__}: {e}") from e
         if allow_404 and r.status_code == 404:
             return None
-        if not 200 <= r.status_code < 300:
+        if not 200 <= r.status_code < 300 and r.status_code not in tolerate:
             raise EngineError(
                 f"{s.url}{path} answered HTTP {r.status_code}: {error_message(r.content)}"
             )
@@ -381,8 +429,8 @@ class SGLangEngine(NcclUpdates):
     @asynccontextmanager
     async def paused(self, *, every_server: bool = False) -> AsyncIterator[None]:
         """Pause generation on the servers in rotation (in-flight requests are aborted and later
-        resubmitted by this client), flush their cache, run the body (the update), and always
-        continue generation. New generate() calls wait meanwhile.
+        resubmitted by this client; kept with `partial_rollouts`), flush their cache, run the body
+        (the update), and always continue generation. New generate() calls wait meanwhile.
 
         `every_server=True` is for an update that must reach every server (NCCL): servers out of
         rotation are probed at once (they rejoin if healthy and on the current version), and
@@ -402,8 +450,12 @@ class SGLangEngine(NcclUpdates):
             self._resumed.clear()
             self._epoch += 1
             try:
-                await self._all("POST", "/pause_generation", {"mode": "abort"})
-                await self.flush_cache()
+                if self.config.partial_rollouts:
+                    await self._all("POST", "/pause_generation", {"mode": "retract"})
+                    await self._flush_under_retract(targets)
+                else:
+                    await self._all("POST", "/pause_generation", {"mode": "abort"})
+                    await self.flush_cache()
                 yield
             finally:
                 results = await self._each(
@@ -414,6 +466,26 @@ class SGLangEngine(NcclUpdates):
                 failed = [r for r in results if isinstance(r, BaseException)]
                 if failed and sys.exc_info()[0] is None:  # don't hide the body's own error
                     raise failed[0]
+
+    async def _flush_under_retract(self, servers: list[ServerState]) -> None:
+        """Flush the cache of servers paused in mode retract, once each (the requests they park
+        stay until the update is done, retrying cannot help); see the module docstring."""
+        results = await self._each(servers, "POST", "/flush_cache", tolerate=(400,))
+        for s, r in zip(servers, results, strict=True):
+            if r.status_code == 200 or s.url in self._stale_cache:
+                continue
+            self._stale_cache.add(s.url)
+            log.warning(
+                "SGLang server %s cannot flush its prefix cache while a retract pause parks "
+                "requests (sgl-project/sglang#33783): prefixes it cached before a weight update "
+                "keep the old weights' KV until evicted. Later updates are not reported again.",
+                s.url,
+            )
+
+    def _update_flushes(self) -> bool:
+        """Whether an update call may ask the server to flush its cache: not over requests parked
+        by a retract pause (SGLang asserts the flush and its scheduler dies)."""
+        return not self.config.partial_rollouts
 
     async def release_memory(self) -> None:
         """With `release_memory_during_training`: free the weights and KV cache of every server in
@@ -501,10 +573,10 @@ class SGLangEngine(NcclUpdates):
             await self._all(
                 "POST",
                 "/update_weights_from_disk",
-                body,
+                {**body, "flush_cache": self._update_flushes()},
                 timeout=self.config.weight_update_timeout_s,
             )
-        self._weight_version, self._last_disk_update = str(version), body
+        self._weight_version, self._last_disk_update = str(version), body  # replayed unpaused
 
     async def weight_versions(self) -> dict[str, str | None]:
         """The weight version of each server in rotation, from `/model_info` (`/get_model_info`

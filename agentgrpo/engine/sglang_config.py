@@ -3,7 +3,7 @@ config does not import httpx and the client's machinery."""
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class SGLangConfig(BaseModel):
@@ -33,6 +33,14 @@ class SGLangConfig(BaseModel):
     max_inflight_per_server: int = Field(
         256, ge=1, description="Requests in flight per server; more callers wait for a free slot."
     )
+    max_sticky_sessions: int = Field(
+        100_000,
+        ge=0,
+        description="Sticky routing: every request of an episode (SamplingParams.session_id) goes "
+        "to the server of its first request while that server is healthy, where its prefix cache "
+        "holds the episode. The client remembers this many sessions, the least recently used "
+        "forgotten first; 0 = no sticky routing (each request to the least loaded server).",
+    )
     probe_interval_s: float = Field(
         5.0, gt=0, description="Longest wait between two health probes of a server taken out."
     )
@@ -56,6 +64,27 @@ class SGLangConfig(BaseModel):
         "while the learner trains and take them back before each weight push. Needs SGLang's "
         "--enable-memory-saver (checked); not with train.max_staleness >= 1.",
     )
+
+    partial_rollouts: bool = Field(
+        False,
+        description="Weight pushes keep the requests in flight (partial rollouts): pause with "
+        "SGLang's mode 'retract' instead of aborting, update, continue; a request that ran across "
+        "the push says which of its tokens each version sampled (Completion.version_runs). "
+        "Requests are streamed to learn that split: start the servers with "
+        "--incremental-streaming-output, else every chunk repeats the whole output so far. Needs "
+        "SGLang >= 0.5.6. Off: a push aborts the requests in flight and sends them again under "
+        "the new weights.",
+    )
+
+    @model_validator(mode="after")
+    def _partial_needs_live_servers(self) -> SGLangConfig:
+        if self.partial_rollouts and self.release_memory_during_training:
+            raise ValueError(
+                "partial_rollouts keeps requests running across a weight push, but "
+                "release_memory_during_training frees the servers' memory while the learner "
+                "trains, which needs them idle: choose one"
+            )
+        return self
 
     @field_validator("urls")
     @classmethod

@@ -106,7 +106,7 @@ class NcclUpdates:
             "dtypes": dtypes,
             "shapes": shapes,
             "group_name": group_name,
-            "flush_cache": version is not None,
+            "flush_cache": version is not None and self._update_flushes(),
         }
         if version is not None:
             body["weight_version"] = str(version)

@@ -9,8 +9,16 @@ health probes and the engine's control calls over one httpx client.
 
 Decisions (see PROTOCOL.md for the server side of each):
 - Balancing: least outstanding requests over the healthy servers, at most `max_inflight_per_server`
-  requests in flight per server (callers beyond that wait for a slot). Prefix-cache locality is not
-  considered; put sglang-router in front and give its one URL if you want cache-aware routing.
+  requests in flight per server (callers beyond that wait for a slot).
+- Sticky routing: the requests of one episode (`SamplingParams.session_id`, the same on every
+  turn) go to the server its first request went to while that server is healthy, since its prefix
+  cache holds the episode so far; they wait for a slot there rather than go elsewhere. A new
+  session, and a request without one, takes the least loaded server. When the session's server
+  leaves the rotation, its next request takes the least loaded healthy server and the session
+  stays there (also after the old one returns). The table of sessions is bounded
+  (`max_sticky_sessions`): episodes never say they ended, so the least recently used session is
+  forgotten first; a forgotten session that comes back is routed as a new one (a cache miss, not
+  an error).
 - Failures: transport errors, 5xx and 429 take the server out of rotation and retry the request on
   another one with exponential backoff, all within one per-request deadline. A server taken out is
   re-probed on `/health_generate` and comes back when it answers 200. Every attempt gets a fresh
@@ -33,21 +41,23 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import aiohttp
 import httpx
 import orjson
 
 from agentgrpo.engine.base import EngineError
-from agentgrpo.engine.sglang_protocol import error_message, is_context_length_error
+from agentgrpo.engine.sglang_protocol import StreamFold, error_message, is_context_length_error
 
 if TYPE_CHECKING:  # sglang.py imports this module; only the annotation needs the config
     from agentgrpo.engine.sglang_config import SGLangConfig
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 _RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
 # Idle /generate connections are closed by the client after this long, before uvicorn (SGLang's
@@ -110,7 +120,9 @@ class ServerPool:
         # the /generate sessions of each server, made in the event loop that first uses them
         self._sessions: dict[str, aiohttp.ClientSession] = {}
         self._sessions_loop: asyncio.AbstractEventLoop | None = None
-        self._waiters: list[asyncio.Future[None]] = []
+        # callers waiting for a slot, each with the server its session is pinned to (or None)
+        self._waiters: list[tuple[asyncio.Future[None], str | None]] = []
+        self._pins: OrderedDict[str, ServerState] = OrderedDict()  # session -> its server, LRU
         self._probes: dict[str, asyncio.Task[None]] = {}  # running health probes (kept referenced)
         self._rr = 0  # rotates the scan start so equally loaded servers share the work
         self._resync = resync  # run on a returning server before it rejoins; "" = it may rejoin
@@ -198,15 +210,36 @@ class ServerPool:
 
     # -- requests ------------------------------------------------------------------------------
 
-    async def post_generate(self, body: dict[str, Any]) -> dict[str, Any]:
-        """POST /generate with balancing, retries and the deadline; returns the output object."""
+    async def post_generate(
+        self, body: dict[str, Any], *, session_id: str | None = None
+    ) -> dict[str, Any]:
+        """POST /generate with balancing, retries and the deadline; returns the output object.
+        `session_id`: the episode the request belongs to (sticky routing, module docstring)."""
+        return await self._post(body, session_id, self._read_json)
+
+    async def post_generate_stream(
+        self, body: dict[str, Any], *, session_id: str | None = None
+    ) -> StreamFold:
+        """`post_generate` for a streamed request (`body["stream"]` true): the SSE chunks folded
+        into one output and the weight version of each sampled token (`StreamFold`). A stream cut
+        before `[DONE]` is a transport failure (the server leaves the rotation, the request is
+        retried); an error event is what a 400 is to `post_generate`."""
+        return await self._post(body, session_id, self._read_sse)
+
+    async def _post(
+        self,
+        body: dict[str, Any],
+        session_id: str | None,
+        read: Callable[[str, aiohttp.ClientResponse], Awaitable[_T]],
+    ) -> _T:
+        """The request loop: a server, an attempt, its answer read by `read` when it is a 200."""
         cfg = self.config
         loop = asyncio.get_running_loop()
         deadline = loop.time() + cfg.request_timeout_s
         attempt = 0
         last_error = "no attempt made"
         while True:
-            s = await self._acquire(deadline, last_error)
+            s = await self._acquire(deadline, last_error, session_id)
             body["rid"] = uuid.uuid4().hex  # fresh per attempt: the old one may still be running
             url = s.url
             content = orjson.dumps(body)  # the stdlib's json is slow on long token lists
@@ -217,7 +250,11 @@ class ServerPool:
                 async with self._session(url).post(
                     f"{url}/generate", data=content, timeout=timeout
                 ) as r:
-                    status, answer = r.status, await r.read()
+                    status = r.status
+                    if status == 200:
+                        result = await read(url, r)
+                    else:
+                        answer = await r.read()
             except aiohttp.ConnectionTimeoutError as e:
                 # network boundary: no connection within connect_timeout_s -> server out, retry
                 last_error = f"{url}: connect timeout"
@@ -242,7 +279,7 @@ class ServerPool:
             else:
                 if status == 200:
                     s.completed += 1
-                    return self._decode_output(url, answer)
+                    return result
                 msg = error_message(answer)
                 if status == 400 and is_context_length_error(msg):
                     raise _ContextLengthError(msg)
@@ -270,6 +307,41 @@ class ServerPool:
                 )
             await asyncio.sleep(delay)
 
+    async def _read_json(self, url: str, r: aiohttp.ClientResponse) -> dict[str, Any]:
+        return self._decode_output(url, await r.read())
+
+    async def _read_sse(self, url: str, r: aiohttp.ClientResponse) -> StreamFold:
+        """Read the server-sent events of one streamed request: `data: <json>` events, each
+        ended by a blank line, then `data: [DONE]`. Split here rather than by aiohttp's line
+        reader, whose line limit (128 KiB) a cumulative chunk of a long completion exceeds."""
+        fold = StreamFold()
+        buf = bytearray()
+        async for data in r.content.iter_any():
+            start = max(0, len(buf) - 1)  # a separator may straddle two reads
+            buf += data
+            while (end := buf.find(b"\n\n", start)) >= 0:
+                event = bytes(buf[:end])
+                del buf[: end + 2]
+                start = 0
+                if not event.startswith(b"data: "):
+                    continue  # SGLang sends data events only; anything else carries nothing
+                payload = event[6:]
+                if payload == b"[DONE]":
+                    return fold
+                try:
+                    chunk = orjson.loads(payload)
+                except ValueError as e:  # trust boundary: a cut or foreign event
+                    raise EngineError(f"{url}/generate streamed invalid JSON: {e}") from e
+                if not isinstance(chunk, dict):
+                    raise EngineError(f"{url}/generate streamed {type(chunk).__name__} chunks")
+                if "error" in chunk:  # a validation error once the stream began (HTTP 200)
+                    msg = error_message(payload)
+                    if is_context_length_error(msg):
+                        raise _ContextLengthError(msg)
+                    raise EngineError(f"{url}/generate failed in its stream: {msg}")
+                fold.feed(chunk)
+        raise aiohttp.ClientPayloadError("the event stream ended before data: [DONE]")
+
     @staticmethod
     def _decode_output(url: str, content: bytes) -> dict[str, Any]:
         try:
@@ -284,8 +356,12 @@ class ServerPool:
 
     # -- balancing and health ----------------------------------------------------------------
 
-    async def _acquire(self, deadline: float, last_error: str) -> ServerState:
-        """Reserve a slot on the least loaded healthy server, waiting for one until `deadline`.
+    async def _acquire(
+        self, deadline: float, last_error: str, session_id: str | None = None
+    ) -> ServerState:
+        """Reserve a slot on the server `session_id` is pinned to while it is healthy, else on the
+        least loaded healthy server (then the session is pinned there), waiting for a slot until
+        `deadline`.
 
         The same scan starts the health probes of servers out of rotation whose time has come,
         so a server returns as soon as it is healthy even while the others carry the load.
@@ -294,6 +370,7 @@ class ServerPool:
         cap = self.config.max_inflight_per_server
         servers = self.servers
         n = len(servers)
+        sticky = session_id is not None and n > 1 and self.config.max_sticky_sessions > 0
         while True:
             now = loop.time()
             best: ServerState | None = None
@@ -311,8 +388,15 @@ class ServerPool:
                     self._start_probe(s)
                 else:
                     wake = min(wake, s.retry_at)
+            pinned = self._pins.get(session_id) if sticky else None
+            if pinned is not None and pinned.healthy:  # its cache holds the episode: wait for it
+                best = pinned if pinned.outstanding < cap else None
+            else:
+                pinned = None  # a new session, or its server left: it moves to `best`
             if best is not None:
                 best.outstanding += 1
+                if sticky:
+                    self._pin(session_id, best)
                 return best
             if now >= deadline:
                 states = ", ".join(
@@ -325,28 +409,48 @@ class ServerPool:
                     f"last error: {last_error}"
                 )
             fut: asyncio.Future[None] = loop.create_future()
-            self._waiters.append(fut)
+            waiter = (fut, None if pinned is None else pinned.url)
+            self._waiters.append(waiter)
             try:
                 await asyncio.wait_for(fut, timeout=max(0.0, wake - now))
             except asyncio.TimeoutError:
                 pass
             finally:
-                if fut in self._waiters:
-                    self._waiters.remove(fut)
+                if waiter in self._waiters:
+                    self._waiters.remove(waiter)
 
-    def _wake(self, one: bool = False) -> None:
-        """Wake waiting callers: one per freed slot, all on a health change."""
-        while self._waiters:
-            f = self._waiters.pop(0)
-            if not f.done():
+    def _pin(self, session_id: str, s: ServerState) -> None:
+        """Remember `s` as the session's server, forgetting the least recently used session once
+        the table holds `max_sticky_sessions`."""
+        self._pins[session_id] = s
+        self._pins.move_to_end(session_id)
+        if len(self._pins) > self.config.max_sticky_sessions:
+            self._pins.popitem(last=False)
+
+    def session_server(self, session_id: str) -> str | None:
+        """The URL of the server a session is pinned to, None when none (for logs and tests)."""
+        s = self._pins.get(session_id)
+        return None if s is None else s.url
+
+    def _wake(self, freed: str | None = None) -> None:
+        """Wake waiting callers: on a freed slot of server `freed`, the first one that may take
+        it (not pinned to another server); on a health change (`freed` None), all of them."""
+        for i, (f, pin) in enumerate(self._waiters):
+            if f.done():
+                continue
+            if freed is None:
                 f.set_result(None)
-                if one:
-                    return
+            elif pin is None or pin == freed:
+                f.set_result(None)
+                del self._waiters[i]
+                return
+        if freed is None:
+            self._waiters.clear()
 
     def _release(self, s: ServerState) -> None:
         s.outstanding -= 1
         if self._waiters:
-            self._wake(one=True)
+            self._wake(freed=s.url)
 
     def _mark_unhealthy(self, s: ServerState, error: str) -> None:
         s.failures += 1

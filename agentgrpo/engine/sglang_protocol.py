@@ -82,6 +82,76 @@ def parse_generate_output(
     )
 
 
+class StreamFold:
+    """One streamed `/generate` request (`"stream": true`) folded into the output object of a
+    non-streamed one, and the weight version of each sampled token.
+
+    SGLang stamps every chunk it sends with `meta_info.weight_version`, the server's version when
+    its tokenizer manager forwarded the chunk. The tokens a chunk adds are counted to that
+    version, so a request paused across a weight update (`/pause_generation` mode `retract`) and
+    continued reads as the tokens sampled before the update and those after (`version_runs`).
+    Chunks are cumulative by default and deltas with `--incremental-streaming-output`; both are
+    read, told apart by `completion_tokens`, which stays cumulative in both modes. Ids come from
+    `output_token_logprobs` only (`output_ids` of a stream changed between cumulative and delta
+    across SGLang versions).
+    """
+
+    def __init__(self) -> None:
+        self.entries: list[Any] = []  # [logprob, id, text] per sampled token, in order
+        self.runs: list[tuple[int, str | None]] = []  # (count, weight version) over `entries`
+        self.last: Mapping[str, Any] | None = None  # the latest chunk
+
+    def feed(self, chunk: Mapping[str, Any]) -> None:
+        meta = chunk.get("meta_info")
+        if not isinstance(meta, Mapping):
+            raise EngineError(f"SGLang stream chunk without meta_info: keys {sorted(chunk)}")
+        entries = meta.get("output_token_logprobs")
+        total = meta.get("completion_tokens")
+        if entries is None or total is None:
+            raise EngineError(
+                "SGLang stream chunk without output_token_logprobs or completion_tokens"
+            )
+        have = len(self.entries)
+        if len(entries) == total >= have:  # cumulative (or the first chunk: both read alike)
+            new = entries[have:]
+        elif have + len(entries) == total:  # a delta
+            new = entries
+        else:
+            raise EngineError(
+                f"SGLang stream chunk with {len(entries)} output_token_logprobs and "
+                f"completion_tokens {total} after {have} tokens: neither cumulative nor a delta"
+            )
+        if new:
+            self.entries.extend(new)
+            version = meta.get("weight_version")
+            if self.runs and self.runs[-1][1] == version:
+                self.runs[-1] = (self.runs[-1][0] + len(new), version)
+            else:
+                self.runs.append((len(new), version))
+        self.last = chunk
+
+    def output(self) -> dict[str, Any]:
+        """The finished request as `parse_generate_output` reads it; `EngineError` when the
+        stream ended before a chunk with a `finish_reason`."""
+        last = self.last
+        if last is None or not last["meta_info"].get("finish_reason"):
+            raise EngineError("the SGLang stream ended before its request finished")
+        meta = {**last["meta_info"], "output_token_logprobs": self.entries}
+        return {"meta_info": meta}
+
+    def version_runs(self, fallback: str | None) -> list[tuple[int, str | None]]:
+        """(count, version) over the sampled tokens; `fallback` for chunks without a version
+        (SGLang before 0.5.2)."""
+        out: list[tuple[int, str | None]] = []
+        for n, v in self.runs:
+            v = fallback if v is None else v
+            if out and out[-1][1] == v:
+                out[-1] = (out[-1][0] + n, v)
+            else:
+                out.append((n, v))
+        return out
+
+
 def parse_generate_response(body: Any, *, weight_version: str | None = None) -> list[Completion]:
     """Parse a whole `/generate` body: one object, or a list (batch input or `n > 1`)."""
     items = body if isinstance(body, list) else [body]
