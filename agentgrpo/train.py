@@ -480,6 +480,7 @@ def start_main_rank(
         cfg.engine, model_path, tokenizer, seed=cfg.seed, weights_dtype=cfg.learner.dtype
     )
     print(describe_precision(run.learner.precision, run.engine, threads), flush=True)
+    print(f"attention: {run.learner.attention.path} ({run.learner.attention.reason})", flush=True)
     run.sync = WeightSync(run.engine, cfg.weight_sync)
     # SGLang: servers loaded, their versions and context length read, before the first push
     run.loop.run_until_complete(wait_ready(run.engine, seeded=True))
