@@ -49,6 +49,9 @@ GPU flash attention supports; elsewhere the path above stays.
 
 from __future__ import annotations
 
+import functools
+import inspect
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
@@ -371,19 +374,52 @@ def varlen_attention(
     k, v = (x.transpose(1, 2).reshape(R * S, KV, D).to(dtype) for x in (key, value))
     if varlen.k_idx is not None:  # each run's prompt, then itself
         k, v = k[varlen.k_idx], v[varlen.k_idx]
-    out = VARLEN_KERNEL(
-        q,
-        k,
-        v,
-        varlen.cu_seq_q,
-        varlen.cu_seq_k,
-        varlen.max_q,
-        varlen.max_k,
-        scale=scaling,
-        window_size=(-1, 0),  # causal, aligned to the bottom right: a prompt's keys all seen
-        enable_gqa=H != KV,
+    out = causal_varlen(
+        q, k, v, varlen.cu_seq_q, varlen.cu_seq_k, varlen.max_q, varlen.max_k, scale=scaling
     )
     return out.view(R, S, H, D), None
+
+
+def causal_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seq_q: torch.Tensor,
+    cu_seq_k: torch.Tensor,
+    max_q: int,
+    max_k: int,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """`VARLEN_KERNEL`'s causal attention (aligned to the bottom right: a sequence's last query sees
+    all its keys, so a continuation sees its whole prompt), q [T_q, H, D], k/v [T_k, KV, D] ->
+    [T_q, H, D], through whichever signature this torch's varlen_attn has."""
+    H, KV, D = q.shape[1], k.shape[1], q.shape[2]
+    params = _kernel_params(VARLEN_KERNEL)
+    kw: dict = {}
+    if "window_size" in params:  # torch >= 2.11
+        kw["window_size"] = (-1, 0)
+    else:  # torch 2.10
+        kw["is_causal"] = True
+    if H != KV:
+        if "enable_gqa" in params:
+            kw["enable_gqa"] = True
+        else:  # every query head gets its own copy of its key/value head
+            k, v = (x.repeat_interleave(H // KV, dim=1) for x in (k, v))
+    if "scale" in params:
+        kw["scale"] = scale
+    elif scale is not None and not math.isclose(scale, D**-0.5):
+        raise ValueError(
+            f"this torch's varlen_attn takes no scale, and this model scales attention by "
+            f"{scale}, not 1/sqrt(head dim): set learner.attention: mask"
+        )
+    return VARLEN_KERNEL(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, **kw)
+
+
+@functools.lru_cache(maxsize=4)
+def _kernel_params(kernel: Callable) -> frozenset[str]:
+    """The keyword arguments `kernel` takes: torch 2.10's varlen_attn takes `is_causal` only, 2.11
+    and later a causal `window_size`; `scale` and `enable_gqa` are read where present."""
+    return frozenset(inspect.signature(kernel).parameters)
 
 
 # flash attention's limits, as torch's varlen_attn checks them (torch/nn/attention/varlen.py

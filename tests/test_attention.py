@@ -6,6 +6,8 @@ the wiring; tests/test_gpu.py checks the kernel itself."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -301,11 +303,38 @@ def test_varlen_gives_the_masked_kernels_logprobs_and_gradients(mode, reference_
             torch.testing.assert_close(got[1][name], g, atol=1e-5, rtol=1e-4, msg=name)
 
 
+def test_varlen_through_torch_2_10s_signature(monkeypatch):
+    # torch 2.10's varlen_attn takes is_causal and neither window_size, scale nor enable_gqa: the
+    # call adapts (GQA by copies of the key/value heads) and gives the same numbers.
+    calls = []
+
+    def torch_2_10(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False,
+                   return_aux=None):  # fmt: skip
+        calls.append(is_causal)
+        window = (-1, 0) if is_causal else (-1, -1)
+        return reference_varlen_attn(
+            query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, window_size=window
+        )
+
+    monkeypatch.setattr(attention_module, "VARLEN_KERNEL", torch_2_10)
+    trajs = groups_of_trajectories(n_groups=2, size=4, seed=4)
+    (mb,) = make_micro_batches(trajs, [0.0] * len(trajs), 4096)
+    masked = _forward_backward(tiny_llama("sdpa"), mb)
+    model = tiny_llama("sdpa")
+    use_varlen(model)
+    got = _forward_backward(model, mb)
+    assert calls and all(calls)
+    torch.testing.assert_close(got[0], masked[0], atol=1e-5, rtol=0)
+    for name, g in masked[1].items():
+        torch.testing.assert_close(got[1][name], g, atol=1e-5, rtol=1e-4, msg=name)
+
+
 def test_varlen_under_bf16_autocast_calls_the_kernel_in_bf16(monkeypatch):
     # Rotary embeddings in fp32 make fp32 queries and keys out of bf16 projections; flash takes
     # bf16 or fp16 only, so the attention function casts them as sdpa's autocast would.
     seen = []
 
+    @functools.wraps(reference_varlen_attn)  # its signature: the keywords the call passes
     def spy(q, k, v, *args, **kw):
         seen.append((q.dtype, k.dtype, v.dtype))
         return reference_varlen_attn(q, k, v, *args, **kw)

@@ -144,11 +144,14 @@ def test_torch_varlen_attn_keeps_the_references_contract_on_cuda():
     q = torch.randn(int(lq.sum()), 4, 32, generator=g).to(CUDA, torch.bfloat16)
     k, v = (torch.randn(int(lk.sum()), 2, 32, generator=g).to(CUDA, torch.bfloat16) for _ in "kv")
     outs, grads = [], []
-    for kernel in (attention.VARLEN_KERNEL, reference_varlen_attn):
+    scale = 32**-0.5  # (torch 2.10 takes no scale: its default)
+    run_torchs = partial(attention.causal_varlen, scale=scale)  # as varlen_attention calls it
+    run_reference = partial(
+        reference_varlen_attn, scale=scale, window_size=(-1, 0), enable_gqa=True
+    )
+    for kernel in (run_torchs, run_reference):
         qkv = [x.clone().requires_grad_() for x in (q, k, v)]
-        out = kernel(
-            *qkv, cu_q, cu_k, int(lq.max()), int(lk.max()), window_size=(-1, 0), enable_gqa=True
-        )
+        out = kernel(*qkv, cu_q, cu_k, int(lq.max()), int(lk.max()))
         out.float().pow(2).sum().backward()
         outs.append(out)
         grads.append([x.grad for x in qkv])
