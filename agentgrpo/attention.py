@@ -465,6 +465,11 @@ def varlen_blocker(
     return None
 
 
+class AttentionUnavailable(ValueError):
+    """`learner.attention` (or its pairing with `attn_implementation`) cannot run on this machine
+    or model: a setting to change, which the run reports as a config error."""
+
+
 @dataclass(frozen=True)
 class AttentionChoice:
     """How packed rows keep sequences apart, and why (printed once at start-up): `path` is
@@ -489,10 +494,10 @@ def choose_attention(
     auto: varlen where `varlen_blocker` finds nothing against it (CUDA); on the CPU segment
     attention on rows long enough to pay (`AUTO_MIN_SHARE`), else the 4D mask; the mask on a GPU
     without varlen (segments measured slower there: docs/performance.md). Asking for varlen where
-    it cannot run is a ValueError that says why."""
+    it cannot run is an AttentionUnavailable (a ValueError) that says why."""
     if "flash" in kernel or kernel == "flex_attention":
         if setting != "auto":
-            raise ValueError(
+            raise AttentionUnavailable(
                 f"learner.attention={setting!r} with {kernel}: that kernel keeps sequences apart "
                 "itself (flash by position ids, flex by a block mask), with neither the 4D mask, "
                 "segments nor varlen; leave it 'auto'"
@@ -502,7 +507,7 @@ def choose_attention(
     blocker = varlen_blocker(device_type, capability, dtype, config, sliding_window)
     if setting == "varlen":
         if blocker is not None:
-            raise ValueError(
+            raise AttentionUnavailable(
                 f"learner.attention=varlen cannot run here: {blocker}; use auto or mask"
             )
         return AttentionChoice("varlen", "asked for (learner.attention=varlen)")

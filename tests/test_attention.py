@@ -483,3 +483,16 @@ def test_the_learner_trains_with_varlen_as_with_the_mask(monkeypatch, reference_
         assert got == pytest.approx(want, rel=1e-5, abs=1e-7), key
     for name, w in weights["mask"].items():  # as in the segments test above: AdamW's ~lr * sign(g)
         torch.testing.assert_close(weights["varlen"][name], w, atol=1e-5, rtol=0, msg=name)
+
+
+def test_train_with_varlen_on_the_cpu_is_a_config_error(tmp_path, capsys, monkeypatch):
+    import agentgrpo.models as models
+    from agentgrpo.cli import main
+
+    monkeypatch.setattr(models, "load_policy", lambda path: tiny_llama())  # no model to load
+    config = tmp_path / "c.yaml"
+    config.write_text(f"learner: {{attention: varlen}}\noutput_dir: {tmp_path / 'run'}\n")
+    assert main(["train", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert "error: learner.attention=varlen cannot run here: the learner runs on cpu" in err
+    assert "Traceback" not in err
