@@ -292,6 +292,10 @@ def main() -> None:
                 continue
             if dev != "cuda" and "tf32" in kw:  # TF32 is CUDA's
                 continue
+            if "flash" in args.attn and "attention" in kw:  # flash keeps sequences apart itself
+                if kw["attention"] != "mask":
+                    continue
+                kw = {n: v for n, v in kw.items() if n != "attention"}
             try:
                 built = learner(**kw)
             except Exception as e:  # noqa: BLE001 - as in `measure`: report it, measure the rest
