@@ -1,4 +1,5 @@
-"""Attention over packed rows segment by segment, instead of one kernel call under a [T, T] mask.
+"""Attention over packed rows without one kernel call under a [T, T] mask: segment by segment
+(sdpa, any device), or variable-length flash attention (CUDA; at the end of this docstring).
 
 A packed row (`agentgrpo.batch`) holds several sequences; under `shared_prefix` a GRPO group's
 prompt once, then every member's continuation, which sees that prompt and itself. A 4D mask makes
