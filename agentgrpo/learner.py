@@ -57,7 +57,7 @@ from accelerate.utils import DistributedType, InitProcessGroupKwargs, broadcast_
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from agentgrpo import learner_state
-from agentgrpo.attention import AUTO_MIN_SHARE, use_segments
+from agentgrpo.attention import AUTO_MIN_SHARE, choose_attention, use_segments, use_varlen
 from agentgrpo.batch import (
     PackingMode,
     TrainBatch,
@@ -72,6 +72,7 @@ from agentgrpo.learner_metrics import Metrics, over_ranks, step_metrics
 from agentgrpo.logprobs import (
     PolicyForward,
     attn_implementation,
+    sliding_window_of,
     tf32_matmuls,
     to_loss_layout,
     token_logprobs,
@@ -161,17 +162,17 @@ class LearnerConfig(BaseModel):
         "flex_attention, ...); flash kernels pack by position ids (varlen) instead of a mask, "
         "flex_attention gets a block mask that skips the blocks across sequences (GPU only)",
     )
-    attention: Literal["auto", "segments", "mask"] = Field(
+    attention: Literal["auto", "varlen", "segments", "mask"] = Field(
         "auto",
         description="how packed rows keep sequences apart (not with flash or flex kernels, which "
-        "do it themselves: by position ids, by a block mask): segments = each sequence attends "
-        "only to its prompt and itself, sequences of "
-        "similar size batched into padded sdpa calls (agentgrpo.attention; pairs own x "
-        "(prompt + own)); mask = one call per row under a 4D mask "
-        "(every pair of the row computed); auto = on the CPU segments for micro-batches whose "
-        "rows are "
-        "long enough to pay (agentgrpo.attention.AUTO_MIN_SHARE), else the mask; mask on GPUs "
-        "(segments measured slower there: docs/performance.md)",
+        "do it themselves: by position ids, by a block mask): varlen = variable-length flash "
+        "attention (torch.nn.attention.varlen, torch >= 2.10, CUDA, bf16/fp16): each sequence "
+        "attends to its prompt and itself from cumulative offsets, no mask; segments = the same "
+        "pairs, sequences of similar size batched into padded sdpa calls (agentgrpo.attention); "
+        "mask = one call per row under a 4D mask (every pair of the row computed); auto = varlen "
+        "where it runs, else on the CPU segments for micro-batches whose rows are long enough to "
+        "pay (agentgrpo.attention.AUTO_MIN_SHARE) and the mask for the others, the mask on "
+        "other GPUs (segments measured slower there: docs/performance.md)",
     )
     ref_offload: bool = Field(
         False,
@@ -297,22 +298,27 @@ class Learner:
         # flex_attention gets each micro-batch's layout as a BlockMask
         # (agentgrpo.attention.flex_block_mask)
         flex = attn_implementation(model) == "flex_attention"
-        if (self.flash or flex) and cfg.attention != "auto":
-            raise ValueError(
-                f"learner.attention={cfg.attention!r} with {attn_implementation(model)}: that "
-                "kernel keeps sequences apart itself (flash by position ids, flex by a block "
-                "mask), with neither the 4D mask nor segments; leave it 'auto'"
-            )
+        self.precision = choose_bf16(cfg.autocast, device)
+        bf16 = self.precision.bf16
+        self.attention = choose_attention(
+            cfg.attention,
+            device_type=device.type,
+            capability=torch.cuda.get_device_capability(device) if device.type == "cuda" else None,
+            dtype=torch.bfloat16 if bf16 else getattr(torch, cfg.dtype),
+            config=getattr(model, "config", None),
+            kernel=attn_implementation(model),
+            sliding_window=sliding_window_of(getattr(model, "config", None)),
+        )
         if flex and device.type == "cpu":
             raise ValueError(
                 "learner.attn_implementation=flex_attention: torch has no flex-attention "
                 "backward on the CPU; use the default (sdpa) there"
             )
-        segments = cfg.attention == "segments" or (
-            cfg.attention == "auto" and device.type == "cpu" and not self.flash
-        )
-        if segments:  # before the reference is copied from the model, so that it gets it too
+        # switched before the reference is copied from the model, so that it gets it too
+        if self.attention.path == "segments":
             use_segments(model)
+        elif self.attention.path == "varlen":
+            use_varlen(model)
         # auto: segments only on micro-batches whose rows are long enough for them to pay.
         self.segment_min_share = AUTO_MIN_SHARE if cfg.attention == "auto" else 0.0
         if cfg.gradient_checkpointing:
@@ -330,15 +336,14 @@ class Learner:
                 f"learner.row_tokens={cfg.row_tokens} caps shared-prefix rows, but flash "
                 "attention takes no mask and packs without sharing: leave it 'auto'"
             )
-        # Segment attention computes no pair across sequences, so splitting a group only adds prompt
-        # copies: the cost model then never splits (pair cost 0). Flex skips such pairs by the block
-        # (128 x 128): taken as the same (whole groups under flex: 1.08x the mask's speed
-        # on an H200).
+        # Segment and varlen attention compute no pair across sequences, so splitting a group only
+        # adds prompt copies: the cost model then never splits (pair cost 0). Flex skips such pairs
+        # by the block (128 x 128): taken as the same (whole groups under flex: 1.08x the mask's
+        # speed on an H200).
+        no_cross_pairs = flex or self.attention.path in ("segments", "varlen")
         self.pair_cost = (
-            0.0 if segments or flex else attention_pair_cost(getattr(model, "config", None))
+            0.0 if no_cross_pairs else attention_pair_cost(getattr(model, "config", None))
         )
-        self.precision = choose_bf16(cfg.autocast, device)
-        bf16 = self.precision.bf16
         self.tf32 = wants_tf32(cfg.tf32, device, bf16)
         # kl_coef = 0 means no reference at all (no memory, no forward passes).
         self.ref: PolicyForward | None = None

@@ -34,7 +34,7 @@ from collections.abc import Sequence
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from agentgrpo.attention import SEGMENTS, Segments, flex_block_mask
+from agentgrpo.attention import SEGMENTS, VARLEN, Segments, Varlen, flex_block_mask
 from agentgrpo.batch import TrainBatch, attention_pair_cost
 
 
@@ -144,8 +144,7 @@ class PolicyForward(torch.nn.Module):
                     use_cache=False,
                     **layout,
                 ).last_hidden_state
-            if "segments" in layout:
-                _check_segments_seen(lm, layout["segments"])
+            _check_layout_seen(lm, layout)
             h_MH = hidden_RSH.flatten(0, 1)[batch.pred_index_M]
             run = functools.partial(
                 _head_logprobs,
@@ -194,10 +193,11 @@ def _head_logprobs(
 def _layout_kwargs(
     lm: torch.nn.Module, batch: TrainBatch, bf16: bool, segment_min_share: float = 0.0
 ) -> dict:
-    """How the decoder learns the row layout: nothing (plain causal is exact), the spans for segment
-    attention (`agentgrpo.attention`; on a switched model, for rows where masked attention would
-    cost at least `segment_min_share` of the matmuls), a flex BlockMask (`flex_attention` models),
-    or a 4D mask (which a switched model runs as sdpa)."""
+    """How the decoder learns the row layout: nothing (plain causal is exact), the runs and offsets
+    for varlen attention (a model switched to `VARLEN`), the spans for segment attention
+    (`agentgrpo.attention`; on a switched model, for rows where masked attention would cost at
+    least `segment_min_share` of the matmuls), a flex BlockMask (`flex_attention` models), or a 4D
+    mask (which a switched model runs as sdpa)."""
     if not batch.needs_mask:
         return {"attention_mask": None}
     window = sliding_window_of(lm.config)
@@ -208,6 +208,8 @@ def _layout_kwargs(
             "the window, so its logprobs would be wrong; set learner.packing: padded"
         )
     impl = attn_implementation(lm)
+    if impl == VARLEN:
+        return {"attention_mask": None, "varlen": Varlen.of(batch)}
     S = batch.input_ids_RS.shape[1]
     if impl == SEGMENTS and attention_pair_cost(lm.config) * S >= segment_min_share:
         return {"attention_mask": None, "segments": Segments.of(batch)}
@@ -240,14 +242,18 @@ def sliding_window_of(config: object) -> int | None:
     return None if getattr(config, "use_sliding_window", True) is False else int(window)
 
 
-def _check_segments_seen(lm: torch.nn.Module, segments: Segments) -> None:
-    layers = getattr(lm.config, "num_hidden_layers", None)
-    if segments.calls != layers:
-        raise RuntimeError(
-            f"segment attention ran in {segments.calls} of {layers} layers: this model's "
-            "decoder does not pass its kwargs to attention, so packed sequences would see "
-            "each other; set learner.attention: mask"
-        )
+def _check_layout_seen(lm: torch.nn.Module, layout: dict) -> None:
+    """Every layer's attention got the segments or varlen layout (each call counts itself)."""
+    for name in ("segments", "varlen"):
+        if name not in layout:
+            continue
+        layers = getattr(lm.config, "num_hidden_layers", None)
+        if layout[name].calls != layers:
+            raise RuntimeError(
+                f"{name} attention ran in {layout[name].calls} of {layers} layers: this model's "
+                "decoder does not pass its kwargs to attention, so packed sequences would see "
+                "each other; set learner.attention: mask"
+            )
 
 
 def to_loss_layout(values_M: torch.Tensor, batch: TrainBatch) -> torch.Tensor:

@@ -21,6 +21,7 @@ from transformers import AutoTokenizer
 
 from agentgrpo import checkpoint, models
 from agentgrpo.advantage import compute_advantages
+from agentgrpo.attention import AttentionUnavailable
 from agentgrpo.chat import ChatFormat
 from agentgrpo.config import ConfigError, RunConfig, dump_config
 from agentgrpo.engine.base import Engine, close_all, wait_ready
@@ -493,14 +494,17 @@ def start_run(cfg: RunConfig) -> Run:
         model_path
     )  # FSDP with RAM-efficient loading: weights on rank 0 only
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else chat.end_of_turn_id
-    learner = Learner(
-        model,
-        cfg.learner,
-        cfg.loss,
-        temperature=cfg.rollout.temperature,
-        pad_id=pad_id,
-        total_steps=cfg.train.steps,
-    )
+    try:
+        learner = Learner(
+            model,
+            cfg.learner,
+            cfg.loss,
+            temperature=cfg.rollout.temperature,
+            pad_id=pad_id,
+            total_steps=cfg.train.steps,
+        )
+    except AttentionUnavailable as e:  # e.g. learner.attention: varlen on a CPU
+        raise ConfigError(str(e)) from None
     start, stream = 0, TaskStream(train_tasks, cfg.seed)
     ckpt_root = run_dir / "checkpoints"
     try:  # before anything is written: a run that cannot resume leaves its directory as it was
@@ -605,6 +609,7 @@ def start_main_rank(
         threads=engine_threads,
     )
     print(describe_precision(run.learner.precision, run.engine, threads), flush=True)
+    print(f"attention: {run.learner.attention.path} ({run.learner.attention.reason})", flush=True)
     run.sync = WeightSync(run.engine, cfg.weight_sync)
     # SGLang: servers loaded, their versions and context length read, before the first push
     run.loop.run_until_complete(wait_ready(run.engine, seeded=True))

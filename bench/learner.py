@@ -39,7 +39,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 
-from agentgrpo.attention import AUTO_MIN_SHARE, use_segments  # noqa: E402
+from agentgrpo.attention import AUTO_MIN_SHARE, use_segments, use_varlen  # noqa: E402
 from agentgrpo.batch import make_micro_batches  # noqa: E402
 from agentgrpo.learner import Learner, LearnerConfig  # noqa: E402
 from agentgrpo.logprobs import PolicyForward, tf32_matmuls, to_loss_layout  # noqa: E402
@@ -123,7 +123,8 @@ def advantages(trajs: list[Trajectory]) -> list[float]:
 class Bare:
     """A plain accumulation loop on the learner's packed micro-batches: forward, -sum(logprob) at
     loss positions, backward, AdamW step. `head_only` uses the same head-at-loss-positions forward
-    as the learner; otherwise the model's full logits."""
+    as the learner; otherwise the model's full logits. `varlen`: the model switched to varlen
+    attention (agentgrpo.attention; CUDA), else on a GPU the 4D mask."""
 
     def __init__(
         self,
@@ -133,8 +134,11 @@ class Bare:
         autocast: bool = False,
         device: str = "cpu",
         tf32: bool = False,
+        varlen: bool = False,
     ) -> None:
-        if device == "cpu":  # the attention the learner's `attention: auto` runs there
+        if varlen:
+            use_varlen(model)
+        elif device == "cpu":  # the attention the learner's `attention: auto` runs there
             use_segments(model)
         self.forward = PolicyForward(
             model, autocast_bf16=autocast, segment_min_share=AUTO_MIN_SHARE

@@ -4,12 +4,17 @@ memory; every number a ratio against a baseline measured in the same run.
 Model: a random-initialised Qwen2-style network of ~0.5B parameters (Qwen2.5-0.5B's shape: hidden
 896, 24 layers, 14 heads / 2 KV, MLP 4864, vocab 151936, tied embeddings), so nothing is downloaded.
 fp32 master weights with bf16 autocast and the LM head's fp32 matmuls on TF32 (the learner's
-defaults on CUDA), sdpa attention (packed rows
-use a 4D block mask, `learner.attention: auto` on CUDA; `--attn flash_attention_2` uses varlen
-packing when flash-attn is installed).
+defaults on CUDA), sdpa attention. Variants whose name says no other attention run packed rows under
+the 4D mask (`learner.attention: mask`, what `auto` ran on CUDA before varlen); those named varlen
+run torch's variable-length flash attention (`attention: varlen`, what `auto` picks on CUDA with
+torch >= 2.10). `--attn flash_attention_2` uses flash-attn's own varlen packing where installed.
 
 Variants, each timed over interleaved repeats after a warm-up step:
-  - learner, packed        learner.train_step, packing=packed
+  - learner, packed        learner.train_step, packing=packed (4D mask)
+  - learner, ... varlen    the same under varlen attention (agentgrpo.attention.varlen_attention:
+                           no mask, no pair across sequences, a shared prompt's keys gathered for
+                           each continuation): packed rows of the spread and GRPO-shaped batches,
+                           shared_prefix on the GRPO-shaped and long batches
   - learner, padded        packing=padded (one trajectory per row, rows of similar length)
   - learner, packed flex   packing=packed under flex attention (block mask: no pair across
                            sequences, the varlen kernel torch has without flash-attn), and packed
@@ -35,6 +40,8 @@ Variants, each timed over interleaved repeats after a warm-up step:
                            batches
   - bare fwd+bwd           the same packed micro-batches through the same head-only forward,
                            -sum(logprob) backward and an AdamW step: the learner's overhead baseline
+                           (4D mask; `bare fwd+bwd varlen`: under varlen attention, the baseline of
+                           `learner packed varlen`)
 
 MFU counts useful FLOPs only: 6 x body parameters per real token, 6 x head parameters per loss token
 (the head runs only there), and causal attention 6 x layers x hidden x (context / 2) x 2 per token,
@@ -232,26 +239,30 @@ def main() -> None:
     grpo = grpo_batch(args.groups, 8, vocab=vocab)
     long = long_batch(max(1, args.groups // 4), 8, vocab)
     flex = {"attn_implementation": "flex_attention"}
+    mask, varlen = {"attention": "mask"}, {"attention": "varlen"}
     for label, trajs, variants in (
         (
             "spread",
             spread,
             {
-                "learner packed": {"packing": "packed"},
-                "learner padded": {"packing": "padded"},
+                "learner packed": {"packing": "packed", **mask},
+                "learner packed varlen": {"packing": "packed", **varlen},
+                "learner padded": {"packing": "padded", **mask},
                 "learner packed flex": {"packing": "packed", **flex},
                 "learner packed segments": {"packing": "packed", "attention": "segments"},
-                "learner packed fp32 head": {"packing": "packed", "tf32": False},
+                "learner packed fp32 head": {"packing": "packed", "tf32": False, **mask},
             },
         ),
         (
             "grpo",
             grpo,
             {
-                "learner packed": {"packing": "packed"},
-                "learner shared_prefix": {},
-                "learner shared_prefix fp32 head": {"tf32": False},
-                "learner head chunks": {"head_chunk_tokens": 2048},
+                "learner packed": {"packing": "packed", **mask},
+                "learner packed varlen": {"packing": "packed", **varlen},
+                "learner shared_prefix": mask,
+                "learner shared_prefix varlen": varlen,
+                "learner shared_prefix fp32 head": {"tf32": False, **mask},
+                "learner head chunks": {"head_chunk_tokens": 2048, **mask},
                 "learner flex": flex,
             },
         ),
@@ -259,9 +270,10 @@ def main() -> None:
             "long",
             long,
             {
-                "learner packed": {"packing": "packed"},
-                "learner shared_prefix": {},
-                "learner whole groups": {"row_tokens": args.budget},
+                "learner packed": {"packing": "packed", **mask},
+                "learner shared_prefix": mask,
+                "learner shared_prefix varlen": varlen,
+                "learner whole groups": {"row_tokens": args.budget, **mask},
                 "learner segments": {"attention": "segments"},
                 "learner flex": flex,
             },
@@ -272,27 +284,39 @@ def main() -> None:
         adv = advantages(trajs)
         named = {}
         for k, kw in variants.items():
-            if (
-                kw.get("attn_implementation") == "flex_attention" and dev != "cuda"
-            ):  # no flex backward on a CPU
+            if dev != "cuda" and (
+                kw.get("attn_implementation") == "flex_attention" or kw.get("attention") == "varlen"
+            ):  # no flex backward on a CPU, no varlen kernel
                 continue
             if args.variants and k not in args.variants.split(","):
                 continue
             if dev != "cuda" and "tf32" in kw:  # TF32 is CUDA's
                 continue
+            if "flash" in args.attn and "attention" in kw:  # flash keeps sequences apart itself
+                if kw["attention"] != "mask":
+                    continue
+                kw = {n: v for n, v in kw.items() if n != "attention"}
             try:
-                named[k] = partial(learner(**kw).train_step, trajs, adv)
+                built = learner(**kw)
             except Exception as e:  # noqa: BLE001 - as in `measure`: report it, measure the rest
                 print(f"  {k}: FAILED to build, left out: {e!r}", flush=True)
-        bare = Bare(
-            copy.deepcopy(model).to(dev),
-            True,
-            args.budget,
-            autocast=True,
-            device=dev,
-            tf32=dev == "cuda",
-        )
-        named["bare fwd+bwd"] = partial(bare.step, trajs)
+                continue
+            named[k] = partial(built.train_step, trajs, adv)
+            print(f"  {k}: attention {built.attention.path} ({built.attention.reason})", flush=True)
+        bares = {"bare fwd+bwd": False}
+        if "learner packed varlen" in named:
+            bares["bare fwd+bwd varlen"] = True
+        for k, on in bares.items():
+            bare = Bare(
+                copy.deepcopy(model).to(dev),
+                True,
+                args.budget,
+                autocast=True,
+                device=dev,
+                tf32=dev == "cuda",
+                varlen=on,
+            )
+            named[k] = partial(bare.step, trajs)
         if args.profile:
             profile(label, named[args.profile], dev)
             continue
@@ -311,11 +335,28 @@ def main() -> None:
             v["tok_s"] = tokens / v["s"]
             v["mfu"] = flops / v["s"] / (args.peak_tflops * 1e12)
             print(
-                f"  {k:24s} {v['s']:7.3f} s  {v['tok_s']:9.0f} tok/s  MFU {v['mfu']:6.1%}  "
+                f"  {k:32s} {v['s']:7.3f} s  {v['tok_s']:9.0f} tok/s  MFU {v['mfu']:6.1%}  "
                 f"step peak {v['step_peak_gb']:6.1f} GB"
             )
         pairs = {  # name: (numerator variant, denominator variant, measure), where both ran
             "learner/bare": ("learner packed", "bare fwd+bwd", "s"),
+            "learner/bare varlen": ("learner packed varlen", "bare fwd+bwd varlen", "s"),
+            "varlen speed-up over the mask (packed)": (
+                "learner packed",
+                "learner packed varlen",
+                "s",
+            ),
+            "varlen speed-up over the mask (shared_prefix)": (
+                "learner shared_prefix",
+                "learner shared_prefix varlen",
+                "s",
+            ),
+            "varlen packed speed-up over padded": ("learner padded", "learner packed varlen", "s"),
+            "varlen shared_prefix speed-up over varlen packed": (
+                "learner packed varlen",
+                "learner shared_prefix varlen",
+                "s",
+            ),
             "packed speed-up over padded": ("learner padded", "learner packed", "s"),
             "packed flex speed-up over padded": ("learner padded", "learner packed flex", "s"),
             "packed segments speed-up over padded": (
@@ -335,12 +376,12 @@ def main() -> None:
                 "learner shared_prefix",
                 "s",
             ),
-            "segments speed-up over the default": (
+            "segments speed-up over the mask": (
                 "learner shared_prefix",
                 "learner segments",
                 "s",
             ),
-            "flex speed-up over the default": ("learner shared_prefix", "learner flex", "s"),
+            "flex speed-up over the mask": ("learner shared_prefix", "learner flex", "s"),
             "tf32 head speed-up over fp32 (packed)": (
                 "learner packed fp32 head",
                 "learner packed",

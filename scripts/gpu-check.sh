@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
 # Every GPU check in one go, for a CUDA machine with torch, transformers and accelerate: the learner
 # benchmark (bench/learner_gpu.py, ~0.5B Qwen2-shaped model, random weights, nothing downloaded;
-# about 4 minutes on an H200), then the tests marked `gpu` (tests/test_gpu.py, about 1.5 minutes).
-# Logs, the GPU's name and the benchmark's JSON go to $OUT (default runs/gpu-check).
+# every variant, varlen attention against the 4D mask included; about 4 minutes on an H200 before
+# the varlen variants, which add an estimated minute), then the tests marked `gpu`
+# (tests/test_gpu.py, varlen's equality with the mask included; about 1.5 minutes before varlen's
+# 4). Each part has a time limit, so the whole takes at most ~8 minutes (330 + 150 s and the set-up):
+# give the device call a timeout of about 540 s. Logs, the GPU's name and the benchmark's JSON go
+# to $OUT (default runs/gpu-check).
 #
 # A GPU machine without network: fetch the pure-Python packages it lacks as wheels on a machine
 # with pip access (`bash scripts/gpu-check.sh --fetch-wheels`, into .whl/, which git ignores) and
