@@ -313,10 +313,7 @@ class Varlen:
         k_idx = None
         if (keys != own).any():
             k_idx = np.concatenate(
-                [
-                    np.r_[ps:pe, s:e]
-                    for (ps, pe), s, e in zip(prefix, starts, ends, strict=True)
-                ]
+                [np.r_[ps:pe, s:e] for (ps, pe), s, e in zip(prefix, starts, ends, strict=True)]
             )
         device = batch.segment_ids_RS.device
 
