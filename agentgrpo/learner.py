@@ -616,7 +616,7 @@ class Learner:
             self.loss_cfg,
             lp_BT,
             old_BT,
-            mb.advantages_B,
+            mb.loss_advantages,
             mask_BT,
             ref_logprobs_BT=mini_batch.refs[k],
             entropy_BT=to_loss_layout(ent_M, mb) if entropy_in_loss else None,

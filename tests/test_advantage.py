@@ -13,6 +13,7 @@ from agentgrpo.advantage import (
     ESTIMATORS,
     AdvantageConfig,
     compute_advantages,
+    estimator_names,
     get_estimator,
     is_zero_variance,
 )
@@ -247,4 +248,6 @@ def test_config_defaults_forbid_and_descriptions():
         AdvantageConfig(estimator="ppo")
     for name, field in AdvantageConfig.model_fields.items():
         assert field.description, name
-    assert set(AdvantageConfig.model_fields["estimator"].annotation.__args__) == set(ESTIMATORS)
+    assert set(AdvantageConfig.model_fields["estimator"].annotation.__args__) == set(
+        estimator_names()
+    )
