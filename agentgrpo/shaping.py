@@ -17,7 +17,7 @@ from collections.abc import Collection, Iterable, Sequence
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from agentgrpo.advantage import AdvantageConfig, is_zero_variance
+from agentgrpo.advantage import AdvantageConfig, is_turn_level, is_zero_variance
 from agentgrpo.loss import LossConfig
 from agentgrpo.types import StopReason, Trajectory
 
@@ -126,7 +126,11 @@ def describe_algorithm(
     if a.batch_std:
         centre = "mean of the other group members" if a.estimator == "rloo" else "group mean"
         est = f"{a.estimator}  A = (r - {centre}) / (batch std + {a.eps:g})"
-    est += "; A = 0 for NaN (unscorable) rewards, singletons and equal-reward groups"
+    if is_turn_level(a.estimator):
+        est += "; A_k = 0 for NaN (unscorable) rewards; outcome term 0 for singletons and "
+        est += "equal-reward groups"
+    else:
+        est += "; A = 0 for NaN (unscorable) rewards, singletons and equal-reward groups"
     if c.loss == "ppo":
         loss = (
             f"ppo-clip  rho in [{1 - c.clip_low:g}, {1 + c.clip_high:g}], log-ratio clamped to +-20"
