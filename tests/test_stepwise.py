@@ -502,3 +502,14 @@ def test_segment_rows_give_each_segment_its_own_turns_advantages():
     got = {tuple(rows[i].token_ids): adv_BT[n].tolist() for n, i in enumerate(mb.rows)}
     # loss layout: from each row's first to its last loss token; 0 where the loss ignores a token
     assert got == {(1, 2, 8): [0.25, 0.0, 0.0], (1, 2, 6, 5, 7): [-0.5, 0.0, 2.0]}
+
+
+def test_the_report_s_trajectory_viewer_shows_turn_advantages():
+    from agentgrpo.report import _traj_html
+    from tests.tiny import traj
+
+    t = traj([1, 2, 6, 5, 7], [0, 0, 1, 0, 1])
+    t.turn_rewards, t.turn_advantages = [0.5, 1.0], [1.25, -0.5]
+    page = _traj_html(t.to_dict(), {}, 100)
+    assert "turn rewards 0.5, 1" in page and "turn advantages 1.25, -0.5" in page
+    assert "turn advantages" not in _traj_html(traj([1, 2, 6], [0, 0, 1]).to_dict(), {}, 100)
