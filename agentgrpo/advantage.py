@@ -16,6 +16,8 @@ Edge cases (the same for every estimator, applied once in `compute_advantages`):
   (max == min) because a float formula alone leaves residues such as 1e-17 / (0 + eps) that are
   not zero and, with a small eps, not small.
 - An infinite reward is a bug in a verifier, not a score: it raises.
+The turn-level term has its own rules at each turn index (members with fewer turns, NaN turn
+rewards): `turn_grpo_advantages`.
 
 Statistics are computed in float64 and the result is cast back to the rewards' dtype (float32 for
 integer rewards).
@@ -236,6 +238,8 @@ def compute_turn_advantages(
     fn = get_turn_estimator(estimator)
     if not 0.0 < gamma <= 1.0:
         raise ValueError(f"gamma must be in (0, 1], got {gamma}")
+    if not turn_weight >= 0.0:
+        raise ValueError(f"turn_weight must be >= 0, got {turn_weight}")
     rewards_B = _check_rewards(rewards_B)
     if len(turn_rewards) != len(rewards_B):
         raise ValueError(f"{len(turn_rewards)} turn-reward lists but {len(rewards_B)} rewards")

@@ -358,6 +358,8 @@ def test_turn_grpo_groups_are_independent_and_empty_rows_allowed():
 def test_turn_estimator_errors():
     with pytest.raises(ValueError, match=r"gamma must be in \(0, 1\]"):
         turn_adv([1.0, 0.0], [[1.0], [0.0]], [0, 0], gamma=0.0)
+    with pytest.raises(ValueError, match="turn_weight must be >= 0"):
+        turn_adv([1.0, 0.0], [[1.0], [0.0]], [0, 0], turn_weight=-1.0)
     with pytest.raises(ValueError, match="unknown turn-level advantage estimator 'grpo'"):
         turn_adv([1.0, 0.0], [[1.0], [0.0]], [0, 0], estimator="grpo")
     with pytest.raises(ValueError, match="inf"):
