@@ -1,9 +1,12 @@
-"""Group advantages: one scalar per trajectory from the rewards of its group.
+"""Group advantages: one per trajectory (outcome-only) or one per turn (turn-level).
 
-Every estimator here is outcome-only: a trajectory's reward is one number, and its advantage is
-broadcast to its sampled tokens by the loss. Groups are named by an explicit id per row (an int
-tensor or a list of any hashable labels), never by position, so rows may come in any order, groups
-may have unequal sizes and need not be contiguous.
+The outcome-only estimators (`ESTIMATORS`: grpo, dr_grpo, rloo) read a trajectory's reward as one
+number; its advantage is broadcast to its sampled tokens by the loss. The turn-level estimators
+(`TURN_ESTIMATORS`: turn_grpo, `compute_turn_advantages`) also read the reward each turn earned
+(`Trajectory.turn_rewards`) and give each turn its own advantage, which the learner assigns to
+that turn's sampled tokens. Groups are named by an explicit id per row (an int tensor or a list of
+any hashable labels), never by position, so rows may come in any order, groups may have unequal
+sizes and need not be contiguous.
 
 Edge cases (the same for every estimator, applied once in `compute_advantages`):
 - A NaN reward means "could not be scored" (an infrastructure failure). The row is left out of its
@@ -13,6 +16,8 @@ Edge cases (the same for every estimator, applied once in `compute_advantages`):
   (max == min) because a float formula alone leaves residues such as 1e-17 / (0 + eps) that are
   not zero and, with a small eps, not small.
 - An infinite reward is a bug in a verifier, not a score: it raises.
+The turn-level term has its own rules at each turn index (members with fewer turns, NaN turn
+rewards): `turn_grpo_advantages`.
 
 Statistics are computed in float64 and the result is cast back to the rewards' dtype (float32 for
 integer rewards).
@@ -30,10 +35,14 @@ from collections.abc import Callable, Hashable, Sequence
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 GroupIds = torch.Tensor | Sequence[Hashable]
 Estimator = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+# (rewards_B, turn_rewards_BK, num_turns_B, group_index_B, eps, gamma, turn_weight) -> [B, K]
+TurnEstimator = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, float, float], torch.Tensor
+]
 
 
 class GroupStats:
@@ -103,11 +112,148 @@ ESTIMATORS: dict[str, Estimator] = {
 }
 
 
+def discounted_returns(turn_rewards_BK: torch.Tensor, gamma: float) -> torch.Tensor:
+    """[B, K] return-to-go of every turn: R_k = r_k + gamma * R_{k+1}, R_{K-1} = r_{K-1}, in
+    float64. A NaN reward makes its own and every earlier turn's return NaN (what it would have
+    added is unknown). Pad turns a row does not have with 0, not NaN."""
+    r_BK = turn_rewards_BK.double()
+    out_BK = torch.empty_like(r_BK)
+    acc_B = r_BK.new_zeros(r_BK.shape[0])
+    for k in reversed(range(r_BK.shape[1])):
+        acc_B = r_BK[:, k] + gamma * acc_B
+        out_BK[:, k] = acc_B
+    return out_BK
+
+
+def turn_grpo_advantages(
+    rewards_B: torch.Tensor,
+    turn_rewards_BK: torch.Tensor,
+    num_turns_B: torch.Tensor,
+    group_index_B: torch.Tensor,
+    eps: float,
+    gamma: float,
+    turn_weight: float,
+) -> torch.Tensor:
+    """Turn-level GRPO: A_{i,k} = A_i + turn_weight * (R_{i,k} - mean_k) / (std_k + eps).
+
+    A_i is the grpo advantage of trajectory i's reward (edge cases as `compute_advantages`).
+    R_{i,k} = sum_{j >= k} gamma^(j - k) r_{i,j} is its return-to-go from turn k over its turn
+    rewards; mean_k and std_k (Bessel) are over the members of i's group that have a turn k and a
+    scorable return there, so turn k of one member is compared with turn k of the others (as
+    MT-GRPO compares turn-level rewards across a group). The turn term is exactly 0 where fewer
+    than two members have turn k, where their returns are all equal, and for a member whose
+    return at k is NaN; a member whose reward is NaN (unscorable) gets 0 at every turn and is in
+    no turn's statistics. Entries k >= num_turns_B[i] are NaN (no such turn).
+    """
+    B, K = turn_rewards_BK.shape
+    num_groups = int(group_index_B.max().item()) + 1 if B else 0
+    outcome_B = compute_advantages(rewards_B.double(), group_index_B, "grpo", eps)
+    has_BK = torch.arange(K, device=rewards_B.device)[None, :] < num_turns_B[:, None]
+    scorable_B = ~torch.isnan(rewards_B.double())
+    padded_BK = torch.where(has_BK, turn_rewards_BK.double(), 0.0)
+    returns_BK = discounted_returns(padded_BK, gamma)
+    turn_BK = torch.zeros_like(returns_BK)
+    for k in range(K):
+        present_B = has_BK[:, k] & scorable_B
+        r_B = torch.where(present_B, returns_BK[:, k], math.nan)
+        s = GroupStats(r_B, group_index_B, num_groups)
+        keep_B = s.scorable_B & s.informative_G[group_index_B]
+        z_B = (r_B - s.mean_G[group_index_B]) / (s.std_G[group_index_B] + eps)
+        turn_BK[:, k] = torch.where(keep_B, z_B, 0.0)
+    adv_BK = outcome_B[:, None] + turn_weight * turn_BK
+    return torch.where(has_BK, adv_BK, math.nan)
+
+
+TURN_ESTIMATORS: dict[str, TurnEstimator] = {"turn_grpo": turn_grpo_advantages}
+
+
+def estimator_names() -> list[str]:
+    """Every name `advantage.estimator` accepts: outcome-only, then turn-level."""
+    return [*ESTIMATORS, *TURN_ESTIMATORS]
+
+
+def is_turn_level(name: str) -> bool:
+    """Whether `name` is a turn-level estimator (one advantage per turn; see the module doc)."""
+    return name in TURN_ESTIMATORS
+
+
 def get_estimator(name: str) -> Estimator:
-    """The estimator registered under `name`; raises ValueError listing the valid names."""
+    """The outcome-only estimator registered under `name`; raises ValueError listing the valid
+    names (a turn-level name is refused here: it needs turn rewards, `compute_turn_advantages`)."""
+    if is_turn_level(name):
+        raise ValueError(
+            f"advantage estimator {name!r} is turn-level: it needs turn rewards "
+            f"(compute_turn_advantages); outcome-only: {sorted(ESTIMATORS)}"
+        )
     if name not in ESTIMATORS:
         raise ValueError(f"unknown advantage estimator {name!r}; valid: {sorted(ESTIMATORS)}")
     return ESTIMATORS[name]
+
+
+def get_turn_estimator(name: str) -> TurnEstimator:
+    """The turn-level estimator registered under `name`; raises ValueError listing the valid
+    names."""
+    if name not in TURN_ESTIMATORS:
+        raise ValueError(
+            f"unknown turn-level advantage estimator {name!r}; valid: {list(TURN_ESTIMATORS)}"
+        )
+    return TURN_ESTIMATORS[name]
+
+
+def compute_turn_advantages(
+    rewards_B: torch.Tensor,
+    turn_rewards: Sequence[Sequence[float]],
+    group_ids_B: GroupIds,
+    estimator: str = "turn_grpo",
+    eps: float = 1e-6,
+    *,
+    gamma: float = 1.0,
+    turn_weight: float = 1.0,
+) -> list[list[float]]:
+    """One advantage per turn per row (see `turn_grpo_advantages` for the formula and edge cases).
+
+    Args:
+        rewards_B: [B] outcome rewards (what the outcome term normalises), NaN where unscorable.
+        turn_rewards: per row, the reward of each of its turns, in order; rows may have different
+            numbers of turns (a turn the env never answered earned 0: the caller pads it).
+        group_ids_B: [B] group id per row, as `compute_advantages`.
+        estimator: a name in `TURN_ESTIMATORS`.
+        eps: added to each std before dividing.
+        gamma: discount of later turns' rewards in a turn's return, in (0, 1].
+        turn_weight: weight of the turn term against the outcome term, >= 0.
+
+    Returns:
+        Per row, a list as long as its `turn_rewards` entry: that turn's advantage (a Python
+        float, computed in float64); exactly the outcome advantage where the turn term is 0.
+
+    Example (both answered right, only the first used the tool right: its first turn gets the
+    credit; the answer turns' returns are equal, so they keep the outcome advantage alone):
+        >>> import torch
+        >>> adv = compute_turn_advantages(
+        ...     torch.tensor([1.5, 1.0]), [[0.5, 1.0], [0.0, 1.0]], [0, 0], eps=0.0
+        ... )
+        >>> [[round(a, 4) for a in row] for row in adv]
+        [[1.4142, 0.7071], [-1.4142, -0.7071]]
+    """
+    fn = get_turn_estimator(estimator)
+    if not 0.0 < gamma <= 1.0:
+        raise ValueError(f"gamma must be in (0, 1], got {gamma}")
+    if not turn_weight >= 0.0:
+        raise ValueError(f"turn_weight must be >= 0, got {turn_weight}")
+    rewards_B = _check_rewards(rewards_B)
+    if len(turn_rewards) != len(rewards_B):
+        raise ValueError(f"{len(turn_rewards)} turn-reward lists but {len(rewards_B)} rewards")
+    group_index_B, _ = group_index(group_ids_B, len(rewards_B), rewards_B.device)
+    num_turns_B = torch.tensor([len(r) for r in turn_rewards], dtype=torch.long)
+    K = int(num_turns_B.max()) if len(turn_rewards) else 0
+    turn_rewards_BK = torch.zeros(len(turn_rewards), K, dtype=torch.float64)
+    for i, r in enumerate(turn_rewards):
+        turn_rewards_BK[i, : len(r)] = torch.tensor([float(x) for x in r], dtype=torch.float64)
+    if torch.isinf(turn_rewards_BK).any():
+        raise ValueError("turn_rewards contain inf; an unscorable turn reward must be NaN")
+    with torch.no_grad():
+        adv_BK = fn(rewards_B, turn_rewards_BK, num_turns_B, group_index_B, eps, gamma, turn_weight)
+    return [adv_BK[i, :n].tolist() for i, n in enumerate(num_turns_B.tolist())]
 
 
 def compute_advantages(
@@ -210,10 +356,11 @@ class AdvantageConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    estimator: Literal["grpo", "dr_grpo", "rloo"] = Field(
+    estimator: Literal["grpo", "dr_grpo", "rloo", "turn_grpo"] = Field(
         "grpo",
         description="grpo: (r - group mean) / (group std + eps); dr_grpo: r - group mean; "
-        "rloo: r - mean of the other members of the group.",
+        "rloo: r - mean of the other members of the group; turn_grpo (turn-level): grpo of r "
+        "plus turn_weight x the grpo-normalised return-to-go of each turn, per turn's tokens.",
     )
     eps: float = Field(
         1e-6, ge=0, description="Added to the std before dividing (verl: 1e-6, TRL: 1e-4)."
@@ -223,3 +370,27 @@ class AdvantageConfig(BaseModel):
         description="Divide group-centered advantages by the std of the whole batch's rewards "
         "instead of each group's (TRL scale_rewards='batch').",
     )
+    gamma: float = Field(
+        1.0,
+        gt=0,
+        le=1,
+        description="turn_grpo: discount of later turns' rewards in a turn's return-to-go "
+        "(1 = undiscounted).",
+    )
+    turn_weight: float = Field(
+        1.0, ge=0, description="turn_grpo: weight of the per-turn term against the outcome term."
+    )
+
+    @model_validator(mode="after")
+    def _turn_fields_need_a_turn_estimator(self) -> AdvantageConfig:
+        if is_turn_level(self.estimator):
+            if self.batch_std:
+                raise ValueError(
+                    f"batch_std is not supported by the turn-level estimator {self.estimator!r}"
+                )
+        elif self.gamma != 1.0 or self.turn_weight != 1.0:
+            raise ValueError(
+                f"gamma and turn_weight apply only to a turn-level estimator "
+                f"({list(TURN_ESTIMATORS)}); estimator {self.estimator!r} is outcome-only"
+            )
+        return self

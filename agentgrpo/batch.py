@@ -12,6 +12,8 @@ A micro-batch has two layouts:
 A step-wise trajectory (several segments, `Trajectory.segments`) is trained as one row per segment:
 `segment_rows` turns it into one trajectory per segment with a sampled token, each with the
 episode's advantage and group, before anything here runs (docs/learner.md: how that weighs).
+A trajectory with `turn_advantages` (a turn-level estimator) gives each of its sampled turns its
+own advantage: the micro-batch then carries them per token (`TrainBatch.token_advantages_BT`).
 
 `pred_index_M` / `target_ids_M` / `dest_index_M` connect the two: loss token m is predicted by the
 hidden state at flat position `pred_index_M[m]` of `[R*S]`, is the token id `target_ids_M[m]`, and
@@ -76,6 +78,14 @@ class TrainBatch:
     advantages_B: torch.Tensor  # [B] float
     rows: list[int]  # index of each trajectory n in the list given to `make_micro_batches`
     needs_mask: bool = True  # False when plain causal attention is already exact (padded, one row)
+    # [B, T] float, per loss token, when some member has `turn_advantages` (a turn-level
+    # estimator); None: `advantages_B` is broadcast over each row, as for outcome-only estimators
+    token_advantages_BT: torch.Tensor | None = None
+
+    @property
+    def loss_advantages(self) -> torch.Tensor:
+        """What the loss weighs each token by: [B, T] per token, or [B] per row."""
+        return self.advantages_B if self.token_advantages_BT is None else self.token_advantages_BT
 
     @property
     def num_tokens(self) -> int:
@@ -154,8 +164,11 @@ def segment_rows(
             rows.append(t)
             advs.append(adv)
             continue
+        turn = 0  # the episode's index of the segment's first sampled turn
         for seg in t.segments:
+            n = seg.num_turns
             if seg.num_sampled:
+                turn_advs = t.turn_advantages and t.turn_advantages[turn : turn + n]
                 rows.append(
                     replace(
                         t,
@@ -164,10 +177,30 @@ def segment_rows(
                         logprobs=seg.logprobs,
                         prompt_len=seg.prompt_len,
                         earlier_segments=[],
+                        turn_advantages=turn_advs,
                     )
                 )
                 advs.append(adv)
+            turn += n
     return rows, advs
+
+
+def token_advantages(t: Trajectory, advantage: float) -> np.ndarray:
+    """[len(token_ids)] float32: each token's advantage, the k-th run of loss_mask == 1 getting
+    `t.turn_advantages[k]` (or every token `advantage` when the trajectory has none); 0 on tokens
+    the loss ignores. One segment's trajectory (`segment_rows`) holds its own turns' slice."""
+    mask = np.asarray(t.loss_mask, dtype=bool)
+    if t.turn_advantages is None:
+        return np.where(mask, np.float32(advantage), np.float32(0.0))
+    starts = mask & ~np.concatenate([[False], mask[:-1]])  # the first token of each turn
+    if int(starts.sum()) != len(t.turn_advantages):
+        raise ValueError(
+            f"trajectory {t.task_id!r}: {int(starts.sum())} sampled turns but "
+            f"{len(t.turn_advantages)} turn advantages"
+        )
+    turn_of_token = np.cumsum(starts) - 1
+    per_turn = np.asarray(t.turn_advantages, dtype=np.float32)
+    return np.where(mask, per_turn[np.clip(turn_of_token, 0, None)], np.float32(0.0))
 
 
 def _common_prefix(seqs: Sequence[np.ndarray]) -> int:
@@ -392,6 +425,8 @@ def _build(
     B, T = len(members), max(int(p[-1] - p[0]) + 1 for p in loss_pos.values())
     loss_mask_BT = np.zeros((B, T), dtype=np.float32)
     rollout_BT = np.zeros((B, T), dtype=np.float32)
+    per_turn = any(trajs[i].turn_advantages is not None for i in members)
+    adv_BT = np.zeros((B, T), dtype=np.float32) if per_turn else None
     pred, target, dest = [], [], []
     n = 0
     for b, row in enumerate(rows):
@@ -423,6 +458,8 @@ def _build(
                 dest.append(n * T + (j_M - lo))
                 loss_mask_BT[n, : hi - lo + 1] = masks[i][lo : hi + 1]
                 rollout_BT[n, : hi - lo + 1] = np.asarray(t.logprobs[lo : hi + 1], dtype=np.float32)
+                if adv_BT is not None:
+                    adv_BT[n, : hi - lo + 1] = token_advantages(t, advantages[i])[lo : hi + 1]
                 at += own
                 n += 1
             start = at
@@ -440,6 +477,7 @@ def _build(
         advantages_B=torch.tensor([float(advantages[i]) for i in members]),
         rows=members,
         needs_mask=needs_mask,
+        token_advantages_BT=None if adv_BT is None else t(adv_BT),
     )
 
 

@@ -466,7 +466,11 @@ class Learner:
     def train_step(
         self, trajs: Sequence[Trajectory], advantages: Sequence[float]
     ) -> dict[str, float]:
-        """Optimisation passes on the scorable trajectories of one step; returns metrics."""
+        """Optimisation passes on the scorable trajectories of one step; returns metrics.
+
+        `advantages[i]` weighs every sampled token of `trajs[i]`, unless the trajectory holds
+        `turn_advantages` (a turn-level estimator): then each turn's tokens get their turn's.
+        A NaN advantage leaves the trajectory out."""
         with tf32_matmuls(self.tf32):
             return self._train_step(trajs, advantages)
 
@@ -621,7 +625,7 @@ class Learner:
             self.loss_cfg,
             lp_BT,
             old_BT,
-            mb.advantages_B,
+            mb.loss_advantages,
             mask_BT,
             ref_logprobs_BT=mini_batch.refs[k],
             entropy_BT=to_loss_layout(ent_M, mb) if entropy_in_loss else None,

@@ -373,6 +373,9 @@ def _traj_html(row: dict[str, Any], table: dict[int, str], max_tokens: int) -> s
         fields.append(f"advantage {_num(row['advantage']):.3g}")
     if isinstance(row.get("turn_rewards"), list) and len(row["turn_rewards"]) > 1:
         fields.append("turn rewards " + e(", ".join(f"{_num(r):.3g}" for r in row["turn_rewards"])))
+    if isinstance(row.get("turn_advantages"), list):  # a turn-level estimator's, one per turn
+        turn_advs = ", ".join(f"{_num(a):.3g}" for a in row["turn_advantages"])
+        fields.append("turn advantages " + e(turn_advs))
     msgs = _list(row, "messages")
     segs = _segments(row)
     tokens = []

@@ -17,7 +17,7 @@ from collections.abc import Collection, Iterable, Sequence
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from agentgrpo.advantage import AdvantageConfig, is_zero_variance
+from agentgrpo.advantage import AdvantageConfig, is_turn_level, is_zero_variance
 from agentgrpo.loss import LossConfig
 from agentgrpo.types import StopReason, Trajectory
 
@@ -112,15 +112,25 @@ def describe_algorithm(
 ) -> str:
     """The block printed at start-up that names the effective algorithm."""
     a, c, s = adv_cfg, loss_cfg, shaping_cfg
+    grpo = f"(r - group mean) / (group std + {a.eps:g})"
+    discount = "" if a.gamma == 1.0 else f"{a.gamma:g}^(j-k) "
     est = {
-        "grpo": f"grpo  A = (r - group mean) / (group std + {a.eps:g})",
+        "grpo": f"grpo  A = {grpo}",
         "dr_grpo": "dr_grpo  A = r - group mean",
         "rloo": "rloo  A = r - mean of the other group members",
+        "turn_grpo": f"turn_grpo  A_k = {grpo} + {a.turn_weight:g} * (R_k - mean_k) / "
+        f"(std_k + {a.eps:g}) on turn k's tokens; R_k = sum_(j>=k) {discount}r_j over turn "
+        "rewards, mean_k, std_k over the group's members with a turn k (turn term 0 where NaN, "
+        "alone or equal at k)",
     }[a.estimator]
     if a.batch_std:
         centre = "mean of the other group members" if a.estimator == "rloo" else "group mean"
         est = f"{a.estimator}  A = (r - {centre}) / (batch std + {a.eps:g})"
-    est += "; A = 0 for NaN (unscorable) rewards, singletons and equal-reward groups"
+    if is_turn_level(a.estimator):
+        est += "; A_k = 0 for NaN (unscorable) rewards; outcome term 0 for singletons and "
+        est += "equal-reward groups"
+    else:
+        est += "; A = 0 for NaN (unscorable) rewards, singletons and equal-reward groups"
     if c.loss == "ppo":
         loss = (
             f"ppo-clip  rho in [{1 - c.clip_low:g}, {1 + c.clip_high:g}], log-ratio clamped to +-20"

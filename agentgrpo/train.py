@@ -20,7 +20,7 @@ import torch
 from transformers import AutoTokenizer
 
 from agentgrpo import checkpoint, models
-from agentgrpo.advantage import compute_advantages
+from agentgrpo.advantage import compute_advantages, compute_turn_advantages, is_turn_level
 from agentgrpo.attention import AttentionUnavailable
 from agentgrpo.chat import ChatFormat
 from agentgrpo.config import ConfigError, RunConfig, dump_config
@@ -223,19 +223,37 @@ def start_pipeline(run: Run) -> StalenessPipeline[Group]:
 
 def assign_advantages(trajs: Sequence[Trajectory], cfg: RunConfig) -> None:
     """Each trajectory's advantage, from its group's shaped rewards (`Trajectory.advantage`; None
-    for one not trained on: unscorable, or cut and `shaping.mask_truncated`)."""
+    for one not trained on: unscorable, or cut and `shaping.mask_truncated`). A turn-level
+    estimator also sets `Trajectory.turn_advantages` from the env's turn rewards; `advantage` is
+    then its outcome term (grpo)."""
+    a, group_ids = cfg.advantage, [t.group_id for t in trajs]
     rewards_B = shaped_rewards(trajs, cfg.shaping, cfg.rollout.max_tokens)
+    turn_level = is_turn_level(a.estimator)
     advantages_B = compute_advantages(
         rewards_B,
-        [t.group_id for t in trajs],
-        estimator=cfg.advantage.estimator,
-        eps=cfg.advantage.eps,
-        batch_std=cfg.advantage.batch_std,
+        group_ids,
+        estimator="grpo" if turn_level else a.estimator,
+        eps=a.eps,
+        batch_std=a.batch_std,
+    )
+    per_turn = (
+        compute_turn_advantages(
+            rewards_B,
+            [t.sampled_turn_rewards() for t in trajs],
+            group_ids,
+            a.estimator,
+            a.eps,
+            gamma=a.gamma,
+            turn_weight=a.turn_weight,
+        )
+        if turn_level
+        else [None] * len(trajs)
     )
     if cfg.shaping.mask_truncated:  # truncated rows still counted in their group's statistics
         advantages_B[truncated_rows([t.stop_reason for t in trajs])] = float("nan")
-    for t, a in zip(trajs, advantages_B.tolist(), strict=True):
-        t.advantage = None if math.isnan(a) or math.isnan(t.reward) else a
+    for t, adv, turns in zip(trajs, advantages_B.tolist(), per_turn, strict=True):
+        t.advantage = None if math.isnan(adv) or math.isnan(t.reward) else adv
+        t.turn_advantages = None if t.advantage is None else turns
 
 
 def policy_lag(trajs: Sequence[Trajectory], version: int) -> float:

@@ -322,6 +322,13 @@ class Segment:
     def num_sampled(self) -> int:
         return sum(self.loss_mask)
 
+    @property
+    def num_turns(self) -> int:
+        """Sampled turns in this segment: its runs of loss_mask == 1 (a turn's sampled ids are
+        contiguous, and the env's messages or template glue, mask 0, separate two turns)."""
+        m = self.loss_mask
+        return sum(1 for j, x in enumerate(m) if x and (j == 0 or not m[j - 1]))
+
     def check(self, name: str = "segment") -> None:
         n = len(self.token_ids)
         if not (n == len(self.loss_mask) == len(self.logprobs)):
@@ -403,6 +410,10 @@ class Trajectory:
     token_versions: list[tuple[int, int]] = field(default_factory=list)
     wall_s: float = 0.0  # from the episode's start (its slot acquired) to its end
     advantage: float | None = None  # set by the training step; None: not trained on
+    # Set by the training step under a turn-level estimator: one advantage per sampled turn (the
+    # k-th run of loss_mask == 1 across the segments in order), used for that turn's tokens
+    # instead of `advantage` (which then holds the outcome term). None: `advantage` for all.
+    turn_advantages: list[float] | None = None
     info: dict[str, Any] = field(default_factory=dict)
     earlier_segments: list[Segment] = field(default_factory=list)  # step-wise: the closed segments
 
@@ -417,6 +428,18 @@ class Trajectory:
     @property
     def num_sampled(self) -> int:
         return sum(self.loss_mask) + sum(s.num_sampled for s in self.earlier_segments)
+
+    def sampled_turn_rewards(self) -> list[float]:
+        """One reward per sampled turn, in order (what a turn-level estimator reads):
+        `turn_rewards`, then 0.0 for each sampled turn no env.step answered (the last turn of an
+        episode cut by a limit, a deadline or an error earned nothing)."""
+        n = sum(s.num_turns for s in self.segments)
+        if len(self.turn_rewards) > n:
+            raise ValueError(
+                f"trajectory {self.task_id!r}: {len(self.turn_rewards)} turn rewards but only "
+                f"{n} sampled turns (runs of loss_mask == 1)"
+            )
+        return [*self.turn_rewards, *[0.0] * (n - len(self.turn_rewards))]
 
     def check(self) -> None:
         segments = self.segments
@@ -445,6 +468,7 @@ class Trajectory:
             "reward_parts": {k: number(v) for k, v in self.reward_parts.items()},
             "reward_detail": self.reward_detail,
             "advantage": number(self.advantage),
+            "turn_advantages": self.turn_advantages,
             "num_turns": self.num_turns,
             "tool_calls": self.tool_calls,
             "tool_errors": self.tool_errors,

@@ -13,6 +13,9 @@ from agentgrpo.advantage import (
     ESTIMATORS,
     AdvantageConfig,
     compute_advantages,
+    compute_turn_advantages,
+    discounted_returns,
+    estimator_names,
     get_estimator,
     is_zero_variance,
 )
@@ -247,4 +250,190 @@ def test_config_defaults_forbid_and_descriptions():
         AdvantageConfig(estimator="ppo")
     for name, field in AdvantageConfig.model_fields.items():
         assert field.description, name
-    assert set(AdvantageConfig.model_fields["estimator"].annotation.__args__) == set(ESTIMATORS)
+    assert set(AdvantageConfig.model_fields["estimator"].annotation.__args__) == set(
+        estimator_names()
+    )
+
+
+# --- turn-level: turn_grpo -----------------------------------------------------------------------
+
+
+def turn_adv(rewards, turns, ids, **kw):
+    return compute_turn_advantages(torch.tensor(rewards, dtype=torch.float64), turns, ids, **kw)
+
+
+def assert_rows(got, want):
+    assert [len(r) for r in got] == [len(r) for r in want]
+    for g, w in zip(got, want, strict=True):
+        assert g == pytest.approx(w, abs=1e-12)
+
+
+def test_discounted_returns_hand_computed():
+    # gamma 0.5: R_2 = 4, R_1 = 2 + 0.5 * 4 = 4, R_0 = 1 + 0.5 * 4 = 3 ; a NaN at turn 1 makes
+    # R_1 and R_0 NaN, R_2 stays 4
+    got = discounted_returns(torch.tensor([[1.0, 2.0, 4.0], [1.0, NAN, 4.0]]), 0.5)
+    assert got[0].tolist() == [3.0, 4.0, 4.0]
+    assert math.isnan(got[1, 0]) and math.isnan(got[1, 1]) and got[1, 2].item() == 4.0
+
+
+def test_turn_grpo_hand_computed_unequal_turns():
+    # One group of 3 (eps 0). Outcome rewards [1.5, 1, 0]: mean 5/6, deviations 2/3, 1/6, -5/6,
+    #   squares 4/9 + 1/36 + 25/36 = 7/6, / 2 = 7/12, std 0.763763
+    #   -> A = .872872, .218218, -1.091089
+    # turn 0 returns (gamma 1) = the totals [1.5, 1, 0]: the same z-scores as the outcome
+    # turn 1 returns [1, 1, 0]: mean 2/3, std sqrt((1/9 + 1/9 + 4/9) / 2) = 0.577350
+    #   -> z = .577350, .577350, -1.154701
+    # turn 2: only the third member has one: a lone member -> turn term 0
+    sd_o, sd_1 = math.sqrt(7 / 12), math.sqrt(1 / 3)
+    o = [(1.5 - 5 / 6) / sd_o, (1 - 5 / 6) / sd_o, (0 - 5 / 6) / sd_o]
+    z1 = [(1 - 2 / 3) / sd_1, (1 - 2 / 3) / sd_1, (0 - 2 / 3) / sd_1]
+    got = turn_adv([1.5, 1.0, 0.0], [[0.5, 1.0], [0.0, 1.0], [0.0, 0.0, 0.0]], ["g"] * 3, eps=0.0)
+    want = [[2 * o[0], o[0] + z1[0]], [2 * o[1], o[1] + z1[1]], [2 * o[2], o[2] + z1[2], o[2]]]
+    assert_rows(got, want)
+    assert got[0][0] == pytest.approx(1.745743, abs=1e-6)
+    # turn_weight scales the turn term only: 0 leaves the outcome (grpo) advantage on every turn
+    flat = turn_adv([1.5, 1.0, 0.0], [[0.5, 1.0], [0.0, 1.0], [0.0] * 3], [0] * 3, turn_weight=0)
+    grpo = adv([1.5, 1.0, 0.0], [0] * 3).tolist()
+    assert_rows(flat, [[grpo[0]] * 2, [grpo[1]] * 2, [grpo[2]] * 3])
+
+
+def test_turn_grpo_gamma_and_weight():
+    # Two members, equal outcome (1 each: outcome term exactly 0). gamma 0.5:
+    #   member 0 turns [0, 1] -> R_0 = 0 + 0.5 * 1 = 0.5, R_1 = 1
+    #   member 1 turns [1, 0] -> R_0 = 1, R_1 = 0
+    # turn 0: [0.5, 1]: mean .75, std sqrt(2 * .0625) = .353553 -> z = -.707107, .707107
+    # turn 1: [1, 0]: mean .5, std .707107 -> z = .707107, -.707107 ; turn_weight 2 doubles them
+    r = 1 / math.sqrt(2)
+    got = turn_adv([1.0, 1.0], [[0.0, 1.0], [1.0, 0.0]], [0, 0], eps=0.0, gamma=0.5, turn_weight=2)
+    assert_rows(got, [[-2 * r, 2 * r], [2 * r, -2 * r]])
+    # gamma 1: turn 0 returns are equal (1 and 1): its turn term is exactly 0
+    got = turn_adv([1.0, 1.0], [[0.0, 1.0], [1.0, 0.0]], [0, 0], eps=0.0)
+    assert got[0][0] == 0.0 and got[1][0] == 0.0
+    assert got[0][1] == pytest.approx(r) and got[1][1] == pytest.approx(-r)
+
+
+def test_turn_grpo_nan_rewards():
+    # Group of 4 (eps 0):
+    #   m0: reward NaN (unscorable) -> 0 on every turn, and in no statistics
+    #   m1: reward 2, turns [1, 1]; m2: reward 1, turns [NaN, 1]; m3: reward 0, turns [0, 0]
+    # outcome over m1..m3 [2, 1, 0]: mean 1, std 1 -> 1, 0, -1
+    # turn 0 returns: m1 2, m2 NaN (left out, term 0), m3 0: mean 1, std sqrt(2) -> +-.707107
+    # turn 1 returns: [1, 1, 0]: mean 2/3, std .577350 -> .577350, .577350, -1.154701
+    r, s = 1 / math.sqrt(2), math.sqrt(1 / 3)
+    got = turn_adv(
+        [NAN, 2.0, 1.0, 0.0], [[1.0, 1.0], [1.0, 1.0], [NAN, 1.0], [0.0, 0.0]], [0] * 4, eps=0.0
+    )
+    assert got[0] == [0.0, 0.0]
+    assert_rows(got[1:], [[1 + r, 1 + (1 / 3) / s], [0.0, (1 / 3) / s], [-1 - r, -1 - (2 / 3) / s]])
+
+
+def test_turn_grpo_singleton_and_all_equal_groups_are_exactly_zero():
+    got = turn_adv(
+        [1.0, 1.0, 1.0, 0.5, 0.5],
+        [[1.0, 0.0], [0.5, 0.5], [0.5, 0.5], [0.0, 0.5], [0.0, 0.5]],
+        ["alone", "eq", "eq", "eq2", "eq2"],
+    )
+    assert got == [[0.0, 0.0], [0.0, 0.0], [0.0, 0.0], [0.0, 0.0], [0.0, 0.0]]
+    # equal outcomes but different turn returns: the turn term alone (outcome term exactly 0)
+    # turn 0 returns [1, 1] equal -> 0 ; turn 1 returns [0.5, 1]: mean .75, std .353553 -> -+.707107
+    got = turn_adv([1.0, 1.0], [[0.5, 0.5], [0.0, 1.0]], [0, 0], eps=0.0)
+    assert got[0][0] == 0.0 and got[1][0] == 0.0
+    assert [got[0][1], got[1][1]] == pytest.approx([-1 / math.sqrt(2), 1 / math.sqrt(2)])
+
+
+def test_turn_grpo_groups_are_independent_and_empty_rows_allowed():
+    # groups a and b interleaved give what each gives alone; a row with no sampled turn gets []
+    a = turn_adv([1.0, 0.0], [[1.0], [0.0]], [0, 0])
+    b = turn_adv([3.0, 1.0, 2.0], [[2.0, 1.0], [1.0], [0.0, 2.0]], [0, 0, 0])
+    both = turn_adv(
+        [1.0, 3.0, 0.0, 1.0, 2.0, 0.0],
+        [[1.0], [2.0, 1.0], [0.0], [1.0], [0.0, 2.0], []],
+        ["a", "b", "a", "b", "b", "c"],
+    )
+    assert both == [a[0], b[0], a[1], b[1], b[2], []]
+
+
+def test_turn_estimator_errors():
+    with pytest.raises(ValueError, match=r"gamma must be in \(0, 1\]"):
+        turn_adv([1.0, 0.0], [[1.0], [0.0]], [0, 0], gamma=0.0)
+    with pytest.raises(ValueError, match="turn_weight must be >= 0"):
+        turn_adv([1.0, 0.0], [[1.0], [0.0]], [0, 0], turn_weight=-1.0)
+    with pytest.raises(ValueError, match="unknown turn-level advantage estimator 'grpo'"):
+        turn_adv([1.0, 0.0], [[1.0], [0.0]], [0, 0], estimator="grpo")
+    with pytest.raises(ValueError, match="inf"):
+        turn_adv([1.0, 0.0], [[math.inf], [0.0]], [0, 0])
+    with pytest.raises(ValueError, match="2 turn-reward lists but 3 rewards"):
+        turn_adv([1.0, 0.0, 1.0], [[1.0], [0.0]], [0, 0, 0])
+    # the outcome-only entry point names why it cannot run a turn-level estimator
+    with pytest.raises(ValueError, match="'turn_grpo' is turn-level"):
+        adv([1.0, 0.0], [0, 0], "turn_grpo")
+
+
+def test_turn_config_validation():
+    cfg = AdvantageConfig(estimator="turn_grpo", gamma=0.9, turn_weight=0.5)
+    assert (cfg.gamma, cfg.turn_weight) == (0.9, 0.5)
+    assert (AdvantageConfig().gamma, AdvantageConfig().turn_weight) == (1.0, 1.0)
+    for bad in (0.0, -0.5, 1.5):
+        with pytest.raises(ValidationError, match="gamma"):
+            AdvantageConfig(estimator="turn_grpo", gamma=bad)
+    with pytest.raises(ValidationError, match="turn_weight"):
+        AdvantageConfig(estimator="turn_grpo", turn_weight=-1)
+    with pytest.raises(ValidationError, match="apply only to a turn-level estimator"):
+        AdvantageConfig(estimator="grpo", gamma=0.9)
+    with pytest.raises(ValidationError, match="batch_std is not supported"):
+        AdvantageConfig(estimator="turn_grpo", batch_std=True)
+    with pytest.raises(ValidationError, match="turn_grpo"):  # the valid names are listed
+        AdvantageConfig(estimator="turn_ppo")
+
+
+# --- the training step's assignment (agentgrpo.train.assign_advantages) --------------------------
+
+
+def _episodes():
+    from tests.tiny import traj
+
+    # two turns each (two runs of loss_mask == 1); the last one's second turn got no env.step
+    masks = [[0, 1, 0, 1], [0, 1, 0, 1], [0, 1, 0, 1]]
+    turn_rewards = [[0.5, 1.0], [0.0, 1.0], [0.0]]
+    out = []
+    for mask, tr in zip(masks, turn_rewards, strict=True):
+        t = traj([1, 2, 3, 4], mask, group="g", reward=sum(tr))
+        t.turn_rewards = tr
+        out.append(t)
+    return out
+
+
+def test_assign_advantages_outcome_only_is_unchanged_and_turn_level_sets_turns():
+    from agentgrpo.config import RunConfig
+    from agentgrpo.train import assign_advantages
+
+    trajs = _episodes()
+    assign_advantages(trajs, RunConfig.model_validate({"advantage": {"estimator": "grpo"}}))
+    want = compute_advantages(torch.tensor([1.5, 1.0, 0.0]), ["g"] * 3).tolist()
+    assert [t.advantage for t in trajs] == want  # exactly compute_advantages' numbers
+    assert all(t.turn_advantages is None and "turn_advantages" in t.to_dict() for t in trajs)
+
+    trajs = _episodes()
+    assign_advantages(trajs, RunConfig.model_validate({"advantage": {"estimator": "turn_grpo"}}))
+    assert [t.advantage for t in trajs] == want  # the outcome term
+    # the third episode's unanswered second turn counts as reward 0 (sampled_turn_rewards)
+    expected = compute_turn_advantages(
+        torch.tensor([1.5, 1.0, 0.0]), [[0.5, 1.0], [0.0, 1.0], [0.0, 0.0]], ["g"] * 3
+    )
+    assert [t.turn_advantages for t in trajs] == expected
+    assert [t.to_dict()["turn_advantages"] for t in trajs] == expected
+
+
+def test_assign_advantages_turn_level_drops_unscorable_and_masked_rows():
+    from agentgrpo.config import RunConfig
+    from agentgrpo.train import assign_advantages
+    from agentgrpo.types import StopReason
+
+    trajs = _episodes()
+    trajs[0].reward = NAN
+    trajs[2].stop_reason = StopReason.MAX_TOKENS
+    cfg = {"advantage": {"estimator": "turn_grpo"}, "shaping": {"mask_truncated": True}}
+    assign_advantages(trajs, RunConfig.model_validate(cfg))
+    assert trajs[0].advantage is None and trajs[0].turn_advantages is None
+    assert trajs[2].advantage is None and trajs[2].turn_advantages is None
+    assert trajs[1].advantage is not None and len(trajs[1].turn_advantages) == 2

@@ -372,3 +372,31 @@ def test_granite_logits_scaling_is_applied_by_the_head_only_path():
     trajs = [traj([3, 14, 15, 92 % V, 65, 35, 89 % V, 79 % V], [0, 0, 0, 1, 1, 1, 1, 1])]
     got, want = _loss_logprobs(model, trajs, "padded"), _reference(model, trajs)
     assert got[0] == pytest.approx(want[0], abs=1e-5)  # the divisor was ignored: 0.09 off
+
+
+def test_token_advantages_map_each_run_of_sampled_tokens_to_its_turn():
+    from agentgrpo.batch import token_advantages
+
+    t = traj([5, 6, 7, 8, 9, 10, 11, 12, 13], [0, 0, 1, 1, 0, 1, 0, 1, 1])
+    assert token_advantages(t, 0.5).tolist() == [0, 0, 0.5, 0.5, 0, 0.5, 0, 0.5, 0.5]
+    t.turn_advantages = [1.0, -2.0, 0.25]
+    assert token_advantages(t, 0.5).tolist() == [0, 0, 1.0, 1.0, 0, -2.0, 0, 0.25, 0.25]
+    t.turn_advantages = [1.0, -2.0]
+    with pytest.raises(ValueError, match="3 sampled turns but 2 turn advantages"):
+        token_advantages(t, 0.5)
+
+
+def test_micro_batches_carry_per_token_advantages_only_with_turn_advantages():
+    trajs = groups_of_trajectories()
+    adv = [float(i) for i in range(len(trajs))]
+    for mb in make_micro_batches(trajs, adv, 64):
+        assert mb.token_advantages_BT is None and mb.loss_advantages is mb.advantages_B
+    # one row with turn advantages: the whole micro-batch goes per token, the other rows' tokens
+    # holding their scalar
+    trajs[0].turn_advantages = [-3.0] * trajs[0].segments[0].num_turns
+    (mb,) = make_micro_batches(trajs, adv, 100_000)
+    for n, i in enumerate(mb.rows):
+        on = mb.loss_mask_BT[n] > 0
+        want = -3.0 if i == 0 else adv[i]
+        assert (mb.token_advantages_BT[n][on] == want).all()
+        assert (mb.token_advantages_BT[n][~on] == 0).all()

@@ -30,7 +30,7 @@ from envs.gym_text import GymTextEnv
 from envs.python_math import PythonMathEnv, final_answer
 from tests.fakes import ScriptedEngine
 
-NAMES = ["calculator", "python_math", "code_tests", "gym_text"]
+NAMES = ["calculator", "calculator_steps", "python_math", "code_tests", "gym_text"]
 
 
 class BrokenSandbox:
@@ -554,3 +554,79 @@ def test_one_step_with_the_embedded_model(tmp_path, name):
     )
     rows = read_jsonl(out / "trajectories.jsonl")
     assert len(rows) == 4 and all(math.isfinite(r["reward"]) for r in rows)
+
+
+# ---- calculator_steps (turn rewards) ------------------------------------------------------------
+
+
+def test_calculator_steps_passes_check_env_and_loads_both_splits():
+    # not in NAMES: its entry point is declared in pyproject.toml but reaches the metadata only
+    # with the next `pip install -e .`; the class is what the entry point names
+    from envs.calculator_steps import CalculatorStepsEnv
+
+    check_env(CalculatorStepsEnv())
+    train = CalculatorStepsEnv.load_tasks("train", seed=0)
+    held_out = CalculatorStepsEnv.load_tasks("eval", seed=0)
+    assert train and held_out and {t.id for t in train}.isdisjoint({t.id for t in held_out})
+    assert "Example:" in (CalculatorStepsEnv.__doc__ or "")
+    assert doctest.testmod(importlib.import_module("envs.calculator_steps")).failed == 0
+    with pytest.raises(ValueError, match="tool_reward"):
+        CalculatorStepsEnv(tool_reward=2.0)
+
+
+@pytest.mark.parametrize(
+    "script,turn_rewards",
+    [
+        # the right call, then the right answer: each turn is paid in its own step
+        ([call("calculator", expression="EXPR"), "ANSWER"], [0.5, 1.0]),
+        # a call whose result is not the answer earns nothing; the answer still does
+        ([call("calculator", expression="1 + 1"), "ANSWER"], [0.0, 1.0]),
+        # the tool reward is paid once: the same right call again earns 0, no answer earns 0
+        ([call("calculator", expression="EXPR")] * 3, [0.5, 0.0, 0.0]),
+        # a call the tool refuses (an error message) earns nothing; a wrong answer earns 0
+        ([call("calculator", expression="2 / 0"), "7"], [0.0, 0.0]),
+        # the right answer without the tool: the answer's reward only
+        (["ANSWER"], [1.0]),
+    ],
+)
+def test_calculator_steps_pays_each_turn(chat, script, turn_rewards):
+    from envs.calculator_steps import CalculatorStepsEnv
+
+    task = CalculatorStepsEnv.load_tasks("train", seed=0, n=1)[0]
+    script = [
+        s.replace("EXPR", task.metadata["expression"]).replace("ANSWER", str(task.answer))
+        for s in script
+    ]
+    traj, _ = episode(chat, CalculatorStepsEnv(), task, script, max_turns=3)
+    assert traj.turn_rewards == turn_rewards and traj.reward == sum(turn_rewards)
+    assert traj.sampled_turn_rewards() == turn_rewards  # one sampled turn per env step here
+
+
+def test_calculator_steps_example_trains_with_per_turn_advantages(tmp_path, terse_model_dir):
+    """One step of examples/calculator_steps.yaml (turn_grpo): every trained row of
+    trajectories.jsonl has one turn reward and one turn advantage per sampled turn."""
+    out = tmp_path / "run"
+    rc = main(
+        [
+            "train",
+            "examples/calculator_steps.yaml",
+            f"output_dir={out}",
+            "train.steps=1",
+            f"model.path={terse_model_dir}",
+            "rollout.group_size=3",
+            "rollout.tasks_per_step=2",
+            "rollout.max_new_tokens=12",
+            "log.progress=false",
+            "log.tensorboard=false",
+        ]
+    )
+    assert rc == 0
+    (metrics,) = read_jsonl(out / "metrics.jsonl")
+    assert math.isfinite(metrics["loss"]) and metrics["unscorable"] == 0
+    rows = read_jsonl(out / "trajectories.jsonl")
+    assert len(rows) == 6
+    for r in rows:
+        starts = sum(1 for j, m in enumerate(r["loss_mask"]) if m and not r["loss_mask"][j - 1])
+        assert len(r["turn_rewards"]) <= starts
+        assert r["turn_advantages"] is None or len(r["turn_advantages"]) == starts
+    assert any(r["turn_advantages"] is not None for r in rows)

@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from agentgrpo.batch import balanced_parts, make_micro_batches
+from agentgrpo.batch import balanced_parts, make_micro_batches, token_advantages
 from agentgrpo.learner import Learner, LearnerConfig
 from agentgrpo.logprobs import sequence_logprobs, token_logprobs
 from agentgrpo.loss import LossConfig, compute_loss
@@ -74,7 +74,8 @@ def one_big_batch_grads(trajs, advantages, loss_cfg):
     ref = (
         token_logprobs(tiny_llama(), ids, attn, TEMPERATURE).detach() if loss_cfg.kl_coef else None
     )
-    loss, _ = compute_loss(loss_cfg, lp, old, torch.tensor(advantages), mask, ref_logprobs_BT=ref)
+    adv = torch.as_tensor(advantages)  # [B], or [B, T] per token
+    loss, _ = compute_loss(loss_cfg, lp, old, adv, mask, ref_logprobs_BT=ref)
     loss.backward()
     return {n: p.grad for n, p in model.named_parameters()}
 
@@ -547,3 +548,57 @@ def test_two_gloo_processes_equal_one_process(tmp_path, mini_batches):
     assert_trained_alike(two["weights"], one.unwrapped.state_dict(), start, "2 gloo ranks")
     for k in ("loss", "kl", "loss_tokens", "clipfrac", "grad_norm"):
         assert two["metrics"][k] == pytest.approx(metrics[k], rel=1e-4, abs=1e-7), k
+
+
+# --- per-turn advantages (turn-level estimators) -------------------------------------------------
+
+
+def with_turn_advantages(trajs):
+    """Each trajectory gets one advantage per sampled turn (its runs of loss_mask == 1), distinct
+    across turns and rows, and its per-token [T] advantages for the reference."""
+    per_token = []
+    for i, t in enumerate(trajs):
+        n = t.segments[0].num_turns
+        t.turn_advantages = [((i * 3 + k * 5) % 7 - 3) / 2 for k in range(n)]
+        per_token.append(token_advantages(t, math.nan).tolist())
+    return trajs, per_token
+
+
+@pytest.mark.parametrize("packing,budget", [("shared_prefix", 48), ("padded", 64)])
+def test_turn_advantages_reach_each_turn_s_tokens(packing, budget):
+    # the reference weighs each token of the padded batch by its turn's advantage ([B, T])
+    trajs, _ = batch_and_advantages()
+    trajs, per_token = with_turn_advantages(trajs)
+    assert any(len(set(t.turn_advantages)) > 1 for t in trajs)  # turns of a row really differ
+    outcome = [0.0] * len(trajs)  # the scalar is not what the loss reads for these rows
+    cfg = LearnerConfig(micro_batch_tokens=budget, packing=packing, grad_clip=1e9)
+    learner = Learner(tiny_llama(), cfg, LossConfig(), temperature=TEMPERATURE)
+    grads = record_grads(learner)
+    learner.train_step(trajs, outcome)
+    T = max(len(t.token_ids) for t in trajs)
+    adv_BT = torch.tensor([p + [0.0] * (T - len(p)) for p in per_token])
+    expected = one_big_batch_grads(trajs, adv_BT, LossConfig())
+    for name, g in expected.items():
+        torch.testing.assert_close(grads[0][name], g, atol=1e-6, rtol=1e-4, msg=name)
+
+
+def test_outcome_only_rows_train_on_the_per_trajectory_path_bit_for_bit():
+    # No turn_advantages (every outcome-only estimator): the micro-batches carry no per-token
+    # advantages and the loss reads advantages_B, as before turn-level estimators existed. Rows
+    # whose turn advantages all equal their scalar advantage give exactly the same gradient.
+    trajs, adv = batch_and_advantages()
+    (mb,) = make_micro_batches(trajs, adv, 100_000)
+    assert mb.token_advantages_BT is None and mb.loss_advantages is mb.advantages_B
+    grads = []
+    for per_turn in (False, True):
+        fresh, _ = batch_and_advantages()
+        if per_turn:
+            for t, a in zip(fresh, adv, strict=True):
+                t.turn_advantages = [a] * t.segments[0].num_turns
+        learner = Learner(
+            tiny_llama(), LearnerConfig(grad_clip=1e9), LossConfig(), temperature=TEMPERATURE
+        )
+        grads.append(record_grads(learner))
+        learner.train_step(fresh, adv)
+    for name, g in grads[0][0].items():
+        assert torch.equal(g, grads[1][0][name]), name

@@ -181,3 +181,22 @@ def test_an_overlong_buffer_past_max_tokens_is_refused_at_start_up():
         ).shaping.overlong_buffer_len
         == 64
     )
+
+
+def test_describe_algorithm_prints_the_turn_level_formula():
+    text = describe_algorithm(
+        AdvantageConfig(estimator="turn_grpo", gamma=0.9, turn_weight=0.5),
+        LossConfig(),
+        ShapingConfig(),
+    )
+    for piece in [
+        "turn_grpo  A_k = (r - group mean) / (group std + 1e-06) + 0.5 * (R_k - mean_k)",
+        "on turn k's tokens",
+        "R_k = sum_(j>=k) 0.9^(j-k) r_j",
+        "with a turn k",
+        "outcome term 0 for singletons",
+    ]:
+        assert piece in text, piece
+    cfg = AdvantageConfig(estimator="turn_grpo")
+    plain = describe_algorithm(cfg, LossConfig(), ShapingConfig())
+    assert "R_k = sum_(j>=k) r_j" in plain and "+ 1 * (R_k" in plain

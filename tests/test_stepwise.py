@@ -563,3 +563,35 @@ def test_the_run_config_passes_its_end_of_turn_tokens(tok):
     chat = config.chat_format(t)
     assert chat.end_of_turns == ("<|call|>", "<|return|>") and chat.parser_name == "harmony"
     assert RunConfig().chat_format(tok).end_of_turns == (tok.eos_token,)
+
+
+def test_segment_rows_give_each_segment_its_own_turns_advantages():
+    from agentgrpo.batch import make_micro_batches, segment_rows
+    from tests.tiny import traj
+
+    # turns: segment 0 holds turn 0 ([8]), segment 1 nothing, the last segment turns 1 and 2
+    t = traj([1, 2, 6, 5, 7], [0, 0, 1, 0, 1], group="g")
+    t.earlier_segments = [
+        Segment([1, 2, 8], [0, 0, 1], [0.0, 0.0, -1.0], 2),
+        Segment([1, 2, 9, 9], [0, 0, 0, 0], [0.0] * 4, 2),
+    ]
+    t.turn_advantages = [0.25, -0.5, 2.0]
+    assert t.sampled_turn_rewards() == [0.0, 0.0, 0.0]  # no env.step answered any of them
+    rows, advs = segment_rows([t], [1.0])
+    assert [r.turn_advantages for r in rows] == [[0.25], [-0.5, 2.0]] and advs == [1.0, 1.0]
+    (mb,) = make_micro_batches(rows, advs, 64)
+    adv_BT = mb.token_advantages_BT
+    got = {tuple(rows[i].token_ids): adv_BT[n].tolist() for n, i in enumerate(mb.rows)}
+    # loss layout: from each row's first to its last loss token; 0 where the loss ignores a token
+    assert got == {(1, 2, 8): [0.25, 0.0, 0.0], (1, 2, 6, 5, 7): [-0.5, 0.0, 2.0]}
+
+
+def test_the_report_s_trajectory_viewer_shows_turn_advantages():
+    from agentgrpo.report import _traj_html
+    from tests.tiny import traj
+
+    t = traj([1, 2, 6, 5, 7], [0, 0, 1, 0, 1])
+    t.turn_rewards, t.turn_advantages = [0.5, 1.0], [1.25, -0.5]
+    page = _traj_html(t.to_dict(), {}, 100)
+    assert "turn rewards 0.5, 1" in page and "turn advantages 1.25, -0.5" in page
+    assert "turn advantages" not in _traj_html(traj([1, 2, 6], [0, 0, 1]).to_dict(), {}, 100)
