@@ -272,7 +272,7 @@ def policy_lag_mean(trajs: Sequence[Trajectory], version: int) -> float:
 
 @dataclass
 class Prefetched:
-    """With `train.overlap_rollouts`: the next step's rollouts, sampled while this step trained
+    """With `train.max_staleness: 1`: the next step's rollouts, sampled while this step trained
     (rank 0), and the data position before them, which is what a checkpoint stores (they were not
     trained on yet)."""
 
