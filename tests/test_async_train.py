@@ -8,6 +8,8 @@ import os
 import signal
 import time
 
+import pytest
+
 from agentgrpo.log import read_jsonl
 from tests.test_checkpoint import VariedRewardEnv, _train
 
@@ -33,9 +35,11 @@ def _positions(out):
     return {s: sorted(ps) for s, ps in by_step.items()}
 
 
-def test_no_step_trains_a_sample_beyond_max_staleness(tmp_path, stopping_model_dir):
+@pytest.mark.parametrize("partial", [False, True])
+def test_no_step_trains_a_sample_beyond_max_staleness(tmp_path, stopping_model_dir, partial):
+    """Also with partial rollouts (a push lands between two decode steps of running requests)."""
     out = tmp_path / "run"
-    assert _train(out, stopping_model_dir, 5, *ASYNC) == 0
+    assert _train(out, stopping_model_dir, 5, *ASYNC, f"engine.partial_rollouts={partial}") == 0
     metrics = read_jsonl(out / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5]
     assert all(0 <= m["policy_lag"] <= 2 for m in metrics)
@@ -44,7 +48,8 @@ def test_no_step_trains_a_sample_beyond_max_staleness(tmp_path, stopping_model_d
     # with slow groups moved back, samples from older weights were trained: the pipeline ran ahead
     assert max(m["policy_lag"] for m in metrics) >= 1
     for r in read_jsonl(out / "trajectories.jsonl"):  # every token's version is within the bound
-        assert all(r["step"] - 1 - v <= 2 for _, v in r["token_versions"])
+        assert all(0 <= r["step"] - 1 - v <= 2 for _, v in r["token_versions"])
+        assert sum(n for n, _ in r["token_versions"]) == sum(r["loss_mask"])
     positions = [p for ps in _positions(out).values() for p in ps]
     assert sorted(positions) == list(range(10))  # 5 steps x 2 groups, each once
 
