@@ -18,18 +18,21 @@ SCRIPT = [
 TASK = CalculatorEnv.load_tasks("train", seed=0, n=1, digits=2)[0]
 
 
-def _episode(chat, engine):
-    return asyncio.run(
-        run_episode(
-            CalculatorEnv(),
-            engine,
-            chat,
-            TASK,
-            SamplingParams(max_new_tokens=64),
-            seed=0,
-            limits=EpisodeLimits(max_turns=4, max_tokens=400),
-        )
+def _playing(chat, engine):
+    """The calculator episode every test here plays, as a coroutine."""
+    return run_episode(
+        CalculatorEnv(),
+        engine,
+        chat,
+        TASK,
+        SamplingParams(max_new_tokens=64),
+        seed=0,
+        limits=EpisodeLimits(max_turns=4, max_tokens=400),
     )
+
+
+def _episode(chat, engine):
+    return asyncio.run(_playing(chat, engine))
 
 
 def test_sglang_and_in_process_trajectories_are_identical(chat):
@@ -42,15 +45,7 @@ def test_sglang_and_in_process_trajectories_are_identical(chat):
         engine = SGLangEngine([url])
         try:
             await engine.wait_ready()
-            traj = await run_episode(
-                CalculatorEnv(),
-                engine,
-                chat,
-                TASK,
-                SamplingParams(max_new_tokens=64),
-                seed=0,
-                limits=EpisodeLimits(max_turns=4, max_tokens=400),
-            )
+            traj = await _playing(chat, engine)
             return traj, server.requests
         finally:
             await engine.aclose()
@@ -137,17 +132,7 @@ def test_a_turn_sampled_across_a_weight_push_records_both_versions(chat, tmp_pat
         server.faults.token_delay_s = 0.03
         engine = SGLangEngine([await server.start()], partial_rollouts=True)
         try:
-            episode = asyncio.create_task(
-                run_episode(
-                    CalculatorEnv(),
-                    engine,
-                    chat,
-                    TASK,
-                    SamplingParams(max_new_tokens=64),
-                    seed=0,
-                    limits=EpisodeLimits(max_turns=4, max_tokens=400),
-                )
-            )
+            episode = asyncio.create_task(_playing(chat, engine))
             while not any(it.produced for it in server._items.values()):
                 await asyncio.sleep(0.005)
             await engine.update_weights_from_disk(tmp_path, version="1")
