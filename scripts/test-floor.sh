@@ -17,7 +17,8 @@ pip_in() {  # each round into a folder of its own, then merged in: pip's --targe
   # warning) a top-level folder that is already there, and torch's CUDA wheels share nvidia/
   local out
   rm -rf "$dir.round"
-  out=$($py -m pip install -q --disable-pip-version-check --no-deps --target "$dir.round" "$@" 2>&1) \
+  out=$($py -m pip install -q --disable-pip-version-check --no-cache-dir --no-deps \
+    --target "$dir.round" "$@" 2>&1) \
     || { echo "$out" >&2; exit 1; }
   if [ -d "$dir" ]; then
     cp -al --remove-destination "$dir.round/." "$dir/" && rm -rf "$dir.round"
@@ -25,8 +26,15 @@ pip_in() {  # each round into a folder of its own, then merged in: pip's --targe
     mv "$dir.round" "$dir"
   fi
 }
+need_gb=8  # the unpacked floors (6.7 GB) and the largest wheel while it unpacks; no pip cache
 if [ "$(cat "$dir/PINS" 2>/dev/null)" != "$pins" ]; then
   rm -rf "$dir" .venv/transformers-floor  # (the old overlay, of transformers alone)
+  free_gb=$(df -P -BG . | awk 'NR == 2 { print int($4) }')
+  if [ "$free_gb" -lt "$need_gb" ]; then
+    echo "test-floor: the floors need about $need_gb GB of disk and $PWD's disk has $free_gb GB free" >&2
+    df -h . "${TMPDIR:-/tmp}" >&2
+    exit 1
+  fi
   # shellcheck disable=SC2086  # word splitting wanted: one pin a word
   pip_in $pins
   for _ in 1 2 3 4 5; do  # their needs, and the needs of those (floors.py check says if any are left)
