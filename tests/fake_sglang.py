@@ -1545,6 +1545,52 @@ class FakeSGLangProcess:
         self.close()
 
 
+def server_fixture(**defaults: Any) -> Any:
+    """A pytest fixture `server`: an async factory of started FakeSGLang servers (keyword arguments
+    over `defaults`), all stopped after the test. A test module takes it by assignment:
+    `server = server_fixture(vocab=VOCAB)`."""
+    import pytest
+
+    @pytest.fixture
+    async def server() -> Any:
+        servers: list[FakeSGLang] = []
+
+        async def make(**kw: Any) -> FakeSGLang:
+            s = FakeSGLang(**{**defaults, **kw})
+            await s.start()
+            servers.append(s)
+            return s
+
+        yield make
+        for s in servers:
+            await s.stop()
+
+    return server
+
+
+def engine_fixture(**defaults: Any) -> Any:
+    """A pytest fixture `engine`: a factory of SGLangEngine clients for given server urls
+    (keyword arguments over `defaults`), all closed after the test."""
+    import pytest
+
+    from agentgrpo.engine.sglang import SGLangEngine
+
+    @pytest.fixture
+    async def engine() -> Any:
+        engines: list[SGLangEngine] = []
+
+        def make(urls: list[str], **kw: Any) -> SGLangEngine:
+            e = SGLangEngine(urls, **{**defaults, **kw})
+            engines.append(e)
+            return e
+
+        yield make
+        for e in engines:
+            await e.aclose()
+
+    return engine
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="fake SGLang server (tests only)")
     ap.add_argument("--model-path", default="fake/Qwen2.5-0.5B-Instruct")

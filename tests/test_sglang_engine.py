@@ -28,7 +28,13 @@ from agentgrpo.engine.sglang import (
     is_context_length_error,
     parse_generate_response,
 )
-from tests.fake_sglang import FakeSGLang, FakeSGLangProcess, scripted_logprob
+from tests.fake_sglang import (
+    FakeSGLang,
+    FakeSGLangProcess,
+    engine_fixture,
+    scripted_logprob,
+    server_fixture,
+)
 
 FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "sglang" / "fixtures"
 VOCAB = {19: "4", 13048: "Hi", 1052: " there", 0: "!", 2585: " How", 26972: "Four"}
@@ -110,34 +116,8 @@ def scripted(*outputs: list[Any]) -> Any:
     return lambda prompt: queue.pop(0) if queue else []
 
 
-@pytest.fixture
-async def server():
-    servers: list[FakeSGLang] = []
-
-    async def make(**kw: Any) -> FakeSGLang:
-        kw.setdefault("vocab", VOCAB)
-        s = FakeSGLang(**kw)
-        await s.start()
-        servers.append(s)
-        return s
-
-    yield make
-    for s in servers:
-        await s.stop()
-
-
-@pytest.fixture
-async def engine():
-    engines: list[SGLangEngine] = []
-
-    def make(urls: list[str], **kw: Any) -> SGLangEngine:
-        e = SGLangEngine(urls, **{**FAST, **kw})
-        engines.append(e)
-        return e
-
-    yield make
-    for e in engines:
-        await e.aclose()
+server = server_fixture(vocab=VOCAB)
+engine = engine_fixture(**FAST)
 
 
 # ---------------------------------------------------------------------------------------------

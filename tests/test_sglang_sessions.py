@@ -10,38 +10,12 @@ from typing import Any
 import pytest
 
 from agentgrpo.engine.base import EngineError, SamplingParams
-from agentgrpo.engine.sglang import SGLangEngine, StreamFold, parse_generate_output
-from tests.fake_sglang import FakeSGLang
+from agentgrpo.engine.sglang import StreamFold, parse_generate_output
+from tests.fake_sglang import FakeSGLang, engine_fixture, server_fixture
 from tests.test_sglang_engine import FAST, fixture
 
-
-@pytest.fixture
-async def server():
-    servers: list[FakeSGLang] = []
-
-    async def make(**kw: Any) -> FakeSGLang:
-        s = FakeSGLang(**kw)
-        await s.start()
-        servers.append(s)
-        return s
-
-    yield make
-    for s in servers:
-        await s.stop()
-
-
-@pytest.fixture
-async def engine():
-    engines: list[SGLangEngine] = []
-
-    def make(urls: list[str], **kw: Any) -> SGLangEngine:
-        e = SGLangEngine(urls, **{**FAST, **kw})
-        engines.append(e)
-        return e
-
-    yield make
-    for e in engines:
-        await e.aclose()
+server = server_fixture()
+engine = engine_fixture(**FAST)
 
 
 # ---------------------------------------------------------------------------------------------
