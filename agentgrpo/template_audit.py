@@ -669,7 +669,9 @@ def _check_tools_shown(
                 "no_tool_support",
                 True,
                 "the template does not show the tools to the model (its prompt is the same with "
-                "and without `tools`)",
+                "and without `tools`): give `model.chat_template` a template that renders them "
+                "(DeepSeek-V3's own ignores them; a tool template of its family lists them in the "
+                "system message)",
                 f"tools {[t.get('function', {}).get('name') for t in tools]}",
             )
         )
