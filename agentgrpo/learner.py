@@ -290,21 +290,45 @@ class Learner:
                 "the model has no weights (meta tensors): only ranks other than 0 under FSDP "
                 "with cpu_ram_efficient_loading may pass one (rank 0's weights fill it)"
             )
-        device = self.accelerator.device
         model = model.to(getattr(torch, cfg.dtype))
         if cfg.attn_implementation:
             model.set_attn_implementation(cfg.attn_implementation)
+        # the attention path is switched before the reference is copied from the model, so that
+        # the reference gets it too
+        self._choose_attention(model)
+        if cfg.gradient_checkpointing:
+            if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x's name
+                model.activation_checkpointing_enable({"use_reentrant": False})
+            else:
+                model.gradient_checkpointing_enable(
+                    gradient_checkpointing_kwargs={"use_reentrant": False}
+                )
+        self.tf32 = wants_tf32(cfg.tf32, self.accelerator.device, self.precision.bf16)
+        # kl_coef = 0 means no reference at all (no memory, no forward passes).
+        self.ref: PolicyForward | None = (
+            self._make_reference(model) if loss_cfg.kl_coef > 0 and cfg.lora is None else None
+        )
+        # FSDP: rank 0 keeps an unsharded CPU copy of the plain model for weight sync to load the
+        # gathered weights into (the engine's probe check needs a model that runs on one process).
+        self._export_copy = copy.deepcopy(model).cpu() if self.sharded and self.is_main else None
+        self._prepare(model, total_steps)
+        self.model.train()
+        self.step = 0
+
+    def _choose_attention(self, model: torch.nn.Module) -> None:
+        """The attention path (`learner.attention`), the packing it allows, and the cost model's
+        price of a cross-sequence pair; switches `model` to the segment or varlen kernel."""
+        cfg, device = self.cfg, self.accelerator.device
         self.flash = uses_flash(model)
         # flex_attention gets each micro-batch's layout as a BlockMask
         # (agentgrpo.attention.flex_block_mask)
         flex = attn_implementation(model) == "flex_attention"
         self.precision = choose_bf16(cfg.autocast, device)
-        bf16 = self.precision.bf16
         self.attention = choose_attention(
             cfg.attention,
             device_type=device.type,
             capability=torch.cuda.get_device_capability(device) if device.type == "cuda" else None,
-            dtype=torch.bfloat16 if bf16 else getattr(torch, cfg.dtype),
+            dtype=torch.bfloat16 if self.precision.bf16 else getattr(torch, cfg.dtype),
             config=getattr(model, "config", None),
             kernel=attn_implementation(model),
             sliding_window=sliding_window_of(getattr(model, "config", None)),
@@ -314,20 +338,12 @@ class Learner:
                 "learner.attn_implementation=flex_attention: torch has no flex-attention "
                 "backward on the CPU; use the default (sdpa) there"
             )
-        # switched before the reference is copied from the model, so that it gets it too
         if self.attention.path == "segments":
             use_segments(model)
         elif self.attention.path == "varlen":
             use_varlen(model)
         # auto: segments only on micro-batches whose rows are long enough for them to pay.
         self.segment_min_share = AUTO_MIN_SHARE if cfg.attention == "auto" else 0.0
-        if cfg.gradient_checkpointing:
-            if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x's name
-                model.activation_checkpointing_enable({"use_reentrant": False})
-            else:
-                model.gradient_checkpointing_enable(
-                    gradient_checkpointing_kwargs={"use_reentrant": False}
-                )
         self.packing: PackingMode = (
             "packed" if self.flash and cfg.packing == "shared_prefix" else cfg.packing
         )
@@ -344,29 +360,31 @@ class Learner:
         self.pair_cost = (
             0.0 if no_cross_pairs else attention_pair_cost(getattr(model, "config", None))
         )
-        self.tf32 = wants_tf32(cfg.tf32, device, bf16)
-        # kl_coef = 0 means no reference at all (no memory, no forward passes).
-        self.ref: PolicyForward | None = None
-        if loss_cfg.kl_coef > 0 and cfg.lora is None:
-            if self.sharded:  # a full copy per rank would undo what FSDP saves on the policy
-                if cfg.ref_offload:
-                    raise ValueError(
-                        "learner.ref_offload with FSDP: the reference is sharded like the "
-                        "policy instead; turn ref_offload off"
-                    )
-                self.ref = shard_reference(model, bf16, from_main=self.is_main)
-            else:
-                ref = (
-                    PolicyForward(copy.deepcopy(model), autocast_bf16=bf16)
-                    .eval()
-                    .requires_grad_(False)
+
+    def _make_reference(self, model: torch.nn.Module) -> PolicyForward:
+        """The frozen reference policy for the KL term: a copy of `model` as it starts (sharded
+        like the policy under FSDP; on the CPU with `ref_offload`)."""
+        bf16 = self.precision.bf16
+        if self.sharded:  # a full copy per rank would undo what FSDP saves on the policy
+            if self.cfg.ref_offload:
+                raise ValueError(
+                    "learner.ref_offload with FSDP: the reference is sharded like the "
+                    "policy instead; turn ref_offload off"
                 )
-                self.ref = ref.to("cpu" if cfg.ref_offload else device)
-            self.ref.head_chunk_tokens = cfg.head_chunk_tokens
-            self.ref.segment_min_share = self.segment_min_share
-        # FSDP: rank 0 keeps an unsharded CPU copy of the plain model for weight sync to load the
-        # gathered weights into (the engine's probe check needs a model that runs on one process).
-        self._export_copy = copy.deepcopy(model).cpu() if self.sharded and self.is_main else None
+            ref = shard_reference(model, bf16, from_main=self.is_main)
+        else:
+            ref = (
+                PolicyForward(copy.deepcopy(model), autocast_bf16=bf16).eval().requires_grad_(False)
+            )
+            ref = ref.to("cpu" if self.cfg.ref_offload else self.accelerator.device)
+        ref.head_chunk_tokens = self.cfg.head_chunk_tokens
+        ref.segment_min_share = self.segment_min_share
+        return ref
+
+    def _prepare(self, model: torch.nn.Module, total_steps: int | None) -> None:
+        """LoRA (if any), AdamW over the trainable parameters and its schedule, and the policy
+        prepared by accelerate (`self.model`, `self.optimizer`, `self.scheduler`)."""
+        cfg = self.cfg
         if cfg.lora is not None:
             model = apply_lora(model, cfg.lora)
         params = [p for p in model.parameters() if p.requires_grad]
@@ -379,27 +397,22 @@ class Learner:
         )
         policy = PolicyForward(
             model,
-            autocast_bf16=bf16,
+            autocast_bf16=self.precision.bf16,
             head_chunk_tokens=cfg.head_chunk_tokens,
             segment_min_share=self.segment_min_share,
         )
-        if hasattr(
-            model, "tie_weights"
-        ):  # accelerate's RAM-efficient FSDP2 preparation moves the model
-            # to meta, which unties lm_head from the embeddings, and re-ties it through this method
-            # of the module it prepares; untied, the two would train as separate matrices.
+        # accelerate's RAM-efficient FSDP2 preparation moves the model to meta, which unties
+        # lm_head from the embeddings, and re-ties it through this method of the module it
+        # prepares; untied, the two would train as separate matrices.
+        if hasattr(model, "tie_weights"):
             policy.tie_weights = model.tie_weights
         self.model, self.optimizer = self.accelerator.prepare(policy, optimizer)
-        if (
-            self.sharded
-        ):  # accelerate maps the optimizer to the shards by data pointer, 0 for every meta
-            # tensor (a rank without weights, RAM-efficient loading); the order of `params` is
-            # the map.
+        # accelerate maps the optimizer to the shards by data pointer, 0 for every meta tensor (a
+        # rank without weights, RAM-efficient loading); the order of `params` is the map.
+        if self.sharded:
             optimizer.param_groups[0]["params"] = [
                 p for p in self.model.parameters() if p.requires_grad
             ]
-        self.model.train()
-        self.step = 0
 
     @property
     def unwrapped(self) -> torch.nn.Module:

@@ -491,20 +491,9 @@ def start_run(cfg: RunConfig) -> Run:
     run_dir = Path(cfg.output_dir)
     seed_everything(cfg.seed)
     threads = configure_cpu_threads()
-    env_cls = (
-        cfg.env.env_class()
-    )  # before the model loads: a misspelt env or task file fails at once
-    train_tasks = cfg.env.load_tasks(env_cls, "train", cfg.seed)
-    eval_tasks = (
-        cfg.env.load_tasks(env_cls, cfg.eval.split, cfg.seed)[: cfg.eval.num_tasks]
-        if cfg.eval.every
-        else []
-    )
-    if cfg.eval.every and not eval_tasks:  # it would log NaN eval metrics every eval.every steps
-        raise ConfigError(
-            f"eval.every={cfg.eval.every} but {cfg.env.name} has no tasks in split "
-            f"{cfg.eval.split!r} (eval.split); set eval.every: 0 or another split"
-        )
+    # the env and its tasks before the model loads: a misspelt env or task file fails at once
+    env_cls = cfg.env.env_class()
+    train_tasks, eval_tasks = load_run_tasks(cfg, env_cls)
     model_path = Path(cfg.model.path) if cfg.model.path else models.default_model_path()
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     chat = cfg.chat_format(tokenizer)
@@ -523,23 +512,8 @@ def start_run(cfg: RunConfig) -> Run:
         )
     except AttentionUnavailable as e:  # e.g. learner.attention: varlen on a CPU
         raise ConfigError(str(e)) from None
-    start, stream = 0, TaskStream(train_tasks, cfg.seed)
-    ckpt_root = run_dir / "checkpoints"
-    try:  # before anything is written: a run that cannot resume leaves its directory as it was
-        found = checkpoint.restore(
-            ckpt_root, learner.load, check=learner.is_main, all_ranks=learner.all_ranks, strict=True
-        )
-    except checkpoint.NoUsableCheckpoint as e:  # never silently start again from step 0 over them
-        raise ConfigError(
-            f"{e}\nif the config changed since they were written "
-            f"({run_dir / 'config.yaml'} holds that run's), restore it; to start a "
-            "new run, use another output_dir"
-        ) from None
-    if found is not None:  # damaged checkpoints were skipped, on every rank alike
-        ckpt_dir, manifest = found
-        start, stream.position = int(manifest["step"]), int(manifest["data_position"])
-        stream.resume = [int(p) for p in manifest.get("pending_positions", [])]
-        checkpoint.set_rng_state(manifest["rng"])  # after the setup above: only steps draw from it
+    stream = TaskStream(train_tasks, cfg.seed)
+    start, found = resume_from_checkpoint(learner, run_dir, stream)
     run = Run(
         cfg=cfg,
         run_dir=run_dir,
@@ -575,6 +549,50 @@ def start_run(cfg: RunConfig) -> Run:
         run.pipeline = start_pipeline(run)
     run.stop.install()  # SIGTERM/SIGINT: checkpoint after this step, exit
     return run
+
+
+def load_run_tasks(cfg: RunConfig, env_cls: type) -> tuple[list[Task], list[Task]]:
+    """The run's training tasks and its evaluation tasks (none without `eval.every`)."""
+    train_tasks = cfg.env.load_tasks(env_cls, "train", cfg.seed)
+    if not cfg.eval.every:
+        return train_tasks, []
+    eval_tasks = cfg.env.load_tasks(env_cls, cfg.eval.split, cfg.seed)[: cfg.eval.num_tasks]
+    if not eval_tasks:  # it would log NaN eval metrics every eval.every steps
+        raise ConfigError(
+            f"eval.every={cfg.eval.every} but {cfg.env.name} has no tasks in split "
+            f"{cfg.eval.split!r} (eval.split); set eval.every: 0 or another split"
+        )
+    return train_tasks, eval_tasks
+
+
+def resume_from_checkpoint(
+    learner: Learner, run_dir: Path, stream: TaskStream
+) -> tuple[int, tuple[Path, dict] | None]:
+    """Load the newest usable checkpoint of `run_dir` into `learner` and `stream` (its position
+    and the groups admitted but not trained), and the random state: (the step to start at, the
+    checkpoint found or None). Before anything is written: a run that cannot resume leaves its
+    directory as it was."""
+    try:
+        found = checkpoint.restore(
+            run_dir / "checkpoints",
+            learner.load,
+            check=learner.is_main,
+            all_ranks=learner.all_ranks,
+            strict=True,
+        )
+    except checkpoint.NoUsableCheckpoint as e:  # never silently start again from step 0 over them
+        raise ConfigError(
+            f"{e}\nif the config changed since they were written "
+            f"({run_dir / 'config.yaml'} holds that run's), restore it; to start a "
+            "new run, use another output_dir"
+        ) from None
+    if found is None:
+        return 0, None
+    _, manifest = found  # damaged checkpoints were skipped, on every rank alike
+    stream.position = int(manifest["data_position"])
+    stream.resume = [int(p) for p in manifest.get("pending_positions", [])]
+    checkpoint.set_rng_state(manifest["rng"])  # after the setup: only steps draw from it
+    return int(manifest["step"]), found
 
 
 def cpu_sharing(run: Run, threads: str) -> tuple[int | None, str]:
