@@ -105,7 +105,7 @@ def describe_precision(learner: Precision, engine: Engine, threads: str) -> str:
     line = f"precision: learner {'bf16 autocast' if learner.bf16 else 'fp32'} ({learner.reason})"
     if (reason := getattr(engine, "dtype_reason", None)) is not None:  # the local engine
         dtype = str(next(engine.model.parameters()).dtype).removeprefix("torch.")
-        line += f"; engine {dtype} ({reason})"
+        line += f"; engine {dtype} on {engine.device} ({reason})"
     return f"{line}; {threads}"
 
 
@@ -643,6 +643,7 @@ def start_main_rank(
         seed=cfg.seed,
         weights_dtype=cfg.learner.dtype,
         threads=engine_threads,
+        learner_device=str(run.learner.accelerator.device),
     )
     print(describe_precision(run.learner.precision, run.engine, threads), flush=True)
     print(f"attention: {run.learner.attention.path} ({run.learner.attention.reason})", flush=True)

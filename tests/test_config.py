@@ -151,7 +151,7 @@ def test_yaml_alias_bombs_are_refused_quickly(tmp_path):
 
 def test_local_engine_settings_with_sglang_are_refused_not_ignored():
     sglang = ["engine.kind=sglang", "engine.sglang={urls: [http://h:1]}"]
-    for extra in ("engine.max_batch_size=2", "engine.prefix_cache_tokens=0"):
+    for extra in ("engine.max_batch_size=2", "engine.prefix_cache_tokens=0", "engine.device=cpu"):
         with pytest.raises(ConfigError, match=f"{extra} configure the local engine"):
             load_config("examples/calculator.yaml", [*sglang, extra])
     cfg = load_config("examples/calculator.yaml", sglang)
@@ -169,6 +169,14 @@ def test_local_engine_settings_with_sglang_are_refused_not_ignored():
         ).engine.kind
         == "sglang"
     )  # its own defaults, as config.yaml has them
+
+
+def test_engine_device_is_auto_or_a_torch_device():
+    assert load_config("examples/calculator.yaml").engine.device == "auto"
+    for device in ("cpu", "cuda", "cuda:1"):  # checked as names: no GPU needed to load a config
+        assert load_config("examples/calculator.yaml", [f"engine.device={device}"]).engine.device
+    with pytest.raises(ConfigError, match=r"engine.device='gpu' is not a torch device"):
+        load_config("examples/calculator.yaml", ["engine.device=gpu"])
 
 
 def test_wandb_names_without_a_project_are_refused_not_ignored():

@@ -201,3 +201,34 @@ def test_auto_trains_with_varlen_on_cuda_as_with_the_mask():
         assert metrics["auto"][key] == pytest.approx(metrics["mask"][key], rel=3e-2, abs=1e-2), key
     for name, g in grads["mask"][0].items():
         assert _rel_err(grads["auto"][0][name], g) < 3e-2, name
+
+
+async def test_the_local_engine_decodes_on_cuda_and_takes_weights_from_either_device():
+    """`engine.device` (auto: the learner's, so CUDA in a GPU run): batched sampling with the
+    prefix cache on the GPU gives the logprobs of a fresh fp32 forward on the CPU, and weight
+    updates land whether the state dict lives on the CPU or the GPU."""
+    from agentgrpo.engine import LocalEngine, SamplingParams
+    from tests.test_local_engine import fresh_logprobs, tiny_model
+
+    cpu_model, other = tiny_model(0), tiny_model(1)
+    prompts = [[5], list(range(10, 40)), [9] * 12, list(range(10, 40))]  # one shared prompt
+    with LocalEngine(tiny_model(0), device="cuda", seed=0, eos_token_ids=()) as eng:
+        assert next(eng.model.parameters()).device.type == "cuda"
+        for state, model in [
+            (None, cpu_model),
+            ({k: v.to(CUDA) for k, v in other.state_dict().items()}, other),
+            (cpu_model.state_dict(), cpu_model),
+        ]:
+            if state is not None:
+                await eng.update_weights(state, version=str(id(state)))
+            outs = [
+                await eng.generate(p, SamplingParams(max_new_tokens=16, seed=i))
+                for i, p in enumerate(prompts)
+            ]
+            for prompt, out in zip(prompts, outs, strict=True):
+                assert len(out.token_ids) == 16
+                expected = fresh_logprobs(model, prompt, out.token_ids, 1.0)
+                assert torch.allclose(torch.tensor(out.logprobs), expected, atol=1e-3, rtol=0)
+            scored = await eng.score(prompts[0], outs[0].token_ids)
+            assert torch.allclose(torch.tensor(scored), torch.tensor(outs[0].logprobs), atol=1e-3)
+        assert eng.stats["cached_tokens"] > 0  # the repeated prompt came from the prefix cache

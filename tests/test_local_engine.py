@@ -301,6 +301,24 @@ def test_training_builds_the_local_engine_with_the_runs_seed(tiny_model_dir):
     with build_engine(cfg.engine, tiny_model_dir, tokenizer, seed=cfg.seed) as eng:
         assert eng._generator.initial_seed() == 7
         assert eng.partial_rollouts
+        assert eng.device == torch.device("cpu")  # device auto, no learner device given
+
+
+def test_the_local_engine_decodes_on_the_learners_device_unless_told(monkeypatch):
+    from agentgrpo.config import load_config
+    from agentgrpo.engine import config as engine_config
+
+    made = []
+    monkeypatch.setattr(engine_config, "LocalEngine", lambda *a, **kw: made.append(kw["device"]))
+    for setting, learner, expected in [
+        ("auto", "cuda:0", "cuda:0"),  # beside the learner on rank 0's GPU
+        ("auto", None, "cpu"),
+        ("cpu", "cuda:0", "cpu"),
+        ("cuda:1", "cuda:0", "cuda:1"),
+    ]:
+        cfg = load_config(None, [f"engine.device={setting}"])
+        engine_config.build_engine(cfg.engine, "m", None, seed=0, learner_device=learner)
+        assert made.pop() == expected
 
 
 async def test_cancelled_request_leaves_the_batch(engine):

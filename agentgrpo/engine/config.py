@@ -6,7 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from agentgrpo.engine.base import Engine
 from agentgrpo.engine.local import LocalEngine
@@ -48,9 +49,28 @@ class EngineConfig(BaseModel):
         "under the new weights (Completion.version_runs says which version sampled which ids); "
         "false: an update waits until they finish",
     )
+    device: str = Field(
+        "auto",
+        description="local engine: where it decodes; auto = the learner's device (on a GPU the "
+        "engine decodes beside the learner on rank 0's GPU, on a CPU on the CPU), or a torch "
+        "device: cpu, cuda, cuda:1",
+    )
     sglang: SGLangConfig | None = Field(
         None, description="kind=sglang: the servers and client settings"
     )
+
+    @field_validator("device")
+    @classmethod
+    def _torch_device(cls, value: str) -> str:
+        if value == "auto":
+            return value
+        try:
+            torch.device(value)
+        except (RuntimeError, ValueError):
+            raise ValueError(
+                f"engine.device={value!r} is not a torch device (auto, cpu, cuda, cuda:N)"
+            ) from None
+        return value
 
     @model_validator(mode="after")
     def _one_kind(self) -> EngineConfig:
@@ -72,6 +92,7 @@ class EngineConfig(BaseModel):
                     "prefix_cache_tokens",
                     "threads",
                     "partial_rollouts",
+                    "device",
                 )
                 if getattr(self, name) != type(self).model_fields[name].default
             ]
@@ -91,19 +112,23 @@ def build_engine(
     seed: int,
     weights_dtype: str = "float32",
     threads: int | None = None,
+    learner_device: str | None = None,
 ) -> Engine:
     """The engine `cfg` describes, serving the model at `model_path` (the local engine; SGLang
     servers load their own model at launch). `seed` seeds the local engine's sampling;
     `weights_dtype` is the learner's weight dtype, which `dtype: auto` follows; `threads` the
-    local engine's decoding threads (None: the process's)."""
+    local engine's decoding threads (None: the process's); `learner_device` the device that
+    `device: auto` follows (None: the CPU)."""
     if cfg.kind == "sglang":
         # Only here: loading a run config imports neither httpx nor the client (sglang_config.py).
         from agentgrpo.engine.sglang import SGLangEngine
 
         return SGLangEngine.from_config(cfg.sglang)
+    device = (learner_device or "cpu") if cfg.device == "auto" else cfg.device
     return LocalEngine(
         model_path,
         tokenizer=tokenizer,
+        device=device,
         dtype=cfg.dtype,
         weights_dtype=weights_dtype,
         max_batch_size=cfg.max_batch_size,
