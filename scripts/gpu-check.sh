@@ -10,7 +10,7 @@
 #
 # A GPU machine without network: fetch the pure-Python packages it lacks as wheels on a machine
 # with pip access (`bash scripts/gpu-check.sh --fetch-wheels`, into .whl/, which git ignores) and
-# copy .whl/ along; they are installed into /tmp/site before the checks. The project's H200 machine
+# copy .whl/ along; they are installed into /tmp/site before the checks (scripts/gpu-env.sh). The project's H200 machine
 # (as its tool library lists it, 2026-11) has torch 2.11, transformers 5.17 (the floor that
 # scripts/test-floor.sh runs the suite on) and accelerate 1.15, and lacks only the wheels below.
 set -uo pipefail
@@ -19,19 +19,14 @@ if [ "${1:-}" = "--fetch-wheels" ]; then  # versions as pinned in this checkout'
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version "${PYVER:-3.12}" --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     -d .whl pydantic==2.14.4 pydantic_core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 \
-    gymnasium==1.4.0 farama-notifications==0.0.6 typing-extensions==4.16.0  # pydantic 2.14 needs >=4.16
+    gymnasium==1.4.0 farama-notifications==0.0.6 typing-extensions==4.16.0 \
+    gguf==0.19.0 starlette==1.10.0 uvicorn==0.55.0 sniffio==1.3.1
+  # (pydantic 2.14 needs typing-extensions >= 4.16; gguf, starlette, uvicorn and sniffio: what
+  # scripts/gpu-default-run.sh's training run imports beyond the machine's packages)
   exit $?
 fi
-OUT=${OUT:-runs/gpu-check}
-mkdir -p "$OUT"
-export OUT PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} || exit 1
-fi
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
-python3 -c "import torch, transformers, accelerate; print('torch', torch.__version__, 'transformers',
-transformers.__version__, 'accelerate', accelerate.__version__)" | tee -a "$OUT/gpu.txt"
+# shellcheck source=scripts/gpu-env.sh
+source scripts/gpu-env.sh gpu-check
 # The benchmark first (it is what a short GPU session is for), each part under a time limit so one
 # that hangs or compiles for too long leaves the other its share; the benchmark rewrites its JSON
 # after each batch shape, so a cut-off run keeps what it measured.
