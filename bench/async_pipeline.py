@@ -164,6 +164,9 @@ def run_real(args: argparse.Namespace) -> dict:
     """A few steps per mode of the calculator run on the local engine, in this process."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    from agentgrpo.hardware import set_cpu_thread_env
+
+    set_cpu_thread_env()  # what the CLI sets before torch loads (OMP_WAIT_POLICY=PASSIVE, ...)
     import torch
 
     from agentgrpo.config import load_config
