@@ -26,8 +26,6 @@ if [ "${1:-}" = "--split" ]; then
   ls -l "$parts"
   exit 0
 fi
-# shellcheck source=scripts/gpu-env.sh
-source scripts/gpu-env.sh gpu-default-run
 for f in part00 part01 SHA256; do
   if [ ! -f "$parts/$f" ]; then
     echo "gpu-default-run: $parts/$f is missing: carry part00 and SHA256 in the call before this" \
@@ -35,6 +33,8 @@ for f in part00 part01 SHA256; do
     exit 2
   fi
 done
+# shellcheck source=scripts/gpu-env.sh
+source scripts/gpu-env.sh gpu-default-run
 work=${GPU_RUN_DIR:-/tmp/agentgrpo-gpu-run}
 rm -rf "$work" && mkdir -p "$work/gguf"
 gguf="$work/gguf/SmolLM2-135M-Instruct.Q4_1.gguf"
