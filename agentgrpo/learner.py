@@ -681,8 +681,11 @@ class Learner:
     # -- checkpoints (formats: agentgrpo.learner_state) -----------------------------------------
 
     def save(self, directory: Path) -> None:
-        """Write a checkpoint into `directory` (the same path on every rank; collective)."""
+        """Write a checkpoint into `directory` (the same path on every rank; collective). Returns
+        on every rank once rank 0 has written its files: a rank that loads it right after (a
+        resume, a test) never reads a file still being written."""
         learner_state.save(self, directory)
+        self.accelerator.wait_for_everyone()
 
     def load(self, directory: Path) -> None:
         """Restore what `save` wrote, in either format (collective); ValueError if it does not

@@ -4,6 +4,7 @@ learner under FSDP (sharded parameters) trains, checkpoints and exports like 1 p
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -399,6 +400,9 @@ def _fsdp_lora_rank(rank: int, tmp: str) -> None:
         tiny_llama(), LORA, LOSS, temperature=TEMPERATURE, accelerator=_fsdp_accelerator()
     )
     _steps(learner, 2)
+    if rank == 0:  # a slow disk: rank 1 must not read the checkpoint before rank 0 has written it
+        write = learner.unwrapped.save_pretrained
+        learner.unwrapped.save_pretrained = lambda *a, **kw: (time.sleep(1.0), write(*a, **kw))
     learner.save(Path(tmp) / "lora-ckpt")
     resumed = Learner(
         tiny_llama(), LORA, LOSS, temperature=TEMPERATURE, accelerator=_fsdp_accelerator()
