@@ -170,6 +170,16 @@ def _bucket(
     return bucket, (base + i)[real_q]
 
 
+def _refuse_unsupported(kernel: str, kwargs: dict) -> None:
+    """ValueError naming the first of `_UNSUPPORTED` that this model's attention call passes."""
+    for name in _UNSUPPORTED:
+        if kwargs.get(name) is not None:
+            raise ValueError(
+                f"{kernel} attention does not implement {name} (this model uses it): "
+                "set learner.attention: mask"
+            )
+
+
 def segment_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -189,12 +199,7 @@ def segment_attention(
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
-    for name in _UNSUPPORTED:
-        if kwargs.get(name) is not None:
-            raise ValueError(
-                f"segment attention does not implement {name} (this model uses it): "
-                "set learner.attention: mask"
-            )
+    _refuse_unsupported("segment", kwargs)
     segments.calls += 1
     R, H, S, D = query.shape  # the packed rows, as transformers passes them: [R, heads, S, D]
     rep = H // key.shape[1]
@@ -350,12 +355,7 @@ def varlen_attention(
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
-    for name in _UNSUPPORTED:
-        if kwargs.get(name) is not None:
-            raise ValueError(
-                f"varlen attention does not implement {name} (this model uses it): "
-                "set learner.attention: mask"
-            )
+    _refuse_unsupported("varlen", kwargs)
     if dropout:
         raise ValueError(
             f"varlen attention has no dropout (this model's attention dropout is {dropout}): "
