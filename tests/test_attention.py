@@ -113,23 +113,32 @@ def test_the_switched_model_stays_correct_without_segments():
     torch.testing.assert_close(got[attn.bool()], want[attn.bool()], atol=1e-6, rtol=0)
 
 
-def test_a_layout_that_never_reaches_attention_raises():
+def _layout_dropped_before_attention(switch, key: str, kernel, layout: str, match: str) -> None:
+    """A decoder that loses the layout kwarg on its way to `kernel` (registered under `key` for
+    the test): the forward raises `match`; registered again, it runs."""
     from transformers import AttentionInterface
 
-    def drops_the_layout(module, q, k, v, mask, segments=None, **kw):
-        return segment_attention(module, q, k, v, mask, **kw)  # as a decoder that loses the kwarg
+    def drops_the_layout(module, q, k, v, mask, **kw):
+        kw.pop(layout, None)
+        return kernel(module, q, k, v, mask, **kw)
 
     trajs = groups_of_trajectories()
     (mb,) = make_micro_batches(trajs, [0.0] * len(trajs), 4096)
     model = tiny_llama("sdpa")
-    use_segments(model)
-    AttentionInterface.register(SEGMENTS, drops_the_layout)
+    switch(model)
+    AttentionInterface.register(key, drops_the_layout)
     try:
-        with pytest.raises(RuntimeError, match="ran in 0 of 2 layers"):
+        with pytest.raises(RuntimeError, match=match):
             PolicyForward(model)(mb, 1.0)
     finally:
         register()
     PolicyForward(model)(mb, 1.0)  # registered again: runs
+
+
+def test_a_layout_that_never_reaches_attention_raises():
+    _layout_dropped_before_attention(
+        use_segments, SEGMENTS, segment_attention, "segments", "ran in 0 of 2 layers"
+    )
 
 
 def test_features_it_does_not_implement_are_named():
@@ -366,22 +375,9 @@ def test_the_varlen_model_stays_correct_without_the_layout():
 
 
 def test_a_varlen_layout_that_never_reaches_attention_raises(reference_kernel):
-    from transformers import AttentionInterface
-
-    def drops_the_layout(module, q, k, v, mask, varlen=None, **kw):
-        return varlen_attention(module, q, k, v, mask, **kw)  # as a decoder that loses the kwarg
-
-    trajs = groups_of_trajectories()
-    (mb,) = make_micro_batches(trajs, [0.0] * len(trajs), 4096)
-    model = tiny_llama("sdpa")
-    use_varlen(model)
-    AttentionInterface.register(VARLEN, drops_the_layout)
-    try:
-        with pytest.raises(RuntimeError, match="varlen attention ran in 0 of 2 layers"):
-            PolicyForward(model)(mb, 1.0)
-    finally:
-        register()
-    PolicyForward(model)(mb, 1.0)  # registered again: runs
+    _layout_dropped_before_attention(
+        use_varlen, VARLEN, varlen_attention, "varlen", "varlen attention ran in 0 of 2 layers"
+    )
 
 
 def test_varlen_names_the_features_it_does_not_implement(reference_kernel):

@@ -313,17 +313,7 @@ def test_a_segment_opened_but_never_sampled_is_dropped_and_the_budget_spans_segm
     chat = _chat(tok, "qwen3_6.jinja", "stepwise", template_kwargs={"enable_thinking": True})
     script = _script(chat)
     first = len(chat.encode(script([], 0)))  # the first turn's sampled ids (with the end of turn)
-    engine = RecordingEngine(chat.tokenizer, script, chat.end_of_turn_id)
-    traj = asyncio.run(
-        run_episode(
-            Thinker(),
-            engine,
-            chat,
-            TASK,
-            SamplingParams(max_new_tokens=200),
-            limits=EpisodeLimits(max_turns=4, max_tokens=first),
-        )
-    )
+    traj, engine = _run(chat, script, max_tokens=first)
     assert traj.stop_reason == StopReason.MAX_TOKENS and len(engine.calls) == 1
     assert len(traj.segments) == 1 and traj.num_sampled == first
     traj.check()
@@ -472,16 +462,14 @@ def test_a_step_wise_episode_trains_exactly_as_its_segments_would_as_trajectorie
         torch.testing.assert_close(grads[0][name], g, atol=1e-6, rtol=1e-4, msg=name)
 
 
-def _run(chat: ChatFormat, script=None) -> tuple[Trajectory, RecordingEngine]:
+def _run(
+    chat: ChatFormat, script=None, max_tokens: int = EpisodeLimits().max_tokens
+) -> tuple[Trajectory, RecordingEngine]:
     engine = RecordingEngine(chat.tokenizer, script or _script(chat), chat.end_of_turn_id)
+    limits = EpisodeLimits(max_turns=4, max_tokens=max_tokens)
     traj = asyncio.run(
         run_episode(
-            Thinker(),
-            engine,
-            chat,
-            TASK,
-            SamplingParams(max_new_tokens=200),
-            limits=EpisodeLimits(max_turns=4),
+            Thinker(), engine, chat, TASK, SamplingParams(max_new_tokens=200), limits=limits
         )
     )
     return traj, engine
