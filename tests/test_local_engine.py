@@ -310,6 +310,7 @@ def test_the_local_engine_decodes_on_the_learners_device_unless_told(monkeypatch
 
     made = []
     monkeypatch.setattr(engine_config, "LocalEngine", lambda *a, **kw: made.append(kw["device"]))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     for setting, learner, expected in [
         ("auto", "cuda:0", "cuda:0"),  # beside the learner on rank 0's GPU
         ("auto", None, "cpu"),
@@ -319,6 +320,10 @@ def test_the_local_engine_decodes_on_the_learners_device_unless_told(monkeypatch
         cfg = load_config(None, [f"engine.device={setting}"])
         engine_config.build_engine(cfg.engine, "m", None, seed=0, learner_device=learner)
         assert made.pop() == expected
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="engine.device=cuda: torch sees no CUDA device"):
+        cfg = load_config(None, ["engine.device=cuda"])
+        engine_config.build_engine(cfg.engine, "m", None, seed=0)
 
 
 async def test_cancelled_request_leaves_the_batch(engine):

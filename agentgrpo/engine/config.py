@@ -125,6 +125,8 @@ def build_engine(
 
         return SGLangEngine.from_config(cfg.sglang)
     device = (learner_device or "cpu") if cfg.device == "auto" else cfg.device
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"engine.device={cfg.device}: torch sees no CUDA device on this machine")
     return LocalEngine(
         model_path,
         tokenizer=tokenizer,
