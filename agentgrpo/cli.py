@@ -1,7 +1,7 @@
 """`agentgrpo` command line: train, eval, check-env, check-template, report, and the servers.
 
 The CLI only parses arguments and calls one function per subcommand; settings live in the typed
-config (`agentgrpo.config`), overridden with `key.path=value` arguments.
+config (`agentgrpo.run.config`), overridden with `key.path=value` arguments.
 """
 
 from __future__ import annotations
@@ -12,21 +12,21 @@ import os
 import sys
 from pathlib import Path
 
-from agentgrpo.hardware import set_cpu_thread_env
+from agentgrpo.models.hardware import set_cpu_thread_env
 
-set_cpu_thread_env()  # before anything loads torch: OpenMP reads it once (agentgrpo.hardware)
+set_cpu_thread_env()  # before anything loads torch: OpenMP reads it once (models/hardware.py)
 
-# agentgrpo.config, train and evaluate load torch, and check-template loads transformers: each
+# agentgrpo.run.config, train and evaluate load torch, and check-template loads transformers: each
 # command imports them when it runs, so the forwarded servers (serve-sandbox, ...) start without.
-from agentgrpo.chat import TemplateError  # noqa: E402
-from agentgrpo.env_check import env_report  # noqa: E402
-from agentgrpo.report import write_report  # noqa: E402
-from agentgrpo.template_audit import audit_template  # noqa: E402
+from agentgrpo.chat.format import TemplateError  # noqa: E402
+from agentgrpo.checks.env_check import env_report  # noqa: E402
+from agentgrpo.checks.template_audit import audit_template  # noqa: E402
+from agentgrpo.run.report import write_report  # noqa: E402
 
 
 def _train(args: argparse.Namespace) -> int:
-    from agentgrpo.config import load_config
-    from agentgrpo.train import train
+    from agentgrpo.run.config import load_config
+    from agentgrpo.run.train import train
 
     cfg = load_config(args.config, args.overrides)
     run_dir = train(cfg)
@@ -36,7 +36,7 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _check_env(args: argparse.Namespace) -> int:
-    from agentgrpo.config import EnvConfig, apply_override
+    from agentgrpo.run.config import EnvConfig, apply_override
 
     kwargs: dict = {}
     for kv in args.kwarg:  # the constructor's arguments, as a config's env.kwargs gives them
@@ -64,7 +64,7 @@ def _check_env(args: argparse.Namespace) -> int:
 def _check_template(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
-    from agentgrpo.config import apply_override
+    from agentgrpo.run.config import apply_override
 
     kwargs: dict = {}
     for kv in args.kwarg:
@@ -85,8 +85,8 @@ def _check_template(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from agentgrpo.config import load_config
-    from agentgrpo.evaluate import format_metrics, run_eval
+    from agentgrpo.run.config import load_config
+    from agentgrpo.run.evaluate import format_metrics, run_eval
 
     cfg = load_config(args.config, args.overrides)
     out_dir, result = run_eval(cfg)
@@ -114,11 +114,11 @@ def _report(args: argparse.Namespace) -> int:
 FORWARDED = {
     "serve-sandbox": ("agentgrpo.verify.sandbox_server", "run the code sandbox as an HTTP server"),
     "serve-sglang": (
-        "agentgrpo.engine.sglang_launch",
+        "agentgrpo.engine.sglang.launch",
         "start SGLang with RL settings: MODEL [sglang args]",
     ),
     "serve-policy": (
-        "agentgrpo.serve_policy",
+        "agentgrpo.agents.serve_policy",
         "serve the policy as OpenAI's Chat Completions API, "
         "one URL per episode: MODEL_DIR [--sglang URL ...]",
     ),
@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in FORWARDED:
         return int(importlib.import_module(FORWARDED[argv[0]][0]).main(argv[1:]) or 0)
-    from agentgrpo.config import ConfigError
+    from agentgrpo.run.config import ConfigError
 
     args = build_parser().parse_args(argv)
     try:

@@ -369,16 +369,16 @@ class Trajectory:
 
     Segments (step-wise episodes): when the chat template renders the next prompt as something that
     does not extend the tokens sampled so far (it drops earlier `<think>` blocks, say), the episode
-    goes on in a new sequence whose prompt is the re-rendered history (`agentgrpo.rollout.Episode`).
-    `token_ids`, `loss_mask`, `logprobs` and `prompt_len` are then the *last* segment, the one the
-    engine continues, and `earlier_segments` the closed ones, in order; `segments` lists them all.
-    A single-sequence episode has no earlier segments, so code that reads the flat fields sees it
-    whole. Each segment holds the invariant above on its own; all share the episode's reward, group
-    and advantage.
+    goes on in a new sequence whose prompt is the re-rendered history
+    (`agentgrpo.rollout.episode.Episode`). `token_ids`, `loss_mask`, `logprobs` and `prompt_len`
+    are then the *last* segment, the one the engine continues, and `earlier_segments` the closed
+    ones, in order; `segments` lists them all. A single-sequence episode has no earlier segments,
+    so code that reads the flat fields sees it whole. Each segment holds the invariant above on its
+    own; all share the episode's reward, group and advantage.
 
-    Each field is written in one place: the rollout (`agentgrpo.rollout`) writes what the episode
-    did, the rubric (`agentgrpo.reward.score_group`) the reward parts and detail, the training
-    step the advantage. `info` belongs to the user (a verifier may note things there); no
+    Each field is written in one place: the rollout (`agentgrpo.rollout.episode`) writes what the
+    episode did, the rubric (`agentgrpo.env.rubric.score_group`) the reward parts and detail, the
+    training step the advantage. `info` belongs to the user (a verifier may note things there); no
     framework code writes it.
     """
 

@@ -1,7 +1,7 @@
 """`train.max_staleness`: synchronous steps, one step of overlap and the asynchronous pipeline at
 k = 2, 4, 8, on the same long-tailed multi-turn workload, in one run.
 
-Simulated (the default): the real scheduler (`agentgrpo.pipeline.StalenessPipeline`) drives a
+Simulated (the default): the real scheduler (`agentgrpo.run.pipeline.StalenessPipeline`) drives a
 simulated engine and learner on asyncio's clock. The engine decodes at most `--engine-slots`
 requests at once (a batch); an episode alternates model turns, which hold an engine slot for a time
 proportional to the turn's tokens, and tool calls, which hold none. Turn counts, turn lengths and
@@ -44,7 +44,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from agentgrpo.pipeline import StalenessPipeline, Ticket  # noqa: E402
+from agentgrpo.run.pipeline import StalenessPipeline, Ticket  # noqa: E402
 
 MODES = {"sync": 0, "overlap": 1, "k=2": 2, "k=4": 4, "k=8": 8}
 
@@ -164,14 +164,14 @@ def run_real(args: argparse.Namespace) -> dict:
     """A few steps per mode of the calculator run on the local engine, in this process."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    from agentgrpo.hardware import set_cpu_thread_env
+    from agentgrpo.models.hardware import set_cpu_thread_env
 
     set_cpu_thread_env()  # what the CLI sets before torch loads (OMP_WAIT_POLICY=PASSIVE, ...)
     import torch
 
-    from agentgrpo.config import load_config
-    from agentgrpo.log import read_jsonl
-    from agentgrpo.train import train
+    from agentgrpo.run.config import load_config
+    from agentgrpo.run.log import read_jsonl
+    from agentgrpo.run.train import train
 
     results = {}
     modes = {"sync": (0, []), "overlap": (1, []), "k=2": (2, []), "k=4": (4, [])}

@@ -5,9 +5,10 @@ interleaved repeats, reported as the median with the spread of the repeats.
 1. precision: a learner step of the embedded SmolLM2-135M under bf16 autocast against fp32, in
    two worker processes stepped in turn; prints the CPU's capability and bf16 features.
 2. threads: the same step alone and with a CPU-bound process (`while True: pass`) beside it, per
-   OpenMP setting: `old` = the environment as it was before agentgrpo.hardware (OMP_WAIT_POLICY
-   unset, torch's own thread count), `new` = what the CLI sets (agentgrpo.hardware), and `one` =
-   the new policy with a single thread (what a thread count of cores - 1 would give on 2 cores).
+   OpenMP setting: `old` = the environment as it was before agentgrpo.models.hardware
+   (OMP_WAIT_POLICY unset, torch's own thread count), `new` = what the CLI sets
+   (agentgrpo.models.hardware), and `one` = the new policy with a single thread (what a thread
+   count of cores - 1 would give on 2 cores).
 
 The batch is calculator-shaped: groups of 8 sharing a 170-token prompt, each with a 20..60-token
 response, a 10..30-token tool result (no loss) and a 10..40-token answer (random token ids).
@@ -36,10 +37,10 @@ def worker(autocast: str, groups: int) -> None:
     sys.path.insert(0, ROOT)
     import torch
 
-    from agentgrpo.hardware import configure_cpu_threads
-    from agentgrpo.learner import Learner, LearnerConfig
-    from agentgrpo.loss import LossConfig
-    from agentgrpo.models import default_model_path, load_model
+    from agentgrpo.algo.loss import LossConfig
+    from agentgrpo.learner.learner import Learner, LearnerConfig
+    from agentgrpo.models.embedded import default_model_path, load_model
+    from agentgrpo.models.hardware import configure_cpu_threads
     from agentgrpo.types import StopReason, Trajectory
 
     threads = (
@@ -106,7 +107,7 @@ class Worker:
             env.pop(key, None)
         if setting != "old":
             sys.path.insert(0, ROOT)
-            from agentgrpo.hardware import set_cpu_thread_env
+            from agentgrpo.models.hardware import set_cpu_thread_env
 
             set_cpu_thread_env(env)
         if setting == "one":

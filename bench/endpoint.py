@@ -33,10 +33,10 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # the shared CPU: see docs/
 
 from transformers import AutoTokenizer  # noqa: E402
 
-from agentgrpo.chat import ChatFormat  # noqa: E402
-from agentgrpo.endpoint import EndpointEpisode, PolicyEndpoint  # noqa: E402
+from agentgrpo.agents.endpoint import EndpointEpisode, PolicyEndpoint  # noqa: E402
+from agentgrpo.chat.format import ChatFormat  # noqa: E402
 from agentgrpo.engine.base import Completion, SamplingParams  # noqa: E402
-from agentgrpo.models import default_model_path  # noqa: E402
+from agentgrpo.models.embedded import default_model_path  # noqa: E402
 from agentgrpo.types import Message  # noqa: E402
 from tools.calculator import calculator  # noqa: E402
 
@@ -175,7 +175,7 @@ async def run(chat: ChatFormat, episodes: int, turns: int) -> dict[str, tuple[fl
 
 
 def local_turn_ms(path, chat: ChatFormat, max_new_tokens: int) -> tuple[float, float, int]:
-    from agentgrpo.engine.local import LocalEngine
+    from agentgrpo.engine.local.engine import LocalEngine
 
     engine = LocalEngine(path, tokenizer=chat.tokenizer, seed=0, max_batch_size=1)
     prompt = chat.prompt_ids(

@@ -39,11 +39,11 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 
-from agentgrpo.attention import AUTO_MIN_SHARE, use_segments, use_varlen  # noqa: E402
-from agentgrpo.batch import make_micro_batches  # noqa: E402
-from agentgrpo.learner import Learner, LearnerConfig  # noqa: E402
-from agentgrpo.logprobs import PolicyForward, tf32_matmuls, to_loss_layout  # noqa: E402
-from agentgrpo.loss import LossConfig  # noqa: E402
+from agentgrpo.algo.loss import LossConfig  # noqa: E402
+from agentgrpo.learner.attention import AUTO_MIN_SHARE, use_segments, use_varlen  # noqa: E402
+from agentgrpo.learner.batch import make_micro_batches  # noqa: E402
+from agentgrpo.learner.learner import Learner, LearnerConfig  # noqa: E402
+from agentgrpo.learner.logprobs import PolicyForward, tf32_matmuls, to_loss_layout  # noqa: E402
 from agentgrpo.types import StopReason, Trajectory  # noqa: E402
 
 
@@ -124,7 +124,7 @@ class Bare:
     """A plain accumulation loop on the learner's packed micro-batches: forward, -sum(logprob) at
     loss positions, backward, AdamW step. `head_only` uses the same head-at-loss-positions forward
     as the learner; otherwise the model's full logits. `varlen`: the model switched to varlen
-    attention (agentgrpo.attention; CUDA), else on a GPU the 4D mask."""
+    attention (agentgrpo.learner.attention; CUDA), else on a GPU the 4D mask."""
 
     def __init__(
         self,
@@ -313,7 +313,7 @@ def real_model_steps(budget: int) -> None:
 
     from transformers import AutoModelForCausalLM
 
-    from agentgrpo.models import default_model_path
+    from agentgrpo.models.embedded import default_model_path
 
     model = AutoModelForCausalLM.from_pretrained(default_model_path(), dtype=torch.float32)
     g = grpo_batch(groups=4, size=8)
@@ -349,8 +349,8 @@ def real_model_gap(samples: int = 8, new_tokens: int = 48) -> None:
     with bf16 autocast, on SmolLM2-135M-Instruct's own samples of a calculator-env prompt."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from agentgrpo.chat import ChatFormat
-    from agentgrpo.models import default_model_path
+    from agentgrpo.chat.format import ChatFormat
+    from agentgrpo.models.embedded import default_model_path
     from envs.calculator import CalculatorEnv
 
     path = default_model_path()

@@ -11,14 +11,15 @@ torch >= 2.10). `--attn flash_attention_2` uses flash-attn's own varlen packing 
 
 Variants, each timed over interleaved repeats after a warm-up step:
   - learner, packed        learner.train_step, packing=packed (4D mask)
-  - learner, ... varlen    the same under varlen attention (agentgrpo.attention.varlen_attention:
+  - learner, ... varlen    the same under varlen attention
+  (agentgrpo.learner.attention.varlen_attention:
                            no mask, no pair across sequences, a shared prompt's keys gathered for
                            each continuation): packed rows of the spread and GRPO-shaped batches,
                            shared_prefix on the GRPO-shaped and long batches
   - learner, padded        packing=padded (one trajectory per row, rows of similar length)
   - learner, packed flex   packing=packed under flex attention (block mask: no pair across
                            sequences, the varlen kernel torch has without flash-attn), and packed
-                           segments (agentgrpo.attention): is packing faster than padding on a GPU
+                           segments (learner/attention.py): is packing faster than padding on a GPU
                            with them?
   - learner, shared_prefix the default (a group's prompt computed once), on the GRPO-shaped batch
   - learner, fp32 head     `tf32: false`: the LM head's matmuls in plain fp32 (SIMT on a GPU), the
@@ -31,11 +32,11 @@ Variants, each timed over interleaved repeats after a warm-up step:
                            per row) against the default `row_tokens: auto` (the attention cost model
                            splits long groups; its FLOP count may undersell masked attention on a
                            GPU)
-  - learner, segments      same long groups with `attention: segments` (agentgrpo.attention: an sdpa
+  - learner, segments      same long groups, `attention: segments` (learner/attention.py: an sdpa
                            call per sequence against its prompt, no mask; whole groups per row): is
                            it faster than the masked default on a GPU too, launches and all?
   - learner, flex          shared_prefix under transformers' flex_attention with a block mask per
-                           micro-batch (agentgrpo.attention.flex_block_mask: the blocks across
+                           micro-batch (attention.flex_block_mask: the blocks across
                            sequences skipped, compiled by torch; GPU only), on both GRPO-shaped
                            batches
   - bare fwd+bwd           the same packed micro-batches through the same head-only forward,
@@ -69,9 +70,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from agentgrpo.batch import make_micro_batches  # noqa: E402
-from agentgrpo.learner import Learner, LearnerConfig  # noqa: E402
-from agentgrpo.loss import LossConfig  # noqa: E402
+from agentgrpo.algo.loss import LossConfig  # noqa: E402
+from agentgrpo.learner.batch import make_micro_batches  # noqa: E402
+from agentgrpo.learner.learner import Learner, LearnerConfig  # noqa: E402
 from bench.learner import Bare, advantages, grpo_batch, spread_batch  # noqa: E402
 from bench.learner_memory import long_batch  # noqa: E402
 

@@ -60,9 +60,9 @@ def long_batch(groups: int, size: int, vocab: int, seed: int = 0) -> list:
 def child(spec: str, groups: int, steps: int, shape: str, autocast: str) -> dict:
     import torch
 
-    from agentgrpo.learner import Learner, LearnerConfig
-    from agentgrpo.loss import LossConfig
-    from agentgrpo.models import default_model_path, load_policy
+    from agentgrpo.algo.loss import LossConfig
+    from agentgrpo.learner.learner import Learner, LearnerConfig
+    from agentgrpo.models.embedded import default_model_path, load_policy
     from bench.learner import advantages, grpo_batch
 
     torch.manual_seed(0)

@@ -33,10 +33,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from agentgrpo.chat import ChatFormat  # noqa: E402
+from agentgrpo.chat.format import ChatFormat  # noqa: E402
 from agentgrpo.engine import SamplingParams  # noqa: E402
-from agentgrpo.engine.local import LocalEngine  # noqa: E402
-from agentgrpo.models import default_model_path, load_model, load_tokenizer  # noqa: E402
+from agentgrpo.engine.local.engine import LocalEngine  # noqa: E402
+from agentgrpo.models.embedded import default_model_path, load_model, load_tokenizer  # noqa: E402
 from agentgrpo.types import Message  # noqa: E402
 from envs.calculator import CalculatorEnv  # noqa: E402
 

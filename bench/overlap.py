@@ -26,10 +26,10 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from agentgrpo.config import load_config  # noqa: E402
-from agentgrpo.log import read_jsonl  # noqa: E402
-from agentgrpo.models import default_model_path  # noqa: E402
-from agentgrpo.train import train  # noqa: E402
+from agentgrpo.models.embedded import default_model_path  # noqa: E402
+from agentgrpo.run.config import load_config  # noqa: E402
+from agentgrpo.run.log import read_jsonl  # noqa: E402
+from agentgrpo.run.train import train  # noqa: E402
 from tests.fake_sglang import FakeSGLangProcess  # noqa: E402
 
 

@@ -42,9 +42,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from agentgrpo import Message, Task, ToolEnv, tool  # noqa: E402
-from agentgrpo.chat import ChatFormat  # noqa: E402
+from agentgrpo.chat.format import ChatFormat  # noqa: E402
 from agentgrpo.engine.base import Completion, SamplingParams  # noqa: E402
-from agentgrpo.rollout import RolloutConfig, collect, run_group  # noqa: E402
+from agentgrpo.rollout.episode import RolloutConfig, collect, run_group  # noqa: E402
 
 
 @dataclass
@@ -277,7 +277,7 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from agentgrpo.models import default_model_path
+    from agentgrpo.models.embedded import default_model_path
 
     chat = ChatFormat(AutoTokenizer.from_pretrained(default_model_path()))
     WaitEnv.time_scale = a.time_scale

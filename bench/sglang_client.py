@@ -46,7 +46,7 @@ import httpx  # noqa: E402
 import orjson  # noqa: E402
 
 from agentgrpo.engine.base import SamplingParams  # noqa: E402
-from agentgrpo.engine.sglang import SGLangEngine  # noqa: E402
+from agentgrpo.engine.sglang.client import SGLangEngine  # noqa: E402
 from tests.fake_sglang import FakeSGLangProcess  # noqa: E402
 
 EOS = 151645

@@ -18,7 +18,7 @@ import time
 
 import orjson
 
-from agentgrpo.engine.sglang_protocol import StreamFold
+from agentgrpo.engine.sglang.protocol import StreamFold
 
 
 def chunks(n: int, incremental: bool) -> list[bytes]:

@@ -13,13 +13,13 @@
 #   1. carry [".whl", ".gpu-model/part00", ".gpu-model/SHA256"], command `bash scripts/gpu-check.sh`
 #   2. carry [".whl", ".gpu-model/part01"], command `bash scripts/gpu-default-run.sh`
 # This script joins the halves, checks the sum, converts the model as the install does on its first
-# use (agentgrpo.models.convert_gguf), and trains. Extra arguments go to `agentgrpo train` as
+# use (agentgrpo.models.embedded.convert_gguf), and trains. Extra arguments go to `agentgrpo train` as
 # overrides (a local dry run on a CPU: `bash scripts/gpu-default-run.sh train.steps=1`).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 parts=.gpu-model
 if [ "${1:-}" = "--split" ]; then
-  gguf=$(.venv/bin/python -c "from agentgrpo.models import gguf_path; print(gguf_path())") || exit 1
+  gguf=$(.venv/bin/python -c "from agentgrpo.models.embedded import gguf_path; print(gguf_path())") || exit 1
   rm -rf "$parts" && mkdir -p "$parts"
   split -n 2 -d "$gguf" "$parts/part"
   sha256sum < "$gguf" | cut -d' ' -f1 > "$parts/SHA256"
@@ -44,7 +44,7 @@ if [ "$(sha256sum < "$gguf" | cut -d' ' -f1)" != "$(cat "$parts/SHA256")" ]; the
   exit 2
 fi
 echo "$(date -u +%T) converting the model"
-python3 -c "import sys; from pathlib import Path; from agentgrpo.models import convert_gguf
+python3 -c "import sys; from pathlib import Path; from agentgrpo.models.embedded import convert_gguf
 convert_gguf(Path(sys.argv[1]), Path(sys.argv[2]))" "$gguf" "$work/model" || exit 1
 if command -v nvidia-smi >/dev/null; then
   nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 500 > "$OUT/gpu-mem.csv" &

@@ -10,8 +10,9 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# `auto` precision follows the CPU (agentgrpo.hardware); the tests' fp32 tolerances need one answer
-# on every CPU kind, in the processes they spawn too. tests/test_hardware.py covers both answers.
+# `auto` precision follows the CPU (agentgrpo.models.hardware); the tests' fp32 tolerances need one
+# answer on every CPU kind, in the processes they spawn too. tests/test_hardware.py covers both
+# answers.
 os.environ.setdefault("AGENTGRPO_CPU_BF16", "0")
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
@@ -41,7 +42,7 @@ def pytest_sessionfinish(session, exitstatus):
 
 @pytest.fixture(scope="session")
 def smol_path() -> Path:
-    from agentgrpo.models import default_model_path
+    from agentgrpo.models.embedded import default_model_path
 
     return default_model_path()
 
@@ -55,7 +56,7 @@ def smol_tokenizer(smol_path):
 
 @pytest.fixture(scope="session")
 def chat(smol_tokenizer):
-    from agentgrpo.chat import ChatFormat
+    from agentgrpo.chat.format import ChatFormat
 
     return ChatFormat(smol_tokenizer)
 
@@ -96,7 +97,7 @@ def llama31_chat(tokenizer):
     """Llama 3.1's real template over a copy of `tokenizer` that knows its special tokens."""
     import copy
 
-    from agentgrpo.chat import ChatFormat
+    from agentgrpo.chat.format import ChatFormat
 
     tok = copy.deepcopy(tokenizer)
     tok.add_special_tokens(

@@ -1573,7 +1573,7 @@ def engine_fixture(**defaults: Any) -> Any:
     (keyword arguments over `defaults`), all closed after the test."""
     import pytest
 
-    from agentgrpo.engine.sglang import SGLangEngine
+    from agentgrpo.engine.sglang.client import SGLangEngine
 
     @pytest.fixture
     async def engine() -> Any:

@@ -1,5 +1,5 @@
-"""Numeric tests of agentgrpo.advantage: hand-computed values, edge cases, invariances, and a slow
-pure-Python reference."""
+"""Numeric tests of agentgrpo.algo.advantage: hand-computed values, edge cases, invariances, and a
+slow pure-Python reference."""
 
 import math
 import random
@@ -9,7 +9,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from agentgrpo.advantage import (
+from agentgrpo.algo.advantage import (
     ESTIMATORS,
     AdvantageConfig,
     compute_advantages,
@@ -386,7 +386,8 @@ def test_turn_config_validation():
         AdvantageConfig(estimator="turn_ppo")
 
 
-# --- the training step's assignment (agentgrpo.train.assign_advantages) --------------------------
+# --- the training step's assignment (agentgrpo.run.train.assign_advantages)
+# --------------------------
 
 
 def _episodes():
@@ -404,8 +405,8 @@ def _episodes():
 
 
 def test_assign_advantages_outcome_only_is_unchanged_and_turn_level_sets_turns():
-    from agentgrpo.config import RunConfig
-    from agentgrpo.train import assign_advantages
+    from agentgrpo.run.config import RunConfig
+    from agentgrpo.run.train import assign_advantages
 
     trajs = _episodes()
     assign_advantages(trajs, RunConfig.model_validate({"advantage": {"estimator": "grpo"}}))
@@ -425,8 +426,8 @@ def test_assign_advantages_outcome_only_is_unchanged_and_turn_level_sets_turns()
 
 
 def test_assign_advantages_turn_level_drops_unscorable_and_masked_rows():
-    from agentgrpo.config import RunConfig
-    from agentgrpo.train import assign_advantages
+    from agentgrpo.run.config import RunConfig
+    from agentgrpo.run.train import assign_advantages
     from agentgrpo.types import StopReason
 
     trajs = _episodes()

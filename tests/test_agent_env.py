@@ -10,8 +10,8 @@ pytest.importorskip("openai")
 
 from agentgrpo import AgentEnv, StopReason  # noqa: E402
 from agentgrpo.engine import SamplingParams  # noqa: E402
-from agentgrpo.reward import Rubric  # noqa: E402
-from agentgrpo.rollout import EpisodeLimits, RolloutConfig, collect, run_group  # noqa: E402
+from agentgrpo.env.rubric import Rubric  # noqa: E402
+from agentgrpo.rollout.episode import EpisodeLimits, RolloutConfig, collect, run_group  # noqa: E402
 from examples.openai_agent import CalculatorAgent  # noqa: E402
 from tests.fakes import ScriptedEngine  # noqa: E402
 
@@ -92,7 +92,7 @@ def test_agent_calls_tool_and_answers_token_exact(chat):
 def test_replies_sent_back_are_never_re_tokenized(chat, monkeypatch):
     """Only the first call is rendered from scratch; later ones continue the recorded ids with the
     suffix of the new messages (the text of the model's own turn is never encoded again)."""
-    from agentgrpo.chat import ChatFormat
+    from agentgrpo.chat.format import ChatFormat
 
     rendered = []
     real = ChatFormat.prompt_ids
@@ -139,7 +139,7 @@ def test_a_divergent_prompt_opens_a_segment_unless_the_mode_is_single(smol_token
     """As in the rollout: the call whose prompt does not extend the sequence (here: the agent
     starts another conversation) begins a new segment, its prompt the call's own; "stepwise" makes
     every call a segment, each prompt rendered from the request's messages."""
-    from agentgrpo.chat import ChatFormat
+    from agentgrpo.chat.format import ChatFormat
 
     chat = ChatFormat(smol_tokenizer, trajectory_mode=mode)
     [traj], engine = group(chat, ["2", "ok"], env=Rewriter)
@@ -289,7 +289,7 @@ class Recording:
 def test_sampled_ids_are_the_local_engines(chat, stopping_model_dir):
     """The real local engine behind the endpoint: every trajectory's masked ids and logprobs are
     exactly what the engine returned for the requests that trajectory made."""
-    from agentgrpo.engine.local import LocalEngine
+    from agentgrpo.engine.local.engine import LocalEngine
 
     engine = Recording(LocalEngine(stopping_model_dir, tokenizer=chat.tokenizer, seed=0))
     cfg = RolloutConfig(

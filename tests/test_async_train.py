@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from agentgrpo.log import read_jsonl
+from agentgrpo.run.log import read_jsonl
 from tests.test_checkpoint import VariedRewardEnv, _train
 
 
@@ -57,7 +57,7 @@ def test_no_step_trains_a_sample_beyond_max_staleness(tmp_path, stopping_model_d
 def test_a_sigterm_and_resume_lose_no_group_and_train_none_twice(
     tmp_path, stopping_model_dir, monkeypatch
 ):
-    from agentgrpo.learner import Learner
+    from agentgrpo.learner.learner import Learner
 
     real_step, calls = Learner.train_step, {"n": 0}
 

@@ -12,9 +12,10 @@ import re
 import pytest
 import torch
 
-from agentgrpo import attention as attention_module
-from agentgrpo import learner as learner_module
-from agentgrpo.attention import (
+from agentgrpo.algo.loss import LossConfig
+from agentgrpo.learner import attention as attention_module
+from agentgrpo.learner import learner as learner_module
+from agentgrpo.learner.attention import (
     SEGMENTS,
     VARLEN,
     Segments,
@@ -26,10 +27,9 @@ from agentgrpo.attention import (
     use_varlen,
     varlen_attention,
 )
-from agentgrpo.batch import make_micro_batches
-from agentgrpo.learner import Learner, LearnerConfig
-from agentgrpo.logprobs import PolicyForward
-from agentgrpo.loss import LossConfig
+from agentgrpo.learner.batch import make_micro_batches
+from agentgrpo.learner.learner import Learner, LearnerConfig
+from agentgrpo.learner.logprobs import PolicyForward
 from tests.tiny import groups_of_trajectories, tiny_llama, traj
 from tests.varlen_reference import reference_varlen_attn
 
@@ -222,9 +222,9 @@ def test_flex_attention_is_refused_for_training_on_the_cpu_and_with_segments_or_
 
 
 def test_auto_runs_segments_only_on_rows_long_enough_to_pay():
-    from agentgrpo.attention import AUTO_MIN_SHARE
-    from agentgrpo.batch import attention_pair_cost
-    from agentgrpo.logprobs import _layout_kwargs
+    from agentgrpo.learner.attention import AUTO_MIN_SHARE
+    from agentgrpo.learner.batch import attention_pair_cost
+    from agentgrpo.learner.logprobs import _layout_kwargs
 
     model = tiny_llama("sdpa")
     use_segments(model)
@@ -490,7 +490,7 @@ def test_the_learner_trains_with_varlen_as_with_the_mask(monkeypatch, reference_
 
 
 def test_train_with_varlen_on_the_cpu_is_a_config_error(tmp_path, capsys, monkeypatch):
-    import agentgrpo.models as models
+    import agentgrpo.models.embedded as models
     from agentgrpo.cli import main
 
     monkeypatch.setattr(models, "load_policy", lambda path: tiny_llama())  # no model to load

@@ -7,9 +7,9 @@ import random
 import pytest
 import torch
 
-from agentgrpo.attention import flex_block_mask, use_segments
-from agentgrpo.batch import attention_pair_cost, balanced_parts, make_micro_batches
-from agentgrpo.logprobs import PolicyForward, sequence_logprobs, to_loss_layout
+from agentgrpo.learner.attention import flex_block_mask, use_segments
+from agentgrpo.learner.batch import attention_pair_cost, balanced_parts, make_micro_batches
+from agentgrpo.learner.logprobs import PolicyForward, sequence_logprobs, to_loss_layout
 from agentgrpo.types import StopReason, Trajectory
 from tests.tiny import V, groups_of_trajectories, tiny_llama, traj
 
@@ -375,7 +375,7 @@ def test_granite_logits_scaling_is_applied_by_the_head_only_path():
 
 
 def test_token_advantages_map_each_run_of_sampled_tokens_to_its_turn():
-    from agentgrpo.batch import token_advantages
+    from agentgrpo.learner.batch import token_advantages
 
     t = traj([5, 6, 7, 8, 9, 10, 11, 12, 13], [0, 0, 1, 1, 0, 1, 0, 1, 1])
     assert token_advantages(t, 0.5).tolist() == [0, 0, 0.5, 0.5, 0, 0.5, 0, 0.5, 0.5]

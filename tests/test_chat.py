@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from agentgrpo.chat import ChatFormat, HistoryRewritten, TemplateError, parse_hermes
+from agentgrpo.chat.format import ChatFormat, HistoryRewritten, TemplateError, parse_hermes
 from agentgrpo.types import Message, ToolCall
 from tests.conftest import llama31_chat, shared_template
 
@@ -257,7 +257,7 @@ def test_plain_env_turn_is_not_parsed_for_tools(chat):
     ],
 )
 def test_llama3_json_parser(text, calls, errors, content):
-    from agentgrpo.chat import parse_llama3_json
+    from agentgrpo.chat.format import parse_llama3_json
 
     turn = parse_llama3_json(text)
     assert [(c.name, c.arguments) for c in turn.message.tool_calls or []] == calls
@@ -329,7 +329,7 @@ def test_llama_template_round_trip_with_its_own_special_tokens(smol_tokenizer):
     ],
 )
 def test_fast_render_equals_apply_chat_template(smol_tokenizer, name):
-    from agentgrpo.template_audit import audit
+    from agentgrpo.checks.template_audit import audit
 
     chat = ChatFormat(smol_tokenizer, template=shared_template(name))
     assert chat._fast is not None

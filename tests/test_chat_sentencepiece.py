@@ -8,8 +8,8 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from agentgrpo.chat import ChatFormat
-from agentgrpo.template_audit import audit
+from agentgrpo.chat.format import ChatFormat
+from agentgrpo.checks.template_audit import audit
 from agentgrpo.types import Message, ToolCall
 from tests.conftest import shared_template
 

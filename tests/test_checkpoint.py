@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from agentgrpo import checkpoint
 from agentgrpo.cli import main
-from agentgrpo.log import read_jsonl
+from agentgrpo.run import checkpoint
+from agentgrpo.run.log import read_jsonl
 from envs.calculator import CalculatorEnv
 
 
@@ -276,7 +276,7 @@ def test_four_steps_equal_two_steps_killed_and_resumed(tmp_path, stopping_model_
     straight = tmp_path / "straight"
     assert _train(straight, tiny_model_dir, 4, "train.save_every=2") == 0
 
-    from agentgrpo.learner import Learner
+    from agentgrpo.learner.learner import Learner
 
     calls = {"n": 0}
     real_step = Learner.train_step
@@ -377,7 +377,7 @@ def test_two_fresh_runs_with_one_seed_train_the_same_weights(tmp_path, stopping_
 
 
 def test_sigterm_saves_the_finished_step_and_exits(tmp_path, tiny_model_dir, monkeypatch):
-    from agentgrpo.learner import Learner
+    from agentgrpo.learner.learner import Learner
 
     real_step = Learner.train_step
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from agentgrpo.cli import main
-from agentgrpo.env import Env
+from agentgrpo.env.base import Env
 
 
 class NeedsArgs(Env):
@@ -91,7 +91,7 @@ def test_a_module_that_is_not_found_or_a_class_that_is_not_there_is_a_config_err
 ):
     import pytest
 
-    from agentgrpo.config import ConfigError, EnvConfig
+    from agentgrpo.run.config import ConfigError, EnvConfig
 
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ConfigError, match=r"env.name: .*no module named 'nowhere_mod'.*PYTHONPATH"):
@@ -108,7 +108,7 @@ def test_a_module_that_is_not_found_or_a_class_that_is_not_there_is_a_config_err
 def test_task_sources_that_cannot_work_are_config_errors(tmp_path):
     import pytest
 
-    from agentgrpo.config import ConfigError, EnvConfig
+    from agentgrpo.run.config import ConfigError, EnvConfig
     from tests.test_env import Echo
 
     with pytest.raises(ConfigError, match=r"env.tasks: Echo.load_tasks is not implemented"):
@@ -123,7 +123,7 @@ def test_task_sources_that_cannot_work_are_config_errors(tmp_path):
 
 
 def test_train_with_a_misspelt_env_fails_before_loading_the_model(tmp_path, capsys, monkeypatch):
-    import agentgrpo.models as models
+    import agentgrpo.models.embedded as models
 
     def no_model(*a, **k):
         raise AssertionError("the model loaded before the env name was checked")
@@ -139,7 +139,7 @@ def test_train_with_a_misspelt_env_fails_before_loading_the_model(tmp_path, caps
 def test_task_file_and_module_name_mistakes_say_what_to_change(tmp_path, monkeypatch, capsys):
     import pytest
 
-    from agentgrpo.config import ConfigError, EnvConfig
+    from agentgrpo.run.config import ConfigError, EnvConfig
     from tests.test_env import Echo
 
     with pytest.raises(ConfigError, match=r"\{split\} is the only placeholder"):
@@ -157,7 +157,7 @@ def test_task_file_and_module_name_mistakes_say_what_to_change(tmp_path, monkeyp
 def test_train_with_a_missing_task_file_fails_before_loading_the_model(
     tmp_path, capsys, monkeypatch
 ):
-    import agentgrpo.models as models
+    import agentgrpo.models.embedded as models
 
     def no_model(*a, **k):
         raise AssertionError("the model loaded before the task file was read")
@@ -179,7 +179,7 @@ def test_train_with_a_missing_task_file_fails_before_loading_the_model(
 def test_options_a_custom_load_tasks_rejects_are_config_errors_that_say_where(capsys):
     import pytest
 
-    from agentgrpo.config import ConfigError, EnvConfig
+    from agentgrpo.run.config import ConfigError, EnvConfig
     from envs.calculator import CalculatorEnv
 
     # CalculatorEnv.load_tasks takes **kwargs and raises TypeError on one it does not know, so the
@@ -201,7 +201,7 @@ def test_a_custom_load_tasks_bug_names_the_envs_own_line_and_a_bad_return_is_nam
     import pytest
 
     from agentgrpo import Env, Task
-    from agentgrpo.config import ConfigError, EnvConfig
+    from agentgrpo.run.config import ConfigError, EnvConfig
 
     class BadRow(Env):
         @classmethod
@@ -230,7 +230,7 @@ def test_an_env_without_a_source_file_still_gets_a_config_error(monkeypatch):
 
     import pytest
 
-    from agentgrpo.config import ConfigError, EnvConfig
+    from agentgrpo.run.config import ConfigError, EnvConfig
 
     mod = types.ModuleType("notebook_cell")  # a class typed into a notebook or `python -c`
     monkeypatch.setitem(sys.modules, "notebook_cell", mod)

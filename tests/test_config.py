@@ -1,6 +1,6 @@
 import pytest
 
-from agentgrpo.config import ConfigError, dump_config, load_config
+from agentgrpo.run.config import ConfigError, dump_config, load_config
 
 
 def test_unknown_key_is_named(tmp_path):
@@ -31,7 +31,7 @@ def test_example_configs_load():
 
 
 def test_secrets_are_masked():
-    from agentgrpo.log import mask_secrets
+    from agentgrpo.run.log import mask_secrets
 
     assert mask_secrets({"a": {"api_key": "sk-1", "n": 1}, "token": "t"}) == {
         "a": {"api_key": "***", "n": 1},
@@ -64,7 +64,7 @@ def test_secrets_are_masked():
 def test_secret_masking_catches_what_it_once_missed():
     """Issue 33: keys named passwd, pass, bearer, signature; API-key-looking values under any
     name; credentials inside URLs (engine.sglang.urls) were written in clear."""
-    from agentgrpo.log import mask_secrets
+    from agentgrpo.run.log import mask_secrets
 
     assert mask_secrets(
         {

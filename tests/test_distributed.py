@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from agentgrpo.learner import Learner, LearnerConfig
-from agentgrpo.log import read_jsonl
-from agentgrpo.loss import LossConfig
+from agentgrpo.algo.loss import LossConfig
+from agentgrpo.learner.learner import Learner, LearnerConfig
+from agentgrpo.run.log import read_jsonl
 from tests.ranks import free_port, spawn_gloo
 from tests.test_checkpoint import _by_step, _train, _weights
 from tests.test_learner import TEMPERATURE, assert_trained_alike, batch_and_advantages
@@ -295,7 +295,7 @@ def _weightless(build, directory: str):
     """What `agentgrpo train` loads on a rank other than 0 under RAM-efficient loading
     (`models.load_policy`): the model built from its config alone (config.json is all there is to
     read), parameters on the meta device, non-persistent buffers (rotary frequencies) computed."""
-    from agentgrpo.models import load_policy
+    from agentgrpo.models.embedded import load_policy
 
     build().config.save_pretrained(directory)
     model = load_policy(directory)
@@ -304,7 +304,7 @@ def _weightless(build, directory: str):
 
 
 def _ram_efficient_rank(rank: int, tmp: str, launch_env: dict[str, str]) -> None:
-    from agentgrpo.learner_state import full_weights
+    from agentgrpo.learner.state import full_weights
 
     os.environ.update(launch_env)  # what accelerate launch gives each rank (load_policy reads it)
     for build in (tiny_llama, _tied_llama):

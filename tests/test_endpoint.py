@@ -10,9 +10,9 @@ import httpx
 import pytest
 
 from agentgrpo import AgentEnv, StopReason, Task
-from agentgrpo.endpoint import EndpointEpisode, PolicyEndpoint
+from agentgrpo.agents.endpoint import EndpointEpisode, PolicyEndpoint
 from agentgrpo.engine import SamplingParams
-from agentgrpo.rollout import RolloutConfig, collect
+from agentgrpo.rollout.episode import RolloutConfig, collect
 from tests.fakes import ScriptedEngine
 
 TOOLS = [

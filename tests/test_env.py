@@ -4,7 +4,7 @@ import time
 import pytest
 
 from agentgrpo import Env, Message, Task, ToolCall, ToolEnv, check_env, tool
-from agentgrpo.env import EnvCheckError, MessagesSpace, String, get_env_class, register_env
+from agentgrpo.env.base import EnvCheckError, MessagesSpace, String, get_env_class, register_env
 from agentgrpo.types import ToolErrorKind
 from envs.calculator import CalculatorEnv, last_number
 
@@ -106,7 +106,7 @@ def test_spaces_accept_unicode_and_nest():
 def test_envs_registered_at_run_time_and_installs_that_predate_the_entry_points(monkeypatch):
     import importlib.metadata
 
-    from agentgrpo import env as env_module
+    from agentgrpo.env import base as env_module
 
     monkeypatch.setattr(env_module, "ENVS", {})
     register_env("echo-at-run-time", Echo)
@@ -197,7 +197,7 @@ def test_check_env_flags_undeclared_randomness():
 
 
 def test_check_env_explains_instead_of_crashing():
-    from agentgrpo.env_check import env_report
+    from agentgrpo.checks.env_check import env_report
 
     class Crashing(Env):
         def step(self, action):

@@ -14,7 +14,7 @@ from fractions import Fraction
 import pytest
 
 from agentgrpo import Message, Task, ToolCall
-from agentgrpo.tool import ToolError
+from agentgrpo.env.tool import ToolError
 from agentgrpo.types import ToolErrorKind
 from agentgrpo.verify.sandbox import ExecResult, SandboxUnavailable
 from envs.code_tests import CodeTestsEnv

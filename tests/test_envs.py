@@ -18,9 +18,9 @@ from gymnasium.envs.registration import find_highest_version
 from agentgrpo import Message, StopReason, Task, check_env
 from agentgrpo.cli import main
 from agentgrpo.engine import SamplingParams
-from agentgrpo.env import get_env_class, known_env_names
-from agentgrpo.log import read_jsonl
-from agentgrpo.rollout import EpisodeLimits, run_episode
+from agentgrpo.env.base import get_env_class, known_env_names
+from agentgrpo.rollout.episode import EpisodeLimits, run_episode
+from agentgrpo.run.log import read_jsonl
 from agentgrpo.verify import math as math_mod
 from agentgrpo.verify.code import load_humaneval, run_tests
 from agentgrpo.verify.math import MathPool, math_equal

@@ -11,10 +11,10 @@ from collections import Counter
 import pytest
 import torch
 
-from agentgrpo.config import load_config
 from agentgrpo.engine.base import EngineError
-from agentgrpo.evaluate import EvalConfig, pass_at_k, resolve_policy, run_eval
-from agentgrpo.log import read_jsonl
+from agentgrpo.run.config import load_config
+from agentgrpo.run.evaluate import EvalConfig, pass_at_k, resolve_policy, run_eval
+from agentgrpo.run.log import read_jsonl
 from envs.calculator import CalculatorEnv
 from tests.fakes import ScriptedEngine
 
@@ -229,8 +229,8 @@ def test_eval_serves_the_trained_weights_of_every_checkpoint_format(runs, stoppi
     the format: equal to the weights file of the full checkpoint (full; sharded, which trained
     alike) or to peft's merge of the adapter (LoRA; sharded LoRA), and the runs that trained alike
     sample alike."""
-    from agentgrpo.engine.local import LocalEngine
-    from agentgrpo.models import load_model
+    from agentgrpo.engine.local.engine import LocalEngine
+    from agentgrpo.models.embedded import load_model
 
     base = load_model(stopping_model_dir).state_dict()
     served, tokens = {}, {}
@@ -332,8 +332,8 @@ def _copy_run(run, tmp_path):
 def test_damaged_and_mismatched_checkpoints_are_refused_never_replaced_by_the_base(
     runs, stopping_model_dir, tmp_path
 ):
-    from agentgrpo import checkpoint
-    from agentgrpo.config import ConfigError
+    from agentgrpo.run import checkpoint
+    from agentgrpo.run.config import ConfigError
 
     run_dir, extra = _copy_run(runs["sharded"], tmp_path)
     first = run_dir / "checkpoints" / "step-000001"
@@ -399,7 +399,7 @@ def _plant_metadata(checkpoint_dir, marker):
     import hashlib
     import pickle
 
-    from agentgrpo import checkpoint
+    from agentgrpo.run import checkpoint
 
     meta = checkpoint_dir / "dcp" / ".metadata"
     meta.write_bytes(pickle.dumps(_Planted(marker)))
@@ -417,8 +417,8 @@ def test_a_planted_checkpoint_runs_no_code_in_eval_or_resume(runs, stopping_mode
     checkpoint whose metadata would create a file is refused, by eval (named or latest) and by a
     resume (in the sharded format, and in the full format, where only the `dcp/` folder chooses
     the reader), with an error naming what it asked for; no file appears."""
-    from agentgrpo.config import ConfigError
-    from agentgrpo.learner_state import UnsafeCheckpoint
+    from agentgrpo.learner.state import UnsafeCheckpoint
+    from agentgrpo.run.config import ConfigError
     from tests.test_checkpoint import _train
 
     marker = tmp_path / "pwned"
@@ -448,7 +448,7 @@ def test_dcp_metadata_naming_files_outside_its_directory_is_refused(tmp_path):
 
     import torch.distributed.checkpoint as dcp
 
-    from agentgrpo.learner_state import UnsafeCheckpoint, _dcp_load
+    from agentgrpo.learner.state import UnsafeCheckpoint, _dcp_load
 
     model = torch.nn.Linear(3, 2)
     with pytest.warns(UserWarning):  # torch: no process group, saving as one process
@@ -468,7 +468,7 @@ def test_dcp_metadata_naming_files_outside_its_directory_is_refused(tmp_path):
 def _fsdp_sharded_checkpoint(rank: int, tmp: str) -> None:
     from pathlib import Path
 
-    from agentgrpo.learner import Learner
+    from agentgrpo.learner.learner import Learner
     from tests.test_distributed import CFG, LOSS, _fsdp_accelerator, _steps
     from tests.test_learner import TEMPERATURE
     from tests.tiny import tiny_llama
@@ -485,8 +485,8 @@ def _fsdp_sharded_checkpoint(rank: int, tmp: str) -> None:
 
 
 def test_shards_of_two_fsdp_ranks_load_into_one_process_without_a_process_group(tmp_path):
-    from agentgrpo import learner_state
-    from agentgrpo.logprobs import PolicyForward
+    from agentgrpo.learner import state as learner_state
+    from agentgrpo.learner.logprobs import PolicyForward
     from tests.ranks import spawn_gloo
     from tests.tiny import tiny_llama
 

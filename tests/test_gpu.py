@@ -15,12 +15,12 @@ from functools import partial
 import pytest
 import torch
 
-from agentgrpo import attention
-from agentgrpo.attention import use_segments, use_varlen
-from agentgrpo.batch import make_micro_batches
-from agentgrpo.learner import Learner, LearnerConfig
-from agentgrpo.logprobs import PolicyForward, sequence_logprobs, tf32_matmuls
-from agentgrpo.loss import LossConfig
+from agentgrpo.algo.loss import LossConfig
+from agentgrpo.learner import attention
+from agentgrpo.learner.attention import use_segments, use_varlen
+from agentgrpo.learner.batch import make_micro_batches
+from agentgrpo.learner.learner import Learner, LearnerConfig
+from agentgrpo.learner.logprobs import PolicyForward, sequence_logprobs, tf32_matmuls
 from tests.test_batch import assert_per_sequence, packed_logprobs
 from tests.test_learner import TEMPERATURE, batch_and_advantages, one_big_batch_grads, record_grads
 from tests.tiny import V, groups_of_trajectories, tiny_llama, traj
@@ -42,7 +42,9 @@ def test_packed_logprobs_on_cuda_equal_per_sequence_logprobs_on_cpu(mode, attent
     ref = sequence_logprobs(make("sdpa"), [t.token_ids for t in trajs], temperature=0.7)  # CPU
     batches = [b.to(CUDA) for b in make_micro_batches(trajs, [0.0] * len(trajs), 64, mode=mode)]
     model = make("flex_attention" if attention == "flex" else "sdpa").to(CUDA)  # flex: block masks
-    if attention == "segments":  # agentgrpo.attention's gathers and padded sdpa batch on CUDA
+    if (
+        attention == "segments"
+    ):  # agentgrpo.learner.attention's gathers and padded sdpa batch on CUDA
         use_segments(model)
     assert_per_sequence(packed_logprobs(model, batches, 0.7), trajs, ref, 1e-4)
 

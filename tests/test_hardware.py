@@ -1,13 +1,19 @@
-"""agentgrpo.hardware: the precision `auto` picks, with the CPU's features and CUDA mocked so that
-both answers run on every CPU; and the OpenMP environment and thread count the CLI sets."""
+"""agentgrpo.models.hardware: the precision `auto` picks, with the CPU's features and CUDA mocked
+so that both answers run on every CPU; and the OpenMP environment and thread count the CLI sets."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from agentgrpo import hardware
-from agentgrpo.hardware import FORCE_ENV, choose_bf16, cpu_native_bf16, cpu_threads, engine_dtype
+from agentgrpo.models import hardware
+from agentgrpo.models.hardware import (
+    FORCE_ENV,
+    choose_bf16,
+    cpu_native_bf16,
+    cpu_threads,
+    engine_dtype,
+)
 
 
 def cpu_kind(monkeypatch, capability: str, *, amx: bool, avx512_bf16: bool) -> None:
@@ -86,10 +92,10 @@ def test_the_environment_override_answers_for_the_cpu(monkeypatch):
 
 
 def test_learner_and_engine_follow_the_choice(monkeypatch, tiny_model_dir):
-    from agentgrpo.engine.local import LocalEngine
-    from agentgrpo.learner import Learner, LearnerConfig
-    from agentgrpo.loss import LossConfig
-    from agentgrpo.models import load_model
+    from agentgrpo.algo.loss import LossConfig
+    from agentgrpo.engine.local.engine import LocalEngine
+    from agentgrpo.learner.learner import Learner, LearnerConfig
+    from agentgrpo.models.embedded import load_model
 
     for native in (False, True):
         cpu_kind(monkeypatch, "AVX512" if native else "AVX2", amx=native, avx512_bf16=native)
@@ -166,7 +172,7 @@ def test_cgroup_quota_is_read_from_cpu_max(tmp_path):
 
 
 def test_sampling_beside_training_shares_the_cpu_threads():
-    from agentgrpo.hardware import share_cpu
+    from agentgrpo.models.hardware import share_cpu
 
     assert share_cpu(2) == (1, 1)
     assert share_cpu(8) == (4, 4)

@@ -6,7 +6,7 @@ import math
 
 from agentgrpo import StopReason, Task, ToolEnv, tool
 from agentgrpo.engine import SamplingParams
-from agentgrpo.rollout import run_episode
+from agentgrpo.rollout.episode import run_episode
 from agentgrpo.verify.sandbox import SandboxUnavailable
 from tests.fakes import ScriptedEngine
 

@@ -1,12 +1,14 @@
-"""The package's layers, read from the source (DESIGN.md section 8, STYLE.md point 16).
+"""The package's layers, by folder, read from the source (docs/design.md, "Layers";
+CONTRIBUTING.md).
 
 The import graph of `agentgrpo/`, `envs/` and `tools/` is computed with `ast`: every import at
 any depth (inside functions too), relative imports resolved, `importlib.import_module("name")`
 with a literal name counted as an import, and only what sits under `if TYPE_CHECKING:` left out.
 The tests fail on any cycle in it (naming the modules around it), on any import of `envs` or
-`tools` from `agentgrpo`, on any stage module importing a run-level (application) module, and on
-an import inside a function that is neither of a heavy or optional dependency nor listed in `LATE`
-with its reason.
+`tools` from `agentgrpo`, on an import between folders that `MAY_IMPORT` does not allow (a stage
+folder importing the run level among them), on a private name imported from another folder, on
+a top-level module that is not listed, and on an import inside a function that is neither of a
+heavy or optional dependency nor listed in `LATE` with its reason.
 """
 
 from __future__ import annotations
@@ -17,28 +19,44 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("agentgrpo", "envs", "tools")
 
-# The run-level modules: they read a config, drive a run and write its outputs. Every other module
-# of agentgrpo/ is a stage module (a new module is one until it is listed here).
-APPLICATION = {
-    f"agentgrpo.{name}"
-    for name in (
-        "checkpoint",
-        "cli",
-        "config",
-        "env_check",
-        "evaluate",
-        "log",
-        "overlap",
-        "report",
-        "report_data",
-        "serve_policy",
-        "template_audit",
-        "train",
-    )
+# The folders (and the few single-file modules) of agentgrpo/, each with the ones it may import.
+# Stage layers from the bottom up, then the run level (application), which may use every stage.
+# A new folder is refused until it is placed here.
+STAGES: dict[str, set[str]] = {
+    "types": set(),  # the records between stages
+    "deadlines": set(),  # the time budgets every await of an episode runs under (below env, verify)
+    "env": {"types", "deadlines"},
+    "chat": {"types"},
+    "algo": {"types"},
+    "models": {"types"},
+    "verify": {"types", "deadlines", "env"},
+    "engine": {"types", "models"},
+    "learner": {"types", "algo", "models"},
+    "rollout": {"types", "deadlines", "env", "chat", "engine"},
+    "agents": {"types", "deadlines", "env", "chat", "engine", "rollout"},
 }
-# The package's own `__init__` is the public face: it may re-export from both layers, so stage
-# modules do not import it either.
+APPLICATION: dict[str, set[str]] = {
+    "checks": set(STAGES),
+    "run": set(STAGES) | {"checks"},
+    "cli": set(STAGES) | {"checks", "run"},  # the `agentgrpo` command's entry point
+}
+MAY_IMPORT = STAGES | APPLICATION
+# Top-level single-file modules (every other name under agentgrpo/ is a folder), and why.
+SINGLE_FILES = {
+    "types": "the records every layer shares",
+    "deadlines": "a leaf below env, verify and rollout: each of them awaits under its budgets",
+    "cli": "the entry point of the `agentgrpo` command (pyproject's [project.scripts])",
+}
+# The package's own `__init__` is the public face: it may re-export from both layers, so no module
+# of agentgrpo imports it.
 FACADE = {"agentgrpo"}
+
+
+def folder(module: str) -> str | None:
+    """The folder (or single-file module) of agentgrpo that `module` lies in; None outside it or
+    for the package face itself."""
+    parts = module.split(".")
+    return parts[1] if parts[0] == "agentgrpo" and len(parts) > 1 else None
 
 
 def module_files() -> dict[str, Path]:
@@ -99,8 +117,8 @@ def _is_import_module(func: ast.expr) -> bool:
 
 
 def _owning_module(name: str, modules: set[str]) -> str | None:
-    """The longest module of ours that `name` is or lies in (`agentgrpo.env.Env` -> agentgrpo.env);
-    None for a name outside the three packages."""
+    """The longest module of ours that `name` is or lies in (`agentgrpo.env.base.Env` ->
+    agentgrpo.env.base); None for a name outside the three packages."""
     parts = name.split(".")
     for end in range(len(parts), 0, -1):
         candidate = ".".join(parts[:end])
@@ -159,14 +177,20 @@ def _describe(cycle: list[str], graph: dict[str, dict[str, int]]) -> str:
 def test_the_graph_sees_imports_inside_functions_and_under_type_checking_only_in_else() -> None:
     source = (
         "from typing import TYPE_CHECKING\n"
-        "if TYPE_CHECKING:\n    from agentgrpo.config import RunConfig\n"
-        "else:\n    from agentgrpo import log\n"
-        "def f():\n    from .train import train\n    importlib.import_module('envs')\n"
+        "if TYPE_CHECKING:\n    from agentgrpo.run.config import RunConfig\n"
+        "else:\n    from agentgrpo.run import log\n"
+        "def f():\n    from .run.train import train\n    importlib.import_module('envs')\n"
     )
-    modules = {"agentgrpo", "agentgrpo.config", "agentgrpo.log", "agentgrpo.train", "envs"}
+    modules = {
+        "agentgrpo",
+        "agentgrpo.run.config",
+        "agentgrpo.run.log",
+        "agentgrpo.run.train",
+        "envs",
+    }
     names = _imported_names(ast.parse(source), "agentgrpo.x", False)
     owners = {_owning_module(n, modules) for n, _ in names} - {None}  # None: typing, outside
-    assert owners == {"agentgrpo.log", "agentgrpo.train", "envs"}
+    assert owners == {"agentgrpo.run.log", "agentgrpo.run.train", "envs"}
     graph = {"a": {"b": 1}, "b": {"c": 2}, "c": {"a": 3}, "d": {"a": 4}}
     assert find_cycle(graph) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b": 1}, "b": {}}) is None
@@ -174,10 +198,14 @@ def test_the_graph_sees_imports_inside_functions_and_under_type_checking_only_in
 
 def test_graph_covers_the_packages() -> None:
     graph = import_graph()
-    assert {"agentgrpo.env", "agentgrpo.train", "envs.calculator", "tools.python"} <= set(graph)
-    assert "agentgrpo.types" in graph["agentgrpo.env"]
-    # every module the application list names exists (a renamed module must be renamed here too)
-    assert APPLICATION <= set(graph), sorted(APPLICATION - set(graph))
+    assert {"agentgrpo.env.base", "agentgrpo.run.train", "envs.calculator", "tools.python"} <= set(
+        graph
+    )
+    assert "agentgrpo.types" in graph["agentgrpo.env.base"]
+    # every folder the layer table names exists (a renamed folder must be renamed here too)
+    assert set(MAY_IMPORT) <= {folder(m) for m in graph}, set(MAY_IMPORT) - {
+        folder(m) for m in graph
+    }
 
 
 def test_no_import_cycle() -> None:
@@ -198,16 +226,53 @@ def test_agentgrpo_imports_neither_envs_nor_tools() -> None:
     assert not bad, "the library imports its own examples:\n  " + "\n  ".join(bad)
 
 
-def test_stage_modules_import_no_application_module() -> None:
+def test_agentgrpo_holds_folders_and_the_listed_single_files_only() -> None:
+    top = ROOT / "agentgrpo"
+    files = {p.stem for p in top.glob("*.py")} - {"__init__"}
+    folders = {p.name for p in top.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert files == set(SINGLE_FILES), f"top-level modules not listed: {files - set(SINGLE_FILES)}"
+    assert folders | files == set(MAY_IMPORT), (folders | files) ^ set(MAY_IMPORT)
+
+
+def test_folders_import_only_the_layers_below_them() -> None:
+    files = module_files()
+    bad = []
+    for module, edges in import_graph().items():
+        source = folder(module)
+        if source is None:
+            continue
+        for target, line in edges.items():
+            dest = folder(target)
+            if target in FACADE and module not in FACADE:
+                bad.append(f"{files[module].relative_to(ROOT)}:{line} imports the package face")
+            elif dest is not None and dest != source and dest not in MAY_IMPORT[source]:
+                bad.append(f"{files[module].relative_to(ROOT)}:{line} ({source}/) imports {target}")
+    assert not bad, "imports against the layers (MAY_IMPORT):\n  " + "\n  ".join(bad)
+
+
+def _private_imports() -> list[tuple[str, str, int]]:
+    """(module, imported name, line) of every `from X import _name` and `import X._mod` whose
+    private part lies in another folder of agentgrpo than the importer's."""
+    found = []
+    for module, path in module_files().items():
+        if not module.startswith("agentgrpo"):
+            continue
+        is_package = path.name == "__init__.py"
+        for name, line in _imported_names(ast.parse(path.read_text()), module, is_package):
+            if folder(name) in (None, folder(module)):
+                continue
+            if any(part.startswith("_") and not part.startswith("__") for part in name.split(".")):
+                found.append((module, name, line))
+    return found
+
+
+def test_private_names_stay_inside_their_folder() -> None:
     files = module_files()
     bad = [
-        f"{files[m].relative_to(ROOT)}:{line} imports {target}"
-        for m, edges in import_graph().items()
-        if m.split(".")[0] == "agentgrpo" and m not in APPLICATION | FACADE
-        for target, line in edges.items()
-        if target in APPLICATION | FACADE
+        f"{files[m].relative_to(ROOT)}:{line} imports {name}"
+        for m, name, line in _private_imports()
     ]
-    assert not bad, "a stage module imports the run level:\n  " + "\n  ".join(bad)
+    assert not bad, "private names imported from another folder:\n  " + "\n  ".join(bad)
 
 
 # Imports inside functions, each for a reason: a heavy or optional dependency loaded only by the
@@ -227,17 +292,33 @@ HEAVY_OR_OPTIONAL = {
     "mcp_types",
     "jsonschema",
     "anyio",
-}  # agentgrpo.mcp: the `mcp` extra
+}  # agentgrpo.agents.mcp: the `mcp` extra
 # ... or a module of ours that one module loads late, and why.
 LATE = {
-    ("agentgrpo.cli", "agentgrpo.config"): "loads torch: only once a command runs",
-    ("agentgrpo.report", "agentgrpo.config"): "loads torch: only when a run has a config.yaml",
-    ("agentgrpo.cli", "agentgrpo.train"): "loads torch: only once a command runs",
-    ("agentgrpo.cli", "agentgrpo.evaluate"): "loads torch: only once a command runs",
-    ("agentgrpo.engine", "agentgrpo.engine.local"): "the protocol is importable without torch",
-    ("agentgrpo.engine", "agentgrpo.engine.sglang"): "... and without httpx",
-    ("agentgrpo.engine.config", "agentgrpo.engine.sglang"): "loading a run config imports no httpx",
-    ("agentgrpo.serve_policy", "agentgrpo.engine.local"): "loads torch: only without --sglang",
+    (
+        "agentgrpo.learner",
+        "agentgrpo.learner.learner",
+    ): "packing (learner.batch) loads no accelerate",
+    ("agentgrpo.cli", "agentgrpo.run.config"): "loads torch: only once a command runs",
+    (
+        "agentgrpo.run.report",
+        "agentgrpo.run.config",
+    ): "loads torch: only when a run has a config.yaml",
+    ("agentgrpo.cli", "agentgrpo.run.train"): "loads torch: only once a command runs",
+    ("agentgrpo.cli", "agentgrpo.run.evaluate"): "loads torch: only once a command runs",
+    (
+        "agentgrpo.engine",
+        "agentgrpo.engine.local.engine",
+    ): "the protocol is importable without torch",
+    ("agentgrpo.engine", "agentgrpo.engine.sglang.client"): "... and without httpx",
+    (
+        "agentgrpo.engine.config",
+        "agentgrpo.engine.sglang.client",
+    ): "loading a run config imports no httpx",
+    (
+        "agentgrpo.agents.serve_policy",
+        "agentgrpo.engine.local.engine",
+    ): "loads torch: only without --sglang",
     ("agentgrpo.verify._remote_client", "httpx"): "a local sandbox imports no httpx",
     # the part of a sandbox job that runs in the jail (stdlib only, its source run by `python -c`);
     # its late stdlib imports are left to the sandbox's own changes

@@ -9,10 +9,10 @@ import random
 import pytest
 import torch
 
-from agentgrpo.batch import balanced_parts, make_micro_batches, token_advantages
-from agentgrpo.learner import Learner, LearnerConfig
-from agentgrpo.logprobs import sequence_logprobs, token_logprobs
-from agentgrpo.loss import LossConfig, compute_loss
+from agentgrpo.algo.loss import LossConfig, compute_loss
+from agentgrpo.learner.batch import balanced_parts, make_micro_batches, token_advantages
+from agentgrpo.learner.learner import Learner, LearnerConfig
+from agentgrpo.learner.logprobs import sequence_logprobs, token_logprobs
 from tests.ranks import spawn_gloo
 from tests.tiny import groups_of_trajectories, tiny_llama, traj
 
@@ -183,7 +183,7 @@ def test_lr_schedule_warmup_then_cosine():
 
 
 def test_tf32_is_set_for_the_step_only_and_refused_where_it_cannot_run():
-    from agentgrpo.logprobs import tf32_matmuls
+    from agentgrpo.learner.logprobs import tf32_matmuls
 
     flags = torch.backends.cuda.matmul
     assert not flags.allow_tf32

@@ -16,9 +16,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from agentgrpo.engine import Engine, EngineError, LocalEngine, SamplingParams
-from agentgrpo.engine.local_batch import _Batch
-from agentgrpo.engine.prefix_cache import PrefixCache, common_prefix_len, shared_prefixes
-from agentgrpo.engine.sampling import sample
+from agentgrpo.engine.local.batch import _Batch
+from agentgrpo.engine.local.prefix_cache import PrefixCache, common_prefix_len, shared_prefixes
+from agentgrpo.engine.local.sampling import sample
 
 VOCAB = 320
 CONTEXT = 64
@@ -293,8 +293,8 @@ async def test_the_engine_never_touches_torchs_global_rng(model):
 def test_training_builds_the_local_engine_with_the_runs_seed(tiny_model_dir):
     from transformers import AutoTokenizer
 
-    from agentgrpo.config import load_config
     from agentgrpo.engine.config import build_engine
+    from agentgrpo.run.config import load_config
 
     cfg = load_config(None, ["seed=7", "engine.partial_rollouts=true"])
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
@@ -305,8 +305,8 @@ def test_training_builds_the_local_engine_with_the_runs_seed(tiny_model_dir):
 
 
 def test_the_local_engine_decodes_on_the_learners_device_unless_told(monkeypatch):
-    from agentgrpo.config import load_config
     from agentgrpo.engine import config as engine_config
+    from agentgrpo.run.config import load_config
 
     made = []
     monkeypatch.setattr(engine_config, "LocalEngine", lambda *a, **kw: made.append(kw["device"]))
@@ -389,7 +389,7 @@ def test_local_engine_satisfies_the_engine_protocol(engine):
 def test_the_cache_goes_under_the_name_the_forward_takes():
     # transformers 5.2x renamed past_key_values to cache; under the wrong name the kwarg would land
     # in **kwargs and every decode step would silently run without the KV cache.
-    from agentgrpo.engine.local import _cache_kwarg
+    from agentgrpo.engine.local.engine import _cache_kwarg
 
     class New(torch.nn.Module):
         def forward(self, input_ids, cache=None, past_key_values=None, **kwargs): ...
@@ -589,7 +589,7 @@ async def test_score_matches_generation_logprobs(model, engine):
 # ------------------------------------------------------------------------- the embedded model
 @pytest.fixture(scope="module")
 def smollm2():
-    from agentgrpo.models import default_model_path
+    from agentgrpo.models.embedded import default_model_path
 
     with LocalEngine(default_model_path(), seed=0) as eng:
         yield eng

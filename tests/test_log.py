@@ -10,8 +10,8 @@ import types
 
 import pytest
 
-from agentgrpo.config import RunConfig
-from agentgrpo.log import Progress, RunLogger, read_jsonl
+from agentgrpo.run.config import RunConfig
+from agentgrpo.run.log import Progress, RunLogger, read_jsonl
 from agentgrpo.types import StopReason, Trajectory
 
 
@@ -175,7 +175,7 @@ def test_wandb_is_imported_only_when_configured(tmp_path, monkeypatch):
 
 
 def test_rows_after_the_resumed_step_go_aside_and_nothing_is_lost(tmp_path):
-    from agentgrpo.log import read_jsonl, set_aside_after
+    from agentgrpo.run.log import read_jsonl, set_aside_after
 
     rows = [{"step": s, "k": i} for i, s in enumerate([1, 2, 2, 3, 4])]
     (tmp_path / "metrics.jsonl").write_text(
@@ -199,7 +199,7 @@ def test_rows_after_the_resumed_step_go_aside_and_nothing_is_lost(tmp_path):
 def test_each_set_aside_timeline_gets_files_of_its_own(tmp_path):
     """Issue 33: two resumes to the same step appended two timelines into one
     `*.after-step-N.jsonl` with no separator. Each call's rows go to a file of their own."""
-    from agentgrpo.log import aside_name, read_jsonl, set_aside_after
+    from agentgrpo.run.log import aside_name, read_jsonl, set_aside_after
 
     def timeline(tag):
         rows = [{"step": s, "try": tag} for s in (1, 2, 3)]

@@ -1,4 +1,4 @@
-"""Numeric tests of agentgrpo.loss: hand-computed values (arithmetic in comments), micro-batch
+"""Numeric tests of agentgrpo.algo.loss: hand-computed values (arithmetic in comments), micro-batch
 additivity of losses and gradients, masking edge cases, and autograd against slow per-token
 Python references."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from agentgrpo.loss import (
+from agentgrpo.algo.loss import (
     AGG_MODES,
     LOSSES,
     LossConfig,

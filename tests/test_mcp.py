@@ -1,6 +1,7 @@
-"""MCP tools (agentgrpo.mcp): a stdio MCP server written here with the `mcp` package's server API
-gives a ToolEnv its tools; calls go through ToolEnv's error kinds; a server that dies mid-episode
-makes the episode unscorable (NaN), through run_group with the real SmolLM2 tokenizer."""
+"""MCP tools (agentgrpo.agents.mcp): a stdio MCP server written here with the `mcp` package's
+server API gives a ToolEnv its tools; calls go through ToolEnv's error kinds; a server that dies
+mid-episode makes the episode unscorable (NaN), through run_group with the real SmolLM2
+tokenizer."""
 
 import asyncio
 import contextlib
@@ -19,9 +20,9 @@ import pytest
 pytest.importorskip("mcp", exc_type=ImportError)
 
 from agentgrpo import StopReason, Task, tool  # noqa: E402
+from agentgrpo.agents.mcp import MCPServer, MCPServerError, MCPToolEnv  # noqa: E402
 from agentgrpo.engine import SamplingParams  # noqa: E402
-from agentgrpo.mcp import MCPServer, MCPServerError, MCPToolEnv  # noqa: E402
-from agentgrpo.rollout import EpisodeLimits, run_group  # noqa: E402
+from agentgrpo.rollout.episode import EpisodeLimits, run_group  # noqa: E402
 from agentgrpo.types import ToolErrorKind  # noqa: E402
 from tests.fakes import ScriptedEngine  # noqa: E402
 

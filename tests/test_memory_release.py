@@ -11,9 +11,9 @@ import json
 import pytest
 
 from agentgrpo.cli import main
-from agentgrpo.config import ConfigError, load_config
 from agentgrpo.engine import EngineError, SamplingParams, SGLangEngine
-from agentgrpo.log import read_jsonl
+from agentgrpo.run.config import ConfigError, load_config
+from agentgrpo.run.log import read_jsonl
 from tests.fake_sglang import FakeSGLang, FakeSGLangProcess
 from tests.test_checkpoint import _train
 
@@ -131,7 +131,7 @@ def test_a_training_run_lends_the_servers_memory_to_every_learner_step(
 ):
     """Per step: rollouts, then pause + release, the learner step, resume + continue, then the push;
     the run samples with every pushed version, so the weights the servers got back were refilled."""
-    from agentgrpo.learner import Learner
+    from agentgrpo.learner.learner import Learner
 
     log = tmp_path / "calls.jsonl"
     real_step = Learner.train_step

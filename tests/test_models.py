@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from agentgrpo import models
+from agentgrpo.models import embedded as models
 
 
 @pytest.fixture(autouse=True)
@@ -122,7 +122,7 @@ def test_an_older_conversion_is_not_reused_and_is_named(tmp_path, monkeypatch, c
     converted = []
     monkeypatch.setattr(models, "gguf_path", lambda: tmp_path / "x.gguf")
     monkeypatch.setattr(models, "convert_gguf", lambda gguf, target: converted.append(target))
-    with caplog.at_level("WARNING", logger="agentgrpo.models"):
+    with caplog.at_level("WARNING", logger="agentgrpo.models.embedded"):
         target = models.default_model_path(cache_dir=tmp_path)
     assert converted == [target] and target.name == models.MODEL_DIR_NAME != old.name
     assert str(old) in caplog.text and (old / "config.json").read_text() == "old"
@@ -149,8 +149,8 @@ def test_load_policy_reads_weights_on_rank_0_only_under_ram_efficient_fsdp(
 ):
     import torch
 
-    from agentgrpo.learner import Learner, LearnerConfig
-    from agentgrpo.loss import LossConfig
+    from agentgrpo.algo.loss import LossConfig
+    from agentgrpo.learner.learner import Learner, LearnerConfig
 
     full = models.load_policy(tiny_model_dir)
     for name, value in {**RAM_EFFICIENT_FSDP, "RANK": "1"}.items():

@@ -12,10 +12,10 @@ import time
 import pytest
 import torch
 
-from agentgrpo.config import load_config
-from agentgrpo.log import read_jsonl
-from agentgrpo.overlap import train_while_collecting
-from agentgrpo.train import policy_lag
+from agentgrpo.run.config import load_config
+from agentgrpo.run.log import read_jsonl
+from agentgrpo.run.overlap import train_while_collecting
+from agentgrpo.run.train import policy_lag
 from agentgrpo.types import StopReason, Trajectory
 from tests.test_checkpoint import _by_step, _train, _weights
 
@@ -52,7 +52,7 @@ def test_overlapped_run_killed_and_resumed_equals_uninterrupted(
     straight = tmp_path / "straight"
     assert _train(straight, stopping_model_dir, 4, "train.save_every=2", OVERLAP) == 0
 
-    from agentgrpo.learner import Learner
+    from agentgrpo.learner.learner import Learner
 
     calls, real_step = {"n": 0}, Learner.train_step
     sampled_meanwhile = []
@@ -82,7 +82,7 @@ def test_overlapped_run_killed_and_resumed_equals_uninterrupted(
 def test_a_stop_during_overlapped_sampling_cancels_it_and_rewinds_the_data(
     tmp_path, stopping_model_dir, monkeypatch
 ):
-    from agentgrpo.learner import Learner
+    from agentgrpo.learner.learner import Learner
 
     real_step = Learner.train_step
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from agentgrpo.parsers import parse_deepseek_v3, parse_harmony, parse_hermes, parse_llama3_json
+from agentgrpo.chat.parsers import parse_deepseek_v3, parse_harmony, parse_hermes, parse_llama3_json
 from agentgrpo.types import ToolErrorKind
 
 HUGE_INT = (

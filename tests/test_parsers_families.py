@@ -10,8 +10,8 @@ import json
 
 import pytest
 
-from agentgrpo.chat import HERMES_CHATML_TEMPLATE, ChatFormat
-from agentgrpo.parsers import PARSERS, detect_parser, get_parser, typed_value
+from agentgrpo.chat.format import HERMES_CHATML_TEMPLATE, ChatFormat
+from agentgrpo.chat.parsers import PARSERS, detect_parser, get_parser, typed_value
 from agentgrpo.types import ToolErrorKind
 from tests.conftest import shared_template
 
@@ -459,7 +459,7 @@ def test_the_template_audit_reads_typed_calls_with_the_env_s_schemas(tok):
     """The audit's tool conversations call the env's first tool with example arguments of its
     schema's types (an int, a bool, an object...): the XML parser reads them back only with the
     schemas, so the audit passes them (else: a false parser_mismatch and no parser named)."""
-    from agentgrpo.template_audit import audit
+    from agentgrpo.checks.template_audit import audit
 
     tools = [
         {

@@ -1,5 +1,5 @@
-"""The bounded-staleness pipeline (`agentgrpo.pipeline`): no group trained beyond k updates, none
-lost or trained twice, slow groups moved back rather than dropped."""
+"""The bounded-staleness pipeline (`agentgrpo.run.pipeline`): no group trained beyond k updates,
+none lost or trained twice, slow groups moved back rather than dropped."""
 
 import asyncio
 import itertools
@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from agentgrpo.pipeline import StalenessPipeline, Ticket
+from agentgrpo.run.pipeline import StalenessPipeline, Ticket
 
 
 def positions(start=0):

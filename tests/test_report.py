@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from agentgrpo.cli import main
-from agentgrpo.log import read_jsonl
-from agentgrpo.report import write_report
-from agentgrpo.report_data import _choose
+from agentgrpo.run.log import read_jsonl
+from agentgrpo.run.report import write_report
+from agentgrpo.run.report_data import _choose
 
 REQUIRED_PLOTS = [
     "reward",

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from agentgrpo.reward import Rubric, Verifier, VerifierResult
+from agentgrpo.env.rubric import Rubric, Verifier, VerifierResult
 from agentgrpo.types import Message, StopReason, Task, Trajectory
 
 TASK = Task(id="t", prompt="2+2?", answer="4")

@@ -13,10 +13,16 @@ import pytest
 import torch
 
 from agentgrpo import Env, StopReason, ToolEnv
-from agentgrpo.advantage import compute_advantages
+from agentgrpo.algo.advantage import compute_advantages
 from agentgrpo.engine import SamplingParams
-from agentgrpo.reward import Rubric, VerifierResult, env_reward
-from agentgrpo.rollout import EpisodeLimits, RolloutConfig, collect, rollout_metrics, run_group
+from agentgrpo.env.rubric import Rubric, VerifierResult, env_reward
+from agentgrpo.rollout.episode import (
+    EpisodeLimits,
+    RolloutConfig,
+    collect,
+    rollout_metrics,
+    run_group,
+)
 from envs.calculator import CalculatorEnv, last_number
 from tests.fakes import ScriptedEngine
 from tools.calculator import calculator
@@ -225,7 +231,7 @@ def test_group_hook_sees_the_whole_group_and_infra_failures_stay_nan(chat):
 
 def test_a_rubric_must_be_a_rubric_and_a_tool_env_needs_one_or_a_reward(chat):
     with pytest.raises(
-        TypeError, match="Bad.rubric must be an agentgrpo.reward.Rubric or None, got function"
+        TypeError, match="Bad.rubric must be an agentgrpo.env.rubric.Rubric or None, got function"
     ):
 
         class Bad(Env):
@@ -251,7 +257,7 @@ def test_a_rubric_must_be_a_rubric_and_a_tool_env_needs_one_or_a_reward(chat):
 
 def test_run_directory_and_report_show_the_parts(tmp_path, tiny_model_dir):
     from agentgrpo.cli import main
-    from agentgrpo.log import read_jsonl
+    from agentgrpo.run.log import read_jsonl
 
     out = tmp_path / "run"
     assert (

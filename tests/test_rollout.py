@@ -12,7 +12,7 @@ import pytest
 from agentgrpo import Env, EnvStep, Group, Message, StopReason, ToolEnv, tool
 from agentgrpo.engine import Completion, SamplingParams
 from agentgrpo.engine.base import EngineError
-from agentgrpo.rollout import (
+from agentgrpo.rollout.episode import (
     EpisodeLimits,
     RolloutConfig,
     collect,
@@ -548,7 +548,7 @@ def test_every_turn_gets_its_own_sampling_seed(chat):
     assert all(0 <= s < 2**63 for s in seeds)  # fits SGLang's int64 sampling_seed
     assert seeds_of_a_group() == seeds  # reproducible: the same seed gives the same turn seeds
     # the mix is fixed (SplitMix64 of (seed, turn)), not Python's per-process salted hash()
-    from agentgrpo.rollout import turn_seed
+    from agentgrpo.rollout.episode import turn_seed
 
     assert turn_seed(1234, 1) == 1234 and turn_seed(None, 3) is None
     assert turn_seed(1234, 2) == 5468443737350222482
@@ -726,7 +726,7 @@ def test_only_the_slot_wait_is_timed_as_the_step_deadline(chat, monkeypatch):
     """run_group's step-deadline handler covers the wait for an episode slot only: a TimeoutError
     from inside an episode (run_episode ends every failure it knows as a trajectory) is a bug to
     surface, not 'step deadline expired before the episode started'."""
-    import agentgrpo.rollout as rollout
+    import agentgrpo.rollout.episode as rollout
 
     async def broken(*args, **kwargs):
         raise TimeoutError("a bug inside the episode")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from agentgrpo.engine.sampling import _CANDIDATES, sample
+from agentgrpo.engine.local.sampling import _CANDIDATES, sample
 
 V = 5000
 assert V > 4 * _CANDIDATES

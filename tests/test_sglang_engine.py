@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from agentgrpo.engine.base import Completion, EngineError, SamplingParams
-from agentgrpo.engine.sglang import (
+from agentgrpo.engine.sglang.client import (
     SGLangConfig,
     SGLangEngine,
     error_message,
@@ -962,7 +962,7 @@ async def test_multi_turn_episode_matches_the_backend_exactly(server, engine):
 
 
 def test_launcher_starts_waits_and_stops_a_server(tmp_path):
-    from agentgrpo.engine.sglang_launch import SGLangServer
+    from agentgrpo.engine.sglang.launch import SGLangServer
 
     with SGLangServer(
         "fake-model",
@@ -979,7 +979,7 @@ def test_launcher_starts_waits_and_stops_a_server(tmp_path):
 
 
 def test_launcher_command_has_rl_settings_and_respects_overrides():
-    from agentgrpo.engine.sglang_launch import build_command, masked
+    from agentgrpo.engine.sglang.launch import build_command, masked
 
     cmd = build_command("Qwen/Qwen2.5-0.5B-Instruct", ["--port=31000", "--tp", "2"], api_key="sk-1")
     assert cmd[:3] == [sys.executable, "-m", "sglang.launch_server"]
@@ -998,7 +998,7 @@ def test_serve_sglang_main_runs_until_sigterm(tmp_path):
         [
             sys.executable,
             "-c",
-            "import sys; from agentgrpo.engine.sglang_launch import main; "
+            "import sys; from agentgrpo.engine.sglang.launch import main; "
             "sys.exit(main(sys.argv[1:]))",
             "fake-model",
             "--port",
@@ -1025,7 +1025,7 @@ def test_serve_sglang_main_runs_until_sigterm(tmp_path):
 
 
 def test_launcher_reports_a_server_that_dies_during_startup(tmp_path):
-    from agentgrpo.engine.sglang_launch import SGLangServer
+    from agentgrpo.engine.sglang.launch import SGLangServer
 
     with pytest.raises(RuntimeError, match="exited with code"):
         with SGLangServer(

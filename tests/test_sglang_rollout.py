@@ -5,7 +5,7 @@ import asyncio
 import dataclasses
 
 from agentgrpo.engine import SamplingParams, SGLangEngine
-from agentgrpo.rollout import EpisodeLimits, run_episode, run_group, turn_seed
+from agentgrpo.rollout.episode import EpisodeLimits, run_episode, run_group, turn_seed
 from envs.calculator import CalculatorEnv
 from tests.fake_sglang import FakeSGLang
 from tests.fakes import ScriptedEngine

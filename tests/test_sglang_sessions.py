@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from agentgrpo.engine.base import EngineError, SamplingParams
-from agentgrpo.engine.sglang import StreamFold, parse_generate_output
+from agentgrpo.engine.sglang.client import StreamFold, parse_generate_output
 from tests.fake_sglang import FakeSGLang, engine_fixture, server_fixture
 from tests.test_sglang_engine import FAST, fixture
 
@@ -219,7 +219,7 @@ async def test_a_server_that_cannot_flush_under_retract_is_reported_once(
     e = engine([s.url], partial_rollouts=True)
     task = asyncio.create_task(e.generate([1], SamplingParams(max_new_tokens=30)))
     await _wait_decoding(s)
-    with caplog.at_level("WARNING", logger="agentgrpo.engine.sglang"):
+    with caplog.at_level("WARNING", logger="agentgrpo.engine.sglang.client"):
         for v in ("1", "2"):
             await e.update_weights_from_disk(tmp_path, version=v)
     runs = (await task).version_runs
@@ -291,7 +291,7 @@ def test_stream_fold_counts_tokens_to_the_version_of_their_chunk_and_rejects_non
 @pytest.mark.parametrize("incremental", [False, True])
 async def test_cumulative_streaming_servers_are_reported(server, engine, caplog, incremental):
     s = await server(incremental_streaming=incremental)
-    with caplog.at_level("WARNING", logger="agentgrpo.engine.sglang"):
+    with caplog.at_level("WARNING", logger="agentgrpo.engine.sglang.client"):
         await engine([s.url], partial_rollouts=True).wait_ready(timeout_s=5)
     warned = [r for r in caplog.records if "streams cumulative chunks" in r.getMessage()]
     assert len(warned) == (0 if incremental else 1)

@@ -1,5 +1,5 @@
-"""Tests of agentgrpo.shaping: DAPO overlong shaping, truncation masks, dynamic-sampling filter,
-and the start-up description of the algorithm."""
+"""Tests of agentgrpo.algo.shaping: DAPO overlong shaping, truncation masks, dynamic-sampling
+filter, and the start-up description of the algorithm."""
 
 import math
 
@@ -7,9 +7,9 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from agentgrpo.advantage import AdvantageConfig, compute_advantages
-from agentgrpo.loss import LossConfig
-from agentgrpo.shaping import (
+from agentgrpo.algo.advantage import AdvantageConfig, compute_advantages
+from agentgrpo.algo.loss import LossConfig
+from agentgrpo.algo.shaping import (
     ShapingConfig,
     describe_algorithm,
     keep_informative_groups,
@@ -169,7 +169,7 @@ def test_the_printed_formula_is_the_one_computed_with_batch_std():
 
 
 def test_an_overlong_buffer_past_max_tokens_is_refused_at_start_up():
-    from agentgrpo.config import ConfigError, load_config
+    from agentgrpo.run.config import ConfigError, load_config
 
     with pytest.raises(
         ConfigError, match="shaping.overlong_buffer_len=128 is longer than rollout.max_tokens=64"

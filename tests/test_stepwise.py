@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from agentgrpo import Env, Message
-from agentgrpo.chat import ChatFormat, HistoryRewritten, TemplateError
-from agentgrpo.config import load_config
+from agentgrpo.chat.format import ChatFormat, HistoryRewritten, TemplateError
+from agentgrpo.checks.template_audit import audit
 from agentgrpo.engine import SamplingParams
-from agentgrpo.rollout import EpisodeLimits, RolloutConfig, run_episode
-from agentgrpo.template_audit import audit
+from agentgrpo.rollout.episode import EpisodeLimits, RolloutConfig, run_episode
+from agentgrpo.run.config import load_config
 from agentgrpo.types import Segment, StopReason, Task, ToolCall, Trajectory
 from tests.conftest import SHARED, shared_template
 from tests.fakes import ScriptedEngine
@@ -320,7 +320,7 @@ def test_a_segment_opened_but_never_sampled_is_dropped_and_the_budget_spans_segm
 
 
 def test_the_learner_trains_a_row_per_segment_with_the_episode_s_advantage():
-    from agentgrpo.batch import make_micro_batches, segment_rows
+    from agentgrpo.learner.batch import make_micro_batches, segment_rows
     from tests.tiny import traj
 
     one = traj([1, 2, 3, 4, 5], [0, 0, 1, 1, 0], group="g")
@@ -341,7 +341,7 @@ def test_the_learner_trains_a_row_per_segment_with_the_episode_s_advantage():
 
 
 def test_the_report_s_trajectory_viewer_shows_every_segment():
-    from agentgrpo.report import _traj_html
+    from agentgrpo.run.report import _traj_html
     from tests.tiny import traj
 
     t = traj([1, 2, 6, 7], [0, 0, 1, 1])
@@ -357,7 +357,7 @@ def test_the_report_s_trajectory_viewer_shows_every_segment():
 
 
 def rows_as_trajectories(path) -> list[Trajectory]:
-    from agentgrpo.log import read_jsonl
+    from agentgrpo.run.log import read_jsonl
 
     out = []
     for r in read_jsonl(path):
@@ -389,7 +389,7 @@ def test_calculator_trains_stepwise_with_qwen3_6_and_thinking_on_the_embedded_mo
     from transformers import AutoTokenizer
 
     from agentgrpo.cli import main
-    from agentgrpo.log import read_jsonl
+    from agentgrpo.run.log import read_jsonl
     from envs.calculator import CalculatorEnv
 
     template = shared_template("qwen3_6.jinja")
@@ -432,8 +432,8 @@ def test_a_step_wise_episode_trains_exactly_as_its_segments_would_as_trajectorie
     aggregation (docs/learner.md says how that weighs)."""
     import copy as copying
 
-    from agentgrpo.learner import Learner, LearnerConfig
-    from agentgrpo.loss import LossConfig
+    from agentgrpo.algo.loss import LossConfig
+    from agentgrpo.learner.learner import Learner, LearnerConfig
     from tests.test_learner import TEMPERATURE, batch_and_advantages, record_grads
     from tests.tiny import tiny_llama
 
@@ -536,7 +536,7 @@ def test_deepseek_v3_is_refused_only_because_its_template_never_shows_the_tools(
 
 
 def test_the_run_config_passes_its_end_of_turn_tokens(tok):
-    from agentgrpo.config import RunConfig
+    from agentgrpo.run.config import RunConfig
 
     t = copy.deepcopy(tok)
     t.add_special_tokens({"additional_special_tokens": TEMPLATES["gptoss.jinja"][1]})
@@ -554,7 +554,7 @@ def test_the_run_config_passes_its_end_of_turn_tokens(tok):
 
 
 def test_segment_rows_give_each_segment_its_own_turns_advantages():
-    from agentgrpo.batch import make_micro_batches, segment_rows
+    from agentgrpo.learner.batch import make_micro_batches, segment_rows
     from tests.tiny import traj
 
     # turns: segment 0 holds turn 0 ([8]), segment 1 nothing, the last segment turns 1 and 2
@@ -575,7 +575,7 @@ def test_segment_rows_give_each_segment_its_own_turns_advantages():
 
 
 def test_the_report_s_trajectory_viewer_shows_turn_advantages():
-    from agentgrpo.report import _traj_html
+    from agentgrpo.run.report import _traj_html
     from tests.tiny import traj
 
     t = traj([1, 2, 6, 5, 7], [0, 0, 1, 0, 1])

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from agentgrpo.env import Env, tasks_from_file
-from agentgrpo.log import read_jsonl
+from agentgrpo.env.base import Env, tasks_from_file
+from agentgrpo.run.log import read_jsonl
 from tests.test_checkpoint import _train
 
 

@@ -4,8 +4,8 @@ import copy
 
 import pytest
 
-from agentgrpo.chat import ChatFormat, TemplateError
-from agentgrpo.template_audit import ONE_CALL, audit, audit_template, require_token_safe
+from agentgrpo.chat.format import ChatFormat, TemplateError
+from agentgrpo.checks.template_audit import ONE_CALL, audit, audit_template, require_token_safe
 from envs.calculator import CalculatorEnv
 from tests.conftest import SHARED, shared_template
 from tests.test_rollout import TASK

@@ -6,9 +6,11 @@ import time
 
 import pytest
 
-from agentgrpo.tool import Tool, ToolError, stuck_user_calls, to_user_thread, tool
+from agentgrpo.env.tool import Tool, ToolError, stuck_user_calls, to_user_thread, tool
 
-tool_module = importlib.import_module("agentgrpo.tool")  # `agentgrpo.tool` is also the decorator
+tool_module = importlib.import_module(
+    "agentgrpo.env.tool"
+)  # `agentgrpo.env.tool` is also the decorator
 
 
 @tool
@@ -238,12 +240,12 @@ def test_an_awaitable_returned_by_a_sync_function_is_awaited():
 
 def test_string_annotations_resolve_in_the_tools_module(tmp_path, monkeypatch):
     # Under `from __future__ import annotations` a tool's types are strings; they used to be
-    # resolved in agentgrpo.tool's namespace, so Literal or a user's model failed at @tool.
+    # resolved in agentgrpo.env.tool's namespace, so Literal or a user's model failed at @tool.
     (tmp_path / "future_tools.py").write_text(
         "from __future__ import annotations\n"
         "from typing import Literal\n"
         "import pydantic\n"
-        "from agentgrpo.tool import tool\n"
+        "from agentgrpo.env.tool import tool\n"
         "class Point(pydantic.BaseModel):\n"
         "    x: int\n"
         "@tool\n"
@@ -273,8 +275,8 @@ def test_a_misspelt_key_of_a_nested_model_is_refused_not_defaulted():
     import pydantic
 
     tool_module = importlib.import_module(
-        "agentgrpo.tool"
-    )  # `agentgrpo.tool` is also the decorator
+        "agentgrpo.env.tool"
+    )  # `agentgrpo.env.tool` is also the decorator
 
     class Point(pydantic.BaseModel):
         x: int

@@ -15,7 +15,9 @@ from agentgrpo.deadlines import WaitClock, run_charging_only_running_time, waiti
 from agentgrpo.verify.sandbox import Limits, Sandbox, SandboxConfig
 from tools.python import PythonToolConfig, make_async_python_tool, make_python_tool
 
-tool_mod = importlib.import_module("agentgrpo.tool")  # `agentgrpo.tool` is also the decorator
+tool_mod = importlib.import_module(
+    "agentgrpo.env.tool"
+)  # `agentgrpo.env.tool` is also the decorator
 
 TASK = Task(id="t", prompt="p", answer=1)
 

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from agentgrpo.cli import main
-from agentgrpo.log import read_jsonl
+from agentgrpo.run.log import read_jsonl
 from agentgrpo.types import Message, StopReason, Trajectory
 
 
@@ -140,7 +140,7 @@ def test_dynamic_sampling_and_overlong_shaping_are_wired(tmp_path, tiny_model_di
 
 
 def test_engine_blocks_that_would_be_ignored_are_rejected():
-    from agentgrpo.config import ConfigError, load_config
+    from agentgrpo.run.config import ConfigError, load_config
 
     with pytest.raises(ConfigError, match="no engine.sglang block"):
         load_config(None, ["engine.kind=sglang"])

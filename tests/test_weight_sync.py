@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from agentgrpo.engine.base import EngineError, SamplingParams
-from agentgrpo.engine.sglang import SGLangEngine
-from agentgrpo.weight_sync import (
+from agentgrpo.engine.sglang.client import SGLangEngine
+from agentgrpo.engine.weight_sync import (
     ProbeMismatchError,
     WeightSync,
     WeightSyncConfig,

@@ -2,7 +2,7 @@
 call contract, computed as one sdpa call per sequence. It checks the inputs the way the kernel
 needs them (flat [tokens, heads, dim] tensors of one dtype, int32 offsets that cover them exactly,
 the longest lengths, GQA asked for when the heads differ), so a test that swaps it in for
-`agentgrpo.attention.VARLEN_KERNEL` checks the wiring: offsets, key gathers, positions, the
+`agentgrpo.learner.attention.VARLEN_KERNEL` checks the wiring: offsets, key gathers, positions, the
 transformers hook. tests/test_gpu.py checks that the real kernel agrees with it on CUDA."""
 
 from __future__ import annotations

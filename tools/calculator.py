@@ -18,7 +18,7 @@ import operator
 from decimal import Decimal, InvalidOperation
 from fractions import Fraction
 
-from agentgrpo.tool import ToolError, tool
+from agentgrpo.env.tool import ToolError, tool
 
 _BINOPS = {
     ast.Add: operator.add,

@@ -16,11 +16,11 @@ __all__ = [
 
 def __getattr__(name: str):
     if name == "LocalEngine":
-        from agentgrpo.engine.local import LocalEngine
+        from agentgrpo.engine.local.engine import LocalEngine
 
         return LocalEngine
     if name == "SGLangEngine":
-        from agentgrpo.engine.sglang import SGLangEngine
+        from agentgrpo.engine.sglang.client import SGLangEngine
 
         return SGLangEngine
     raise AttributeError(name)

@@ -10,8 +10,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from agentgrpo.engine.base import Engine
-from agentgrpo.engine.local import LocalEngine
-from agentgrpo.engine.sglang_config import SGLangConfig
+from agentgrpo.engine.local.engine import LocalEngine
+from agentgrpo.engine.sglang.config import SGLangConfig
 
 
 class EngineConfig(BaseModel):
@@ -26,7 +26,7 @@ class EngineConfig(BaseModel):
         "auto",
         description="local engine: weight dtype; auto = learner.dtype, but float32 where "
         "bfloat16 is not native (CUDA and CPUs with AVX512-BF16 or AMX have it; "
-        "agentgrpo.hardware.engine_dtype)",
+        "agentgrpo.models.hardware.engine_dtype)",
     )
     prefix_cache_tokens: int = Field(
         16384,
@@ -40,7 +40,7 @@ class EngineConfig(BaseModel):
         ge=1,
         description="local engine: torch threads of its decoding thread; None = auto: where it "
         "samples while the learner trains on the CPU (train.max_staleness >= 1), half of the "
-        "run's threads and the learner the rest (agentgrpo.hardware.share_cpu), else the run's",
+        "run's threads and the learner the rest (models.hardware.share_cpu), else the run's",
     )
     partial_rollouts: bool = Field(
         False,
@@ -121,7 +121,7 @@ def build_engine(
     `device: auto` follows (None: the CPU)."""
     if cfg.kind == "sglang":
         # Only here: loading a run config imports neither httpx nor the client (sglang_config.py).
-        from agentgrpo.engine.sglang import SGLangEngine
+        from agentgrpo.engine.sglang.client import SGLangEngine
 
         return SGLangEngine.from_config(cfg.sglang)
     device = (learner_device or "cpu") if cfg.device == "auto" else cfg.device

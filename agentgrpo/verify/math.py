@@ -67,7 +67,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Literal
 
-from agentgrpo.reward import VerifierResult
+from agentgrpo.env.rubric import VerifierResult
 from agentgrpo.types import InfrastructureError, Task, Trajectory
 
 _WORKER = r"""

@@ -1,0 +1,223 @@
+"""Agents you already have: `AgentEnv`, an env whose episode is the user's own OpenAI-client code.
+
+The subclass writes `async def run(self, client, task)`; `client` is an `openai.AsyncOpenAI`
+bound to this episode's URL on a policy endpoint (`agentgrpo.agents.endpoint`) that this process
+serves on 127.0.0.1 while AgentEnv episodes run (one server per event loop, started by the first
+episode, stopped after the last; a random token is its api_key). Every call's prompt ids, sampled
+ids and logprobs are recorded there; when the episode ends they become one Trajectory if each call's
+prompt extends the previous prompt + completion token-exactly (loss mask 1 exactly on the sampled
+ids). Otherwise (the agent rewrote, trimmed or summarised its history, or the template renders
+it differently) the episode ends with ENV_ERROR naming the call whose prompt diverged.
+
+Limits as for any env (`EpisodeLimits`): a call past `max_turns` or the token budget is answered
+with a 400 (`code: episode_limit`) and the episode ends as MAX_TURNS / MAX_TOKENS whether `run`
+catches it or not; every generation runs under the turn deadline, `run` under the episode and
+step deadlines (TIMEOUT, unscorable). An engine failure ends it as ENGINE_ERROR (reward NaN); an
+exception of `run` itself as ENV_ERROR. The reward is `run`'s return value, or the env's `rubric`
+when it returns None (`Trajectory.messages` is the conversation of the last call). The client
+does not retry: a retried call would be a second turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import numbers
+import secrets
+import weakref
+from typing import TYPE_CHECKING, Any
+
+from agentgrpo.agents.endpoint import EndpointEpisode, PolicyEndpoint
+from agentgrpo.chat.format import ChatFormat
+from agentgrpo.deadlines import DeadlineExpired, Deadlines
+from agentgrpo.engine.base import Engine, SamplingParams
+from agentgrpo.env.base import Env, call_env, env_rubric
+from agentgrpo.rollout.episode import EpisodeLimits, turn_seed
+from agentgrpo.types import Message, StopReason, Task, Trajectory
+
+if TYPE_CHECKING:
+    import openai
+
+
+class AgentEnv(Env):
+    """An env whose episode is `run(client, task)`: agent code written against the OpenAI client.
+
+    `run` returns the episode's reward (a finite number), or None to leave it to the env's
+    `rubric`. `self.base_url`, `self.api_key` and `self.model` are set before `run` starts, for
+    agent code that builds its own client (the OpenAI Agents SDK, LangChain's `ChatOpenAI`);
+    such a client should not retry (`max_retries=0`).
+
+    Example:
+        >>> class Calculator(AgentEnv):
+        ...     async def run(self, client, task):
+        ...         messages = [{"role": "user", "content": task.prompt}]
+        ...         reply = await client.chat.completions.create(model=self.model,
+        ...                                                      messages=messages)
+        ...         return float(str(task.answer) in (reply.choices[0].message.content or ""))
+    """
+
+    base_url: str = ""
+    api_key: str = ""
+    model: str = "policy"
+
+    async def run(self, client: openai.AsyncOpenAI, task: Task) -> float | None:
+        raise NotImplementedError(f"{type(self).__name__} must implement async run(client, task)")
+
+    def step(self, action: Message) -> Any:
+        raise TypeError(
+            f"{type(self).__name__} is an AgentEnv: its episode is run(client, task), not step()"
+        )
+
+    async def run_own_episode(
+        self,
+        engine: Engine,
+        chat: ChatFormat,
+        task: Task,
+        params: SamplingParams,
+        *,
+        limits: EpisodeLimits,
+        seed: int | None = None,
+        context_len: int | None = None,
+        deadline: float | None = None,
+    ) -> Trajectory:
+        """The rollout's hook (`agentgrpo.rollout.episode._run_new_env`): this env runs its own
+        episode."""
+        return await agent_episode(
+            self,
+            engine,
+            chat,
+            task,
+            params,
+            limits=limits,
+            seed=seed,
+            context_len=context_len,
+            deadline=deadline,
+        )
+
+
+async def agent_episode(
+    env: AgentEnv,
+    engine: Engine,
+    chat: ChatFormat,
+    task: Task,
+    params: SamplingParams,
+    *,
+    limits: EpisodeLimits,
+    seed: int | None = None,
+    context_len: int | None = None,
+    deadline: float | None = None,
+) -> Trajectory:
+    """One AgentEnv episode as a Trajectory; never raises for env, engine or deadline failures."""
+    import openai  # the optional extra: pip install 'agentgrpo[agent]'
+
+    clock = Deadlines(limits.turn_timeout_s, limits.episode_timeout_s, deadline)
+    episode = EndpointEpisode(
+        id=secrets.token_urlsafe(12),
+        engine=engine,
+        chat=chat,
+        params=params,
+        context_len=context_len,
+        fixed_sampling=True,
+        seed=params.seed,
+        seed_of=turn_seed,
+        max_calls=limits.max_turns,
+        max_tokens=limits.max_tokens,
+        clock=clock,
+    )
+    reason, detail, reward = StopReason.COMPLETED, "", None
+    async with _shared_endpoint() as (endpoint, base):
+        endpoint.add(episode)
+        env.base_url, env.api_key = f"{base}/episodes/{episode.id}/v1", endpoint.token or ""
+        env.model = endpoint.model
+        client = openai.AsyncOpenAI(base_url=env.base_url, api_key=env.api_key, max_retries=0)
+        stage = "reset"
+        try:
+            await clock.run(
+                call_env(env.reset, seed=seed, options={"task": task})
+            )  # seeds np_random
+            stage = "run"
+            reward = await clock.run(env.run(client, task))
+            if reward is not None and (
+                isinstance(reward, bool)
+                or not isinstance(reward, numbers.Real)
+                or not math.isfinite(reward)
+            ):
+                reason, detail = (
+                    StopReason.ENV_ERROR,
+                    f"run returned {reward!r:.100}, not a finite number or None",
+                )
+        except DeadlineExpired as e:
+            reason, detail = StopReason.TIMEOUT, str(e)
+            if episode.cut is None:
+                episode.cut, episode.deadline = (reason, detail), e.which
+        except Exception as e:  # noqa: BLE001 - the agent is user code: its failure ends this episode
+            reason, detail = StopReason.ENV_ERROR, f"{stage} raised {type(e).__name__}: {e}"
+        finally:
+            endpoint.remove(episode.id)
+            await client.close()
+    traj, diverged = episode.trajectory(task.id)
+    if not episode.calls:
+        traj.messages = task.prompt_messages()
+        if reason == StopReason.COMPLETED:
+            reason, detail = StopReason.ENV_ERROR, "run made no call to the model"
+    if episode.infra is not None:  # the engine's failure explains whatever run did next
+        reason, detail = episode.infra
+    elif diverged is not None:  # the tokens after it are not one sequence: never trained on
+        reason, detail = StopReason.ENV_ERROR, diverged
+    elif episode.cut is not None:
+        reason, detail = episode.cut
+    traj.stop_reason, traj.stop_detail = reason, detail
+    if reason == StopReason.TIMEOUT:
+        traj.deadline = episode.deadline  # type: ignore[assignment]  # "turn" | "episode" | "step"
+    if reason.is_infra_error:
+        traj.reward = math.nan
+    elif reward is None:
+        # None leaves the reward to the rubric; without one, an episode cut by a limit scores
+        # what the env gave (nothing), and a finished one is an error of the env
+        if env_rubric(env) is None and reason == StopReason.COMPLETED:
+            reason = traj.stop_reason = StopReason.ENV_ERROR
+            traj.stop_detail = "run returned None and the env has no rubric to score the episode"
+        traj.reward = math.nan if reason.is_infra_error else 0.0
+    else:
+        traj.reward = float(reward)
+        if traj.tool_errors and limits.tool_error_penalty:
+            traj.reward -= limits.tool_error_penalty * traj.tool_errors
+    return traj
+
+
+class _Shared:
+    """The endpoint this event loop's AgentEnv episodes share: served while any runs."""
+
+    def __init__(self) -> None:
+        self.endpoint = PolicyEndpoint(token=secrets.token_urlsafe(24))
+        self.users = 0
+        self.lock = asyncio.Lock()
+        self.base = ""
+        self._serving: Any = None
+
+    async def __aenter__(self) -> tuple[PolicyEndpoint, str]:
+        async with self.lock:
+            if self.users == 0:
+                self._serving = self.endpoint.serving()
+                self.base = await self._serving.__aenter__()
+            self.users += 1
+        return self.endpoint, self.base
+
+    async def __aexit__(self, *exc: Any) -> None:
+        async with self.lock:
+            self.users -= 1
+            if self.users == 0:
+                serving, self._serving = self._serving, None
+                await serving.__aexit__(None, None, None)
+
+
+_by_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Shared] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _shared_endpoint() -> _Shared:
+    loop = asyncio.get_running_loop()
+    if loop not in _by_loop:
+        _by_loop[loop] = _Shared()
+    return _by_loop[loop]

@@ -1,0 +1,162 @@
+"""`agentgrpo serve-policy`: the policy endpoint as a standalone server, for agents in another
+process or language.
+
+    agentgrpo serve-policy MODEL_DIR                       # the local engine over the model
+    agentgrpo serve-policy MODEL_DIR --sglang http://gpu1:30000 --sglang http://gpu2:30000
+    export AGENTGRPO_POLICY_TOKEN=$(openssl rand -hex 32)  # required to bind beyond 127.0.0.1
+
+MODEL_DIR gives the tokenizer and chat template (with --sglang, the servers must serve the same
+model). The episode API: `POST /episodes` starts one (`{"id"?, "seed"?}`; answers its `base_url`
+for the OpenAI client), `GET /episodes/<id>/trajectory` returns its calls as one token-exact
+trajectory (`Trajectory.to_dict()`), `POST /episodes/<id>/reward` gives it a reward, `DELETE
+/episodes/<id>` forgets it. See docs/agents.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+from pathlib import Path
+
+from agentgrpo.agents.endpoint import EndpointEpisode, PolicyEndpoint, is_loopback
+from agentgrpo.chat.format import ChatFormat
+from agentgrpo.engine.base import SamplingParams, wait_ready
+from agentgrpo.engine.sglang.client import SGLangEngine
+from agentgrpo.rollout.episode import turn_seed
+
+TOKEN_ENV = "AGENTGRPO_POLICY_TOKEN"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="agentgrpo serve-policy",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "model_dir", help="model directory (tokenizer, chat template; the local engine's weights)"
+    )
+    p.add_argument(
+        "--sglang",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="an SGLang server to generate with instead of the local engine (repeatable)",
+    )
+    p.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (non-loopback needs a token)"
+    )
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--token-file", help=f"file holding the bearer token (default: ${TOKEN_ENV})")
+    p.add_argument("--model-name", default="policy", help="the model name /v1/models reports")
+    p.add_argument("--parser", default="hermes", help="tool-call parser (model.tool_parser)")
+    p.add_argument("--template", help="Jinja chat template file instead of the tokenizer's")
+    p.add_argument(
+        "--max-new-tokens", type=int, default=1024, help="tokens sampled per call at most"
+    )
+    p.add_argument("--temperature", type=float, default=1.0, help="default sampling temperature")
+    p.add_argument("--max-calls", type=int, default=None, help="calls per episode at most")
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="tokens per episode after its first prompt at most",
+    )
+    p.add_argument(
+        "--max-episodes",
+        type=int,
+        default=10_000,
+        help="episodes held at once; each stays until DELETE /episodes/<id>",
+    )
+    p.add_argument("--max-body-mb", type=float, default=4.0, help="request body size at most")
+    p.add_argument(
+        "--max-connections", type=int, default=1024, help="open connections at most (503 past it)"
+    )
+    p.add_argument(
+        "--keep-alive-s", type=int, default=30, help="idle keep-alive connections closed after"
+    )
+    return p
+
+
+def _read_token(token_file: str | None) -> str | None:
+    if token_file:
+        token = Path(token_file).read_text().strip()
+        if not token:
+            raise SystemExit(f"serve-policy: token file {token_file} is empty")
+        return token
+    return os.environ.get(TOKEN_ENV) or None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    token = _read_token(args.token_file)
+    if token is None and not is_loopback(args.host):
+        print(
+            f"serve-policy: refusing to bind {args.host} without a token: anyone who reaches it "
+            f"could sample from the policy. Set {TOKEN_ENV} or pass --token-file.",
+            file=sys.stderr,
+        )
+        return 2
+    from transformers import AutoConfig, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
+    template = Path(args.template).read_text() if args.template else None
+    chat = ChatFormat(tokenizer, template=template, parser=args.parser)
+    context_len = getattr(
+        AutoConfig.from_pretrained(args.model_dir), "max_position_embeddings", None
+    )
+    if args.sglang:
+        engine = SGLangEngine(args.sglang)
+    else:
+        from agentgrpo.engine.local.engine import LocalEngine
+
+        engine = LocalEngine(args.model_dir, tokenizer=tokenizer)
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature)
+
+    def new_episode(eid: str, seed: int | None) -> EndpointEpisode:
+        return EndpointEpisode(
+            id=eid,
+            engine=engine,
+            chat=chat,
+            params=params,
+            context_len=context_len,
+            seed=seed,
+            seed_of=turn_seed,
+            max_calls=args.max_calls,
+            max_tokens=args.max_tokens,
+        )
+
+    endpoint = PolicyEndpoint(
+        model=args.model_name,
+        token=token,
+        max_body_bytes=int(args.max_body_mb * (1 << 20)),
+        max_episodes=args.max_episodes,
+        new_episode=new_episode,
+    )
+
+    async def serve() -> None:
+        await wait_ready(engine)
+        async with endpoint.serving(
+            args.host,
+            args.port,
+            limit_concurrency=args.max_connections,
+            timeout_keep_alive_s=args.keep_alive_s,
+        ) as base:
+            print(
+                f"serve-policy: {base}/episodes (model {args.model_dir}, "
+                f"{'SGLang ' + ', '.join(args.sglang) if args.sglang else 'local engine'})",
+                flush=True,
+            )
+            await asyncio.Event().wait()  # until interrupted
+
+    try:
+        asyncio.run(serve())
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,805 @@
+"""The only boundary between text and tokens (token-in, token-out).
+
+Everything the learner trains on is a list of token ids that the engine either received or
+sampled. This module is the one place that turns messages into ids and sampled ids into messages:
+
+- `ChatFormat.prompt_ids(messages, tools)`: the first prompt, rendered by the chat template.
+- Sampled ids are never re-tokenized: the rollout appends them verbatim (EOS included) and only
+  *decodes* them here to parse tool calls (`parse_assistant`).
+- `ChatFormat.suffix_ids(history, new_messages, tools)`: the tokens that follow the model's
+  end-of-turn token when env/tool messages arrive. They are computed by rendering the whole
+  conversation with and without the new messages and taking the difference, aligned right after
+  the end-of-turn token (the template's own glue after it, e.g. ChatML's "\\n", belongs to the
+  suffix and carries loss mask 0). Before using a suffix we check that the template is
+  prefix-preserving for this conversation (`render(history + new)` starts with `render(history)`);
+  if it is not (Qwen3 strips earlier `<think>` blocks when a user turn arrives) we raise
+  `HistoryRewritten` (a `TemplateError`) instead of guessing, unless the user chose the explicit
+  `keep_history` fallback (see `ChatFormat`). The rollout answers it according to
+  `ChatFormat.trajectory_mode`: "single" ends the episode, "auto" and "stepwise" continue it in a
+  new segment whose prompt is `prompt_ids` of the whole history
+  (`agentgrpo.rollout.episode.Episode`). `agentgrpo.checks.template_audit` checks a template on
+  many synthetic conversations before training starts (`require_token_safe`, `agentgrpo
+  check-template`).
+- A template may end turns with several tokens (GPT-OSS: `<|call|>`, `<|return|>`; all are stop
+  tokens and the sampled one stays), or with none of its own, the turn ending where the next
+  message's role token starts (GLM-4.5: the model stops on `<|observation|>` or `<|user|>`, which
+  the suffix then does not render again; `turn_end_opens_next`). A template that wants tool-call
+  arguments as a JSON string (DeepSeek-V3) gets them so (`string_arguments`); both are found by
+  probe renders at construction, never by the template's name.
+- `ChatFormat.truncate(text, max_tokens)`: tool output cut to a token budget, with a marker.
+- Message content is data, never control: a special token's text inside a message (a tool printing
+  `<|im_end|>\n<|im_start|>assistant`, a task copied from a chat log) is tokenized as plain text,
+  so an environment cannot forge a turn boundary or an EOS. Only the template's own text and the
+  model's samples carry special tokens. The same holds for every other field a template may
+  print: a tool message's `name` (the tool name the model chose), `tool_call_id`, tool calls'
+  names and arguments. While rendering, only the special-token substrings of those strings are
+  swapped for ASCII placeholders, so the template's filters (`trim`, `tojson`) act on
+  the real content; a template that renders the special text differently from its placeholder
+  (escapes or strips it) is refused with TemplateError (see `_render_held`, `_encode_rendered`).
+- Text that cannot be UTF-8 encoded (lone surrogates) is tokenized with U+FFFD in their place
+  (`encode`, `truncate`) rather than raising.
+
+Templates without tool support (SmolLM2 ships plain ChatML) get `HERMES_CHATML_TEMPLATE`, a
+Hermes-style tool-aware ChatML template: tools are described in the system message, calls are
+`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, results come back in a `tool` turn.
+
+Tool-call parsers are pluggable (`PARSERS` of `chat.parsers`, re-exported here); by default
+(`parser="auto"`) the one for the template's tool-call format is chosen (`detect_parser`). A parser
+never raises on model output: malformed calls come back as `ParseError`s that the rollout turns into
+error tool messages. The XML formats type argument values by the tools' schemas, so
+`parse_assistant` takes the tools the prompt was rendered with.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, Literal
+
+import jinja2
+
+from agentgrpo.chat.parsers import (
+    PARSERS,
+    ParsedTurn,
+    ParseError,
+    detect_parser,
+    get_parser,
+    parse_hermes,
+    parse_llama3_json,
+)
+from agentgrpo.types import Message
+
+__all__ = [
+    "HERMES_CHATML_TEMPLATE",
+    "PARSERS",
+    "ChatFormat",
+    "HistoryRewritten",
+    "ParseError",
+    "ParsedTurn",
+    "TemplateError",
+    "TemplateFallback",
+    "TrajectoryMode",
+    "detect_parser",
+    "get_parser",
+    "parse_hermes",
+    "parse_llama3_json",
+    "template_supports_tools",
+]
+
+TemplateFallback = Literal["none", "keep_history"]
+TrajectoryMode = Literal["single", "auto", "stepwise"]
+TRAJECTORY_MODES = ("single", "auto", "stepwise")
+TRUNCATION_MARKER = "\n[... {omitted} more tokens truncated]"
+
+HERMES_CHATML_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n\\nYou can call these functions. "
+    "Their signatures are inside <tools></tools>:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nTo call a function, reply with a JSON object inside "
+    "<tool_call></tool_call> tags:\\n"
+    '<tool_call>\\n{"name": <function-name>, "arguments": <args-json-object>}\\n'
+    "</tool_call><|im_end|>\\n' }}"
+    "{%- elif messages[0]['role'] == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'system' and loop.first %}"
+    "{%- elif message['role'] == 'assistant' %}"
+    "{{- '<|im_start|>assistant\\n' + (message['content'] or '') }}"
+    "{%- for tc in message.get('tool_calls') or [] %}"
+    "{%- if (message['content'] or '') or not loop.first %}{{- '\\n' }}{%- endif %}"
+    "{{- '<tool_call>\\n{\"name\": \"' + tc['function']['name'] + '\", \"arguments\": ' }}"
+    "{%- if tc['function']['arguments'] is string %}{{- tc['function']['arguments'] }}"
+    "{%- else %}{{- tc['function']['arguments'] | tojson }}{%- endif %}"
+    "{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+FAST_RENDER_CHECKS = 64  # renders per ChatFormat compared with apply_chat_template (see render)
+
+
+def _compiled_renderer(template: str, tokenizer: Any, template_kwargs: dict[str, Any]) -> Any:
+    """`render(dicts, tools, add_generation_prompt) -> str` calling transformers' cached compiled
+    template with the variables `apply_chat_template` passes, or None when that private helper is
+    not available (then the public path is used)."""
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+
+        compiled = _compile_jinja_template(template)
+    except (ImportError, AttributeError, jinja2.TemplateError):  # private API or a broken template
+        return None
+    variables = {**tokenizer.special_tokens_map, **template_kwargs}
+
+    def render(
+        dicts: list[dict[str, Any]], tools: list[dict] | None, add_generation_prompt: bool
+    ) -> str:
+        return compiled.render(
+            messages=dicts,
+            tools=tools,
+            documents=None,
+            add_generation_prompt=add_generation_prompt,
+            **variables,
+        )
+
+    return render
+
+
+class TemplateError(ValueError):
+    """The chat template cannot produce token-exact multi-turn rollouts for this conversation."""
+
+
+class HistoryRewritten(TemplateError):
+    """The template renders the history differently once the new messages follow, or (a turn that
+    ends at the next role token) opens them with another token than the one the model stopped on,
+    so the tokens sampled so far cannot be continued as one sequence (a new segment can start
+    instead)."""
+
+
+def _utf8(text: str) -> str:
+    """`text` if it can be UTF-8 encoded; otherwise with each lone UTF-16 surrogate replaced by
+    U+FFFD (a surrogate pair split into two code points is joined into its character). Tokenizers
+    raise on such text; agentgrpo replaces it rather than crash an episode on a model-written
+    escape like "\\ud83d"."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+    return text
+
+
+def _texts(obj: Any, key: str = "") -> Iterator[str]:
+    """Every string of a message dict a template may print: values and keys at any depth (content,
+    name, tool_call_id, a tool call's name and arguments), all but the `role` it branches on."""
+    if isinstance(obj, str) and key != "role":
+        yield obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _texts(k)
+            yield from _texts(v, k)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _texts(v)
+
+
+def _map_texts(obj: Any, f: Callable[[str], str], key: str = "") -> Any:
+    """`obj` with `f` applied to each string `_texts` yields (a copy; `obj` is left as it is)."""
+    if isinstance(obj, str):
+        return obj if key == "role" else f(obj)
+    if isinstance(obj, dict):
+        return {(f(k) if isinstance(k, str) else k): _map_texts(v, f, k) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_map_texts(v, f) for v in obj]
+    return obj
+
+
+class _Placeholders:
+    """Message dicts whose special-token texts are replaced by placeholders (`ChatFormat._hold`)."""
+
+    def __init__(self, dicts: list[dict[str, Any]]) -> None:
+        self.dicts = dicts
+        self.texts: list[str] = []  # the special texts, in placeholder order
+        self.pattern: re.Pattern[str] | None = None  # matches a placeholder; None: nothing held
+
+    def restore(self, text: str) -> str:
+        """`text` with the held special texts back in place of their placeholders."""
+        if self.pattern is None:
+            return text
+        return self.pattern.sub(lambda m: self.texts[int(m.group(1))], text)
+
+    def check(self, rendered: str, real: str) -> None:
+        """Raise TemplateError unless `rendered` (from `self.dicts`) with the special texts put back
+        is `real`, the template's render of the real content (a template that escapes, drops or
+        rewrites special-token text in content is refused rather than shown other text)."""
+        if self.restore(rendered) != real:
+            at = _common_prefix(self.restore(rendered), real)
+            raise TemplateError(
+                "the chat template renders special-token text inside message content differently "
+                f"from other text (at character {at}: {real[max(0, at - 40) : at + 40]!r}); it "
+                "cannot be kept "
+                "as plain text"
+            )
+
+
+def _last_of(text: str, tokens: Sequence[str], end: int | None = None) -> tuple[int, str]:
+    """(position, token) of the last occurrence in `text[:end]` of any of `tokens`; (-1, "")."""
+    return max(((text.rfind(t, 0, end), t) for t in tokens), default=(-1, ""))
+
+
+def _common_prefix(a: str, b: str) -> int:
+    return next(
+        (k for k, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Rendering
+
+
+def template_supports_tools(template: str | None) -> bool:
+    return bool(template) and "tools" in template and "tool_call" in template
+
+
+class ChatFormat:
+    """A tokenizer plus chat template plus tool-call parser: everything text<->token.
+
+    Args:
+        tokenizer: a transformers tokenizer.
+        template: a Jinja chat template overriding the tokenizer's. By default the tokenizer's own
+            template is used when it supports tools; otherwise `HERMES_CHATML_TEMPLATE` (this
+            choice is recorded in `self.template_source`).
+        parser: name of the tool-call parser in `PARSERS`, or "auto" (default): the parser for the
+            format the template renders (`detect_parser`), Hermes where it shows none it knows.
+            `self.parser_name` is the parser chosen.
+        end_of_turn: the token that ends an assistant turn, or several (GPT-OSS ends a turn with
+            `<|call|>` after a tool call and `<|return|>` after an answer); default the tokenizer's
+            EOS token. Every one is a stop token, and whichever the model sampled stays the last
+            id of its turn. `self.end_of_turn` / `self.end_of_turn_id` are the first.
+            A template may render an assistant turn with no end token of its own, the next message
+            beginning with its role token (GLM-4.5: `<|observation|>`, `<|user|>`); those role
+            tokens are then the end-of-turn tokens, and the one the model sampled is the start of
+            the next message (`self.turn_end_opens_next`, found by a probe render; see
+            `suffix_ids`).
+        fallback: what `suffix_ids` does when the template rewrites earlier turns. "none" (default)
+            raises TemplateError. "keep_history" continues the token sequence the model actually
+            saw: the suffix is the template's rendering of the new messages (located after the last
+            assistant turn's end-of-turn token), and earlier turns stay verbatim, so the model keeps
+            seeing e.g. its earlier `<think>` blocks that this template would drop at inference.
+            The learner still trains only on tokens the model saw; the cost is a train/inference
+            difference in context, which is why it must be chosen explicitly.
+        template_kwargs: extra variables for the template (e.g. `{"preserve_thinking": True}` for
+            templates that have such a switch, `{"enable_thinking": False}`).
+        trajectory_mode: what the rollout does when the history is rewritten (`HistoryRewritten`):
+            "single" (default) ends the episode (or keep_history continues it), "auto" starts a
+            new segment then, "stepwise" starts one at every turn. Not with keep_history: the two
+            are different answers to the same problem.
+
+    Example:
+        >>> chat = ChatFormat(tokenizer)
+        >>> ids = chat.prompt_ids([Message(role="user", content="2+2?")], tools=[add.schema])
+        >>> turn = chat.parse_assistant(sampled_ids, tools=[add.schema])  # message + bad calls
+        >>> ids += sampled_ids + chat.suffix_ids(history, tool_messages, tools)
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        *,
+        template: str | None = None,
+        parser: str = "auto",
+        end_of_turn: str | Sequence[str] | None = None,
+        fallback: TemplateFallback = "none",
+        template_kwargs: dict[str, Any] | None = None,
+        trajectory_mode: TrajectoryMode = "single",
+    ) -> None:
+        self.tokenizer = tokenizer
+        if template is not None:
+            self.template, self.template_source = template, "config"
+        elif template_supports_tools(getattr(tokenizer, "chat_template", None)):
+            self.template, self.template_source = tokenizer.chat_template, "tokenizer"
+        else:
+            self.template, self.template_source = HERMES_CHATML_TEMPLATE, "agentgrpo-hermes-chatml"
+        if parser == "auto":
+            parser = detect_parser(self.template) or "hermes"
+        self.parse = get_parser(parser)
+        self.parser_name = parser
+        if fallback not in ("none", "keep_history"):
+            raise ValueError(f"fallback must be 'none' or 'keep_history', got {fallback!r}")
+        self.fallback: TemplateFallback = fallback
+        if trajectory_mode not in TRAJECTORY_MODES:
+            raise ValueError(
+                f"trajectory_mode must be one of {list(TRAJECTORY_MODES)}, got {trajectory_mode!r}"
+            )
+        if fallback == "keep_history" and trajectory_mode != "single":
+            raise ValueError(
+                "template_fallback=keep_history with trajectory_mode="
+                f"{trajectory_mode}: choose one (keep_history continues one "
+                "sequence, segments re-render it)"
+            )
+        self.trajectory_mode: TrajectoryMode = trajectory_mode
+        self.template_kwargs: dict[str, Any] = dict(template_kwargs or {})
+        eots = [end_of_turn] if isinstance(end_of_turn, str) else list(end_of_turn or [])
+        eots = eots or [tokenizer.eos_token]
+        if None in eots or not all(eots):
+            raise ValueError("the tokenizer has no EOS token: pass end_of_turn= explicitly")
+        eot_ids = []
+        for eot in eots:
+            (eot_id,) = tokenizer.convert_tokens_to_ids([eot]) or [None]
+            if eot_id is None or eot_id == tokenizer.unk_token_id:
+                raise ValueError(
+                    f"end-of-turn token {eot!r} is not a single token of this tokenizer"
+                )
+            eot_ids.append(eot_id)
+        self._fast = _compiled_renderer(self.template, tokenizer, self.template_kwargs)
+        self._fast_checks_left = FAST_RENDER_CHECKS
+        self.end_of_turns: tuple[str, ...] = tuple(eots)
+        self.end_of_turn_ids: tuple[int, ...] = tuple(eot_ids)
+        self.end_of_turn, self.end_of_turn_id = eots[0], eot_ids[0]
+        stops = set(self.end_of_turn_ids)
+        if tokenizer.eos_token_id is not None:
+            stops.add(tokenizer.eos_token_id)
+        self.stop_token_ids: tuple[int, ...] = tuple(sorted(stops))
+        decoder = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+        specials = {t.content for t in decoder.values() if getattr(t, "special", False)}
+        specials = {
+            t for t in specials | set(getattr(tokenizer, "all_special_tokens", []) or []) if t
+        }
+        # whitespace an added token absorbs on its left/right (the tokenizer's own split does it)
+        self._strips: dict[str, tuple[bool, bool]] = {
+            t.content: (bool(getattr(t, "lstrip", False)), bool(getattr(t, "rstrip", False)))
+            for t in decoder.values()
+            if t.content in specials
+        }
+        # One alternation: ~4 us on 4 KB against Llama 3's 256 special tokens
+        # (`any(t in s)`: ~140 us).
+        self._special_text = (
+            re.compile("|".join(map(re.escape, sorted(specials, key=len, reverse=True))))
+            if specials
+            else None
+        )
+        self.string_arguments = self._wants_string_arguments()
+        self.turn_end_opens_next = self._turn_end_opens_next()
+
+    def _wants_string_arguments(self) -> bool:
+        """Whether the template takes a tool call's `arguments` as a JSON string rather than an
+        object (DeepSeek-V3's concatenates them as text): a probe call it cannot render with an
+        object and renders, as the JSON text, with a string. Then the history's calls are rendered
+        from that JSON text (`_template_dict`)."""
+        if "tool_calls" not in self.template:
+            return False
+        args = {"agentgrpo_probe": 1}
+
+        def probe(arguments: Any) -> str:
+            call = {"id": "call_0", "type": "function"}
+            call["function"] = {"name": "probe", "arguments": arguments}
+            user = {"role": "user", "content": "Hi"}
+            return self._render_dicts(
+                [user, {"role": "assistant", "content": "", "tool_calls": [call]}], None, False
+            )
+
+        try:
+            probe(args)
+            return False
+        except TemplateError:
+            pass
+        try:
+            return json.dumps(args) in probe(json.dumps(args))
+        except TemplateError:
+            return False
+
+    def _turn_end_opens_next(self) -> bool:
+        """Whether the template renders an assistant turn with none of the end-of-turn tokens and
+        starts the next message with one (GLM-4.5: the model stops on the next role token). Found
+        by a probe render of a short chat with and without a user message after the answer."""
+        answer = "agentgrpo probe answer"
+        chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": answer}]
+        try:
+            alone = self._render_dicts(chat, None, False)
+            followed = self._render_dicts([*chat, {"role": "user", "content": "Hi"}], None, False)
+        except TemplateError:
+            return False
+        at = alone.rfind(answer)
+        if at < 0 or any(e in alone[at:] for e in self.end_of_turns):
+            return False
+        return followed.startswith(alone) and followed[len(alone) :].startswith(self.end_of_turns)
+
+    # -- rendering ----------------------------------------------------------------------------
+
+    def render(
+        self,
+        messages: Sequence[Message],
+        tools: list[dict] | None = None,
+        *,
+        add_generation_prompt: bool = False,
+    ) -> str:
+        """The template's text for `messages`, exactly as
+        `tokenizer.apply_chat_template` renders it.
+
+        Raises TemplateError when the template refuses the conversation (e.g. Llama 3.1's "only
+        supports single tool-calls"). The compiled template is called directly when possible: it
+        is ~3x cheaper than `apply_chat_template`, whose input normalisation is the identity on the
+        plain dicts built here; the first renders are compared with `apply_chat_template` and any
+        difference switches the shortcut off for good.
+        """
+        return self._render_dicts(
+            [self._template_dict(m) for m in messages], tools, add_generation_prompt
+        )
+
+    def _render_dicts(
+        self, dicts: list[dict[str, Any]], tools: list[dict] | None, add_generation_prompt: bool
+    ) -> str:
+        try:
+            if self._fast is None:
+                return self._render_public(dicts, tools, add_generation_prompt)
+            out = self._fast(dicts, tools or None, add_generation_prompt)
+            if self._fast_checks_left > 0:
+                self._fast_checks_left -= 1
+                public = self._render_public(dicts, tools, add_generation_prompt)
+                if out != public:
+                    self._fast = None
+                    return public
+            return out
+        except (jinja2.TemplateError, TypeError) as e:  # template code is model-supplied: report it
+            raise TemplateError(
+                f"the chat template cannot render {[d['role'] for d in dicts]}: "
+                f"{type(e).__name__}: {e}"
+            ) from e
+
+    def _render_public(
+        self, dicts: list[dict[str, Any]], tools: list[dict] | None, add_generation_prompt: bool
+    ) -> str:
+        return self.tokenizer.apply_chat_template(
+            dicts,
+            tools=tools or None,
+            chat_template=self.template,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=False,
+            **self.template_kwargs,
+        )
+
+    def _template_dict(self, m: Message, max_tool_calls: int | None = None) -> dict[str, Any]:
+        """`m` as the template reads it. Tool-call arguments are an object, as most templates
+        expect (Qwen2.5 double-encodes strings), or their JSON text where the template wants a
+        string (`string_arguments`, DeepSeek-V3), so the rendered call reads as the model wrote
+        it (JSON, non-ASCII kept as it is)."""
+        d = m.to_dict()
+        if m.tool_calls:
+            d["tool_calls"] = [
+                {
+                    "id": tc.id,
+                    "type": "function",
+                    "function": {
+                        "name": tc.name,
+                        "arguments": json.dumps(tc.arguments, ensure_ascii=False)
+                        if self.string_arguments
+                        else tc.arguments,
+                    },
+                }
+                for tc in m.tool_calls[:max_tool_calls]
+            ]
+        return d
+
+    def encode(self, text: str) -> list[int]:
+        """Tokenize template output. Special tokens appear in the text, so none are added.
+
+        Text that cannot be UTF-8 encoded (lone UTF-16 surrogates, e.g. a model-written JSON escape
+        "\\ud83d" that a tool echoes) is tokenized with each lone surrogate replaced by U+FFFD
+        (`_utf8`) instead of raising: the model sees the replacement character, and the ids stay
+        what it saw."""
+        return self.tokenizer.encode(_utf8(text), add_special_tokens=False)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=False)
+
+    def prompt_ids(
+        self,
+        messages: Sequence[Message],
+        tools: list[dict] | None = None,
+        *,
+        max_tool_calls: int | None = None,
+    ) -> list[int]:
+        """Ids of the prompt that asks for the next assistant turn after `messages`: the first
+        prompt, and a new segment's (its assistant turns rendered with at most `max_tool_calls`
+        calls, as in `suffix_ids`)."""
+        dicts = [self._template_dict(m, max_tool_calls) for m in messages]
+        text, protected = self._render_protected([], dicts, tools, True)
+        return self._encode_rendered(text, protected)
+
+    def _render_protected(
+        self,
+        fixed: list[dict[str, Any]],
+        dicts: list[dict[str, Any]],
+        tools: list[dict] | None,
+        add_generation_prompt: bool,
+    ) -> tuple[str, _Placeholders]:
+        """The render of `fixed + dicts` with the special-token texts in `dicts`' contents held
+        (`_hold`), and what was held. When something is held, the template's render of the real
+        content is computed too: the placeholders avoid its text, and `_Held.check` requires the
+        held render with the texts put back to equal it."""
+        if self._special_text is None or not any(
+            self._special_text.search(t) for d in dicts for t in _texts(d)
+        ):
+            return self._render_dicts(fixed + dicts, tools, add_generation_prompt), _Placeholders(
+                dicts
+            )
+        real = self._render_dicts(fixed + dicts, tools, add_generation_prompt)
+        protected = self._hold(dicts, avoid=real)
+        text = self._render_dicts(fixed + protected.dicts, tools, add_generation_prompt)
+        protected.check(text, real)
+        return text, protected
+
+    def _hold(self, dicts: list[dict[str, Any]], avoid: str = "") -> _Placeholders:
+        """`dicts` with every special token's text inside any string the template may print (the
+        content, and as much the tool name a model chose or a tool call id; `_texts`) replaced by
+        a placeholder.
+
+        The placeholders are ASCII letters and digits (`agentgrpo<n>h<i>e`, `n` chosen so that
+        neither a content nor `avoid`, the real render, holds `agentgrpo<n>h`), which template
+        filters such as `trim` and `tojson` leave as they are: the template renders the real content
+        around them, and `_encode_rendered` puts the special texts back as plain text."""
+        protected = _Placeholders(dicts)
+        if self._special_text is None:
+            return protected
+        contents = [t for d in dicts for t in _texts(d)]
+        if not any(self._special_text.search(c) for c in contents):
+            return protected
+        nonce = 0
+        while any(f"agentgrpo{nonce}h" in c for c in [*contents, avoid]):
+            nonce += 1
+
+        def mark(m: re.Match) -> str:
+            protected.texts.append(m.group())
+            return f"agentgrpo{nonce}h{len(protected.texts) - 1}e"
+
+        pattern = self._special_text
+        protected.dicts = [_map_texts(d, lambda t: pattern.sub(mark, t)) for d in dicts]
+        protected.pattern = re.compile(f"agentgrpo{nonce}h([0-9]+)e")
+        return protected
+
+    def _encode_rendered(self, text: str, protected: _Placeholders) -> list[int]:
+        """Tokenize template output rendered from `protected.dicts`: the held special texts go where
+        their placeholders are, as plain text.
+
+        The text is split at the template's own special tokens (the contents' are placeholders
+        there) as the tokenizer's added-token split does, including the whitespace a token with
+        lstrip/rstrip absorbs; the pieces between them, with the held texts put back, are tokenized
+        with special tokens split into plain text. So BPE merges run across the held text as they
+        would if it were ordinary text, and ordinary text tokenizes exactly as `encode` does. This
+        assumes the tokenizer treats each piece between added tokens the same wherever it starts, as
+        byte-level BPE tokenizers (Qwen, Llama 3, DeepSeek-V3, SmolLM2) do; a SentencePiece
+        tokenizer that prepends "▁" to its input shows the model an extra "▁" after each template
+        special token on this (rare) path (the held text stays plain text). The ids are what the
+        model sees."""
+        if protected.pattern is None:
+            return self.encode(text)
+        assert self._special_text is not None  # a pattern exists only when there are special tokens
+        ids: list[int] = []
+        pos, absorb_left = 0, False
+        for m in self._special_text.finditer(text):
+            lstrip, rstrip = self._strips.get(m.group(), (False, False))
+            piece = text[pos : m.start()]
+            piece = piece.lstrip() if absorb_left else piece
+            ids += self._encode_plain(protected.restore(piece.rstrip() if lstrip else piece))
+            ids.append(self.tokenizer.convert_tokens_to_ids(m.group()))
+            pos, absorb_left = m.end(), rstrip
+        piece = text[pos:]
+        return ids + self._encode_plain(protected.restore(piece.lstrip() if absorb_left else piece))
+
+    def _encode_after_end_of_turn(
+        self, text: str, protected: _Placeholders, eot: str | None = None
+    ) -> list[int]:
+        """Ids of `text` as the tokenizer reads it right after the end-of-turn token: tokenized
+        behind that token, whose id is dropped. Tokenizers split added tokens out first, so this is
+        how the whole conversation tokenizes in one piece (an rstrip token absorbs whitespace, as
+        there). `text` alone is not, for a tokenizer that prepends "▁" to its input (Metaspace,
+        `prepend_scheme="first"`): every suffix began with a "▁" the template never rendered."""
+        eot = eot or self.end_of_turn
+        ids = self._encode_rendered(eot + text, protected)
+        if not ids or ids[0] != self.end_of_turn_ids[self.end_of_turns.index(eot)]:
+            raise TemplateError(
+                f"the tokenizer does not read {eot!r} as one token at the start "
+                f"of {eot + text[:40]!r}; cannot continue after the sampled turn"
+            )
+        return ids[1:]
+
+    def _encode_plain(self, text: str) -> list[int]:
+        if not text:
+            return []
+        return self.tokenizer.encode(
+            _utf8(text), add_special_tokens=False, split_special_tokens=True
+        )
+
+    def suffix_ids(
+        self,
+        history: Sequence[Message],
+        new_messages: Sequence[Message],
+        tools: list[dict] | None = None,
+        *,
+        max_tool_calls: int | None = None,
+        end_id: int | None = None,
+    ) -> list[int]:
+        """Ids to append after the model's end-of-turn token so that the sequence continues as
+        `render(history + new_messages, add_generation_prompt=True)` would.
+
+        `history` must end with the assistant message whose sampled ids end with an end-of-turn
+        token. Raises HistoryRewritten (a TemplateError) when the template rewrites earlier turns
+        (not prefix-preserving, unless `fallback="keep_history"`), TemplateError when it refuses
+        the conversation or renders the assistant turn without an end-of-turn token.
+
+        With several end-of-turn tokens the suffix follows the last one the template renders in
+        the history (GPT-OSS: `<|call|>` after a call; an answer's `<|return|>` becomes `<|end|>`
+        once more messages follow, which is a rewrite). Where the turn ends at the next message's
+        role token (`turn_end_opens_next`, GLM-4.5), `end_id`, the id the model stopped on (default
+        `end_of_turn_id`), is the first token of the new messages' render: the suffix is what
+        follows it, never that token again. When the template opens them with another token than
+        the one sampled (a call answered by `<|user|>`), the sampled ids cannot go on as rendered:
+        HistoryRewritten, so "auto" starts a new segment.
+
+        `max_tool_calls`: assistant messages of `history` are rendered with at most this many of
+        their tool calls, the ones the env ran (a `ToolEnv` answers the rest with a too-many-calls
+        error). The rendering only locates the suffix, which starts after the end-of-turn token; the
+        assistant turns themselves stay the sampled ids. So a template without parallel calls
+        (Llama 3.1 refuses two in one turn) can continue a turn in which the model made several,
+        once the env runs one per turn.
+        """
+        if not history or history[-1].role != "assistant":
+            raise ValueError("suffix_ids: history must end with the assistant message just sampled")
+        history_dicts = [
+            self._template_dict(m, max_tool_calls) for m in history
+        ]  # built once for both renders
+        before = self._render_dicts(history_dicts, tools, False)
+        after, protected = self._render_protected(
+            history_dicts, [self._template_dict(m) for m in new_messages], tools, True
+        )
+        if self.turn_end_opens_next:  # the sampled stop token opens the next message
+            eot = self.tokenizer.convert_ids_to_tokens(
+                self.end_of_turn_id if end_id is None else end_id
+            )
+            glue, rest = "", after[len(before) :]
+            if after.startswith(before) and eot in self.end_of_turns and rest.startswith(eot):
+                return self._encode_after_end_of_turn(rest[len(eot) :], protected, eot)
+        else:
+            cut, eot = _last_of(before, self.end_of_turns)
+            if cut < 0:
+                raise TemplateError(
+                    "the chat template renders the assistant turn without "
+                    f"{' or '.join(map(repr, self.end_of_turns))}; cannot align the suffix "
+                    "with the sampled end-of-turn token"
+                )
+            glue = before[cut + len(eot) :]
+            if after.startswith(before):
+                return self._encode_after_end_of_turn(glue + after[len(before) :], protected, eot)
+        if self.fallback == "keep_history":
+            tail, found = self._suffix_after_last_turn(
+                history_dicts, protected.dicts, tools, after, glue
+            )
+            if not self.turn_end_opens_next or found == eot:
+                return self._encode_after_end_of_turn(tail, protected, found)
+        if after.startswith(before):  # only where the turn ends at the next role token
+            raise HistoryRewritten(
+                f"the model ended its turn with {eot!r}, but the chat template starts "
+                f"{[m.role for m in new_messages]} messages with {after[len(before) :][:40]!r}: "
+                "the sampled tokens cannot be continued as this template renders the "
+                "conversation (rollout.trajectory_mode=auto trains the next turn as a new segment)"
+            )
+        at = _common_prefix(before, after)
+        raise HistoryRewritten(
+            "the chat template is not prefix-preserving: adding "
+            f"{[m.role for m in new_messages]} messages changes earlier text at character {at} "
+            f"(before: {before[max(0, at - 40) : at + 40]!r}, "
+            f"after: {after[max(0, at - 40) : at + 40]!r}). "
+            "The tokens the model saw cannot be continued the way this template renders the "
+            "conversation. Use a template that keeps earlier turns verbatim "
+            "(or its own switch, e.g. "
+            "chat_template_kwargs={preserve_thinking: true}), train the turns as segments "
+            "(rollout.trajectory_mode=auto), or choose the explicit fallback "
+            "rollout.template_fallback=keep_history. `agentgrpo check-template MODEL_DIR` shows "
+            "which turns break and why."
+        )
+
+    def _suffix_after_last_turn(
+        self,
+        history_dicts: list[dict[str, Any]],
+        new_dicts: list[dict[str, Any]],
+        tools: list[dict] | None,
+        after: str,
+        glue: str,
+    ) -> tuple[str, str]:
+        """keep_history: the text `after` (the render of history + new) has behind the last
+        assistant turn, and the end-of-turn token it follows.
+
+        The new messages are located by a probe render in which each new message's content starts
+        with a placeholder (`agentgrpo<n>m<i>e`, absent from `after`): the last end-of-turn marker
+        before the first placeholder ends the assistant turn just sampled. Marker text is never
+        counted (a dropped `<think>` block may hold it, and special-token text in the new contents
+        is already held as placeholders). Raises TemplateError when a new message's content is not
+        rendered after that marker, when the probe's text up to the marker differs from `after`'s
+        (the template renders history differently for the placeholder content, e.g. Qwen3 on a user
+        message that starts with `<tool_response>`), or when the template's glue after the marker
+        changed.
+        """
+        nonce = 0
+        while f"agentgrpo{nonce}m" in after:
+            nonce += 1
+        marks = [f"agentgrpo{nonce}m{i}e" for i in range(len(new_dicts))]
+        marked = [d.get("content") is None or isinstance(d.get("content"), str) for d in new_dicts]
+        probe_dicts = [
+            {**d, "content": mark + (d.get("content") or "")} if m else d
+            for d, mark, m in zip(new_dicts, marks, marked, strict=True)
+        ]
+        probe = self._render_dicts(history_dicts + probe_dicts, tools, True)
+        found = [probe.find(mark) for mark, m in zip(marks, marked, strict=True) if m]
+        cut, eot = (
+            _last_of(probe, self.end_of_turns, min(found))
+            if found and min(found) >= 0
+            else (-1, "")
+        )
+        end = cut + len(eot)
+        tail = after[end:] if cut >= 0 else ""
+        if (
+            cut < 0
+            or any(f < end for f in found)
+            or probe[:end] != after[:end]
+            or not tail.startswith(glue)
+            or tail == glue
+        ):
+            raise TemplateError(
+                "keep_history fallback: cannot locate the new messages in the template's rendering "
+                "(a new message is not rendered after the last "
+                f"{' or '.join(map(repr, self.end_of_turns))} of the history, "
+                "or the history "
+                "renders differently depending on the new messages' content)"
+            )
+        return tail, eot
+
+    def truncate(
+        self, text: str, max_tokens: int, marker: str = TRUNCATION_MARKER
+    ) -> tuple[str, int]:
+        """Cut `text` to its first `max_tokens` tokens plus `marker` (`{omitted}` is replaced by
+        the number of tokens dropped; any other braces are plain text, not a format string).
+        Returns (text, tokens omitted). Used on tool output before it is rendered, so the model
+        sees that the output was cut rather than a silent end. Lone surrogates come back replaced
+        by U+FFFD (see `encode`)."""
+        text = _utf8(text)
+        if len(text.encode("utf-8")) <= max_tokens:  # a token covers at least one byte
+            return text, 0
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        if len(ids) <= max_tokens:
+            return text, 0
+        kept = self.tokenizer.decode(ids[:max_tokens], skip_special_tokens=False).rstrip("\ufffd")
+        omitted = len(ids) - max_tokens
+        return kept + marker.replace("{omitted}", str(omitted)), omitted
+
+    # -- parsing ------------------------------------------------------------------------------
+
+    def parse_assistant(
+        self,
+        sampled_ids: Sequence[int],
+        *,
+        parse_tools: bool = True,
+        tools: Sequence[Mapping] | None = None,
+    ) -> ParsedTurn:
+        """Turn one assistant turn's sampled ids into a Message (and malformed calls).
+
+        Decoding is for reading only: the ids themselves are what the trajectory keeps. With
+        `parse_tools=False` (an env without tools) the whole text is the content: tool-call syntax
+        means nothing there, and the env should judge exactly what the model wrote. `tools`: the
+        tool schemas the prompt was rendered with; the XML parsers (`qwen3_xml`, `glm4`) type
+        argument values by them (without them every value stays a string).
+        """
+        ids = list(sampled_ids)
+        if ids and ids[-1] in self.stop_token_ids:
+            ids = ids[:-1]
+        if not parse_tools:
+            return ParsedTurn(Message(role="assistant", content=self.decode(ids).strip()))
+        return self.parse(self.decode(ids), tools)

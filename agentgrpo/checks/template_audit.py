@@ -1,0 +1,784 @@
+"""Template audit: can agentgrpo continue conversations token-exactly with this chat template?
+
+The rollout never re-tokenizes history: it appends the model's sampled ids and then the *suffix*
+the template renders for the env's new messages (`ChatFormat.suffix_ids`). That is exact only when
+the template is prefix-preserving: rendering `history + new` must start with the rendering of
+`history`. Some templates rewrite earlier turns (Qwen3 drops earlier `<think>` blocks and renders
+an empty one in the last assistant turn only), and some cannot render a shape at all (Llama 3.1
+refuses parallel tool calls). This module finds out before training does.
+
+`audit(chat, tools=..., prompt=...)` walks synthetic multi-turn conversations (plain chat, tool
+calls, parallel calls, several tool turns, user feedback after tools, reasoning blocks, awkward
+tool output). For every assistant turn it takes the template's own rendering of that turn as the
+"sampled" ids, then appends the suffix for the following env messages, and compares:
+
+- text: does `render(history + new)` start with `render(history)`? If not, which text changed and
+  why (a heuristic diagnosis: reasoning dropped, empty think block, whitespace, other rewrite);
+- the end-of-turn token: does the template end an assistant turn with one of
+  `chat.end_of_turns` (or, where `chat.turn_end_opens_next`, open the next message with one: the
+  walk then takes the token the model would stop on as the turn's last sampled id)?
+- tokens: do prompt + sampled + suffix ids equal the ids of the full render in one piece?
+- the parser: does `chat.parse_assistant` read back the calls the template rendered?
+
+What is fatal: a rewrite of history (unless the keep_history fallback is chosen and works), an
+assistant turn without the end-of-turn token, a first prompt the template cannot render, and a tool
+conversation it cannot render (every tool episode would end with ENV_ERROR, and a policy could steer
+episodes into it; a template that wants tool-call arguments as a JSON string, like DeepSeek-V3's,
+gets them so: `ChatFormat.string_arguments`), except parallel tool calls alone, which
+`rollout.max_tool_calls_per_turn=1` avoids (a warning with that advice). With tools, a template that
+does not show the tools in the prompt (it ignores `tools`, like Gemma 3's: `no_tool_support`) or
+does not render tool calls (`parser_mismatch` "no tool support") is fatal too: the model could not
+learn to call them. A plain (tool-free) shape the template cannot render is a warning (whether the
+env is multi-turn is not known here), as are differences that keep token-in/token-out exact
+(retokenization, a generation prompt the history does not repeat, a parser that reads other
+formats).
+
+The report's `mode` is what agentgrpo will do: "exact" (one sequence per episode, all suffixes
+exact), "keep_history" (the template rewrites history and the user chose that fallback, which works
+for every conversation checked), "stepwise" (`chat.trajectory_mode` is "auto" and the template
+rewrites history, or it is "stepwise": the episode goes on in new segments, each the template's own
+rendering; the walk checks each segment token-exact), or "refuse". A rewrite of history is fatal
+only with trajectory_mode "single".
+`require_token_safe` is what training calls at start-up: it raises
+TemplateError with the report when the mode is "refuse". `agentgrpo check-template MODEL_DIR`
+prints the report.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from agentgrpo.chat.format import (
+    PARSERS,
+    ChatFormat,
+    TemplateError,
+    TemplateFallback,
+    TrajectoryMode,
+)
+from agentgrpo.checks.env_check import example_arguments
+from agentgrpo.env.base import Env, run_sync
+from agentgrpo.types import Message, Task, ToolCall
+
+IssueKind = Literal[
+    "rewrites_history",
+    "no_end_of_turn",
+    "render_error",
+    "retokenizes",
+    "parser_mismatch",
+    "generation_prompt",
+    "end_of_turn",
+    "no_tool_support",
+]
+Mode = Literal["exact", "keep_history", "stepwise", "refuse"]
+ONE_CALL = "the template renders only the first of several tool calls in one turn"
+
+SYNTHETIC_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "calculator",
+        "description": "Evaluate an arithmetic expression.",
+        "parameters": {
+            "type": "object",
+            "properties": {"expression": {"type": "string"}},
+            "required": ["expression"],
+        },
+    },
+}
+
+
+@dataclass
+class TemplateIssue:
+    conversation: str
+    turn: int  # the assistant turn (1-based) it concerns; 0 = the first prompt
+    kind: IssueKind
+    fatal: (
+        bool  # fatal issues make the learner's tokens differ from the model's (or break rollouts)
+    )
+    why: str  # the cause, shared by all occurrences of one problem (the report groups by it)
+    detail: str = ""  # this occurrence: where the text changed, what the template raised
+
+
+@dataclass
+class TemplateReport:
+    template_source: str
+    end_of_turn: str
+    parser: str
+    fallback: str
+    conversations: int = 0
+    turns: int = 0
+    issues: list[TemplateIssue] = field(default_factory=list)
+    fallback_works: bool = True  # keep_history located the new messages in every rewritten render
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    preserve_thinking_switch: bool = False  # the template has a `preserve_thinking` variable
+    trajectory_mode: str = "single"  # the ChatFormat's (see agentgrpo.chat.format.TrajectoryMode)
+    turn_end_opens_next: bool = False  # the turn ends at the next message's role token (GLM)
+    new_segments: int = 0  # env turns after which the walk started a new segment
+
+    @property
+    def prefix_preserving(self) -> bool:
+        return not any(i.kind == "rewrites_history" for i in self.issues)
+
+    @property
+    def mode(self) -> Mode:
+        fatal = {i.kind for i in self.issues if i.fatal}
+        if not fatal:
+            return "stepwise" if self.new_segments else "exact"
+        if (
+            fatal == {"rewrites_history"}
+            and self.fallback == "keep_history"
+            and self.fallback_works
+        ):
+            return "keep_history"
+        return "refuse"
+
+    def advice(self) -> list[str]:
+        out = []
+        kinds = {i.kind for i in self.issues}
+        if "rewrites_history" in kinds:
+            if self.preserve_thinking_switch and not self.template_kwargs.get("preserve_thinking"):
+                out.append(
+                    "this template has a preserve_thinking switch: try "
+                    "rollout.chat_template_kwargs={preserve_thinking: true} and audit again"
+                )
+            if self.trajectory_mode == "single" and self.fallback != "keep_history":
+                out.append(
+                    "train each rewritten turn as its own segment: "
+                    "rollout.trajectory_mode=auto (every segment is token-exact; "
+                    "docs/learner.md says how segments weigh)"
+                )
+            single = self.trajectory_mode == "single"
+            if self.fallback != "keep_history" and self.fallback_works and single:
+                out.append(
+                    "choose rollout.template_fallback=keep_history: the model then keeps "
+                    "seeing its earlier turns verbatim (unlike this template at inference), and "
+                    "the learner trains on exactly those tokens"
+                )
+            elif not self.fallback_works:
+                out.append("keep_history cannot locate the new messages in this template's output")
+            if self.mode == "refuse":
+                out.append(
+                    "point model.chat_template at a template that keeps earlier turns verbatim"
+                )
+        if "no_end_of_turn" in kinds or "end_of_turn" in kinds:
+            out.append(
+                f"assistant turns must end with the token the model stops on ({self.end_of_turn!r} "
+                "here): pass the model's end-of-turn token (--end-of-turn) or fix the template"
+            )
+        mismatches = [
+            i.why for i in self.issues if i.kind == "parser_mismatch" and i.why != ONE_CALL
+        ]
+        if any(i.why == ONE_CALL for i in self.issues):
+            out.append(
+                "set rollout.max_tool_calls_per_turn=1: the template shows one call per turn, "
+                "and a ToolEnv then runs only that one"
+            )
+        fits = sorted(
+            {
+                m.group(1)
+                for w in mismatches
+                for m in [re.search(r"parser (\w+) reads them", w)]
+                if m
+            }
+        )
+        if any("no tool support" in w for w in mismatches) or "no_tool_support" in kinds:
+            out.append(
+                "this template cannot show tool calls: use a tool-aware template "
+                "(model.chat_template)"
+            )
+        elif fits:
+            out.append(f"set model.tool_parser={fits[0]}")
+        elif mismatches:
+            out.append(
+                "register a parser for this template's tool-call format "
+                "(agentgrpo.chat.parsers.PARSERS)"
+            )
+        if "render_error" in kinds:
+            out.append(
+                "episodes of a shape the template cannot render end with ENV_ERROR (unscorable)"
+            )
+            if {i.conversation for i in self.issues if i.kind == "render_error"} == {
+                "parallel tool calls"
+            }:
+                out.append(
+                    "this template refuses several tool calls in one turn: set "
+                    "rollout.max_tool_calls_per_turn=1; a ToolEnv then runs the first call, "
+                    "answers the others with a too_many_calls error, and the chat template renders "
+                    "only the call it ran (the model's tokens stay as sampled)"
+                )
+        return out
+
+    def format(self) -> str:
+        verdict = {
+            "exact": "token-exact (prefix-preserving)",
+            "keep_history": "not prefix-preserving; the explicit keep_history fallback is in use",
+            "stepwise": f"step-wise: {self.new_segments} env turn(s) started a new segment "
+            f"(trajectory_mode {self.trajectory_mode})",
+            "refuse": "NOT token-safe: training refuses to start",
+        }[self.mode]
+        lines = [
+            f"template: {self.template_source}; end of turn {self.end_of_turn!r}; "
+            f"parser {self.parser}; "
+            f"fallback {self.fallback}; trajectory mode {self.trajectory_mode}"
+            + (f"; kwargs {self.template_kwargs}" if self.template_kwargs else ""),
+            f"checked {self.conversations} conversations, {self.turns} assistant turns",
+            *(
+                ["the turn has no end token of its own: it ends at the next message's role token"]
+                if self.turn_end_opens_next
+                else []
+            ),
+            f"prefix-preserving: {'yes' if self.prefix_preserving else 'no'}",
+            f"mode: {self.mode} - {verdict}",
+        ]
+        if self.template_source == "agentgrpo-hermes-chatml":
+            lines.append(
+                "note: the tokenizer's own template has no tool support; agentgrpo's Hermes-style "
+                "ChatML template is used instead"
+            )
+        groups: dict[tuple[str, str], list[TemplateIssue]] = {}
+        for i in self.issues:
+            groups.setdefault((i.kind, i.why), []).append(i)
+        for (kind, why), found in groups.items():
+            first = found[0]
+            label = (
+                "fallback"
+                if kind == "rewrites_history" and self.mode == "keep_history"
+                else "segment"
+                if kind == "rewrites_history" and not first.fatal
+                else "FATAL"
+                if first.fatal
+                else "warn"
+            )
+            where = ", ".join(sorted({i.conversation for i in found}))
+            lines.append(f"  [{label}] {kind}: {why}")
+            lines.append(f"      {len(found)} turn(s) in: {where}")
+            if first.detail:
+                at = "the first prompt" if first.turn == 0 else f"after turn {first.turn}"
+                lines.append(f"      e.g. {first.conversation!r}, {at}: {first.detail}")
+        lines += [f"  advice: {a}" for a in self.advice()]
+        return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# Synthetic conversations
+
+
+def _a(content: str, *calls: ToolCall) -> Message:
+    return Message(role="assistant", content=content, tool_calls=list(calls) or None)
+
+
+def _t(content: str, call: ToolCall | None = None) -> Message:
+    return Message(
+        role="tool",
+        content=content,
+        tool_call_id=call.id if call else None,
+        name=call.name if call else None,
+    )
+
+
+def _u(content: str) -> Message:
+    return Message(role="user", content=content)
+
+
+def conversations(
+    tools: list[dict] | None, prompt: list[Message] | None
+) -> list[tuple[str, list[Message], int]]:
+    """The synthetic conversations the audit walks, as (name, messages, length of the head that
+    the first prompt renders): plain shapes always, tool shapes when the env has tools. `prompt`
+    (the env's first messages, which may hold worked examples) replaces the synthetic heads."""
+    head = (
+        list(prompt)
+        if prompt
+        else [
+            Message(role="system", content="You are a careful assistant."),
+            _u("What is 12 * 7 + 3?"),
+        ]
+    )
+    short = list(prompt) if prompt else [_u("Hi!")]
+    plain = [
+        ("chat", head, [_a("12 * 7 = 84, plus 3 is 87."), _u("Are you sure?"), _a("Yes: 87.")]),
+        ("chat without system", short, [_a("Hello! How can I help?"), _u("Say 4."), _a("4")]),
+        (
+            "feedback loop",
+            head,
+            [_a("86"), _u("No, try again."), _a("88"), _u("No, try again."), _a("87")],
+        ),
+        (
+            "reasoning",
+            head,
+            [
+                _a("<think>\n12 * 7 = 84.\n</think>\n\n87"),
+                _u("Are you sure?"),
+                _a("<think>\nCheck: 84 + 3 = 87.\n</think>\n\nYes, 87."),
+            ],
+        ),
+    ]
+    with_tools = []
+    if tools != []:
+        fn = (tools or [SYNTHETIC_TOOL])[0]["function"]
+        args = example_arguments(fn.get("parameters", {})) if tools else {"expression": "12*7"}
+
+        def c(i: int) -> ToolCall:
+            return ToolCall(id=f"call_{i}", name=fn["name"], arguments=args)
+
+        with_tools = [
+            ("tool call", head, [_a("", c(0)), _t("84", c(0)), _a("The answer is 87.")]),
+            (
+                "text and tool call",
+                head,
+                [_a("Let me compute 12 * 7 first.", c(0)), _t('{"result": 84}', c(0)), _a("87")],
+            ),
+            (
+                "parallel tool calls",
+                head,
+                [_a("", c(0), c(1)), _t("84", c(0)), _t("3", c(1)), _a("87")],
+            ),
+            (
+                "several tool turns",
+                head,
+                [_a("", c(0)), _t("84", c(0)), _a("", c(1)), _t("87", c(1)), _a("87")],
+            ),
+            (
+                "tool then user feedback",
+                head,
+                [
+                    _a("", c(0)),
+                    _t("84", c(0)),
+                    _a("84"),
+                    _u("Add the 3."),
+                    _a("", c(1)),
+                    _t("87", c(1)),
+                    _a("87"),
+                ],
+            ),
+            (
+                "reasoning with tools",
+                head,
+                [
+                    _a("<think>\nProduct first.\n</think>\n\n", c(0)),
+                    _t("84", c(0)),
+                    _a("<think>\nNow add 3.\n</think>\n\n87"),
+                    _u("Sure?"),
+                    _a("<think>\nYes.\n</think>\n\nYes."),
+                ],
+            ),
+            (
+                "awkward tool output",
+                head,
+                [
+                    _a("", c(0)),
+                    _t('  line 1\n\tline 2: ünïcode ✓ {"k": [1, 2]}\n', c(0)),
+                    _a("done"),
+                ],
+            ),
+            ("empty tool output", head, [_a("", c(0)), _t("", c(0)), _a("done")]),
+        ]
+    return [(name, h + rest, len(h)) for name, h, rest in plain + with_tools]
+
+
+# ---------------------------------------------------------------------------------------------
+# The audit
+
+
+def _diagnose(before: str, after: str, end_of_turn: str) -> tuple[str, str]:
+    """(why, where): the first change `after` makes to `before`'s text, and a guess at its cause."""
+    sm = difflib.SequenceMatcher(None, before, after, autojunk=False)
+    _, i1, i2, j1, j2 = next(op for op in sm.get_opcodes() if op[0] != "equal")
+    window = before[max(0, i1 - 12) : i2 + 12]  # the diff may cut a tag in two: look around it
+    removed, added = before[i1:i2], after[j1:j2]
+    if re.search(r"<think>\s*</think>", window):
+        why = "it renders an empty <think></think> block in the last assistant turn only"
+    elif "<think>" in window or "</think>" in window:
+        why = "it drops the reasoning (<think>...</think>) of earlier assistant turns"
+    elif before.count(end_of_turn) > after.count(end_of_turn):
+        why = f"it puts {end_of_turn!r} only after the final turn"
+    elif not removed.strip() and not added.strip():
+        why = "it changes whitespace in earlier turns"
+    else:
+        why = "it renders an earlier turn differently once more messages follow"
+    where = (
+        f"at character {i1}, {before[max(0, i1 - 20) : i2 + 20]!r} becomes "
+        f"{after[max(0, j1 - 20) : j2 + 20]!r}"
+    )
+    return why, where
+
+
+def _calls(m: Message) -> list[tuple[str, dict]]:
+    return [(c.name, c.arguments) for c in m.tool_calls or []]
+
+
+def _parser_issue(
+    chat: ChatFormat,
+    name: str,
+    turn: int,
+    text: str,
+    want: list[tuple[str, dict]],
+    tools: list[dict],
+) -> TemplateIssue:
+    if not all(n in text for n, _ in want):
+        return TemplateIssue(
+            name,
+            turn,
+            "parser_mismatch",
+            True,
+            "the template does not render tool calls (no tool support)",
+            f"turn text {text[:80]!r}",
+        )
+    got = _calls(chat.parse(text, tools).message)
+    if 0 < len(got) < len(want) and got == want[: len(got)]:  # GPT-OSS renders the first call
+        return TemplateIssue(
+            name, turn, "parser_mismatch", False, ONE_CALL, f"{text[:100]!r} -> {got}"
+        )
+    fits = [p for p, parse in PARSERS.items() if _calls(parse(text, tools).message) == want]
+    why = f"parser {chat.parser_name} does not read the calls this template renders" + (
+        f"; parser {fits[0]} reads them" if fits else ""
+    )
+    return TemplateIssue(
+        name,
+        turn,
+        "parser_mismatch",
+        False,
+        why,
+        f"{text[:100]!r} -> {_calls(chat.parse(text, tools).message)}",
+    )
+
+
+def _common_prefix(a: str, b: str) -> int:
+    return next(
+        (k for k, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
+    )
+
+
+def _render_error(name: str, conv: list[Message], turn: int, e: TemplateError) -> TemplateIssue:
+    """A conversation the template cannot render: fatal for tool conversations other than parallel
+    tool calls (see the module docstring)."""
+    tool_shape = any(m.tool_calls or m.role == "tool" for m in conv)
+    if not tool_shape:
+        why = "the template cannot render this conversation shape"
+    else:
+        why = "the template cannot render a tool conversation"
+        if "dict" in str(e) and "TypeError" in str(e):
+            why += (
+                " (it fails on tool-call arguments passed as a JSON object, and ChatFormat's probe "
+                "did not find it rendering them as a JSON string either)"
+            )
+    return TemplateIssue(
+        name, turn, "render_error", tool_shape and name != "parallel tool calls", why, str(e)
+    )
+
+
+def _walk(
+    chat: ChatFormat,
+    name: str,
+    conv: list[Message],
+    first: int,
+    tools: list[dict] | None,
+    report: TemplateReport,
+) -> None:
+    """Replay one conversation turn by turn as the rollout would (the first prompt renders
+    `conv[:first]`), recording every issue."""
+    history = conv[:first]
+    try:
+        ids = chat.prompt_ids(history, tools)
+    except TemplateError as e:
+        report.issues.append(
+            TemplateIssue(
+                name, 0, "render_error", True, "the template cannot render the first prompt", str(e)
+            )
+        )
+        return
+    keep = copy.copy(chat)
+    keep.fallback = "keep_history"
+    exact_so_far = True  # False once our ids legitimately differ from a re-render of the text
+    eots = chat.end_of_turns
+    i, turn = first, 0
+    while i < len(conv):
+        a, turn = conv[i], turn + 1
+        report.turns += 1
+        new = []  # the env's messages after this turn
+        for m in conv[i + 1 :]:
+            if m.role == "assistant":
+                break
+            new.append(m)
+        try:
+            gen = chat.render(history, tools, add_generation_prompt=True)
+            full = chat.render(history + [a], tools)
+            alone = _turn_alone(chat, conv[:first], a, tools) if not full.startswith(gen) else None
+        except TemplateError as e:
+            report.issues.append(_render_error(name, conv, turn, e))
+            return
+        start = len(gen)
+        if alone is not None:  # the template rendered history anew once the turn was added
+            gen, full, start = alone  # (GPT-OSS drops a call's analysis once an answer follows)
+            exact_so_far = False
+        elif not full.startswith(gen):  # DeepSeek-V3 opens <think> in the generation prompt only
+            start = _common_prefix(gen, full)
+            report.issues.append(
+                TemplateIssue(
+                    name,
+                    turn,
+                    "generation_prompt",
+                    False,
+                    f"the generation prompt ends with {gen[start:][:40]!r}, which the template "
+                    "does not render for assistant turns in history (harmless token-in/token-out; "
+                    "a server re-rendering text would show the model another history)",
+                )
+            )
+            exact_so_far = False
+        text = full[start:]
+        try:
+            end, stop = _turn_end(chat, text, full, history + [a] + new, tools)
+        except TemplateError as e:
+            report.issues.append(_render_error(name, conv, turn, e))
+            return
+        if end < 0:
+            report.issues.append(
+                TemplateIssue(
+                    name,
+                    turn,
+                    "no_end_of_turn",
+                    True,
+                    "the template does not end assistant turns with "
+                    + " or ".join(map(repr, eots)),
+                    f"turn text {text[:80]!r}",
+                )
+            )
+            return
+        # the turn's ids as they stand in the conversation (a tokenizer may treat the start of its
+        # input differently, e.g. SentencePiece's "▁"), else as text on its own; where the turn
+        # ends at the next message's role token, that token, which the model stops on, follows
+        stop_id = [chat.end_of_turn_ids[eots.index(stop)]] if chat.turn_end_opens_next else []
+        closed = start + end + (0 if chat.turn_end_opens_next else len(stop))
+        in_place, head = chat.encode(full[:closed]), chat.encode(full[:start])
+        sampled = (
+            in_place[len(head) :]
+            if in_place[: len(head)] == head
+            else chat.encode(full[start:closed])
+        ) + stop_id
+        if tools and _calls(chat.parse_assistant(sampled, tools=tools).message) != _calls(a):
+            report.issues.append(_parser_issue(chat, name, turn, text[:end], _calls(a), tools))
+        ids += sampled
+        history.append(a)
+        i += 1 + len(new)
+        if not new:
+            continue
+        try:
+            before = chat.render(history, tools)
+            after = chat.render(history + new, tools, add_generation_prompt=True)
+        except TemplateError as e:
+            report.issues.append(_render_error(name, conv, turn, e))
+            return
+        single = chat.trajectory_mode == "single"
+        if not after.startswith(before):
+            why, where = _diagnose(before, after, stop)
+            report.issues.append(
+                TemplateIssue(
+                    name,
+                    turn,
+                    "rewrites_history",
+                    single,
+                    why,
+                    f"adding {[m.role for m in new]}: {where}",
+                )
+            )
+        if not single and (chat.trajectory_mode == "stepwise" or not after.startswith(before)):
+            ids = chat.prompt_ids(history + new, tools)  # a new segment: the rollout's prompt
+            report.new_segments += 1
+            exact_so_far = True
+        elif after.startswith(before):
+            ids += chat.suffix_ids(history, new, tools, end_id=ids[-1])
+        else:
+            exact_so_far = False
+            try:
+                ids += keep.suffix_ids(history, new, tools, end_id=ids[-1])
+            except TemplateError as e:
+                report.fallback_works = False
+                report.issues.append(
+                    TemplateIssue(
+                        name,
+                        turn,
+                        "rewrites_history",
+                        True,
+                        "keep_history cannot continue this conversation",
+                        str(e),
+                    )
+                )
+                return
+        history += new
+        if exact_so_far and ids != (whole := chat.encode(after)):
+            report.issues.append(
+                TemplateIssue(
+                    name,
+                    turn,
+                    "retokenizes",
+                    False,
+                    "the same text tokenizes differently in one piece (a server re-rendering text "
+                    "would show the model other tokens)",
+                    f"first difference at token {_first_diff(ids, whole)}",
+                )
+            )
+            exact_so_far = False
+
+
+def _turn_alone(
+    chat: ChatFormat, head: list[Message], a: Message, tools: list[dict] | None
+) -> tuple[str, str, int] | None:
+    """(generation prompt, render, where the turn starts) of `a` right after the conversation's
+    head, when the template renders earlier turns anew once `a` follows them (so its text cannot
+    be cut from the render of the whole history) but not there; else None."""
+    gen = chat.render(head, tools, add_generation_prompt=True)
+    full = chat.render(head + [a], tools)
+    return (gen, full, len(gen)) if full.startswith(gen) else None
+
+
+def _turn_end(
+    chat: ChatFormat, text: str, full: str, upto: list[Message], tools: list[dict] | None
+) -> tuple[int, str]:
+    """(where the turn `text` ends, the end-of-turn token the model stops on), (-1, "") when it
+    does not end. With several end-of-turn tokens the first in the text ends the turn. Where the
+    turn ends at the next message's role token (`turn_end_opens_next`), the turn is all of `text`
+    and the token is the one the render of `upto` (the conversation up to the env's messages after
+    the turn, `full` being its render up to the turn) opens those messages with, the first
+    end-of-turn token when nothing follows or the template rewrites the history then."""
+    if not chat.turn_end_opens_next:
+        found = [(text.find(e), e) for e in chat.end_of_turns if e in text]
+        return min(found) if found else (-1, "")
+    after = chat.render(upto, tools, add_generation_prompt=True)
+    rest = after[len(full) :] if after.startswith(full) else ""
+    return len(text), next((e for e in chat.end_of_turns if rest.startswith(e)), chat.end_of_turn)
+
+
+def _first_diff(a: list[int], b: list[int]) -> int:
+    return next(
+        (k for k, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
+    )
+
+
+def _check_tools_shown(
+    chat: ChatFormat, head: list[Message], tools: list[dict], report: TemplateReport
+) -> None:
+    """Fatal `no_tool_support` when the first prompt renders the same with and without the tools."""
+    try:
+        shown = chat.render(head, tools, add_generation_prompt=True) != chat.render(
+            head, None, add_generation_prompt=True
+        )
+    except TemplateError:
+        return  # the walk reports the render error
+    if not shown:
+        report.issues.append(
+            TemplateIssue(
+                "-",
+                0,
+                "no_tool_support",
+                True,
+                "the template does not show the tools to the model (its prompt is the same with "
+                "and without `tools`): give `model.chat_template` a template that renders them "
+                "(DeepSeek-V3's own ignores them; a tool template of its family lists them in the "
+                "system message)",
+                f"tools {[t.get('function', {}).get('name') for t in tools]}",
+            )
+        )
+
+
+def audit(
+    chat: ChatFormat, *, tools: list[dict] | None = None, prompt: list[Message] | None = None
+) -> TemplateReport:
+    """Audit `chat`'s template on synthetic conversations (see the module docstring).
+
+    `tools`: the env's tool schemas; `[]` audits only conversations without tools, None uses a
+    synthetic calculator tool. `prompt`: the env's first messages, used as every conversation's
+    head.
+    """
+    report = TemplateReport(
+        template_source=chat.template_source,
+        end_of_turn=" or ".join(chat.end_of_turns),
+        parser=chat.parser_name,
+        fallback=chat.fallback,
+        template_kwargs=dict(chat.template_kwargs),
+        trajectory_mode=chat.trajectory_mode,
+        turn_end_opens_next=chat.turn_end_opens_next,
+        preserve_thinking_switch="preserve_thinking" in (chat.template or ""),
+    )
+    render_tools = [SYNTHETIC_TOOL] if tools is None else (tools or None)
+    # every render of the audit also checks ChatFormat's fast render path against transformers'
+    checks, chat._fast_checks_left = chat._fast_checks_left, 1 << 30
+    try:
+        plans = conversations(tools, prompt)
+        if render_tools:
+            _check_tools_shown(chat, plans[0][1][: plans[0][2]], render_tools, report)
+        for name, conv, first in plans:
+            report.conversations += 1
+            _walk(chat, name, conv, first, render_tools, report)
+    finally:
+        chat._fast_checks_left = min(checks, chat._fast_checks_left)
+    return report
+
+
+def audit_template(
+    tokenizer: Any,
+    template: str | None = None,
+    *,
+    parser: str = "hermes",
+    end_of_turn: str | Sequence[str] | None = None,
+    fallback: TemplateFallback = "none",
+    template_kwargs: dict[str, Any] | None = None,
+    trajectory_mode: TrajectoryMode = "single",
+) -> TemplateReport:
+    """Audit a tokenizer's chat template (or `template`) with and without tools.
+
+    An end-of-turn token that the tokenizer does not have is reported, not raised.
+    """
+    try:
+        chat = ChatFormat(
+            tokenizer,
+            template=template,
+            parser=parser,
+            end_of_turn=end_of_turn,
+            fallback=fallback,
+            template_kwargs=template_kwargs,
+            trajectory_mode=trajectory_mode,
+        )
+    except ValueError as e:
+        report = TemplateReport(
+            template_source="config" if template else "tokenizer",
+            end_of_turn=" or ".join(
+                [end_of_turn] if isinstance(end_of_turn, str) else end_of_turn or []
+            )
+            or str(tokenizer.eos_token),
+            parser=parser,
+            fallback=fallback,
+        )
+        report.issues.append(
+            TemplateIssue(
+                "-",
+                0,
+                "end_of_turn",
+                True,
+                "the end-of-turn token is not a token of this tokenizer",
+                str(e),
+            )
+        )
+        return report
+    return audit(chat)
+
+
+def require_token_safe(chat: ChatFormat, env: Env, task: Task, *, seed: int = 0) -> TemplateReport:
+    """Start-up check of training and evaluation: audit the template for this env's conversation
+    shape (its first messages for `task`, its tools or none) and raise TemplateError with the report
+    when rollouts would not be token-safe, unless the fallback or the trajectory mode chosen in the
+    config makes them so.
+
+    `env` is a probe instance (reset once here, then discarded). Returns the report; its `mode`
+    is worth printing with the effective config.
+    """
+    prompt, _ = run_sync(env.reset(seed=seed, options={"task": task}))
+    report = audit(chat, tools=list(env.tool_schemas()), prompt=list(prompt))
+    if report.mode == "refuse":
+        raise TemplateError(
+            "the chat template is not token-safe for this environment:\n" + report.format()
+        )
+    return report

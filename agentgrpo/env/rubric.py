@@ -1,0 +1,269 @@
+"""Rewards: the Verifier protocol and the Rubric that combines verifiers with weights.
+
+A verifier is any callable `(trajectory, task) -> float | VerifierResult`, sync or async. Plain
+functions are fine; `agentgrpo.verify.math.MathVerifier` and `agentgrpo.verify.code.CodeVerifier`
+are ready-made ones. NaN means "unscorable" (an infrastructure failure such as a sandbox error):
+the Rubric propagates it, and the advantage step leaves that trajectory out of its group instead
+of treating it as a 0.
+
+Example:
+    from agentgrpo.env.rubric import Rubric, VerifierResult
+    from agentgrpo.verify.math import MathVerifier
+
+    def boxed(trajectory, task) -> float:            # a format bonus, sync
+        return float("\\\\boxed{" in trajectory.messages[-1].content)
+
+    async def short(trajectory, task) -> VerifierResult:   # async verifiers work too
+        n = trajectory.num_sampled
+        return VerifierResult(score=1.0 if n < 512 else 0.0, detail=f"{n} tokens")
+
+    rubric = Rubric(
+        [("correct", MathVerifier(), 1.0), ("boxed", boxed, 0.1), ("short", short, 0.05)]
+    )
+    result = await rubric.ascore(trajectory, task)   # result.score, result.parts["correct"], ...
+    results = await rubric.ascore_group(group.trajectories, group.task)
+    result = rubric.score(trajectory, task)          # from sync code (no running event loop)
+
+In training, declare it on the environment (`rubric = Rubric([...])` on an `Env`): `run_group` then
+scores each finished group with `score_group`, which sets every trajectory's `reward` and
+`reward_parts`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import math
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+from agentgrpo.env.tool import to_user_thread
+from agentgrpo.types import Task, Trajectory
+
+
+@dataclass(frozen=True)
+class VerifierResult:
+    """A score with its explanation. `parts` holds named sub-scores (a Rubric fills it)."""
+
+    score: float
+    detail: str = ""
+    parts: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def unscorable(self) -> bool:
+        return math.isnan(self.score)
+
+
+@runtime_checkable
+class Verifier(Protocol):
+    """`(trajectory, task) -> float | VerifierResult`, or an awaitable of one."""
+
+    def __call__(
+        self, trajectory: Trajectory, task: Task, /
+    ) -> float | VerifierResult | Awaitable: ...
+
+
+GroupHook = Callable[[Sequence[Trajectory], Task, list[VerifierResult]], list[VerifierResult]]
+
+
+def _as_result(name: str, value: object) -> VerifierResult:
+    """A verifier's return value as a result; a wrong type or an infinite score is a bug in the
+    verifier and raises here, naming it (an infinite reward would otherwise fail later, in the
+    advantage step, without saying where it came from)."""
+    if isinstance(value, bool | int | float):
+        value = VerifierResult(float(value))
+    if not isinstance(value, VerifierResult):
+        raise TypeError(
+            f"verifier {name!r} returned {type(value).__name__}; expected float or VerifierResult"
+        )
+    if math.isinf(value.score):
+        raise ValueError(
+            f"verifier {name!r} returned {value.score}; a score must be finite (NaN = unscorable)"
+        )
+    return value
+
+
+def _is_async(fn: Callable) -> bool:
+    return inspect.iscoroutinefunction(fn if inspect.isroutine(fn) else type(fn).__call__)
+
+
+def _takes_two_args(fn: Callable) -> bool:
+    try:
+        inspect.signature(fn).bind(None, None)  # for an object, the signature of its __call__
+        return True
+    except TypeError:
+        return False
+    except ValueError:  # builtins without a signature: trust them
+        return True
+
+
+class Rubric:
+    """Weighted sum of named verifiers, validated when built.
+
+    reward = sum(weight_i * score_i) (divided by sum |weight_i| when `normalize`). A verifier with a
+    non-zero weight that returns NaN, or raises, makes the reward NaN (unscorable) and the reason
+    goes to `detail`; `strict=True` re-raises instead (useful in tests). Verifiers of one
+    trajectory run concurrently; sync ones run in worker threads so they never block the loop.
+    `group_hook`, if given, sees a whole group's results and may return adjusted ones (for
+    within-group terms such as diversity or length ranks).
+    """
+
+    def __init__(
+        self,
+        verifiers: Sequence[tuple[str, Callable, float]],
+        *,
+        normalize: bool = False,
+        strict: bool = False,
+        group_hook: GroupHook | None = None,
+    ) -> None:
+        if not verifiers:
+            raise ValueError("a Rubric needs at least one (name, verifier, weight)")
+        names: set[str] = set()
+        checked = []
+        for item in verifiers:
+            if not (isinstance(item, tuple) and len(item) == 3):
+                raise ValueError(f"expected (name, verifier, weight) tuples, got {item!r}")
+            name, fn, weight = item
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"verifier name must be a non-empty string, got {name!r}")
+            if name in names:
+                raise ValueError(f"duplicate verifier name {name!r}")
+            names.add(name)
+            if not callable(fn):
+                raise TypeError(f"verifier {name!r} is not callable")
+            if not _takes_two_args(fn):
+                raise TypeError(f"verifier {name!r} must accept (trajectory, task)")
+            if (
+                isinstance(weight, bool)
+                or not isinstance(weight, int | float)
+                or not math.isfinite(weight)
+            ):
+                raise ValueError(f"weight of {name!r} must be a finite number, got {weight!r}")
+            checked.append((name, fn, float(weight)))
+        total = sum(abs(w) for _, _, w in checked)
+        if total == 0:
+            raise ValueError("all Rubric weights are zero")
+        if group_hook is not None and not callable(group_hook):
+            raise TypeError("group_hook must be callable")
+        self.verifiers = checked
+        self.normalize, self.strict, self.group_hook = normalize, strict, group_hook
+        self._scale = 1.0 / total if normalize else 1.0
+
+    def __repr__(self) -> str:
+        return "Rubric(" + ", ".join(f"{n}={w:g}" for n, _, w in self.verifiers) + ")"
+
+    async def _one(
+        self, name: str, fn: Callable, trajectory: Trajectory, task: Task
+    ) -> tuple[VerifierResult, str]:
+        try:
+            if _is_async(fn):
+                value = await fn(trajectory, task)
+            else:
+                value = await to_user_thread(fn, trajectory, task)
+                if inspect.isawaitable(value):
+                    value = await value
+        except Exception as e:  # the verifier (or what it relies on) failed: unscorable, with why
+            if self.strict:
+                raise
+            return VerifierResult(math.nan), f"{name}: {type(e).__name__}: {e}"
+        return _as_result(name, value), ""  # a wrong return type is a bug: it raises
+
+    async def ascore(self, trajectory: Trajectory, task: Task) -> VerifierResult:
+        """Score one trajectory: total, per-verifier `parts`, and why (errors, NaNs, details)."""
+        outs = await asyncio.gather(
+            *(self._one(n, fn, trajectory, task) for n, fn, _ in self.verifiers)
+        )
+        parts, notes, total = {}, [], 0.0
+        for (name, _, weight), (res, err) in zip(self.verifiers, outs, strict=True):
+            parts[name] = res.score
+            if err:
+                notes.append(err)
+            elif res.detail:
+                notes.append(f"{name}: {res.detail}")
+            if weight != 0.0:
+                total += weight * res.score  # NaN propagates: one unscorable part, unscorable total
+        return VerifierResult(total * self._scale, "; ".join(notes), parts)
+
+    async def __call__(self, trajectory: Trajectory, task: Task) -> VerifierResult:
+        return await self.ascore(trajectory, task)
+
+    async def ascore_group(
+        self, trajectories: Sequence[Trajectory], task: Task
+    ) -> list[VerifierResult]:
+        """Score all trajectories of a group concurrently, then apply `group_hook`."""
+        results = list(await asyncio.gather(*(self.ascore(t, task) for t in trajectories)))
+        if self.group_hook is not None:
+            results = self.group_hook(trajectories, task, results)
+            if len(results) != len(trajectories) or not all(
+                isinstance(r, VerifierResult) for r in results
+            ):
+                raise TypeError("group_hook must return one VerifierResult per trajectory")
+        return results
+
+    def score(self, trajectory: Trajectory, task: Task) -> VerifierResult:
+        """Sync `ascore`, for code without a running event loop."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return asyncio.run(self.ascore(trajectory, task))
+        raise RuntimeError(
+            "Rubric.score() called inside a running event loop; use `await rubric.ascore(...)`"
+        )
+
+
+def env_reward(trajectory: Trajectory, task: Task) -> float:
+    """Verifier: the rewards the env's `step` returned, summed over the episode.
+
+    When an env has a rubric, the rubric's sum is the reward and the env's own is kept aside in
+    `trajectory.env_reward`; list this verifier in the rubric to count it, with a weight.
+    """
+    if trajectory.env_reward is None:
+        raise ValueError(
+            "trajectory.env_reward is not set: run_group records it for envs with a rubric"
+        )
+    return float(trajectory.env_reward)
+
+
+async def score_group(
+    rubric: Rubric,
+    trajectories: Sequence[Trajectory],
+    task: Task,
+    *,
+    tool_error_penalty: float = 0.0,
+    deadline: float | None = None,
+) -> None:
+    """Score the finished trajectories of one group with `rubric`, in place.
+
+    Sets `reward` = the rubric's weighted sum minus `tool_error_penalty` per tool error (the
+    rollout's penalty applies whatever scores the episode), `reward_parts` = each verifier's score,
+    and `reward_detail` = the rubric's notes. The rubric replaces the env's own reward, as
+    in willccbb/verifiers, where the rubric alone scores a rollout: one place defines the reward,
+    and the env's own stays visible in `env_reward` and countable through `env_reward`.
+    `group_hook` sees all of `trajectories` (pass the group's scorable ones: infrastructure
+    failures are NaN already and left out of the group statistics anyway).
+
+    An unscorable result (a verifier raised or returned NaN, or the absolute `time.monotonic()`
+    `deadline` passed while scoring) gives reward NaN, never 0, and says why in `stop_detail`.
+    """
+    wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+    try:
+        results = await asyncio.wait_for(rubric.ascore_group(trajectories, task), wait)
+    except asyncio.TimeoutError:
+        if deadline is None or time.monotonic() < deadline - 1e-3:
+            raise  # raised by a verifier under strict=True, not by our deadline
+        results = [
+            VerifierResult(math.nan, "the step deadline expired while the rubric scored the group")
+            for _ in trajectories
+        ]
+    for t, r in zip(trajectories, results, strict=True):
+        t.reward_parts = dict(r.parts)
+        t.reward_detail = r.detail
+        if math.isnan(r.score):
+            nan_parts = [name for name, v in r.parts.items() if math.isnan(v)]
+            why = r.detail or ("NaN from " + ", ".join(nan_parts) if nan_parts else "NaN score")
+            t.reward = math.nan
+            t.stop_detail = "; ".join(x for x in (t.stop_detail, f"unscorable: {why}") if x)
+        else:
+            t.reward = r.score - tool_error_penalty * t.tool_errors

@@ -1,0 +1,529 @@
+"""Attention over packed rows without one kernel call under a [T, T] mask: segment by segment
+(sdpa, any device), or variable-length flash attention (CUDA; at the end of this docstring).
+
+A packed row (`agentgrpo.learner.batch`) holds several sequences; under `shared_prefix` a GRPO
+group's prompt once, then every member's continuation, which sees that prompt and itself. A 4D mask
+makes this exact with one sdpa call per row, but the kernel still computes every (query, key) pair
+of the row: for 8 python_math-shaped members of ~870 tokens in one 5311-token row that is ~6x the
+pairs anyone needs, and SmolLM2's attention then costs 1.7x its matmuls (the reason `row_tokens:
+auto` splits such groups). Here every segment attends on its own: a prompt or a lone sequence
+causally to itself, a continuation to [its prompt, itself] with the causal diagonal shifted by the
+prompt's length. Segments of similar size are gathered into one padded sdpa batch (a "bucket"; a
+call per segment cost more than it saved in a CPU bf16 backward), padding bounded to
+`_SLACK` x the segments' own (query, key) rectangles. Nothing is computed across segments; the
+numbers are the masked kernel's up to float summation order (tests compare logprobs and gradients).
+
+On the CPU it pays on long rows (whole python_math-shaped groups); on short rows (the calculator's)
+the attention pairs shrink 2x only and the gathers cost about what that saves. So
+`learner.attention: auto` runs it only on micro-batches whose rows are long enough
+(`AUTO_MIN_SHARE`) and the mask elsewhere; `segments` runs it everywhere. On an H200 it was slower
+than the masked kernel, so `auto` keeps the masked kernel on GPUs. Both choices rest on one CPU's
+and one GPU's measurements: docs/performance.md ("Segment attention against the mask").
+
+How it is wired: `use_segments(model)` registers `segment_attention` with transformers'
+`AttentionInterface` under `SEGMENTS` and switches the model to it (models that dispatch attention
+through that interface: Llama, Qwen2/3, Mistral, SmolLM2, ...). `PolicyForward` then passes
+`segments=Segments.of(batch)` through the decoder's kwargs, which transformers hands to every
+attention call. A call without `segments` (anything else that runs the model: a weight-sync probe,
+a plain `model(...)`) falls back to transformers' sdpa with its own mask, so the switched model
+stays correct for every other use. Each call counts itself on the `Segments`, and `PolicyForward`
+checks that every layer saw the layout: a model whose attention did not receive the kwarg raises
+instead of silently attending across sequences. Unsupported: logit soft-capping and attention sinks
+(a ValueError names the feature; `learner.attention: mask` runs them). A sliding window no packed
+layout expresses (segments, flex or the 4D mask): a packed sequence longer than the model's window
+is refused (`logprobs.sliding_window_of`); `learner.packing: padded` runs it with the model's masks.
+
+Variable-length flash attention (`VARLEN`, `varlen_attention`): on CUDA, torch >= 2.10 has
+`torch.nn.attention.varlen.varlen_attn`, which takes the packed tokens as one flat [tokens, heads,
+dim] tensor and the cumulative offsets of its sequences, and computes each sequence's causal
+attention with no mask and no pair across sequences. `Varlen.of(batch)` turns a micro-batch's rows
+into that call: every contiguous run of a row (a sequence, a shared prompt, a continuation, the row
+tail) is one query sequence of the flat [R*S] tokens, so the queries need no gather. A continuation
+of a shared prompt attends to [its prompt, itself]: its keys are gathered as that (`k_idx`), and
+flash attention's causal mask, aligned to the bottom right when a sequence has more keys than
+queries, lets query i see the whole prompt and its own tokens up to i; so every layout
+`agentgrpo.learner.batch` builds is expressible. Without a shared prompt the keys are the queries
+(no gather). The row tail attends causally to itself; nothing reads it. `choose_attention` decides
+where it runs (`learner.attention: auto`): CUDA, bf16 or fp16 attention, torch with the kernel, a
+GPU flash attention supports; elsewhere the path above stays.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from agentgrpo.learner.batch import TrainBatch
+
+SEGMENTS = "agentgrpo_segments"
+# kwargs transformers passes to attention functions that change what attention computes; a value
+# other than None is a feature this function does not implement.
+_UNSUPPORTED = ("sliding_window", "softcap", "s_aux", "sinks", "position_bias")
+
+
+@dataclass
+class _Bucket:
+    """Spans of similar size run as one padded sdpa batch: n spans, queries padded to L,
+    keys to K."""
+
+    q_idx: (
+        torch.Tensor
+    )  # [n, L] long, flat [R*S] position of query i of span j (pads: any real one)
+    k_idx: torch.Tensor  # [n, K] long, flat position of key t: the prefix, then the span itself
+    mask: torch.Tensor  # [n, 1, L, K] bool; a pad query sees key 0 only (no all-masked row, no NaN)
+    real: torch.Tensor  # [n * L] bool, the queries that are not padding
+
+
+@dataclass
+class Segments:
+    """The row layout of one micro-batch: `spans[i] = (row, start, end, prefix_start, prefix_end)`,
+    the query span [start, end) of row `row` attends to keys [prefix_start, prefix_end) +
+    [start, end) causally (an empty prefix for a prompt or a lone sequence). Row tails (padding) are
+    no span: their attention output is 0 (nothing reads their hidden states).
+
+    Spans run in `buckets`: sorted by key length, grouped while padding them to the group's longest
+    keeps the pairs computed within `_SLACK` of the spans' own; each group is one sdpa call on
+    gathered, padded queries and keys. `dest`: flat position of every real query, bucket by bucket.
+    Built once per micro-batch, shared by every layer."""
+
+    spans: list[tuple[int, int, int, int, int]]
+    buckets: list[_Bucket]
+    dest: torch.Tensor  # [real queries] long
+    calls: int = field(default=0)
+
+    @classmethod
+    def of(cls, batch: TrainBatch) -> Segments:
+        seg_RS = batch.segment_ids_RS.cpu().numpy()
+        vis_RS = batch.visible_ids_RS.cpu().numpy()
+        T = seg_RS.shape[1]
+        spans = []
+        for b, (seg_S, vis_S) in enumerate(zip(seg_RS, vis_RS, strict=True)):
+            starts = np.flatnonzero(
+                np.diff(seg_S, prepend=-1)
+            ).tolist()  # a segment is one contiguous run
+            ends = [*starts[1:], T]
+            where = {int(seg_S[s]): (s, e) for s, e in zip(starts, ends, strict=True)}
+            for s, e in zip(starts, ends, strict=True):
+                sid, vid = int(seg_S[s]), int(vis_S[s])
+                if sid != 0:  # 0: row tail
+                    ps, pe = where[vid] if vid != sid else (s, s)
+                    spans.append((b, s, e, ps, pe))
+        device = batch.segment_ids_RS.device
+        buckets, dest = zip(
+            *(_bucket([spans[i] for i in g], T, device) for g in _bucketed(spans)), strict=True
+        )
+        return cls(spans, list(buckets), torch.from_numpy(np.concatenate(dest)).to(device))
+
+
+_SLACK = 1.3  # a bucket may compute this many times its spans' own (query, key) rectangles
+
+# `attention: auto` runs segments on a micro-batch only where its rows' masked attention would cost
+# at least this share of their matmuls (r x T, `batch.attention_pair_cost`); 0.4 = 1229 tokens for
+# SmolLM2-135M (r = 1/3072). Chosen from CPU measurements (docs/performance.md): segments lost at a
+# share of 0.22, were even at 0.28 and won from 0.5.
+AUTO_MIN_SHARE = 0.4
+
+
+def _bucketed(spans: list[tuple[int, int, int, int, int]]) -> list[list[int]]:
+    own = [e - s for _, s, e, _, _ in spans]
+    keys = [pe - ps + e - s for _, s, e, ps, pe in spans]
+    groups: list[list[int]] = []
+    for i in sorted(range(len(spans)), key=lambda i: (-keys[i], -own[i])):
+        g = groups[-1] if groups else None
+        if g is not None:
+            L, K = max(own[j] for j in g + [i]), keys[g[0]]
+            if (len(g) + 1) * L * K <= _SLACK * sum(own[j] * keys[j] for j in g + [i]):
+                g.append(i)
+                continue
+        groups.append([i])
+    return groups
+
+
+def _bucket(
+    spans: list[tuple[int, int, int, int, int]], T: int, device: torch.device
+) -> tuple[_Bucket, np.ndarray]:
+    """The bucket of `spans` in a batch of rows of T, and the flat positions of its real queries."""
+    own = np.array([e - s for _, s, e, _, _ in spans])[:, None]
+    P = np.array([pe - ps for _, s, e, ps, pe in spans])[:, None]
+    base = np.array([b * T + s for b, s, _, _, _ in spans])[:, None]
+    pbase = np.array([b * T + ps for b, _, _, ps, _ in spans])[:, None]
+    L, K = int(own.max()), int((own + P).max())
+    i, t = np.arange(L)[None, :], np.arange(K)[None, :]
+    q_idx = base + np.minimum(i, own - 1)
+    k_idx = np.where(t < P, pbase + t, base + np.clip(t - P, 0, own - 1))
+    real_q = i < own  # [n, L]
+    mask = (t[:, None, :] <= P[:, :, None] + i[:, :, None]) & (
+        t[:, None, :] < (P + own)[:, :, None]
+    )
+    mask = np.where(real_q[:, :, None], mask, t[:, None, :] == 0)
+    bucket = _Bucket(
+        *(torch.from_numpy(x).to(device) for x in (q_idx, k_idx, mask[:, None], real_q.reshape(-1)))
+    )
+    return bucket, (base + i)[real_q]
+
+
+def _refuse_unsupported(kernel: str, kwargs: dict) -> None:
+    """ValueError naming the first of `_UNSUPPORTED` that this model's attention call passes."""
+    for name in _UNSUPPORTED:
+        if kwargs.get(name) is not None:
+            raise ValueError(
+                f"{kernel} attention does not implement {name} (this model uses it): "
+                "set learner.attention: mask"
+            )
+
+
+def segment_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    segments: Segments | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention function: query [B, H, T, D], key/value [B, KV, T, D] ->
+    ([B, T, H, D], None)."""
+    from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+
+    if segments is None:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    _refuse_unsupported("segment", kwargs)
+    segments.calls += 1
+    R, H, S, D = query.shape  # the packed rows, as transformers passes them: [R, heads, S, D]
+    rep = H // key.shape[1]
+    q, k, v = (
+        x.transpose(1, 2).reshape(R * S, x.shape[1], D) for x in (query, key, value)
+    )  # [R*S, heads, D]
+    outs = []
+    for bk in segments.buckets:
+        o = F.scaled_dot_product_attention(
+            q[bk.q_idx].transpose(1, 2),
+            repeat_kv(k[bk.k_idx].transpose(1, 2), rep),
+            repeat_kv(v[bk.k_idx].transpose(1, 2), rep),
+            attn_mask=bk.mask,
+            dropout_p=dropout,
+            scale=scaling,
+        )
+        outs.append(o.transpose(1, 2).reshape(-1, H, D)[bk.real])  # [real queries, H, D]
+    real = torch.cat(outs)  # in sdpa's dtype (bf16 under autocast, whatever the query's)
+    return real.new_zeros(R * S, H, D).index_put((segments.dest,), real).view(R, S, H, D), None
+
+
+def flex_block_mask(batch: TrainBatch):
+    """The row layout as a flex-attention `BlockMask`, for models running transformers'
+    `flex_attention`: `TrainBatch.attention_mask_B1TT`'s rule (a key at or before the query, in its
+    segment or in the prefix it continues) as a mask_mod, so the kernel skips every 128 x 128 block
+    that no query of it may see (across sequences, above the diagonal): varlen attention without
+    flash-attn, shared prompts included. Built once per micro-batch, shared by every layer.
+    torch has no flex backward on the CPU (the learner refuses it there); forward runs compiled."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    seg_RS, vis_RS = batch.segment_ids_RS, batch.visible_ids_RS
+
+    def sees(b, h, q, kv):
+        return (kv <= q) & ((seg_RS[b, kv] == seg_RS[b, q]) | (seg_RS[b, kv] == vis_RS[b, q]))
+
+    R, S = seg_RS.shape
+    return create_block_mask(sees, R, None, S, S, device=seg_RS.device)
+
+
+def register() -> None:
+    """Make `SEGMENTS` and `VARLEN` transformers attention implementations (idempotent). Their
+    mask function is sdpa's, so calls without `segments` / `varlen` get the mask sdpa would."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    for name, fn in ((SEGMENTS, segment_attention), (VARLEN, varlen_attention)):
+        AttentionInterface.register(name, fn)
+        ALL_MASK_ATTENTION_FUNCTIONS.register(name, sdpa_mask)
+
+
+def use_segments(model: torch.nn.Module) -> None:
+    """Switch `model` (a transformers PreTrainedModel) to segment attention; ValueError when it
+    cannot (its attention does not go through transformers' AttentionInterface)."""
+    _switch(model, SEGMENTS)
+
+
+def _switch(model: torch.nn.Module, name: str) -> None:
+    register()
+    model.set_attn_implementation(name)
+    got = getattr(model.config, "_attn_implementation", None)
+    if got != name:
+        raise ValueError(
+            f"{type(model).__name__} kept attention {got!r}: it does not dispatch through "
+            "transformers' AttentionInterface; set learner.attention: mask"
+        )
+
+
+VARLEN = "agentgrpo_varlen"
+
+
+def _torch_varlen_attn() -> Callable | None:
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:  # torch < 2.10
+        return None
+    return varlen_attn
+
+
+# The kernel `varlen_attention` calls: torch's varlen_attn (CUDA only), None where torch lacks it.
+# Tests put a per-sequence sdpa reference of the same contract here to check the wiring on a CPU.
+VARLEN_KERNEL: Callable | None = _torch_varlen_attn()
+
+
+@dataclass
+class Varlen:
+    """A micro-batch's row layout as variable-length attention takes it (see the module docstring):
+    the flat [R*S] tokens cut into N runs, run i's queries at [cu_seq_q[i], cu_seq_q[i+1]) and its
+    keys at [cu_seq_k[i], cu_seq_k[i+1]) of the flat keys, which are the tokens themselves
+    (`k_idx` None) or, with shared prompts, the tokens at `k_idx`: each run's prompt, then itself.
+    Built once per micro-batch, shared by every layer; each call counts itself in `calls`."""
+
+    cu_seq_q: torch.Tensor  # [N + 1] int32
+    cu_seq_k: torch.Tensor  # [N + 1] int32
+    max_q: int
+    max_k: int
+    k_idx: torch.Tensor | None  # [cu_seq_k[-1]] long, flat positions of the keys
+    calls: int = field(default=0)
+
+    @classmethod
+    def of(cls, batch: TrainBatch) -> Varlen:
+        seg_RS = batch.segment_ids_RS.cpu().numpy()
+        vis_RS = batch.visible_ids_RS.cpu().numpy()
+        R, S = seg_RS.shape
+        seg, vis = seg_RS.reshape(-1), vis_RS.reshape(-1)
+        new = np.ones(R * S, dtype=bool)  # where a run starts: a row's start or a new segment
+        new[1:] = seg[1:] != seg[:-1]
+        new[::S] = True
+        starts = np.flatnonzero(new)
+        ends = np.append(starts[1:], R * S)
+        run_of = {(s // S, int(seg[s])): (s, e) for s, e in zip(starts, ends, strict=True)}
+        prefix = [  # (start, end) of the prompt a run continues, or an empty one
+            run_of[(s // S, int(vis[s]))] if vis[s] != seg[s] else (s, s) for s in starts
+        ]
+        own = ends - starts
+        keys = own + np.array([pe - ps for ps, pe in prefix])
+        k_idx = None
+        if (keys != own).any():
+            k_idx = np.concatenate(
+                [np.r_[ps:pe, s:e] for (ps, pe), s, e in zip(prefix, starts, ends, strict=True)]
+            )
+        device = batch.segment_ids_RS.device
+
+        def offsets(lengths: np.ndarray) -> torch.Tensor:
+            cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+            return torch.from_numpy(cu).to(device)
+
+        return cls(
+            offsets(own),
+            offsets(keys),
+            int(own.max()),
+            int(keys.max()),
+            None if k_idx is None else torch.from_numpy(k_idx).to(device),
+        )
+
+
+def varlen_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    varlen: Varlen | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention function: query [R, H, S, D], key/value [R, KV, S, D] ->
+    ([R, S, H, D], None), each run of `varlen` attending causally to its keys in one
+    `VARLEN_KERNEL` call. Without `varlen`, transformers' sdpa with the mask it was given."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if varlen is None:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    _refuse_unsupported("varlen", kwargs)
+    if dropout:
+        raise ValueError(
+            f"varlen attention has no dropout (this model's attention dropout is {dropout}): "
+            "set learner.attention: mask"
+        )
+    varlen.calls += 1
+    R, H, S, D = query.shape
+    KV = key.shape[1]
+    # Under autocast sdpa would run in the autocast dtype; the kernel is no autocast op, and
+    # rotary embeddings in fp32 turn bf16 queries and keys into fp32 ones: cast as sdpa would.
+    kind = query.device.type
+    dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else query.dtype
+    q = query.transpose(1, 2).reshape(R * S, H, D).to(dtype)  # [R*S, H, D]
+    k, v = (x.transpose(1, 2).reshape(R * S, KV, D).to(dtype) for x in (key, value))
+    if varlen.k_idx is not None:  # each run's prompt, then itself
+        k, v = k[varlen.k_idx], v[varlen.k_idx]
+    out = causal_varlen(
+        q, k, v, varlen.cu_seq_q, varlen.cu_seq_k, varlen.max_q, varlen.max_k, scale=scaling
+    )
+    return out.view(R, S, H, D), None
+
+
+def causal_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seq_q: torch.Tensor,
+    cu_seq_k: torch.Tensor,
+    max_q: int,
+    max_k: int,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """`VARLEN_KERNEL`'s causal attention (aligned to the bottom right: a sequence's last query sees
+    all its keys, so a continuation sees its whole prompt), q [T_q, H, D], k/v [T_k, KV, D] ->
+    [T_q, H, D], through whichever signature this torch's varlen_attn has."""
+    H, KV, D = q.shape[1], k.shape[1], q.shape[2]
+    params = _kernel_params(VARLEN_KERNEL)
+    kw: dict = {}
+    if "window_size" in params:  # torch >= 2.11
+        kw["window_size"] = (-1, 0)
+    else:  # torch 2.10
+        kw["is_causal"] = True
+    if H != KV:
+        if "enable_gqa" in params:
+            kw["enable_gqa"] = True
+        else:  # every query head gets its own copy of its key/value head
+            k, v = (x.repeat_interleave(H // KV, dim=1) for x in (k, v))
+    if "scale" in params:
+        kw["scale"] = scale
+    elif scale is not None and not math.isclose(scale, D**-0.5):
+        raise ValueError(
+            f"this torch's varlen_attn takes no scale, and this model scales attention by "
+            f"{scale}, not 1/sqrt(head dim): set learner.attention: mask"
+        )
+    return VARLEN_KERNEL(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, **kw)
+
+
+@functools.lru_cache(maxsize=4)
+def _kernel_params(kernel: Callable) -> frozenset[str]:
+    """The keyword arguments `kernel` takes: torch 2.10's varlen_attn takes `is_causal` only, 2.11
+    and later a causal `window_size`; `scale` and `enable_gqa` are read where present."""
+    return frozenset(inspect.signature(kernel).parameters)
+
+
+# flash attention's limits, as torch's varlen_attn checks them (torch/nn/attention/varlen.py
+# calls aten's flash kernel; it runs on sm_80 and later, in bf16 or fp16, head dim <= 256).
+_VARLEN_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def varlen_blocker(
+    device_type: str,
+    capability: tuple[int, int] | None,
+    dtype: torch.dtype,
+    config: object,
+    sliding_window: int | None,
+) -> str | None:
+    """Why variable-length flash attention cannot run the model here, or None when it can.
+    `capability`: the CUDA GPU's (major, minor); `dtype`: what attention runs in (bf16 under
+    autocast, else the parameters'); `sliding_window`: the model's window
+    (`logprobs.sliding_window_of`)."""
+    if VARLEN_KERNEL is None:
+        return f"torch {torch.__version__} has no torch.nn.attention.varlen (torch 2.10 and later)"
+    if device_type != "cuda":
+        return f"the learner runs on {device_type}, and varlen_attn is a CUDA kernel"
+    if capability is not None and capability < (8, 0):
+        sm = f"sm_{capability[0]}{capability[1]}"
+        return f"flash attention needs a GPU of sm_80 or later, this one is {sm}"
+    if dtype not in _VARLEN_DTYPES:
+        return (
+            f"attention runs in {str(dtype).removeprefix('torch.')} (learner.autocast off and "
+            "learner.dtype float32), and flash attention takes bf16 or fp16 only"
+        )
+    heads = getattr(config, "num_attention_heads", None)
+    head_dim = getattr(config, "head_dim", None) or (
+        getattr(config, "hidden_size", 0) // heads if heads else None
+    )
+    if head_dim and (head_dim > 256 or head_dim % 8):
+        return f"head dim {head_dim}: flash attention takes multiples of 8 up to 256"
+    if getattr(config, "attn_logit_softcapping", None):
+        return "the model soft-caps its attention logits, which varlen_attn does not"
+    if sliding_window is not None:
+        return f"the model has sliding-window layers ({sliding_window} tokens)"
+    if getattr(config, "attention_dropout", 0.0):
+        return "the model has attention dropout, which varlen_attn does not"
+    return None
+
+
+class AttentionUnavailable(ValueError):
+    """`learner.attention` (or its pairing with `attn_implementation`) cannot run on this machine
+    or model: a setting to change, which the run reports as a config error."""
+
+
+@dataclass(frozen=True)
+class AttentionChoice:
+    """How packed rows keep sequences apart, and why (printed once at start-up): `path` is
+    `varlen`, `segments`, `mask`, or the model's own kernel (flash_attention_2, flex_attention),
+    which packs by itself."""
+
+    path: str
+    reason: str
+
+
+def choose_attention(
+    setting: Literal["auto", "varlen", "segments", "mask"],
+    *,
+    device_type: str,
+    capability: tuple[int, int] | None,
+    dtype: torch.dtype,
+    config: object,
+    kernel: str,
+    sliding_window: int | None = None,
+) -> AttentionChoice:
+    """`learner.attention` on this device for this model (`kernel`: its attn_implementation).
+    auto: varlen where `varlen_blocker` finds nothing against it (CUDA); on the CPU segment
+    attention on rows long enough to pay (`AUTO_MIN_SHARE`), else the 4D mask; the mask on a GPU
+    without varlen (segments measured slower there: docs/performance.md). Asking for varlen where
+    it cannot run is an AttentionUnavailable (a ValueError) that says why."""
+    if "flash" in kernel or kernel == "flex_attention":
+        if setting != "auto":
+            raise AttentionUnavailable(
+                f"learner.attention={setting!r} with {kernel}: that kernel keeps sequences apart "
+                "itself (flash by position ids, flex by a block mask), with neither the 4D mask, "
+                "segments nor varlen; leave it 'auto'"
+            )
+        how = "position ids" if "flash" in kernel else "a block mask"
+        return AttentionChoice(kernel, f"learner.attn_implementation={kernel} packs by {how}")
+    blocker = varlen_blocker(device_type, capability, dtype, config, sliding_window)
+    if setting == "varlen":
+        if blocker is not None:
+            raise AttentionUnavailable(
+                f"learner.attention=varlen cannot run here: {blocker}; use auto or mask"
+            )
+        return AttentionChoice("varlen", "asked for (learner.attention=varlen)")
+    if setting != "auto":
+        return AttentionChoice(setting, f"asked for (learner.attention={setting})")
+    if blocker is None:
+        return AttentionChoice(
+            "varlen", "auto: variable-length flash attention (torch varlen_attn) on CUDA"
+        )
+    if device_type == "cpu":
+        return AttentionChoice(
+            "segments",
+            f"auto on the CPU: segments on rows where masked attention would cost >= "
+            f"{AUTO_MIN_SHARE} of the matmuls, else the 4D mask",
+        )
+    return AttentionChoice("mask", f"auto: the 4D mask, as varlen cannot run: {blocker}")
+
+
+def use_varlen(model: torch.nn.Module) -> None:
+    """Switch `model` to varlen attention (as `use_segments`)."""
+    _switch(model, VARLEN)

@@ -1,0 +1,693 @@
+"""The learner: policy (and at most one reference), optimizer, LR schedule, one GRPO step.
+
+torch + accelerate: the same code runs on one CPU, one GPU, or under `accelerate launch` (DDP, FSDP,
+DeepSpeed through accelerate's config). Memory holds the policy and, only when `kl_coef > 0`, a
+frozen reference (with LoRA: the same weights with the adapter disabled); no value model.
+
+One `train_step(trajectories, advantages)`:
+  1. scorable trajectories only (NaN advantage or reward, or no sampled token: left out); a
+     step-wise trajectory becomes one row per segment, each with its advantage (`segment_rows`);
+  2. split into `mini_batches` mini-batches of whole groups (`batch.balanced_parts`), each one
+     optimizer step that is exactly a step of its own size: its normalisers (loss tokens, sequences)
+     are counted over the whole mini-batch, on every rank alike, so each micro-batch's loss is its
+     share of the mini-batch loss: accumulated gradients equal one big batch, on one process or
+     many (DDP/FSDP average over ranks, so each share is scaled by the world size before backward);
+  3. this rank's part of each mini-batch (`balanced_parts` again) is packed into micro-batches
+     (`batch.make_micro_batches`); in every mini-batch every rank runs the same number of
+     micro-batches (a rank with fewer runs empty ones), since DDP and FSDP passes are collective;
+  4. one no-grad scoring pass when needed, before any update: recomputed old logprobs
+     (`old_logprobs: recompute`) and reference logprobs (`kl_coef > 0`), for all mini-batches;
+  5. `passes` passes, each over every mini-batch in turn, one optimizer step (clip, step,
+     schedule) per mini-batch (verl's `ppo_epochs` x mini-batches loop): `passes * mini_batches`.
+So with rollout old logprobs a step of k mini-batches is k steps of one, on the k parts; later
+mini-batches are off-policy by the earlier updates, which the ratio and its clip handle (`mb{j}/*`).
+
+Multi-process contract: every rank calls `train_step` with the *same* list (the rollouts come from
+rank 0's engine client and are broadcast; see docs/many-gpus.md). Metrics are reduced over ranks.
+`export_model`, `save` and `load` are collective too: every rank calls them, rank 0 gets the model
+to push and writes the files. Under FSDP the weights and the optimizer state are gathered to full,
+unsharded tensors keyed by parameter name (torch's `get_model_state_dict` /
+`get_optimizer_state_dict`), so a checkpoint does not depend on the number of ranks that wrote it.
+DeepSpeed is refused: its optimizer state lives in DeepSpeed's own engine, which this checkpoint
+code does not reach; so is FSDP1 (accelerate's default `fsdp_version`): the code is FSDP2's.
+With RAM-efficient loading (accelerate's `cpu_ram_efficient_loading`) ranks other than 0 may pass a
+model without weights (meta tensors): the policy and the KL reference get rank 0's.
+
+Old logprobs are the rollout's own by default (on-policy, one pass) or a recomputation by the
+learner (config); the rollout/learner gap is logged before any update (`logprob_gap_*`: first pass,
+first mini-batch) and, with recomputation, `mismatch/*`; `ratio_*`, `clipfrac` show later drift.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import resource
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DistributedType, InitProcessGroupKwargs, broadcast_object_list
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from agentgrpo.algo.loss import LossConfig, compute_loss
+from agentgrpo.learner import state as learner_state
+from agentgrpo.learner.attention import AUTO_MIN_SHARE, choose_attention, use_segments, use_varlen
+from agentgrpo.learner.batch import (
+    PackingMode,
+    TrainBatch,
+    attention_pair_cost,
+    balanced_parts,
+    make_micro_batches,
+    segment_rows,
+)
+from agentgrpo.learner.dist import check_launch, shard_reference, total_norm
+from agentgrpo.learner.logprobs import (
+    PolicyForward,
+    attn_implementation,
+    sliding_window_of,
+    tf32_matmuls,
+    to_loss_layout,
+    token_logprobs,
+    uses_flash,
+    wants_tf32,
+)
+from agentgrpo.learner.lora import LoraConfig, MergedModel, apply_lora, merged_state_dict
+from agentgrpo.learner.metrics import Metrics, over_ranks, step_metrics
+from agentgrpo.models.hardware import choose_bf16
+from agentgrpo.types import Trajectory
+
+__all__ = ["Learner", "LearnerConfig", "token_logprobs"]
+
+
+class LearnerConfig(BaseModel):
+    """Optimizer, schedule, batching and precision of the policy update."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lr: float = Field(1e-5, gt=0, description="AdamW peak learning rate")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas")
+    grad_clip: float = Field(1.0, gt=0, description="max global gradient norm")
+    lr_schedule: Literal["constant", "linear", "cosine"] = Field(
+        "constant",
+        description="after warm-up: constant, or linear / cosine decay to min_lr_ratio * lr "
+        "over the run's optimizer steps",
+    )
+    warmup_steps: int = Field(0, ge=0, description="optimizer steps of linear warm-up from 0 to lr")
+    min_lr_ratio: float = Field(
+        0.0, ge=0, le=1, description="final lr / peak lr of a decaying schedule"
+    )
+    micro_batch_tokens: int = Field(
+        4096, ge=16, description="token slots (padding included) per micro-batch"
+    )
+    packing: PackingMode = Field(
+        "shared_prefix",
+        description="shared_prefix: pack sequences, a group's common prompt computed "
+        "once; packed: pack sequences; padded: one sequence per row (see agentgrpo.learner.batch)",
+    )
+    row_tokens: Literal["auto"] | int = Field(
+        "auto",
+        description="shared_prefix: the longest a group's row may be before the group is split "
+        "(each piece with its own copy of the prompt). Under a mask attention costs the square of "
+        "the row; auto = the cap the packer's cost model finds cheapest (batch.make_micro_batches; "
+        "under segment attention never a split); an int caps it (micro_batch_tokens = no cap: a "
+        "whole group per row)",
+    )
+    old_logprobs: Literal["rollout", "recompute"] = Field(
+        "rollout",
+        description="pi_old of the ratio: the engine's sampling logprobs, or the learner's own "
+        "recomputed before the first pass (one extra no-grad forward)",
+    )
+    passes: int = Field(
+        1, ge=1, description="passes over each batch (mini_batches optimizer steps each)"
+    )
+    mini_batches: int = Field(
+        1,
+        ge=1,
+        description="optimizer steps per pass: the step's groups are split into this many "
+        "mini-batches (whole groups, balanced by tokens; fewer when the step has fewer groups), "
+        "each normalised as a step of its own",
+    )
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="parameter dtype")
+    autocast: Literal["auto", "bf16", "none"] = Field(
+        "auto",
+        description="bf16 autocast of the decoder; auto = on where bf16 is native: CUDA, "
+        "and CPUs with AVX512-BF16 or AMX (models/hardware.py); none = fp32, what CPUs without "
+        "them run fastest",
+    )
+    gradient_checkpointing: bool = Field(False, description="recompute activations in backward")
+    tf32: Literal["auto"] | bool = Field(
+        "auto",
+        description="CUDA: fp32 matmuls (the LM head under bf16 "
+        "autocast) on TF32 tensor cores; auto = under bf16 autocast "
+        "(agentgrpo.learner.logprobs.wants_tf32)",
+    )
+    head_chunk_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="run the LM head over chunks of this many loss tokens, each recomputed "
+        "in backward, so only one chunk's [chunk, vocab] logits are alive (learner/logprobs.py); "
+        "None: all of a micro-batch's loss tokens at once",
+    )
+    attn_implementation: str | None = Field(
+        None,
+        description="set the model's attention kernel (sdpa, eager, flash_attention_2, "
+        "flex_attention, ...); flash kernels pack by position ids (varlen) instead of a mask, "
+        "flex_attention gets a block mask that skips the blocks across sequences (GPU only)",
+    )
+    attention: Literal["auto", "varlen", "segments", "mask"] = Field(
+        "auto",
+        description="how packed rows keep sequences apart (not with flash or flex kernels, which "
+        "do it themselves: by position ids, by a block mask): varlen = variable-length flash "
+        "attention (torch.nn.attention.varlen, torch >= 2.10, CUDA, bf16/fp16): each sequence "
+        "attends to its prompt and itself from cumulative offsets, no mask; segments = the same "
+        "pairs, sequences of similar size batched into padded sdpa calls (learner/attention.py); "
+        "mask = one call per row under a 4D mask (every pair of the row computed); auto = varlen "
+        "where it runs, else on the CPU segments for micro-batches whose rows are long enough to "
+        "pay (agentgrpo.learner.attention.AUTO_MIN_SHARE) and the mask for the others, the mask on "
+        "other GPUs (segments measured slower there: docs/performance.md)",
+    )
+    ref_offload: bool = Field(
+        False,
+        description="keep the reference model on the CPU between steps "
+        "(not with FSDP, which shards the reference like the policy)",
+    )
+    checkpoint_format: Literal["full", "sharded"] = Field(
+        "full",
+        description="full: HF safetensors + the whole optimizer state, gathered and written by "
+        "rank 0 (loads anywhere, needs the full state in rank 0's CPU memory); sharded: "
+        "torch.distributed.checkpoint, every rank writes its own shards in parallel (loads into "
+        "any number of ranks; no HF weights file). Resuming reads either format.",
+    )
+    collective_timeout_s: float = Field(
+        3600.0,
+        gt=0,
+        description="many processes: how long a rank waits in a collective (other ranks "
+        "wait for rank 0's rollouts in one) before the run fails instead of hanging",
+    )
+    lora: LoraConfig | None = Field(
+        None, description="train LoRA adapters (peft) instead of all weights"
+    )
+
+    @field_validator("row_tokens")
+    @classmethod
+    def _row_tokens_positive(cls, v: str | int) -> str | int:
+        if v != "auto" and v < 16:
+            raise ValueError(f"row_tokens must be 'auto' or an int >= 16, got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _row_tokens_need_shared_prefix(self) -> LearnerConfig:
+        if self.row_tokens != "auto" and self.packing != "shared_prefix":
+            raise ValueError(
+                f"row_tokens={self.row_tokens} caps shared-prefix rows, but packing is "
+                f"{self.packing!r}: leave row_tokens 'auto'"
+            )
+        return self
+
+
+def _lr_lambda(cfg: LearnerConfig, total: int | None):
+    def f(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        if cfg.lr_schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps))
+        decay = (
+            1 - progress
+            if cfg.lr_schedule == "linear"
+            else 0.5 * (1 + math.cos(math.pi * progress))
+        )
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * decay
+
+    return f
+
+
+@dataclass
+class _MiniBatch:
+    """One optimizer step's data on this rank: micro-batches (None: empty, to keep ranks in step),
+    the whole mini-batch's normalisers (all ranks), scored old / reference logprobs (None: not
+    needed)."""
+
+    batches: list[TrainBatch | None]
+    num_tokens: float
+    num_seqs: float
+    olds: list[torch.Tensor | None] = field(default_factory=list)
+    refs: list[torch.Tensor | None] = field(default_factory=list)
+
+
+class Learner:
+    """Owns the policy, its optimizer and schedule, and the reference when the loss needs one.
+
+    Args:
+        model: a transformers causal LM (fp32 weights are cast to `cfg.dtype`).
+        temperature: the rollout temperature; logprobs are computed at it.
+        pad_id: token id of row-tail padding (its value never reaches a loss).
+        total_steps: `train_step` calls of the run; needed by decaying LR schedules.
+
+    Example:
+        >>> learner = Learner(model, LearnerConfig(lr=1e-6), LossConfig(), temperature=1.0)
+        >>> metrics = learner.train_step(trajectories, advantages)
+        >>> await sync.push(learner.export_model(), step)   # merged weights with LoRA
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        cfg: LearnerConfig,
+        loss_cfg: LossConfig,
+        *,
+        temperature: float = 1.0,
+        pad_id: int = 0,
+        accelerator: Accelerator | None = None,
+        total_steps: int | None = None,
+    ) -> None:
+        if cfg.lr_schedule != "constant" and not total_steps:
+            raise ValueError(f"lr_schedule={cfg.lr_schedule!r} needs total_steps (the run's steps)")
+        self.cfg, self.loss_cfg, self.temperature, self.pad_id = cfg, loss_cfg, temperature, pad_id
+        # Without cpu=True accelerate treats a GPU-less multi-process launch as one process (each
+        # rank would silently train alone); the timeout covers ranks waiting for rank 0's rollouts.
+        self.accelerator = accelerator or Accelerator(
+            cpu=not torch.cuda.is_available(),
+            kwargs_handlers=[
+                InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.collective_timeout_s))
+            ],
+        )
+        check_launch(self.accelerator)
+        self.sharded = self.accelerator.distributed_type == DistributedType.FSDP
+        if any(p.is_meta for p in model.parameters()) and (
+            self.is_main
+            or not (self.sharded and self.accelerator.state.fsdp_plugin.cpu_ram_efficient_loading)
+        ):
+            raise ValueError(
+                "the model has no weights (meta tensors): only ranks other than 0 under FSDP "
+                "with cpu_ram_efficient_loading may pass one (rank 0's weights fill it)"
+            )
+        model = model.to(getattr(torch, cfg.dtype))
+        if cfg.attn_implementation:
+            model.set_attn_implementation(cfg.attn_implementation)
+        # the attention path is switched before the reference is copied from the model, so that
+        # the reference gets it too
+        self._choose_attention(model)
+        if cfg.gradient_checkpointing:
+            if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x's name
+                model.activation_checkpointing_enable({"use_reentrant": False})
+            else:
+                model.gradient_checkpointing_enable(
+                    gradient_checkpointing_kwargs={"use_reentrant": False}
+                )
+        self.tf32 = wants_tf32(cfg.tf32, self.accelerator.device, self.precision.bf16)
+        # kl_coef = 0 means no reference at all (no memory, no forward passes).
+        self.ref: PolicyForward | None = (
+            self._make_reference(model) if loss_cfg.kl_coef > 0 and cfg.lora is None else None
+        )
+        # FSDP: rank 0 keeps an unsharded CPU copy of the plain model for weight sync to load the
+        # gathered weights into (the engine's probe check needs a model that runs on one process).
+        self._export_copy = copy.deepcopy(model).cpu() if self.sharded and self.is_main else None
+        self._prepare(model, total_steps)
+        self.model.train()
+        self.step = 0
+
+    def _choose_attention(self, model: torch.nn.Module) -> None:
+        """The attention path (`learner.attention`), the packing it allows, and the cost model's
+        price of a cross-sequence pair; switches `model` to the segment or varlen kernel."""
+        cfg, device = self.cfg, self.accelerator.device
+        self.flash = uses_flash(model)
+        # flex_attention gets each micro-batch's layout as a BlockMask
+        # (agentgrpo.learner.attention.flex_block_mask)
+        flex = attn_implementation(model) == "flex_attention"
+        self.precision = choose_bf16(cfg.autocast, device)
+        self.attention = choose_attention(
+            cfg.attention,
+            device_type=device.type,
+            capability=torch.cuda.get_device_capability(device) if device.type == "cuda" else None,
+            dtype=torch.bfloat16 if self.precision.bf16 else getattr(torch, cfg.dtype),
+            config=getattr(model, "config", None),
+            kernel=attn_implementation(model),
+            sliding_window=sliding_window_of(getattr(model, "config", None)),
+        )
+        if flex and device.type == "cpu":
+            raise ValueError(
+                "learner.attn_implementation=flex_attention: torch has no flex-attention "
+                "backward on the CPU; use the default (sdpa) there"
+            )
+        if self.attention.path == "segments":
+            use_segments(model)
+        elif self.attention.path == "varlen":
+            use_varlen(model)
+        # auto: segments only on micro-batches whose rows are long enough for them to pay.
+        self.segment_min_share = AUTO_MIN_SHARE if cfg.attention == "auto" else 0.0
+        self.packing: PackingMode = (
+            "packed" if self.flash and cfg.packing == "shared_prefix" else cfg.packing
+        )
+        if cfg.row_tokens != "auto" and self.flash:
+            raise ValueError(
+                f"learner.row_tokens={cfg.row_tokens} caps shared-prefix rows, but flash "
+                "attention takes no mask and packs without sharing: leave it 'auto'"
+            )
+        # Segment and varlen attention compute no pair across sequences, so splitting a group only
+        # adds prompt copies: the cost model then never splits (pair cost 0). Flex skips such pairs
+        # by the block (128 x 128): taken as the same (whole groups under flex: 1.08x the mask's
+        # speed on an H200).
+        no_cross_pairs = flex or self.attention.path in ("segments", "varlen")
+        self.pair_cost = (
+            0.0 if no_cross_pairs else attention_pair_cost(getattr(model, "config", None))
+        )
+
+    def _make_reference(self, model: torch.nn.Module) -> PolicyForward:
+        """The frozen reference policy for the KL term: a copy of `model` as it starts (sharded
+        like the policy under FSDP; on the CPU with `ref_offload`)."""
+        bf16 = self.precision.bf16
+        if self.sharded:  # a full copy per rank would undo what FSDP saves on the policy
+            if self.cfg.ref_offload:
+                raise ValueError(
+                    "learner.ref_offload with FSDP: the reference is sharded like the "
+                    "policy instead; turn ref_offload off"
+                )
+            ref = shard_reference(model, bf16, from_main=self.is_main)
+        else:
+            ref = (
+                PolicyForward(copy.deepcopy(model), autocast_bf16=bf16).eval().requires_grad_(False)
+            )
+            ref = ref.to("cpu" if self.cfg.ref_offload else self.accelerator.device)
+        ref.head_chunk_tokens = self.cfg.head_chunk_tokens
+        ref.segment_min_share = self.segment_min_share
+        return ref
+
+    def _prepare(self, model: torch.nn.Module, total_steps: int | None) -> None:
+        """LoRA (if any), AdamW over the trainable parameters and its schedule, and the policy
+        prepared by accelerate (`self.model`, `self.optimizer`, `self.scheduler`)."""
+        cfg = self.cfg
+        if cfg.lora is not None:
+            model = apply_lora(model, cfg.lora)
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(
+            params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay
+        )
+        per_step = cfg.passes * cfg.mini_batches  # optimizer steps per train_step
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, _lr_lambda(cfg, None if total_steps is None else total_steps * per_step)
+        )
+        policy = PolicyForward(
+            model,
+            autocast_bf16=self.precision.bf16,
+            head_chunk_tokens=cfg.head_chunk_tokens,
+            segment_min_share=self.segment_min_share,
+        )
+        # accelerate's RAM-efficient FSDP2 preparation moves the model to meta, which unties
+        # lm_head from the embeddings, and re-ties it through this method of the module it
+        # prepares; untied, the two would train as separate matrices.
+        if hasattr(model, "tie_weights"):
+            policy.tie_weights = model.tie_weights
+        self.model, self.optimizer = self.accelerator.prepare(policy, optimizer)
+        # accelerate maps the optimizer to the shards by data pointer, 0 for every meta tensor (a
+        # rank without weights, RAM-efficient loading); the order of `params` is the map.
+        if self.sharded:
+            optimizer.param_groups[0]["params"] = [
+                p for p in self.model.parameters() if p.requires_grad
+            ]
+
+    @property
+    def unwrapped(self) -> torch.nn.Module:
+        """The trained model itself: the transformers model, or the peft model around it."""
+        return self.accelerator.unwrap_model(self.model).model
+
+    @property
+    def is_main(self) -> bool:
+        return self.accelerator.is_main_process
+
+    def broadcast(self, obj: Any) -> Any:
+        """Rank 0's `obj` on every rank (pickled; the rollouts of a step: the loop generates them on
+        rank 0 only and every rank then calls `train_step` with the same list)."""
+        if self.accelerator.num_processes == 1:
+            return obj
+        return broadcast_object_list([obj], from_process=0)[0]
+
+    def all_ranks(self, flag: bool) -> bool:
+        """True when `flag` is true on every rank (so that all ranks take the same branch)."""
+        if self.accelerator.num_processes == 1:
+            return flag
+        t = torch.tensor([int(flag)], device=self.accelerator.device)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
+        return bool(t.item())
+
+    def any_rank(self, flag: bool) -> bool:
+        """True when `flag` is true on some rank (a stop signal that reached one process)."""
+        return not self.all_ranks(not flag)
+
+    def close(self) -> None:
+        """End a multi-process run: wait for every rank, then destroy the process group (a rank
+        that exits with the group alive can abort at exit, failing a finished run)."""
+        if self.accelerator.num_processes > 1:
+            self.accelerator.wait_for_everyone()
+            self.accelerator.end_training()
+
+    def export_model(self) -> torch.nn.Module | None:
+        """The model to hand to `WeightSync.push` on rank 0: plain transformers names, LoRA merged
+        in.
+
+        Collective under FSDP: every rank calls it, the full weights are gathered into rank 0's CPU
+        copy of the model, and other ranks get None. Otherwise the live model itself (no copy)."""
+        if not self.sharded:
+            return MergedModel(self.unwrapped) if self.cfg.lora else self.unwrapped
+        sd = self.export_state_dict()
+        if self._export_copy is None:
+            return None
+        self._export_copy.load_state_dict(sd)
+        return self._export_copy
+
+    def export_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full weights under the base model's names, on the CPU, adapters merged. Collective under
+        FSDP (the shards are gathered to rank 0; other ranks get an empty dict)."""
+        sd = {
+            k.removeprefix("model."): v for k, v in learner_state.full_weights(self.model).items()
+        }
+        if self.cfg.lora is None or not sd:
+            return sd
+        sd = {k.removeprefix("base_model.model."): v for k, v in sd.items()}
+        return merged_state_dict(self.unwrapped, sd)
+
+    # -- one step ----------------------------------------------------------------------------------
+
+    def train_step(
+        self, trajs: Sequence[Trajectory], advantages: Sequence[float]
+    ) -> dict[str, float]:
+        """Optimisation passes on the scorable trajectories of one step; returns metrics.
+
+        `advantages[i]` weighs every sampled token of `trajs[i]`, unless the trajectory holds
+        `turn_advantages` (a turn-level estimator): then each turn's tokens get their turn's.
+        A NaN advantage leaves the trajectory out."""
+        with tf32_matmuls(self.tf32):
+            return self._train_step(trajs, advantages)
+
+    def _train_step(
+        self, trajs: Sequence[Trajectory], advantages: Sequence[float]
+    ) -> dict[str, float]:
+        keep = [
+            i
+            for i, t in enumerate(trajs)
+            if t.num_sampled > 0 and math.isfinite(advantages[i]) and math.isfinite(t.reward)
+        ]
+        # a step-wise trajectory trains as one row per segment (docs/learner.md: the weighting)
+        trajs, advantages = segment_rows(
+            [trajs[i] for i in keep], [float(advantages[i]) for i in keep]
+        )
+        if not trajs:
+            return {"loss": 0.0, "skipped": 1.0}
+        t0 = time.perf_counter()
+        acc = self.accelerator
+        if acc.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(acc.device)
+        packed_mini_batches = [
+            self._pack([trajs[i] for i in part], [advantages[i] for i in part])
+            for part in balanced_parts(trajs, self.cfg.mini_batches)
+        ]
+        for mini_batch, n in zip(
+            packed_mini_batches,
+            self._max_over_ranks([len(m.batches) for m in packed_mini_batches]),
+            strict=True,
+        ):
+            mini_batch.batches += [None] * (n - len(mini_batch.batches))
+        self._score(packed_mini_batches)
+        # Each mini-batch's loss shares are of its own loss; scaled by its part of the batch's
+        # normaliser they add up to the batch's loss in the logged metrics (see learner_metrics).
+        by_tokens = self.loss_cfg.effective_agg == "token-mean"
+        norm = [m.num_tokens if by_tokens else m.num_seqs for m in packed_mini_batches]
+        opt_step_metrics = [
+            [Metrics() for _ in packed_mini_batches] for _ in range(self.cfg.passes)
+        ]
+        optim: list[list[dict[str, float]]] = [[] for _ in range(self.cfg.passes)]
+        for p in range(self.cfg.passes):
+            for j, mini_batch in enumerate(packed_mini_batches):  # one optimizer step each
+                for k, mb in enumerate(mini_batch.batches):
+                    sync = (
+                        k == len(mini_batch.batches) - 1
+                    )  # gradients are all-reduced once per optimizer step
+                    with contextlib.nullcontext() if sync else acc.no_sync(self.model):
+                        m = self._micro_step(mb, mini_batch, k, measure_gap=p == 0 and j == 0)
+                    if mb is not None:
+                        opt_step_metrics[p][j].add(m, float(mb.loss_mask_BT.sum()))
+                grad_norm = acc.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+                lr = self.scheduler.get_last_lr()[0]
+                self.optimizer.step()
+                self.scheduler.step()
+                self.optimizer.zero_grad(set_to_none=True)
+                optim[p].append({"grad_norm": total_norm(grad_norm), "lr": lr})
+        self.step += 1
+        out = step_metrics(over_ranks(opt_step_metrics, acc), [n / sum(norm) for n in norm], optim)
+        batches = [b for m in packed_mini_batches for b in m.batches]
+        real = sum(b.num_real_tokens for b in batches if b is not None)
+        slots = sum(b.num_tokens for b in batches if b is not None)
+        out.update(
+            train_tokens=float(sum(len(t.token_ids) for t in trajs)),
+            packed_tokens=float(real),
+            padding_frac=1 - real / max(slots, 1),
+            micro_batches=float(len(batches)),
+            row_tokens=float(
+                max((b.input_ids_RS.shape[1] for b in batches if b is not None), default=0)
+            ),
+            learner_s=time.perf_counter() - t0,
+            **self._peak_memory(),
+        )
+        return out
+
+    def _pack(self, trajs: list[Trajectory], advantages: list[float]) -> _MiniBatch:
+        """One mini-batch as a step of its size: normalisers over all ranks, this rank's shard
+        packed."""
+        acc = self.accelerator
+        idx = balanced_parts(trajs, acc.num_processes, exactly_k=True)[acc.process_index]
+        mine, adv = [trajs[i] for i in idx], [advantages[i] for i in idx]
+        batches: list[TrainBatch | None] = [
+            b.to(acc.device)
+            for b in make_micro_batches(
+                mine,
+                adv,
+                self.cfg.micro_batch_tokens,
+                self.pad_id,
+                mode=self.packing,
+                one_row=self.flash,
+                row_tokens=self.cfg.row_tokens,
+                pair_cost=self.pair_cost,
+            )
+        ]
+        return _MiniBatch(batches, float(sum(t.num_sampled for t in trajs)), float(len(trajs)))
+
+    def _score(self, packed_mini_batches: list[_MiniBatch]) -> None:
+        """No-grad pass before any update (later mini-batches are then off-policy, as they should
+        be): recomputed old logprobs and reference logprobs, [B, T] per micro-batch."""
+        recompute, kl = self.cfg.old_logprobs == "recompute", self.loss_cfg.kl_coef > 0
+        for mini_batch in packed_mini_batches:
+            mini_batch.olds, mini_batch.refs = (
+                [None] * len(mini_batch.batches),
+                [None] * len(mini_batch.batches),
+            )
+        if not (recompute or kl):
+            return
+        if self.ref is not None and self.cfg.ref_offload:
+            self.ref.to(self.accelerator.device)
+        with torch.no_grad():
+            for mini_batch in packed_mini_batches:
+                if recompute:
+                    mini_batch.olds = [
+                        self._forward_layout(self.model, mb) for mb in mini_batch.batches
+                    ]
+                if kl and self.ref is not None:
+                    mini_batch.refs = [
+                        self._forward_layout(self.ref, mb) for mb in mini_batch.batches
+                    ]
+                elif kl:  # LoRA: the reference is the base model, adapter off
+                    mini_batch.refs = [
+                        self._forward_layout(self.model, mb, disable_adapter=True)
+                        for mb in mini_batch.batches
+                    ]
+        if self.ref is not None and self.cfg.ref_offload:
+            self.ref.to("cpu")
+
+    def _forward_layout(self, module, mb: TrainBatch | None, **kw) -> torch.Tensor | None:
+        lp_M, _ = module(
+            mb or TrainBatch.empty(self.pad_id, self.accelerator.device), self.temperature, **kw
+        )
+        return None if mb is None else to_loss_layout(lp_M, mb)
+
+    def _micro_step(
+        self, mb: TrainBatch | None, mini_batch: _MiniBatch, k: int, *, measure_gap: bool
+    ) -> dict[str, float]:
+        """Forward and backward of micro-batch `mb` (number `k` of `mini`); `measure_gap`: log the
+        rollout/learner logprob gap (only before the first update, so it measures the engine)."""
+        world = self.accelerator.num_processes
+        entropy_in_loss = self.loss_cfg.entropy_coef != 0
+        lp_M, ent_M = self.model(
+            mb or TrainBatch.empty(self.pad_id, self.accelerator.device),
+            self.temperature,
+            entropy_grad=entropy_in_loss,
+        )
+        if mb is None:  # this rank has no data left: a zero loss that still reaches every parameter
+            self.accelerator.backward(lp_M.sum() * 0.0)
+            return {}
+        lp_BT = to_loss_layout(lp_M, mb)
+        rollout_BT, mask_BT = mb.rollout_logprobs_BT, mb.loss_mask_BT
+        old_BT = rollout_BT if mini_batch.olds[k] is None else mini_batch.olds[k]
+        loss, metrics = compute_loss(
+            self.loss_cfg,
+            lp_BT,
+            old_BT,
+            mb.loss_advantages,
+            mask_BT,
+            ref_logprobs_BT=mini_batch.refs[k],
+            entropy_BT=to_loss_layout(ent_M, mb) if entropy_in_loss else None,
+            rollout_logprobs_BT=rollout_BT if self.cfg.old_logprobs == "recompute" else None,
+            num_tokens=mini_batch.num_tokens,
+            num_seqs=mini_batch.num_seqs,
+        )
+        self.accelerator.backward(loss * world)
+        with torch.no_grad():
+            m = mask_BT > 0
+            lp, old = lp_BT.detach()[m], old_BT[m]
+            ratio = torch.exp((lp - old).clamp(-20, 20))
+            out = dict(
+                metrics,
+                ratio_mean=float(ratio.mean()),
+                ratio_min=float(ratio.min()),
+                ratio_max=float(ratio.max()),
+            )
+            if not entropy_in_loss:
+                out["entropy"] = float(ent_M.detach().mean())
+            if measure_gap:
+                gap = (lp - rollout_BT[m]).abs()
+                out.update(logprob_gap_mean=float(gap.mean()), logprob_gap_max=float(gap.max()))
+        return out
+
+    def _max_over_ranks(self, ns: list[int]) -> list[int]:
+        if self.accelerator.num_processes == 1:
+            return ns
+        t = torch.tensor(ns, device=self.accelerator.device)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        return [int(n) for n in t.tolist()]
+
+    def _peak_memory(self) -> dict[str, float]:
+        device = self.accelerator.device
+        if device.type == "cuda":
+            return {"mem/peak_gb": torch.cuda.max_memory_allocated(device) / 2**30}
+        # CPU: the process's peak resident size so far (Linux reports KiB); not reset per step.
+        return {"mem/rss_peak_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+
+    # -- checkpoints (formats: agentgrpo.learner.state) -----------------------------------------
+
+    def save(self, directory: Path) -> None:
+        """Write a checkpoint into `directory` (the same path on every rank; collective). Returns
+        on every rank once rank 0 has written its files: a rank that loads it right after (a
+        resume, a test) never reads a file still being written."""
+        learner_state.save(self, directory)
+        self.accelerator.wait_for_everyone()
+
+    def load(self, directory: Path) -> None:
+        """Restore what `save` wrote, in either format (collective); ValueError if it does not
+        fit."""
+        learner_state.load(self, directory)

@@ -1,0 +1,871 @@
+"""Rollouts: run multi-turn episodes against an engine, token-exact, many at once, bounded in time.
+
+Each trajectory is its own asyncio task; a turn's request goes to the engine as soon as that
+trajectory is ready (no lock-step batching of turn k across trajectories), so one trajectory's tool
+latency overlaps with other trajectories' generation. Per turn:
+
+    sampled = engine.generate(token_ids)          -> appended verbatim, loss_mask 1, engine logprobs
+    message = chat.parse_assistant(sampled)       -> content + tool calls (+ malformed calls)
+    env.step(message)                             -> tool/env messages, reward, terminated
+    chat.suffix_ids(history, new messages)        -> appended, loss_mask 0, logprob 0
+
+When the template renders the history anew instead (`HistoryRewritten`: Qwen3's templates drop the
+reasoning of earlier turns) and `chat.trajectory_mode` is "auto", or at every turn under
+"stepwise", the trajectory goes on in a new segment whose prompt is `chat.prompt_ids` of the whole
+history (`Episode.observe`); under "single" that ends the episode with ENV_ERROR, which the
+start-up audit prevents.
+
+Bounds (RolloutConfig): episodes in flight per step (`max_concurrent_trajectories`, each holds an
+env), engine requests in flight (`max_concurrent_requests`), turns and tokens per trajectory, tool
+calls per turn and tool output tokens (cut with a marker). Sync env methods, tools and verifiers
+run in the `agentgrpo-user` worker threads (`agentgrpo.env.tool.to_user_thread`), async ones
+natively.
+
+Deadlines: a tool call overrunning `tool_timeout_s` is an error tool message (the model chose the
+call and may retry). A turn (generation + env step), an episode, or the step's whole collection
+overrunning its deadline ends that trajectory with `StopReason.TIMEOUT` and `stop_detail` naming
+the deadline; what was generated so far is kept, the rest of the group and step go on. Timeouts,
+like env and engine failures, are unscorable (reward NaN, left out of the group statistics): they
+measure load, not the policy (see `StopReason.is_infra_error`). Sync env code cannot be killed: a
+step that overruns keeps running in its thread, and its result is discarded.
+
+Malformed tool calls (bad JSON, unknown tool, invalid arguments, too many calls, a tool that fails)
+are answered with an error tool message, counted per kind (`Trajectory.tool_error_kinds`), and
+optionally penalised (`tool_error_penalty` per error). A call cut off by the token limit (unclosed)
+is counted and penalised too, though the cut turn ends the episode.
+
+Failures end one trajectory, never the step: an env that raises, or returns values that break its
+contract (`agentgrpo.env.base.reset_messages`, `agentgrpo.types.EnvStep.of`), ends it with ENV_ERROR
+naming the problem; any exception of the engine (`EngineError` after its retries, or anything else a
+client library raises) ends it with ENGINE_ERROR and the exception in `stop_detail`. Both are
+unscorable (reward NaN, never 0).
+
+Seeds: every turn of a trajectory samples with its own seed (`turn_seed`), since engines seed a
+fresh generator per request; the members of a group get `params.seed + i` (`run_group`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import secrets
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from agentgrpo.chat.format import TRUNCATION_MARKER, ChatFormat, HistoryRewritten, TemplateError
+from agentgrpo.chat.parsers import ParsedTurn
+from agentgrpo.deadlines import DeadlineExpired, Deadlines
+from agentgrpo.engine.base import Completion, Engine, SamplingParams
+from agentgrpo.env.base import Env, ToolEnv, call_env, close_env, env_rubric, reset_messages
+from agentgrpo.env.rubric import Rubric, score_group
+from agentgrpo.env.tool import stuck_user_calls
+from agentgrpo.types import (
+    EnvStep,
+    Group,
+    Message,
+    Segment,
+    StopReason,
+    Task,
+    ToolErrorKind,
+    Trajectory,
+)
+
+
+class EpisodeLimits(BaseModel):
+    """What bounds one episode: turns, tokens, tool calls and time (None = no limit). The
+    rollout's part of `RolloutConfig`, which extends it with how a step samples."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_turns: int = Field(4, ge=1, description="assistant turns per episode")
+    max_tokens: int = Field(
+        512, ge=1, description="tokens after the prompt per trajectory (sampled + env)"
+    )
+    turn_timeout_s: float | None = Field(
+        None,
+        gt=0,
+        description="deadline of one turn, generation + env step; ends the episode with TIMEOUT "
+        "(None = none)",
+    )
+    episode_timeout_s: float | None = Field(
+        None, gt=0, description="deadline of one episode; ends it with TIMEOUT (None = none)"
+    )
+    tool_timeout_s: float | None = Field(
+        None,
+        gt=0,
+        description="deadline of one tool call, answered with an error message "
+        "(None = the env's tool_timeout_s)",
+    )
+    max_tool_calls_per_turn: int | None = Field(
+        None,
+        ge=1,
+        description="tool calls run per turn, extra ones answered with an error "
+        "(None = the env's own limit)",
+    )
+    max_tool_output_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="tool message content cut to this many tokens plus truncation_marker "
+        "(None = no cut)",
+    )
+    truncation_marker: str = Field(
+        TRUNCATION_MARKER,
+        description="appended to cut tool output; {omitted} becomes the number of tokens dropped "
+        "(other braces stay as written)",
+    )
+    tool_error_penalty: float = Field(
+        0.0, ge=0.0, description="subtracted from the reward per malformed or failed tool call"
+    )
+
+
+class RolloutConfig(EpisodeLimits):
+    """How trajectories are sampled, bounded and timed (the episode's bounds: `EpisodeLimits`)."""
+
+    group_size: int = Field(8, ge=1, description="trajectories per task (G)")
+    tasks_per_step: int = Field(4, ge=1, description="tasks (groups) per optimizer step")
+    max_new_tokens: int = Field(128, ge=1, description="tokens sampled per assistant turn")
+    temperature: float = Field(
+        1.0, ge=0.0, description="sampling temperature (the learner uses the same)"
+    )
+    top_p: float = Field(
+        1.0,
+        gt=0.0,
+        le=1.0,
+        description="nucleus sampling; rollout logprobs stay the full "
+        "distribution's (both engines), so < 1 samples off the policy the loss assumes",
+    )
+    top_k: int = Field(-1, description="top-k sampling, -1 for all (logprobs: as for top_p)")
+    max_concurrent_trajectories: int | None = Field(
+        None,
+        ge=1,
+        description="episodes in flight at once in a step (None = all of them); each holds an env",
+    )
+    max_concurrent_requests: int | None = Field(
+        None,
+        ge=1,
+        description="engine requests in flight at once (None = unbounded; the engine queues)",
+    )
+    episode_timeout_s: float = Field(
+        600.0, gt=0, description="deadline of one episode; ends it with TIMEOUT"
+    )
+    step_timeout_s: float | None = Field(
+        None,
+        gt=0,
+        description="deadline of a step's whole collection; unfinished episodes end with TIMEOUT "
+        "(None = none)",
+    )
+    template_fallback: Literal["none", "keep_history"] = Field(
+        "none",
+        description="what to do when the chat template rewrites earlier turns: none = refuse, "
+        "keep_history = continue the tokens the model saw (see agentgrpo check-template)",
+    )
+    trajectory_mode: Literal["single", "auto", "stepwise"] = Field(
+        "auto",
+        description="single = one token sequence per episode (a template that rewrites "
+        "history is refused or needs keep_history); auto = a new segment (prompt: the re-rendered "
+        "history) whenever the template rewrites history, so one sequence where it does not; "
+        "stepwise = a new segment every turn",
+    )
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="extra chat-template variables, e.g. {preserve_thinking: true}",
+    )
+
+    @model_validator(mode="after")
+    def _one_answer_to_rewritten_history(self) -> RolloutConfig:
+        if self.template_fallback == "keep_history" and self.trajectory_mode == "auto":
+            self.trajectory_mode = "single"  # the explicit fallback decides what auto would
+        if self.template_fallback == "keep_history" and self.trajectory_mode != "single":
+            raise ValueError(
+                "template_fallback=keep_history with trajectory_mode="
+                f"{self.trajectory_mode}: choose one (keep_history continues one "
+                "sequence, segments re-render it)"
+            )
+        return self
+
+    def sampling_params(self) -> SamplingParams:
+        return SamplingParams(
+            max_new_tokens=self.max_new_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# One episode
+
+
+def turn_seed(seed: int | None, turn: int) -> int | None:
+    """The sampling seed of turn `turn` (1-based) of an episode sampled with `seed`.
+
+    Engines seed a fresh generator per request (`LocalEngine`; SGLang's `sampling_seed`), so one
+    seed for every turn would restart the same random stream each turn: under a flat policy turn k
+    would copy turn 1. Turn 1 uses `seed` itself (single-turn episodes sample as they always have);
+    turn k > 1 uses SplitMix64's finalizer (Steele, Lea, Flood 2014) applied to
+    `seed + k * 0x9E3779B97F4A7C15` mod 2**64, shifted to 63 bits so it fits a signed int64.
+    Plain integer arithmetic: the same (seed, turn) gives the same seed in every process and
+    version (unlike `hash()` of strings, which Python salts per process). For one turn the mix
+    is a bijection of the 64-bit seed, so the members of a group (seeds `params.seed + i`) keep
+    distinct seeds on every turn (up to the dropped bit: a 2**-63 chance). None stays None (the
+    engine's own generator).
+    """
+    if seed is None or turn == 1:
+        return seed
+    mask = (1 << 64) - 1
+    z = (seed + turn * 0x9E3779B97F4A7C15) & mask
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    return (z ^ (z >> 31)) >> 1
+
+
+class EpisodeEnds(Exception):
+    """Raised inside an episode by the part that ends it; `run_episode` turns it into the
+    trajectory's stop reason and detail."""
+
+    def __init__(self, reason: StopReason, detail: str = "") -> None:
+        super().__init__(detail)
+        self.reason, self.detail = reason, detail
+
+
+class Episode:
+    """One episode in progress: its env, its trajectory so far, and the parts of a turn.
+
+    Each method is one part of a turn and raises `EpisodeEnds` when that part ends the episode;
+    `run_episode` strings them together. User code (the env, the parser, the template's rendering
+    of what the env said) is caught narrowly here: its failure ends this trajectory, never the step.
+    """
+
+    def __init__(
+        self,
+        env: Env,
+        engine: Engine,
+        chat: ChatFormat,
+        task: Task,
+        params: SamplingParams,
+        limits: EpisodeLimits,
+        context_len: int | None,
+        clock: Deadlines,
+    ) -> None:
+        self.env, self.engine, self.chat, self.limits = env, engine, chat, limits
+        self.context_len, self.clock = context_len, clock
+        stops = tuple(sorted(set(params.stop_token_ids) | set(chat.stop_token_ids)))
+        self.params = replace(params, stop_token_ids=stops)
+        self.tools: list[dict[str, Any]] = []
+        self.max_calls: int | None = None  # tool calls per turn the env runs (rendered); None = all
+        # Until the first prompt is rendered: no tokens, and the task's own messages.
+        self.traj = Trajectory(
+            task_id=task.id,
+            token_ids=[],
+            loss_mask=[],
+            logprobs=[],
+            prompt_len=0,
+            messages=task.prompt_messages(),
+            stop_reason=StopReason.MAX_TURNS,
+            reward=0.0,
+        )
+        self.versions: set[int] = set()
+        self.spent = 0  # tokens after the prompt in the closed segments (the token budget's share)
+
+    async def start(self, task: Task, seed: int | None) -> None:
+        """Reset the env and render the first prompt."""
+        if isinstance(self.env, ToolEnv):
+            self.env.set_tool_limits(
+                timeout_s=self.limits.tool_timeout_s,
+                max_calls_per_turn=self.limits.max_tool_calls_per_turn,
+            )
+            self.max_calls = self.env.max_tool_calls_per_turn
+        try:
+            first = await self.clock.run(
+                call_env(self.env.reset, seed=seed, options={"task": task})
+            )
+            self.tools = self.env.tool_schemas()
+        except DeadlineExpired:
+            raise
+        except Exception as e:  # noqa: BLE001 - env code is user code: its failure ends this episode
+            raise EpisodeEnds(StopReason.ENV_ERROR, f"reset raised {type(e).__name__}: {e}") from e
+        try:
+            messages = reset_messages(first)
+            token_ids = self.chat.prompt_ids(messages, self.tools)
+        except ValueError as e:  # a broken reset value, or a TemplateError on the first prompt
+            detail = f"first prompt: {e}" if isinstance(e, TemplateError) else str(e)
+            raise EpisodeEnds(StopReason.ENV_ERROR, detail) from e
+        self.traj.messages = messages
+        self.traj.prompt_len = len(token_ids)
+        self._extend(token_ids, None)
+
+    async def sample(self, turn: int) -> Completion:
+        """The model's next turn: the engine continues the token ids as they are."""
+        traj, limits = self.traj, self.limits
+        budget = min(
+            self.params.max_new_tokens,
+            limits.max_tokens - self.spent - (len(traj.token_ids) - traj.prompt_len),
+        )
+        if self.context_len is not None:
+            budget = min(budget, self.context_len - len(traj.token_ids))
+        if budget <= 0:
+            raise EpisodeEnds(StopReason.MAX_TOKENS, "token budget used up before the turn")
+        self.clock.start_turn(turn)
+        params = replace(self.params, max_new_tokens=budget, seed=turn_seed(self.params.seed, turn))
+        try:
+            out: Completion = await self.clock.run(
+                self.engine.generate(list(traj.token_ids), params)
+            )
+        except DeadlineExpired:
+            raise
+        except Exception as e:  # noqa: BLE001 - EngineError or not (a client's TimeoutError, a CUDA
+            # error), the engine failed: infrastructure, unscorable, and the rest of the step
+            # goes on
+            raise EpisodeEnds(
+                StopReason.ENGINE_ERROR, f"generate raised {type(e).__name__}: {e}"
+            ) from e
+        self._record_versions(out)
+        traj.num_turns = turn
+        self._extend(out.token_ids, out.logprobs)
+        if out.finish_reason == "abort":
+            raise EpisodeEnds(StopReason.ABORTED, out.detail or "the engine aborted the request")
+        return out
+
+    def _record_versions(self, out: Completion) -> None:
+        """Which weights sampled each of the turn's ids (`Trajectory.token_versions`)."""
+        runs = self.traj.token_versions
+        for n, version in out.token_version_runs:
+            v = int(version) if version is not None and version.isdigit() else -1
+            if v >= 0:
+                self.versions.add(v)
+            if runs and runs[-1][1] == v:
+                runs[-1] = (runs[-1][0] + n, v)
+            else:
+                runs.append((n, v))
+
+    def read(self, out: Completion, turn: int) -> ParsedTurn:
+        """The sampled turn as a message and its tool calls; malformed calls are counted here.
+
+        A turn cut by the token limit (no end-of-turn token sampled) ends the episode, as in verl
+        and slime: its malformed calls (a cut call is unclosed) are counted, none runs, and the
+        record keeps the text as the model wrote it.
+        """
+        traj = self.traj
+        try:
+            parsed = self.chat.parse_assistant(
+                out.token_ids, parse_tools=bool(self.tools), tools=self.tools
+            )
+        except Exception as e:  # noqa: BLE001 - a parser that raises (a bug) costs its episode only
+            raise EpisodeEnds(
+                StopReason.ENV_ERROR, f"the tool-call parser raised {type(e).__name__}: {e}"
+            ) from e
+        traj.tool_calls += len(parsed.message.tool_calls or []) + len(parsed.errors)
+        traj.tool_errors += len(parsed.errors)
+        _count_kinds(traj.tool_error_kinds, Counter(err.kind for err in parsed.errors))
+        if out.finish_reason == "length":
+            traj.messages.append(
+                self.chat.parse_assistant(out.token_ids, parse_tools=False).message
+            )
+            raise EpisodeEnds(
+                StopReason.MAX_TOKENS, out.detail or f"turn {turn} hit the token limit"
+            )
+        traj.messages.append(parsed.message)
+        return parsed
+
+    async def act(self, parsed: ParsedTurn) -> list[Message]:
+        """The env's answer to the turn (its messages, then one error message per malformed
+        call); ends the episode when the env ends it."""
+        traj = self.traj
+        if parsed.message.tool_calls or not parsed.errors:
+            try:
+                result = await self.clock.run(call_env(self.env.step, parsed.message))
+            except DeadlineExpired:
+                raise
+            except Exception as e:  # noqa: BLE001 - env code is user code
+                raise EpisodeEnds(
+                    StopReason.ENV_ERROR, f"step raised {type(e).__name__}: {e}"
+                ) from e
+            try:
+                step = EnvStep.of(result)
+            except ValueError as e:
+                raise EpisodeEnds(StopReason.ENV_ERROR, str(e)) from e
+        else:  # only malformed calls: the env sees nothing, the model gets the errors
+            step = EnvStep([])
+        traj.turn_rewards.append(float(step.reward))
+        traj.reward += float(step.reward)
+        traj.tool_errors += sum(step.tool_errors.values())
+        _count_kinds(traj.tool_error_kinds, step.tool_errors)
+        new = step.messages + [
+            Message(role="tool", content=f"Error: malformed tool call: {err.reason}")
+            for err in parsed.errors
+        ]
+        new = [self._cut_tool_output(m) for m in new]
+        if step.stop_reason is not None:
+            traj.messages.extend(new)
+            traj.env_info = _as_json(step.info)
+            raise EpisodeEnds(step.stop_reason)
+        if not new:
+            raise EpisodeEnds(
+                StopReason.ENV_ERROR, "step returned no messages but did not end the episode"
+            )
+        return new
+
+    def observe(self, new: list[Message]) -> None:
+        """The env's messages as tokens the model did not sample (loss mask 0), or, when the chat
+        template renders the history anew (`HistoryRewritten`) and `chat.trajectory_mode` allows
+        it, a new segment (`_new_segment`); "stepwise" starts one every turn."""
+        mode, suffix = self.chat.trajectory_mode, None
+        if mode != "stepwise":
+            try:
+                suffix = self.chat.suffix_ids(
+                    self.traj.messages,
+                    new,
+                    self.tools,
+                    max_tool_calls=self.max_calls,
+                    end_id=self.traj.token_ids[-1],  # the stop token the model sampled
+                )
+            except HistoryRewritten as e:
+                if mode == "single":
+                    raise EpisodeEnds(StopReason.ENV_ERROR, str(e)) from e
+            except Exception as e:  # noqa: BLE001 - a TemplateError, or a tokenizer's
+                detail = (
+                    str(e)
+                    if isinstance(e, TemplateError)  # on what the env said
+                    else f"rendering the env's messages raised {type(e).__name__}: {e}"
+                )
+                raise EpisodeEnds(StopReason.ENV_ERROR, detail) from e
+        self.traj.messages.extend(new)
+        if suffix is None:
+            self._new_segment()
+        else:
+            self._extend(suffix, None)
+
+    def _new_segment(self) -> None:
+        """Close the current segment and open one whose prompt is the template's rendering of the
+        whole history, exactly what the engine receives next. The env's messages are then part of
+        that prompt, so they do not count against `max_tokens` (sampled tokens and the env's
+        messages inside a segment do)."""
+        traj = self.traj
+        try:
+            ids = self.chat.prompt_ids(traj.messages, self.tools, max_tool_calls=self.max_calls)
+        except Exception as e:  # noqa: BLE001 - a TemplateError, or a tokenizer's on what the env said
+            raise EpisodeEnds(
+                StopReason.ENV_ERROR,
+                "rendering the history for a new segment: "
+                + (str(e) if isinstance(e, TemplateError) else f"{type(e).__name__}: {e}"),
+            ) from e
+        self.spent += len(traj.token_ids) - traj.prompt_len
+        traj.earlier_segments.append(
+            Segment(traj.token_ids, traj.loss_mask, traj.logprobs, traj.prompt_len)
+        )
+        traj.token_ids, traj.loss_mask, traj.logprobs, traj.prompt_len = [], [], [], len(ids)
+        self._extend(ids, None)
+
+    def finish(self, reason: StopReason, detail: str = "") -> Trajectory:
+        traj = self.traj
+        traj.stop_reason, traj.stop_detail = reason, detail
+        if traj.earlier_segments and not any(traj.loss_mask):  # opened, never sampled: dropped
+            last = traj.earlier_segments.pop()
+            traj.token_ids, traj.loss_mask = last.token_ids, last.loss_mask
+            traj.logprobs, traj.prompt_len = last.logprobs, last.prompt_len
+        if reason.is_infra_error:
+            traj.reward = math.nan
+        elif traj.tool_errors and self.limits.tool_error_penalty:
+            traj.reward -= self.limits.tool_error_penalty * traj.tool_errors
+        traj.weight_versions = tuple(sorted(self.versions))
+        return traj
+
+    def _extend(self, ids: list[int], logprobs: list[float] | None) -> None:
+        """Append ids: sampled ones (with their logprobs) carry loss mask 1, all others 0."""
+        self.traj.token_ids += ids
+        self.traj.loss_mask += [0 if logprobs is None else 1] * len(ids)
+        self.traj.logprobs += [0.0] * len(ids) if logprobs is None else logprobs
+
+    def _cut_tool_output(self, m: Message) -> Message:
+        if m.role != "tool" or self.limits.max_tool_output_tokens is None:
+            return m
+        text, omitted = self.chat.truncate(
+            m.content, self.limits.max_tool_output_tokens, self.limits.truncation_marker
+        )
+        if not omitted:
+            return m
+        self.traj.tool_outputs_truncated += 1
+        return m.model_copy(update={"content": text})
+
+
+async def run_episode(
+    env: Env,
+    engine: Engine,
+    chat: ChatFormat,
+    task: Task,
+    params: SamplingParams,
+    *,
+    seed: int | None = None,
+    limits: EpisodeLimits = EpisodeLimits(),
+    context_len: int | None = None,
+    deadline: float | None = None,
+) -> Trajectory:
+    """Run one episode and return its Trajectory; never raises for env, engine or deadline failures
+    (cancellation still propagates).
+
+    `deadline` is an absolute `time.monotonic()` time by which the episode must end (the step's
+    deadline); `limits` bound turns, tokens, tool calls and time. The reward is the env's own: an
+    env's `rubric` is applied by `run_group`, once the whole group has ended. Turn k samples with
+    `turn_seed(params.seed, k)`.
+
+    With a `ToolEnv`, the chat template renders each assistant turn with only the calls the env
+    ran (`max_tool_calls_per_turn`; see `ChatFormat.suffix_ids`), so a template without parallel
+    calls (Llama 3.1) continues after an error message for the extra ones; a turn the template
+    still cannot render ends the episode with ENV_ERROR, which `agentgrpo check-template` reports
+    before training.
+    """
+    clock = Deadlines(limits.turn_timeout_s, limits.episode_timeout_s, deadline)
+    episode = Episode(env, engine, chat, task, params, limits, context_len, clock)
+    try:
+        await episode.start(task, seed)
+        for turn in range(1, limits.max_turns + 1):
+            completion = await episode.sample(turn)
+            parsed = episode.read(completion, turn)
+            new_messages = await episode.act(parsed)
+            episode.observe(new_messages)
+        return episode.finish(StopReason.MAX_TURNS, f"{limits.max_turns} turns")
+    except EpisodeEnds as end:
+        return episode.finish(end.reason, end.detail)
+    except DeadlineExpired as e:
+        episode.traj.deadline = e.which  # type: ignore[assignment]  # "turn" | "episode" | "step"
+        return episode.finish(StopReason.TIMEOUT, str(e))
+
+
+def _count_kinds(into: dict[str, int], counts: Mapping[ToolErrorKind, int]) -> None:
+    for kind, n in counts.items():
+        into[kind.value] = into.get(kind.value, 0) + n
+
+
+def _as_json(info: dict[str, Any]) -> dict[str, Any]:
+    """An ending step's `info` (the env's own: why an answer scored 0, test results, ...) as JSON
+    values for trajectories.jsonl (anything else as its `str`); EpisodeEnds (ENV_ERROR) when it
+    cannot be (a circular reference, a value whose `str` raises)."""
+    try:
+        return json.loads(json.dumps(info, default=str, skipkeys=True)) if info else {}
+    except Exception as e:  # noqa: BLE001 - the values are user objects: any of them may fail
+        raise EpisodeEnds(
+            StopReason.ENV_ERROR, f"step's info cannot be kept as JSON ({type(e).__name__}: {e})"
+        ) from e
+
+
+def _empty_trajectory(task: Task, reason: StopReason, detail: str) -> Trajectory:
+    return Trajectory(
+        task_id=task.id,
+        token_ids=[],
+        loss_mask=[],
+        logprobs=[],
+        prompt_len=0,
+        messages=task.prompt_messages(),
+        stop_reason=reason,
+        stop_detail=detail,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Groups and steps
+
+
+class BoundedEngine:
+    """An Engine that lets at most `limit` requests of this process reach `engine` at once.
+
+    The bound keeps a remote server's queue (and our open connections) small when thousands of
+    trajectories are in flight; requests over it wait here, inside their turn's deadline.
+    """
+
+    def __init__(self, engine: Engine, limit: int) -> None:
+        self.engine = engine
+        self._slots = asyncio.Semaphore(limit)
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
+        async with self._slots:
+            return await self.engine.generate(prompt_ids, params)
+
+    async def update_weights(self, weights: Any, *, version: str) -> None:
+        await self.engine.update_weights(weights, version=version)
+
+
+async def _run_new_env(
+    env_factory: Callable[[], Env],
+    engine: Engine,
+    chat: ChatFormat,
+    task: Task,
+    params: SamplingParams,
+    limits: EpisodeLimits,
+    **kwargs: Any,
+) -> tuple[Trajectory, Rubric | None]:
+    """One episode on a new env, and the env's rubric. With a rubric the reward waits for the
+    group (NaN until `score_group`), and the env's own, without penalty, goes to `env_reward`.
+
+    The env is closed once the episode has ended, whatever ended it (cancellation included). A
+    `close` that fails is noted in `stop_detail`; the episode's outcome stands.
+    """
+    try:
+        env = env_factory()
+    except Exception as e:  # noqa: BLE001 - the env's constructor is user code
+        return _empty_trajectory(
+            task, StopReason.ENV_ERROR, f"creating the env raised {type(e).__name__}: {e}"
+        ), None
+    traj = None
+    try:
+        try:
+            rubric = env_rubric(env)
+        except Exception as e:  # noqa: BLE001 - a rubric property is user code
+            traj = _empty_trajectory(
+                task, StopReason.ENV_ERROR, f"the env's rubric: {type(e).__name__}: {e}"
+            )
+            return traj, None
+        if rubric is not None:  # the tool-error penalty applies to the rubric's reward instead
+            limits = limits.model_copy(update={"tool_error_penalty": 0.0})
+        own = getattr(
+            env, "run_own_episode", None
+        )  # an AgentEnv runs its own (agentgrpo.agents.agent_env)
+        traj = await (
+            own(engine, chat, task, params, limits=limits, **kwargs)
+            if own is not None
+            else run_episode(env, engine, chat, task, params, limits=limits, **kwargs)
+        )
+        if rubric is not None and not traj.stop_reason.is_infra_error:
+            traj.env_reward, traj.reward = traj.reward, math.nan
+        return traj, rubric
+    finally:
+        problem = await close_env(env)
+        if problem and traj is not None:
+            traj.stop_detail = "; ".join(x for x in (traj.stop_detail, problem) if x)
+
+
+async def _acquire(slots: asyncio.Semaphore, deadline: float | None) -> bool:
+    """Wait for an episode slot until the step's deadline; False when the deadline passed first.
+    Only this wait is timed here: an episode ends on its own deadlines (`run_episode`)."""
+    wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+    try:
+        await asyncio.wait_for(slots.acquire(), wait)
+    except asyncio.TimeoutError:
+        return False
+    return True
+
+
+async def run_group(
+    env_factory: Callable[[], Env],
+    engine: Engine,
+    chat: ChatFormat,
+    task: Task,
+    group_size: int,
+    params: SamplingParams,
+    *,
+    seed: int | None = None,
+    group_id: str | None = None,
+    limits: EpisodeLimits = EpisodeLimits(),
+    context_len: int | None = None,
+    deadline: float | None = None,
+    slots: asyncio.Semaphore | None = None,
+    on_done: Callable[[Trajectory], None] | None = None,
+) -> Group:
+    """Sample `group_size` trajectories of one task concurrently, all from the same env seed.
+
+    Each member gets its own sampling seed (`params.seed + i`, then one per turn: `turn_seed`) so
+    members differ; the env seed is shared so all members start from the same state. `seed=None`
+    draws one env seed for the whole group (from the OS), never one per member. `slots` bounds the
+    episodes in flight (shared by all groups of a step); `deadline` is the step's absolute
+    deadline, which also bounds scoring. When the env has a `rubric`, the group's scorable members
+    are scored with it once all have ended (`agentgrpo.env.rubric.score_group`), and `on_done` is
+    called after that.
+    """
+    gid = group_id or task.id
+    rubrics: list[Rubric | None] = [None] * group_size
+    if seed is None:  # each env would seed itself from the OS: members would start apart
+        seed = secrets.randbits(32)
+
+    async def one(i: int) -> Trajectory:
+        p = params if params.seed is None else replace(params, seed=params.seed + i)
+        p = replace(p, session_id=f"{gid}/{i}")
+        start = time.monotonic()
+        if slots is None or await _acquire(slots, deadline):
+            try:
+                traj, rubrics[i] = await _run_new_env(
+                    env_factory,
+                    engine,
+                    chat,
+                    task,
+                    p,
+                    limits,
+                    seed=seed,
+                    context_len=context_len,
+                    deadline=deadline,
+                )
+            finally:
+                if slots is not None:
+                    slots.release()
+        else:
+            traj = _empty_trajectory(
+                task, StopReason.TIMEOUT, "step deadline expired before the episode started"
+            )
+            traj.deadline = "step"
+        traj.group_id = gid
+        traj.wall_s = round(time.monotonic() - start, 4)
+        if on_done is not None and rubrics[i] is None:
+            on_done(traj)
+        return traj
+
+    trajs = list(await asyncio.gather(*(one(i) for i in range(group_size))))
+    rubric = next((r for r in rubrics if r is not None), None)
+    if rubric is not None:
+        by_rubric = [t for t, r in zip(trajs, rubrics, strict=True) if r is not None]
+        if scorable := [t for t in by_rubric if not t.stop_reason.is_infra_error]:
+            await score_group(
+                rubric,
+                scorable,
+                task,
+                tool_error_penalty=limits.tool_error_penalty,
+                deadline=deadline,
+            )
+        if on_done is not None:
+            for t in by_rubric:
+                on_done(t)
+    return Group(group_id=gid, task=task, trajectories=trajs)
+
+
+class GroupSampler:
+    """Samples groups under bounds that every group in flight shares: at most
+    `max_concurrent_trajectories` episodes and `max_concurrent_requests` engine requests at once,
+    however many groups run (one step's in `collect`, several steps' in the asynchronous pipeline).
+    `on_done` is called as each trajectory finishes (and is scored, when the env has a rubric)."""
+
+    def __init__(
+        self,
+        env_factory: Callable[[], Env],
+        engine: Engine,
+        chat: ChatFormat,
+        cfg: RolloutConfig,
+        *,
+        context_len: int | None = None,
+        on_done: Callable[[Trajectory], None] | None = None,
+    ) -> None:
+        self.env_factory, self.chat, self.cfg = env_factory, chat, cfg
+        self.context_len, self.on_done = context_len, on_done
+        self.params = cfg.sampling_params()
+        self.slots = (
+            None
+            if cfg.max_concurrent_trajectories is None
+            else asyncio.Semaphore(cfg.max_concurrent_trajectories)
+        )
+        self.engine = (
+            engine
+            if cfg.max_concurrent_requests is None
+            else BoundedEngine(engine, cfg.max_concurrent_requests)
+        )
+
+    async def group(
+        self,
+        task: Task,
+        *,
+        env_seed: int,
+        sampling_seed: int,
+        group_id: str,
+        deadline: float | None = None,
+    ) -> Group:
+        """One group of `task`: its members share `env_seed` and sample with `sampling_seed + i`."""
+        return await run_group(
+            self.env_factory,
+            self.engine,
+            self.chat,
+            task,
+            self.cfg.group_size,
+            replace(self.params, seed=sampling_seed),
+            seed=env_seed,
+            group_id=group_id,
+            limits=self.cfg,
+            context_len=self.context_len,
+            deadline=deadline,
+            slots=self.slots,
+            on_done=self.on_done,
+        )
+
+
+async def collect(
+    env_factory: Callable[[], Env],
+    engine: Engine,
+    chat: ChatFormat,
+    tasks: Sequence[Task],
+    cfg: RolloutConfig,
+    *,
+    seed: int = 0,
+    context_len: int | None = None,
+    on_done: Callable[[Trajectory], None] | None = None,
+) -> list[Group]:
+    """All groups of one step, concurrently, within the config's bounds and step deadline.
+
+    `on_done` is called as each trajectory finishes (and is scored, when the env has a rubric).
+    """
+    sampler = GroupSampler(env_factory, engine, chat, cfg, context_len=context_len, on_done=on_done)
+    deadline = None if cfg.step_timeout_s is None else time.monotonic() + cfg.step_timeout_s
+    return list(
+        await asyncio.gather(
+            *(
+                sampler.group(
+                    task,
+                    env_seed=seed + i,
+                    sampling_seed=seed * 1_000_003 + i * cfg.group_size,
+                    group_id=f"{seed}:{i}:{task.id}",
+                    deadline=deadline,
+                )
+                for i, task in enumerate(tasks)
+            )
+        )
+    )
+
+
+def rollout_metrics(groups: Sequence[Group]) -> dict[str, float]:
+    """What a step's (or an evaluation's) trajectories did, for metrics.jsonl.
+
+    Means over the trajectories (NaN when there are none): `reward_mean` / `reward_std` (over the
+    scorable ones), `turns_mean`, `tool_calls_mean`, `tool_errors_mean`, `response_tokens_mean`
+    (sampled tokens); `sampled_tokens` in all. Counts:
+    `stop/<reason>`: trajectories per StopReason; `timeout/<turn|episode|step>`: which deadline
+    ended them; `tool_errors/<kind>`: malformed or failed tool calls per ToolErrorKind;
+    `tool_outputs_truncated`: tool messages cut to `max_tool_output_tokens`; `unscorable`:
+    trajectories with a NaN reward (left out of their group's statistics); `reward_parts/<name>`:
+    the mean score of each rubric verifier over the trajectories it could score;
+    `user_threads_stuck`: sync user calls that overran a deadline and still hold a worker thread now
+    (process-wide, read when called; see `agentgrpo.env.tool.stuck_user_calls`).
+    """
+    trajs = [t for g in groups for t in g.trajectories]
+    scored = [t.reward for t in trajs if math.isfinite(t.reward)]
+
+    def mean(xs: Sequence[float]) -> float:
+        return float(sum(xs) / len(xs)) if xs else math.nan
+
+    reward_mean = mean(scored)
+    out: dict[str, float] = {
+        "reward_mean": reward_mean,
+        "reward_std": math.sqrt(mean([(r - reward_mean) ** 2 for r in scored])),
+        "turns_mean": mean([t.num_turns for t in trajs]),
+        "tool_calls_mean": mean([t.tool_calls for t in trajs]),
+        "tool_errors_mean": mean([t.tool_errors for t in trajs]),
+        "response_tokens_mean": mean([t.num_sampled for t in trajs]),
+        "sampled_tokens": float(sum(t.num_sampled for t in trajs)),
+    }
+    parts: dict[str, list[float]] = {}
+
+    def add(key: str, n: float = 1.0) -> None:
+        out[key] = out.get(key, 0.0) + n
+
+    for t in trajs:
+        add(f"stop/{t.stop_reason.value}")
+        if t.stop_reason == StopReason.TIMEOUT:
+            add(f"timeout/{t.deadline or 'episode'}")
+        for kind, n in t.tool_error_kinds.items():
+            add(f"tool_errors/{kind}", n)
+        add("tool_outputs_truncated", t.tool_outputs_truncated)
+        add("unscorable", float(math.isnan(t.reward)))
+        for name, v in t.reward_parts.items():
+            if math.isfinite(v):
+                parts.setdefault(name, []).append(v)
+    out.update({f"reward_parts/{name}": sum(vs) / len(vs) for name, vs in parts.items()})
+    out["user_threads_stuck"] = float(stuck_user_calls())
+    return out

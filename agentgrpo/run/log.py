@@ -1,0 +1,523 @@
+"""Run directory and metrics: metrics.jsonl, trajectories.jsonl, TensorBoard events, optional W&B;
+and the live progress display of a training run (`Progress`).
+
+A run directory holds `config.yaml` (the effective config, secrets masked), `metrics.jsonl` (one
+object per step), `trajectories.jsonl` (one object per trajectory), `tensorboard/` and
+`checkpoints/`. Lines are flushed as they are written so a killed run keeps everything it logged;
+when it resumes, the rows of the steps it trains again go to `*.after-step-<K>.jsonl`
+(`set_aside_after`; `.2`, `.3`, ... for later resumes to the same step), so the logs hold each
+step once.
+`agentgrpo report RUN_DIR` (agentgrpo/run/report.py) turns them into one HTML page.
+
+Weights & Biases is used only when `log.wandb_project` is set; `wandb` is imported only then (it is
+an optional dependency). Its API key comes from `WANDB_API_KEY` or `wandb login`, never from the
+config, and the config sent to it passes through `mask_secrets`. The W&B run id is kept in
+`RUN_DIR/wandb_id` so a resumed run continues the same W&B run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import sys
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any
+
+from tqdm.auto import tqdm
+
+from agentgrpo.types import Group, Trajectory
+
+if TYPE_CHECKING:
+    from agentgrpo.run.config import RunConfig
+
+SECRET_WORDS = (
+    "key",
+    "keys",
+    "token",
+    "secret",
+    "secrets",
+    "password",
+    "passwords",
+    "passwd",
+    "pass",
+    "authorization",
+    "auth",
+    "bearer",
+    "credential",
+    "credentials",
+    "cookie",
+    "cookies",
+    "signature",
+    "signatures",
+)
+_BEARER = re.compile(r"^\s*(bearer|basic|token)\s+\S", re.IGNORECASE)
+# Values that are credentials whatever their key is called: the prefixes of common API keys
+# (OpenAI/Anthropic `sk-`, Hugging Face `hf_`, GitHub `ghp_`/`github_pat_`, Slack `xox?-`, AWS
+# `AKIA`, W&B's 40 hex digits are too like a hash to tell), followed by enough key characters.
+_KEY_LIKE = re.compile(r"\b(?:sk-|hf_|gh[pousr]_|github_pat_|xox[abprs]-|AKIA)[A-Za-z0-9_\-]{12,}")
+_URL_USERINFO = re.compile(r"(?P<scheme>\b[a-zA-Z][a-zA-Z0-9+.\-]*://)[^/@\s]+@")
+_URL_PARAM = re.compile(r"(?P<name>[?&;][^=&#;\s]+=)(?P<value>[^&#;\s]*)")
+
+
+def _secret_key(key: Any) -> bool:
+    """A key one of whose `_`/`-`/`.`-separated words ends in a secret word: api_key, apiKey,
+    api_keys, hf_token, password, Authorization; not row_tokens or max_tokens (counts, not
+    tokens)."""
+    return any(w.endswith(SECRET_WORDS) for w in re.split(r"[_\-.]", str(key).lower()))
+
+
+def _masked(v: Any) -> Any:
+    """Everything under a secret key: strings masked, at any depth (lists and dicts of keys too)."""
+    if isinstance(v, str):
+        return "***" if v else v
+    if isinstance(v, dict):
+        return {k: _masked(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_masked(x) for x in v]
+    return v
+
+
+def _masked_text(text: str) -> str:
+    """`text` with API-key-looking values, URL credentials (`user:pass@`) and the values of
+    secret-named URL parameters (`?api_key=...`) replaced by '***'."""
+    if _BEARER.match(text):
+        return "***"
+    text = _KEY_LIKE.sub("***", text)
+    text = _URL_USERINFO.sub(r"\g<scheme>***@", text)
+    return _URL_PARAM.sub(
+        lambda m: m["name"] + "***" if _secret_key(m["name"][1:-1]) and m["value"] else m[0], text
+    )
+
+
+def mask_secrets(obj: Any) -> Any:
+    """Replace the strings under keys that look like secrets (api_key, api_keys, token, passwd,
+    signature, Authorization, ...), at any depth below them, with '***'; elsewhere, strings that
+    carry an HTTP credential (`Bearer ...`) entirely, and the API-key-looking values (`sk-...`),
+    URL credentials (`https://user:pass@host`) and secret URL parameters within strings."""
+    if isinstance(obj, dict):
+        return {k: (_masked(v) if _secret_key(k) else mask_secrets(v)) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [mask_secrets(v) for v in obj]
+    if isinstance(obj, str):
+        return _masked_text(obj)
+    return obj
+
+
+def _finite(v: Any) -> Any:
+    return None if isinstance(v, float) and not math.isfinite(v) else v
+
+
+class RunLogger:
+    """Writes a run's metrics and trajectories: JSONL always, TensorBoard and W&B when enabled.
+
+    Example:
+        >>> logger = RunLogger.from_config(run_dir, cfg)  # doctest: +SKIP
+        >>> logger.log_step(1, {"reward_mean": 0.5, "loss": 0.01})  # doctest: +SKIP
+        >>> logger.close()  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        run_dir: Path,
+        *,
+        tensorboard: bool = True,
+        wandb_project: str | None = None,
+        wandb_entity: str | None = None,
+        wandb_name: str | None = None,
+        config: dict[str, Any] | None = None,
+        fresh: bool = False,
+    ) -> None:
+        """`fresh=True` replaces the JSONL files a directory already holds (an evaluation's);
+        otherwise they are appended to (a resumed run)."""
+        self.run_dir = run_dir
+        run_dir.mkdir(parents=True, exist_ok=True)
+        # W&B first: a missing package or a bad login fails before any file is opened
+        self._wandb = (
+            self._init_wandb(wandb_project, wandb_entity, wandb_name, config)
+            if wandb_project
+            else None
+        )
+        mode = "w" if fresh else "a"
+        self._metrics = open(run_dir / "metrics.jsonl", mode, encoding="utf-8")
+        self._trajs = open(run_dir / "trajectories.jsonl", mode, encoding="utf-8")
+        self._tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(run_dir / "tensorboard"))
+
+    @classmethod
+    def from_config(cls, run_dir: Path, cfg: RunConfig) -> RunLogger:
+        """The logger a training run's `log:` section asks for (the config goes to W&B, masked)."""
+        log = cfg.log
+        return cls(
+            run_dir,
+            tensorboard=log.tensorboard,
+            wandb_project=log.wandb_project,
+            wandb_entity=log.wandb_entity,
+            wandb_name=log.wandb_name,
+            config=cfg.model_dump(mode="json"),
+        )
+
+    def _init_wandb(
+        self, project: str, entity: str | None, name: str | None, config: dict[str, Any] | None
+    ):
+        try:
+            import wandb
+        except ImportError as e:
+            raise ImportError(
+                "log.wandb_project is set but wandb is not installed: "
+                "pip install 'agentgrpo[wandb]' (or unset log.wandb_project)"
+            ) from e
+        id_file = self.run_dir / "wandb_id"
+        run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:16]
+        id_file.write_text(run_id + "\n")
+        return wandb.init(
+            project=project,
+            entity=entity,
+            name=name or self.run_dir.name,
+            id=run_id,
+            resume="allow",
+            dir=str(self.run_dir),
+            config=mask_secrets(config or {}),
+        )
+
+    def log_step(self, step: int, metrics: dict[str, float]) -> None:
+        row = {"step": step, **{k: _finite(v) for k, v in metrics.items()}}
+        self._metrics.write(json.dumps(row) + "\n")
+        self._metrics.flush()
+        scalars = {
+            k: v
+            for k, v in metrics.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        }
+        if self._tb is not None:
+            for k, v in scalars.items():
+                self._tb.add_scalar(k, v, step)
+            self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(scalars, step=step)
+
+    def log_groups(self, step: int, groups: Iterable[Group]) -> None:
+        for g in groups:
+            for t in g.trajectories:
+                self._trajs.write(json.dumps({"step": step, **t.to_dict()}) + "\n")
+        self._trajs.flush()
+
+    def close(self) -> None:
+        self._metrics.close()
+        self._trajs.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def set_aside_after(run_dir: Path, step: int) -> dict[str, int]:
+    """Move the rows of steps after `step` out of `metrics.jsonl` and `trajectories.jsonl` into
+    `metrics.after-step-<step>.jsonl` / `trajectories.after-step-<step>.jsonl` beside them
+    (nothing is deleted), and return how many rows each file gave up.
+
+    A run resumed from the checkpoint of `step` trains the later steps again; their old rows, from
+    the timeline the kill cut off, would otherwise stand twice in the logs and the report. A line
+    that does not parse (a kill in the middle of a write) goes aside too. Files that lose no row
+    are only read; the others are rewritten through a temporary file and a rename. Each call's rows
+    are one timeline and get files of their own: a second resume to the same step writes
+    `*.after-step-<step>.2.jsonl`, a third `.3`, ... (`aside_name` says which), never appending
+    one timeline to another's file.
+    """
+    n = 1
+    while any(aside_path(run_dir, name, step, n).exists() for name in _LOGS):
+        n += 1
+    moved: dict[str, int] = {}
+    for name in _LOGS:
+        path = run_dir / name
+        if not path.is_file():
+            continue
+        with open(path, "rb") as src:  # a streamed read-only pass first: most resumes move nothing
+            moved[name] = sum(not _kept(line, step) for line in src if line.strip())
+        if not moved[name]:
+            continue
+        tmp = run_dir / f".{name}.tmp"
+        with (
+            open(path, "rb") as src,
+            open(tmp, "wb") as keep,
+            open(aside_path(run_dir, name, step, n), "xb") as aside,
+        ):
+            for line in src:
+                if line.strip():
+                    (keep if _kept(line, step) else aside).write(_ended(line))
+            keep.flush()
+            os.fsync(keep.fileno())
+        os.replace(tmp, path)
+    return moved
+
+
+_LOGS = ("metrics.jsonl", "trajectories.jsonl")
+
+
+def aside_path(run_dir: Path, name: str, step: int, n: int = 1) -> Path:
+    """Where the `n`-th timeline set aside after `step` from log `name` goes."""
+    stem, nth = name.removesuffix(".jsonl"), "" if n == 1 else f".{n}"
+    return run_dir / f"{stem}.after-step-{step}{nth}.jsonl"
+
+
+def aside_name(run_dir: Path, name: str, step: int) -> str:
+    """The file name the latest `set_aside_after(run_dir, step)` gave log `name`'s rows."""
+    n = 1
+    while any(aside_path(run_dir, log, step, n + 1).exists() for log in _LOGS):
+        n += 1
+    return aside_path(run_dir, name, step, n).name
+
+
+_STEP_PREFIX = re.compile(rb'\{"step": (\d+)[,}]')  # how RunLogger starts every row
+
+
+def _kept(line: bytes, step: int) -> bool:
+    """Whether a row belongs to a step up to `step`; read from its prefix, else parsed (a cut line
+    is not kept)."""
+    if line.endswith(b"\n") and (m := _STEP_PREFIX.match(line)):  # a whole line, as written
+        return int(m.group(1)) <= step
+    try:
+        row_step = json.loads(line).get("step")
+    except (ValueError, AttributeError):
+        return False
+    return isinstance(row_step, int) and row_step <= step
+
+
+def _ended(line: bytes) -> bytes:
+    return line if line.endswith(b"\n") else line + b"\n"
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _is_terminal(file: IO[str]) -> bool:
+    """A terminal a bar can redraw in place: a TTY with a width (a pty of 0 columns, as some CI
+    runners allocate, makes tqdm print empty lines; such output gets the plain per-step lines)."""
+    try:
+        return file.isatty() and os.get_terminal_size(file.fileno()).columns > 0
+    except (AttributeError, OSError, ValueError):  # StringIO, closed or detached streams
+        return False
+
+
+def _duration(s: float) -> str:
+    s = max(0, int(round(s)))
+    return (
+        f"{s}s"
+        if s < 60
+        else f"{s // 60}m{s % 60:02d}s"
+        if s < 3600
+        else f"{s // 3600}h{s % 3600 // 60:02d}m"
+    )
+
+
+class Progress:
+    """What a training run is doing now: one progress bar per step, its phase, and the time left.
+
+    The bar of a step counts the rollouts finished so far and shows their running mean reward and
+    sampled tokens per second; its label names the phase (rollout / train / sync / checkpoint /
+    eval, or any name the loop passes). When a step ends it keeps the step's final reward, loss,
+    tokens/s and the estimated time left (mean duration of the last 10 steps times the steps to go,
+    minus the time already spent in the current step). On a terminal the bar updates in place; in a
+    log file (not a TTY) it writes one plain line per step instead, with the seconds spent in each
+    phase. `enabled=False` turns the display off; the phase timings (`phase_times`, logged as
+    `phase_s/*`) are kept either way, so metrics do not depend on whether anyone watched.
+
+    Example (the calls of the training loop):
+        >>> progress = Progress(total_steps=30, rollouts_per_step=32)
+        >>> for step in range(30):  # doctest: +SKIP
+        ...     progress.phase("rollout")
+        ...     groups = loop.run_until_complete(collect(..., on_done=progress.rollout_done))
+        ...     progress.phase("train")
+        ...     metrics = learner.train_step(trajs, advantages)
+        ...     progress.phase("sync")
+        ...     ...
+        ...     progress.step_done(step + 1, metrics)
+        >>> progress.close()
+    """
+
+    def __init__(
+        self,
+        total_steps: int,
+        *,
+        start_step: int = 0,
+        rollouts_per_step: int | None = None,
+        enabled: bool = True,
+        file: IO[str] | None = None,
+        live: bool | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.total_steps, self.step = total_steps, start_step  # `step`: steps finished so far
+        self.rollouts_per_step = rollouts_per_step
+        self.enabled = enabled
+        self.file = file if file is not None else sys.stderr
+        self.live = _is_terminal(self.file) if live is None else live
+        self.clock = clock
+        self._bar = None
+        self._in_step = False
+        self._phase = ""
+        self._phase_t0 = self._step_t0 = 0.0
+        self.phase_s: dict[str, float] = {}  # seconds per phase in the current (or last) step
+        self._durations: deque[float] = deque(maxlen=10)
+        self._n = self._tokens = self._rewards_n = 0
+        self._rewards_sum = 0.0
+        self._count_phase, self._count_t0, self._count_t_last = (
+            "",
+            0.0,
+            0.0,
+        )  # who reported rollouts, when
+
+    # -- what the loop calls -------------------------------------------------------------------
+
+    def phase(self, name: str, total: int | None = None) -> None:
+        """Enter phase `name` (starts the next step's bar if no step is in progress).
+
+        `total` is the number of rollouts the phase will report (default for "rollout":
+        `rollouts_per_step`); the rollout counter and running reward restart with each phase
+        that reports rollouts.
+        """
+        now = self.clock()
+        if not self._in_step:
+            if self.step >= self.total_steps:  # after the last step (final checkpoint): just say so
+                if self.enabled:
+                    print(
+                        f"{name} after step {self.step}/{self.total_steps}",
+                        file=self.file,
+                        flush=True,
+                    )
+                return
+            self._begin_step(now)
+        self._close_phase(now)
+        self._phase, self._phase_t0 = name, now
+        if total is not None or name == "rollout":
+            self._n = self._tokens = self._rewards_n = 0
+            self._rewards_sum = 0.0
+            self._count_phase, self._count_t0, self._count_t_last = name, now, now
+            if self._bar is not None:
+                self._bar.reset(total=total if total is not None else self.rollouts_per_step)
+        self._refresh()
+
+    def rollout_done(self, traj: Trajectory) -> None:
+        """One trajectory finished (pass as `collect(..., on_done=progress.rollout_done)`)."""
+        if not self.enabled or not self._in_step:
+            return
+        self._n += 1
+        self._count_t_last = self.clock()
+        self._tokens += traj.num_sampled
+        if math.isfinite(traj.reward):
+            self._rewards_sum += traj.reward
+            self._rewards_n += 1
+        if self._bar is not None:
+            if self._bar.total is not None and self._n > self._bar.total:
+                self._bar.total = self._n  # dynamic sampling drew extra rounds
+            self._refresh(force=False)
+            self._bar.update(1)  # redraws at most every tqdm mininterval
+
+    def step_done(self, step: int, metrics: dict[str, float]) -> None:
+        """Step `step` (1-based, as logged) is finished; `metrics` are the ones written to
+        metrics.jsonl."""
+        now = self.clock()
+        if not self._in_step:
+            self._begin_step(now)
+        self._close_phase(now)
+        self._durations.append(now - self._step_t0)
+        self.step, self._in_step, self._phase = step, False, "done"
+        if not self.enabled:
+            return
+        parts = [
+            f"reward {_fmt(metrics.get('reward_mean'))}"
+            + (f" ± {_fmt(metrics['reward_std'])}" if "reward_std" in metrics else ""),
+            f"loss {_fmt(metrics.get('loss'))}",
+            f"{_fmt(metrics.get('tokens_per_s'), '.0f')} tok/s",
+            f"{now - self._step_t0:.1f}s ("
+            + ", ".join(f"{k} {v:.1f}s" for k, v in self.phase_s.items())
+            + ")",
+            f"eta {_duration(self.eta())}",
+        ]
+        if self._bar is not None:
+            self._bar.set_description_str(f"step {step}/{self.total_steps} done", refresh=False)
+            self._bar.set_postfix_str(" · ".join(parts))
+            self._bar.close()
+            self._bar = None
+        else:
+            print(
+                f"step {step}/{self.total_steps} · " + " · ".join(parts), file=self.file, flush=True
+            )
+
+    def close(self) -> None:
+        """Close a bar left open (the run failed or was interrupted inside a step)."""
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        self._in_step = False
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- what it shows ------------------------------------------------------------------------
+
+    def eta(self) -> float:
+        """Seconds left: mean of the last (<= 10) step durations times the steps still to run,
+        minus what the current step already took. NaN before the first step finished."""
+        if not self._durations:
+            return math.nan
+        per_step = sum(self._durations) / len(self._durations)
+        spent = self.clock() - self._step_t0 if self._in_step else 0.0
+        return max(0.0, (self.total_steps - self.step) * per_step - spent)
+
+    def phase_times(self) -> dict[str, float]:
+        """Seconds spent in each phase of the current step so far (for `phase_s/<name>` metrics)."""
+        out = dict(self.phase_s)
+        if self._in_step and self._phase:
+            out[self._phase] = out.get(self._phase, 0.0) + self.clock() - self._phase_t0
+        return out
+
+    def _begin_step(self, now: float) -> None:
+        self._in_step, self._step_t0, self._phase = True, now, ""
+        self.phase_s = {}
+        if self.live and self.enabled:
+            self._bar = tqdm(
+                total=self.rollouts_per_step,
+                file=self.file,
+                leave=True,
+                dynamic_ncols=True,
+                desc=f"step {self.step + 1}/{self.total_steps}",
+                unit="rollout",
+                bar_format="{desc} |{bar:20}| {n_fmt}/{total_fmt} rollouts{postfix}",
+            )
+
+    def _close_phase(self, now: float) -> None:
+        if self._phase:
+            self.phase_s[self._phase] = self.phase_s.get(self._phase, 0.0) + now - self._phase_t0
+
+    def _refresh(self, force: bool = True) -> None:
+        if self._bar is None:
+            return
+        self._bar.set_description_str(
+            f"step {self.step + 1}/{self.total_steps} · {self._phase}", refresh=False
+        )
+        span = self._count_t_last - self._count_t0
+        label = "reward" if self._count_phase in ("rollout", "") else f"{self._count_phase} reward"
+        reward = self._rewards_sum / self._rewards_n if self._rewards_n else math.nan
+        eta = self.eta()
+        self._bar.set_postfix_str(
+            f"{label} {_fmt(reward)} · {_fmt(self._tokens / span if span > 0 else None, '.0f')} "
+            f"tok/s · eta {_duration(eta) if math.isfinite(eta) else '?'}",
+            refresh=force,
+        )
+
+
+def _fmt(v: Any, spec: str = ".4g") -> str:
+    return format(v, spec) if isinstance(v, (int, float)) and math.isfinite(v) else "—"

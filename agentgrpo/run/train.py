@@ -1,0 +1,675 @@
+"""The training loop: rollouts -> rewards -> advantages -> policy update -> weight sync.
+
+Read `train()` top to bottom: each line of a step is one call into one stage module.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import math
+import random
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import AutoTokenizer
+
+from agentgrpo.algo.advantage import compute_advantages, compute_turn_advantages, is_turn_level
+from agentgrpo.algo.shaping import (
+    describe_algorithm,
+    keep_informative_groups,
+    shaped_rewards,
+    truncated_rows,
+)
+from agentgrpo.chat.format import ChatFormat
+from agentgrpo.checks.env_check import check_env_at_start
+from agentgrpo.checks.template_audit import require_token_safe
+from agentgrpo.engine.base import Engine, close_all, wait_ready
+from agentgrpo.engine.config import build_engine
+from agentgrpo.engine.weight_sync import WeightSync
+from agentgrpo.env.base import Env
+from agentgrpo.learner.attention import AttentionUnavailable
+from agentgrpo.learner.learner import Learner
+from agentgrpo.models import embedded as models
+from agentgrpo.models.hardware import Precision, configure_cpu_threads, share_cpu
+from agentgrpo.rollout.episode import GroupSampler, collect, rollout_metrics
+from agentgrpo.run import checkpoint
+from agentgrpo.run.config import ConfigError, RunConfig, dump_config
+from agentgrpo.run.evaluate import evaluate
+from agentgrpo.run.log import Progress, RunLogger, aside_name, set_aside_after
+from agentgrpo.run.overlap import (
+    memory_lent,
+    set_train_threads,
+    train_beside,
+    train_while_collecting,
+)
+from agentgrpo.run.pipeline import StalenessPipeline, Ticket
+from agentgrpo.run.report import write_report
+from agentgrpo.types import Group, Task, Trajectory
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+class TaskStream:
+    """Tasks in a seeded order, reshuffled every epoch. A task is named by its place in that order
+    (its position); `position` is the next new one and `resume` the positions to hand out before
+    it (those a checkpoint lists as sampled but not trained on): both are what a checkpoint
+    stores."""
+
+    def __init__(
+        self, tasks: Sequence[Task], seed: int, position: int = 0, resume: Sequence[int] = ()
+    ) -> None:
+        if not tasks:
+            raise ValueError("the environment returned no tasks")
+        self.tasks, self.seed, self.position = list(tasks), seed, position
+        self.resume = list(resume)
+
+    def next_position(self) -> int:
+        if self.resume:
+            return self.resume.pop(0)
+        self.position += 1
+        return self.position - 1
+
+    def task_at(self, position: int) -> Task:
+        epoch, i = divmod(position, len(self.tasks))
+        order = list(range(len(self.tasks)))
+        random.Random(f"{self.seed}/{epoch}").shuffle(order)
+        return self.tasks[order[i]]
+
+    def take(self, n: int) -> list[Task]:
+        return [self.task_at(self.next_position()) for _ in range(n)]
+
+
+@dataclass
+class Rollouts:
+    """What one step trains on: its groups, and what collecting them measured."""
+
+    groups: list[Group]
+    metrics: dict[str, float]
+
+    @property
+    def trajectories(self) -> list[Trajectory]:
+        return [t for g in self.groups for t in g.trajectories]
+
+
+def describe_precision(learner: Precision, engine: Engine, threads: str) -> str:
+    """The start-up line that says which precision the learner and engine run in, and why."""
+    line = f"precision: learner {'bf16 autocast' if learner.bf16 else 'fp32'} ({learner.reason})"
+    if (reason := getattr(engine, "dtype_reason", None)) is not None:  # the local engine
+        dtype = str(next(engine.model.parameters()).dtype).removeprefix("torch.")
+        line += f"; engine {dtype} on {engine.device} ({reason})"
+    return f"{line}; {threads}"
+
+
+async def collect_step(
+    cfg: RunConfig,
+    make_env: Callable[[], Env],
+    engine: Engine,
+    chat: ChatFormat,
+    stream: TaskStream,
+    step: int,
+    context_len: int | None,
+    on_done: Callable[[Trajectory], None] | None = None,
+) -> Rollouts:
+    """The step's groups. With dynamic sampling, groups whose rewards are all equal (no learning
+    signal) are dropped and more tasks are sampled, at most `max_extra_rounds` times."""
+    t0, seed = time.perf_counter(), cfg.seed * 100_003 + step * 101
+    groups = await collect(
+        make_env,
+        engine,
+        chat,
+        stream.take(cfg.rollout.tasks_per_step),
+        cfg.rollout,
+        seed=seed,
+        context_len=context_len,
+        on_done=on_done,
+    )
+    stats = {"groups_sampled": float(len(groups))}
+    if not cfg.shaping.dynamic_sampling:
+        stats["rollout_s"] = time.perf_counter() - t0
+        return Rollouts(groups, stats)
+    kept = [g for g, ok in zip(groups, keep_informative_groups([g.rewards for g in groups])) if ok]
+    rounds = 0
+    while len(kept) < cfg.rollout.tasks_per_step and rounds < cfg.shaping.max_extra_rounds:
+        rounds += 1
+        more = await collect(
+            make_env,
+            engine,
+            chat,
+            stream.take(cfg.rollout.tasks_per_step - len(kept)),
+            cfg.rollout,
+            seed=seed + rounds,
+            context_len=context_len,
+            on_done=on_done,
+        )
+        stats["groups_sampled"] += len(more)
+        kept += [g for g, ok in zip(more, keep_informative_groups([g.rewards for g in more])) if ok]
+    stats.update(
+        {
+            "dynamic/extra_rounds": float(rounds),
+            "dynamic/groups_kept": float(len(kept)),
+            "rollout_s": time.perf_counter() - t0,
+        }
+    )
+    return Rollouts(kept[: cfg.rollout.tasks_per_step], stats)
+
+
+async def take_step(pipeline: StalenessPipeline[Group], step: int) -> Rollouts:
+    """The step's groups from the asynchronous pipeline, and what waiting for them measured."""
+    t0, rejected = time.perf_counter(), pipeline.rejected
+    groups = await pipeline.take(step)
+    return Rollouts(
+        groups,
+        {
+            "rollout_s": time.perf_counter() - t0,  # the learner's wait: 0 when they were ready
+            "groups_sampled": float(len(groups) + pipeline.rejected - rejected),
+            "pipeline/in_flight": float(pipeline.in_flight()),
+            "pipeline/ready_ahead": float(pipeline.ready_ahead()),
+        },
+    )
+
+
+def start_pipeline(run: Run) -> StalenessPipeline[Group]:
+    """Rank 0, `train.max_staleness` >= 2: the producer, started once the engine serves the
+    learner's weights. A group's task and seeds follow from its position in the task stream, so a
+    resumed run samples a pending one with the same task and seeds."""
+    cfg = run.cfg
+    sampler = GroupSampler(
+        run.make_env,
+        run.engine,
+        run.chat,
+        cfg.rollout,
+        context_len=run.context_len,
+        on_done=run.progress.rollout_done,
+    )
+
+    async def produce(ticket: Ticket[Group]) -> Group:
+        task = run.stream.task_at(ticket.position)
+        env_seed = cfg.seed * 100_003 + ticket.position
+        timeout = cfg.rollout.step_timeout_s  # per group, from its start
+        return await sampler.group(
+            task,
+            env_seed=env_seed,
+            sampling_seed=env_seed * 1_000_003,
+            group_id=f"p{ticket.position}:{task.id}",
+            deadline=None if timeout is None else time.monotonic() + timeout,
+        )
+
+    def informative(group: Group) -> bool:
+        return keep_informative_groups([group.rewards])[0]
+
+    dynamic = cfg.shaping.dynamic_sampling
+    pipeline = StalenessPipeline(
+        produce,
+        run.stream.next_position,
+        per_step=cfg.rollout.tasks_per_step,
+        max_staleness=cfg.train.staleness,
+        steps=cfg.train.steps,
+        version=run.steps_done,
+        keep=informative if dynamic else None,
+        max_dropped=cfg.shaping.max_extra_rounds * cfg.rollout.tasks_per_step if dynamic else None,
+    )
+    run.loop.call_soon(pipeline.start)
+    return pipeline
+
+
+def assign_advantages(trajs: Sequence[Trajectory], cfg: RunConfig) -> None:
+    """Each trajectory's advantage, from its group's shaped rewards (`Trajectory.advantage`; None
+    for one not trained on: unscorable, or cut and `shaping.mask_truncated`). A turn-level
+    estimator also sets `Trajectory.turn_advantages` from the env's turn rewards; `advantage` is
+    then its outcome term (grpo)."""
+    a, group_ids = cfg.advantage, [t.group_id for t in trajs]
+    rewards_B = shaped_rewards(trajs, cfg.shaping, cfg.rollout.max_tokens)
+    turn_level = is_turn_level(a.estimator)
+    advantages_B = compute_advantages(
+        rewards_B,
+        group_ids,
+        estimator="grpo" if turn_level else a.estimator,
+        eps=a.eps,
+        batch_std=a.batch_std,
+    )
+    per_turn = (
+        compute_turn_advantages(
+            rewards_B,
+            [t.sampled_turn_rewards() for t in trajs],
+            group_ids,
+            a.estimator,
+            a.eps,
+            gamma=a.gamma,
+            turn_weight=a.turn_weight,
+        )
+        if turn_level
+        else [None] * len(trajs)
+    )
+    if cfg.shaping.mask_truncated:  # truncated rows still counted in their group's statistics
+        advantages_B[truncated_rows([t.stop_reason for t in trajs])] = float("nan")
+    for t, adv, turns in zip(trajs, advantages_B.tolist(), per_turn, strict=True):
+        t.advantage = None if math.isnan(adv) or math.isnan(t.reward) else adv
+        t.turn_advantages = None if t.advantage is None else turns
+
+
+def policy_lag(trajs: Sequence[Trajectory], version: int) -> float:
+    """How many updates behind the learner's weights (`version`) the oldest sampling weights were;
+    NaN when the engine reports no numbered versions."""
+    versions = [v for t in trajs for v in t.weight_versions]
+    return float(version - min(versions)) if versions else float("nan")
+
+
+def policy_lag_mean(trajs: Sequence[Trajectory], version: int) -> float:
+    """The mean over trajectories of their policy lag (`version` minus the oldest weights that
+    sampled any of their tokens); NaN when no trajectory has numbered versions."""
+    lags = [version - min(t.weight_versions) for t in trajs if t.weight_versions]
+    return float(sum(lags) / len(lags)) if lags else float("nan")
+
+
+@dataclass
+class Prefetched:
+    """With `train.max_staleness: 1`: the next step's rollouts, sampled while this step trained
+    (rank 0), and the data position before them, which is what a checkpoint stores (they were not
+    trained on yet)."""
+
+    rollouts: Rollouts
+    data_position: int
+
+
+@dataclass
+class Run:
+    """Everything a training run holds between steps. Rank 0 (`is_main`) alone has an engine,
+    weight sync, logger and evaluation tasks; every rank has the learner."""
+
+    cfg: RunConfig
+    run_dir: Path
+    learner: Learner
+    chat: ChatFormat
+    make_env: Callable[[], Env]
+    stream: TaskStream
+    context_len: int | None
+    loop: asyncio.AbstractEventLoop
+    progress: Progress
+    stop: checkpoint.StopRequested
+    engine: Engine | None = None
+    sync: WeightSync | None = None
+    logger: RunLogger | None = None
+    eval_tasks: list[Task] = field(default_factory=list)
+    steps_done: int = 0  # the learner's version: updates applied so far
+    saved_step: int = 0  # the step of the last checkpoint
+    saved_at: float = field(default_factory=time.monotonic)
+    prefetched: Prefetched | None = None
+    pipeline: StalenessPipeline[Group] | None = None  # rank 0, train.max_staleness >= 2
+
+    @property
+    def is_main(self) -> bool:
+        return self.learner.is_main
+
+    def collect(self, step: int) -> Awaitable[Rollouts]:
+        if self.pipeline is not None:
+            return take_step(self.pipeline, step)
+        return collect_step(
+            self.cfg,
+            self.make_env,
+            self.engine,
+            self.chat,
+            self.stream,
+            step,
+            self.context_len,
+            self.progress.rollout_done,
+        )
+
+    def checkpoint_due(self, step: int) -> bool:
+        """Whether the step ending at `step` saves a checkpoint; decided before it trains (an
+        overlapped collection must not cross a checkpoint). Collective: every rank calls it, and
+        the time rule is rank 0's clock, agreed by all."""
+        cfg = self.cfg.train
+        if cfg.save_every_s is not None:
+            late = self.is_main and time.monotonic() - self.saved_at >= cfg.save_every_s
+            if self.learner.any_rank(late):
+                return True
+        return bool(cfg.save_every) and step % cfg.save_every == 0
+
+    def push_weights(self, version: int) -> None:
+        """The learner's weights to the engine, as `version`. Collective under FSDP (the export
+        gathers the shards to rank 0)."""
+        weights = self.learner.export_model()
+        if self.is_main:
+            self.loop.run_until_complete(self.sync.push(weights, version))
+
+    def save(self, step: int) -> None:
+        """A checkpoint of the run after `step`. Collective: every rank writes its part."""
+        self.progress.phase("checkpoint")
+        position = self.prefetched.data_position if self.prefetched else self.stream.position
+        # sampled, not trained on: the resumed run samples them again first (same tasks, seeds)
+        pending = self.pipeline.pending() if self.pipeline else list(self.stream.resume)
+        checkpoint.save(
+            self.run_dir / "checkpoints",
+            step,
+            self.learner.save,
+            {
+                "data_position": position,
+                "pending_positions": pending,
+                "weight_version": str(step),
+                "rng": checkpoint.rng_state(),
+            },
+            keep=self.cfg.train.keep_checkpoints,
+            is_main=self.is_main,
+            barrier=self.learner.accelerator.wait_for_everyone,
+        )
+        self.saved_step, self.saved_at = step, time.monotonic()
+
+
+def run_step(run: Run, step: int) -> bool:
+    """One GRPO step: collect, advantages, train, sync, log, checkpoint. Returns whether the run
+    stops after it (a SIGTERM/SIGINT reached some rank)."""
+    cfg, learner, t0 = run.cfg, run.learner, time.perf_counter()
+    run.progress.phase("rollout")
+    rollouts = None
+    if run.is_main:
+        rollouts = (
+            run.prefetched.rollouts
+            if run.prefetched
+            else run.loop.run_until_complete(run.collect(step))
+        )
+    rollouts = learner.broadcast(rollouts)  # every rank trains on rank 0's rollouts
+    run.prefetched, done = None, step + 1
+    trajs = rollouts.trajectories
+    assign_advantages(trajs, cfg)
+    update = functools.partial(
+        learner.train_step, trajs, [math.nan if t.advantage is None else t.advantage for t in trajs]
+    )
+    save_now = run.checkpoint_due(done)
+    metrics = dict(rollouts.metrics)
+    # One step off-policy: the next step samples with the weights before this update, while it
+    # trains (rank 0's engine in the event loop, the learner in a thread). Never across a
+    # checkpoint, so a resumed run samples exactly what an uninterrupted one did.
+    if run.is_main and cfg.train.staleness == 1 and done < cfg.train.steps and not save_now:
+        run.progress.phase("train+rollout", total=run.progress.rollouts_per_step)
+        position, resume = run.stream.position, list(run.stream.resume)
+        trained, upcoming = run.loop.run_until_complete(
+            train_while_collecting(update, run.collect(done), abandon=lambda: bool(run.stop))
+        )
+        if upcoming is None:  # a stop cancelled them: their tasks are sampled after resuming
+            run.stream.position, run.stream.resume = position, resume
+        else:
+            run.prefetched = Prefetched(upcoming, position)
+    elif run.pipeline is not None:  # the producer samples on while the learner trains
+        run.progress.phase("train")
+        trained = run.loop.run_until_complete(train_beside(update))
+    else:
+        run.progress.phase("train")
+        colocated = bool(cfg.engine.sglang and cfg.engine.sglang.release_memory_during_training)
+        with memory_lent(learner, run.engine, run.loop, colocated=colocated):
+            trained = update()
+    metrics.update(trained)
+    run.progress.phase("sync")
+    run.push_weights(done)  # after the overlapped rollouts finished: no request sees weights change
+    run.steps_done = done
+    if run.pipeline is not None:
+        run.pipeline.advance(done)
+    stopping = learner.any_rank(bool(run.stop))
+    if run.is_main:
+        metrics.update(
+            rollout_metrics(rollouts.groups),
+            step_s=time.perf_counter() - t0,
+            policy_lag=policy_lag(trajs, step),
+            policy_lag_mean=policy_lag_mean(trajs, step),
+        )
+        # sampled while waiting (synchronous) or all along (pipeline: per step, overall)
+        sampling_s = metrics["step_s"] if run.pipeline is not None else metrics["rollout_s"]
+        metrics["tokens_per_s"] = metrics.get("sampled_tokens", 0.0) / max(sampling_s, 1e-9)
+        if cfg.eval.every and done % cfg.eval.every == 0:
+            metrics.update(evaluate_now(run))
+        metrics.update({f"phase_s/{k}": v for k, v in run.progress.phase_times().items()})
+        run.logger.log_step(done, metrics)
+        run.logger.log_groups(done, rollouts.groups)
+    if stopping or save_now:
+        run.save(done)
+    run.progress.step_done(done, metrics)
+    return stopping
+
+
+def evaluate_now(run: Run) -> dict[str, float]:
+    """Rank 0: the current policy on the evaluation tasks, as `eval/` metrics."""
+    run.progress.phase("eval", total=len(run.eval_tasks) * run.cfg.eval.samples_per_task)
+    result = run.loop.run_until_complete(
+        evaluate(
+            run.make_env,
+            run.engine,
+            run.chat,
+            run.eval_tasks,
+            run.cfg.rollout,
+            run.cfg.eval,
+            seed=run.cfg.seed,
+            context_len=run.context_len,
+            on_done=run.progress.rollout_done,
+        )
+    )
+    return {f"eval/{k}": v for k, v in result.metrics.items()}
+
+
+def train(cfg: RunConfig) -> Path:
+    """Run (or resume) the training run `cfg` describes; returns its run directory.
+
+    Under `accelerate launch` (or torchrun) every process runs this function. Rank 0 alone talks to
+    the engine (rollouts, weight sync, evaluation), writes logs, reports and checkpoint files, and
+    broadcasts each step's rollouts; every rank trains on that same list, so the order of tasks,
+    seeds and checkpoints is the one a single process would produce. Collectives (broadcast,
+    `train_step`, `export_model`, `Learner.save`, checkpoint agreement) are called by all ranks in
+    the same order.
+    """
+    run = start_run(cfg)
+    try:
+        for step in range(run.steps_done, cfg.train.steps):
+            if run_step(run, step):
+                break
+        if run.steps_done > run.saved_step:  # at exit: the last finished step
+            run.save(run.steps_done)
+    finally:
+        if run.pipeline is not None:
+            run.loop.run_until_complete(run.pipeline.close())
+        run.stop.uninstall()
+        run.progress.close()
+        if run.logger is not None:
+            run.logger.close()
+        close_all(run.loop, run.sync and run.sync.close, getattr(run.engine, "aclose", None))
+    if run.is_main:
+        write_report(run.run_dir)
+    run.learner.close()
+    return run.run_dir
+
+
+def start_run(cfg: RunConfig) -> Run:
+    """Everything a run needs before its first step: tasks, tokenizer and chat format, the
+    learner (resumed from the newest usable checkpoint), and on rank 0 the engine serving the
+    learner's weights, the logger and the run directory's files."""
+    run_dir = Path(cfg.output_dir)
+    seed_everything(cfg.seed)
+    threads = configure_cpu_threads()
+    # the env and its tasks before the model loads: a misspelt env or task file fails at once
+    env_cls = cfg.env.env_class()
+    train_tasks, eval_tasks = load_run_tasks(cfg, env_cls)
+    model_path = Path(cfg.model.path) if cfg.model.path else models.default_model_path()
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    chat = cfg.chat_format(tokenizer)
+    model = models.load_policy(
+        model_path
+    )  # FSDP with RAM-efficient loading: weights on rank 0 only
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else chat.end_of_turn_id
+    try:
+        learner = Learner(
+            model,
+            cfg.learner,
+            cfg.loss,
+            temperature=cfg.rollout.temperature,
+            pad_id=pad_id,
+            total_steps=cfg.train.steps,
+        )
+    except AttentionUnavailable as e:  # e.g. learner.attention: varlen on a CPU
+        raise ConfigError(str(e)) from None
+    stream = TaskStream(train_tasks, cfg.seed)
+    start, found = resume_from_checkpoint(learner, run_dir, stream)
+    run = Run(
+        cfg=cfg,
+        run_dir=run_dir,
+        learner=learner,
+        chat=chat,
+        make_env=lambda: env_cls(**cfg.env.kwargs),  # one env instance per trajectory
+        stream=stream,
+        context_len=getattr(model.config, "max_position_embeddings", None),
+        loop=asyncio.new_event_loop(),  # one loop for the run: engine clients live on it
+        progress=Progress(
+            cfg.train.steps,
+            start_step=start,
+            enabled=cfg.log.progress and learner.is_main,
+            rollouts_per_step=cfg.rollout.tasks_per_step * cfg.rollout.group_size,
+        ),
+        stop=checkpoint.StopRequested(),
+        steps_done=start,
+        saved_step=start,
+    )
+    if learner.is_main:
+        start_main_rank(
+            run,
+            model_path,
+            tokenizer,
+            eval_tasks,
+            threads=threads,
+            resumed_from=found[0] if found is not None else None,
+        )
+    # Before the first rollout the engine serves the learner's weights, checked by the probe: a
+    # server still holding another run's weights (or another model) is caught, not sampled from.
+    run.push_weights(start)
+    if learner.is_main and cfg.train.staleness >= 2:
+        run.pipeline = start_pipeline(run)
+    run.stop.install()  # SIGTERM/SIGINT: checkpoint after this step, exit
+    return run
+
+
+def load_run_tasks(cfg: RunConfig, env_cls: type) -> tuple[list[Task], list[Task]]:
+    """The run's training tasks and its evaluation tasks (none without `eval.every`)."""
+    train_tasks = cfg.env.load_tasks(env_cls, "train", cfg.seed)
+    if not cfg.eval.every:
+        return train_tasks, []
+    eval_tasks = cfg.env.load_tasks(env_cls, cfg.eval.split, cfg.seed)[: cfg.eval.num_tasks]
+    if not eval_tasks:  # it would log NaN eval metrics every eval.every steps
+        raise ConfigError(
+            f"eval.every={cfg.eval.every} but {cfg.env.name} has no tasks in split "
+            f"{cfg.eval.split!r} (eval.split); set eval.every: 0 or another split"
+        )
+    return train_tasks, eval_tasks
+
+
+def resume_from_checkpoint(
+    learner: Learner, run_dir: Path, stream: TaskStream
+) -> tuple[int, tuple[Path, dict] | None]:
+    """Load the newest usable checkpoint of `run_dir` into `learner` and `stream` (its position
+    and the groups admitted but not trained), and the random state: (the step to start at, the
+    checkpoint found or None). Before anything is written: a run that cannot resume leaves its
+    directory as it was."""
+    try:
+        found = checkpoint.restore(
+            run_dir / "checkpoints",
+            learner.load,
+            check=learner.is_main,
+            all_ranks=learner.all_ranks,
+            strict=True,
+        )
+    except checkpoint.NoUsableCheckpoint as e:  # never silently start again from step 0 over them
+        raise ConfigError(
+            f"{e}\nif the config changed since they were written "
+            f"({run_dir / 'config.yaml'} holds that run's), restore it; to start a "
+            "new run, use another output_dir"
+        ) from None
+    if found is None:
+        return 0, None
+    _, manifest = found  # damaged checkpoints were skipped, on every rank alike
+    stream.position = int(manifest["data_position"])
+    stream.resume = [int(p) for p in manifest.get("pending_positions", [])]
+    checkpoint.set_rng_state(manifest["rng"])  # after the setup: only steps draw from it
+    return int(manifest["step"]), found
+
+
+def cpu_sharing(run: Run, threads: str) -> tuple[int | None, str]:
+    """The local engine's decoding threads, and the start-up line's thread part. When the engine
+    samples while the learner trains on the CPU (max_staleness >= 1), the two share the run's
+    threads (`share_cpu`; `engine.threads` chooses the engine's, the learner then keeps the run's);
+    otherwise each runs alone and uses them all."""
+    cfg = run.cfg
+    if cfg.engine.kind != "local" or run.learner.accelerator.device.type != "cpu":
+        return cfg.engine.threads, threads
+    if cfg.engine.threads is not None or not cfg.train.staleness:
+        return cfg.engine.threads, threads
+    engine, learner = share_cpu(torch.get_num_threads())
+    set_train_threads(learner)
+    return engine, f"{threads}; sampling beside training: engine {engine}, learner {learner}"
+
+
+def start_main_rank(
+    run: Run,
+    model_path: Path,
+    tokenizer: Any,
+    eval_tasks: list[Task],
+    *,
+    threads: str,
+    resumed_from: Path | None,
+) -> None:
+    """Rank 0's part of the start: the run directory's files, the effective algorithm, the
+    template check, the engine and the logger."""
+    cfg, start = run.cfg, run.steps_done
+    run.run_dir.mkdir(parents=True, exist_ok=True)
+    (run.run_dir / "config.yaml").write_text(dump_config(cfg))
+    print(describe_algorithm(cfg.advantage, cfg.loss, cfg.shaping), flush=True)
+    if (world := run.learner.accelerator.num_processes) > 1:
+        print(
+            f"processes: {world} ({run.learner.accelerator.distributed_type.value}); rank 0 rolls "
+            "out, every rank trains",
+            flush=True,
+        )
+    check_env_at_start(run.make_env(), run.stream.tasks[0])
+    # Refuse a template that would make the learner see tokens the model never saw.
+    mode = require_token_safe(run.chat, run.make_env(), run.stream.tasks[0], seed=cfg.seed).mode
+    print(f"chat template: {run.chat.template_source}, token mode: {mode}", flush=True)
+    engine_threads, threads = cpu_sharing(run, threads)
+    run.engine = build_engine(
+        cfg.engine,
+        model_path,
+        tokenizer,
+        seed=cfg.seed,
+        weights_dtype=cfg.learner.dtype,
+        threads=engine_threads,
+        learner_device=str(run.learner.accelerator.device),
+    )
+    print(describe_precision(run.learner.precision, run.engine, threads), flush=True)
+    print(f"attention: {run.learner.attention.path} ({run.learner.attention.reason})", flush=True)
+    run.sync = WeightSync(run.engine, cfg.weight_sync)
+    # SGLang: servers loaded, their versions and context length read, before the first push
+    run.loop.run_until_complete(wait_ready(run.engine, seeded=True))
+    if resumed_from is not None:
+        # Newer ones that were skipped leave the run: later saves, prunes and resumes ignore them.
+        aside = checkpoint.set_aside_newer(run.run_dir / "checkpoints", start)
+        print(
+            f"resumed from {resumed_from} at step {start}"
+            + (f"; set aside {', '.join(p.name for p in aside)}" if aside else ""),
+            flush=True,
+        )
+    # Rows of steps after the one resumed from (or after 0: a run killed before its first
+    # checkpoint) are trained again: theirs from the cut-off timeline go aside, not twice in the
+    # logs.
+    moved = {k: n for k, n in set_aside_after(run.run_dir, start).items() if n}
+    if moved:
+        print(
+            f"log rows of steps after {start} set aside: "
+            + ", ".join(
+                f"{n} of {k} -> {aside_name(run.run_dir, k, start)}" for k, n in moved.items()
+            ),
+            flush=True,
+        )
+    run.logger = RunLogger.from_config(run.run_dir, cfg)
+    run.eval_tasks = eval_tasks
