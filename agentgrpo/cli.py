@@ -10,7 +10,6 @@ import argparse
 import importlib
 import os
 import sys
-from pathlib import Path
 
 from agentgrpo.models.hardware import set_cpu_thread_env
 
@@ -19,6 +18,7 @@ set_cpu_thread_env()  # before anything loads torch: OpenMP reads it once (model
 # agentgrpo.run.config, train and evaluate load torch, and check-template loads transformers: each
 # command imports them when it runs, so the forwarded servers (serve-sandbox, ...) start without.
 from agentgrpo.chat.format import TemplateError  # noqa: E402
+from agentgrpo.chat.shipped import load_template  # noqa: E402
 from agentgrpo.checks.env_check import env_report  # noqa: E402
 from agentgrpo.checks.template_audit import audit_template  # noqa: E402
 from agentgrpo.run.report import write_report  # noqa: E402
@@ -70,7 +70,7 @@ def _check_template(args: argparse.Namespace) -> int:
     for kv in args.kwarg:
         apply_override(kwargs, kv)
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
-    template = Path(args.template).read_text() if args.template else None
+    template = load_template(args.template) if args.template else None
     report = audit_template(
         tokenizer,
         template,
@@ -180,7 +180,11 @@ def build_parser() -> argparse.ArgumentParser:
         "agentgrpo check-template MODEL_DIR",
     )
     ct.add_argument("model_dir", help="model directory with a tokenizer (and its chat template)")
-    ct.add_argument("--template", help="Jinja template file to audit instead of the tokenizer's")
+    ct.add_argument(
+        "--template",
+        help="Jinja template file, or the name of a shipped one (qwen3, llama3_1, ...), to audit "
+        "instead of the tokenizer's",
+    )
     ct.add_argument(
         "--parser",
         default="auto",

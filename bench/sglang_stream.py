@@ -4,7 +4,7 @@ SGLang sends one SSE chunk per decoded token. By default each chunk repeats the 
 far (`output_ids`, `text`, `output_token_logprobs`): a completion of n tokens is n chunks of up to n
 entries, O(n^2) bytes to parse. With `--incremental-streaming-output` each chunk holds its new
 token only. This times what the client does with the chunks of one completion, built here in the
-shape of the fixtures (`shared/sglang/fixtures/generate_stream_*.json`): split the events, parse
+shape of the fixtures (`tests/data/sglang/generate_stream_*.json`): split the events, parse
 each with orjson, fold it (`StreamFold.feed`), as `ServerPool._read_sse` does; no network.
 
     python bench/sglang_stream.py [--tokens 256 1024 4096] [--repeats 3]

@@ -15,7 +15,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # answers.
 os.environ.setdefault("AGENTGRPO_CPU_BF16", "0")
 
-SHARED = Path(__file__).resolve().parents[2] / "shared"
+DATA = Path(__file__).resolve().parent / "data"  # test data the repository carries
 
 
 def pytest_collection_modifyitems(config, items):
@@ -86,11 +86,18 @@ def tiny_model_dir(tmp_path_factory, smol_tokenizer) -> Path:
     return d
 
 
-def shared_template(name: str) -> str:
-    path = SHARED / "chat_templates" / name
-    if not path.exists():
-        pytest.skip(f"{path} is not present (shared/ lies beside the checkout in CI)")
-    return path.read_text()
+def shipped_template(name: str) -> str:
+    """The text of a chat template shipped in agentgrpo/chat/templates/ (`qwen3`, `qwen3.jinja`)."""
+    from agentgrpo.chat.shipped import load_template
+
+    return load_template(name.removesuffix(".jinja"))
+
+
+def template_file(name: str) -> Path:
+    """The file of a shipped chat template, for what takes a path (`--template`, a config)."""
+    from agentgrpo.chat.shipped import template_path
+
+    return template_path(name.removesuffix(".jinja"))
 
 
 def llama31_chat(tokenizer):
@@ -112,7 +119,7 @@ def llama31_chat(tokenizer):
     )
     return ChatFormat(
         tok,
-        template=shared_template("llama3_1.jinja"),
+        template=shipped_template("llama3_1.jinja"),
         parser="llama3_json",
         end_of_turn="<|eot_id|>",
     )

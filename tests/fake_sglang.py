@@ -1,6 +1,6 @@
 """A fake SGLang server: real HTTP on loopback, SGLang's wire protocol, no GPU.
 
-It implements the contract of `shared/sglang/PROTOCOL.md` section 9 so that `SGLangEngine` can be
+It implements the server side of docs/serving.md so that `SGLangEngine` can be
 tested end to end on a CPU:
 
 - `/generate`: single, batch (list input) and `n > 1` requests; rid rules (list length, string

@@ -204,7 +204,7 @@ def test_huge_int_ids_are_not_merged():
 
 
 def reference(rewards, ids, estimator, eps=1e-6):
-    """Per-row pure Python: the formulas of DESIGN.md section 3, one group at a time."""
+    """Per-row pure Python: the formulas of docs/design.md (algorithms), one group at a time."""
     out = []
     for r, g in zip(rewards, ids, strict=True):
         members = [x for x, h in zip(rewards, ids, strict=True) if h == g and not math.isnan(x)]

@@ -11,7 +11,7 @@ from transformers import PreTrainedTokenizerFast
 from agentgrpo.chat.format import ChatFormat
 from agentgrpo.checks.template_audit import audit
 from agentgrpo.types import Message, ToolCall
-from tests.conftest import shared_template
+from tests.conftest import shipped_template
 
 ROOT = Path(__file__).resolve().parents[1]
 TOOLS = [
@@ -47,7 +47,7 @@ def _tokenizer(prepend_scheme: str) -> PreTrainedTokenizerFast:
         unk_token="<unk>",
         additional_special_tokens=["<|im_start|>", "<|im_end|>"],
     )
-    hf.chat_template = shared_template("qwen2_5.jinja")
+    hf.chat_template = shipped_template("qwen2_5.jinja")
     return hf
 
 

@@ -132,16 +132,15 @@ def test_run_eval_writes_a_run_like_directory(tmp_path, smol_tokenizer):
 
 def test_eval_refuses_a_template_that_is_not_token_safe(tmp_path, capsys):
     from agentgrpo.cli import main
-    from tests.conftest import SHARED, shared_template
+    from tests.conftest import template_file
 
-    shared_template("qwen3.jinja")  # skips when shared/ is absent
     rc = main(
         [
             "eval",
             str(_empty_config(tmp_path)),
             f"output_dir={tmp_path}",
             "rollout.trajectory_mode=single",
-            f"model.chat_template={SHARED / 'chat_templates' / 'qwen3.jinja'}",
+            f"model.chat_template={template_file('qwen3.jinja')}",
         ]
     )
     err = capsys.readouterr().err

@@ -1,5 +1,5 @@
 """Tool-call parsers of the model families' own templates (issue 30): each template in
-../shared/chat_templates/ that supports tools is attached to the embedded tokenizer, renders a
+agentgrpo/chat/templates/ that supports tools is attached to the embedded tokenizer, renders a
 multi-turn tool conversation with typed arguments, and the parser detected from the template reads
 back, from each assistant turn the template printed, the calls it rendered; malformed output of
 each format maps to a ToolErrorKind."""
@@ -13,7 +13,7 @@ import pytest
 from agentgrpo.chat.format import HERMES_CHATML_TEMPLATE, ChatFormat
 from agentgrpo.chat.parsers import PARSERS, detect_parser, get_parser, typed_value
 from agentgrpo.types import ToolErrorKind
-from tests.conftest import shared_template
+from tests.conftest import shipped_template
 
 SCHEMA = {
     "type": "object",
@@ -135,7 +135,7 @@ def tok(smol_path):
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_the_detected_parser_reads_back_the_calls_the_template_renders(tok, name):
     parser, parallel, eot = FAMILIES[name]
-    template = shared_template(name)
+    template = shipped_template(name)
     assert detect_parser(template) == parser
     tok.chat_template = template
     # DeepSeek-V3's template concatenates the arguments as text: it takes them as a JSON string
@@ -164,22 +164,22 @@ def test_the_detected_parser_reads_back_the_calls_the_template_renders(tok, name
 
 @pytest.mark.parametrize("name", ["gemma3.jinja", "phi3_5.jinja"])
 def test_templates_without_tool_calls_get_no_parser(name):
-    assert detect_parser(shared_template(name)) is None
+    assert detect_parser(shipped_template(name)) is None
 
 
 def test_auto_is_the_default_and_falls_back_to_hermes(tok):
     assert detect_parser(HERMES_CHATML_TEMPLATE) == "hermes"
     assert detect_parser(None) is None and detect_parser("{{ messages }}") is None
     assert ChatFormat(tok).parser_name == "hermes"  # SmolLM2 gets agentgrpo's Hermes ChatML
-    assert ChatFormat(tok, template=shared_template("phi3_5.jinja")).parser_name == "hermes"
-    qwen = ChatFormat(tok, template=shared_template("qwen3_6.jinja"), parser="hermes")
+    assert ChatFormat(tok, template=shipped_template("phi3_5.jinja")).parser_name == "hermes"
+    qwen = ChatFormat(tok, template=shipped_template("qwen3_6.jinja"), parser="hermes")
     assert qwen.parser_name == "hermes"  # a name given is a name kept
     with pytest.raises(ValueError, match="unknown tool-call parser 'qwen'; valid: .*pythonic"):
         ChatFormat(tok, parser="qwen")
 
 
 def test_xml_values_are_typed_only_with_the_tools(tok):
-    chat = ChatFormat(tok, template=shared_template("qwen3_6.jinja"))
+    chat = ChatFormat(tok, template=shipped_template("qwen3_6.jinja"))
     text = (
         "<tool_call>\n<function=book>\n<parameter=n>\n3\n</parameter>\n<parameter=ok>\ntrue\n"
         "</parameter>\n</function>\n</tool_call>"
@@ -471,7 +471,7 @@ def test_the_template_audit_reads_typed_calls_with_the_env_s_schemas(tok):
         }
     ]
     chat = ChatFormat(
-        tok, template=shared_template("qwen3_6.jinja"), template_kwargs={"preserve_thinking": True}
+        tok, template=shipped_template("qwen3_6.jinja"), template_kwargs={"preserve_thinking": True}
     )
     report = audit(chat, tools=tools)
     assert report.parser == "qwen3_xml" and report.turns > 0

@@ -1,4 +1,4 @@
-"""SGLangEngine against the fixtures of shared/sglang and against the fake server (real HTTP).
+"""SGLangEngine against the fixtures of tests/data/sglang and against the fake server (real HTTP).
 
 Three groups: (1) the fake server reproduces every fixture it covers, so it is a faithful stand-in;
 (2) the client's parser and request body match the fixtures; (3) client behaviour under faults,
@@ -36,7 +36,7 @@ from tests.fake_sglang import (
     server_fixture,
 )
 
-FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "sglang" / "fixtures"
+FIXTURES = Path(__file__).resolve().parent / "data" / "sglang"  # tests/data/sglang/README.md
 VOCAB = {19: "4", 13048: "Hi", 1052: " there", 0: "!", 2585: " How", 26972: "Four"}
 VOLATILE = {"id", "cached_tokens", "e2e_latency", "timestamp", "port", "host"}
 OPTIONAL = {"response_sent_to_client_ts"}  # the fixtures carry it on some chunks only
@@ -44,10 +44,7 @@ FAST = {"backoff_initial_s": 0.01, "probe_interval_s": 0.05, "ready_poll_s": 0.0
 
 
 def fixture(name: str) -> dict[str, Any]:
-    path = FIXTURES / name
-    if not path.exists():
-        pytest.skip(f"fixtures not found at {FIXTURES} (shared/ must sit beside the repository)")
-    return json.loads(path.read_text())
+    return json.loads((FIXTURES / name).read_text())  # a missing fixture fails the test
 
 
 def assert_matches(

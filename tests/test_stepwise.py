@@ -1,4 +1,4 @@
-"""Step-wise trajectories (issue 30, items 1 and 2): each chat template of ../shared/chat_templates/
+"""Step-wise trajectories (issue 30, items 1 and 2): each chat template of agentgrpo/chat/templates/
 that supports tools is attached to the embedded tokenizer (with the template's own special tokens
 added), the audit reports the mode it gets, and a multi-turn tool episode with thinking, run against
 a scripted engine, is token-exact segment by segment: every engine request is a prefix of one
@@ -21,7 +21,7 @@ from agentgrpo.engine import SamplingParams
 from agentgrpo.rollout.episode import EpisodeLimits, RolloutConfig, run_episode
 from agentgrpo.run.config import load_config
 from agentgrpo.types import Segment, StopReason, Task, ToolCall, Trajectory
-from tests.conftest import SHARED, shared_template
+from tests.conftest import shipped_template, template_file
 from tests.fakes import ScriptedEngine
 
 TOOL = {
@@ -118,7 +118,7 @@ def _chat(tok, name: str, mode: str, **kw) -> ChatFormat:
     if specials:
         t.add_special_tokens({"additional_special_tokens": specials})
     return ChatFormat(
-        t, template=shared_template(name), end_of_turn=eot, trajectory_mode=mode, **kw
+        t, template=shipped_template(name), end_of_turn=eot, trajectory_mode=mode, **kw
     )
 
 
@@ -392,7 +392,7 @@ def test_calculator_trains_stepwise_with_qwen3_6_and_thinking_on_the_embedded_mo
     from agentgrpo.run.log import read_jsonl
     from envs.calculator import CalculatorEnv
 
-    template = shared_template("qwen3_6.jinja")
+    template = shipped_template("qwen3_6.jinja")
     out = tmp_path / "run"
     rc = main(
         [
@@ -400,7 +400,7 @@ def test_calculator_trains_stepwise_with_qwen3_6_and_thinking_on_the_embedded_mo
             "examples/calculator.yaml",
             "train.steps=2",
             f"output_dir={out}",
-            f"model.chat_template={SHARED / 'chat_templates' / 'qwen3_6.jinja'}",
+            "model.chat_template=qwen3_6",  # a shipped template by name
             "rollout.chat_template_kwargs={enable_thinking: true}",
             "rollout.trajectory_mode=stepwise",
             "log.progress=false",
@@ -543,7 +543,7 @@ def test_the_run_config_passes_its_end_of_turn_tokens(tok):
     config = RunConfig.model_validate(
         {
             "model": {
-                "chat_template": str(SHARED / "chat_templates" / "gptoss.jinja"),
+                "chat_template": str(template_file("gptoss.jinja")),
                 "end_of_turn": ["<|call|>", "<|return|>"],
             }
         }

@@ -7,7 +7,7 @@ import pytest
 from agentgrpo.chat.format import ChatFormat, TemplateError
 from agentgrpo.checks.template_audit import ONE_CALL, audit, audit_template, require_token_safe
 from envs.calculator import CalculatorEnv
-from tests.conftest import SHARED, shared_template
+from tests.conftest import shipped_template, template_file
 from tests.test_rollout import TASK
 
 
@@ -17,7 +17,7 @@ def kinds(report):
 
 @pytest.mark.parametrize("name", [None, "qwen2_5.jinja", "qwen3_instruct_2507.jinja"])
 def test_prefix_preserving_templates_are_exact(smol_tokenizer, name):
-    report = audit_template(smol_tokenizer, shared_template(name) if name else None)
+    report = audit_template(smol_tokenizer, shipped_template(name) if name else None)
     assert report.mode == "exact" and report.prefix_preserving and not report.issues
     assert (
         report.conversations == 12 and report.turns == 29
@@ -25,7 +25,7 @@ def test_prefix_preserving_templates_are_exact(smol_tokenizer, name):
 
 
 def test_qwen3_is_refused_with_the_reasons(smol_tokenizer):
-    report = audit_template(smol_tokenizer, shared_template("qwen3.jinja"))
+    report = audit_template(smol_tokenizer, shipped_template("qwen3.jinja"))
     assert report.mode == "refuse" and not report.prefix_preserving
     whys = {i.why for i in report.issues}
     assert whys == {
@@ -41,14 +41,16 @@ def test_qwen3_is_refused_with_the_reasons(smol_tokenizer):
 
 
 def test_keep_history_is_accepted_only_when_chosen(smol_tokenizer):
-    report = audit_template(smol_tokenizer, shared_template("qwen3.jinja"), fallback="keep_history")
+    report = audit_template(
+        smol_tokenizer, shipped_template("qwen3.jinja"), fallback="keep_history"
+    )
     assert report.mode == "keep_history" and report.fallback_works
     assert "[fallback] rewrites_history" in report.format()
 
 
 def test_preserve_thinking_switch_is_suggested(smol_tokenizer):
     # a Qwen3 variant with the switch newer Qwen templates have
-    t = shared_template("qwen3.jinja").replace(
+    t = shipped_template("qwen3.jinja").replace(
         "{%- if loop.index0 > ns.last_query_index %}",
         "{%- if (preserve_thinking is defined and preserve_thinking) or loop.index0 > "
         "ns.last_query_index %}",
@@ -63,10 +65,10 @@ def test_preserve_thinking_switch_is_suggested(smol_tokenizer):
 
 
 def test_wrong_end_of_turn_and_missing_tool_support(smol_tokenizer):
-    llama = audit_template(smol_tokenizer, shared_template("llama3_1.jinja"))
+    llama = audit_template(smol_tokenizer, shipped_template("llama3_1.jinja"))
     assert llama.mode == "refuse" and ("no_end_of_turn", True) in kinds(llama)
     assert "--end-of-turn" in llama.format()
-    phi = audit_template(smol_tokenizer, shared_template("phi3_5.jinja"))
+    phi = audit_template(smol_tokenizer, shipped_template("phi3_5.jinja"))
     assert phi.mode == "refuse" and not phi.fallback_works
     assert any(i.why == "it puts '<|im_end|>' only after the final turn" for i in phi.issues)
     assert "use a tool-aware template" in phi.format()
@@ -87,7 +89,7 @@ def test_llama_with_its_tokens_is_exact_and_the_parser_is_checked(smol_tokenizer
         }
     )
     report = audit_template(
-        tok, shared_template("llama3_1.jinja"), parser="llama3_json", end_of_turn="<|eot_id|>"
+        tok, shipped_template("llama3_1.jinja"), parser="llama3_json", end_of_turn="<|eot_id|>"
     )
     assert report.mode == "exact"
     # warnings only: no parallel calls in Llama 3.1, and "\n\n" + "12" merge differently when the
@@ -97,7 +99,7 @@ def test_llama_with_its_tokens_is_exact_and_the_parser_is_checked(smol_tokenizer
     # ...and the advice holds: the rollout renders only the call the env ran (test_rollout checks
     # it)
     assert "answers the others with a too_many_calls error" in report.format()
-    hermes = audit_template(tok, shared_template("llama3_1.jinja"), end_of_turn="<|eot_id|>")
+    hermes = audit_template(tok, shipped_template("llama3_1.jinja"), end_of_turn="<|eot_id|>")
     assert ("parser_mismatch", False) in kinds(
         hermes
     ) and "model.tool_parser=llama3_json" in hermes.format()
@@ -106,12 +108,12 @@ def test_llama_with_its_tokens_is_exact_and_the_parser_is_checked(smol_tokenizer
 def test_require_token_safe_uses_the_env_shape(smol_tokenizer, chat):
     report = require_token_safe(chat, CalculatorEnv(), TASK)
     assert report.mode == "exact" and report.conversations == 12  # tools: tool shapes included
-    qwen3 = ChatFormat(smol_tokenizer, template=shared_template("qwen3.jinja"))
+    qwen3 = ChatFormat(smol_tokenizer, template=shipped_template("qwen3.jinja"))
     with pytest.raises(TemplateError, match="not token-safe for this environment") as e:
         require_token_safe(qwen3, CalculatorEnv(), TASK)
     assert "rollout.template_fallback=keep_history" in str(e.value)
     loose = ChatFormat(
-        smol_tokenizer, template=shared_template("qwen3.jinja"), fallback="keep_history"
+        smol_tokenizer, template=shipped_template("qwen3.jinja"), fallback="keep_history"
     )
     assert require_token_safe(loose, CalculatorEnv(), TASK).mode == "keep_history"
     # without tools only the plain shapes are walked, headed by the env's own first messages
@@ -124,8 +126,7 @@ def test_check_template_command(smol_path, capsys):
 
     assert main(["check-template", str(smol_path)]) == 0
     assert "mode: exact" in capsys.readouterr().out
-    shared_template("qwen3.jinja")  # skips when shared/ is absent
-    qwen3 = str(SHARED / "chat_templates" / "qwen3.jinja")
+    qwen3 = str(template_file("qwen3.jinja"))
     assert main(["check-template", str(smol_path), "--template", qwen3]) == 1
     assert "NOT token-safe" in capsys.readouterr().out
     assert (
@@ -149,7 +150,7 @@ def test_a_template_that_cannot_render_tool_calls_is_refused_for_a_tool_env(smol
     eos = "<｜end▁of▁sentence｜>"
     deepseek = ChatFormat(
         _with_specials(smol_tokenizer, eos),
-        template=shared_template("deepseekv3.jinja"),
+        template=shipped_template("deepseekv3.jinja"),
         end_of_turn=eos,
     )
     assert deepseek.string_arguments
@@ -166,7 +167,7 @@ def test_a_template_that_cannot_render_tool_calls_is_refused_for_a_tool_env(smol
     assert audit(deepseek, tools=[]).mode == "exact"
     gemma = ChatFormat(
         _with_specials(smol_tokenizer, "<start_of_turn>", "<end_of_turn>"),
-        template=shared_template("gemma3.jinja"),
+        template=shipped_template("gemma3.jinja"),
         end_of_turn="<end_of_turn>",
     )
     report = audit(gemma)
@@ -197,7 +198,7 @@ def test_several_end_of_turn_tokens_and_a_turn_ending_at_the_next_role_token(
     from agentgrpo.cli import main
 
     tok = _with_specials(smol_tokenizer, *specials, *eots)
-    template = shared_template(name)
+    template = shipped_template(name)
     single = audit_template(tok, template, parser="auto", end_of_turn=eots)
     assert single.mode == "refuse" and kinds(single) >= {("rewrites_history", True)}
     assert ("no_end_of_turn", True) not in kinds(single)
@@ -215,7 +216,7 @@ def test_several_end_of_turn_tokens_and_a_turn_ending_at_the_next_role_token(
     one = audit_template(tok, template, parser="auto", end_of_turn=eots[0], trajectory_mode="auto")
     assert ("no_end_of_turn", True) in kinds(one)
     tok.save_pretrained(tmp_path)
-    args = ["check-template", str(tmp_path), "--template", str(SHARED / "chat_templates" / name)]
+    args = ["check-template", str(tmp_path), "--template", str(template_file(name))]
     args += [a for e in eots for a in ("--end-of-turn", e)]
     assert main([*args, "--trajectory-mode", "auto"]) == 0
     assert "mode: stepwise" in capsys.readouterr().out

@@ -30,7 +30,7 @@ from agentgrpo.engine.weight_sync import (
 )
 from tests.fake_sglang import FakeSGLang, FakeSGLangProcess, TinyModelBackend
 
-FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "sglang" / "fixtures"
+FIXTURES = Path(__file__).resolve().parent / "data" / "sglang"
 EOS = 127
 
 
@@ -366,15 +366,11 @@ async def test_distributed_push_with_gloo_in_two_processes(tmp_path):
     names = [n for u in updates[:per_push] for n in u["names"]]
     assert names == list(sd)
     assert [u.get("weight_version") for u in updates[:per_push]] == [None] * (per_push - 1) + ["1"]
-    if (FIXTURES / "init_weights_update_group.json").exists():
-        fx_init = json.loads((FIXTURES / "init_weights_update_group.json").read_text())["request"][
-            "json"
-        ]
-        fx_upd = json.loads((FIXTURES / "update_weights_from_distributed.json").read_text())[
-            "request"
-        ]["json"]
-        assert set(inits[0]) == set(fx_init)
-        assert set(updates[-1]) == set(fx_upd) and all(set(u) <= set(fx_upd) for u in updates)
+    fx_init = json.loads((FIXTURES / "init_weights_update_group.json").read_text())["request"]
+    fx_upd = json.loads((FIXTURES / "update_weights_from_distributed.json").read_text())["request"]
+    assert set(inits[0]) == set(fx_init["json"])
+    fx_upd = fx_upd["json"]
+    assert set(updates[-1]) == set(fx_upd) and all(set(u) <= set(fx_upd) for u in updates)
 
 
 async def test_a_distributed_push_reaches_every_server_of_the_group_or_none(tmp_path):

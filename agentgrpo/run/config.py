@@ -23,6 +23,7 @@ from agentgrpo.algo.advantage import AdvantageConfig
 from agentgrpo.algo.loss import LossConfig
 from agentgrpo.algo.shaping import ShapingConfig
 from agentgrpo.chat.format import ChatFormat
+from agentgrpo.chat.shipped import load_template
 from agentgrpo.engine.config import EngineConfig
 from agentgrpo.engine.weight_sync import WeightSyncConfig
 from agentgrpo.env.base import Env, get_env_class, tasks_from_file
@@ -43,7 +44,9 @@ class ModelConfig(BaseModel):
         None, description="model directory; None = the embedded SmolLM2-135M-Instruct"
     )
     chat_template: str | None = Field(
-        None, description="Jinja template file overriding the tokenizer's"
+        None,
+        description="the chat template overriding the tokenizer's: a Jinja file, or the name of "
+        "one shipped in agentgrpo/chat/templates/ (qwen2_5, qwen3, llama3_1, gptoss, ...)",
     )
     tool_parser: str = Field(
         "auto",
@@ -288,7 +291,7 @@ class RunConfig(BaseModel):
         path = self.model.chat_template
         return ChatFormat(
             tokenizer,
-            template=Path(path).read_text() if path else None,
+            template=load_template(path) if path else None,
             parser=self.model.tool_parser,
             end_of_turn=self.model.end_of_turn,
             fallback=self.rollout.template_fallback,

@@ -1,10 +1,10 @@
 """In-process transformers engine: batches concurrent `generate` calls on one model (CPU default).
 
-`LocalEngine` is the embedded default of DESIGN.md: the whole GRPO loop runs in one process on a CPU
-with no inference server. It speaks the same token-in/token-out `Engine` protocol as `SGLangEngine`.
-This module holds the engine, its request queue and worker loop and the weight updates; the
-running batch (prefill, the shared KV cache, a decode step) is `local_batch.py` and the sampling
-function `sampling.py`.
+`LocalEngine` is the embedded default (docs/design.md): the whole GRPO loop runs in one process on
+a CPU with no inference server. It speaks the same token-in/token-out `Engine` protocol as
+`SGLangEngine`. This module holds the engine, its request queue and worker loop and the weight
+updates; the running batch (prefill, the shared KV cache, a decode step) is `local_batch.py` and
+the sampling function `sampling.py`.
 
 How it works (decisions):
 - **Continuous batching.** One background thread owns the model and runs a hand-written decode loop

@@ -4,10 +4,10 @@
 
 Token in, token out: the client sends `input_ids` and reads the sampled ids and their logprobs from
 `meta_info.output_token_logprobs` (every SGLang version has it; `output_ids` is missing before
-v0.5.0). It sends exactly the RL sampling settings of `shared/sglang/PROTOCOL.md` section 9 and no
+v0.5.0). It sends exactly the RL sampling settings of docs/serving.md and no
 other `sampling_params` key, because SGLang answers an unknown key with a 500.
 
-Decisions (see PROTOCOL.md for the server side of each):
+Decisions (docs/serving.md has the server side of each):
 - Balancing, failures and retries live in `sglang_pool.py`: least outstanding requests over the
   healthy servers, every turn of an episode on one server (`SamplingParams.session_id`, sticky
   routing); a failing server leaves the rotation and rejoins once healthy; a request that

@@ -7,7 +7,7 @@ that reach them: `/generate` goes over one aiohttp session per server (keep-aliv
 C-accelerated HTTP parsing; httpx costs many times its CPU per request, see docs/performance.md),
 health probes and the engine's control calls over one httpx client.
 
-Decisions (see PROTOCOL.md for the server side of each):
+Decisions (docs/serving.md has the server side of each):
 - Balancing: least outstanding requests over the healthy servers, at most `max_inflight_per_server`
   requests in flight per server (callers beyond that wait for a slot).
 - Sticky routing: the requests of one episode (`SamplingParams.session_id`, the same on every

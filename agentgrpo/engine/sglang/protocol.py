@@ -2,7 +2,7 @@
 
 Split from the client (`sglang.py`: requests and weight updates; `sglang_pool.py`: balancing and
 retries) so the protocol can be read and tested on its own. Every response shape in
-`shared/sglang/fixtures/` (old and new versions) is parsed here; see `shared/sglang/PROTOCOL.md`
+`tests/data/sglang/` (old and new versions) is parsed here; see docs/serving.md
 for what each field means.
 """
 
@@ -184,14 +184,14 @@ def is_context_length_error(message: str) -> bool:
 
 
 def context_length_of(message: str) -> int | None:
-    """The context length C that SGLang's context-length 400 names, or None. Its rule (PROTOCOL.md
-    1.2) is `prompt + max_new_tokens < C`."""
+    """The context length C that SGLang's context-length 400 names, or None. Its rule
+    (docs/serving.md, errors) is `prompt + max_new_tokens < C`."""
     m = _CONTEXT_OF.search(message)
     return int(m.group(1)) if m else None
 
 
 def sampling_body(params: SamplingParams, max_new_tokens: int) -> dict[str, Any]:
-    """The `sampling_params` object: PROTOCOL.md section 9's RL settings and known keys only."""
+    """The `sampling_params` object: docs/serving.md's RL settings and known keys only."""
     sp: dict[str, Any] = {
         "max_new_tokens": max_new_tokens,
         "temperature": params.temperature,
