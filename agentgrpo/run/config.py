@@ -164,29 +164,25 @@ class TrainLoopConfig(BaseModel):
         ge=0,
         description="how many updates behind the learner a trained sample may be (its policy lag: "
         "the learner's version minus the oldest weights that sampled any of its tokens). 0: each "
-        "step samples, then trains (synchronous); 1: the next step samples while this one trains "
-        "(as overlap_rollouts); k >= 2: groups are sampled continuously and each step takes the "
-        "ready ones, never one beyond k (agentgrpo.run.pipeline)",
+        "step samples, then trains (synchronous); 1: the next step samples while this one trains; "
+        "k: groups are sampled continuously and each step takes the ready ones, never one beyond "
+        "k. One scheduler runs them all (agentgrpo.run.pipeline)",
     )
     overlap_rollouts: bool = Field(
         False,
-        description="the same as max_staleness: 1 (kept for existing configs): sample step t+1's "
-        "rollouts while step t trains; not across a checkpoint, so resuming stays exact",
+        description="deprecated, for existing configs: the same as max_staleness: 1",
     )
 
     @model_validator(mode="after")
     def _one_staleness(self) -> TrainLoopConfig:
-        if self.overlap_rollouts and self.max_staleness not in (0, 1):
-            raise ValueError(
-                f"train.overlap_rollouts is max_staleness: 1, but max_staleness is "
-                f"{self.max_staleness}; set only max_staleness"
-            )
+        if self.overlap_rollouts:  # the old name: folded into the one the code reads
+            if self.max_staleness not in (0, 1):
+                raise ValueError(
+                    f"train.overlap_rollouts is max_staleness: 1, but max_staleness is "
+                    f"{self.max_staleness}; set only max_staleness"
+                )
+            self.max_staleness = 1
         return self
-
-    @property
-    def staleness(self) -> int:
-        """The bound in force: `max_staleness`, or 1 for `overlap_rollouts`."""
-        return max(self.max_staleness, int(self.overlap_rollouts))
 
 
 class LogConfig(BaseModel):
@@ -304,14 +300,15 @@ class RunConfig(BaseModel):
         # Recomputed old logprobs come from the current weights: with overlapped rollouts that would
         # silently drop the correction for sampling one version behind, unless TIS or MIS put it
         # back.
+        k = self.train.max_staleness
         if (
-            self.train.staleness
+            k
             and self.learner.old_logprobs == "recompute"
             and self.loss.tis == "none"
             and self.loss.mis == "none"
         ):
             raise ValueError(
-                f"train.max_staleness={self.train.staleness} with learner.old_logprobs=recompute "
+                f"train.max_staleness={k} with learner.old_logprobs=recompute "
                 "ignores that the rollouts came from older weights; set loss.tis or loss.mis "
                 "(token or sequence) to correct for it, or keep old_logprobs: rollout (the ratio "
                 "is then taken against the sampling weights)"
@@ -365,11 +362,11 @@ class RunConfig(BaseModel):
     @model_validator(mode="after")
     def _released_while_training_only(self) -> RunConfig:
         # Overlapped steps sample while the learner trains: the servers' memory cannot be lent then.
-        sglang = self.engine.sglang
-        if sglang is not None and sglang.release_memory_during_training and self.train.staleness:
+        sglang, k = self.engine.sglang, self.train.max_staleness
+        if sglang is not None and sglang.release_memory_during_training and k:
             raise ValueError(
                 "engine.sglang.release_memory_during_training with train.max_staleness="
-                f"{self.train.staleness}: the servers sample while the learner trains, so they "
+                f"{k}: the servers sample while the learner trains, so they "
                 "cannot free their memory meanwhile; turn one of them off"
             )
         return self
