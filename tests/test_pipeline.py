@@ -25,6 +25,7 @@ async def learn(pipe, steps, *, first=0, train_s=0.0, trained=None):
             groups = (await pipe.take(step)).groups
             trained.append((step, groups))
             await asyncio.sleep(train_s)
+            await pipe.settle(step + 1)
             pipe.advance(step + 1)
     finally:
         await pipe.close()
@@ -175,6 +176,37 @@ def test_a_group_is_judged_before_it_is_trained():
     taken = asyncio.run(take_first(pipe))
     assert [p for p, _ in taken.groups] == [0]
     assert (taken.rejected, taken.replaced) == (1, 0)
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_settle_waits_for_the_groups_the_next_step_needs_and_no_others(k):
+    """Before the push for step s + 1 the learner waits for the groups whose deadline is s + 1,
+    so they never sample across it: at k = 1 every group in flight; at k = 2 younger ones (a
+    deadline after s + 1) sample on."""
+    in_flight_at_push = []
+
+    async def main():
+        pipe = StalenessPipeline(
+            sampler(lambda p: 0.1 if p % 4 == 3 else 0.001),
+            positions(),
+            per_step=2,
+            max_staleness=k,
+            steps=6,
+        )
+        pipe.start()
+        try:
+            for step in range(6):
+                await pipe.take(step)
+                await pipe.settle(step + 1)
+                late = [t for t in pipe.tickets if not t.finished]
+                assert all(t.deadline > step + 1 for t in late)
+                in_flight_at_push.append(len(late))
+                pipe.advance(step + 1)
+        finally:
+            await pipe.close()
+
+    asyncio.run(main())
+    assert (max(in_flight_at_push) == 0) == (k == 1)
 
 
 def test_a_planned_checkpoint_fences_the_slots_after_it():

@@ -61,8 +61,9 @@ class StalenessPipeline(Generic[T]):
     drops a finished group; at most `max_replaced` dropped groups per step are replaced by new
     admissions (None: all), the others shrink the step. `fenced(step)`: a checkpoint is planned
     after `step`, so nothing admitted before it may be trained after it (see `fence`).
-    Call `start()` on the event loop, `take(step)` for each step's groups, `advance(version)` once
-    the engine serves the new weights, and `close()` at the end.
+    Call `start()` on the event loop, `take(step)` for each step's groups, `settle(step + 1)`
+    before the weights change, `advance(version)` once the engine serves the new weights, and
+    `close()` at the end.
     """
 
     def __init__(
@@ -128,6 +129,19 @@ class StalenessPipeline(Generic[T]):
         self._changed.set()
         rejected, replaced = self.rejected_in.pop(step, 0), self.replaced_in.pop(step, 0)
         return Taken([t.job.result() for t in mine], rejected, replaced)
+
+    async def settle(self, step: int) -> None:
+        """Wait until every group that step `step` must train (its deadline) has finished: call
+        it before the weights change for that step. Those groups hold the next step whatever
+        happens, so letting them finish under the weights they started with costs the learner at
+        most the push, and spares them a weight change mid-episode (an SGLang push without partial
+        rollouts aborts and resends their requests). At k = 1 that is every group in flight."""
+        while True:
+            self._raise_if_failed()
+            if all(t.finished for t in self.tickets if t.deadline <= step):
+                return
+            self._changed.clear()
+            await self._changed.wait()
 
     def fence(self, step: int) -> list[int]:
         """A checkpoint follows `step`, decided only now (a time-based one): the groups admitted

@@ -298,8 +298,11 @@ def run_step(run: Run, step: int) -> bool:
         run.pipeline.fence(step)
     metrics = dict(rollouts.metrics)
     metrics.update(train_update(run, update))
+    if run.pipeline is not None:  # the groups the next step cannot do without, before the push
+        run.progress.phase("drain")
+        run.loop.run_until_complete(run.pipeline.settle(done))
     run.progress.phase("sync")
-    run.push_weights(done)  # with k >= 1 episodes run on; without partial rollouts, a barrier
+    run.push_weights(done)  # with k >= 2 younger groups sample on, under the new weights
     run.steps_done = done
     if run.pipeline is not None:
         run.pipeline.advance(done)
