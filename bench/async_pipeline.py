@@ -24,8 +24,9 @@ trained groups (mean, max).
 
 `--real` trains the embedded model on the calculator env for a few steps per mode (k = 0, 1, 2, 4,
 and k = 2 with the engine's decoding thread at full width instead of half the CPU threads) with the
-local engine in this process, and prints trajectories per second and the policy lag from the run's
-own metrics: what overlapping buys when the engine and the learner share this machine's cores.
+local engine in the run's process (a fresh one per mode), and prints trajectories per second and
+the policy lag from the run's own metrics: what overlapping buys when the engine and the learner
+share this machine's cores.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import math
 import os
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -162,8 +164,28 @@ def run_simulated(args: argparse.Namespace) -> dict:
     return results
 
 
+REAL_MODES = {"k=0": 0, "k=1": 1, "k=2": 2, "k=4": 4, "k=2 unsplit": 2}
+
+
 def run_real(args: argparse.Namespace) -> dict:
-    """A few steps per mode of the calculator run on the local engine, in this process."""
+    """A few steps per mode of the calculator run on the local engine, each mode in a fresh
+    process: five runs in one process held up to 10 GB (memory the earlier runs left behind), and
+    each starts with torch's thread settings as a run from the CLI does."""
+    results = {}
+    for name in REAL_MODES:
+        with tempfile.TemporaryDirectory() as tmp:
+            command = [sys.executable, os.path.abspath(__file__), "--real-mode", name]
+            command += ["--real-steps", str(args.real_steps), "--out", tmp]
+            subprocess.run(command, check=True)
+            results[name] = json.loads((Path(tmp) / "mode.json").read_text())
+    base = results["k=0"]["trajectories_per_s"]
+    for r in results.values():
+        r["throughput_vs_k0"] = r["trajectories_per_s"] / base
+    return results
+
+
+def run_real_mode(name: str, steps: int) -> dict[str, float]:
+    """One mode of `--real`, in this process."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     from agentgrpo.models.hardware import set_cpu_thread_env
@@ -175,44 +197,36 @@ def run_real(args: argparse.Namespace) -> dict:
     from agentgrpo.run.log import read_jsonl
     from agentgrpo.run.train import train
 
-    results = {}
-    modes = {f"k={k}": (k, []) for k in (0, 1, 2, 4)}
-    # k = 2 without the CPU split: the engine's decoding thread at the run's full width too
-    modes["k=2 unsplit"] = (2, [f"engine.threads={torch.get_num_threads()}"])
-    for name, (k, extra) in modes.items():
-        with tempfile.TemporaryDirectory() as tmp:
-            cfg = load_config(
-                "examples/calculator.yaml",
-                [
-                    f"output_dir={tmp}/run",
-                    f"train.steps={args.real_steps}",
-                    f"train.max_staleness={k}",
-                    "rollout.group_size=4",
-                    "rollout.tasks_per_step=2",
-                    "log.progress=false",
-                    "log.tensorboard=false",
-                    "train.save_every_s=null",
-                    *extra,
-                ],
-            )
-            t0 = time.perf_counter()
-            train(cfg)
-            wall = time.perf_counter() - t0
-            metrics = read_jsonl(Path(tmp) / "run" / "metrics.jsonl")
-        trajectories = args.real_steps * 2 * 4
-        steps_s = sum(m["step_s"] for m in metrics)
-        results[name] = {
-            "trajectories_per_s": trajectories / steps_s,
-            "steps_s": steps_s,
-            "wall_s": wall,
-            "policy_lag_mean": statistics.fmean(m["policy_lag_mean"] for m in metrics),
-            "policy_lag_max": max(m["policy_lag"] for m in metrics),
-            "learner_wait_s": sum(m["rollout_s"] for m in metrics),  # the whole rollout at k = 0
-        }
-    base = results["k=0"]["trajectories_per_s"]
-    for r in results.values():
-        r["throughput_vs_k0"] = r["trajectories_per_s"] / base
-    return results
+    # "k=2 unsplit": the engine's decoding thread at the run's full width too, not half of it
+    extra = [f"engine.threads={torch.get_num_threads()}"] if name.endswith("unsplit") else []
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = load_config(
+            "examples/calculator.yaml",
+            [
+                f"output_dir={tmp}/run",
+                f"train.steps={steps}",
+                f"train.max_staleness={REAL_MODES[name]}",
+                "rollout.group_size=4",
+                "rollout.tasks_per_step=2",
+                "log.progress=false",
+                "log.tensorboard=false",
+                "train.save_every_s=null",
+                *extra,
+            ],
+        )
+        t0 = time.perf_counter()
+        train(cfg)
+        wall = time.perf_counter() - t0
+        metrics = read_jsonl(Path(tmp) / "run" / "metrics.jsonl")
+    steps_s = sum(m["step_s"] for m in metrics)
+    return {
+        "trajectories_per_s": steps * 2 * 4 / steps_s,
+        "steps_s": steps_s,
+        "wall_s": wall,
+        "policy_lag_mean": statistics.fmean(m["policy_lag_mean"] for m in metrics),
+        "policy_lag_max": max(m["policy_lag"] for m in metrics),
+        "learner_wait_s": sum(m["rollout_s"] for m in metrics),  # the whole rollout at k = 0
+    }
 
 
 def main() -> None:
@@ -233,8 +247,13 @@ def main() -> None:
     p.add_argument("--warm", type=int, default=3, help="steps left out at each end")
     p.add_argument("--real", action="store_true", help="the real local engine and learner")
     p.add_argument("--real-steps", type=int, default=4)
+    p.add_argument("--real-mode", choices=REAL_MODES, help=argparse.SUPPRESS)  # one, in-process
     p.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     args = p.parse_args()
+    if args.real_mode is not None:
+        result = run_real_mode(args.real_mode, args.real_steps)
+        (Path(args.out) / "mode.json").write_text(json.dumps(result))
+        return
     results = run_real(args) if args.real else run_simulated(args)
     name = "async_pipeline_real.json" if args.real else "async_pipeline.json"
     Path(args.out).mkdir(parents=True, exist_ok=True)
