@@ -226,6 +226,10 @@ class Session:
         self.backend = conn.backend
         self._on_close = on_close
         self.calls, self.spent_s = 0, 0.0
+        try:  # read now: once the init has exited its pid may name another process
+            self._pid_ns: str | None = os.readlink(f"/proc/{init_pid}/ns/pid")
+        except (OSError, TypeError):
+            self._pid_ns = None
         self.closed = False
         self._close_lock = threading.Lock()
 
@@ -395,7 +399,7 @@ class Session:
         )
         if res["status"] != "ok" or res.get("truncated"):
             why = out[1].decode("utf-8", "replace").strip() or res.get("detail") or res["status"]
-            if res["status"] == "ok":
+            if res["status"] in ("ok", "output_limit"):
                 why = f"longer than {max_bytes} bytes"
             raise SessionFileError(f"cannot read {path}: {why[:500]}")
         return out[0]
@@ -424,11 +428,8 @@ class Session:
     def processes(self) -> list[int]:
         """Host pids of the session's processes (its init included): every process in its PID
         namespace. Empty once it is closed."""
-        if self.init_pid is None:
-            return []
-        try:
-            ns = os.readlink(f"/proc/{self.init_pid}/ns/pid")
-        except OSError:
+        ns = self._pid_ns
+        if ns is None:
             return []
         found = []
         for name in os.listdir("/proc"):
