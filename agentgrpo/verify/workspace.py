@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
 from agentgrpo.verify._tree import tree_checksum
 from agentgrpo.verify.session import Session, SessionError, SessionLimits, WorkspaceMount
@@ -59,6 +59,7 @@ class Workspace(BaseModel):
         (), description="shell commands run once in the prepared tree, in the sandbox, in order"
     )
     setup_timeout_s: float = Field(300.0, gt=0, description="time limit of each setup command")
+    _key: str | None = PrivateAttr(None)
 
     @field_validator("files")
     @classmethod
@@ -70,7 +71,13 @@ class Workspace(BaseModel):
         return files
 
     def key(self) -> str:
-        """A digest of everything that decides the prepared tree (same key, same tree)."""
+        """A digest of everything that decides the prepared tree (same key, same tree); computed
+        once per instance (a group's members share theirs)."""
+        if self._key is None:
+            self._key = self._digest()
+        return self._key
+
+    def _digest(self) -> str:
         h = hashlib.sha256()
         for name in sorted(self.files):
             data = self.files[name]
