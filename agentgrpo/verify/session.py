@@ -305,6 +305,11 @@ class Session:
             on_close=on_close,
         )
 
+    @property
+    def interpreter(self) -> str:
+        """The session's interpreter (the sandbox's base Python), as a path inside the jail."""
+        return self._python
+
     # ---- calls ---------------------------------------------------------------------------------
 
     def _budget(self, timeout_s: float | None) -> float:
