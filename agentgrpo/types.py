@@ -203,7 +203,7 @@ class EnvStep(tuple):
     An env returns a plain 5-tuple, or an `EnvStep` when it has more to say. It unpacks like the
     5-tuple, so Gymnasium's tools keep working; the rollout converts a plain tuple once with
     `EnvStep.of`. The framework reads no key of `info`: that dict is the env's own (kept in
-    `Trajectory.env_info` when the step ends the episode).
+    `Trajectory.env_info`, over reset's info, when the step ends the episode).
 
     - `stop_reason`: why the episode ends, for a step that ends it. Default: COMPLETED when
       terminated, TRUNCATED when truncated. An env may say PARSE_ERROR or TOOL_ERROR instead;
@@ -399,7 +399,9 @@ class Trajectory:
     tool_outputs_truncated: int = 0  # tool messages cut to max_tool_output_tokens
     stop_detail: str = ""  # human-readable reason (the exception, the deadline that expired, ...)
     deadline: Literal["turn", "episode", "step"] | None = None  # which one ended it (TIMEOUT)
-    env_info: dict[str, Any] = field(default_factory=dict)  # the ending step's info, as JSON
+    # reset's info, updated by the ending step's (as JSON): why an answer scored 0, test results,
+    # the workspace checksum of a session env
+    env_info: dict[str, Any] = field(default_factory=dict)
     env_reward: float | None = None  # the env's own reward, when a rubric replaced it
     reward_parts: dict[str, float] = field(default_factory=dict)
     reward_detail: str = ""  # the rubric's notes (errors, verifier details)

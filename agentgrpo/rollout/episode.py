@@ -297,6 +297,7 @@ class Episode:
             detail = f"first prompt: {e}" if isinstance(e, TemplateError) else str(e)
             raise EpisodeEnds(StopReason.ENV_ERROR, detail) from e
         self.traj.messages = messages
+        self.traj.env_info = _as_json(first[1])  # reset's info (a workspace's checksum, ...)
         self.traj.prompt_len = len(token_ids)
         self._extend(token_ids, None)
 
@@ -403,7 +404,7 @@ class Episode:
         new = [self._cut_tool_output(m) for m in new]
         if step.stop_reason is not None:
             traj.messages.extend(new)
-            traj.env_info = _as_json(step.info)
+            traj.env_info = {**traj.env_info, **_as_json(step.info)}
             raise EpisodeEnds(step.stop_reason)
         if not new:
             raise EpisodeEnds(
