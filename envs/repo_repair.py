@@ -36,6 +36,7 @@ Example:
 from __future__ import annotations
 
 import fnmatch
+import functools
 import json
 import math
 import random
@@ -208,13 +209,18 @@ def _source(fn: _Fn, body: str) -> str:
     return f'def {fn.name}({fn.params}):\n    """{fn.doc}"""\n{inner}\n'
 
 
-def _call(fn: _Fn, source: str, args: tuple) -> Any:
-    """`fn` as `source` defines it, applied to `args` (our own generated code, run here);
-    an exception is a value too (a bug may raise)."""
+@functools.lru_cache(maxsize=256)
+def _compiled(name: str, source: str) -> Any:
     scope: dict[str, Any] = {}
-    exec(source, scope)
+    exec(source, scope)  # our own generated code, run here to compute expected values
+    return scope[name]
+
+
+def _call(fn: _Fn, source: str, args: tuple) -> Any:
+    """`fn` as `source` defines it, applied to `args`; an exception is a value too (a bug may
+    raise)."""
     try:
-        return scope[fn.name](*args)
+        return _compiled(fn.name, source)(*args)
     except Exception as e:  # noqa: BLE001 - the planted bug's failure is data
         return ("raised", type(e).__name__)
 
@@ -226,11 +232,16 @@ def _expr(fn: _Fn, args: tuple, value: Any) -> str:
     return f"assert {call} == {value!r}"
 
 
-def _cases(fn: _Fn, bug: str, rng: random.Random) -> tuple[list[tuple], list[tuple]]:
-    """Distinct argument tuples of `fn`: those on which `bug` shows, and those where it does not."""
+def _cases(
+    fn: _Fn, bug: str, rng: random.Random, shows_wanted: int = 7, hides_wanted: int = 3
+) -> tuple[list[tuple], list[tuple]]:
+    """Distinct (arguments, right value) cases of `fn`: those on which `bug` shows, and those
+    where it does not; drawing stops once both lists are long enough."""
     seen, shows, hides = set(), [], []
     good, bad = _source(fn, fn.body), _source(fn, bug)
     for _ in range(200):
+        if len(shows) >= shows_wanted and len(hides) >= hides_wanted:
+            break
         args = fn.case(rng)
         if repr(args) in seen:
             continue
@@ -258,7 +269,7 @@ def make_task(split: str, seed: int, i: int) -> Task:
     )
     tests = [f"from {pkg}.core import {', '.join(f.name for f in fns)}\n"]
     for f in fns:
-        visible = [shows[0], *hides[:2]] if f is broken else _cases(f, f.body, rng)[1][:3]
+        visible = [shows[0], *hides[:2]] if f is broken else _cases(f, f.body, rng, 0)[1][:3]
         lines = "\n".join("    " + _expr(f, a, v) for a, v in visible)
         tests.append(f"\ndef test_{f.name}():\n{lines}\n")
     hidden = [f"from {pkg}.core import {broken.name}\n{_expr(broken, a, v)}" for a, v in shows[1:7]]

@@ -52,6 +52,8 @@ class WorkspaceEnv(ToolEnv):
         ...     tool_names = ("bash",)
         ...     async def reward(self, task, messages):
         ...         return float("done" in (await self.session.run("ls")).stdout)
+        >>> [t["function"]["name"] for t in Touch().tool_schemas()]
+        ['bash']
     """
 
     tool_names: ClassVar[tuple[str, ...]] = TOOL_NAMES

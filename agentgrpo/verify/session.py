@@ -148,8 +148,8 @@ class _Conn:
                 chunk = None
             except OSError:
                 chunk = b""
-            if chunk == b"":
-                self.fail("the session's process exited")
+            if chunk == b"":  # the init exited: its host cleans up and exits by itself
+                self.fail("the session's process exited", kill=False)
                 return
             if chunk:
                 buf += chunk
@@ -167,8 +167,9 @@ class _Conn:
                 self.fail("a call passed its time limit without an answer: the session hung")
                 return
 
-    def fail(self, why: str) -> None:
-        """Fail every waiting call and stop the session's process."""
+    def fail(self, why: str, kill: bool = True) -> None:
+        """Fail every waiting call; `kill`: stop the session's process too (it hung). Without,
+        its host is left to reap its init and remove its cgroups (`close_sync` waits for it)."""
         with self.lock:
             self.dead = self.dead or why
             waiting = list(self.pending.values())
@@ -176,7 +177,8 @@ class _Conn:
         for fut, _ in waiting:
             if not fut.done():
                 fut.set_exception(SessionError(f"{why} (backend {self.backend})"))
-        _stop(self.proc)
+        if kill:
+            _stop(self.proc)
 
 
 def _stop(proc: subprocess.Popen, grace_s: float = 0.0) -> None:
