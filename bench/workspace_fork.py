@@ -8,8 +8,9 @@ A workspace of `--mb` MB in `--files` files (seeded random bytes) is prepared on
 Printed per mode: the one-off preparation, the group's start (all sessions
 answering), its close (forks removed), the bytes its forks added on disk, and the group start's
 ratio to `copy` (a full copy per session: the baseline). A plain `shutil.copytree` of the tree,
-`--group` times, without any sandbox, is measured beside them. Then one session per mode checks
-its fork in the jail (`Session.checksum`) against the prepared checksum. Needs root (namespaces).
+`--group` times, without any sandbox, is measured beside them, and so is one session alone
+(start, a first and a second shell call, close). Each mode's last session checks its fork in the
+jail (`Session.checksum`) against the prepared checksum. Needs root (namespaces).
 """
 
 from __future__ import annotations
@@ -98,6 +99,29 @@ async def bench_mode(mode: str, spec: Workspace, args: argparse.Namespace, state
     }
 
 
+async def one_session(state: str, n: int = 10) -> dict:
+    """Medians over `n` sessions one after another, without a workspace: start, two shell calls
+    (the first starts bash), close."""
+    sb = Sandbox(backend="namespaces", config=SandboxConfig(slots=1, state_dir=state))
+    times: dict[str, list[float]] = {"start_s": [], "first_call_s": [], "call_s": [], "close_s": []}
+    try:
+        for _ in range(n):
+            t0 = time.perf_counter()
+            ws = await sb.session(None)
+            t1 = time.perf_counter()
+            await ws.run("true")
+            t2 = time.perf_counter()
+            await ws.run("true")
+            t3 = time.perf_counter()
+            await ws.close()
+            t4 = time.perf_counter()
+            for k, v in zip(times, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
+                times[k].append(v)
+    finally:
+        sb.close()
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
 def plain_copies(spec: Workspace, group: int, state: str) -> float:
     src = tempfile.mkdtemp(dir=state)
     for name, data in spec.files.items():
@@ -127,6 +151,7 @@ def main() -> None:
     try:
         results = [asyncio.run(bench_mode(m, spec, args, state)) for m in MODES]
         raw = plain_copies(spec, args.group, state)
+        single = asyncio.run(one_session(state))
     finally:
         shutil.rmtree(state, ignore_errors=True)
     base = next(r for r in results if r["mode"] == "copy")["group_start_s"]
@@ -145,9 +170,14 @@ def main() -> None:
             f"{r['fork_disk_mb']:>8.1f}MB {r['checksum_in_jail_s']:>8.3f}s {r['forks_identical']}"
         )
     print(f"plain shutil.copytree x{args.group}, no sandbox: {raw:.3f}s")
+    print(
+        "one session alone (median of 10): "
+        + ", ".join(f"{k.removesuffix('_s')} {v * 1000:.0f} ms" for k, v in single.items())
+    )
     if args.json:
+        out = {"args": vars(args), "results": results, "plain_copies_s": raw, "one": single}
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "results": results, "plain_copies_s": raw}, f, indent=1)
+            json.dump(out, f, indent=1)
 
 
 if __name__ == "__main__":
