@@ -39,6 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from agentgrpo.env.tool import ToolError
 from agentgrpo.types import InfrastructureError
 from agentgrpo.verify import _frames
+from agentgrpo.verify._local_client import _recv_exact
 from agentgrpo.verify._records import ExecResult
 from agentgrpo.verify._runner import CLEAN_ENV
 
@@ -191,17 +192,8 @@ def _stop(proc: subprocess.Popen, grace_s: float = 0.0) -> None:
 
 
 def _recv_frame(sock: socket.socket) -> tuple[dict, list[bytes]]:
-    def exact(n: int) -> bytes:
-        buf = b""
-        while len(buf) < n:
-            chunk = sock.recv(n - len(buf))
-            if not chunk:
-                raise ConnectionError("the session's process exited while starting")
-            buf += chunk
-        return buf
-
-    (n,) = struct.unpack("!I", exact(4))
-    return _frames.unpack(exact(n))
+    (n,) = struct.unpack("!I", _recv_exact(sock, 4))
+    return _frames.unpack(_recv_exact(sock, n))
 
 
 class Session:
