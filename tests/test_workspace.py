@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 
 import pytest
 
@@ -34,15 +35,22 @@ SPEC = Workspace(
 
 
 def _sandbox(fork: str) -> Sandbox:
-    if os.geteuid() != 0:
-        pytest.skip("sessions need the namespaces backend, which needs root")
+    """A namespaces sandbox forking by `fork`; "bwrap": a bubblewrap one (it forks by copying)."""
+    backend = "bwrap" if fork == "bwrap" else "namespaces"
+    if backend == "namespaces" and os.geteuid() != 0:
+        pytest.skip("the namespaces backend needs root")
+    if backend == "bwrap" and shutil.which("bwrap") is None:
+        pytest.skip("bubblewrap is not installed (scripts/system-deps.sh installs it)")
     try:
-        return Sandbox(backend="namespaces", config=SandboxConfig(slots=1, fork=fork))
+        return Sandbox(
+            backend=backend,
+            config=SandboxConfig(slots=1, fork="copy" if backend == "bwrap" else fork),
+        )
     except RuntimeError as e:
-        pytest.skip(f"the namespaces backend cannot start here: {e}")
+        pytest.skip(f"the {backend} backend cannot start here: {e}")
 
 
-@pytest.fixture(scope="module", params=FORKS)
+@pytest.fixture(scope="module", params=[*FORKS, "bwrap"])
 def sandbox(request):
     sb = _sandbox(request.param)
     yield sb
@@ -101,8 +109,8 @@ async def test_another_episode_and_a_closed_one_never_see_it(sandbox):
         await third.close()
 
 
-async def test_no_process_of_a_closed_episode_is_alive(overlay):
-    ws = await overlay.session(SPEC)
+async def test_no_process_of_a_closed_episode_is_alive(sandbox):
+    ws = await sandbox.session(SPEC)
     await ws.run(
         "sleep 1000 & setsid sleep 1001 & (sleep 1002 &) ; nohup sleep 1003 >/dev/null 2>&1 &"
         " (trap '' TERM HUP; exec sleep 1004) & disown"
@@ -161,9 +169,9 @@ async def test_a_hardlinked_fork_cannot_write_through_its_links():
         sb.close()
 
 
-async def test_isolation_holds_in_a_session(overlay, monkeypatch):
+async def test_isolation_holds_in_a_session(sandbox, monkeypatch):
     monkeypatch.setenv("AGENTGRPO_TEST_SECRET", "s3cret")
-    ws = await overlay.session(SPEC)
+    ws = await sandbox.session(SPEC)
     try:
         res = await ws.run("id -u; env; ls /; ls /proc | grep -c '^[0-9]'")
         uid, *rest = res.stdout.splitlines()
@@ -181,9 +189,9 @@ async def test_isolation_holds_in_a_session(overlay, monkeypatch):
         await ws.close()
 
 
-async def test_call_limits_stop_the_call_and_keep_the_files(overlay):
+async def test_call_limits_stop_the_call_and_keep_the_files(sandbox):
     limits = SessionLimits(call_timeout_s=1.0, output_bytes=1000)
-    ws = await overlay.session(SPEC, limits=limits)
+    ws = await sandbox.session(SPEC, limits=limits)
     try:
         await ws.run("echo kept > kept.txt; export V=1")
         res = await ws.run("sleep 30")
@@ -262,11 +270,11 @@ async def test_a_failing_setup_command_is_the_task_s_error(overlay):
         await overlay.session(broken)
 
 
-def test_sessions_need_the_namespaces_backend():
+def test_sessions_need_a_local_jail():
     with pytest.warns(UserWarning, match="WITHOUT isolation"):
         sb = Sandbox(backend="unsafe-local", config=SandboxConfig(slots=1))
     try:
-        with pytest.raises(SandboxUnavailable, match="namespaces backend"):
+        with pytest.raises(SandboxUnavailable, match="namespaces \\(root\\) or bwrap"):
             sb.session_sync(None)
     finally:
         sb.close()

@@ -360,8 +360,9 @@ class Sandbox:
     ) -> Session:
         """A session for one episode: a fork of `workspace` (prepared once, then cached by its
         content) at /workspace, or an empty one, and a shell and a REPL that live until its
-        `close`. Needs the namespaces backend (SandboxUnavailable otherwise); a setup command
-        that fails raises `WorkspaceSetupError`. Starting it runs in a worker thread."""
+        `close`. Needs the namespaces or bwrap backend (SandboxUnavailable otherwise; bwrap forks
+        by copying); a setup command that fails raises `WorkspaceSetupError`. Starting it runs in
+        a worker thread."""
         return await to_user_thread(self.session_sync, workspace, limits=limits)
 
     def session_sync(
@@ -401,16 +402,16 @@ class Sandbox:
     def _start_session(
         self, mount: WorkspaceMount, limits: SessionLimits, checksum: str | None, fork: str
     ) -> Session:
-        if self.backend != "namespaces":
+        if self.backend not in ("namespaces", "bwrap"):
             raise SandboxUnavailable(
-                f"sandbox sessions need the namespaces backend (root); this host gave "
+                f"sandbox sessions need the namespaces (root) or bwrap backend; this sandbox is "
                 f"{self.backend!r}"
             )
         return Session.start(
             backend=self.backend,
             python=self._impl.python,
             ro_paths=self.config.ro_paths,
-            uid=self.config.uid_base + (1 << 24),  # past every supervisor's uid block
+            uid=self._session_uid(),
             mount=mount,
             limits=limits,
             workspace_checksum=checksum,
@@ -418,16 +419,20 @@ class Sandbox:
             start_timeout_s=self.config.start_timeout_s,
         )
 
+    def _session_uid(self) -> int:
+        """The uid a session's files belong to: under namespaces one past every supervisor's uid
+        block; under bwrap this process's own (bubblewrap maps the jail's user to it)."""
+        return self.config.uid_base + (1 << 24) if self.backend == "namespaces" else os.geteuid()
+
     def _store(self) -> WorkspaceStore:
         with self._store_lock:
             if self._workspaces is None:
                 cfg = self.config
+                # bwrap: no overlay mount without root, and hard links would share inodes that
+                # the jail's user owns (and could chmod): a copy per session
+                fork = cfg.fork if self.backend == "namespaces" else "copy"
                 self._workspaces = WorkspaceStore(
-                    cfg.state_dir,
-                    cfg.fork,
-                    cfg.uid_base + (1 << 24),
-                    cfg.keep_prepared,
-                    self._start_session,
+                    cfg.state_dir, fork, self._session_uid(), cfg.keep_prepared, self._start_session
                 )
             return self._workspaces
 

@@ -10,7 +10,7 @@
 A session is a jail of its own (`_session_init.py`): the one-shot jobs' isolation (mount, PID,
 IPC, UTS and an empty network namespace, a read-only minimal root, a non-root uid, no_new_privs,
 the seccomp deny-list, memory and pids cgroups, a clean environment), with /workspace and /tmp
-kept for the episode. Results are `ExecResult`s: the shell's stdout holds stdout and stderr
+kept for the episode; under bwrap, bubblewrap's jail, without cgroups or a uid of its own. Results are `ExecResult`s: the shell's stdout holds stdout and stderr
 interleaved, as a terminal shows them. Budgets: per call (`call_timeout_s`, `output_bytes`) and
 per episode (`episode_s` of calls, `max_calls`, and the cgroup's memory and processes and the
 tmpfs sizes for the whole session); a call past an episode budget raises `SessionBudgetExceeded`,
@@ -22,8 +22,10 @@ model (what persists, what cannot escape) is in docs/sandbox.md, "Sessions".
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
+import shutil
 import socket
 import struct
 import subprocess
@@ -38,7 +40,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from agentgrpo.env.tool import ToolError
 from agentgrpo.types import InfrastructureError
-from agentgrpo.verify import _frames
+from agentgrpo.verify import _frames, _seccomp
+from agentgrpo.verify._launchers import bwrap_jail, python_paths
 from agentgrpo.verify._local_client import _recv_exact
 from agentgrpo.verify._records import ExecResult
 from agentgrpo.verify._runner import CLEAN_ENV
@@ -46,6 +49,7 @@ from agentgrpo.verify._runner import CLEAN_ENV
 _VERIFY_DIR = os.path.dirname(os.path.abspath(__file__))
 with open(os.path.join(_VERIFY_DIR, "_tree.py")) as _f:
     _TREE_SOURCE = _f.read()
+_JAIL_VERIFY_DIR = "/.agentgrpo-verify"  # where a bwrap session sees this folder (read-only)
 _MARGIN_S = 10.0  # beyond a call's own limit before the session counts as hung
 _WRITE = r"""set -e
 p=$1
@@ -246,10 +250,14 @@ class Session:
         start_timeout_s: float = 60.0,
     ) -> Session:
         """Start the session's jail and wait until it answers (blocking; `Sandbox.session` runs
-        it in a worker thread). Raises SessionError when it does not come up."""
-        if backend != "namespaces":
+        it in a worker thread). `backend`: namespaces or bwrap (which takes a "bind" or "empty"
+        mount only). Raises SessionError when it does not come up."""
+        if backend not in ("namespaces", "bwrap") or (
+            backend == "bwrap" and mount.kind == "overlay"
+        ):
             raise SessionError(
-                f"sessions need the namespaces backend (root); this sandbox is {backend!r}"
+                f"sessions run under the namespaces or bwrap backend (overlay forks under "
+                f"namespaces only); asked for {backend!r} with a {mount.kind} workspace"
             )
         cfg = {
             "python": python,
@@ -264,28 +272,41 @@ class Session:
             "import sys; sys.path.append(sys.argv[1]); import _session_init; "
             "sys.exit(_session_init.main(sys.argv[2:]))"
         )
-        argv = [python, "-I", "-c", boot, _VERIFY_DIR, backend, json.dumps(cfg)]
-        proc = subprocess.Popen(
-            [*argv, str(theirs.fileno())],
-            pass_fds=[theirs.fileno()],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            env=CLEAN_ENV,
-            cwd="/",
+        where = _JAIL_VERIFY_DIR if backend == "bwrap" else _VERIFY_DIR
+        tail = [python, "-I", "-c", boot, where, backend, json.dumps(cfg)]
+        jail, extra_fds = (
+            _bwrap_jail(python, ro_paths, mount, limits) if backend == "bwrap" else ([], [])
         )
-        theirs.close()
+        try:
+            proc = subprocess.Popen(
+                [*jail, *tail, str(theirs.fileno())],
+                pass_fds=[theirs.fileno(), *extra_fds],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE if backend == "bwrap" else None,
+                env=CLEAN_ENV,
+                cwd="/",
+            )
+        finally:
+            theirs.close()
+            for fd in extra_fds:
+                os.close(fd)
         ours.settimeout(start_timeout_s)
         try:
-            host, _ = _recv_frame(ours)
+            host = _recv_frame(ours)[0] if backend == "namespaces" else {}
             hello, _ = _recv_frame(ours)
         except (OSError, ConnectionError, ValueError, struct.error) as e:
             ours.close()
             _stop(proc, 1.0)
-            raise SessionError(f"the session did not start: {e}") from None
+            why = proc.stderr.read().decode(errors="replace")[-500:] if proc.stderr else ""
+            raise SessionError(f"the session did not start: {e} {why}".strip()) from None
         if not hello.get("ok"):
             ours.close()
             _stop(proc, 5.0)
             raise SessionError(f"the session did not start: {hello.get('error')}")
+        if proc.stderr is not None:  # bwrap's own errors mattered only while it started
+            proc.stderr.close()
+            proc.stderr = None
         ours.settimeout(0.25)  # the reader's polling interval for call deadlines
         conn = _Conn(proc, ours, backend)
         conn.reader.start()
@@ -293,7 +314,7 @@ class Session:
             conn,
             limits=limits,
             python=python,
-            init_pid=host.get("init_pid"),
+            init_pid=host.get("init_pid") or _child_of(proc.pid),
             workspace_checksum=workspace_checksum,
             fork=fork,
             on_close=on_close,
@@ -425,8 +446,8 @@ class Session:
         return res.stdout.strip()
 
     def processes(self) -> list[int]:
-        """Host pids of the session's processes (its init included): every process in its PID
-        namespace. Empty once it is closed."""
+        """Host pids of the session's live processes (its init included): every process in its
+        PID namespace but those that exited and wait to be reaped. Empty once it is closed."""
         ns = self._pid_ns
         if ns is None:
             return []
@@ -434,7 +455,9 @@ class Session:
         for name in os.listdir("/proc"):
             if name.isdigit():
                 try:
-                    if os.readlink(f"/proc/{name}/ns/pid") == ns:
+                    with open(f"/proc/{name}/stat") as f:
+                        exited = f.read().rsplit(")", 1)[1].split()[0] == "Z"
+                    if not exited and os.readlink(f"/proc/{name}/ns/pid") == ns:
                         found.append(int(name))
                 except OSError:
                     continue
@@ -473,6 +496,50 @@ class Session:
     def __del__(self) -> None:  # a session nobody closed: its socket's end stops the jail
         if not getattr(self, "closed", True):
             self._conn.sock.close()
+
+
+def _bwrap_jail(
+    python: str, ro_paths: Sequence[str], mount: WorkspaceMount, limits: SessionLimits
+) -> tuple[list[str], list[int]]:
+    """bubblewrap's arguments for a session (its fork bound at /workspace, or an empty tmpfs
+    there; /tmp a tmpfs; seccomp), and the descriptors it must inherit (the filter's pipe)."""
+    bwrap = shutil.which("bwrap")
+    if bwrap is None:
+        raise SessionError("bwrap not found (Debian: apt-get install bubblewrap)")
+    argv = bwrap_jail(bwrap, [*_python_dirs(python), *ro_paths])
+    argv += ["--ro-bind", _VERIFY_DIR, _JAIL_VERIFY_DIR]  # the init's own (public) source
+    size = str(limits.disk_mb << 20)
+    argv += ["--size", size, "--perms", "1777", "--tmpfs", "/tmp"]
+    if mount.kind == "bind":
+        argv += ["--bind", mount.path, "/workspace"]
+    else:
+        argv += ["--size", size, "--perms", "1777", "--tmpfs", "/workspace"]
+    fds = []
+    if _seccomp.supported():
+        r, w = os.pipe()
+        os.write(w, _seccomp.build_filter())
+        os.close(w)
+        argv += ["--seccomp", str(r)]
+        fds.append(r)
+    return [*argv, "--chdir", "/workspace", "--"], fds
+
+
+@functools.lru_cache(maxsize=8)
+def _python_dirs(python: str) -> tuple[str, ...]:
+    return tuple(python_paths(python))
+
+
+def _child_of(pid: int) -> int | None:
+    """The first child of `pid` (bwrap's: the sandbox's own init), read from /proc."""
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        return int(name)
+            except (OSError, ValueError, IndexError):
+                continue
+    return None
 
 
 def _init_limits(lim: SessionLimits) -> dict:
