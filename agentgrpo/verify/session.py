@@ -10,13 +10,13 @@
 A session is a jail of its own (`_session_init.py`): the one-shot jobs' isolation (mount, PID,
 IPC, UTS and an empty network namespace, a read-only minimal root, a non-root uid, no_new_privs,
 the seccomp deny-list, memory and pids cgroups, a clean environment), with /workspace and /tmp
-kept for the episode; under bwrap, bubblewrap's jail, without cgroups or a uid of its own. Results are `ExecResult`s: the shell's stdout holds stdout and stderr
-interleaved, as a terminal shows them. Budgets: per call (`call_timeout_s`, `output_bytes`) and
-per episode (`episode_s` of calls, `max_calls`, and the cgroup's memory and processes and the
-tmpfs sizes for the whole session); a call past an episode budget raises `SessionBudgetExceeded`,
-a `ToolError`, so a `@tool` that uses the session shows it to the model. A session that dies or
-hangs raises `SessionError`, an `InfrastructureError` (the episode is unscorable). The threat
-model (what persists, what cannot escape) is in docs/sandbox.md, "Sessions".
+kept for the episode; under bwrap, bubblewrap's jail, without cgroups or a uid of its own.
+Results are `ExecResult`s; the shell's stdout holds stdout and stderr as a terminal shows them.
+Budgets: per call (`call_timeout_s`, `output_bytes`) and per episode (`episode_s` and
+`max_calls`, past which a call raises `SessionBudgetExceeded`, a `ToolError` the model reads; the
+cgroup's memory and processes and the tmpfs sizes hold for the whole session). A session that
+dies or hangs raises `SessionError`, an `InfrastructureError`: the episode is unscorable. The
+threat model (what persists, what cannot escape) is in docs/sandbox.md.
 """
 
 from __future__ import annotations
