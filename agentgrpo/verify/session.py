@@ -267,46 +267,8 @@ class Session:
             "limits": _init_limits(limits),
             "env": _session_env(python) | (env or {}),
         }
-        ours, theirs = socket.socketpair()
-        boot = (
-            "import sys; sys.path.append(sys.argv[1]); import _session_init; "
-            "sys.exit(_session_init.main(sys.argv[2:]))"
-        )
-        where = _JAIL_VERIFY_DIR if backend == "bwrap" else _VERIFY_DIR
-        tail = [python, "-I", "-c", boot, where, backend, json.dumps(cfg)]
-        jail, extra_fds = (
-            _bwrap_jail(python, ro_paths, mount, limits) if backend == "bwrap" else ([], [])
-        )
-        try:
-            proc = subprocess.Popen(
-                [*jail, *tail, str(theirs.fileno())],
-                pass_fds=[theirs.fileno(), *extra_fds],
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.PIPE if backend == "bwrap" else None,
-                env=CLEAN_ENV,
-                cwd="/",
-            )
-        finally:
-            theirs.close()
-            for fd in extra_fds:
-                os.close(fd)
-        ours.settimeout(start_timeout_s)
-        try:
-            host = _recv_frame(ours)[0] if backend == "namespaces" else {}
-            hello, _ = _recv_frame(ours)
-        except (OSError, ConnectionError, ValueError, struct.error) as e:
-            ours.close()
-            _stop(proc, 1.0)
-            why = proc.stderr.read().decode(errors="replace")[-500:] if proc.stderr else ""
-            raise SessionError(f"the session did not start: {e} {why}".strip()) from None
-        if not hello.get("ok"):
-            ours.close()
-            _stop(proc, 5.0)
-            raise SessionError(f"the session did not start: {hello.get('error')}")
-        if proc.stderr is not None:  # bwrap's own errors mattered only while it started
-            proc.stderr.close()
-            proc.stderr = None
+        proc, ours = _launch(backend, python, ro_paths, mount, limits, cfg)
+        host = _handshake(proc, ours, backend, start_timeout_s)
         ours.settimeout(0.25)  # the reader's polling interval for call deadlines
         conn = _Conn(proc, ours, backend)
         conn.reader.start()
@@ -496,6 +458,66 @@ class Session:
     def __del__(self) -> None:  # a session nobody closed: its socket's end stops the jail
         if not getattr(self, "closed", True):
             self._conn.sock.close()
+
+
+def _launch(
+    backend: str,
+    python: str,
+    ro_paths: Sequence[str],
+    mount: WorkspaceMount,
+    limits: SessionLimits,
+    cfg: dict,
+) -> tuple[subprocess.Popen, socket.socket]:
+    """Start the session's process (its host under namespaces, bubblewrap under bwrap) and
+    return it with the trainer's end of its socket."""
+    ours, theirs = socket.socketpair()
+    boot = (
+        "import sys; sys.path.append(sys.argv[1]); import _session_init; "
+        "sys.exit(_session_init.main(sys.argv[2:]))"
+    )
+    where = _JAIL_VERIFY_DIR if backend == "bwrap" else _VERIFY_DIR
+    tail = [python, "-I", "-c", boot, where, backend, json.dumps(cfg), str(theirs.fileno())]
+    jail, extra_fds = (
+        _bwrap_jail(python, ro_paths, mount, limits) if backend == "bwrap" else ([], [])
+    )
+    try:
+        proc = subprocess.Popen(
+            [*jail, *tail],
+            pass_fds=[theirs.fileno(), *extra_fds],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE if backend == "bwrap" else None,
+            env=CLEAN_ENV,
+            cwd="/",
+        )
+    finally:
+        theirs.close()
+        for fd in extra_fds:
+            os.close(fd)
+    return proc, ours
+
+
+def _handshake(proc: subprocess.Popen, sock: socket.socket, backend: str, timeout_s: float) -> dict:
+    """Wait for the host's frame (namespaces) and the init's hello; the host's frame. Raises
+    SessionError, with bubblewrap's own message where it has one, when the session did not
+    come up."""
+    sock.settimeout(timeout_s)
+    try:
+        host = _recv_frame(sock)[0] if backend == "namespaces" else {}
+        hello, _ = _recv_frame(sock)
+    except (OSError, ConnectionError, ValueError, struct.error) as e:
+        sock.close()
+        _stop(proc, 1.0)
+        why = proc.stderr.read().decode(errors="replace")[-500:] if proc.stderr else ""
+        raise SessionError(f"the session did not start: {e} {why}".strip()) from None
+    if not hello.get("ok"):
+        sock.close()
+        _stop(proc, 5.0)
+        raise SessionError(f"the session did not start: {hello.get('error')}")
+    if proc.stderr is not None:  # bwrap's own errors mattered only while it started
+        proc.stderr.close()
+        proc.stderr = None
+    return host
 
 
 def _bwrap_jail(

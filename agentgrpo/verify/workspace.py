@@ -5,17 +5,12 @@
     ws.workspace_checksum              # "sha256:...": the same for every fork of `spec`
 
 Preparing writes the files into a fresh directory of the sandbox's state directory (root only),
-runs the setup commands there in a session (sandboxed, no network; what they write is kept),
-takes the tree's checksum (`_tree.py`) and never writes the tree again. A session's /workspace
-is then a fork of it (`SandboxConfig.fork`):
-- `overlay`: an overlayfs in the session's mount namespace, the prepared tree as its lower layer
-  and a size-limited tmpfs as its upper one. Starting it copies nothing; a write copies up.
-- `hardlink`: a tree of new directories whose files are hard links to the prepared ones, which
-  are made read-only and root-owned first, so a write goes to a new file (the session's `write`
-  replaces files), never through a link; writing a file in place fails (EACCES).
-- `copy`: a full copy per session, the baseline both are measured against.
-Prepared trees are kept while a session uses them and, once unused, the `keep_prepared` most
-recently used, so a group whose members start one after another prepares once.
+runs the setup commands there in a session (sandboxed, no network), takes the tree's checksum
+(`_tree.py`) and never writes the tree again. A fork (`SandboxConfig.fork`) is an overlay in the
+session's mount namespace (nothing copied; a write copies up), a tree of hard links to the
+prepared files made read-only and root-owned (a write must replace the file), or a full copy
+(the baseline). Unused trees are kept, the `keep_prepared` most recent, so a group whose members
+start one after another prepares once. Threat model and measurements: docs/sandbox.md.
 """
 
 from __future__ import annotations
