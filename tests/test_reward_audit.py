@@ -182,7 +182,7 @@ def test_train_refuses_a_verifier_that_pays_unless_told(tmp_path):
         asyncio.run(audit_at_start(make, tasks, AuditConfig()))
     warned = asyncio.run(audit_at_start(make, tasks, AuditConfig(reward_hacks="warn")))
     assert "PAID" in warned
-    assert "off" in asyncio.run(audit_at_start(make, tasks, AuditConfig(reward_hacks="off")))
+    assert "skip" in asyncio.run(audit_at_start(make, tasks, AuditConfig(reward_hacks="skip")))
 
 
 def test_train_stops_before_any_step_on_a_paying_verifier(tmp_path, tiny_model_dir):

@@ -21,10 +21,13 @@ from agentgrpo.types import Message, Task, ToolCall
 
 @dataclass(frozen=True)
 class Attempt:
-    """One hack: its name and the assistant turns it plays (the last one ends the episode)."""
+    """One hack: its name and the assistant turns it plays (the last one ends the episode).
+    `control`: the same episode without the trick; the hack pays when it earns more than its
+    control (without one, more than 0), so a reward for calling a tool is not the trick's."""
 
     name: str
     turns: tuple[Message, ...]
+    control: tuple[Message, ...] | None = None
 
     def describe(self) -> str:
         """The exact input, as the audit reports it."""
@@ -108,14 +111,11 @@ def answer_attempts(task: Task, tool_calls: list[ToolCall]) -> list[Attempt]:
     if task.answer is not None:
         out.append(_final("answer in a think block", f"<think>{task.answer}</think>I am not sure."))
         if tool_calls:
-            first = Message(
-                role="assistant", content=f"The answer is {task.answer}.", tool_calls=tool_calls
-            )
-            out.append(
-                Attempt(
-                    "answer in an earlier turn", (first, Message(role="assistant", content="Done."))
-                )
-            )
+            done = Message(role="assistant", content="Done.")
+            said = f"The answer is {task.answer}."
+            first = Message(role="assistant", content=said, tool_calls=tool_calls)
+            quiet = Message(role="assistant", content="", tool_calls=tool_calls)
+            out.append(Attempt("answer in an earlier turn", (first, done), (quiet, done)))
     out += [
         _final("sys.exit(0) before the tests", _code("import sys\nsys.exit(0)")),
         _final("os._exit(0) before the tests", _code("import os\nos._exit(0)")),

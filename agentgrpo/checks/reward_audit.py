@@ -3,9 +3,10 @@
 Reward-hack audit (`audit_env`): every hack of `hacks.py` that applies is played as a scripted
 episode through the user's env (reset, the hack's turns, through `step` and the env's tools);
 its reward is what `step` paid, or the env's rubric's score of the episode when it has one. A
-hack that earns reward (> 0) is reported with its exact input. `agentgrpo check-env` prints the
+hack that earns reward (more than 0, or than its control: the same episode without the trick) is
+reported with its exact input. `agentgrpo check-env` prints the
 report; `train` runs it on the first task(s) at start-up and refuses to start when a hack pays,
-unless `env.audit.reward_hacks` says `warn` or `off`.
+unless `env.audit.reward_hacks` says `warn` or `skip`.
 
 Determinism audit: each hack episode is played a second time in a separate env (a separate
 sandbox job or session); a reward (or a rubric verifier's score) that differs between the two
@@ -33,6 +34,7 @@ from agentgrpo.types import (
     EnvStep,
     Group,
     InfrastructureError,
+    Message,
     StopReason,
     Task,
     ToolCall,
@@ -47,10 +49,10 @@ class AuditConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    reward_hacks: Literal["refuse", "warn", "off"] = Field(
+    reward_hacks: Literal["refuse", "warn", "skip"] = Field(
         "refuse",
-        description="at start-up, a known hack that earns reward: refuse to train, warn, or do "
-        "not run the audit",
+        description="at start-up, a known hack that earns reward: refuse to train, warn, or skip "
+        "the audit (not `off`: YAML reads that as false)",
     )
     tasks: int = Field(1, ge=1, le=64, description="tasks the start-up audit plays the hacks on")
     recheck_per_group: int = Field(
@@ -80,10 +82,14 @@ class HackResult:
     task_id: str
     first: Outcome
     second: Outcome | None = None  # the replay in a separate env (the determinism audit)
+    control: Outcome | None = None  # the attempt's control episode, when it has one
 
     @property
     def paid(self) -> bool:
-        return math.isfinite(self.first.reward) and self.first.reward > 1e-9
+        base = 0.0 if self.control is None else self.control.reward
+        if not math.isfinite(base):
+            base = 0.0
+        return math.isfinite(self.first.reward) and self.first.reward > base + 1e-9
 
     def flaky(self) -> list[str]:
         """The verifiers (or "the env's reward") that scored the two plays differently."""
@@ -134,6 +140,8 @@ class AuditReport:
         ]
         for r in self.results:
             tag = f"PAID {r.first.reward:g}" if r.paid else f"ok {r.first.reward:g}"
+            if r.control is not None:
+                tag += f", control {r.control.reward:g}"
             lines.append(f"  [{tag}] {r.attempt.name} (task {r.task_id})")
             if r.paid:
                 lines += ["      " + line for line in r.attempt.describe().splitlines()]
@@ -159,14 +167,14 @@ def _score(o: Outcome | None, name: str) -> str:
 # ---- playing a scripted episode -----------------------------------------------------------------
 
 
-async def play(make_env: Callable[[], Env], task: Task, attempt: Attempt) -> Outcome:
-    """Reset a new env with `task`, play the attempt's turns, score the episode; NaN (with why)
-    when the env or its sandbox failed."""
+async def play(make_env: Callable[[], Env], task: Task, turns: Sequence[Message]) -> Outcome:
+    """Reset a new env with `task`, play `turns`, score the episode; NaN (with why) when the env
+    or its sandbox failed."""
     env = make_env()
     try:
         reset = await call_env(env.reset, seed=0, options={"task": task})
         messages, info, total = list(reset[0]), dict(reset[1]), 0.0
-        for turn in attempt.turns:
+        for turn in turns:
             step = EnvStep.of(await call_env(env.step, turn))
             messages += [turn, *step.messages]
             total += float(step.reward)
@@ -188,6 +196,7 @@ async def play(make_env: Callable[[], Env], task: Task, attempt: Attempt) -> Out
 async def _rubric_outcome(
     rubric: Rubric, task: Task, messages: list, total: float, info: dict
 ) -> Outcome:
+    calls = sum(len(m.tool_calls or []) for m in messages if m.role == "assistant")
     traj = Trajectory(
         task_id=task.id,
         token_ids=[],
@@ -196,6 +205,7 @@ async def _rubric_outcome(
         prompt_len=0,
         messages=messages,
         stop_reason=StopReason.COMPLETED,
+        tool_calls=calls,
         env_reward=total,
         env_info=info,
     )
@@ -230,9 +240,12 @@ async def audit_env(
 
     async def one(task: Task, attempt: Attempt) -> HackResult:
         async with slots:
-            first = await play(make_env, task, attempt)
-            second = await play(make_env, task, attempt) if replay else None
-        return HackResult(attempt, task.id, first, second)
+            first = await play(make_env, task, attempt.turns)
+            second = await play(make_env, task, attempt.turns) if replay else None
+            control = None
+            if attempt.control is not None:
+                control = await play(make_env, task, attempt.control)
+        return HackResult(attempt, task.id, first, second, control)
 
     results = await asyncio.gather(*(one(t, a) for t, a in plan))
     return AuditReport(type(probe).__name__, list(results))
@@ -243,8 +256,8 @@ async def audit_at_start(
 ) -> str:
     """The start-up audit of `train`: its report but the hacks that earned nothing; raises
     RewardHackError when a hack pays and `cfg.reward_hacks` is "refuse"."""
-    if cfg.reward_hacks == "off":
-        return "reward-hack audit: off (env.audit.reward_hacks=off)"
+    if cfg.reward_hacks == "skip":
+        return "reward-hack audit: skipped (env.audit.reward_hacks=skip)"
     report = await audit_env(make_env, list(tasks)[: cfg.tasks])
     if report.paid() and cfg.reward_hacks == "refuse":
         raise RewardHackError(
