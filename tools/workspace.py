@@ -91,7 +91,9 @@ class WorkspaceEnv(ToolEnv):
         self, *, seed: int | None = None, options: dict[str, Any] | None = None
     ) -> tuple[list[Message], dict[str, Any]]:
         messages, info = super().reset(seed=seed, options=options)
-        self.close()
+        previous, self.session = self.session, None
+        if previous is not None:  # a second reset of one env: the old episode ends here
+            await previous.close()
         assert self.task is not None
         sandbox = self.sandbox or await adefault_sandbox()
         self.session = await sandbox.session(self.workspace(self.task), limits=self.limits)
