@@ -48,7 +48,7 @@ from agentgrpo import EnvStep, Message, Task
 from agentgrpo.verify.code import arun_tests_in_session
 from agentgrpo.verify.session import SessionLimits
 from agentgrpo.verify.workspace import Workspace
-from tools.workspace import WorkspaceEnv
+from tools.workspace import WorkspaceEnv, checked
 
 
 @dataclass(frozen=True)
@@ -363,6 +363,8 @@ class RepoRepairEnv(WorkspaceEnv):
     )
 
     def __init__(self, *, recheck: bool = False, timeout_per_test_s: float = 5.0, **kwargs: Any):
+        if not timeout_per_test_s > 0:
+            raise ValueError(f"timeout_per_test_s must be > 0, got {timeout_per_test_s!r}")
         super().__init__(**kwargs)
         self.recheck, self.timeout_per_test_s = recheck, timeout_per_test_s
         self._info: dict[str, Any] = {}
@@ -389,7 +391,8 @@ class RepoRepairEnv(WorkspaceEnv):
     async def sources(self, task: Task) -> dict[str, bytes]:
         """The model's files that count (`carried`), read from the episode's session."""
         session = self.live_session()
-        listing = await session.exec(["find", ".", "-type", "f", "-print0"], output_bytes=1 << 20)
+        find = ["find", ".", "-type", "f", "-print0"]
+        listing = checked(await session.exec(find, output_bytes=1 << 20))
         editable = list(task.metadata.get("editable", ["*.py"]))
         paths = [p.removeprefix("./") for p in listing.stdout.split("\0") if p]
         out = {}

@@ -30,7 +30,7 @@ from typing import Any
 
 from agentgrpo import Message, Task
 from agentgrpo.verify.workspace import Workspace
-from tools.workspace import WorkspaceEnv
+from tools.workspace import WorkspaceEnv, checked
 
 KINDS = ("count", "find", "make", "fix")
 _WORDS = (
@@ -143,19 +143,19 @@ class TerminalEnv(WorkspaceEnv):
         session = self.live_session()
         if "program" in check:
             return await self._program_right(task, check)
-        res = await session.exec(["cat", "--", check["path"]])
+        res = checked(await session.exec(["cat", "--", check["path"]]))
         return float(res.status == "ok" and res.stdout.strip() == check["equals"])
 
     async def _program_right(self, task: Task, check: dict[str, Any]) -> float:
         """Run the model's program in a fresh fork of the task, on an input it never saw."""
-        res = await self.live_session().exec(["cat", "--", check["program"]])
-        if res.status != "ok":
+        res = checked(await self.live_session().exec(["cat", "--", check["program"]]))
+        if res.status != "ok":  # the model removed or broke its program
             return 0.0
         fresh = await self.fresh_fork(task)
         try:
             await fresh.write(check["program"], res.stdout)
             await fresh.write("hidden-input.txt", check["input"])
-            out = await fresh.exec(["python3", check["program"], "hidden-input.txt"])
+            out = checked(await fresh.exec(["python3", check["program"], "hidden-input.txt"]))
         finally:
             await fresh.close()
         return float(out.status == "ok" and out.stdout.strip() == check["equals"])

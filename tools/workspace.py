@@ -32,11 +32,17 @@ from tools.python import format_result
 TOOL_NAMES = ("bash", "read_file", "write_file", "replace_in_file")
 
 
-def tool_message(res: ExecResult, max_chars: int) -> str:
-    """A session call's result as the model reads it; a sandbox failure raises (unscorable)."""
+def checked(res: ExecResult) -> ExecResult:
+    """`res`, unless the sandbox failed it: then SessionError (the episode is unscorable; a
+    reward read from a failed call would be a 0 that is not the model's)."""
     if res.status == "sandbox_error":
         raise SessionError(f"session call failed: {res.detail}")
-    return format_result(res, max_chars)
+    return res
+
+
+def tool_message(res: ExecResult, max_chars: int) -> str:
+    """A session call's result as the model reads it; a sandbox failure raises (unscorable)."""
+    return format_result(checked(res), max_chars)
 
 
 class WorkspaceEnv(ToolEnv):
@@ -73,6 +79,7 @@ class WorkspaceEnv(ToolEnv):
             raise ValueError(f"max_output_chars must be at least 200, got {max_output_chars}")
         self.max_output_chars = max_output_chars
         self.session: Session | None = None
+        self.get_tools()  # a `tool_names` that names no tool fails here, not mid-episode
 
     def workspace(self, task: Task) -> Workspace | None:
         """The task's workspace; by default `task.metadata["workspace"]` (a `Workspace` or its
