@@ -1,0 +1,60 @@
+"""Hermes / Qwen2.5 / Qwen3 tool calls: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
+blocks."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from agentgrpo.chat.calls import (
+    JSON_DECODER,
+    TOOL_CALL_CLOSE,
+    TOOL_CALL_OPEN,
+    ParsedTurn,
+    ParseError,
+    call_from_object,
+    decode_call,
+    turn,
+)
+from agentgrpo.types import ToolCall, ToolErrorKind
+
+
+def parse_hermes(text: str, tools: Sequence[Mapping] | None = None) -> ParsedTurn:
+    """Hermes/Qwen format: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, any number.
+
+    Text outside the tags is the message content. An unclosed `<tool_call>` at the end (the turn
+    hit its token limit) is a malformed call, not silently dropped. A call is read as a JSON value
+    first, so a `</tool_call>` inside one of its strings does not end it; where the JSON does not
+    parse, the call runs to the next `</tool_call>`.
+    """
+    calls: list[ToolCall] = []
+    errors: list[ParseError] = []
+    content: list[str] = []
+    pos = 0
+    while (start := text.find(TOOL_CALL_OPEN, pos)) >= 0:
+        content.append(text[pos:start])
+        body = start + len(TOOL_CALL_OPEN)
+        j = len(text) - len(text[body:].lstrip())
+        call: ToolCall | ParseError | None = None
+        try:
+            obj, end = JSON_DECODER.raw_decode(text, j)
+            tail = len(text) - len(text[end:].lstrip())
+            if text.startswith(TOOL_CALL_CLOSE, tail):
+                call, pos = call_from_object(obj, text[j:end]), tail + len(TOOL_CALL_CLOSE)
+        except (ValueError, RecursionError):
+            pass
+        if call is None:
+            close = text.find(TOOL_CALL_CLOSE, body)
+            if close < 0:
+                errors.append(
+                    ParseError(
+                        text[body:].strip(),
+                        "the tool call was not closed with </tool_call>",
+                        ToolErrorKind.UNCLOSED,
+                    )
+                )
+                pos = len(text)
+                break
+            call, pos = decode_call(text[body:close].strip()), close + len(TOOL_CALL_CLOSE)
+        (errors if isinstance(call, ParseError) else calls).append(call)
+    content.append(text[pos:])
+    return turn("".join(content).strip(), calls, errors)
