@@ -9,11 +9,13 @@ that a format module can import it without a cycle.
 
 from __future__ import annotations
 
+import ast
 import json
 import math
 import re
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -172,8 +174,22 @@ def param_schemas(tools: Sequence[Mapping] | None) -> dict[str, dict[str, Any]]:
     return out
 
 
+# Type names some tool schemas use instead of JSON Schema's, read as the JSON type they name (as
+# vLLM's Qwen3 parsers read them); a type name that is neither says nothing about the value.
+_TYPE_ALIASES = {
+    **dict.fromkeys(("int", "uint", "long", "short", "unsigned"), "integer"),
+    **dict.fromkeys(("float", "double", "num"), "number"),
+    **dict.fromkeys(("bool", "binary"), "boolean"),
+    **dict.fromkeys(("dict",), "object"),
+    **dict.fromkeys(("list", "arr"), "array"),
+    **dict.fromkeys(("str", "text", "varchar", "char", "enum"), "string"),
+}
+_JSON_TYPES = frozenset({"string", "integer", "number", "boolean", "object", "array", "null"})
+
+
 def _schema_types(schema: object) -> set[str]:
-    """The JSON types a schema allows (`type`, a list of types, or the branches of anyOf/oneOf)."""
+    """The JSON types a schema allows (`type`, a list of types, or the branches of anyOf/oneOf),
+    with the aliases above read as the JSON type they name and other names left out."""
     if not isinstance(schema, Mapping):
         return set()
     kind = schema.get("type")
@@ -188,7 +204,7 @@ def _schema_types(schema: object) -> set[str]:
         branches = schema.get(key)
         for branch in branches if isinstance(branches, list) else []:
             types |= _schema_types(branch)
-    return types
+    return {_TYPE_ALIASES.get(t, t) for t in types} & _JSON_TYPES
 
 
 _BOOLS = {"true": True, "True": True, "false": False, "False": False}  # JSON, and Jinja's `string`
@@ -204,7 +220,10 @@ def typed_value(text: str, schema: object) -> object:
     "5" is a number: the schema decides. A schema that allows a string (or says nothing: no
     `type`, an unknown tool or parameter) keeps the text, except the null literal where null is
     allowed; otherwise the first of null, boolean, integer, number, object, array that the text
-    reads as wins. Raises ValueError naming the expected types when none does.
+    reads as wins. The text is also read as the content of a JSON string ("42" in quotes) and, where
+    it holds escaped quotes, with one level of JSON escaping undone (GLM-4.6 writes objects so);
+    an object or array may be a Python literal (single quotes, `True`). Raises ValueError naming
+    the expected types when no reading fits.
     """
     types = _schema_types(schema)
     value = text.strip()
@@ -212,6 +231,35 @@ def typed_value(text: str, schema: object) -> object:
         return None
     if not types or "string" in types:
         return text
+    for reading in _readings(value):
+        got = _read_as(reading, types)
+        if got is not _NO_READING:
+            return got
+    raise ValueError(f"expected {' or '.join(sorted(types))}")
+
+
+_NO_READING = object()
+
+
+def _readings(value: str) -> Iterator[str]:
+    """`value`, then the string a JSON string literal holds, then `value` less one level of JSON
+    escaping where it holds an escaped quote."""
+    yield value
+    wrapped = [value] if len(value) > 1 and value[0] == value[-1] == '"' else []
+    if '\\"' in value:
+        wrapped.append(f'"{value}"')
+    for literal in wrapped:
+        try:
+            inner = json.loads(literal)
+        except ValueError:
+            continue
+        if isinstance(inner, str):
+            yield inner.strip()
+
+
+def _read_as(value: str, types: set[str]) -> object:
+    """`value` as the first of boolean, integer, number, object, array in `types` it reads as;
+    `_NO_READING` where none does."""
     if "boolean" in types and value in _BOOLS:
         return _BOOLS[value]
     if "integer" in types and _INTEGER.fullmatch(value) and len(value) <= 4300:
@@ -219,7 +267,12 @@ def typed_value(text: str, schema: object) -> object:
     try:
         decoded = loads_call_json(value)
     except (ValueError, RecursionError):
-        decoded = None
+        decoded = _NO_READING
+        if types & {"object", "array"}:
+            try:
+                decoded = python_literal(value)
+            except ValueError:
+                pass
     finite = type(decoded) is int or (type(decoded) is float and math.isfinite(decoded))
     if (
         ("number" in types and finite)
@@ -227,7 +280,7 @@ def typed_value(text: str, schema: object) -> object:
         or ("array" in types and isinstance(decoded, list))
     ):
         return decoded
-    raise ValueError(f"expected {' or '.join(sorted(types))}")
+    return _NO_READING
 
 
 def typed_call(
@@ -265,3 +318,60 @@ def key_value_pairs(
     if inner[pos:].strip():
         return ParseError(raw, f"text that is not a closed {what}: {inner[pos:].strip()[:80]!r}")
     return pairs
+
+
+# ---------------------------------------------------------------------------------------------
+# Python literals: the pythonic format's arguments, and a value some models write in Python syntax
+
+_JSON_NAMES = {"true": True, "false": False, "null": None}  # LFM's template prints dicts as JSON
+
+
+class NotLiteral(ValueError):
+    """Python source that is not a literal (a name, an operation, a call): never evaluated."""
+
+
+def literal_value(node: ast.AST) -> object:
+    """A Python literal (or a JSON constant) as its JSON value: a set or tuple becomes a list.
+    Anything that would need evaluating (a name, an operation, a call) raises NotLiteral."""
+    if isinstance(node, ast.Constant) and type(node.value) in (str, bool, int, float, type(None)):
+        if isinstance(node.value, float) and not math.isfinite(node.value):
+            raise NotLiteral("a non-finite number is not JSON")
+        return node.value
+    if isinstance(node, ast.Name) and node.id in _JSON_NAMES:
+        return _JSON_NAMES[node.id]
+    if (
+        isinstance(node, ast.UnaryOp)
+        and isinstance(node.op, (ast.USub, ast.UAdd))
+        and isinstance(node.operand, ast.Constant)
+        and type(node.operand.value) in (int, float)
+    ):
+        return literal_value(node.operand) * (-1 if isinstance(node.op, ast.USub) else 1)
+    if isinstance(node, (ast.List, ast.Tuple, ast.Set)):
+        return [literal_value(e) for e in node.elts]
+    if isinstance(node, ast.Dict):
+        out = {}
+        for k, v in zip(node.keys, node.values, strict=True):
+            if k is None or not isinstance(key := literal_value(k), str):
+                raise NotLiteral("a dict key that is not a string")
+            out[key] = literal_value(v)
+        return out
+    raise NotLiteral(f"{type(node).__name__.lower()} is not a literal")
+
+
+def parse_python(source: str) -> ast.expression:
+    """`source` parsed as one Python expression. Raises ValueError (SyntaxError included) with the
+    reason, never anything else: null bytes, huge ints and deep nesting are model text too."""
+    try:
+        with warnings.catch_warnings():  # "invalid escape sequence" warnings for model text
+            warnings.simplefilter("ignore")
+            return ast.parse(source, mode="eval")
+    except SyntaxError as e:
+        raise ValueError(e.msg) from e
+    except (ValueError, RecursionError, MemoryError) as e:
+        raise ValueError(str(e).split(";")[0] or type(e).__name__) from e
+
+
+def python_literal(source: str) -> object:
+    """`source` read as one Python literal (JSON's true/false/null too); nothing is evaluated.
+    Raises ValueError when it is not one."""
+    return literal_value(parse_python(source.strip()).body)

@@ -36,6 +36,8 @@ def _harmony_call(recipient: str, body: str, terminated: bool) -> ToolCall | Par
     name = recipient[len("functions.") :]
     if not TOOL_NAME.fullmatch(name):
         return ParseError(raw, f"{name!r} is not a tool name")
+    if not raw and terminated:  # an empty message: a call without arguments
+        return call_from_object({"name": name, "arguments": {}}, raw)
     try:
         obj = loads_call_json(raw)
     except (ValueError, RecursionError) as e:

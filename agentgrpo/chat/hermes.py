@@ -21,10 +21,12 @@ from agentgrpo.types import ToolCall, ToolErrorKind
 def parse_hermes(text: str, tools: Sequence[Mapping] | None = None) -> ParsedTurn:
     """Hermes/Qwen format: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, any number.
 
-    Text outside the tags is the message content. An unclosed `<tool_call>` at the end (the turn
-    hit its token limit) is a malformed call, not silently dropped. A call is read as a JSON value
-    first, so a `</tool_call>` inside one of its strings does not end it; where the JSON does not
-    parse, the call runs to the next `</tool_call>`.
+    Text outside the tags is the message content. A call is read as a JSON value first, so a
+    `</tool_call>` inside one of its strings does not end it; a complete call missing its
+    `</tool_call>` before the next `<tool_call>` or the end of the turn is still a call (vLLM runs
+    it). Where the JSON does not parse, the call runs to the next `</tool_call>`; an unclosed
+    `<tool_call>` whose JSON is incomplete (the turn hit its token limit) is a malformed call, not
+    silently dropped.
     """
     calls: list[ToolCall] = []
     errors: list[ParseError] = []
@@ -40,6 +42,8 @@ def parse_hermes(text: str, tools: Sequence[Mapping] | None = None) -> ParsedTur
             tail = len(text) - len(text[end:].lstrip())
             if text.startswith(TOOL_CALL_CLOSE, tail):
                 call, pos = call_from_object(obj, text[j:end]), tail + len(TOOL_CALL_CLOSE)
+            elif tail == len(text) or text.startswith(TOOL_CALL_OPEN, tail):
+                call, pos = call_from_object(obj, text[j:end]), tail
         except (ValueError, RecursionError):
             pass
         if call is None:

@@ -12,24 +12,12 @@ parses but is not a call: no name, stray text, arguments that are not an object 
 UNCLOSED (the call was cut off), INVALID_ARGUMENTS (an XML parameter's text is not of the type its
 schema asks for).
 
-Formats (one per family; see docs/rollouts.md, "Tool-call parsers"):
-- `hermes` (Hermes, Qwen2.5/Qwen3/Qwen3-2507, SmolLM2 with agentgrpo's template): any number of
-  `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks; text outside them is content.
-- `llama3_json` (Llama 3.1/3.2/3.3 custom tools): the whole turn is a JSON object
-  `{"name": ..., "parameters": {...}}`, optionally after `<|python_tag|>`; several calls may be
-  separated by `;` (Llama's template renders one call per turn; a model may still emit several).
-- `qwen3_xml` (Qwen3.5, Qwen3.6, Qwen3-Coder, Nemotron 3): `<tool_call><function=NAME>` then
-  `<parameter=KEY>VALUE</parameter>` per argument, `</function></tool_call>`; values typed by
-  schema.
-- `glm4` (GLM-4.5/4.6): `<tool_call>NAME<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>...
-  </tool_call>`; values typed by schema.
-- `deepseek_v3` (DeepSeek-V3/R1): `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME` then the
-  arguments as a ```json block, `<｜tool▁call▁end｜>`, inside `<｜tool▁calls▁begin｜>...end`.
-- `harmony` (GPT-OSS): messages `<|channel|>commentary to=functions.NAME ...<|message|>{json}`
-  `<|call|>` (the recipient may also stand before the channel); the final channel is the content.
-- `pythonic` (LFM2/LFM2.5, Llama 3.2 pythonic): a Python list of calls `[name(key=value, ...)]`
-  between `<|tool_call_start|>` and `<|tool_call_end|>`, or as the whole turn; read with `ast`
-  (literals only, nothing is evaluated).
+One module per format family, each the parser's rules in its docstring: `hermes` (Hermes, Qwen2.5,
+Qwen3), `llama3_json` (`llama3`), `qwen3_xml` (Qwen3.5/3.6, Qwen3-Coder, Nemotron 3), `glm4`
+(GLM-4.5 to 4.7), `deepseek_v3`, `harmony` (GPT-OSS), `pythonic` (LFM2/LFM2.5, Llama 3.2/4
+pythonic); `calls` holds what they share. Each accepts what SGLang's and vLLM's parsers of its
+format run, checked case by case against their own tests (tests/test_parsers_reference.py; the
+deliberate differences are in docs/environments.md).
 
 Example (a parser for `<function=NAME>{json arguments}</function>`):
     >>> def parse_function_tags(text: str, tools: Sequence[Mapping] | None = None) -> ParsedTurn:
