@@ -64,6 +64,7 @@ FAMILIES = {
     "nemotron_3_nano.jinja": ("qwen3_xml", True, "<|im_end|>"),
     "glm4moe.jinja": ("glm4", True, ""),  # GLM's turn ends where the next role token starts
     "deepseekv3.jinja": ("deepseek_v3", True, "<｜end▁of▁sentence｜>"),
+    "deepseekv3_tools.jinja": ("deepseek_v3", True, "<｜end▁of▁sentence｜>"),
     "gptoss.jinja": ("harmony", False, "<|call|>"),
     "lfm2_2_5.jinja": ("pythonic", True, "<|im_end|>"),
 }

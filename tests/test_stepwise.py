@@ -89,6 +89,13 @@ TEMPLATES = {
         ["<｜end▁of▁sentence｜>", "<｜begin▁of▁sentence｜>"],
         ("refuse", "refuse", "refuse"),
     ),
+    # the tool template SGLang publishes for DeepSeek-V3 (shipped as deepseekv3_tools) lists the
+    # tools in the system message and keeps history verbatim: one exact sequence
+    "deepseekv3_tools.jinja": (
+        "<｜end▁of▁sentence｜>",
+        ["<｜end▁of▁sentence｜>", "<｜begin▁of▁sentence｜>"],
+        ("exact", "exact", "stepwise"),
+    ),
 }
 
 
@@ -538,6 +545,7 @@ def test_deepseek_v3_is_refused_only_because_its_template_never_shows_the_tools(
         report = audit(chat)
         assert {i.kind for i in report.issues if i.fatal} == {"no_tool_support"}, report.format()
         assert not [i for i in report.issues if i.kind in ("render_error", "parser_mismatch")]
+        assert "model.chat_template: deepseekv3_tools" in report.format()  # what to do
     assert chat.string_arguments
     assert audit(_chat(tok, "deepseekv3.jinja", "auto"), tools=[]).mode == "exact"
     chat = _chat(tok, "deepseekv3.jinja", "auto")
