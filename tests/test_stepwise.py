@@ -89,6 +89,13 @@ TEMPLATES = {
         ["<｜end▁of▁sentence｜>", "<｜begin▁of▁sentence｜>"],
         ("refuse", "refuse", "refuse"),
     ),
+    # the tool template SGLang publishes for DeepSeek-V3 (shipped as deepseekv3_tools) lists the
+    # tools in the system message and keeps history verbatim: one exact sequence
+    "deepseekv3_tools.jinja": (
+        "<｜end▁of▁sentence｜>",
+        ["<｜end▁of▁sentence｜>", "<｜begin▁of▁sentence｜>"],
+        ("exact", "exact", "stepwise"),
+    ),
 }
 
 
@@ -113,13 +120,27 @@ class RecordingEngine(ScriptedEngine):
 
 
 def _chat(tok, name: str, mode: str, **kw) -> ChatFormat:
-    eot, specials, _ = TEMPLATES[name]
+    """The template's ChatFormat on the embedded tokenizer with its special tokens; the end-of-turn
+    tokens are the ones ChatFormat detects (test_the_end_of_turn_tokens_are_detected...)."""
+    _, specials, _ = TEMPLATES[name]
     t = copy.deepcopy(tok)
     if specials:
         t.add_special_tokens({"additional_special_tokens": specials})
-    return ChatFormat(
-        t, template=shipped_template(name), end_of_turn=eot, trajectory_mode=mode, **kw
-    )
+    return ChatFormat(t, template=shipped_template(name), trajectory_mode=mode, **kw)
+
+
+@pytest.mark.parametrize("name", sorted(TEMPLATES))
+def test_the_end_of_turn_tokens_are_detected_from_the_template(tok, name):
+    """No `model.end_of_turn` needed: probe renders of the template find the tokens that end an
+    assistant turn, GPT-OSS's `<|call|>` after a call and `<|return|>` after an answer, GLM-4.5's
+    `<|observation|>` and `<|user|>` (the role token that opens the next message); every other
+    test here runs on the detected tokens. A token given still overrides them."""
+    eot = TEMPLATES[name][0]
+    chat = _chat(tok, name, "auto")
+    assert chat.end_of_turns == ((eot,) if isinstance(eot, str) else tuple(eot))
+    assert set(chat.end_of_turn_ids) <= set(chat.stop_token_ids)
+    given = _chat(tok, name, "auto", end_of_turn=chat.tokenizer.eos_token)
+    assert given.end_of_turns == (chat.tokenizer.eos_token,)
 
 
 class Thinker(Env):
@@ -524,6 +545,7 @@ def test_deepseek_v3_is_refused_only_because_its_template_never_shows_the_tools(
         report = audit(chat)
         assert {i.kind for i in report.issues if i.fatal} == {"no_tool_support"}, report.format()
         assert not [i for i in report.issues if i.kind in ("render_error", "parser_mismatch")]
+        assert "model.chat_template: deepseekv3_tools" in report.format()  # what to do
     assert chat.string_arguments
     assert audit(_chat(tok, "deepseekv3.jinja", "auto"), tools=[]).mode == "exact"
     chat = _chat(tok, "deepseekv3.jinja", "auto")
@@ -551,6 +573,11 @@ def test_the_run_config_passes_its_end_of_turn_tokens(tok):
     chat = config.chat_format(t)
     assert chat.end_of_turns == ("<|call|>", "<|return|>") and chat.parser_name == "harmony"
     assert RunConfig().chat_format(tok).end_of_turns == (tok.eos_token,)
+    # left out, they are detected from the template; given, they override it
+    detected = RunConfig.model_validate({"model": {"chat_template": "gptoss"}}).chat_format(t)
+    assert detected.end_of_turns == ("<|call|>", "<|return|>")
+    config.model.end_of_turn = ["<|return|>"]
+    assert config.chat_format(t).end_of_turns == ("<|return|>",)
 
 
 def test_segment_rows_give_each_segment_its_own_turns_advantages():

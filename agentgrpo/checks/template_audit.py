@@ -669,6 +669,13 @@ def _check_tools_shown(
     except TemplateError:
         return  # the walk reports the render error
     if not shown:
+        what = (
+            "DeepSeek-V3's own template ignores them: use the tool template SGLang publishes for "
+            "serving it, shipped as deepseekv3_tools (model.chat_template: deepseekv3_tools; "
+            "check-template --template deepseekv3_tools)"
+            if chat.parser_name == "deepseek_v3"
+            else "a tool template of the model's family lists them in the system message"
+        )
         report.issues.append(
             TemplateIssue(
                 "-",
@@ -676,9 +683,8 @@ def _check_tools_shown(
                 "no_tool_support",
                 True,
                 "the template does not show the tools to the model (its prompt is the same with "
-                "and without `tools`): give `model.chat_template` a template that renders them "
-                "(DeepSeek-V3's own ignores them; a tool template of its family lists them in the "
-                "system message)",
+                f"and without `tools`): give `model.chat_template` a template that renders them "
+                f"({what})",
                 f"tools {[t.get('function', {}).get('name') for t in tools]}",
             )
         )
