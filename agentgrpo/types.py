@@ -325,11 +325,16 @@ class FrozenDict(dict):
         return (FrozenDict, (dict(self),))
 
 
-def _set(record: Any, **values: Any) -> None:
-    """Normalise fields of a frozen record in its `__post_init__` (lists to tuples, dicts to
-    FrozenDict): the one place a frozen record is written."""
+def _set(record: Any, *as_tuples: str, **values: Any) -> None:
+    """Normalise fields of a frozen record in its `__post_init__`: the fields named in `as_tuples`
+    become tuples, the others take `values` (dicts as FrozenDict, say). The one place a frozen
+    record is written."""
+    values.update((name, tuple(getattr(record, name))) for name in as_tuples)
     for name, value in values.items():
         object.__setattr__(record, name, value)
+
+
+_TOKENS = ("token_ids", "loss_mask", "logprobs")  # a token sequence's three parallel fields
 
 
 @dataclass(frozen=True)
@@ -343,12 +348,7 @@ class Segment:
     prompt_len: int
 
     def __post_init__(self) -> None:
-        _set(
-            self,
-            token_ids=tuple(self.token_ids),
-            loss_mask=tuple(self.loss_mask),
-            logprobs=tuple(self.logprobs),
-        )
+        _set(self, *_TOKENS)
 
     @property
     def num_sampled(self) -> int:
@@ -444,18 +444,16 @@ class Trajectory:
     def __post_init__(self) -> None:
         _set(
             self,
-            token_ids=tuple(self.token_ids),
-            loss_mask=tuple(self.loss_mask),
-            logprobs=tuple(self.logprobs),
-            messages=tuple(self.messages),
+            *_TOKENS,
+            "messages",
+            "turn_rewards",
+            "weight_versions",
+            "earlier_segments",
             stop_reason=StopReason(self.stop_reason),
-            turn_rewards=tuple(self.turn_rewards),
             tool_error_kinds=FrozenDict(self.tool_error_kinds),
             env_info=FrozenDict(self.env_info),
-            weight_versions=tuple(self.weight_versions),
             token_versions=tuple(tuple(r) for r in self.token_versions),
             info=FrozenDict(self.info),
-            earlier_segments=tuple(self.earlier_segments),
         )
 
     @classmethod
@@ -623,9 +621,7 @@ class TrainingRow:
         per_token = self.token_advantages
         _set(
             self,
-            token_ids=tuple(self.token_ids),
-            loss_mask=tuple(self.loss_mask),
-            logprobs=tuple(self.logprobs),
+            *_TOKENS,
             advantage=float(self.advantage),
             token_advantages=None if per_token is None else tuple(per_token),
         )

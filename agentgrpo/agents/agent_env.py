@@ -157,6 +157,20 @@ async def agent_episode(
         finally:
             endpoint.remove(episode.id)
             await client.close()
+    return _sealed(env, episode, task, limits, reason, detail, reward)
+
+
+def _sealed(
+    env: AgentEnv,
+    episode: EndpointEpisode,
+    task: Task,
+    limits: EpisodeLimits,
+    reason: StopReason,
+    detail: str,
+    reward: float | None,
+) -> Trajectory:
+    """The episode's record: the endpoint's token sequences, why it ended (`run`'s own ending
+    unless the endpoint saw an engine failure, a divergent prompt or a limit) and its reward."""
     traj, diverged = episode.trajectory(task.id)
     if not episode.calls and reason == StopReason.COMPLETED:
         reason, detail = StopReason.ENV_ERROR, "run made no call to the model"

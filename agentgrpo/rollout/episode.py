@@ -631,24 +631,32 @@ async def run_group(
         return traj
 
     trajs = list(await asyncio.gather(*(one(i) for i in range(group_size))))
-    rubric = next((r for r in rubrics if r is not None), None)
-    by_rubric = [t for t, r in zip(trajs, rubrics, strict=True) if r is not None]
+    by_rubric = [(t, r) for t, r in zip(trajs, rubrics, strict=True) if r is not None]
     scores = {t.id: Score(t.id, t.reward) for t in trajs}
-    if rubric is not None:
-        if scorable := [t for t in by_rubric if not t.stop_reason.is_infra_error]:
-            scored = await score_group(
-                rubric,
-                scorable,
-                task,
-                tool_error_penalty=limits.tool_error_penalty,
-                deadline=deadline,
-            )
-            scores.update((s.trajectory_id, s) for s in scored)
+    scores |= await _rubric_scores(by_rubric, task, limits.tool_error_penalty, deadline)
     group = Group(group_id=gid, task=task, trajectories=trajs, scores=scores)
     if on_done is not None:
-        for t in by_rubric:
+        for t, _ in by_rubric:
             on_done(t, group.score(t))
     return group
+
+
+async def _rubric_scores(
+    by_rubric: list[tuple[Trajectory, Rubric]],
+    task: Task,
+    penalty: float,
+    deadline: float | None,
+) -> dict[str, Score]:
+    """The rubric's scores of a group's members whose env has one, by trajectory id; those that
+    ended with an infrastructure failure keep their own (NaN)."""
+    scorable = [t for t, _ in by_rubric if not t.stop_reason.is_infra_error]
+    if not scorable:
+        return {}
+    rubric = by_rubric[0][1]
+    scored = await score_group(
+        rubric, scorable, task, tool_error_penalty=penalty, deadline=deadline
+    )
+    return {s.trajectory_id: s for s in scored}
 
 
 class GroupSampler:
