@@ -564,6 +564,68 @@ def test_every_turn_gets_its_own_sampling_seed(chat):
     assert episode_seed(1234, member=2, turn=3) == episode_seed(1236, turn=3)
 
 
+def test_a_group_s_seeds_follow_from_the_run_seed_and_its_draw(chat):
+    """One rule (`episode_seed`) for training, evaluation and the rollout: group d of a run with
+    seed s resets every member's env with episode_seed(s, draw=d), and member i samples turn 1 with
+    that + i; the same draw gives the same seeds whatever else the step holds."""
+    from agentgrpo.rollout.seeds import episode_seed
+
+    resets = []
+
+    class Recorded(Calc):
+        def reset(self, *, seed=None, options=None):
+            resets.append(seed)
+            return super().reset(seed=seed, options=options)
+
+    def sampled(draws):
+        engine, resets[:] = SeedSpy(chat), []
+        cfg = RolloutConfig(group_size=2, max_turns=1)
+        groups = asyncio.run(
+            collect(Recorded, engine, chat, [TASK] * len(draws), cfg, seed=5, draws=draws)
+        )
+        return groups, sorted(engine.seeds), sorted(resets)
+
+    groups, seeds, envs = sampled([7, 9])
+    g7, g9 = episode_seed(5, draw=7), episode_seed(5, draw=9)
+    assert envs == sorted([g7, g7, g9, g9]) and seeds == sorted([g7, g7 + 1, g9, g9 + 1])
+    assert [g.group_id for g in groups] == [f"7:{TASK.id}", f"9:{TASK.id}"]
+    assert sampled([9])[1] == sorted([g9, g9 + 1])  # a group's seeds are its draw's alone
+    with pytest.raises(ValueError, match="1 tasks but 2 draws"):
+        asyncio.run(collect(Recorded, SeedSpy(chat), chat, [TASK], RolloutConfig(), draws=[1, 2]))
+
+
+def test_only_an_episode_runner_runs_its_own_episode(chat):
+    """The rollout hands an env its episode only when it inherits EpisodeRunner (an AgentEnv); a
+    method of the same name alone is not a declaration, and an incomplete runner cannot be made."""
+    from agentgrpo import AgentEnv
+    from agentgrpo.env.runner import EpisodeRunner
+
+    class LooksLikeOne(Calc):
+        async def run_own_episode(self, *args, **kwargs):
+            raise AssertionError("a plain env's episode is the rollout's")
+
+    traj, _ = run(chat, [CALL, "111"], env=LooksLikeOne)
+    assert traj.stop_reason == StopReason.COMPLETED and traj.num_turns == 2
+    group = asyncio.run(
+        run_group(
+            LooksLikeOne,
+            ScriptedEngine(chat.tokenizer, by_turn(chat, CALL, "111"), chat.end_of_turn_id),
+            chat,
+            TASK,
+            1,
+            SamplingParams(),
+        )
+    )
+    assert group.trajectories[0].stop_reason == StopReason.COMPLETED
+    assert issubclass(AgentEnv, EpisodeRunner) and not issubclass(Calc, EpisodeRunner)
+
+    class Incomplete(Env, EpisodeRunner):
+        pass
+
+    with pytest.raises(TypeError, match="run_own_episode"):
+        Incomplete()
+
+
 def test_a_group_without_a_seed_still_shares_one_start_state(chat):
     class Dice(Env):
         def reset(self, *, seed=None, options=None):

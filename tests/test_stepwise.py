@@ -590,3 +590,73 @@ def test_the_report_s_trajectory_viewer_shows_turn_advantages():
     page = _traj_html(t.to_dict(advantage=Advantage(t.id, 0.0, (1.25, -0.5))), {}, 100)
     assert "turn rewards 0.5, 1" in page and "turn advantages 1.25, -0.5" in page
     assert "turn advantages" not in _traj_html(traj([1, 2, 6], [0, 0, 1]).to_dict(), {}, 100)
+
+
+@pytest.mark.parametrize("mode", ["single", "auto", "stepwise"])
+def test_the_builder_continues_starts_a_segment_or_refuses_as_the_mode_says(tok, mode):
+    """The one trajectory builder on Qwen3.6 with thinking: after a tool result the template extends
+    the sequence (a suffix, loss mask 0); after a new user query it drops the reasoning, so "auto"
+    starts a segment whose prompt is the re-rendered history, "single" refuses and "stepwise"
+    starts one at every turn. Sampled ids keep their logprobs and versions, token for token."""
+    from agentgrpo.chat.trajectory import PromptDiverged, TrajectoryBuilder
+
+    chat = _chat(tok, "qwen3_6.jinja", mode, template_kwargs={"enable_thinking": True})
+    texts, (a1, a2, _) = _script(chat), _turns()
+    tool = [Message(role="tool", content="84", tool_call_id="call_0", name="calculator")]
+    user = [Message(role="user", content="Are you sure? Add the 3.")]
+    history = TASK.prompt_messages()
+    b = TrajectoryBuilder(chat)
+    b.open_segment(chat.prompt_ids(history, [TOOL]))
+    first = chat.encode(texts([], 0))
+    b.sampled(first, [-0.5] * len(first), [(2, "3"), (len(first) - 2, "4")])
+    assert b.token_versions == [(2, 3), (len(first) - 2, 4)] and b.weight_versions == (3, 4)
+    history.append(a1)
+    assert b.continue_with(history, tool, [TOOL]) == (mode == "stepwise")
+    history += tool
+    assert list(b.token_ids) == chat.prompt_ids(history, [TOOL])  # one piece, or its own prompt
+    second = chat.encode(texts([], 1))
+    b.sampled(second, [-0.25] * len(second))
+    history.append(a2)
+    if mode == "single":
+        with pytest.raises(HistoryRewritten):
+            b.continue_with(history, user, [TOOL])
+        with pytest.raises(PromptDiverged, match="first difference at token"):
+            b.extend_to(chat.prompt_ids(history + user, [TOOL]))
+        assert len(b.segments()) == 1  # nothing was added by either
+        return
+    assert b.continue_with(history, user, [TOOL])  # the reasoning was dropped: a new segment
+    history += user
+    assert list(b.token_ids) == chat.prompt_ids(history, [TOOL]) and b.prompt_len == len(
+        b.token_ids
+    )
+    assert len(b.segments()) == {"auto": 1, "stepwise": 2}[mode]  # the new one holds no sample yet
+    segments = b.segments()
+    for s in segments:
+        s.check()
+    sampled = [i for s in segments for i, m in zip(s.token_ids, s.loss_mask) if m]
+    assert sampled == first + second
+    # the budget: tokens after each segment's own prompt (the open one's prompt is not counted)
+    assert b.used == sum(len(s.token_ids) - s.prompt_len for s in segments)
+    if mode == "stepwise":
+        assert b.used == len(first) + len(second)
+
+
+def test_the_builder_takes_prompts_made_elsewhere_as_the_endpoint_does(tok):
+    """extend_to: a prompt that starts with the ids so far extends them (its new ids mask 0);
+    another opens a segment; a segment opened but never sampled is left out."""
+    from agentgrpo.chat.trajectory import TrajectoryBuilder
+
+    chat = _chat(tok, "qwen2_5.jinja", "auto")
+    b = TrajectoryBuilder(chat)
+    assert b.extend_to([1, 2, 3]) is False and b.segments()[0].token_ids == (1, 2, 3)
+    b.sampled([4, 5], [-1.0, -2.0])
+    assert b.extend_to([1, 2, 3, 4, 5, 6]) is False  # extends: 6 is appended with mask 0
+    b.sampled([7], [-3.0])
+    assert b.segments()[0].loss_mask == (0, 0, 0, 1, 1, 0, 1)
+    assert b.extend_to([1, 2, 9]) is True  # diverges at token 2: a new segment
+    assert [s.token_ids for s in b.segments()] == [(1, 2, 3, 4, 5, 6, 7)]  # not sampled: left out
+    b.sampled([8], [-0.5])
+    assert [s.token_ids for s in b.segments()] == [(1, 2, 3, 4, 5, 6, 7), (1, 2, 9, 8)]
+    assert b.used == 4 + 1  # tokens after each segment's prompt
+    with pytest.raises(ValueError, match="2 sampled ids but 1 logprobs"):
+        b.sampled([1, 2], [-1.0])
