@@ -9,11 +9,12 @@ latency overlaps with other trajectories' generation. Per turn:
     env.step(message)                             -> tool/env messages, reward, terminated
     chat.suffix_ids(history, new messages)        -> appended, loss_mask 0, logprob 0
 
-When the template renders the history anew instead (`HistoryRewritten`: Qwen3's templates drop the
-reasoning of earlier turns) and `chat.trajectory_mode` is "auto", or at every turn under
-"stepwise", the trajectory goes on in a new segment whose prompt is `chat.prompt_ids` of the whole
-history (`Episode.observe`); under "single" that ends the episode with ENV_ERROR, which the
-start-up audit prevents.
+The token sequences are the trajectory builder's (`agentgrpo.chat.trajectory`): when the template
+renders the history anew (`HistoryRewritten`: Qwen3's templates drop the reasoning of earlier
+turns) and `chat.trajectory_mode` is "auto", or at every turn under "stepwise", the trajectory goes
+on in a new segment whose prompt is `chat.prompt_ids` of the whole history; under "single" that
+ends the episode with ENV_ERROR, which the start-up audit prevents. The record is sealed (frozen)
+when the episode ends; `run_group` names it and scores the group (`Score`, joined by id).
 
 Bounds (RolloutConfig): episodes in flight per step (`max_concurrent_trajectories`, each holds an
 env), engine requests in flight (`max_concurrent_requests`), turns and tokens per trajectory, tool
