@@ -214,8 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
     ct.add_argument(
         "--end-of-turn",
         action="append",
-        help="token that ends an assistant turn (default: the tokenizer's EOS); repeat it for a "
-        "template with several (GPT-OSS: <|call|> and <|return|>)",
+        help="token that ends an assistant turn (default: the ones the template renders, else the "
+        "tokenizer's EOS); repeat it for several (GPT-OSS: <|call|> and <|return|>)",
     )
     ct.add_argument(
         "--fallback",

@@ -18,6 +18,7 @@ makes the whole group unscorable (NaN): it is never trained on noise.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import random
 from collections.abc import Callable, Sequence
@@ -35,6 +36,7 @@ from agentgrpo.types import (
     Group,
     InfrastructureError,
     Message,
+    Score,
     StopReason,
     Task,
     ToolCall,
@@ -274,11 +276,11 @@ async def audit_at_start(
 
 async def recheck_groups(
     groups: Sequence[Group], rubric: Rubric | None, per_group: int, rng: random.Random
-) -> int:
-    """Make unscorable (NaN) every group whose verdict proved flaky: a member the rubric scores
-    differently a second time (`per_group` scorable members sampled per group), or one whose
-    env reported `flaky_verdict`. Returns how many groups it made unscorable."""
-    flaky = 0
+) -> tuple[list[Group], int]:
+    """`groups` with every group whose verdict proved flaky made unscorable (NaN scores): a member
+    the rubric scores differently a second time (`per_group` scorable members sampled per group),
+    or one whose env reported `flaky_verdict`. Also returns how many groups that was."""
+    out, flaky = [], 0
     for group in groups:
         why = next(
             (
@@ -288,33 +290,41 @@ async def recheck_groups(
             ),
             None,
         )
-        scorable = [t for t in group.trajectories if t.reward_parts and not math.isnan(t.reward)]
+        scorable = [
+            t for t in group.trajectories if group.score(t).parts and not group.score(t).unscorable
+        ]
         if why is None and rubric is not None and per_group and scorable:
             for t in rng.sample(scorable, min(per_group, len(scorable))):
-                again = await rubric.ascore(t, group.task)
-                names = [n for n, v in t.reward_parts.items() if not _same(v, again.parts.get(n))]
+                parts, again = group.score(t).parts, await rubric.ascore(t, group.task)
+                names = [n for n, v in parts.items() if not _same(v, again.parts.get(n))]
                 if names:
                     why = (
-                        f"verifier {names[0]!r} scored a member {t.reward_parts[names[0]]:g}, "
+                        f"verifier {names[0]!r} scored a member {parts[names[0]]:g}, "
                         f"then {again.parts.get(names[0])}"
                     )
                     break
         if why is not None:
             flaky += 1
-            for t in group.trajectories:
-                t.reward = math.nan
-                t.stop_detail = "; ".join(x for x in (t.stop_detail, f"flaky verdict: {why}") if x)
-    return flaky
+            group = dataclasses.replace(
+                group, scores={k: _unscorable(s, why) for k, s in group.scores.items()}
+            )
+        out.append(group)
+    return out, flaky
+
+
+def _unscorable(score: Score, why: str) -> Score:
+    detail = "; ".join(x for x in (score.detail, f"flaky verdict: {why}") if x)
+    return dataclasses.replace(score, reward=math.nan, detail=detail)
 
 
 async def recheck_step(
     groups: Sequence[Group], make_env: Callable[[], Env], cfg: AuditConfig, *, seed: int
-) -> float:
-    """`recheck_groups` for one training step (its members sampled with `seed`); how many groups
-    it made unscorable."""
+) -> tuple[list[Group], int]:
+    """`recheck_groups` for one training step (its members sampled with `seed`): the groups, the
+    flaky ones made unscorable, and how many those were."""
     env = make_env()
     try:
         rubric = env_rubric(env)
     finally:
         await close_env(env)
-    return float(await recheck_groups(groups, rubric, cfg.recheck_per_group, random.Random(seed)))
+    return await recheck_groups(groups, rubric, cfg.recheck_per_group, random.Random(seed))

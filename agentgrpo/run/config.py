@@ -57,9 +57,10 @@ class ModelConfig(BaseModel):
     )
     end_of_turn: list[str] | None = Field(
         None,
-        description="the tokens that end an assistant turn, all of them stop tokens; None = the "
-        "tokenizer's EOS. GPT-OSS: [<|call|>, <|return|>]; GLM-4.5: [<|observation|>, <|user|>] "
-        "(its turn ends at the next message's role token)",
+        description="the tokens that end an assistant turn, all of them stop tokens; None = "
+        "detected from the chat template (GPT-OSS: [<|call|>, <|return|>]; GLM-4.5: "
+        "[<|observation|>, <|user|>], its turn ending at the next message's role token), else "
+        "the tokenizer's EOS. Given, they override the detection",
     )
 
 
