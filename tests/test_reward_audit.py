@@ -6,7 +6,7 @@ flaky verdict in training makes its group unscorable."""
 from __future__ import annotations
 
 import asyncio
-import itertools
+import collections
 import math
 import os
 import random
@@ -25,7 +25,7 @@ from agentgrpo.checks.reward_audit import (
 from agentgrpo.cli import main
 from agentgrpo.env.base import get_env_class
 from agentgrpo.env.rubric import Rubric
-from agentgrpo.types import Group, StopReason, Trajectory
+from agentgrpo.types import Group, Score, StopReason, Trajectory
 from agentgrpo.verify.code import extract_code
 from agentgrpo.verify.sandbox import default_sandbox
 from envs.repo_repair import RepoRepairEnv
@@ -123,9 +123,10 @@ def test_shipped_verifiers_pay_for_no_hack_and_are_deterministic(name):
 
 
 class Arithmetic(ToolEnv):
-    """7 * 6 with a rubric: an exact verifier and, planted, one that flips a coin (alternately)."""
+    """7 * 6 with a rubric: an exact verifier and, planted, one that scores the same episode
+    differently each time it sees it (0, then 1, then 0, ...), whatever the order of the plays."""
 
-    flips = itertools.count()
+    seen: collections.Counter = collections.Counter()
 
     @tool
     def note(self, text: str) -> str:
@@ -142,7 +143,9 @@ class Arithmetic(ToolEnv):
 
     @staticmethod
     def coin(trajectory, task) -> float:
-        return float(next(Arithmetic.flips) % 2)
+        key = tuple((m.role, m.content) for m in trajectory.messages)
+        Arithmetic.seen[key] += 1
+        return float(Arithmetic.seen[key] % 2)
 
     rubric = Rubric([("exact", exact, 1.0), ("coin", coin, 0.0)])
 
@@ -205,8 +208,8 @@ def test_train_stops_before_any_step_on_a_paying_verifier(tmp_path, tiny_model_d
 
 def _group(rewards_parts: list[dict[str, float]], info: dict | None = None) -> Group:
     task = Arithmetic.load_tasks()[0]
-    trajs = []
-    for parts in rewards_parts:
+    trajs, scores = [], {}
+    for i, parts in enumerate(rewards_parts):
         t = Trajectory(
             task_id=task.id,
             token_ids=[],
@@ -215,26 +218,29 @@ def _group(rewards_parts: list[dict[str, float]], info: dict | None = None) -> G
             prompt_len=0,
             messages=[Message(role="assistant", content="42")],
             stop_reason=StopReason.COMPLETED,
-            reward=parts.get("exact", 0.0),
-            reward_parts=dict(parts),
             env_info=dict(info or {}),
+            id=f"{task.id}/{i}",
         )
         trajs.append(t)
-    return Group(group_id=task.id, task=task, trajectories=trajs)
+        scores[t.id] = Score(t.id, parts.get("exact", 0.0), parts=dict(parts))
+    return Group(group_id=task.id, task=task, trajectories=trajs, scores=scores)
+
+
+def _rewards(groups: list[Group]) -> list[float]:
+    return [r for g in groups for r in g.rewards]
 
 
 def test_a_flaky_verdict_makes_its_group_unscorable():
     steady = Rubric([("exact", Arithmetic.exact, 1.0)])
     flaky = Rubric([("exact", Arithmetic.exact, 1.0), ("coin", lambda t, k: random.random(), 0.0)])
     groups = [_group([{"exact": 1.0}] * 4) for _ in range(2)]
-    assert asyncio.run(recheck_groups(groups, steady, 1, random.Random(0))) == 0
-    assert all(t.reward == 1.0 for g in groups for t in g.trajectories)
+    groups, n = asyncio.run(recheck_groups(groups, steady, 1, random.Random(0)))
+    assert n == 0 and _rewards(groups) == [1.0] * 8
     groups = [_group([{"exact": 1.0, "coin": 2.0}] * 4) for _ in range(2)]
-    assert asyncio.run(recheck_groups(groups, flaky, 1, random.Random(0))) == 2
-    assert all(math.isnan(t.reward) for g in groups for t in g.trajectories)
-    assert "flaky verdict: verifier 'coin'" in groups[0].trajectories[0].stop_detail
+    groups, n = asyncio.run(recheck_groups(groups, flaky, 1, random.Random(0)))
+    assert n == 2 and all(math.isnan(r) for r in _rewards(groups))
+    first = groups[0].score(groups[0].trajectories[0])
+    assert "flaky verdict: verifier 'coin'" in first.detail
     reported = [_group([{"exact": 1.0}] * 2, {"flaky_verdict": True}), _group([{"exact": 1.0}] * 2)]
-    assert asyncio.run(recheck_groups(reported, None, 0, random.Random(0))) == 1
-    assert (
-        math.isnan(reported[0].trajectories[1].reward) and reported[1].trajectories[0].reward == 1
-    )
+    reported, n = asyncio.run(recheck_groups(reported, None, 0, random.Random(0)))
+    assert n == 1 and math.isnan(reported[0].rewards[1]) and reported[1].rewards[0] == 1

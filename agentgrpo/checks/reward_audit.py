@@ -186,11 +186,15 @@ async def play(make_env: Callable[[], Env], task: Task, turns: Sequence[Message]
         rubric = env_rubric(env)
         if rubric is None:
             return Outcome(total)
-        return await _rubric_outcome(rubric, task, messages, total, info)
     except InfrastructureError as e:
         return Outcome(math.nan, detail=f"unscorable: {e}")
     except Exception as e:  # noqa: BLE001 - the env's code failed on the hack: not a payment
         return Outcome(math.nan, detail=f"the env raised {type(e).__name__}: {e}")
+    else:  # scored with the env still open (a session env's verifier reads its workspace)
+        try:
+            return await _rubric_outcome(rubric, task, messages, total, info)
+        except InfrastructureError as e:
+            return Outcome(math.nan, detail=f"unscorable: {e}")
     finally:
         await close_env(env)
 
@@ -208,7 +212,7 @@ async def _rubric_outcome(
         messages=messages,
         stop_reason=StopReason.COMPLETED,
         tool_calls=calls,
-        env_reward=total,
+        reward=total,  # the env's own: the rubric's env_reward verifier reads it
         env_info=info,
     )
     res = await rubric.ascore(traj, task)
