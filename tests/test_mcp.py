@@ -8,6 +8,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -309,6 +310,64 @@ def test_a_server_that_never_answers_times_out_and_is_ended(tmp_path):
     env.close()
     assert time.monotonic() - start < 20
     assert not _alive(int(pid_file.read_text()), wait_s=1.0)  # not left running
+
+
+SPAWNER = """
+import os, subprocess, sys, time
+from mcp.server.mcpserver import MCPServer
+
+app = MCPServer("spawner")
+
+@app.tool()
+def spawn() -> list[int]:
+    \"\"\"Start a child in this server's process group and a detached daemon; their pids.\"\"\"
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"],
+                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+    r, w = os.pipe()
+    first = os.fork()
+    if first == 0:
+        os.setsid()
+        if os.fork() == 0:  # the daemon: its own session, no pipe of the server's
+            null = os.open(os.devnull, os.O_RDWR)
+            for fd in (0, 1, 2):
+                os.dup2(null, fd)
+            os.write(w, str(os.getpid()).encode())
+            os.close(w)
+            time.sleep(300)
+        os._exit(0)
+    os.close(w)
+    os.waitpid(first, 0)
+    daemon = int(os.read(r, 32))
+    return [child.pid, daemon]
+
+if __name__ == "__main__":
+    app.run()
+"""
+
+
+def test_no_child_of_a_stdio_server_outlives_its_episode(tmp_path):
+    """Found: a child in the server's process group survived a server that exits when its stdin
+    closes, and a detached daemon always did. Both are gone once the episode's env is closed."""
+    path = tmp_path / "spawner.py"
+    path.write_text(SPAWNER)
+
+    class Spawner(MCPToolEnv):
+        """Its server leaves processes behind."""
+
+        mcp_servers = [MCPServer.stdio(sys.executable, str(path), open_timeout_s=60)]
+
+        def reward(self, task, messages):
+            return 0.0
+
+    env = Spawner()
+    env.reset(seed=0, options={"task": TASK})
+    step = asyncio.run(env.step(_message(_call("spawn"))))
+    pids = [int(p) for p in re.findall(r"\d+", step[0][0].content)]
+    assert len(pids) == 2 and all(_alive(p, wait_s=0.1) for p in pids)
+    start = time.monotonic()
+    env.close()
+    assert [p for p in pids if _alive(p, wait_s=5.0)] == []
+    assert time.monotonic() - start < 10
 
 
 def test_server_spec_errors():

@@ -11,11 +11,13 @@ error and a call past `tool_timeout_s` each become an error tool message counted
 
 Decisions:
 - One session per episode, per server: opened in `reset`, closed in `close` (the rollout closes
-  every episode's env). A stdio server is a fresh process per episode, so its state starts from
-  nothing each time (the group-comparison contract of `Env.stochastic`) and a server that crashes
-  takes one episode with it, not the step. The price is a server start per episode (docs/
-  environments.md, "MCP tools", has the measured cost); a server that is slow to start and holds
-  no per-episode state is better reached over HTTP, where opening a session is one request.
+  every episode's env). A stdio server is a fresh process per episode (on Linux under
+  `_reaper.py`, a subreaper that kills every process it started, daemons included, when it
+  exits), so its state starts from nothing each time (the group-comparison contract of
+  `Env.stochastic`) and a server that crashes takes one episode with it, not the step. The price
+  is a server start per episode (docs/environments.md, "MCP tools", has the measured cost); a
+  server that is slow to start and holds no per-episode state is better reached over HTTP,
+  where opening a session is one request.
 - The sessions live on one event loop of their own, in a daemon thread (`agentgrpo-mcp`). The
   `mcp` client's streams belong to the task that opened them, while the rollout resets in a
   worker thread and closes from yet another task (`close_env`), and `check_env` runs each call
@@ -39,6 +41,7 @@ import concurrent.futures
 import json
 import os
 import re
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -49,6 +52,7 @@ from agentgrpo.env.base import ToolEnv
 from agentgrpo.env.tool import Tool, ToolError
 from agentgrpo.types import InfrastructureError, Message
 
+_REAPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_reaper.py")
 _TOOL_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_\-]{0,63}")  # as for @tool (agentgrpo.env.tool.Tool)
 
 
@@ -368,11 +372,11 @@ class _Session:
             return self.server.url
         from mcp.client.stdio import StdioServerParameters
 
+        command, args = self.server.command, list(self.server.args)
+        if sys.platform.startswith("linux"):  # none of the server's processes outlives it
+            command, args = sys.executable, ["-I", _REAPER, command, *args]
         return StdioServerParameters(
-            command=self.server.command,
-            args=list(self.server.args),
-            env=self.server.env,
-            cwd=self.server.cwd,
+            command=command, args=args, env=self.server.env, cwd=self.server.cwd
         )
 
     async def call(self, name: str, arguments: dict[str, Any]) -> Any:
