@@ -59,6 +59,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from agentgrpo.agents.api_error import APIError
 from agentgrpo.chat.format import ChatFormat, TemplateError
 from agentgrpo.chat.parsers import ParseError
 from agentgrpo.deadlines import DeadlineExpired, Deadlines
@@ -111,41 +112,6 @@ HONOURED = frozenset(
         "stream",
     }
 )
-
-
-class APIError(Exception):
-    """A request the endpoint answers with OpenAI's error shape."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        param: str | None = None,
-        code: str | None = None,
-        kind: str = "invalid_request_error",
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.kind = (
-            status,
-            message,
-            param,
-            code,
-            kind,
-        )
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(
-            {
-                "error": {
-                    "message": self.message,
-                    "type": self.kind,
-                    "param": self.param,
-                    "code": self.code,
-                }
-            },
-            self.status,
-        )
 
 
 @dataclass
