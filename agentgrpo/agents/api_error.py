@@ -3,6 +3,8 @@ called (OpenAI's here; `agentgrpo.agents.anthropic` converts it to Anthropic's).
 
 from __future__ import annotations
 
+from typing import Any
+
 from starlette.responses import JSONResponse
 
 
@@ -39,3 +41,18 @@ class APIError(Exception):
             },
             self.status,
         )
+
+
+def check_model(name: Any, served: str) -> str:
+    """The model name a reply carries: the served one. No name is taken as the served one (vLLM
+    does the same); another name is a 404, as OpenAI and vLLM answer."""
+    if name is None:
+        return served
+    if name != served:
+        raise APIError(
+            404,
+            f"The model `{name!s:.100}` does not exist: this endpoint serves `{served}`",
+            param="model",
+            code="model_not_found",
+        )
+    return served

@@ -49,17 +49,19 @@ import math
 import secrets
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from agentgrpo.agents.api_error import APIError
+from agentgrpo.agents import anthropic, responses
+from agentgrpo.agents.api_error import APIError, check_model
+from agentgrpo.agents.streaming import chat_stream, stream_options
 from agentgrpo.chat.format import ChatFormat, TemplateError
 from agentgrpo.chat.parsers import ParseError
 from agentgrpo.deadlines import DeadlineExpired, Deadlines
@@ -154,6 +156,8 @@ class EndpointEpisode:
     deadline: str | None = None  # which deadline, when one did: turn | episode | step
     infra: tuple[StopReason, str] | None = None  # an engine failure (unscorable)
     reward: float | None = None  # given through the server's API (serve-policy)
+    # what an API's translation keeps per episode (the Responses API's stored responses)
+    api_state: dict[str, Any] = field(default_factory=dict)
     _history: list[Message] | None = None  # the last request's messages + the reply given
     _tools: list[dict[str, Any]] | None = None
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -431,14 +435,8 @@ def _read_request(body: Any) -> dict[str, Any]:
                 code="unsupported_parameter",
             )
         raise APIError(400, f"Unrecognized request argument supplied: {key}", param=key)
-    if body.get("stream"):
-        raise APIError(
-            400,
-            "stream: true is not supported: this endpoint answers each call "
-            "with one complete reply",
-            param="stream",
-            code="unsupported_parameter",
-        )
+    if body.get("stream") not in (None, True, False):
+        raise APIError(400, f"stream must be a boolean, got {body['stream']!r:.50}", param="stream")
     if body.get("n") not in (None, 1):
         raise APIError(
             400,
@@ -453,6 +451,17 @@ def _read_request(body: Any) -> dict[str, Any]:
     for i, m in enumerate(raw):
         if isinstance(m, dict) and m.get("role") == "developer":  # OpenAI's new name for system
             m = {**m, "role": "system"}
+        if (
+            isinstance(m, dict)
+            and m.get("role") == "tool"
+            and not isinstance(m.get("tool_call_id"), str)
+        ):
+            raise APIError(  # as OpenAI answers: a tool result must say which call it answers
+                400,
+                f"Missing required parameter: 'messages[{i}].tool_call_id'.",
+                param=f"messages[{i}].tool_call_id",
+                code="missing_required_parameter",
+            )
         try:
             messages.append(Message.from_dict(m))
         except Exception as e:  # noqa: BLE001 - pydantic's error, or a non-dict: client input
@@ -523,6 +532,15 @@ def _read_request(body: Any) -> dict[str, Any]:
     }
 
 
+async def chat_answer(ep: EndpointEpisode, body: Any, served: str) -> Response:
+    """A Chat Completions call: the reply as one object, or as OpenAI's chunks with `stream`."""
+    model = check_model(body.get("model") if isinstance(body, dict) else None, served)
+    stream = isinstance(body, dict) and body.get("stream") is True
+    include_usage = stream_options(body) if isinstance(body, dict) else False
+    reply = {**await ep.complete(body), "model": model}
+    return chat_stream(reply, include_usage) if stream else JSONResponse(reply)
+
+
 # ---------------------------------------------------------------------------------------------
 # The HTTP server
 
@@ -561,6 +579,8 @@ class PolicyEndpoint:
             Route("/v1/models", self._models, methods=["GET"]),
             Route("/episodes/{eid}/v1/models", self._models, methods=["GET"]),
             Route("/episodes/{eid}/v1/chat/completions", self._chat, methods=["POST"]),
+            Route("/episodes/{eid}/v1/responses", self._responses, methods=["POST"]),
+            Route("/episodes/{eid}/v1/messages", self._messages, methods=["POST"]),
         ]
         if new_episode is not None:
             routes += [
@@ -618,12 +638,28 @@ class PolicyEndpoint:
         except (ValueError, RecursionError) as e:
             raise APIError(400, f"We could not parse the JSON body of your request ({e})") from e
 
-    async def _chat(self, request: Request) -> JSONResponse:
+    async def _chat(self, request: Request) -> Response:
+        return await self._call(request, chat_answer, APIError.response)
+
+    async def _responses(self, request: Request) -> Response:
+        return await self._call(request, responses.answer, APIError.response)
+
+    async def _messages(self, request: Request) -> Response:
+        return await self._call(request, anthropic.answer, anthropic.error_response)
+
+    async def _call(
+        self,
+        request: Request,
+        answer: Callable[[EndpointEpisode, Any, str], Awaitable[Response]],
+        error: Callable[[APIError], Response],
+    ) -> Response:
+        """One call of an API: its episode, its body, and the API's answer (`answer(episode,
+        body, served model name)`, which calls `EndpointEpisode.complete`), or its error."""
         try:
             ep = self._episode(request)
-            return JSONResponse(await ep.complete(await self._json(request)))
+            return await answer(ep, await self._json(request), self.model)
         except APIError as e:
-            return e.response()
+            return error(e)
 
     async def _models(self, request: Request) -> JSONResponse:
         if "eid" in request.path_params:
@@ -762,24 +798,32 @@ def is_loopback(host: str) -> bool:
 
 
 class _Auth:
-    """ASGI middleware: with a token, every request needs `Authorization: Bearer <token>`."""
+    """ASGI middleware: with a token, every request needs `Authorization: Bearer <token>` or
+    `x-api-key: <token>` (Anthropic's clients)."""
 
     def __init__(self, app: Any, token: str | None) -> None:
         self.app, self.token = app, token
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if self.token is not None and scope["type"] == "http":
-            got = dict(scope["headers"]).get(b"authorization", b"")
+            headers = dict(scope["headers"])
+            got = headers.get(b"authorization", b"")
+            key = headers.get(b"x-api-key")  # how Anthropic's clients send their api_key
             if not (
-                got[:7].lower() == b"bearer "
-                and hmac.compare_digest(got[7:].strip(), self.token.encode())
+                (
+                    got[:7].lower() == b"bearer "
+                    and hmac.compare_digest(got[7:].strip(), self.token.encode())
+                )
+                or (key is not None and hmac.compare_digest(key.strip(), self.token.encode()))
             ):
-                resp = APIError(
+                error = APIError(
                     401,
-                    "missing or wrong bearer token",
+                    "missing or wrong bearer token (or x-api-key)",
                     kind="authentication_error",
                     code="invalid_api_key",
-                ).response()
+                )
+                messages_api = scope["path"].endswith("/v1/messages")
+                resp = anthropic.error_response(error) if messages_api else error.response()
                 await resp(scope, receive, send)
                 return
         await self.app(scope, receive, send)
