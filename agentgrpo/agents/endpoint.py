@@ -699,7 +699,7 @@ class PolicyEndpoint:
                 )
             self.add(self.new_episode(eid, seed))  # type: ignore[misc]
             base = str(request.base_url).rstrip("/")
-            return JSONResponse({"id": eid, "base_url": f"{base}/episodes/{eid}/v1"})
+            return JSONResponse(episode_urls(eid, base))
         except APIError as e:
             return e.response()
 
@@ -786,6 +786,16 @@ class PolicyEndpoint:
         finally:
             server.should_exit = True
             await task
+
+
+def episode_urls(eid: str, base: str) -> dict[str, str]:
+    """Where an episode's clients point: `base_url` for OpenAI's (Chat Completions, Responses),
+    `anthropic_base_url` for Anthropic's (which adds /v1/messages itself)."""
+    return {
+        "id": eid,
+        "base_url": f"{base}/episodes/{eid}/v1",
+        "anthropic_base_url": f"{base}/episodes/{eid}",
+    }
 
 
 def is_loopback(host: str) -> bool:
