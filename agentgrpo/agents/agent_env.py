@@ -29,7 +29,7 @@ import weakref
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from agentgrpo.agents.endpoint import EndpointEpisode, PolicyEndpoint
+from agentgrpo.agents.endpoint import EndpointEpisode, PolicyEndpoint, episode_urls
 from agentgrpo.chat.format import ChatFormat
 from agentgrpo.deadlines import DeadlineExpired, Deadlines
 from agentgrpo.engine.base import Engine, SamplingParams
@@ -47,8 +47,9 @@ class AgentEnv(Env, EpisodeRunner):
 
     `run` returns the episode's reward (a finite number), or None to leave it to the env's
     `rubric`. `self.base_url`, `self.api_key` and `self.model` are set before `run` starts, for
-    agent code that builds its own client (the OpenAI Agents SDK, LangChain's `ChatOpenAI`);
-    such a client should not retry (`max_retries=0`).
+    agent code that builds its own client (the OpenAI Agents SDK, LangChain's `ChatOpenAI`;
+    `self.anthropic_base_url` for Anthropic's client, which adds `/v1/messages` itself); such a
+    client should not retry (`max_retries=0`).
 
     Example:
         >>> class Calculator(AgentEnv):
@@ -60,6 +61,7 @@ class AgentEnv(Env, EpisodeRunner):
     """
 
     base_url: str = ""
+    anthropic_base_url: str = ""
     api_key: str = ""
     model: str = "policy"
 
@@ -128,7 +130,9 @@ async def agent_episode(
     reason, detail, reward = StopReason.COMPLETED, "", None
     async with _shared_endpoint() as (endpoint, base):
         endpoint.add(episode)
-        env.base_url, env.api_key = f"{base}/episodes/{episode.id}/v1", endpoint.token or ""
+        urls = episode_urls(episode.id, base)
+        env.base_url, env.anthropic_base_url = urls["base_url"], urls["anthropic_base_url"]
+        env.api_key = endpoint.token or ""
         env.model = endpoint.model
         client = openai.AsyncOpenAI(base_url=env.base_url, api_key=env.api_key, max_retries=0)
         stage = "reset"
@@ -157,11 +161,11 @@ async def agent_episode(
         finally:
             endpoint.remove(episode.id)
             await client.close()
-    return _sealed(env, episode, task, limits, reason, detail, reward)
+    return sealed(env, episode, task, limits, reason, detail, reward)
 
 
-def _sealed(
-    env: AgentEnv,
+def sealed(
+    env: Env,
     episode: EndpointEpisode,
     task: Task,
     limits: EpisodeLimits,
@@ -169,8 +173,10 @@ def _sealed(
     detail: str,
     reward: float | None,
 ) -> Trajectory:
-    """The episode's record: the endpoint's token sequences, why it ended (`run`'s own ending
-    unless the endpoint saw an engine failure, a divergent prompt or a limit) and its reward."""
+    """The episode's record: the endpoint's token sequences, why it ended (the agent's own ending
+    unless the endpoint saw an engine failure, a divergent prompt or a limit) and its reward (the
+    agent's; None leaves it to the env's rubric). Shared with remote episodes
+    (`agentgrpo.agents.remote`)."""
     traj, diverged = episode.trajectory(task.id)
     if not episode.calls and reason == StopReason.COMPLETED:
         reason, detail = StopReason.ENV_ERROR, "run made no call to the model"
@@ -180,7 +186,7 @@ def _sealed(
         # what the env gave (nothing), and a finished one is an error of the env
         if env_rubric(env) is None and reason == StopReason.COMPLETED:
             reason = StopReason.ENV_ERROR
-            detail = "run returned None and the env has no rubric to score the episode"
+            detail = "the agent gave no reward and the env has no rubric to score the episode"
         reward = 0.0
     elif reward is not None and traj.tool_errors and limits.tool_error_penalty:
         reward -= limits.tool_error_penalty * traj.tool_errors

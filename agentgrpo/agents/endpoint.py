@@ -549,13 +549,15 @@ async def chat_answer(ep: EndpointEpisode, body: Any, served: str) -> Response:
 
 
 class PolicyEndpoint:
-    """The episodes table and its HTTP app (`app`): `/episodes/<id>/v1/chat/completions`,
-    `/episodes/<id>/v1/models`, `/v1/models`.
+    """The episodes table and its HTTP app (`app`): per episode `/episodes/<id>/v1/` +
+    `chat/completions`, `responses` (`agentgrpo.agents.responses`), `messages` (Anthropic's:
+    `agentgrpo.agents.anthropic`) and `models`; `/v1/models`.
 
-    With `control=True` (serve-policy) it also serves the episode API: `POST /episodes` (body
-    `{"id"?, "seed"?}`: starts one, answers its id and base_url), `GET /episodes/<id>/trajectory`,
-    `POST /episodes/<id>/reward` (`{"reward": float}`), `DELETE /episodes/<id>`; `new_episode`
-    then makes the episode (a function of its id and seed).
+    With `new_episode` (serve-policy) it also serves the episode API: `POST /episodes` (body
+    `{"id"?, "seed"?}`: starts one made by `new_episode(id, seed)`, answers its id and URLs),
+    `GET /episodes/<id>/trajectory`, `POST /episodes/<id>/reward` (`{"reward": float}`),
+    `DELETE /episodes/<id>`. With `hand_out` instead (a remote run: `agentgrpo.agents.remote`),
+    `POST /episodes` hands out an episode that waits for an agent.
 
     Example:
         >>> endpoint = PolicyEndpoint(model="policy")
@@ -573,11 +575,17 @@ class PolicyEndpoint:
         max_body_bytes: int = 4 << 20,
         max_episodes: int = 10_000,
         new_episode: Callable[[str, int | None], EndpointEpisode] | None = None,
+        hand_out: Callable[[float], Awaitable[tuple[EndpointEpisode, dict] | None]] | None = None,
+        on_done: Callable[[EndpointEpisode], None] | None = None,
     ) -> None:
         self.model, self.token, self.max_body_bytes = model, token, max_body_bytes
         self.max_episodes = max_episodes  # episodes held at once (POST /episodes: 429 past it)
         self.episodes: dict[str, EndpointEpisode] = {}
         self.new_episode = new_episode
+        # a remote run's episodes (agentgrpo.agents.remote): POST /episodes hands out one that
+        # waits for an agent (`hand_out(wait_s)`: the episode and what else the answer carries,
+        # or None when none came in time), and a reward or DELETE tells `on_done` it is over
+        self.hand_out, self.on_done = hand_out, on_done
         routes = [
             Route("/v1/models", self._models, methods=["GET"]),
             Route("/episodes/{eid}/v1/models", self._models, methods=["GET"]),
@@ -585,7 +593,7 @@ class PolicyEndpoint:
             Route("/episodes/{eid}/v1/responses", self._responses, methods=["POST"]),
             Route("/episodes/{eid}/v1/messages", self._messages, methods=["POST"]),
         ]
-        if new_episode is not None:
+        if new_episode is not None or hand_out is not None:
             routes += [
                 Route("/episodes", self._start, methods=["POST"]),
                 Route("/episodes/{eid}/trajectory", self._trajectory, methods=["GET"]),
@@ -679,7 +687,9 @@ class PolicyEndpoint:
             }
         )
 
-    async def _start(self, request: Request) -> JSONResponse:
+    async def _start(self, request: Request) -> Response:
+        if self.hand_out is not None:
+            return await self._take(request)
         try:
             body = await self._json(request)
             if not isinstance(body, dict) or set(body) - {"id", "seed"}:
@@ -703,6 +713,30 @@ class PolicyEndpoint:
             self.add(self.new_episode(eid, seed))  # type: ignore[misc]
             base = str(request.base_url).rstrip("/")
             return JSONResponse(episode_urls(eid, base))
+        except APIError as e:
+            return e.response()
+
+    async def _take(self, request: Request) -> Response:
+        """POST /episodes of a remote run: an episode waiting for an agent (its id, URLs and
+        task), or 204 when none came within the body's `wait_s` (default 20, at most 60)."""
+        try:
+            body = await self._json(request)
+            wait_s = body.get("wait_s", 20.0) if isinstance(body, dict) else None
+            if (
+                not isinstance(body, dict)
+                or set(body) - {"wait_s"}
+                or isinstance(wait_s, bool)
+                or not isinstance(wait_s, int | float)
+                or not 0 <= wait_s <= 60
+            ):
+                raise APIError(400, 'body: {"wait_s"?: seconds to wait for a task, 0 to 60}')
+            taken = await self.hand_out(float(wait_s))  # type: ignore[misc]
+            if taken is None:
+                return Response(status_code=204)
+            ep, extra = taken
+            self.add(ep)
+            base = str(request.base_url).rstrip("/")
+            return JSONResponse({**episode_urls(ep.id, base), **extra})
         except APIError as e:
             return e.response()
 
@@ -735,6 +769,8 @@ class PolicyEndpoint:
             ):
                 raise APIError(400, 'body: {"reward": a finite number}', param="reward")
             ep.reward = float(reward)
+            if self.on_done is not None:
+                self.on_done(ep)
             return JSONResponse({"id": ep.id, "reward": ep.reward})
         except APIError as e:
             return e.response()
@@ -745,6 +781,8 @@ class PolicyEndpoint:
         except APIError as e:
             return e.response()
         self.remove(ep.id)
+        if self.on_done is not None:
+            self.on_done(ep)
         return JSONResponse({"id": ep.id, "deleted": True})
 
     @contextlib.asynccontextmanager

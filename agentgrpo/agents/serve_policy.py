@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from agentgrpo.agents.endpoint import EndpointEpisode, PolicyEndpoint, is_loopback
@@ -119,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
             id=eid,
             engine=engine,
             chat=chat,
-            params=params,
+            # the episode's session: several --sglang servers keep it on one (its prefix cache)
+            params=replace(params, session_id=eid),
             context_len=context_len,
             seed=seed,
             max_calls=args.max_calls,
