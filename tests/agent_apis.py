@@ -99,6 +99,22 @@ def assert_token_exact(traj: dict, engine: Recording) -> None:
     assert [i for i, m in enumerate(mask) if m] == spans
 
 
+def assert_sampled_by_engine(traj, engine):
+    """Every run of loss-mask-1 ids (with its logprobs) is what the engine sampled for exactly the
+    ids before it: the record is token-exact (the engine's calls of all episodes mixed)."""
+    traj.check()
+    ids, mask = list(traj.token_ids), list(traj.loss_mask)
+    by_prompt = {}
+    for prompt, (sampled, logprobs) in zip(engine.calls, engine.sampled, strict=True):
+        by_prompt.setdefault(tuple(prompt), []).append((sampled, logprobs))
+    runs = 0
+    for s in (i for i in range(len(mask)) if mask[i] and (i == 0 or not mask[i - 1])):
+        e = next((i for i in range(s, len(mask)) if not mask[i]), len(mask))
+        assert (ids[s:e], list(traj.logprobs[s:e])) in by_prompt[tuple(ids[:s])]
+        runs += 1
+    assert runs == traj.num_turns
+
+
 def same_record(a: dict, b: dict) -> bool:
     """Two trajectories with the same tokens, mask and logprobs."""
     return all(a[k] == b[k] for k in ("token_ids", "loss_mask", "logprobs", "prompt_len"))

@@ -17,7 +17,7 @@ from agentgrpo import StopReason, Task  # noqa: E402
 from agentgrpo.agents.remote import RemoteEnv, stop_servers  # noqa: E402
 from agentgrpo.rollout.episode import RolloutConfig, collect  # noqa: E402
 from agentgrpo.run.log import read_jsonl  # noqa: E402
-from tests.agent_apis import CALL, Recording, by_turn  # noqa: E402
+from tests.agent_apis import CALL, Recording, assert_sampled_by_engine, by_turn  # noqa: E402
 
 TASKS = [
     Task(id="four", prompt="What is 2 + 2?", answer=4),
@@ -80,22 +80,6 @@ def test_an_agent_in_another_process_plays_the_runs_episodes(chat, port):
             rewards[g.task.id] = rewards.get(g.task.id, ()) + (t.reward,)
             assert_sampled_by_engine(t, engine)
     assert rewards == {"four": (1.0, 1.0), "six": (0.0, 0.0)}  # the agent's own scores
-
-
-def assert_sampled_by_engine(traj, engine):
-    """Every run of loss-mask-1 ids (with its logprobs) is what the engine sampled for exactly the
-    ids before it: the record is token-exact (the engine's calls of all episodes mixed)."""
-    traj.check()
-    ids, mask = list(traj.token_ids), list(traj.loss_mask)
-    by_prompt = {}
-    for prompt, (sampled, logprobs) in zip(engine.calls, engine.sampled, strict=True):
-        by_prompt.setdefault(tuple(prompt), []).append((sampled, logprobs))
-    runs = 0
-    for s in (i for i in range(len(mask)) if mask[i] and (i == 0 or not mask[i - 1])):
-        e = next((i for i in range(s, len(mask)) if not mask[i]), len(mask))
-        assert (ids[s:e], list(traj.logprobs[s:e])) in by_prompt[tuple(ids[:s])]
-        runs += 1
-    assert runs == traj.num_turns
 
 
 def test_deadlines_end_episodes_no_agent_takes_or_ends(chat, port):
