@@ -17,6 +17,7 @@ import openai
 from agents import (
     Agent,
     MaxTurnsExceeded,
+    ModelBehaviorError,
     OpenAIProvider,
     RunConfig,
     Runner,
@@ -64,7 +65,9 @@ class CalculatorSDKAgent(AgentEnv):
             result = await Runner.run(
                 agent, str(task.prompt), max_turns=self.max_turns, run_config=config
             )
-        except MaxTurnsExceeded:
+        except (MaxTurnsExceeded, ModelBehaviorError):
+            # the policy's doing (too many turns, a reply cut at the token limit, a malformed
+            # call), so a reward of 0, not an env error
             return 0.0
         number = last_number(str(result.final_output))
         return float(number is not None and number == Fraction(str(task.answer)))

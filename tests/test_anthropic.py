@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-anthropic = pytest.importorskip("anthropic")
+anthropic = pytest.importorskip("anthropic", exc_type=ImportError)
 from anthropic.types import Message, RawMessageStreamEvent  # noqa: E402
 from pydantic import TypeAdapter  # noqa: E402
 
