@@ -1,4 +1,6 @@
-"""OpenAI's Chat Completions API in front of an `Engine`, recording every token per episode.
+"""OpenAI's Chat Completions API in front of an `Engine`, recording every token per episode: the
+episode core that the Responses API (`agentgrpo.agents.responses`) and Anthropic's Messages API
+(`agentgrpo.agents.anthropic`) translate onto, so every call of every API lands in one record.
 
 An agent written against the OpenAI client needs only a `base_url`:
 `http://HOST:PORT/episodes/<id>/v1`. Each episode has its own URL prefix, so concurrent episodes
@@ -22,8 +24,8 @@ naming it.
 
 Requests: `messages`, `tools`, `tool_choice`, `temperature`, `top_p`, `max_tokens` /
 `max_completion_tokens`, `stop` (strings that are one token each: stop strings spanning tokens
-would hide sampled text), `n` (1 only), `seed`. `stream: true` is refused with a 400: one reply
-per call is what the episode records. `tool_choice: "required"` or a named function are accepted
+would hide sampled text), `n` (1 only), `seed`, `stream` (the recorded reply sent as events:
+`agentgrpo.agents.streaming`). `tool_choice: "required"` or a named function are accepted
 but not enforced: forcing a call would sample off the policy the loss assumes; an unknown name is
 a 400. Fields of OpenAI's API that do not change sampling (`user`, `metadata`, `store`,
 `parallel_tool_calls`, ...) are ignored; those that would (`frequency_penalty`, `logit_bias`,
@@ -33,7 +35,8 @@ know is refused, as OpenAI does. Errors have OpenAI's shape, `{"error": {"messag
 
 Server: starlette on uvicorn (well-kept, asynchronous, light: the app is a few routes and needs
 no validation framework). Binds 127.0.0.1 unless told otherwise; a token (`Authorization: Bearer`,
-which is what the OpenAI client sends as its api_key) is then required, compared in constant time.
+which is what the OpenAI client sends as its api_key, or `x-api-key`, Anthropic's) is then
+required, compared in constant time.
 Bounds: request bodies (`max_body_bytes`, 413), connections (uvicorn's `limit_concurrency`, 503
 past it), idle keep-alive connections (`timeout_keep_alive_s`).
 """
