@@ -27,7 +27,7 @@ import numbers
 import secrets
 import weakref
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from agentgrpo.agents.endpoint import EndpointEpisode, PolicyEndpoint, episode_urls
 from agentgrpo.chat.format import ChatFormat
@@ -40,6 +40,8 @@ from agentgrpo.types import Message, StopReason, Task, Trajectory
 
 if TYPE_CHECKING:
     import openai
+
+E = TypeVar("E", bound=EndpointEpisode)
 
 
 class AgentEnv(Env, EpisodeRunner):
@@ -115,17 +117,8 @@ async def agent_episode(
     import openai  # the optional extra: pip install 'agentgrpo[agent]'
 
     clock = Deadlines(limits.turn_timeout_s, limits.episode_timeout_s, deadline)
-    episode = EndpointEpisode(
-        id=secrets.token_urlsafe(12),
-        engine=engine,
-        chat=chat,
-        params=params,
-        context_len=context_len,
-        fixed_sampling=True,
-        seed=params.seed,
-        max_calls=limits.max_turns,
-        max_tokens=limits.max_tokens,
-        clock=clock,
+    episode = training_episode(
+        EndpointEpisode, secrets.token_urlsafe(12), engine, chat, params, limits, context_len, clock
     )
     reason, detail, reward = StopReason.COMPLETED, "", None
     async with _shared_endpoint() as (endpoint, base):
@@ -162,6 +155,34 @@ async def agent_episode(
             endpoint.remove(episode.id)
             await client.close()
     return sealed(env, episode, task, limits, reason, detail, reward)
+
+
+def training_episode(
+    kind: type[E],
+    eid: str,
+    engine: Engine,
+    chat: ChatFormat,
+    params: SamplingParams,
+    limits: EpisodeLimits,
+    context_len: int | None,
+    clock: Deadlines,
+    **extra: Any,
+) -> E:
+    """An endpoint episode of a training run: the run's sampling (requests may not change it), its
+    seed for this member and the run's limits (shared with `agentgrpo.agents.remote`)."""
+    return kind(
+        id=eid,
+        engine=engine,
+        chat=chat,
+        params=params,
+        context_len=context_len,
+        fixed_sampling=True,
+        seed=params.seed,
+        max_calls=limits.max_turns,
+        max_tokens=limits.max_tokens,
+        clock=clock,
+        **extra,
+    )
 
 
 def sealed(

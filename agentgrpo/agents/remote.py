@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agentgrpo.agents.agent_env import sealed
+from agentgrpo.agents.agent_env import sealed, training_episode
 from agentgrpo.agents.endpoint import EndpointEpisode, PolicyEndpoint, is_loopback
 from agentgrpo.chat.format import ChatFormat
 from agentgrpo.deadlines import DeadlineExpired, Deadlines
@@ -106,17 +106,16 @@ class RemoteEnv(Env, EpisodeRunner):
     ) -> Trajectory:
         """Offer the episode to the agents and wait until one ends it or its deadline passes."""
         clock = Deadlines(limits.turn_timeout_s, limits.episode_timeout_s, deadline)
-        episode = RemoteEpisode(
-            id=f"{params.session_id or 'episode'}-{os.urandom(6).hex()}".replace("/", "-"),
-            engine=engine,
-            chat=chat,
-            params=params,
-            context_len=context_len,
-            fixed_sampling=True,
-            seed=params.seed,
-            max_calls=limits.max_turns,
-            max_tokens=limits.max_tokens,
-            clock=clock,
+        eid = f"{params.session_id or 'episode'}-{os.urandom(6).hex()}".replace("/", "-")
+        episode = training_episode(
+            RemoteEpisode,
+            eid,
+            engine,
+            chat,
+            params,
+            limits,
+            context_len,
+            clock,
             home=asyncio.get_running_loop(),
         )
         hub = _hub(self.host, self.port, self.token)

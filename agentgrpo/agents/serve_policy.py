@@ -7,9 +7,9 @@ process or language.
 
 MODEL_DIR gives the tokenizer and chat template (with --sglang, the servers must serve the same
 model). The episode API: `POST /episodes` starts one (`{"id"?, "seed"?}`; answers its `base_url`
-for OpenAI's clients and `anthropic_base_url` for Anthropic's), `GET /episodes/<id>/trajectory` returns its calls as one token-exact
-trajectory (`Trajectory.to_dict()`), `POST /episodes/<id>/reward` gives it a reward, `DELETE
-/episodes/<id>` forgets it. See docs/agents.md.
+for OpenAI's clients and `anthropic_base_url` for Anthropic's), `GET /episodes/<id>/trajectory`
+returns its calls as one token-exact trajectory (`Trajectory.to_dict()`), `POST
+/episodes/<id>/reward` gives it a reward, `DELETE /episodes/<id>` forgets it. See docs/agents.md.
 """
 
 from __future__ import annotations
