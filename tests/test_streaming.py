@@ -10,11 +10,17 @@ import pytest
 openai = pytest.importorskip("openai")
 from openai.types.chat import ChatCompletion, ChatCompletionChunk  # noqa: E402
 
+from agentgrpo import AgentEnv, StopReason, Task  # noqa: E402
+from agentgrpo.engine import SamplingParams  # noqa: E402
+from agentgrpo.rollout.episode import run_group  # noqa: E402
 from tests.agent_apis import (  # noqa: E402
+    ANTHROPIC_TOOL,
     CALL,
     CHAT_TOOL,
     TOKEN,
+    Recording,
     arguments,
+    assert_sampled_by_engine,
     assert_token_exact,
     by_turn,
     policy_server,
@@ -144,3 +150,57 @@ def test_stream_errors_come_before_the_stream(chat):
     assert fine.status_code == 200 and fine.headers["content-type"].startswith("text/event-stream")
     assert fine.text.endswith("data: [DONE]\n\n")
     assert failed.status_code == 503 and failed.json()["error"]["code"] == "engine_error"
+
+
+class MixedStreams(AgentEnv):
+    """One episode, two APIs, both streamed: the tool call through Chat Completions, the answer
+    through Anthropic's Messages API with the call sent back as tool_use / tool_result."""
+
+    async def run(self, client, task):
+        import anthropic
+
+        messages = [{"role": "user", "content": task.prompt}]
+        created = await client.chat.completions.create(
+            model=self.model, messages=messages, tools=[CHAT_TOOL], stream=True
+        )
+        call = _joined([c async for c in created]).tool_calls[0]
+        claude = anthropic.AsyncAnthropic(
+            base_url=self.anthropic_base_url, api_key=self.api_key, max_retries=0
+        )
+        use = {
+            "type": "tool_use",
+            "id": call.id,
+            "name": "calculator",
+            "input": arguments(call.function.arguments),
+        }
+        result = {"type": "tool_result", "tool_use_id": call.id, "content": "4"}
+        async with (
+            claude,
+            claude.messages.stream(
+                model=self.model,
+                max_tokens=64,
+                tools=[ANTHROPIC_TOOL],
+                messages=[
+                    *messages,
+                    {"role": "assistant", "content": [use]},
+                    {"role": "user", "content": [result]},
+                ],
+            ) as stream,
+        ):
+            final = await stream.get_final_message()
+        return float(final.content[0].text == "The answer is 4.")
+
+
+def test_an_agent_env_streams_through_two_apis_in_one_episode(chat):
+    pytest.importorskip("anthropic", exc_type=ImportError)
+    engine = Recording(chat.tokenizer, by_turn(chat, CALL, "The answer is 4."), chat.end_of_turn_id)
+    task = Task(id="t", prompt="What is 2 + 2?", answer=4)
+    group = asyncio.run(
+        run_group(
+            MixedStreams, engine, chat, task, 2, SamplingParams(max_new_tokens=64, seed=1), seed=0
+        )
+    )
+    for traj in group.trajectories:
+        assert traj.stop_reason == StopReason.COMPLETED and traj.reward == 1.0, traj.stop_detail
+        assert traj.num_turns == 2 and not traj.segments[1:]  # one sequence across the two APIs
+        assert_sampled_by_engine(traj, engine)
