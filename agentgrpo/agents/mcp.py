@@ -67,6 +67,11 @@ class MCPServer:
     `prefix`: when set, the server's tool `name` is shown to the model as `<prefix>_<name>` (two
     servers with a tool of the same name, or one that clashes with an `@tool`). `open_timeout_s`
     bounds starting the server and listing its tools; past it the episode is unscorable.
+    `handshake`: "legacy" (the default) opens with MCP's `initialize` handshake, which servers
+    built on the 1.x SDK and the dual-era 2.x servers both answer; "auto" is the 2.x client's
+    default, a `server/discover` probe first, which a 1.x server answers with a long validation
+    error on its stderr before the client falls back; a protocol version string (a server that
+    speaks only the 2026 protocol) adopts that version without a handshake.
     """
 
     command: str | None = None
@@ -76,6 +81,7 @@ class MCPServer:
     url: str | None = None
     prefix: str = ""
     open_timeout_s: float = 60.0
+    handshake: str = "legacy"
 
     def __post_init__(self) -> None:
         if (self.command is None) == (self.url is None):
@@ -84,6 +90,13 @@ class MCPServer:
             )
         if self.open_timeout_s <= 0:
             raise ValueError(f"open_timeout_s must be positive, got {self.open_timeout_s}")
+        if not (
+            self.handshake in ("legacy", "auto")
+            or re.fullmatch(r"\d{4}-\d{2}-\d{2}", str(self.handshake))
+        ):
+            raise ValueError(
+                f"handshake must be 'legacy', 'auto' or a protocol version, got {self.handshake!r}"
+            )
 
     @classmethod
     def stdio(
@@ -94,6 +107,7 @@ class MCPServer:
         cwd: str | None = None,
         prefix: str = "",
         open_timeout_s: float = 60.0,
+        handshake: str = "legacy",
     ) -> MCPServer:
         """A server started as `command *args` and spoken to over its stdin and stdout (its
         stderr stays the trainer's). `env` adds variables to the `mcp` package's default
@@ -105,14 +119,22 @@ class MCPServer:
             cwd=cwd,
             prefix=prefix,
             open_timeout_s=open_timeout_s,
+            handshake=handshake,
         )
 
     @classmethod
-    def http(cls, url: str, *, prefix: str = "", open_timeout_s: float = 60.0) -> MCPServer:
+    def http(
+        cls,
+        url: str,
+        *,
+        prefix: str = "",
+        open_timeout_s: float = 60.0,
+        handshake: str = "legacy",
+    ) -> MCPServer:
         """A server already running at a streamable-HTTP endpoint (e.g. http://host:8000/mcp)."""
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"MCPServer.http needs an http:// or https:// URL, got {url!r}")
-        return cls(url=url, prefix=prefix, open_timeout_s=open_timeout_s)
+        return cls(url=url, prefix=prefix, open_timeout_s=open_timeout_s, handshake=handshake)
 
     def describe(self) -> str:
         return self.url or " ".join([self.command or "", *self.args])
@@ -347,7 +369,7 @@ class _Session:
             with anyio.CancelScope() as self._scope:
                 if self._cancelled:  # closed before this task began
                     self._scope.cancel()
-                async with Client(self._target()) as client:
+                async with Client(self._target(), mode=self.server.handshake) as client:
                     self.client = client
                     listing, cursor = [], None
                     while True:

@@ -7,9 +7,9 @@ process or language.
 
 MODEL_DIR gives the tokenizer and chat template (with --sglang, the servers must serve the same
 model). The episode API: `POST /episodes` starts one (`{"id"?, "seed"?}`; answers its `base_url`
-for the OpenAI client), `GET /episodes/<id>/trajectory` returns its calls as one token-exact
-trajectory (`Trajectory.to_dict()`), `POST /episodes/<id>/reward` gives it a reward, `DELETE
-/episodes/<id>` forgets it. See docs/agents.md.
+for OpenAI's clients and `anthropic_base_url` for Anthropic's), `GET /episodes/<id>/trajectory`
+returns its calls as one token-exact trajectory (`Trajectory.to_dict()`), `POST
+/episodes/<id>/reward` gives it a reward, `DELETE /episodes/<id>` forgets it. See docs/agents.md.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from agentgrpo.agents.endpoint import EndpointEpisode, PolicyEndpoint, is_loopback
@@ -119,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
             id=eid,
             engine=engine,
             chat=chat,
-            params=params,
+            # the episode's session: several --sglang servers keep it on one (its prefix cache)
+            params=replace(params, session_id=eid),
             context_len=context_len,
             seed=seed,
             max_calls=args.max_calls,
