@@ -65,9 +65,9 @@ from typing import Any
 import httpx
 
 from agentgrpo.engine.base import Completion, EngineError, SamplingParams
+from agentgrpo.engine.pool import ServerPool, ServerState, _ContextLengthError
 from agentgrpo.engine.sglang.config import SGLangConfig
 from agentgrpo.engine.sglang.nccl import NcclUpdates
-from agentgrpo.engine.sglang.pool import ServerPool, ServerState, _ContextLengthError
 from agentgrpo.engine.sglang.protocol import (  # noqa: F401 - re-exported: the client's public parsing API
     StreamFold,
     _version_tuple,

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from agentgrpo.engine.base import EngineError
-from agentgrpo.engine.sglang.pool import ServerState
+from agentgrpo.engine.pool import ServerState
 
 
 class NcclUpdates:
