@@ -19,7 +19,7 @@ import pytest
 
 from agentgrpo.engine.base import EngineError
 from agentgrpo.engine.pool import ServerPool, ServerState
-from agentgrpo.engine.sglang.client import SGLangEngine
+from agentgrpo.engine.sglang.client import WIRE, SGLangEngine
 from agentgrpo.engine.sglang.config import SGLangConfig
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
@@ -80,6 +80,7 @@ def pool(url: str, headers: dict[str, str] | None = None, **settings: Any) -> Se
         SGLangConfig(urls=[url], **settings),
         {"Content-Type": "application/json", **(headers or {})},
         resync=no_resync,
+        wire=WIRE,
     )
 
 
