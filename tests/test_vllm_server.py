@@ -1,8 +1,10 @@
-"""`VLLMEngine` against real vLLM servers (vLLM's CPU build, the embedded SmolLM2 in float32, the
-dtype `models.hardware.engine_dtype` gives an engine fed float32 weights): token-in/token-out,
-logprobs against the learner's, weight pushes with the probe, the calculator run, failover with
-sticky routing, and a partial rollout across a push. Marked `vllm`: `scripts/test-vllm.sh` runs
-them (tests/vllm_server.py says when they skip). The measured mismatch is printed and written to
+"""The server clients against real servers: token-in/token-out, logprobs against the learner's,
+a partial rollout across a push, failover with sticky routing, and the calculator run with a push
+and the probe every step. vLLM (marked `vllm`: its CPU build, the embedded SmolLM2 in float32, the
+dtype `models.hardware.engine_dtype` gives an engine fed float32 weights; `scripts/test-vllm.sh`)
+runs all of them; SGLang (marked `sglang`: a server named by `AGENTGRPO_SGLANG_URL`;
+`scripts/gpu-check.sh`) the same checks but failover, which needs servers the test can kill.
+tests/vllm_server.py says when they skip. The measured numbers are printed and written to
 `$AGENTGRPO_VLLM_REPORT` (a JSON file) when set."""
 
 from __future__ import annotations
@@ -12,34 +14,58 @@ import json
 import math
 import os
 import signal
+from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from agentgrpo.cli import main
 from agentgrpo.engine.base import SamplingParams
+from agentgrpo.engine.sglang.client import SGLangEngine
 from agentgrpo.engine.vllm.client import VLLMEngine
 from agentgrpo.run.log import read_jsonl
 from agentgrpo.types import Message, StopReason, Trajectory
-from tests.vllm_server import start_server
+from tests.vllm_server import SGLANG_MODEL_ENV, sglang_url, start_server
 
-pytestmark = pytest.mark.vllm
+
+class Live:
+    """One real server: its kind, URL, the model directory it serves, and a client factory."""
+
+    def __init__(self, kind: str, url: str, model) -> None:
+        self.kind, self.url, self.model = kind, url, model
+
+    def engine(self, **settings):
+        cls = VLLMEngine if self.kind == "vllm" else SGLangEngine
+        return cls([self.url], **settings)
 
 
 @pytest.fixture(scope="module")
-def server(smol_path, tmp_path_factory):
+def vllm_live(smol_path, tmp_path_factory):
     srv = start_server(smol_path, tmp_path_factory.mktemp("vllm") / "server.log")
     try:
-        yield srv
+        yield Live("vllm", srv.url, smol_path)
     finally:
         srv.stop()
 
 
+@pytest.fixture(
+    scope="module",
+    params=[
+        pytest.param("vllm", marks=pytest.mark.vllm),
+        pytest.param("sglang", marks=pytest.mark.sglang),
+    ],
+)
+def live(request, smol_path):
+    if request.param == "vllm":
+        return request.getfixturevalue("vllm_live")
+    url = sglang_url()
+    return Live("sglang", url, Path(os.environ.get(SGLANG_MODEL_ENV) or smol_path))
+
+
 @pytest.fixture(scope="module")
-def learner_model(smol_path):
-    return AutoModelForCausalLM.from_pretrained(smol_path, dtype=torch.float32).eval()
+def learner_model(live):
+    return AutoModelForCausalLM.from_pretrained(live.model, dtype=torch.float32).eval()
 
 
 def prompt_ids(smol_path, question: str) -> list[int]:
@@ -65,14 +91,14 @@ def report(key: str, value: object) -> None:
             json.dump(data, f, indent=1)
 
 
-async def test_token_in_token_out_and_logprobs_agree_with_the_learner(
-    server, smol_path, learner_model
-):
-    engine = VLLMEngine([server.url])
+async def test_token_in_token_out_and_logprobs_agree_with_the_learner(live, learner_model):
+    engine = live.engine()
     try:
         await engine.wait_ready(seeded=True)
-        prompt = prompt_ids(smol_path, "What is 17 + 25? Answer with the number.")
-        eos = {2, *AutoTokenizer.from_pretrained(smol_path).convert_tokens_to_ids(["<|im_end|>"])}
+        (served,) = (await engine.weight_versions()).values()
+        prompt = prompt_ids(live.model, "What is 17 + 25? Answer with the number.")
+        tok = AutoTokenizer.from_pretrained(live.model)
+        eos = {tok.eos_token_id, *tok.convert_tokens_to_ids(["<|im_end|>"])}
         for temperature in (1.0, 0.7):
             params = SamplingParams(max_new_tokens=48, temperature=temperature, seed=3)
             c = await engine.generate(prompt, params)
@@ -83,12 +109,13 @@ async def test_token_in_token_out_and_logprobs_agree_with_the_learner(
                 assert c.token_ids[-1] in eos
             else:
                 assert c.finish_reason == "length" and len(c.token_ids) == 48
-            assert c.weight_version == "default"
+            assert c.weight_version == served
             ids = prompt + c.token_ids  # token-exact: the sampled ids are appended verbatim
             lps = learner_logprobs(learner_model, ids, len(prompt), temperature)
             diff = [abs(a - b) for a, b in zip(c.logprobs, lps, strict=True)]
             mean, worst = sum(diff) / len(diff), max(diff)
-            report(f"mismatch_T{temperature}", {"mean": mean, "max": worst, "tokens": len(diff)})
+            stats = {"mean": mean, "max": worst, "tokens": len(diff)}
+            report(f"{live.kind}_mismatch_T{temperature}", stats)
             assert mean < 1e-2 and worst < 0.1, (mean, worst)
             if temperature == 1.0:  # the engine scores its own sample as it sampled it
                 scored = await engine.score(prompt, c.token_ids)
@@ -97,28 +124,26 @@ async def test_token_in_token_out_and_logprobs_agree_with_the_learner(
         await engine.aclose()
 
 
-def modified_checkpoint(smol_path, out, scale: float):
-    """The embedded model with one layer's MLP output scaled: other logprobs, same shapes."""
-    sd = load_file(str(smol_path / "model.safetensors"))
-    key = "model.layers.29.mlp.down_proj.weight"
-    sd[key] = sd[key] * scale
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text((smol_path / "config.json").read_text())
-    model = AutoModelForCausalLM.from_pretrained(smol_path, dtype=torch.float32).eval()
-    model.load_state_dict({**model.state_dict(), key: sd[key]})
+def modified_checkpoint(model_dir, out, scale: float):
+    """The served model with its last layer's MLP output scaled: other logprobs, same shapes."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    key = f"model.layers.{model.config.num_hidden_layers - 1}.mlp.down_proj.weight"
+    with torch.no_grad():
+        model.get_parameter(key).mul_(scale)
+    model.save_pretrained(out, safe_serialization=True)
     return model
 
 
-async def test_partial_rollout_across_a_push_reports_the_split(server, smol_path, tmp_path):
-    """A request kept across a disk push (pause mode keep): one completion whose first ids were
-    sampled by the old weights and the rest by the new, each logprob the one it was sampled with."""
-    new_model = modified_checkpoint(smol_path, tmp_path / "new", 2.0)
-    old_model = AutoModelForCausalLM.from_pretrained(smol_path, dtype=torch.float32).eval()
-    engine = VLLMEngine([server.url], partial_rollouts=True)
+async def test_partial_rollout_across_a_push_reports_the_split(live, learner_model, tmp_path):
+    """A request kept across a disk push (vLLM's pause mode keep, SGLang's retract): one
+    completion whose first ids were sampled by the old weights and the rest by the new, each
+    logprob the one it was sampled with."""
+    new_model = modified_checkpoint(live.model, tmp_path / "new", 2.0)
+    engine = live.engine(partial_rollouts=True)
     try:
         await engine.wait_ready()
-        prompt = prompt_ids(smol_path, "Write a long story about a lighthouse keeper.")
+        (served,) = (await engine.weight_versions()).values()
+        prompt = prompt_ids(live.model, "Write a long story about a lighthouse keeper.")
         params = SamplingParams(max_new_tokens=160, temperature=1.0, seed=11)
         request = asyncio.ensure_future(engine.generate(prompt, params))
         await asyncio.sleep(1.5)  # some tokens decoded under the old weights
@@ -126,11 +151,11 @@ async def test_partial_rollout_across_a_push_reports_the_split(server, smol_path
         c = await request
         assert c.version_runs is not None and len(c.version_runs) == 2, c.version_runs
         (n_old, v_old), (n_new, v_new) = c.version_runs
-        assert (v_old, v_new) == ("default", "1") and n_old > 0 and n_new > 0
-        report("partial_rollout_split", c.version_runs)
+        assert (v_old, v_new) == (served, "1") and n_old > 0 and n_new > 0
+        report(f"{live.kind}_partial_rollout_split", c.version_runs)
         ids = prompt + c.token_ids
         start = len(prompt)
-        old_lps = learner_logprobs(old_model, ids[: start + n_old], start, 1.0)
+        old_lps = learner_logprobs(learner_model, ids[: start + n_old], start, 1.0)
         new_lps = learner_logprobs(new_model, ids, start, 1.0)[n_old:]
         assert max(abs(a - b) for a, b in zip(c.logprobs[:n_old], old_lps, strict=True)) < 0.1
         # after the push the kept request's KV was recomputed: the new weights' logprobs
@@ -139,12 +164,14 @@ async def test_partial_rollout_across_a_push_reports_the_split(server, smol_path
         await engine.aclose()
 
 
+@pytest.mark.vllm
 async def test_two_servers_sticky_one_killed_mid_step_the_step_finishes(
-    server, smol_path, tmp_path
+    vllm_live, smol_path, tmp_path
 ):
     """Eight 3-turn episodes over two servers, each pinned to one; the second server is killed
     while turns are in flight on it: every turn still completes, the episodes that lived there
     move to the first server and stay."""
+    server = vllm_live
     other = start_server(smol_path, tmp_path / "b.log")
     engine = VLLMEngine([server.url, other.url], max_retries=3, request_timeout_s=120)
     try:
@@ -174,9 +201,10 @@ async def test_two_servers_sticky_one_killed_mid_step_the_step_finishes(
         other.stop()
 
 
-def test_calculator_two_steps_push_and_probe_every_step(server, tmp_path):
-    """`agentgrpo train` on the calculator with engine.kind=vllm: the weights go to the server
-    from disk before the first rollout and after each step, and the probe passes every time."""
+def test_calculator_two_steps_push_and_probe_every_step(live, tmp_path):
+    """`agentgrpo train` on the calculator with the server's engine kind: the weights go to the
+    server from disk before the first rollout and after each step, and the probe passes every
+    time."""
     out = tmp_path / "run"
     rc = main(
         [
@@ -186,8 +214,9 @@ def test_calculator_two_steps_push_and_probe_every_step(server, tmp_path):
             "train.steps=2",
             "rollout.group_size=4",
             "log.progress=false",
-            "engine.kind=vllm",
-            f"engine.vllm.urls=[{server.url}]",
+            f"model.path={live.model}",
+            f"engine.kind={live.kind}",
+            f"engine.{live.kind}.urls=[{live.url}]",
             "weight_sync.method=disk",
             f"weight_sync.shared_dir={tmp_path / 'weights'}",
         ]
@@ -199,7 +228,7 @@ def test_calculator_two_steps_push_and_probe_every_step(server, tmp_path):
         assert math.isfinite(m["loss"]) and math.isfinite(m["reward_mean"])
         assert m["sync/probe_error"] < 0.05  # the tolerance: it passed, and is logged
         keys = ("sync/probe_error", "logprob_gap_mean", "logprob_gap_max", "reward_mean")
-        report(f"calculator_step{m['step']}", {k: m.get(k) for k in keys})
+        report(f"{live.kind}_calculator_step{m['step']}", {k: m.get(k) for k in keys})
     rows = read_jsonl(out / "trajectories.jsonl")
     assert len(rows) == 2 * 2 * 4
     for r in rows:

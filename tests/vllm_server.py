@@ -1,11 +1,12 @@
-"""Real vLLM servers for the tests marked `vllm` (`scripts/test-vllm.sh` runs them): vLLM's CPU
-build serving the embedded SmolLM2 in float32, started from the interpreter in
+"""Real inference servers for the live tests (tests/test_vllm_server.py): a vLLM server (its CPU
+build here) serving the embedded SmolLM2 in float32, started from the interpreter in
 `AGENTGRPO_VLLM_PYTHON` (the venv `scripts/vllm-setup.sh` makes) and always stopped, even when a
-test fails.
+test fails; or an SGLang server someone else runs, named by `AGENTGRPO_SGLANG_URL`.
 
-Without that variable the tests skip: the main suite does not start servers, `test-vllm.sh` sets
-it. With it, a CPU vLLM's CPU build cannot run on (no AVX2) skips with that reason; anything else
-that stops a server from starting fails.
+Without those variables the tests skip: the main suite starts no server, `scripts/test-vllm.sh`
+sets the first, `scripts/gpu-check.sh` the second where SGLang is installed. With them, a CPU
+that vLLM's CPU build cannot run on (no AVX2) skips with that reason; anything else that keeps a
+server from starting fails.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import pytest
 from agentgrpo.engine.vllm.launch import VLLMServer
 
 PYTHON_ENV = "AGENTGRPO_VLLM_PYTHON"
+SGLANG_URL_ENV = "AGENTGRPO_SGLANG_URL"  # an SGLang server (>= 0.5.9) serving...
+SGLANG_MODEL_ENV = "AGENTGRPO_SGLANG_MODEL"  # ...this model directory (default: the embedded one)
 # Small on purpose (docs/development.md): 1 GiB of KV cache is ~23,000 tokens of SmolLM2 in fp32.
 SERVER_ARGS = ["--max-model-len", "2048", "--max-num-seqs", "16", "--dtype", "float32"]
 
@@ -33,6 +36,14 @@ def vllm_python() -> str:
     if "avx2" not in flags:
         pytest.skip("vLLM's CPU build needs AVX2, which this CPU lacks")
     return python
+
+
+def sglang_url() -> str:
+    """The SGLang server's URL, or a skip that says how to give one."""
+    url = os.environ.get(SGLANG_URL_ENV)
+    if not url:
+        pytest.skip(f"SGLang live tests: set {SGLANG_URL_ENV} (scripts/gpu-check.sh does)")
+    return url
 
 
 def start_server(model: Path, log: Path, *extra: str) -> VLLMServer:

@@ -45,9 +45,12 @@ class RemoteEngine:
 
     _window_slack = 0
 
-    def __init__(self, config: PoolConfig, headers: dict[str, str], wire: Wire) -> None:
+    def __init__(self, config: PoolConfig, api_key: str | None, wire: Wire) -> None:
         self.config = config
         self.wire = wire
+        headers = {"Content-Type": "application/json"}
+        if api_key:
+            headers["Authorization"] = f"Bearer {api_key}"
         # balancing, health and retries; a returning server must pass `_resync` to rejoin
         self._pool = ServerPool(config, headers, resync=self._resync, wire=wire)
         self._resumed = asyncio.Event()
@@ -60,6 +63,13 @@ class RemoteEngine:
         self._update_targets: list[ServerState] | None = None
         self._released: list[ServerState] | None = None  # servers whose memory is released
         self._context_length: int | None = getattr(config, "context_length", None)
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> Any:
+        """Build from a validated config; the API key comes from the environment variable named
+        by `cfg.api_key_env`, never from the config itself."""
+        api_key = os.environ.get(cfg.api_key_env) if cfg.api_key_env else None
+        return cls(cfg.urls, api_key=api_key, **cfg.model_dump(exclude={"urls"}))
 
     async def __aenter__(self) -> RemoteEngine:
         return self
@@ -228,6 +238,24 @@ class RemoteEngine:
             *(self._control(s, method, path, payload, **kw) for s in servers),
             return_exceptions=return_exceptions,
         )
+
+    async def _read_server_info(self, s: ServerState) -> None:
+        """Read what server `s` reports of itself (version, parallel sizes, context window)."""
+        raise NotImplementedError
+
+    async def gpus_per_server(self) -> list[int]:
+        """The ranks each server joins in an NCCL weight-update group (its model-parallel size),
+        in `urls` order; data-parallel servers are refused."""
+        for s in self._pool.servers:
+            if s.tp_size is None:
+                await self._read_server_info(s)
+        bad = [s.url for s in self._pool.servers if s.dp_size != 1]
+        if bad:
+            raise EngineError(
+                f"NCCL weight sync needs one data-parallel rank per server (or SGLang's DP "
+                f"attention); not so on {bad}"
+            )
+        return [int(s.tp_size or 1) for s in self._pool.servers]
 
     def _require_every_server(self, servers: Sequence[ServerState]) -> None:
         """Raise `EngineError` naming the servers of the pool that are not in `servers` (an NCCL

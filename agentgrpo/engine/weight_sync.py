@@ -403,11 +403,7 @@ class WeightSync:
                 backend=cfg.backend,
                 timeout_s=cfg.timeout_s,
             )
-        device = (
-            torch.device("cuda", torch.cuda.current_device())
-            if cfg.backend == "nccl"
-            else torch.device("cpu")
-        )
+        device = self._broadcast_device()
         named = [(n, t.to(device)) for n, t in self._state_dict(model, clone=False).items()]
         buckets = list(_buckets(named, int(cfg.bucket_mb * 2**20)))
         async with engine.paused(every_server=True):  # every rank of the group, or none
@@ -423,6 +419,12 @@ class WeightSync:
                     )
                 )
                 await _beside(call, self._broadcast, [t for _, t in bucket])
+
+    def _broadcast_device(self) -> torch.device:
+        """Where broadcast tensors live: this process's GPU for NCCL, the CPU for gloo."""
+        if self.cfg.backend == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
 
     def _broadcast(self, tensors: list[torch.Tensor]) -> None:
         if (broadcast := getattr(self.engine, "trainer_broadcast", None)) is not None:

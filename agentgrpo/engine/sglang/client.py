@@ -116,19 +116,10 @@ class SGLangEngine(RemoteEngine, NcclUpdates):
 
     def __init__(self, urls: Sequence[str], *, api_key: str | None = None, **settings: Any) -> None:
         config = SGLangConfig(urls=list(urls), **settings)
-        headers = {"Content-Type": "application/json"}
-        if api_key:
-            headers["Authorization"] = f"Bearer {api_key}"
-        super().__init__(config, headers, WIRE)
+        super().__init__(config, api_key, WIRE)
         self.config: SGLangConfig = config
         self._memory_saver: set[str] = set()  # urls seen with --enable-memory-saver
         self._stale_cache: set[str] = set()  # urls that could not flush under a retract pause
-
-    @classmethod
-    def from_config(cls, cfg: SGLangConfig) -> SGLangEngine:
-        """Build from a validated config; the API key comes from the environment variable."""
-        api_key = os.environ.get(cfg.api_key_env) if cfg.api_key_env else None
-        return cls(cfg.urls, api_key=api_key, **cfg.model_dump(exclude={"urls"}))
 
     # -- readiness ---------------------------------------------------------------------------
 

@@ -15,23 +15,9 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from agentgrpo.engine.base import EngineError
-
 
 class NcclUpdates:
     """Weight updates by broadcast from the trainer (see the module docstring)."""
-
-    async def gpus_per_server(self) -> list[int]:
-        """TP size of each server, in `urls` order: the ranks each joins in the NCCL group."""
-        for s in self._pool.servers:
-            if s.tp_size is None:
-                await self._read_server_info(s)
-        bad = [s.url for s in self._pool.servers if s.dp_size != 1]
-        if bad:
-            raise EngineError(
-                f"NCCL weight sync needs dp_size == 1 (or DP attention); not so on {bad}"
-            )
-        return [int(s.tp_size or 1) for s in self._pool.servers]
 
     async def init_weights_update_group(
         self, *, master_address: str, master_port: int, group_name: str, backend: str = "nccl"

@@ -82,17 +82,8 @@ class VLLMEngine(RemoteEngine, VLLMNcclUpdates):
 
     def __init__(self, urls: Sequence[str], *, api_key: str | None = None, **settings: Any) -> None:
         config = VLLMConfig(urls=list(urls), **settings)
-        headers = {"Content-Type": "application/json"}
-        if api_key:
-            headers["Authorization"] = f"Bearer {api_key}"
-        super().__init__(config, headers, WIRE)
+        super().__init__(config, api_key, WIRE)
         self.config: VLLMConfig = config
-
-    @classmethod
-    def from_config(cls, cfg: VLLMConfig) -> VLLMEngine:
-        """Build from a validated config; the API key comes from the environment variable."""
-        api_key = os.environ.get(cfg.api_key_env) if cfg.api_key_env else None
-        return cls(cfg.urls, api_key=api_key, **cfg.model_dump(exclude={"urls"}))
 
     # -- readiness ---------------------------------------------------------------------------
 

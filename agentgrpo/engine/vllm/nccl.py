@@ -30,16 +30,6 @@ class VLLMNcclUpdates:
 
     _nccl_open = False  # an update was started on the servers and not yet finished
 
-    async def gpus_per_server(self) -> list[int]:
-        """Ranks each server joins (its TP x PP size), in `urls` order."""
-        for s in self._pool.servers:
-            if s.tp_size is None:
-                await self._read_server_info(s)
-        bad = [s.url for s in self._pool.servers if s.dp_size != 1]
-        if bad:
-            raise EngineError(f"NCCL weight sync needs data_parallel_size 1; not so on {bad}")
-        return [int(s.tp_size or 1) for s in self._pool.servers]
-
     async def init_weights_update_group(
         self, *, master_address: str, master_port: int, group_name: str, backend: str = "nccl"
     ) -> None:
