@@ -7,7 +7,10 @@ as training runs it), with the same seeds for both engines. Both run the embedde
 float32 (what the local engine decodes for a float32 learner). They run alternately, local then
 vLLM then vLLM then local for `--repeats 2`, so a drifting machine load weighs on both.
 
-Printed per run: wall seconds, trajectories/s, sampled tokens/s; then per engine, over every
+Each engine first answers one short request (loading, first-call set-up), untimed. The process
+sets the OpenMP environment the `agentgrpo` command sets (`models.hardware.set_cpu_thread_env`),
+before torch loads. Printed per run: wall seconds, trajectories/s, sampled tokens/s, this
+process's CPU seconds; then per engine, over every
 sampled token of every run, |engine logprob - learner logprob|: mean, 99th percentile and max,
 the learner being the same model in float32 (`--learner-dtype bfloat16` adds the bf16-autocast
 learner of a CPU with native bf16). The vLLM server gets one OpenMP thread (vLLM keeps the other
@@ -31,9 +34,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from agentgrpo.models.hardware import set_cpu_thread_env  # noqa: E402
+
+set_cpu_thread_env()  # as the agentgrpo command does, before torch loads libgomp
+
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
+from agentgrpo.engine.base import SamplingParams  # noqa: E402
 from agentgrpo.engine.local.engine import LocalEngine  # noqa: E402
 from agentgrpo.engine.vllm.client import VLLMEngine  # noqa: E402
 from agentgrpo.engine.vllm.launch import VLLMServer  # noqa: E402
@@ -43,10 +51,11 @@ from agentgrpo.rollout.episode import collect  # noqa: E402
 from agentgrpo.run.config import load_config  # noqa: E402
 
 
-async def one_run(engine, cfg, make_env, chat, tasks, seed: int) -> tuple[list, float]:
-    t0 = time.perf_counter()
+async def one_run(engine, cfg, make_env, chat, tasks, seed: int) -> tuple[list, float, float]:
+    t0, cpu0 = time.perf_counter(), time.process_time()
     groups = await collect(make_env, engine, chat, tasks, cfg.rollout, seed=seed)
-    return [t for g in groups for t in g.trajectories], time.perf_counter() - t0
+    trajectories = [t for g in groups for t in g.trajectories]
+    return trajectories, time.perf_counter() - t0, time.process_time() - cpu0
 
 
 def gaps(model, trajectories, temperature: float, autocast: bool) -> list[float]:
@@ -95,15 +104,18 @@ async def main(args: argparse.Namespace) -> dict:
     runs, sampled = [], {"local": [], "vllm": []}
     try:
         await remote.wait_ready(seeded=True)
+        for engine in (local, remote):  # warm-up, untimed
+            await engine.generate([1, 2, 3], SamplingParams(max_new_tokens=4, seed=0))
         order = ["local", "vllm", "vllm", "local"] * ((args.repeats + 1) // 2)
         for i, name in enumerate(order[: 2 * args.repeats]):
             engine = local if name == "local" else remote
-            trajs, wall = await one_run(engine, cfg, make_env, chat, tasks, seed=i // 2)
+            trajs, wall, cpu = await one_run(engine, cfg, make_env, chat, tasks, seed=i // 2)
             tokens = sum(t.num_sampled for t in trajs)
             runs.append(
                 {
                     "engine": name,
                     "wall_s": wall,
+                    "process_cpu_s": cpu,
                     "traj_per_s": len(trajs) / wall,
                     "tokens_per_s": tokens / wall,
                     "trajectories": len(trajs),

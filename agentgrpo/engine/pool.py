@@ -326,19 +326,7 @@ class ServerPool:
                 if status == 200:
                     s.completed += 1
                     return result
-                msg = self.wire.error_message(answer)
-                if status == 400 and self.wire.is_context_length_error(msg):
-                    raise _ContextLengthError(msg)
-                if status in (401, 403):
-                    raise EngineError(
-                        f"{url} refused the request with HTTP {status} ({msg}): the server runs "
-                        "with --api-key; pass api_key= (or set the variable named by api_key_env)"
-                    )
-                if status not in _RETRY_STATUS:
-                    raise EngineError(
-                        f"{url}{self.wire.generate_path} answered HTTP {status}: {msg}"
-                    )
-                last_error = f"{url}: HTTP {status}: {msg}"
+                last_error = self._refused(url, status, answer)  # raises unless retryable
                 self._mark_unhealthy(s, last_error)
             finally:
                 self._release(s)  # also when the caller is cancelled mid-request
@@ -354,6 +342,22 @@ class ServerPool:
                     f"after {attempt} attempts (last: {last_error})"
                 )
             await asyncio.sleep(delay)
+
+    def _refused(self, url: str, status: int, answer: bytes) -> str:
+        """What a non-200 answer means: raises `_ContextLengthError` (the prompt does not fit) or
+        `EngineError` (the request's fault, or the API key); returns the error of a retryable
+        status (5xx, 429)."""
+        msg = self.wire.error_message(answer)
+        if status == 400 and self.wire.is_context_length_error(msg):
+            raise _ContextLengthError(msg)
+        if status in (401, 403):
+            raise EngineError(
+                f"{url} refused the request with HTTP {status} ({msg}): the server runs "
+                "with --api-key; pass api_key= (or set the variable named by api_key_env)"
+            )
+        if status not in _RETRY_STATUS:
+            raise EngineError(f"{url}{self.wire.generate_path} answered HTTP {status}: {msg}")
+        return f"{url}: HTTP {status}: {msg}"
 
     async def _read_json(self, url: str, r: aiohttp.ClientResponse) -> dict[str, Any]:
         return self.decode_output(f"{url}{self.wire.generate_path}", await r.read())
