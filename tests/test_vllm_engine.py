@@ -183,3 +183,26 @@ async def test_nccl_push_follows_vllms_weight_transfer_api(fakes, monkeypatch):
     await sync.close()
     assert a.paths()[-1] == "/shutdown_weight_transfer_engine"
     await e.aclose()
+
+
+def test_launcher_adds_what_rl_needs_unless_given(monkeypatch):
+    from agentgrpo.engine.vllm import launch
+
+    monkeypatch.setattr(launch, "_has_cuda", lambda: False)
+    srv = launch.VLLMServer("m", port=8001, python="/venv/bin/python")
+    cmd = srv.command
+    assert cmd[:5] == [
+        "/venv/bin/python",
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        "m",
+    ]
+    assert cmd[cmd.index("--logprobs-mode") + 1] == "processed_logprobs"
+    assert "--enable-scale-out" in cmd and "--enforce-eager" in cmd  # no CUDA: eager
+    assert cmd[cmd.index("--host") + 1] == "127.0.0.1" and srv.url == "http://127.0.0.1:8001"
+    env = srv.server_env({"VLLM_CPU_KVCACHE_SPACE": "4"})
+    assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["VLLM_TARGET_DEVICE"] == "cpu"
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "4"  # the user's value stays
+    mine = launch.VLLMServer("m", port=8001, extra_args=["--logprobs-mode=raw_logprobs"]).command
+    assert "processed_logprobs" not in mine and mine[-1] == "--logprobs-mode=raw_logprobs"
