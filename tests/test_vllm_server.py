@@ -16,6 +16,7 @@ import os
 import signal
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -134,6 +135,26 @@ def modified_checkpoint(model_dir, out, scale: float):
     return model
 
 
+async def decoded_some(live: Live, request: asyncio.Future, tokens: int = 8) -> None:
+    """Return once the server has decoded `tokens` more tokens (vLLM's Prometheus counter), or
+    after 1.5 s where there is none to read (SGLang without --enable-metrics); fail if the request
+    finished first (the push would not cross it)."""
+
+    async def generated() -> float:
+        async with httpx.AsyncClient() as client:
+            text = (await client.get(f"{live.url}/metrics", timeout=10)).text
+        lines = [x for x in text.splitlines() if x.startswith("vllm:generation_tokens_total")]
+        return sum(float(x.rsplit(" ", 1)[1]) for x in lines)
+
+    if live.kind != "vllm":
+        await asyncio.sleep(1.5)
+    else:
+        start = await generated()
+        while await generated() < start + tokens and not request.done():
+            await asyncio.sleep(0.02)
+    assert not request.done(), "the request finished before the push: make it longer"
+
+
 async def test_partial_rollout_across_a_push_reports_the_split(live, learner_model, tmp_path):
     """A request kept across a disk push (vLLM's pause mode keep, SGLang's retract): one
     completion whose first ids were sampled by the old weights and the rest by the new, each
@@ -144,9 +165,9 @@ async def test_partial_rollout_across_a_push_reports_the_split(live, learner_mod
         await engine.wait_ready()
         (served,) = (await engine.weight_versions()).values()
         prompt = prompt_ids(live.model, "Write a long story about a lighthouse keeper.")
-        params = SamplingParams(max_new_tokens=160, temperature=1.0, seed=11)
+        params = SamplingParams(max_new_tokens=400, temperature=1.0, seed=11)
         request = asyncio.ensure_future(engine.generate(prompt, params))
-        await asyncio.sleep(1.5)  # some tokens decoded under the old weights
+        await decoded_some(live, request)  # some tokens under the old weights, not all
         await engine.update_weights_from_disk(tmp_path / "new", version="1")
         c = await request
         assert c.version_runs is not None and len(c.version_runs) == 2, c.version_runs
