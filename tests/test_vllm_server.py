@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import os
 import signal
 from pathlib import Path
@@ -26,7 +25,8 @@ from agentgrpo.engine.base import SamplingParams
 from agentgrpo.engine.sglang.client import SGLangEngine
 from agentgrpo.engine.vllm.client import VLLMEngine
 from agentgrpo.run.log import read_jsonl
-from agentgrpo.types import Message, StopReason, Trajectory
+from agentgrpo.types import StopReason
+from tests.test_train_e2e import _check_run_dir
 from tests.vllm_server import SGLANG_MODEL_ENV, sglang_url, start_server
 
 
@@ -185,6 +185,43 @@ async def test_partial_rollout_across_a_push_reports_the_split(live, learner_mod
         await engine.aclose()
 
 
+async def test_a_disk_push_reaches_every_weight(live, tmp_path):
+    """Perturb one tensor at a time, push from disk, compare the server's logprobs with the
+    perturbed model's. A decoder layer and the final norm arrive. The tied input embedding /
+    output projection does not fully on vLLM 0.32's CPU build: its logits layer computes with a
+    copy of the weights prepacked for oneDNN at load time, which an in-place reload does not
+    rebuild (vLLM's reload documents that tied parameters only get their first layer's
+    processing). The last assert is that defect: when it fails, vLLM fixed it, and the note in
+    docs/rollouts.md can go."""
+    engine = live.engine()
+    ids = prompt_ids(live.model, "Name three colours.")
+    try:
+        await engine.wait_ready()
+        gaps = {}
+        for i, name in enumerate(
+            ("model.layers.3.mlp.up_proj.weight", "model.norm.weight", "model.embed_tokens.weight")
+        ):
+            model = AutoModelForCausalLM.from_pretrained(live.model, dtype=torch.float32).eval()
+            with torch.no_grad():
+                p = model.get_parameter(name)
+                g = torch.Generator().manual_seed(i)
+                p.add_(torch.randn(p.shape, generator=g) * 0.02 * p.abs().mean())
+            model.save_pretrained(tmp_path / str(i), safe_serialization=True)
+            await engine.update_weights_from_disk(tmp_path / str(i), version=f"perturbed-{i}")
+            served = await engine.score(ids[:1], ids[1:])
+            mine = learner_logprobs(model, ids, 1, 1.0)
+            gaps[name] = max(abs(a - b) for a, b in zip(served, mine, strict=True))
+        report(f"{live.kind}_push_max_gap_by_tensor", gaps)
+        assert gaps["model.layers.3.mlp.up_proj.weight"] < 1e-3
+        assert gaps["model.norm.weight"] < 1e-3
+        if live.kind == "vllm":  # the known defect, see the docstring
+            assert gaps["model.embed_tokens.weight"] > 1e-2, "vLLM now reloads tied embeddings"
+        else:
+            assert gaps["model.embed_tokens.weight"] < 1e-3
+    finally:
+        await engine.aclose()
+
+
 @pytest.mark.vllm
 async def test_two_servers_sticky_one_killed_mid_step_the_step_finishes(
     vllm_live, smol_path, tmp_path
@@ -243,25 +280,15 @@ def test_calculator_two_steps_push_and_probe_every_step(live, tmp_path):
         ]
     )
     assert rc == 0
-    metrics = read_jsonl(out / "metrics.jsonl")
-    assert [m["step"] for m in metrics] == [1, 2]
+    # the run directory as the end-to-end tests check it: metrics, token-exact trajectories
+    # (Trajectory.check on every row), checkpoints, report
+    metrics = _check_run_dir(out, 2)
     for m in metrics:
-        assert math.isfinite(m["loss"]) and math.isfinite(m["reward_mean"])
         assert m["sync/probe_error"] < 0.05  # the tolerance: it passed, and is logged
         keys = ("sync/probe_error", "logprob_gap_mean", "logprob_gap_max", "reward_mean")
         report(f"{live.kind}_calculator_step{m['step']}", {k: m.get(k) for k in keys})
     rows = read_jsonl(out / "trajectories.jsonl")
     assert len(rows) == 2 * 2 * 4
     for r in rows:
-        t = Trajectory(
-            task_id=r["task_id"],
-            token_ids=r["token_ids"],
-            loss_mask=r["loss_mask"],
-            logprobs=r["logprobs"],
-            prompt_len=r["prompt_len"],
-            messages=[Message.from_dict(m) for m in r["messages"]],
-            stop_reason=StopReason(r["stop_reason"]),
-        )
-        t.check()  # token ids, mask and logprobs line up; sampled ids carry their logprobs
         assert r["stop_reason"] != StopReason.ENGINE_ERROR.value
         assert r["weight_versions"] == [r["step"] - 1]  # sampled by the weights pushed before
