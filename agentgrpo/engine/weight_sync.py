@@ -38,6 +38,7 @@ shards first; merge LoRA adapters before pushing, since servers load plain check
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import socket
@@ -362,15 +363,22 @@ class WeightSync:
         tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
         sd = self._state_dict(model, clone=False)
-        if hasattr(model, "save_pretrained"):
+        config = getattr(model, "config", None)
+        untie = getattr(self.engine, "untied_checkpoints", False) and getattr(
+            config, "tie_word_embeddings", False
+        )
+        if hasattr(model, "save_pretrained") and not untie:
             model.save_pretrained(tmp, state_dict=sd, safe_serialization=True)
         else:
             tmp.mkdir()
             save_file(
-                {k: v.contiguous() for k, v in sd.items()},
+                {k: v.contiguous().clone() if untie else v.contiguous() for k, v in sd.items()},
                 str(tmp / "model.safetensors"),
                 metadata={"format": "pt"},
             )
+            if untie:  # the output projection as a tensor of its own (engine/vllm/client.py)
+                untied = {**config.to_dict(), "tie_word_embeddings": False}
+                (tmp / "config.json").write_text(json.dumps(untied, indent=1))
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)

@@ -18,6 +18,9 @@ differs (docs/serving.md has the server side of each):
   `reload_weights` collective RPC, then `/update_weight_version`. Over NCCL: vLLM's weight-transfer
   API (`nccl.py`). Each answer carries the version of each span of tokens, so a request kept across
   an update reports its split without streaming.
+- Tied embeddings: vLLM's CPU build computes the logits with a copy of the weights prepacked at
+  load, which an in-place reload does not rebuild for a tied projection; `VLLMServer` serves an
+  untied copy on the CPU and the pushes carry the projection (`untied_checkpoints`).
 - A reload from a directory that does not exist kills vLLM's engine (it tries the hub and leaves
   the model half-reloaded), so the client refuses a path it cannot see before sending it.
 """
@@ -79,6 +82,9 @@ class VLLMEngine(RemoteEngine, VLLMNcclUpdates):
     """
 
     _window_slack = 0  # vLLM admits prompt + max_tokens == max_model_len
+    # Pushed checkpoints carry a tied output projection as a tensor of its own (WeightSync): on the
+    # CPU the server runs an untied copy (`VLLMServer`), whose projection a reload does rebuild.
+    untied_checkpoints = True
 
     def __init__(self, urls: Sequence[str], *, api_key: str | None = None, **settings: Any) -> None:
         config = VLLMConfig(urls=list(urls), **settings)

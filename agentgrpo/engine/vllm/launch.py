@@ -12,15 +12,23 @@ What it adds for vLLM, each unless the user gave it (docs/rollouts.md):
   so), `VLLM_CPU_KVCACHE_SPACE=1` (GiB of KV cache; without it vLLM claims 92% of the machine's
   memory and refuses to start when less is free) and `--enforce-eager` (a multi-minute compile
   warm-up on a small CPU, otherwise).
+- on a machine without CUDA, a model whose input embedding and output projection are tied is
+  served from an untied copy (a temporary directory, removed at `stop()`): vLLM's CPU build computes
+  the logits with a copy of the weights prepacked at load, which an in-place reload does not
+  rebuild for a tied projection, so pushes would never reach it. `VLLMEngine` pushes untied
+  checkpoints to match (`untied_checkpoints`).
 `--python` runs the server with another interpreter, e.g. the venv `scripts/vllm-setup.sh` makes.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import sys
+import tempfile
 from collections.abc import Sequence
+from pathlib import Path
 
 from agentgrpo.engine.launch import ServerProcess, serve_main
 
@@ -29,6 +37,34 @@ DEFAULT_PORT = 8000
 
 def _has_cuda() -> bool:
     return shutil.which("nvidia-smi") is not None
+
+
+def untied_copy(model_dir: Path) -> Path | None:
+    """A temporary copy of the model directory with its tied output projection as a tensor of its
+    own (`lm_head.weight`, equal to the input embedding) and `tie_word_embeddings: false`; None
+    when the model is not a local directory of a tied model with safetensors weights."""
+    config_file = model_dir / "config.json"
+    if not config_file.is_file():
+        return None
+    config = json.loads(config_file.read_text())
+    if not config.get("tie_word_embeddings"):
+        return None
+    from safetensors.torch import load_file, save_file
+
+    weights: dict = {}
+    for f in sorted(model_dir.glob("*.safetensors")):
+        weights.update(load_file(str(f)))
+    embed = [k for k in weights if k.endswith("embed_tokens.weight")]
+    if len(embed) != 1:
+        return None
+    out = Path(tempfile.mkdtemp(prefix="agentgrpo-vllm-untied-"))
+    for f in model_dir.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and not f.name.endswith(".index.json"):
+            shutil.copy(f, out / f.name)
+    weights.setdefault("lm_head.weight", weights[embed[0]].clone())
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}))
+    return out
 
 
 class VLLMServer(ServerProcess):
@@ -53,6 +89,24 @@ class VLLMServer(ServerProcess):
     def rl_args(self) -> list[str]:
         args = ["--enable-scale-out", "--logprobs-mode", "processed_logprobs"]
         return args if _has_cuda() else [*args, "--enforce-eager"]
+
+    _untied: Path | None = None
+
+    def start(self) -> str:
+        at = self.command.index(self.model_flag) + 1
+        if not _has_cuda() and self._untied is None:
+            self._untied = untied_copy(Path(self.command[at]))
+            if self._untied is not None:
+                print(f"vLLM on the CPU: serving an untied copy, {self._untied}", file=sys.stderr)
+                self.command[at] = str(self._untied)
+        return super().start()
+
+    def stop(self, grace_s: float = 30.0) -> int | None:
+        rc = super().stop(grace_s)
+        if self._untied is not None:
+            shutil.rmtree(self._untied, ignore_errors=True)
+            self._untied = None
+        return rc
 
     def server_env(self, env: dict[str, str]) -> dict[str, str]:
         env["VLLM_SERVER_DEV_MODE"] = "1"
