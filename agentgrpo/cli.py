@@ -128,6 +128,10 @@ FORWARDED = {
         "agentgrpo.engine.sglang.launch",
         "start SGLang with RL settings: MODEL [sglang args]",
     ),
+    "serve-vllm": (
+        "agentgrpo.engine.vllm.launch",
+        "start vLLM with RL settings: MODEL [--python PY] [vllm args]",
+    ),
     "serve-policy": (
         "agentgrpo.agents.serve_policy",
         "serve the policy as OpenAI's Chat Completions API, "

@@ -228,7 +228,7 @@ def run_eval(cfg: RunConfig, *, engine: Engine | None = None) -> tuple[Path, Eva
     check_env_at_start(make_env(), tasks[0])
     report = require_token_safe(chat, make_env(), tasks[0], seed=cfg.seed)
     ckpt, step, policy = resolve_policy(cfg, base)
-    if policy is None and cfg.engine.kind == "sglang":
+    if policy is None and cfg.engine.kind != "local":  # servers may hold any run's weights
         policy = checkpoint_policy(None, base, cfg.learner)
     weights = ckpt or base
     print(

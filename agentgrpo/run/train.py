@@ -425,6 +425,8 @@ def run_step(run: Run, step: int) -> bool:
             policy_lag=policy_lag(trajs, step),
             policy_lag_mean=policy_lag_mean(trajs, step),
         )
+        if run.sync.last_probe_error is not None:  # this step's push, checked: engine vs learner
+            metrics["sync/probe_error"] = run.sync.last_probe_error
         # sampled while waiting (synchronous) or all along (pipeline: per step, overall)
         sampling_s = metrics["step_s"] if run.pipeline is not None else metrics["rollout_s"]
         metrics["tokens_per_s"] = metrics.get("sampled_tokens", 0.0) / max(sampling_s, 1e-9)
