@@ -46,6 +46,7 @@ import hmac
 import ipaddress
 import json
 import math
+import re
 import secrets
 import time
 from collections import Counter
@@ -95,6 +96,13 @@ DEFAULT_ONLY = {
     "functions": (),
     "function_call": (),
 }
+# Client input the server refuses with a 400 before it costs anything (issue 42): JSON nested past
+# MAX_JSON_DEPTH (the body, and each tool call's arguments) would overflow Python's recursion in
+# the template; seeds outside a signed 64-bit integer overflow the engines' generators; an
+# episode id is 1-128 URL-safe characters (a longer one could not be reached once created).
+MAX_JSON_DEPTH = 64
+SEED_RANGE = (-(2**63), 2**63 - 1)
+EPISODE_ID = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
 HONOURED = frozenset(
     {
         "model",
@@ -491,6 +499,12 @@ def _read_request(body: Any) -> dict[str, Any]:
             messages.append(Message.from_dict(m))
         except Exception as e:  # noqa: BLE001 - pydantic's error, or a non-dict: client input
             raise APIError(400, f"messages[{i}]: {e}", param=f"messages[{i}]") from e
+        if any(nested_deeper(tc.arguments, MAX_JSON_DEPTH) for tc in messages[-1].tool_calls or []):
+            raise APIError(
+                400,
+                f"messages[{i}]: tool call arguments nest deeper than {MAX_JSON_DEPTH} levels",
+                param=f"messages[{i}]",
+            )
     tools = body.get("tools") or None
     if tools is not None:
         ok = isinstance(tools, list) and all(
@@ -533,7 +547,12 @@ def _read_request(body: Any) -> dict[str, Any]:
         ("temperature", body.get("temperature"), lambda x: 0 <= x <= 2, "between 0 and 2"),
         ("top_p", body.get("top_p"), lambda x: 0 < x <= 1, "in (0, 1]"),
         ("max_tokens", max_tokens, lambda x: x >= 1 and x == int(x), "an integer >= 1"),
-        ("seed", body.get("seed"), lambda x: x == int(x), "an integer"),
+        (
+            "seed",
+            body.get("seed"),
+            lambda x: x == int(x) and SEED_RANGE[0] <= x <= SEED_RANGE[1],
+            "a signed 64-bit integer",
+        ),
     )
     for name, value, good, what in checks:
         if value is not None and (
@@ -618,6 +637,8 @@ class PolicyEndpoint:
         self.app.add_middleware(_Auth, token=token)
 
     def add(self, episode: EndpointEpisode) -> EndpointEpisode:
+        if not EPISODE_ID.fullmatch(episode.id):
+            raise ValueError(f"episode id {episode.id!r:.60}: expected {EPISODE_ID.pattern}")
         if episode.id in self.episodes:
             raise ValueError(f"episode {episode.id!r} exists already")
         self.episodes[episode.id] = episode
@@ -648,9 +669,12 @@ class PolicyEndpoint:
             if len(body) > self.max_body_bytes:
                 raise APIError(413, f"request body over {self.max_body_bytes} bytes")
         try:
-            return json.loads(body) if body else {}
+            parsed = json.loads(body) if body else {}
         except (ValueError, RecursionError) as e:
             raise APIError(400, f"We could not parse the JSON body of your request ({e})") from e
+        if nested_deeper(parsed, MAX_JSON_DEPTH):
+            raise APIError(400, f"the JSON body nests deeper than {MAX_JSON_DEPTH} levels")
+        return parsed
 
     async def _chat(self, request: Request) -> JSONResponse:
         try:
@@ -680,12 +704,19 @@ class PolicyEndpoint:
             if not isinstance(body, dict) or set(body) - {"id", "seed"}:
                 raise APIError(400, 'body: {"id"?: str, "seed"?: int}')
             eid, seed = body.get("id") or secrets.token_urlsafe(12), body.get("seed")
-            if (
-                not isinstance(eid, str)
-                or "/" in eid
-                or (seed is not None and type(seed) is not int)
+            if not isinstance(eid, str) or not EPISODE_ID.fullmatch(eid):
+                raise APIError(
+                    400,
+                    f"id must be 1-128 characters of A-Z a-z 0-9 . _ - (not starting with "
+                    f"'.'), got {eid!r:.60}",
+                    param="id",
+                )
+            if seed is not None and (
+                type(seed) is not int or not SEED_RANGE[0] <= seed <= SEED_RANGE[1]
             ):
-                raise APIError(400, "id must be a string without '/', seed an integer")
+                raise APIError(
+                    400, f"seed must be a signed 64-bit integer, got {seed!r:.60}", param="seed"
+                )
             if eid in self.episodes:
                 raise APIError(409, f"episode {eid!r} exists already", param="id")
             if len(self.episodes) >= self.max_episodes:
@@ -784,6 +815,19 @@ class PolicyEndpoint:
         finally:
             server.should_exit = True
             await task
+
+
+def nested_deeper(value: Any, limit: int) -> bool:
+    """Whether parsed JSON `value` nests lists and objects more than `limit` deep (iteratively:
+    the check itself cannot overflow the stack)."""
+    stack = [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, dict | list):
+            if depth > limit:
+                return True
+            stack.extend((x, depth + 1) for x in (v.values() if isinstance(v, dict) else v))
+    return False
 
 
 def is_loopback(host: str) -> bool:
