@@ -154,3 +154,158 @@ def test_episode_ids_are_bounded_and_every_accepted_id_is_reachable(chat):
     assert all(r.json()["error"]["param"] == "id" for r in refused)
     assert made.status_code == called.status_code == deleted.status_code == 200
     assert left == {"e1"}
+
+
+# --- planted checkpoints (findings 4, 5) -------------------------------------------------------
+
+
+def _replant(checkpoint_dir, name, data=None):
+    """Write `data` to the checkpoint's file `name` (None: leave it) and rewrite the manifest's
+    entry to match, as whoever planted it would: the checksums verify."""
+    import hashlib
+    import json
+
+    from agentgrpo.run import checkpoint
+
+    path = checkpoint_dir / name
+    if data is not None:
+        path.write_bytes(data)
+    manifest = json.loads((checkpoint_dir / checkpoint.MANIFEST).read_text())
+    body = path.read_bytes()
+    manifest["files"][name] = {"bytes": len(body), "sha256": hashlib.sha256(body).hexdigest()}
+    (checkpoint_dir / checkpoint.MANIFEST).write_text(json.dumps(manifest))
+
+
+class _CraftedPath:
+    """Unpickles as a PosixPath whose parts lead to `target` but which prints as `shown` (its
+    cached string set by the pickle's state): what a planted DCP `.metadata` can hold."""
+
+    def __init__(self, target, shown):
+        self.target, self.shown = str(target), shown
+
+    def __reduce__(self):
+        import pathlib
+
+        return pathlib.PosixPath, (self.target,), (None, {"_str": self.shown})
+
+
+def test_dcp_metadata_cannot_name_a_file_outside_by_a_crafted_path(tmp_path):
+    """Finding 4: DCP's metadata names each data file; the check wanted no '/' in its printed
+    name, and a pickled path printing a plain name while its parts lead elsewhere passed it: the
+    tensors were read from a file outside the checkpoint. Only a plain str file name passes now."""
+    import pickle
+    import shutil
+
+    import pytest
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from agentgrpo.learner.state import UnsafeCheckpoint, _dcp_load
+
+    model = torch.nn.Linear(3, 2)
+    with pytest.warns(UserWarning):  # torch: no process group, saving as one process
+        dcp.save({"model": model.state_dict()}, checkpoint_id=tmp_path / "dcp", no_dist=True)
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    meta_file = tmp_path / "dcp" / ".metadata"
+    meta = pickle.loads(meta_file.read_bytes())  # our own file: trusted here
+    for info in meta.storage_data.values():
+        name = info.relative_path
+        if (tmp_path / "dcp" / name).exists():
+            shutil.move(tmp_path / "dcp" / name, outside / name)
+        info.relative_path = _CraftedPath(outside / name, shown=name)
+    meta_file.write_bytes(pickle.dumps(meta))
+    state = {"model": torch.nn.Linear(3, 2).state_dict()}
+    with pytest.raises(UnsafeCheckpoint, match="names a data file by a PosixPath"):
+        _dcp_load(state, tmp_path / "dcp", no_dist=True)
+
+
+def test_verification_never_follows_a_link_or_a_name_out_of_the_checkpoint(tmp_path):
+    """Finding 4: verification followed symbolic links, so a planted checkpoint whose weights
+    file links elsewhere (any file the run can read) verified and was loaded, and its manifest
+    could name files outside it ('../x', '/abs'). Each is now a CorruptCheckpoint, and a resume
+    skips it for the previous checkpoint; so is a step directory that is itself a link."""
+    import os
+    import shutil
+
+    import pytest
+
+    from agentgrpo.run import checkpoint
+    from tests.test_checkpoint import _write
+
+    def save(step):
+        files = {"model.safetensors": b"weights", "learner.pt": b"opt"}
+        return checkpoint.save(root, step, _write(files), {"data_position": step}, keep=10)
+
+    root = tmp_path / "checkpoints"
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "model.safetensors").write_bytes(b"weights")
+    cases = {
+        "linked file": ("model.safetensors", "is a symbolic link"),
+        "name with ..": ("../../outside/model.safetensors", "not a file inside it"),
+        "absolute name": (str(outside / "model.safetensors"), "not a file inside it"),
+    }
+    save(1)
+    for step, (name, why) in enumerate(cases.values(), start=2):
+        d = save(step)
+        if name == "model.safetensors":
+            (d / name).unlink()
+            os.symlink(outside / name, d / name)
+        _plant_name(d, name)  # the manifest lists it with the checksum of what it leads to
+        with pytest.raises(checkpoint.CorruptCheckpoint, match=why):
+            checkpoint.verify(d)
+    linked = root / "step-000009"
+    shutil.copytree(root / "step-000001", outside / "step-000009")
+    os.symlink(outside / "step-000009", linked)
+    loaded = []
+    with pytest.warns(UserWarning) as warned:
+        d, manifest = checkpoint.restore(root, lambda d: loaded.append(d.name))
+    assert loaded == ["step-000001"] and manifest["step"] == 1
+    assert "step-000009: CorruptCheckpoint: it is a symbolic link" in str(warned[0].message)
+
+
+def _plant_name(checkpoint_dir, name):
+    """List `name` (a path outside the checkpoint) in its manifest with the checksum of the file
+    it leads to."""
+    import hashlib
+    import json
+
+    from agentgrpo.run import checkpoint
+
+    body = (checkpoint_dir / name).read_bytes()
+    manifest = json.loads((checkpoint_dir / checkpoint.MANIFEST).read_text())
+    manifest["files"][name] = {"bytes": len(body), "sha256": hashlib.sha256(body).hexdigest()}
+    (checkpoint_dir / checkpoint.MANIFEST).write_text(json.dumps(manifest))
+
+
+def test_a_resume_skips_checkpoints_whose_files_cannot_be_parsed(tmp_path, tiny_model_dir):
+    """Finding 5: a checkpoint whose manifest matches but whose files cannot be parsed raised
+    what the resume did not catch (SafetensorError, the weights-only unpickler's UnpicklingError,
+    a `learner.pt` of another shape): `agentgrpo train` exited 1 although step 1 was intact. Each
+    is now skipped with a warning naming the error, and the run resumes from step 1."""
+    import io
+
+    import pytest
+    import torch
+
+    from agentgrpo.run.log import read_jsonl
+    from tests.test_checkpoint import _train
+
+    out = tmp_path / "run"
+    keep = "train.keep_checkpoints=4"
+    assert _train(out, tiny_model_dir, 4, "train.save_every=1", keep) == 0
+    listed = io.BytesIO()
+    torch.save([1, 2], listed)
+    ckpts = out / "checkpoints"
+    _replant(ckpts / "step-000004", "learner.pt", b"\x80\x02 not a torch file")
+    _replant(ckpts / "step-000003", "model.safetensors", b"\x08" + b"\x00" * 15 + b"{}")
+    _replant(ckpts / "step-000002", "learner.pt", listed.getvalue())
+    with pytest.warns(UserWarning) as warned:
+        assert _train(out, tiny_model_dir, 5, "train.save_every=1", keep) == 0
+    skipped = "\n".join(str(w.message) for w in warned if "skipping checkpoint" in str(w.message))
+    assert "step-000004: UnpicklingError" in skipped
+    assert "step-000003: SafetensorError" in skipped
+    assert "step-000002: TypeError" in skipped
+    assert [m["step"] for m in read_jsonl(out / "metrics.jsonl")] == [1, 2, 3, 4, 5]
+    assert [m["step"] for m in read_jsonl(out / "metrics.after-step-1.jsonl")] == [2, 3, 4]
