@@ -40,9 +40,9 @@ def _nested(depth):
     return value
 
 
-def _serve_episodes(chat, body_fn, **kw):
+def _serve_episodes(chat, body_fn, serve_kw=None, **kw):
     """Run `body_fn(http, endpoint, engine)` against an in-process serve-policy endpoint (token
-    `k`) holding episode `e1`."""
+    `k`, `kw` its other arguments, `serve_kw` those of `serving`) holding episode `e1`."""
     import asyncio
 
     import httpx
@@ -69,7 +69,7 @@ def _serve_episodes(chat, body_fn, **kw):
 
     async def run():
         async with (
-            endpoint.serving() as base,
+            endpoint.serving(**(serve_kw or {})) as base,
             httpx.AsyncClient(
                 base_url=base, headers={"Authorization": "Bearer k"}, timeout=30
             ) as http,
@@ -394,3 +394,369 @@ def test_an_endpoint_clients_hostile_tools_reach_the_engine_as_plain_text(chat):
     specials = set(chat.tokenizer.all_special_ids)
     assert [i for i in hostile if i in specials] == [i for i in honest if i in specials]
     assert len(hostile) > len(honest)  # the special text is there, as plain text
+
+
+# --- finding 1: connections that never send a request cannot shut the endpoint out -------------
+
+FLOOD = 2000  # connections opened against the server, a tenth of them dripping a request head
+DRIP_EVERY_S = 0.5  # one byte of head per drip connection this often
+HEAD_TIMEOUT_S = 10.0  # serve-policy's default --head-timeout-s
+
+
+def _raise_own_descriptor_limit(needed):
+    """This process's soft descriptor limit raised to hold the flood; the old limits (restore)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < needed:
+        raise AssertionError(
+            f"the flood needs {needed} descriptors in the test process; its hard limit is {hard}"
+        )
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, needed), hard))
+    return soft, hard
+
+
+async def _flood(port, stop):
+    """Open FLOOD connections to 127.0.0.1:port and hold them until `stop` is set: most send
+    nothing, every tenth drips a request head. Returns (connections opened, [drip task])."""
+    import asyncio
+
+    opened, drips, gate = [], [], asyncio.Semaphore(256)
+
+    async def drip(reader, writer):
+        head = b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Pad: " + b"a" * 10_000
+        start = asyncio.get_running_loop().time()
+        for byte in head:
+            if stop.is_set():
+                return None
+            try:
+                writer.write(bytes([byte]))
+                await writer.drain()
+                if await asyncio.wait_for(reader.read(1), DRIP_EVERY_S) == b"":
+                    break  # the server closed it
+            except TimeoutError:
+                continue  # still open: drip the next byte
+            except OSError:
+                break  # reset by the server
+        return asyncio.get_running_loop().time() - start
+
+    async def one(i):
+        async with gate:
+            try:
+                reader, writer = await asyncio.wait_for(
+                    asyncio.open_connection("127.0.0.1", port), 10
+                )
+            except (OSError, TimeoutError):
+                return
+        opened.append(writer)
+        if i % 10 == 0:
+            drips.append(asyncio.create_task(drip(reader, writer)))
+
+    await asyncio.gather(*(one(i) for i in range(FLOOD)))
+    return opened, drips
+
+
+def test_idle_and_dripping_connections_cannot_shut_out_an_authorised_request(
+    tiny_model_dir, tmp_path
+):
+    """Finding 1: connections that sent nothing were never closed and counted toward the
+    connection limit (40 idle ones made every request a 503 under a lowered limit), a dripped head
+    was never closed, and under a 256-descriptor limit the server stopped accepting and wrote
+    31 MB of error log. `agentgrpo serve-policy` under a 256-descriptor limit, against 2,000
+    connections from this process (1,800 idle, 200 dripping a head a byte every 0.5 s), held
+    open until the server closes them: five authorised requests each answer within a second,
+    every drip is closed within its head deadline, and the server logs little."""
+    import asyncio
+    import os
+    import resource
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = tmp_path / "stderr"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "agentgrpo.cli", "serve-policy", str(tiny_model_dir)]
+        + ["--port", str(port), "--max-new-tokens", "4"],
+        stdout=subprocess.PIPE,
+        stderr=log.open("wb"),
+        text=True,
+        env={**os.environ, "AGENTGRPO_POLICY_TOKEN": "t0ken"},
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256)),
+    )
+    limits = _raise_own_descriptor_limit(FLOOD + 256)
+    try:
+        assert _line(proc).startswith("serve-policy: http://127.0.0.1:")
+
+        async def attack():
+            stop = asyncio.Event()
+            opened, drips = await _flood(port, stop)
+            times = []
+            try:
+                async with httpx.AsyncClient(
+                    base_url=f"http://127.0.0.1:{port}",
+                    headers={"Authorization": "Bearer t0ken"},
+                    limits=httpx.Limits(max_keepalive_connections=0),  # a new connection each
+                    timeout=5,
+                ) as http:
+                    for _ in range(5):
+                        t0 = time.perf_counter()
+                        r = await http.get("/v1/models")
+                        times.append((time.perf_counter() - t0, r.status_code))
+                        await asyncio.sleep(0.2)
+                lived = await asyncio.wait_for(asyncio.gather(*drips), HEAD_TIMEOUT_S + 5)
+            finally:
+                stop.set()
+                for w in opened:
+                    w.transport.abort()
+            return len(opened), times, lived
+
+        opened, times, lived = asyncio.run(asyncio.wait_for(attack(), 60))
+        assert opened == FLOOD  # every connection was made and held until the server closed it
+        assert all(status == 200 and t < 1.0 for t, status in times), times
+        assert max(lived) < HEAD_TIMEOUT_S + 1.5, max(lived)  # no drip outlived its deadline
+        assert proc.poll() is None  # the server lives on
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, limits)
+        proc.terminate()
+        proc.wait(timeout=30)
+    assert log.stat().st_size < 64 << 10, log.read_text()[:2000]
+
+
+def test_idle_connections_are_shed_and_heads_time_out_in_process(chat):
+    """Finding 1, in one process with lowered limits: 40 idle connections past a limit of 16
+    made every request a 503 before; now the longest-waiting are shed (at most 8 wait), a
+    dripped head is closed at its deadline, and an authorised request is answered."""
+    import asyncio
+    import time
+
+    from agentgrpo.agents.server import ServerLimits
+
+    limits = ServerLimits(max_connections=16, max_waiting=8, head_timeout_s=0.5)
+
+    async def body(http, endpoint, engine):
+        port = int(str(http.base_url).rsplit(":", 1)[1].strip("/"))
+        idle = [await asyncio.open_connection("127.0.0.1", port) for _ in range(40)]
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        t0 = time.perf_counter()
+        writer.write(b"GET /v1/models HTTP/1.1\r\n")
+        closed_after = None
+        for _ in range(40):  # a header line every 0.1 s, never the blank line that ends the head
+            writer.write(b"X-Drip: 1\r\n")
+            try:
+                if await asyncio.wait_for(reader.read(1), 0.1) == b"":
+                    closed_after = time.perf_counter() - t0
+                    break
+            except asyncio.TimeoutError:
+                pass
+        answered = await http.get("/v1/models")
+        eff = endpoint.effective
+        for _, w in idle:
+            w.transport.abort()
+        return closed_after, answered, eff
+
+    closed_after, answered, eff = _serve_episodes(chat, body, limits=limits)
+    assert answered.status_code == 200
+    assert closed_after is not None and closed_after < 0.5 + 0.5, closed_after
+    assert eff.max_waiting == 8 and eff.shed >= 40 - 8
+
+
+def test_a_slow_request_body_gets_a_408(chat):
+    """Finding 1, the body: a request body dripped slowly is answered with a 408 once
+    `body_timeout_s` has passed (uvicorn has no such bound)."""
+    import asyncio
+
+    from agentgrpo.agents.server import ServerLimits
+
+    async def body(http, endpoint, engine):
+        port = int(str(http.base_url).rsplit(":", 1)[1].strip("/"))
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(
+            b"POST /episodes/e1/v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            b"Authorization: Bearer k\r\nContent-Length: 1000\r\n\r\n{"
+        )
+        head = await asyncio.wait_for(reader.readline(), 5)
+        writer.transport.abort()
+        return head
+
+    head = _serve_episodes(chat, body, limits=ServerLimits(body_timeout_s=0.3))
+    assert head.startswith(b"HTTP/1.1 408"), head
+
+
+# --- finding 9: the decisions (tokens on loopback, a key per episode, the Host header) ---------
+
+
+def _line(proc, timeout_s=300.0):
+    """The next line `proc` prints, or "" if none comes within `timeout_s`."""
+    from concurrent.futures import ThreadPoolExecutor
+    from concurrent.futures import TimeoutError as Late
+
+    pool = ThreadPoolExecutor(1)
+    try:
+        return pool.submit(proc.stdout.readline).result(timeout_s)
+    except Late:
+        return ""
+    finally:
+        pool.shutdown(wait=False)
+
+
+def test_serve_policy_needs_a_token_on_loopback_too(tiny_model_dir):
+    """Finding 9: serve-policy on 127.0.0.1 served anyone without a token (any local user could
+    read, reward and delete episodes). Without AGENTGRPO_POLICY_TOKEN it now makes a token and
+    prints it; a request without it is a 401."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k != "AGENTGRPO_POLICY_TOKEN"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "agentgrpo.cli", "serve-policy", str(tiny_model_dir)]
+        + ["--port", str(port), "--max-new-tokens", "4"],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        assert _line(proc).startswith("serve-policy: http://127.0.0.1:")
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as http:
+            assert http.post("/episodes", json={}).status_code == 401
+            assert http.get("/v1/models").status_code == 401
+            line = _line(proc)
+            assert "AGENTGRPO_POLICY_TOKEN is not set" in line, line
+            token = line.split("token is ")[1].split()[0]
+            ok = http.post("/episodes", json={}, headers={"Authorization": f"Bearer {token}"})
+            assert ok.status_code == 200
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_an_episode_key_opens_its_own_episode_and_nothing_else(chat):
+    """Finding 9: one token served every episode, so an agent holding an episode's URL and key
+    could write into any other episode. `POST /episodes` now answers the episode's own
+    `api_key`: it opens that episode's OpenAI routes (as a bearer token or Anthropic's
+    `x-api-key`) and nothing else: not another episode, not the episode API, not `/v1/models`."""
+
+    async def body(http, endpoint, engine):
+        a = (await http.post("/episodes", json={"id": "a"})).json()
+        b = (await http.post("/episodes", json={"id": "b"})).json()
+        key = {"Authorization": f"Bearer {a['api_key']}"}
+        req = {"messages": USER}
+        return {
+            "own": await http.post("/episodes/a/v1/chat/completions", json=req, headers=key),
+            "own x-api-key": await http.post(
+                "/episodes/a/v1/chat/completions",
+                json=req,
+                headers={"Authorization": "", "x-api-key": a["api_key"]},
+            ),
+            "own models": await http.get("/episodes/a/v1/models", headers=key),
+            "other": await http.post("/episodes/b/v1/chat/completions", json=req, headers=key),
+            "trajectory": await http.get("/episodes/a/trajectory", headers=key),
+            "reward": await http.post("/episodes/a/reward", json={"reward": 1}, headers=key),
+            "delete": await http.delete("/episodes/b", headers=key),
+            "start": await http.post("/episodes", json={}, headers=key),
+            "models": await http.get("/v1/models", headers=key),
+        }, b["api_key"] != a["api_key"]
+
+    out, distinct = _serve_episodes(chat, body)
+    assert distinct
+    assert {k: r.status_code for k, r in out.items()} == {
+        "own": 200,
+        "own x-api-key": 200,
+        "own models": 200,
+        "other": 401,
+        "trajectory": 401,
+        "reward": 401,
+        "delete": 401,
+        "start": 401,
+        "models": 401,
+    }
+
+
+def test_an_agent_env_episode_cannot_write_into_another(chat):
+    """Finding 9, AgentEnv: every episode of a process got the server's one token as its api_key,
+    so an episode that learnt another's URL could call the model in it. Its key now opens its own
+    URL only: the call into the other episode is a 401, and both episodes end as they should."""
+    import asyncio
+
+    import pytest
+
+    from agentgrpo import AgentEnv, Task
+    from agentgrpo.engine import SamplingParams
+    from agentgrpo.rollout.episode import EpisodeLimits
+    from tests.fakes import ScriptedEngine
+
+    openai = pytest.importorskip("openai")
+    urls, intrusions = {}, []
+
+    class Nosy(AgentEnv):
+        async def run(self, client, task):
+            urls[task.id] = self.base_url
+            other = "b" if task.id == "a" else "a"
+            while other not in urls:
+                await asyncio.sleep(0.01)
+            nosy = openai.AsyncOpenAI(base_url=urls[other], api_key=self.api_key, max_retries=0)
+            try:
+                await nosy.chat.completions.create(model=self.model, messages=USER)
+                intrusions.append(task.id)
+            except openai.AuthenticationError:
+                pass
+            finally:
+                await nosy.close()
+            await asyncio.sleep(0.05)  # the other episode is still there when it tries
+            await client.chat.completions.create(model=self.model, messages=USER)
+            return 1.0
+
+    engine = ScriptedEngine(chat.tokenizer, ["4"], chat.end_of_turn_id)
+    params = SamplingParams(max_new_tokens=8)
+
+    async def both():
+        return await asyncio.gather(
+            *(
+                Nosy().run_own_episode(
+                    engine, chat, Task(id=i, prompt="x"), params, limits=EpisodeLimits()
+                )
+                for i in ("a", "b")
+            )
+        )
+
+    trajs = asyncio.run(both())
+    assert intrusions == []
+    assert [t.reward for t in trajs] == [1.0, 1.0] and all(t.num_turns == 1 for t in trajs)
+
+
+def test_a_loopback_server_answers_only_its_own_host_names(chat):
+    """Finding 9, the Host header: `base_url` is built from it, and a loopback server answered any
+    Host, so a web page could reach it through DNS rebinding. A loopback bind now answers only
+    loopback names (and `allowed_hosts`, a reverse proxy's) with 421 for others; the `base_url`
+    it returns is the one the client used."""
+
+    async def body(http, endpoint, engine):
+        port = str(http.base_url).rsplit(":", 1)[1].strip("/")
+        hosts = ("evil.example", f"evil.example:{port}", "localhost", f"[::1]:{port}", "proxy.lan")
+        out = {h: await http.post("/episodes", json={}, headers={"Host": h}) for h in hosts}
+        return {h.replace(f":{port}", ":PORT"): r for h, r in out.items()}
+
+    out = _serve_episodes(chat, body)
+    assert {h: r.status_code for h, r in out.items()} == {
+        "evil.example": 421,
+        "evil.example:PORT": 421,
+        "localhost": 200,
+        "[::1]:PORT": 200,
+        "proxy.lan": 421,
+    }
+    proxied = _serve_episodes(chat, body, serve_kw={"allowed_hosts": ("proxy.lan",)})
+    assert proxied["proxy.lan"].status_code == 200
+    assert out["localhost"].json()["base_url"].startswith("http://localhost/episodes/")
+    assert out["evil.example"].json()["error"]["code"] == "invalid_host"

@@ -3,7 +3,7 @@
 The subclass writes `async def run(self, client, task)`; `client` is an `openai.AsyncOpenAI`
 bound to this episode's URL on a policy endpoint (`agentgrpo.agents.endpoint`) that this process
 serves on 127.0.0.1 while AgentEnv episodes run (one server per event loop, started by the first
-episode, stopped after the last; a random token is its api_key). Every call's prompt ids, sampled
+episode, stopped after the last; each episode has its own key). Every call's prompt ids, sampled
 ids and logprobs are recorded there; when the episode ends they become one Trajectory if each call's
 prompt extends the previous prompt + completion token-exactly (loss mask 1 exactly on the sampled
 ids). Otherwise (the agent rewrote, trimmed or summarised its history, or the template renders
@@ -127,7 +127,8 @@ async def agent_episode(
     reason, detail, reward = StopReason.COMPLETED, "", None
     async with _shared_endpoint() as (endpoint, base):
         endpoint.add(episode)
-        env.base_url, env.api_key = f"{base}/episodes/{episode.id}/v1", endpoint.token or ""
+        # the episode's own key: good for this episode's calls only (not another's, nor the API)
+        env.base_url, env.api_key = f"{base}/episodes/{episode.id}/v1", episode.token
         env.model = endpoint.model
         client = openai.AsyncOpenAI(base_url=env.base_url, api_key=env.api_key, max_retries=0)
         stage = "reset"

@@ -32,18 +32,18 @@ know is refused, as OpenAI does. Errors have OpenAI's shape, `{"error": {"messag
 "param", "code"}}`, with a 4xx status for bad input and a 5xx one for an engine failure.
 
 Server: starlette on uvicorn (well-kept, asynchronous, light: the app is a few routes and needs
-no validation framework). Binds 127.0.0.1 unless told otherwise; a token (`Authorization: Bearer`,
-which is what the OpenAI client sends as its api_key) is then required, compared in constant time.
-Bounds: request bodies (`max_body_bytes`, 413), connections (uvicorn's `limit_concurrency`, 503
-past it), idle keep-alive connections (`timeout_keep_alive_s`).
+no validation framework), set up in `agentgrpo.agents.server`: connections, request heads and
+bodies bounded for every route (`ServerLimits`), the Host header checked on a loopback bind.
+Binds 127.0.0.1 unless told otherwise; a token (`Authorization: Bearer`, which is what the OpenAI
+client sends as its api_key) is then required, compared in constant time. Each episode has a
+token of its own (`EndpointEpisode.token`), good only for its `/episodes/<id>/v1/` routes.
+Request bodies: at most `max_body_bytes` (413), JSON at most `MAX_JSON_DEPTH` deep (400).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
-import ipaddress
 import json
 import math
 import re
@@ -54,12 +54,12 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from agentgrpo.agents.server import Auth, Effective, HostRule, ServerLimits, is_loopback, serve_app
 from agentgrpo.chat.format import ChatFormat, TemplateError
 from agentgrpo.chat.parsers import ParseError
 from agentgrpo.deadlines import DeadlineExpired, Deadlines
@@ -196,6 +196,9 @@ class EndpointEpisode:
     deadline: str | None = None  # which deadline, when one did: turn | episode | step
     infra: tuple[StopReason, str] | None = None  # an engine failure (unscorable)
     reward: float | None = None  # given through the server's API (serve-policy)
+    # The api_key of this episode's own routes (`/episodes/<id>/v1/...`): an agent holding it can
+    # call the model in this episode and nothing else (not another episode, not the episode API).
+    token: str = field(default_factory=lambda: secrets.token_urlsafe(24))
     _history: list[Message] | None = None  # the last request's messages + the reply given
     _tools: list[dict[str, Any]] | None = None
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -605,8 +608,12 @@ class PolicyEndpoint:
         max_body_bytes: int = 4 << 20,
         max_episodes: int = 10_000,
         new_episode: Callable[[str, int | None], EndpointEpisode] | None = None,
+        limits: ServerLimits | None = None,
     ) -> None:
         self.model, self.token, self.max_body_bytes = model, token, max_body_bytes
+        self.limits = limits or ServerLimits()
+        self.effective: Effective | None = None  # the limits in effect while serving
+        self._hosts = HostRule()
         self.max_episodes = max_episodes  # episodes held at once (POST /episodes: 429 past it)
         self.episodes: dict[str, EndpointEpisode] = {}
         self.new_episode = new_episode
@@ -634,7 +641,18 @@ class PolicyEndpoint:
                 ).response(),
             },
         )
-        self.app.add_middleware(_Auth, token=token)
+        self.app.add_middleware(
+            Auth,
+            token=token,
+            hosts=self._hosts,
+            episode_token=self._episode_token,
+            error=lambda status, message, code: APIError(
+                status,
+                message,
+                code=code,
+                kind="authentication_error" if status == 401 else "invalid_request_error",
+            ).response(),
+        )
 
     def add(self, episode: EndpointEpisode) -> EndpointEpisode:
         if not EPISODE_ID.fullmatch(episode.id):
@@ -646,6 +664,14 @@ class PolicyEndpoint:
 
     def remove(self, eid: str) -> EndpointEpisode | None:
         return self.episodes.pop(eid, None)
+
+    def _episode_token(self, path: str) -> str | None:
+        """The token of the episode whose OpenAI routes `path` is under (`/episodes/<id>/v1/`)."""
+        parts = path.split("/", 4)
+        if len(parts) < 5 or parts[1] != "episodes" or parts[3] != "v1":
+            return None
+        ep = self.episodes.get(parts[2])
+        return None if ep is None else ep.token
 
     def _episode(self, request: Request) -> EndpointEpisode:
         eid = request.path_params["eid"]
@@ -664,10 +690,19 @@ class PolicyEndpoint:
         if size > self.max_body_bytes:
             raise APIError(413, f"request body over {self.max_body_bytes} bytes")
         body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > self.max_body_bytes:
-                raise APIError(413, f"request body over {self.max_body_bytes} bytes")
+
+        async def read() -> None:
+            async for chunk in request.stream():
+                body.extend(chunk)
+                if len(body) > self.max_body_bytes:
+                    raise APIError(413, f"request body over {self.max_body_bytes} bytes")
+
+        try:
+            await asyncio.wait_for(read(), self.limits.body_timeout_s)
+        except asyncio.TimeoutError as e:
+            raise APIError(
+                408, f"the request body did not arrive within {self.limits.body_timeout_s} s"
+            ) from e
         try:
             parsed = json.loads(body) if body else {}
         except (ValueError, RecursionError) as e:
@@ -726,9 +761,11 @@ class PolicyEndpoint:
                     kind="rate_limit_error",
                     code="too_many_episodes",
                 )
-            self.add(self.new_episode(eid, seed))  # type: ignore[misc]
-            base = str(request.base_url).rstrip("/")
-            return JSONResponse({"id": eid, "base_url": f"{base}/episodes/{eid}/v1"})
+            ep = self.add(self.new_episode(eid, seed))  # type: ignore[misc]
+            base = str(request.base_url).rstrip("/")  # the Host the client used (checked: Auth)
+            return JSONResponse(
+                {"id": eid, "base_url": f"{base}/episodes/{eid}/v1", "api_key": ep.token}
+            )
         except APIError as e:
             return e.response()
 
@@ -772,49 +809,21 @@ class PolicyEndpoint:
 
     @contextlib.asynccontextmanager
     async def serving(
-        self,
-        host: str = "127.0.0.1",
-        port: int = 0,
-        *,
-        limit_concurrency: int = 1024,
-        timeout_keep_alive_s: int = 30,
+        self, host: str = "127.0.0.1", port: int = 0, *, allowed_hosts: tuple[str, ...] = ()
     ) -> AsyncIterator[str]:
         """Serve on this event loop while the block runs; yields the base URL (port 0: any free
-        port). Signals are left to the host program (the training run handles its own)."""
+        port). On a loopback `host`, requests must name a loopback Host or one of `allowed_hosts`
+        (a reverse proxy's). `self.effective` holds the limits in effect. Signals are left to the
+        host program (the training run handles its own)."""
         if self.token is None and not is_loopback(host):
             raise ValueError(
                 f"refusing to bind {host} without a token: anyone who reaches it could "
                 "sample from the policy and write into its episodes"
             )
-
-        class _Quiet(uvicorn.Server):
-            @contextlib.contextmanager
-            def capture_signals(self) -> Any:
-                yield
-
-        server = _Quiet(
-            uvicorn.Config(
-                self.app,
-                host=host,
-                port=port,
-                log_level="warning",
-                limit_concurrency=limit_concurrency,
-                lifespan="off",
-                timeout_keep_alive=timeout_keep_alive_s,
-            )
-        )
-        task = asyncio.create_task(server.serve())
-        try:
-            while not server.started:
-                if task.done():
-                    task.result()  # the startup's error (a port in use), else it stopped early
-                    raise RuntimeError("the policy endpoint stopped while starting")
-                await asyncio.sleep(0.005)
-            bound = server.servers[0].sockets[0].getsockname()
-            yield f"http://{host if ':' not in host else f'[{host}]'}:{bound[1]}"
-        finally:
-            server.should_exit = True
-            await task
+        self._hosts.loopback_only = is_loopback(host)
+        self._hosts.allowed = frozenset(h.lower() for h in allowed_hosts)
+        async with serve_app(self.app, host, port, self.limits) as (base, self.effective):
+            yield base
 
 
 def nested_deeper(value: Any, limit: int) -> bool:
@@ -828,36 +837,3 @@ def nested_deeper(value: Any, limit: int) -> bool:
                 return True
             stack.extend((x, depth + 1) for x in (v.values() if isinstance(v, dict) else v))
     return False
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-class _Auth:
-    """ASGI middleware: with a token, every request needs `Authorization: Bearer <token>`."""
-
-    def __init__(self, app: Any, token: str | None) -> None:
-        self.app, self.token = app, token
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if self.token is not None and scope["type"] == "http":
-            got = dict(scope["headers"]).get(b"authorization", b"")
-            if not (
-                got[:7].lower() == b"bearer "
-                and hmac.compare_digest(got[7:].strip(), self.token.encode())
-            ):
-                resp = APIError(
-                    401,
-                    "missing or wrong bearer token",
-                    kind="authentication_error",
-                    code="invalid_api_key",
-                ).response()
-                await resp(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
