@@ -205,7 +205,7 @@ def _eval_cfg(run_dir, model_dir, extra, *more):
 
 
 def _tokens(result):
-    return [(t.group_id, t.token_ids) for g in result.groups for t in g.trajectories]
+    return [(t.group_id, list(t.token_ids)) for g in result.groups for t in g.trajectories]
 
 
 def _trained_reference(run_dir, model_dir):

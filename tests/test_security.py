@@ -49,7 +49,6 @@ def _serve_episodes(chat, body_fn, serve_kw=None, **kw):
 
     from agentgrpo.agents.endpoint import EndpointEpisode, PolicyEndpoint
     from agentgrpo.engine import SamplingParams
-    from agentgrpo.rollout.episode import turn_seed
     from tests.fakes import ScriptedEngine
 
     engine = ScriptedEngine(chat.tokenizer, ["4"], chat.end_of_turn_id)
@@ -60,7 +59,6 @@ def _serve_episodes(chat, body_fn, serve_kw=None, **kw):
             engine=engine,
             chat=chat,
             seed=seed,
-            seed_of=turn_seed,
             params=SamplingParams(max_new_tokens=16),
         )
 

@@ -62,9 +62,11 @@ from starlette.routing import Route
 from agentgrpo.agents.server import Auth, Effective, HostRule, ServerLimits, is_loopback, serve_app
 from agentgrpo.chat.format import ChatFormat, TemplateError
 from agentgrpo.chat.parsers import ParseError
+from agentgrpo.chat.trajectory import PromptDiverged, TrajectoryBuilder
 from agentgrpo.deadlines import DeadlineExpired, Deadlines
 from agentgrpo.engine.base import Completion, Engine, SamplingParams
-from agentgrpo.types import Message, Segment, StopReason, Trajectory
+from agentgrpo.rollout.seeds import episode_seed
+from agentgrpo.types import Message, StopReason, Trajectory
 
 # Fields of OpenAI's Chat Completions request that do not change what is sampled: ignored.
 IGNORED_FIELDS = frozenset(
@@ -167,6 +169,8 @@ class Call:
     finish_reason: str  # the engine's: stop | length | abort
     reply: Message
     malformed: list[ParseError] = field(default_factory=list)
+    # (count, weight version) over the sampled ids (`Completion.token_version_runs`)
+    version_runs: list[tuple[int, str | None]] = field(default_factory=list)
 
 
 @dataclass
@@ -174,8 +178,9 @@ class EndpointEpisode:
     """The calls of one episode, and how it may sample.
 
     `fixed_sampling`: requests may not choose temperature or top_p (a training episode: the
-    learner assumes the run's). `seed`: the episode's; call k samples with `turn_seed(seed, k)`
-    (given as `seed_of`), and a request's own seed is used only when the episode has none.
+    learner assumes the run's). `seed`: the episode's; call k samples with
+    `episode_seed(seed, turn=k)` (the one seed rule, as a rollout's turn k), and a request's own
+    seed is used only when the episode has none.
     `max_calls` / `max_tokens` bound the episode (calls; tokens after the first prompt); a call
     past them is a 400 with code `episode_limit`, and `cut` says which limit ended it.
     """
@@ -187,7 +192,6 @@ class EndpointEpisode:
     context_len: int | None = None
     fixed_sampling: bool = False
     seed: int | None = None
-    seed_of: Callable[[int | None, int], int | None] = lambda seed, _k: seed
     max_calls: int | None = None
     max_tokens: int | None = None
     clock: Deadlines | None = None
@@ -209,56 +213,56 @@ class EndpointEpisode:
         return list(self._history or [])
 
     def trajectory(self, task_id: str) -> tuple[Trajectory, str | None]:
-        """The calls as token sequences (loss mask 1 exactly on sampled ids), and None: one
-        sequence while each call's prompt extends the previous prompt + completion, a new segment
-        (its prompt the call's) where one does not, or at every call under "stepwise". Under
-        `chat.trajectory_mode` "single": the sequence up to the last call that extends, and a
-        message naming the call that does not. Reward and stop reason are the caller's."""
-        traj = Trajectory(
+        """The calls as token sequences (loss mask 1 exactly on sampled ids), built by the
+        trajectory builder (`agentgrpo.chat.trajectory`): one sequence while each call's prompt
+        extends the previous prompt + completion, a new segment (its prompt the call's) where one
+        does not, or at every call under "stepwise"; and None. Under `chat.trajectory_mode`
+        "single": the sequence up to the last call that extends, and a message naming the call
+        that does not. The record says COMPLETED with a NaN reward: the caller decides the ending
+        and the reward (`dataclasses.replace`)."""
+        tokens, kinds = TrajectoryBuilder(self.chat), Counter()
+        turns = tool_calls = 0
+        diverged = None
+        for k, call in enumerate(self.calls, start=1):
+            try:
+                tokens.extend_to(call.prompt_ids)
+            except PromptDiverged as e:
+                diverged = (
+                    f"call {k}'s prompt does not extend call {k - 1}'s prompt + completion "
+                    f"(first difference at token {e.at} of {e.length}): the agent changed "
+                    "its history, or the chat template renders it differently "
+                    "(rollout.trajectory_mode=auto trains it as a new segment)"
+                )
+                break
+            runs = call.version_runs or [(len(call.token_ids), call.weight_version)]
+            tokens.sampled(call.token_ids, call.logprobs, runs)
+            turns, tool_calls = k, tool_calls + len(call.reply.tool_calls or [])
+            kinds.update(e.kind.value for e in call.malformed)
+        errors = sum(kinds.values())
+        return Trajectory.of_segments(
+            tokens.segments(),
             task_id=task_id,
-            token_ids=[],
-            loss_mask=[],
-            logprobs=[],
-            prompt_len=0,
             messages=self.messages,
             stop_reason=StopReason.COMPLETED,
-        )
-        versions, kinds = set(), Counter()
-        mode = self.chat.trajectory_mode
-        for k, call in enumerate(self.calls, start=1):
-            ids = traj.token_ids
-            if k == 1:
-                traj.prompt_len = len(call.prompt_ids)
-            elif mode == "stepwise" or call.prompt_ids[: len(ids)] != ids:
-                if mode == "single":
-                    at = next(
-                        (i for i, (a, b) in enumerate(zip(call.prompt_ids, ids)) if a != b),
-                        min(len(ids), len(call.prompt_ids)),
-                    )
-                    return traj, (
-                        f"call {k}'s prompt does not extend call {k - 1}'s prompt + completion "
-                        f"(first difference at token {at} of {len(ids)}): the agent changed "
-                        "its history, or the chat template renders it differently "
-                        "(rollout.trajectory_mode=auto trains it as a new segment)"
-                    )
-                traj.earlier_segments.append(
-                    Segment(traj.token_ids, traj.loss_mask, traj.logprobs, traj.prompt_len)
-                )
-                traj.token_ids, traj.loss_mask, traj.logprobs = [], [], []
-                traj.prompt_len, ids = len(call.prompt_ids), []
-            new = call.prompt_ids[len(ids) :]
-            traj.token_ids += new + call.token_ids
-            traj.loss_mask += [0] * len(new) + [1] * len(call.token_ids)
-            traj.logprobs += [0.0] * len(new) + list(call.logprobs)
-            traj.num_turns = k
-            traj.tool_calls += len(call.reply.tool_calls or []) + len(call.malformed)
-            traj.tool_errors += len(call.malformed)
-            kinds.update(e.kind.value for e in call.malformed)
-            if call.weight_version is not None and call.weight_version.isdigit():
-                versions.add(int(call.weight_version))
-        traj.tool_error_kinds = dict(kinds)
-        traj.weight_versions = tuple(sorted(versions))
-        return traj, None
+            num_turns=turns,
+            tool_calls=tool_calls + errors,
+            tool_errors=errors,
+            tool_error_kinds=kinds,
+            weight_versions=tokens.weight_versions,
+            token_versions=tokens.token_versions,
+        ), diverged
+
+    def ending(
+        self, diverged: str | None, otherwise: tuple[StopReason, str] = (StopReason.COMPLETED, "")
+    ) -> tuple[StopReason, str]:
+        """Why the episode ended: an engine failure (it explains whatever came after), else a call
+        whose prompt diverged (`trajectory`'s message: the tokens after it are not one sequence),
+        else the limit or deadline that cut it, else `otherwise` (the agent's own ending)."""
+        if self.infra is not None:
+            return self.infra
+        if diverged is not None:
+            return StopReason.ENV_ERROR, diverged
+        return self.cut or otherwise
 
     async def complete(self, body: Any) -> dict[str, Any]:
         """One chat completion (the request body as parsed JSON); raises APIError."""
@@ -322,6 +326,7 @@ class EndpointEpisode:
                 out.finish_reason,
                 reply,
                 list(turn.errors),
+                out.token_version_runs,
             )
         )
         self._history, self._tools = [*messages, reply], tools
@@ -364,7 +369,8 @@ class EndpointEpisode:
 
     def _prompt(self, messages: list[Message], tools: list[dict[str, Any]] | None) -> list[int]:
         """The previous call's ids + the new messages' suffix when the request continues the
-        conversation this endpoint answered; else the template's rendering from scratch."""
+        conversation this endpoint answered (as the rollout continues an episode:
+        `TrajectoryBuilder.continue_with`); else the template's rendering from scratch."""
         prev, last = self._history, self.calls[-1] if self.calls else None
         if (
             prev is not None
@@ -374,16 +380,13 @@ class EndpointEpisode:
             and messages[: len(prev)] == prev
             and last.token_ids
             and last.token_ids[-1] in self.chat.end_of_turn_ids
-            and self.chat.trajectory_mode != "stepwise"  # every call is a segment of its own
         ):
+            tokens = TrajectoryBuilder(self.chat)
+            tokens.open_segment(last.prompt_ids)
+            tokens.sampled(last.token_ids, last.logprobs)
             try:
-                return (
-                    last.prompt_ids
-                    + last.token_ids
-                    + self.chat.suffix_ids(
-                        prev, messages[len(prev) :], tools, end_id=last.token_ids[-1]
-                    )
-                )
+                tokens.continue_with(prev, messages[len(prev) :], tools)
+                return tokens.token_ids
             except TemplateError:
                 pass  # rendered from scratch below; the trajectory tells whether it still extends
         try:
@@ -425,7 +428,7 @@ class EndpointEpisode:
                     code="episode_limit",
                 )
             budget = min(budget, self.max_tokens - used)
-        seed = self.seed_of(self.seed, k) if self.seed is not None else req["seed"]
+        seed = episode_seed(self.seed, turn=k) if self.seed is not None else req["seed"]
         stops = tuple(
             sorted(
                 set(base.stop_token_ids)
@@ -775,11 +778,14 @@ class PolicyEndpoint:
         except APIError as e:
             return e.response()
         traj, diverged = ep.trajectory(ep.id)
-        reason, detail = ep.infra or ep.cut or (StopReason.COMPLETED, "")
-        if diverged:
-            reason, detail = StopReason.ENV_ERROR, diverged
-        traj.stop_reason, traj.stop_detail = reason, detail
-        traj.reward = math.nan if ep.reward is None or reason.is_infra_error else ep.reward
+        reason, detail = ep.ending(diverged)
+        traj = replace(
+            traj,
+            stop_reason=reason,
+            stop_detail=detail,
+            deadline=ep.deadline if reason == StopReason.TIMEOUT else None,
+            reward=math.nan if ep.reward is None or reason.is_infra_error else ep.reward,
+        )
         traj.check()
         return JSONResponse(traj.to_dict())
 

@@ -28,7 +28,6 @@ from agentgrpo.agents.server import ServerLimits
 from agentgrpo.chat.format import ChatFormat
 from agentgrpo.engine.base import SamplingParams, wait_ready
 from agentgrpo.engine.sglang.client import SGLangEngine
-from agentgrpo.rollout.episode import turn_seed
 
 TOKEN_ENV = "AGENTGRPO_POLICY_TOKEN"
 
@@ -136,7 +135,6 @@ def main(argv: list[str] | None = None) -> int:
             params=params,
             context_len=context_len,
             seed=seed,
-            seed_of=turn_seed,
             max_calls=args.max_calls,
             max_tokens=args.max_tokens,
         )
