@@ -784,3 +784,97 @@ def test_the_servers_connections_send_without_delay():
                 transport.close()
 
     assert asyncio.run(accepted_nodelay()) != 0
+
+
+# --- finding 3: tool output is bounded in bytes before anything tokenizes it --------------------
+
+FIREHOSE_BYTES = 50_000_000  # one tool answer
+
+
+class _Firehose:
+    """A ToolEnv (made in `_firehose_env`) whose one tool answers `answer`, made before the
+    episode: what a tool holds is the tool's, what the episode does with it is the trainer's."""
+
+    answer = ""
+
+
+def _firehose_env():
+    from agentgrpo import ToolEnv, tool
+
+    class Firehose(ToolEnv):
+        @tool
+        def read(self) -> str:
+            """Read the whole log."""
+            return _Firehose.answer
+
+        def reward(self, task, messages):
+            return 1.0
+
+    return Firehose
+
+
+def _episode_cost(chat, answer, **limits):
+    """(peak Python memory in bytes, seconds, trajectory) of one episode whose tool answers
+    `answer`: the model calls the tool, reads the output, answers. Memory by tracemalloc, in a
+    second run of the episode (time is measured without tracemalloc)."""
+    import asyncio
+    import time
+    import tracemalloc
+
+    from agentgrpo import Task
+    from agentgrpo.engine import SamplingParams
+    from agentgrpo.rollout.episode import EpisodeLimits, run_episode
+    from tests.fakes import ScriptedEngine
+
+    _Firehose.answer = answer
+    call = '<tool_call>{"name": "read", "arguments": {}}</tool_call>'
+
+    def episode():
+        engine = ScriptedEngine(chat.tokenizer, [call, "done"], chat.end_of_turn_id)
+        return run_episode(
+            _firehose_env()(),
+            engine,
+            chat,
+            Task(id="t", prompt="What does the log say?"),
+            SamplingParams(max_new_tokens=32),
+            limits=EpisodeLimits(max_tokens=200_000, **limits),
+        )
+
+    t0 = time.perf_counter()
+    traj = asyncio.run(episode())
+    seconds = time.perf_counter() - t0
+    tracemalloc.start()
+    try:
+        asyncio.run(episode())
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    return peak, seconds, traj
+
+
+def test_a_50_mb_tool_answer_costs_what_its_cut_costs(chat):
+    """Finding 3: tool output was tokenized whole before it was cut, and not cut by default: one
+    50 MB answer cost the trainer +7.5 GB and 105 s (+3.9 GB and 100 s with
+    max_tool_output_tokens: 256). It is now cut to `max_tool_output_bytes` (64 KiB by default)
+    before anything tokenizes it: a 50 MB answer costs less than twice the memory of an answer of
+    exactly the cap, and under a second; the model reads the first 64 KiB and a marker."""
+    from agentgrpo.rollout.episode import EpisodeLimits
+
+    cap = EpisodeLimits().max_tool_output_bytes
+    assert cap == 65_536  # on by default
+    line = "2026-12-05 12:00:00 INFO step done\n"  # log lines: ~9 tokens each
+    at_cap = (line * (cap // len(line) + 1))[:cap]
+    huge = line * (FIREHOSE_BYTES // len(line))
+    _episode_cost(chat, at_cap)  # warm-up: the template, the tokenizer's caches
+    capped_peak, capped_s, capped = _episode_cost(chat, at_cap)
+    for tokens in (None, 256):
+        peak, seconds, traj = _episode_cost(chat, huge, max_tool_output_tokens=tokens)
+        assert peak < 2 * capped_peak, (tokens, peak, capped_peak)
+        assert seconds < 1.0, (tokens, seconds, capped_s)
+        out = next(m.content for m in traj.messages if m.role == "tool")
+        assert traj.tool_outputs_truncated == 1 and traj.num_turns == 2
+        if tokens is None:
+            omitted = len(huge) - cap
+            assert out == huge[:cap] + f"\n[... {omitted} more bytes truncated]"
+    assert capped.tool_outputs_truncated == 0  # an answer of exactly the cap is whole
+    _Firehose.answer = ""

@@ -27,7 +27,8 @@ sampled. This module is the one place that turns messages into ids and sampled i
   arguments as a JSON string (DeepSeek-V3) gets them so (`string_arguments`); these, and the
   end-of-turn tokens themselves, are found by probe renders at construction, never by the
   template's name.
-- `ChatFormat.truncate(text, max_tokens)`: tool output cut to a token budget, with a marker.
+- `ChatFormat.truncate(text, max_tokens)`: tool output cut to a token budget, with a marker (the
+  rollout first cuts it to a byte budget, so no tool can make this tokenize megabytes).
 - Message content is data, never control: a special token's text inside a message (a tool printing
   `<|im_end|>\n<|im_start|>assistant`, a task copied from a chat log) is tokenized as plain text,
   so an environment cannot forge a turn boundary or an EOS. Only the template's own text and the
@@ -93,7 +94,14 @@ __all__ = [
 TemplateFallback = Literal["none", "keep_history"]
 TrajectoryMode = Literal["single", "auto", "stepwise"]
 TRAJECTORY_MODES = ("single", "auto", "stepwise")
-TRUNCATION_MARKER = "\n[... {omitted} more tokens truncated]"
+TRUNCATION_MARKER = "\n[... {omitted} more {unit} truncated]"
+
+
+def truncation_note(marker: str, omitted: int, unit: str) -> str:
+    """`marker` with `{omitted}` and `{unit}` ("tokens", "bytes") filled in; any other braces are
+    plain text, not a format string."""
+    return marker.replace("{omitted}", str(omitted)).replace("{unit}", unit)
+
 
 HERMES_CHATML_TEMPLATE = (
     "{%- if tools %}"
@@ -833,7 +841,7 @@ class ChatFormat:
         self, text: str, max_tokens: int, marker: str = TRUNCATION_MARKER
     ) -> tuple[str, int]:
         """Cut `text` to its first `max_tokens` tokens plus `marker` (`{omitted}` is replaced by
-        the number of tokens dropped; any other braces are plain text, not a format string).
+        the number of tokens dropped, `{unit}` by "tokens"; `truncation_note`).
         Returns (text, tokens omitted). Used on tool output before it is rendered, so the model
         sees that the output was cut rather than a silent end. Lone surrogates come back replaced
         by U+FFFD (see `encode`)."""
@@ -845,7 +853,7 @@ class ChatFormat:
             return text, 0
         kept = self.tokenizer.decode(ids[:max_tokens], skip_special_tokens=False).rstrip("\ufffd")
         omitted = len(ids) - max_tokens
-        return kept + marker.replace("{omitted}", str(omitted)), omitted
+        return kept + truncation_note(marker, omitted, "tokens"), omitted
 
     # -- parsing ------------------------------------------------------------------------------
 
