@@ -432,7 +432,7 @@ async def _flood(port, stop):
                 await writer.drain()
                 if await asyncio.wait_for(reader.read(1), DRIP_EVERY_S) == b"":
                     break  # the server closed it
-            except TimeoutError:
+            except asyncio.TimeoutError:
                 continue  # still open: drip the next byte
             except OSError:
                 break  # reset by the server
@@ -444,7 +444,7 @@ async def _flood(port, stop):
                 reader, writer = await asyncio.wait_for(
                     asyncio.open_connection("127.0.0.1", port), 10
                 )
-            except (OSError, TimeoutError):
+            except (OSError, asyncio.TimeoutError):
                 return
         opened.append(writer)
         if i % 10 == 0:
