@@ -206,7 +206,7 @@ class EnvStep(tuple):
     An env returns a plain 5-tuple, or an `EnvStep` when it has more to say. It unpacks like the
     5-tuple, so Gymnasium's tools keep working; the rollout converts a plain tuple once with
     `EnvStep.of`. The framework reads no key of `info`: that dict is the env's own (kept in
-    `Trajectory.env_info` when the step ends the episode).
+    `Trajectory.env_info`, over reset's info, when the step ends the episode).
 
     - `stop_reason`: why the episode ends, for a step that ends it. Default: COMPLETED when
       terminated, TRUNCATED when truncated. An env may say PARSE_ERROR or TOOL_ERROR instead;
@@ -431,7 +431,9 @@ class Trajectory:
     tool_outputs_truncated: int = 0  # tool messages cut to max_tool_output_bytes or _tokens
     stop_detail: str = ""  # human-readable reason (the exception, the deadline that expired, ...)
     deadline: Literal["turn", "episode", "step"] | None = None  # which one ended it (TIMEOUT)
-    env_info: Mapping[str, Any] = field(default_factory=FrozenDict)  # the ending step's info
+    # reset's info, updated by the ending step's (as JSON): why an answer scored 0, test results,
+    # the workspace checksum of a session env
+    env_info: Mapping[str, Any] = field(default_factory=FrozenDict)
     weight_versions: tuple[int, ...] = ()  # the weight versions that sampled its tokens, sorted
     # The version of every sampled token, run-length over the sampled tokens in episode order
     # (segment by segment): ((n1, v1), (n2, v2), ...) = the first n1 from v1, and so on. A version

@@ -261,6 +261,7 @@ def test_run_directory_and_report_show_the_parts(tmp_path, tiny_model_dir):
                 f"output_dir={out}",
                 "train.steps=1",
                 "env.name=tests.test_rewards_rubric:RubricCalc",
+                "env.audit.reward_hacks=skip",  # a toy verifier: not what this tests
                 f"model.path={tiny_model_dir}",
                 "rollout.group_size=2",
                 "rollout.tasks_per_step=2",

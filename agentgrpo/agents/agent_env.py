@@ -27,9 +27,9 @@ import numbers
 import secrets
 import weakref
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from agentgrpo.agents.endpoint import EndpointEpisode, PolicyEndpoint
+from agentgrpo.agents.endpoint import EndpointEpisode, PolicyEndpoint, episode_urls
 from agentgrpo.chat.format import ChatFormat
 from agentgrpo.deadlines import DeadlineExpired, Deadlines
 from agentgrpo.engine.base import Engine, SamplingParams
@@ -41,14 +41,18 @@ from agentgrpo.types import Message, StopReason, Task, Trajectory
 if TYPE_CHECKING:
     import openai
 
+E = TypeVar("E", bound=EndpointEpisode)
+
 
 class AgentEnv(Env, EpisodeRunner):
     """An env whose episode is `run(client, task)`: agent code written against the OpenAI client.
 
     `run` returns the episode's reward (a finite number), or None to leave it to the env's
     `rubric`. `self.base_url`, `self.api_key` and `self.model` are set before `run` starts, for
-    agent code that builds its own client (the OpenAI Agents SDK, LangChain's `ChatOpenAI`);
-    such a client should not retry (`max_retries=0`).
+    agent code that builds its own client (the OpenAI Agents SDK, LangChain's `ChatOpenAI`;
+    `self.anthropic_base_url` for Anthropic's client, which adds `/v1/messages` itself); such a
+    client should not retry (`max_retries=0`). `self.api_key` is the episode's own key: it opens
+    this episode's routes and nothing else.
 
     Example:
         >>> class Calculator(AgentEnv):
@@ -60,6 +64,7 @@ class AgentEnv(Env, EpisodeRunner):
     """
 
     base_url: str = ""
+    anthropic_base_url: str = ""
     api_key: str = ""
     model: str = "policy"
 
@@ -113,23 +118,16 @@ async def agent_episode(
     import openai  # the optional extra: pip install 'agentgrpo[agent]'
 
     clock = Deadlines(limits.turn_timeout_s, limits.episode_timeout_s, deadline)
-    episode = EndpointEpisode(
-        id=secrets.token_urlsafe(12),
-        engine=engine,
-        chat=chat,
-        params=params,
-        context_len=context_len,
-        fixed_sampling=True,
-        seed=params.seed,
-        max_calls=limits.max_turns,
-        max_tokens=limits.max_tokens,
-        clock=clock,
+    episode = training_episode(
+        EndpointEpisode, secrets.token_urlsafe(12), engine, chat, params, limits, context_len, clock
     )
     reason, detail, reward = StopReason.COMPLETED, "", None
     async with _shared_endpoint() as (endpoint, base):
         endpoint.add(episode)
         # the episode's own key: good for this episode's calls only (not another's, nor the API)
-        env.base_url, env.api_key = f"{base}/episodes/{episode.id}/v1", episode.token
+        urls = episode_urls(episode, base)
+        env.base_url, env.anthropic_base_url = urls["base_url"], urls["anthropic_base_url"]
+        env.api_key = urls["api_key"]
         env.model = endpoint.model
         client = openai.AsyncOpenAI(base_url=env.base_url, api_key=env.api_key, max_retries=0)
         stage = "reset"
@@ -158,11 +156,39 @@ async def agent_episode(
         finally:
             endpoint.remove(episode.id)
             await client.close()
-    return _sealed(env, episode, task, limits, reason, detail, reward)
+    return sealed(env, episode, task, limits, reason, detail, reward)
 
 
-def _sealed(
-    env: AgentEnv,
+def training_episode(
+    kind: type[E],
+    eid: str,
+    engine: Engine,
+    chat: ChatFormat,
+    params: SamplingParams,
+    limits: EpisodeLimits,
+    context_len: int | None,
+    clock: Deadlines,
+    **extra: Any,
+) -> E:
+    """An endpoint episode of a training run: the run's sampling (requests may not change it), its
+    seed for this member and the run's limits (shared with `agentgrpo.agents.remote`)."""
+    return kind(
+        id=eid,
+        engine=engine,
+        chat=chat,
+        params=params,
+        context_len=context_len,
+        fixed_sampling=True,
+        seed=params.seed,
+        max_calls=limits.max_turns,
+        max_tokens=limits.max_tokens,
+        clock=clock,
+        **extra,
+    )
+
+
+def sealed(
+    env: Env,
     episode: EndpointEpisode,
     task: Task,
     limits: EpisodeLimits,
@@ -170,8 +196,10 @@ def _sealed(
     detail: str,
     reward: float | None,
 ) -> Trajectory:
-    """The episode's record: the endpoint's token sequences, why it ended (`run`'s own ending
-    unless the endpoint saw an engine failure, a divergent prompt or a limit) and its reward."""
+    """The episode's record: the endpoint's token sequences, why it ended (the agent's own ending
+    unless the endpoint saw an engine failure, a divergent prompt or a limit) and its reward (the
+    agent's; None leaves it to the env's rubric). Shared with remote episodes
+    (`agentgrpo.agents.remote`)."""
     traj, diverged = episode.trajectory(task.id)
     if not episode.calls and reason == StopReason.COMPLETED:
         reason, detail = StopReason.ENV_ERROR, "run made no call to the model"
@@ -181,7 +209,7 @@ def _sealed(
         # what the env gave (nothing), and a finished one is an error of the env
         if env_rubric(env) is None and reason == StopReason.COMPLETED:
             reason = StopReason.ENV_ERROR
-            detail = "run returned None and the env has no rubric to score the episode"
+            detail = "the agent gave no reward and the env has no rubric to score the episode"
         reward = 0.0
     elif reward is not None and traj.tool_errors and limits.tool_error_penalty:
         reward -= limits.tool_error_penalty * traj.tool_errors

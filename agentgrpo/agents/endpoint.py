@@ -1,4 +1,6 @@
-"""OpenAI's Chat Completions API in front of an `Engine`, recording every token per episode.
+"""OpenAI's Chat Completions API in front of an `Engine`, recording every token per episode: the
+episode core that the Responses API (`agentgrpo.agents.responses`) and Anthropic's Messages API
+(`agentgrpo.agents.anthropic`) translate onto, so every call of every API lands in one record.
 
 An agent written against the OpenAI client needs only a `base_url`:
 `http://HOST:PORT/episodes/<id>/v1`. Each episode has its own URL prefix, so concurrent episodes
@@ -22,8 +24,8 @@ naming it.
 
 Requests: `messages`, `tools`, `tool_choice`, `temperature`, `top_p`, `max_tokens` /
 `max_completion_tokens`, `stop` (strings that are one token each: stop strings spanning tokens
-would hide sampled text), `n` (1 only), `seed`. `stream: true` is refused with a 400: one reply
-per call is what the episode records. `tool_choice: "required"` or a named function are accepted
+would hide sampled text), `n` (1 only), `seed`, `stream` (the recorded reply sent as events:
+`agentgrpo.agents.streaming`). `tool_choice: "required"` or a named function are accepted
 but not enforced: forcing a call would sample off the policy the loss assumes; an unknown name is
 a 400. Fields of OpenAI's API that do not change sampling (`user`, `metadata`, `store`,
 `parallel_tool_calls`, ...) are ignored; those that would (`frequency_penalty`, `logit_bias`,
@@ -35,9 +37,10 @@ Server: starlette on uvicorn (well-kept, asynchronous, light: the app is a few r
 no validation framework), set up in `agentgrpo.agents.server`: connections, request heads and
 bodies bounded for every route (`ServerLimits`), the Host header checked on a loopback bind.
 Binds 127.0.0.1 unless told otherwise; a token (`Authorization: Bearer`, which is what the OpenAI
-client sends as its api_key) is then required, compared in constant time. Each episode has a
-token of its own (`EndpointEpisode.token`), good only for its `/episodes/<id>/v1/` routes.
-Request bodies: at most `max_body_bytes` (413), JSON at most `MAX_JSON_DEPTH` deep (400).
+client sends as its api_key, or `x-api-key`, Anthropic's) is then required, compared in constant
+time. Each episode has a key of its own (`EndpointEpisode.token`), good only for its
+`/episodes/<id>/v1/` routes (every API's). Request bodies, read for every route by
+`PolicyEndpoint._json`: at most `max_body_bytes` (413), JSON at most `MAX_JSON_DEPTH` deep (400).
 """
 
 from __future__ import annotations
@@ -50,16 +53,19 @@ import re
 import secrets
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from agentgrpo.agents import anthropic, responses
+from agentgrpo.agents.api_error import APIError, check_model
 from agentgrpo.agents.server import Auth, Effective, HostRule, ServerLimits, is_loopback, serve_app
+from agentgrpo.agents.streaming import chat_stream, stream_options
 from agentgrpo.chat.format import ChatFormat, TemplateError
 from agentgrpo.chat.parsers import ParseError
 from agentgrpo.chat.trajectory import PromptDiverged, TrajectoryBuilder
@@ -123,41 +129,6 @@ HONOURED = frozenset(
 )
 
 
-class APIError(Exception):
-    """A request the endpoint answers with OpenAI's error shape."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        param: str | None = None,
-        code: str | None = None,
-        kind: str = "invalid_request_error",
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.kind = (
-            status,
-            message,
-            param,
-            code,
-            kind,
-        )
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(
-            {
-                "error": {
-                    "message": self.message,
-                    "type": self.kind,
-                    "param": self.param,
-                    "code": self.code,
-                }
-            },
-            self.status,
-        )
-
-
 @dataclass
 class Call:
     """One chat completion of an episode, token-exact."""
@@ -203,6 +174,8 @@ class EndpointEpisode:
     # The api_key of this episode's own routes (`/episodes/<id>/v1/...`): an agent holding it can
     # call the model in this episode and nothing else (not another episode, not the episode API).
     token: str = field(default_factory=lambda: secrets.token_urlsafe(24))
+    # what an API's translation keeps per episode (the Responses API's stored responses)
+    api_state: dict[str, Any] = field(default_factory=dict)
     _history: list[Message] | None = None  # the last request's messages + the reply given
     _tools: list[dict[str, Any]] | None = None
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -479,14 +452,8 @@ def _read_request(body: Any) -> dict[str, Any]:
                 code="unsupported_parameter",
             )
         raise APIError(400, f"Unrecognized request argument supplied: {key}", param=key)
-    if body.get("stream"):
-        raise APIError(
-            400,
-            "stream: true is not supported: this endpoint answers each call "
-            "with one complete reply",
-            param="stream",
-            code="unsupported_parameter",
-        )
+    if body.get("stream") not in (None, True, False):
+        raise APIError(400, f"stream must be a boolean, got {body['stream']!r:.50}", param="stream")
     if body.get("n") not in (None, 1):
         raise APIError(
             400,
@@ -501,6 +468,17 @@ def _read_request(body: Any) -> dict[str, Any]:
     for i, m in enumerate(raw):
         if isinstance(m, dict) and m.get("role") == "developer":  # OpenAI's new name for system
             m = {**m, "role": "system"}
+        if (
+            isinstance(m, dict)
+            and m.get("role") == "tool"
+            and not isinstance(m.get("tool_call_id"), str)
+        ):
+            raise APIError(  # as OpenAI answers: a tool result must say which call it answers
+                400,
+                f"Missing required parameter: 'messages[{i}].tool_call_id'.",
+                param=f"messages[{i}].tool_call_id",
+                code="missing_required_parameter",
+            )
         try:
             messages.append(Message.from_dict(m))
         except Exception as e:  # noqa: BLE001 - pydantic's error, or a non-dict: client input
@@ -582,18 +560,29 @@ def _read_request(body: Any) -> dict[str, Any]:
     }
 
 
+async def chat_answer(ep: EndpointEpisode, body: Any, served: str) -> Response:
+    """A Chat Completions call: the reply as one object, or as OpenAI's chunks with `stream`."""
+    model = check_model(body.get("model") if isinstance(body, dict) else None, served)
+    stream = isinstance(body, dict) and body.get("stream") is True
+    include_usage = stream_options(body) if isinstance(body, dict) else False
+    reply = {**await ep.complete(body), "model": model}
+    return chat_stream(reply, include_usage) if stream else JSONResponse(reply)
+
+
 # ---------------------------------------------------------------------------------------------
 # The HTTP server
 
 
 class PolicyEndpoint:
-    """The episodes table and its HTTP app (`app`): `/episodes/<id>/v1/chat/completions`,
-    `/episodes/<id>/v1/models`, `/v1/models`.
+    """The episodes table and its HTTP app (`app`): per episode `/episodes/<id>/v1/` +
+    `chat/completions`, `responses` (`agentgrpo.agents.responses`), `messages` (Anthropic's:
+    `agentgrpo.agents.anthropic`) and `models`; `/v1/models`.
 
-    With `control=True` (serve-policy) it also serves the episode API: `POST /episodes` (body
-    `{"id"?, "seed"?}`: starts one, answers its id and base_url), `GET /episodes/<id>/trajectory`,
-    `POST /episodes/<id>/reward` (`{"reward": float}`), `DELETE /episodes/<id>`; `new_episode`
-    then makes the episode (a function of its id and seed).
+    With `new_episode` (serve-policy) it also serves the episode API: `POST /episodes` (body
+    `{"id"?, "seed"?}`: starts one made by `new_episode(id, seed)`, answers its id and URLs),
+    `GET /episodes/<id>/trajectory`, `POST /episodes/<id>/reward` (`{"reward": float}`),
+    `DELETE /episodes/<id>`. With `hand_out` instead (a remote run: `agentgrpo.agents.remote`),
+    `POST /episodes` hands out an episode that waits for an agent.
 
     Example:
         >>> endpoint = PolicyEndpoint(model="policy")
@@ -612,6 +601,8 @@ class PolicyEndpoint:
         max_episodes: int = 10_000,
         new_episode: Callable[[str, int | None], EndpointEpisode] | None = None,
         limits: ServerLimits | None = None,
+        hand_out: Callable[[float], Awaitable[tuple[EndpointEpisode, dict] | None]] | None = None,
+        on_done: Callable[[EndpointEpisode], None] | None = None,
     ) -> None:
         self.model, self.token, self.max_body_bytes = model, token, max_body_bytes
         self.limits = limits or ServerLimits()
@@ -620,12 +611,18 @@ class PolicyEndpoint:
         self.max_episodes = max_episodes  # episodes held at once (POST /episodes: 429 past it)
         self.episodes: dict[str, EndpointEpisode] = {}
         self.new_episode = new_episode
+        # a remote run's episodes (agentgrpo.agents.remote): POST /episodes hands out one that
+        # waits for an agent (`hand_out(wait_s)`: the episode and what else the answer carries,
+        # or None when none came in time), and a reward or DELETE tells `on_done` it is over
+        self.hand_out, self.on_done = hand_out, on_done
         routes = [
             Route("/v1/models", self._models, methods=["GET"]),
             Route("/episodes/{eid}/v1/models", self._models, methods=["GET"]),
             Route("/episodes/{eid}/v1/chat/completions", self._chat, methods=["POST"]),
+            Route("/episodes/{eid}/v1/responses", self._responses, methods=["POST"]),
+            Route("/episodes/{eid}/v1/messages", self._messages, methods=["POST"]),
         ]
-        if new_episode is not None:
+        if new_episode is not None or hand_out is not None:
             routes += [
                 Route("/episodes", self._start, methods=["POST"]),
                 Route("/episodes/{eid}/trajectory", self._trajectory, methods=["GET"]),
@@ -649,12 +646,7 @@ class PolicyEndpoint:
             token=token,
             hosts=self._hosts,
             episode_token=self._episode_token,
-            error=lambda status, message, code: APIError(
-                status,
-                message,
-                code=code,
-                kind="authentication_error" if status == 401 else "invalid_request_error",
-            ).response(),
+            error=_refusal,
         )
 
     def add(self, episode: EndpointEpisode) -> EndpointEpisode:
@@ -714,12 +706,28 @@ class PolicyEndpoint:
             raise APIError(400, f"the JSON body nests deeper than {MAX_JSON_DEPTH} levels")
         return parsed
 
-    async def _chat(self, request: Request) -> JSONResponse:
+    async def _chat(self, request: Request) -> Response:
+        return await self._call(request, chat_answer, APIError.response)
+
+    async def _responses(self, request: Request) -> Response:
+        return await self._call(request, responses.answer, APIError.response)
+
+    async def _messages(self, request: Request) -> Response:
+        return await self._call(request, anthropic.answer, anthropic.error_response)
+
+    async def _call(
+        self,
+        request: Request,
+        answer: Callable[[EndpointEpisode, Any, str], Awaitable[Response]],
+        error: Callable[[APIError], Response],
+    ) -> Response:
+        """One call of an API: its episode, its body, and the API's answer (`answer(episode,
+        body, served model name)`, which calls `EndpointEpisode.complete`), or its error."""
         try:
             ep = self._episode(request)
-            return JSONResponse(await ep.complete(await self._json(request)))
+            return await answer(ep, await self._json(request), self.model)
         except APIError as e:
-            return e.response()
+            return error(e)
 
     async def _models(self, request: Request) -> JSONResponse:
         if "eid" in request.path_params:
@@ -736,7 +744,9 @@ class PolicyEndpoint:
             }
         )
 
-    async def _start(self, request: Request) -> JSONResponse:
+    async def _start(self, request: Request) -> Response:
+        if self.hand_out is not None:
+            return await self._take(request)
         try:
             body = await self._json(request)
             if not isinstance(body, dict) or set(body) - {"id", "seed"}:
@@ -766,9 +776,31 @@ class PolicyEndpoint:
                 )
             ep = self.add(self.new_episode(eid, seed))  # type: ignore[misc]
             base = str(request.base_url).rstrip("/")  # the Host the client used (checked: Auth)
-            return JSONResponse(
-                {"id": eid, "base_url": f"{base}/episodes/{eid}/v1", "api_key": ep.token}
-            )
+            return JSONResponse(episode_urls(ep, base))
+        except APIError as e:
+            return e.response()
+
+    async def _take(self, request: Request) -> Response:
+        """POST /episodes of a remote run: an episode waiting for an agent (its id, URLs and
+        task), or 204 when none came within the body's `wait_s` (default 20, at most 60)."""
+        try:
+            body = await self._json(request)
+            wait_s = body.get("wait_s", 20.0) if isinstance(body, dict) else None
+            if (
+                not isinstance(body, dict)
+                or set(body) - {"wait_s"}
+                or isinstance(wait_s, bool)
+                or not isinstance(wait_s, int | float)
+                or not 0 <= wait_s <= 60
+            ):
+                raise APIError(400, 'body: {"wait_s"?: seconds to wait for a task, 0 to 60}')
+            taken = await self.hand_out(float(wait_s))  # type: ignore[misc]
+            if taken is None:
+                return Response(status_code=204)
+            ep, extra = taken
+            self.add(ep)
+            base = str(request.base_url).rstrip("/")  # the Host the client used (checked: Auth)
+            return JSONResponse({**episode_urls(ep, base), **extra})
         except APIError as e:
             return e.response()
 
@@ -801,6 +833,8 @@ class PolicyEndpoint:
             ):
                 raise APIError(400, 'body: {"reward": a finite number}', param="reward")
             ep.reward = float(reward)
+            if self.on_done is not None:
+                self.on_done(ep)
             return JSONResponse({"id": ep.id, "reward": ep.reward})
         except APIError as e:
             return e.response()
@@ -811,6 +845,8 @@ class PolicyEndpoint:
         except APIError as e:
             return e.response()
         self.remove(ep.id)
+        if self.on_done is not None:
+            self.on_done(ep)
         return JSONResponse({"id": ep.id, "deleted": True})
 
     @contextlib.asynccontextmanager
@@ -830,6 +866,26 @@ class PolicyEndpoint:
         self._hosts.allowed = frozenset(h.lower() for h in allowed_hosts)
         async with serve_app(self.app, host, port, self.limits) as (base, self.effective):
             yield base
+
+
+def _refusal(status: int, message: str, code: str, path: str) -> Response:
+    """Auth's 401 or 421, in the shape of the API `path` belongs to (Anthropic's for
+    `/v1/messages`, OpenAI's otherwise)."""
+    kind = "authentication_error" if status == 401 else "invalid_request_error"
+    error = APIError(status, message, code=code, kind=kind)
+    return anthropic.error_response(error) if path.endswith("/v1/messages") else error.response()
+
+
+def episode_urls(ep: EndpointEpisode, base: str) -> dict[str, str]:
+    """Where an episode's clients point, and the key they send: `base_url` for OpenAI's (Chat
+    Completions, Responses), `anthropic_base_url` for Anthropic's (which adds /v1/messages
+    itself), `api_key` the episode's own (good for its calls and nothing else)."""
+    return {
+        "id": ep.id,
+        "base_url": f"{base}/episodes/{ep.id}/v1",
+        "anthropic_base_url": f"{base}/episodes/{ep.id}",
+        "api_key": ep.token,
+    }
 
 
 def nested_deeper(value: Any, limit: int) -> bool:

@@ -7,11 +7,12 @@ process or language.
 
 MODEL_DIR gives the tokenizer and chat template (with --sglang, the servers must serve the same
 model). The episode API: `POST /episodes` starts one (`{"id"?, "seed"?}`; answers its `base_url`
-for the OpenAI client), `GET /episodes/<id>/trajectory` returns its calls as one token-exact
-trajectory (`Trajectory.to_dict()`), `POST /episodes/<id>/reward` gives it a reward, `DELETE
-/episodes/<id>` forgets it. Every request needs the token, on 127.0.0.1 too (any local user
-can reach a loopback port); `POST /episodes` also answers the episode's own `api_key`, which an
-agent can use for that episode's calls and nothing else. See docs/agents.md, docs/security.md.
+for OpenAI's clients, `anthropic_base_url` for Anthropic's, and the episode's own `api_key`,
+which an agent can use for that episode's calls and nothing else), `GET
+/episodes/<id>/trajectory` returns its calls as one token-exact trajectory
+(`Trajectory.to_dict()`), `POST /episodes/<id>/reward` gives it a reward, `DELETE
+/episodes/<id>` forgets it. Every request needs the token, on 127.0.0.1 too (any local user can
+reach a loopback port). See docs/agents.md, docs/security.md.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import asyncio
 import os
 import secrets
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from agentgrpo.agents.endpoint import EndpointEpisode, PolicyEndpoint
@@ -132,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
             id=eid,
             engine=engine,
             chat=chat,
-            params=params,
+            # the episode's session: several --sglang servers keep it on one (its prefix cache)
+            params=replace(params, session_id=eid),
             context_len=context_len,
             seed=seed,
             max_calls=args.max_calls,

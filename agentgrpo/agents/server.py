@@ -33,7 +33,7 @@ from typing import Any
 
 import uvicorn
 from pydantic import BaseModel, ConfigDict, Field
-from starlette.responses import JSONResponse
+from starlette.responses import Response
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 ACCEPT_QUEUE = 2048  # connections the kernel holds for us to accept (uvicorn's default backlog)
@@ -280,7 +280,7 @@ class Auth:
     the token. `token` None: no token needed (the library's loopback default; serve-policy and
     AgentEnv always set one). `episode_token(path)` gives the token of the episode a path belongs
     to (`/episodes/<id>/v1/...`), which that path accepts as well as the server's.
-    `error(status, message, code)` makes the error response."""
+    `error(status, message, code, path)` makes the error response (each API has its shape)."""
 
     def __init__(
         self,
@@ -288,7 +288,7 @@ class Auth:
         token: str | None,
         hosts: HostRule,
         episode_token: Callable[[str], str | None],
-        error: Callable[[int, str, str], JSONResponse],
+        error: Callable[[int, str, str, str], Response],
     ) -> None:
         self.app, self.token, self.hosts = app, token, hosts
         self.episode_token, self.error = episode_token, error
@@ -297,12 +297,13 @@ class Auth:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        headers = dict(scope["headers"])
+        headers, path = dict(scope["headers"]), scope["path"]
         if not self.hosts.admits(headers.get(b"host", b"")):
             host = headers.get(b"host", b"").decode("latin-1")
-            resp = self.error(421, f"Host {host!r:.80} is not this server", "invalid_host")
-        elif self.token is not None and not self._authorised(headers, scope["path"]):
-            resp = self.error(401, "missing or wrong bearer token", "invalid_api_key")
+            resp = self.error(421, f"Host {host!r:.80} is not this server", "invalid_host", path)
+        elif self.token is not None and not self._authorised(headers, path):
+            message = "missing or wrong bearer token (or x-api-key)"
+            resp = self.error(401, message, "invalid_api_key", path)
         else:
             await self.app(scope, receive, send)
             return
@@ -310,11 +311,14 @@ class Auth:
         await resp(scope, receive, send)
 
     def _authorised(self, headers: dict[bytes, bytes], path: str) -> bool:
-        auth = headers.get(b"authorization", b"")
-        got = auth[7:].strip() if auth[:7].lower() == b"bearer " else headers.get(b"x-api-key")
-        if not got or self.token is None:
+        if self.token is None:
             return False
-        if hmac.compare_digest(got, self.token.encode()):
-            return True
+        auth = headers.get(b"authorization", b"")
+        sent = [auth[7:].strip() if auth[:7].lower() == b"bearer " else b""]
+        sent.append(headers.get(b"x-api-key", b"").strip())  # Anthropic's clients send this
+        keys = [self.token.encode()]
         own = self.episode_token(path)
-        return own is not None and hmac.compare_digest(got, own.encode())
+        if own is not None:
+            keys.append(own.encode())
+        # every comparison is made, in constant time each: no early answer tells which failed
+        return any([hmac.compare_digest(got, key) for got in sent if got for key in keys])

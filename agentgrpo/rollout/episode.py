@@ -273,6 +273,7 @@ class Episode:
             detail = f"first prompt: {e}" if isinstance(e, TemplateError) else str(e)
             raise EpisodeEnds(StopReason.ENV_ERROR, detail) from e
         self.messages = messages
+        self.env_info = _as_json(first[1])  # reset's info (a workspace's checksum, ...)
         self.tokens.open_segment(token_ids)
 
     async def sample(self, turn: int) -> Completion:
@@ -361,7 +362,7 @@ class Episode:
         new = [self._cut_tool_output(m) for m in new]
         if step.stop_reason is not None:
             self.messages.extend(new)
-            self.env_info = _as_json(step.info)
+            self.env_info = {**self.env_info, **_as_json(step.info)}
             raise EpisodeEnds(step.stop_reason)
         if not new:
             raise EpisodeEnds(

@@ -28,6 +28,7 @@ from agentgrpo.algo.shaping import (
 )
 from agentgrpo.chat.format import ChatFormat
 from agentgrpo.checks.env_check import check_env_at_start
+from agentgrpo.checks.reward_audit import audit_at_start, recheck_step
 from agentgrpo.checks.template_audit import require_token_safe
 from agentgrpo.engine.base import Engine, close_all, wait_ready
 from agentgrpo.engine.config import build_engine
@@ -379,6 +380,9 @@ def run_step(run: Run, step: int) -> bool:
             if run.prefetched
             else run.loop.run_until_complete(run.collect(step))
         )
+        recheck = recheck_step(rollouts.groups, run.make_env, cfg.env.audit, seed=cfg.seed + step)
+        rollouts.groups, flaky = run.loop.run_until_complete(recheck)  # flaky groups made NaN
+        rollouts.metrics["flaky_groups"] = float(flaky)
     rollouts = learner.broadcast(rollouts)  # every rank trains on rank 0's rollouts
     run.prefetched, done = None, step + 1
     trajs = rollouts.trajectories
@@ -633,6 +637,8 @@ def start_main_rank(
             flush=True,
         )
     check_env_at_start(run.make_env(), run.stream.tasks[0])
+    audit = audit_at_start(run.make_env, run.stream.tasks, cfg.env.audit)  # known reward hacks
+    print(run.loop.run_until_complete(audit), flush=True)
     # Refuse a template that would make the learner see tokens the model never saw.
     mode = require_token_safe(run.chat, run.make_env(), run.stream.tasks[0], seed=cfg.seed).mode
     print(f"chat template: {run.chat.template_source}, token mode: {mode}", flush=True)
