@@ -760,6 +760,106 @@ def test_a_loopback_server_answers_only_its_own_host_names(chat):
     assert out["evil.example"].json()["error"]["code"] == "invalid_host"
 
 
+def test_every_api_takes_its_episodes_key_and_the_servers_bounds(chat):
+    """The Responses and Messages APIs and streamed replies sit behind the same boundaries as
+    Chat Completions: an episode's key opens its own routes of every API (Anthropic's client sends
+    it as `x-api-key`) and no other episode's; a refusal on /v1/messages has Anthropic's shape;
+    deep JSON and deep tool-call arguments are 400s in each API, before anything generates; a
+    foreign Host gets its 421 and a slow body its 408 on these routes too."""
+    import asyncio
+    import json
+
+    from agentgrpo.agents.server import ServerLimits
+
+    responses = {"model": "policy", "input": "What is 2 + 2?"}
+    messages = {"model": "policy", "max_tokens": 16, "messages": USER}
+    deep_call = {
+        "type": "function_call",
+        "call_id": "c",
+        "name": "f",
+        "arguments": json.dumps(_nested(900)),
+    }
+    output = {"type": "function_call_output", "call_id": "c", "output": "1"}
+
+    async def body(http, endpoint, engine):
+        a = (await http.post("/episodes", json={"id": "a"})).json()
+        await http.post("/episodes", json={"id": "b"})
+        bearer = {"Authorization": f"Bearer {a['api_key']}"}
+        x_key = {"Authorization": "", "x-api-key": a["api_key"]}
+        out = {
+            "responses": await http.post(
+                "/episodes/a/v1/responses", json=responses, headers=bearer
+            ),
+            "responses stream": await http.post(
+                "/episodes/a/v1/responses", json={**responses, "stream": True}, headers=bearer
+            ),
+            "messages": await http.post("/episodes/a/v1/messages", json=messages, headers=x_key),
+            "messages stream": await http.post(
+                "/episodes/a/v1/messages", json={**messages, "stream": True}, headers=x_key
+            ),
+            "chat stream": await http.post(
+                "/episodes/a/v1/chat/completions",
+                json={"messages": USER, "stream": True},
+                headers=x_key,
+            ),
+        }
+        generated = len(engine.calls)
+        out |= {
+            "other responses": await http.post(
+                "/episodes/b/v1/responses", json=responses, headers=bearer
+            ),
+            "other messages": await http.post(
+                "/episodes/b/v1/messages", json=messages, headers=x_key
+            ),
+            "messages 900 deep": await http.post(
+                "/episodes/a/v1/messages",
+                json={**messages, "metadata": _nested(900)},
+                headers=x_key,
+            ),
+            "responses arguments 900 deep": await http.post(
+                "/episodes/a/v1/responses",
+                json={**responses, "input": [deep_call, output]},
+                headers=bearer,
+            ),
+            "messages foreign host": await http.post(
+                "/episodes/a/v1/messages", json=messages, headers={**x_key, "Host": "evil.example"}
+            ),
+        }
+        port = int(str(http.base_url).rsplit(":", 1)[1].strip("/"))
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(
+            b"POST /episodes/a/v1/messages HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            + f"x-api-key: {a['api_key']}\r\nContent-Length: 1000\r\n\r\n{{".encode()
+        )
+        out["slow body head"] = await asyncio.wait_for(reader.readline(), 5)
+        writer.transport.abort()
+        return out, generated, len(engine.calls)
+
+    out, generated, generated_after = _serve_episodes(
+        chat, body, limits=ServerLimits(body_timeout_s=0.3)
+    )
+    assert out.pop("slow body head").startswith(b"HTTP/1.1 408")
+    assert {k: r.status_code for k, r in out.items()} == {
+        "responses": 200,
+        "responses stream": 200,
+        "messages": 200,
+        "messages stream": 200,
+        "chat stream": 200,
+        "other responses": 401,
+        "other messages": 401,
+        "messages 900 deep": 400,
+        "responses arguments 900 deep": 400,
+        "messages foreign host": 421,
+    }
+    assert generated == generated_after == 5  # no refused request reached the engine
+    assert "event: message_stop" in out["messages stream"].text
+    for k in ("other messages", "messages 900 deep", "messages foreign host"):
+        assert out[k].json()["type"] == "error", k  # Anthropic's shape, as its client expects
+    assert out["other messages"].json()["error"]["type"] == "authentication_error"
+    assert out["other responses"].json()["error"]["code"] == "invalid_api_key"
+    assert "nest deeper than 64" in out["responses arguments 900 deep"].json()["error"]["message"]
+
+
 def test_the_servers_connections_send_without_delay():
     """The server's own listening socket (it lets the kernel queue more than asyncio accepts at
     once) names its protocol, so asyncio sets TCP_NODELAY on each connection: without it every
