@@ -21,7 +21,7 @@ from tests.agent_apis import CALL, Recording, assert_sampled_by_engine, by_turn 
 
 TASKS = [
     Task(id="four", prompt="What is 2 + 2?", answer=4),
-    Task(id="six", prompt="3 + 3?", answer=6),
+    Task(id="six: 3 + 3?", prompt="3 + 3?", answer=6),  # not an episode id: the run makes one
 ]
 
 
@@ -84,7 +84,7 @@ def test_an_agent_in_another_process_plays_the_runs_episodes(chat, port):
             assert t.num_turns == 2 and t.tool_calls == 1
             rewards[g.task.id] = rewards.get(g.task.id, ()) + (t.reward,)
             assert_sampled_by_engine(t, engine)
-    assert rewards == {"four": (1.0, 1.0), "six": (0.0, 0.0)}  # the agent's own scores
+    assert rewards == {"four": (1.0, 1.0), "six: 3 + 3?": (0.0, 0.0)}  # the agent's own scores
 
 
 def test_deadlines_end_episodes_no_agent_takes_or_ends(chat, port):
@@ -101,7 +101,7 @@ def test_deadlines_end_episodes_no_agent_takes_or_ends(chat, port):
                 except httpx.TransportError:
                     await asyncio.sleep(0.1)
             taken = r.json()
-            assert r.status_code == 200 and taken["task"]["id"] in ("four", "six")
+            assert r.status_code == 200 and taken["task"]["id"] in ("four", "six: 3 + 3?")
             # the hand-out needs the run's token (loopback too); the episode's own key opens
             # its calls only, not the episode API
             assert taken["anthropic_base_url"] + "/v1" == taken["base_url"]
