@@ -428,7 +428,7 @@ class Trajectory:
     tool_calls: int = 0
     tool_errors: int = 0
     tool_error_kinds: Mapping[str, int] = field(default_factory=FrozenDict)  # ToolErrorKind -> n
-    tool_outputs_truncated: int = 0  # tool messages cut to max_tool_output_tokens
+    tool_outputs_truncated: int = 0  # tool messages cut to max_tool_output_bytes or _tokens
     stop_detail: str = ""  # human-readable reason (the exception, the deadline that expired, ...)
     deadline: Literal["turn", "episode", "step"] | None = None  # which one ended it (TIMEOUT)
     # reset's info, updated by the ending step's (as JSON): why an answer scored 0, test results,

@@ -1,9 +1,11 @@
 """An agent that plays a training run's episodes from another process (`env: {name: remote}`).
 
 It asks the run for an episode, plays the calculator task against the episode's `base_url` with
-the plain OpenAI client and the calculator tool, scores its own answer and posts the reward; then
-asks for the next. It knows nothing of agentgrpo but the episode API (docs/agents.md):
+the plain OpenAI client (the episode's own `api_key`) and the calculator tool, scores its own
+answer and posts the reward; then asks for the next. It knows nothing of agentgrpo but the
+episode API (docs/agents.md). The run and its agents share a token, loopback or not:
 
+    export AGENTGRPO_POLICY_TOKEN=$(openssl rand -hex 32)
     agentgrpo train examples/remote.yaml &             # the run: waits for agents on port 8100
     python examples/remote_agent.py --url http://127.0.0.1:8100
 
@@ -67,8 +69,10 @@ async def main() -> None:
     p.add_argument("--max-turns", type=int, default=3)
     p.add_argument("--rubric", action="store_true", help="leave the reward to the run's verifier")
     args = p.parse_args()
-    token = os.environ.get("AGENTGRPO_POLICY_TOKEN", "")
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    token = os.environ.get("AGENTGRPO_POLICY_TOKEN")
+    if not token:
+        raise SystemExit("remote agent: set AGENTGRPO_POLICY_TOKEN to the run's token")
+    headers = {"Authorization": f"Bearer {token}"}  # the episode API's; calls use the episode's
     played, idle_since = 0, time.monotonic()
     async with httpx.AsyncClient(base_url=args.url, headers=headers, timeout=90) as http:
         while args.episodes is None or played < args.episodes:
@@ -84,7 +88,7 @@ async def main() -> None:
             r.raise_for_status()
             episode = r.json()
             client = openai.AsyncOpenAI(
-                base_url=episode["base_url"], api_key=token or "none", max_retries=0
+                base_url=episode["base_url"], api_key=episode["api_key"], max_retries=0
             )
             async with client:
                 answer = await play(client, episode["task"], args.max_turns)

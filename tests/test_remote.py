@@ -21,12 +21,17 @@ from tests.agent_apis import CALL, Recording, assert_sampled_by_engine, by_turn 
 
 TASKS = [
     Task(id="four", prompt="What is 2 + 2?", answer=4),
-    Task(id="six", prompt="3 + 3?", answer=6),
+    Task(id="six: 3 + 3?", prompt="3 + 3?", answer=6),  # not an episode id: the run makes one
 ]
 
 
+TOKEN = "remote-test-token"
+
+
 @pytest.fixture
-def port():
+def port(monkeypatch):
+    """A free port, and the token the run and its agents share (required on loopback too)."""
+    monkeypatch.setenv("AGENTGRPO_POLICY_TOKEN", TOKEN)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         free = s.getsockname()[1]
@@ -79,7 +84,7 @@ def test_an_agent_in_another_process_plays_the_runs_episodes(chat, port):
             assert t.num_turns == 2 and t.tool_calls == 1
             rewards[g.task.id] = rewards.get(g.task.id, ()) + (t.reward,)
             assert_sampled_by_engine(t, engine)
-    assert rewards == {"four": (1.0, 1.0), "six": (0.0, 0.0)}  # the agent's own scores
+    assert rewards == {"four": (1.0, 1.0), "six: 3 + 3?": (0.0, 0.0)}  # the agent's own scores
 
 
 def test_deadlines_end_episodes_no_agent_takes_or_ends(chat, port):
@@ -87,14 +92,30 @@ def test_deadlines_end_episodes_no_agent_takes_or_ends(chat, port):
     the episode deadline as TIMEOUT, unscorable, and the detail says which case it was."""
 
     async def take_one_and_walk_away():
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as http:
+        auth = {"Authorization": f"Bearer {TOKEN}"}
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", headers=auth) as http:
             for _ in range(50):
                 try:
                     r = await http.post("/episodes", json={"wait_s": 5})
                     break
                 except httpx.TransportError:
                     await asyncio.sleep(0.1)
-            assert r.status_code == 200 and r.json()["task"]["id"] in ("four", "six")
+            taken = r.json()
+            assert r.status_code == 200 and taken["task"]["id"] in ("four", "six: 3 + 3?")
+            # the hand-out needs the run's token (loopback too); the episode's own key opens
+            # its calls only, not the episode API
+            assert taken["anthropic_base_url"] + "/v1" == taken["base_url"]
+            own = {"Authorization": f"Bearer {taken['api_key']}"}
+            eid = taken["id"]
+            refused = [
+                await http.post("/episodes", json={"wait_s": 0}, headers={"Authorization": ""}),
+                await http.post("/episodes", json={"wait_s": 0}, headers=own),
+                await http.post(f"/episodes/{eid}/reward", json={"reward": 1}, headers=own),
+                await http.delete(f"/episodes/{eid}", headers=own),
+            ]
+            assert [x.status_code for x in refused] == [401] * 4
+            models = await http.get(f"/episodes/{eid}/v1/models", headers=own)
+            assert models.status_code == 200
 
     groups, _ = run(chat, port, ["4"], also=take_one_and_walk_away, episode_timeout_s=2)
     details = sorted(t.stop_detail for g in groups for t in g.trajectories)
@@ -121,12 +142,14 @@ def test_an_episode_ended_without_a_reward_is_scored_by_the_rubric(chat, port):
             assert t.stop_reason == StopReason.COMPLETED
 
 
-def test_tasks_of_another_env_and_a_token_off_loopback(monkeypatch):
+def test_tasks_of_another_env_and_a_token_on_every_address(monkeypatch):
     tasks = RemoteEnv.load_tasks("train", seed=0, env="calculator", n=3)
     assert len(tasks) == 3 and all(t.answer is not None for t in tasks)
     monkeypatch.delenv("AGENTGRPO_POLICY_TOKEN", raising=False)
-    with pytest.raises(ValueError, match="without a token"):
-        RemoteEnv(host="0.0.0.0")
+    for host in ("0.0.0.0", "127.0.0.1"):  # any local user can reach a loopback port
+        with pytest.raises(ValueError, match="without a token"):
+            RemoteEnv(host=host)
+    monkeypatch.setenv("AGENTGRPO_POLICY_TOKEN", TOKEN)
     with pytest.raises(ValueError, match="module:function"):
         RemoteEnv(verifier="nocolon")
 

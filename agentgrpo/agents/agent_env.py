@@ -3,7 +3,7 @@
 The subclass writes `async def run(self, client, task)`; `client` is an `openai.AsyncOpenAI`
 bound to this episode's URL on a policy endpoint (`agentgrpo.agents.endpoint`) that this process
 serves on 127.0.0.1 while AgentEnv episodes run (one server per event loop, started by the first
-episode, stopped after the last; a random token is its api_key). Every call's prompt ids, sampled
+episode, stopped after the last; each episode has its own key). Every call's prompt ids, sampled
 ids and logprobs are recorded there; when the episode ends the trajectory builder
 (`agentgrpo.chat.trajectory`) makes them its token sequences: one while each call's prompt extends
 the previous prompt + completion token-exactly, a new segment where one does not (the agent
@@ -51,7 +51,8 @@ class AgentEnv(Env, EpisodeRunner):
     `rubric`. `self.base_url`, `self.api_key` and `self.model` are set before `run` starts, for
     agent code that builds its own client (the OpenAI Agents SDK, LangChain's `ChatOpenAI`;
     `self.anthropic_base_url` for Anthropic's client, which adds `/v1/messages` itself); such a
-    client should not retry (`max_retries=0`).
+    client should not retry (`max_retries=0`). `self.api_key` is the episode's own key: it opens
+    this episode's routes and nothing else.
 
     Example:
         >>> class Calculator(AgentEnv):
@@ -123,9 +124,10 @@ async def agent_episode(
     reason, detail, reward = StopReason.COMPLETED, "", None
     async with _shared_endpoint() as (endpoint, base):
         endpoint.add(episode)
-        urls = episode_urls(episode.id, base)
+        # the episode's own key: good for this episode's calls only (not another's, nor the API)
+        urls = episode_urls(episode, base)
         env.base_url, env.anthropic_base_url = urls["base_url"], urls["anthropic_base_url"]
-        env.api_key = endpoint.token or ""
+        env.api_key = urls["api_key"]
         env.model = endpoint.model
         client = openai.AsyncOpenAI(base_url=env.base_url, api_key=env.api_key, max_retries=0)
         stage = "reset"

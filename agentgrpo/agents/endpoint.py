@@ -34,21 +34,22 @@ know is refused, as OpenAI does. Errors have OpenAI's shape, `{"error": {"messag
 "param", "code"}}`, with a 4xx status for bad input and a 5xx one for an engine failure.
 
 Server: starlette on uvicorn (well-kept, asynchronous, light: the app is a few routes and needs
-no validation framework). Binds 127.0.0.1 unless told otherwise; a token (`Authorization: Bearer`,
-which is what the OpenAI client sends as its api_key, or `x-api-key`, Anthropic's) is then
-required, compared in constant time.
-Bounds: request bodies (`max_body_bytes`, 413), connections (uvicorn's `limit_concurrency`, 503
-past it), idle keep-alive connections (`timeout_keep_alive_s`).
+no validation framework), set up in `agentgrpo.agents.server`: connections, request heads and
+bodies bounded for every route (`ServerLimits`), the Host header checked on a loopback bind.
+Binds 127.0.0.1 unless told otherwise; a token (`Authorization: Bearer`, which is what the OpenAI
+client sends as its api_key, or `x-api-key`, Anthropic's) is then required, compared in constant
+time. Each episode has a key of its own (`EndpointEpisode.token`), good only for its
+`/episodes/<id>/v1/` routes (every API's). Request bodies, read for every route by
+`PolicyEndpoint._json`: at most `max_body_bytes` (413), JSON at most `MAX_JSON_DEPTH` deep (400).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
-import ipaddress
 import json
 import math
+import re
 import secrets
 import time
 from collections import Counter
@@ -56,7 +57,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -64,6 +64,7 @@ from starlette.routing import Route
 
 from agentgrpo.agents import anthropic, responses
 from agentgrpo.agents.api_error import APIError, check_model
+from agentgrpo.agents.server import Auth, Effective, HostRule, ServerLimits, is_loopback, serve_app
 from agentgrpo.agents.streaming import chat_stream, stream_options
 from agentgrpo.chat.format import ChatFormat, TemplateError
 from agentgrpo.chat.parsers import ParseError
@@ -103,6 +104,13 @@ DEFAULT_ONLY = {
     "functions": (),
     "function_call": (),
 }
+# Client input the server refuses with a 400 before it costs anything (issue 42): JSON nested past
+# MAX_JSON_DEPTH (the body, and each tool call's arguments) would overflow Python's recursion in
+# the template; seeds outside a signed 64-bit integer overflow the engines' generators; an
+# episode id is 1-128 URL-safe characters (a longer one could not be reached once created).
+MAX_JSON_DEPTH = 64
+SEED_RANGE = (-(2**63), 2**63 - 1)
+EPISODE_ID = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
 HONOURED = frozenset(
     {
         "model",
@@ -163,6 +171,9 @@ class EndpointEpisode:
     deadline: str | None = None  # which deadline, when one did: turn | episode | step
     infra: tuple[StopReason, str] | None = None  # an engine failure (unscorable)
     reward: float | None = None  # given through the server's API (serve-policy)
+    # The api_key of this episode's own routes (`/episodes/<id>/v1/...`): an agent holding it can
+    # call the model in this episode and nothing else (not another episode, not the episode API).
+    token: str = field(default_factory=lambda: secrets.token_urlsafe(24))
     # what an API's translation keeps per episode (the Responses API's stored responses)
     api_state: dict[str, Any] = field(default_factory=dict)
     _history: list[Message] | None = None  # the last request's messages + the reply given
@@ -472,6 +483,12 @@ def _read_request(body: Any) -> dict[str, Any]:
             messages.append(Message.from_dict(m))
         except Exception as e:  # noqa: BLE001 - pydantic's error, or a non-dict: client input
             raise APIError(400, f"messages[{i}]: {e}", param=f"messages[{i}]") from e
+        if any(nested_deeper(tc.arguments, MAX_JSON_DEPTH) for tc in messages[-1].tool_calls or []):
+            raise APIError(
+                400,
+                f"messages[{i}]: tool call arguments nest deeper than {MAX_JSON_DEPTH} levels",
+                param=f"messages[{i}]",
+            )
     tools = body.get("tools") or None
     if tools is not None:
         ok = isinstance(tools, list) and all(
@@ -514,7 +531,12 @@ def _read_request(body: Any) -> dict[str, Any]:
         ("temperature", body.get("temperature"), lambda x: 0 <= x <= 2, "between 0 and 2"),
         ("top_p", body.get("top_p"), lambda x: 0 < x <= 1, "in (0, 1]"),
         ("max_tokens", max_tokens, lambda x: x >= 1 and x == int(x), "an integer >= 1"),
-        ("seed", body.get("seed"), lambda x: x == int(x), "an integer"),
+        (
+            "seed",
+            body.get("seed"),
+            lambda x: x == int(x) and SEED_RANGE[0] <= x <= SEED_RANGE[1],
+            "a signed 64-bit integer",
+        ),
     )
     for name, value, good, what in checks:
         if value is not None and (
@@ -578,10 +600,14 @@ class PolicyEndpoint:
         max_body_bytes: int = 4 << 20,
         max_episodes: int = 10_000,
         new_episode: Callable[[str, int | None], EndpointEpisode] | None = None,
+        limits: ServerLimits | None = None,
         hand_out: Callable[[float], Awaitable[tuple[EndpointEpisode, dict] | None]] | None = None,
         on_done: Callable[[EndpointEpisode], None] | None = None,
     ) -> None:
         self.model, self.token, self.max_body_bytes = model, token, max_body_bytes
+        self.limits = limits or ServerLimits()
+        self.effective: Effective | None = None  # the limits in effect while serving
+        self._hosts = HostRule()
         self.max_episodes = max_episodes  # episodes held at once (POST /episodes: 429 past it)
         self.episodes: dict[str, EndpointEpisode] = {}
         self.new_episode = new_episode
@@ -615,9 +641,17 @@ class PolicyEndpoint:
                 ).response(),
             },
         )
-        self.app.add_middleware(_Auth, token=token)
+        self.app.add_middleware(
+            Auth,
+            token=token,
+            hosts=self._hosts,
+            episode_token=self._episode_token,
+            error=_refusal,
+        )
 
     def add(self, episode: EndpointEpisode) -> EndpointEpisode:
+        if not EPISODE_ID.fullmatch(episode.id):
+            raise ValueError(f"episode id {episode.id!r:.60}: expected {EPISODE_ID.pattern}")
         if episode.id in self.episodes:
             raise ValueError(f"episode {episode.id!r} exists already")
         self.episodes[episode.id] = episode
@@ -625,6 +659,14 @@ class PolicyEndpoint:
 
     def remove(self, eid: str) -> EndpointEpisode | None:
         return self.episodes.pop(eid, None)
+
+    def _episode_token(self, path: str) -> str | None:
+        """The token of the episode whose OpenAI routes `path` is under (`/episodes/<id>/v1/`)."""
+        parts = path.split("/", 4)
+        if len(parts) < 5 or parts[1] != "episodes" or parts[3] != "v1":
+            return None
+        ep = self.episodes.get(parts[2])
+        return None if ep is None else ep.token
 
     def _episode(self, request: Request) -> EndpointEpisode:
         eid = request.path_params["eid"]
@@ -643,14 +685,26 @@ class PolicyEndpoint:
         if size > self.max_body_bytes:
             raise APIError(413, f"request body over {self.max_body_bytes} bytes")
         body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > self.max_body_bytes:
-                raise APIError(413, f"request body over {self.max_body_bytes} bytes")
+
+        async def read() -> None:
+            async for chunk in request.stream():
+                body.extend(chunk)
+                if len(body) > self.max_body_bytes:
+                    raise APIError(413, f"request body over {self.max_body_bytes} bytes")
+
         try:
-            return json.loads(body) if body else {}
+            await asyncio.wait_for(read(), self.limits.body_timeout_s)
+        except asyncio.TimeoutError as e:
+            raise APIError(
+                408, f"the request body did not arrive within {self.limits.body_timeout_s} s"
+            ) from e
+        try:
+            parsed = json.loads(body) if body else {}
         except (ValueError, RecursionError) as e:
             raise APIError(400, f"We could not parse the JSON body of your request ({e})") from e
+        if nested_deeper(parsed, MAX_JSON_DEPTH):
+            raise APIError(400, f"the JSON body nests deeper than {MAX_JSON_DEPTH} levels")
+        return parsed
 
     async def _chat(self, request: Request) -> Response:
         return await self._call(request, chat_answer, APIError.response)
@@ -698,12 +752,19 @@ class PolicyEndpoint:
             if not isinstance(body, dict) or set(body) - {"id", "seed"}:
                 raise APIError(400, 'body: {"id"?: str, "seed"?: int}')
             eid, seed = body.get("id") or secrets.token_urlsafe(12), body.get("seed")
-            if (
-                not isinstance(eid, str)
-                or "/" in eid
-                or (seed is not None and type(seed) is not int)
+            if not isinstance(eid, str) or not EPISODE_ID.fullmatch(eid):
+                raise APIError(
+                    400,
+                    f"id must be 1-128 characters of A-Z a-z 0-9 . _ - (not starting with "
+                    f"'.'), got {eid!r:.60}",
+                    param="id",
+                )
+            if seed is not None and (
+                type(seed) is not int or not SEED_RANGE[0] <= seed <= SEED_RANGE[1]
             ):
-                raise APIError(400, "id must be a string without '/', seed an integer")
+                raise APIError(
+                    400, f"seed must be a signed 64-bit integer, got {seed!r:.60}", param="seed"
+                )
             if eid in self.episodes:
                 raise APIError(409, f"episode {eid!r} exists already", param="id")
             if len(self.episodes) >= self.max_episodes:
@@ -713,9 +774,9 @@ class PolicyEndpoint:
                     kind="rate_limit_error",
                     code="too_many_episodes",
                 )
-            self.add(self.new_episode(eid, seed))  # type: ignore[misc]
-            base = str(request.base_url).rstrip("/")
-            return JSONResponse(episode_urls(eid, base))
+            ep = self.add(self.new_episode(eid, seed))  # type: ignore[misc]
+            base = str(request.base_url).rstrip("/")  # the Host the client used (checked: Auth)
+            return JSONResponse(episode_urls(ep, base))
         except APIError as e:
             return e.response()
 
@@ -738,8 +799,8 @@ class PolicyEndpoint:
                 return Response(status_code=204)
             ep, extra = taken
             self.add(ep)
-            base = str(request.base_url).rstrip("/")
-            return JSONResponse({**episode_urls(ep.id, base), **extra})
+            base = str(request.base_url).rstrip("/")  # the Host the client used (checked: Auth)
+            return JSONResponse({**episode_urls(ep, base), **extra})
         except APIError as e:
             return e.response()
 
@@ -790,97 +851,51 @@ class PolicyEndpoint:
 
     @contextlib.asynccontextmanager
     async def serving(
-        self,
-        host: str = "127.0.0.1",
-        port: int = 0,
-        *,
-        limit_concurrency: int = 1024,
-        timeout_keep_alive_s: int = 30,
+        self, host: str = "127.0.0.1", port: int = 0, *, allowed_hosts: tuple[str, ...] = ()
     ) -> AsyncIterator[str]:
         """Serve on this event loop while the block runs; yields the base URL (port 0: any free
-        port). Signals are left to the host program (the training run handles its own)."""
+        port). On a loopback `host`, requests must name a loopback Host or one of `allowed_hosts`
+        (a reverse proxy's). `self.effective` holds the limits in effect. Signals are left to the
+        host program (the training run handles its own)."""
         if self.token is None and not is_loopback(host):
             raise ValueError(
                 f"refusing to bind {host} without a token: anyone who reaches it could "
                 "sample from the policy and write into its episodes"
             )
-
-        class _Quiet(uvicorn.Server):
-            @contextlib.contextmanager
-            def capture_signals(self) -> Any:
-                yield
-
-        server = _Quiet(
-            uvicorn.Config(
-                self.app,
-                host=host,
-                port=port,
-                log_level="warning",
-                limit_concurrency=limit_concurrency,
-                lifespan="off",
-                timeout_keep_alive=timeout_keep_alive_s,
-            )
-        )
-        task = asyncio.create_task(server.serve())
-        try:
-            while not server.started:
-                if task.done():
-                    task.result()  # the startup's error (a port in use), else it stopped early
-                    raise RuntimeError("the policy endpoint stopped while starting")
-                await asyncio.sleep(0.005)
-            bound = server.servers[0].sockets[0].getsockname()
-            yield f"http://{host if ':' not in host else f'[{host}]'}:{bound[1]}"
-        finally:
-            server.should_exit = True
-            await task
+        self._hosts.loopback_only = is_loopback(host)
+        self._hosts.allowed = frozenset(h.lower() for h in allowed_hosts)
+        async with serve_app(self.app, host, port, self.limits) as (base, self.effective):
+            yield base
 
 
-def episode_urls(eid: str, base: str) -> dict[str, str]:
-    """Where an episode's clients point: `base_url` for OpenAI's (Chat Completions, Responses),
-    `anthropic_base_url` for Anthropic's (which adds /v1/messages itself)."""
+def _refusal(status: int, message: str, code: str, path: str) -> Response:
+    """Auth's 401 or 421, in the shape of the API `path` belongs to (Anthropic's for
+    `/v1/messages`, OpenAI's otherwise)."""
+    kind = "authentication_error" if status == 401 else "invalid_request_error"
+    error = APIError(status, message, code=code, kind=kind)
+    return anthropic.error_response(error) if path.endswith("/v1/messages") else error.response()
+
+
+def episode_urls(ep: EndpointEpisode, base: str) -> dict[str, str]:
+    """Where an episode's clients point, and the key they send: `base_url` for OpenAI's (Chat
+    Completions, Responses), `anthropic_base_url` for Anthropic's (which adds /v1/messages
+    itself), `api_key` the episode's own (good for its calls and nothing else)."""
     return {
-        "id": eid,
-        "base_url": f"{base}/episodes/{eid}/v1",
-        "anthropic_base_url": f"{base}/episodes/{eid}",
+        "id": ep.id,
+        "base_url": f"{base}/episodes/{ep.id}/v1",
+        "anthropic_base_url": f"{base}/episodes/{ep.id}",
+        "api_key": ep.token,
     }
 
 
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-class _Auth:
-    """ASGI middleware: with a token, every request needs `Authorization: Bearer <token>` or
-    `x-api-key: <token>` (Anthropic's clients)."""
-
-    def __init__(self, app: Any, token: str | None) -> None:
-        self.app, self.token = app, token
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if self.token is not None and scope["type"] == "http":
-            headers = dict(scope["headers"])
-            got = headers.get(b"authorization", b"")
-            key = headers.get(b"x-api-key")  # how Anthropic's clients send their api_key
-            if not (
-                (
-                    got[:7].lower() == b"bearer "
-                    and hmac.compare_digest(got[7:].strip(), self.token.encode())
-                )
-                or (key is not None and hmac.compare_digest(key.strip(), self.token.encode()))
-            ):
-                error = APIError(
-                    401,
-                    "missing or wrong bearer token (or x-api-key)",
-                    kind="authentication_error",
-                    code="invalid_api_key",
-                )
-                messages_api = scope["path"].endswith("/v1/messages")
-                resp = anthropic.error_response(error) if messages_api else error.response()
-                await resp(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
+def nested_deeper(value: Any, limit: int) -> bool:
+    """Whether parsed JSON `value` nests lists and objects more than `limit` deep (iteratively:
+    the check itself cannot overflow the stack)."""
+    stack = [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, dict | list):
+            if depth > limit:
+                return True
+            stack.extend((x, depth + 1) for x in (v.values() if isinstance(v, dict) else v))
+    return False

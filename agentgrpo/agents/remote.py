@@ -12,8 +12,9 @@ deadline (episode or step) as TIMEOUT, unscorable; the stop detail says which of
 The server runs on a thread of its own (`agentgrpo-remote`), from the first episode of the process
 until it exits, so agents can ask for tasks while the learner trains (they wait, `wait_s`, or get
 a 204 and ask again). Its calls generate on the run's event loop, where the engine lives. It binds
-`host`:`port` (127.0.0.1:8100 by default); another address needs a token, read from
-$AGENTGRPO_POLICY_TOKEN or `token_file`, which every request then carries.
+`host`:`port` (127.0.0.1:8100 by default) and needs a token on every address, loopback too (any
+local user can reach a loopback port), read from $AGENTGRPO_POLICY_TOKEN or `token_file`: the
+episode API takes that token; an episode's calls take the `api_key` its hand-out answers.
 """
 
 from __future__ import annotations
@@ -23,13 +24,14 @@ import collections
 import concurrent.futures
 import importlib
 import os
+import re
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from agentgrpo.agents.agent_env import sealed, training_episode
-from agentgrpo.agents.endpoint import EndpointEpisode, PolicyEndpoint, is_loopback
+from agentgrpo.agents.endpoint import EndpointEpisode, PolicyEndpoint
 from agentgrpo.chat.format import ChatFormat
 from agentgrpo.deadlines import DeadlineExpired, Deadlines
 from agentgrpo.engine.base import Engine, SamplingParams
@@ -46,7 +48,7 @@ class RemoteEnv(Env, EpisodeRunner):
     """An env whose episodes are played by agents in other processes (see the module docstring).
 
     `host`, `port`: where the run's episode server listens. `token_file`: the bearer token
-    (default: $AGENTGRPO_POLICY_TOKEN; required off loopback). `verifier`: `module:function`, a
+    (default: $AGENTGRPO_POLICY_TOKEN; required, on loopback too). `verifier`: `module:function`, a
     verifier `(trajectory, task) -> float` that scores the episodes an agent ends without a
     reward (the env's rubric). Tasks come from another env's `load_tasks` (`env.tasks: {env:
     calculator, ...}`, the other keys its arguments) or from a file (`env.tasks: {file: ...}`).
@@ -64,10 +66,10 @@ class RemoteEnv(Env, EpisodeRunner):
     ) -> None:
         self.host, self.port = host, port
         self.token = _read_token(token_file)
-        if self.token is None and not is_loopback(host):
+        if self.token is None:  # a loopback port is open to every local user: never without
             raise ValueError(
                 f"RemoteEnv: refusing to serve episodes on {host} without a token: set "
-                f"${TOKEN_ENV} or token_file"
+                f"${TOKEN_ENV} (the agents send it too) or token_file"
             )
         self._rubric = None if verifier is None else Rubric([("verifier", _load(verifier), 1.0)])
 
@@ -106,7 +108,9 @@ class RemoteEnv(Env, EpisodeRunner):
     ) -> Trajectory:
         """Offer the episode to the agents and wait until one ends it or its deadline passes."""
         clock = Deadlines(limits.turn_timeout_s, limits.episode_timeout_s, deadline)
-        eid = f"{params.session_id or 'episode'}-{os.urandom(6).hex()}".replace("/", "-")
+        # the session names the group and member (sticky routing); within the endpoint's ids
+        session = re.sub(r"[^A-Za-z0-9._-]", "-", params.session_id or "episode")[:100]
+        eid = f"{session}-{os.urandom(6).hex()}".lstrip(".")
         episode = training_episode(
             RemoteEpisode,
             eid,

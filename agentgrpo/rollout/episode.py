@@ -59,7 +59,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from agentgrpo.chat.format import TRUNCATION_MARKER, ChatFormat, TemplateError
+from agentgrpo.chat.format import TRUNCATION_MARKER, ChatFormat, TemplateError, truncation_note
 from agentgrpo.chat.parsers import ParsedTurn
 from agentgrpo.chat.trajectory import TrajectoryBuilder
 from agentgrpo.deadlines import DeadlineExpired, Deadlines
@@ -103,16 +103,23 @@ class EpisodeLimits(BaseModel):
         description="tool calls run per turn, extra ones answered with an error "
         "(None = the env's own limit)",
     )
+    max_tool_output_bytes: int | None = Field(
+        65_536,
+        ge=1,
+        description="tool message content cut to this many UTF-8 bytes plus truncation_marker, "
+        "before anything tokenizes it (None = no cut; raise it for tools whose long output the "
+        "model should read)",
+    )
     max_tool_output_tokens: int | None = Field(
         None,
         ge=1,
-        description="tool message content cut to this many tokens plus truncation_marker "
-        "(None = no cut)",
+        description="tool message content (after the byte cut) cut to this many tokens plus "
+        "truncation_marker (None = no cut)",
     )
     truncation_marker: str = Field(
         TRUNCATION_MARKER,
-        description="appended to cut tool output; {omitted} becomes the number of tokens dropped "
-        "(other braces stay as written)",
+        description="appended to cut tool output; {omitted} becomes the number of bytes or tokens "
+        "dropped and {unit} 'bytes' or 'tokens' (other braces stay as written)",
     )
     tool_error_penalty: float = Field(
         0.0, ge=0.0, description="subtracted from the reward per malformed or failed tool call"
@@ -408,15 +415,53 @@ class Episode:
         )
 
     def _cut_tool_output(self, m: Message) -> Message:
-        if m.role != "tool" or self.limits.max_tool_output_tokens is None:
+        """A tool message cut to `max_tool_output_bytes`, then to `max_tool_output_tokens`, each
+        with the marker: the byte cut comes first so that what is tokenized is bounded whatever a
+        tool answers (issue 42: a 50 MB answer cost +7.5 GB and 105 s to tokenize)."""
+        limits = self.limits
+        if m.role != "tool":
             return m
-        text, omitted = self.chat.truncate(
-            m.content, self.limits.max_tool_output_tokens, self.limits.truncation_marker
-        )
-        if not omitted:
+        text, cut = m.content, False
+        if limits.max_tool_output_bytes is not None:
+            text, omitted = cut_to_bytes(text, limits.max_tool_output_bytes)
+            if omitted:
+                text += truncation_note(limits.truncation_marker, omitted, "bytes")
+                cut = True
+        if limits.max_tool_output_tokens is not None:
+            text, omitted = self.chat.truncate(
+                text, limits.max_tool_output_tokens, limits.truncation_marker
+            )
+            cut = cut or bool(omitted)
+        if not cut:
             return m
         self.truncated += 1
         return m.model_copy(update={"content": text})
+
+
+def cut_to_bytes(text: str, max_bytes: int) -> tuple[str, int]:
+    """`text` cut to its first `max_bytes` UTF-8 bytes (at a character boundary; lone surrogates
+    count as their 3-byte encoding), and the number of bytes dropped. Only the kept part is ever
+    encoded whole: cutting a 50 MB answer allocates about what the cut keeps."""
+    if len(text) * 4 <= max_bytes:  # at most 4 bytes a character: it fits
+        return text, 0
+    head = text[: max_bytes + 1].encode("utf-8", "surrogatepass")
+    if len(head) <= max_bytes:  # all of it: text has at most max_bytes characters
+        return text, 0
+    cut = max_bytes
+    while head[cut] & 0xC0 == 0x80:  # a continuation byte: the character straddles the cut
+        cut -= 1
+    kept = head[:cut].decode("utf-8", "surrogatepass")
+    return kept, _utf8_size(text) - cut
+
+
+def _utf8_size(text: str) -> int:
+    """The UTF-8 size of `text`, encoded a megabyte of characters at a time."""
+    if text.isascii():
+        return len(text)
+    step = 1 << 20
+    return sum(
+        len(text[i : i + step].encode("utf-8", "surrogatepass")) for i in range(0, len(text), step)
+    )
 
 
 async def run_episode(

@@ -59,8 +59,10 @@ SECRET_WORDS = (
 _BEARER = re.compile(r"^\s*(bearer|basic|token)\s+\S", re.IGNORECASE)
 # Values that are credentials whatever their key is called: the prefixes of common API keys
 # (OpenAI/Anthropic `sk-`, Hugging Face `hf_`, GitHub `ghp_`/`github_pat_`, Slack `xox?-`, AWS
-# `AKIA`, W&B's 40 hex digits are too like a hash to tell), followed by enough key characters.
-_KEY_LIKE = re.compile(r"\b(?:sk-|hf_|gh[pousr]_|github_pat_|xox[abprs]-|AKIA)[A-Za-z0-9_\-]{12,}")
+# `AKIA`, W&B's 40 hex digits are too like a hash to tell), followed by 8 or more key characters:
+# a self-hosted server's key can be that short (issue 42: `sk-` + 8 was written in clear), and
+# masking a value that only looks like a key costs less than writing a key out.
+_KEY_LIKE = re.compile(r"\b(?:sk-|hf_|gh[pousr]_|github_pat_|xox[abprs]-|AKIA)[A-Za-z0-9_\-]{8,}")
 _URL_USERINFO = re.compile(r"(?P<scheme>\b[a-zA-Z][a-zA-Z0-9+.\-]*://)[^/@\s]+@")
 _URL_PARAM = re.compile(r"(?P<name>[?&;][^=&#;\s]+=)(?P<value>[^&#;\s]*)")
 
