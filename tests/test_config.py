@@ -225,18 +225,31 @@ def test_tis_needs_recomputed_old_logprobs():
 def test_mis_needs_recomputed_old_logprobs_and_corrects_overlap():
     """MIS compares the same two logprobs as TIS (refused without recompute, for the same reason)
     and, like TIS, is a correction that overlapped rollouts with recomputed old logprobs accept."""
-    for mis in ("token", "sequence"):
+    for mis in ("token", "sequence", "geometric"):
         with pytest.raises(
             ConfigError, match=f"loss.mis={mis} needs learner.old_logprobs=recompute"
         ):
             load_config(None, [f"loss.mis={mis}"])
     recompute = ["learner.old_logprobs=recompute", "train.overlap_rollouts=true"]
-    cfg = load_config(None, [*recompute, "loss.mis=sequence", "loss.mis_low=0.8"])
-    assert (cfg.loss.mis, cfg.loss.mis_low, cfg.loss.mis_high) == ("sequence", 0.8, 2.0)
-    with pytest.raises(ConfigError, match="set loss.tis or loss.mis"):
-        load_config(None, recompute)
+    cfg = load_config(None, [*recompute, "loss.mis=geometric", "loss.mis_low=0.8"])
+    assert (cfg.loss.mis, cfg.loss.mis_low, cfg.loss.mis_high) == ("geometric", 0.8, 2.0)
     with pytest.raises(ConfigError, match="mis_high"):
         load_config(None, [*recompute, "loss.mis=token", "loss.mis_high=0.5"])
+
+
+@pytest.mark.parametrize("old", ["rollout", "recompute"])
+@pytest.mark.parametrize(
+    "stale", ["train.max_staleness=1", "train.overlap_rollouts=true", "train.max_staleness=3"]
+)
+def test_stale_samples_need_an_importance_correction_whatever_old_logprobs_is(old, stale):
+    with pytest.raises(
+        ConfigError, match=r"train.max_staleness=\d trains on samples .* set loss.tis"
+    ):
+        load_config(None, [stale, f"learner.old_logprobs={old}"])
+    for fix in ("loss.tis=token", "loss.mis=sequence"):
+        cfg = load_config(None, [stale, "learner.old_logprobs=recompute", fix])
+        assert cfg.train.staleness >= 1
+    assert load_config(None, [f"learner.old_logprobs={old}"]).train.staleness == 0
 
 
 def test_text_settings_take_the_override_as_written():

@@ -301,20 +301,15 @@ class RunConfig(BaseModel):
 
     @model_validator(mode="after")
     def _off_policy_is_corrected(self) -> RunConfig:
-        # Recomputed old logprobs come from the current weights: with overlapped rollouts that would
-        # silently drop the correction for sampling one version behind, unless TIS or MIS put it
-        # back.
-        if (
-            self.train.staleness
-            and self.learner.old_logprobs == "recompute"
-            and self.loss.tis == "none"
-            and self.loss.mis == "none"
-        ):
+        # Samples up to max_staleness updates old: an importance correction against the sampling
+        # logprobs is required (verl's rollout correction, TRL's vllm_importance_sampling_*), and
+        # both need the learner's own pi_old (`_tis_has_two_logprobs`).
+        if self.train.staleness and self.loss.tis == "none" and self.loss.mis == "none":
             raise ValueError(
-                f"train.max_staleness={self.train.staleness} with learner.old_logprobs=recompute "
-                "ignores that the rollouts came from older weights; set loss.tis or loss.mis "
-                "(token or sequence) to correct for it, or keep old_logprobs: rollout (the ratio "
-                "is then taken against the sampling weights)"
+                f"train.max_staleness={self.train.staleness} trains on samples from weights up to "
+                f"{self.train.staleness} update(s) old, and no importance correction is set: set "
+                "loss.tis (token | sequence) or loss.mis (token | sequence | geometric), with "
+                "learner.old_logprobs: recompute"
             )
         return self
 
@@ -332,11 +327,12 @@ class RunConfig(BaseModel):
             )
         if self.loss.mis != "none" and self.learner.old_logprobs != "recompute":
             raise ValueError(
-                f"loss.mis={self.loss.mis} needs learner.old_logprobs=recompute: MIS drops "
-                "tokens whose pi_old / pi_rollout lies outside [loss.mis_low, loss.mis_high] with "
-                "pi_old recomputed by the learner, and with learner.old_logprobs="
-                f"{self.learner.old_logprobs} pi_old is the rollout's own logprobs (the ratio is "
-                "always 1); set learner.old_logprobs: recompute, or loss.mis: none"
+                f"loss.mis={self.loss.mis} needs learner.old_logprobs=recompute: MIS weighs "
+                "tokens by pi_old / pi_rollout and rejects those outside [loss.mis_low, "
+                "loss.mis_high], with pi_old recomputed by the learner; with "
+                f"learner.old_logprobs={self.learner.old_logprobs} pi_old is the rollout's own "
+                "logprobs (the ratio is always 1); set learner.old_logprobs: recompute, or "
+                "loss.mis: none"
             )
         return self
 
