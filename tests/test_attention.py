@@ -243,6 +243,27 @@ def test_auto_runs_segments_only_on_rows_long_enough_to_pay():
         torch.testing.assert_close(lp, PolicyForward(model)(mb, 1.0)[0], atol=1e-5, rtol=0)
 
 
+def test_take_rows_adds_repeated_rows_gradients_in_index_order():
+    """A shared prompt's keys (and its last hidden state) are gathered once per continuation, so
+    the gradient adds several rows into one. On the CPU, `x[idx]`'s backward adds them with atomic
+    adds from all threads once the tensor is large, in an order that changes from run to run (one
+    of the two reasons two runs of a config drifted apart: docs/learner.md); `take_rows` adds them
+    in index order, every time."""
+    from agentgrpo.learner.attention import take_rows
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 9, 64, generator=g).requires_grad_()  # 36864 values: torch's parallel path
+    idx = torch.randint(0, 8, (4, 96), generator=g)  # 384 gathers of 8 rows: heavy repetition
+    upstream = torch.randn(4, 96, 9, 64, generator=g) * torch.logspace(-6, 6, 64)  # order-sensitive
+    torch.testing.assert_close(take_rows(x, idx), x[idx], atol=0, rtol=0)
+    expected = torch.zeros_like(x)
+    for i, row in enumerate(idx.reshape(-1).tolist()):  # one index after another
+        expected[row] += upstream.reshape(-1, 9, 64)[i]
+    for _ in range(5):
+        (grad,) = torch.autograd.grad(take_rows(x, idx), x, upstream)
+        assert torch.equal(grad, expected)
+
+
 # --- varlen attention --------------------------------------------------------------------------
 
 

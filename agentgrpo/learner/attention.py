@@ -123,6 +123,20 @@ class Segments:
         return cls(spans, list(buckets), torch.from_numpy(np.concatenate(dest)).to(device))
 
 
+def take_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """`x[idx]`: the rows of `x` at the integer indices `idx` (any shape), with a backward that
+    gives the same bits on every run. The indices repeat (a shared prompt's keys serve every
+    continuation; its last hidden state predicts every member's first token), so the backward adds
+    several gradients into one row. On the CPU, `x[idx]`'s backward (index_put_ with accumulate)
+    does that with atomic adds from all threads once the tensor is large, and the order of the
+    additions, hence their last bits, follows the thread timing; `index_select`'s backward
+    (index_add_) adds them one index after another. On CUDA it is the other way round (index_add_
+    is atomic, indexing's backward sorts the indices), so `x[idx]` stays there."""
+    if x.device.type != "cpu":
+        return x[idx]
+    return torch.index_select(x, 0, idx.reshape(-1)).view(*idx.shape, *x.shape[1:])
+
+
 _SLACK = 1.3  # a bucket may compute this many times its spans' own (query, key) rectangles
 
 # `attention: auto` runs segments on a micro-batch only where its rows' masked attention would cost
@@ -209,9 +223,9 @@ def segment_attention(
     outs = []
     for bk in segments.buckets:
         o = F.scaled_dot_product_attention(
-            q[bk.q_idx].transpose(1, 2),
-            repeat_kv(k[bk.k_idx].transpose(1, 2), rep),
-            repeat_kv(v[bk.k_idx].transpose(1, 2), rep),
+            take_rows(q, bk.q_idx).transpose(1, 2),
+            repeat_kv(take_rows(k, bk.k_idx).transpose(1, 2), rep),
+            repeat_kv(take_rows(v, bk.k_idx).transpose(1, 2), rep),
             attn_mask=bk.mask,
             dropout_p=dropout,
             scale=scaling,
@@ -371,7 +385,7 @@ def varlen_attention(
     q = query.transpose(1, 2).reshape(R * S, H, D).to(dtype)  # [R*S, H, D]
     k, v = (x.transpose(1, 2).reshape(R * S, KV, D).to(dtype) for x in (key, value))
     if varlen.k_idx is not None:  # each run's prompt, then itself
-        k, v = k[varlen.k_idx], v[varlen.k_idx]
+        k, v = take_rows(k, varlen.k_idx), take_rows(v, varlen.k_idx)
     out = causal_varlen(
         q, k, v, varlen.cu_seq_q, varlen.cu_seq_k, varlen.max_q, varlen.max_k, scale=scaling
     )

@@ -34,7 +34,14 @@ from collections.abc import Sequence
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from agentgrpo.learner.attention import SEGMENTS, VARLEN, Segments, Varlen, flex_block_mask
+from agentgrpo.learner.attention import (
+    SEGMENTS,
+    VARLEN,
+    Segments,
+    Varlen,
+    flex_block_mask,
+    take_rows,
+)
 from agentgrpo.learner.batch import TrainBatch, attention_pair_cost
 
 
@@ -145,7 +152,7 @@ class PolicyForward(torch.nn.Module):
                     **layout,
                 ).last_hidden_state
             _check_layout_seen(lm, layout)
-            h_MH = hidden_RSH.flatten(0, 1)[batch.pred_index_M]
+            h_MH = take_rows(hidden_RSH.flatten(0, 1), batch.pred_index_M)
             run = functools.partial(
                 _head_logprobs,
                 head,
