@@ -62,6 +62,7 @@ import torch
 import torch.nn.functional as F
 
 from agentgrpo.learner.batch import TrainBatch
+from agentgrpo.types import StopReason, Trajectory
 
 SEGMENTS = "agentgrpo_segments"
 # kwargs transformers passes to attention functions that change what attention computes; a value
@@ -541,3 +542,50 @@ def choose_attention(
 def use_varlen(model: torch.nn.Module) -> None:
     """Switch `model` to varlen attention (as `use_segments`)."""
     _switch(model, VARLEN)
+
+
+# --- the start-up check of the path `auto` chose ----------------------------------------------
+
+# How far the chosen path may lie from the 4D mask on the probe batch (`logprobs.attention_gap`:
+# the mean absolute difference of the loss tokens' logprobs or entropies), by the dtype attention
+# runs in. On SmolLM2-135M (bench/attention_check.py, numbers in docs/learner.md) right kernels lie
+# ~1e-5 away in fp32 and ~0.06 under bf16 autocast, wrong ones (a misplaced causal diagonal,
+# sequences that see each other) ~2: the tolerances sit between, a factor of 4 or more from each.
+CHECK_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 0.25, torch.float16: 0.25}
+
+
+def probe_trajectories(vocab_size: int, seed: int = 0) -> list[Trajectory]:
+    """A small step to check an attention path on: two groups of three sharing a prompt, with
+    continuations of different lengths, one of them two sampled turns around a tool output (mask 0),
+    and a lone sequence; random token ids (a fixed generator). Packed as the learner packs, it puts
+    prompts, continuations and row tails in one row, every layout the paths must keep apart."""
+    g = torch.Generator().manual_seed(seed)
+
+    def ids(n: int) -> list[int]:
+        return torch.randint(0, vocab_size, (n,), generator=g).tolist()
+
+    def trajectory(group: str, prompt: list[int], turns: list[tuple[int, int]]) -> Trajectory:
+        token_ids, mask = list(prompt), [0] * len(prompt)
+        for n, m in turns:
+            token_ids += ids(n)
+            mask += [m] * n
+        return Trajectory(
+            task_id=group,
+            token_ids=token_ids,
+            loss_mask=mask,
+            logprobs=[-1.0 * m for m in mask],
+            prompt_len=len(prompt),
+            messages=[],
+            stop_reason=StopReason.COMPLETED,
+            reward=0.0,
+            group_id=group,
+        )
+
+    out = []
+    for group, prompt_len, turns in (
+        ("probe-a", 24, [[(9, 1)], [(5, 1)], [(3, 1), (3, 0), (6, 1)]]),
+        ("probe-b", 12, [[(15, 1)], [(2, 1)], [(7, 1)]]),
+    ):
+        prompt = ids(prompt_len)
+        out += [trajectory(group, prompt, t) for t in turns]
+    return [*out, trajectory("probe-c", ids(10), [(11, 1)])]
