@@ -315,3 +315,24 @@ def test_unreadable_config_files_and_bad_yaml_are_clean_errors(tmp_path, capsys)
     for argv in (["train", str(missing)], ["eval", str(bad)]):
         assert main(argv) == 2
         assert capsys.readouterr().err.startswith("error: ")
+
+
+def test_deterministic_decodes_one_at_a_time_and_refuses_what_timing_decides():
+    cfg = load_config(None, ["deterministic=true"])
+    assert (cfg.engine.max_batch_size, cfg.engine.prefix_cache_tokens) == (1, 0)
+    again = load_config(None, ["deterministic=true", "engine.max_batch_size=1"])  # as dumped
+    assert again.engine == cfg.engine
+    assert load_config(None, []).engine.max_batch_size > 1  # untouched without it
+    with pytest.raises(ConfigError, match="engine.max_batch_size is 4; leave it unset or set 1"):
+        load_config(None, ["deterministic=true", "engine.max_batch_size=4"])
+    with pytest.raises(ConfigError, match="engine.prefix_cache_tokens is 64"):
+        load_config(None, ["deterministic=true", "engine.prefix_cache_tokens=64"])
+    stale = ["learner.old_logprobs=recompute", "loss.tis=token"]
+    load_config(None, ["deterministic=true", "train.max_staleness=1", *stale])  # one step: exact
+    for timed, match in [
+        (["train.max_staleness=2", *stale], "train.max_staleness=2"),
+        (["engine.partial_rollouts=true"], "engine.partial_rollouts"),
+        (["engine.kind=sglang", "engine.sglang.urls=[http://127.0.0.1:1]"], "engine.kind=sglang"),
+    ]:
+        with pytest.raises(ConfigError, match=f"deterministic: true cannot hold with {match}"):
+            load_config(None, ["deterministic=true", *timed])

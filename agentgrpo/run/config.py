@@ -271,6 +271,16 @@ class RunConfig(BaseModel):
         "runs/default", description="run directory (resumed if it holds a checkpoint)"
     )
     seed: int = Field(0, description="seed of task order, sampling and initialisation")
+    deterministic: bool = Field(
+        False,
+        description="bit-identical runs: the same config on the same machine (threads, libraries) "
+        "gives the same tokens, losses and weights at every step, also across a kill and resume. "
+        "torch's deterministic algorithms for the whole process, and the local engine decodes one "
+        "sequence at a time without its prefix cache (engine.max_batch_size: 1, "
+        "engine.prefix_cache_tokens: 0, set here), since a row's logits change in their last bits "
+        "with the rows batched beside it; not with SGLang, train.max_staleness >= 2 or "
+        "engine.partial_rollouts, whose results depend on timing (docs/learner.md)",
+    )
     model: ModelConfig = Field(default_factory=ModelConfig)
     env: EnvConfig = Field(default_factory=EnvConfig)
     engine: EngineConfig = Field(default_factory=EngineConfig)
@@ -334,6 +344,35 @@ class RunConfig(BaseModel):
                 "logprobs (the ratio is always 1); set learner.old_logprobs: recompute, or "
                 "loss.mis: none"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _deterministic_runs(self) -> RunConfig:
+        # What timing decides cannot repeat bit for bit: refused; the local engine's batching
+        # (which rows share a decode step) is taken out of the numbers by decoding one at a time.
+        if not self.deterministic:
+            return self
+        timed = {
+            "engine.kind=sglang (the servers batch requests as they arrive)": (
+                self.engine.kind == "sglang"
+            ),
+            f"train.max_staleness={self.train.staleness} (which groups a step trains depends on "
+            "when they finish)": self.train.staleness >= 2,
+            "engine.partial_rollouts (an update lands at whichever decode step it meets)": (
+                self.engine.partial_rollouts
+            ),
+        }
+        if clash := [name for name, on in timed.items() if on]:
+            raise ValueError(f"deterministic: true cannot hold with {'; '.join(clash)}")
+        for name, value in (("max_batch_size", 1), ("prefix_cache_tokens", 0)):
+            given = getattr(self.engine, name)
+            if name in self.engine.model_fields_set and given != value:
+                raise ValueError(
+                    f"deterministic: true decodes one sequence at a time without a prefix cache "
+                    f"(a row's logits change with the rows batched beside it), but engine.{name} "
+                    f"is {given}; leave it unset or set {value}"
+                )
+            setattr(self.engine, name, value)
         return self
 
     @model_validator(mode="after")
