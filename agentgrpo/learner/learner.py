@@ -182,7 +182,9 @@ class LearnerConfig(BaseModel):
         "mask = one call per row under a 4D mask (every pair of the row computed); auto = varlen "
         "where it runs, else on the CPU segments for micro-batches whose rows are long enough to "
         "pay (agentgrpo.learner.attention.AUTO_MIN_SHARE) and the mask for the others, the mask on "
-        "other GPUs (segments measured slower there: docs/performance.md)",
+        "other GPUs (segments measured slower there: docs/performance.md); auto's varlen or "
+        "segments pick is checked against the mask on a probe batch at start-up and replaced by "
+        "the mask where it disagrees",
     )
     ref_offload: bool = Field(
         False,
