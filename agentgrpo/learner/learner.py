@@ -75,7 +75,7 @@ from agentgrpo.learner.batch import (
     make_micro_batches,
     segment_rows,
 )
-from agentgrpo.learner.dist import check_launch, shard_reference, total_norm
+from agentgrpo.learner.dist import check_launch, reshard, shard_reference, total_norm
 from agentgrpo.learner.logprobs import (
     PolicyForward,
     attention_gap,
@@ -407,6 +407,7 @@ class Learner:
             failure = f"it raised on a probe batch: {type(e).__name__}: {e}"
         finally:
             self.model.train()
+            reshard(self.model)  # no backward follows the probe
         if self.all_ranks(failure is None):
             checked = f"checked against the 4D mask on a probe batch: {gap:.2g} <= {tolerance:g}"
             self.attention = AttentionChoice(path, f"{self.attention.reason}; {checked}")
