@@ -178,9 +178,10 @@ def configure_cpu_threads() -> str:
 
 def make_deterministic() -> str:
     """torch's deterministic algorithms for the whole process (the run's `deterministic` setting);
-    returns a line for the run's log. On the CPU torch then refuses, loudly, any op it can only
-    run with a thread-timed order of additions; the learner's own gathers avoid those already
-    (`learner.attention.take_rows`), so this guards the model's code. On CUDA cuBLAS needs a fixed
+    returns a line for the run's log. On the CPU the ops whose additions follow the thread timing
+    (index_put_ with accumulate, ...) then take an ordered version, and one without any raises; the
+    learner's own gathers avoid them already (`learner.attention.take_rows`), so this guards the
+    model's code. On CUDA cuBLAS needs a fixed
     workspace (CUBLAS_WORKSPACE_CONFIG, set here when unset, before any cuBLAS handle exists),
     and ops with no deterministic kernel (flash attention's backward among them) warn instead of
     failing: untested on a GPU, so not promised there."""
