@@ -278,6 +278,16 @@ class RunConfig(BaseModel):
         "runs/default", description="run directory (resumed if it holds a checkpoint)"
     )
     seed: int = Field(0, description="seed of task order, sampling and initialisation")
+    deterministic: bool = Field(
+        False,
+        description="bit-identical runs: the same config on the same machine (threads, libraries) "
+        "gives the same tokens, losses and weights at every step, also across a kill and resume. "
+        "torch's deterministic algorithms for the whole process, and the local engine decodes one "
+        "sequence at a time without its prefix cache (engine.max_batch_size: 1, "
+        "engine.prefix_cache_tokens: 0, set here), since a row's logits change in their last bits "
+        "with the rows batched beside it; not with SGLang, train.max_staleness >= 2 or "
+        "engine.partial_rollouts, whose results depend on timing (docs/learner.md)",
+    )
     model: ModelConfig = Field(default_factory=ModelConfig)
     env: EnvConfig = Field(default_factory=EnvConfig)
     engine: EngineConfig = Field(default_factory=EngineConfig)
@@ -308,20 +318,15 @@ class RunConfig(BaseModel):
 
     @model_validator(mode="after")
     def _off_policy_is_corrected(self) -> RunConfig:
-        # Recomputed old logprobs come from the current weights: with overlapped rollouts that would
-        # silently drop the correction for sampling one version behind, unless TIS or MIS put it
-        # back.
-        if (
-            self.train.staleness
-            and self.learner.old_logprobs == "recompute"
-            and self.loss.tis == "none"
-            and self.loss.mis == "none"
-        ):
+        # Samples up to max_staleness updates old: an importance correction against the sampling
+        # logprobs is required (verl's rollout correction, TRL's vllm_importance_sampling_*), and
+        # both need the learner's own pi_old (`_tis_has_two_logprobs`).
+        if self.train.staleness and self.loss.tis == "none" and self.loss.mis == "none":
             raise ValueError(
-                f"train.max_staleness={self.train.staleness} with learner.old_logprobs=recompute "
-                "ignores that the rollouts came from older weights; set loss.tis or loss.mis "
-                "(token or sequence) to correct for it, or keep old_logprobs: rollout (the ratio "
-                "is then taken against the sampling weights)"
+                f"train.max_staleness={self.train.staleness} trains on samples from weights up to "
+                f"{self.train.staleness} update(s) old, and no importance correction is set: set "
+                "loss.tis (token | sequence) or loss.mis (token | sequence | geometric), with "
+                "learner.old_logprobs: recompute"
             )
         return self
 
@@ -339,12 +344,42 @@ class RunConfig(BaseModel):
             )
         if self.loss.mis != "none" and self.learner.old_logprobs != "recompute":
             raise ValueError(
-                f"loss.mis={self.loss.mis} needs learner.old_logprobs=recompute: MIS drops "
-                "tokens whose pi_old / pi_rollout lies outside [loss.mis_low, loss.mis_high] with "
-                "pi_old recomputed by the learner, and with learner.old_logprobs="
-                f"{self.learner.old_logprobs} pi_old is the rollout's own logprobs (the ratio is "
-                "always 1); set learner.old_logprobs: recompute, or loss.mis: none"
+                f"loss.mis={self.loss.mis} needs learner.old_logprobs=recompute: MIS weighs "
+                "tokens by pi_old / pi_rollout and rejects those outside [loss.mis_low, "
+                "loss.mis_high], with pi_old recomputed by the learner; with "
+                f"learner.old_logprobs={self.learner.old_logprobs} pi_old is the rollout's own "
+                "logprobs (the ratio is always 1); set learner.old_logprobs: recompute, or "
+                "loss.mis: none"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _deterministic_runs(self) -> RunConfig:
+        # What timing decides cannot repeat bit for bit: refused; the local engine's batching
+        # (which rows share a decode step) is taken out of the numbers by decoding one at a time.
+        if not self.deterministic:
+            return self
+        timed = {
+            "engine.kind=sglang (the servers batch requests as they arrive)": (
+                self.engine.kind == "sglang"
+            ),
+            f"train.max_staleness={self.train.staleness} (which groups a step trains depends on "
+            "when they finish)": self.train.staleness >= 2,
+            "engine.partial_rollouts (an update lands at whichever decode step it meets)": (
+                self.engine.partial_rollouts
+            ),
+        }
+        if clash := [name for name, on in timed.items() if on]:
+            raise ValueError(f"deterministic: true cannot hold with {'; '.join(clash)}")
+        for name, value in (("max_batch_size", 1), ("prefix_cache_tokens", 0)):
+            given = getattr(self.engine, name)
+            if name in self.engine.model_fields_set and given != value:
+                raise ValueError(
+                    f"deterministic: true decodes one sequence at a time without a prefix cache "
+                    f"(a row's logits change with the rows batched beside it), but engine.{name} "
+                    f"is {given}; leave it unset or set {value}"
+                )
+            setattr(self.engine, name, value)
         return self
 
     @model_validator(mode="after")

@@ -38,7 +38,12 @@ from agentgrpo.learner.attention import AttentionUnavailable
 from agentgrpo.learner.batch import training_rows
 from agentgrpo.learner.learner import Learner
 from agentgrpo.models import embedded as models
-from agentgrpo.models.hardware import Precision, configure_cpu_threads, share_cpu
+from agentgrpo.models.hardware import (
+    Precision,
+    configure_cpu_threads,
+    make_deterministic,
+    share_cpu,
+)
 from agentgrpo.rollout.episode import GroupSampler, collect, rollout_metrics
 from agentgrpo.run import checkpoint
 from agentgrpo.run.config import ConfigError, RunConfig, dump_config
@@ -498,6 +503,8 @@ def start_run(cfg: RunConfig) -> Run:
     run_dir = Path(cfg.output_dir)
     seed_everything(cfg.seed)
     threads = configure_cpu_threads()
+    if cfg.deterministic:  # before anything runs a kernel (docs/learner.md, reproducible runs)
+        threads = f"{threads}; {make_deterministic()}"
     # the env and its tasks before the model loads: a misspelt env or task file fails at once
     env_cls = cfg.env.env_class()
     train_tasks, eval_tasks = load_run_tasks(cfg, env_cls)
