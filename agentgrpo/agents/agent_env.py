@@ -21,6 +21,7 @@ does not retry: a retried call would be a second turn.
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import numbers
 import secrets
@@ -45,7 +46,8 @@ class AgentEnv(Env):
     `run` returns the episode's reward (a finite number), or None to leave it to the env's
     `rubric`. `self.base_url`, `self.api_key` and `self.model` are set before `run` starts, for
     agent code that builds its own client (the OpenAI Agents SDK, LangChain's `ChatOpenAI`);
-    such a client should not retry (`max_retries=0`).
+    such a client should not retry (`max_retries=0`). What `run` puts in `self.episode_info` (a
+    dict of JSON values) becomes the trajectory's `env_info`.
 
     Example:
         >>> class Calculator(AgentEnv):
@@ -59,6 +61,8 @@ class AgentEnv(Env):
     base_url: str = ""
     api_key: str = ""
     model: str = "policy"
+    # What `run` reports about its episode (JSON values), kept as the trajectory's `env_info`.
+    episode_info: dict[str, Any]
 
     async def run(self, client: openai.AsyncOpenAI, task: Task) -> float | None:
         raise NotImplementedError(f"{type(self).__name__} must implement async run(client, task)")
@@ -128,7 +132,7 @@ async def agent_episode(
     async with _shared_endpoint() as (endpoint, base):
         endpoint.add(episode)
         env.base_url, env.api_key = f"{base}/episodes/{episode.id}/v1", endpoint.token or ""
-        env.model = endpoint.model
+        env.model, env.episode_info = endpoint.model, {}
         client = openai.AsyncOpenAI(base_url=env.base_url, api_key=env.api_key, max_retries=0)
         stage = "reset"
         try:
@@ -156,6 +160,7 @@ async def agent_episode(
             endpoint.remove(episode.id)
             await client.close()
     traj, diverged = episode.trajectory(task.id)
+    traj.env_info = json.loads(json.dumps(env.episode_info, default=str, skipkeys=True))
     if not episode.calls:
         traj.messages = task.prompt_messages()
         if reason == StopReason.COMPLETED:
