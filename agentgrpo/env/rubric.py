@@ -106,8 +106,11 @@ class Rubric:
     non-zero weight that returns NaN, or raises, makes the reward NaN (unscorable) and the reason
     goes to `detail`; `strict=True` re-raises instead (useful in tests). Verifiers of one
     trajectory run concurrently; sync ones run in worker threads so they never block the loop.
-    `group_hook`, if given, sees a whole group's results and may return adjusted ones (for
-    within-group terms such as diversity or length ranks).
+    A verifier whose `scores_groups` is true is called once per group instead, as
+    `await verifier.score_group(trajectories, task)` returning one score per trajectory (a judge
+    that ranks a group relative to itself: `agentgrpo.verify.judge`). `group_hook`, if given,
+    sees a whole group's results and may return adjusted ones (for within-group terms such as
+    diversity or length ranks).
     """
 
     def __init__(
@@ -170,11 +173,30 @@ class Rubric:
             return VerifierResult(math.nan), f"{name}: {type(e).__name__}: {e}"
         return _as_result(name, value), ""  # a wrong return type is a bug: it raises
 
-    async def ascore(self, trajectory: Trajectory, task: Task) -> VerifierResult:
-        """Score one trajectory: total, per-verifier `parts`, and why (errors, NaNs, details)."""
-        outs = await asyncio.gather(
-            *(self._one(n, fn, trajectory, task) for n, fn, _ in self.verifiers)
-        )
+    async def _column(
+        self, name: str, fn: Callable, trajectories: Sequence[Trajectory], task: Task
+    ) -> list[tuple[VerifierResult, str]]:
+        """One verifier's results for `trajectories`: one call per trajectory, or one call for
+        all of them when the verifier scores groups (`scores_groups`, e.g. a judge ranking a
+        group)."""
+        if not getattr(fn, "scores_groups", False):
+            return list(await asyncio.gather(*(self._one(name, fn, t, task) for t in trajectories)))
+        try:
+            values = list(await fn.score_group(trajectories, task))
+        except Exception as e:  # the verifier (or what it relies on) failed: unscorable, with why
+            if self.strict:
+                raise
+            return [(VerifierResult(math.nan), f"{name}: {type(e).__name__}: {e}")] * len(
+                trajectories
+            )
+        if len(values) != len(trajectories):
+            raise TypeError(
+                f"verifier {name!r} scored {len(values)} of a group of {len(trajectories)}"
+            )
+        return [(_as_result(name, v), "") for v in values]  # a wrong return type is a bug
+
+    def _combine(self, outs: Sequence[tuple[VerifierResult, str]]) -> VerifierResult:
+        """One trajectory's total from its verifiers' results, in `self.verifiers`' order."""
         parts, notes, total = {}, [], 0.0
         for (name, _, weight), (res, err) in zip(self.verifiers, outs, strict=True):
             parts[name] = res.score
@@ -186,14 +208,26 @@ class Rubric:
                 total += weight * res.score  # NaN propagates: one unscorable part, unscorable total
         return VerifierResult(total * self._scale, "; ".join(notes), parts)
 
+    async def ascore(self, trajectory: Trajectory, task: Task) -> VerifierResult:
+        """Score one trajectory: total, per-verifier `parts`, and why (errors, NaNs, details). A
+        verifier that scores groups sees a group of one."""
+        columns = await asyncio.gather(
+            *(self._column(n, fn, [trajectory], task) for n, fn, _ in self.verifiers)
+        )
+        return self._combine([c[0] for c in columns])
+
     async def __call__(self, trajectory: Trajectory, task: Task) -> VerifierResult:
         return await self.ascore(trajectory, task)
 
     async def ascore_group(
         self, trajectories: Sequence[Trajectory], task: Task
     ) -> list[VerifierResult]:
-        """Score all trajectories of a group concurrently, then apply `group_hook`."""
-        results = list(await asyncio.gather(*(self.ascore(t, task) for t in trajectories)))
+        """Score all trajectories of a group concurrently (a verifier that scores groups once,
+        with all of them), then apply `group_hook`."""
+        columns = await asyncio.gather(
+            *(self._column(n, fn, trajectories, task) for n, fn, _ in self.verifiers)
+        )
+        results = [self._combine([c[i] for c in columns]) for i in range(len(trajectories))]
         if self.group_hook is not None:
             results = self.group_hook(trajectories, task, results)
             if len(results) != len(trajectories) or not all(
