@@ -88,7 +88,12 @@ class RewardModelConfig(RemoteConfig):
 
 
 class JudgeUnavailable(RuntimeError):
-    """The judge or reward model could not be asked or read, after its retries."""
+    """The judge or reward model could not be asked or read, after its retries; `answer` is the
+    last answer it gave (raw), when it gave one."""
+
+    def __init__(self, message: str, answer: str | None = None) -> None:
+        super().__init__(message)
+        self.answer = answer
 
 
 class _Remote:
@@ -123,6 +128,7 @@ class _Remote:
             value, raw = self._cache[key]
             return value, raw, True, 0
         url, why, delay = self.cfg.base_url.rstrip("/") + path, "", self.cfg.backoff_s
+        raw: str | None = None
         for attempt in range(1, self.cfg.retries + 2):
             if attempt > 1:
                 await asyncio.sleep(delay)
@@ -149,7 +155,7 @@ class _Remote:
                 while len(self._cache) > self.cfg.cache_size:
                     self._cache.popitem(last=False)
             return value, raw, False, attempt
-        raise JudgeUnavailable(f"after {self.cfg.retries + 1} attempts: {why}")
+        raise JudgeUnavailable(f"after {self.cfg.retries + 1} attempts: {why}", raw)
 
 
 def render(messages: Sequence[Message]) -> str:
@@ -275,7 +281,7 @@ class JudgeVerifier(_Remote):
                 "/chat/completions", body, lambda r: self._score(_json_in(self._answer(r)))
             )
         except JudgeUnavailable as e:
-            record.update(error=str(e), wall_s=round(time.perf_counter() - t0, 3))
+            record.update(error=str(e), answer=e.answer, wall_s=round(time.perf_counter() - t0, 3))
             return VerifierResult(math.nan, f"judge failed: {e}")
         wall = round(time.perf_counter() - t0, 3)
         record.update(answer=raw, score=score, cached=cached, attempts=attempts, wall_s=wall)
@@ -311,7 +317,7 @@ class JudgeVerifier(_Remote):
         except JudgeUnavailable as e:
             for i, t in enumerate(trajectories, 1):
                 t.info["judge"] = {"model": self.cfg.model, "prompt": body["messages"], "id": i}
-                t.info["judge"]["error"] = str(e)
+                t.info["judge"].update(error=str(e), answer=e.answer)
             return [VerifierResult(math.nan, f"judge failed: {e}")] * n
         wall = round(time.perf_counter() - t0, 3)
         out = []
