@@ -309,3 +309,26 @@ def test_serve_policy_judges_a_group_on_a_cpu(serve_policy, group):
         record = t.info["judge"]
         assert record["prompt"][0]["role"] == "system" and RUBRIC in record["prompt"][0]["content"]
         assert "answer" in record or "error" in record
+
+
+def test_the_report_shows_what_the_judge_was_asked_and_answered(tmp_path):
+    import html
+
+    from agentgrpo.run.report import write_report
+
+    t = traj("4")
+    t.info["judge"] = {
+        "model": "judge",
+        "prompt": [{"role": "system", "content": "Rubric: <b>be right</b>"}],
+        "answer": json.dumps(chat_reply(scores_json(1, "<script>x</script> correct"))),
+        "score": 1.0,
+    }
+    failed = traj("5")
+    failed.info["judge"] = {"model": "judge", "prompt": [], "error": "after 3 attempts: 503"}
+    rows = [{**x.to_dict(), "step": 1} for x in (t, failed)]
+    (tmp_path / "trajectories.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    page = write_report(tmp_path).read_text()
+    assert page.count('<details class="judge">') == 2
+    assert html.escape("Rubric: <b>be right</b>") in page and "<b>be right</b>" not in page
+    assert html.escape('"explanation": "<script>x</script> correct"') in page
+    assert "judge judge: score 1" in page and "judge judge: after 3 attempts: 503" in page

@@ -344,6 +344,32 @@ def _message_html(m: Any) -> str:
     )
 
 
+def _judge_html(row: dict[str, Any]) -> str:
+    """What a judge (`agentgrpo.verify.judge`) was asked and answered about this trajectory."""
+    info = row.get("info")
+    out = []
+    for key, name in (("judge", "judge"), ("reward_model", "reward model")):
+        record = info.get(key) if isinstance(info, dict) else None
+        if not isinstance(record, dict):
+            continue
+        answer = record.get("answer")
+        try:  # a chat completion: its message is what the judge said
+            answer = json.loads(answer)["choices"][0]["message"]["content"]
+        except (TypeError, ValueError, KeyError, IndexError):
+            pass
+        verdict = record.get("error") or f"score {_num(record.get('score')):.3g}"
+        prompt = _list(record, "prompt")
+        out.append(
+            f'<details class="judge"><summary>{name} {html.escape(str(record.get("model", "")))}'
+            f": {html.escape(str(verdict))}</summary>"
+            f"{''.join(_message_html(m) for m in prompt)}"
+            f'<div class="msg role-judge"><div class="role">{name} answered</div>'
+            f"<pre>{_content(answer if answer is not None else '(no answer)')}</pre></div>"
+            "</details>"
+        )
+    return "".join(out)
+
+
 def _traj_html(row: dict[str, Any], table: dict[int, str], max_tokens: int) -> str:
     step, reward = _step(row.get("step")), _num(row.get("reward"))
     stop = str(row.get("stop_reason", "unknown"))
@@ -401,7 +427,7 @@ def _traj_html(row: dict[str, Any], table: dict[int, str], max_tokens: int) -> s
         f"<header>{' · '.join(fields)}</header>"
         '<div class="msgs">'
         f"{''.join(_message_html(m) for m in msgs) or '<p>(no messages)</p>'}</div>"
-        f"{''.join(tokens)}</article>"
+        f"{_judge_html(row)}{''.join(tokens)}</article>"
     )
 
 
