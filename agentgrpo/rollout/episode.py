@@ -730,11 +730,17 @@ async def run_group(
     return Group(group_id=gid, task=task, trajectories=trajs)
 
 
+# Which env plays a task, and under which episode limits (a mixture of envs: agentgrpo.run.mixture).
+EnvRoute = Callable[[Task], tuple[Callable[[], Env], EpisodeLimits]]
+
+
 class GroupSampler:
     """Samples groups under bounds that every group in flight shares: at most
     `max_concurrent_trajectories` episodes and `max_concurrent_requests` engine requests at once,
     however many groups run (one step's in `collect`, several steps' in the asynchronous pipeline).
-    `on_done` is called as each trajectory finishes (and is scored, when the env has a rubric)."""
+    `on_done` is called as each trajectory finishes (and is scored, when the env has a rubric).
+    `route`, when given, picks each task's env and episode limits (else `env_factory` and `cfg`):
+    a group is one task, so it never mixes envs."""
 
     def __init__(
         self,
@@ -745,9 +751,10 @@ class GroupSampler:
         *,
         context_len: int | None = None,
         on_done: Callable[[Trajectory], None] | None = None,
+        route: EnvRoute | None = None,
     ) -> None:
         self.env_factory, self.chat, self.cfg = env_factory, chat, cfg
-        self.context_len, self.on_done = context_len, on_done
+        self.context_len, self.on_done, self.route = context_len, on_done, route
         self.params = cfg.sampling_params()
         self.slots = (
             None
@@ -770,8 +777,11 @@ class GroupSampler:
         deadline: float | None = None,
     ) -> Group:
         """One group of `task`: its members share `env_seed` and sample with `sampling_seed + i`."""
+        env_factory, limits = (
+            self.route(task) if self.route is not None else (self.env_factory, self.cfg)
+        )
         return await run_group(
-            self.env_factory,
+            env_factory,
             self.engine,
             self.chat,
             task,
@@ -779,7 +789,7 @@ class GroupSampler:
             replace(self.params, seed=sampling_seed),
             seed=env_seed,
             group_id=group_id,
-            limits=self.cfg,
+            limits=limits,
             context_len=self.context_len,
             deadline=deadline,
             slots=self.slots,
@@ -797,12 +807,16 @@ async def collect(
     seed: int = 0,
     context_len: int | None = None,
     on_done: Callable[[Trajectory], None] | None = None,
+    route: EnvRoute | None = None,
 ) -> list[Group]:
     """All groups of one step, concurrently, within the config's bounds and step deadline.
 
-    `on_done` is called as each trajectory finishes (and is scored, when the env has a rubric).
+    `on_done` is called as each trajectory finishes (and is scored, when the env has a rubric);
+    `route` picks each task's env and limits (`GroupSampler`).
     """
-    sampler = GroupSampler(env_factory, engine, chat, cfg, context_len=context_len, on_done=on_done)
+    sampler = GroupSampler(
+        env_factory, engine, chat, cfg, context_len=context_len, on_done=on_done, route=route
+    )
     deadline = None if cfg.step_timeout_s is None else time.monotonic() + cfg.step_timeout_s
     return list(
         await asyncio.gather(

@@ -230,6 +230,18 @@ def make_plots(
             missing.append(name)
         else:
             plots.append(p)
+    by_env = sorted(
+        {
+            k
+            for m in metrics.values()
+            for k in m
+            if k.startswith("env/") and k.endswith("reward_mean")
+        }
+    )
+    if by_env:  # a mixture (envs:): env/<label>/reward_mean, env/<label>/eval/reward_mean
+        title = "Reward per environment (train, and eval where it ran)"
+        if (p := _panel(metrics, scan, "reward_by_env", title, by_env, None)) is not None:
+            plots.append(p)
     eval_keys = sorted({k for m in metrics.values() for k in m if k.startswith("eval/")})
     if len(eval_keys) > MAX_EVAL_PANELS:
         notices.append(
@@ -451,6 +463,8 @@ def _body(
 ) -> str:
     e = html.escape
     env = (config.get("env") or {}).get("name", "?") if isinstance(config.get("env"), dict) else "?"
+    if isinstance(config.get("envs"), list):  # a mixture
+        env = ", ".join(str(e.get("label") or e.get("name")) for e in config["envs"] if e)
     model = (
         (config.get("model") or {}).get("path") if isinstance(config.get("model"), dict) else None
     )
