@@ -169,3 +169,10 @@ def test_four_steps_split_by_env_and_resumed_exactly_after_sigterm(
     assert [m["loss"] for m in ma] == pytest.approx([m["loss"] for m in mb], abs=1e-6)
     env_keys = sorted(k for k in ma[3] if k.startswith("env/") and "eval" not in k)
     assert [ma[3][k] for k in env_keys] == pytest.approx([mb[3][k] for k in env_keys], nan_ok=True)
+
+
+def test_agentgrpo_eval_of_a_mixture_is_refused_by_name():
+    from agentgrpo.run.evaluate import run_eval
+
+    with pytest.raises(ConfigError, match="eval of a mixture .* is not built yet"):
+        run_eval(load_config(EXAMPLE))

@@ -209,6 +209,16 @@ def resolve_policy(cfg: RunConfig, base: Path) -> tuple[Path | None, int, torch.
     return path, int(manifest["step"]), loaded[-1]
 
 
+def refuse_mixture(cfg: RunConfig) -> None:
+    """`agentgrpo eval` of a mixture (`envs:`) is not built: a ConfigError naming what is."""
+    if cfg.envs is not None:
+        raise ConfigError(
+            "agentgrpo eval of a mixture (envs:) is not built yet: evaluate each env with its "
+            "own env: section, or set eval.every in training (it evaluates every env and splits "
+            "the metrics by env)"
+        )
+
+
 def run_eval(cfg: RunConfig, *, engine: Engine | None = None) -> tuple[Path, EvalResult]:
     """`agentgrpo eval`: evaluate the run's policy on `cfg.eval.split`; returns (output dir,
     result).
@@ -219,12 +229,7 @@ def run_eval(cfg: RunConfig, *, engine: Engine | None = None) -> tuple[Path, Eva
     SGLang servers always receive the weights evaluated, the base model's included, since they may
     hold any run's. `engine` replaces the engine built from the config (tests pass their own).
     """
-    if cfg.envs is not None:
-        raise ConfigError(
-            "agentgrpo eval of a mixture (envs:) is not built yet: evaluate each env with its "
-            "own env: section, or set eval.every in training (it evaluates every env and splits "
-            "the metrics by env)"
-        )
+    refuse_mixture(cfg)
     base = Path(cfg.model.path) if cfg.model.path else default_model_path()
     tokenizer = AutoTokenizer.from_pretrained(base)
     chat = cfg.chat_format(tokenizer)

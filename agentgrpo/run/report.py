@@ -450,6 +450,15 @@ def _fmt(v: float) -> str:
     return "—" if not math.isfinite(v) else f"{v:.6g}"
 
 
+def _env_names(config: dict[str, Any]) -> str:
+    """The run's env, or a mixture's envs (`envs:`) by label, for the header."""
+    if isinstance(config.get("envs"), list):
+        return ", ".join(str(e.get("label") or e.get("name")) for e in config["envs"] if e)
+    return (
+        (config.get("env") or {}).get("name", "?") if isinstance(config.get("env"), dict) else "?"
+    )
+
+
 def _body(
     run_dir: Path,
     config: dict[str, Any],
@@ -462,9 +471,7 @@ def _body(
     notices: list[str],
 ) -> str:
     e = html.escape
-    env = (config.get("env") or {}).get("name", "?") if isinstance(config.get("env"), dict) else "?"
-    if isinstance(config.get("envs"), list):  # a mixture
-        env = ", ".join(str(e.get("label") or e.get("name")) for e in config["envs"] if e)
+    env = _env_names(config)
     model = (
         (config.get("model") or {}).get("path") if isinstance(config.get("model"), dict) else None
     )
