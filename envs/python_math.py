@@ -57,6 +57,7 @@ from typing import Any
 from agentgrpo import EnvStep, Message, StopReason, Task, ToolEnv, tool
 from agentgrpo.verify.math import MathCheck, amath_check
 from agentgrpo.verify.sandbox import Sandbox, SandboxUnavailable
+from envs.calculator import drop_thinking
 from envs.reasoning_gym_env import reasoning_gym_tasks
 from tools.python import PythonToolConfig, make_async_python_tool
 
@@ -101,6 +102,7 @@ def answer_readings(text: str) -> list[str]:
     (`2**10`, `3/4`), then for a boxed answer the box itself, read as LaTeX (`10^{3}`, `2\\sqrt{2}`:
     math-verify reads LaTeX only inside a box or `$...$`, and the bare forms did not equal 1000
     and 2.828...). The answer is right when one reading equals the reference."""
+    text = drop_thinking(text)
     answer = final_answer(text)
     if answer is None:
         return []

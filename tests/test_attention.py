@@ -30,7 +30,7 @@ from agentgrpo.learner.attention import (
 from agentgrpo.learner.batch import make_micro_batches
 from agentgrpo.learner.learner import Learner, LearnerConfig
 from agentgrpo.learner.logprobs import PolicyForward
-from tests.tiny import groups_of_trajectories, tiny_llama, traj
+from tests.tiny import groups_of_trajectories, rows, tiny_llama, traj
 from tests.varlen_reference import reference_varlen_attn
 
 
@@ -43,7 +43,7 @@ def _forward_backward(model, mb, bf16=False):
 @pytest.mark.parametrize("mode", ["shared_prefix", "packed"])
 def test_segments_give_the_masked_kernels_logprobs_and_gradients(mode):
     trajs = groups_of_trajectories(n_groups=4, size=4, seed=2)
-    batches = make_micro_batches(trajs, [0.0] * len(trajs), 300, mode=mode)
+    batches = make_micro_batches(rows(trajs, [0.0] * len(trajs)), 300, mode=mode)
     tails = [int((mb.segment_ids_RS == 0).sum()) for mb in batches]
     assert (
         any(mb.input_ids_RS.shape[0] > 1 for mb in batches) and sum(tails) > 0
@@ -60,7 +60,7 @@ def test_segments_give_the_masked_kernels_logprobs_and_gradients(mode):
 
 def test_segments_under_bf16_autocast_agree_with_the_mask_to_bf16_rounding():
     trajs = groups_of_trajectories(n_groups=2, size=4, seed=3)
-    (mb,) = make_micro_batches(trajs, [0.0] * len(trajs), 4096)
+    (mb,) = make_micro_batches(rows(trajs, [0.0] * len(trajs)), 4096)
     masked = _forward_backward(tiny_llama("sdpa"), mb, bf16=True)
     seg_model = tiny_llama("sdpa")
     use_segments(seg_model)
@@ -74,7 +74,7 @@ def test_spans_of_a_shared_prefix_row():
     a = traj([1, 2, 3, 4, 5], [0, 0, 1, 1, 1], group="x")
     b = traj([1, 2, 3, 6], [0, 0, 0, 1], group="x")
     c = traj([7, 8], [0, 1], group="y")
-    batches = make_micro_batches([a, b, c], [0.0] * 3, 64, mode="shared_prefix")
+    batches = make_micro_batches(rows([a, b, c], [0.0] * 3), 64, mode="shared_prefix")
     (mb,) = batches  # row 0 = 1 2 3 | 6 | 4 5 ; row 1 = 7 8 + tail
     seg = Segments.of(mb)
     assert seg.spans == [(0, 0, 3, 0, 0), (0, 3, 4, 0, 3), (0, 4, 6, 0, 3), (1, 0, 2, 0, 0)]
@@ -123,7 +123,7 @@ def _layout_dropped_before_attention(switch, key: str, kernel, layout: str, matc
         return kernel(module, q, k, v, mask, **kw)
 
     trajs = groups_of_trajectories()
-    (mb,) = make_micro_batches(trajs, [0.0] * len(trajs), 4096)
+    (mb,) = make_micro_batches(rows(trajs, [0.0] * len(trajs)), 4096)
     model = tiny_llama("sdpa")
     switch(model)
     AttentionInterface.register(key, drops_the_layout)
@@ -143,8 +143,7 @@ def test_a_layout_that_never_reaches_attention_raises():
 
 def test_features_it_does_not_implement_are_named():
     (mb,) = make_micro_batches(
-        [traj([1, 2, 3], [0, 1, 1]), traj([4, 5, 6], [0, 1, 1], group="h")],
-        [0.0, 0.0],
+        rows([traj([1, 2, 3], [0, 1, 1]), traj([4, 5, 6], [0, 1, 1], group="h")], [0.0, 0.0]),
         64,
         mode="packed",
     )
@@ -183,7 +182,7 @@ def test_the_learner_picks_segments_on_the_cpu_and_trains_the_same_as_the_mask()
             LossConfig(kl_coef=0.05),
             temperature=0.7,
         )
-        metrics[attention] = learner.train_step(trajs, adv)
+        metrics[attention] = learner.train_step(rows(trajs, adv))
         learners[attention] = learner
         weights[attention] = {
             n: p.detach().clone() for n, p in learner.unwrapped.named_parameters()
@@ -232,7 +231,7 @@ def test_auto_runs_segments_only_on_rows_long_enough_to_pay():
     short = int(AUTO_MIN_SHARE / r) - 4  # rows whose masked attention costs less than the threshold
     for T, want in ((short, "mask"), (short + 8, "segments")):
         (mb,) = make_micro_batches(
-            [traj(list(range(T)), [0] + [1] * (T - 1))], [0.0], 4096, mode="packed"
+            rows([traj(list(range(T)), [0] + [1] * (T - 1))], [0.0]), 4096, mode="packed"
         )
         mb.needs_mask = True  # a lone row needs none; force the choice
         got = _layout_kwargs(model, mb, False, AUTO_MIN_SHARE)
@@ -257,7 +256,7 @@ def test_varlen_offsets_and_positions_of_packed_rows():
     a = traj([6, 7, 8], [0, 1, 1], group="a")
     b = traj([9, 10], [0, 1], group="b")
     e = traj([11, 12], [0, 1], group="e")
-    (mb,) = make_micro_batches([c, a, b, e], [0.0] * 4, 64, mode="packed")
+    (mb,) = make_micro_batches(rows([c, a, b, e], [0.0] * 4), 64, mode="packed")
     # First fit decreasing into rows of 5: [c], [a b], [e + a tail of 3]; flat runs c [0, 5),
     # a [5, 8), b [8, 10), e [10, 12), tail [12, 15).
     assert mb.input_ids_RS.tolist() == [[1, 2, 3, 4, 5], [6, 7, 8, 9, 10], [11, 12, 0, 0, 0]]
@@ -272,7 +271,7 @@ def test_varlen_offsets_of_a_shared_prefix_row():
     a = traj([1, 2, 3, 4, 5], [0, 0, 1, 1, 1], group="x")
     b = traj([1, 2, 3, 6], [0, 0, 0, 1], group="x")
     c = traj([7, 8], [0, 1], group="y")
-    (mb,) = make_micro_batches([a, b, c], [0.0] * 3, 64, mode="shared_prefix")
+    (mb,) = make_micro_batches(rows([a, b, c], [0.0] * 3), 64, mode="shared_prefix")
     # row 0 = 1 2 3 | 6 | 4 5 (prompt, b's own, a's own), row 1 = 7 8 + a tail of 4; rows of 6.
     assert mb.input_ids_RS.tolist() == [[1, 2, 3, 6, 4, 5], [7, 8, 0, 0, 0, 0]]
     # continuations count on after their prompt: b's 6 at 3, a's 4 5 at 3 4
@@ -301,7 +300,7 @@ def test_the_reference_kernel_aligns_causal_to_the_bottom_right():
 @pytest.mark.parametrize("mode", ["shared_prefix", "packed"])
 def test_varlen_gives_the_masked_kernels_logprobs_and_gradients(mode, reference_kernel):
     trajs = groups_of_trajectories(n_groups=4, size=4, seed=2)
-    batches = make_micro_batches(trajs, [0.0] * len(trajs), 300, mode=mode)
+    batches = make_micro_batches(rows(trajs, [0.0] * len(trajs)), 300, mode=mode)
     assert any(mb.input_ids_RS.shape[0] > 1 for mb in batches)  # several rows, row tails
     for mb in batches:
         masked = _forward_backward(tiny_llama("sdpa"), mb)
@@ -328,7 +327,7 @@ def test_varlen_through_torch_2_10s_signature(monkeypatch):
 
     monkeypatch.setattr(attention_module, "VARLEN_KERNEL", torch_2_10)
     trajs = groups_of_trajectories(n_groups=2, size=4, seed=4)
-    (mb,) = make_micro_batches(trajs, [0.0] * len(trajs), 4096)
+    (mb,) = make_micro_batches(rows(trajs, [0.0] * len(trajs)), 4096)
     masked = _forward_backward(tiny_llama("sdpa"), mb)
     model = tiny_llama("sdpa")
     use_varlen(model)
@@ -351,7 +350,7 @@ def test_varlen_under_bf16_autocast_calls_the_kernel_in_bf16(monkeypatch):
 
     monkeypatch.setattr(attention_module, "VARLEN_KERNEL", spy)
     trajs = groups_of_trajectories(n_groups=2, size=4, seed=3)
-    (mb,) = make_micro_batches(trajs, [0.0] * len(trajs), 4096)
+    (mb,) = make_micro_batches(rows(trajs, [0.0] * len(trajs)), 4096)
     masked = _forward_backward(tiny_llama("sdpa"), mb, bf16=True)
     model = tiny_llama("sdpa")
     use_varlen(model)
@@ -382,7 +381,7 @@ def test_a_varlen_layout_that_never_reaches_attention_raises(reference_kernel):
 
 def test_varlen_names_the_features_it_does_not_implement(reference_kernel):
     (mb,) = make_micro_batches(
-        [traj([1, 2, 3], [0, 1, 1]), traj([4, 5, 6], [0, 1, 1], group="h")], [0.0, 0.0], 64
+        rows([traj([1, 2, 3], [0, 1, 1]), traj([4, 5, 6], [0, 1, 1], group="h")], [0.0, 0.0]), 64
     )
     v = Varlen.of(mb)
     R, S = mb.input_ids_RS.shape
@@ -473,7 +472,7 @@ def test_the_learner_trains_with_varlen_as_with_the_mask(monkeypatch, reference_
                 LossConfig(kl_coef=0.05),
                 temperature=0.7,
             )
-        metrics[setting] = learner.train_step(trajs, adv)
+        metrics[setting] = learner.train_step(rows(trajs, adv))
         learners[setting] = learner
         weights[setting] = {n: p.detach().clone() for n, p in learner.unwrapped.named_parameters()}
     varlen = learners["varlen"]

@@ -245,6 +245,7 @@ def _train(out, model_dir, steps, *extra):
             f"train.steps={steps}",
             f"model.path={model_dir}",
             "env.name=tests.test_checkpoint:VariedRewardEnv",
+            "env.audit.reward_hacks=skip",  # a toy verifier: not what this tests
             "rollout.group_size=2",
             "rollout.tasks_per_step=2",
             "rollout.max_new_tokens=12",

@@ -30,9 +30,10 @@ def test_shaped_rewards_count_tokens_after_the_prompt_and_keep_nan():
         traj([1] * (5 + n), [0] * 5 + [1] * n, reward=r)
         for n, r in ((10, 1.0), (18, 1.0), (18, NAN))
     ]
-    got = shaped_rewards(trajs, ShapingConfig(overlong_buffer_len=4), max_tokens=20)
+    rewards = [t.reward for t in trajs]  # the trajectories' scores
+    got = shaped_rewards(trajs, rewards, ShapingConfig(overlong_buffer_len=4), max_tokens=20)
     assert got[:2].tolist() == pytest.approx([1.0, 0.5]) and math.isnan(got[2])
-    assert shaped_rewards(trajs, ShapingConfig(), max_tokens=20)[:2].tolist() == [1.0, 1.0]
+    assert shaped_rewards(trajs, rewards, ShapingConfig(), max_tokens=20)[:2].tolist() == [1.0, 1.0]
 
 
 def test_overlong_penalty_hand_computed():

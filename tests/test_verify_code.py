@@ -314,6 +314,7 @@ def test_code_verifier(sb):
     assert asyncio.run(CodeVerifier(sandbox=sb, all_or_nothing=True)(t, task)) == 0.0
     io_task = Task(id="io", prompt="p", metadata={"tests": [{"stdin": "", "expected": "hi"}]})
     msgs[-1] = Message(role="assistant", content="```python\nprint('hi')\n```")
+    t = Trajectory("add", [1], [0], [0.0], 1, msgs, StopReason.COMPLETED)  # a record is frozen
     assert asyncio.run(v(t, io_task)) == 1.0
     with pytest.raises(ValueError, match="metadata"):
         CodeVerifier.tests_of(Task(id="x", prompt="p"))

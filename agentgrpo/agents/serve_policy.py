@@ -7,9 +7,9 @@ process or language.
 
 MODEL_DIR gives the tokenizer and chat template (with --sglang, the servers must serve the same
 model). The episode API: `POST /episodes` starts one (`{"id"?, "seed"?}`; answers its `base_url`
-for the OpenAI client), `GET /episodes/<id>/trajectory` returns its calls as one token-exact
-trajectory (`Trajectory.to_dict()`), `POST /episodes/<id>/reward` gives it a reward, `DELETE
-/episodes/<id>` forgets it. See docs/agents.md.
+for OpenAI's clients and `anthropic_base_url` for Anthropic's), `GET /episodes/<id>/trajectory`
+returns its calls as one token-exact trajectory (`Trajectory.to_dict()`), `POST
+/episodes/<id>/reward` gives it a reward, `DELETE /episodes/<id>` forgets it. See docs/agents.md.
 """
 
 from __future__ import annotations
@@ -18,13 +18,13 @@ import argparse
 import asyncio
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from agentgrpo.agents.endpoint import EndpointEpisode, PolicyEndpoint, is_loopback
 from agentgrpo.chat.format import ChatFormat
 from agentgrpo.engine.base import SamplingParams, wait_ready
 from agentgrpo.engine.sglang.client import SGLangEngine
-from agentgrpo.rollout.episode import turn_seed
 
 TOKEN_ENV = "AGENTGRPO_POLICY_TOKEN"
 
@@ -120,10 +120,10 @@ def main(argv: list[str] | None = None) -> int:
             id=eid,
             engine=engine,
             chat=chat,
-            params=params,
+            # the episode's session: several --sglang servers keep it on one (its prefix cache)
+            params=replace(params, session_id=eid),
             context_len=context_len,
             seed=seed,
-            seed_of=turn_seed,
             max_calls=args.max_calls,
             max_tokens=args.max_tokens,
         )

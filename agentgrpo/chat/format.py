@@ -24,8 +24,9 @@ sampled. This module is the one place that turns messages into ids and sampled i
   tokens and the sampled one stays), or with none of its own, the turn ending where the next
   message's role token starts (GLM-4.5: the model stops on `<|observation|>` or `<|user|>`, which
   the suffix then does not render again; `turn_end_opens_next`). A template that wants tool-call
-  arguments as a JSON string (DeepSeek-V3) gets them so (`string_arguments`); both are found by
-  probe renders at construction, never by the template's name.
+  arguments as a JSON string (DeepSeek-V3) gets them so (`string_arguments`); these, and the
+  end-of-turn tokens themselves, are found by probe renders at construction, never by the
+  template's name.
 - `ChatFormat.truncate(text, max_tokens)`: tool output cut to a token budget, with a marker.
 - Message content is data, never control: a special token's text inside a message (a tool printing
   `<|im_end|>\n<|im_start|>assistant`, a task copied from a chat log) is tokenized as plain text,
@@ -68,7 +69,7 @@ from agentgrpo.chat.parsers import (
     parse_hermes,
     parse_llama3_json,
 )
-from agentgrpo.types import Message
+from agentgrpo.types import Message, ToolCall
 
 __all__ = [
     "HERMES_CHATML_TEMPLATE",
@@ -127,6 +128,15 @@ HERMES_CHATML_TEMPLATE = (
 
 
 FAST_RENDER_CHECKS = 64  # renders per ChatFormat compared with apply_chat_template (see render)
+# The tool the end-of-turn probe calls (`ChatFormat._detected_end_of_turns`).
+_PROBE_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "probe",
+        "description": "A probe.",
+        "parameters": {"type": "object", "properties": {"value": {"type": "string"}}},
+    },
+}
 
 
 def _compiled_renderer(template: str, tokenizer: Any, template_kwargs: dict[str, Any]) -> Any:
@@ -262,9 +272,11 @@ class ChatFormat:
             format the template renders (`detect_parser`), Hermes where it shows none it knows.
             `self.parser_name` is the parser chosen.
         end_of_turn: the token that ends an assistant turn, or several (GPT-OSS ends a turn with
-            `<|call|>` after a tool call and `<|return|>` after an answer); default the tokenizer's
-            EOS token. Every one is a stop token, and whichever the model sampled stays the last
-            id of its turn. `self.end_of_turn` / `self.end_of_turn_id` are the first.
+            `<|call|>` after a tool call and `<|return|>` after an answer); default the ones the
+            template renders (found by probe renders, `_detected_end_of_turns`), else the
+            tokenizer's EOS token. Every one is a stop token, and whichever the model sampled
+            stays the last id of its turn. `self.end_of_turn` / `self.end_of_turn_id` are the
+            first.
             A template may render an assistant turn with no end token of its own, the next message
             beginning with its role token (GLM-4.5: `<|observation|>`, `<|user|>`); those role
             tokens are then the end-of-turn tokens, and the one the model sampled is the start of
@@ -328,27 +340,8 @@ class ChatFormat:
             )
         self.trajectory_mode: TrajectoryMode = trajectory_mode
         self.template_kwargs: dict[str, Any] = dict(template_kwargs or {})
-        eots = [end_of_turn] if isinstance(end_of_turn, str) else list(end_of_turn or [])
-        eots = eots or [tokenizer.eos_token]
-        if None in eots or not all(eots):
-            raise ValueError("the tokenizer has no EOS token: pass end_of_turn= explicitly")
-        eot_ids = []
-        for eot in eots:
-            (eot_id,) = tokenizer.convert_tokens_to_ids([eot]) or [None]
-            if eot_id is None or eot_id == tokenizer.unk_token_id:
-                raise ValueError(
-                    f"end-of-turn token {eot!r} is not a single token of this tokenizer"
-                )
-            eot_ids.append(eot_id)
         self._fast = _compiled_renderer(self.template, tokenizer, self.template_kwargs)
         self._fast_checks_left = FAST_RENDER_CHECKS
-        self.end_of_turns: tuple[str, ...] = tuple(eots)
-        self.end_of_turn_ids: tuple[int, ...] = tuple(eot_ids)
-        self.end_of_turn, self.end_of_turn_id = eots[0], eot_ids[0]
-        stops = set(self.end_of_turn_ids)
-        if tokenizer.eos_token_id is not None:
-            stops.add(tokenizer.eos_token_id)
-        self.stop_token_ids: tuple[int, ...] = tuple(sorted(stops))
         decoder = getattr(tokenizer, "added_tokens_decoder", {}) or {}
         specials = {t.content for t in decoder.values() if getattr(t, "special", False)}
         specials = {
@@ -368,7 +361,66 @@ class ChatFormat:
             else None
         )
         self.string_arguments = self._wants_string_arguments()
+        self._set_end_of_turns(end_of_turn)
         self.turn_end_opens_next = self._turn_end_opens_next()
+
+    def _set_end_of_turns(self, end_of_turn: str | Sequence[str] | None) -> None:
+        """`end_of_turns`, their ids and the stop ids: `end_of_turn` where given, else the tokens
+        the template ends an assistant turn with (`_detected_end_of_turns`), else the EOS token."""
+        tokenizer = self.tokenizer
+        eots = [end_of_turn] if isinstance(end_of_turn, str) else list(end_of_turn or [])
+        eots = eots or self._detected_end_of_turns() or [tokenizer.eos_token]
+        if None in eots or not all(eots):
+            raise ValueError("the tokenizer has no EOS token: pass end_of_turn= explicitly")
+        eot_ids = []
+        for eot in eots:
+            (eot_id,) = tokenizer.convert_tokens_to_ids([eot]) or [None]
+            if eot_id is None or eot_id == tokenizer.unk_token_id:
+                raise ValueError(
+                    f"end-of-turn token {eot!r} is not a single token of this tokenizer"
+                )
+            eot_ids.append(eot_id)
+        self.end_of_turns: tuple[str, ...] = tuple(eots)
+        self.end_of_turn_ids: tuple[int, ...] = tuple(eot_ids)
+        self.end_of_turn, self.end_of_turn_id = eots[0], eot_ids[0]
+        stops = set(self.end_of_turn_ids)
+        if tokenizer.eos_token_id is not None:
+            stops.add(tokenizer.eos_token_id)
+        self.stop_token_ids: tuple[int, ...] = tuple(sorted(stops))
+
+    def _detected_end_of_turns(self) -> list[str]:
+        """The special tokens this template ends an assistant turn with, after a tool call first,
+        then after an answer (GPT-OSS: `<|call|>`, `<|return|>`), found by probe renders: the last
+        special token rendered after the turn's text, or where the template renders none (GLM-4.5)
+        the one that opens the next message (a tool result after a call, a user message after an
+        answer: `<|observation|>`, `<|user|>`). Empty where the probes find none."""
+        if self._special_text is None:
+            return []
+        user = {"role": "user", "content": "Hi"}
+        call = ToolCall(id="call_0", name="probe", arguments={"value": "agentgrpo_probe_value"})
+        probes = [
+            (Message(role="assistant", content="", tool_calls=[call]), "agentgrpo_probe_value"),
+            (Message(role="assistant", content="agentgrpo probe answer"), "agentgrpo probe answer"),
+        ]
+        nexts = [
+            {"role": "tool", "tool_call_id": "call_0", "content": "Hi"},
+            {"role": "user", "content": "Hi"},
+        ]
+        found: list[str] = []
+        for (message, mark), follow in zip(probes, nexts, strict=True):
+            chat = [user, self._template_dict(message)]
+            try:
+                text = self._render_dicts(chat, [_PROBE_TOOL], False)
+                at = text.rfind(mark)
+                ends = [m.group() for m in self._special_text.finditer(text, max(at, 0))]
+                if at >= 0 and not ends:
+                    rest = self._render_dicts([*chat, follow], [_PROBE_TOOL], False)[len(text) :]
+                    opens = self._special_text.match(rest.lstrip())
+                    ends = [opens.group()] if opens else []
+            except TemplateError:  # a template without tool calls refuses the probe call
+                continue
+            found += [] if at < 0 or not ends or ends[-1] in found else [ends[-1]]
+        return found
 
     def _wants_string_arguments(self) -> bool:
         """Whether the template takes a tool call's `arguments` as a JSON string rather than an

@@ -25,8 +25,8 @@ Example:
     result = rubric.score(trajectory, task)          # from sync code (no running event loop)
 
 In training, declare it on the environment (`rubric = Rubric([...])` on an `Env`): `run_group` then
-scores each finished group with `score_group`, which sets every trajectory's `reward` and
-`reward_parts`.
+scores each finished group with `score_group`, which makes every trajectory's `Score` (its reward,
+the verifiers' parts, the notes), a record of its own joined to the trajectory by id.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from agentgrpo.env.tool import to_user_thread
-from agentgrpo.types import Task, Trajectory
+from agentgrpo.types import Score, Task, Trajectory
 
 
 @dataclass(frozen=True)
@@ -250,14 +250,11 @@ class Rubric:
 def env_reward(trajectory: Trajectory, task: Task) -> float:
     """Verifier: the rewards the env's `step` returned, summed over the episode.
 
-    When an env has a rubric, the rubric's sum is the reward and the env's own is kept aside in
-    `trajectory.env_reward`; list this verifier in the rubric to count it, with a weight.
+    When an env has a rubric, the rubric's sum is the reward and the env's own is kept aside
+    (`Trajectory.reward`, `Score.env_reward`); list this verifier in the rubric to count it, with a
+    weight.
     """
-    if trajectory.env_reward is None:
-        raise ValueError(
-            "trajectory.env_reward is not set: run_group records it for envs with a rubric"
-        )
-    return float(trajectory.env_reward)
+    return float(trajectory.reward)
 
 
 async def score_group(
@@ -267,19 +264,20 @@ async def score_group(
     *,
     tool_error_penalty: float = 0.0,
     deadline: float | None = None,
-) -> None:
-    """Score the finished trajectories of one group with `rubric`, in place.
+) -> list[Score]:
+    """The scores of the finished trajectories of one group under `rubric`, one per trajectory.
 
-    Sets `reward` = the rubric's weighted sum minus `tool_error_penalty` per tool error (the
-    rollout's penalty applies whatever scores the episode), `reward_parts` = each verifier's score,
-    and `reward_detail` = the rubric's notes. The rubric replaces the env's own reward, as
-    in willccbb/verifiers, where the rubric alone scores a rollout: one place defines the reward,
-    and the env's own stays visible in `env_reward` and countable through `env_reward`.
-    `group_hook` sees all of `trajectories` (pass the group's scorable ones: infrastructure
-    failures are NaN already and left out of the group statistics anyway).
+    `Score.reward` = the rubric's weighted sum minus `tool_error_penalty` per tool error (the
+    rollout's penalty applies whatever scores the episode), `parts` = each verifier's score,
+    `detail` = the rubric's notes, and `env_reward` = the trajectory's own reward. The rubric
+    replaces the env's own reward, as in willccbb/verifiers, where the rubric alone scores a
+    rollout: one place defines the reward, and the env's own stays visible in `env_reward` and
+    countable through the `env_reward` verifier. `group_hook` sees all of `trajectories` (pass the
+    group's scorable ones: infrastructure failures are NaN already and left out of the group
+    statistics anyway).
 
     An unscorable result (a verifier raised or returned NaN, or the absolute `time.monotonic()`
-    `deadline` passed while scoring) gives reward NaN, never 0, and says why in `stop_detail`.
+    `deadline` passed while scoring) gives reward NaN, never 0, and says why in `detail`.
     """
     wait = None if deadline is None else max(0.0, deadline - time.monotonic())
     try:
@@ -291,13 +289,12 @@ async def score_group(
             VerifierResult(math.nan, "the step deadline expired while the rubric scored the group")
             for _ in trajectories
         ]
+    scores = []
     for t, r in zip(trajectories, results, strict=True):
-        t.reward_parts = dict(r.parts)
-        t.reward_detail = r.detail
+        reward, detail = r.score - tool_error_penalty * t.tool_errors, r.detail
         if math.isnan(r.score):
             nan_parts = [name for name, v in r.parts.items() if math.isnan(v)]
             why = r.detail or ("NaN from " + ", ".join(nan_parts) if nan_parts else "NaN score")
-            t.reward = math.nan
-            t.stop_detail = "; ".join(x for x in (t.stop_detail, f"unscorable: {why}") if x)
-        else:
-            t.reward = r.score - tool_error_penalty * t.tool_errors
+            reward, detail = math.nan, f"unscorable: {why}"
+        scores.append(Score(t.id, reward, r.parts, detail, env_reward=t.reward))
+    return scores

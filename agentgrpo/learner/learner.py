@@ -4,20 +4,19 @@ torch + accelerate: the same code runs on one CPU, one GPU, or under `accelerate
 DeepSpeed through accelerate's config). Memory holds the policy and, only when `kl_coef > 0`, a
 frozen reference (with LoRA: the same weights with the adapter disabled); no value model.
 
-One `train_step(trajectories, advantages)`:
-  1. scorable trajectories only (NaN advantage or reward, or no sampled token: left out); a
-     step-wise trajectory becomes one row per segment, each with its advantage (`segment_rows`);
-  2. split into `mini_batches` mini-batches of whole groups (`batch.balanced_parts`), each one
+One `train_step(rows)`, on the step's `TrainingRow`s (`batch.training_rows`: a row per segment
+with a sampled token of each trajectory that has an advantage; a dropped trajectory has none):
+  1. split into `mini_batches` mini-batches of whole groups (`batch.balanced_parts`), each one
      optimizer step that is exactly a step of its own size: its normalisers (loss tokens, sequences)
      are counted over the whole mini-batch, on every rank alike, so each micro-batch's loss is its
      share of the mini-batch loss: accumulated gradients equal one big batch, on one process or
      many (DDP/FSDP average over ranks, so each share is scaled by the world size before backward);
-  3. this rank's part of each mini-batch (`balanced_parts` again) is packed into micro-batches
+  2. this rank's part of each mini-batch (`balanced_parts` again) is packed into micro-batches
      (`batch.make_micro_batches`); in every mini-batch every rank runs the same number of
      micro-batches (a rank with fewer runs empty ones), since DDP and FSDP passes are collective;
-  4. one no-grad scoring pass when needed, before any update: recomputed old logprobs
+  3. one no-grad scoring pass when needed, before any update: recomputed old logprobs
      (`old_logprobs: recompute`) and reference logprobs (`kl_coef > 0`), for all mini-batches;
-  5. `passes` passes, each over every mini-batch in turn, one optimizer step (clip, step,
+  4. `passes` passes, each over every mini-batch in turn, one optimizer step (clip, step,
      schedule) per mini-batch (verl's `ppo_epochs` x mini-batches loop): `passes * mini_batches`.
 So with rollout old logprobs a step of k mini-batches is k steps of one, on the k parts; later
 mini-batches are off-policy by the earlier updates, which the ratio and its clip handle (`mb{j}/*`).
@@ -65,7 +64,6 @@ from agentgrpo.learner.batch import (
     attention_pair_cost,
     balanced_parts,
     make_micro_batches,
-    segment_rows,
 )
 from agentgrpo.learner.dist import check_launch, shard_reference, total_norm
 from agentgrpo.learner.logprobs import (
@@ -81,7 +79,7 @@ from agentgrpo.learner.logprobs import (
 from agentgrpo.learner.lora import LoraConfig, MergedModel, apply_lora, merged_state_dict
 from agentgrpo.learner.metrics import Metrics, over_ranks, step_metrics
 from agentgrpo.models.hardware import choose_bf16
-from agentgrpo.types import Trajectory
+from agentgrpo.types import TrainingRow
 
 __all__ = ["Learner", "LearnerConfig", "token_logprobs"]
 
@@ -254,7 +252,7 @@ class Learner:
 
     Example:
         >>> learner = Learner(model, LearnerConfig(lr=1e-6), LossConfig(), temperature=1.0)
-        >>> metrics = learner.train_step(trajectories, advantages)
+        >>> metrics = learner.train_step(training_rows(trajectories, advantages))
         >>> await sync.push(learner.export_model(), step)   # merged weights with LoRA
     """
 
@@ -476,38 +474,23 @@ class Learner:
 
     # -- one step ----------------------------------------------------------------------------------
 
-    def train_step(
-        self, trajs: Sequence[Trajectory], advantages: Sequence[float]
-    ) -> dict[str, float]:
-        """Optimisation passes on the scorable trajectories of one step; returns metrics.
-
-        `advantages[i]` weighs every sampled token of `trajs[i]`, unless the trajectory holds
-        `turn_advantages` (a turn-level estimator): then each turn's tokens get their turn's.
-        A NaN advantage leaves the trajectory out."""
+    def train_step(self, rows: Sequence[TrainingRow]) -> dict[str, float]:
+        """Optimisation passes on one step's training rows (`batch.training_rows`: the segments
+        of the trajectories trained on, each with its advantage); returns metrics. A step without
+        rows skips the update."""
         with tf32_matmuls(self.tf32):
-            return self._train_step(trajs, advantages)
+            return self._train_step(rows)
 
-    def _train_step(
-        self, trajs: Sequence[Trajectory], advantages: Sequence[float]
-    ) -> dict[str, float]:
-        keep = [
-            i
-            for i, t in enumerate(trajs)
-            if t.num_sampled > 0 and math.isfinite(advantages[i]) and math.isfinite(t.reward)
-        ]
-        # a step-wise trajectory trains as one row per segment (docs/learner.md: the weighting)
-        trajs, advantages = segment_rows(
-            [trajs[i] for i in keep], [float(advantages[i]) for i in keep]
-        )
-        if not trajs:
+    def _train_step(self, rows: Sequence[TrainingRow]) -> dict[str, float]:
+        if not rows:
             return {"loss": 0.0, "skipped": 1.0}
         t0 = time.perf_counter()
         acc = self.accelerator
         if acc.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(acc.device)
         packed_mini_batches = [
-            self._pack([trajs[i] for i in part], [advantages[i] for i in part])
-            for part in balanced_parts(trajs, self.cfg.mini_batches)
+            self._pack([rows[i] for i in part])
+            for part in balanced_parts(rows, self.cfg.mini_batches)
         ]
         for mini_batch, n in zip(
             packed_mini_batches,
@@ -546,7 +529,7 @@ class Learner:
         real = sum(b.num_real_tokens for b in batches if b is not None)
         slots = sum(b.num_tokens for b in batches if b is not None)
         out.update(
-            train_tokens=float(sum(len(t.token_ids) for t in trajs)),
+            train_tokens=float(sum(len(r.token_ids) for r in rows)),
             packed_tokens=float(real),
             padding_frac=1 - real / max(slots, 1),
             micro_batches=float(len(batches)),
@@ -558,17 +541,15 @@ class Learner:
         )
         return out
 
-    def _pack(self, trajs: list[Trajectory], advantages: list[float]) -> _MiniBatch:
+    def _pack(self, rows: list[TrainingRow]) -> _MiniBatch:
         """One mini-batch as a step of its size: normalisers over all ranks, this rank's shard
         packed."""
         acc = self.accelerator
-        idx = balanced_parts(trajs, acc.num_processes, exactly_k=True)[acc.process_index]
-        mine, adv = [trajs[i] for i in idx], [advantages[i] for i in idx]
+        idx = balanced_parts(rows, acc.num_processes, exactly_k=True)[acc.process_index]
         batches: list[TrainBatch | None] = [
             b.to(acc.device)
             for b in make_micro_batches(
-                mine,
-                adv,
+                [rows[i] for i in idx],
                 self.cfg.micro_batch_tokens,
                 self.pad_id,
                 mode=self.packing,
@@ -577,7 +558,7 @@ class Learner:
                 pair_cost=self.pair_cost,
             )
         ]
-        return _MiniBatch(batches, float(sum(t.num_sampled for t in trajs)), float(len(trajs)))
+        return _MiniBatch(batches, float(sum(r.num_sampled for r in rows)), float(len(rows)))
 
     def _score(self, packed_mini_batches: list[_MiniBatch]) -> None:
         """No-grad pass before any update (later mini-batches are then off-policy, as they should

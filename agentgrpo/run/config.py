@@ -24,6 +24,7 @@ from agentgrpo.algo.loss import LossConfig
 from agentgrpo.algo.shaping import ShapingConfig
 from agentgrpo.chat.format import ChatFormat
 from agentgrpo.chat.shipped import load_template
+from agentgrpo.checks.reward_audit import AuditConfig
 from agentgrpo.engine.config import EngineConfig
 from agentgrpo.engine.weight_sync import WeightSyncConfig
 from agentgrpo.env.base import Env, get_env_class, tasks_from_file
@@ -56,9 +57,10 @@ class ModelConfig(BaseModel):
     )
     end_of_turn: list[str] | None = Field(
         None,
-        description="the tokens that end an assistant turn, all of them stop tokens; None = the "
-        "tokenizer's EOS. GPT-OSS: [<|call|>, <|return|>]; GLM-4.5: [<|observation|>, <|user|>] "
-        "(its turn ends at the next message's role token)",
+        description="the tokens that end an assistant turn, all of them stop tokens; None = "
+        "detected from the chat template (GPT-OSS: [<|call|>, <|return|>]; GLM-4.5: "
+        "[<|observation|>, <|user|>], its turn ending at the next message's role token), else "
+        "the tokenizer's EOS. Given, they override the detection",
     )
 
 
@@ -68,6 +70,11 @@ class EnvConfig(BaseModel):
     name: str = Field("calculator", description="registered env name or module:Class")
     kwargs: dict[str, Any] = Field(default_factory=dict, description="env constructor arguments")
     tasks: dict[str, Any] = Field(default_factory=dict, description="arguments of Env.load_tasks")
+    audit: AuditConfig = Field(
+        default_factory=AuditConfig,
+        description="the verifier audits: known reward hacks at start-up, flaky verdicts in "
+        "training (agentgrpo.checks.reward_audit)",
+    )
 
     def env_class(self) -> type[Env]:
         """The class `name` names; a name that names none is a ConfigError (env.name)."""

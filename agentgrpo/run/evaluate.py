@@ -56,7 +56,7 @@ from agentgrpo.rollout.episode import EnvRoute, RolloutConfig, collect, rollout_
 from agentgrpo.run import checkpoint
 from agentgrpo.run.config import ConfigError, EvalConfig, RunConfig
 from agentgrpo.run.log import RunLogger
-from agentgrpo.types import Group, Task, Trajectory
+from agentgrpo.types import Group, Score, Task, Trajectory
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -78,7 +78,7 @@ def eval_metrics(
     """Reward, pass@k, tool and error statistics of evaluated groups (one group per task): the
     training steps' `rollout_metrics`, plus success rate, tool error rate and pass@k."""
     trajs: list[Trajectory] = [t for g in groups for t in g.trajectories]
-    scored = [t.reward for t in trajs if not math.isnan(t.reward)]
+    scored = [r for g in groups for r in g.rewards if not math.isnan(r)]
     calls = sum(t.tool_calls for t in trajs)
     out: dict[str, float] = {
         "tasks": float(len(groups)),
@@ -89,7 +89,7 @@ def eval_metrics(
     for k in pass_k:
         per_task = []
         for g in groups:
-            rewards = [t.reward for t in g.trajectories if not math.isnan(t.reward)]
+            rewards = [r for r in g.rewards if not math.isnan(r)]
             if len(rewards) >= k:
                 per_task.append(
                     pass_at_k(len(rewards), sum(r >= success_threshold for r in rewards), k)
@@ -116,11 +116,12 @@ async def evaluate(
     *,
     seed: int = 0,
     context_len: int | None = None,
-    on_done: Callable[[Trajectory], None] | None = None,
+    on_done: Callable[[Trajectory, Score], None] | None = None,
     route: EnvRoute | None = None,
 ) -> EvalResult:
     """Sample `cfg.samples_per_task` trajectories per task and compute the metrics (`route`: each
-    task's env and limits, for a mixture)."""
+    task's env and limits, for a mixture). Task i's group has the seeds of draw i under `seed`
+    (`agentgrpo.rollout.seeds.episode_seed`)."""
     sampling = rollout.model_copy(
         update={"group_size": cfg.samples_per_task, "step_timeout_s": None}
     )
@@ -307,10 +308,9 @@ def run_eval(cfg: RunConfig, *, engine: Engine | None = None) -> tuple[Path, Eva
                 "task_id": g.task.id,
                 "group_id": g.group_id,
                 "passed": sum(
-                    not math.isnan(t.reward) and t.reward >= cfg.eval.success_threshold
-                    for t in g.trajectories
+                    not math.isnan(r) and r >= cfg.eval.success_threshold for r in g.rewards
                 ),
-                "scored": sum(not math.isnan(t.reward) for t in g.trajectories),
+                "scored": sum(not math.isnan(r) for r in g.rewards),
             }
             for g in result.groups
         ],

@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from agentgrpo.checks.reward_audit import recheck_step
 from agentgrpo.env.base import Env
 from agentgrpo.rollout.episode import EpisodeLimits, RolloutConfig, rollout_metrics
 from agentgrpo.run.config import ConfigError, MixtureEntry, RunConfig
@@ -133,6 +134,22 @@ class Mixture:
     def eval_tasks(self, per_env: int | None) -> list[Task]:
         """The first `per_env` evaluation tasks of each env (all: None), env after env."""
         return [t for s in self.sources.values() for t in s.eval[:per_env]]
+
+    async def recheck_step(self, groups: Sequence[Group], *, seed: int) -> tuple[list[Group], int]:
+        """`recheck_step` env by env: each env's groups with its rubric and `audit` settings, in
+        their order; returns the groups (flaky ones made unscorable) and how many were flaky."""
+        out, flaky = list(groups), 0
+        for label, s in self.sources.items():
+            mine = [i for i, g in enumerate(groups) if self.source(g.task).label == label]
+            if not mine:
+                continue
+            checked, n = await recheck_step(
+                [groups[i] for i in mine], s.make_env, s.entry.audit, seed=seed
+            )
+            for i, g in zip(mine, checked, strict=True):
+                out[i] = g
+            flaky += n
+        return out, flaky
 
     def metrics(self, groups: Sequence[Group], prefix: str = "") -> dict[str, float]:
         """Every rollout metric of each env's groups, as `env/<label>/<prefix><metric>`."""

@@ -397,8 +397,9 @@ def _traj_html(row: dict[str, Any], table: dict[int, str], max_tokens: int) -> s
         f'<span class="{rcls}">reward <b>{e(rtext)}</b></span>',
         f'<span class="stop">{e(stop)}</span>',
     ]
-    if row.get("stop_detail"):
-        fields.append(f'<span class="detail">{e(str(row["stop_detail"]))}</span>')
+    for key in ("stop_detail", "reward_detail"):  # why it ended; the rubric's notes, why unscorable
+        if row.get(key):
+            fields.append(f'<span class="detail">{e(str(row[key]))}</span>')
     fields += [
         f"turns {e(str(row.get('num_turns', '?')))}",
         f"tool calls {e(str(row.get('tool_calls', '?')))} "

@@ -28,12 +28,14 @@ from agentgrpo.algo.shaping import (
 )
 from agentgrpo.chat.format import ChatFormat
 from agentgrpo.checks.env_check import check_env_at_start
+from agentgrpo.checks.reward_audit import audit_at_start, recheck_step
 from agentgrpo.checks.template_audit import require_token_safe
 from agentgrpo.engine.base import Engine, close_all, wait_ready
 from agentgrpo.engine.config import build_engine
 from agentgrpo.engine.weight_sync import WeightSync
 from agentgrpo.env.base import Env
 from agentgrpo.learner.attention import AttentionUnavailable
+from agentgrpo.learner.batch import training_rows
 from agentgrpo.learner.learner import Learner
 from agentgrpo.models import embedded as models
 from agentgrpo.models.hardware import Precision, configure_cpu_threads, share_cpu
@@ -52,7 +54,7 @@ from agentgrpo.run.overlap import (
 )
 from agentgrpo.run.pipeline import StalenessPipeline, Ticket
 from agentgrpo.run.report import write_report
-from agentgrpo.types import Group, Task, Trajectory
+from agentgrpo.types import Advantage, Group, Score, Task, Trajectory
 
 
 def seed_everything(seed: int) -> None:
@@ -118,26 +120,32 @@ async def collect_step(
     engine: Engine,
     chat: ChatFormat,
     stream: TaskStream,
-    step: int,
     context_len: int | None,
-    on_done: Callable[[Trajectory], None] | None = None,
+    on_done: Callable[[Trajectory, Score], None] | None = None,
     route: EnvRoute | None = None,
 ) -> Rollouts:
     """The step's groups. With dynamic sampling, groups whose rewards are all equal (no learning
-    signal) are dropped and more tasks are sampled, at most `max_extra_rounds` times. `route`:
-    each task's env and limits (a mixture)."""
-    t0, seed = time.perf_counter(), cfg.seed * 100_003 + step * 101
-    groups = await collect(
-        make_env,
-        engine,
-        chat,
-        stream.take(cfg.rollout.tasks_per_step),
-        cfg.rollout,
-        seed=seed,
-        context_len=context_len,
-        on_done=on_done,
-        route=route,
-    )
+    signal) are dropped and more tasks are sampled, at most `max_extra_rounds` times. A group's
+    seeds follow from its position in the task stream (`episode_seed`). `route`: each task's env
+    and limits (a mixture)."""
+    t0 = time.perf_counter()
+
+    async def draw(n: int) -> list[Group]:
+        positions = [stream.next_position() for _ in range(n)]
+        return await collect(
+            make_env,
+            engine,
+            chat,
+            [stream.task_at(p) for p in positions],
+            cfg.rollout,
+            seed=cfg.seed,
+            draws=positions,
+            context_len=context_len,
+            on_done=on_done,
+            route=route,
+        )
+
+    groups = await draw(cfg.rollout.tasks_per_step)
     stats = {"groups_sampled": float(len(groups))}
     if not cfg.shaping.dynamic_sampling:
         stats["rollout_s"] = time.perf_counter() - t0
@@ -146,17 +154,7 @@ async def collect_step(
     rounds = 0
     while len(kept) < cfg.rollout.tasks_per_step and rounds < cfg.shaping.max_extra_rounds:
         rounds += 1
-        more = await collect(
-            make_env,
-            engine,
-            chat,
-            stream.take(cfg.rollout.tasks_per_step - len(kept)),
-            cfg.rollout,
-            seed=seed + rounds,
-            context_len=context_len,
-            on_done=on_done,
-            route=route,
-        )
+        more = await draw(cfg.rollout.tasks_per_step - len(kept))
         stats["groups_sampled"] += len(more)
         kept += [g for g, ok in zip(more, keep_informative_groups([g.rewards for g in more])) if ok]
     stats.update(
@@ -194,6 +192,7 @@ def start_pipeline(run: Run) -> StalenessPipeline[Group]:
         run.engine,
         run.chat,
         cfg.rollout,
+        seed=cfg.seed,
         context_len=run.context_len,
         on_done=run.progress.rollout_done,
         route=run.route,
@@ -201,12 +200,10 @@ def start_pipeline(run: Run) -> StalenessPipeline[Group]:
 
     async def produce(ticket: Ticket[Group]) -> Group:
         task = run.stream.task_at(ticket.position)
-        env_seed = cfg.seed * 100_003 + ticket.position
         timeout = cfg.rollout.step_timeout_s  # per group, from its start
         return await sampler.group(
             task,
-            env_seed=env_seed,
-            sampling_seed=env_seed * 1_000_003,
+            draw=ticket.position,
             group_id=f"p{ticket.position}:{task.id}",
             deadline=None if timeout is None else time.monotonic() + timeout,
         )
@@ -229,13 +226,17 @@ def start_pipeline(run: Run) -> StalenessPipeline[Group]:
     return pipeline
 
 
-def assign_advantages(trajs: Sequence[Trajectory], cfg: RunConfig) -> None:
-    """Each trajectory's advantage, from its group's shaped rewards (`Trajectory.advantage`; None
-    for one not trained on: unscorable, or cut and `shaping.mask_truncated`). A turn-level
-    estimator also sets `Trajectory.turn_advantages` from the env's turn rewards; `advantage` is
+def assign_advantages(groups: Sequence[Group], cfg: RunConfig) -> dict[str, Advantage]:
+    """The step's advantages by trajectory id, from each group's shaped scores. A trajectory not
+    trained on (unscorable, or cut and `shaping.mask_truncated`) has none. A turn-level estimator
+    adds one advantage per turn from the env's turn rewards (`Advantage.per_turn`); `value` is
     then its outcome term (grpo)."""
+    scored = [(t, g.score(t).reward) for g in groups for t in g.trajectories]
+    trajs = [t for t, _ in scored]
+    if len({t.id for t in trajs}) < len(trajs):
+        raise ValueError("trajectory ids repeat across the step's groups: advantages join by id")
     a, group_ids = cfg.advantage, [t.group_id for t in trajs]
-    rewards_B = shaped_rewards(trajs, cfg.shaping, cfg.rollout.max_tokens)
+    rewards_B = shaped_rewards(trajs, [r for _, r in scored], cfg.shaping, cfg.rollout.max_tokens)
     turn_level = is_turn_level(a.estimator)
     advantages_B = compute_advantages(
         rewards_B,
@@ -259,9 +260,11 @@ def assign_advantages(trajs: Sequence[Trajectory], cfg: RunConfig) -> None:
     )
     if cfg.shaping.mask_truncated:  # truncated rows still counted in their group's statistics
         advantages_B[truncated_rows([t.stop_reason for t in trajs])] = float("nan")
-    for t, adv, turns in zip(trajs, advantages_B.tolist(), per_turn, strict=True):
-        t.advantage = None if math.isnan(adv) or math.isnan(t.reward) else adv
-        t.turn_advantages = None if t.advantage is None else turns
+    return {
+        t.id: Advantage(t.id, adv, turns)
+        for (t, reward), adv, turns in zip(scored, advantages_B.tolist(), per_turn, strict=True)
+        if not (math.isnan(adv) or math.isnan(reward))
+    }
 
 
 def policy_lag(trajs: Sequence[Trajectory], version: int) -> float:
@@ -331,7 +334,6 @@ class Run:
             self.engine,
             self.chat,
             self.stream,
-            step,
             self.context_len,
             self.progress.rollout_done,
             self.route,
@@ -390,13 +392,18 @@ def run_step(run: Run, step: int) -> bool:
             if run.prefetched
             else run.loop.run_until_complete(run.collect(step))
         )
+        recheck = (
+            run.mixture.recheck_step(rollouts.groups, seed=cfg.seed + step)
+            if run.mixture
+            else recheck_step(rollouts.groups, run.make_env, cfg.env.audit, seed=cfg.seed + step)
+        )
+        rollouts.groups, flaky = run.loop.run_until_complete(recheck)  # flaky groups made NaN
+        rollouts.metrics["flaky_groups"] = float(flaky)
     rollouts = learner.broadcast(rollouts)  # every rank trains on rank 0's rollouts
     run.prefetched, done = None, step + 1
     trajs = rollouts.trajectories
-    assign_advantages(trajs, cfg)
-    update = functools.partial(
-        learner.train_step, trajs, [math.nan if t.advantage is None else t.advantage for t in trajs]
-    )
+    advantages = assign_advantages(rollouts.groups, cfg)
+    update = functools.partial(learner.train_step, training_rows(trajs, advantages))
     save_now = run.checkpoint_due(done)
     metrics = dict(rollouts.metrics)
     # One step off-policy: the next step samples with the weights before this update, while it
@@ -442,7 +449,7 @@ def run_step(run: Run, step: int) -> bool:
             metrics.update(evaluate_now(run))
         metrics.update({f"phase_s/{k}": v for k, v in run.progress.phase_times().items()})
         run.logger.log_step(done, metrics)
-        run.logger.log_groups(done, rollouts.groups)
+        run.logger.log_groups(done, rollouts.groups, advantages)
     if stopping or save_now:
         run.save(done)
     run.progress.step_done(done, metrics)
@@ -663,17 +670,19 @@ def start_main_rank(
             "out, every rank trains",
             flush=True,
         )
-    probes = (
-        [(s.make_env, s.train[0]) for s in run.mixture.sources.values()]
+    envs = (
+        [(s.make_env, s.train, s.entry.audit) for s in run.mixture.sources.values()]
         if run.mixture
-        else [(run.make_env, run.stream.tasks[0])]
+        else [(run.make_env, run.stream.tasks, cfg.env.audit)]
     )
     if run.mixture:
         print(describe_mixture(run.mixture), flush=True)
-    for make_env, task in probes:
-        check_env_at_start(make_env(), task)
+    for make_env, tasks, audit_cfg in envs:
+        check_env_at_start(make_env(), tasks[0])
+        audit = audit_at_start(make_env, tasks, audit_cfg)  # known reward hacks
+        print(run.loop.run_until_complete(audit), flush=True)
         # Refuse a template that would make the learner see tokens the model never saw.
-        mode = require_token_safe(run.chat, make_env(), task, seed=cfg.seed).mode
+        mode = require_token_safe(run.chat, make_env(), tasks[0], seed=cfg.seed).mode
     print(f"chat template: {run.chat.template_source}, token mode: {mode}", flush=True)
     engine_threads, threads = cpu_sharing(run, threads)
     run.engine = build_engine(
