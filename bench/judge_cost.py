@@ -95,8 +95,8 @@ def main() -> None:
                 t0 = time.perf_counter()
                 results = asyncio.run(rubric.ascore_group(trajs, task))
                 wall = time.perf_counter() - t0
-                asked = trajs if mode == "pointwise" else trajs[:1]  # group: one shared answer
-                usage = [json.loads(t.info["judge"]["answer"])["usage"] for t in asked]
+                asked = results if mode == "pointwise" else results[:1]  # group: one answer
+                usage = [json.loads(r.info["judge"]["answer"])["usage"] for r in asked]
                 scored = sum(not math.isnan(r.score) for r in results)
                 print(
                     f"{mode:9s} group {task.id}: {wall:5.2f} s, {judge.calls - calls} requests, "

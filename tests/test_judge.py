@@ -22,14 +22,15 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from agentgrpo.env.rubric import Rubric, score_group
-from agentgrpo.types import Message, StopReason, Task, Trajectory
+from agentgrpo.types import Message, Score, StopReason, Task, Trajectory
 from agentgrpo.verify.judge import JudgeConfig, JudgeVerifier, RewardModelVerifier
 
 TASK = Task(id="t", prompt="What is 2 + 2?", answer="4")
 
 
-def traj(answer: str) -> Trajectory:
+def traj(answer: str, member: int = 0) -> Trajectory:
     return Trajectory(
+        id=f"g/{member}",
         task_id="t",
         token_ids=[],
         loss_mask=[],
@@ -38,6 +39,10 @@ def traj(answer: str) -> Trajectory:
         messages=[*TASK.prompt_messages(), Message(role="assistant", content=answer)],
         stop_reason=StopReason.COMPLETED,
     )
+
+
+def members(*answers: str) -> list[Trajectory]:
+    return [traj(a, i) for i, a in enumerate(answers)]
 
 
 def chat_reply(content: str) -> dict:
@@ -108,13 +113,13 @@ def test_a_trajectory_is_scored_with_structured_output_and_the_exchange_is_recor
         return await judge(t, TASK)
 
     result, server = judged(lambda body, n: (200, chat_reply(scores_json(8, "correct"))), fn)
-    assert result.score == 0.8 and result.detail == "correct"
+    assert result.score == 0.8 and result.detail == "correct" and result.info["kind"] == "judge"
     (req,) = server.requests
     assert req["response_format"]["type"] == "json_schema" and req["temperature"] == 0.0
     assert "right answers score 10" in req["messages"][0]["content"]
     assert "[assistant]\n4" in req["messages"][1]["content"]
     assert "Reference answer: 4" in req["messages"][1]["content"]
-    record = t.info["judge"]
+    record = result.info
     assert record["prompt"] == req["messages"] and json.loads(record["answer"])["choices"]
     assert record["score"] == 0.8 and record["attempts"] == 1 and not record["cached"]
 
@@ -143,18 +148,18 @@ def test_transient_failures_and_unparsable_answers_are_retried():
     ],
 )
 def test_a_failing_judge_gives_nan_never_zero(answer, attempts):
-    trajs = [traj("4"), traj("5")]
+    trajs = members("4", "5")
 
     async def fn(url, _):
         judge = JudgeVerifier(base_url=f"{url}/v1", rubric="r", backoff_s=0.0, cache_size=0)
         rubric = Rubric([("judge", judge, 1.0)])
-        await score_group(rubric, trajs, TASK)
-        return trajs
+        return await score_group(rubric, trajs, TASK)
 
-    trajs, server = judged(answer, fn)
-    assert all(math.isnan(t.reward) for t in trajs)
-    assert all("unscorable" in t.stop_detail and "judge failed" in t.stop_detail for t in trajs)
-    assert len(server.requests) == 2 * attempts and "error" in trajs[0].info["judge"]
+    scores, server = judged(answer, fn)
+    assert [s.trajectory_id for s in scores] == ["g/0", "g/1"]
+    assert all(math.isnan(s.reward) for s in scores)
+    assert all("unscorable" in s.detail and "judge failed" in s.detail for s in scores)
+    assert len(server.requests) == 2 * attempts and "error" in scores[0].info["judge"]
 
 
 def test_an_unreachable_judge_gives_nan():
@@ -167,7 +172,7 @@ def test_an_unreachable_judge_gives_nan():
 
 
 def test_answers_are_cached_by_content_and_requests_bounded():
-    trajs = [traj("4"), traj("4"), traj("5"), traj("6"), traj("7"), traj("8")]
+    trajs = members("4", "4", "5", "6", "7", "8")
 
     async def fn(url, _):
         judge = JudgeVerifier(base_url=f"{url}/v1", rubric="r", max_concurrency=2)
@@ -182,12 +187,12 @@ def test_answers_are_cached_by_content_and_requests_bounded():
     assert [r.score for r in first] == [0.5] * 6
     # the two identical "4" episodes may both be asked (concurrently); the repeat later is not
     assert len(server.requests) <= 6 and judge.calls == len(server.requests)
-    assert again[0].score == 0.5 and trajs[0].info["judge"]["cached"] is True
+    assert again[0].score == 0.5 and again[0].info["judge"]["cached"] is True
     assert server.max_in_flight <= 2
 
 
 def test_the_group_mode_ranks_a_group_in_one_call():
-    trajs = [traj("4"), traj("five"), traj("4, since 2 + 2 = 4")]
+    trajs = members("4", "five", "4, since 2 + 2 = 4")
 
     def answer(body, n):
         text = body["messages"][1]["content"]
@@ -200,18 +205,17 @@ def test_the_group_mode_ranks_a_group_in_one_call():
     async def fn(url, _):
         judge = JudgeVerifier(base_url=f"{url}/v1", rubric="r", group=True)
         rubric = Rubric([("ruler", judge, 1.0)])
-        await score_group(rubric, trajs, TASK)
-        return trajs
+        return await score_group(rubric, trajs, TASK)
 
-    trajs, server = judged(answer, fn)
+    scores, server = judged(answer, fn)
     assert len(server.requests) == 1
-    assert [t.reward for t in trajs] == [0.6, 0.0, 1.0]
-    assert [t.info["judge"]["id"] for t in trajs] == [1, 2, 3]
+    assert [s.reward for s in scores] == [0.6, 0.0, 1.0]
+    assert [s.info["ruler"]["id"] for s in scores] == [1, 2, 3]
     assert server.requests[0]["response_format"]["json_schema"]["schema"]["required"] == ["scores"]
 
 
 def test_the_group_mode_needs_a_score_for_every_member():
-    trajs = [traj("4"), traj("5")]
+    trajs = members("4", "5")
     only_one = json.dumps({"scores": [{"id": 1, "explanation": "", "score": 1}]})
 
     async def fn(url, _):
@@ -234,7 +238,8 @@ def test_a_reward_model_server_scores_and_fails_as_nan():
     (ok, broken), server = judged(
         lambda body, n: (200, {"data": [{"index": 0, "probs": [0.25, 0.75]}]}), fn
     )
-    assert ok.score == 0.75 and t.info["reward_model"]["score"] == 0.75
+    assert ok.score == 0.75 and ok.info["kind"] == "reward model" and ok.info["score"] == 0.75
+    assert json.loads(ok.info["answer"])["data"][0]["probs"] == [0.25, 0.75]
     assert server.requests[0]["messages"][-1] == {"role": "assistant", "content": "4"}
     assert math.isnan(broken.score) and "data.0.logits" in broken.detail
 
@@ -289,7 +294,7 @@ def serve_policy(smol_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("group", [False, True])
 def test_serve_policy_judges_a_group_on_a_cpu(serve_policy, group):
-    trajs = [traj("4"), traj("The answer is 4."), traj("5"), traj("I do not know.")]
+    trajs = members("4", "The answer is 4.", "5", "I do not know.")
     judge = JudgeVerifier(
         base_url=serve_policy,
         model="policy",
@@ -303,10 +308,10 @@ def test_serve_policy_judges_a_group_on_a_cpu(serve_policy, group):
     )
     results = asyncio.run(Rubric([("judge", judge, 1.0)]).ascore_group(trajs, TASK))
     assert judge.calls >= 1
-    for t, r in zip(trajs, results):
+    for r in results:
         # a 135M policy is a poor judge: each result is a score it gave, or NaN saying why
         assert (0.0 <= r.score <= 1.0) or (math.isnan(r.score) and "judge failed" in r.detail)
-        record = t.info["judge"]
+        record = r.info["judge"]
         assert record["prompt"][0]["role"] == "system" and RUBRIC in record["prompt"][0]["content"]
         assert "answer" in record or "error" in record
 
@@ -316,19 +321,24 @@ def test_the_report_shows_what_the_judge_was_asked_and_answered(tmp_path):
 
     from agentgrpo.run.report import write_report
 
-    t = traj("4")
-    t.info["judge"] = {
+    t, failed = members("4", "5")
+    asked = {
+        "kind": "judge",
         "model": "judge",
         "prompt": [{"role": "system", "content": "Rubric: <b>be right</b>"}],
         "answer": json.dumps(chat_reply(scores_json(1, "<script>x</script> correct"))),
         "score": 1.0,
     }
-    failed = traj("5")
-    failed.info["judge"] = {"model": "judge", "prompt": [], "error": "after 3 attempts: 503"}
-    rows = [{**x.to_dict(), "step": 1} for x in (t, failed)]
+    failure = {"kind": "judge", "model": "judge", "prompt": [], "error": "after 3 attempts: 503"}
+    scores = [
+        Score(t.id, 1.0, info={"judge": asked}),
+        Score(failed.id, math.nan, info={"judge": failure}),
+    ]
+    rows = [{**x.to_dict(s), "step": 1} for x, s in zip((t, failed), scores)]
     (tmp_path / "trajectories.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     page = write_report(tmp_path).read_text()
     assert page.count('<details class="judge">') == 2
     assert html.escape("Rubric: <b>be right</b>") in page and "<b>be right</b>" not in page
     assert html.escape('"explanation": "<script>x</script> correct"') in page
-    assert "judge judge: score 1" in page and "judge judge: after 3 attempts: 503" in page
+    assert "judge: judge judge: score 1" in page
+    assert "judge: judge judge: after 3 attempts: 503" in page

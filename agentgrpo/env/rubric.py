@@ -35,9 +35,9 @@ import asyncio
 import inspect
 import math
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from agentgrpo.env.tool import to_user_thread
 from agentgrpo.types import Score, Task, Trajectory
@@ -45,11 +45,14 @@ from agentgrpo.types import Score, Task, Trajectory
 
 @dataclass(frozen=True)
 class VerifierResult:
-    """A score with its explanation. `parts` holds named sub-scores (a Rubric fills it)."""
+    """A score with its explanation. `parts` holds named sub-scores (a Rubric fills it); `info`
+    what the verifier recorded about its judgement, as JSON values (a judge's prompt and answer),
+    which the Rubric keeps under the verifier's name in `Score.info`."""
 
     score: float
     detail: str = ""
     parts: dict[str, float] = field(default_factory=dict)
+    info: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def unscorable(self) -> bool:
@@ -197,16 +200,18 @@ class Rubric:
 
     def _combine(self, outs: Sequence[tuple[VerifierResult, str]]) -> VerifierResult:
         """One trajectory's total from its verifiers' results, in `self.verifiers`' order."""
-        parts, notes, total = {}, [], 0.0
+        parts, notes, info, total = {}, [], {}, 0.0
         for (name, _, weight), (res, err) in zip(self.verifiers, outs, strict=True):
             parts[name] = res.score
+            if res.info:
+                info[name] = dict(res.info)
             if err:
                 notes.append(err)
             elif res.detail:
                 notes.append(f"{name}: {res.detail}")
             if weight != 0.0:
                 total += weight * res.score  # NaN propagates: one unscorable part, unscorable total
-        return VerifierResult(total * self._scale, "; ".join(notes), parts)
+        return VerifierResult(total * self._scale, "; ".join(notes), parts, info)
 
     async def ascore(self, trajectory: Trajectory, task: Task) -> VerifierResult:
         """Score one trajectory: total, per-verifier `parts`, and why (errors, NaNs, details). A
@@ -269,12 +274,12 @@ async def score_group(
 
     `Score.reward` = the rubric's weighted sum minus `tool_error_penalty` per tool error (the
     rollout's penalty applies whatever scores the episode), `parts` = each verifier's score,
-    `detail` = the rubric's notes, and `env_reward` = the trajectory's own reward. The rubric
-    replaces the env's own reward, as in willccbb/verifiers, where the rubric alone scores a
-    rollout: one place defines the reward, and the env's own stays visible in `env_reward` and
-    countable through the `env_reward` verifier. `group_hook` sees all of `trajectories` (pass the
-    group's scorable ones: infrastructure failures are NaN already and left out of the group
-    statistics anyway).
+    `detail` = the rubric's notes, `info` = what verifiers recorded (by name), and `env_reward` =
+    the trajectory's own reward. The rubric replaces the env's own reward, as in
+    willccbb/verifiers, where the rubric alone scores a rollout: one place defines the reward, and
+    the env's own stays visible in `env_reward` and countable through the `env_reward` verifier.
+    `group_hook` sees all of `trajectories` (pass the group's scorable ones: infrastructure
+    failures are NaN already and left out of the group statistics anyway).
 
     An unscorable result (a verifier raised or returned NaN, or the absolute `time.monotonic()`
     `deadline` passed while scoring) gives reward NaN, never 0, and says why in `detail`.
@@ -296,5 +301,5 @@ async def score_group(
             nan_parts = [name for name, v in r.parts.items() if math.isnan(v)]
             why = r.detail or ("NaN from " + ", ".join(nan_parts) if nan_parts else "NaN score")
             reward, detail = math.nan, f"unscorable: {why}"
-        scores.append(Score(t.id, reward, r.parts, detail, env_reward=t.reward))
+        scores.append(Score(t.id, reward, r.parts, detail, env_reward=t.reward, info=r.info))
     return scores

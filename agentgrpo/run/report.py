@@ -357,12 +357,12 @@ def _message_html(m: Any) -> str:
 
 
 def _judge_html(row: dict[str, Any]) -> str:
-    """What a judge (`agentgrpo.verify.judge`) was asked and answered about this trajectory."""
-    info = row.get("info")
+    """What a judge or reward model (`agentgrpo.verify.judge`) was asked and answered about this
+    trajectory: the records its rubric kept by verifier name (`reward_info`)."""
+    info = row.get("reward_info")
     out = []
-    for key, name in (("judge", "judge"), ("reward_model", "reward model")):
-        record = info.get(key) if isinstance(info, dict) else None
-        if not isinstance(record, dict):
+    for name, record in info.items() if isinstance(info, dict) else ():
+        if not isinstance(record, dict) or record.get("kind") not in ("judge", "reward model"):
             continue
         answer = record.get("answer")
         try:  # a chat completion: its message is what the judge said
@@ -370,12 +370,11 @@ def _judge_html(row: dict[str, Any]) -> str:
         except (TypeError, ValueError, KeyError, IndexError):
             pass
         verdict = record.get("error") or f"score {_num(record.get('score')):.3g}"
-        prompt = _list(record, "prompt")
+        who = f"{name}: {record['kind']} {record.get('model', '')}"
         out.append(
-            f'<details class="judge"><summary>{name} {html.escape(str(record.get("model", "")))}'
-            f": {html.escape(str(verdict))}</summary>"
-            f"{''.join(_message_html(m) for m in prompt)}"
-            f'<div class="msg role-judge"><div class="role">{name} answered</div>'
+            f'<details class="judge"><summary>{html.escape(who)}: {html.escape(str(verdict))}'
+            f"</summary>{''.join(_message_html(m) for m in _list(record, 'prompt'))}"
+            f'<div class="msg role-judge"><div class="role">{html.escape(name)} answered</div>'
             f"<pre>{_content(answer if answer is not None else '(no answer)')}</pre></div>"
             "</details>"
         )

@@ -11,8 +11,9 @@ score endpoint (vLLM's `/classify`, or any that answers JSON) and reads the scor
 Both bound their requests in flight, give each a timeout, retry transport errors, 429 and 5xx
 answers (and, for the judge, answers that do not parse) with backoff, and cache answers by the
 request's content. A judge that still fails gives NaN (unscorable, left out of the group's
-statistics), never 0. What was asked and answered is kept in `trajectory.info["judge"]` (or
-`["reward_model"]`), which `trajectories.jsonl` and the report show.
+statistics), never 0. What was asked and answered is the result's `info` (`kind` "judge" or
+"reward model"), which a Rubric keeps in the trajectory's `Score.info` under the verifier's name:
+`trajectories.jsonl` (`reward_info`) and the report show it.
 """
 
 from __future__ import annotations
@@ -274,18 +275,18 @@ class JudgeVerifier(_Remote):
         reply = render(trajectory.messages)
         body = self._request(f"{self._task_text(task)}\n\nThe assistant's episode:\n{reply}", _ONE)
         t0 = time.perf_counter()
-        record: dict[str, Any] = {"model": self.cfg.model, "prompt": body["messages"]}
-        trajectory.info["judge"] = record
+        record: dict[str, Any] = {"kind": "judge", "model": self.cfg.model}
+        record["prompt"] = body["messages"]
         try:
             (score, why), raw, cached, attempts = await self._ask(
                 "/chat/completions", body, lambda r: self._score(_json_in(self._answer(r)))
             )
         except JudgeUnavailable as e:
             record.update(error=str(e), answer=e.answer, wall_s=round(time.perf_counter() - t0, 3))
-            return VerifierResult(math.nan, f"judge failed: {e}")
+            return VerifierResult(math.nan, f"judge failed: {e}", info=record)
         wall = round(time.perf_counter() - t0, 3)
         record.update(answer=raw, score=score, cached=cached, attempts=attempts, wall_s=wall)
-        return VerifierResult(score, why)
+        return VerifierResult(score, why, info=record)
 
     async def score_group(
         self, trajectories: Sequence[Trajectory], task: Task
@@ -312,21 +313,20 @@ class JudgeVerifier(_Remote):
             return scored
 
         t0 = time.perf_counter()
+        asked = {"kind": "judge", "model": self.cfg.model, "prompt": body["messages"]}
         try:
             scored, raw, cached, attempts = await self._ask("/chat/completions", body, read)
         except JudgeUnavailable as e:
-            for i, t in enumerate(trajectories, 1):
-                t.info["judge"] = {"model": self.cfg.model, "prompt": body["messages"], "id": i}
-                t.info["judge"].update(error=str(e), answer=e.answer)
-            return [VerifierResult(math.nan, f"judge failed: {e}")] * n
+            failed = asked | {"error": str(e), "answer": e.answer}
+            why = f"judge failed: {e}"
+            return [VerifierResult(math.nan, why, info=failed | {"id": i}) for i in range(1, n + 1)]
         wall = round(time.perf_counter() - t0, 3)
         out = []
-        for i, t in enumerate(trajectories, 1):
+        for i in range(1, n + 1):
             score, why = scored[i]
-            record = {"model": self.cfg.model, "prompt": body["messages"], "answer": raw, "id": i}
-            record.update(score=score, cached=cached, attempts=attempts, wall_s=wall)
-            t.info["judge"] = record
-            out.append(VerifierResult(score, why))
+            record = asked | {"answer": raw, "id": i, "score": score, "cached": cached}
+            record.update(attempts=attempts, wall_s=wall)
+            out.append(VerifierResult(score, why, info=record))
         return out
 
 
@@ -363,11 +363,12 @@ class RewardModelVerifier(_Remote):
             body["messages"] = [m.to_dict() for m in trajectory.messages]
         else:
             body["input"] = [render(trajectory.messages)]
+        record: dict[str, Any] = {"kind": "reward model", "model": self.cfg.model}
         try:
             score, raw, cached, _ = await self._ask(self.cfg.path, body, self._read)
         except JudgeUnavailable as e:
-            trajectory.info["reward_model"] = {"model": self.cfg.model, "error": str(e)}
-            return VerifierResult(math.nan, f"reward model failed: {e}")
-        record = {"model": self.cfg.model, "score": score, "answer": raw[:2000], "cached": cached}
-        trajectory.info["reward_model"] = record
-        return VerifierResult(score)
+            return VerifierResult(
+                math.nan, f"reward model failed: {e}", info=record | {"error": str(e)}
+            )
+        record.update(score=score, answer=raw[:2000], cached=cached)
+        return VerifierResult(score, info=record)
