@@ -105,7 +105,7 @@ def test_an_episode_over_the_session_protocol_is_token_exact(chat):
     trajs, engine = _group(chat, by_turn(chat, wrong, str(secret(task))), task=task)
     (t,) = trajs
     assert t.stop_reason == StopReason.COMPLETED, t.stop_detail
-    assert t.num_turns == 2 and t.reward == 1.0 and t.turn_rewards == [0.0, 1.0]
+    assert t.num_turns == 2 and t.reward == 1.0 and t.turn_rewards == (0.0, 1.0)
     assert_token_exact(t, engine)
     assert [m.role for m in t.messages] == ["user", "assistant", "user", "assistant"]
     assert t.messages[0].content.startswith("Guess my number") and "No, " in t.messages[2].content
