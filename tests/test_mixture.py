@@ -5,6 +5,7 @@ metrics.jsonl and the report, and a run stopped by SIGTERM that resumes exactly.
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import signal
 from collections import Counter
@@ -17,6 +18,7 @@ from agentgrpo.run.config import ConfigError, load_config
 from agentgrpo.run.log import read_jsonl
 from agentgrpo.run.mixture import Mixture, labels
 from agentgrpo.run.train import TaskStream, run_envs
+from agentgrpo.types import Group, StopReason, Trajectory
 from tests.fakes import ScriptedEngine
 
 EXAMPLE = "examples/mixture.yaml"
@@ -70,6 +72,33 @@ def test_a_group_never_mixes_envs_and_keeps_its_envs_limits(chat):
         "env/chain_sum/reward_mean" in metrics
         and "env/calculator/user_threads_stuck" not in metrics
     )
+
+
+def test_the_flaky_verdict_rule_runs_env_by_env_and_keeps_the_order():
+    stream, _, _, mix = mixture()
+    tasks = [stream.task_at(p) for p in range(8)]
+
+    def group(task):  # a chain_sum env reports its verdict flaky; calculator does not
+        flaky = {"flaky_verdict": True} if task.id.startswith("chain_sum/") else {}
+        t = Trajectory(
+            id=f"{task.id}/0",
+            task_id=task.id,
+            token_ids=[],
+            loss_mask=[],
+            logprobs=[],
+            prompt_len=0,
+            messages=[],
+            stop_reason=StopReason.COMPLETED,
+            reward=1.0,
+            env_info=flaky,
+        )
+        return Group(task.id, task, [t])
+
+    checked, flaky = asyncio.run(mix.recheck_step([group(t) for t in tasks], seed=0))
+    assert [g.task.id for g in checked] == [t.id for t in tasks]
+    assert 0 < flaky < len(tasks) and flaky == sum(math.isnan(g.rewards[0]) for g in checked)
+    for g in checked:
+        assert math.isnan(g.rewards[0]) == g.task.id.startswith("chain_sum/")
 
 
 @pytest.mark.parametrize(
