@@ -29,7 +29,7 @@ from agentgrpo.engine.config import EngineConfig
 from agentgrpo.engine.weight_sync import WeightSyncConfig
 from agentgrpo.env.base import Env, get_env_class, tasks_from_file
 from agentgrpo.learner.learner import LearnerConfig
-from agentgrpo.rollout.episode import RolloutConfig
+from agentgrpo.rollout.episode import EpisodeLimits, RolloutConfig
 from agentgrpo.run.log import mask_secrets
 from agentgrpo.types import Task
 
@@ -146,6 +146,35 @@ class EnvConfig(BaseModel):
             f"env.tasks: {env_cls.__name__}.load_tasks({split!r}) returned "
             f"{type(tasks).__name__}, not a list of Task"
         )
+
+
+class MixtureEntry(EnvConfig):
+    """One environment of a mixture (`envs:`): any env, its weight, and its own episode limits."""
+
+    weight: float = Field(1.0, gt=0, description="its share of the tasks drawn (by weight)")
+    label: str | None = Field(
+        None,
+        description="its name in metrics (env/<label>/...), task ids and the report; default: "
+        "the env's name, numbered when two entries share it",
+    )
+    rollout: dict[str, Any] = Field(
+        default_factory=dict,
+        description="episode limits of this env's episodes over the run's rollout settings: "
+        f"{', '.join(EpisodeLimits.model_fields)}",
+    )
+
+    @model_validator(mode="after")
+    def _limits_only(self) -> MixtureEntry:
+        unknown = sorted(set(self.rollout) - set(EpisodeLimits.model_fields))
+        if unknown:
+            raise ValueError(
+                f"rollout {unknown}: an env of a mixture may set only episode limits "
+                f"({', '.join(EpisodeLimits.model_fields)}); sampling and batch settings are "
+                "the run's"
+            )
+        if self.label is not None and not self.label.replace("_", "").replace("-", "").isalnum():
+            raise ValueError(f"label {self.label!r}: letters, digits, _ and - only")
+        return self
 
 
 class TrainLoopConfig(BaseModel):
@@ -290,6 +319,11 @@ class RunConfig(BaseModel):
     )
     model: ModelConfig = Field(default_factory=ModelConfig)
     env: EnvConfig = Field(default_factory=EnvConfig)
+    envs: list[MixtureEntry] | None = Field(
+        None,
+        description="a mixture instead of env: tasks drawn from these envs by weight, each group "
+        "from one env, metrics split by env (agentgrpo.run.mixture)",
+    )
     engine: EngineConfig = Field(default_factory=EngineConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
@@ -315,6 +349,17 @@ class RunConfig(BaseModel):
             template_kwargs=self.rollout.chat_template_kwargs,
             trajectory_mode=self.rollout.trajectory_mode,
         )
+
+    @model_validator(mode="after")
+    def _env_or_envs(self) -> RunConfig:
+        if self.envs is not None:
+            if "env" in self.model_fields_set:
+                raise ValueError("set env (one environment) or envs (a mixture), not both")
+            if not self.envs:
+                raise ValueError("envs is empty: name at least one environment, or use env")
+            for entry in self.envs:
+                RolloutConfig.model_validate({**self.rollout.model_dump(), **entry.rollout})
+        return self
 
     @model_validator(mode="after")
     def _off_policy_is_corrected(self) -> RunConfig:
@@ -579,4 +624,6 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig
 
 
 def dump_config(cfg: RunConfig) -> str:
-    return yaml.safe_dump(mask_secrets(cfg.model_dump(mode="json")), sort_keys=False)
+    """The effective config as YAML, secrets masked (a mixture's without the unused `env`)."""
+    data = cfg.model_dump(mode="json", exclude={"env"} if cfg.envs is not None else None)
+    return yaml.safe_dump(mask_secrets(data), sort_keys=False)
