@@ -7,6 +7,7 @@ config (`agentgrpo.run.config`), overridden with `key.path=value` arguments.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import importlib
 import os
 import sys
@@ -20,6 +21,7 @@ set_cpu_thread_env()  # before anything loads torch: OpenMP reads it once (model
 from agentgrpo.chat.format import TemplateError  # noqa: E402
 from agentgrpo.chat.shipped import load_template  # noqa: E402
 from agentgrpo.checks.env_check import env_report  # noqa: E402
+from agentgrpo.checks.reward_audit import audit_env  # noqa: E402
 from agentgrpo.checks.template_audit import audit_template  # noqa: E402
 from agentgrpo.run.report import write_report  # noqa: E402
 
@@ -58,7 +60,16 @@ def _check_env(args: argparse.Namespace) -> int:
         return 1
     report = env_report(env, task)
     print(report.format(), file=sys.stdout if report.ok else sys.stderr)
-    return 0 if report.ok else 1
+    if not report.ok or not args.audit:
+        return 0 if report.ok else 1
+    try:  # the verifier audits: known reward hacks, and each hack episode scored twice
+        tasks = [task] if task is not None else list(cls.load_tasks("train", seed=0))
+        audit = asyncio.run(audit_env(lambda: cls(**kwargs), tasks[: args.audit_tasks]))
+    except Exception as e:  # noqa: BLE001 - the user's env or tasks: explain, do not trace
+        print(f"{args.env}: the verifier audit failed: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    print(audit.format(), file=sys.stdout if audit.ok else sys.stderr)
+    return 0 if audit.ok else 1
 
 
 def _check_template(args: argparse.Namespace) -> int:
@@ -117,6 +128,10 @@ FORWARDED = {
         "agentgrpo.engine.sglang.launch",
         "start SGLang with RL settings: MODEL [sglang args]",
     ),
+    "serve-vllm": (
+        "agentgrpo.engine.vllm.launch",
+        "start vLLM with RL settings: MODEL [--python PY] [vllm args]",
+    ),
     "serve-policy": (
         "agentgrpo.agents.serve_policy",
         "serve the policy as OpenAI's Chat Completions API, "
@@ -159,6 +174,16 @@ def build_parser() -> argparse.ArgumentParser:
         "'file=data/{split}.jsonl' --tasks prompt_key=question (repeatable); the checks "
         "run on the first task of the train split",
     )
+    c.add_argument(
+        "--no-audit",
+        dest="audit",
+        action="store_false",
+        help="skip the verifier audits (known reward hacks played through the env, and each "
+        "hack episode scored twice to find flaky verifiers)",
+    )
+    c.add_argument(
+        "--audit-tasks", type=int, default=1, metavar="N", help="tasks the audits play (default 1)"
+    )
     c.set_defaults(fn=_check_env)
 
     e = sub.add_parser(
@@ -193,8 +218,8 @@ def build_parser() -> argparse.ArgumentParser:
     ct.add_argument(
         "--end-of-turn",
         action="append",
-        help="token that ends an assistant turn (default: the tokenizer's EOS); repeat it for a "
-        "template with several (GPT-OSS: <|call|> and <|return|>)",
+        help="token that ends an assistant turn (default: the ones the template renders, else the "
+        "tokenizer's EOS); repeat it for several (GPT-OSS: <|call|> and <|return|>)",
     )
     ct.add_argument(
         "--fallback",

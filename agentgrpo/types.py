@@ -1,10 +1,12 @@
 """Typed records passed between the stages of the pipeline.
 
 `Message`, `ToolCall` and `Task` are pydantic models because they come from users and from model
-output (validated at the boundary; OpenAI-style dicts in and out). `Trajectory` and `Group` are
-plain dataclasses: they are built by our own code, hold long token lists, and are created thousands
-of times per step, so they skip validation and check their one invariant explicitly
-(`Trajectory.check()`).
+output (validated at the boundary; OpenAI-style dicts in and out); messages and tool calls are
+frozen. The records the pipeline makes are frozen dataclasses, each written by one stage:
+`Trajectory` (what an episode produced; the rollout), `Score` (its reward; the rubric),
+`Advantage` (the training step) and `TrainingRow` (what the learner's loss reads). They are joined
+by the trajectory's id, never by position. They hold long token sequences and are made thousands
+of times per step, so they check their invariants explicitly (`Trajectory.check()`) or cheaply.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import enum
 import json
 import math
 import numbers
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -35,7 +38,7 @@ class ToolCall(BaseModel):
     `to_dict` emits the string form.
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
     id: str = ""
     name: str
@@ -82,7 +85,7 @@ class Message(BaseModel):
     non-text content part (an image), is an error that names it: text is all the model sees here.
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
     role: Role
     content: str = ""
@@ -203,7 +206,7 @@ class EnvStep(tuple):
     An env returns a plain 5-tuple, or an `EnvStep` when it has more to say. It unpacks like the
     5-tuple, so Gymnasium's tools keep working; the rollout converts a plain tuple once with
     `EnvStep.of`. The framework reads no key of `info`: that dict is the env's own (kept in
-    `Trajectory.env_info` when the step ends the episode).
+    `Trajectory.env_info`, over reset's info, when the step ends the episode).
 
     - `stop_reason`: why the episode ends, for a step that ends it. Default: COMPLETED when
       terminated, TRUNCATED when truncated. An env may say PARSE_ERROR or TOOL_ERROR instead;
@@ -308,15 +311,44 @@ class EnvStep(tuple):
         return step
 
 
-@dataclass
+class FrozenDict(dict):
+    """A dict that refuses every change: the mappings inside a finished record (tool-error counts,
+    the env's info, reward parts). It reads, compares, pickles and serialises as a dict."""
+
+    def _refuse(self, *_args: Any, **_kwargs: Any) -> Any:
+        raise TypeError("a record's mapping is read-only: records do not change once made")
+
+    __setitem__ = __delitem__ = __ior__ = _refuse  # type: ignore[assignment]
+    clear = pop = popitem = setdefault = update = _refuse  # type: ignore[assignment]
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (FrozenDict, (dict(self),))
+
+
+def _set(record: Any, *as_tuples: str, **values: Any) -> None:
+    """Normalise fields of a frozen record in its `__post_init__`: the fields named in `as_tuples`
+    become tuples, the others take `values` (dicts as FrozenDict, say). The one place a frozen
+    record is written."""
+    values.update((name, tuple(getattr(record, name))) for name in as_tuples)
+    for name, value in values.items():
+        object.__setattr__(record, name, value)
+
+
+_TOKENS = ("token_ids", "loss_mask", "logprobs")  # a token sequence's three parallel fields
+
+
+@dataclass(frozen=True)
 class Segment:
     """One training sequence of an episode: token ids exactly as the engine received and sampled
     them, with the invariant of `Trajectory.check()` (the first `prompt_len` ids are its prompt)."""
 
-    token_ids: list[int]
-    loss_mask: list[int]
-    logprobs: list[float]
+    token_ids: tuple[int, ...]
+    loss_mask: tuple[int, ...]
+    logprobs: tuple[float, ...]
     prompt_len: int
+
+    def __post_init__(self) -> None:
+        _set(self, *_TOKENS)
 
     @property
     def num_sampled(self) -> int:
@@ -345,85 +377,107 @@ class Segment:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "token_ids": self.token_ids,
-            "loss_mask": self.loss_mask,
-            "logprobs": self.logprobs,
+            "token_ids": list(self.token_ids),
+            "loss_mask": list(self.loss_mask),
+            "logprobs": list(self.logprobs),
             "prompt_len": self.prompt_len,
         }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Segment:
-        return cls(
-            list(d["token_ids"]), list(d["loss_mask"]), list(d["logprobs"]), int(d["prompt_len"])
-        )
+        return cls(d["token_ids"], d["loss_mask"], d["logprobs"], int(d["prompt_len"]))
 
 
-@dataclass
+EMPTY_SEGMENT = Segment((), (), (), 0)
+
+
+@dataclass(frozen=True)
 class Trajectory:
-    """One episode as token ids, exactly as the model saw and produced them.
+    """One episode as token ids, exactly as the model saw and produced them: the record the
+    rollout seals when the episode ends, frozen from then on (sequences are tuples, mappings
+    `FrozenDict`s; `dataclasses.replace` makes a new record, it never changes this one).
 
     Invariant (`check()`): `len(token_ids) == len(loss_mask) == len(logprobs)`; `loss_mask[i] == 1`
     exactly for tokens sampled by the policy, whose `logprobs[i]` are the engine's sampling
     logprobs; every other token (prompt, tool and env output, chat-template glue) has mask 0 and
-    logprob 0. `reward` is NaN when the episode could not be scored (infrastructure failure).
+    logprob 0.
 
-    Segments (step-wise episodes): when the chat template renders the next prompt as something that
-    does not extend the tokens sampled so far (it drops earlier `<think>` blocks, say), the episode
-    goes on in a new sequence whose prompt is the re-rendered history
-    (`agentgrpo.rollout.episode.Episode`). `token_ids`, `loss_mask`, `logprobs` and `prompt_len`
-    are then the *last* segment, the one the engine continues, and `earlier_segments` the closed
-    ones, in order; `segments` lists them all. A single-sequence episode has no earlier segments,
-    so code that reads the flat fields sees it whole. Each segment holds the invariant above on its
-    own; all share the episode's reward, group and advantage.
+    Segments: when the chat template renders the next prompt as something that does not extend
+    the tokens sampled so far (`chat.trajectory_mode`, `agentgrpo.chat.trajectory`), the episode
+    goes on in a new sequence. `token_ids`, `loss_mask`, `logprobs` and `prompt_len` are then the
+    *last* segment and `earlier_segments` the closed ones, in order; `segments` lists them all.
 
-    Each field is written in one place: the rollout (`agentgrpo.rollout.episode`) writes what the
-    episode did, the rubric (`agentgrpo.env.rubric.score_group`) the reward parts and detail, the
-    training step the advantage. `info` belongs to the user (a verifier may note things there); no
-    framework code writes it.
+    `reward` is the episode's own: what the env's steps returned, summed (an AgentEnv: what `run`
+    returned), less the tool-error penalty; NaN when the episode could not be scored. What a run
+    trains on is the trajectory's `Score` (its group's rubric, when the env has one) and its
+    `Advantage`, separate records joined by `id` (unique in its group; `run_group` names it).
     """
 
     task_id: str
-    token_ids: list[int]
-    loss_mask: list[int]
-    logprobs: list[float]
+    token_ids: tuple[int, ...]
+    loss_mask: tuple[int, ...]
+    logprobs: tuple[float, ...]
     prompt_len: int
-    messages: list[Message]
+    messages: tuple[Message, ...]
     stop_reason: StopReason
     reward: float = math.nan
+    id: str = ""  # "<group_id>/<member>" once run_group has sealed it
     group_id: str = ""
     num_turns: int = 0
-    turn_rewards: list[float] = field(default_factory=list)  # what each env.step returned
+    turn_rewards: tuple[float, ...] = ()  # what each env.step returned
     tool_calls: int = 0
     tool_errors: int = 0
-    tool_error_kinds: dict[str, int] = field(default_factory=dict)  # ToolErrorKind value -> count
-    tool_outputs_truncated: int = 0  # tool messages cut to max_tool_output_tokens
+    tool_error_kinds: Mapping[str, int] = field(default_factory=FrozenDict)  # ToolErrorKind -> n
+    tool_outputs_truncated: int = 0  # tool messages cut to max_tool_output_bytes or _tokens
     stop_detail: str = ""  # human-readable reason (the exception, the deadline that expired, ...)
     deadline: Literal["turn", "episode", "step"] | None = None  # which one ended it (TIMEOUT)
-    env_info: dict[str, Any] = field(default_factory=dict)  # the ending step's info, as JSON
-    env_reward: float | None = None  # the env's own reward, when a rubric replaced it
-    reward_parts: dict[str, float] = field(default_factory=dict)
-    reward_detail: str = ""  # the rubric's notes (errors, verifier details)
+    # reset's info, updated by the ending step's (as JSON): why an answer scored 0, test results,
+    # the workspace checksum of a session env
+    env_info: Mapping[str, Any] = field(default_factory=FrozenDict)
     weight_versions: tuple[int, ...] = ()  # the weight versions that sampled its tokens, sorted
     # The version of every sampled token, run-length over the sampled tokens in episode order
-    # (segment by segment): [(n1, v1), (n2, v2), ...] = the first n1 from v1, and so on. A version
+    # (segment by segment): ((n1, v1), (n2, v2), ...) = the first n1 from v1, and so on. A version
     # the engine did not number is -1. The counts sum to `num_sampled`.
-    token_versions: list[tuple[int, int]] = field(default_factory=list)
-    wall_s: float = 0.0  # from the episode's start (its slot acquired) to its end
-    advantage: float | None = None  # set by the training step; None: not trained on
-    # Set by the training step under a turn-level estimator: one advantage per sampled turn (the
-    # k-th run of loss_mask == 1 across the segments in order), used for that turn's tokens
-    # instead of `advantage` (which then holds the outcome term). None: `advantage` for all.
-    turn_advantages: list[float] | None = None
-    info: dict[str, Any] = field(default_factory=dict)
-    earlier_segments: list[Segment] = field(default_factory=list)  # step-wise: the closed segments
+    token_versions: tuple[tuple[int, int], ...] = ()
+    wall_s: float = 0.0  # from the episode's start to its end
+    info: Mapping[str, Any] = field(default_factory=FrozenDict)  # the user's; no framework key
+    earlier_segments: tuple[Segment, ...] = ()  # step-wise: the closed segments
+
+    def __post_init__(self) -> None:
+        _set(
+            self,
+            *_TOKENS,
+            "messages",
+            "turn_rewards",
+            "weight_versions",
+            "earlier_segments",
+            stop_reason=StopReason(self.stop_reason),
+            tool_error_kinds=FrozenDict(self.tool_error_kinds),
+            env_info=FrozenDict(self.env_info),
+            token_versions=tuple(tuple(r) for r in self.token_versions),
+            info=FrozenDict(self.info),
+        )
+
+    @classmethod
+    def of_segments(cls, segments: Sequence[Segment], **fields: Any) -> Trajectory:
+        """A trajectory whose token sequences are `segments`, in order (none: no tokens)."""
+        *earlier, last = segments or (EMPTY_SEGMENT,)
+        return cls(
+            token_ids=last.token_ids,
+            loss_mask=last.loss_mask,
+            logprobs=last.logprobs,
+            prompt_len=last.prompt_len,
+            earlier_segments=tuple(earlier),
+            **fields,
+        )
 
     @property
-    def segments(self) -> list[Segment]:
-        """Every segment in order; the last is a view of the flat fields (their lists, no copy)."""
-        return [
+    def segments(self) -> tuple[Segment, ...]:
+        """Every segment in order; the last is a view of the flat fields (no copy)."""
+        return (
             *self.earlier_segments,
             Segment(self.token_ids, self.loss_mask, self.logprobs, self.prompt_len),
-        ]
+        )
 
     @property
     def num_sampled(self) -> int:
@@ -447,49 +501,186 @@ class Trajectory:
             where = f" segment {k}" if len(segments) > 1 else ""
             s.check(f"trajectory {self.task_id!r}{where}")
 
-    def to_dict(self) -> dict[str, Any]:
-        def number(x: float | None) -> float | None:  # strict JSON: NaN is written as null
-            return None if x is None or math.isnan(x) else x
-
+    def to_dict(
+        self, score: Score | None = None, advantage: Advantage | None = None
+    ) -> dict[str, Any]:
+        """The row of trajectories.jsonl: this record joined with its score and advantage (by id;
+        a record of another trajectory is an error). Without a score the reward is the episode's
+        own; without an advantage, `advantage` is null (not trained on)."""
+        for other in (score, advantage):
+            if other is not None and other.trajectory_id != self.id:
+                raise ValueError(
+                    f"{type(other).__name__} of {other.trajectory_id!r} joined to trajectory "
+                    f"{self.id!r}"
+                )
+        score = score or Score(self.id, self.reward)
         return {
+            "id": self.id,
             "task_id": self.task_id,
             "group_id": self.group_id,
-            "token_ids": self.token_ids,
-            "loss_mask": self.loss_mask,
-            "logprobs": self.logprobs,
+            "token_ids": list(self.token_ids),
+            "loss_mask": list(self.loss_mask),
+            "logprobs": list(self.logprobs),
             "prompt_len": self.prompt_len,
             "messages": [m.to_dict() for m in self.messages],
             "stop_reason": self.stop_reason.value,
             "stop_detail": self.stop_detail,
             "deadline": self.deadline,
-            "reward": number(self.reward),
-            "turn_rewards": self.turn_rewards,
-            "env_reward": number(self.env_reward),
-            "reward_parts": {k: number(v) for k, v in self.reward_parts.items()},
-            "reward_detail": self.reward_detail,
-            "advantage": number(self.advantage),
-            "turn_advantages": self.turn_advantages,
+            "reward": _number(score.reward),
+            "turn_rewards": list(self.turn_rewards),
+            "env_reward": _number(score.env_reward),
+            "reward_parts": {k: _number(v) for k, v in score.parts.items()},
+            "reward_detail": score.detail,
+            "reward_info": dict(score.info),
+            "advantage": None if advantage is None else advantage.value,
+            "turn_advantages": None if advantage is None else advantage.turn_list(),
             "num_turns": self.num_turns,
             "tool_calls": self.tool_calls,
             "tool_errors": self.tool_errors,
-            "tool_error_kinds": self.tool_error_kinds,
+            "tool_error_kinds": dict(self.tool_error_kinds),
             "tool_outputs_truncated": self.tool_outputs_truncated,
             "weight_versions": list(self.weight_versions),
             "token_versions": [list(r) for r in self.token_versions],
             "wall_s": self.wall_s,
-            "env_info": self.env_info,
-            "info": self.info,
+            "env_info": dict(self.env_info),
+            "info": dict(self.info),
         } | ({"segments": [s.to_dict() for s in self.segments]} if self.earlier_segments else {})
 
 
-@dataclass
+def _number(x: float | None) -> float | None:
+    """Strict JSON: NaN is written as null."""
+    return None if x is None or math.isnan(x) else x
+
+
+@dataclass(frozen=True)
+class Score:
+    """What a trajectory's reward is, made once its group has been scored: the env's own reward,
+    or its rubric's (`agentgrpo.env.rubric.score_group`). Joined to its trajectory by id.
+
+    `reward` is NaN when the trajectory cannot be scored (an infrastructure failure, a verifier
+    that failed): it is then left out of its group's statistics and trained on by no row.
+    """
+
+    trajectory_id: str
+    reward: float
+    parts: Mapping[str, float] = field(default_factory=FrozenDict)  # each verifier's score
+    detail: str = ""  # the rubric's notes: errors, verifier details, why it is unscorable
+    env_reward: float | None = None  # the env's own reward, when a rubric replaced it
+    # what verifiers recorded about their judgement, by verifier name, as JSON values (an LLM
+    # judge's prompt and answer: agentgrpo.verify.judge)
+    info: Mapping[str, Any] = field(default_factory=FrozenDict)
+
+    def __post_init__(self) -> None:
+        _set(
+            self,
+            reward=float(self.reward),
+            parts=FrozenDict(self.parts),
+            info=FrozenDict(self.info),
+        )
+
+    @property
+    def unscorable(self) -> bool:
+        return math.isnan(self.reward)
+
+
+@dataclass(frozen=True)
+class Advantage:
+    """How much better than its group a trajectory did: what the training step gives it
+    (`agentgrpo.run.train.assign_advantages`), joined to it by id. A trajectory not trained on
+    (unscorable, or cut and masked) has none.
+
+    `value` weighs every sampled token; under a turn-level estimator `per_turn` holds one
+    advantage per sampled turn (the k-th run of loss_mask == 1 across the segments in order),
+    used for that turn's tokens instead, and `value` is the outcome term.
+    """
+
+    trajectory_id: str
+    value: float
+    per_turn: tuple[float, ...] | None = None
+
+    def __post_init__(self) -> None:
+        per_turn = None if self.per_turn is None else tuple(float(a) for a in self.per_turn)
+        _set(self, value=float(self.value), per_turn=per_turn)
+        if not all(math.isfinite(a) for a in (self.value, *(per_turn or ()))):
+            raise ValueError(
+                f"trajectory {self.trajectory_id!r}: advantages must be finite, got "
+                f"{self.value} / {per_turn}: a trajectory not trained on has no Advantage"
+            )
+
+    def turn_list(self) -> list[float] | None:
+        return None if self.per_turn is None else list(self.per_turn)
+
+
+@dataclass(frozen=True)
+class TrainingRow:
+    """One sequence the learner trains on: a segment of a trajectory that holds a sampled token,
+    with what the loss needs. `logprobs` are the rollout's (pi_old unless the learner recomputes
+    them), 0 off the mask; `token_advantages`, when set, weigh each token (a turn-level
+    estimator), else `advantage` weighs every loss token. Checked when made: equal lengths, a mask
+    of 0/1 with at least one 1 and none at position 0 (nothing predicts it), finite advantages.
+    """
+
+    trajectory_id: str
+    group_id: str
+    token_ids: tuple[int, ...]
+    loss_mask: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    advantage: float
+    token_advantages: tuple[float, ...] | None = None
+
+    def __post_init__(self) -> None:
+        per_token = self.token_advantages
+        _set(
+            self,
+            *_TOKENS,
+            advantage=float(self.advantage),
+            token_advantages=None if per_token is None else tuple(per_token),
+        )
+        n, name = len(self.token_ids), f"training row of {self.trajectory_id!r}"
+        lengths = {n, len(self.loss_mask), len(self.logprobs)}
+        if per_token is not None:
+            lengths.add(len(per_token))
+        if len(lengths) > 1:
+            raise ValueError(
+                f"{name}: token_ids/loss_mask/logprobs/token_advantages lengths differ"
+            )
+        if not set(self.loss_mask) <= {0, 1} or 1 not in self.loss_mask:
+            raise ValueError(f"{name}: loss_mask must be 0/1 with at least one loss token")
+        if self.loss_mask[0]:
+            raise ValueError(f"{name}: token 0 carries loss but nothing predicts it")
+        if not math.isfinite(self.advantage) or not all(map(math.isfinite, per_token or ())):
+            raise ValueError(f"{name}: advantages must be finite (a dropped trajectory has no row)")
+
+    @property
+    def num_sampled(self) -> int:
+        return sum(self.loss_mask)
+
+
+@dataclass(frozen=True)
 class Group:
-    """The G trajectories sampled for one task from the same start state (same task, same seed)."""
+    """The G trajectories sampled for one task from the same start state (same task, same seed),
+    and their scores, joined by trajectory id (default: each trajectory's own reward)."""
 
     group_id: str
     task: Task
-    trajectories: list[Trajectory]
+    trajectories: tuple[Trajectory, ...]
+    scores: Mapping[str, Score] = field(default_factory=FrozenDict)
+
+    def __post_init__(self) -> None:
+        trajs = tuple(self.trajectories)
+        ids = [t.id for t in trajs]
+        if len(set(ids)) < len(ids):
+            raise ValueError(f"group {self.group_id!r}: trajectory ids repeat: {ids}")
+        scores = dict(self.scores) or {t.id: Score(t.id, t.reward) for t in trajs}
+        if set(scores) != set(ids) or any(s.trajectory_id != k for k, s in scores.items()):
+            raise ValueError(
+                f"group {self.group_id!r}: scores for {sorted(scores)}, trajectories {ids}"
+            )
+        _set(self, trajectories=trajs, scores=FrozenDict(scores))
+
+    def score(self, trajectory: Trajectory) -> Score:
+        return self.scores[trajectory.id]
 
     @property
     def rewards(self) -> list[float]:
-        return [t.reward for t in self.trajectories]
+        return [self.scores[t.id].reward for t in self.trajectories]

@@ -206,6 +206,9 @@ def run_real_mode(name: str, steps: int) -> dict[str, float]:
                 f"output_dir={tmp}/run",
                 f"train.steps={steps}",
                 f"train.max_staleness={REAL_MODES[name]}",
+                # every mode alike: stale ones need an importance correction
+                "learner.old_logprobs=recompute",
+                "loss.tis=token",
                 "rollout.group_size=4",
                 "rollout.tasks_per_step=2",
                 "log.progress=false",

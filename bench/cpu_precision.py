@@ -41,7 +41,7 @@ def worker(autocast: str, groups: int) -> None:
     from agentgrpo.learner.learner import Learner, LearnerConfig
     from agentgrpo.models.embedded import default_model_path, load_model
     from agentgrpo.models.hardware import configure_cpu_threads
-    from agentgrpo.types import StopReason, Trajectory
+    from agentgrpo.types import TrainingRow
 
     threads = (
         configure_cpu_threads()
@@ -62,27 +62,18 @@ def worker(autocast: str, groups: int) -> None:
             for n, m in parts:
                 ids += [rng.randrange(49152) for _ in range(n)]
                 mask += [m] * n
-            trajs.append(
-                Trajectory(
-                    task_id=f"g{g}",
-                    token_ids=ids,
-                    loss_mask=mask,
-                    prompt_len=len(prompt),
-                    logprobs=[-rng.uniform(0.1, 3.0) if m else 0.0 for m in mask],
-                    messages=[],
-                    stop_reason=StopReason.COMPLETED,
-                    group_id=f"g{g}",
-                    reward=rng.random(),
-                )
-            )
-    advantages = [((i * 7) % 5 - 2) / 2 for i in range(len(trajs))]
+            logprobs = [-rng.uniform(0.1, 3.0) if m else 0.0 for m in mask]
+            rng.random()  # what the trajectory's reward drew: the batch stays that of earlier runs
+            i = len(trajs)
+            advantage = ((i * 7) % 5 - 2) / 2
+            trajs.append(TrainingRow(f"g{g}/{i}", f"g{g}", ids, mask, logprobs, advantage))
     learner = Learner(
         load_model(default_model_path()),
         LearnerConfig(lr=1e-7, autocast=autocast, micro_batch_tokens=1024),
         LossConfig(),
         temperature=0.7,
     )
-    learner.train_step(trajs, advantages)  # warm-up: first-call allocations and kernel choices
+    learner.train_step(trajs)  # warm-up: first-call allocations and kernel choices
     tokens = sum(len(t.token_ids) for t in trajs)
     print(
         f"ready {learner.precision.bf16} {tokens} | {learner.precision.reason} | {threads}",
@@ -90,7 +81,7 @@ def worker(autocast: str, groups: int) -> None:
     )
     for _ in sys.stdin:
         t0 = time.perf_counter()
-        learner.train_step(trajs, advantages)
+        learner.train_step(trajs)
         print(f"{time.perf_counter() - t0:.4f}", flush=True)
 
 

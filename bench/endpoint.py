@@ -16,6 +16,10 @@ process's CPU time.
 - direct: `engine.generate(prompt_ids)` with the ids a rollout would send (the baseline).
 - endpoint: `EndpointEpisode.complete(body)`, the endpoint without HTTP.
 - http: a POST to `/episodes/<id>/v1/chat/completions` on a served endpoint.
+- per API, without HTTP, each as its route answers (request checks, translation, the reply's
+  JSON or its events, read to the end): chat, chat-stream (Chat Completions), responses,
+  responses-stream (the Responses API), messages, messages-stream (Anthropic's Messages API). The
+  agent sends back what each API replied in that API's own form (output items, content blocks).
 """
 
 from __future__ import annotations
@@ -33,7 +37,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # the shared CPU: see docs/
 
 from transformers import AutoTokenizer  # noqa: E402
 
-from agentgrpo.agents.endpoint import EndpointEpisode, PolicyEndpoint  # noqa: E402
+from agentgrpo.agents import anthropic, responses  # noqa: E402
+from agentgrpo.agents.endpoint import EndpointEpisode, PolicyEndpoint, chat_answer  # noqa: E402
 from agentgrpo.chat.format import ChatFormat  # noqa: E402
 from agentgrpo.engine.base import Completion, SamplingParams  # noqa: E402
 from agentgrpo.models.embedded import default_model_path  # noqa: E402
@@ -174,6 +179,115 @@ async def run(chat: ChatFormat, episodes: int, turns: int) -> dict[str, tuple[fl
     return out
 
 
+SYSTEM = "You are a careful assistant with a calculator."
+QUESTION = "What is 56 + 55?"
+
+
+async def read(response) -> list[dict]:
+    """A route's answer as JSON objects: the body, or each event's data (the stream read to its
+    end, as a client reads it)."""
+    if not hasattr(response, "body_iterator"):
+        return [json.loads(response.body)]
+    text = "".join([c if isinstance(c, str) else c.decode() async for c in response.body_iterator])
+    return [
+        json.loads(line[6:])
+        for line in text.splitlines()
+        if line.startswith("data: ") and line != "data: [DONE]"
+    ]
+
+
+def chat_reply(objs: list[dict]) -> dict:
+    """The assistant message of a chat reply, or joined from its chunks."""
+    if objs[0]["object"] == "chat.completion":
+        return objs[0]["choices"][0]["message"]
+    calls: dict[int, dict] = {}
+    for chunk in objs:
+        for choice in chunk["choices"]:
+            for d in choice["delta"].get("tool_calls") or []:
+                call = calls.setdefault(d["index"], {"type": "function", "function": {}})
+                call["id"] = d.get("id") or call.get("id")
+                fn = d.get("function") or {}
+                call["function"]["name"] = fn.get("name") or call["function"].get("name")
+                args = call["function"].get("arguments", "") + fn.get("arguments", "")
+                call["function"]["arguments"] = args
+    return {"role": "assistant", "content": None, "tool_calls": list(calls.values())}
+
+
+def messages_reply(objs: list[dict]) -> list[dict]:
+    """The content blocks of a Messages reply, or joined from its events."""
+    if objs[0].get("type") == "message":
+        return objs[0]["content"]
+    blocks: list[dict] = []
+    for event in objs:
+        if event["type"] == "content_block_start":
+            blocks.append(dict(event["content_block"], _json=""))
+        elif event["type"] == "content_block_delta" and "partial_json" in event["delta"]:
+            blocks[-1]["_json"] += event["delta"]["partial_json"]
+    for b in blocks:
+        raw = b.pop("_json")
+        if b["type"] == "tool_use":
+            b["input"] = json.loads(raw)
+    return blocks
+
+
+async def api_episode(api: str, ep: EndpointEpisode, turns: int, tools: list[dict]) -> None:
+    """One agent's calls through one API's route answer, sending back each reply in that API's
+    form."""
+    stream = api.endswith("-stream")
+    kind = api.removesuffix("-stream")
+    fn = tools[0]["function"]
+    if kind == "chat":
+        messages = conversation(0)
+        for _ in range(turns):
+            b = {"model": "policy", "messages": messages, "tools": tools, "stream": stream}
+            message = chat_reply(await read(await chat_answer(ep, b, "policy")))
+            call_id = message["tool_calls"][0]["id"]
+            messages += [message, {"role": "tool", "tool_call_id": call_id, "content": "111"}]
+    elif kind == "responses":
+        tool = {"type": "function", "name": fn["name"], "parameters": fn["parameters"]}
+        items: list[dict] = [{"role": "user", "content": QUESTION}]
+        for _ in range(turns):
+            b = {"model": "policy", "instructions": SYSTEM, "input": items, "tools": [tool]}
+            objs = await read(await responses.answer(ep, {**b, "stream": stream}, "policy"))
+            output = objs[-1]["response"]["output"] if stream else objs[0]["output"]
+            call_id = next(i["call_id"] for i in output if i["type"] == "function_call")
+            items += output + [
+                {"type": "function_call_output", "call_id": call_id, "output": "111"}
+            ]
+    else:
+        tool = {"name": fn["name"], "input_schema": fn["parameters"]}
+        messages = [{"role": "user", "content": QUESTION}]
+        for _ in range(turns):
+            b = {"model": "policy", "max_tokens": 64, "system": SYSTEM, "tools": [tool]}
+            b |= {"messages": messages, "stream": stream}
+            blocks = messages_reply(await read(await anthropic.answer(ep, b, "policy")))
+            use = next(x for x in blocks if x["type"] == "tool_use")
+            result = {"type": "tool_result", "tool_use_id": use["id"], "content": "111"}
+            messages += [
+                {"role": "assistant", "content": blocks},
+                {"role": "user", "content": [result]},
+            ]
+
+
+API_MODES = ("chat", "chat-stream", "responses", "responses-stream", "messages", "messages-stream")
+
+
+async def run_apis(chat: ChatFormat, episodes: int, turns: int) -> dict[str, tuple[float, float]]:
+    """Per API mode: (wall ms, CPU ms) per call; each episode's calls must stay one sequence."""
+    engine = InstantEngine(chat.encode(REPLY) + [chat.end_of_turn_id])
+    params, out = SamplingParams(max_new_tokens=64), {}
+    for api in API_MODES:
+        t0, c0 = time.perf_counter(), time.process_time()
+        for e in range(episodes):
+            ep = EndpointEpisode(id=f"{api}{e}", engine=engine, chat=chat, params=params)
+            await api_episode(api, ep, turns, [calculator.schema])
+            _, diverged = ep.trajectory("bench")
+            assert diverged is None and len(ep.calls) == turns
+        n = episodes * turns
+        out[api] = ((time.perf_counter() - t0) / n * 1e3, (time.process_time() - c0) / n * 1e3)
+    return out
+
+
 def local_turn_ms(path, chat: ChatFormat, max_new_tokens: int) -> tuple[float, float, int]:
     from agentgrpo.engine.local.engine import LocalEngine
 
@@ -201,13 +315,15 @@ def main() -> None:
     path = default_model_path()
     chat = ChatFormat(AutoTokenizer.from_pretrained(path))
     asyncio.run(run(chat, 5, args.turns))  # warm-up: template compile, first-render checks
+    asyncio.run(run_apis(chat, 5, args.turns))
     res = asyncio.run(run(chat, args.episodes, args.turns))
+    res |= asyncio.run(run_apis(chat, args.episodes, args.turns))
     print(f"{args.episodes} episodes x {args.turns} calls; per call: wall ms, CPU ms")
-    for name in ("direct", "endpoint", "http"):
-        print(f"  {name:9s} {res[name][0]:7.3f} {res[name][1]:7.3f}")
-    for name in ("endpoint", "http"):
+    for name in ("direct", "endpoint", "http", *API_MODES):
+        print(f"  {name:16s} {res[name][0]:7.3f} {res[name][1]:7.3f}")
+    for name in ("endpoint", "http", *API_MODES):
         print(
-            f"  overhead {name:9s} wall {res[name][0] - res['direct'][0]:.3f} ms, "
+            f"  overhead {name:16s} wall {res[name][0] - res['direct'][0]:.3f} ms, "
             f"CPU {res[name][1] - res['direct'][1]:.3f} ms"
         )
     if args.local_engine:

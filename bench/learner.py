@@ -44,7 +44,7 @@ from agentgrpo.learner.attention import AUTO_MIN_SHARE, use_segments, use_varlen
 from agentgrpo.learner.batch import make_micro_batches  # noqa: E402
 from agentgrpo.learner.learner import Learner, LearnerConfig  # noqa: E402
 from agentgrpo.learner.logprobs import PolicyForward, tf32_matmuls, to_loss_layout  # noqa: E402
-from agentgrpo.types import StopReason, Trajectory  # noqa: E402
+from agentgrpo.types import TrainingRow  # noqa: E402
 
 
 def smol_shaped(layers: int, seed: int = 0):
@@ -65,21 +65,24 @@ def smol_shaped(layers: int, seed: int = 0):
     return LlamaForCausalLM(cfg)
 
 
-def _traj(ids: list[int], mask: list[int], group: str, rng: random.Random) -> Trajectory:
-    return Trajectory(
-        task_id=group,
-        token_ids=ids,
-        loss_mask=mask,
-        logprobs=[-rng.uniform(0.1, 3.0) if m else 0.0 for m in mask],
-        prompt_len=mask.index(1),
-        messages=[],
-        stop_reason=StopReason.COMPLETED,
-        group_id=group,
-        reward=rng.random(),
+def _row(
+    ids: list[int],
+    mask: list[int],
+    group: str,
+    rng: random.Random,
+    index: int,
+    logprobs: list[float] | None = None,
+) -> TrainingRow:
+    """A training row with random rollout logprobs and advantage ((index * 7) % 5 - 2) / 2: mixed
+    signs, some zeros."""
+    lps = [-rng.uniform(0.1, 3.0) if m else 0.0 for m in mask]
+    rng.random()  # what the trajectory's reward drew: the batches stay those of earlier runs
+    return TrainingRow(
+        f"{group}/{index}", group, ids, mask, logprobs or lps, ((index * 7) % 5 - 2) / 2
     )
 
 
-def spread_batch(n: int, lo: int, hi: int, seed: int = 0, vocab: int = 49152) -> list[Trajectory]:
+def spread_batch(n: int, lo: int, hi: int, seed: int = 0, vocab: int = 49152) -> list[TrainingRow]:
     """n trajectories of lo..hi tokens, 40% prompt / 60% response, every one its own group."""
     rng = random.Random(seed)
     out = []
@@ -87,11 +90,11 @@ def spread_batch(n: int, lo: int, hi: int, seed: int = 0, vocab: int = 49152) ->
         length = rng.randint(lo, hi)
         prompt = max(1, int(length * 0.4))
         ids = [rng.randrange(vocab) for _ in range(length)]
-        out.append(_traj(ids, [0] * prompt + [1] * (length - prompt), f"s{i}", rng))
+        out.append(_row(ids, [0] * prompt + [1] * (length - prompt), f"s{i}", rng, len(out)))
     return out
 
 
-def grpo_batch(groups: int, size: int, seed: int = 0, vocab: int = 49152) -> list[Trajectory]:
+def grpo_batch(groups: int, size: int, seed: int = 0, vocab: int = 49152) -> list[TrainingRow]:
     """Tool-use shaped: a 170-token prompt per group; response 20..60, tool result 10..30 (mask 0),
     second response 10..40."""
     rng = random.Random(seed)
@@ -112,12 +115,8 @@ def grpo_batch(groups: int, size: int, seed: int = 0, vocab: int = 49152) -> lis
                 )
                 ids += toks
                 mask += [m] * len(toks)
-            out.append(_traj(ids, mask, f"g{g}", rng))
+            out.append(_row(ids, mask, f"g{g}", rng, len(out)))
     return out
-
-
-def advantages(trajs: list[Trajectory]) -> list[float]:
-    return [((i * 7) % 5 - 2) / 2 for i in range(len(trajs))]
 
 
 class Bare:
@@ -147,12 +146,12 @@ class Bare:
         self.device, self.tf32 = device, tf32
         self.opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
 
-    def step(self, trajs: list[Trajectory]) -> None:
+    def step(self, trajs: list[TrainingRow]) -> None:
         with tf32_matmuls(self.tf32):  # as the learner's tf32 option sets them
             self._step(trajs)
 
-    def _step(self, trajs: list[Trajectory]) -> None:
-        for mb in make_micro_batches(trajs, advantages(trajs), self.budget, mode="packed"):
+    def _step(self, trajs: list[TrainingRow]) -> None:
+        for mb in make_micro_batches(trajs, self.budget, mode="packed"):
             mb = mb.to(self.device)
             if self.head_only:
                 lp = self.forward(mb)[0]
@@ -197,7 +196,7 @@ def learner(model, **kw) -> Learner:
 
 
 def padding_waste(trajs, mode: str, budget: int) -> float:
-    mbs = make_micro_batches(trajs, advantages(trajs), budget, mode=mode)
+    mbs = make_micro_batches(trajs, budget, mode=mode)
     slots = sum(mb.num_tokens for mb in mbs)
     real = sum(len(t.token_ids) for t in trajs)
     return 1 - real / slots
@@ -206,14 +205,13 @@ def padding_waste(trajs, mode: str, budget: int) -> float:
 def spread_section(model, n: int, B: int, repeats: int) -> None:
     """1 + 2: length spread, padded vs packed, learner vs bare loops."""
     trajs = spread_batch(n, 20, 400)
-    adv = advantages(trajs)
     tokens = sum(len(t.token_ids) for t in trajs)
     runs = {
         "learner packed": partial(
-            learner(model, packing="packed", micro_batch_tokens=B).train_step, trajs, adv
+            learner(model, packing="packed", micro_batch_tokens=B).train_step, trajs
         ),
         "learner padded": partial(
-            learner(model, packing="padded", micro_batch_tokens=B).train_step, trajs, adv
+            learner(model, packing="padded", micro_batch_tokens=B).train_step, trajs
         ),
         "bare head-only": partial(Bare(copy.deepcopy(model), True, B).step, trajs),
         "bare full-logits": partial(Bare(copy.deepcopy(model), False, B).step, trajs),
@@ -243,16 +241,13 @@ def spread_section(model, n: int, B: int, repeats: int) -> None:
 def grpo_section(model, B: int, repeats: int) -> None:
     """3 + 4: GRPO-shaped batch: shared prompt, bf16."""
     g = grpo_batch(groups=4, size=8)
-    gadv = advantages(g)
     gtok = sum(len(x.token_ids) for x in g)
-    shared = make_micro_batches(g, gadv, B, mode="shared_prefix")
+    shared = make_micro_batches(g, B, mode="shared_prefix")
     runs = {
-        "packed": partial(
-            learner(model, packing="packed", micro_batch_tokens=B).train_step, g, gadv
-        ),
-        "shared_prefix": partial(learner(model, micro_batch_tokens=B).train_step, g, gadv),
+        "packed": partial(learner(model, packing="packed", micro_batch_tokens=B).train_step, g),
+        "shared_prefix": partial(learner(model, micro_batch_tokens=B).train_step, g),
         "shared_prefix bf16": partial(
-            learner(model, micro_batch_tokens=B, autocast="bf16").train_step, g, gadv
+            learner(model, micro_batch_tokens=B, autocast="bf16").train_step, g
         ),
     }
     t = compare(runs, repeats)
@@ -317,7 +312,6 @@ def real_model_steps(budget: int) -> None:
 
     model = AutoModelForCausalLM.from_pretrained(default_model_path(), dtype=torch.float32)
     g = grpo_batch(groups=4, size=8)
-    gadv = advantages(g)
     gtok = sum(len(x.token_ids) for x in g)
     variants = {
         "shared_prefix fp32": {},
@@ -327,8 +321,8 @@ def real_model_steps(budget: int) -> None:
     t: dict[str, list[float]] = {}
     for k, kw in variants.items():
         L = learner(model, micro_batch_tokens=budget, **kw)
-        rss = L.train_step(g, gadv).get("mem/rss_peak_gb", float("nan"))
-        t[k] = [timed(partial(L.train_step, g, gadv))]
+        rss = L.train_step(g).get("mem/rss_peak_gb", float("nan"))
+        t[k] = [timed(partial(L.train_step, g))]
         del L
         gc.collect()
     print(
@@ -383,15 +377,14 @@ def real_model_gap(samples: int = 8, new_tokens: int = 48) -> None:
             for s, t in zip(out.scores, resp, strict=False)
         ]
         n = len(lps)
-        tr = _traj(prompt + resp[:n], [0] * len(prompt) + [1] * n, "g", rng)
-        tr.logprobs = [0.0] * len(prompt) + lps
-        trajs.append(tr)
+        ids, mask = prompt + resp[:n], [0] * len(prompt) + [1] * n
+        trajs.append(_row(ids, mask, "g", rng, i, logprobs=[0.0] * len(prompt) + lps))
     gaps = {}
     for name, bf16 in (("fp32", False), ("bf16 autocast", True)):
         fwd = PolicyForward(model, autocast_bf16=bf16)
         diffs = []
         with torch.no_grad():
-            for mb in make_micro_batches(trajs, [0.0] * samples, 8192):
+            for mb in make_micro_batches(trajs, 8192):
                 lp_BT = to_loss_layout(fwd(mb)[0], mb)
                 m = mb.loss_mask_BT > 0
                 diffs.append((lp_BT[m] - mb.rollout_logprobs_BT[m]).abs())

@@ -73,7 +73,7 @@ import torch  # noqa: E402
 from agentgrpo.algo.loss import LossConfig  # noqa: E402
 from agentgrpo.learner.batch import make_micro_batches  # noqa: E402
 from agentgrpo.learner.learner import Learner, LearnerConfig  # noqa: E402
-from bench.learner import Bare, advantages, grpo_batch, spread_batch  # noqa: E402
+from bench.learner import Bare, grpo_batch, spread_batch  # noqa: E402
 from bench.learner_memory import long_batch  # noqa: E402
 
 
@@ -282,7 +282,6 @@ def main() -> None:
     ):
         if label not in args.shapes.split(","):
             continue
-        adv = advantages(trajs)
         named = {}
         for k, kw in variants.items():
             if dev != "cuda" and (
@@ -302,7 +301,7 @@ def main() -> None:
             except Exception as e:  # noqa: BLE001 - as in `measure`: report it, measure the rest
                 print(f"  {k}: FAILED to build, left out: {e!r}", flush=True)
                 continue
-            named[k] = partial(built.train_step, trajs, adv)
+            named[k] = partial(built.train_step, trajs)
             print(f"  {k}: attention {built.attention.path} ({built.attention.reason})", flush=True)
         bares = {"bare fwd+bwd": False}
         if "learner packed varlen" in named:
@@ -326,7 +325,7 @@ def main() -> None:
         r = measure(named, args.repeats, dev)
         tokens = sum(len(t.token_ids) for t in trajs)
         flops = useful_flops(model, trajs)
-        mbs = {m: make_micro_batches(trajs, adv, args.budget, mode=m) for m in ("padded", "packed")}
+        mbs = {m: make_micro_batches(trajs, args.budget, mode=m) for m in ("padded", "packed")}
         waste = {m: 1 - tokens / sum(mb.num_tokens for mb in v) for m, v in mbs.items()}
         print(
             f"\n{label}: {len(trajs)} trajectories, {tokens} tokens; padding waste padded "

@@ -41,7 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 def long_batch(groups: int, size: int, vocab: int, seed: int = 0) -> list:
     """python_math-shaped: a 250-token prompt per group, 3 turns of 80-220 sampled ids followed by
     30-90 tool-output ids (loss mask 0)."""
-    from bench.learner import _traj
+    from bench.learner import _row
 
     rng = random.Random(seed)
     out = []
@@ -53,7 +53,7 @@ def long_batch(groups: int, size: int, vocab: int, seed: int = 0) -> list:
                 sampled, tool = rng.randint(80, 220), rng.randint(30, 90)
                 ids += [rng.randrange(vocab) for _ in range(sampled + tool)]
                 mask += [1] * sampled + [0] * tool
-            out.append(_traj(ids, mask, f"g{g}", rng))
+            out.append(_row(ids, mask, f"g{g}", rng, len(out)))
     return out
 
 
@@ -63,7 +63,7 @@ def child(spec: str, groups: int, steps: int, shape: str, autocast: str) -> dict
     from agentgrpo.algo.loss import LossConfig
     from agentgrpo.learner.learner import Learner, LearnerConfig
     from agentgrpo.models.embedded import default_model_path, load_policy
-    from bench.learner import advantages, grpo_batch
+    from bench.learner import grpo_batch
 
     torch.manual_seed(0)
     model = load_policy(default_model_path())
@@ -83,7 +83,7 @@ def child(spec: str, groups: int, steps: int, shape: str, autocast: str) -> dict
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     times = []
     for _ in range(steps):
-        m = learner.train_step(trajs, advantages(trajs))
+        m = learner.train_step(trajs)
         times.append(m["learner_s"])
     return {
         "budget": spec,

@@ -52,6 +52,9 @@ def run(out: Path, url: str, steps: int, k: int) -> tuple[float, list[dict]]:
             "log.tensorboard=false",
             "eval.every=0",
             f"train.max_staleness={k}",
+            # both runs alike: the overlapped one needs an importance correction
+            "learner.old_logprobs=recompute",
+            "loss.tis=token",
         ],
     )
     t0 = time.perf_counter()

@@ -45,6 +45,7 @@ from agentgrpo import Message, Task, ToolEnv, tool  # noqa: E402
 from agentgrpo.chat.format import ChatFormat  # noqa: E402
 from agentgrpo.engine.base import Completion, SamplingParams  # noqa: E402
 from agentgrpo.rollout.episode import RolloutConfig, collect, run_group  # noqa: E402
+from agentgrpo.rollout.seeds import episode_seed  # noqa: E402
 
 
 @dataclass
@@ -158,7 +159,7 @@ class Barrier:
         self._maybe_release()
         return await (await fut)
 
-    def leave(self, _traj) -> None:
+    def leave(self, _traj, _score) -> None:
         self.live -= 1
         self._maybe_release()
 
@@ -204,6 +205,7 @@ async def run_lockstep(
     for w in range(0, len(tasks), per_wave):
         wave = list(enumerate(tasks))[w : w + per_wave]
         barrier = Barrier(engine, len(wave) * cfg.group_size)
+        seeds = [episode_seed(0, draw=i) for i, _ in wave]  # collect's rule for group i
         groups += await asyncio.gather(
             *(
                 run_group(
@@ -212,12 +214,12 @@ async def run_lockstep(
                     chat,
                     t,
                     cfg.group_size,
-                    replace(params, seed=i * cfg.group_size),
-                    seed=i,
+                    replace(params, seed=seed),
+                    seed=seed,
                     limits=cfg,
                     on_done=barrier.leave,
                 )
-                for i, t in wave
+                for (_, t), seed in zip(wave, seeds, strict=True)
             )
         )
     return groups

@@ -19,6 +19,16 @@ from tools.calculator import calculator, evaluate, format_number
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 
 
+_THINKING = re.compile(r"<think>.*?(?:</think>|\Z)", re.S)
+
+
+def drop_thinking(text: str) -> str:
+    """The reply without its `<think>` blocks (an unclosed one runs to the end): the answer is
+    what the reply commits to, not a number met while reasoning (the reward-hack audit's "answer
+    in a think block")."""
+    return _THINKING.sub("", text)
+
+
 def last_number(text: str) -> Fraction | None:
     found = _NUMBER.findall(text)
     if not found:
@@ -70,7 +80,7 @@ class CalculatorEnv(ToolEnv):
         return msgs + task.prompt_messages()
 
     def reward(self, task: Task, messages: list[Message]) -> float:
-        answer = last_number(messages[-1].content)
+        answer = last_number(drop_thinking(messages[-1].content))
         return float(answer is not None and answer == Fraction(str(task.answer)))
 
     @classmethod

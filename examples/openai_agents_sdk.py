@@ -1,8 +1,12 @@
-"""The calculator agent written with the OpenAI Agents SDK (`pip install openai-agents`).
+"""The calculator agent written with the OpenAI Agents SDK (`pip install openai-agents`), on the
+SDK's default model: the Responses API.
 
-The SDK's Chat Completions model takes the episode's client, so the agent is plain SDK code: an
-`Agent` with a `function_tool`, run by `Runner.run`. Train it with
+Plain SDK code: an `Agent` with a `function_tool`, run by `Runner.run`, with a model provider
+built on the episode's client (`OpenAIProvider(openai_client=client)`; its default model speaks
+the Responses API, which the episode endpoint serves). Train it with
 `agentgrpo train examples/openai_agent.yaml env.name=examples.openai_agents_sdk:CalculatorSDKAgent`.
+`OpenAIChatCompletionsModel(model=self.model, openai_client=client)` as the agent's model works
+as well (Chat Completions).
 """
 
 from __future__ import annotations
@@ -13,7 +17,9 @@ import openai
 from agents import (
     Agent,
     MaxTurnsExceeded,
-    OpenAIChatCompletionsModel,
+    ModelBehaviorError,
+    OpenAIProvider,
+    RunConfig,
     Runner,
     function_tool,
     set_tracing_disabled,
@@ -52,11 +58,16 @@ class CalculatorSDKAgent(AgentEnv):
             name="calculator",
             instructions=CalculatorEnv.system_prompt,
             tools=[calculator_tool],
-            model=OpenAIChatCompletionsModel(model=self.model, openai_client=client),
+            model=self.model,
         )
+        config = RunConfig(model_provider=OpenAIProvider(openai_client=client))
         try:
-            result = await Runner.run(agent, str(task.prompt), max_turns=self.max_turns)
-        except MaxTurnsExceeded:
+            result = await Runner.run(
+                agent, str(task.prompt), max_turns=self.max_turns, run_config=config
+            )
+        except (MaxTurnsExceeded, ModelBehaviorError):
+            # the policy's doing (too many turns, a reply cut at the token limit, a malformed
+            # call), so a reward of 0, not an env error
             return 0.0
         number = last_number(str(result.final_output))
         return float(number is not None and number == Fraction(str(task.answer)))

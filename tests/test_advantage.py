@@ -390,39 +390,43 @@ def test_turn_config_validation():
 # --------------------------
 
 
-def _episodes():
+def _episodes(changes=None):
+    """A group of three two-turn episodes (two runs of loss_mask == 1); the last one's second turn
+    got no env.step. `changes`: {index: fields to replace} of some episodes."""
+    import dataclasses
+
+    from agentgrpo.types import Group, Task
     from tests.tiny import traj
 
-    # two turns each (two runs of loss_mask == 1); the last one's second turn got no env.step
-    masks = [[0, 1, 0, 1], [0, 1, 0, 1], [0, 1, 0, 1]]
     turn_rewards = [[0.5, 1.0], [0.0, 1.0], [0.0]]
     out = []
-    for mask, tr in zip(masks, turn_rewards, strict=True):
-        t = traj([1, 2, 3, 4], mask, group="g", reward=sum(tr))
-        t.turn_rewards = tr
-        out.append(t)
-    return out
+    for i, tr in enumerate(turn_rewards):
+        t = traj([1, 2, 3, 4], [0, 1, 0, 1], group="g", reward=sum(tr))
+        out.append(dataclasses.replace(t, turn_rewards=tr, **(changes or {}).get(i, {})))
+    return Group("g", Task(id="t", prompt="p"), out)
 
 
 def test_assign_advantages_outcome_only_is_unchanged_and_turn_level_sets_turns():
     from agentgrpo.run.config import RunConfig
     from agentgrpo.run.train import assign_advantages
 
-    trajs = _episodes()
-    assign_advantages(trajs, RunConfig.model_validate({"advantage": {"estimator": "grpo"}}))
+    group = _episodes()
+    adv = assign_advantages([group], RunConfig.model_validate({"advantage": {"estimator": "grpo"}}))
     want = compute_advantages(torch.tensor([1.5, 1.0, 0.0]), ["g"] * 3).tolist()
-    assert [t.advantage for t in trajs] == want  # exactly compute_advantages' numbers
-    assert all(t.turn_advantages is None and "turn_advantages" in t.to_dict() for t in trajs)
+    trajs = group.trajectories
+    assert [adv[t.id].value for t in trajs] == want  # exactly compute_advantages' numbers
+    assert all(adv[t.id].per_turn is None for t in trajs)
+    assert all(t.to_dict(advantage=adv[t.id])["turn_advantages"] is None for t in trajs)
 
-    trajs = _episodes()
-    assign_advantages(trajs, RunConfig.model_validate({"advantage": {"estimator": "turn_grpo"}}))
-    assert [t.advantage for t in trajs] == want  # the outcome term
+    cfg = RunConfig.model_validate({"advantage": {"estimator": "turn_grpo"}})
+    adv = assign_advantages([group], cfg)
+    assert [adv[t.id].value for t in trajs] == want  # the outcome term
     # the third episode's unanswered second turn counts as reward 0 (sampled_turn_rewards)
     expected = compute_turn_advantages(
         torch.tensor([1.5, 1.0, 0.0]), [[0.5, 1.0], [0.0, 1.0], [0.0, 0.0]], ["g"] * 3
     )
-    assert [t.turn_advantages for t in trajs] == expected
-    assert [t.to_dict()["turn_advantages"] for t in trajs] == expected
+    assert [list(adv[t.id].per_turn) for t in trajs] == expected
+    assert [t.to_dict(advantage=adv[t.id])["turn_advantages"] for t in trajs] == expected
 
 
 def test_assign_advantages_turn_level_drops_unscorable_and_masked_rows():
@@ -430,11 +434,9 @@ def test_assign_advantages_turn_level_drops_unscorable_and_masked_rows():
     from agentgrpo.run.train import assign_advantages
     from agentgrpo.types import StopReason
 
-    trajs = _episodes()
-    trajs[0].reward = NAN
-    trajs[2].stop_reason = StopReason.MAX_TOKENS
+    group = _episodes({0: {"reward": NAN}, 2: {"stop_reason": StopReason.MAX_TOKENS}})
     cfg = {"advantage": {"estimator": "turn_grpo"}, "shaping": {"mask_truncated": True}}
-    assign_advantages(trajs, RunConfig.model_validate(cfg))
-    assert trajs[0].advantage is None and trajs[0].turn_advantages is None
-    assert trajs[2].advantage is None and trajs[2].turn_advantages is None
-    assert trajs[1].advantage is not None and len(trajs[1].turn_advantages) == 2
+    adv = assign_advantages([group], RunConfig.model_validate(cfg))
+    first, second, third = group.trajectories
+    assert first.id not in adv and third.id not in adv  # not trained on: no advantage at all
+    assert len(adv[second.id].per_turn) == 2

@@ -56,7 +56,7 @@ def assert_token_exact(traj, engine):
     is a prefix of the trajectory."""
     traj.check()
     for prompt in engine.calls:
-        assert traj.token_ids[: len(prompt)] == prompt
+        assert list(traj.token_ids[: len(prompt)]) == prompt
     spans = [(len(p), len(p) + n) for p, n in zip(engine.calls, engine.sampled_lengths)]
     assert [i for i, m in enumerate(traj.loss_mask) if m] == [
         i for a, b in spans for i in range(a, b)
@@ -86,7 +86,7 @@ def test_agent_calls_tool_and_answers_token_exact(chat):
     assert_token_exact(traj, engine)
     sampled = [lp for lp, m in zip(traj.logprobs, traj.loss_mask) if m]
     assert sampled == [lp for _, lps in engine.sampled for lp in lps]
-    assert traj.token_ids[: traj.prompt_len] == engine.calls[0]
+    assert list(traj.token_ids[: traj.prompt_len]) == engine.calls[0]
 
 
 def test_replies_sent_back_are_never_re_tokenized(chat, monkeypatch):
@@ -149,8 +149,10 @@ def test_a_divergent_prompt_opens_a_segment_unless_the_mode_is_single(smol_token
     for seg, prompt, (sampled, logprobs) in zip(
         traj.segments, engine.calls, engine.sampled, strict=True
     ):
-        assert seg.token_ids == prompt + sampled and seg.prompt_len == len(prompt)
-        assert seg.logprobs[seg.prompt_len :] == logprobs and all(seg.loss_mask[seg.prompt_len :])
+        assert list(seg.token_ids) == prompt + sampled and seg.prompt_len == len(prompt)
+        assert list(seg.logprobs[seg.prompt_len :]) == logprobs and all(
+            seg.loss_mask[seg.prompt_len :]
+        )
     [traj], engine = group(chat, by_turn(chat, CALL, "The answer is 111."))
     assert traj.stop_reason == StopReason.COMPLETED and traj.num_turns == 2
     assert len(traj.segments) == {"auto": 1, "stepwise": 2}[mode]
@@ -243,8 +245,20 @@ class Scored(ReturnsNone):
 
 
 def test_none_leaves_the_reward_to_the_rubric(chat):
-    [traj], _ = group(chat, ["1"], env=Scored)
-    assert traj.stop_reason == StopReason.COMPLETED and traj.reward == 0.25
+    g = asyncio.run(
+        run_group(
+            Scored,
+            ScriptedEngine(chat.tokenizer, ["1"], chat.end_of_turn_id),
+            chat,
+            TASK,
+            1,
+            SamplingParams(max_new_tokens=64),
+            seed=0,
+        )
+    )
+    [traj] = g.trajectories
+    assert traj.stop_reason == StopReason.COMPLETED and g.rewards == [0.25]
+    assert traj.reward == 0.0 and g.score(traj).env_reward == 0.0  # run gave none: the rubric did
 
 
 class Closes(Calc):
@@ -315,7 +329,9 @@ def test_sampled_ids_are_the_local_engines(chat, stopping_model_dir):
             end = next(
                 (i for i in range(s, len(t.loss_mask)) if not t.loss_mask[i]), len(t.loss_mask)
             )
-            assert (t.token_ids[s:end], t.logprobs[s:end]) in by_prompt[tuple(t.token_ids[:s])]
+            assert (list(t.token_ids[s:end]), list(t.logprobs[s:end])) in by_prompt[
+                tuple(t.token_ids[:s])
+            ]
 
 
 def test_an_openai_agents_sdk_agent_trains_token_exact(chat):

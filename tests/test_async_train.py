@@ -31,8 +31,10 @@ class SlowTaskEnv(VariedRewardEnv):
         return super().reset(seed=seed, options=options)
 
 
-ASYNC = ("train.max_staleness=2", "env.name=tests.test_async_train:SlowTaskEnv")
-ONE = "train.max_staleness=1"
+# stale samples need an importance correction (RunConfig._off_policy_is_corrected)
+CORRECTED = ("learner.old_logprobs=recompute", "loss.tis=token")
+ASYNC = ("train.max_staleness=2", "env.name=tests.test_async_train:SlowTaskEnv", *CORRECTED)
+ONE = ("train.max_staleness=1", *CORRECTED)
 
 
 def _positions(out):
@@ -63,7 +65,7 @@ def test_k_1_samples_the_next_step_with_the_weights_before_the_update(tmp_path, 
     group sampled by the same weights is the one the synchronous loop samples: its task and seeds
     follow from its position."""
     out, plain = tmp_path / "run", tmp_path / "plain"
-    assert _train(out, stopping_model_dir, 3, ONE) == 0
+    assert _train(out, stopping_model_dir, 3, *ONE) == 0
     metrics = read_jsonl(out / "metrics.jsonl")
     assert [m["policy_lag"] for m in metrics] == [0.0, 1.0, 1.0]
     assert all("phase_s/train+rollout" in m for m in metrics)
@@ -90,13 +92,13 @@ def test_k_1_never_crosses_a_checkpoint_and_a_resume_continues_from_it(
     the groups the run sampled after it, token for token (the checkpoint's weights sample all of
     them: the push waits for them); only which of steps 3 and 4 a group lands in may differ."""
     run, copy = tmp_path / "run", tmp_path / "copy"
-    assert _train(run, stopping_model_dir, 4, "train.save_every=2", ONE) == 0
+    assert _train(run, stopping_model_dir, 4, "train.save_every=2", *ONE) == 0
     assert _lags(run) == [0.0, 1.0, 0.0, 1.0]
     manifest = json.loads((run / "checkpoints" / "step-000002" / "trainer.json").read_text())
     assert manifest["data_position"] == 4 and manifest["pending_positions"] == []
     shutil.copytree(run, copy)
     shutil.rmtree(copy / "checkpoints" / "step-000004")  # as if killed in step 4
-    assert _train(copy, stopping_model_dir, 4, "train.save_every=2", ONE) == 0
+    assert _train(copy, stopping_model_dir, 4, "train.save_every=2", *ONE) == 0
     assert _lags(copy) == [0.0, 1.0, 0.0, 1.0]
     a, b = _positions(run), _positions(copy)
     assert sorted(a[3] + a[4]) == sorted(b[3] + b[4]) == [4, 5, 6, 7]
@@ -121,7 +123,7 @@ def test_a_stop_while_sampling_ahead_keeps_the_groups_for_after_the_resume(
 
     out = tmp_path / "run"
     monkeypatch.setattr(Learner, "train_step", sigterm_in_the_first_step)
-    assert _train(out, stopping_model_dir, 3, ONE) == 0
+    assert _train(out, stopping_model_dir, 3, *ONE) == 0
     monkeypatch.setattr(Learner, "train_step", real_step)
     manifest = json.loads((out / "checkpoints" / "step-000001" / "trainer.json").read_text())
     trained = _positions(out)[1]
@@ -130,7 +132,7 @@ def test_a_stop_while_sampling_ahead_keeps_the_groups_for_after_the_resume(
     )
     assert sorted(trained + manifest["pending_positions"]) == list(range(manifest["data_position"]))
 
-    assert _train(out, stopping_model_dir, 3, ONE) == 0
+    assert _train(out, stopping_model_dir, 3, *ONE) == 0
     positions = [p for ps in _positions(out).values() for p in ps]
     assert sorted(positions) == list(range(6))
 
@@ -236,7 +238,7 @@ def test_two_ranks_with_k_1(tmp_path, stopping_model_dir):
     two = tmp_path / "two"
     # (_train_on_rank checkpoints every 2 steps, which fences the sampling ahead; 3 lets it run.)
     spawn_gloo(
-        _train_on_rank, str(two), str(stopping_model_dir), 3, ONE, HANG, "train.save_every=3"
+        _train_on_rank, str(two), str(stopping_model_dir), 3, *ONE, HANG, "train.save_every=3"
     )
     assert _lags(two) == [0.0, 1.0, 1.0]
     assert sorted(p for ps in _positions(two).values() for p in ps) == list(range(6))
@@ -261,10 +263,8 @@ def test_policy_lag_reads_the_engines_versions():
 
 def test_staleness_with_recomputed_old_logprobs_needs_a_correction():
     """Also under the old name, which stays an alias of max_staleness: 1."""
-    for k in (ONE, "train.overlap_rollouts=true"):
+    for k in ("train.max_staleness=1", "train.overlap_rollouts=true"):
         with pytest.raises(Exception, match="loss.tis"):
             load_config("examples/calculator.yaml", [k, "learner.old_logprobs=recompute"])
-        cfg = load_config(
-            "examples/calculator.yaml", [k, "learner.old_logprobs=recompute", "loss.tis=token"]
-        )
+        cfg = load_config("examples/calculator.yaml", [k, *CORRECTED])
         assert cfg.train.max_staleness == 1

@@ -30,8 +30,8 @@ from agentgrpo.learner.attention import (
 from agentgrpo.learner.batch import make_micro_batches
 from agentgrpo.learner.learner import Learner, LearnerConfig
 from agentgrpo.learner.logprobs import PolicyForward
-from tests.tiny import groups_of_trajectories, tiny_llama, traj
-from tests.varlen_reference import reference_varlen_attn
+from tests.tiny import groups_of_trajectories, rows, tiny_llama, traj
+from tests.varlen_reference import reference_varlen_attn, top_left_varlen_attn
 
 
 def _forward_backward(model, mb, bf16=False):
@@ -43,7 +43,7 @@ def _forward_backward(model, mb, bf16=False):
 @pytest.mark.parametrize("mode", ["shared_prefix", "packed"])
 def test_segments_give_the_masked_kernels_logprobs_and_gradients(mode):
     trajs = groups_of_trajectories(n_groups=4, size=4, seed=2)
-    batches = make_micro_batches(trajs, [0.0] * len(trajs), 300, mode=mode)
+    batches = make_micro_batches(rows(trajs, [0.0] * len(trajs)), 300, mode=mode)
     tails = [int((mb.segment_ids_RS == 0).sum()) for mb in batches]
     assert (
         any(mb.input_ids_RS.shape[0] > 1 for mb in batches) and sum(tails) > 0
@@ -60,7 +60,7 @@ def test_segments_give_the_masked_kernels_logprobs_and_gradients(mode):
 
 def test_segments_under_bf16_autocast_agree_with_the_mask_to_bf16_rounding():
     trajs = groups_of_trajectories(n_groups=2, size=4, seed=3)
-    (mb,) = make_micro_batches(trajs, [0.0] * len(trajs), 4096)
+    (mb,) = make_micro_batches(rows(trajs, [0.0] * len(trajs)), 4096)
     masked = _forward_backward(tiny_llama("sdpa"), mb, bf16=True)
     seg_model = tiny_llama("sdpa")
     use_segments(seg_model)
@@ -74,7 +74,7 @@ def test_spans_of_a_shared_prefix_row():
     a = traj([1, 2, 3, 4, 5], [0, 0, 1, 1, 1], group="x")
     b = traj([1, 2, 3, 6], [0, 0, 0, 1], group="x")
     c = traj([7, 8], [0, 1], group="y")
-    batches = make_micro_batches([a, b, c], [0.0] * 3, 64, mode="shared_prefix")
+    batches = make_micro_batches(rows([a, b, c], [0.0] * 3), 64, mode="shared_prefix")
     (mb,) = batches  # row 0 = 1 2 3 | 6 | 4 5 ; row 1 = 7 8 + tail
     seg = Segments.of(mb)
     assert seg.spans == [(0, 0, 3, 0, 0), (0, 3, 4, 0, 3), (0, 4, 6, 0, 3), (1, 0, 2, 0, 0)]
@@ -123,7 +123,7 @@ def _layout_dropped_before_attention(switch, key: str, kernel, layout: str, matc
         return kernel(module, q, k, v, mask, **kw)
 
     trajs = groups_of_trajectories()
-    (mb,) = make_micro_batches(trajs, [0.0] * len(trajs), 4096)
+    (mb,) = make_micro_batches(rows(trajs, [0.0] * len(trajs)), 4096)
     model = tiny_llama("sdpa")
     switch(model)
     AttentionInterface.register(key, drops_the_layout)
@@ -143,8 +143,7 @@ def test_a_layout_that_never_reaches_attention_raises():
 
 def test_features_it_does_not_implement_are_named():
     (mb,) = make_micro_batches(
-        [traj([1, 2, 3], [0, 1, 1]), traj([4, 5, 6], [0, 1, 1], group="h")],
-        [0.0, 0.0],
+        rows([traj([1, 2, 3], [0, 1, 1]), traj([4, 5, 6], [0, 1, 1], group="h")], [0.0, 0.0]),
         64,
         mode="packed",
     )
@@ -183,7 +182,7 @@ def test_the_learner_picks_segments_on_the_cpu_and_trains_the_same_as_the_mask()
             LossConfig(kl_coef=0.05),
             temperature=0.7,
         )
-        metrics[attention] = learner.train_step(trajs, adv)
+        metrics[attention] = learner.train_step(rows(trajs, adv))
         learners[attention] = learner
         weights[attention] = {
             n: p.detach().clone() for n, p in learner.unwrapped.named_parameters()
@@ -232,7 +231,7 @@ def test_auto_runs_segments_only_on_rows_long_enough_to_pay():
     short = int(AUTO_MIN_SHARE / r) - 4  # rows whose masked attention costs less than the threshold
     for T, want in ((short, "mask"), (short + 8, "segments")):
         (mb,) = make_micro_batches(
-            [traj(list(range(T)), [0] + [1] * (T - 1))], [0.0], 4096, mode="packed"
+            rows([traj(list(range(T)), [0] + [1] * (T - 1))], [0.0]), 4096, mode="packed"
         )
         mb.needs_mask = True  # a lone row needs none; force the choice
         got = _layout_kwargs(model, mb, False, AUTO_MIN_SHARE)
@@ -241,6 +240,27 @@ def test_auto_runs_segments_only_on_rows_long_enough_to_pay():
         assert "segments" in _layout_kwargs(model, mb, False, 0.0)  # attention: segments, any row
         lp = PolicyForward(model, segment_min_share=AUTO_MIN_SHARE)(mb, 1.0)[0]
         torch.testing.assert_close(lp, PolicyForward(model)(mb, 1.0)[0], atol=1e-5, rtol=0)
+
+
+def test_take_rows_adds_repeated_rows_gradients_in_index_order():
+    """A shared prompt's keys (and its last hidden state) are gathered once per continuation, so
+    the gradient adds several rows into one. On the CPU, `x[idx]`'s backward adds them with atomic
+    adds from all threads once the tensor is large, in an order that changes from run to run (one
+    of the two reasons two runs of a config drifted apart: docs/learner.md); `take_rows` adds them
+    in index order, every time."""
+    from agentgrpo.learner.attention import take_rows
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 9, 64, generator=g).requires_grad_()  # 36864 values: torch's parallel path
+    idx = torch.randint(0, 8, (4, 96), generator=g)  # 384 gathers of 8 rows: heavy repetition
+    upstream = torch.randn(4, 96, 9, 64, generator=g) * torch.logspace(-6, 6, 64)  # order-sensitive
+    torch.testing.assert_close(take_rows(x, idx), x[idx], atol=0, rtol=0)
+    expected = torch.zeros_like(x)
+    for i, row in enumerate(idx.reshape(-1).tolist()):  # one index after another
+        expected[row] += upstream.reshape(-1, 9, 64)[i]
+    for _ in range(5):
+        (grad,) = torch.autograd.grad(take_rows(x, idx), x, upstream)
+        assert torch.equal(grad, expected)
 
 
 # --- varlen attention --------------------------------------------------------------------------
@@ -257,7 +277,7 @@ def test_varlen_offsets_and_positions_of_packed_rows():
     a = traj([6, 7, 8], [0, 1, 1], group="a")
     b = traj([9, 10], [0, 1], group="b")
     e = traj([11, 12], [0, 1], group="e")
-    (mb,) = make_micro_batches([c, a, b, e], [0.0] * 4, 64, mode="packed")
+    (mb,) = make_micro_batches(rows([c, a, b, e], [0.0] * 4), 64, mode="packed")
     # First fit decreasing into rows of 5: [c], [a b], [e + a tail of 3]; flat runs c [0, 5),
     # a [5, 8), b [8, 10), e [10, 12), tail [12, 15).
     assert mb.input_ids_RS.tolist() == [[1, 2, 3, 4, 5], [6, 7, 8, 9, 10], [11, 12, 0, 0, 0]]
@@ -272,7 +292,7 @@ def test_varlen_offsets_of_a_shared_prefix_row():
     a = traj([1, 2, 3, 4, 5], [0, 0, 1, 1, 1], group="x")
     b = traj([1, 2, 3, 6], [0, 0, 0, 1], group="x")
     c = traj([7, 8], [0, 1], group="y")
-    (mb,) = make_micro_batches([a, b, c], [0.0] * 3, 64, mode="shared_prefix")
+    (mb,) = make_micro_batches(rows([a, b, c], [0.0] * 3), 64, mode="shared_prefix")
     # row 0 = 1 2 3 | 6 | 4 5 (prompt, b's own, a's own), row 1 = 7 8 + a tail of 4; rows of 6.
     assert mb.input_ids_RS.tolist() == [[1, 2, 3, 6, 4, 5], [7, 8, 0, 0, 0, 0]]
     # continuations count on after their prompt: b's 6 at 3, a's 4 5 at 3 4
@@ -301,7 +321,7 @@ def test_the_reference_kernel_aligns_causal_to_the_bottom_right():
 @pytest.mark.parametrize("mode", ["shared_prefix", "packed"])
 def test_varlen_gives_the_masked_kernels_logprobs_and_gradients(mode, reference_kernel):
     trajs = groups_of_trajectories(n_groups=4, size=4, seed=2)
-    batches = make_micro_batches(trajs, [0.0] * len(trajs), 300, mode=mode)
+    batches = make_micro_batches(rows(trajs, [0.0] * len(trajs)), 300, mode=mode)
     assert any(mb.input_ids_RS.shape[0] > 1 for mb in batches)  # several rows, row tails
     for mb in batches:
         masked = _forward_backward(tiny_llama("sdpa"), mb)
@@ -328,7 +348,7 @@ def test_varlen_through_torch_2_10s_signature(monkeypatch):
 
     monkeypatch.setattr(attention_module, "VARLEN_KERNEL", torch_2_10)
     trajs = groups_of_trajectories(n_groups=2, size=4, seed=4)
-    (mb,) = make_micro_batches(trajs, [0.0] * len(trajs), 4096)
+    (mb,) = make_micro_batches(rows(trajs, [0.0] * len(trajs)), 4096)
     masked = _forward_backward(tiny_llama("sdpa"), mb)
     model = tiny_llama("sdpa")
     use_varlen(model)
@@ -351,7 +371,7 @@ def test_varlen_under_bf16_autocast_calls_the_kernel_in_bf16(monkeypatch):
 
     monkeypatch.setattr(attention_module, "VARLEN_KERNEL", spy)
     trajs = groups_of_trajectories(n_groups=2, size=4, seed=3)
-    (mb,) = make_micro_batches(trajs, [0.0] * len(trajs), 4096)
+    (mb,) = make_micro_batches(rows(trajs, [0.0] * len(trajs)), 4096)
     masked = _forward_backward(tiny_llama("sdpa"), mb, bf16=True)
     model = tiny_llama("sdpa")
     use_varlen(model)
@@ -382,7 +402,7 @@ def test_a_varlen_layout_that_never_reaches_attention_raises(reference_kernel):
 
 def test_varlen_names_the_features_it_does_not_implement(reference_kernel):
     (mb,) = make_micro_batches(
-        [traj([1, 2, 3], [0, 1, 1]), traj([4, 5, 6], [0, 1, 1], group="h")], [0.0, 0.0], 64
+        rows([traj([1, 2, 3], [0, 1, 1]), traj([4, 5, 6], [0, 1, 1], group="h")], [0.0, 0.0]), 64
     )
     v = Varlen.of(mb)
     R, S = mb.input_ids_RS.shape
@@ -473,7 +493,7 @@ def test_the_learner_trains_with_varlen_as_with_the_mask(monkeypatch, reference_
                 LossConfig(kl_coef=0.05),
                 temperature=0.7,
             )
-        metrics[setting] = learner.train_step(trajs, adv)
+        metrics[setting] = learner.train_step(rows(trajs, adv))
         learners[setting] = learner
         weights[setting] = {n: p.detach().clone() for n, p in learner.unwrapped.named_parameters()}
     varlen = learners["varlen"]
@@ -487,6 +507,99 @@ def test_the_learner_trains_with_varlen_as_with_the_mask(monkeypatch, reference_
         assert got == pytest.approx(want, rel=1e-5, abs=1e-7), key
     for name, w in weights["mask"].items():  # as in the segments test above: AdamW's ~lr * sign(g)
         torch.testing.assert_close(weights["varlen"][name], w, atol=1e-5, rtol=0, msg=name)
+
+
+# --- the start-up check of `auto`'s pick --------------------------------------------------------
+
+
+def _learner(attention="auto", kl_coef=0.05):
+    return Learner(
+        tiny_llama("sdpa"),
+        LearnerConfig(lr=1e-3, micro_batch_tokens=200, attention=attention),
+        LossConfig(kl_coef=kl_coef),
+        temperature=0.7,
+    )
+
+
+def test_auto_keeps_a_path_that_passes_its_check():
+    learner = _learner()
+    assert learner.attention.path == "segments"
+    assert "checked against the 4D mask on a probe batch" in learner.attention.reason
+    assert learner.unwrapped.config._attn_implementation == SEGMENTS
+    # asked for by name: not second-guessed, not probed
+    assert "checked" not in _learner("segments").attention.reason
+
+
+def test_the_probe_holds_every_layout_the_paths_must_keep_apart():
+    from agentgrpo.learner.attention import probe_rows, probe_trajectories
+
+    trajs = probe_trajectories(vocab_size=100)
+    (mb,) = make_micro_batches(probe_rows(vocab_size=100), 4096, mode="shared_prefix")
+    spans = Segments.of(mb).spans
+    assert mb.input_ids_RS.shape[0] > 1 and mb.needs_mask  # packed rows, one micro-batch
+    assert sum(ps < pe for _, _, _, ps, pe in spans) == 6  # six continuations of shared prompts
+    assert (mb.segment_ids_RS == 0).any()  # and row tails
+    assert any(0 in t.loss_mask[t.prompt_len :] for t in trajs)  # a tool output between turns
+
+
+@pytest.mark.parametrize("broken", ["wrong values", "raises"])
+def test_auto_falls_back_to_the_mask_when_its_kernel_fails_the_check(monkeypatch, broken):
+    real = attention_module.segment_attention
+
+    def bad_segments(module, query, key, value, attention_mask, *a, segments=None, **kw):
+        out, w = real(module, query, key, value, attention_mask, *a, segments=segments, **kw)
+        if segments is None:  # only the segment kernel itself is broken
+            return out, w
+        if broken == "raises":
+            raise RuntimeError("no kernel image is available for execution on the device")
+        return out * 1.5, w
+
+    monkeypatch.setattr(attention_module, "segment_attention", bad_segments)
+    learner = _learner()
+    choice = learner.attention
+    assert choice.path == "mask", choice
+    assert choice.reason.startswith("auto: segments failed its start-up check: "), choice
+    expect = (
+        "no kernel image"
+        if broken == "raises"
+        else r"its logprobs lie \S+ from the 4D mask's on average \(tolerance 0.001 in float32\)"
+    )
+    assert re.search(expect, choice.reason), choice.reason
+    assert choice.reason.endswith("; the 4D mask instead")
+    # policy and KL reference back on sdpa, the cost model pricing cross-sequence pairs again
+    assert learner.unwrapped.config._attn_implementation == "sdpa"
+    assert learner.ref.model.config._attn_implementation == "sdpa"
+    assert learner.pair_cost > 0
+    # and it trains as a learner on the mask does
+    trajs = groups_of_trajectories(n_groups=3, size=4, seed=5)
+    adv = [float(t.reward) - 0.5 for t in trajs]
+    got, want = learner.train_step(rows(trajs, adv)), _learner("mask").train_step(rows(trajs, adv))
+    for key in ("loss", "grad_norm", "kl"):
+        assert got[key] == pytest.approx(want[key], rel=1e-6, abs=1e-8), key
+
+
+@pytest.mark.parametrize("kernel", ["reference", "top-left causal"])
+def test_auto_checks_varlen_as_on_a_gpu(monkeypatch, kernel):
+    def as_on_a_gpu(setting, **facts):
+        gpu = {"device_type": "cuda", "capability": (9, 0), "dtype": torch.bfloat16}
+        return choose_attention(setting, **{**facts, **gpu})
+
+    wrong = kernel != "reference"
+    fn = top_left_varlen_attn if wrong else reference_varlen_attn
+    monkeypatch.setattr(attention_module, "VARLEN_KERNEL", fn)
+    monkeypatch.setattr(
+        attention_module,
+        "_kernel_params",
+        lambda k: frozenset({"window_size", "scale", "enable_gqa"}),
+    )
+    monkeypatch.setattr(learner_module, "choose_attention", as_on_a_gpu)
+    learner = _learner()
+    assert learner.attention.path == ("mask" if wrong else "varlen"), learner.attention
+    if wrong:
+        assert "varlen failed its start-up check" in learner.attention.reason
+        assert learner.unwrapped.config._attn_implementation == "sdpa"
+    else:
+        assert learner.unwrapped.config._attn_implementation == VARLEN
 
 
 def test_train_with_varlen_on_the_cpu_is_a_config_error(tmp_path, capsys, monkeypatch):

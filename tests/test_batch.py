@@ -10,8 +10,8 @@ import torch
 from agentgrpo.learner.attention import flex_block_mask, use_segments
 from agentgrpo.learner.batch import attention_pair_cost, balanced_parts, make_micro_batches
 from agentgrpo.learner.logprobs import PolicyForward, sequence_logprobs, to_loss_layout
-from agentgrpo.types import StopReason, Trajectory
-from tests.tiny import V, groups_of_trajectories, tiny_llama, traj
+from agentgrpo.types import TrainingRow
+from tests.tiny import V, groups_of_trajectories, rows, tiny_llama, traj
 
 
 def packed_logprobs(model, batches, temperature):
@@ -49,7 +49,7 @@ def test_packed_logprobs_equal_per_sequence_logprobs(attn, mode, budget):
     trajs = groups_of_trajectories()
     ref = sequence_logprobs(model, [t.token_ids for t in trajs], temperature=0.7)
     got = packed_logprobs(
-        model, make_micro_batches(trajs, [0.0] * len(trajs), budget, mode=mode), 0.7
+        model, make_micro_batches(rows(trajs, [0.0] * len(trajs)), budget, mode=mode), 0.7
     )
     assert sorted(got) == list(range(len(trajs)))  # every trajectory exactly once
     for i, t in enumerate(trajs):
@@ -73,7 +73,7 @@ def test_the_flex_block_mask_is_the_4d_mask_and_skips_the_blocks_across_sequence
         for _ in range(8)
     ]
     trajs.append(traj([rng.randrange(V) for _ in range(1200)], [0] * 20 + [1] * 1180, group="long"))
-    for mb in make_micro_batches(trajs, [0.0] * len(trajs), 4096, mode=mode):
+    for mb in make_micro_batches(rows(trajs, [0.0] * len(trajs)), 4096, mode=mode):
         bm = flex_block_mask(mb)
         B, T = mb.input_ids_RS.shape
         assert torch.equal(
@@ -93,7 +93,7 @@ def test_packed_logprobs_under_flex_attention_equal_per_sequence_logprobs():
     model = tiny_llama("flex_attention")  # the same weights (same seed)
     for mode in ("packed", "shared_prefix"):  # micro-batches of several lengths: recompiles and all
         got = packed_logprobs(
-            model, make_micro_batches(trajs, [0.0] * len(trajs), 40, mode=mode), 0.7
+            model, make_micro_batches(rows(trajs, [0.0] * len(trajs)), 40, mode=mode), 0.7
         )
         assert sorted(got) == list(range(len(trajs)))
         assert_per_sequence(got, trajs, ref, 2e-5)
@@ -101,7 +101,7 @@ def test_packed_logprobs_under_flex_attention_equal_per_sequence_logprobs():
 
 def test_a_chunked_head_gives_the_same_logprobs_entropy_and_gradients():
     trajs = groups_of_trajectories()
-    (mb,) = make_micro_batches(trajs, [0.0] * len(trajs), 4096)
+    (mb,) = make_micro_batches(rows(trajs, [0.0] * len(trajs)), 4096)
     out = {}
     for chunk in (None, 7):
         model = tiny_llama("sdpa")
@@ -127,7 +127,7 @@ def test_one_row_packing_without_a_mask_is_exact_with_position_ids():
     # derives the block-diagonal mask from the position ids, so this checks the layout on a CPU.
     model = tiny_llama("sdpa")
     trajs = groups_of_trajectories(seed=1)
-    batches = make_micro_batches(trajs, [0.0] * len(trajs), 150, mode="packed", one_row=True)
+    batches = make_micro_batches(rows(trajs, [0.0] * len(trajs)), 150, mode="packed", one_row=True)
     assert all(mb.input_ids_RS.shape[0] == 1 and mb.attention_mask_R1SS() is None for mb in batches)
     ref = sequence_logprobs(model, [t.token_ids for t in trajs])
     got = packed_logprobs(model, batches, 1.0)
@@ -142,7 +142,7 @@ def test_shared_prefix_layout_by_hand():
     # row = 1 2 3 | 6 | 4 5, each continuation's positions continuing after the prefix.
     a = traj([1, 2, 3, 4, 5], [0, 0, 1, 1, 1], group="x")
     b = traj([1, 2, 3, 6], [0, 0, 0, 1], group="x")
-    (mb,) = make_micro_batches([a, b], [1.0, -1.0], 64, mode="shared_prefix")
+    (mb,) = make_micro_batches(rows([a, b], [1.0, -1.0]), 64, mode="shared_prefix")
     assert mb.input_ids_RS.tolist() == [[1, 2, 3, 6, 4, 5]]
     assert mb.position_ids_RS.tolist() == [[0, 1, 2, 3, 3, 4]]
     assert mb.num_real_tokens == 6  # 5 + 4 tokens unshared
@@ -166,7 +166,7 @@ def test_shared_prefix_layout_by_hand():
 def test_packed_rows_never_attend_across_sequences():
     a = traj([1, 2, 3], [0, 1, 1], group="a")
     b = traj([4, 5], [0, 1], group="b")
-    (mb,) = make_micro_batches([a, b], [0.0, 0.0], 64, mode="packed")
+    (mb,) = make_micro_batches(rows([a, b], [0.0, 0.0]), 64, mode="packed")
     assert mb.input_ids_RS.tolist() == [[1, 2, 3], [4, 5, 0]]  # rows as long as the longest unit
     assert mb.position_ids_RS[1, :2].tolist() == [0, 1]
     m = mb.attention_mask_R1SS()[:, 0].int().tolist()
@@ -177,7 +177,7 @@ def test_budgets_padding_and_counts():
     trajs = groups_of_trajectories(n_groups=6, size=8, seed=3)
     total_loss = sum(sum(t.loss_mask) for t in trajs)
     for mode in ("padded", "packed", "shared_prefix"):
-        batches = make_micro_batches(trajs, [0.0] * len(trajs), 256, mode=mode)
+        batches = make_micro_batches(rows(trajs, [0.0] * len(trajs)), 256, mode=mode)
         longest = max(len(t.token_ids) for t in trajs)
         assert all(mb.num_tokens <= max(256, longest * 8 + 20) for mb in batches)
         assert sum(float(mb.loss_mask_BT.sum()) for mb in batches) == total_loss
@@ -185,7 +185,9 @@ def test_budgets_padding_and_counts():
         if mode != "shared_prefix":
             assert all(mb.num_tokens <= 256 for mb in batches)
     real = {
-        m: sum(mb.num_real_tokens for mb in make_micro_batches(trajs, [0.0] * 48, 256, mode=m))
+        m: sum(
+            mb.num_real_tokens for mb in make_micro_batches(rows(trajs, [0.0] * 48), 256, mode=m)
+        )
         for m in ("packed", "shared_prefix")
     }
     assert real["packed"] == sum(len(t.token_ids) for t in trajs)
@@ -195,7 +197,7 @@ def test_budgets_padding_and_counts():
 def test_a_group_longer_than_the_budget_is_split_with_its_prefix():
     prompt = list(range(1, 11))
     trajs = [traj(prompt + [20 + k] * 10, [0] * 10 + [1] * 10, group="g") for k in range(4)]
-    batches = make_micro_batches(trajs, [0.0] * 4, 45, mode="shared_prefix")
+    batches = make_micro_batches(rows(trajs, [0.0] * 4), 45, mode="shared_prefix")
     # prefix 10 + 3 x 10 = 40 fits, the fourth member gets a copy of the prefix in another unit.
     assert sorted(mb.num_real_tokens for mb in batches) == [20, 40]
 
@@ -214,9 +216,9 @@ def long_groups(n_groups=2, size=8):
 def test_a_row_cap_splits_groups_and_keeps_logprobs_exact():
     model = tiny_llama("sdpa")
     trajs = long_groups()
-    (whole,) = make_micro_batches(trajs, [0.0] * 16, 2048)  # two units of 25 + 8 x 60 = 505
+    (whole,) = make_micro_batches(rows(trajs, [0.0] * 16), 2048)  # two units of 25 + 8 x 60 = 505
     assert whole.input_ids_RS.shape == (2, 505)
-    batches = make_micro_batches(trajs, [0.0] * 16, 2048, row_tokens=150)
+    batches = make_micro_batches(rows(trajs, [0.0] * 16), 2048, row_tokens=150)
     # pieces of 25 + 2 x 60 = 145: 4 per group, each with its own copy of the prompt
     assert [tuple(mb.input_ids_RS.shape) for mb in batches] == [(8, 145)]
     assert batches[0].num_real_tokens == 8 * 145
@@ -243,27 +245,33 @@ def test_the_cost_model_splits_long_groups_only_when_attention_costs():
         return [
             mb.input_ids_RS.tolist()
             for mb in make_micro_batches(
-                batch, [0.0] * len(batch), 2048, mode=mode, row_tokens="auto", pair_cost=pair_cost
+                rows(batch, [0.0] * len(batch)),
+                2048,
+                mode=mode,
+                row_tokens="auto",
+                pair_cost=pair_cost,
             )
         ]
 
     def capped(batch, cap, mode="shared_prefix"):
         return [
             mb.input_ids_RS.tolist()
-            for mb in make_micro_batches(batch, [0.0] * len(batch), 2048, mode=mode, row_tokens=cap)
+            for mb in make_micro_batches(
+                rows(batch, [0.0] * len(batch)), 2048, mode=mode, row_tokens=cap
+            )
         ]
 
     assert auto(trajs, 0.0) == capped(trajs, None)  # attention free: share the whole prompt
     assert auto(trajs, r, mode="packed") == capped(trajs, None, mode="packed")  # nothing to split
     # rows of 505 cost 1 + 505 r per token; pieces cost more tokens but shorter rows
-    chosen = make_micro_batches(trajs, [0.0] * 16, 2048, row_tokens="auto", pair_cost=100 * r)
+    chosen = make_micro_batches(rows(trajs, [0.0] * 16), 2048, row_tokens="auto", pair_cost=100 * r)
     cheap = max(mb.input_ids_RS.shape[1] for mb in chosen)  # the cap, as the rows show it
     assert 85 <= cheap < 505
 
     def modeled(cap):
         return sum(
             mb.num_tokens * (1 + 100 * r * mb.input_ids_RS.shape[1])
-            for mb in make_micro_batches(trajs, [0.0] * 16, 2048, row_tokens=cap)
+            for mb in make_micro_batches(rows(trajs, [0.0] * 16), 2048, row_tokens=cap)
         )
 
     assert modeled(cheap) < modeled(None)
@@ -276,13 +284,12 @@ def test_the_cost_model_splits_long_groups_only_when_attention_costs():
 
 def test_bad_input_is_rejected():
     with pytest.raises(ValueError, match="token 0"):
-        make_micro_batches(
-            [Trajectory("t", [1, 2], [1, 1], [-1.0, -1.0], 0, [], StopReason.COMPLETED)], [0.0], 64
-        )
+        TrainingRow("t", "g", [1, 2], [1, 1], [-1.0, -1.0], 0.0)
+    (row,) = rows([traj([1, 2], [0, 1])], [0.0])
     with pytest.raises(ValueError, match="shared prefix"):
-        make_micro_batches([traj([1, 2], [0, 1])], [0.0], 64, mode="shared_prefix", one_row=True)
-    with pytest.raises(ValueError, match="advantages"):
-        make_micro_batches([traj([1, 2], [0, 1])], [], 64)
+        make_micro_batches([row], 64, mode="shared_prefix", one_row=True)
+    with pytest.raises(ValueError, match="packing mode"):
+        make_micro_batches([row], 64, mode="unpacked")
 
 
 def test_rank_parts_keep_groups_together_and_cover_everything():
@@ -304,7 +311,7 @@ def test_rank_parts_keep_groups_together_and_cover_everything():
 
 
 def _loss_logprobs(model, trajs, mode):
-    b = make_micro_batches(trajs, [1.0] * len(trajs), 4096, mode=mode)[0]
+    b = make_micro_batches(rows(trajs, [1.0] * len(trajs)), 4096, mode=mode)[0]
     with torch.no_grad():
         lp_BT = to_loss_layout(PolicyForward(model)(b, 1.0)[0], b)
     start = [t.loss_mask.index(1) for t in trajs]
@@ -378,23 +385,23 @@ def test_token_advantages_map_each_run_of_sampled_tokens_to_its_turn():
     from agentgrpo.learner.batch import token_advantages
 
     t = traj([5, 6, 7, 8, 9, 10, 11, 12, 13], [0, 0, 1, 1, 0, 1, 0, 1, 1])
-    assert token_advantages(t, 0.5).tolist() == [0, 0, 0.5, 0.5, 0, 0.5, 0, 0.5, 0.5]
-    t.turn_advantages = [1.0, -2.0, 0.25]
-    assert token_advantages(t, 0.5).tolist() == [0, 0, 1.0, 1.0, 0, -2.0, 0, 0.25, 0.25]
-    t.turn_advantages = [1.0, -2.0]
+    (row,) = rows([t], [0.5])
+    assert row.token_advantages is None and row.advantage == 0.5  # one value for every token
+    (row,) = rows([t], [0.5], [[1.0, -2.0, 0.25]])
+    assert row.token_advantages == (0, 0, 1.0, 1.0, 0, -2.0, 0, 0.25, 0.25)
     with pytest.raises(ValueError, match="3 sampled turns but 2 turn advantages"):
-        token_advantages(t, 0.5)
+        token_advantages(t.loss_mask, [1.0, -2.0])
 
 
 def test_micro_batches_carry_per_token_advantages_only_with_turn_advantages():
     trajs = groups_of_trajectories()
     adv = [float(i) for i in range(len(trajs))]
-    for mb in make_micro_batches(trajs, adv, 64):
+    for mb in make_micro_batches(rows(trajs, adv), 64):
         assert mb.token_advantages_BT is None and mb.loss_advantages is mb.advantages_B
     # one row with turn advantages: the whole micro-batch goes per token, the other rows' tokens
     # holding their scalar
-    trajs[0].turn_advantages = [-3.0] * trajs[0].segments[0].num_turns
-    (mb,) = make_micro_batches(trajs, adv, 100_000)
+    (first,) = rows(trajs[:1], adv[:1], [[-3.0] * trajs[0].segments[0].num_turns])
+    (mb,) = make_micro_batches([first, *rows(trajs[1:], adv[1:])], 100_000)
     for n, i in enumerate(mb.rows):
         on = mb.loss_mask_BT[n] > 0
         want = -3.0 if i == 0 else adv[i]

@@ -250,7 +250,12 @@ def test_plain_env_turn_is_not_parsed_for_tools(chat):
         ),
         ('{"name": "f", "parameters": {"x": 1}', [], ["bad_json"], ""),
         ('{"name": "f", "parameters": [1]}', [], ["bad_call"], ""),
-        ('{"name": "f", "parameters": {}} and then I answer 4', [("f", {})], ["bad_call"], ""),
+        (
+            '{"name": "f", "parameters": {}} and then I answer 4',
+            [("f", {})],
+            [],
+            "and then I answer 4",
+        ),
         ('{"answer": 4}', [], [], '{"answer": 4}'),
         ("{not json at all", [], [], "{not json at all"),
         ("The answer is 4.", [], [], "The answer is 4."),

@@ -245,6 +245,7 @@ def _train(out, model_dir, steps, *extra):
             f"train.steps={steps}",
             f"model.path={model_dir}",
             "env.name=tests.test_checkpoint:VariedRewardEnv",
+            "env.audit.reward_hacks=skip",  # a toy verifier: not what this tests
             "rollout.group_size=2",
             "rollout.tasks_per_step=2",
             "rollout.max_new_tokens=12",
@@ -419,6 +420,8 @@ def test_time_based_checkpoints_and_overlap_never_crosses_one(tmp_path, stopping
             "train.save_every_s=0.001",
             "train.keep_checkpoints=5",
             "train.overlap_rollouts=true",
+            "learner.old_logprobs=recompute",
+            "loss.tis=token",
         )
         == 0
     )
@@ -436,6 +439,8 @@ def test_time_based_checkpoints_and_overlap_never_crosses_one(tmp_path, stopping
             "train.save_every_s=null",
             "train.keep_checkpoints=5",
             "train.overlap_rollouts=true",
+            "learner.old_logprobs=recompute",
+            "loss.tis=token",
         )
         == 0
     )

@@ -16,7 +16,7 @@ from agentgrpo.run.log import read_jsonl
 from tests.ranks import free_port, spawn_gloo
 from tests.test_checkpoint import _by_step, _train, _weights
 from tests.test_learner import TEMPERATURE, assert_trained_alike, batch_and_advantages
-from tests.tiny import tiny_llama
+from tests.tiny import rows, tiny_llama
 
 CFG = LearnerConfig(lr=1e-2, micro_batch_tokens=64, grad_clip=1e9, warmup_steps=2)
 LOSS = LossConfig(kl_coef=0.1)
@@ -208,7 +208,7 @@ def _steps(learner: Learner, n: int, seed: int = 0) -> dict[str, list[float]]:
     norm of 1.06 for 0.70 here), which Adam all but hides from the loss and the weights."""
     data = batch_and_advantages(seed=seed) if learner.is_main else None
     trajs, adv = learner.broadcast(data)
-    steps = [learner.train_step(trajs, adv) for _ in range(n)]
+    steps = [learner.train_step(rows(trajs, adv)) for _ in range(n)]
     return {k: [m[k] for m in steps] for k in ("loss", "grad_norm")}
 
 

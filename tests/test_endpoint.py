@@ -63,7 +63,7 @@ def test_chat_completion_shape_and_record(chat):
         r = await http.post(
             "/episodes/e1/v1/chat/completions",
             json={
-                "model": "m",
+                "model": "policy",
                 "messages": USER,
                 "tools": TOOLS,
                 "seed": 1,
@@ -77,7 +77,7 @@ def test_chat_completion_shape_and_record(chat):
     r, models, ep = asyncio.run(serve(chat, body))
     assert r.status_code == 200, r.text
     out = r.json()
-    assert out["object"] == "chat.completion" and out["model"] == "m"
+    assert out["object"] == "chat.completion" and out["model"] == "policy"
     choice = out["choices"][0]
     assert (
         choice["message"] == {"role": "assistant", "content": "4"}
@@ -121,7 +121,19 @@ def test_tool_calls_come_back_in_openai_form(chat):
 BAD = [  # (what, request, status, param or code)
     ("broken JSON", b'{"messages": [', 400, None),
     ("n > 1", {"messages": USER, "n": 2}, 400, "n"),
-    ("stream", {"messages": USER, "stream": True}, 400, "stream"),
+    ("stream not a boolean", {"messages": USER, "stream": "yes"}, 400, "stream"),
+    (
+        "an unknown model, as OpenAI and vLLM answer",
+        {"messages": USER, "model": "gpt-4o"},
+        404,
+        "model_not_found",
+    ),
+    (
+        "a tool message without tool_call_id, as OpenAI answers",
+        {"messages": [*USER, {"role": "tool", "content": "4"}]},
+        400,
+        "missing_required_parameter",
+    ),
     (
         "unknown tool in tool_choice",
         {

@@ -598,7 +598,7 @@ def test_calculator_steps_pays_each_turn(chat, script, turn_rewards):
         for s in script
     ]
     traj, _ = episode(chat, CalculatorStepsEnv(), task, script, max_turns=3)
-    assert traj.turn_rewards == turn_rewards and traj.reward == sum(turn_rewards)
+    assert list(traj.turn_rewards) == turn_rewards and traj.reward == sum(turn_rewards)
     assert traj.sampled_turn_rewards() == turn_rewards  # one sampled turn per env step here
 
 

@@ -188,6 +188,7 @@ def _eval_overrides(run_dir, model_dir, extra, *more):
         f"output_dir={run_dir}",
         f"model.path={model_dir}",
         "env.name=tests.test_checkpoint:VariedRewardEnv",
+        "env.audit.reward_hacks=skip",  # a toy verifier: not what this tests
         "rollout.max_new_tokens=12",
         "rollout.max_tokens=40",
         "eval.num_tasks=2",
@@ -205,7 +206,7 @@ def _eval_cfg(run_dir, model_dir, extra, *more):
 
 
 def _tokens(result):
-    return [(t.group_id, t.token_ids) for g in result.groups for t in g.trajectories]
+    return [(t.group_id, list(t.token_ids)) for g in result.groups for t in g.trajectories]
 
 
 def _trained_reference(run_dir, model_dir):

@@ -23,7 +23,7 @@ from agentgrpo.learner.learner import Learner, LearnerConfig
 from agentgrpo.learner.logprobs import PolicyForward, sequence_logprobs, tf32_matmuls
 from tests.test_batch import assert_per_sequence, packed_logprobs
 from tests.test_learner import TEMPERATURE, batch_and_advantages, one_big_batch_grads, record_grads
-from tests.tiny import V, groups_of_trajectories, tiny_llama, traj
+from tests.tiny import V, groups_of_trajectories, rows, tiny_llama, traj
 from tests.varlen_reference import reference_varlen_attn
 
 pytestmark = pytest.mark.gpu
@@ -40,7 +40,9 @@ def test_packed_logprobs_on_cuda_equal_per_sequence_logprobs_on_cpu(mode, attent
     make = flex_sized if attention == "flex" else tiny_llama
     trajs = groups_of_trajectories()
     ref = sequence_logprobs(make("sdpa"), [t.token_ids for t in trajs], temperature=0.7)  # CPU
-    batches = [b.to(CUDA) for b in make_micro_batches(trajs, [0.0] * len(trajs), 64, mode=mode)]
+    batches = [
+        b.to(CUDA) for b in make_micro_batches(rows(trajs, [0.0] * len(trajs)), 64, mode=mode)
+    ]
     model = make("flex_attention" if attention == "flex" else "sdpa").to(CUDA)  # flex: block masks
     if (
         attention == "segments"
@@ -56,7 +58,7 @@ def test_accumulated_gradient_on_cuda_equals_the_plain_cpu_computation():
     learner = Learner(tiny_llama(), cfg, loss_cfg, temperature=TEMPERATURE)
     assert learner.accelerator.device.type == "cuda"
     grads = record_grads(learner)
-    learner.train_step(trajs, adv)
+    learner.train_step(rows(trajs, adv))
     want = one_big_batch_grads(trajs, adv, loss_cfg)
     for name, g in want.items():
         torch.testing.assert_close(grads[0][name].cpu(), g, atol=1e-5, rtol=1e-3, msg=name)
@@ -71,7 +73,7 @@ def test_flex_attention_on_cuda_trains_with_the_4d_masks_gradient():
         )
         learner = Learner(flex_sized(), cfg, LossConfig(kl_coef=0.1), temperature=TEMPERATURE)
         grads[impl] = record_grads(learner)
-        learner.train_step(trajs, adv)
+        learner.train_step(rows(trajs, adv))
     for name, g in grads["sdpa"][0].items():
         torch.testing.assert_close(
             grads["flex_attention"][0][name], g, atol=1e-5, rtol=1e-3, msg=name
@@ -86,7 +88,7 @@ def test_bf16_autocast_is_the_cuda_default_close_to_fp32_and_reports_peak_memory
     bf16 = Learner(
         tiny_llama(), LearnerConfig(), LossConfig(), temperature=TEMPERATURE
     )  # auto -> bf16
-    a, b = fp32.train_step(trajs, adv), bf16.train_step(trajs, adv)
+    a, b = fp32.train_step(rows(trajs, adv)), bf16.train_step(rows(trajs, adv))
     assert a["logprob_gap_mean"] != b["logprob_gap_mean"]  # bf16 really ran
     assert abs(a["logprob_gap_mean"] - b["logprob_gap_mean"]) < 0.05
     assert math.isfinite(b["loss"]) and b["mem/peak_gb"] > 0
@@ -101,14 +103,14 @@ def test_tf32_head_is_the_bf16_default_and_close_to_the_fp32_head():
     off = Learner(tiny_llama(), LearnerConfig(tf32=False), LossConfig(), temperature=TEMPERATURE)
     assert on.tf32 and not off.tf32
     assert not Learner(tiny_llama(), LearnerConfig(autocast="none"), LossConfig()).tf32
-    batch = make_micro_batches(trajs, adv, 4096, mode="packed")[0].to(CUDA)
+    batch = make_micro_batches(rows(trajs, adv), 4096, mode="packed")[0].to(CUDA)
     with torch.no_grad():
         with tf32_matmuls(True):
             a = on.model(batch, TEMPERATURE)[0]
         b = off.model(batch, TEMPERATURE)[0]
     assert not torch.equal(a, b)  # TF32 really ran
     torch.testing.assert_close(a, b, atol=1e-3, rtol=0)
-    assert math.isfinite(on.train_step(trajs, adv)["loss"])
+    assert math.isfinite(on.train_step(rows(trajs, adv))["loss"])
     assert not torch.backends.cuda.matmul.allow_tf32
 
 
@@ -166,7 +168,7 @@ def test_torch_varlen_attn_keeps_the_references_contract_on_cuda():
 @pytest.mark.parametrize("mode", ["packed", "shared_prefix"])
 def test_varlen_logprobs_and_gradients_equal_the_masked_kernels_on_cuda(mode):
     trajs = _spread_groups()
-    batches = make_micro_batches(trajs, [0.0] * len(trajs), 4096, mode=mode)
+    batches = make_micro_batches(rows(trajs, [0.0] * len(trajs)), 4096, mode=mode)
     assert len(batches) > 1 and any(mb.input_ids_RS.shape[0] > 1 for mb in batches)
     results = {}
     for path in ("mask", "varlen"):
@@ -196,7 +198,7 @@ def test_auto_trains_with_varlen_on_cuda_as_with_the_mask():
         cfg = LearnerConfig(micro_batch_tokens=2048, grad_clip=1e9, attention=setting)
         learners[setting] = Learner(varlen_sized(), cfg, LossConfig(kl_coef=0.1), temperature=0.7)
         grads[setting] = record_grads(learners[setting])
-        metrics[setting] = learners[setting].train_step(trajs, adv)
+        metrics[setting] = learners[setting].train_step(rows(trajs, adv))
     assert learners["auto"].attention.path == "varlen", learners["auto"].attention
     assert learners["auto"].packing == "shared_prefix" and learners["auto"].pair_cost == 0
     for key in ("loss", "grad_norm", "logprob_gap_mean"):

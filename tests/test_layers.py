@@ -286,6 +286,7 @@ HEAVY_OR_OPTIONAL = {
     "safetensors",
     "sglang",
     "torch",
+    "vllm",
     "transformers",
     "wandb",
     "mcp",
@@ -314,6 +315,11 @@ LATE = {
     (
         "agentgrpo.engine.config",
         "agentgrpo.engine.sglang.client",
+    ): "loading a run config imports no httpx",
+    ("agentgrpo.engine", "agentgrpo.engine.vllm.client"): "the protocol imports no httpx",
+    (
+        "agentgrpo.engine.config",
+        "agentgrpo.engine.vllm.client",
     ): "loading a run config imports no httpx",
     (
         "agentgrpo.agents.serve_policy",

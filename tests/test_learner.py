@@ -3,6 +3,7 @@ LoRA, precision options, save/load, and 2 gloo processes equal 1 process."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 
@@ -14,7 +15,7 @@ from agentgrpo.learner.batch import balanced_parts, make_micro_batches, token_ad
 from agentgrpo.learner.learner import Learner, LearnerConfig
 from agentgrpo.learner.logprobs import sequence_logprobs, token_logprobs
 from tests.ranks import spawn_gloo
-from tests.tiny import groups_of_trajectories, tiny_llama, traj
+from tests.tiny import groups_of_trajectories, rows, tiny_llama, traj
 
 TEMPERATURE = 0.8
 
@@ -22,13 +23,13 @@ TEMPERATURE = 0.8
 def off_policy(trajs, model, seed=0):
     """Rollout logprobs = the model's own plus noise, so ratios differ from 1 and clipping binds."""
     g = torch.Generator().manual_seed(seed)
-    ref = sequence_logprobs(model, [t.token_ids for t in trajs], TEMPERATURE)
+    ref = sequence_logprobs(model, [list(t.token_ids) for t in trajs], TEMPERATURE)
+    out = []
     for t, lps in zip(trajs, ref, strict=True):
         noise = (torch.randn(len(lps), generator=g) * 0.3).tolist()
-        t.logprobs = [
-            lp + e if m else 0.0 for lp, e, m in zip(lps, noise, t.loss_mask, strict=True)
-        ]
-    return trajs
+        logprobs = [lp + e if m else 0.0 for lp, e, m in zip(lps, noise, t.loss_mask, strict=True)]
+        out.append(dataclasses.replace(t, logprobs=logprobs))
+    return out
 
 
 def batch_and_advantages(seed=0, model=None):
@@ -90,7 +91,7 @@ def one_big_batch_grads(trajs, advantages, loss_cfg):
     ids=["token-mean", "seq-mean+kl", "dr-grpo+gspo"],
 )
 @pytest.mark.parametrize(
-    "packing,budget,rows,chunk",
+    "packing,budget,row_cap,chunk",
     [
         ("shared_prefix", 48, "auto", None),
         ("packed", 64, "auto", None),
@@ -99,24 +100,24 @@ def one_big_batch_grads(trajs, advantages, loss_cfg):
         ("shared_prefix", 100_000, 30, 5),
     ],
 )
-def test_accumulated_gradient_equals_one_big_batch(loss_cfg, packing, budget, rows, chunk):
+def test_accumulated_gradient_equals_one_big_batch(loss_cfg, packing, budget, row_cap, chunk):
     trajs, adv = batch_and_advantages()
     cfg = LearnerConfig(
         micro_batch_tokens=budget,
         packing=packing,
-        row_tokens=rows,
+        row_tokens=row_cap,
         head_chunk_tokens=chunk,
         grad_clip=1e9,
     )
     learner = Learner(tiny_llama(), cfg, loss_cfg, temperature=TEMPERATURE)
     grads = record_grads(learner)
-    metrics = learner.train_step(trajs, adv)
+    metrics = learner.train_step(rows(trajs, adv))
     assert metrics["micro_batches"] > (1 if budget < 1000 else 0)
-    if rows != "auto":  # the cap split the groups (their whole units are longer)
+    if row_cap != "auto":  # the cap split the groups (their whole units are longer)
         assert (
             metrics["row_tokens"]
             <= max(30, max(len(t.token_ids) for t in trajs))
-            < max(b.input_ids_RS.shape[1] for b in make_micro_batches(trajs, adv, budget))
+            < max(b.input_ids_RS.shape[1] for b in make_micro_batches(rows(trajs, adv), budget))
         )
     expected = one_big_batch_grads(trajs, adv, loss_cfg)
     assert grads[0].keys() == expected.keys()
@@ -129,8 +130,8 @@ def test_accumulated_gradient_equals_one_big_batch(loss_cfg, packing, budget, ro
 def test_scorable_filter_and_empty_step():
     trajs, adv = batch_and_advantages()
     learner = Learner(tiny_llama(), LearnerConfig(), LossConfig(), temperature=TEMPERATURE)
-    adv = [math.nan] * len(trajs)
-    assert learner.train_step(trajs, adv) == {"loss": 0.0, "skipped": 1.0}
+    assert rows(trajs, [math.nan] * len(trajs)) == []  # not trained on: no row at all
+    assert learner.train_step([]) == {"loss": 0.0, "skipped": 1.0}
     assert learner.step == 0 and learner.scheduler.last_epoch == 0
 
 
@@ -142,7 +143,7 @@ def test_recomputed_old_logprobs_and_several_passes():
         LossConfig(),
         temperature=TEMPERATURE,
     )
-    m = learner.train_step(trajs, adv)
+    m = learner.train_step(rows(trajs, adv))
     # pass 1: pi == pi_old exactly, so every ratio is 1 and nothing clips; later passes move away.
     assert m["pass1/ratio_mean"] == pytest.approx(1.0, abs=1e-6) and m["pass1/clipfrac"] == 0.0
     assert m["pass1/ratio_max"] == pytest.approx(1.0, abs=1e-5)
@@ -154,15 +155,17 @@ def test_recomputed_old_logprobs_and_several_passes():
 def test_logprobs_are_at_the_rollout_temperature():
     trajs = groups_of_trajectories()
     adv = [1.0] * len(trajs)
-    own = sequence_logprobs(tiny_llama(), [t.token_ids for t in trajs], TEMPERATURE)
-    for t, lps in zip(trajs, own, strict=True):  # on-policy rollout logprobs at T = 0.8
-        t.logprobs = [lp if m else 0.0 for lp, m in zip(lps, t.loss_mask, strict=True)]
+    own = sequence_logprobs(tiny_llama(), [list(t.token_ids) for t in trajs], TEMPERATURE)
+    trajs = [  # on-policy rollout logprobs at T = 0.8
+        dataclasses.replace(t, logprobs=[lp if m else 0.0 for lp, m in zip(lps, t.loss_mask)])
+        for t, lps in zip(trajs, own, strict=True)
+    ]
     m = Learner(tiny_llama(), LearnerConfig(), LossConfig(), temperature=TEMPERATURE).train_step(
-        trajs, adv
+        rows(trajs, adv)
     )
     assert m["logprob_gap_max"] < 1e-5 and m["ratio_max"] == pytest.approx(1.0, abs=1e-5)
     wrong = Learner(tiny_llama(), LearnerConfig(), LossConfig(), temperature=1.0).train_step(
-        trajs, adv
+        rows(trajs, adv)
     )
     assert wrong["logprob_gap_mean"] > 1e-2
 
@@ -207,12 +210,14 @@ def test_reference_only_with_kl_frozen_and_equal_to_the_initial_policy():
         tiny_llama(), LearnerConfig(lr=1e-2), LossConfig(kl_coef=0.5), temperature=TEMPERATURE
     )
     assert not learner.ref.training and not any(p.requires_grad for p in learner.ref.parameters())
-    assert learner.train_step(trajs, adv)["kl"] == pytest.approx(
+    assert learner.train_step(rows(trajs, adv))["kl"] == pytest.approx(
         0.0, abs=1e-7
     )  # policy == reference
-    assert learner.train_step(trajs, adv)["kl"] > 1e-6  # the policy moved, the reference did not
+    assert (
+        learner.train_step(rows(trajs, adv))["kl"] > 1e-6
+    )  # the policy moved, the reference did not
     offloaded = Learner(tiny_llama(), LearnerConfig(ref_offload=True), LossConfig(kl_coef=0.5))
-    offloaded.train_step(trajs, adv)
+    offloaded.train_step(rows(trajs, adv))
     assert next(offloaded.ref.parameters()).device.type == "cpu"
 
 
@@ -227,15 +232,15 @@ def test_lora_reference_is_the_base_model_and_export_merges():
     assert learner.ref is None  # no second copy: the reference is the adapter switched off
     trainable = {n for n, p in learner.unwrapped.named_parameters() if p.requires_grad}
     assert trainable and all("lora_" in n for n in trainable)
-    m1 = learner.train_step(trajs, adv)
-    m2 = learner.train_step(trajs, adv)
+    m1 = learner.train_step(rows(trajs, adv))
+    m2 = learner.train_step(rows(trajs, adv))
     assert m1["kl"] == pytest.approx(0.0, abs=1e-7) and m2["kl"] > 1e-7  # LoRA B starts at 0
     merged = learner.export_state_dict()
     base = tiny_llama()
     assert set(merged) == set(base.state_dict())
     plain = LlamaForCausalLM(base.config)
     plain.load_state_dict(merged)
-    ids = [trajs[0].token_ids]
+    ids = [list(trajs[0].token_ids)]
 
     def lps(model):
         return sequence_logprobs(model, ids)[0]
@@ -258,7 +263,7 @@ def test_gradient_checkpointing_and_eager_attention_give_the_same_gradient():
     ):
         learner = Learner(tiny_llama(), cfg, LossConfig(), temperature=TEMPERATURE)
         grads.append(record_grads(learner))
-        learner.train_step(trajs, adv)
+        learner.train_step(rows(trajs, adv))
     for other in grads[1:]:
         for name, g in grads[0][0].items():
             torch.testing.assert_close(other[0][name], g, atol=1e-6, rtol=1e-4)
@@ -270,7 +275,7 @@ def test_bf16_autocast_on_cpu_is_close_to_fp32():
     bf16 = Learner(
         tiny_llama(), LearnerConfig(autocast="bf16"), LossConfig(), temperature=TEMPERATURE
     )
-    a, b = fp32.train_step(trajs, adv), bf16.train_step(trajs, adv)
+    a, b = fp32.train_step(rows(trajs, adv)), bf16.train_step(rows(trajs, adv))
     assert a["logprob_gap_mean"] != b["logprob_gap_mean"]  # bf16 really ran
     assert abs(a["logprob_gap_mean"] - b["logprob_gap_mean"]) < 0.05
     assert next(bf16.unwrapped.parameters()).dtype == torch.float32  # master weights stay fp32
@@ -282,16 +287,16 @@ def test_save_load_continues_exactly(tmp_path, fmt, mini_batches):
     cfg = LearnerConfig(lr=1e-2, warmup_steps=3, checkpoint_format=fmt, mini_batches=mini_batches)
     straight = Learner(tiny_llama(), cfg, LossConfig(), temperature=TEMPERATURE)
     for _ in range(3):
-        straight.train_step(trajs, adv)
+        straight.train_step(rows(trajs, adv))
     first = Learner(tiny_llama(), cfg, LossConfig(), temperature=TEMPERATURE)
-    first.train_step(trajs, adv)
+    first.train_step(rows(trajs, adv))
     first.save(tmp_path)
     resumed = Learner(tiny_llama(), cfg, LossConfig(), temperature=TEMPERATURE)
     resumed.load(tmp_path)
     assert resumed.step == 1 and resumed.scheduler.get_last_lr() == first.scheduler.get_last_lr()
     assert resumed.scheduler.last_epoch == mini_batches  # optimizer steps, not train steps
     for _ in range(2):
-        resumed.train_step(trajs, adv)
+        resumed.train_step(rows(trajs, adv))
     for (n, p), q in zip(
         straight.unwrapped.named_parameters(), resumed.unwrapped.parameters(), strict=True
     ):
@@ -358,7 +363,7 @@ def test_mini_batches_equal_steps_on_the_parts(loss_cfg, passes):
         tiny_llama(), LearnerConfig(mini_batches=2, **cfg), loss_cfg, temperature=TEMPERATURE
     )
     grads = record_grads(split)
-    m = split.train_step(trajs, adv)
+    m = split.train_step(rows(trajs, adv))
     # the first optimizer step's gradient is the plain one-batch gradient of the first part alone
     expected = one_big_batch_grads(
         [trajs[i] for i in parts[0]], [adv[i] for i in parts[0]], loss_cfg
@@ -371,7 +376,7 @@ def test_mini_batches_equal_steps_on_the_parts(loss_cfg, passes):
     ref = []
     for _ in range(passes):
         for part in parts:
-            ref.append(steps.train_step([trajs[i] for i in part], [adv[i] for i in part]))
+            ref.append(steps.train_step(rows([trajs[i] for i in part], [adv[i] for i in part])))
     for (n, p), q in zip(
         steps.unwrapped.named_parameters(), split.unwrapped.parameters(), strict=True
     ):
@@ -401,7 +406,7 @@ def test_mini_batches_with_zero_lr_log_the_metrics_of_one(loss_cfg):
         )
         learner.scheduler.base_lrs = [0.0]
         learner.optimizer.param_groups[0]["lr"] = 0.0
-        out.append(learner.train_step(trajs, adv))
+        out.append(learner.train_step(rows(trajs, adv)))
     one, three = out
     assert one["optimizer_steps"] == 2 and three["optimizer_steps"] == 6
     keys = [
@@ -436,7 +441,7 @@ def test_old_logprobs_recomputed_once_before_the_first_mini_batch():
         LossConfig(),
         temperature=TEMPERATURE,
     )
-    m = learner.train_step(trajs, adv)
+    m = learner.train_step(rows(trajs, adv))
     # mini-batch 1 runs on the policy that was scored: ratio 1; mini-batch 3 after two updates.
     assert m["mb1/ratio_mean"] == pytest.approx(1.0, abs=1e-6) and m["mb1/clipfrac"] == 0.0
     assert m["mb3/ratio_max"] > 1.01 and m["mb3/ppo_kl"] != 0
@@ -445,7 +450,7 @@ def test_old_logprobs_recomputed_once_before_the_first_mini_batch():
         tiny_llama(), LearnerConfig(lr=1e-2), LossConfig(), temperature=TEMPERATURE
     )
     part = balanced_parts(trajs, 3)[0]
-    alone = gap_only_first.train_step([trajs[i] for i in part], [adv[i] for i in part])
+    alone = gap_only_first.train_step(rows([trajs[i] for i in part], [adv[i] for i in part]))
     assert m["logprob_gap_max"] == pytest.approx(alone["logprob_gap_max"])
     assert m["logprob_gap_mean"] == pytest.approx(alone["logprob_gap_mean"])
 
@@ -454,7 +459,7 @@ def test_lr_schedule_advances_passes_times_mini_batches():
     trajs, adv = batch_and_advantages()
     cfg = LearnerConfig(lr=1.0, lr_schedule="linear", passes=2, mini_batches=3)
     learner = Learner(tiny_llama(), cfg, LossConfig(), temperature=TEMPERATURE, total_steps=2)
-    m = learner.train_step(trajs, adv)
+    m = learner.train_step(rows(trajs, adv))
     # 2 train steps x 2 passes x 3 mini-batches = 12 optimizer steps of linear decay: lr_i = 1 -
     # i/12
     assert learner.scheduler.last_epoch == 6 and learner.scheduler.get_last_lr()[
@@ -463,14 +468,15 @@ def test_lr_schedule_advances_passes_times_mini_batches():
     assert m["optimizer_steps"] == 6 and m["lr"] == pytest.approx(
         sum(1 - i / 12 for i in range(6)) / 6
     )
-    learner.train_step(trajs, adv)
+    learner.train_step(rows(trajs, adv))
     assert learner.scheduler.last_epoch == 12 and learner.scheduler.get_last_lr()[
         0
     ] == pytest.approx(0.0)
     # one group: one mini-batch (never an optimizer step on nothing)
     few = Learner(tiny_llama(), cfg, LossConfig(), temperature=TEMPERATURE, total_steps=2)
     assert (
-        few.train_step(trajs[:4], adv[:4])["optimizer_steps"] == 2 and few.scheduler.last_epoch == 2
+        few.train_step(rows(trajs[:4], adv[:4]))["optimizer_steps"] == 2
+        and few.scheduler.last_epoch == 2
     )
 
 
@@ -501,9 +507,9 @@ def _steps(learner):
     if learner.is_main:
         first, second = batch_and_advantages(seed=0), batch_and_advantages(seed=1)
     (trajs, adv), (trajs2, adv2) = learner.broadcast((first, second))
-    learner.train_step(trajs, adv)
-    learner.train_step(trajs2[:7], adv2[:7])
-    return grads, learner.train_step(trajs2[:1], [1.0])
+    learner.train_step(rows(trajs, adv))
+    learner.train_step(rows(trajs2[:7], adv2[:7]))
+    return grads, learner.train_step(rows(trajs2[:1], [1.0]))
 
 
 def _make(accelerator=None, mini_batches=1):
@@ -554,27 +560,27 @@ def test_two_gloo_processes_equal_one_process(tmp_path, mini_batches):
 
 
 def with_turn_advantages(trajs):
-    """Each trajectory gets one advantage per sampled turn (its runs of loss_mask == 1), distinct
+    """One advantage per sampled turn (its runs of loss_mask == 1) of each trajectory, distinct
     across turns and rows, and its per-token [T] advantages for the reference."""
-    per_token = []
+    per_turn, per_token = [], []
     for i, t in enumerate(trajs):
         n = t.segments[0].num_turns
-        t.turn_advantages = [((i * 3 + k * 5) % 7 - 3) / 2 for k in range(n)]
-        per_token.append(token_advantages(t, math.nan).tolist())
-    return trajs, per_token
+        per_turn.append([((i * 3 + k * 5) % 7 - 3) / 2 for k in range(n)])
+        per_token.append(list(token_advantages(t.loss_mask, per_turn[-1])))
+    return per_turn, per_token
 
 
 @pytest.mark.parametrize("packing,budget", [("shared_prefix", 48), ("padded", 64)])
 def test_turn_advantages_reach_each_turn_s_tokens(packing, budget):
     # the reference weighs each token of the padded batch by its turn's advantage ([B, T])
     trajs, _ = batch_and_advantages()
-    trajs, per_token = with_turn_advantages(trajs)
-    assert any(len(set(t.turn_advantages)) > 1 for t in trajs)  # turns of a row really differ
+    per_turn, per_token = with_turn_advantages(trajs)
+    assert any(len(set(turns)) > 1 for turns in per_turn)  # turns of a row really differ
     outcome = [0.0] * len(trajs)  # the scalar is not what the loss reads for these rows
     cfg = LearnerConfig(micro_batch_tokens=budget, packing=packing, grad_clip=1e9)
     learner = Learner(tiny_llama(), cfg, LossConfig(), temperature=TEMPERATURE)
     grads = record_grads(learner)
-    learner.train_step(trajs, outcome)
+    learner.train_step(rows(trajs, outcome, per_turn))
     T = max(len(t.token_ids) for t in trajs)
     adv_BT = torch.tensor([p + [0.0] * (T - len(p)) for p in per_token])
     expected = one_big_batch_grads(trajs, adv_BT, LossConfig())
@@ -583,22 +589,20 @@ def test_turn_advantages_reach_each_turn_s_tokens(packing, budget):
 
 
 def test_outcome_only_rows_train_on_the_per_trajectory_path_bit_for_bit():
-    # No turn_advantages (every outcome-only estimator): the micro-batches carry no per-token
+    # No per-turn advantages (every outcome-only estimator): the micro-batches carry no per-token
     # advantages and the loss reads advantages_B, as before turn-level estimators existed. Rows
     # whose turn advantages all equal their scalar advantage give exactly the same gradient.
     trajs, adv = batch_and_advantages()
-    (mb,) = make_micro_batches(trajs, adv, 100_000)
+    (mb,) = make_micro_batches(rows(trajs, adv), 100_000)
     assert mb.token_advantages_BT is None and mb.loss_advantages is mb.advantages_B
     grads = []
     for per_turn in (False, True):
         fresh, _ = batch_and_advantages()
-        if per_turn:
-            for t, a in zip(fresh, adv, strict=True):
-                t.turn_advantages = [a] * t.segments[0].num_turns
+        turns = [[a] * t.segments[0].num_turns for t, a in zip(fresh, adv, strict=True)]
         learner = Learner(
             tiny_llama(), LearnerConfig(grad_clip=1e9), LossConfig(), temperature=TEMPERATURE
         )
         grads.append(record_grads(learner))
-        learner.train_step(fresh, adv)
+        learner.train_step(rows(fresh, adv, turns if per_turn else None))
     for name, g in grads[0][0].items():
         assert torch.equal(g, grads[1][0][name]), name

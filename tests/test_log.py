@@ -12,7 +12,7 @@ import pytest
 
 from agentgrpo.run.config import RunConfig
 from agentgrpo.run.log import Progress, RunLogger, read_jsonl
-from agentgrpo.types import StopReason, Trajectory
+from agentgrpo.types import Score, StopReason, Trajectory
 
 
 class Clock:
@@ -23,7 +23,8 @@ class Clock:
         return self.t
 
 
-def traj(reward: float, sampled: int) -> Trajectory:
+def traj(reward: float, sampled: int) -> tuple[Trajectory, Score]:
+    """A finished trajectory of `sampled` sampled tokens and its score."""
     n = sampled + 2
     return Trajectory(
         "t",
@@ -34,14 +35,14 @@ def traj(reward: float, sampled: int) -> Trajectory:
         [],
         StopReason.COMPLETED,
         reward=reward,
-    )
+    ), Score("", reward)
 
 
 def one_step(p: Progress, clock: Clock, step: int, *, loss: float = 0.25) -> None:
     p.phase("rollout")
     clock.t += 2.0
-    p.rollout_done(traj(1.0, 6))
-    p.rollout_done(traj(math.nan, 4))  # unscorable: counted as done, not in the reward
+    p.rollout_done(*traj(1.0, 6))
+    p.rollout_done(*traj(math.nan, 4))  # unscorable: counted as done, not in the reward
     p.phase("train")
     clock.t += 1.0
     p.phase("sync")
@@ -76,13 +77,13 @@ def test_live_bar_shows_rollouts_reward_and_phase():
     p = Progress(3, start_step=1, rollouts_per_step=2, file=out, live=True, clock=clock)
     p.phase("rollout")
     clock.t += 2.0
-    p.rollout_done(traj(1.0, 6))
+    p.rollout_done(*traj(1.0, 6))
     p.phase("train")  # a forced redraw: the running reward and tok/s of the rollouts so far
     text = out.getvalue()
     assert "step 2/3 · rollout" in text and "step 2/3 · train" in text  # resumed: step 2 of 3
     assert "1/2 rollouts" in text and "reward 1 · 3 tok/s" in text  # 6 tokens in 2 s
     p.phase("eval", total=5)
-    p.rollout_done(traj(0.0, 1))
+    p.rollout_done(*traj(0.0, 1))
     p.phase("sync")
     assert "eval reward 0 " in out.getvalue() and "1/5 rollouts" in out.getvalue()
     p.step_done(2, {"reward_mean": 1.0, "loss": 0.5, "tokens_per_s": 3.0})

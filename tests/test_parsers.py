@@ -73,8 +73,11 @@ def test_a_closing_tag_inside_a_string_does_not_end_the_call():
     turn = parse_hermes('<tool_call>{"name": "f", "arguments": {</tool_call>after')
     assert [e.kind for e in turn.errors] == [ToolErrorKind.BAD_JSON]
     assert turn.message.content == "after"
-    turn = parse_hermes('a<tool_call>{"name": "f", "arguments": {}}')  # cut by the token limit
+    turn = parse_hermes('a<tool_call>{"name": "f", "arguments": {')  # cut by the token limit
     assert [e.kind for e in turn.errors] == [ToolErrorKind.UNCLOSED] and turn.message.content == "a"
+    # a complete call whose </tool_call> is missing still runs (vLLM runs it)
+    turn = parse_hermes('a<tool_call>{"name": "f", "arguments": {}}<tool_call>{"name": "g"}')
+    assert [c.name for c in turn.message.tool_calls] == ["f", "g"] and turn.errors == []
 
 
 @pytest.mark.parametrize(
@@ -117,3 +120,39 @@ def test_llama_python_tag_without_json_is_a_malformed_call_not_an_answer():
         assert [e.kind for e in turn.errors] == [ToolErrorKind.BAD_CALL]
         assert "built-in tool syntax is not supported" in turn.errors[0].reason
     assert parse_llama3_json("The answer is 4.").message.content == "The answer is 4."
+
+
+def test_qwen3_xml_reads_long_or_hostile_values_in_linear_time():
+    """SGLang's own bound (test_qwen3_coder_detector): an unclosed value of 100,000 spaces parses in
+    under 2 s; so do 5,000 `<parameter=` tags opened and never closed (both were quadratic)."""
+    import time
+
+    from agentgrpo.chat.parsers import parse_qwen3_xml
+
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+                },
+            },
+        }
+    ]
+    value = "a" + " " * 100_000 + "b"
+    spaces = (
+        f"<tool_call>\n<function=get_weather>\n<parameter=city>\n{value}\n"
+        "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>"
+    )
+    hostile = "<tool_call><function=get_weather>" + "<parameter=city>" * 5000
+    for text in (spaces, hostile):
+        start = time.perf_counter()
+        turn = parse_qwen3_xml(text, tools)
+        assert time.perf_counter() - start < 2.0
+    assert [e.kind for e in turn.errors] == [ToolErrorKind.UNCLOSED]
+    assert parse_qwen3_xml(spaces, tools).message.tool_calls[0].arguments == {
+        "city": value,
+        "days": 3,
+    }

@@ -64,6 +64,7 @@ FAMILIES = {
     "nemotron_3_nano.jinja": ("qwen3_xml", True, "<|im_end|>"),
     "glm4moe.jinja": ("glm4", True, ""),  # GLM's turn ends where the next role token starts
     "deepseekv3.jinja": ("deepseek_v3", True, "<｜end▁of▁sentence｜>"),
+    "deepseekv3_tools.jinja": ("deepseek_v3", True, "<｜end▁of▁sentence｜>"),
     "gptoss.jinja": ("harmony", False, "<|call|>"),
     "lfm2_2_5.jinja": ("pythonic", True, "<|im_end|>"),
 }
@@ -255,7 +256,12 @@ BAD_JSON, BAD_CALL, UNCLOSED, INVALID = (
             BAD_CALL,
             "<function=NAME>",
         ),
-        ("qwen3_xml", XML.format("<parameter=n>\n3\n"), BAD_CALL, "not a closed <parameter"),
+        (
+            "qwen3_xml",
+            "<tool_call>\n<function=book\n<parameter=n>\n3\n</parameter>\n</function>\n</tool_call>",
+            BAD_CALL,
+            "<function=NAME>",
+        ),
         (
             "qwen3_xml",
             XML.format("<parameter=n>\nthree\n</parameter>\n"),
@@ -361,9 +367,9 @@ BAD_JSON, BAD_CALL, UNCLOSED, INVALID = (
         ("pythonic", "<|tool_call_start|>[book(3)]<|tool_call_end|>", BAD_CALL, "key=value"),
         (
             "pythonic",
-            "<|tool_call_start|>[os.system(n=1)]<|tool_call_end|>",
+            "<|tool_call_start|>[book()(n=1)]<|tool_call_end|>",
             BAD_CALL,
-            "plain name",
+            "name(key=value",
         ),
         (
             "pythonic",
@@ -417,11 +423,15 @@ def test_pythonic_without_markers_is_the_whole_turn_or_an_answer():
     assert _typed([(c.name, c.arguments) for c in turn.message.tool_calls]) == _typed(
         [("book", {"n": 1, "ok": True, "opt": {"a": None}}), ("cancel", {"id": "x"})]
     )
-    for answer in ("[1, 2] are the roots", "The answer is [book(n=1)]", "[not a call]"):
+    for answer in ("[1, 2] are the roots", "[not a call]", "Is [book(n=1) a call?"):
         turn = PARSERS["pythonic"](answer, TOOLS)
         assert (
             turn.message.content == answer and turn.errors == [] and turn.message.tool_calls is None
         )
+    # a call list in the middle of the text is a call, as SGLang reads it; the text is content
+    turn = PARSERS["pythonic"]("The answer needs [book(n=1)] first.", TOOLS)
+    assert turn.message.content == "The answer needs  first."
+    assert [(c.name, c.arguments) for c in turn.message.tool_calls] == [("book", {"n": 1})]
 
 
 def test_hostile_python_is_a_typed_event_never_a_raise():
@@ -429,12 +439,14 @@ def test_hostile_python_is_a_typed_event_never_a_raise():
     for text in (
         deep,
         "[book(n=" + "1" * 5000 + ")]",
-        "[book(n='\x00')]",
         "[book(n=1) if x else 2]",
     ):
         turn = PARSERS["pythonic"](text, TOOLS)
         assert turn.message.tool_calls is None and len(turn.errors) == 1
         assert turn.errors[0].kind in (BAD_JSON, BAD_CALL)
+    # a NUL inside a string is text (vLLM reads it back), escaped before the source is parsed
+    turn = PARSERS["pythonic"]("[book(note='a\x00b')]", TOOLS)
+    assert turn.errors == [] and turn.message.tool_calls[0].arguments == {"note": "a\x00b"}
 
 
 def test_every_parser_takes_any_text_without_raising():

@@ -98,6 +98,21 @@ def test_a_slow_group_moves_back_to_its_deadline_and_the_learner_waits_only_then
     assert (0, 0) not in by_step[0] + by_step[1] + by_step[3]
 
 
+def test_without_trades_every_group_is_trained_in_the_slot_it_was_admitted_for():
+    """trade=False (deterministic runs): the slow position 0 holds step 0 instead of moving back,
+    and every step trains the positions admitted for it, whatever finished first."""
+    pipe = StalenessPipeline(
+        sampler(lambda p: 0.1 if p == 0 else 0.001),
+        positions(),
+        per_step=1,
+        max_staleness=2,
+        steps=4,
+        trade=False,
+    )
+    trained = asyncio.run(learn(pipe, 4))
+    assert [groups for _, groups in trained] == [[(0, 0)], [(1, 0)], [(2, 0)], [(3, 1)]]
+
+
 def test_the_producer_keeps_k_plus_one_steps_of_groups_ahead_and_no_more():
     pipe = StalenessPipeline(
         sampler(lambda p: 10.0), positions(), per_step=2, max_staleness=3, steps=100

@@ -173,6 +173,7 @@ def test_text_is_escaped_not_interpreted(run_copy, smol_tokenizer):
         "prompt_len": len(prompt),
         "stop_reason": "completed",
         "stop_detail": "<done>",
+        "reward_detail": "<judge: fine>",
         "reward": 1.0,
         "messages": [
             {"role": "user", "content": "What is <marquee>1+1</marquee>?"},
@@ -191,6 +192,7 @@ def test_text_is_escaped_not_interpreted(run_copy, smol_tokenizer):
     assert nasty in "".join(art["text"])  # the message, as text
     assert "".join(art["tok-gen"]) == nasty  # the tokens, as text, all in the generated colour
     assert "<marquee>1+1</marquee>" in "".join(art["tok-ctx"])
+    assert "<done>" in "".join(art["text"]) and "<judge: fine>" in "".join(art["text"])  # as text
 
 
 def test_caps_bound_what_is_embedded_and_say_so(run_copy):

@@ -72,9 +72,9 @@ class BySeed:
         ]
 
     async def generate(self, prompt_ids, params):
-        # The member's seed is its first turn's; later turns sample with their own
-        # (rollout.turn_seed), and only even members (the tool users) have a later turn.
-        member = params.seed % 2 if self.turn(prompt_ids) == 1 else 0
+        # The member is named by its session ("<group>/<i>"); only even members (the tool
+        # users) have a later turn.
+        member = int(params.session_id.rsplit("/", 1)[1]) % 2 if self.turn(prompt_ids) == 1 else 0
         return await self.engines[member].generate(prompt_ids, params)
 
 
@@ -97,19 +97,18 @@ def test_rubric_scores_collected_groups_with_weights_and_parts(chat):
             chat,
             [TASK, TASK],
             RolloutConfig(group_size=4),
-            on_done=done.append,
+            on_done=lambda t, score: done.append(score),
         )
     )
-    trajs = [t for g in groups for t in g.trajectories]
-    for t in trajs:
-        assert t.stop_reason == StopReason.COMPLETED and set(t.reward_parts) == {
-            "correct",
-            "used_tool",
-        }
-        assert t.reward == 1.0 * t.reward_parts["correct"] + 0.5 * t.reward_parts["used_tool"]
-        assert t.env_reward == 0.0  # ToolEnv.reward with a rubric: the env has no say
-    assert [t.reward for t in trajs] == [1.5, 0.0] * 4  # tool then 111: 1 + 0.5; 112: 0
-    assert sorted(t.reward for t in done) == [0.0] * 4 + [1.5] * 4  # on_done saw the scored rewards
+    for g in groups:
+        for t in g.trajectories:
+            score = g.score(t)
+            assert t.stop_reason == StopReason.COMPLETED
+            assert set(score.parts) == {"correct", "used_tool"}
+            assert score.reward == 1.0 * score.parts["correct"] + 0.5 * score.parts["used_tool"]
+            assert score.env_reward == 0.0  # ToolEnv.reward with a rubric: the env has no say
+    assert [r for g in groups for r in g.rewards] == [1.5, 0.0] * 4  # tool, 111: 1 + 0.5; 112: 0
+    assert sorted(s.reward for s in done) == [0.0] * 4 + [1.5] * 4  # on_done saw the scores
     assert verifier_threads and all(n.startswith("agentgrpo-user") for n in verifier_threads)
     m = rollout_metrics(groups)
     assert (
@@ -118,7 +117,7 @@ def test_rubric_scores_collected_groups_with_weights_and_parts(chat):
         and m["unscorable"] == 0
     )
     # and on into the advantage step: each group's 1.5s above its mean, its 0s below
-    rewards_B = torch.tensor([t.reward for t in trajs])
+    rewards_B = torch.tensor([r for g in groups for r in g.rewards])
     group_ids_B = torch.tensor([i for i, g in enumerate(groups) for _ in g.trajectories])
     adv_B = compute_advantages(rewards_B, group_ids_B, estimator="grpo")
     assert ((adv_B > 0) == (rewards_B > 0)).all() and (adv_B != 0).all()
@@ -136,9 +135,10 @@ def test_env_reward_is_kept_aside_and_the_penalty_applied_once(chat):
     )
     g = group(chat, Both, engine, size=1, tool_error_penalty=0.25, max_turns=3)
     t = g.trajectories[0]
-    assert t.tool_errors == 1 and t.env_reward == 1.0  # the env's own, without the penalty
-    assert t.reward_parts == {"env": 1.0, "correct": 1.0}
-    assert t.reward == pytest.approx(2.0 * 1.0 + 1.0 - 0.25)
+    score = g.score(t)
+    assert t.tool_errors == 1 and score.env_reward == t.reward == 1.0  # the env's, no penalty
+    assert score.parts == {"env": 1.0, "correct": 1.0}
+    assert score.reward == pytest.approx(2.0 * 1.0 + 1.0 - 0.25)
 
 
 def test_failing_verifier_is_unscorable_with_its_reason_not_zero(chat):
@@ -157,17 +157,17 @@ def test_failing_verifier_is_unscorable_with_its_reason_not_zero(chat):
     ]:
         g = group(chat, env)
         for t in g.trajectories:
+            score = g.score(t)
             assert (
-                math.isnan(t.reward) and t.stop_reason == StopReason.COMPLETED
+                score.unscorable and t.stop_reason == StopReason.COMPLETED
             )  # the episode was fine
-            assert why in t.stop_detail and t.reward_parts["correct"] in (
+            assert why in score.detail and score.parts["correct"] in (
                 0.0,
                 1.0,
             )  # the other part kept
         assert rollout_metrics([g])["unscorable"] == 4
         if env is Broken:
-            assert all("sandbox down" in t.reward_detail for t in g.trajectories)
-            assert all(math.isnan(t.reward_parts["tests"]) for t in g.trajectories)
+            assert all(math.isnan(g.score(t).parts["tests"]) for t in g.trajectories)
 
 
 def test_scoring_is_bounded_by_the_step_deadline(chat):
@@ -186,10 +186,8 @@ def test_scoring_is_bounded_by_the_step_deadline(chat):
     )
     assert time.monotonic() - t0 < 5
     for t in groups[0].trajectories:
-        assert (
-            math.isnan(t.reward)
-            and "step deadline expired while the rubric scored" in t.stop_detail
-        )
+        score = groups[0].score(t)
+        assert score.unscorable and "step deadline expired while the rubric scored" in score.detail
 
 
 def test_group_hook_sees_the_whole_group_and_infra_failures_stay_nan(chat):
@@ -209,12 +207,7 @@ def test_group_hook_sees_the_whole_group_and_infra_failures_stay_nan(chat):
 
     g = group(chat, Hooked)
     assert seen == [(4, TASK.id, [1.0, 0.0, 1.0, 0.0])]  # one call, with every member of the group
-    assert [t.reward for t in g.trajectories] == [
-        1.25,
-        0.0,
-        1.0,
-        0.0,
-    ]  # equal lengths: the first wins
+    assert g.rewards == [1.25, 0.0, 1.0, 0.0]  # equal lengths: the first wins
 
     made = iter(range(3))
 
@@ -226,7 +219,7 @@ def test_group_hook_sees_the_whole_group_and_infra_failures_stay_nan(chat):
     seen.clear()
     g = group(chat, factory, size=3)
     assert seen[0][0] == 2 and g.trajectories[1].stop_reason == StopReason.ENV_ERROR
-    assert math.isnan(g.trajectories[1].reward) and g.trajectories[1].reward_parts == {}
+    assert g.score(g.trajectories[1]).unscorable and g.score(g.trajectories[1]).parts == {}
 
 
 def test_a_rubric_must_be_a_rubric_and_a_tool_env_needs_one_or_a_reward(chat):
@@ -268,6 +261,7 @@ def test_run_directory_and_report_show_the_parts(tmp_path, tiny_model_dir):
                 f"output_dir={out}",
                 "train.steps=1",
                 "env.name=tests.test_rewards_rubric:RubricCalc",
+                "env.audit.reward_hacks=skip",  # a toy verifier: not what this tests
                 f"model.path={tiny_model_dir}",
                 "rollout.group_size=2",
                 "rollout.tasks_per_step=2",

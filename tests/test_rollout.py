@@ -62,10 +62,10 @@ def assert_invariants(traj, engine, chat):
     """Lengths match; mask 1 exactly on sampled ids, with the engine's logprobs; the sequence the
     engine saw at each turn is a prefix of the final trajectory."""
     traj.check()
-    assert traj.token_ids[: traj.prompt_len] == engine.calls[0]
+    assert list(traj.token_ids[: traj.prompt_len]) == engine.calls[0]
     sampled_positions = []
     for k, prompt in enumerate(engine.calls):
-        assert traj.token_ids[: len(prompt)] == prompt  # the model saw exactly these tokens
+        assert list(traj.token_ids[: len(prompt)]) == prompt  # the model saw exactly these tokens
         end = engine.calls[k + 1].__len__() if k + 1 < len(engine.calls) else len(traj.token_ids)
         # sampled ids of turn k start right after its prompt
         n = next(i for i in range(len(prompt), end + 1) if i == end or traj.loss_mask[i] == 0)
@@ -147,7 +147,7 @@ def test_infrastructure_failures_are_unscorable_not_zero(chat):
     assert (
         traj.stop_reason == StopReason.ENV_ERROR
         and math.isnan(traj.reward)
-        and traj.token_ids == []
+        and traj.token_ids == ()
     )
 
     class BadReward(Env):
@@ -214,7 +214,14 @@ def test_collect_runs_groups_concurrently(chat):
     tasks = Calc.load_tasks("train", seed=0, n=4)
     done = []
     groups = asyncio.run(
-        collect(Calc, engine, chat, tasks, RolloutConfig(group_size=4), on_done=done.append)
+        collect(
+            Calc,
+            engine,
+            chat,
+            tasks,
+            RolloutConfig(group_size=4),
+            on_done=lambda t, s: done.append(t),
+        )
     )
     assert len(groups) == 4 and len(done) == 16
     assert len({g.group_id for g in groups}) == 4
@@ -263,7 +270,9 @@ def test_turn_deadline_keeps_what_was_generated(chat):
     assert traj.stop_reason == StopReason.TIMEOUT and math.isnan(traj.reward)
     assert traj.deadline == "turn" and "turn 2 exceeded its deadline of 0.3 s" in traj.stop_detail
     assert traj.num_turns == 1 and [m.role for m in traj.messages][-2:] == ["assistant", "tool"]
-    assert traj.token_ids == engine.calls[1]  # exactly the sequence the stalled request was sent
+    assert (
+        list(traj.token_ids) == engine.calls[1]
+    )  # exactly the sequence the stalled request was sent
     traj.check()
 
 
@@ -427,7 +436,7 @@ def test_no_lock_step_a_slow_tool_does_not_hold_back_other_trajectories(chat):
         env.member = next(members)
         return env
 
-    def on_done(t):
+    def on_done(t, score):
         released.set()
 
     engine = ScriptedEngine(
@@ -548,10 +557,73 @@ def test_every_turn_gets_its_own_sampling_seed(chat):
     assert all(0 <= s < 2**63 for s in seeds)  # fits SGLang's int64 sampling_seed
     assert seeds_of_a_group() == seeds  # reproducible: the same seed gives the same turn seeds
     # the mix is fixed (SplitMix64 of (seed, turn)), not Python's per-process salted hash()
-    from agentgrpo.rollout.episode import turn_seed
+    from agentgrpo.rollout.seeds import episode_seed
 
-    assert turn_seed(1234, 1) == 1234 and turn_seed(None, 3) is None
-    assert turn_seed(1234, 2) == 5468443737350222482
+    assert episode_seed(1234) == 1234 and episode_seed(None, turn=3) is None
+    assert episode_seed(1234, turn=2) == 5468443737350222482
+    assert episode_seed(1234, member=2, turn=3) == episode_seed(1236, turn=3)
+
+
+def test_a_group_s_seeds_follow_from_the_run_seed_and_its_draw(chat):
+    """One rule (`episode_seed`) for training, evaluation and the rollout: group d of a run with
+    seed s resets every member's env with episode_seed(s, draw=d), and member i samples turn 1 with
+    that + i; the same draw gives the same seeds whatever else the step holds."""
+    from agentgrpo.rollout.seeds import episode_seed
+
+    resets = []
+
+    class Recorded(Calc):
+        def reset(self, *, seed=None, options=None):
+            resets.append(seed)
+            return super().reset(seed=seed, options=options)
+
+    def sampled(draws):
+        engine, resets[:] = SeedSpy(chat), []
+        cfg = RolloutConfig(group_size=2, max_turns=1)
+        groups = asyncio.run(
+            collect(Recorded, engine, chat, [TASK] * len(draws), cfg, seed=5, draws=draws)
+        )
+        return groups, sorted(engine.seeds), sorted(resets)
+
+    groups, seeds, envs = sampled([7, 9])
+    g7, g9 = episode_seed(5, draw=7), episode_seed(5, draw=9)
+    assert envs == sorted([g7, g7, g9, g9]) and seeds == sorted([g7, g7 + 1, g9, g9 + 1])
+    assert [g.group_id for g in groups] == [f"7:{TASK.id}", f"9:{TASK.id}"]
+    assert sampled([9])[1] == sorted([g9, g9 + 1])  # a group's seeds are its draw's alone
+    with pytest.raises(ValueError, match="1 tasks but 2 draws"):
+        asyncio.run(collect(Recorded, SeedSpy(chat), chat, [TASK], RolloutConfig(), draws=[1, 2]))
+
+
+def test_only_an_episode_runner_runs_its_own_episode(chat):
+    """The rollout hands an env its episode only when it inherits EpisodeRunner (an AgentEnv); a
+    method of the same name alone is not a declaration, and an incomplete runner cannot be made."""
+    from agentgrpo import AgentEnv
+    from agentgrpo.env.runner import EpisodeRunner
+
+    class LooksLikeOne(Calc):
+        async def run_own_episode(self, *args, **kwargs):
+            raise AssertionError("a plain env's episode is the rollout's")
+
+    traj, _ = run(chat, [CALL, "111"], env=LooksLikeOne)
+    assert traj.stop_reason == StopReason.COMPLETED and traj.num_turns == 2
+    group = asyncio.run(
+        run_group(
+            LooksLikeOne,
+            ScriptedEngine(chat.tokenizer, by_turn(chat, CALL, "111"), chat.end_of_turn_id),
+            chat,
+            TASK,
+            1,
+            SamplingParams(),
+        )
+    )
+    assert group.trajectories[0].stop_reason == StopReason.COMPLETED
+    assert issubclass(AgentEnv, EpisodeRunner) and not issubclass(Calc, EpisodeRunner)
+
+    class Incomplete(Env, EpisodeRunner):
+        pass
+
+    with pytest.raises(TypeError, match="run_own_episode"):
+        Incomplete()
 
 
 def test_a_group_without_a_seed_still_shares_one_start_state(chat):
@@ -618,7 +690,7 @@ def test_bad_reset_values_end_the_trajectory_with_env_error(chat, reset_returns,
         and why in traj.stop_detail
         and math.isnan(traj.reward)
     )
-    assert traj.token_ids == [] and engine.calls == []
+    assert traj.token_ids == () and engine.calls == []
 
 
 @pytest.mark.parametrize(
@@ -792,7 +864,7 @@ def test_parallel_calls_under_a_single_call_template_are_tool_errors(llama_chat)
     ) == (2, 1)
     assert len(traj.messages[2].tool_calls) == 2  # the record keeps what the model asked for
     assert [m.content for m in traj.messages if m.role == "tool"][0] == "111"
-    assert traj.token_ids[: len(engine.calls[1])] == engine.calls[1]
+    assert list(traj.token_ids[: len(engine.calls[1])]) == engine.calls[1]
     assert llama_chat.decode(engine.calls[1]).count("56+55") == 1 and "1+1" in llama_chat.decode(
         engine.calls[1]
     )
@@ -973,7 +1045,7 @@ def test_every_sampled_token_keeps_the_weight_version_that_sampled_it(chat):
         run_episode(Calc(), engine, chat, TASK, SamplingParams(), limits=EpisodeLimits())
     )
     first = sum(traj.loss_mask) - len(chat.tokenizer.encode("111")) - 1
-    assert traj.token_versions == [(3, 4), (first - 3, 5), (traj.num_sampled - first, -1)]
+    assert traj.token_versions == ((3, 4), (first - 3, 5), (traj.num_sampled - first, -1))
     assert traj.weight_versions == (4, 5)
     assert traj.to_dict()["token_versions"] == [
         [3, 4],

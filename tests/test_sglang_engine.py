@@ -1002,7 +1002,7 @@ def test_serve_sglang_main_runs_until_sigterm(tmp_path):
             "0",
             "--ready-timeout",
             "60",
-            "--sglang-module",
+            "--module",
             "tests.fake_sglang",
             "--log-file",
             str(tmp_path / "log"),

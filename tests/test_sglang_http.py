@@ -18,9 +18,9 @@ import orjson
 import pytest
 
 from agentgrpo.engine.base import EngineError
-from agentgrpo.engine.sglang.client import SGLangEngine
+from agentgrpo.engine.pool import ServerPool, ServerState
+from agentgrpo.engine.sglang.client import WIRE, SGLangEngine
 from agentgrpo.engine.sglang.config import SGLangConfig
-from agentgrpo.engine.sglang.pool import ServerPool, ServerState
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 OUTPUT = {"text": "hi", "output_ids": [1, 2], "meta_info": {"id": "x"}}
@@ -80,6 +80,7 @@ def pool(url: str, headers: dict[str, str] | None = None, **settings: Any) -> Se
         SGLangConfig(urls=[url], **settings),
         {"Content-Type": "application/json", **(headers or {})},
         resync=no_resync,
+        wire=WIRE,
     )
 
 

@@ -5,7 +5,8 @@ import asyncio
 import dataclasses
 
 from agentgrpo.engine import SamplingParams, SGLangEngine
-from agentgrpo.rollout.episode import EpisodeLimits, run_episode, run_group, turn_seed
+from agentgrpo.rollout.episode import EpisodeLimits, run_episode, run_group
+from agentgrpo.rollout.seeds import episode_seed
 from envs.calculator import CalculatorEnv
 from tests.fake_sglang import FakeSGLang
 from tests.fakes import ScriptedEngine
@@ -117,8 +118,8 @@ def test_every_turn_of_a_groups_episodes_stays_on_one_server(chat):
     g, seeds = asyncio.run(go())
     assert [t.num_turns for t in g.trajectories] == [3] * 4
     assert all(seeds)  # both servers served episodes
-    for i in range(4):  # episode i: 3 turns (seeds turn_seed(100 + i, k)), all on one server
-        turns = {turn_seed(100 + i, k) for k in (1, 2, 3)}
+    for i in range(4):  # episode i: 3 turns (seeds episode_seed(100, member=i, turn=k)), one server
+        turns = {episode_seed(100, member=i, turn=k) for k in (1, 2, 3)}
         assert sorted(sum(x in turns for x in s) for s in seeds) == [0, 3]
 
 
@@ -145,5 +146,5 @@ def test_a_turn_sampled_across_a_weight_push_records_both_versions(chat, tmp_pat
     local = _episode(chat, ScriptedEngine(chat.tokenizer, SCRIPT, chat.end_of_turn_id))
     assert traj.token_ids == local.token_ids and traj.stop_reason == local.stop_reason
     (before,) = paused.values()
-    assert traj.token_versions == [(before, 0), (traj.num_sampled - before, 1)]
+    assert traj.token_versions == ((before, 0), (traj.num_sampled - before, 1))
     assert traj.weight_versions == (0, 1)

@@ -30,9 +30,10 @@ def test_shaped_rewards_count_tokens_after_the_prompt_and_keep_nan():
         traj([1] * (5 + n), [0] * 5 + [1] * n, reward=r)
         for n, r in ((10, 1.0), (18, 1.0), (18, NAN))
     ]
-    got = shaped_rewards(trajs, ShapingConfig(overlong_buffer_len=4), max_tokens=20)
+    rewards = [t.reward for t in trajs]  # the trajectories' scores
+    got = shaped_rewards(trajs, rewards, ShapingConfig(overlong_buffer_len=4), max_tokens=20)
     assert got[:2].tolist() == pytest.approx([1.0, 0.5]) and math.isnan(got[2])
-    assert shaped_rewards(trajs, ShapingConfig(), max_tokens=20)[:2].tolist() == [1.0, 1.0]
+    assert shaped_rewards(trajs, rewards, ShapingConfig(), max_tokens=20)[:2].tolist() == [1.0, 1.0]
 
 
 def test_overlong_penalty_hand_computed():
@@ -107,7 +108,7 @@ def test_describe_algorithm_names_every_choice():
             kl_estimator="k2",
             tis="sequence",
             tis_cap=1.5,
-            mis="sequence",
+            mis="geometric",
             mis_low=0.25,
             mis_high=4.0,
         ),
@@ -124,7 +125,8 @@ def test_describe_algorithm_names_every_choice():
         "k2",
         "beta = 0.001",
         "sequence-level, cap 1.5",
-        "sequence-level, drop where the geometric-mean ratio of each sequence is outside [0.25, 4]",
+        "geometric: 0 where the geometric mean of each sequence's token ratios is outside "
+        "[0.25, 4], else the tis weight",
         "<= 5 extra rounds",
         "last 256 tokens",
         "truncated trajectories masked",
@@ -144,7 +146,7 @@ def test_describe_algorithm_names_every_choice():
         assert piece in plain, piece
     assert text.startswith("algorithm:\n") and len(text.splitlines()) == 9
     token = describe_algorithm(AdvantageConfig(), LossConfig(mis="token"), ShapingConfig())
-    assert "mis          token-level, drop where the token ratio is outside [0.5, 2]" in token
+    assert "mis          token: weight = the token ratio, 0 outside [0.5, 2]" in token
     norm = describe_algorithm(
         AdvantageConfig(estimator="dr_grpo", batch_std=True),
         LossConfig(agg="seq-mean-token-sum-norm", max_response_len=1024),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import json
 
 import pytest
@@ -89,6 +90,13 @@ TEMPLATES = {
         ["<｜end▁of▁sentence｜>", "<｜begin▁of▁sentence｜>"],
         ("refuse", "refuse", "refuse"),
     ),
+    # the tool template SGLang publishes for DeepSeek-V3 (shipped as deepseekv3_tools) lists the
+    # tools in the system message and keeps history verbatim: one exact sequence
+    "deepseekv3_tools.jinja": (
+        "<｜end▁of▁sentence｜>",
+        ["<｜end▁of▁sentence｜>", "<｜begin▁of▁sentence｜>"],
+        ("exact", "exact", "stepwise"),
+    ),
 }
 
 
@@ -113,13 +121,27 @@ class RecordingEngine(ScriptedEngine):
 
 
 def _chat(tok, name: str, mode: str, **kw) -> ChatFormat:
-    eot, specials, _ = TEMPLATES[name]
+    """The template's ChatFormat on the embedded tokenizer with its special tokens; the end-of-turn
+    tokens are the ones ChatFormat detects (test_the_end_of_turn_tokens_are_detected...)."""
+    _, specials, _ = TEMPLATES[name]
     t = copy.deepcopy(tok)
     if specials:
         t.add_special_tokens({"additional_special_tokens": specials})
-    return ChatFormat(
-        t, template=shipped_template(name), end_of_turn=eot, trajectory_mode=mode, **kw
-    )
+    return ChatFormat(t, template=shipped_template(name), trajectory_mode=mode, **kw)
+
+
+@pytest.mark.parametrize("name", sorted(TEMPLATES))
+def test_the_end_of_turn_tokens_are_detected_from_the_template(tok, name):
+    """No `model.end_of_turn` needed: probe renders of the template find the tokens that end an
+    assistant turn, GPT-OSS's `<|call|>` after a call and `<|return|>` after an answer, GLM-4.5's
+    `<|observation|>` and `<|user|>` (the role token that opens the next message); every other
+    test here runs on the detected tokens. A token given still overrides them."""
+    eot = TEMPLATES[name][0]
+    chat = _chat(tok, name, "auto")
+    assert chat.end_of_turns == ((eot,) if isinstance(eot, str) else tuple(eot))
+    assert set(chat.end_of_turn_ids) <= set(chat.stop_token_ids)
+    given = _chat(tok, name, "auto", end_of_turn=chat.tokenizer.eos_token)
+    assert given.end_of_turns == (chat.tokenizer.eos_token,)
 
 
 class Thinker(Env):
@@ -210,9 +232,9 @@ def check_token_exact(traj: Trajectory, engine: RecordingEngine, chat: ChatForma
     assert len(runs) == len(engine.calls) == traj.num_turns
     for k, (s, start, end) in enumerate(runs):
         seg = traj.segments[s]
-        assert seg.token_ids[:start] == engine.calls[k]  # what the engine received, exactly
-        assert seg.token_ids[start:end] == engine.outs[k].token_ids  # what it sampled
-        assert seg.logprobs[start:end] == engine.outs[k].logprobs
+        assert list(seg.token_ids[:start]) == engine.calls[k]  # what the engine received, exactly
+        assert list(seg.token_ids[start:end]) == engine.outs[k].token_ids  # what it sampled
+        assert list(seg.logprobs[start:end]) == engine.outs[k].logprobs
     check_segment_prompts(traj, chat, [TOOL])
 
 
@@ -232,7 +254,7 @@ def check_segment_prompts(
         m = seg.loss_mask
         starts = [i for i in range(len(m)) if m[i] and (i == 0 or not m[i - 1])]
         assert starts and starts[0] == seg.prompt_len
-        assert seg.token_ids[: seg.prompt_len] == chat.prompt_ids(
+        assert list(seg.token_ids[: seg.prompt_len]) == chat.prompt_ids(
             traj.messages[: assistants[turn]], tools, max_tool_calls=max_tool_calls
         )
         turn += len(starts)
@@ -285,8 +307,8 @@ def test_qwen3_6_thinking_trains_without_fallback_in_auto_mode_and_is_refused_in
     assert "The product first." not in second_prompt and "84 + 3 = 87." in second_prompt
     assert traj.reward == 1.0 and traj.num_sampled == first.num_sampled + second.num_sampled
     row = json.loads(json.dumps(traj.to_dict()))
-    assert [Segment.from_dict(s) for s in row["segments"]] == traj.segments
-    assert row["token_ids"] == second.token_ids  # the flat fields are the last segment
+    assert tuple(Segment.from_dict(s) for s in row["segments"]) == traj.segments
+    assert row["token_ids"] == list(second.token_ids)  # the flat fields are the last segment
     # the template's own switch keeps the reasoning in history: auto is then one sequence
     keep = _chat(
         tok,
@@ -320,21 +342,24 @@ def test_a_segment_opened_but_never_sampled_is_dropped_and_the_budget_spans_segm
 
 
 def test_the_learner_trains_a_row_per_segment_with_the_episode_s_advantage():
-    from agentgrpo.learner.batch import make_micro_batches, segment_rows
+    from agentgrpo.learner.batch import make_micro_batches
+    from tests.tiny import rows as training_rows
     from tests.tiny import traj
 
     one = traj([1, 2, 3, 4, 5], [0, 0, 1, 1, 0], group="g")
-    two = traj([1, 2, 6, 7], [0, 0, 1, 1], group="g")
-    two.earlier_segments = [
-        Segment([1, 2, 8], [0, 0, 1], [0.0, 0.0, -1.0], 2),
-        Segment([1, 2, 9, 9], [0, 0, 0, 0], [0.0] * 4, 2),
-    ]  # nothing sampled
-    rows, advs = segment_rows([one, two], [0.5, -1.0])
-    assert [r.token_ids for r in rows] == [[1, 2, 3, 4, 5], [1, 2, 8], [1, 2, 6, 7]]
-    assert advs == [0.5, -1.0, -1.0] and all(
-        r.group_id == "g" and not r.earlier_segments for r in rows
+    two = dataclasses.replace(
+        traj([1, 2, 6, 7], [0, 0, 1, 1], group="g"),
+        earlier_segments=[
+            Segment([1, 2, 8], [0, 0, 1], [0.0, 0.0, -1.0], 2),
+            Segment([1, 2, 9, 9], [0, 0, 0, 0], [0.0] * 4, 2),  # nothing sampled
+        ],
     )
-    (mb,) = make_micro_batches(rows, advs, 64, mode="shared_prefix")
+    rows = training_rows([one, two], [0.5, -1.0])
+    assert [r.token_ids for r in rows] == [(1, 2, 3, 4, 5), (1, 2, 8), (1, 2, 6, 7)]
+    advs = [r.advantage for r in rows]
+    assert advs == [0.5, -1.0, -1.0] and all(r.group_id == "g" for r in rows)
+    assert [r.trajectory_id for r in rows] == [one.id, two.id, two.id]
+    (mb,) = make_micro_batches(rows, 64, mode="shared_prefix")
     assert mb.advantages_B.tolist() == [advs[r] for r in mb.rows] and sorted(mb.rows) == [0, 1, 2]
     assert mb.loss_mask_BT.sum() == 5
     assert mb.num_real_tokens == 2 + 3 + 1 + 2  # the prefix [1, 2] once, each segment's own tokens
@@ -344,8 +369,10 @@ def test_the_report_s_trajectory_viewer_shows_every_segment():
     from agentgrpo.run.report import _traj_html
     from tests.tiny import traj
 
-    t = traj([1, 2, 6, 7], [0, 0, 1, 1])
-    t.earlier_segments = [Segment([1, 2, 8], [0, 0, 1], [0.0, 0.0, -1.0], 2)]
+    t = dataclasses.replace(
+        traj([1, 2, 6, 7], [0, 0, 1, 1]),
+        earlier_segments=[Segment([1, 2, 8], [0, 0, 1], [0.0, 0.0, -1.0], 2)],
+    )
     page = _traj_html(t.to_dict(), {8: "eight", 6: "six"}, 100)
     assert (
         "segment 1 of 2, tokens: 3 (1 generated)" in page
@@ -374,7 +401,7 @@ def rows_as_trajectories(path) -> list[Trajectory]:
         if "segments" in r:
             *earlier, last = [Segment.from_dict(s) for s in r["segments"]]
             assert last == t.segments[-1]  # the flat fields are the last segment
-            t.earlier_segments = earlier
+            t = dataclasses.replace(t, earlier_segments=earlier)
         out.append(t)
     return out
 
@@ -430,20 +457,18 @@ def test_a_step_wise_episode_trains_exactly_as_its_segments_would_as_trajectorie
     """The learner's step on episodes of two segments gives the gradient of the same segments given
     as separate trajectories with the episode's advantage: a row per segment, under either
     aggregation (docs/learner.md says how that weighs)."""
-    import copy as copying
 
     from agentgrpo.algo.loss import LossConfig
     from agentgrpo.learner.learner import Learner, LearnerConfig
     from tests.test_learner import TEMPERATURE, batch_and_advantages, record_grads
-    from tests.tiny import tiny_llama
+    from tests.tiny import rows, tiny_llama
 
     flat, adv = batch_and_advantages()
     flat_adv = list(adv)
     episodes, episode_adv = [], []
     for i in range(0, len(flat), 2):  # members 2k and 2k+1 of a group become one episode
-        first, last = flat[i], copying.copy(flat[i + 1])
-        last.earlier_segments = [first.segments[0]]
-        episodes.append(last)
+        first, last = flat[i], flat[i + 1]
+        episodes.append(dataclasses.replace(last, earlier_segments=[first.segments[0]]))
         episode_adv.append(adv[i])
         flat_adv[i + 1] = adv[i]
     grads = []
@@ -455,7 +480,7 @@ def test_a_step_wise_episode_trains_exactly_as_its_segments_would_as_trajectorie
             temperature=TEMPERATURE,
         )
         got = record_grads(learner)
-        metrics = learner.train_step(trajs, advs)
+        metrics = learner.train_step(rows(trajs, advs))
         grads.append(got[0])
     assert metrics["train_tokens"] == sum(len(t.token_ids) for t in flat)
     for name, g in grads[1].items():
@@ -524,6 +549,7 @@ def test_deepseek_v3_is_refused_only_because_its_template_never_shows_the_tools(
         report = audit(chat)
         assert {i.kind for i in report.issues if i.fatal} == {"no_tool_support"}, report.format()
         assert not [i for i in report.issues if i.kind in ("render_error", "parser_mismatch")]
+        assert "model.chat_template: deepseekv3_tools" in report.format()  # what to do
     assert chat.string_arguments
     assert audit(_chat(tok, "deepseekv3.jinja", "auto"), tools=[]).mode == "exact"
     chat = _chat(tok, "deepseekv3.jinja", "auto")
@@ -551,23 +577,31 @@ def test_the_run_config_passes_its_end_of_turn_tokens(tok):
     chat = config.chat_format(t)
     assert chat.end_of_turns == ("<|call|>", "<|return|>") and chat.parser_name == "harmony"
     assert RunConfig().chat_format(tok).end_of_turns == (tok.eos_token,)
+    # left out, they are detected from the template; given, they override it
+    detected = RunConfig.model_validate({"model": {"chat_template": "gptoss"}}).chat_format(t)
+    assert detected.end_of_turns == ("<|call|>", "<|return|>")
+    config.model.end_of_turn = ["<|return|>"]
+    assert config.chat_format(t).end_of_turns == ("<|return|>",)
 
 
 def test_segment_rows_give_each_segment_its_own_turns_advantages():
-    from agentgrpo.learner.batch import make_micro_batches, segment_rows
+    from agentgrpo.learner.batch import make_micro_batches
+    from tests.tiny import rows as training_rows
     from tests.tiny import traj
 
     # turns: segment 0 holds turn 0 ([8]), segment 1 nothing, the last segment turns 1 and 2
-    t = traj([1, 2, 6, 5, 7], [0, 0, 1, 0, 1], group="g")
-    t.earlier_segments = [
-        Segment([1, 2, 8], [0, 0, 1], [0.0, 0.0, -1.0], 2),
-        Segment([1, 2, 9, 9], [0, 0, 0, 0], [0.0] * 4, 2),
-    ]
-    t.turn_advantages = [0.25, -0.5, 2.0]
+    t = dataclasses.replace(
+        traj([1, 2, 6, 5, 7], [0, 0, 1, 0, 1], group="g"),
+        earlier_segments=[
+            Segment([1, 2, 8], [0, 0, 1], [0.0, 0.0, -1.0], 2),
+            Segment([1, 2, 9, 9], [0, 0, 0, 0], [0.0] * 4, 2),
+        ],
+    )
     assert t.sampled_turn_rewards() == [0.0, 0.0, 0.0]  # no env.step answered any of them
-    rows, advs = segment_rows([t], [1.0])
-    assert [r.turn_advantages for r in rows] == [[0.25], [-0.5, 2.0]] and advs == [1.0, 1.0]
-    (mb,) = make_micro_batches(rows, advs, 64)
+    rows = training_rows([t], [1.0], [[0.25, -0.5, 2.0]])
+    assert [r.token_advantages for r in rows] == [(0, 0, 0.25), (0, 0, -0.5, 0, 2.0)]
+    assert [r.advantage for r in rows] == [1.0, 1.0]
+    (mb,) = make_micro_batches(rows, 64)
     adv_BT = mb.token_advantages_BT
     got = {tuple(rows[i].token_ids): adv_BT[n].tolist() for n, i in enumerate(mb.rows)}
     # loss layout: from each row's first to its last loss token; 0 where the loss ignores a token
@@ -576,10 +610,80 @@ def test_segment_rows_give_each_segment_its_own_turns_advantages():
 
 def test_the_report_s_trajectory_viewer_shows_turn_advantages():
     from agentgrpo.run.report import _traj_html
+    from agentgrpo.types import Advantage
     from tests.tiny import traj
 
-    t = traj([1, 2, 6, 5, 7], [0, 0, 1, 0, 1])
-    t.turn_rewards, t.turn_advantages = [0.5, 1.0], [1.25, -0.5]
-    page = _traj_html(t.to_dict(), {}, 100)
+    t = dataclasses.replace(traj([1, 2, 6, 5, 7], [0, 0, 1, 0, 1]), turn_rewards=[0.5, 1.0])
+    page = _traj_html(t.to_dict(advantage=Advantage(t.id, 0.0, (1.25, -0.5))), {}, 100)
     assert "turn rewards 0.5, 1" in page and "turn advantages 1.25, -0.5" in page
     assert "turn advantages" not in _traj_html(traj([1, 2, 6], [0, 0, 1]).to_dict(), {}, 100)
+
+
+@pytest.mark.parametrize("mode", ["single", "auto", "stepwise"])
+def test_the_builder_continues_starts_a_segment_or_refuses_as_the_mode_says(tok, mode):
+    """The one trajectory builder on Qwen3.6 with thinking: after a tool result the template extends
+    the sequence (a suffix, loss mask 0); after a new user query it drops the reasoning, so "auto"
+    starts a segment whose prompt is the re-rendered history, "single" refuses and "stepwise"
+    starts one at every turn. Sampled ids keep their logprobs and versions, token for token."""
+    from agentgrpo.chat.trajectory import PromptDiverged, TrajectoryBuilder
+
+    chat = _chat(tok, "qwen3_6.jinja", mode, template_kwargs={"enable_thinking": True})
+    texts, (a1, a2, _) = _script(chat), _turns()
+    tool = [Message(role="tool", content="84", tool_call_id="call_0", name="calculator")]
+    user = [Message(role="user", content="Are you sure? Add the 3.")]
+    history = TASK.prompt_messages()
+    b = TrajectoryBuilder(chat)
+    b.open_segment(chat.prompt_ids(history, [TOOL]))
+    first = chat.encode(texts([], 0))
+    b.sampled(first, [-0.5] * len(first), [(2, "3"), (len(first) - 2, "4")])
+    assert b.token_versions == [(2, 3), (len(first) - 2, 4)] and b.weight_versions == (3, 4)
+    history.append(a1)
+    assert b.continue_with(history, tool, [TOOL]) == (mode == "stepwise")
+    history += tool
+    assert list(b.token_ids) == chat.prompt_ids(history, [TOOL])  # one piece, or its own prompt
+    second = chat.encode(texts([], 1))
+    b.sampled(second, [-0.25] * len(second))
+    history.append(a2)
+    if mode == "single":
+        with pytest.raises(HistoryRewritten):
+            b.continue_with(history, user, [TOOL])
+        with pytest.raises(PromptDiverged, match="first difference at token"):
+            b.extend_to(chat.prompt_ids(history + user, [TOOL]))
+        assert len(b.segments()) == 1  # nothing was added by either
+        return
+    assert b.continue_with(history, user, [TOOL])  # the reasoning was dropped: a new segment
+    history += user
+    assert list(b.token_ids) == chat.prompt_ids(history, [TOOL]) and b.prompt_len == len(
+        b.token_ids
+    )
+    assert len(b.segments()) == {"auto": 1, "stepwise": 2}[mode]  # the new one holds no sample yet
+    segments = b.segments()
+    for s in segments:
+        s.check()
+    sampled = [i for s in segments for i, m in zip(s.token_ids, s.loss_mask) if m]
+    assert sampled == first + second
+    # the budget: tokens after each segment's own prompt (the open one's prompt is not counted)
+    assert b.used == sum(len(s.token_ids) - s.prompt_len for s in segments)
+    if mode == "stepwise":
+        assert b.used == len(first) + len(second)
+
+
+def test_the_builder_takes_prompts_made_elsewhere_as_the_endpoint_does(tok):
+    """extend_to: a prompt that starts with the ids so far extends them (its new ids mask 0);
+    another opens a segment; a segment opened but never sampled is left out."""
+    from agentgrpo.chat.trajectory import TrajectoryBuilder
+
+    chat = _chat(tok, "qwen2_5.jinja", "auto")
+    b = TrajectoryBuilder(chat)
+    assert b.extend_to([1, 2, 3]) is False and b.segments()[0].token_ids == (1, 2, 3)
+    b.sampled([4, 5], [-1.0, -2.0])
+    assert b.extend_to([1, 2, 3, 4, 5, 6]) is False  # extends: 6 is appended with mask 0
+    b.sampled([7], [-3.0])
+    assert b.segments()[0].loss_mask == (0, 0, 0, 1, 1, 0, 1)
+    assert b.extend_to([1, 2, 9]) is True  # diverges at token 2: a new segment
+    assert [s.token_ids for s in b.segments()] == [(1, 2, 3, 4, 5, 6, 7)]  # not sampled: left out
+    b.sampled([8], [-0.5])
+    assert [s.token_ids for s in b.segments()] == [(1, 2, 3, 4, 5, 6, 7), (1, 2, 9, 8)]
+    assert b.used == 4 + 1  # tokens after each segment's prompt
+    with pytest.raises(ValueError, match="2 sampled ids but 1 logprobs"):
+        b.sampled([1, 2], [-1.0])

@@ -87,6 +87,7 @@ def test_training_from_a_task_file(tmp_path, tiny_model_dir):
             tiny_model_dir,
             1,
             "env.name=tests.test_task_files:FileEcho",
+            "env.audit.reward_hacks=skip",  # a toy verifier: not what this tests
             f"env.tasks={{file: {data}}}",
         )
         == 0

@@ -304,7 +304,7 @@ def test_config_and_construction_errors(tmp_path):
     with pytest.raises(ValueError, match="shared_dir"):
         WeightSync(engine, WeightSyncConfig(method="disk"))
     assert WeightSync(engine, WeightSyncConfig()).method == "distributed"
-    with pytest.raises(ValueError, match="needs an SGLang engine"):
+    with pytest.raises(ValueError, match="needs a server engine"):
         WeightSync(
             TinyModelBackend(tiny_model()),
             WeightSyncConfig(method="disk", shared_dir=str(tmp_path)),

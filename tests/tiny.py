@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
+import math
 import random
 
 import torch
 
-from agentgrpo.types import StopReason, Trajectory
+from agentgrpo.learner.batch import training_rows
+from agentgrpo.types import Advantage, StopReason, TrainingRow, Trajectory
 
 V = 97
 
@@ -29,9 +32,13 @@ def tiny_llama(attn: str = "sdpa", seed: int = 0, **config):
     return LlamaForCausalLM(cfg).eval()
 
 
+_numbers = itertools.count()
+
+
 def traj(ids, mask, group="g", reward=0.0, lp=-1.0) -> Trajectory:
     prompt_len = mask.index(1)
     return Trajectory(
+        id=f"{group}/{next(_numbers)}",
         task_id=group,
         token_ids=list(ids),
         loss_mask=list(mask),
@@ -61,3 +68,14 @@ def groups_of_trajectories(n_groups=3, size=4, seed=0) -> list[Trajectory]:
             mask = [m for p, m in parts for _ in p]
             out.append(traj(ids, mask, group=f"g{g}", reward=float(k % 2), lp=-0.5 - k))
     return out
+
+
+def rows(trajs, advantages, per_turn=None) -> list[TrainingRow]:
+    """What the loop trains `trajs` on, `advantages[i]` each (NaN: not trained on, so no row) and
+    `per_turn[i]` (one advantage per sampled turn) when given: `training_rows`."""
+    joined = {
+        t.id: Advantage(t.id, a, None if per_turn is None else per_turn[i])
+        for i, (t, a) in enumerate(zip(trajs, advantages, strict=True))
+        if math.isfinite(a)
+    }
+    return training_rows(trajs, joined)

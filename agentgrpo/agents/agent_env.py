@@ -3,11 +3,12 @@
 The subclass writes `async def run(self, client, task)`; `client` is an `openai.AsyncOpenAI`
 bound to this episode's URL on a policy endpoint (`agentgrpo.agents.endpoint`) that this process
 serves on 127.0.0.1 while AgentEnv episodes run (one server per event loop, started by the first
-episode, stopped after the last; a random token is its api_key). Every call's prompt ids, sampled
-ids and logprobs are recorded there; when the episode ends they become one Trajectory if each call's
-prompt extends the previous prompt + completion token-exactly (loss mask 1 exactly on the sampled
-ids). Otherwise (the agent rewrote, trimmed or summarised its history, or the template renders
-it differently) the episode ends with ENV_ERROR naming the call whose prompt diverged.
+episode, stopped after the last; each episode has its own key). Every call's prompt ids, sampled
+ids and logprobs are recorded there; when the episode ends the trajectory builder
+(`agentgrpo.chat.trajectory`) makes them its token sequences: one while each call's prompt extends
+the previous prompt + completion token-exactly, a new segment where one does not (the agent
+trimmed or summarised its history, or the template renders it anew) under `trajectory_mode`
+"auto", or an ENV_ERROR naming that call under "single".
 
 Limits as for any env (`EpisodeLimits`): a call past `max_turns` or the token budget is answered
 with a 400 (`code: episode_limit`) and the episode ends as MAX_TURNS / MAX_TOKENS whether `run`
@@ -21,31 +22,39 @@ does not retry: a retried call would be a second turn.
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import numbers
 import secrets
 import weakref
-from typing import TYPE_CHECKING, Any
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from agentgrpo.agents.endpoint import EndpointEpisode, PolicyEndpoint
+from agentgrpo.agents.endpoint import EndpointEpisode, PolicyEndpoint, episode_urls
 from agentgrpo.chat.format import ChatFormat
 from agentgrpo.deadlines import DeadlineExpired, Deadlines
 from agentgrpo.engine.base import Engine, SamplingParams
 from agentgrpo.env.base import Env, call_env, env_rubric
-from agentgrpo.rollout.episode import EpisodeLimits, turn_seed
+from agentgrpo.env.runner import EpisodeRunner
+from agentgrpo.rollout.episode import EpisodeLimits
 from agentgrpo.types import Message, StopReason, Task, Trajectory
 
 if TYPE_CHECKING:
     import openai
 
+E = TypeVar("E", bound=EndpointEpisode)
 
-class AgentEnv(Env):
+
+class AgentEnv(Env, EpisodeRunner):
     """An env whose episode is `run(client, task)`: agent code written against the OpenAI client.
 
     `run` returns the episode's reward (a finite number), or None to leave it to the env's
     `rubric`. `self.base_url`, `self.api_key` and `self.model` are set before `run` starts, for
-    agent code that builds its own client (the OpenAI Agents SDK, LangChain's `ChatOpenAI`);
-    such a client should not retry (`max_retries=0`).
+    agent code that builds its own client (the OpenAI Agents SDK, LangChain's `ChatOpenAI`;
+    `self.anthropic_base_url` for Anthropic's client, which adds `/v1/messages` itself); such a
+    client should not retry (`max_retries=0`). `self.api_key` is the episode's own key: it opens
+    this episode's routes and nothing else. What `run` puts in `self.episode_info` (a dict of JSON
+    values) becomes the trajectory's `env_info`.
 
     Example:
         >>> class Calculator(AgentEnv):
@@ -57,8 +66,11 @@ class AgentEnv(Env):
     """
 
     base_url: str = ""
+    anthropic_base_url: str = ""
     api_key: str = ""
     model: str = "policy"
+    # What `run` reports about its episode (JSON values), kept as the trajectory's `env_info`.
+    episode_info: dict[str, Any]
 
     async def run(self, client: openai.AsyncOpenAI, task: Task) -> float | None:
         raise NotImplementedError(f"{type(self).__name__} must implement async run(client, task)")
@@ -80,8 +92,7 @@ class AgentEnv(Env):
         context_len: int | None = None,
         deadline: float | None = None,
     ) -> Trajectory:
-        """The rollout's hook (`agentgrpo.rollout.episode._run_new_env`): this env runs its own
-        episode."""
+        """`EpisodeRunner`: the rollout hands this env its episode (`agent_episode`)."""
         return await agent_episode(
             self,
             engine,
@@ -111,24 +122,17 @@ async def agent_episode(
     import openai  # the optional extra: pip install 'agentgrpo[agent]'
 
     clock = Deadlines(limits.turn_timeout_s, limits.episode_timeout_s, deadline)
-    episode = EndpointEpisode(
-        id=secrets.token_urlsafe(12),
-        engine=engine,
-        chat=chat,
-        params=params,
-        context_len=context_len,
-        fixed_sampling=True,
-        seed=params.seed,
-        seed_of=turn_seed,
-        max_calls=limits.max_turns,
-        max_tokens=limits.max_tokens,
-        clock=clock,
+    episode = training_episode(
+        EndpointEpisode, secrets.token_urlsafe(12), engine, chat, params, limits, context_len, clock
     )
     reason, detail, reward = StopReason.COMPLETED, "", None
     async with _shared_endpoint() as (endpoint, base):
         endpoint.add(episode)
-        env.base_url, env.api_key = f"{base}/episodes/{episode.id}/v1", endpoint.token or ""
-        env.model = endpoint.model
+        # the episode's own key: good for this episode's calls only (not another's, nor the API)
+        urls = episode_urls(episode, base)
+        env.base_url, env.anthropic_base_url = urls["base_url"], urls["anthropic_base_url"]
+        env.api_key = urls["api_key"]
+        env.model, env.episode_info = endpoint.model, {}
         client = openai.AsyncOpenAI(base_url=env.base_url, api_key=env.api_key, max_retries=0)
         stage = "reset"
         try:
@@ -146,6 +150,7 @@ async def agent_episode(
                     StopReason.ENV_ERROR,
                     f"run returned {reward!r:.100}, not a finite number or None",
                 )
+                reward = None
         except DeadlineExpired as e:
             reason, detail = StopReason.TIMEOUT, str(e)
             if episode.cut is None:
@@ -155,34 +160,73 @@ async def agent_episode(
         finally:
             endpoint.remove(episode.id)
             await client.close()
+    traj = sealed(env, episode, task, limits, reason, detail, reward)
+    info = json.loads(json.dumps(env.episode_info, default=str, skipkeys=True))
+    return replace(traj, env_info=info)
+
+
+def training_episode(
+    kind: type[E],
+    eid: str,
+    engine: Engine,
+    chat: ChatFormat,
+    params: SamplingParams,
+    limits: EpisodeLimits,
+    context_len: int | None,
+    clock: Deadlines,
+    **extra: Any,
+) -> E:
+    """An endpoint episode of a training run: the run's sampling (requests may not change it), its
+    seed for this member and the run's limits (shared with `agentgrpo.agents.remote`)."""
+    return kind(
+        id=eid,
+        engine=engine,
+        chat=chat,
+        params=params,
+        context_len=context_len,
+        fixed_sampling=True,
+        seed=params.seed,
+        max_calls=limits.max_turns,
+        max_tokens=limits.max_tokens,
+        clock=clock,
+        **extra,
+    )
+
+
+def sealed(
+    env: Env,
+    episode: EndpointEpisode,
+    task: Task,
+    limits: EpisodeLimits,
+    reason: StopReason,
+    detail: str,
+    reward: float | None,
+) -> Trajectory:
+    """The episode's record: the endpoint's token sequences, why it ended (the agent's own ending
+    unless the endpoint saw an engine failure, a divergent prompt or a limit) and its reward (the
+    agent's; None leaves it to the env's rubric). Shared with remote episodes
+    (`agentgrpo.agents.remote`)."""
     traj, diverged = episode.trajectory(task.id)
-    if not episode.calls:
-        traj.messages = task.prompt_messages()
-        if reason == StopReason.COMPLETED:
-            reason, detail = StopReason.ENV_ERROR, "run made no call to the model"
-    if episode.infra is not None:  # the engine's failure explains whatever run did next
-        reason, detail = episode.infra
-    elif diverged is not None:  # the tokens after it are not one sequence: never trained on
-        reason, detail = StopReason.ENV_ERROR, diverged
-    elif episode.cut is not None:
-        reason, detail = episode.cut
-    traj.stop_reason, traj.stop_detail = reason, detail
-    if reason == StopReason.TIMEOUT:
-        traj.deadline = episode.deadline  # type: ignore[assignment]  # "turn" | "episode" | "step"
-    if reason.is_infra_error:
-        traj.reward = math.nan
-    elif reward is None:
+    if not episode.calls and reason == StopReason.COMPLETED:
+        reason, detail = StopReason.ENV_ERROR, "run made no call to the model"
+    reason, detail = episode.ending(diverged, (reason, detail))
+    if reward is None and not reason.is_infra_error:
         # None leaves the reward to the rubric; without one, an episode cut by a limit scores
         # what the env gave (nothing), and a finished one is an error of the env
         if env_rubric(env) is None and reason == StopReason.COMPLETED:
-            reason = traj.stop_reason = StopReason.ENV_ERROR
-            traj.stop_detail = "run returned None and the env has no rubric to score the episode"
-        traj.reward = math.nan if reason.is_infra_error else 0.0
-    else:
-        traj.reward = float(reward)
-        if traj.tool_errors and limits.tool_error_penalty:
-            traj.reward -= limits.tool_error_penalty * traj.tool_errors
-    return traj
+            reason = StopReason.ENV_ERROR
+            detail = "the agent gave no reward and the env has no rubric to score the episode"
+        reward = 0.0
+    elif reward is not None and traj.tool_errors and limits.tool_error_penalty:
+        reward -= limits.tool_error_penalty * traj.tool_errors
+    return replace(
+        traj,
+        messages=traj.messages if episode.calls else task.prompt_messages(),
+        stop_reason=reason,
+        stop_detail=detail,
+        deadline=episode.deadline if reason == StopReason.TIMEOUT else None,
+        reward=math.nan if reason.is_infra_error else float(reward),
+    )
 
 
 class _Shared:

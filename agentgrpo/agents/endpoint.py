@@ -1,4 +1,6 @@
-"""OpenAI's Chat Completions API in front of an `Engine`, recording every token per episode.
+"""OpenAI's Chat Completions API in front of an `Engine`, recording every token per episode: the
+episode core that the Responses API (`agentgrpo.agents.responses`) and Anthropic's Messages API
+(`agentgrpo.agents.anthropic`) translate onto, so every call of every API lands in one record.
 
 An agent written against the OpenAI client needs only a `base_url`:
 `http://HOST:PORT/episodes/<id>/v1`. Each episode has its own URL prefix, so concurrent episodes
@@ -22,8 +24,8 @@ naming it.
 
 Requests: `messages`, `tools`, `tool_choice`, `temperature`, `top_p`, `max_tokens` /
 `max_completion_tokens`, `stop` (strings that are one token each: stop strings spanning tokens
-would hide sampled text), `n` (1 only), `seed`. `stream: true` is refused with a 400: one reply
-per call is what the episode records. `tool_choice: "required"` or a named function are accepted
+would hide sampled text), `n` (1 only), `seed`, `stream` (the recorded reply sent as events:
+`agentgrpo.agents.streaming`). `tool_choice: "required"` or a named function are accepted
 but not enforced: forcing a call would sample off the policy the loss assumes; an unknown name is
 a 400. Fields of OpenAI's API that do not change sampling (`user`, `metadata`, `store`,
 `parallel_tool_calls`, ...) are ignored; those that would (`frequency_penalty`, `logit_bias`,
@@ -32,38 +34,45 @@ know is refused, as OpenAI does. Errors have OpenAI's shape, `{"error": {"messag
 "param", "code"}}`, with a 4xx status for bad input and a 5xx one for an engine failure.
 
 Server: starlette on uvicorn (well-kept, asynchronous, light: the app is a few routes and needs
-no validation framework). Binds 127.0.0.1 unless told otherwise; a token (`Authorization: Bearer`,
-which is what the OpenAI client sends as its api_key) is then required, compared in constant time.
-Bounds: request bodies (`max_body_bytes`, 413), connections (uvicorn's `limit_concurrency`, 503
-past it), idle keep-alive connections (`timeout_keep_alive_s`).
+no validation framework), set up in `agentgrpo.agents.server`: connections, request heads and
+bodies bounded for every route (`ServerLimits`), the Host header checked on a loopback bind.
+Binds 127.0.0.1 unless told otherwise; a token (`Authorization: Bearer`, which is what the OpenAI
+client sends as its api_key, or `x-api-key`, Anthropic's) is then required, compared in constant
+time. Each episode has a key of its own (`EndpointEpisode.token`), good only for its
+`/episodes/<id>/v1/` routes (every API's). Request bodies, read for every route by
+`PolicyEndpoint._json`: at most `max_body_bytes` (413), JSON at most `MAX_JSON_DEPTH` deep (400).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
-import ipaddress
 import json
 import math
+import re
 import secrets
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from agentgrpo.agents import anthropic, responses
+from agentgrpo.agents.api_error import APIError, check_model
+from agentgrpo.agents.server import Auth, Effective, HostRule, ServerLimits, is_loopback, serve_app
+from agentgrpo.agents.streaming import chat_stream, stream_options
 from agentgrpo.chat.format import ChatFormat, TemplateError
 from agentgrpo.chat.parsers import ParseError
+from agentgrpo.chat.trajectory import PromptDiverged, TrajectoryBuilder
 from agentgrpo.deadlines import DeadlineExpired, Deadlines
 from agentgrpo.engine.base import Completion, Engine, SamplingParams
-from agentgrpo.types import Message, Segment, StopReason, Trajectory
+from agentgrpo.rollout.seeds import episode_seed
+from agentgrpo.types import Message, StopReason, Trajectory
 
 # Fields of OpenAI's Chat Completions request that do not change what is sampled: ignored.
 IGNORED_FIELDS = frozenset(
@@ -95,6 +104,13 @@ DEFAULT_ONLY = {
     "functions": (),
     "function_call": (),
 }
+# Client input the server refuses with a 400 before it costs anything (issue 42): JSON nested past
+# MAX_JSON_DEPTH (the body, and each tool call's arguments) would overflow Python's recursion in
+# the template; seeds outside a signed 64-bit integer overflow the engines' generators; an
+# episode id is 1-128 URL-safe characters (a longer one could not be reached once created).
+MAX_JSON_DEPTH = 64
+SEED_RANGE = (-(2**63), 2**63 - 1)
+EPISODE_ID = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
 HONOURED = frozenset(
     {
         "model",
@@ -113,41 +129,6 @@ HONOURED = frozenset(
 )
 
 
-class APIError(Exception):
-    """A request the endpoint answers with OpenAI's error shape."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        param: str | None = None,
-        code: str | None = None,
-        kind: str = "invalid_request_error",
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.kind = (
-            status,
-            message,
-            param,
-            code,
-            kind,
-        )
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(
-            {
-                "error": {
-                    "message": self.message,
-                    "type": self.kind,
-                    "param": self.param,
-                    "code": self.code,
-                }
-            },
-            self.status,
-        )
-
-
 @dataclass
 class Call:
     """One chat completion of an episode, token-exact."""
@@ -159,6 +140,8 @@ class Call:
     finish_reason: str  # the engine's: stop | length | abort
     reply: Message
     malformed: list[ParseError] = field(default_factory=list)
+    # (count, weight version) over the sampled ids (`Completion.token_version_runs`)
+    version_runs: list[tuple[int, str | None]] = field(default_factory=list)
 
 
 @dataclass
@@ -166,8 +149,9 @@ class EndpointEpisode:
     """The calls of one episode, and how it may sample.
 
     `fixed_sampling`: requests may not choose temperature or top_p (a training episode: the
-    learner assumes the run's). `seed`: the episode's; call k samples with `turn_seed(seed, k)`
-    (given as `seed_of`), and a request's own seed is used only when the episode has none.
+    learner assumes the run's). `seed`: the episode's; call k samples with
+    `episode_seed(seed, turn=k)` (the one seed rule, as a rollout's turn k), and a request's own
+    seed is used only when the episode has none.
     `max_calls` / `max_tokens` bound the episode (calls; tokens after the first prompt); a call
     past them is a 400 with code `episode_limit`, and `cut` says which limit ended it.
     """
@@ -179,7 +163,6 @@ class EndpointEpisode:
     context_len: int | None = None
     fixed_sampling: bool = False
     seed: int | None = None
-    seed_of: Callable[[int | None, int], int | None] = lambda seed, _k: seed
     max_calls: int | None = None
     max_tokens: int | None = None
     clock: Deadlines | None = None
@@ -188,6 +171,11 @@ class EndpointEpisode:
     deadline: str | None = None  # which deadline, when one did: turn | episode | step
     infra: tuple[StopReason, str] | None = None  # an engine failure (unscorable)
     reward: float | None = None  # given through the server's API (serve-policy)
+    # The api_key of this episode's own routes (`/episodes/<id>/v1/...`): an agent holding it can
+    # call the model in this episode and nothing else (not another episode, not the episode API).
+    token: str = field(default_factory=lambda: secrets.token_urlsafe(24))
+    # what an API's translation keeps per episode (the Responses API's stored responses)
+    api_state: dict[str, Any] = field(default_factory=dict)
     _history: list[Message] | None = None  # the last request's messages + the reply given
     _tools: list[dict[str, Any]] | None = None
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -198,56 +186,56 @@ class EndpointEpisode:
         return list(self._history or [])
 
     def trajectory(self, task_id: str) -> tuple[Trajectory, str | None]:
-        """The calls as token sequences (loss mask 1 exactly on sampled ids), and None: one
-        sequence while each call's prompt extends the previous prompt + completion, a new segment
-        (its prompt the call's) where one does not, or at every call under "stepwise". Under
-        `chat.trajectory_mode` "single": the sequence up to the last call that extends, and a
-        message naming the call that does not. Reward and stop reason are the caller's."""
-        traj = Trajectory(
+        """The calls as token sequences (loss mask 1 exactly on sampled ids), built by the
+        trajectory builder (`agentgrpo.chat.trajectory`): one sequence while each call's prompt
+        extends the previous prompt + completion, a new segment (its prompt the call's) where one
+        does not, or at every call under "stepwise"; and None. Under `chat.trajectory_mode`
+        "single": the sequence up to the last call that extends, and a message naming the call
+        that does not. The record says COMPLETED with a NaN reward: the caller decides the ending
+        and the reward (`dataclasses.replace`)."""
+        tokens, kinds = TrajectoryBuilder(self.chat), Counter()
+        turns = tool_calls = 0
+        diverged = None
+        for k, call in enumerate(self.calls, start=1):
+            try:
+                tokens.extend_to(call.prompt_ids)
+            except PromptDiverged as e:
+                diverged = (
+                    f"call {k}'s prompt does not extend call {k - 1}'s prompt + completion "
+                    f"(first difference at token {e.at} of {e.length}): the agent changed "
+                    "its history, or the chat template renders it differently "
+                    "(rollout.trajectory_mode=auto trains it as a new segment)"
+                )
+                break
+            runs = call.version_runs or [(len(call.token_ids), call.weight_version)]
+            tokens.sampled(call.token_ids, call.logprobs, runs)
+            turns, tool_calls = k, tool_calls + len(call.reply.tool_calls or [])
+            kinds.update(e.kind.value for e in call.malformed)
+        errors = sum(kinds.values())
+        return Trajectory.of_segments(
+            tokens.segments(),
             task_id=task_id,
-            token_ids=[],
-            loss_mask=[],
-            logprobs=[],
-            prompt_len=0,
             messages=self.messages,
             stop_reason=StopReason.COMPLETED,
-        )
-        versions, kinds = set(), Counter()
-        mode = self.chat.trajectory_mode
-        for k, call in enumerate(self.calls, start=1):
-            ids = traj.token_ids
-            if k == 1:
-                traj.prompt_len = len(call.prompt_ids)
-            elif mode == "stepwise" or call.prompt_ids[: len(ids)] != ids:
-                if mode == "single":
-                    at = next(
-                        (i for i, (a, b) in enumerate(zip(call.prompt_ids, ids)) if a != b),
-                        min(len(ids), len(call.prompt_ids)),
-                    )
-                    return traj, (
-                        f"call {k}'s prompt does not extend call {k - 1}'s prompt + completion "
-                        f"(first difference at token {at} of {len(ids)}): the agent changed "
-                        "its history, or the chat template renders it differently "
-                        "(rollout.trajectory_mode=auto trains it as a new segment)"
-                    )
-                traj.earlier_segments.append(
-                    Segment(traj.token_ids, traj.loss_mask, traj.logprobs, traj.prompt_len)
-                )
-                traj.token_ids, traj.loss_mask, traj.logprobs = [], [], []
-                traj.prompt_len, ids = len(call.prompt_ids), []
-            new = call.prompt_ids[len(ids) :]
-            traj.token_ids += new + call.token_ids
-            traj.loss_mask += [0] * len(new) + [1] * len(call.token_ids)
-            traj.logprobs += [0.0] * len(new) + list(call.logprobs)
-            traj.num_turns = k
-            traj.tool_calls += len(call.reply.tool_calls or []) + len(call.malformed)
-            traj.tool_errors += len(call.malformed)
-            kinds.update(e.kind.value for e in call.malformed)
-            if call.weight_version is not None and call.weight_version.isdigit():
-                versions.add(int(call.weight_version))
-        traj.tool_error_kinds = dict(kinds)
-        traj.weight_versions = tuple(sorted(versions))
-        return traj, None
+            num_turns=turns,
+            tool_calls=tool_calls + errors,
+            tool_errors=errors,
+            tool_error_kinds=kinds,
+            weight_versions=tokens.weight_versions,
+            token_versions=tokens.token_versions,
+        ), diverged
+
+    def ending(
+        self, diverged: str | None, otherwise: tuple[StopReason, str] = (StopReason.COMPLETED, "")
+    ) -> tuple[StopReason, str]:
+        """Why the episode ended: an engine failure (it explains whatever came after), else a call
+        whose prompt diverged (`trajectory`'s message: the tokens after it are not one sequence),
+        else the limit or deadline that cut it, else `otherwise` (the agent's own ending)."""
+        if self.infra is not None:
+            return self.infra
+        if diverged is not None:
+            return StopReason.ENV_ERROR, diverged
+        return self.cut or otherwise
 
     async def complete(self, body: Any) -> dict[str, Any]:
         """One chat completion (the request body as parsed JSON); raises APIError."""
@@ -311,6 +299,7 @@ class EndpointEpisode:
                 out.finish_reason,
                 reply,
                 list(turn.errors),
+                out.token_version_runs,
             )
         )
         self._history, self._tools = [*messages, reply], tools
@@ -353,7 +342,8 @@ class EndpointEpisode:
 
     def _prompt(self, messages: list[Message], tools: list[dict[str, Any]] | None) -> list[int]:
         """The previous call's ids + the new messages' suffix when the request continues the
-        conversation this endpoint answered; else the template's rendering from scratch."""
+        conversation this endpoint answered (as the rollout continues an episode:
+        `TrajectoryBuilder.continue_with`); else the template's rendering from scratch."""
         prev, last = self._history, self.calls[-1] if self.calls else None
         if (
             prev is not None
@@ -363,16 +353,13 @@ class EndpointEpisode:
             and messages[: len(prev)] == prev
             and last.token_ids
             and last.token_ids[-1] in self.chat.end_of_turn_ids
-            and self.chat.trajectory_mode != "stepwise"  # every call is a segment of its own
         ):
+            tokens = TrajectoryBuilder(self.chat)
+            tokens.open_segment(last.prompt_ids)
+            tokens.sampled(last.token_ids, last.logprobs)
             try:
-                return (
-                    last.prompt_ids
-                    + last.token_ids
-                    + self.chat.suffix_ids(
-                        prev, messages[len(prev) :], tools, end_id=last.token_ids[-1]
-                    )
-                )
+                tokens.continue_with(prev, messages[len(prev) :], tools)
+                return tokens.token_ids
             except TemplateError:
                 pass  # rendered from scratch below; the trajectory tells whether it still extends
         try:
@@ -414,7 +401,7 @@ class EndpointEpisode:
                     code="episode_limit",
                 )
             budget = min(budget, self.max_tokens - used)
-        seed = self.seed_of(self.seed, k) if self.seed is not None else req["seed"]
+        seed = episode_seed(self.seed, turn=k) if self.seed is not None else req["seed"]
         stops = tuple(
             sorted(
                 set(base.stop_token_ids)
@@ -465,14 +452,8 @@ def _read_request(body: Any) -> dict[str, Any]:
                 code="unsupported_parameter",
             )
         raise APIError(400, f"Unrecognized request argument supplied: {key}", param=key)
-    if body.get("stream"):
-        raise APIError(
-            400,
-            "stream: true is not supported: this endpoint answers each call "
-            "with one complete reply",
-            param="stream",
-            code="unsupported_parameter",
-        )
+    if body.get("stream") not in (None, True, False):
+        raise APIError(400, f"stream must be a boolean, got {body['stream']!r:.50}", param="stream")
     if body.get("n") not in (None, 1):
         raise APIError(
             400,
@@ -487,10 +468,27 @@ def _read_request(body: Any) -> dict[str, Any]:
     for i, m in enumerate(raw):
         if isinstance(m, dict) and m.get("role") == "developer":  # OpenAI's new name for system
             m = {**m, "role": "system"}
+        if (
+            isinstance(m, dict)
+            and m.get("role") == "tool"
+            and not isinstance(m.get("tool_call_id"), str)
+        ):
+            raise APIError(  # as OpenAI answers: a tool result must say which call it answers
+                400,
+                f"Missing required parameter: 'messages[{i}].tool_call_id'.",
+                param=f"messages[{i}].tool_call_id",
+                code="missing_required_parameter",
+            )
         try:
             messages.append(Message.from_dict(m))
         except Exception as e:  # noqa: BLE001 - pydantic's error, or a non-dict: client input
             raise APIError(400, f"messages[{i}]: {e}", param=f"messages[{i}]") from e
+        if any(nested_deeper(tc.arguments, MAX_JSON_DEPTH) for tc in messages[-1].tool_calls or []):
+            raise APIError(
+                400,
+                f"messages[{i}]: tool call arguments nest deeper than {MAX_JSON_DEPTH} levels",
+                param=f"messages[{i}]",
+            )
     tools = body.get("tools") or None
     if tools is not None:
         ok = isinstance(tools, list) and all(
@@ -533,7 +531,12 @@ def _read_request(body: Any) -> dict[str, Any]:
         ("temperature", body.get("temperature"), lambda x: 0 <= x <= 2, "between 0 and 2"),
         ("top_p", body.get("top_p"), lambda x: 0 < x <= 1, "in (0, 1]"),
         ("max_tokens", max_tokens, lambda x: x >= 1 and x == int(x), "an integer >= 1"),
-        ("seed", body.get("seed"), lambda x: x == int(x), "an integer"),
+        (
+            "seed",
+            body.get("seed"),
+            lambda x: x == int(x) and SEED_RANGE[0] <= x <= SEED_RANGE[1],
+            "a signed 64-bit integer",
+        ),
     )
     for name, value, good, what in checks:
         if value is not None and (
@@ -557,18 +560,29 @@ def _read_request(body: Any) -> dict[str, Any]:
     }
 
 
+async def chat_answer(ep: EndpointEpisode, body: Any, served: str) -> Response:
+    """A Chat Completions call: the reply as one object, or as OpenAI's chunks with `stream`."""
+    model = check_model(body.get("model") if isinstance(body, dict) else None, served)
+    stream = isinstance(body, dict) and body.get("stream") is True
+    include_usage = stream_options(body) if isinstance(body, dict) else False
+    reply = {**await ep.complete(body), "model": model}
+    return chat_stream(reply, include_usage) if stream else JSONResponse(reply)
+
+
 # ---------------------------------------------------------------------------------------------
 # The HTTP server
 
 
 class PolicyEndpoint:
-    """The episodes table and its HTTP app (`app`): `/episodes/<id>/v1/chat/completions`,
-    `/episodes/<id>/v1/models`, `/v1/models`.
+    """The episodes table and its HTTP app (`app`): per episode `/episodes/<id>/v1/` +
+    `chat/completions`, `responses` (`agentgrpo.agents.responses`), `messages` (Anthropic's:
+    `agentgrpo.agents.anthropic`) and `models`; `/v1/models`.
 
-    With `control=True` (serve-policy) it also serves the episode API: `POST /episodes` (body
-    `{"id"?, "seed"?}`: starts one, answers its id and base_url), `GET /episodes/<id>/trajectory`,
-    `POST /episodes/<id>/reward` (`{"reward": float}`), `DELETE /episodes/<id>`; `new_episode`
-    then makes the episode (a function of its id and seed).
+    With `new_episode` (serve-policy) it also serves the episode API: `POST /episodes` (body
+    `{"id"?, "seed"?}`: starts one made by `new_episode(id, seed)`, answers its id and URLs),
+    `GET /episodes/<id>/trajectory`, `POST /episodes/<id>/reward` (`{"reward": float}`),
+    `DELETE /episodes/<id>`. With `hand_out` instead (a remote run: `agentgrpo.agents.remote`),
+    `POST /episodes` hands out an episode that waits for an agent.
 
     Example:
         >>> endpoint = PolicyEndpoint(model="policy")
@@ -586,17 +600,29 @@ class PolicyEndpoint:
         max_body_bytes: int = 4 << 20,
         max_episodes: int = 10_000,
         new_episode: Callable[[str, int | None], EndpointEpisode] | None = None,
+        limits: ServerLimits | None = None,
+        hand_out: Callable[[float], Awaitable[tuple[EndpointEpisode, dict] | None]] | None = None,
+        on_done: Callable[[EndpointEpisode], None] | None = None,
     ) -> None:
         self.model, self.token, self.max_body_bytes = model, token, max_body_bytes
+        self.limits = limits or ServerLimits()
+        self.effective: Effective | None = None  # the limits in effect while serving
+        self._hosts = HostRule()
         self.max_episodes = max_episodes  # episodes held at once (POST /episodes: 429 past it)
         self.episodes: dict[str, EndpointEpisode] = {}
         self.new_episode = new_episode
+        # a remote run's episodes (agentgrpo.agents.remote): POST /episodes hands out one that
+        # waits for an agent (`hand_out(wait_s)`: the episode and what else the answer carries,
+        # or None when none came in time), and a reward or DELETE tells `on_done` it is over
+        self.hand_out, self.on_done = hand_out, on_done
         routes = [
             Route("/v1/models", self._models, methods=["GET"]),
             Route("/episodes/{eid}/v1/models", self._models, methods=["GET"]),
             Route("/episodes/{eid}/v1/chat/completions", self._chat, methods=["POST"]),
+            Route("/episodes/{eid}/v1/responses", self._responses, methods=["POST"]),
+            Route("/episodes/{eid}/v1/messages", self._messages, methods=["POST"]),
         ]
-        if new_episode is not None:
+        if new_episode is not None or hand_out is not None:
             routes += [
                 Route("/episodes", self._start, methods=["POST"]),
                 Route("/episodes/{eid}/trajectory", self._trajectory, methods=["GET"]),
@@ -615,9 +641,17 @@ class PolicyEndpoint:
                 ).response(),
             },
         )
-        self.app.add_middleware(_Auth, token=token)
+        self.app.add_middleware(
+            Auth,
+            token=token,
+            hosts=self._hosts,
+            episode_token=self._episode_token,
+            error=_refusal,
+        )
 
     def add(self, episode: EndpointEpisode) -> EndpointEpisode:
+        if not EPISODE_ID.fullmatch(episode.id):
+            raise ValueError(f"episode id {episode.id!r:.60}: expected {EPISODE_ID.pattern}")
         if episode.id in self.episodes:
             raise ValueError(f"episode {episode.id!r} exists already")
         self.episodes[episode.id] = episode
@@ -625,6 +659,14 @@ class PolicyEndpoint:
 
     def remove(self, eid: str) -> EndpointEpisode | None:
         return self.episodes.pop(eid, None)
+
+    def _episode_token(self, path: str) -> str | None:
+        """The token of the episode whose OpenAI routes `path` is under (`/episodes/<id>/v1/`)."""
+        parts = path.split("/", 4)
+        if len(parts) < 5 or parts[1] != "episodes" or parts[3] != "v1":
+            return None
+        ep = self.episodes.get(parts[2])
+        return None if ep is None else ep.token
 
     def _episode(self, request: Request) -> EndpointEpisode:
         eid = request.path_params["eid"]
@@ -643,21 +685,49 @@ class PolicyEndpoint:
         if size > self.max_body_bytes:
             raise APIError(413, f"request body over {self.max_body_bytes} bytes")
         body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > self.max_body_bytes:
-                raise APIError(413, f"request body over {self.max_body_bytes} bytes")
+
+        async def read() -> None:
+            async for chunk in request.stream():
+                body.extend(chunk)
+                if len(body) > self.max_body_bytes:
+                    raise APIError(413, f"request body over {self.max_body_bytes} bytes")
+
         try:
-            return json.loads(body) if body else {}
+            await asyncio.wait_for(read(), self.limits.body_timeout_s)
+        except asyncio.TimeoutError as e:
+            raise APIError(
+                408, f"the request body did not arrive within {self.limits.body_timeout_s} s"
+            ) from e
+        try:
+            parsed = json.loads(body) if body else {}
         except (ValueError, RecursionError) as e:
             raise APIError(400, f"We could not parse the JSON body of your request ({e})") from e
+        if nested_deeper(parsed, MAX_JSON_DEPTH):
+            raise APIError(400, f"the JSON body nests deeper than {MAX_JSON_DEPTH} levels")
+        return parsed
 
-    async def _chat(self, request: Request) -> JSONResponse:
+    async def _chat(self, request: Request) -> Response:
+        return await self._call(request, chat_answer, APIError.response)
+
+    async def _responses(self, request: Request) -> Response:
+        return await self._call(request, responses.answer, APIError.response)
+
+    async def _messages(self, request: Request) -> Response:
+        return await self._call(request, anthropic.answer, anthropic.error_response)
+
+    async def _call(
+        self,
+        request: Request,
+        answer: Callable[[EndpointEpisode, Any, str], Awaitable[Response]],
+        error: Callable[[APIError], Response],
+    ) -> Response:
+        """One call of an API: its episode, its body, and the API's answer (`answer(episode,
+        body, served model name)`, which calls `EndpointEpisode.complete`), or its error."""
         try:
             ep = self._episode(request)
-            return JSONResponse(await ep.complete(await self._json(request)))
+            return await answer(ep, await self._json(request), self.model)
         except APIError as e:
-            return e.response()
+            return error(e)
 
     async def _models(self, request: Request) -> JSONResponse:
         if "eid" in request.path_params:
@@ -674,18 +744,27 @@ class PolicyEndpoint:
             }
         )
 
-    async def _start(self, request: Request) -> JSONResponse:
+    async def _start(self, request: Request) -> Response:
+        if self.hand_out is not None:
+            return await self._take(request)
         try:
             body = await self._json(request)
             if not isinstance(body, dict) or set(body) - {"id", "seed"}:
                 raise APIError(400, 'body: {"id"?: str, "seed"?: int}')
             eid, seed = body.get("id") or secrets.token_urlsafe(12), body.get("seed")
-            if (
-                not isinstance(eid, str)
-                or "/" in eid
-                or (seed is not None and type(seed) is not int)
+            if not isinstance(eid, str) or not EPISODE_ID.fullmatch(eid):
+                raise APIError(
+                    400,
+                    f"id must be 1-128 characters of A-Z a-z 0-9 . _ - (not starting with "
+                    f"'.'), got {eid!r:.60}",
+                    param="id",
+                )
+            if seed is not None and (
+                type(seed) is not int or not SEED_RANGE[0] <= seed <= SEED_RANGE[1]
             ):
-                raise APIError(400, "id must be a string without '/', seed an integer")
+                raise APIError(
+                    400, f"seed must be a signed 64-bit integer, got {seed!r:.60}", param="seed"
+                )
             if eid in self.episodes:
                 raise APIError(409, f"episode {eid!r} exists already", param="id")
             if len(self.episodes) >= self.max_episodes:
@@ -695,9 +774,33 @@ class PolicyEndpoint:
                     kind="rate_limit_error",
                     code="too_many_episodes",
                 )
-            self.add(self.new_episode(eid, seed))  # type: ignore[misc]
-            base = str(request.base_url).rstrip("/")
-            return JSONResponse({"id": eid, "base_url": f"{base}/episodes/{eid}/v1"})
+            ep = self.add(self.new_episode(eid, seed))  # type: ignore[misc]
+            base = str(request.base_url).rstrip("/")  # the Host the client used (checked: Auth)
+            return JSONResponse(episode_urls(ep, base))
+        except APIError as e:
+            return e.response()
+
+    async def _take(self, request: Request) -> Response:
+        """POST /episodes of a remote run: an episode waiting for an agent (its id, URLs and
+        task), or 204 when none came within the body's `wait_s` (default 20, at most 60)."""
+        try:
+            body = await self._json(request)
+            wait_s = body.get("wait_s", 20.0) if isinstance(body, dict) else None
+            if (
+                not isinstance(body, dict)
+                or set(body) - {"wait_s"}
+                or isinstance(wait_s, bool)
+                or not isinstance(wait_s, int | float)
+                or not 0 <= wait_s <= 60
+            ):
+                raise APIError(400, 'body: {"wait_s"?: seconds to wait for a task, 0 to 60}')
+            taken = await self.hand_out(float(wait_s))  # type: ignore[misc]
+            if taken is None:
+                return Response(status_code=204)
+            ep, extra = taken
+            self.add(ep)
+            base = str(request.base_url).rstrip("/")  # the Host the client used (checked: Auth)
+            return JSONResponse({**episode_urls(ep, base), **extra})
         except APIError as e:
             return e.response()
 
@@ -707,11 +810,14 @@ class PolicyEndpoint:
         except APIError as e:
             return e.response()
         traj, diverged = ep.trajectory(ep.id)
-        reason, detail = ep.infra or ep.cut or (StopReason.COMPLETED, "")
-        if diverged:
-            reason, detail = StopReason.ENV_ERROR, diverged
-        traj.stop_reason, traj.stop_detail = reason, detail
-        traj.reward = math.nan if ep.reward is None or reason.is_infra_error else ep.reward
+        reason, detail = ep.ending(diverged)
+        traj = replace(
+            traj,
+            stop_reason=reason,
+            stop_detail=detail,
+            deadline=ep.deadline if reason == StopReason.TIMEOUT else None,
+            reward=math.nan if ep.reward is None or reason.is_infra_error else ep.reward,
+        )
         traj.check()
         return JSONResponse(traj.to_dict())
 
@@ -727,6 +833,8 @@ class PolicyEndpoint:
             ):
                 raise APIError(400, 'body: {"reward": a finite number}', param="reward")
             ep.reward = float(reward)
+            if self.on_done is not None:
+                self.on_done(ep)
             return JSONResponse({"id": ep.id, "reward": ep.reward})
         except APIError as e:
             return e.response()
@@ -737,83 +845,57 @@ class PolicyEndpoint:
         except APIError as e:
             return e.response()
         self.remove(ep.id)
+        if self.on_done is not None:
+            self.on_done(ep)
         return JSONResponse({"id": ep.id, "deleted": True})
 
     @contextlib.asynccontextmanager
     async def serving(
-        self,
-        host: str = "127.0.0.1",
-        port: int = 0,
-        *,
-        limit_concurrency: int = 1024,
-        timeout_keep_alive_s: int = 30,
+        self, host: str = "127.0.0.1", port: int = 0, *, allowed_hosts: tuple[str, ...] = ()
     ) -> AsyncIterator[str]:
         """Serve on this event loop while the block runs; yields the base URL (port 0: any free
-        port). Signals are left to the host program (the training run handles its own)."""
+        port). On a loopback `host`, requests must name a loopback Host or one of `allowed_hosts`
+        (a reverse proxy's). `self.effective` holds the limits in effect. Signals are left to the
+        host program (the training run handles its own)."""
         if self.token is None and not is_loopback(host):
             raise ValueError(
                 f"refusing to bind {host} without a token: anyone who reaches it could "
                 "sample from the policy and write into its episodes"
             )
-
-        class _Quiet(uvicorn.Server):
-            @contextlib.contextmanager
-            def capture_signals(self) -> Any:
-                yield
-
-        server = _Quiet(
-            uvicorn.Config(
-                self.app,
-                host=host,
-                port=port,
-                log_level="warning",
-                limit_concurrency=limit_concurrency,
-                lifespan="off",
-                timeout_keep_alive=timeout_keep_alive_s,
-            )
-        )
-        task = asyncio.create_task(server.serve())
-        try:
-            while not server.started:
-                if task.done():
-                    task.result()  # the startup's error (a port in use), else it stopped early
-                    raise RuntimeError("the policy endpoint stopped while starting")
-                await asyncio.sleep(0.005)
-            bound = server.servers[0].sockets[0].getsockname()
-            yield f"http://{host if ':' not in host else f'[{host}]'}:{bound[1]}"
-        finally:
-            server.should_exit = True
-            await task
+        self._hosts.loopback_only = is_loopback(host)
+        self._hosts.allowed = frozenset(h.lower() for h in allowed_hosts)
+        async with serve_app(self.app, host, port, self.limits) as (base, self.effective):
+            yield base
 
 
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+def _refusal(status: int, message: str, code: str, path: str) -> Response:
+    """Auth's 401 or 421, in the shape of the API `path` belongs to (Anthropic's for
+    `/v1/messages`, OpenAI's otherwise)."""
+    kind = "authentication_error" if status == 401 else "invalid_request_error"
+    error = APIError(status, message, code=code, kind=kind)
+    return anthropic.error_response(error) if path.endswith("/v1/messages") else error.response()
 
 
-class _Auth:
-    """ASGI middleware: with a token, every request needs `Authorization: Bearer <token>`."""
+def episode_urls(ep: EndpointEpisode, base: str) -> dict[str, str]:
+    """Where an episode's clients point, and the key they send: `base_url` for OpenAI's (Chat
+    Completions, Responses), `anthropic_base_url` for Anthropic's (which adds /v1/messages
+    itself), `api_key` the episode's own (good for its calls and nothing else)."""
+    return {
+        "id": ep.id,
+        "base_url": f"{base}/episodes/{ep.id}/v1",
+        "anthropic_base_url": f"{base}/episodes/{ep.id}",
+        "api_key": ep.token,
+    }
 
-    def __init__(self, app: Any, token: str | None) -> None:
-        self.app, self.token = app, token
 
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if self.token is not None and scope["type"] == "http":
-            got = dict(scope["headers"]).get(b"authorization", b"")
-            if not (
-                got[:7].lower() == b"bearer "
-                and hmac.compare_digest(got[7:].strip(), self.token.encode())
-            ):
-                resp = APIError(
-                    401,
-                    "missing or wrong bearer token",
-                    kind="authentication_error",
-                    code="invalid_api_key",
-                ).response()
-                await resp(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
+def nested_deeper(value: Any, limit: int) -> bool:
+    """Whether parsed JSON `value` nests lists and objects more than `limit` deep (iteratively:
+    the check itself cannot overflow the stack)."""
+    stack = [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, dict | list):
+            if depth > limit:
+                return True
+            stack.extend((x, depth + 1) for x in (v.values() if isinstance(v, dict) else v))
+    return False

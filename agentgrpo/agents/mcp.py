@@ -11,11 +11,13 @@ error and a call past `tool_timeout_s` each become an error tool message counted
 
 Decisions:
 - One session per episode, per server: opened in `reset`, closed in `close` (the rollout closes
-  every episode's env). A stdio server is a fresh process per episode, so its state starts from
-  nothing each time (the group-comparison contract of `Env.stochastic`) and a server that crashes
-  takes one episode with it, not the step. The price is a server start per episode (docs/
-  environments.md, "MCP tools", has the measured cost); a server that is slow to start and holds
-  no per-episode state is better reached over HTTP, where opening a session is one request.
+  every episode's env). A stdio server is a fresh process per episode (on Linux under
+  `_reaper.py`, a subreaper that kills every process it started, daemons included, when it
+  exits), so its state starts from nothing each time (the group-comparison contract of
+  `Env.stochastic`) and a server that crashes takes one episode with it, not the step. The price
+  is a server start per episode (docs/environments.md, "MCP tools", has the measured cost); a
+  server that is slow to start and holds no per-episode state is better reached over HTTP,
+  where opening a session is one request.
 - The sessions live on one event loop of their own, in a daemon thread (`agentgrpo-mcp`). The
   `mcp` client's streams belong to the task that opened them, while the rollout resets in a
   worker thread and closes from yet another task (`close_env`), and `check_env` runs each call
@@ -39,6 +41,7 @@ import concurrent.futures
 import json
 import os
 import re
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -49,6 +52,7 @@ from agentgrpo.env.base import ToolEnv
 from agentgrpo.env.tool import Tool, ToolError
 from agentgrpo.types import InfrastructureError, Message
 
+_REAPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_reaper.py")
 _TOOL_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_\-]{0,63}")  # as for @tool (agentgrpo.env.tool.Tool)
 
 
@@ -63,6 +67,11 @@ class MCPServer:
     `prefix`: when set, the server's tool `name` is shown to the model as `<prefix>_<name>` (two
     servers with a tool of the same name, or one that clashes with an `@tool`). `open_timeout_s`
     bounds starting the server and listing its tools; past it the episode is unscorable.
+    `handshake`: "legacy" (the default) opens with MCP's `initialize` handshake, which servers
+    built on the 1.x SDK and the dual-era 2.x servers both answer; "auto" is the 2.x client's
+    default, a `server/discover` probe first, which a 1.x server answers with a long validation
+    error on its stderr before the client falls back; a protocol version string (a server that
+    speaks only the 2026 protocol) adopts that version without a handshake.
     """
 
     command: str | None = None
@@ -72,6 +81,7 @@ class MCPServer:
     url: str | None = None
     prefix: str = ""
     open_timeout_s: float = 60.0
+    handshake: str = "legacy"
 
     def __post_init__(self) -> None:
         if (self.command is None) == (self.url is None):
@@ -80,6 +90,13 @@ class MCPServer:
             )
         if self.open_timeout_s <= 0:
             raise ValueError(f"open_timeout_s must be positive, got {self.open_timeout_s}")
+        if not (
+            self.handshake in ("legacy", "auto")
+            or re.fullmatch(r"\d{4}-\d{2}-\d{2}", str(self.handshake))
+        ):
+            raise ValueError(
+                f"handshake must be 'legacy', 'auto' or a protocol version, got {self.handshake!r}"
+            )
 
     @classmethod
     def stdio(
@@ -90,6 +107,7 @@ class MCPServer:
         cwd: str | None = None,
         prefix: str = "",
         open_timeout_s: float = 60.0,
+        handshake: str = "legacy",
     ) -> MCPServer:
         """A server started as `command *args` and spoken to over its stdin and stdout (its
         stderr stays the trainer's). `env` adds variables to the `mcp` package's default
@@ -101,14 +119,22 @@ class MCPServer:
             cwd=cwd,
             prefix=prefix,
             open_timeout_s=open_timeout_s,
+            handshake=handshake,
         )
 
     @classmethod
-    def http(cls, url: str, *, prefix: str = "", open_timeout_s: float = 60.0) -> MCPServer:
+    def http(
+        cls,
+        url: str,
+        *,
+        prefix: str = "",
+        open_timeout_s: float = 60.0,
+        handshake: str = "legacy",
+    ) -> MCPServer:
         """A server already running at a streamable-HTTP endpoint (e.g. http://host:8000/mcp)."""
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"MCPServer.http needs an http:// or https:// URL, got {url!r}")
-        return cls(url=url, prefix=prefix, open_timeout_s=open_timeout_s)
+        return cls(url=url, prefix=prefix, open_timeout_s=open_timeout_s, handshake=handshake)
 
     def describe(self) -> str:
         return self.url or " ".join([self.command or "", *self.args])
@@ -343,7 +369,7 @@ class _Session:
             with anyio.CancelScope() as self._scope:
                 if self._cancelled:  # closed before this task began
                     self._scope.cancel()
-                async with Client(self._target()) as client:
+                async with Client(self._target(), mode=self.server.handshake) as client:
                     self.client = client
                     listing, cursor = [], None
                     while True:
@@ -368,11 +394,11 @@ class _Session:
             return self.server.url
         from mcp.client.stdio import StdioServerParameters
 
+        command, args = self.server.command, list(self.server.args)
+        if sys.platform.startswith("linux"):  # none of the server's processes outlives it
+            command, args = sys.executable, ["-I", _REAPER, command, *args]
         return StdioServerParameters(
-            command=self.server.command,
-            args=list(self.server.args),
-            env=self.server.env,
-            cwd=self.server.cwd,
+            command=command, args=args, env=self.server.env, cwd=self.server.cwd
         )
 
     async def call(self, name: str, arguments: dict[str, Any]) -> Any:

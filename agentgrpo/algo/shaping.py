@@ -79,12 +79,15 @@ def overlong_penalty(
 
 
 def shaped_rewards(
-    trajs: Sequence[Trajectory], cfg: ShapingConfig, max_tokens: int
+    trajs: Sequence[Trajectory], rewards: Sequence[float], cfg: ShapingConfig, max_tokens: int
 ) -> torch.Tensor:
-    """[B] rewards after the overlong shaping `cfg` asks for (none: the rewards); NaN stays NaN. The
-    length is the trajectory's tokens after its prompt (summed over a step-wise trajectory's
-    segments, each after its own prompt), what `rollout.max_tokens` limits."""
-    rewards_B = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
+    """[B] `rewards` (the trajectories' scores) after the overlong shaping `cfg` asks for (none:
+    the rewards); NaN stays NaN. The length is the trajectory's tokens after its prompt (summed
+    over a step-wise trajectory's segments, each after its own prompt), what `rollout.max_tokens`
+    limits."""
+    if len(rewards) != len(trajs):
+        raise ValueError(f"{len(trajs)} trajectories but {len(rewards)} rewards")
+    rewards_B = torch.tensor(list(rewards), dtype=torch.float32)
     if cfg.overlong_buffer_len:
         lengths = [sum(len(s.token_ids) - s.prompt_len for s in t.segments) for t in trajs]
         lengths_B = torch.tensor(lengths, dtype=torch.float32)
@@ -154,8 +157,17 @@ def describe_algorithm(
     tis = f"{c.tis}-level, cap {c.tis_cap:g}" if c.tis != "none" else "off"
     mis = "off"
     if c.mis != "none":
-        ratio = "geometric-mean ratio of each sequence" if c.mis == "sequence" else "token ratio"
-        mis = f"{c.mis}-level, drop where the {ratio} is outside [{c.mis_low:g}, {c.mis_high:g}]"
+        ratio = {
+            "token": "token ratio",
+            "sequence": "product of each sequence's token ratios",
+            "geometric": "geometric mean of each sequence's token ratios",
+        }[c.mis]
+        band = f"[{c.mis_low:g}, {c.mis_high:g}]"
+        mis = (
+            f"{c.mis}: 0 where the {ratio} is outside {band}, else the tis weight"
+            if c.tis != "none"
+            else f"{c.mis}: weight = the {ratio}, 0 outside {band}"
+        )
     filters = []
     filters.append(
         f"dynamic sampling (<= {s.max_extra_rounds} extra rounds)"

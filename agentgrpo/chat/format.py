@@ -24,18 +24,22 @@ sampled. This module is the one place that turns messages into ids and sampled i
   tokens and the sampled one stays), or with none of its own, the turn ending where the next
   message's role token starts (GLM-4.5: the model stops on `<|observation|>` or `<|user|>`, which
   the suffix then does not render again; `turn_end_opens_next`). A template that wants tool-call
-  arguments as a JSON string (DeepSeek-V3) gets them so (`string_arguments`); both are found by
-  probe renders at construction, never by the template's name.
-- `ChatFormat.truncate(text, max_tokens)`: tool output cut to a token budget, with a marker.
+  arguments as a JSON string (DeepSeek-V3) gets them so (`string_arguments`); these, and the
+  end-of-turn tokens themselves, are found by probe renders at construction, never by the
+  template's name.
+- `ChatFormat.truncate(text, max_tokens)`: tool output cut to a token budget, with a marker (the
+  rollout first cuts it to a byte budget, so no tool can make this tokenize megabytes).
 - Message content is data, never control: a special token's text inside a message (a tool printing
   `<|im_end|>\n<|im_start|>assistant`, a task copied from a chat log) is tokenized as plain text,
   so an environment cannot forge a turn boundary or an EOS. Only the template's own text and the
   model's samples carry special tokens. The same holds for every other field a template may
   print: a tool message's `name` (the tool name the model chose), `tool_call_id`, tool calls'
-  names and arguments. While rendering, only the special-token substrings of those strings are
-  swapped for ASCII placeholders, so the template's filters (`trim`, `tojson`) act on
-  the real content; a template that renders the special text differently from its placeholder
-  (escapes or strips it) is refused with TemplateError (see `_render_held`, `_encode_rendered`).
+  names and arguments, and every string of the tool schemas (an MCP server's or an endpoint
+  client's: names, descriptions, parameter names, titles, enum values). While rendering, only
+  the special-token substrings of those strings are swapped for ASCII placeholders, so the
+  template's filters (`trim`, `tojson`) act on the real content; a template that renders the
+  special text differently from its placeholder (escapes or strips it) is refused with
+  TemplateError (see `_render_held`, `_encode_rendered`).
 - Text that cannot be UTF-8 encoded (lone surrogates) is tokenized with U+FFFD in their place
   (`encode`, `truncate`) rather than raising.
 
@@ -68,7 +72,7 @@ from agentgrpo.chat.parsers import (
     parse_hermes,
     parse_llama3_json,
 )
-from agentgrpo.types import Message
+from agentgrpo.types import Message, ToolCall
 
 __all__ = [
     "HERMES_CHATML_TEMPLATE",
@@ -90,7 +94,14 @@ __all__ = [
 TemplateFallback = Literal["none", "keep_history"]
 TrajectoryMode = Literal["single", "auto", "stepwise"]
 TRAJECTORY_MODES = ("single", "auto", "stepwise")
-TRUNCATION_MARKER = "\n[... {omitted} more tokens truncated]"
+TRUNCATION_MARKER = "\n[... {omitted} more {unit} truncated]"
+
+
+def truncation_note(marker: str, omitted: int, unit: str) -> str:
+    """`marker` with `{omitted}` and `{unit}` ("tokens", "bytes") filled in; any other braces are
+    plain text, not a format string."""
+    return marker.replace("{omitted}", str(omitted)).replace("{unit}", unit)
+
 
 HERMES_CHATML_TEMPLATE = (
     "{%- if tools %}"
@@ -127,6 +138,15 @@ HERMES_CHATML_TEMPLATE = (
 
 
 FAST_RENDER_CHECKS = 64  # renders per ChatFormat compared with apply_chat_template (see render)
+# The tool the end-of-turn probe calls (`ChatFormat._detected_end_of_turns`).
+_PROBE_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "probe",
+        "description": "A probe.",
+        "parameters": {"type": "object", "properties": {"value": {"type": "string"}}},
+    },
+}
 
 
 def _compiled_renderer(template: str, tokenizer: Any, template_kwargs: dict[str, Any]) -> Any:
@@ -178,36 +198,41 @@ def _utf8(text: str) -> str:
     return text
 
 
-def _texts(obj: Any, key: str = "") -> Iterator[str]:
-    """Every string of a message dict a template may print: values and keys at any depth (content,
-    name, tool_call_id, a tool call's name and arguments), all but the `role` it branches on."""
-    if isinstance(obj, str) and key != "role":
+def _texts(obj: Any, key: str = "", skip: str | None = "role") -> Iterator[str]:
+    """Every string a template may print: values and keys at any depth of a message dict (content,
+    name, tool_call_id, a tool call's name and arguments), all but the `role` it branches on
+    (`skip`); of a tool schema (`skip=None`), every one (name, description, parameter names,
+    descriptions, enum values, titles)."""
+    if isinstance(obj, str) and key != skip:
         yield obj
     elif isinstance(obj, dict):
         for k, v in obj.items():
-            yield from _texts(k)
-            yield from _texts(v, k)
+            yield from _texts(k, "", skip)
+            yield from _texts(v, k, skip)
     elif isinstance(obj, (list, tuple)):
         for v in obj:
-            yield from _texts(v)
+            yield from _texts(v, "", skip)
 
 
-def _map_texts(obj: Any, f: Callable[[str], str], key: str = "") -> Any:
+def _map_texts(obj: Any, f: Callable[[str], str], key: str = "", skip: str | None = "role") -> Any:
     """`obj` with `f` applied to each string `_texts` yields (a copy; `obj` is left as it is)."""
     if isinstance(obj, str):
-        return obj if key == "role" else f(obj)
+        return obj if key == skip else f(obj)
     if isinstance(obj, dict):
-        return {(f(k) if isinstance(k, str) else k): _map_texts(v, f, k) for k, v in obj.items()}
+        return {
+            (f(k) if isinstance(k, str) else k): _map_texts(v, f, k, skip) for k, v in obj.items()
+        }
     if isinstance(obj, (list, tuple)):
-        return [_map_texts(v, f) for v in obj]
+        return [_map_texts(v, f, "", skip) for v in obj]
     return obj
 
 
 class _Placeholders:
-    """Message dicts whose special-token texts are replaced by placeholders (`ChatFormat._hold`)."""
+    """Message dicts and tool schemas whose special-token texts are replaced by placeholders
+    (`ChatFormat._hold`)."""
 
-    def __init__(self, dicts: list[dict[str, Any]]) -> None:
-        self.dicts = dicts
+    def __init__(self, dicts: list[dict[str, Any]], tools: list[dict] | None = None) -> None:
+        self.dicts, self.tools = dicts, tools
         self.texts: list[str] = []  # the special texts, in placeholder order
         self.pattern: re.Pattern[str] | None = None  # matches a placeholder; None: nothing held
 
@@ -224,10 +249,9 @@ class _Placeholders:
         if self.restore(rendered) != real:
             at = _common_prefix(self.restore(rendered), real)
             raise TemplateError(
-                "the chat template renders special-token text inside message content differently "
-                f"from other text (at character {at}: {real[max(0, at - 40) : at + 40]!r}); it "
-                "cannot be kept "
-                "as plain text"
+                "the chat template renders special-token text inside message content or tool "
+                f"schemas differently from other text (at character {at}: "
+                f"{real[max(0, at - 40) : at + 40]!r}); it cannot be kept as plain text"
             )
 
 
@@ -262,9 +286,11 @@ class ChatFormat:
             format the template renders (`detect_parser`), Hermes where it shows none it knows.
             `self.parser_name` is the parser chosen.
         end_of_turn: the token that ends an assistant turn, or several (GPT-OSS ends a turn with
-            `<|call|>` after a tool call and `<|return|>` after an answer); default the tokenizer's
-            EOS token. Every one is a stop token, and whichever the model sampled stays the last
-            id of its turn. `self.end_of_turn` / `self.end_of_turn_id` are the first.
+            `<|call|>` after a tool call and `<|return|>` after an answer); default the ones the
+            template renders (found by probe renders, `_detected_end_of_turns`), else the
+            tokenizer's EOS token. Every one is a stop token, and whichever the model sampled
+            stays the last id of its turn. `self.end_of_turn` / `self.end_of_turn_id` are the
+            first.
             A template may render an assistant turn with no end token of its own, the next message
             beginning with its role token (GLM-4.5: `<|observation|>`, `<|user|>`); those role
             tokens are then the end-of-turn tokens, and the one the model sampled is the start of
@@ -328,27 +354,8 @@ class ChatFormat:
             )
         self.trajectory_mode: TrajectoryMode = trajectory_mode
         self.template_kwargs: dict[str, Any] = dict(template_kwargs or {})
-        eots = [end_of_turn] if isinstance(end_of_turn, str) else list(end_of_turn or [])
-        eots = eots or [tokenizer.eos_token]
-        if None in eots or not all(eots):
-            raise ValueError("the tokenizer has no EOS token: pass end_of_turn= explicitly")
-        eot_ids = []
-        for eot in eots:
-            (eot_id,) = tokenizer.convert_tokens_to_ids([eot]) or [None]
-            if eot_id is None or eot_id == tokenizer.unk_token_id:
-                raise ValueError(
-                    f"end-of-turn token {eot!r} is not a single token of this tokenizer"
-                )
-            eot_ids.append(eot_id)
         self._fast = _compiled_renderer(self.template, tokenizer, self.template_kwargs)
         self._fast_checks_left = FAST_RENDER_CHECKS
-        self.end_of_turns: tuple[str, ...] = tuple(eots)
-        self.end_of_turn_ids: tuple[int, ...] = tuple(eot_ids)
-        self.end_of_turn, self.end_of_turn_id = eots[0], eot_ids[0]
-        stops = set(self.end_of_turn_ids)
-        if tokenizer.eos_token_id is not None:
-            stops.add(tokenizer.eos_token_id)
-        self.stop_token_ids: tuple[int, ...] = tuple(sorted(stops))
         decoder = getattr(tokenizer, "added_tokens_decoder", {}) or {}
         specials = {t.content for t in decoder.values() if getattr(t, "special", False)}
         specials = {
@@ -368,7 +375,66 @@ class ChatFormat:
             else None
         )
         self.string_arguments = self._wants_string_arguments()
+        self._set_end_of_turns(end_of_turn)
         self.turn_end_opens_next = self._turn_end_opens_next()
+
+    def _set_end_of_turns(self, end_of_turn: str | Sequence[str] | None) -> None:
+        """`end_of_turns`, their ids and the stop ids: `end_of_turn` where given, else the tokens
+        the template ends an assistant turn with (`_detected_end_of_turns`), else the EOS token."""
+        tokenizer = self.tokenizer
+        eots = [end_of_turn] if isinstance(end_of_turn, str) else list(end_of_turn or [])
+        eots = eots or self._detected_end_of_turns() or [tokenizer.eos_token]
+        if None in eots or not all(eots):
+            raise ValueError("the tokenizer has no EOS token: pass end_of_turn= explicitly")
+        eot_ids = []
+        for eot in eots:
+            (eot_id,) = tokenizer.convert_tokens_to_ids([eot]) or [None]
+            if eot_id is None or eot_id == tokenizer.unk_token_id:
+                raise ValueError(
+                    f"end-of-turn token {eot!r} is not a single token of this tokenizer"
+                )
+            eot_ids.append(eot_id)
+        self.end_of_turns: tuple[str, ...] = tuple(eots)
+        self.end_of_turn_ids: tuple[int, ...] = tuple(eot_ids)
+        self.end_of_turn, self.end_of_turn_id = eots[0], eot_ids[0]
+        stops = set(self.end_of_turn_ids)
+        if tokenizer.eos_token_id is not None:
+            stops.add(tokenizer.eos_token_id)
+        self.stop_token_ids: tuple[int, ...] = tuple(sorted(stops))
+
+    def _detected_end_of_turns(self) -> list[str]:
+        """The special tokens this template ends an assistant turn with, after a tool call first,
+        then after an answer (GPT-OSS: `<|call|>`, `<|return|>`), found by probe renders: the last
+        special token rendered after the turn's text, or where the template renders none (GLM-4.5)
+        the one that opens the next message (a tool result after a call, a user message after an
+        answer: `<|observation|>`, `<|user|>`). Empty where the probes find none."""
+        if self._special_text is None:
+            return []
+        user = {"role": "user", "content": "Hi"}
+        call = ToolCall(id="call_0", name="probe", arguments={"value": "agentgrpo_probe_value"})
+        probes = [
+            (Message(role="assistant", content="", tool_calls=[call]), "agentgrpo_probe_value"),
+            (Message(role="assistant", content="agentgrpo probe answer"), "agentgrpo probe answer"),
+        ]
+        nexts = [
+            {"role": "tool", "tool_call_id": "call_0", "content": "Hi"},
+            {"role": "user", "content": "Hi"},
+        ]
+        found: list[str] = []
+        for (message, mark), follow in zip(probes, nexts, strict=True):
+            chat = [user, self._template_dict(message)]
+            try:
+                text = self._render_dicts(chat, [_PROBE_TOOL], False)
+                at = text.rfind(mark)
+                ends = [m.group() for m in self._special_text.finditer(text, max(at, 0))]
+                if at >= 0 and not ends:
+                    rest = self._render_dicts([*chat, follow], [_PROBE_TOOL], False)[len(text) :]
+                    opens = self._special_text.match(rest.lstrip())
+                    ends = [opens.group()] if opens else []
+            except TemplateError:  # a template without tool calls refuses the probe call
+                continue
+            found += [] if at < 0 or not ends or ends[-1] in found else [ends[-1]]
+        return found
 
     def _wants_string_arguments(self) -> bool:
         """Whether the template takes a tool call's `arguments` as a JSON string rather than an
@@ -522,35 +588,42 @@ class ChatFormat:
         tools: list[dict] | None,
         add_generation_prompt: bool,
     ) -> tuple[str, _Placeholders]:
-        """The render of `fixed + dicts` with the special-token texts in `dicts`' contents held
-        (`_hold`), and what was held. When something is held, the template's render of the real
-        content is computed too: the placeholders avoid its text, and `_Held.check` requires the
-        held render with the texts put back to equal it."""
+        """The render of `fixed + dicts` with the special-token texts in `dicts`' contents and in
+        `tools` held (`_hold`), and what was held. When something is held, the template's render of
+        the real content is computed too: the placeholders avoid its text, and `_Held.check`
+        requires the held render with the texts put back to equal it."""
         if self._special_text is None or not any(
-            self._special_text.search(t) for d in dicts for t in _texts(d)
+            map(self._special_text.search, self._printed(dicts, tools))
         ):
-            return self._render_dicts(fixed + dicts, tools, add_generation_prompt), _Placeholders(
-                dicts
-            )
+            text = self._render_dicts(fixed + dicts, tools, add_generation_prompt)
+            return text, _Placeholders(dicts, tools)
         real = self._render_dicts(fixed + dicts, tools, add_generation_prompt)
-        protected = self._hold(dicts, avoid=real)
-        text = self._render_dicts(fixed + protected.dicts, tools, add_generation_prompt)
+        protected = self._hold(dicts, tools, avoid=real)
+        text = self._render_dicts(fixed + protected.dicts, protected.tools, add_generation_prompt)
         protected.check(text, real)
         return text, protected
 
-    def _hold(self, dicts: list[dict[str, Any]], avoid: str = "") -> _Placeholders:
-        """`dicts` with every special token's text inside any string the template may print (the
-        content, and as much the tool name a model chose or a tool call id; `_texts`) replaced by
-        a placeholder.
+    @staticmethod
+    def _printed(dicts: list[dict[str, Any]], tools: list[dict] | None) -> list[str]:
+        """Every string of `dicts` and `tools` a template may print (`_texts`)."""
+        return [t for d in dicts for t in _texts(d)] + list(_texts(tools or [], skip=None))
+
+    def _hold(
+        self, dicts: list[dict[str, Any]], tools: list[dict] | None = None, avoid: str = ""
+    ) -> _Placeholders:
+        """`dicts` and `tools` with every special token's text inside any string the template may
+        print (the content, and as much the tool name a model chose or a tool call id; every
+        string of a tool schema, which an MCP server or an endpoint client wrote; `_texts`)
+        replaced by a placeholder.
 
         The placeholders are ASCII letters and digits (`agentgrpo<n>h<i>e`, `n` chosen so that
         neither a content nor `avoid`, the real render, holds `agentgrpo<n>h`), which template
         filters such as `trim` and `tojson` leave as they are: the template renders the real content
         around them, and `_encode_rendered` puts the special texts back as plain text."""
-        protected = _Placeholders(dicts)
+        protected = _Placeholders(dicts, tools)
         if self._special_text is None:
             return protected
-        contents = [t for d in dicts for t in _texts(d)]
+        contents = self._printed(dicts, tools)
         if not any(self._special_text.search(c) for c in contents):
             return protected
         nonce = 0
@@ -563,6 +636,8 @@ class ChatFormat:
 
         pattern = self._special_text
         protected.dicts = [_map_texts(d, lambda t: pattern.sub(mark, t)) for d in dicts]
+        if tools:
+            protected.tools = _map_texts(tools, lambda t: pattern.sub(mark, t), skip=None)
         protected.pattern = re.compile(f"agentgrpo{nonce}h([0-9]+)e")
         return protected
 
@@ -657,10 +732,10 @@ class ChatFormat:
         history_dicts = [
             self._template_dict(m, max_tool_calls) for m in history
         ]  # built once for both renders
-        before = self._render_dicts(history_dicts, tools, False)
         after, protected = self._render_protected(
             history_dicts, [self._template_dict(m) for m in new_messages], tools, True
         )
+        before = self._render_dicts(history_dicts, protected.tools, False)  # tools held alike
         if self.turn_end_opens_next:  # the sampled stop token opens the next message
             eot = self.tokenizer.convert_ids_to_tokens(
                 self.end_of_turn_id if end_id is None else end_id
@@ -681,7 +756,7 @@ class ChatFormat:
                 return self._encode_after_end_of_turn(glue + after[len(before) :], protected, eot)
         if self.fallback == "keep_history":
             tail, found = self._suffix_after_last_turn(
-                history_dicts, protected.dicts, tools, after, glue
+                history_dicts, protected.dicts, protected.tools, after, glue
             )
             if not self.turn_end_opens_next or found == eot:
                 return self._encode_after_end_of_turn(tail, protected, found)
@@ -766,7 +841,7 @@ class ChatFormat:
         self, text: str, max_tokens: int, marker: str = TRUNCATION_MARKER
     ) -> tuple[str, int]:
         """Cut `text` to its first `max_tokens` tokens plus `marker` (`{omitted}` is replaced by
-        the number of tokens dropped; any other braces are plain text, not a format string).
+        the number of tokens dropped, `{unit}` by "tokens"; `truncation_note`).
         Returns (text, tokens omitted). Used on tool output before it is rendered, so the model
         sees that the output was cut rather than a silent end. Lone surrogates come back replaced
         by U+FFFD (see `encode`)."""
@@ -778,7 +853,7 @@ class ChatFormat:
             return text, 0
         kept = self.tokenizer.decode(ids[:max_tokens], skip_special_tokens=False).rstrip("\ufffd")
         omitted = len(ids) - max_tokens
-        return kept + marker.replace("{omitted}", str(omitted)), omitted
+        return kept + truncation_note(marker, omitted, "tokens"), omitted
 
     # -- parsing ------------------------------------------------------------------------------
 

@@ -2,10 +2,12 @@
 byte for byte as their models distribute them, so a run, a test or `check-template` can name one
 (`model.chat_template: qwen3`) instead of pointing at a file.
 
-Every file under `templates/` was taken unchanged from the collection of original templates in
-huggingface/trl (`trl/chat_templates/`, commit f2cd57710ae345ea6428ae95363267fcf38a3dc8), which
-keeps them as the checkpoints below ship them. Which of them trains token-exactly, and in which
-trajectory mode, is in docs/environments.md (the families table); `check-template` audits any.
+Every file under `templates/` was taken unchanged from its source (`ShippedTemplate.source`):
+the collection of original templates in huggingface/trl (`trl/chat_templates/`), which keeps them
+as the checkpoints below ship them, and for DeepSeek-V3 with tools, whose own template never shows
+the tools, the tool template SGLang publishes for serving it with its `deepseekv3` parser. Which of
+them trains token-exactly, and in which trajectory mode, is in docs/environments.md (the families
+table); `check-template` audits any.
 """
 
 from __future__ import annotations
@@ -15,6 +17,11 @@ from importlib import resources
 from pathlib import Path
 
 TRL_COMMIT = "f2cd57710ae345ea6428ae95363267fcf38a3dc8"
+TRL_SOURCE = f"huggingface/trl trl/chat_templates/ at {TRL_COMMIT}"
+SGLANG_DEEPSEEK_V3_TOOLS = (
+    "sgl-project/sglang examples/chat_template/tool_chat_template_deepseekv3.jinja at "
+    "3e090330d192ebb124c43d808882af19f64c18f5"
+)
 
 
 @dataclass(frozen=True)
@@ -24,6 +31,8 @@ class ShippedTemplate:
     """The checkpoints that ship this template (the source of the copy)."""
     notes: str
     """What makes it matter for token-in/token-out training."""
+    source: str = TRL_SOURCE
+    """Where the file was copied from: repository, path and commit."""
 
 
 SHIPPED: dict[str, ShippedTemplate] = {
@@ -40,6 +49,12 @@ SHIPPED: dict[str, ShippedTemplate] = {
         ShippedTemplate("qwen3_6", "Qwen/Qwen3.6-27B, Qwen3.6-35B-A3B", "preserve_thinking flag"),
         ShippedTemplate("llama3_1", "meta-llama/Llama-3.1-*-Instruct", "one bare JSON call a turn"),
         ShippedTemplate("deepseekv3", "deepseek-ai/DeepSeek-V3", "special-token call markers"),
+        ShippedTemplate(
+            "deepseekv3_tools",
+            "deepseek-ai/DeepSeek-V3, DeepSeek-V3-0324 served with tools",
+            "lists the tools in the system message (V3's own template never shows them)",
+            SGLANG_DEEPSEEK_V3_TOOLS,
+        ),
         ShippedTemplate("gemma3", "google/gemma-3-*-it", "no tool role"),
         ShippedTemplate("phi3_5", "microsoft/Phi-3.5-mini-instruct", "no tools"),
         ShippedTemplate("gptoss", "openai/gpt-oss-20b, gpt-oss-120b", "harmony channels"),

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import itertools
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -56,10 +57,12 @@ from typing import Any, Literal
 from agentgrpo.chat.format import (
     PARSERS,
     ChatFormat,
+    HistoryRewritten,
     TemplateError,
     TemplateFallback,
     TrajectoryMode,
 )
+from agentgrpo.chat.trajectory import TrajectoryBuilder
 from agentgrpo.checks.env_check import example_arguments
 from agentgrpo.env.base import Env, run_sync
 from agentgrpo.types import Message, Task, ToolCall
@@ -480,10 +483,10 @@ def _walk(
     report: TemplateReport,
 ) -> None:
     """Replay one conversation turn by turn as the rollout would (the first prompt renders
-    `conv[:first]`), recording every issue."""
-    history = conv[:first]
+    `conv[:first]`), recording every issue: the template's own rendering of each assistant turn
+    plays the sampled ids, and the trajectory builder continues after the env's messages."""
     try:
-        ids = chat.prompt_ids(history, tools)
+        ids = chat.prompt_ids(conv[:first], tools)
     except TemplateError as e:
         report.issues.append(
             TemplateIssue(
@@ -491,137 +494,168 @@ def _walk(
             )
         )
         return
-    keep = copy.copy(chat)
-    keep.fallback = "keep_history"
-    exact_so_far = True  # False once our ids legitimately differ from a re-render of the text
-    eots = chat.end_of_turns
+    replay = _Replay(chat, name, conv, first, tools, report)
+    replay.tokens.open_segment(ids)
     i, turn = first, 0
     while i < len(conv):
-        a, turn = conv[i], turn + 1
+        turn += 1
         report.turns += 1
-        new = []  # the env's messages after this turn
-        for m in conv[i + 1 :]:
-            if m.role == "assistant":
-                break
-            new.append(m)
+        new = list(itertools.takewhile(lambda m: m.role != "assistant", conv[i + 1 :]))
+        stop = replay.assistant_turn(conv[i], new, turn)
+        i += 1 + len(new)
+        if stop is None or (new and not replay.env_turn(new, turn, stop)):
+            return
+
+
+@dataclass
+class _Replay:
+    """One synthetic conversation in replay: the history so far, its token sequences (the
+    rollout's trajectory builder) and whether those ids should still equal the template's
+    rendering of the history tokenized in one piece (`exact`: False once they legitimately
+    differ)."""
+
+    chat: ChatFormat
+    name: str
+    conv: list[Message]
+    first: int
+    tools: list[dict] | None
+    report: TemplateReport
+    exact: bool = True
+
+    def __post_init__(self) -> None:
+        self.history = self.conv[: self.first]
+        self.tokens = TrajectoryBuilder(self.chat)
+
+    def issue(self, turn: int, kind: IssueKind, fatal: bool, why: str, detail: str = "") -> None:
+        self.report.issues.append(TemplateIssue(self.name, turn, kind, fatal, why, detail))
+
+    def assistant_turn(self, a: Message, new: list[Message], turn: int) -> str | None:
+        """Play assistant turn `a` as sampled: the template's text of it, cut at the end-of-turn
+        token the model stops on. Returns that token's text; None when the replay must stop."""
+        chat, tools, history = self.chat, self.tools, self.history
         try:
             gen = chat.render(history, tools, add_generation_prompt=True)
             full = chat.render(history + [a], tools)
-            alone = _turn_alone(chat, conv[:first], a, tools) if not full.startswith(gen) else None
+            alone = (
+                None
+                if full.startswith(gen)
+                else _turn_alone(chat, self.conv[: self.first], a, tools)
+            )
         except TemplateError as e:
-            report.issues.append(_render_error(name, conv, turn, e))
-            return
+            self.report.issues.append(_render_error(self.name, self.conv, turn, e))
+            return None
         start = len(gen)
         if alone is not None:  # the template rendered history anew once the turn was added
             gen, full, start = alone  # (GPT-OSS drops a call's analysis once an answer follows)
-            exact_so_far = False
+            self.exact = False
         elif not full.startswith(gen):  # DeepSeek-V3 opens <think> in the generation prompt only
             start = _common_prefix(gen, full)
-            report.issues.append(
-                TemplateIssue(
-                    name,
-                    turn,
-                    "generation_prompt",
-                    False,
-                    f"the generation prompt ends with {gen[start:][:40]!r}, which the template "
-                    "does not render for assistant turns in history (harmless token-in/token-out; "
-                    "a server re-rendering text would show the model another history)",
-                )
+            self.issue(
+                turn,
+                "generation_prompt",
+                False,
+                f"the generation prompt ends with {gen[start:][:40]!r}, which the template "
+                "does not render for assistant turns in history (harmless token-in/token-out; "
+                "a server re-rendering text would show the model another history)",
             )
-            exact_so_far = False
+            self.exact = False
         text = full[start:]
         try:
             end, stop = _turn_end(chat, text, full, history + [a] + new, tools)
         except TemplateError as e:
-            report.issues.append(_render_error(name, conv, turn, e))
-            return
+            self.report.issues.append(_render_error(self.name, self.conv, turn, e))
+            return None
         if end < 0:
-            report.issues.append(
-                TemplateIssue(
-                    name,
-                    turn,
-                    "no_end_of_turn",
-                    True,
-                    "the template does not end assistant turns with "
-                    + " or ".join(map(repr, eots)),
-                    f"turn text {text[:80]!r}",
-                )
+            self.issue(
+                turn,
+                "no_end_of_turn",
+                True,
+                "the template does not end assistant turns with "
+                + " or ".join(map(repr, chat.end_of_turns)),
+                f"turn text {text[:80]!r}",
             )
-            return
-        # the turn's ids as they stand in the conversation (a tokenizer may treat the start of its
-        # input differently, e.g. SentencePiece's "▁"), else as text on its own; where the turn
-        # ends at the next message's role token, that token, which the model stops on, follows
-        stop_id = [chat.end_of_turn_ids[eots.index(stop)]] if chat.turn_end_opens_next else []
-        closed = start + end + (0 if chat.turn_end_opens_next else len(stop))
-        in_place, head = chat.encode(full[:closed]), chat.encode(full[:start])
-        sampled = (
-            in_place[len(head) :]
-            if in_place[: len(head)] == head
-            else chat.encode(full[start:closed])
-        ) + stop_id
+            return None
+        sampled = _sampled_ids(chat, full, start, end, stop)
         if tools and _calls(chat.parse_assistant(sampled, tools=tools).message) != _calls(a):
-            report.issues.append(_parser_issue(chat, name, turn, text[:end], _calls(a), tools))
-        ids += sampled
+            self.report.issues.append(
+                _parser_issue(chat, self.name, turn, text[:end], _calls(a), tools)
+            )
+        self.tokens.sampled(sampled, [0.0] * len(sampled))
         history.append(a)
-        i += 1 + len(new)
-        if not new:
-            continue
+        return stop
+
+    def env_turn(self, new: list[Message], turn: int, stop: str) -> bool:
+        """Continue after the env's messages `new` as the rollout would, reporting a rewrite of
+        history (and, under "single", whether keep_history could continue it); False when the
+        replay must stop."""
+        chat, tools, history = self.chat, self.tools, self.history
         try:
             before = chat.render(history, tools)
             after = chat.render(history + new, tools, add_generation_prompt=True)
         except TemplateError as e:
-            report.issues.append(_render_error(name, conv, turn, e))
-            return
+            self.report.issues.append(_render_error(self.name, self.conv, turn, e))
+            return False
         single = chat.trajectory_mode == "single"
-        if not after.startswith(before):
+        rewritten = not after.startswith(before)
+        if rewritten:
             why, where = _diagnose(before, after, stop)
-            report.issues.append(
-                TemplateIssue(
-                    name,
-                    turn,
-                    "rewrites_history",
-                    single,
-                    why,
-                    f"adding {[m.role for m in new]}: {where}",
-                )
+            self.issue(
+                turn, "rewrites_history", single, why, f"adding {[m.role for m in new]}: {where}"
             )
-        if not single and (chat.trajectory_mode == "stepwise" or not after.startswith(before)):
-            ids = chat.prompt_ids(history + new, tools)  # a new segment: the rollout's prompt
-            report.new_segments += 1
-            exact_so_far = True
-        elif after.startswith(before):
-            ids += chat.suffix_ids(history, new, tools, end_id=ids[-1])
-        else:
-            exact_so_far = False
-            try:
-                ids += keep.suffix_ids(history, new, tools, end_id=ids[-1])
-            except TemplateError as e:
-                report.fallback_works = False
-                report.issues.append(
-                    TemplateIssue(
-                        name,
-                        turn,
-                        "rewrites_history",
-                        True,
-                        "keep_history cannot continue this conversation",
-                        str(e),
-                    )
-                )
-                return
+        try:
+            if single and rewritten:  # what keep_history, the fallback of "single", would do
+                self.exact = False
+                keep = copy.copy(chat)
+                keep.fallback = "keep_history"
+                end_id = self.tokens.token_ids[-1]
+                self.tokens.append(keep.suffix_ids(history, new, tools, end_id=end_id))
+            elif self.tokens.continue_with(history, new, tools):  # the rollout's rule
+                self.report.new_segments += 1
+                self.exact = True
+        except TemplateError as e:
+            self._cannot_continue(turn, new, e, keep_history=single and rewritten)
+            return False
         history += new
-        if exact_so_far and ids != (whole := chat.encode(after)):
-            report.issues.append(
-                TemplateIssue(
-                    name,
-                    turn,
-                    "retokenizes",
-                    False,
-                    "the same text tokenizes differently in one piece (a server re-rendering text "
-                    "would show the model other tokens)",
-                    f"first difference at token {_first_diff(ids, whole)}",
-                )
+        if self.exact and self.tokens.token_ids != (whole := chat.encode(after)):
+            self.issue(
+                turn,
+                "retokenizes",
+                False,
+                "the same text tokenizes differently in one piece (a server re-rendering text "
+                "would show the model other tokens)",
+                f"first difference at token {_first_diff(self.tokens.token_ids, whole)}",
             )
-            exact_so_far = False
+            self.exact = False
+        return True
+
+    def _cannot_continue(
+        self, turn: int, new: list[Message], e: TemplateError, *, keep_history: bool
+    ) -> None:
+        if keep_history:
+            self.report.fallback_works = False
+            why = "keep_history cannot continue this conversation"
+        elif isinstance(e, HistoryRewritten):  # the text extends, the sampled stop token does not
+            why = "the sampled end-of-turn token is not how the template opens the next messages"
+        else:
+            self.report.issues.append(_render_error(self.name, self.conv, turn, e))
+            return
+        single = self.chat.trajectory_mode == "single"
+        self.issue(turn, "rewrites_history", keep_history or single, why, str(e))
+
+
+def _sampled_ids(chat: ChatFormat, full: str, start: int, end: int, stop: str) -> list[int]:
+    """The ids of the turn `full[start:]` up to its end-of-turn token `stop` (at `end` in it) as
+    they stand in the conversation (a tokenizer may treat the start of its input differently,
+    e.g. SentencePiece's "▁"), else as text on its own; where the turn ends at the next
+    message's role token, that token, which the model stops on, follows."""
+    stop_id = (
+        [chat.end_of_turn_ids[chat.end_of_turns.index(stop)]] if chat.turn_end_opens_next else []
+    )
+    closed = start + end + (0 if chat.turn_end_opens_next else len(stop))
+    in_place, head = chat.encode(full[:closed]), chat.encode(full[:start])
+    return (
+        in_place[len(head) :] if in_place[: len(head)] == head else chat.encode(full[start:closed])
+    ) + stop_id
 
 
 def _turn_alone(
@@ -669,6 +703,13 @@ def _check_tools_shown(
     except TemplateError:
         return  # the walk reports the render error
     if not shown:
+        what = (
+            "DeepSeek-V3's own template ignores them: use the tool template SGLang publishes for "
+            "serving it, shipped as deepseekv3_tools (model.chat_template: deepseekv3_tools; "
+            "check-template --template deepseekv3_tools)"
+            if chat.parser_name == "deepseek_v3"
+            else "a tool template of the model's family lists them in the system message"
+        )
         report.issues.append(
             TemplateIssue(
                 "-",
@@ -676,9 +717,8 @@ def _check_tools_shown(
                 "no_tool_support",
                 True,
                 "the template does not show the tools to the model (its prompt is the same with "
-                "and without `tools`): give `model.chat_template` a template that renders them "
-                "(DeepSeek-V3's own ignores them; a tool template of its family lists them in the "
-                "system message)",
+                f"and without `tools`): give `model.chat_template` a template that renders them "
+                f"({what})",
                 f"tools {[t.get('function', {}).get('name') for t in tools]}",
             )
         )

@@ -1,5 +1,5 @@
-"""Inference engines. `LocalEngine` and `SGLangEngine` are imported lazily so that importing the
-protocol pulls in neither torch nor httpx."""
+"""Inference engines. `LocalEngine`, `SGLangEngine` and `VLLMEngine` are imported lazily so that
+importing the protocol pulls in neither torch nor httpx."""
 
 from agentgrpo.engine.base import Completion, Engine, EngineError, FinishReason, SamplingParams
 
@@ -11,6 +11,7 @@ __all__ = [
     "SamplingParams",
     "LocalEngine",
     "SGLangEngine",
+    "VLLMEngine",
 ]
 
 
@@ -23,4 +24,8 @@ def __getattr__(name: str):
         from agentgrpo.engine.sglang.client import SGLangEngine
 
         return SGLangEngine
+    if name == "VLLMEngine":
+        from agentgrpo.engine.vllm.client import VLLMEngine
+
+        return VLLMEngine
     raise AttributeError(name)

@@ -1,5 +1,5 @@
 """`EngineConfig` (the `engine:` block of a run config) and `build_engine`, which makes the engine
-it describes: the in-process `LocalEngine`, or a client of SGLang servers."""
+it describes: the in-process `LocalEngine`, or a client of SGLang or vLLM servers."""
 
 from __future__ import annotations
 
@@ -12,14 +12,25 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from agentgrpo.engine.base import Engine
 from agentgrpo.engine.local.engine import LocalEngine
 from agentgrpo.engine.sglang.config import SGLangConfig
+from agentgrpo.engine.vllm.config import VLLMConfig
+
+_LOCAL_ONLY = (
+    "max_batch_size",
+    "dtype",
+    "prefix_cache_tokens",
+    "threads",
+    "partial_rollouts",
+    "device",
+)
 
 
 class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    kind: Literal["local", "sglang"] = Field(
+    kind: Literal["local", "sglang", "vllm"] = Field(
         "local",
-        description="local: in-process transformers engine; sglang: SGLang servers over HTTP",
+        description="local: in-process transformers engine; sglang: SGLang servers over HTTP; "
+        "vllm: vLLM servers over HTTP",
     )
     max_batch_size: int = Field(32, ge=1, description="local engine: sequences decoded together")
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
@@ -58,6 +69,7 @@ class EngineConfig(BaseModel):
     sglang: SGLangConfig | None = Field(
         None, description="kind=sglang: the servers and client settings"
     )
+    vllm: VLLMConfig | None = Field(None, description="kind=vllm: the servers and client settings")
 
     @field_validator("device")
     @classmethod
@@ -74,32 +86,27 @@ class EngineConfig(BaseModel):
 
     @model_validator(mode="after")
     def _one_kind(self) -> EngineConfig:
-        # A block for the engine that is not used would be silently ignored: reject it instead.
-        if self.kind == "sglang" and self.sglang is None:
-            raise ValueError(
-                "engine.kind is sglang but there is no engine.sglang block (urls, ...)"
-            )
-        if self.kind == "local" and self.sglang is not None:
-            raise ValueError(
-                "engine.sglang is set but engine.kind is local; set engine.kind: sglang"
-            )
-        if self.kind == "sglang":  # compared with the defaults, so a dumped config.yaml loads again
+        # A block for an engine that is not used would be silently ignored: reject it instead.
+        for server in ("sglang", "vllm"):
+            if self.kind == server and getattr(self, server) is None:
+                raise ValueError(
+                    f"engine.kind is {server} but there is no engine.{server} block (urls, ...)"
+                )
+            if self.kind != server and getattr(self, server) is not None:
+                raise ValueError(
+                    f"engine.{server} is set but engine.kind is {self.kind}; set engine.kind: "
+                    f"{server}"
+                )
+        if self.kind != "local":  # compared with the defaults, so a dumped config.yaml loads again
             changed = [
                 f"engine.{name}={getattr(self, name)}"
-                for name in (
-                    "max_batch_size",
-                    "dtype",
-                    "prefix_cache_tokens",
-                    "threads",
-                    "partial_rollouts",
-                    "device",
-                )
+                for name in _LOCAL_ONLY
                 if getattr(self, name) != type(self).model_fields[name].default
             ]
             if changed:
                 raise ValueError(
                     f"{', '.join(changed)} configure the local engine, but engine.kind is "
-                    "sglang (its servers batch and cache on their own: set that at launch)"
+                    f"{self.kind} (its servers batch and cache on their own: set that at launch)"
                 )
         return self
 
@@ -119,11 +126,15 @@ def build_engine(
     `weights_dtype` is the learner's weight dtype, which `dtype: auto` follows; `threads` the
     local engine's decoding threads (None: the process's); `learner_device` the device that
     `device: auto` follows (None: the CPU)."""
+    # The clients are imported only here: loading a run config imports neither httpx nor them.
     if cfg.kind == "sglang":
-        # Only here: loading a run config imports neither httpx nor the client (sglang_config.py).
         from agentgrpo.engine.sglang.client import SGLangEngine
 
         return SGLangEngine.from_config(cfg.sglang)
+    if cfg.kind == "vllm":
+        from agentgrpo.engine.vllm.client import VLLMEngine
+
+        return VLLMEngine.from_config(cfg.vllm)
     device = (learner_device or "cpu") if cfg.device == "auto" else cfg.device
     if torch.device(device).type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"engine.device={cfg.device}: torch sees no CUDA device on this machine")

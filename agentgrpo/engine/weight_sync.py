@@ -6,10 +6,10 @@ methods moves the weights:
 - `in_process`: the engine lives in this process (`LocalEngine`): `engine.update_weights(state_dict,
   version=...)` with a detached copy of the weights.
 - `disk`: save safetensors (HF layout, `save_pretrained` when the model has it) into
-  `shared_dir/step_<step>`, a directory every SGLang server can read under the same path, then
+  `shared_dir/step_<step>`, a directory every server can read under the same path, then
   `engine.update_weights_from_disk` (pause -> flush -> update -> continue on every server). Works
   for any topology with a shared filesystem; the slowest but simplest method.
-- `distributed`: a process group made of this process (rank 0) and every SGLang GPU, created once
+- `distributed`: a process group made of this process (rank 0) and every server GPU, created once
   (`/init_weights_update_group`), then per push a broadcast of every tensor, bucketed, while
   `/update_weights_from_distributed` is pending on every server. NCCL between GPUs; gloo works on
   CPU (the tests use it). The group's ranks are all the servers, so a push needs every one of them
@@ -20,14 +20,16 @@ methods moves the weights:
   group or an update says why, instead of the trainer's side timing out later).
 
 Every push has a deadline (`timeout_s`) and sets the weight version `str(step)` on the engine, which
-the completions it produces afterwards carry. On SGLang a push aborts the requests in flight (they
-are sent again) unless `SGLangConfig.partial_rollouts` keeps them across it (see `sglang.py`).
+the completions it produces afterwards carry. On servers (SGLang, vLLM) a push aborts the requests
+in flight (they are sent again) unless `partial_rollouts` keeps them across it (`remote.py`).
 Then the push is verified: the engine scores a probe sequence (temperature 1) and the learner
 computes the same logprobs with the model
 (`sequence_logprobs`); a mean absolute difference above `probe_tolerance` raises
 `ProbeMismatchError` naming the engine's and the learner's numbers. An engine with several servers
-(`score_each`, SGLang) is probed on every server in rotation, and the error names each server that
-kept other weights. For SGLang it also checks that every server reports the new version.
+(`score_each`: SGLang, vLLM) is probed on every server in rotation, and the error names each
+server that kept other weights. For servers it also checks that every one reports the new version.
+vLLM joins the NCCL group with its own communicator (`trainer_join`, `trainer_broadcast` of
+`engine/vllm/nccl.py`).
 
 `push()` must run on the process that holds the full, unwrapped HF model (rank 0; gather FSDP
 shards first; merge LoRA adapters before pushing, since servers load plain checkpoint names).
@@ -36,6 +38,7 @@ shards first; merge LoRA adapters before pushing, since servers load plain check
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import socket
@@ -270,7 +273,8 @@ class WeightSync:
             method = ("disk" if cfg.shared_dir else "distributed") if is_remote else "in_process"
         if method in ("disk", "distributed") and not is_remote:
             raise ValueError(
-                f"method {method!r} needs an SGLang engine, got {type(engine).__name__}"
+                f"method {method!r} needs a server engine (SGLang, vLLM), got "
+                f"{type(engine).__name__}"
             )
         if method == "disk" and not cfg.shared_dir:
             raise ValueError("method 'disk' needs shared_dir (a directory every server can read)")
@@ -284,7 +288,7 @@ class WeightSync:
         self.method: str = method
         self.probe_ids = probe_ids
         self.version: str | None = None
-        self.last_probe_error: float | None = None  # mean |diff| of the last verification
+        self.last_probe_error: float | None = None  # mean |diff| of the last push's verification
         self._last_step: int | None = None
         self._pushes = 0
         self._pushed_dirs: deque[Path] = deque()
@@ -301,6 +305,7 @@ class WeightSync:
         if self._last_step is not None and step <= self._last_step:
             raise ValueError(f"step must increase: got {step} after {self._last_step}")
         version = str(step)
+        self.last_probe_error = None  # set again by this push's verification, if it probes
         try:
             await asyncio.wait_for(self._push(model, step, version), timeout=self.cfg.timeout_s)
         except asyncio.TimeoutError as e:
@@ -358,15 +363,22 @@ class WeightSync:
         tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
         sd = self._state_dict(model, clone=False)
-        if hasattr(model, "save_pretrained"):
+        config = getattr(model, "config", None)
+        untie = getattr(self.engine, "untied_checkpoints", False) and getattr(
+            config, "tie_word_embeddings", False
+        )
+        if hasattr(model, "save_pretrained") and not untie:
             model.save_pretrained(tmp, state_dict=sd, safe_serialization=True)
         else:
             tmp.mkdir()
             save_file(
-                {k: v.contiguous() for k, v in sd.items()},
+                {k: v.contiguous().clone() if untie else v.contiguous() for k, v in sd.items()},
                 str(tmp / "model.safetensors"),
                 metadata={"format": "pt"},
             )
+            if untie:  # the output projection as a tensor of its own (engine/vllm/client.py)
+                untied = {**config.to_dict(), "tie_word_embeddings": False}
+                (tmp / "config.json").write_text(json.dumps(untied, indent=1))
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -385,9 +397,12 @@ class WeightSync:
                     backend=cfg.backend,
                 )
             )
+            # the trainer's end of the group: the engine's own (vLLM's communicator), else a
+            # torch.distributed group beside the learner's (SGLang)
+            join = getattr(engine, "trainer_join", join_weight_update_group)
             self._pg = await _beside(
                 init,
-                join_weight_update_group,
+                join,
                 cfg.master_address,
                 port,
                 rank=0,
@@ -396,11 +411,7 @@ class WeightSync:
                 backend=cfg.backend,
                 timeout_s=cfg.timeout_s,
             )
-        device = (
-            torch.device("cuda", torch.cuda.current_device())
-            if cfg.backend == "nccl"
-            else torch.device("cpu")
-        )
+        device = self._broadcast_device()
         named = [(n, t.to(device)) for n, t in self._state_dict(model, clone=False).items()]
         buckets = list(_buckets(named, int(cfg.bucket_mb * 2**20)))
         async with engine.paused(every_server=True):  # every rank of the group, or none
@@ -417,7 +428,16 @@ class WeightSync:
                 )
                 await _beside(call, self._broadcast, [t for _, t in bucket])
 
+    def _broadcast_device(self) -> torch.device:
+        """Where broadcast tensors live: this process's GPU for NCCL, the CPU for gloo."""
+        if self.cfg.backend == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
     def _broadcast(self, tensors: list[torch.Tensor]) -> None:
+        if (broadcast := getattr(self.engine, "trainer_broadcast", None)) is not None:
+            broadcast(self._pg, tensors)
+            return
         for t in tensors:
             dist.broadcast(t.contiguous(), src=0, group=self._pg)
 
@@ -464,7 +484,10 @@ class WeightSync:
             try:
                 await self.engine.destroy_weights_update_group(self.cfg.group_name)
             finally:
-                dist.destroy_process_group(self._pg)
+                if hasattr(self.engine, "trainer_join"):  # the engine's own communicator
+                    getattr(self._pg, "destroy", lambda: None)()
+                else:
+                    dist.destroy_process_group(self._pg)
                 self._pg = None
 
 

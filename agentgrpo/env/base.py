@@ -155,10 +155,11 @@ class Env(gymnasium.Env):
     document what the seed still fixes.
 
     `rubric`: None, or a `Rubric` that scores every finished episode of a group after the group has
-    ended (as in willccbb/verifiers): its weighted sum becomes the reward and its verifiers' scores
-    `reward_parts`. The rewards `step` returned are then kept as `Trajectory.env_reward`, counted in
-    the reward only through the `env_reward` verifier (`agentgrpo.env.rubric.env_reward`). A class
-    attribute, or a property when it depends on the instance.
+    ended (as in willccbb/verifiers): its weighted sum becomes the reward (`Score.reward`) and its
+    verifiers' scores `Score.parts`. The rewards `step` returned stay the trajectory's own
+    (`Trajectory.reward`, `Score.env_reward`), counted in the reward only through the `env_reward`
+    verifier (`agentgrpo.env.rubric.env_reward`). A class attribute, or a property when it depends
+    on the instance.
     """
 
     metadata: ClassVar[dict[str, Any]] = {"render_modes": []}

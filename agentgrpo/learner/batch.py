@@ -1,19 +1,18 @@
-"""Trajectories -> micro-batches for the learner: packed rows in, per-sequence loss tensors out.
+"""Training rows -> micro-batches for the learner: packed rows in, per-sequence loss tensors out.
 
 A micro-batch has two layouts:
 
 - **model layout** `[R, S]`: what the model runs on. Sequences are *packed*: several lie one after
   the other in a row, each with position ids starting again at 0, and an attention mask that lets a
   token see only earlier tokens of its own sequence. Only the tail of a row is padding.
-- **loss layout** `[B, T]`: one row per trajectory, columns = the trajectory's span from its first
+- **loss layout** `[B, T]`: one row per training row (sequence), columns = its span from its first
   to its last loss token. This is what `loss.compute_loss` expects (its seq-mean modes assume one
   sequence per row), so packing never changes what the loss sees.
 
-A step-wise trajectory (several segments, `Trajectory.segments`) is trained as one row per segment:
-`segment_rows` turns it into one trajectory per segment with a sampled token, each with the
-episode's advantage and group, before anything here runs (docs/learner.md: how that weighs).
-A trajectory with `turn_advantages` (a turn-level estimator) gives each of its sampled turns its
-own advantage: the micro-batch then carries them per token (`TrainBatch.token_advantages_BT`).
+What is trained is a list of `TrainingRow`s (`training_rows`: one per segment with a sampled token
+of each trajectory that has an `Advantage`; docs/learner.md: how a step-wise episode's segments
+weigh). A row with `token_advantages` (a turn-level estimator) weighs each token by its turn's
+advantage: the micro-batch then carries them per token (`TrainBatch.token_advantages_BT`).
 
 `pred_index_M` / `target_ids_M` / `dest_index_M` connect the two: loss token m is predicted by the
 hidden state at flat position `pred_index_M[m]` of `[R*S]`, is the token id `target_ids_M[m]`, and
@@ -45,14 +44,14 @@ in a single row with position ids reset per sequence and no mask, which transfor
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
 import torch
 
-from agentgrpo.types import Trajectory
+from agentgrpo.types import Advantage, TrainingRow, Trajectory
 
 PackingMode = Literal["shared_prefix", "packed", "padded"]
 PACKING_MODES = ("shared_prefix", "packed", "padded")
@@ -76,7 +75,7 @@ class TrainBatch:
     loss_mask_BT: torch.Tensor  # [B, T] float, 1 on sampled tokens
     rollout_logprobs_BT: torch.Tensor  # [B, T] float, the engine's sampling logprobs (0 elsewhere)
     advantages_B: torch.Tensor  # [B] float
-    rows: list[int]  # index of each trajectory n in the list given to `make_micro_batches`
+    rows: list[int]  # index of each sequence n in the list given to `make_micro_batches`
     needs_mask: bool = True  # False when plain causal attention is already exact (padded, one row)
     # [B, T] float, per loss token, when some member has `turn_advantages` (a turn-level
     # estimator); None: `advantages_B` is broadcast over each row, as for outcome-only estimators
@@ -149,58 +148,53 @@ class _Unit:
     length: int  # tokens the unit occupies in a row
 
 
-def segment_rows(
-    trajs: Sequence[Trajectory], advantages: Sequence[float]
-) -> tuple[list[Trajectory], list[float]]:
-    """One trajectory per segment that holds a sampled token, with its episode's advantage: what
-    the learner lays out as rows. A single-sequence trajectory stays itself; a step-wise one's
-    segments become copies of it (same group, reward, messages) with one segment's tokens each,
-    so shared-prefix packing finds the prefix a group's segments share (the task's prompt, or an
-    episode's history where two of its segments render it alike)."""
-    rows: list[Trajectory] = []
-    advs: list[float] = []
-    for t, adv in zip(trajs, advantages, strict=True):
-        if not t.earlier_segments:
-            rows.append(t)
-            advs.append(adv)
+def training_rows(
+    trajectories: Sequence[Trajectory], advantages: Mapping[str, Advantage]
+) -> list[TrainingRow]:
+    """What the learner trains on: one row per segment that holds a sampled token, of every
+    trajectory that has an advantage (joined by trajectory id; one without is not trained on).
+
+    A single-sequence trajectory is one row; a step-wise one's segments become one row each, with
+    the episode's advantage and group, so shared-prefix packing finds the prefix a group's
+    segments share (the task's prompt, or an episode's history where two segments render it
+    alike). Under a turn-level estimator (`Advantage.per_turn`) each row carries one advantage per
+    token: the k-th run of loss_mask == 1 of the episode gets the k-th turn's."""
+    rows = []
+    for t in trajectories:
+        adv = advantages.get(t.id)
+        if adv is None:
             continue
         turn = 0  # the episode's index of the segment's first sampled turn
         for seg in t.segments:
             n = seg.num_turns
             if seg.num_sampled:
-                turn_advs = t.turn_advantages and t.turn_advantages[turn : turn + n]
+                per_turn = None if adv.per_turn is None else adv.per_turn[turn : turn + n]
                 rows.append(
-                    replace(
-                        t,
-                        token_ids=seg.token_ids,
-                        loss_mask=seg.loss_mask,
-                        logprobs=seg.logprobs,
-                        prompt_len=seg.prompt_len,
-                        earlier_segments=[],
-                        turn_advantages=turn_advs,
+                    TrainingRow(
+                        t.id,
+                        t.group_id,
+                        seg.token_ids,
+                        seg.loss_mask,
+                        seg.logprobs,
+                        adv.value,
+                        None if per_turn is None else token_advantages(seg.loss_mask, per_turn),
                     )
                 )
-                advs.append(adv)
             turn += n
-    return rows, advs
+    return rows
 
 
-def token_advantages(t: Trajectory, advantage: float) -> np.ndarray:
-    """[len(token_ids)] float32: each token's advantage, the k-th run of loss_mask == 1 getting
-    `t.turn_advantages[k]` (or every token `advantage` when the trajectory has none); 0 on tokens
-    the loss ignores. One segment's trajectory (`segment_rows`) holds its own turns' slice."""
-    mask = np.asarray(t.loss_mask, dtype=bool)
-    if t.turn_advantages is None:
-        return np.where(mask, np.float32(advantage), np.float32(0.0))
+def token_advantages(loss_mask: Sequence[int], per_turn: Sequence[float]) -> tuple[float, ...]:
+    """One advantage per token: the k-th run of loss_mask == 1 gets `per_turn[k]`, tokens the
+    loss ignores 0."""
+    mask = np.asarray(loss_mask, dtype=bool)
     starts = mask & ~np.concatenate([[False], mask[:-1]])  # the first token of each turn
-    if int(starts.sum()) != len(t.turn_advantages):
-        raise ValueError(
-            f"trajectory {t.task_id!r}: {int(starts.sum())} sampled turns but "
-            f"{len(t.turn_advantages)} turn advantages"
-        )
+    if int(starts.sum()) != len(per_turn):
+        raise ValueError(f"{int(starts.sum())} sampled turns but {len(per_turn)} turn advantages")
     turn_of_token = np.cumsum(starts) - 1
-    per_turn = np.asarray(t.turn_advantages, dtype=np.float32)
-    return np.where(mask, per_turn[np.clip(turn_of_token, 0, None)], np.float32(0.0))
+    per_turn_arr = np.asarray(per_turn, dtype=np.float32)
+    values = np.where(mask, per_turn_arr[np.clip(turn_of_token, 0, None)], np.float32(0.0))
+    return tuple(values.tolist())
 
 
 def _common_prefix(seqs: Sequence[np.ndarray]) -> int:
@@ -209,32 +203,32 @@ def _common_prefix(seqs: Sequence[np.ndarray]) -> int:
     return n if same_B.all() else int(np.argmin(same_B))
 
 
-def _groups(trajs: Sequence[Trajectory], mode: PackingMode) -> list[tuple[list[int], int]]:
+def _groups(seqs: Sequence[TrainingRow], mode: PackingMode) -> list[tuple[list[int], int]]:
     """(members, shared prefix length) of every unit-to-be: a GRPO group with its common prefix
     under `shared_prefix`, else (and for a group with nothing to share) each trajectory alone
     with 0."""
     if mode != "shared_prefix":
-        return [([i], 0) for i in range(len(trajs))]
+        return [([i], 0) for i in range(len(seqs))]
     by_id: dict[str, list[int]] = defaultdict(list)
-    for i, t in enumerate(trajs):
+    for i, t in enumerate(seqs):
         by_id[t.group_id].append(i)
     out = []
     for members in by_id.values():
         # Every member keeps >= 1 token of its own, so each has a row position after the prefix.
-        n = min(len(trajs[i].token_ids) for i in members)
-        P = min(_common_prefix([np.asarray(trajs[i].token_ids[:n]) for i in members]), n - 1)
+        n = min(len(seqs[i].token_ids) for i in members)
+        P = min(_common_prefix([np.asarray(seqs[i].token_ids[:n]) for i in members]), n - 1)
         out += [(members, P)] if len(members) > 1 and P >= 1 else [([i], 0) for i in members]
     return out
 
 
 def _units(
-    trajs: Sequence[Trajectory], groups: list[tuple[list[int], int]], budget: int
+    seqs: Sequence[TrainingRow], groups: list[tuple[list[int], int]], budget: int
 ) -> list[_Unit]:
     """A unit must sit in one row; a group longer than `budget` is split, each part with its own
     copy of the prefix (shortest members first)."""
     units = []
     for members, P in groups:
-        lens = {i: len(trajs[i].token_ids) for i in members}
+        lens = {i: len(seqs[i].token_ids) for i in members}
         if not P:
             units.append(_Unit(members, 0, lens[members[0]]))
             continue
@@ -248,7 +242,7 @@ def _units(
             size += lens[i] - P
         units.append(_Unit(cur, P, size))
     return [
-        u if len(u.members) > 1 else _Unit(u.members, 0, len(trajs[u.members[0]].token_ids))
+        u if len(u.members) > 1 else _Unit(u.members, 0, len(seqs[u.members[0]].token_ids))
         for u in units
     ]
 
@@ -269,8 +263,7 @@ def _first_fit_decreasing(units: list[_Unit], capacity: int) -> list[list[_Unit]
 
 
 def make_micro_batches(
-    trajs: Sequence[Trajectory],
-    advantages: Sequence[float],
+    rows: Sequence[TrainingRow],
     token_budget: int,
     pad_id: int = 0,
     *,
@@ -279,44 +272,35 @@ def make_micro_batches(
     row_tokens: int | Literal["auto"] | None = None,
     pair_cost: float = 0.0,
 ) -> list[TrainBatch]:
-    """Split one step's trajectories into micro-batches of about `token_budget` token slots.
+    """Split one step's training rows into micro-batches of about `token_budget` token slots.
 
-    `padded`: rows sorted by length, as many per micro-batch as fit padded (a trajectory longer than
-    the budget gets a micro-batch of its own). `packed` / `shared_prefix`: units (trajectories, or
+    `padded`: rows sorted by length, as many per micro-batch as fit padded (a sequence longer than
+    the budget gets a micro-batch of its own). `packed` / `shared_prefix`: units (sequences, or
     a group's prefix + continuations) are bin-packed into rows as long as the longest unit, and
     `token_budget // row_length` rows make a micro-batch. `row_tokens` (shared_prefix): the longest
     a group's unit may be; longer groups are split, each piece with its own copy of the prefix;
     None = the budget; "auto" = the cap whose modelled cost for `pair_cost` is least
     (`_cheapest_plan`). `one_row`: each micro-batch is a single row of up to `token_budget` tokens
-    with no mask (flash-attention varlen; not with `shared_prefix`).
-    Every trajectory needs at least one loss token and none at position 0 (nothing predicts it).
+    with no mask (flash-attention varlen; not with `shared_prefix`). A `TrainingRow` has at least
+    one loss token and none at position 0 (checked when it is made).
     """
-    if len(trajs) != len(advantages):
-        raise ValueError(f"{len(trajs)} trajectories but {len(advantages)} advantages")
     if mode not in PACKING_MODES:
         raise ValueError(f"unknown packing mode {mode!r}; valid: {list(PACKING_MODES)}")
     if one_row and mode == "shared_prefix":
         raise ValueError("one_row (flash varlen) cannot express a shared prefix; use mode='packed'")
-    for t in trajs:
-        if not any(t.loss_mask):
-            raise ValueError(f"trajectory {t.task_id!r} has no loss token")
-        if t.loss_mask[0]:
-            raise ValueError(
-                f"trajectory {t.task_id!r}: token 0 carries loss but nothing predicts it"
-            )
-    if not trajs:
+    if not rows:
         return []
-    groups = _groups(trajs, mode)
+    groups = _groups(rows, mode)
     if row_tokens == "auto":
-        plan = _cheapest_plan(trajs, groups, token_budget, pair_cost, mode, one_row)[1]
+        plan = _cheapest_plan(rows, groups, token_budget, pair_cost, mode, one_row)[1]
     else:
-        plan = _plan(trajs, groups, token_budget, mode, one_row, row_tokens)
+        plan = _plan(rows, groups, token_budget, mode, one_row, row_tokens)
     needs_mask = mode != "padded" and not one_row
-    return [_build(trajs, advantages, b, pad_id, needs_mask) for b in plan]
+    return [_build(rows, b, pad_id, needs_mask) for b in plan]
 
 
 def _plan(
-    trajs: Sequence[Trajectory],
+    seqs: Sequence[TrainingRow],
     groups: list[tuple[list[int], int]],
     budget: int,
     mode: PackingMode,
@@ -324,7 +308,7 @@ def _plan(
     row_tokens: int | None,
 ) -> list[list[list[_Unit]]]:
     """Micro-batches, each a list of rows, each a list of units."""
-    units = _units(trajs, groups, min(budget, row_tokens or budget))
+    units = _units(seqs, groups, min(budget, row_tokens or budget))
     if mode == "padded":
         batches: list[list[list[_Unit]]] = []
         cur: list[list[_Unit]] = []
@@ -360,7 +344,7 @@ def attention_pair_cost(config) -> float:
 
 
 def _cheapest_plan(
-    trajs: Sequence[Trajectory],
+    seqs: Sequence[TrainingRow],
     groups: list[tuple[list[int], int]],
     budget: int,
     pair_cost: float,
@@ -379,7 +363,7 @@ def _cheapest_plan(
     Candidates run from the longest trajectory to the longest unit the budget allows, in steps of
     1.25x. None (no cap) outside `shared_prefix`, with `one_row`, or when pair_cost is 0, where
     nothing is gained by splitting."""
-    whole = _plan(trajs, groups, budget, mode, one_row, None)
+    whole = _plan(seqs, groups, budget, mode, one_row, None)
     if mode != "shared_prefix" or one_row or pair_cost <= 0:
         return None, whole
 
@@ -392,11 +376,11 @@ def _cheapest_plan(
 
     longest_unit = max(u.length for rows in whole for row in rows for u in row)
     best: tuple[float, int | None, list[list[list[_Unit]]]] = (cost(whole), None, whole)
-    cap = float(max(len(t.token_ids) for t in trajs))
+    cap = float(max(len(t.token_ids) for t in seqs))
     while (
         cap < longest_unit
     ):  # ties go to the larger cap (fewer prompt copies): later ones must beat it
-        plan = _plan(trajs, groups, budget, mode, False, int(cap))
+        plan = _plan(seqs, groups, budget, mode, False, int(cap))
         if (c := cost(plan)) < best[0] or (
             c == best[0] and best[1] is not None and int(cap) > best[1]
         ):
@@ -406,8 +390,7 @@ def _cheapest_plan(
 
 
 def _build(
-    trajs: Sequence[Trajectory],
-    advantages: Sequence[float],
+    seqs: Sequence[TrainingRow],
     rows: list[list[_Unit]],
     pad_id: int,
     needs_mask: bool,
@@ -420,12 +403,12 @@ def _build(
     seg_RS = np.zeros((R, S), dtype=np.int64)  # 0 = row tail
     vis_RS = np.zeros((R, S), dtype=np.int64)
     members = [i for row in rows for u in row for i in u.members]
-    masks = {i: np.asarray(trajs[i].loss_mask, dtype=bool) for i in members}
+    masks = {i: np.asarray(seqs[i].loss_mask, dtype=bool) for i in members}
     loss_pos = {i: np.flatnonzero(masks[i]) for i in members}  # positions j of the loss tokens
     B, T = len(members), max(int(p[-1] - p[0]) + 1 for p in loss_pos.values())
     loss_mask_BT = np.zeros((B, T), dtype=np.float32)
     rollout_BT = np.zeros((B, T), dtype=np.float32)
-    per_turn = any(trajs[i].turn_advantages is not None for i in members)
+    per_turn = any(seqs[i].token_advantages is not None for i in members)
     adv_BT = np.zeros((B, T), dtype=np.float32) if per_turn else None
     pred, target, dest = [], [], []
     n = 0
@@ -436,12 +419,12 @@ def _build(
             if P:
                 seg += 1
                 prefix_seg = seg
-                ids_RS[b, start : start + P] = trajs[u.members[0]].token_ids[:P]
+                ids_RS[b, start : start + P] = seqs[u.members[0]].token_ids[:P]
                 pos_RS[b, start : start + P] = np.arange(P)
                 seg_RS[b, start : start + P] = vis_RS[b, start : start + P] = prefix_seg
             at = start + P
             for i in u.members:
-                t = trajs[i]
+                t = seqs[i]
                 tokens = np.asarray(t.token_ids, dtype=np.int64)
                 own = len(tokens) - P
                 seg += 1
@@ -459,7 +442,7 @@ def _build(
                 loss_mask_BT[n, : hi - lo + 1] = masks[i][lo : hi + 1]
                 rollout_BT[n, : hi - lo + 1] = np.asarray(t.logprobs[lo : hi + 1], dtype=np.float32)
                 if adv_BT is not None:
-                    adv_BT[n, : hi - lo + 1] = token_advantages(t, advantages[i])[lo : hi + 1]
+                    adv_BT[n, : hi - lo + 1] = _per_token(t)[lo : hi + 1]
                 at += own
                 n += 1
             start = at
@@ -474,15 +457,22 @@ def _build(
         dest_index_M=t(np.concatenate(dest)),
         loss_mask_BT=t(loss_mask_BT),
         rollout_logprobs_BT=t(rollout_BT),
-        advantages_B=torch.tensor([float(advantages[i]) for i in members]),
+        advantages_B=torch.tensor([seqs[i].advantage for i in members]),
         rows=members,
         needs_mask=needs_mask,
         token_advantages_BT=None if adv_BT is None else t(adv_BT),
     )
 
 
+def _per_token(row: TrainingRow) -> np.ndarray:
+    """[len(token_ids)] float32: each token's advantage, 0 on tokens the loss ignores."""
+    if row.token_advantages is not None:
+        return np.asarray(row.token_advantages, dtype=np.float32)
+    return np.where(np.asarray(row.loss_mask, dtype=bool), np.float32(row.advantage), np.float32(0))
+
+
 def balanced_parts(
-    trajs: Sequence[Trajectory], k: int, *, exactly_k: bool = False
+    seqs: Sequence[TrainingRow], k: int, *, exactly_k: bool = False
 ) -> list[list[int]]:
     """Indices of the trajectories in each of `k` parts (the step's mini-batches, or its ranks):
     whole groups, balanced by tokens (`len(token_ids)`).
@@ -498,17 +488,17 @@ def balanced_parts(
     resume, get the same) and ignores arrival order.
     """
     groups: dict[str, list[int]] = defaultdict(list)
-    for i, t in enumerate(trajs):
+    for i, t in enumerate(seqs):
         groups[t.group_id].append(i)
     units = list(groups.values())
     if len(units) < k:
         if exactly_k:
-            units = [[i] for i in range(len(trajs))]
+            units = [[i] for i in range(len(seqs))]
         else:
             k = len(units)
     load, parts = [0] * k, [[] for _ in range(k)]
-    for members in sorted(units, key=lambda g: (-sum(len(trajs[i].token_ids) for i in g), g[0])):
+    for members in sorted(units, key=lambda g: (-sum(len(seqs[i].token_ids) for i in g), g[0])):
         j = min(range(k), key=lambda j: (load[j], j))
         parts[j] += members
-        load[j] += sum(len(trajs[i].token_ids) for i in members)
+        load[j] += sum(len(seqs[i].token_ids) for i in members)
     return [sorted(p) for p in parts]

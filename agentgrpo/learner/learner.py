@@ -4,20 +4,19 @@ torch + accelerate: the same code runs on one CPU, one GPU, or under `accelerate
 DeepSpeed through accelerate's config). Memory holds the policy and, only when `kl_coef > 0`, a
 frozen reference (with LoRA: the same weights with the adapter disabled); no value model.
 
-One `train_step(trajectories, advantages)`:
-  1. scorable trajectories only (NaN advantage or reward, or no sampled token: left out); a
-     step-wise trajectory becomes one row per segment, each with its advantage (`segment_rows`);
-  2. split into `mini_batches` mini-batches of whole groups (`batch.balanced_parts`), each one
+One `train_step(rows)`, on the step's `TrainingRow`s (`batch.training_rows`: a row per segment
+with a sampled token of each trajectory that has an advantage; a dropped trajectory has none):
+  1. split into `mini_batches` mini-batches of whole groups (`batch.balanced_parts`), each one
      optimizer step that is exactly a step of its own size: its normalisers (loss tokens, sequences)
      are counted over the whole mini-batch, on every rank alike, so each micro-batch's loss is its
      share of the mini-batch loss: accumulated gradients equal one big batch, on one process or
      many (DDP/FSDP average over ranks, so each share is scaled by the world size before backward);
-  3. this rank's part of each mini-batch (`balanced_parts` again) is packed into micro-batches
+  2. this rank's part of each mini-batch (`balanced_parts` again) is packed into micro-batches
      (`batch.make_micro_batches`); in every mini-batch every rank runs the same number of
      micro-batches (a rank with fewer runs empty ones), since DDP and FSDP passes are collective;
-  4. one no-grad scoring pass when needed, before any update: recomputed old logprobs
+  3. one no-grad scoring pass when needed, before any update: recomputed old logprobs
      (`old_logprobs: recompute`) and reference logprobs (`kl_coef > 0`), for all mini-batches;
-  5. `passes` passes, each over every mini-batch in turn, one optimizer step (clip, step,
+  4. `passes` passes, each over every mini-batch in turn, one optimizer step (clip, step,
      schedule) per mini-batch (verl's `ppo_epochs` x mini-batches loop): `passes * mini_batches`.
 So with rollout old logprobs a step of k mini-batches is k steps of one, on the k parts; later
 mini-batches are off-policy by the earlier updates, which the ratio and its clip handle (`mb{j}/*`).
@@ -58,19 +57,28 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from agentgrpo.algo.loss import LossConfig, compute_loss
 from agentgrpo.learner import state as learner_state
-from agentgrpo.learner.attention import AUTO_MIN_SHARE, choose_attention, use_segments, use_varlen
+from agentgrpo.learner.attention import (
+    AUTO_MIN_SHARE,
+    CHECK_TOLERANCE,
+    AttentionChoice,
+    choose_attention,
+    probe_rows,
+    use_segments,
+    use_varlen,
+)
 from agentgrpo.learner.batch import (
     PackingMode,
     TrainBatch,
     attention_pair_cost,
     balanced_parts,
     make_micro_batches,
-    segment_rows,
 )
-from agentgrpo.learner.dist import check_launch, shard_reference, total_norm
+from agentgrpo.learner.dist import check_launch, reshard, shard_reference, total_norm
 from agentgrpo.learner.logprobs import (
     PolicyForward,
+    attention_gap,
     attn_implementation,
+    causal_lm,
     sliding_window_of,
     tf32_matmuls,
     to_loss_layout,
@@ -81,7 +89,7 @@ from agentgrpo.learner.logprobs import (
 from agentgrpo.learner.lora import LoraConfig, MergedModel, apply_lora, merged_state_dict
 from agentgrpo.learner.metrics import Metrics, over_ranks, step_metrics
 from agentgrpo.models.hardware import choose_bf16
-from agentgrpo.types import Trajectory
+from agentgrpo.types import TrainingRow
 
 __all__ = ["Learner", "LearnerConfig", "token_logprobs"]
 
@@ -172,7 +180,9 @@ class LearnerConfig(BaseModel):
         "mask = one call per row under a 4D mask (every pair of the row computed); auto = varlen "
         "where it runs, else on the CPU segments for micro-batches whose rows are long enough to "
         "pay (agentgrpo.learner.attention.AUTO_MIN_SHARE) and the mask for the others, the mask on "
-        "other GPUs (segments measured slower there: docs/performance.md)",
+        "other GPUs (segments measured slower there: docs/performance.md); auto's varlen or "
+        "segments pick is checked against the mask on a probe batch at start-up and replaced by "
+        "the mask where it disagrees",
     )
     ref_offload: bool = Field(
         False,
@@ -254,7 +264,7 @@ class Learner:
 
     Example:
         >>> learner = Learner(model, LearnerConfig(lr=1e-6), LossConfig(), temperature=1.0)
-        >>> metrics = learner.train_step(trajectories, advantages)
+        >>> metrics = learner.train_step(training_rows(trajectories, advantages))
         >>> await sync.push(learner.export_model(), step)   # merged weights with LoRA
     """
 
@@ -312,6 +322,7 @@ class Learner:
         # gathered weights into (the engine's probe check needs a model that runs on one process).
         self._export_copy = copy.deepcopy(model).cpu() if self.sharded and self.is_main else None
         self._prepare(model, total_steps)
+        self._check_attention()
         self.model.train()
         self.step = 0
 
@@ -320,6 +331,7 @@ class Learner:
         price of a cross-sequence pair; switches `model` to the segment or varlen kernel."""
         cfg, device = self.cfg, self.accelerator.device
         self.flash = uses_flash(model)
+        self._kernel = attn_implementation(model)  # what a failed start-up check goes back to
         # flex_attention gets each micro-batch's layout as a BlockMask
         # (agentgrpo.learner.attention.flex_block_mask)
         flex = attn_implementation(model) == "flex_attention"
@@ -360,6 +372,51 @@ class Learner:
         self.pair_cost = (
             0.0 if no_cross_pairs else attention_pair_cost(getattr(model, "config", None))
         )
+
+    def _check_attention(self) -> None:
+        """`attention: auto`'s pick (varlen on CUDA, segments on the CPU) checked once, before the
+        first step: on a probe batch packed as the learner packs (`attention.probe_rows`)
+        it must lie within `CHECK_TOLERANCE` of the 4D mask (`logprobs.attention_gap`) for the
+        dtype attention runs in. Otherwise, or when it raises, the policy and the reference go back
+        to the mask and `self.attention` says why (the start-up line prints it). A path the config
+        asked for by name is not second-guessed. Collective: every rank runs the probe, and all
+        fall back when one fails."""
+        path = self.attention.path
+        if self.cfg.attention != "auto" or path not in ("segments", "varlen"):
+            return
+        lm = causal_lm(self.unwrapped)
+        dtype = torch.bfloat16 if self.precision.bf16 else next(lm.parameters()).dtype
+        tolerance = CHECK_TOLERANCE.get(dtype, CHECK_TOLERANCE[torch.bfloat16])
+        rows = probe_rows(lm.config.vocab_size)
+        (probe,) = make_micro_batches(rows, 4096, self.pad_id, mode=self.packing)
+        self.model.eval()  # no dropout in either pass
+        try:
+            with tf32_matmuls(self.tf32):
+                gap = attention_gap(self.model, probe.to(self.accelerator.device), self.temperature)
+            failure = None
+            if not gap <= tolerance:
+                failure = (
+                    f"on a probe batch its logprobs lie {gap:.3g} from the 4D mask's on average "
+                    f"(tolerance {tolerance:g} in {str(dtype).removeprefix('torch.')})"
+                )
+        except RuntimeError as e:  # a kernel meeting this GPU for the first time may just fail
+            failure = f"it raised on a probe batch: {type(e).__name__}: {e}"
+        finally:
+            self.model.train()
+            reshard(self.model)  # no backward follows the probe
+        if self.all_ranks(failure is None):
+            checked = f"checked against the 4D mask on a probe batch: {gap:.2g} <= {tolerance:g}"
+            self.attention = AttentionChoice(path, f"{self.attention.reason}; {checked}")
+            return
+        self._fall_back_to_mask(f"{path} failed its start-up check: {failure or 'on another rank'}")
+
+    def _fall_back_to_mask(self, why: str) -> None:
+        """Put the policy and the reference back on the model's own kernel under the 4D mask."""
+        for module in (self.unwrapped, None if self.ref is None else self.ref.model):
+            if module is not None:
+                causal_lm(module).set_attn_implementation(self._kernel)
+        self.pair_cost = attention_pair_cost(causal_lm(self.unwrapped).config)
+        self.attention = AttentionChoice("mask", f"auto: {why}; the 4D mask instead")
 
     def _make_reference(self, model: torch.nn.Module) -> PolicyForward:
         """The frozen reference policy for the KL term: a copy of `model` as it starts (sharded
@@ -476,38 +533,23 @@ class Learner:
 
     # -- one step ----------------------------------------------------------------------------------
 
-    def train_step(
-        self, trajs: Sequence[Trajectory], advantages: Sequence[float]
-    ) -> dict[str, float]:
-        """Optimisation passes on the scorable trajectories of one step; returns metrics.
-
-        `advantages[i]` weighs every sampled token of `trajs[i]`, unless the trajectory holds
-        `turn_advantages` (a turn-level estimator): then each turn's tokens get their turn's.
-        A NaN advantage leaves the trajectory out."""
+    def train_step(self, rows: Sequence[TrainingRow]) -> dict[str, float]:
+        """Optimisation passes on one step's training rows (`batch.training_rows`: the segments
+        of the trajectories trained on, each with its advantage); returns metrics. A step without
+        rows skips the update."""
         with tf32_matmuls(self.tf32):
-            return self._train_step(trajs, advantages)
+            return self._train_step(rows)
 
-    def _train_step(
-        self, trajs: Sequence[Trajectory], advantages: Sequence[float]
-    ) -> dict[str, float]:
-        keep = [
-            i
-            for i, t in enumerate(trajs)
-            if t.num_sampled > 0 and math.isfinite(advantages[i]) and math.isfinite(t.reward)
-        ]
-        # a step-wise trajectory trains as one row per segment (docs/learner.md: the weighting)
-        trajs, advantages = segment_rows(
-            [trajs[i] for i in keep], [float(advantages[i]) for i in keep]
-        )
-        if not trajs:
+    def _train_step(self, rows: Sequence[TrainingRow]) -> dict[str, float]:
+        if not rows:
             return {"loss": 0.0, "skipped": 1.0}
         t0 = time.perf_counter()
         acc = self.accelerator
         if acc.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(acc.device)
         packed_mini_batches = [
-            self._pack([trajs[i] for i in part], [advantages[i] for i in part])
-            for part in balanced_parts(trajs, self.cfg.mini_batches)
+            self._pack([rows[i] for i in part])
+            for part in balanced_parts(rows, self.cfg.mini_batches)
         ]
         for mini_batch, n in zip(
             packed_mini_batches,
@@ -546,7 +588,7 @@ class Learner:
         real = sum(b.num_real_tokens for b in batches if b is not None)
         slots = sum(b.num_tokens for b in batches if b is not None)
         out.update(
-            train_tokens=float(sum(len(t.token_ids) for t in trajs)),
+            train_tokens=float(sum(len(r.token_ids) for r in rows)),
             packed_tokens=float(real),
             padding_frac=1 - real / max(slots, 1),
             micro_batches=float(len(batches)),
@@ -558,17 +600,15 @@ class Learner:
         )
         return out
 
-    def _pack(self, trajs: list[Trajectory], advantages: list[float]) -> _MiniBatch:
+    def _pack(self, rows: list[TrainingRow]) -> _MiniBatch:
         """One mini-batch as a step of its size: normalisers over all ranks, this rank's shard
         packed."""
         acc = self.accelerator
-        idx = balanced_parts(trajs, acc.num_processes, exactly_k=True)[acc.process_index]
-        mine, adv = [trajs[i] for i in idx], [advantages[i] for i in idx]
+        idx = balanced_parts(rows, acc.num_processes, exactly_k=True)[acc.process_index]
         batches: list[TrainBatch | None] = [
             b.to(acc.device)
             for b in make_micro_batches(
-                mine,
-                adv,
+                [rows[i] for i in idx],
                 self.cfg.micro_batch_tokens,
                 self.pad_id,
                 mode=self.packing,
@@ -577,7 +617,7 @@ class Learner:
                 pair_cost=self.pair_cost,
             )
         ]
-        return _MiniBatch(batches, float(sum(t.num_sampled for t in trajs)), float(len(trajs)))
+        return _MiniBatch(batches, float(sum(r.num_sampled for r in rows)), float(len(rows)))
 
     def _score(self, packed_mini_batches: list[_MiniBatch]) -> None:
         """No-grad pass before any update (later mini-batches are then off-policy, as they should

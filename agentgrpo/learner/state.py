@@ -123,9 +123,17 @@ class _SafeReader(dcp.FileSystemReader):
         if not isinstance(metadata, dcp_metadata.Metadata):
             raise UnsafeCheckpoint(f"{path}: holds a {type(metadata).__name__}, not DCP metadata")
         for info in (metadata.storage_data or {}).values():
-            name = str(getattr(info, "relative_path", ""))
-            if not name or "/" in name or "\\" in name or name in (".", ".."):
+            # A plain str only: a pickled PosixPath can print as a harmless name while its parts
+            # (what DCP joins to the directory) lead elsewhere.
+            name = getattr(info, "relative_path", None)
+            if type(name) is not str:
+                raise UnsafeCheckpoint(
+                    f"{path}: names a data file by a {type(name).__name__}, not a file name"
+                )
+            if not name or "/" in name or "\\" in name or "\0" in name or name in (".", ".."):
                 raise UnsafeCheckpoint(f"{path}: names data file {name!r} outside its directory")
+            if (Path(self.path) / name).is_symlink():
+                raise UnsafeCheckpoint(f"{path}: data file {name!r} is a symbolic link")
         if metadata.storage_meta is None:
             metadata.storage_meta = dcp_metadata.StorageMeta()
         metadata.storage_meta.load_id = self.load_id

@@ -9,11 +9,12 @@ latency overlaps with other trajectories' generation. Per turn:
     env.step(message)                             -> tool/env messages, reward, terminated
     chat.suffix_ids(history, new messages)        -> appended, loss_mask 0, logprob 0
 
-When the template renders the history anew instead (`HistoryRewritten`: Qwen3's templates drop the
-reasoning of earlier turns) and `chat.trajectory_mode` is "auto", or at every turn under
-"stepwise", the trajectory goes on in a new segment whose prompt is `chat.prompt_ids` of the whole
-history (`Episode.observe`); under "single" that ends the episode with ENV_ERROR, which the
-start-up audit prevents.
+The token sequences are the trajectory builder's (`agentgrpo.chat.trajectory`): when the template
+renders the history anew (`HistoryRewritten`: Qwen3's templates drop the reasoning of earlier
+turns) and `chat.trajectory_mode` is "auto", or at every turn under "stepwise", the trajectory goes
+on in a new segment whose prompt is `chat.prompt_ids` of the whole history; under "single" that
+ends the episode with ENV_ERROR, which the start-up audit prevents. The record is sealed (frozen)
+when the episode ends; `run_group` names it and scores the group (`Score`, joined by id).
 
 Bounds (RolloutConfig): episodes in flight per step (`max_concurrent_trajectories`, each holds an
 env), engine requests in flight (`max_concurrent_requests`), turns and tokens per trajectory, tool
@@ -40,8 +41,8 @@ naming the problem; any exception of the engine (`EngineError` after its retries
 client library raises) ends it with ENGINE_ERROR and the exception in `stop_detail`. Both are
 unscorable (reward NaN, never 0).
 
-Seeds: every turn of a trajectory samples with its own seed (`turn_seed`), since engines seed a
-fresh generator per request; the members of a group get `params.seed + i` (`run_group`).
+Seeds: one rule, `agentgrpo.rollout.seeds.episode_seed`: a group's seed follows from the run's
+and the group's draw, its members share the env seed and sample with their own seed per turn.
 """
 
 from __future__ import annotations
@@ -52,29 +53,23 @@ import math
 import secrets
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from agentgrpo.chat.format import TRUNCATION_MARKER, ChatFormat, HistoryRewritten, TemplateError
+from agentgrpo.chat.format import TRUNCATION_MARKER, ChatFormat, TemplateError, truncation_note
 from agentgrpo.chat.parsers import ParsedTurn
+from agentgrpo.chat.trajectory import TrajectoryBuilder
 from agentgrpo.deadlines import DeadlineExpired, Deadlines
 from agentgrpo.engine.base import Completion, Engine, SamplingParams
 from agentgrpo.env.base import Env, ToolEnv, call_env, close_env, env_rubric, reset_messages
 from agentgrpo.env.rubric import Rubric, score_group
+from agentgrpo.env.runner import EpisodeRunner
 from agentgrpo.env.tool import stuck_user_calls
-from agentgrpo.types import (
-    EnvStep,
-    Group,
-    Message,
-    Segment,
-    StopReason,
-    Task,
-    ToolErrorKind,
-    Trajectory,
-)
+from agentgrpo.rollout.seeds import episode_seed
+from agentgrpo.types import EnvStep, Group, Message, Score, StopReason, Task, Trajectory
 
 
 class EpisodeLimits(BaseModel):
@@ -108,16 +103,23 @@ class EpisodeLimits(BaseModel):
         description="tool calls run per turn, extra ones answered with an error "
         "(None = the env's own limit)",
     )
+    max_tool_output_bytes: int | None = Field(
+        65_536,
+        ge=1,
+        description="tool message content cut to this many UTF-8 bytes plus truncation_marker, "
+        "before anything tokenizes it (None = no cut; raise it for tools whose long output the "
+        "model should read)",
+    )
     max_tool_output_tokens: int | None = Field(
         None,
         ge=1,
-        description="tool message content cut to this many tokens plus truncation_marker "
-        "(None = no cut)",
+        description="tool message content (after the byte cut) cut to this many tokens plus "
+        "truncation_marker (None = no cut)",
     )
     truncation_marker: str = Field(
         TRUNCATION_MARKER,
-        description="appended to cut tool output; {omitted} becomes the number of tokens dropped "
-        "(other braces stay as written)",
+        description="appended to cut tool output; {omitted} becomes the number of bytes or tokens "
+        "dropped and {unit} 'bytes' or 'tokens' (other braces stay as written)",
     )
     tool_error_penalty: float = Field(
         0.0, ge=0.0, description="subtracted from the reward per malformed or failed tool call"
@@ -202,29 +204,6 @@ class RolloutConfig(EpisodeLimits):
 # One episode
 
 
-def turn_seed(seed: int | None, turn: int) -> int | None:
-    """The sampling seed of turn `turn` (1-based) of an episode sampled with `seed`.
-
-    Engines seed a fresh generator per request (`LocalEngine`; SGLang's `sampling_seed`), so one
-    seed for every turn would restart the same random stream each turn: under a flat policy turn k
-    would copy turn 1. Turn 1 uses `seed` itself (single-turn episodes sample as they always have);
-    turn k > 1 uses SplitMix64's finalizer (Steele, Lea, Flood 2014) applied to
-    `seed + k * 0x9E3779B97F4A7C15` mod 2**64, shifted to 63 bits so it fits a signed int64.
-    Plain integer arithmetic: the same (seed, turn) gives the same seed in every process and
-    version (unlike `hash()` of strings, which Python salts per process). For one turn the mix
-    is a bijection of the 64-bit seed, so the members of a group (seeds `params.seed + i`) keep
-    distinct seeds on every turn (up to the dropped bit: a 2**-63 chance). None stays None (the
-    engine's own generator).
-    """
-    if seed is None or turn == 1:
-        return seed
-    mask = (1 << 64) - 1
-    z = (seed + turn * 0x9E3779B97F4A7C15) & mask
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
-    return (z ^ (z >> 31)) >> 1
-
-
 class EpisodeEnds(Exception):
     """Raised inside an episode by the part that ends it; `run_episode` turns it into the
     trajectory's stop reason and detail."""
@@ -235,11 +214,13 @@ class EpisodeEnds(Exception):
 
 
 class Episode:
-    """One episode in progress: its env, its trajectory so far, and the parts of a turn.
+    """One episode in progress: its env, what it has done so far, and the parts of a turn.
 
     Each method is one part of a turn and raises `EpisodeEnds` when that part ends the episode;
-    `run_episode` strings them together. User code (the env, the parser, the template's rendering
-    of what the env said) is caught narrowly here: its failure ends this trajectory, never the step.
+    `run_episode` strings them together and `finish` seals the record. The token sequences are the
+    trajectory builder's (`agentgrpo.chat.trajectory`). User code (the env, the parser, the
+    template's rendering of what the env said) is caught narrowly here: its failure ends this
+    trajectory, never the step.
     """
 
     def __init__(
@@ -254,26 +235,21 @@ class Episode:
         clock: Deadlines,
     ) -> None:
         self.env, self.engine, self.chat, self.limits = env, engine, chat, limits
-        self.context_len, self.clock = context_len, clock
+        self.task, self.context_len, self.clock = task, context_len, clock
         stops = tuple(sorted(set(params.stop_token_ids) | set(chat.stop_token_ids)))
         self.params = replace(params, stop_token_ids=stops)
         self.tools: list[dict[str, Any]] = []
         self.max_calls: int | None = None  # tool calls per turn the env runs (rendered); None = all
-        # Until the first prompt is rendered: no tokens, and the task's own messages.
-        self.traj = Trajectory(
-            task_id=task.id,
-            token_ids=[],
-            loss_mask=[],
-            logprobs=[],
-            prompt_len=0,
-            messages=task.prompt_messages(),
-            stop_reason=StopReason.MAX_TURNS,
-            reward=0.0,
-        )
-        self.versions: set[int] = set()
-        self.spent = 0  # tokens after the prompt in the closed segments (the token budget's share)
+        self.tokens = TrajectoryBuilder(chat)
+        self.messages = task.prompt_messages()  # until the first prompt: the task's own
+        self.reward = 0.0
+        self.turn_rewards: list[float] = []
+        self.num_turns = self.tool_calls = self.tool_errors = self.truncated = 0
+        self.error_kinds: Counter[str] = Counter()
+        self.env_info: dict[str, Any] = {}
+        self.deadline: str | None = None
 
-    async def start(self, task: Task, seed: int | None) -> None:
+    async def start(self, seed: int | None) -> None:
         """Reset the env and render the first prompt."""
         if isinstance(self.env, ToolEnv):
             self.env.set_tool_limits(
@@ -283,7 +259,7 @@ class Episode:
             self.max_calls = self.env.max_tool_calls_per_turn
         try:
             first = await self.clock.run(
-                call_env(self.env.reset, seed=seed, options={"task": task})
+                call_env(self.env.reset, seed=seed, options={"task": self.task})
             )
             self.tools = self.env.tool_schemas()
         except DeadlineExpired:
@@ -296,26 +272,24 @@ class Episode:
         except ValueError as e:  # a broken reset value, or a TemplateError on the first prompt
             detail = f"first prompt: {e}" if isinstance(e, TemplateError) else str(e)
             raise EpisodeEnds(StopReason.ENV_ERROR, detail) from e
-        self.traj.messages = messages
-        self.traj.prompt_len = len(token_ids)
-        self._extend(token_ids, None)
+        self.messages = messages
+        self.env_info = _as_json(first[1])  # reset's info (a workspace's checksum, ...)
+        self.tokens.open_segment(token_ids)
 
     async def sample(self, turn: int) -> Completion:
         """The model's next turn: the engine continues the token ids as they are."""
-        traj, limits = self.traj, self.limits
-        budget = min(
-            self.params.max_new_tokens,
-            limits.max_tokens - self.spent - (len(traj.token_ids) - traj.prompt_len),
-        )
+        tokens = self.tokens
+        budget = min(self.params.max_new_tokens, self.limits.max_tokens - tokens.used)
         if self.context_len is not None:
-            budget = min(budget, self.context_len - len(traj.token_ids))
+            budget = min(budget, self.context_len - len(tokens.token_ids))
         if budget <= 0:
             raise EpisodeEnds(StopReason.MAX_TOKENS, "token budget used up before the turn")
         self.clock.start_turn(turn)
-        params = replace(self.params, max_new_tokens=budget, seed=turn_seed(self.params.seed, turn))
+        seed = episode_seed(self.params.seed, turn=turn)
+        params = replace(self.params, max_new_tokens=budget, seed=seed)
         try:
             out: Completion = await self.clock.run(
-                self.engine.generate(list(traj.token_ids), params)
+                self.engine.generate(list(tokens.token_ids), params)
             )
         except DeadlineExpired:
             raise
@@ -325,24 +299,11 @@ class Episode:
             raise EpisodeEnds(
                 StopReason.ENGINE_ERROR, f"generate raised {type(e).__name__}: {e}"
             ) from e
-        self._record_versions(out)
-        traj.num_turns = turn
-        self._extend(out.token_ids, out.logprobs)
+        self.num_turns = turn
+        tokens.sampled(out.token_ids, out.logprobs, out.token_version_runs)
         if out.finish_reason == "abort":
             raise EpisodeEnds(StopReason.ABORTED, out.detail or "the engine aborted the request")
         return out
-
-    def _record_versions(self, out: Completion) -> None:
-        """Which weights sampled each of the turn's ids (`Trajectory.token_versions`)."""
-        runs = self.traj.token_versions
-        for n, version in out.token_version_runs:
-            v = int(version) if version is not None and version.isdigit() else -1
-            if v >= 0:
-                self.versions.add(v)
-            if runs and runs[-1][1] == v:
-                runs[-1] = (runs[-1][0] + n, v)
-            else:
-                runs.append((n, v))
 
     def read(self, out: Completion, turn: int) -> ParsedTurn:
         """The sampled turn as a message and its tool calls; malformed calls are counted here.
@@ -351,7 +312,6 @@ class Episode:
         and slime: its malformed calls (a cut call is unclosed) are counted, none runs, and the
         record keeps the text as the model wrote it.
         """
-        traj = self.traj
         try:
             parsed = self.chat.parse_assistant(
                 out.token_ids, parse_tools=bool(self.tools), tools=self.tools
@@ -360,23 +320,22 @@ class Episode:
             raise EpisodeEnds(
                 StopReason.ENV_ERROR, f"the tool-call parser raised {type(e).__name__}: {e}"
             ) from e
-        traj.tool_calls += len(parsed.message.tool_calls or []) + len(parsed.errors)
-        traj.tool_errors += len(parsed.errors)
-        _count_kinds(traj.tool_error_kinds, Counter(err.kind for err in parsed.errors))
+        self.tool_calls += len(parsed.message.tool_calls or []) + len(parsed.errors)
+        self.tool_errors += len(parsed.errors)
+        self.error_kinds.update(err.kind.value for err in parsed.errors)
         if out.finish_reason == "length":
-            traj.messages.append(
+            self.messages.append(
                 self.chat.parse_assistant(out.token_ids, parse_tools=False).message
             )
             raise EpisodeEnds(
                 StopReason.MAX_TOKENS, out.detail or f"turn {turn} hit the token limit"
             )
-        traj.messages.append(parsed.message)
+        self.messages.append(parsed.message)
         return parsed
 
     async def act(self, parsed: ParsedTurn) -> list[Message]:
         """The env's answer to the turn (its messages, then one error message per malformed
         call); ends the episode when the env ends it."""
-        traj = self.traj
         if parsed.message.tool_calls or not parsed.errors:
             try:
                 result = await self.clock.run(call_env(self.env.step, parsed.message))
@@ -392,18 +351,18 @@ class Episode:
                 raise EpisodeEnds(StopReason.ENV_ERROR, str(e)) from e
         else:  # only malformed calls: the env sees nothing, the model gets the errors
             step = EnvStep([])
-        traj.turn_rewards.append(float(step.reward))
-        traj.reward += float(step.reward)
-        traj.tool_errors += sum(step.tool_errors.values())
-        _count_kinds(traj.tool_error_kinds, step.tool_errors)
+        self.turn_rewards.append(float(step.reward))
+        self.reward += float(step.reward)
+        self.tool_errors += sum(step.tool_errors.values())
+        self.error_kinds.update({kind.value: n for kind, n in step.tool_errors.items()})
         new = step.messages + [
             Message(role="tool", content=f"Error: malformed tool call: {err.reason}")
             for err in parsed.errors
         ]
         new = [self._cut_tool_output(m) for m in new]
         if step.stop_reason is not None:
-            traj.messages.extend(new)
-            traj.env_info = _as_json(step.info)
+            self.messages.extend(new)
+            self.env_info = {**self.env_info, **_as_json(step.info)}
             raise EpisodeEnds(step.stop_reason)
         if not new:
             raise EpisodeEnds(
@@ -412,86 +371,97 @@ class Episode:
         return new
 
     def observe(self, new: list[Message]) -> None:
-        """The env's messages as tokens the model did not sample (loss mask 0), or, when the chat
-        template renders the history anew (`HistoryRewritten`) and `chat.trajectory_mode` allows
-        it, a new segment (`_new_segment`); "stepwise" starts one every turn."""
-        mode, suffix = self.chat.trajectory_mode, None
-        if mode != "stepwise":
-            try:
-                suffix = self.chat.suffix_ids(
-                    self.traj.messages,
-                    new,
-                    self.tools,
-                    max_tool_calls=self.max_calls,
-                    end_id=self.traj.token_ids[-1],  # the stop token the model sampled
-                )
-            except HistoryRewritten as e:
-                if mode == "single":
-                    raise EpisodeEnds(StopReason.ENV_ERROR, str(e)) from e
-            except Exception as e:  # noqa: BLE001 - a TemplateError, or a tokenizer's
-                detail = (
-                    str(e)
-                    if isinstance(e, TemplateError)  # on what the env said
-                    else f"rendering the env's messages raised {type(e).__name__}: {e}"
-                )
-                raise EpisodeEnds(StopReason.ENV_ERROR, detail) from e
-        self.traj.messages.extend(new)
-        if suffix is None:
-            self._new_segment()
-        else:
-            self._extend(suffix, None)
-
-    def _new_segment(self) -> None:
-        """Close the current segment and open one whose prompt is the template's rendering of the
-        whole history, exactly what the engine receives next. The env's messages are then part of
-        that prompt, so they do not count against `max_tokens` (sampled tokens and the env's
-        messages inside a segment do)."""
-        traj = self.traj
+        """The env's messages as tokens the model did not sample (loss mask 0), or a new segment
+        whose prompt is the template's rendering of the whole history, as `chat.trajectory_mode`
+        says (`TrajectoryBuilder.continue_with`). The env's messages in a new segment's prompt do
+        not count against `max_tokens` again (sampled tokens and the env's messages inside a
+        segment do)."""
         try:
-            ids = self.chat.prompt_ids(traj.messages, self.tools, max_tool_calls=self.max_calls)
-        except Exception as e:  # noqa: BLE001 - a TemplateError, or a tokenizer's on what the env said
-            raise EpisodeEnds(
-                StopReason.ENV_ERROR,
-                "rendering the history for a new segment: "
-                + (str(e) if isinstance(e, TemplateError) else f"{type(e).__name__}: {e}"),
-            ) from e
-        self.spent += len(traj.token_ids) - traj.prompt_len
-        traj.earlier_segments.append(
-            Segment(traj.token_ids, traj.loss_mask, traj.logprobs, traj.prompt_len)
-        )
-        traj.token_ids, traj.loss_mask, traj.logprobs, traj.prompt_len = [], [], [], len(ids)
-        self._extend(ids, None)
+            self.tokens.continue_with(self.messages, new, self.tools, max_tool_calls=self.max_calls)
+        except Exception as e:  # noqa: BLE001 - a TemplateError (HistoryRewritten under "single"
+            # included), or a tokenizer's, on what the env said
+            detail = (
+                str(e)
+                if isinstance(e, TemplateError)
+                else f"rendering the env's messages raised {type(e).__name__}: {e}"
+            )
+            raise EpisodeEnds(StopReason.ENV_ERROR, detail) from e
+        self.messages.extend(new)
 
     def finish(self, reason: StopReason, detail: str = "") -> Trajectory:
-        traj = self.traj
-        traj.stop_reason, traj.stop_detail = reason, detail
-        if traj.earlier_segments and not any(traj.loss_mask):  # opened, never sampled: dropped
-            last = traj.earlier_segments.pop()
-            traj.token_ids, traj.loss_mask = last.token_ids, last.loss_mask
-            traj.logprobs, traj.prompt_len = last.logprobs, last.prompt_len
+        """The episode's record, sealed: frozen from here on."""
+        reward = self.reward
         if reason.is_infra_error:
-            traj.reward = math.nan
-        elif traj.tool_errors and self.limits.tool_error_penalty:
-            traj.reward -= self.limits.tool_error_penalty * traj.tool_errors
-        traj.weight_versions = tuple(sorted(self.versions))
-        return traj
-
-    def _extend(self, ids: list[int], logprobs: list[float] | None) -> None:
-        """Append ids: sampled ones (with their logprobs) carry loss mask 1, all others 0."""
-        self.traj.token_ids += ids
-        self.traj.loss_mask += [0 if logprobs is None else 1] * len(ids)
-        self.traj.logprobs += [0.0] * len(ids) if logprobs is None else logprobs
+            reward = math.nan
+        elif self.tool_errors and self.limits.tool_error_penalty:
+            reward -= self.limits.tool_error_penalty * self.tool_errors
+        return Trajectory.of_segments(
+            self.tokens.segments(),
+            task_id=self.task.id,
+            messages=self.messages,
+            stop_reason=reason,
+            stop_detail=detail,
+            deadline=self.deadline,
+            reward=reward,
+            num_turns=self.num_turns,
+            turn_rewards=self.turn_rewards,
+            tool_calls=self.tool_calls,
+            tool_errors=self.tool_errors,
+            tool_error_kinds=self.error_kinds,
+            tool_outputs_truncated=self.truncated,
+            env_info=self.env_info,
+            weight_versions=self.tokens.weight_versions,
+            token_versions=self.tokens.token_versions,
+        )
 
     def _cut_tool_output(self, m: Message) -> Message:
-        if m.role != "tool" or self.limits.max_tool_output_tokens is None:
+        """A tool message cut to `max_tool_output_bytes`, then to `max_tool_output_tokens`, each
+        with the marker: the byte cut comes first so that what is tokenized is bounded whatever a
+        tool answers (issue 42: a 50 MB answer cost +7.5 GB and 105 s to tokenize)."""
+        limits = self.limits
+        if m.role != "tool":
             return m
-        text, omitted = self.chat.truncate(
-            m.content, self.limits.max_tool_output_tokens, self.limits.truncation_marker
-        )
-        if not omitted:
+        text, cut = m.content, False
+        if limits.max_tool_output_bytes is not None:
+            text, omitted = cut_to_bytes(text, limits.max_tool_output_bytes)
+            if omitted:
+                text += truncation_note(limits.truncation_marker, omitted, "bytes")
+                cut = True
+        if limits.max_tool_output_tokens is not None:
+            text, omitted = self.chat.truncate(
+                text, limits.max_tool_output_tokens, limits.truncation_marker
+            )
+            cut = cut or bool(omitted)
+        if not cut:
             return m
-        self.traj.tool_outputs_truncated += 1
+        self.truncated += 1
         return m.model_copy(update={"content": text})
+
+
+def cut_to_bytes(text: str, max_bytes: int) -> tuple[str, int]:
+    """`text` cut to its first `max_bytes` UTF-8 bytes (at a character boundary; lone surrogates
+    count as their 3-byte encoding), and the number of bytes dropped. Only the kept part is ever
+    encoded whole: cutting a 50 MB answer allocates about what the cut keeps."""
+    if len(text) * 4 <= max_bytes:  # at most 4 bytes a character: it fits
+        return text, 0
+    head = text[: max_bytes + 1].encode("utf-8", "surrogatepass")
+    if len(head) <= max_bytes:  # all of it: text has at most max_bytes characters
+        return text, 0
+    cut = max_bytes
+    while head[cut] & 0xC0 == 0x80:  # a continuation byte: the character straddles the cut
+        cut -= 1
+    kept = head[:cut].decode("utf-8", "surrogatepass")
+    return kept, _utf8_size(text) - cut
+
+
+def _utf8_size(text: str) -> int:
+    """The UTF-8 size of `text`, encoded a megabyte of characters at a time."""
+    if text.isascii():
+        return len(text)
+    step = 1 << 20
+    return sum(
+        len(text[i : i + step].encode("utf-8", "surrogatepass")) for i in range(0, len(text), step)
+    )
 
 
 async def run_episode(
@@ -512,7 +482,8 @@ async def run_episode(
     `deadline` is an absolute `time.monotonic()` time by which the episode must end (the step's
     deadline); `limits` bound turns, tokens, tool calls and time. The reward is the env's own: an
     env's `rubric` is applied by `run_group`, once the whole group has ended. Turn k samples with
-    `turn_seed(params.seed, k)`.
+    `episode_seed(params.seed, turn=k)`. The record's `id` and `group_id` are empty: `run_group`
+    names the trajectories of a group.
 
     With a `ToolEnv`, the chat template renders each assistant turn with only the calls the env
     ran (`max_tool_calls_per_turn`; see `ChatFormat.suffix_ids`), so a template without parallel
@@ -523,7 +494,7 @@ async def run_episode(
     clock = Deadlines(limits.turn_timeout_s, limits.episode_timeout_s, deadline)
     episode = Episode(env, engine, chat, task, params, limits, context_len, clock)
     try:
-        await episode.start(task, seed)
+        await episode.start(seed)
         for turn in range(1, limits.max_turns + 1):
             completion = await episode.sample(turn)
             parsed = episode.read(completion, turn)
@@ -533,13 +504,8 @@ async def run_episode(
     except EpisodeEnds as end:
         return episode.finish(end.reason, end.detail)
     except DeadlineExpired as e:
-        episode.traj.deadline = e.which  # type: ignore[assignment]  # "turn" | "episode" | "step"
+        episode.deadline = e.which  # "turn" | "episode" | "step"
         return episode.finish(StopReason.TIMEOUT, str(e))
-
-
-def _count_kinds(into: dict[str, int], counts: Mapping[ToolErrorKind, int]) -> None:
-    for kind, n in counts.items():
-        into[kind.value] = into.get(kind.value, 0) + n
 
 
 def _as_json(info: dict[str, Any]) -> dict[str, Any]:
@@ -554,16 +520,19 @@ def _as_json(info: dict[str, Any]) -> dict[str, Any]:
         ) from e
 
 
-def _empty_trajectory(task: Task, reason: StopReason, detail: str) -> Trajectory:
+def _empty_trajectory(
+    task: Task, reason: StopReason, detail: str, deadline: str | None = None
+) -> Trajectory:
     return Trajectory(
         task_id=task.id,
-        token_ids=[],
-        loss_mask=[],
-        logprobs=[],
+        token_ids=(),
+        loss_mask=(),
+        logprobs=(),
         prompt_len=0,
         messages=task.prompt_messages(),
         stop_reason=reason,
         stop_detail=detail,
+        deadline=deadline,  # type: ignore[arg-type]
     )
 
 
@@ -598,45 +567,37 @@ async def _run_new_env(
     params: SamplingParams,
     limits: EpisodeLimits,
     **kwargs: Any,
-) -> tuple[Trajectory, Rubric | None]:
-    """One episode on a new env, and the env's rubric. With a rubric the reward waits for the
-    group (NaN until `score_group`), and the env's own, without penalty, goes to `env_reward`.
+) -> tuple[Trajectory, Rubric | None, str]:
+    """One episode on a new env: its record, the env's rubric, and what closing the env said.
 
-    The env is closed once the episode has ended, whatever ended it (cancellation included). A
-    `close` that fails is noted in `stop_detail`; the episode's outcome stands.
+    With a rubric the reward waits for the group (`score_group`), and the episode runs without
+    the tool-error penalty (the rubric's reward gets it). An env that runs its own episodes
+    (`EpisodeRunner`: an AgentEnv) is handed the episode. The env is closed once the episode has
+    ended, whatever ended it (cancellation included); a `close` that fails is noted, and the
+    episode's outcome stands.
     """
     try:
         env = env_factory()
     except Exception as e:  # noqa: BLE001 - the env's constructor is user code
-        return _empty_trajectory(
-            task, StopReason.ENV_ERROR, f"creating the env raised {type(e).__name__}: {e}"
-        ), None
-    traj = None
+        detail = f"creating the env raised {type(e).__name__}: {e}"
+        return _empty_trajectory(task, StopReason.ENV_ERROR, detail), None, ""
     try:
         try:
             rubric = env_rubric(env)
         except Exception as e:  # noqa: BLE001 - a rubric property is user code
-            traj = _empty_trajectory(
-                task, StopReason.ENV_ERROR, f"the env's rubric: {type(e).__name__}: {e}"
-            )
-            return traj, None
-        if rubric is not None:  # the tool-error penalty applies to the rubric's reward instead
-            limits = limits.model_copy(update={"tool_error_penalty": 0.0})
-        own = getattr(
-            env, "run_own_episode", None
-        )  # an AgentEnv runs its own (agentgrpo.agents.agent_env)
-        traj = await (
-            own(engine, chat, task, params, limits=limits, **kwargs)
-            if own is not None
-            else run_episode(env, engine, chat, task, params, limits=limits, **kwargs)
-        )
-        if rubric is not None and not traj.stop_reason.is_infra_error:
-            traj.env_reward, traj.reward = traj.reward, math.nan
-        return traj, rubric
+            detail = f"the env's rubric: {type(e).__name__}: {e}"
+            traj, rubric = _empty_trajectory(task, StopReason.ENV_ERROR, detail), None
+        else:
+            if rubric is not None:
+                limits = limits.model_copy(update={"tool_error_penalty": 0.0})
+            if isinstance(env, EpisodeRunner):
+                run = env.run_own_episode(engine, chat, task, params, limits=limits, **kwargs)
+            else:
+                run = run_episode(env, engine, chat, task, params, limits=limits, **kwargs)
+            traj = await run
     finally:
         problem = await close_env(env)
-        if problem and traj is not None:
-            traj.stop_detail = "; ".join(x for x in (traj.stop_detail, problem) if x)
+    return traj, rubric, problem or ""
 
 
 async def _acquire(slots: asyncio.Semaphore, deadline: float | None) -> bool:
@@ -664,17 +625,19 @@ async def run_group(
     context_len: int | None = None,
     deadline: float | None = None,
     slots: asyncio.Semaphore | None = None,
-    on_done: Callable[[Trajectory], None] | None = None,
+    on_done: Callable[[Trajectory, Score], None] | None = None,
 ) -> Group:
-    """Sample `group_size` trajectories of one task concurrently, all from the same env seed.
+    """Sample `group_size` trajectories of one task concurrently, all from the same env seed, and
+    score them.
 
-    Each member gets its own sampling seed (`params.seed + i`, then one per turn: `turn_seed`) so
-    members differ; the env seed is shared so all members start from the same state. `seed=None`
-    draws one env seed for the whole group (from the OS), never one per member. `slots` bounds the
+    Member i samples with `episode_seed(params.seed, member=i, turn=k)` on turn k, so members
+    differ; the env seed is shared so all members start from the same state. `seed=None` draws
+    one env seed for the whole group (from the OS), never one per member. `slots` bounds the
     episodes in flight (shared by all groups of a step); `deadline` is the step's absolute
-    deadline, which also bounds scoring. When the env has a `rubric`, the group's scorable members
-    are scored with it once all have ended (`agentgrpo.env.rubric.score_group`), and `on_done` is
-    called after that.
+    deadline, which also bounds scoring. Member i's record is sealed with id `<group_id>/<i>`.
+    Its `Score` is its own reward, or, when the env has a `rubric`, the rubric's once all members
+    have ended (`agentgrpo.env.rubric.score_group`); `on_done(trajectory, score)` is called as each
+    has one.
     """
     gid = group_id or task.id
     rubrics: list[Rubric | None] = [None] * group_size
@@ -682,12 +645,11 @@ async def run_group(
         seed = secrets.randbits(32)
 
     async def one(i: int) -> Trajectory:
-        p = params if params.seed is None else replace(params, seed=params.seed + i)
-        p = replace(p, session_id=f"{gid}/{i}")
-        start = time.monotonic()
+        p = replace(params, seed=episode_seed(params.seed, member=i), session_id=f"{gid}/{i}")
+        start, problem = time.monotonic(), ""
         if slots is None or await _acquire(slots, deadline):
             try:
-                traj, rubrics[i] = await _run_new_env(
+                traj, rubrics[i], problem = await _run_new_env(
                     env_factory,
                     engine,
                     chat,
@@ -702,39 +664,60 @@ async def run_group(
                 if slots is not None:
                     slots.release()
         else:
-            traj = _empty_trajectory(
-                task, StopReason.TIMEOUT, "step deadline expired before the episode started"
-            )
-            traj.deadline = "step"
-        traj.group_id = gid
-        traj.wall_s = round(time.monotonic() - start, 4)
+            detail = "step deadline expired before the episode started"
+            traj = _empty_trajectory(task, StopReason.TIMEOUT, detail, deadline="step")
+        traj = replace(  # sealed: named, timed, and what closing its env said
+            traj,
+            id=f"{gid}/{i}",
+            group_id=gid,
+            wall_s=round(time.monotonic() - start, 4),
+            stop_detail="; ".join(x for x in (traj.stop_detail, problem) if x),
+        )
         if on_done is not None and rubrics[i] is None:
-            on_done(traj)
+            on_done(traj, Score(traj.id, traj.reward))
         return traj
 
     trajs = list(await asyncio.gather(*(one(i) for i in range(group_size))))
-    rubric = next((r for r in rubrics if r is not None), None)
-    if rubric is not None:
-        by_rubric = [t for t, r in zip(trajs, rubrics, strict=True) if r is not None]
-        if scorable := [t for t in by_rubric if not t.stop_reason.is_infra_error]:
-            await score_group(
-                rubric,
-                scorable,
-                task,
-                tool_error_penalty=limits.tool_error_penalty,
-                deadline=deadline,
-            )
-        if on_done is not None:
-            for t in by_rubric:
-                on_done(t)
-    return Group(group_id=gid, task=task, trajectories=trajs)
+    by_rubric = [(t, r) for t, r in zip(trajs, rubrics, strict=True) if r is not None]
+    scores = {t.id: Score(t.id, t.reward) for t in trajs}
+    scores |= await _rubric_scores(by_rubric, task, limits.tool_error_penalty, deadline)
+    group = Group(group_id=gid, task=task, trajectories=trajs, scores=scores)
+    if on_done is not None:
+        for t, _ in by_rubric:
+            on_done(t, group.score(t))
+    return group
+
+
+async def _rubric_scores(
+    by_rubric: list[tuple[Trajectory, Rubric]],
+    task: Task,
+    penalty: float,
+    deadline: float | None,
+) -> dict[str, Score]:
+    """The rubric's scores of a group's members whose env has one, by trajectory id; those that
+    ended with an infrastructure failure keep their own (NaN)."""
+    scorable = [t for t, _ in by_rubric if not t.stop_reason.is_infra_error]
+    if not scorable:
+        return {}
+    rubric = by_rubric[0][1]
+    scored = await score_group(
+        rubric, scorable, task, tool_error_penalty=penalty, deadline=deadline
+    )
+    return {s.trajectory_id: s for s in scored}
+
+
+# Which env plays a task, and under which episode limits (a mixture of envs: agentgrpo.run.mixture).
+EnvRoute = Callable[[Task], tuple[Callable[[], Env], EpisodeLimits]]
 
 
 class GroupSampler:
     """Samples groups under bounds that every group in flight shares: at most
     `max_concurrent_trajectories` episodes and `max_concurrent_requests` engine requests at once,
     however many groups run (one step's in `collect`, several steps' in the asynchronous pipeline).
-    `on_done` is called as each trajectory finishes (and is scored, when the env has a rubric)."""
+    `seed` is the run's: a group's seeds follow from it and the group's draw (`episode_seed`).
+    `on_done(trajectory, score)` is called as each trajectory finishes (and is scored, when the env
+    has a rubric). `route`, when given, picks each task's env and episode limits (else
+    `env_factory` and `cfg`): a group is one task, so it never mixes envs."""
 
     def __init__(
         self,
@@ -743,11 +726,13 @@ class GroupSampler:
         chat: ChatFormat,
         cfg: RolloutConfig,
         *,
+        seed: int = 0,
         context_len: int | None = None,
-        on_done: Callable[[Trajectory], None] | None = None,
+        on_done: Callable[[Trajectory, Score], None] | None = None,
+        route: EnvRoute | None = None,
     ) -> None:
-        self.env_factory, self.chat, self.cfg = env_factory, chat, cfg
-        self.context_len, self.on_done = context_len, on_done
+        self.env_factory, self.chat, self.cfg, self.seed = env_factory, chat, cfg, seed
+        self.context_len, self.on_done, self.route = context_len, on_done, route
         self.params = cfg.sampling_params()
         self.slots = (
             None
@@ -764,22 +749,27 @@ class GroupSampler:
         self,
         task: Task,
         *,
-        env_seed: int,
-        sampling_seed: int,
-        group_id: str,
+        draw: int,
+        group_id: str | None = None,
         deadline: float | None = None,
     ) -> Group:
-        """One group of `task`: its members share `env_seed` and sample with `sampling_seed + i`."""
+        """The group of `task` drawn `draw`-th (its place in the task stream, or in the task list
+        of an evaluation): its members share the env seed `episode_seed(seed, draw=draw)` and
+        sample from it (`run_group`). `group_id` defaults to `<draw>:<task id>`."""
+        group_seed = episode_seed(self.seed, draw=draw)
+        env_factory, limits = (
+            self.route(task) if self.route is not None else (self.env_factory, self.cfg)
+        )
         return await run_group(
-            self.env_factory,
+            env_factory,
             self.engine,
             self.chat,
             task,
             self.cfg.group_size,
-            replace(self.params, seed=sampling_seed),
-            seed=env_seed,
-            group_id=group_id,
-            limits=self.cfg,
+            replace(self.params, seed=group_seed),
+            seed=group_seed,
+            group_id=group_id or f"{draw}:{task.id}",
+            limits=limits,
             context_len=self.context_len,
             deadline=deadline,
             slots=self.slots,
@@ -795,26 +785,37 @@ async def collect(
     cfg: RolloutConfig,
     *,
     seed: int = 0,
+    draws: Sequence[int] | None = None,
     context_len: int | None = None,
-    on_done: Callable[[Trajectory], None] | None = None,
+    on_done: Callable[[Trajectory, Score], None] | None = None,
+    route: EnvRoute | None = None,
 ) -> list[Group]:
     """All groups of one step, concurrently, within the config's bounds and step deadline.
 
-    `on_done` is called as each trajectory finishes (and is scored, when the env has a rubric).
+    `seed` is the run's; `draws` name each task's group (training: the tasks' positions in the
+    task stream; default: their index), which decides its seeds (`GroupSampler.group`).
+    `on_done` is called as each trajectory finishes (and is scored, when the env has a rubric);
+    `route` picks each task's env and limits (`GroupSampler`).
     """
-    sampler = GroupSampler(env_factory, engine, chat, cfg, context_len=context_len, on_done=on_done)
+    draws = range(len(tasks)) if draws is None else draws
+    if len(draws) != len(tasks):
+        raise ValueError(f"{len(tasks)} tasks but {len(draws)} draws")
+    sampler = GroupSampler(
+        env_factory,
+        engine,
+        chat,
+        cfg,
+        seed=seed,
+        context_len=context_len,
+        on_done=on_done,
+        route=route,
+    )
     deadline = None if cfg.step_timeout_s is None else time.monotonic() + cfg.step_timeout_s
     return list(
         await asyncio.gather(
             *(
-                sampler.group(
-                    task,
-                    env_seed=seed + i,
-                    sampling_seed=seed * 1_000_003 + i * cfg.group_size,
-                    group_id=f"{seed}:{i}:{task.id}",
-                    deadline=deadline,
-                )
-                for i, task in enumerate(tasks)
+                sampler.group(task, draw=d, deadline=deadline)
+                for d, task in zip(draws, tasks, strict=True)
             )
         )
     )
@@ -834,16 +835,17 @@ def rollout_metrics(groups: Sequence[Group]) -> dict[str, float]:
     `user_threads_stuck`: sync user calls that overran a deadline and still hold a worker thread now
     (process-wide, read when called; see `agentgrpo.env.tool.stuck_user_calls`).
     """
-    trajs = [t for g in groups for t in g.trajectories]
-    scored = [t.reward for t in trajs if math.isfinite(t.reward)]
+    scored = [(t, g.score(t)) for g in groups for t in g.trajectories]
+    trajs = [t for t, _ in scored]
+    rewards = [s.reward for _, s in scored if math.isfinite(s.reward)]
 
     def mean(xs: Sequence[float]) -> float:
         return float(sum(xs) / len(xs)) if xs else math.nan
 
-    reward_mean = mean(scored)
+    reward_mean = mean(rewards)
     out: dict[str, float] = {
         "reward_mean": reward_mean,
-        "reward_std": math.sqrt(mean([(r - reward_mean) ** 2 for r in scored])),
+        "reward_std": math.sqrt(mean([(r - reward_mean) ** 2 for r in rewards])),
         "turns_mean": mean([t.num_turns for t in trajs]),
         "tool_calls_mean": mean([t.tool_calls for t in trajs]),
         "tool_errors_mean": mean([t.tool_errors for t in trajs]),
@@ -855,15 +857,15 @@ def rollout_metrics(groups: Sequence[Group]) -> dict[str, float]:
     def add(key: str, n: float = 1.0) -> None:
         out[key] = out.get(key, 0.0) + n
 
-    for t in trajs:
+    for t, score in scored:
         add(f"stop/{t.stop_reason.value}")
         if t.stop_reason == StopReason.TIMEOUT:
             add(f"timeout/{t.deadline or 'episode'}")
         for kind, n in t.tool_error_kinds.items():
             add(f"tool_errors/{kind}", n)
         add("tool_outputs_truncated", t.tool_outputs_truncated)
-        add("unscorable", float(math.isnan(t.reward)))
-        for name, v in t.reward_parts.items():
+        add("unscorable", float(score.unscorable))
+        for name, v in score.parts.items():
             if math.isfinite(v):
                 parts.setdefault(name, []).append(v)
     out.update({f"reward_parts/{name}": sum(vs) / len(vs) for name, vs in parts.items()})

@@ -36,10 +36,12 @@ import ast
 import hashlib
 import json
 import os
+import pickle
 import random
 import re
 import shutil
 import signal
+import stat
 import threading
 import warnings
 from collections.abc import Callable
@@ -48,8 +50,29 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
+from torch.distributed.checkpoint import CheckpointException
 
 MANIFEST = "trainer.json"
+
+# What loading a checkpoint raises when a file cannot be parsed, whatever its manifest says (a
+# planted or rewritten file verifies): safetensors header errors, torch's weights-only unpickler,
+# a `learner.pt` holding another structure (TypeError, AttributeError, KeyError, IndexError), DCP's
+# CheckpointException (a BaseException) around a shard it cannot read, and a state dict that does
+# not fit the model (RuntimeError, ValueError). Each means "not this checkpoint".
+UNLOADABLE: tuple[type[BaseException], ...] = (
+    OSError,
+    ValueError,
+    RuntimeError,
+    KeyError,
+    IndexError,
+    TypeError,
+    AttributeError,
+    EOFError,
+    pickle.UnpicklingError,
+    SafetensorError,
+    CheckpointException,
+)
 
 
 class CorruptCheckpoint(ValueError):
@@ -193,21 +216,57 @@ def rejected_checkpoints(root: Path) -> list[Path]:
 
 def _read_manifest(directory: Path) -> dict[str, Any]:
     try:
-        return json.loads((directory / MANIFEST).read_text())
+        manifest = json.loads((directory / MANIFEST).read_text())
     except (OSError, ValueError) as e:
         raise CorruptCheckpoint(f"no readable {MANIFEST}: {e}") from None
+    if not isinstance(manifest, dict):
+        raise CorruptCheckpoint(f"{MANIFEST} holds a {type(manifest).__name__}, not an object")
+    return manifest
+
+
+def _only_plain_files(directory: Path) -> None:
+    """CorruptCheckpoint unless everything under `directory` is a directory or a regular file: a
+    symbolic link would make verification and loading read a file outside the checkpoint (any
+    file the run can read, or a FIFO or device that never ends), and the writer makes none."""
+    for parent, dirs, files in os.walk(directory):  # never descends into linked directories
+        for name in dirs + files:
+            path = Path(parent, name)
+            mode = os.lstat(path).st_mode
+            if stat.S_ISLNK(mode):
+                raise CorruptCheckpoint(
+                    f"{path.relative_to(directory)} is a symbolic link; a checkpoint holds only "
+                    "its own files"
+                )
+            if not (stat.S_ISDIR(mode) or stat.S_ISREG(mode)):
+                raise CorruptCheckpoint(f"{path.relative_to(directory)} is not a regular file")
+
+
+def _manifest_path(directory: Path, name: str) -> Path:
+    """The file `name` of the manifest names, which must be a relative path below `directory`."""
+    parts = name.split("/")
+    if "\\" in name or "\0" in name or any(p in ("", ".", "..") for p in parts):
+        raise CorruptCheckpoint(f"{MANIFEST} names {name!r:.80}, which is not a file inside it")
+    return directory.joinpath(*parts)
 
 
 def verify(directory: Path) -> dict[str, Any]:
-    """The manifest of a complete, intact checkpoint; raises CorruptCheckpoint otherwise."""
+    """The manifest of a complete, intact checkpoint; raises CorruptCheckpoint otherwise (also
+    when it holds a symbolic link or names a file outside its directory)."""
+    _only_plain_files(directory)
     manifest = _read_manifest(directory)
     files = manifest.get("files")
     if not isinstance(files, dict) or not files:
         raise CorruptCheckpoint(f"{MANIFEST} lists no files")
     for name, meta in files.items():
-        path = directory / name
+        path = _manifest_path(directory, name)
         if not path.is_file():
             raise CorruptCheckpoint(f"{name} is missing")
+        if not (
+            isinstance(meta, dict)
+            and isinstance(meta.get("bytes"), int)
+            and isinstance(meta.get("sha256"), str)
+        ):
+            raise CorruptCheckpoint(f"{MANIFEST}: the entry of {name} is not {{bytes, sha256}}")
         if path.stat().st_size != meta["bytes"]:
             raise CorruptCheckpoint(
                 f"{name} has {path.stat().st_size} bytes, manifest says {meta['bytes']}"
@@ -217,11 +276,19 @@ def verify(directory: Path) -> dict[str, Any]:
     return manifest
 
 
+def _step_dir(directory: Path) -> Path:
+    """`directory`, a numbered checkpoint of a run, unless it is a symbolic link (to a checkpoint
+    outside the run's directory)."""
+    if directory.is_symlink():
+        raise CorruptCheckpoint("it is a symbolic link; a run's checkpoints are directories")
+    return directory
+
+
 def latest(root: Path) -> tuple[Path, dict[str, Any]] | None:
     """Newest intact checkpoint and its manifest; damaged ones are skipped with a warning."""
     for d in reversed(checkpoints(root)):
         try:
-            return d, verify(d)
+            return d, verify(_step_dir(d))
         except CorruptCheckpoint as e:
             warnings.warn(f"skipping checkpoint {d}: {e}", stacklevel=2)
     return None
@@ -251,16 +318,13 @@ def restore(
     for d in reversed(checkpoints(root)):
         manifest, error = None, None
         try:
-            manifest = verify(d) if check else _read_manifest(d)
+            manifest = verify(_step_dir(d)) if check else _read_manifest(d)
         except CorruptCheckpoint as e:
             error = e
         if all_ranks(error is None):
             try:
                 load(d)
-            except (OSError, ValueError, RuntimeError, KeyError) as e:
-                # Damaged files surface as any of these (safetensors header errors are ValueError or
-                # RuntimeError, a mismatched state dict is RuntimeError/KeyError): all mean "not
-                # this one".
+            except UNLOADABLE as e:  # a file that cannot be parsed: not this checkpoint
                 error = e
             if all_ranks(error is None):
                 return d, manifest  # type: ignore[return-value]

@@ -52,11 +52,11 @@ from agentgrpo.learner.learner import LearnerConfig
 from agentgrpo.learner.logprobs import PolicyForward
 from agentgrpo.learner.lora import MergedModel, apply_lora
 from agentgrpo.models.embedded import default_model_path, load_model
-from agentgrpo.rollout.episode import RolloutConfig, collect, rollout_metrics
+from agentgrpo.rollout.episode import EnvRoute, RolloutConfig, collect, rollout_metrics
 from agentgrpo.run import checkpoint
 from agentgrpo.run.config import ConfigError, EvalConfig, RunConfig
 from agentgrpo.run.log import RunLogger
-from agentgrpo.types import Group, Task, Trajectory
+from agentgrpo.types import Group, Score, Task, Trajectory
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -78,7 +78,7 @@ def eval_metrics(
     """Reward, pass@k, tool and error statistics of evaluated groups (one group per task): the
     training steps' `rollout_metrics`, plus success rate, tool error rate and pass@k."""
     trajs: list[Trajectory] = [t for g in groups for t in g.trajectories]
-    scored = [t.reward for t in trajs if not math.isnan(t.reward)]
+    scored = [r for g in groups for r in g.rewards if not math.isnan(r)]
     calls = sum(t.tool_calls for t in trajs)
     out: dict[str, float] = {
         "tasks": float(len(groups)),
@@ -89,7 +89,7 @@ def eval_metrics(
     for k in pass_k:
         per_task = []
         for g in groups:
-            rewards = [t.reward for t in g.trajectories if not math.isnan(t.reward)]
+            rewards = [r for r in g.rewards if not math.isnan(r)]
             if len(rewards) >= k:
                 per_task.append(
                     pass_at_k(len(rewards), sum(r >= success_threshold for r in rewards), k)
@@ -116,9 +116,12 @@ async def evaluate(
     *,
     seed: int = 0,
     context_len: int | None = None,
-    on_done: Callable[[Trajectory], None] | None = None,
+    on_done: Callable[[Trajectory, Score], None] | None = None,
+    route: EnvRoute | None = None,
 ) -> EvalResult:
-    """Sample `cfg.samples_per_task` trajectories per task and compute the metrics."""
+    """Sample `cfg.samples_per_task` trajectories per task and compute the metrics (`route`: each
+    task's env and limits, for a mixture). Task i's group has the seeds of draw i under `seed`
+    (`agentgrpo.rollout.seeds.episode_seed`)."""
     sampling = rollout.model_copy(
         update={"group_size": cfg.samples_per_task, "step_timeout_s": None}
     )
@@ -131,6 +134,7 @@ async def evaluate(
         seed=seed,
         context_len=context_len,
         on_done=on_done,
+        route=route,
     )
     return EvalResult(eval_metrics(groups, cfg.pass_k, cfg.success_threshold), groups)
 
@@ -206,6 +210,16 @@ def resolve_policy(cfg: RunConfig, base: Path) -> tuple[Path | None, int, torch.
     return path, int(manifest["step"]), loaded[-1]
 
 
+def refuse_mixture(cfg: RunConfig) -> None:
+    """`agentgrpo eval` of a mixture (`envs:`) is not built: a ConfigError naming what is."""
+    if cfg.envs is not None:
+        raise ConfigError(
+            "agentgrpo eval of a mixture (envs:) is not built yet: evaluate each env with its "
+            "own env: section, or set eval.every in training (it evaluates every env and splits "
+            "the metrics by env)"
+        )
+
+
 def run_eval(cfg: RunConfig, *, engine: Engine | None = None) -> tuple[Path, EvalResult]:
     """`agentgrpo eval`: evaluate the run's policy on `cfg.eval.split`; returns (output dir,
     result).
@@ -216,6 +230,7 @@ def run_eval(cfg: RunConfig, *, engine: Engine | None = None) -> tuple[Path, Eva
     SGLang servers always receive the weights evaluated, the base model's included, since they may
     hold any run's. `engine` replaces the engine built from the config (tests pass their own).
     """
+    refuse_mixture(cfg)
     base = Path(cfg.model.path) if cfg.model.path else default_model_path()
     tokenizer = AutoTokenizer.from_pretrained(base)
     chat = cfg.chat_format(tokenizer)
@@ -227,7 +242,7 @@ def run_eval(cfg: RunConfig, *, engine: Engine | None = None) -> tuple[Path, Eva
     check_env_at_start(make_env(), tasks[0])
     report = require_token_safe(chat, make_env(), tasks[0], seed=cfg.seed)
     ckpt, step, policy = resolve_policy(cfg, base)
-    if policy is None and cfg.engine.kind == "sglang":
+    if policy is None and cfg.engine.kind != "local":  # servers may hold any run's weights
         policy = checkpoint_policy(None, base, cfg.learner)
     weights = ckpt or base
     print(
@@ -293,10 +308,9 @@ def run_eval(cfg: RunConfig, *, engine: Engine | None = None) -> tuple[Path, Eva
                 "task_id": g.task.id,
                 "group_id": g.group_id,
                 "passed": sum(
-                    not math.isnan(t.reward) and t.reward >= cfg.eval.success_threshold
-                    for t in g.trajectories
+                    not math.isnan(r) and r >= cfg.eval.success_threshold for r in g.rewards
                 ),
-                "scored": sum(not math.isnan(t.reward) for t in g.trajectories),
+                "scored": sum(not math.isnan(r) for r in g.rewards),
             }
             for g in result.groups
         ],

@@ -25,13 +25,13 @@ import sys
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
-from agentgrpo.types import Group, Trajectory
+from agentgrpo.types import Advantage, Group, Score, Trajectory
 
 if TYPE_CHECKING:
     from agentgrpo.run.config import RunConfig
@@ -59,8 +59,10 @@ SECRET_WORDS = (
 _BEARER = re.compile(r"^\s*(bearer|basic|token)\s+\S", re.IGNORECASE)
 # Values that are credentials whatever their key is called: the prefixes of common API keys
 # (OpenAI/Anthropic `sk-`, Hugging Face `hf_`, GitHub `ghp_`/`github_pat_`, Slack `xox?-`, AWS
-# `AKIA`, W&B's 40 hex digits are too like a hash to tell), followed by enough key characters.
-_KEY_LIKE = re.compile(r"\b(?:sk-|hf_|gh[pousr]_|github_pat_|xox[abprs]-|AKIA)[A-Za-z0-9_\-]{12,}")
+# `AKIA`, W&B's 40 hex digits are too like a hash to tell), followed by 8 or more key characters:
+# a self-hosted server's key can be that short (issue 42: `sk-` + 8 was written in clear), and
+# masking a value that only looks like a key costs less than writing a key out.
+_KEY_LIKE = re.compile(r"\b(?:sk-|hf_|gh[pousr]_|github_pat_|xox[abprs]-|AKIA)[A-Za-z0-9_\-]{8,}")
 _URL_USERINFO = re.compile(r"(?P<scheme>\b[a-zA-Z][a-zA-Z0-9+.\-]*://)[^/@\s]+@")
 _URL_PARAM = re.compile(r"(?P<name>[?&;][^=&#;\s]+=)(?P<value>[^&#;\s]*)")
 
@@ -204,10 +206,16 @@ class RunLogger:
         if self._wandb is not None:
             self._wandb.log(scalars, step=step)
 
-    def log_groups(self, step: int, groups: Iterable[Group]) -> None:
+    def log_groups(
+        self, step: int, groups: Iterable[Group], advantages: Mapping[str, Advantage] | None = None
+    ) -> None:
+        """One row per trajectory: its record joined with its score and advantage (by id; a
+        trajectory without an advantage was not trained on: `advantage` null)."""
+        advantages = advantages or {}
         for g in groups:
             for t in g.trajectories:
-                self._trajs.write(json.dumps({"step": step, **t.to_dict()}) + "\n")
+                row = t.to_dict(g.score(t), advantages.get(t.id))
+                self._trajs.write(json.dumps({"step": step, **row}) + "\n")
         self._trajs.flush()
 
     def close(self) -> None:
@@ -338,7 +346,7 @@ class Progress:
         ...     progress.phase("rollout")
         ...     groups = loop.run_until_complete(collect(..., on_done=progress.rollout_done))
         ...     progress.phase("train")
-        ...     metrics = learner.train_step(trajs, advantages)
+        ...     metrics = learner.train_step(rows)
         ...     progress.phase("sync")
         ...     ...
         ...     progress.step_done(step + 1, metrics)
@@ -406,15 +414,15 @@ class Progress:
                 self._bar.reset(total=total if total is not None else self.rollouts_per_step)
         self._refresh()
 
-    def rollout_done(self, traj: Trajectory) -> None:
-        """One trajectory finished (pass as `collect(..., on_done=progress.rollout_done)`)."""
+    def rollout_done(self, traj: Trajectory, score: Score) -> None:
+        """One trajectory finished and scored (`collect(..., on_done=progress.rollout_done)`)."""
         if not self.enabled or not self._in_step:
             return
         self._n += 1
         self._count_t_last = self.clock()
         self._tokens += traj.num_sampled
-        if math.isfinite(traj.reward):
-            self._rewards_sum += traj.reward
+        if math.isfinite(score.reward):
+            self._rewards_sum += score.reward
             self._rewards_n += 1
         if self._bar is not None:
             if self._bar.total is not None and self._n > self._bar.total:

@@ -60,7 +60,9 @@ class StalenessPipeline(Generic[T]):
     the run's last step + 1, past which nothing is admitted. `keep(group)`: dynamic sampling, False
     drops a finished group; at most `max_replaced` dropped groups per step are replaced by new
     admissions (None: all), the others shrink the step. `fenced(step)`: a checkpoint is planned
-    after `step`, so nothing admitted before it may be trained after it (see `fence`).
+    after `step`, so nothing admitted before it may be trained after it (see `fence`). `trade`:
+    False keeps every group in the slot it was admitted for (a step waits for its late groups), so
+    which step trains a group does not depend on timing (deterministic runs).
     Call `start()` on the event loop, `take(step)` for each step's groups, `settle(step + 1)`
     before the weights change, `advance(version)` once the engine serves the new weights, and
     `close()` at the end.
@@ -79,6 +81,7 @@ class StalenessPipeline(Generic[T]):
         keep: Callable[[T], bool] | None = None,
         max_replaced: int | None = None,
         fenced: Callable[[int], bool] | None = None,
+        trade: bool = True,
     ) -> None:
         if per_step < 1:
             raise ValueError(f"per_step must be >= 1, got {per_step}")
@@ -93,6 +96,7 @@ class StalenessPipeline(Generic[T]):
         self.resume = list(resume)
         self.keep, self.max_replaced = keep, max_replaced
         self.fenced = fenced or (lambda step: False)
+        self.trade = trade
         self.fence_at: int | None = None  # an unplanned checkpoint after this step (`fence`)
         self.tickets: list[Ticket[T]] = []  # admitted, not taken, in admission order
         self.rejected_in: Counter[int] = Counter()  # slot -> groups `keep` rejected there
@@ -117,7 +121,8 @@ class StalenessPipeline(Generic[T]):
             raise ValueError(f"take({step}) while the learner is at version {self.version}")
         while True:
             self._raise_if_failed()
-            self._rearrange(step)
+            if self.trade:
+                self._rearrange(step)
             mine = self._slot(step)
             if all(t.finished for t in mine) and len(mine) >= self._capacity(step):
                 break

@@ -30,23 +30,32 @@ from agentgrpo.algo.shaping import (
 )
 from agentgrpo.chat.format import ChatFormat
 from agentgrpo.checks.env_check import check_env_at_start
+from agentgrpo.checks.reward_audit import audit_at_start, recheck_step
 from agentgrpo.checks.template_audit import require_token_safe
 from agentgrpo.engine.base import Engine, close_all, release_memory, resume_memory, wait_ready
 from agentgrpo.engine.config import build_engine
 from agentgrpo.engine.weight_sync import WeightSync
 from agentgrpo.env.base import Env
 from agentgrpo.learner.attention import AttentionUnavailable
+from agentgrpo.learner.batch import training_rows
 from agentgrpo.learner.learner import Learner
 from agentgrpo.models import embedded as models
-from agentgrpo.models.hardware import Precision, configure_cpu_threads, share_cpu
-from agentgrpo.rollout.episode import GroupSampler, rollout_metrics
+from agentgrpo.models.hardware import (
+    Precision,
+    configure_cpu_threads,
+    make_deterministic,
+    share_cpu,
+)
+from agentgrpo.rollout.episode import EnvRoute, GroupSampler, rollout_metrics
 from agentgrpo.run import checkpoint
 from agentgrpo.run.config import ConfigError, RunConfig, dump_config
 from agentgrpo.run.evaluate import evaluate
 from agentgrpo.run.log import Progress, RunLogger, aside_name, set_aside_after
+from agentgrpo.run.mixture import Mixture, MixtureStream
+from agentgrpo.run.mixture import describe as describe_mixture
 from agentgrpo.run.pipeline import StalenessPipeline, Ticket
 from agentgrpo.run.report import write_report
-from agentgrpo.types import Group, Task, Trajectory
+from agentgrpo.types import Advantage, Group, Task, Trajectory
 
 
 def seed_everything(seed: int) -> None:
@@ -128,18 +137,18 @@ def start_pipeline(run: Run) -> StalenessPipeline[Group]:
         run.engine,
         run.chat,
         cfg.rollout,
+        seed=cfg.seed,
         context_len=run.context_len,
         on_done=run.progress.rollout_done,
+        route=run.route,
     )
 
     async def produce(ticket: Ticket[Group]) -> Group:
         task = run.stream.task_at(ticket.position)
-        env_seed = cfg.seed * 100_003 + ticket.position
         timeout = cfg.rollout.step_timeout_s  # per group, from its start
         return await sampler.group(
             task,
-            env_seed=env_seed,
-            sampling_seed=env_seed * 1_000_003,
+            draw=ticket.position,
             group_id=f"p{ticket.position}:{task.id}",
             deadline=None if timeout is None else time.monotonic() + timeout,
         )
@@ -159,18 +168,23 @@ def start_pipeline(run: Run) -> StalenessPipeline[Group]:
         keep=informative if dynamic else None,
         max_replaced=cfg.shaping.max_extra_rounds * cfg.rollout.tasks_per_step,
         fenced=lambda step: bool(every) and (step + 1) % every == 0,
+        trade=not cfg.deterministic,  # timing must not decide which step trains a group
     )
     run.loop.call_soon(pipeline.start)
     return pipeline
 
 
-def assign_advantages(trajs: Sequence[Trajectory], cfg: RunConfig) -> None:
-    """Each trajectory's advantage, from its group's shaped rewards (`Trajectory.advantage`; None
-    for one not trained on: unscorable, or cut and `shaping.mask_truncated`). A turn-level
-    estimator also sets `Trajectory.turn_advantages` from the env's turn rewards; `advantage` is
+def assign_advantages(groups: Sequence[Group], cfg: RunConfig) -> dict[str, Advantage]:
+    """The step's advantages by trajectory id, from each group's shaped scores. A trajectory not
+    trained on (unscorable, or cut and `shaping.mask_truncated`) has none. A turn-level estimator
+    adds one advantage per turn from the env's turn rewards (`Advantage.per_turn`); `value` is
     then its outcome term (grpo)."""
+    scored = [(t, g.score(t).reward) for g in groups for t in g.trajectories]
+    trajs = [t for t, _ in scored]
+    if len({t.id for t in trajs}) < len(trajs):
+        raise ValueError("trajectory ids repeat across the step's groups: advantages join by id")
     a, group_ids = cfg.advantage, [t.group_id for t in trajs]
-    rewards_B = shaped_rewards(trajs, cfg.shaping, cfg.rollout.max_tokens)
+    rewards_B = shaped_rewards(trajs, [r for _, r in scored], cfg.shaping, cfg.rollout.max_tokens)
     turn_level = is_turn_level(a.estimator)
     advantages_B = compute_advantages(
         rewards_B,
@@ -194,9 +208,11 @@ def assign_advantages(trajs: Sequence[Trajectory], cfg: RunConfig) -> None:
     )
     if cfg.shaping.mask_truncated:  # truncated rows still counted in their group's statistics
         advantages_B[truncated_rows([t.stop_reason for t in trajs])] = float("nan")
-    for t, adv, turns in zip(trajs, advantages_B.tolist(), per_turn, strict=True):
-        t.advantage = None if math.isnan(adv) or math.isnan(t.reward) else adv
-        t.turn_advantages = None if t.advantage is None else turns
+    return {
+        t.id: Advantage(t.id, adv, turns)
+        for (t, reward), adv, turns in zip(scored, advantages_B.tolist(), per_turn, strict=True)
+        if not (math.isnan(adv) or math.isnan(reward))
+    }
 
 
 def policy_lag(trajs: Sequence[Trajectory], version: int) -> float:
@@ -236,6 +252,11 @@ class Run:
     saved_step: int = 0  # the step of the last checkpoint
     saved_at: float = field(default_factory=time.monotonic)
     pipeline: StalenessPipeline[Group] | None = None  # rank 0: the scheduler of every step
+    mixture: Mixture | None = None  # `envs:`: which env plays each task
+
+    @property
+    def route(self) -> EnvRoute | None:
+        return self.mixture.route if self.mixture is not None else None
 
     @property
     def is_main(self) -> bool:
@@ -286,13 +307,20 @@ def run_step(run: Run, step: int) -> bool:
     stops after it (a SIGTERM/SIGINT reached some rank)."""
     cfg, learner, t0 = run.cfg, run.learner, time.perf_counter()
     run.progress.phase("rollout")
-    rollouts = run.loop.run_until_complete(take_step(run, step)) if run.is_main else None
+    rollouts = None
+    if run.is_main:
+        rollouts = run.loop.run_until_complete(take_step(run, step))
+        recheck = (
+            run.mixture.recheck_step(rollouts.groups, seed=cfg.seed + step)
+            if run.mixture
+            else recheck_step(rollouts.groups, run.make_env, cfg.env.audit, seed=cfg.seed + step)
+        )
+        rollouts.groups, flaky = run.loop.run_until_complete(recheck)  # flaky groups made NaN
+        rollouts.metrics["flaky_groups"] = float(flaky)
     rollouts = learner.broadcast(rollouts)  # every rank trains on rank 0's rollouts
     done, trajs = step + 1, rollouts.trajectories
-    assign_advantages(trajs, cfg)
-    update = functools.partial(
-        learner.train_step, trajs, [math.nan if t.advantage is None else t.advantage for t in trajs]
-    )
+    advantages = assign_advantages(rollouts.groups, cfg)
+    update = functools.partial(learner.train_step, training_rows(trajs, advantages))
     save_now = run.checkpoint_due(done)
     if save_now and run.pipeline is not None:  # nothing sampled before it is trained after it
         run.pipeline.fence(step)
@@ -310,10 +338,13 @@ def run_step(run: Run, step: int) -> bool:
     if run.is_main:
         metrics.update(
             rollout_metrics(rollouts.groups),
+            **(run.mixture.metrics(rollouts.groups) if run.mixture else {}),
             step_s=time.perf_counter() - t0,
             policy_lag=policy_lag(trajs, step),
             policy_lag_mean=policy_lag_mean(trajs, step),
         )
+        if run.sync.last_probe_error is not None:  # this step's push, checked: engine vs learner
+            metrics["sync/probe_error"] = run.sync.last_probe_error
         # sampled while the learner waited (k = 0) or all along (k >= 1: per step, overall)
         sampling_s = metrics["step_s"] if cfg.train.max_staleness else metrics["rollout_s"]
         metrics["tokens_per_s"] = metrics.get("sampled_tokens", 0.0) / max(sampling_s, 1e-9)
@@ -321,7 +352,7 @@ def run_step(run: Run, step: int) -> bool:
             metrics.update(evaluate_now(run))
         metrics.update({f"phase_s/{k}": v for k, v in run.progress.phase_times().items()})
         run.logger.log_step(done, metrics)
-        run.logger.log_groups(done, rollouts.groups)
+        run.logger.log_groups(done, rollouts.groups, advantages)
     if stopping or save_now:
         run.save(done)
     run.progress.step_done(done, metrics)
@@ -400,9 +431,11 @@ def evaluate_now(run: Run) -> dict[str, float]:
             seed=run.cfg.seed,
             context_len=run.context_len,
             on_done=run.progress.rollout_done,
+            route=run.route,
         )
     )
-    return {f"eval/{k}": v for k, v in result.metrics.items()}
+    per_env = run.mixture.metrics(result.groups, "eval/") if run.mixture else {}
+    return {f"eval/{k}": v for k, v in result.metrics.items()} | per_env
 
 
 def train(cfg: RunConfig) -> Path:
@@ -443,9 +476,10 @@ def start_run(cfg: RunConfig) -> Run:
     run_dir = Path(cfg.output_dir)
     seed_everything(cfg.seed)
     threads = configure_cpu_threads()
+    if cfg.deterministic:  # before anything runs a kernel (docs/learner.md, reproducible runs)
+        threads = f"{threads}; {make_deterministic()}"
     # the env and its tasks before the model loads: a misspelt env or task file fails at once
-    env_cls = cfg.env.env_class()
-    train_tasks, eval_tasks = load_run_tasks(cfg, env_cls)
+    stream, make_env, eval_tasks, mixture = run_envs(cfg)
     model_path = Path(cfg.model.path) if cfg.model.path else models.default_model_path()
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     chat = cfg.chat_format(tokenizer)
@@ -464,14 +498,13 @@ def start_run(cfg: RunConfig) -> Run:
         )
     except AttentionUnavailable as e:  # e.g. learner.attention: varlen on a CPU
         raise ConfigError(str(e)) from None
-    stream = TaskStream(train_tasks, cfg.seed)
     start, found = resume_from_checkpoint(learner, run_dir, stream)
     run = Run(
         cfg=cfg,
         run_dir=run_dir,
         learner=learner,
         chat=chat,
-        make_env=lambda: env_cls(**cfg.env.kwargs),  # one env instance per trajectory
+        make_env=make_env,  # one env instance per trajectory
         stream=stream,
         context_len=getattr(model.config, "max_position_embeddings", None),
         loop=asyncio.new_event_loop(),  # one loop for the run: engine clients live on it
@@ -484,6 +517,7 @@ def start_run(cfg: RunConfig) -> Run:
         stop=checkpoint.StopRequested(),
         steps_done=start,
         saved_step=start,
+        mixture=mixture,
     )
     if learner.is_main:
         start_main_rank(
@@ -501,6 +535,22 @@ def start_run(cfg: RunConfig) -> Run:
         run.pipeline = start_pipeline(run)
     run.stop.install()  # SIGTERM/SIGINT: checkpoint after this step, exit
     return run
+
+
+def run_envs(
+    cfg: RunConfig,
+) -> tuple[TaskStream | MixtureStream, Callable[[], Env], list[Task], Mixture | None]:
+    """The run's task stream, a factory of its env (the first env's, for a mixture), its
+    evaluation tasks and, for `envs:`, the mixture that routes each task to its env."""
+    if cfg.envs is None:
+        env_cls = cfg.env.env_class()
+        train_tasks, eval_tasks = load_run_tasks(cfg, env_cls)
+        make_env = functools.partial(env_cls, **cfg.env.kwargs)
+        return TaskStream(train_tasks, cfg.seed), make_env, eval_tasks, None
+    mixture = Mixture.load(cfg, with_eval=bool(cfg.eval.every))
+    first = next(iter(mixture.sources.values()))
+    stream = mixture.stream(TaskStream)
+    return stream, first.make_env, mixture.eval_tasks(cfg.eval.num_tasks), mixture
 
 
 def load_run_tasks(cfg: RunConfig, env_cls: type) -> tuple[list[Task], list[Task]]:
@@ -583,9 +633,19 @@ def start_main_rank(
             "out, every rank trains",
             flush=True,
         )
-    check_env_at_start(run.make_env(), run.stream.tasks[0])
-    # Refuse a template that would make the learner see tokens the model never saw.
-    mode = require_token_safe(run.chat, run.make_env(), run.stream.tasks[0], seed=cfg.seed).mode
+    envs = (
+        [(s.make_env, s.train, s.entry.audit) for s in run.mixture.sources.values()]
+        if run.mixture
+        else [(run.make_env, run.stream.tasks, cfg.env.audit)]
+    )
+    if run.mixture:
+        print(describe_mixture(run.mixture), flush=True)
+    for make_env, tasks, audit_cfg in envs:
+        check_env_at_start(make_env(), tasks[0])
+        audit = audit_at_start(make_env, tasks, audit_cfg)  # known reward hacks
+        print(run.loop.run_until_complete(audit), flush=True)
+        # Refuse a template that would make the learner see tokens the model never saw.
+        mode = require_token_safe(run.chat, make_env(), tasks[0], seed=cfg.seed).mode
     print(f"chat template: {run.chat.template_source}, token mode: {mode}", flush=True)
     engine_threads, threads = cpu_sharing(run, threads)
     run.engine = build_engine(

@@ -122,6 +122,15 @@ def build_root(ro_paths: list[str], uids: list[int], init_uid: int) -> None:
     """Enter a private mount namespace whose root is a minimal read-only tree; `/` afterwards."""
     _ok(_libc.unshare(CLONE_NEWNS), "unshare(NEWNS)")
     _mount(None, "/", None, MS_REC | MS_PRIVATE)
+    enter_root(assemble_root(ro_paths, uids, init_uid))
+
+
+def assemble_root(
+    ro_paths: list[str], uids: list[int], init_uid: int, home: str = "/tmp", extra_dirs=()
+) -> str:
+    """Build the minimal tree (read-only binds, a synthetic /etc, five devices) in a staging tmpfs
+    of the current (private) mount namespace; returns its path, for `enter_root`. A session mounts
+    its workspace into it in between (`_session_init.py`); `extra_dirs` are made for that."""
     root = _staging_dir()
     _mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=2m,nr_inodes=512,mode=755")
     for name in ("usr", "bin", "lib", "lib32", "lib64", "libx32", "sbin"):
@@ -136,7 +145,7 @@ def build_root(ro_paths: list[str], uids: list[int], init_uid: int) -> None:
             _bind_ro(path, _mkdirs_in(root, path))
     etc = _mkdirs_in(root, "/etc")
     users = [("root", 0, "/root"), ("sandbox-init", init_uid, "/")]
-    users += [(f"sandbox{i}", uid, "/tmp") for i, uid in enumerate(uids)]
+    users += [(f"sandbox{i}", uid, home) for i, uid in enumerate(uids)]
     files = {
         "passwd": "".join(f"{n}:x:{u}:{u}::{h}:/bin/sh\n" for n, u, h in users),
         "group": "".join(f"{n}:x:{u}:\n" for n, u, _ in users),
@@ -167,9 +176,15 @@ def build_root(ro_paths: list[str], uids: list[int], init_uid: int) -> None:
         ("stderr", "/proc/self/fd/2"),
     ):
         os.symlink(target, os.path.join(dev, name))
-    for d in ("/tmp", "/proc", "/.old"):
+    for d in ("/tmp", "/proc", "/.old", *extra_dirs):
         _mkdirs_in(root, d)
     os.chmod(root + "/tmp", 0o1777)
+    return root
+
+
+def enter_root(root: str, detach: tuple[str, ...] = ()) -> None:
+    """`pivot_root` into the tree `assemble_root` built, drop the old root (and the mounts in
+    `detach`, paths in the new root), make `/` read-only."""
     _ok(
         _libc.syscall(
             155 if os.uname().machine == "x86_64" else 41, root.encode(), (root + "/.old").encode()
@@ -177,8 +192,9 @@ def build_root(ro_paths: list[str], uids: list[int], init_uid: int) -> None:
         "pivot_root",
     )
     os.chdir("/")
-    _ok(_libc.umount2(b"/.old", MNT_DETACH), "umount old root")
-    os.rmdir("/.old")
+    for path in ("/.old", *detach):
+        _ok(_libc.umount2(path.encode(), MNT_DETACH), f"umount {path}")
+        os.rmdir(path)
     _mount(None, "/", None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
 
 

@@ -166,6 +166,48 @@ class ForkServerLauncher:
             self.proc.wait()
 
 
+def bwrap_jail(bwrap: str, ro_paths: list[str]) -> list[str]:
+    """bubblewrap's arguments for the jail every job and session shares: all namespaces, no
+    capabilities, a clean environment, the host's /usr and /lib* and `ro_paths` read-only, /proc
+    and /dev; the caller adds /tmp (and a session its /workspace), then the command."""
+    argv = [
+        bwrap,
+        "--unshare-all",
+        "--die-with-parent",
+        "--new-session",
+        *(["--unshare-user", "--uid", "65534", "--gid", "65534"] if os.geteuid() == 0 else []),
+        "--cap-drop",
+        "ALL",
+        "--clearenv",
+        "--hostname",
+        "sandbox",
+    ]
+    for k, v in CLEAN_ENV.items():
+        argv += ["--setenv", k, v]
+    for name in ("usr", "bin", "lib", "lib32", "lib64", "libx32", "sbin"):
+        host = "/" + name
+        if os.path.islink(host):
+            argv += ["--symlink", os.readlink(host), host]
+        elif os.path.isdir(host):
+            argv += ["--ro-bind", host, host]
+    for p in ro_paths:
+        argv += ["--ro-bind-try", p, p]
+    for p in ("/etc/ld.so.cache", "/etc/localtime"):
+        argv += ["--ro-bind-try", p, p]
+    return argv + ["--proc", "/proc", "--dev", "/dev"]
+
+
+def python_paths(python: str) -> list[str]:
+    """The directories an interpreter needs: its prefixes and its own directory."""
+    out = subprocess.run(
+        [python, "-I", "-c", "import sys; print(sys.prefix); print(sys.base_prefix)"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    return sorted({os.path.realpath(p) for p in out + [os.path.dirname(os.path.realpath(python))]})
+
+
 def _world_readable(path: str) -> bool:
     """True if any uid may execute `path` (every parent directory searchable by others)."""
     path = os.path.realpath(path)
@@ -220,60 +262,14 @@ class SubprocessLauncher:
             )
 
     def _bwrap_argv(self, lim: dict, probe: bool = False) -> list[str]:
-        argv = [
-            self.bwrap,
-            "--unshare-all",
-            "--die-with-parent",
-            "--new-session",
-            *(["--unshare-user", "--uid", "65534", "--gid", "65534"] if os.geteuid() == 0 else []),
-            "--cap-drop",
-            "ALL",
-            "--clearenv",
-            "--hostname",
-            "sandbox",
-        ]
-        for k, v in CLEAN_ENV.items():
-            argv += ["--setenv", k, v]
-        for name in ("usr", "bin", "lib", "lib32", "lib64", "libx32", "sbin"):
-            host = "/" + name
-            if os.path.islink(host):
-                argv += ["--symlink", os.readlink(host), host]
-            elif os.path.isdir(host):
-                argv += ["--ro-bind", host, host]
-        for p in self._python_paths() + self.cfg["ro_paths"]:
-            argv += ["--ro-bind-try", p, p]
-        for p in ("/etc/ld.so.cache", "/etc/localtime"):
-            argv += ["--ro-bind-try", p, p]
-        argv += [
-            "--size",
-            str(lim["disk_mb"] << 20),
-            "--perms",
-            "1777",
-            "--tmpfs",
-            "/tmp",
-            "--proc",
-            "/proc",
-            "--dev",
-            "/dev",
-            "--chdir",
-            "/tmp",
-        ]
+        argv = bwrap_jail(self.bwrap, python_paths(self.python) + self.cfg["ro_paths"])
+        argv += ["--size", str(lim["disk_mb"] << 20), "--perms", "1777", "--tmpfs", "/tmp"]
+        argv += ["--chdir", "/tmp"]
         if probe:
             return argv + ["--", self.python, "-I", "-c", "pass"]
         if self.seccomp:
             argv += ["--seccomp", "5"]
         return argv + ["--", self.python, "-I", "-c", self.runner_src]
-
-    def _python_paths(self) -> list[str]:
-        out = subprocess.run(
-            [self.python, "-I", "-c", "import sys; print(sys.prefix); print(sys.base_prefix)"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.split()
-        return sorted(
-            {os.path.realpath(p) for p in out + [os.path.dirname(os.path.realpath(self.python))]}
-        )
 
     async def launch(self, slot: int, lim: dict, fds: list[int]) -> dict:
         extra_fd = None

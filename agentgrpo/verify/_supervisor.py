@@ -40,34 +40,18 @@ from collections.abc import Callable
 try:
     from . import _runner
     from ._cgroups import Cgroups
+    from ._frames import pack, unpack
     from ._job import _classify, _Job
     from ._launchers import ForkServerLauncher, LaunchError, SubprocessLauncher
 except ImportError:  # started as a plain script: siblings are top-level modules
     import _runner
     from _cgroups import Cgroups
+    from _frames import pack, unpack
     from _job import _classify, _Job
     from _launchers import ForkServerLauncher, LaunchError, SubprocessLauncher
 
-_FRAME = struct.Struct("!II")  # total length after this word, header length
 CLEAN_ENV = _runner.CLEAN_ENV
-
-
-def pack(header: dict, blobs: list[bytes]) -> bytes:
-    """One frame: lengths, a JSON header (which lists the blob sizes), then the raw blobs."""
-    h = json.dumps(dict(header, blobs=[len(b) for b in blobs])).encode()
-    body_len = 4 + len(h) + sum(len(b) for b in blobs)
-    return b"".join([_FRAME.pack(body_len, len(h)), h, *blobs])
-
-
-def unpack(body: bytes) -> tuple[dict, list[bytes]]:
-    """Inverse of `pack`, given the frame without its first length word."""
-    (hlen,) = struct.unpack_from("!I", body)
-    header = json.loads(body[4 : 4 + hlen])
-    blobs, off = [], 4 + hlen
-    for n in header.pop("blobs"):
-        blobs.append(body[off : off + n])
-        off += n
-    return header, blobs
+__all__ = ["CLEAN_ENV", "Supervisor", "main", "pack", "unpack"]  # pack, unpack: `_frames.py`
 
 
 async def _readable(fd: int, timeout: float) -> bool:

@@ -67,6 +67,7 @@ from agentgrpo.verify.sandbox import (
     adefault_sandbox,
     default_sandbox,
 )
+from agentgrpo.verify.session import Session
 
 Outcome = Literal["passed", "failed", "error", "timeout", "not_run"]
 
@@ -240,6 +241,28 @@ async def arun_tests(
     spec, limits = _job(solution, tests, timeout_per_test_s, capture_bytes, limits, wall_per_test_s)
     res = await (sandbox or await adefault_sandbox()).arun(
         _HARNESS, files={"_spec.json": json.dumps(spec)}, limits=limits
+    )
+    return _score(res, tests)
+
+
+async def arun_tests_in_session(
+    session: Session,
+    tests: Sequence[str | IOTest],
+    *,
+    timeout_per_test_s: float = 3.0,
+    capture_bytes: int = 1 << 16,
+    wall_per_test_s: float | None = None,
+) -> CodeResult:
+    """`run_tests` inside a sandbox session, against the code of its /workspace: the tests import
+    it (the solution is empty), each in its own process with the same guards. For a repository's
+    hidden tests, run in a fresh fork holding the agent's source files (envs/repo_repair.py).
+    The session's call limits must admit the job (`SessionLimits.call_timeout_s`)."""
+    spec, limits = _job("", tests, timeout_per_test_s, capture_bytes, None, wall_per_test_s)
+    await session.write("_spec.json", json.dumps(spec))  # the harness reads it, then removes it
+    res = await session.exec(
+        [session.interpreter, "-c", _HARNESS],
+        timeout_s=limits.wall_s,
+        output_bytes=limits.output_bytes,
     )
     return _score(res, tests)
 

@@ -87,10 +87,13 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from agentgrpo.deadlines import waiting_for_capacity
+from agentgrpo.env.tool import to_user_thread
 from agentgrpo.types import InfrastructureError
 from agentgrpo.verify._local_client import _LocalClient
 from agentgrpo.verify._records import STATUSES, ExecResult, Limits, Status, sandbox_error
 from agentgrpo.verify._remote_client import _RemoteClient
+from agentgrpo.verify.session import Session, SessionLimits, WorkspaceMount
+from agentgrpo.verify.workspace import ForkMode, PreparedWorkspace, Workspace, WorkspaceStore
 
 # The public API of the sandbox; the records are defined in `_records.py` and re-exported here.
 __all__ = [
@@ -100,6 +103,9 @@ __all__ = [
     "Limits",
     "Sandbox",
     "SandboxConfig",
+    "Session",
+    "SessionLimits",
+    "Workspace",
     "SandboxUnavailable",
     "Status",
     "adefault_sandbox",
@@ -152,6 +158,17 @@ class SandboxConfig(BaseModel):
     start_timeout_s: float = Field(60.0, gt=0, description="how long a backend may take to start")
     busy_wait_s: float = Field(
         120.0, ge=0, description="remote: how long to keep retrying busy servers (429/503)"
+    )
+    fork: ForkMode = Field(
+        "overlay",
+        description="how a session forks a prepared workspace: overlay (copy-on-write), "
+        "hardlink (linked read-only files) or copy (docs/sandbox.md, Sessions)",
+    )
+    state_dir: str | None = Field(
+        None, description="where prepared workspaces and forks live (default: the temp dir)"
+    )
+    keep_prepared: int = Field(
+        16, ge=0, description="unused prepared workspaces kept (the most recently used)"
     )
 
 
@@ -212,6 +229,8 @@ class Sandbox:
                 f"unknown sandbox backend {backend!r}; choose from {BackendName.__args__}"
             )
         self.backend: str = self._impl.info["backend"]
+        self._workspaces: WorkspaceStore | None = None
+        self._store_lock = threading.Lock()
         atexit.register(self.close)
 
     def _auto(self) -> _LocalClient:
@@ -334,8 +353,93 @@ class Sandbox:
                 return res
         return res
 
+    # ---- sessions (verify/session.py, verify/workspace.py) --------------------------------------
+
+    async def session(
+        self, workspace: Workspace | None = None, *, limits: SessionLimits | None = None
+    ) -> Session:
+        """A session for one episode: a fork of `workspace` (prepared once, then cached by its
+        content) at /workspace, or an empty one, and a shell and a REPL that live until its
+        `close`. Needs the namespaces or bwrap backend (SandboxUnavailable otherwise; bwrap forks
+        by copying); a setup command that fails raises `WorkspaceSetupError`. Starting it runs in
+        a worker thread."""
+        return await to_user_thread(self.session_sync, workspace, limits=limits)
+
+    def session_sync(
+        self, workspace: Workspace | None = None, *, limits: SessionLimits | None = None
+    ) -> Session:
+        """`session` for code without an event loop (blocking)."""
+        limits = limits or SessionLimits()
+        if workspace is None:
+            return self._start_session(WorkspaceMount("empty"), limits, None, "empty")
+        store = self._store()
+        prepared = store.acquire(workspace)
+        try:
+            mount, remove_fork = store.mount(prepared)
+        except BaseException:
+            store.release(prepared)
+            raise
+
+        def done() -> None:
+            remove_fork()
+            store.release(prepared)
+
+        try:
+            session = self._start_session(mount, limits, prepared.checksum, prepared.fork)
+        except BaseException:
+            done()
+            raise
+        session._on_close = done
+        return session
+
+    def prepare(self, workspace: Workspace) -> PreparedWorkspace:
+        """Prepare `workspace` now (or find it prepared): its tree and checksum. Blocking."""
+        store = self._store()
+        prepared = store.acquire(workspace)
+        store.release(prepared)
+        return prepared
+
+    def _start_session(
+        self, mount: WorkspaceMount, limits: SessionLimits, checksum: str | None, fork: str
+    ) -> Session:
+        if self.backend not in ("namespaces", "bwrap"):
+            raise SandboxUnavailable(
+                f"sandbox sessions need the namespaces (root) or bwrap backend; this sandbox is "
+                f"{self.backend!r}"
+            )
+        return Session.start(
+            backend=self.backend,
+            python=self._impl.python,
+            ro_paths=self.config.ro_paths,
+            uid=self._session_uid(),
+            mount=mount,
+            limits=limits,
+            workspace_checksum=checksum,
+            fork=fork,
+            start_timeout_s=self.config.start_timeout_s,
+        )
+
+    def _session_uid(self) -> int:
+        """The uid a session's files belong to: under namespaces one past every supervisor's uid
+        block; under bwrap this process's own (bubblewrap maps the jail's user to it)."""
+        return self.config.uid_base + (1 << 24) if self.backend == "namespaces" else os.geteuid()
+
+    def _store(self) -> WorkspaceStore:
+        with self._store_lock:
+            if self._workspaces is None:
+                cfg = self.config
+                # bwrap: no overlay mount without root, and hard links would share inodes that
+                # the jail's user owns (and could chmod): a copy per session
+                fork = cfg.fork if self.backend == "namespaces" else "copy"
+                self._workspaces = WorkspaceStore(
+                    cfg.state_dir, fork, self._session_uid(), cfg.keep_prepared, self._start_session
+                )
+            return self._workspaces
+
     def close(self) -> None:
         self._impl.close()
+        if self._workspaces is not None:
+            self._workspaces.close()
 
     def __enter__(self) -> Sandbox:
         return self

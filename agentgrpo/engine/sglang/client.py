@@ -1,6 +1,7 @@
 """`SGLangEngine`: a client of SGLang's native `/generate` API, for one or many servers.
 
-`/generate` goes over aiohttp (`sglang_pool.py`), control calls and probes over httpx.
+`/generate` goes over aiohttp (`engine/pool.py`), control calls and probes over httpx; what does
+not depend on SGLang's protocol (clamping, resubmitting, pausing, resync) is `engine/remote.py`'s.
 
 Token in, token out: the client sends `input_ids` and reads the sampled ids and their logprobs from
 `meta_info.output_token_logprobs` (every SGLang version has it; `output_ids` is missing before
@@ -8,7 +9,7 @@ v0.5.0). It sends exactly the RL sampling settings of docs/serving.md and no
 other `sampling_params` key, because SGLang answers an unknown key with a 500.
 
 Decisions (docs/serving.md has the server side of each):
-- Balancing, failures and retries live in `sglang_pool.py`: least outstanding requests over the
+- Balancing, failures and retries live in `engine/pool.py`: least outstanding requests over the
   healthy servers, every turn of an episode on one server (`SamplingParams.session_id`, sticky
   routing); a failing server leaves the rotation and rejoins once healthy; a request that
   runs out of retries or of its deadline raises `EngineError`, never a made-up completion.
@@ -55,19 +56,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import sys
-import uuid
-from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from agentgrpo.engine.base import Completion, EngineError, SamplingParams
+from agentgrpo.engine.pool import ServerState, Wire
+from agentgrpo.engine.remote import RemoteEngine
 from agentgrpo.engine.sglang.config import SGLangConfig
 from agentgrpo.engine.sglang.nccl import NcclUpdates
-from agentgrpo.engine.sglang.pool import ServerPool, ServerState, _ContextLengthError
 from agentgrpo.engine.sglang.protocol import (  # noqa: F401 - re-exported: the client's public parsing API
     StreamFold,
     _version_tuple,
@@ -83,8 +80,21 @@ from agentgrpo.engine.sglang.protocol import (  # noqa: F401 - re-exported: the 
 
 log = logging.getLogger(__name__)
 
+WIRE = Wire(
+    name="SGLang",
+    generate_path="/generate",
+    health_path="/health_generate",
+    request_id_key="rid",
+    error_message=error_message,
+    is_context_length_error=is_context_length_error,
+    not_ready_hint="A server answers 503 while it loads the model and refuses connections before "
+    "it binds; check its log for 'The server is fired up and ready to roll!' or raise "
+    "ready_timeout_s.",
+    new_stream=StreamFold,
+)
 
-class SGLangEngine(NcclUpdates):
+
+class SGLangEngine(RemoteEngine, NcclUpdates):
     """Client of one or more SGLang servers, implementing the `Engine` protocol.
 
     Example:
@@ -102,46 +112,14 @@ class SGLangEngine(NcclUpdates):
     `Authorization: Bearer`. Other keyword arguments are `SGLangConfig` fields.
     """
 
+    _window_slack = 1  # SGLang refuses prompt + max_new_tokens >= context_length
+
     def __init__(self, urls: Sequence[str], *, api_key: str | None = None, **settings: Any) -> None:
-        self.config = SGLangConfig(urls=list(urls), **settings)
-        headers = {"Content-Type": "application/json"}
-        if api_key:
-            headers["Authorization"] = f"Bearer {api_key}"
-        # balancing, health and retries; a returning server must pass `_resync` to rejoin
-        self._pool = ServerPool(self.config, headers, resync=self._resync)
-        self._resumed = asyncio.Event()
-        self._resumed.set()
-        self._epoch = 0  # bumped by every pause; lets generate() tell our aborts from others
-        self._update_lock = asyncio.Lock()
-        self._weight_version: str | None = None  # last pushed version (also the fallback for
-        # servers without meta weight_version); a returning server must serve it to rejoin
-        self._last_disk_update: dict[str, Any] | None = None  # replayed on returning servers
-        self._update_targets: list[ServerState] | None = None
-        self._released: list[ServerState] | None = None  # servers whose memory release_memory freed
+        config = SGLangConfig(urls=list(urls), **settings)
+        super().__init__(config, api_key, WIRE)
+        self.config: SGLangConfig = config
         self._memory_saver: set[str] = set()  # urls seen with --enable-memory-saver
         self._stale_cache: set[str] = set()  # urls that could not flush under a retract pause
-        self._context_length = (
-            self.config.context_length
-        )  # smallest window known, see the module doc
-
-    @classmethod
-    def from_config(cls, cfg: SGLangConfig) -> SGLangEngine:
-        """Build from a validated config; the API key comes from the environment variable."""
-        api_key = os.environ.get(cfg.api_key_env) if cfg.api_key_env else None
-        return cls(cfg.urls, api_key=api_key, **cfg.model_dump(exclude={"urls"}))
-
-    async def __aenter__(self) -> SGLangEngine:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
-
-    async def aclose(self) -> None:
-        await self._pool.aclose()
-
-    def servers(self) -> list[ServerState]:
-        """A snapshot of every server's state (for logs and metrics)."""
-        return [ServerState(**vars(s)) for s in self._pool.servers]
 
     # -- readiness ---------------------------------------------------------------------------
 
@@ -201,13 +179,6 @@ class SGLangEngine(NcclUpdates):
             ctx,
         )
 
-    def _learn_context_length(self, ctx: int | None) -> bool:
-        """Keep the smallest context window seen; True when `ctx` lowered it."""
-        if ctx is None or (self._context_length is not None and ctx >= self._context_length):
-            return False
-        self._context_length = ctx
-        return True
-
     # -- generation --------------------------------------------------------------------------
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
@@ -215,92 +186,45 @@ class SGLangEngine(NcclUpdates):
 
         `max_new_tokens` is clamped to the servers' context window (see the module docstring).
         """
-        if not prompt_ids:
-            raise ValueError("prompt_ids is empty (SGLang rejects empty input_ids)")
         if params.seed is not None:
             self._check_seed_support()
+        return await super().generate(prompt_ids, params)
+
+    async def _send(
+        self, prompt_ids: list[int], params: SamplingParams, max_new: int
+    ) -> Completion:
+        stream = self.config.partial_rollouts  # the version of every chunk, see above
         body: dict[str, Any] = {
             "rid": "",
             "input_ids": prompt_ids,
-            "sampling_params": None,
+            "sampling_params": sampling_body(params, max_new),
             "return_logprob": True,
             "logprob_start_len": -1,
-            "stream": self.config.partial_rollouts,  # the version of every chunk, see above
+            "stream": stream,
         }
-        sid = params.session_id  # sticky routing (sglang_pool.py); never sent to SGLang
-        while True:
-            max_new, ctx = params.max_new_tokens, self._context_length
-            if ctx is not None:
-                max_new = min(max_new, ctx - len(prompt_ids) - 1)
-                if max_new < 1:
-                    return Completion(
-                        [],
-                        [],
-                        "length",
-                        self._weight_version,
-                        detail=f"context length: the prompt has {len(prompt_ids)} tokens and the "
-                        f"servers' context length is {ctx}; no room for a new token",
-                    )
-            body["sampling_params"] = sampling_body(params, max_new)
-            await self._resumed.wait()
-            epoch = self._epoch
-            fold: StreamFold | None = None
-            try:
-                if body["stream"]:
-                    fold = await self._pool.post_generate_stream(body, session_id=sid)
-                else:
-                    raw = await self._pool.post_generate(body, session_id=sid)
-            except _ContextLengthError as e:
-                learned = self._learn_context_length(context_length_of(str(e)))
-                if learned and len(prompt_ids) + 1 < (self._context_length or 0):
-                    continue  # the window is known now: sent again, clamped to it
-                return Completion(
-                    [], [], "length", self._weight_version, detail=f"context length: {e}"
-                )
-            if fold is not None:
-                raw = fold.output()
-            c = parse_generate_output(raw, weight_version=self._weight_version)
-            if c.finish_reason == "abort" and (epoch != self._epoch or not self._resumed.is_set()):
-                continue  # aborted by our own weight-update pause: resubmit under the new weights
-            if fold is not None and len(runs := fold.version_runs(self._weight_version)) > 1:
-                c.version_runs = runs
-            return c
+        sid = params.session_id  # sticky routing (engine/pool.py); never sent to SGLang
+        if not stream:
+            raw = await self._pool.post_generate(body, session_id=sid)
+            return parse_generate_output(raw, weight_version=self._weight_version)
+        fold = await self._pool.post_generate_stream(body, session_id=sid)
+        assert isinstance(fold, StreamFold)
+        c = parse_generate_output(fold.output(), weight_version=self._weight_version)
+        if len(runs := fold.version_runs(self._weight_version)) > 1:
+            c.version_runs = runs
+        return c
 
-    async def score(
-        self, prompt_ids: list[int], completion_ids: list[int], temperature: float = 1.0
-    ) -> list[float]:
-        """Logprobs of `completion_ids` after `prompt_ids`, from the prompt logprobs of one server
-        (the balancer picks it; `score_each` asks every server).
+    def _context_length_of(self, message: str) -> int | None:
+        return context_length_of(message)
 
-        At temperature 1 every SGLang version returns plain log_softmax(logits); other
-        temperatures depend on the server version.
-        """
-        body = score_body(prompt_ids, completion_ids, temperature)
-        await self._resumed.wait()
-        return score_result(await self._pool.post_generate(body), body)
+    # At temperature 1 every SGLang version returns plain log_softmax(logits) as prompt logprobs;
+    # other temperatures depend on the server version.
+    def _score_body(
+        self, prompt_ids: list[int], completion_ids: list[int], temperature: float
+    ) -> dict[str, Any]:
+        return {**score_body(prompt_ids, completion_ids, temperature), "rid": ""}
 
-    async def score_each(
-        self, prompt_ids: list[int], completion_ids: list[int], temperature: float = 1.0
-    ) -> dict[str, list[float]]:
-        """`score` on every server in rotation, by URL. Verifying a weight sync needs this: any
-        server may have acknowledged an update and kept its old weights, and `score` would look
-        at one only. No retries: a server that cannot score is an `EngineError` naming it."""
-        body = score_body(prompt_ids, completion_ids, temperature)
-        await self._resumed.wait()
-        servers = self._in_rotation()
-
-        async def one(s: ServerState) -> list[float]:
-            r = await self._control(
-                s,
-                "POST",
-                "/generate",
-                {**body, "rid": uuid.uuid4().hex},
-                timeout=self.config.request_timeout_s,
-            )
-            return score_result(ServerPool._decode_output(s.url, r.content), body)
-
-        results = await asyncio.gather(*(one(s) for s in servers))
-        return {s.url: lps for s, lps in zip(servers, results, strict=True)}
+    def _score_result(self, raw: dict[str, Any], body: dict[str, Any], start: int) -> list[float]:
+        return score_result(raw, body)  # the body's logprob_start_len says where
 
     def _check_seed_support(self) -> None:
         for s in self._pool.servers:
@@ -312,100 +236,19 @@ class SGLangEngine(NcclUpdates):
 
     # -- control and weight updates ----------------------------------------------------------
 
-    async def _resync(self, s: ServerState) -> str:
-        """Before a returning server rejoins: check that it serves the current weights, and
-        reload the last disk checkpoint if it does not (it missed an update, or restarted).
-        Returns "" when it may rejoin, else why not.
+    async def _server_weight_version(self, s: ServerState) -> str | None:
+        r = await self._control(s, "GET", "/model_info", allow_404=True)
+        if r is None:  # old servers only have /get_model_info
+            r = await self._control(s, "GET", "/get_model_info")
+        return r.json().get("weight_version")
 
-        Under the update lock: while an update runs, `_weight_version` is still the version being
-        replaced and the update's servers are already chosen, so a server checked then would
-        rejoin with weights the update never reached. It waits for the update and is checked
-        against the new version (and an update waits for a replay in progress)."""
-        async with self._update_lock:
-            if self._weight_version is None:
-                return ""
-            if self._released is not None:  # its weights may be released too: no update now
-                return "the servers' memory is released while the learner trains; it rejoins after"
-            try:
-                r = await self._control(s, "GET", "/model_info")
-                if r.json().get("weight_version") == self._weight_version:
-                    return ""
-                if self._last_disk_update is None:
-                    return (
-                        f"serves weight version {r.json().get('weight_version')!r}, not "
-                        f"{self._weight_version!r}, and the last update was not from disk"
-                    )
-                await self._control(
-                    s,
-                    "POST",
-                    "/update_weights_from_disk",
-                    self._last_disk_update,
-                    timeout=self.config.weight_update_timeout_s,
-                )
-            except EngineError as e:  # it stays out of rotation and is probed again later
-                return f"could not bring it to weight version {self._weight_version}: {e}"
-            log.warning("SGLang server %s reloaded weight version %s", s.url, self._weight_version)
-            return ""
-
-    async def _control(
-        self,
-        s: ServerState,
-        method: str,
-        path: str,
-        payload: Any = None,
-        *,
-        timeout: float | None = None,
-        allow_404: bool = False,
-        tolerate: tuple[int, ...] = (),
-    ) -> httpx.Response | None:
-        """One control call to one server; raises `EngineError` on anything but 2xx and the
-        statuses in `tolerate` (returned like a 2xx)."""
-        timeout = self.config.connect_timeout_s + 30.0 if timeout is None else timeout
-        try:
-            r = await self._pool.client.request(
-                method,
-                f"{s.url}{path}",
-                json=payload,
-                timeout=httpx.Timeout(timeout, connect=self.config.connect_timeout_s),
-            )
-        except httpx.HTTPError as e:  # network boundary: name the server and the call
-            raise EngineError(f"{s.url}{path} failed: {type(e).__name__}: {e}") from e
-        if allow_404 and r.status_code == 404:
-            return None
-        if not 200 <= r.status_code < 300 and r.status_code not in tolerate:
-            raise EngineError(
-                f"{s.url}{path} answered HTTP {r.status_code}: {error_message(r.content)}"
-            )
-        return r
-
-    def _in_rotation(self) -> list[ServerState]:
-        """The servers a control call goes to: those of the update in progress, else the healthy
-        ones. Servers out of rotation catch up when they return (`_resync`)."""
-        servers = self._update_targets or [s for s in self._pool.servers if s.healthy]
-        if not servers:
-            raise EngineError(
-                "no SGLang server in rotation: "
-                + "; ".join(f"{s.url}: {s.last_error}" for s in self._pool.servers)
-            )
-        return servers
-
-    async def _all(self, method: str, path: str, payload: Any = None, **kw: Any) -> list[Any]:
-        return await self._each(self._in_rotation(), method, path, payload, **kw)
-
-    async def _each(
-        self,
-        servers: Sequence[ServerState],
-        method: str,
-        path: str,
-        payload: Any = None,
-        *,
-        return_exceptions: bool = False,
-        **kw: Any,
-    ) -> list[Any]:
-        """The same control call to each of `servers`, concurrently."""
-        return await asyncio.gather(
-            *(self._control(s, method, path, payload, **kw) for s in servers),
-            return_exceptions=return_exceptions,
+    async def _replay(self, s: ServerState) -> None:
+        await self._control(
+            s,
+            "POST",
+            "/update_weights_from_disk",
+            self._last_disk_update,
+            timeout=self.config.weight_update_timeout_s,
         )
 
     async def flush_cache(self, timeout_s: float | None = None) -> None:
@@ -426,46 +269,18 @@ class SGLangEngine(NcclUpdates):
 
         await asyncio.gather(*(one(s) for s in self._in_rotation()))
 
-    @asynccontextmanager
-    async def paused(self, *, every_server: bool = False) -> AsyncIterator[None]:
-        """Pause generation on the servers in rotation (in-flight requests are aborted and later
-        resubmitted by this client; kept with `partial_rollouts`), flush their cache, run the body
-        (the update), and always continue generation. New generate() calls wait meanwhile.
+    async def _pause(self, servers: list[ServerState]) -> None:
+        """SGLang's pause: mode retract with partial rollouts (the requests stay), else abort (this
+        client sends them again); then flush the prefix cache (see the module docstring)."""
+        if self.config.partial_rollouts:
+            await self._each(servers, "POST", "/pause_generation", {"mode": "retract"})
+            await self._flush_under_retract(servers)
+        else:
+            await self._each(servers, "POST", "/pause_generation", {"mode": "abort"})
+            await self.flush_cache()
 
-        `every_server=True` is for an update that must reach every server (NCCL): servers out of
-        rotation are probed at once (they rejoin if healthy and on the current version), and
-        `EngineError` names those still out before anything is paused."""
-        if every_server:  # before the lock: a returning server's `_resync` takes it
-            await self._pool.reprobe([s for s in self._pool.servers if not s.healthy])
-        async with self._update_lock:
-            if self._released is not None:
-                raise EngineError(
-                    "weights pushed while the SGLang servers' memory is released: "
-                    "call resume_memory() first (the update would write into freed memory)"
-                )
-            targets = self._in_rotation()
-            if every_server:
-                self._require_every_server(targets)
-            self._update_targets = targets
-            self._resumed.clear()
-            self._epoch += 1
-            try:
-                if self.config.partial_rollouts:
-                    await self._all("POST", "/pause_generation", {"mode": "retract"})
-                    await self._flush_under_retract(targets)
-                else:
-                    await self._all("POST", "/pause_generation", {"mode": "abort"})
-                    await self.flush_cache()
-                yield
-            finally:
-                results = await self._each(
-                    self._update_targets, "POST", "/continue_generation", {}, return_exceptions=True
-                )
-                self._update_targets = None
-                self._resumed.set()
-                failed = [r for r in results if isinstance(r, BaseException)]
-                if failed and sys.exc_info()[0] is None:  # don't hide the body's own error
-                    raise failed[0]
+    async def _continue(self, servers: list[ServerState]) -> list[Any]:
+        return await self._each(servers, "POST", "/continue_generation", {}, return_exceptions=True)
 
     async def _flush_under_retract(self, servers: list[ServerState]) -> None:
         """Flush the cache of servers paused in mode retract, once each (the requests they park
@@ -554,18 +369,6 @@ class SGLangEngine(NcclUpdates):
                 )
             self._memory_saver.add(s.url)
 
-    async def update_weights(self, weights: Any, *, version: str) -> None:
-        """`Engine` protocol: `weights` must be a directory of safetensors files every server can
-        read. An in-memory state dict cannot travel over HTTP: use
-        `agentgrpo.engine.weight_sync`."""
-        if isinstance(weights, str | os.PathLike):
-            await self.update_weights_from_disk(weights, version=version)
-            return
-        raise TypeError(
-            "SGLangEngine.update_weights takes a path to a safetensors directory; for a state "
-            "dict use agentgrpo.engine.weight_sync.WeightSync (disk or distributed method)"
-        )
-
     async def update_weights_from_disk(self, path: str | os.PathLike[str], version: str) -> None:
         """Load new weights on every server from `path` (same path on every machine) and set the
         weight version that later completions carry."""
@@ -578,14 +381,3 @@ class SGLangEngine(NcclUpdates):
                 timeout=self.config.weight_update_timeout_s,
             )
         self._weight_version, self._last_disk_update = str(version), body  # replayed unpaused
-
-    async def weight_versions(self) -> dict[str, str | None]:
-        """The weight version of each server in rotation, from `/model_info` (`/get_model_info`
-        on old servers)."""
-        out: dict[str, str | None] = {}
-        for s in self._in_rotation():
-            r = await self._control(s, "GET", "/model_info", allow_404=True)
-            if r is None:
-                r = await self._control(s, "GET", "/get_model_info")
-            out[s.url] = r.json().get("weight_version")
-        return out

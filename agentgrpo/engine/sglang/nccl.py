@@ -13,40 +13,11 @@ because it is a stage of its own (process-group setup and collectives), not requ
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
 from typing import Any
-
-from agentgrpo.engine.base import EngineError
-from agentgrpo.engine.sglang.pool import ServerState
 
 
 class NcclUpdates:
     """Weight updates by broadcast from the trainer (see the module docstring)."""
-
-    def _require_every_server(self, servers: Sequence[ServerState]) -> None:
-        """Raise `EngineError` naming the servers of the pool that are not in `servers`."""
-        urls = {s.url for s in servers}
-        missing = [s for s in self._pool.servers if s.url not in urls]
-        if missing:
-            raise EngineError(
-                "an NCCL weight update needs every server of the weight-update group (a broadcast "
-                "completes only when every rank joins), and "
-                + "; ".join(f"{s.url} is out of rotation ({s.last_error})" for s in missing)
-                + ". A server that restarted has left the group: start the run again (it resumes "
-                "from its last checkpoint and creates the group anew) or sync from disk."
-            )
-
-    async def gpus_per_server(self) -> list[int]:
-        """TP size of each server, in `urls` order: the ranks each joins in the NCCL group."""
-        for s in self._pool.servers:
-            if s.tp_size is None:
-                await self._read_server_info(s)
-        bad = [s.url for s in self._pool.servers if s.dp_size != 1]
-        if bad:
-            raise EngineError(
-                f"NCCL weight sync needs dp_size == 1 (or DP attention); not so on {bad}"
-            )
-        return [int(s.tp_size or 1) for s in self._pool.servers]
 
     async def init_weights_update_group(
         self, *, master_address: str, master_port: int, group_name: str, backend: str = "nccl"

@@ -1,6 +1,6 @@
 """SGLang's `/generate` wire format as pure functions: request bodies in, `Completion`s out.
 
-Split from the client (`sglang.py`: requests and weight updates; `sglang_pool.py`: balancing and
+Split from the client (`client.py`: requests and weight updates; `engine/pool.py`: balancing and
 retries) so the protocol can be read and tested on its own. Every response shape in
 `tests/data/sglang/` (old and new versions) is parsed here; see docs/serving.md
 for what each field means.
@@ -8,12 +8,12 @@ for what each field means.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Mapping
 from typing import Any
 
 from agentgrpo.engine.base import Completion, EngineError, SamplingParams
+from agentgrpo.engine.pool import error_message  # noqa: F401 - SGLang's error bodies are read so
 
 _FINISH_TYPES = frozenset({"stop", "length", "abort"})
 # "... the model's maximum context length of {C} tokens ..." (prompt + max_new_tokens) and
@@ -158,23 +158,6 @@ def parse_generate_response(body: Any, *, weight_version: str | None = None) -> 
     if not all(isinstance(i, Mapping) for i in items):
         raise EngineError(f"unexpected SGLang /generate body of type {type(body).__name__}")
     return [parse_generate_output(i, weight_version=weight_version) for i in items]
-
-
-def error_message(body: bytes) -> str:
-    """The human message of an SGLang error body, whichever of its shapes it has."""
-    try:
-        obj = json.loads(body)
-    except ValueError:
-        return body.decode("utf-8", "replace").strip()[:500]
-    if isinstance(obj, Mapping):
-        err = obj.get("error")
-        if isinstance(err, Mapping) and "message" in err:
-            return str(err["message"])
-        if isinstance(err, str):
-            return err
-        if "message" in obj:
-            return str(obj["message"])
-    return str(obj)[:500]
 
 
 def is_context_length_error(message: str) -> bool:

@@ -1,11 +1,14 @@
-"""The server pool of `SGLangEngine`: which server a request goes to, and which are in rotation.
+"""The server pool shared by the clients of inference servers (SGLang, vLLM): which server a request
+goes to, and which servers are in rotation.
 
-`sglang.py` decides what to ask the servers (generate, score, weight updates) and how to read the
-answers; this module decides where a `/generate` request goes, how many run at once and what
-happens when a server fails. It keeps the state of each server (`ServerState`) and the clients
-that reach them: `/generate` goes over one aiohttp session per server (keep-alive connections,
-C-accelerated HTTP parsing; httpx costs many times its CPU per request, see docs/performance.md),
-health probes and the engine's control calls over one httpx client.
+The engine clients (`sglang/client.py`, `vllm/client.py`) decide what to ask the servers (generate,
+score, weight updates) and how to read the answers; this module decides where a generate request
+goes, how many run at once and what happens when a server fails. What differs between the engines'
+protocols (paths, the request-id key, error bodies) comes in a `Wire`, one per engine. It keeps
+the state of each server (`ServerState`) and the clients that reach them: generate requests go
+over one aiohttp session per server (keep-alive connections, C-accelerated HTTP parsing; httpx
+costs many times its CPU per request, see docs/performance.md), health probes and the engine's
+control calls over one httpx client.
 
 Decisions (docs/serving.md has the server side of each):
 - Balancing: least outstanding requests over the healthy servers, at most `max_inflight_per_server`
@@ -21,16 +24,17 @@ Decisions (docs/serving.md has the server side of each):
   an error).
 - Failures: transport errors, 5xx and 429 take the server out of rotation and retry the request on
   another one with exponential backoff, all within one per-request deadline. A server taken out is
-  re-probed on `/health_generate` and comes back when it answers 200. Every attempt gets a fresh
-  rid (a retried request may still be running on the old server and SGLang rejects duplicate rids).
-  On `/generate` (aiohttp) a transport failure is: `aiohttp.ConnectionTimeoutError` (no connection
-  within connect_timeout_s: server out, retry), `TimeoutError` (the request's deadline is spent:
-  `EngineError`), `aiohttp.ClientConnectionError` (refused, reset, closed mid-answer: server out,
-  retry), `ClientPayloadError` / `ClientResponseError` (a cut or malformed answer: the same).
-  When retries or the deadline run out the call raises `EngineError`: the rollout records an
+  re-probed on its health path (`Wire.health_path`) and comes back when it answers 200. Every
+  attempt gets a fresh request id (a retried request may still be running on the old server, and
+  both engines refuse or confuse duplicate ids).
+  On a generate request (aiohttp) a transport failure is: `aiohttp.ConnectionTimeoutError` (no
+  connection within connect_timeout_s: server out, retry), `TimeoutError` (the request's deadline
+  is spent: `EngineError`), `aiohttp.ClientConnectionError` (refused, reset, closed mid-answer:
+  server out, retry), `ClientPayloadError` / `ClientResponseError` (a cut or malformed answer: the
+  same). When retries or the deadline run out the call raises `EngineError`: the rollout records an
   ENGINE_ERROR trajectory, it never sees a made-up completion.
 - A returning server must also pass the engine's `resync` (serve the current weight version, see
-  `SGLangEngine._resync`) before it rejoins; the weight logic stays in `sglang.py`.
+  `RemoteEngine._resync`) before it rejoins; the weight logic stays in the engine clients.
 - Callers waiting for a slot sleep until a slot frees, a probe ends (it wakes them, whatever its
   outcome) or the next probe of a server out of rotation is due; never in a polling loop, even
   while a probe hangs for its whole timeout.
@@ -39,37 +43,78 @@ Decisions (docs/serving.md has the server side of each):
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import uuid
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import aiohttp
 import httpx
 import orjson
 
 from agentgrpo.engine.base import EngineError
-from agentgrpo.engine.sglang.protocol import StreamFold, error_message, is_context_length_error
 
-if TYPE_CHECKING:  # sglang.py imports this module; only the annotation needs the config
-    from agentgrpo.engine.sglang.config import SGLangConfig
+if TYPE_CHECKING:  # only the annotation needs the config
+    from agentgrpo.engine.pool_config import PoolConfig
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
 _RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
-# Idle /generate connections are closed by the client after this long, before uvicorn (SGLang's
-# server) closes them after its 5 s keep-alive timeout: a POST is not retried by aiohttp on a
+# Idle generate connections are closed by the client after this long, before uvicorn (SGLang's and
+# vLLM's server) closes them after its 5 s keep-alive timeout: a POST is not retried by aiohttp on a
 # connection that the server closed under it, it would take the server out of rotation.
 _KEEPALIVE_S = 4.0
-# A transport failure of /generate: refused, reset or dropped connection, cut or malformed answer.
+# A transport failure of a generate request: refused, reset or dropped connection, cut or malformed
+# answer.
 _TRANSPORT_ERRORS = (
     aiohttp.ClientConnectionError,
     aiohttp.ClientPayloadError,
     aiohttp.ClientResponseError,
 )
+
+
+class StreamReader(Protocol):
+    """Folds the chunks of one streamed generate request (`Wire.new_stream`)."""
+
+    def feed(self, chunk: Mapping[str, Any]) -> None: ...
+
+
+@dataclass(frozen=True)
+class Wire:
+    """What the pool needs to know of one engine's HTTP protocol (one per engine, next to its
+    client): where requests and health probes go, how errors read."""
+
+    name: str  # in messages and logs: "SGLang", "vLLM"
+    generate_path: str  # where generate requests are POSTed
+    health_path: str  # GET: 200 once the server can generate
+    request_id_key: str  # body key of the request id, fresh per attempt
+    error_message: Callable[[bytes], str]  # the human message of an error body
+    is_context_length_error: Callable[[str], bool]  # the 400 that becomes a `length` Completion
+    not_ready_hint: str = ""  # appended to wait_ready's error
+    new_stream: Callable[[], StreamReader] | None = None  # streamed requests' chunk folder
+
+
+def error_message(body: bytes) -> str:
+    """The human message of a server's error body: OpenAI's `{"error": {"message"}}` (vLLM, SGLang),
+    `{"error": "..."}`, FastAPI's `{"message"}`/`{"detail"}`, or the text itself."""
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return body.decode("utf-8", "replace").strip()[:500]
+    if isinstance(obj, Mapping):
+        err = obj.get("error")
+        if isinstance(err, Mapping) and "message" in err:
+            return str(err["message"])
+        if isinstance(err, str):
+            return err
+        for key in ("message", "detail"):
+            if key in obj:
+                return str(obj[key])
+    return str(obj)[:500]
 
 
 @dataclass
@@ -85,17 +130,17 @@ class ServerState:
     retry_at: float = 0.0  # loop time of the next health probe while unhealthy
     probe_delay: float = 0.0  # current probe backoff while unhealthy
     probing: bool = False
-    version: str | None = None  # SGLang version from /server_info, once known
+    version: str | None = None  # the server's version, once known
     tp_size: int | None = None  # GPUs it contributes to the NCCL weight-update group
     dp_size: int = 1
 
 
 class _ContextLengthError(EngineError):
-    """Internal: SGLang's 400 for a prompt that does not fit; becomes a `length` Completion."""
+    """Internal: the server's 400 for a prompt that does not fit; becomes a `length` Completion."""
 
 
 class ServerPool:
-    """The servers of one `SGLangEngine`: balancing, health probes and retries of `/generate`.
+    """The servers of one engine client: balancing, health probes and retries of generate requests.
 
     `post_generate` sends a request to the least loaded healthy server and retries it elsewhere;
     `client` carries the engine's control calls and the health probes; `servers` holds what is
@@ -104,11 +149,13 @@ class ServerPool:
 
     def __init__(
         self,
-        config: SGLangConfig,
+        config: PoolConfig,
         headers: dict[str, str],
         resync: Callable[[ServerState], Awaitable[str]],
+        wire: Wire,
     ) -> None:
         self.config = config
+        self.wire = wire
         cfg = config
         self.servers = [ServerState(url=u) for u in cfg.urls]  # updated in place
         for k, v in headers.items():  # an API key read from a file may end in a newline
@@ -117,7 +164,7 @@ class ServerPool:
         self._headers = headers
         self._ssl = httpx.create_ssl_context()  # one context for every client (costly to build)
         self.client = self._new_client(4 * len(self.servers))  # control calls and probes
-        # the /generate sessions of each server, made in the event loop that first uses them
+        # the generate sessions of each server, made in the event loop that first uses them
         self._sessions: dict[str, aiohttp.ClientSession] = {}
         self._sessions_loop: asyncio.AbstractEventLoop | None = None
         # callers waiting for a slot, each with the server its session is pinned to (or None)
@@ -139,7 +186,7 @@ class ServerPool:
         )
 
     def _session(self, url: str) -> aiohttp.ClientSession:
-        """The `/generate` session of the server at `url`: up to `max_inflight_per_server`
+        """The generate session of the server at `url`: up to `max_inflight_per_server`
         keep-alive connections. aiohttp binds a session to an event loop, so a new loop (another
         `asyncio.run`) gets new sessions; the old loop's idle connections cannot be closed from
         the new one and are left to the garbage collector (a ResourceWarning each)."""
@@ -170,7 +217,7 @@ class ServerPool:
         await asyncio.gather(self.client.aclose(), *(s.close() for s in sessions.values()))
 
     async def wait_ready(self, timeout_s: float | None = None) -> None:
-        """Wait until every server answers 200 on `/health_generate`; then all are healthy.
+        """Wait until every server answers 200 on its health path; then all are healthy.
 
         Raises `EngineError` naming each server that was not ready and what it last answered.
         """
@@ -189,20 +236,18 @@ class ServerPool:
             if loop.time() >= deadline:
                 detail = "; ".join(f"{s.url}: {last[s.url]}" for s in pending)
                 raise EngineError(
-                    f"SGLang server(s) not ready after {timeout_s:.0f}s ({detail}). A server "
-                    "answers 503 while it loads the model and refuses connections before it "
-                    "binds; check its log for 'The server is fired up and ready to roll!' or "
-                    "raise ready_timeout_s."
+                    f"{self.wire.name} server(s) not ready after {timeout_s:.0f}s ({detail}). "
+                    f"{self.wire.not_ready_hint}"
                 )
             await asyncio.sleep(min(self.config.ready_poll_s, max(0.0, deadline - loop.time())))
         for s in self.servers:
             s.healthy, s.retry_at, s.probe_delay = True, 0.0, 0.0
 
     async def _probe_once(self, s: ServerState) -> str:
-        """One GET /health_generate; returns "" when healthy, else what went wrong."""
+        """One GET of the health path; returns "" when healthy, else what went wrong."""
         try:
             r = await self.client.get(
-                f"{s.url}/health_generate", timeout=self.config.connect_timeout_s + 20.0
+                f"{s.url}{self.wire.health_path}", timeout=self.config.connect_timeout_s + 20.0
             )
         except httpx.HTTPError as e:  # network boundary: a refused or dropped probe means "not yet"
             return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
@@ -213,15 +258,15 @@ class ServerPool:
     async def post_generate(
         self, body: dict[str, Any], *, session_id: str | None = None
     ) -> dict[str, Any]:
-        """POST /generate with balancing, retries and the deadline; returns the output object.
+        """POST a generate request with balancing, retries and the deadline; returns the output.
         `session_id`: the episode the request belongs to (sticky routing, module docstring)."""
         return await self._post(body, session_id, self._read_json)
 
     async def post_generate_stream(
         self, body: dict[str, Any], *, session_id: str | None = None
-    ) -> StreamFold:
-        """`post_generate` for a streamed request (`body["stream"]` true): the SSE chunks folded
-        into one output and the weight version of each sampled token (`StreamFold`). A stream cut
+    ) -> StreamReader:
+        """`post_generate` for a streamed request (`body["stream"]` true): the SSE chunks fed to a
+        fresh `Wire.new_stream()` (SGLang's `StreamFold`), returned at `[DONE]`. A stream cut
         before `[DONE]` is a transport failure (the server leaves the rotation, the request is
         retried); an error event is what a 400 is to `post_generate`."""
         return await self._post(body, session_id, self._read_sse)
@@ -240,7 +285,8 @@ class ServerPool:
         last_error = "no attempt made"
         while True:
             s = await self._acquire(deadline, last_error, session_id)
-            body["rid"] = uuid.uuid4().hex  # fresh per attempt: the old one may still be running
+            # fresh per attempt: the old one may still be running
+            body[self.wire.request_id_key] = uuid.uuid4().hex
             url = s.url
             content = orjson.dumps(body)  # the stdlib's json is slow on long token lists
             timeout = aiohttp.ClientTimeout(
@@ -248,7 +294,7 @@ class ServerPool:
             )
             try:
                 async with self._session(url).post(
-                    f"{url}/generate", data=content, timeout=timeout
+                    f"{url}{self.wire.generate_path}", data=content, timeout=timeout
                 ) as r:
                     status = r.status
                     if status == 200:
@@ -261,16 +307,16 @@ class ServerPool:
                 self._mark_unhealthy(s, f"connect timeout: {e}")
                 if loop.time() >= deadline:
                     raise EngineError(
-                        f"SGLang request did not finish within its {cfg.request_timeout_s:.0f}s "
-                        f"deadline (last: {last_error})"
+                        f"{self.wire.name} request did not finish within its "
+                        f"{cfg.request_timeout_s:.0f}s deadline (last: {last_error})"
                     ) from e
             except asyncio.TimeoutError as e:
                 # network boundary: the request's deadline is spent (the server may be busy, not
                 # down)
                 last_error = f"{url}: no answer within the deadline"
                 raise EngineError(
-                    f"SGLang request did not finish within its {cfg.request_timeout_s:.0f}s "
-                    f"deadline (last: {last_error})"
+                    f"{self.wire.name} request did not finish within its "
+                    f"{cfg.request_timeout_s:.0f}s deadline (last: {last_error})"
                 ) from e
             except _TRANSPORT_ERRORS as e:
                 # network boundary: refused / dropped connection, broken answer -> server out, retry
@@ -280,41 +326,50 @@ class ServerPool:
                 if status == 200:
                     s.completed += 1
                     return result
-                msg = error_message(answer)
-                if status == 400 and is_context_length_error(msg):
-                    raise _ContextLengthError(msg)
-                if status in (401, 403):
-                    raise EngineError(
-                        f"{url} refused the request with HTTP {status} ({msg}): the server runs "
-                        "with --api-key; pass api_key= (or set the variable named by api_key_env)"
-                    )
-                if status not in _RETRY_STATUS:
-                    raise EngineError(f"{url}/generate answered HTTP {status}: {msg}")
-                last_error = f"{url}: HTTP {status}: {msg}"
+                last_error = self._refused(url, status, answer)  # raises unless retryable
                 self._mark_unhealthy(s, last_error)
             finally:
                 self._release(s)  # also when the caller is cancelled mid-request
             attempt += 1
             if attempt > cfg.max_retries:
                 raise EngineError(
-                    f"SGLang request failed after {attempt} attempts (last: {last_error})"
+                    f"{self.wire.name} request failed after {attempt} attempts (last: {last_error})"
                 )
             delay = min(cfg.backoff_max_s, cfg.backoff_initial_s * 2 ** (attempt - 1))
             if loop.time() + delay >= deadline:
                 raise EngineError(
-                    f"SGLang request deadline of {cfg.request_timeout_s:.0f}s reached after "
-                    f"{attempt} attempts (last: {last_error})"
+                    f"{self.wire.name} request deadline of {cfg.request_timeout_s:.0f}s reached "
+                    f"after {attempt} attempts (last: {last_error})"
                 )
             await asyncio.sleep(delay)
 
-    async def _read_json(self, url: str, r: aiohttp.ClientResponse) -> dict[str, Any]:
-        return self._decode_output(url, await r.read())
+    def _refused(self, url: str, status: int, answer: bytes) -> str:
+        """What a non-200 answer means: raises `_ContextLengthError` (the prompt does not fit) or
+        `EngineError` (the request's fault, or the API key); returns the error of a retryable
+        status (5xx, 429)."""
+        msg = self.wire.error_message(answer)
+        if status == 400 and self.wire.is_context_length_error(msg):
+            raise _ContextLengthError(msg)
+        if status in (401, 403):
+            raise EngineError(
+                f"{url} refused the request with HTTP {status} ({msg}): the server runs "
+                "with --api-key; pass api_key= (or set the variable named by api_key_env)"
+            )
+        if status not in _RETRY_STATUS:
+            raise EngineError(f"{url}{self.wire.generate_path} answered HTTP {status}: {msg}")
+        return f"{url}: HTTP {status}: {msg}"
 
-    async def _read_sse(self, url: str, r: aiohttp.ClientResponse) -> StreamFold:
+    async def _read_json(self, url: str, r: aiohttp.ClientResponse) -> dict[str, Any]:
+        return self.decode_output(f"{url}{self.wire.generate_path}", await r.read())
+
+    async def _read_sse(self, url: str, r: aiohttp.ClientResponse) -> StreamReader:
         """Read the server-sent events of one streamed request: `data: <json>` events, each
         ended by a blank line, then `data: [DONE]`. Split here rather than by aiohttp's line
         reader, whose line limit (128 KiB) a cumulative chunk of a long completion exceeds."""
-        fold = StreamFold()
+        if self.wire.new_stream is None:
+            raise EngineError(f"{self.wire.name} requests are not streamed by this client")
+        fold = self.wire.new_stream()
+        where = f"{url}{self.wire.generate_path}"
         buf = bytearray()
         async for data in r.content.iter_any():
             start = max(0, len(buf) - 1)  # a separator may straddle two reads
@@ -324,34 +379,36 @@ class ServerPool:
                 del buf[: end + 2]
                 start = 0
                 if not event.startswith(b"data: "):
-                    continue  # SGLang sends data events only; anything else carries nothing
+                    continue  # data events only carry anything
                 payload = event[6:]
                 if payload == b"[DONE]":
                     return fold
                 try:
                     chunk = orjson.loads(payload)
                 except ValueError as e:  # trust boundary: a cut or foreign event
-                    raise EngineError(f"{url}/generate streamed invalid JSON: {e}") from e
+                    raise EngineError(f"{where} streamed invalid JSON: {e}") from e
                 if not isinstance(chunk, dict):
-                    raise EngineError(f"{url}/generate streamed {type(chunk).__name__} chunks")
+                    raise EngineError(f"{where} streamed {type(chunk).__name__} chunks")
                 if "error" in chunk:  # a validation error once the stream began (HTTP 200)
-                    msg = error_message(payload)
-                    if is_context_length_error(msg):
+                    msg = self.wire.error_message(payload)
+                    if self.wire.is_context_length_error(msg):
                         raise _ContextLengthError(msg)
-                    raise EngineError(f"{url}/generate failed in its stream: {msg}")
+                    raise EngineError(f"{where} failed in its stream: {msg}")
                 fold.feed(chunk)
         raise aiohttp.ClientPayloadError("the event stream ended before data: [DONE]")
 
     @staticmethod
-    def _decode_output(url: str, content: bytes) -> dict[str, Any]:
+    def decode_output(where: str, content: bytes) -> dict[str, Any]:
+        """The JSON object of a generate answer (a one-element list unwrapped); `where` names the
+        server and path in errors."""
         try:
             out = orjson.loads(content)
         except ValueError as e:  # trust boundary: a proxy's HTML page, a cut body
-            raise EngineError(f"{url}/generate returned invalid JSON: {e}") from e
+            raise EngineError(f"{where} returned invalid JSON: {e}") from e
         if isinstance(out, list) and len(out) == 1:
             out = out[0]
         if not isinstance(out, dict):
-            raise EngineError(f"{url}/generate returned {type(out).__name__}, not an object")
+            raise EngineError(f"{where} returned {type(out).__name__}, not an object")
         return out
 
     # -- balancing and health ----------------------------------------------------------------
@@ -405,7 +462,7 @@ class ServerPool:
                     for s in servers
                 )
                 raise EngineError(
-                    f"no SGLang server available before the request deadline: {states}; "
+                    f"no {self.wire.name} server available before the request deadline: {states}; "
                     f"last error: {last_error}"
                 )
             fut: asyncio.Future[None] = loop.create_future()
@@ -456,7 +513,7 @@ class ServerPool:
         s.failures += 1
         s.last_error = error
         if s.healthy:
-            log.warning("SGLang server %s taken out of rotation: %s", s.url, error)
+            log.warning("%s server %s taken out of rotation: %s", self.wire.name, s.url, error)
             s.healthy = False
             s.probe_delay = 0.0
             s.retry_at = asyncio.get_running_loop().time()  # first probe right away
@@ -481,7 +538,7 @@ class ServerPool:
             err = await self._probe_once(s) or await self._resync(s)
         except Exception as e:  # noqa: BLE001 - a probe task has no caller: record why, probe again later
             err = f"{type(e).__name__}: {e}"
-            log.warning("SGLang server %s: health probe failed: %s", s.url, err)
+            log.warning("%s server %s: health probe failed: %s", self.wire.name, s.url, err)
         finally:
             s.probing = False
             if err:
@@ -490,6 +547,6 @@ class ServerPool:
                 s.retry_at = asyncio.get_running_loop().time() + s.probe_delay
             else:
                 if not s.healthy:
-                    log.warning("SGLang server %s is healthy again", s.url)
+                    log.warning("%s server %s is healthy again", self.wire.name, s.url)
                 s.healthy, s.probe_delay = True, 0.0
             self._wake()  # waiters skip probing servers (see _acquire): they look again now
