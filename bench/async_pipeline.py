@@ -134,7 +134,10 @@ async def simulate(k: int, args: argparse.Namespace, workload: Workload) -> dict
             waited.append(time.perf_counter() - marks[-1][0])
             lags += [step - v for _, v in groups]
             await asyncio.sleep(args.train_s)
-            await pipe.settle(step + 1)  # as the training loop does before its push
+            if k == 1:  # as the training loop does before its push: the learner waits too
+                t_settle = time.perf_counter()
+                await pipe.settle(step + 1)
+                waited[-1] += time.perf_counter() - t_settle
             pipe.advance(step + 1)
     finally:
         await pipe.close()

@@ -137,10 +137,11 @@ class StalenessPipeline(Generic[T]):
 
     async def settle(self, step: int) -> None:
         """Wait until every group that step `step` must train (its deadline) has finished: call
-        it before the weights change for that step. Those groups hold the next step whatever
-        happens, so letting them finish under the weights they started with costs the learner at
-        most the push, and spares them a weight change mid-episode (an SGLang push without partial
-        rollouts aborts and resends their requests). At k = 1 that is every group in flight."""
+        it before the weights change for that step to spare them a weight change mid-episode (an
+        SGLang push without partial rollouts aborts and resends their requests). At k = 1 that is
+        every group in flight: the training loop settles there, so each group samples with one
+        version. At k >= 2 it would hold back admissions until the stragglers finish, which cost
+        throughput (docs/performance.md, the pipeline): the loop does not settle there."""
         while True:
             self._raise_if_failed()
             if all(t.finished for t in self.tickets if t.deadline <= step):

@@ -326,11 +326,13 @@ def run_step(run: Run, step: int) -> bool:
         run.pipeline.fence(step)
     metrics = dict(rollouts.metrics)
     metrics.update(train_update(run, update))
-    if run.pipeline is not None:  # the groups the next step cannot do without, before the push
+    if run.pipeline is not None and cfg.train.max_staleness == 1:
+        # the one-step loop: the next step's groups finish under one version before the push
+        # (exact resumes and deterministic runs); k >= 2 samples across it, keeping the engine busy
         run.progress.phase("drain")
         run.loop.run_until_complete(run.pipeline.settle(done))
     run.progress.phase("sync")
-    run.push_weights(done)  # with k >= 2 younger groups sample on, under the new weights
+    run.push_weights(done)  # with k >= 2 groups sample on, under the new weights
     run.steps_done = done
     if run.pipeline is not None:
         run.pipeline.advance(done)
