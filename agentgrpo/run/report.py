@@ -1,28 +1,18 @@
 """`agentgrpo report RUN_DIR`: one self-contained HTML file with a run's curves and trajectories.
 
-The report is written to `RUN_DIR/report.html` and its plots also as PNG files to `RUN_DIR/plots/`.
-It works on any run directory, including one still being written, a killed one, or one with no
-metrics or no trajectories: whatever is missing is named in a notice at the top instead of failing.
+The report is written to `RUN_DIR/report.html` and its plots also to `RUN_DIR/plots/*.png`. Any
+run directory works, one still being written or killed included: what is missing is named in a
+notice at the top instead of failing.
 
-Decisions:
-- Self-contained: plots are PNGs (matplotlib's Agg canvas, never pyplot, so the caller's backend
-  is untouched) embedded as data URIs; the CSS and the small filter script are inlined from
-  `template.html`. Nothing is fetched from the network, so a report can be mailed or
-  archived.
-- Trajectories are rendered as HTML on the server side (not built by script from embedded JSON), so
-  the viewer also works with scripts disabled and every piece of text passes through `html.escape`.
-- Curves come from `metrics.jsonl` (rows of the same step are merged: an eval row and a train row of
-  one step both count; a resumed run's repeated step keeps its last values). Per-trajectory spreads
-  (p10-p90 bands, stop reasons) come from all of `trajectories.jsonl`, read as a stream.
-- Size is bounded: at most `max_trajectories` trajectories are embedded, chosen from evenly spaced
-  steps (the last step always) and, within a step, spread over its reward range so the best and the
-  worst are both shown; each shows at most `max_tokens` tokens (its head and its tail) and messages
-  of at most `MAX_MESSAGE_CHARS` characters. Every cap that bites is stated in the report.
-- Tokens are decoded one by one with the run's tokenizer (`config.yaml`'s `model.path`; null means
-  the embedded model) so token boundaries stay visible; without a tokenizer the ids are shown.
+Decisions (docs/learner.md, "The report", gives the reasons):
+- Self-contained: embedded PNGs, inlined CSS and script (`report_template.html`), no network.
+- Trajectories are rendered here as HTML, every logged text through `html.escape`.
+- Size is bounded by `max_trajectories`, `max_tokens` and `MAX_MESSAGE_CHARS`; every cap that
+  bites is stated in the report.
+- Tokens are decoded one by one with the run's tokenizer, so token boundaries stay visible.
 
-Reading the run (metrics.jsonl, the trajectory scan and the choice of rows) is in `report_data.py`;
-this module draws the plots, renders the page and writes the files.
+Reading the run is in `report_data.py`, the plots in `report_plots.py`; this module renders the
+page and writes the files.
 """
 
 from __future__ import annotations
@@ -251,41 +241,31 @@ def _env_names(config: dict[str, Any]) -> str:
     )
 
 
-def _body(
-    run_dir: Path,
-    config: dict[str, Any],
-    config_text: str,
-    metrics,
-    scan: TrajScan,
-    plots: list[Plot],
-    table: dict[int, str],
-    max_tokens: int,
-    notices: list[str],
-) -> str:
+def _header_html(run_dir: Path, config: dict[str, Any], metrics, scan: TrajScan) -> str:
+    """The title line: run, env, model, how much the logs hold, and when the page was written."""
     e = html.escape
     env = _env_names(config)
     model = (
         (config.get("model") or {}).get("path") if isinstance(config.get("model"), dict) else None
     )
     when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    out = [
+    return (
         f"<header><h1>agentgrpo report · {e(run_dir.name)}</h1>"
         f'<p class="meta">{e(str(run_dir))} · env {e(str(env))} · '
         f"model {e(str(model or 'embedded SmolLM2-135M-Instruct'))}"
         f" · {len(metrics)} step(s) with metrics · {scan.total} trajectories · "
         f"written {when}</p></header>"
-    ]
-    if notices:
-        out.append(
-            '<ul class="notices">'
-            + "".join(f'<li class="notice">{e(n)}</li>' for n in notices)
-            + "</ul>"
-        )
+    )
+
+
+def _summary_html(metrics, scan: TrajScan, config_text: str) -> str:
+    """Episodes by stop reason, the last step's metrics and the config."""
+    e = html.escape
     last = next(reversed(metrics.values()), {}) if metrics else {}
     stops = Counter()
     for c in scan.stops.values():
         stops.update(c)
-    out.append('<section id="summary"><h2>Summary</h2>')
+    out = ['<section id="summary"><h2>Summary</h2>']
     if stops:
         out.append(
             "<p>Episodes by stop reason: "
@@ -304,7 +284,13 @@ def _body(
     if config_text:
         out.append(f"<details><summary>config.yaml</summary><pre>{e(config_text)}</pre></details>")
     out.append("</section>")
-    out.append('<section id="plots"><h2>Training curves</h2><div class="grid">')
+    return "\n".join(out)
+
+
+def _plots_html(plots: list[Plot]) -> str:
+    """The plots as embedded PNGs, each captioned with its file under plots/."""
+    e = html.escape
+    out = ['<section id="plots"><h2>Training curves</h2><div class="grid">']
     for p in plots:
         src = "data:image/png;base64," + base64.b64encode(p.png).decode("ascii")
         out.append(
@@ -312,7 +298,13 @@ def _body(
             f"<figcaption>{e(p.title)} · plots/{e(p.name)}.png</figcaption></figure>"
         )
     out.append("</div></section>")
-    out.append('<section id="trajectories"><h2>Trajectories</h2>')
+    return "\n".join(out)
+
+
+def _trajectories_html(scan: TrajScan, table: dict[int, str], max_tokens: int) -> str:
+    """The filters (step, reward range, stop reason) and the embedded trajectories."""
+    e = html.escape
+    out = ['<section id="trajectories"><h2>Trajectories</h2>']
     if scan.rows:
         steps = sorted({_step(r.get("step")) for r in scan.rows})
         stops_shown = sorted({str(r.get("stop_reason", "unknown")) for r in scan.rows})
@@ -331,6 +323,30 @@ def _body(
     else:
         out.append("<p>No trajectories to show.</p>")
     out.append("</section>")
+    return "\n".join(out)
+
+
+def _body(
+    run_dir: Path,
+    config: dict[str, Any],
+    config_text: str,
+    metrics,
+    scan: TrajScan,
+    plots: list[Plot],
+    table: dict[int, str],
+    max_tokens: int,
+    notices: list[str],
+) -> str:
+    out = [_header_html(run_dir, config, metrics, scan)]
+    if notices:
+        out.append(
+            '<ul class="notices">'
+            + "".join(f'<li class="notice">{html.escape(n)}</li>' for n in notices)
+            + "</ul>"
+        )
+    out.append(_summary_html(metrics, scan, config_text))
+    out.append(_plots_html(plots))
+    out.append(_trajectories_html(scan, table, max_tokens))
     return "\n".join(out)
 
 
