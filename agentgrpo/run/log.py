@@ -1,18 +1,16 @@
-"""Run directory and metrics: metrics.jsonl, trajectories.jsonl, TensorBoard events, optional W&B;
-and the live progress display of a training run (`Progress`).
+"""The run directory's logs: metrics.jsonl, trajectories.jsonl, TensorBoard events, optional W&B.
 
-A run directory holds `config.yaml` (the effective config, secrets masked), `metrics.jsonl` (one
-object per step), `trajectories.jsonl` (one object per trajectory), `tensorboard/` and
-`checkpoints/`. Lines are flushed as they are written so a killed run keeps everything it logged;
-when it resumes, the rows of the steps it trains again go to `*.after-step-<K>.jsonl`
-(`set_aside_after`; `.2`, `.3`, ... for later resumes to the same step), so the logs hold each
-step once.
-`agentgrpo report RUN_DIR` (agentgrpo/run/report.py) turns them into one HTML page.
+A run directory holds `config.yaml` (the effective config, secrets masked by `mask_secrets`),
+`metrics.jsonl` (one object per step), `trajectories.jsonl` (one object per trajectory),
+`tensorboard/` and `checkpoints/`. Lines are flushed as they are written, so a killed run keeps
+everything it logged. A resumed run moves the rows of the steps it trains again to
+`*.after-step-<K>.jsonl` (`set_aside_after`), so the logs hold each step once. `agentgrpo report`
+(report.py) turns them into one HTML page; `Progress` (progress.py, re-exported here) is the
+terminal's view of a run.
 
-Weights & Biases is used only when `log.wandb_project` is set; `wandb` is imported only then (it is
-an optional dependency). Its API key comes from `WANDB_API_KEY` or `wandb login`, never from the
-config, and the config sent to it passes through `mask_secrets`. The W&B run id is kept in
-`RUN_DIR/wandb_id` so a resumed run continues the same W&B run.
+W&B is used only when `log.wandb_project` is set, and `wandb` is imported only then. Its API key
+comes from `WANDB_API_KEY` or `wandb login`, never from the config, and the config sent to it is
+masked. `RUN_DIR/wandb_id` keeps the W&B run id, so a resumed run continues the same W&B run.
 """
 
 from __future__ import annotations
