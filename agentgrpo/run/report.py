@@ -11,8 +11,7 @@ Decisions (docs/learner.md, "The report", gives the reasons):
   bites is stated in the report.
 - Tokens are decoded one by one with the run's tokenizer, so token boundaries stay visible.
 
-Reading the run is in `report_data.py`, the plots in `report_plots.py`; this module renders the
-page and writes the files.
+Reading the run is in `report_data.py`, the plots in `report_plots.py`; the page is rendered here.
 """
 
 from __future__ import annotations
