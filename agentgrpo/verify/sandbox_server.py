@@ -53,9 +53,11 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from agentgrpo.verify._records import ExecResult, Limits
 from agentgrpo.verify._server_api import (  # the request and answer shapes, re-exported
     SANDBOXFUSION_OUTPUT_BYTES,
     BadRequest,
@@ -67,6 +69,7 @@ from agentgrpo.verify._server_api import (  # the request and answer shapes, re-
 from agentgrpo.verify.sandbox import Sandbox, SandboxConfig
 
 TOKEN_ENV = "AGENTGRPO_SANDBOX_TOKEN"
+_Request = tuple[str, bytes, dict[str, bytes], Limits]  # code, stdin, files, limits
 __all__ = [
     "SANDBOXFUSION_OUTPUT_BYTES",
     "TOKEN_ENV",
@@ -167,121 +170,165 @@ class _Server(ThreadingHTTPServer):
             super().handle_error(request, client_address)
 
 
+class _Handler(BaseHTTPRequestHandler):
+    """One connection's requests. The server's state (sandbox, token, limits, gate, admission and
+    parse budgets) is bound as class attributes by `make_handler`."""
+
+    protocol_version = "HTTP/1.1"
+    server_version = "agentgrpo-sandbox"
+    sb: Sandbox
+    token: str | None
+    srv: ServerLimits
+    gate: _Gate
+    admitted: threading.BoundedSemaphore
+    parsing: _ByteBudget
+
+    def handle_one_request(self) -> None:
+        self.gate.waiting(self.connection)  # until its head is read (`do_GET` / `do_POST`)
+        try:
+            super().handle_one_request()
+        finally:
+            self.gate.arrived(self.connection)
+
+    def log_message(self, fmt: str, *args) -> None:  # one line per request, without bodies
+        sys.stderr.write(f"serve-sandbox: {self.address_string()} {fmt % args}\n")
+
+    def _send(self, code: int, obj: dict, headers: dict[str, str] | None = None) -> None:
+        data = json.dumps(obj).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _authorized(self) -> bool:
+        if self.token is None:
+            return True
+        got = self.headers.get("Authorization", "")
+        ok = got.startswith("Bearer ") and hmac.compare_digest(
+            got[7:].strip().encode(), self.token.encode()
+        )
+        if not ok:
+            self._send(401, {"error": "unauthorized"}, {"WWW-Authenticate": "Bearer"})
+        return ok
+
+    def _hung_up(self) -> bool:
+        """The client closed the connection (a trainer's tool call past its deadline): the
+        socket reads as EOF. A pipelined next request reads as data, not as a hang-up."""
+        sock = self.connection
+        timeout = sock.gettimeout()
+        sock.settimeout(0.0)  # a socket with a timeout would wait that long for data first
+        try:  # not select(): a busy server's descriptors pass FD_SETSIZE
+            return sock.recv(1, socket.MSG_PEEK) == b""
+        except BlockingIOError:  # nothing to read: still there
+            return False
+        except OSError:  # reset by the peer
+            return True
+        finally:
+            sock.settimeout(timeout)
+
+    def do_GET(self) -> None:
+        self.gate.arrived(self.connection)
+        if not self._authorized():
+            return
+        if self.path != "/health":
+            return self._send(404, {"error": f"no such endpoint {self.path}"})
+        self._send(200, {"ok": True, **self.sb.info})
+
+    def do_POST(self) -> None:
+        self.gate.arrived(self.connection)
+        if not self._authorized():
+            return
+        parser = {"/run": parse_run, "/run_code": parse_run_code}.get(self.path)
+        if parser is None:
+            return self._send(404, {"error": f"no such endpoint {self.path}"})
+        size = self._body_size()
+        if size is None:
+            return
+        request = self._parse_body(parser, size)
+        if request is None:
+            return
+        res = self._execute(*request)
+        if res is None:
+            return
+        if self._hung_up():  # nobody to answer (its job was killed when it was seen)
+            self.close_connection = True
+            return
+        if self.path == "/run":
+            self._send(200, dataclasses.asdict(res))
+        else:
+            self._send(200, to_sandboxfusion(res))
+
+    def _body_size(self) -> int | None:
+        """The body's Content-Length, with room for it reserved in the parse budget; None once an
+        error was answered (411, 413, 503), the body left unread and the connection closing."""
+        length = self.headers.get("Content-Length")
+        if length is None or not (length.isascii() and length.isdigit()):  # not '²' (isdigit)
+            self.close_connection = True
+            self._send(411, {"error": "Content-Length required"})
+            return None
+        if int(length) > self.srv.max_body_bytes:
+            self.close_connection = True  # do not read it
+            self._send(413, {"error": f"body over {self.srv.max_body_bytes} bytes"})
+            return None
+        size = int(length)
+        if not self.parsing.acquire(size, timeout=self.srv.head_timeout_s):  # parsed at once
+            self.close_connection = True  # its body is not read
+            self._send(503, {"error": "server busy parsing"}, {"Retry-After": "1"})
+            return None
+        return size
+
+    def _parse_body(self, parser: Callable[..., _Request], size: int) -> _Request | None:
+        """Read and validate the body (its `size` bytes already reserved, released here):
+        `parser`'s (code, stdin, files, limits), or None once a 400 was answered."""
+        try:
+            raw = self.rfile.read(size)
+            body = json.loads(raw)
+            del raw
+            if not isinstance(body, dict):
+                raise BadRequest("body must be a JSON object")
+            return parser(body, self.srv)
+        except (ValueError, BadRequest) as e:  # untrusted input: report, never crash
+            self._send(400, {"error": str(e)})
+        except RecursionError:  # json's parser recurses once per level of nesting
+            self._send(400, {"error": "body: JSON nested too deeply"})
+        finally:
+            self.parsing.release(size)
+        return None
+
+    def _execute(
+        self, code: str, stdin: bytes, files: dict[str, bytes], limits: Limits
+    ) -> ExecResult | None:
+        """Run the job if the queue admits it (429 otherwise): its ExecResult, or None once an
+        error was answered. The job is killed when the client hangs up."""
+        if not self.admitted.acquire(blocking=False):
+            self._send(429, {"error": "sandbox queue full"}, {"Retry-After": "1"})
+            return None
+        try:
+            return self.sb.run(code, stdin=stdin, files=files, limits=limits, gave_up=self._hung_up)
+        except ValueError as e:  # a bad file name
+            self._send(400, {"error": str(e)})
+            return None
+        finally:
+            self.admitted.release()
+
+
 def make_handler(
     sb: Sandbox, token: str | None, srv: ServerLimits, gate: _Gate | None = None
 ) -> type[BaseHTTPRequestHandler]:
-    admitted = threading.BoundedSemaphore(srv.max_queue)
-    parsing = _ByteBudget(srv.max_parse_bytes)
-    gate = gate or _Gate(srv.max_waiting, srv.head_timeout_s)
-
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-        server_version = "agentgrpo-sandbox"
-        timeout = srv.head_timeout_s  # each read and write of the socket (the body's included)
-
-        def handle_one_request(self) -> None:
-            gate.waiting(self.connection)  # until its head is read (`do_GET` / `do_POST`)
-            try:
-                super().handle_one_request()
-            finally:
-                gate.arrived(self.connection)
-
-        def log_message(self, fmt: str, *args) -> None:  # one line per request, without bodies
-            sys.stderr.write(f"serve-sandbox: {self.address_string()} {fmt % args}\n")
-
-        def _send(self, code: int, obj: dict, headers: dict[str, str] | None = None) -> None:
-            data = json.dumps(obj).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            for k, v in (headers or {}).items():
-                self.send_header(k, v)
-            self.end_headers()
-            self.wfile.write(data)
-
-        def _authorized(self) -> bool:
-            if token is None:
-                return True
-            got = self.headers.get("Authorization", "")
-            ok = got.startswith("Bearer ") and hmac.compare_digest(
-                got[7:].strip().encode(), token.encode()
-            )
-            if not ok:
-                self._send(401, {"error": "unauthorized"}, {"WWW-Authenticate": "Bearer"})
-            return ok
-
-        def _hung_up(self) -> bool:
-            """The client closed the connection (a trainer's tool call past its deadline): the
-            socket reads as EOF. A pipelined next request reads as data, not as a hang-up."""
-            sock = self.connection
-            timeout = sock.gettimeout()
-            sock.settimeout(0.0)  # a socket with a timeout would wait that long for data first
-            try:  # not select(): a busy server's descriptors pass FD_SETSIZE
-                return sock.recv(1, socket.MSG_PEEK) == b""
-            except BlockingIOError:  # nothing to read: still there
-                return False
-            except OSError:  # reset by the peer
-                return True
-            finally:
-                sock.settimeout(timeout)
-
-        def do_GET(self) -> None:
-            gate.arrived(self.connection)
-            if not self._authorized():
-                return
-            if self.path != "/health":
-                return self._send(404, {"error": f"no such endpoint {self.path}"})
-            self._send(200, {"ok": True, **sb.info})
-
-        def do_POST(self) -> None:
-            gate.arrived(self.connection)
-            if not self._authorized():
-                return
-            parser = {"/run": parse_run, "/run_code": parse_run_code}.get(self.path)
-            if parser is None:
-                return self._send(404, {"error": f"no such endpoint {self.path}"})
-            length = self.headers.get("Content-Length")
-            if length is None or not (length.isascii() and length.isdigit()):  # not '²' (isdigit)
-                self.close_connection = True
-                return self._send(411, {"error": "Content-Length required"})
-            if int(length) > srv.max_body_bytes:
-                self.close_connection = True  # do not read it
-                return self._send(413, {"error": f"body over {srv.max_body_bytes} bytes"})
-            size = int(length)
-            if not parsing.acquire(size, timeout=srv.head_timeout_s):  # bodies parsed at once
-                self.close_connection = True  # its body is not read
-                return self._send(503, {"error": "server busy parsing"}, {"Retry-After": "1"})
-            try:
-                raw = self.rfile.read(size)
-                body = json.loads(raw)
-                del raw
-                if not isinstance(body, dict):
-                    raise BadRequest("body must be a JSON object")
-                code, stdin, files, limits = parser(body, srv)
-                del body
-            except (ValueError, BadRequest) as e:  # untrusted input: report, never crash
-                return self._send(400, {"error": str(e)})
-            except RecursionError:  # json's parser recurses once per level of nesting
-                return self._send(400, {"error": "body: JSON nested too deeply"})
-            finally:
-                parsing.release(size)
-            if not admitted.acquire(blocking=False):
-                return self._send(429, {"error": "sandbox queue full"}, {"Retry-After": "1"})
-            try:
-                res = sb.run(code, stdin=stdin, files=files, limits=limits, gave_up=self._hung_up)
-            except ValueError as e:  # a bad file name
-                return self._send(400, {"error": str(e)})
-            finally:
-                admitted.release()
-            if self._hung_up():  # nobody to answer (its job was killed when it was seen)
-                self.close_connection = True
-                return
-            if self.path == "/run":
-                self._send(200, dataclasses.asdict(res))
-            else:
-                self._send(200, to_sandboxfusion(res))
-
-    return Handler
+    """A handler class bound to one server's sandbox, token, limits and waiting-connection gate."""
+    bound = {
+        "sb": sb,
+        "token": token,
+        "srv": srv,
+        "gate": gate or _Gate(srv.max_waiting, srv.head_timeout_s),
+        "admitted": threading.BoundedSemaphore(srv.max_queue),
+        "parsing": _ByteBudget(srv.max_parse_bytes),
+        "timeout": srv.head_timeout_s,  # each read and write of the socket (the body's included)
+    }
+    return type("Handler", (_Handler,), bound)
 
 
 def _read_token(token_file: str | None) -> str | None:
