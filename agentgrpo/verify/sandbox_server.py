@@ -1,43 +1,16 @@
 """`agentgrpo serve-sandbox`: the sandbox as an HTTP server for trainers on other machines.
 
-    # on the sandbox machine (as root for the namespaces backend)
-    export AGENTGRPO_SANDBOX_TOKEN=$(openssl rand -hex 32)     # or --token-file PATH
-    agentgrpo serve-sandbox --host 0.0.0.0 --port 8765
-    # on the trainer
-    AGENTGRPO_SANDBOX_URL=http://box1:8765,http://box2:8765 AGENTGRPO_SANDBOX_TOKEN=... \\
-        agentgrpo train ...
-    # or Sandbox(url=["http://box1:8765", ...], token=...)
+    agentgrpo serve-sandbox --host 0.0.0.0 --port 8765   # token in $AGENTGRPO_SANDBOX_TOKEN
+    AGENTGRPO_SANDBOX_URL=http://box1:8765,http://box2:8765 agentgrpo train ...  # the trainer
 
-Security: it executes code for whoever reaches it, so it binds 127.0.0.1 by default and refuses
-to bind anything else without a token (from AGENTGRPO_SANDBOX_TOKEN or --token-file, never the
-command line, where `ps` would show it). With a token every request needs
-`Authorization: Bearer <token>` (401 otherwise, compared in constant time). Before that check,
-connections that have not sent a complete request head (new or idle keep-alive ones) are at most
-`--max-waiting` (the oldest is closed beyond) and each has `--head-timeout-s` for its whole head,
-so idle or dripping clients cannot hold the server's threads and descriptors. After it, bodies
-are bounded (413), the bytes of bodies read and parsed at once are bounded (`--max-parse-mb`;
-503 with Retry-After when a body waited its head timeout for room), a malformed field is a 400
-naming it, every limit a request asks for (wall time, memory, processes, /tmp size, open files,
-output) is clamped to the server's maxima, and at most `--max-queue` requests are admitted at
-once (429 with Retry-After beyond: back-pressure the client retries). Plain HTTP: put it behind
-TLS (a reverse proxy or a private network) when the network between trainer and sandbox is not
-trusted. docs/security.md has the threat model.
-
-Endpoints:
-    GET  /health    backend, slots, isolation features
-    POST /run       {"code", "stdin" | "stdin_b64", "files" | "files_b64", "limits"} -> ExecResult
-    POST /run_code  SandboxFusion-compatible: {"code", "language": "python", "run_timeout",
-                    "memory_limit_MB", "stdin", "files": {name: base64}} -> {"status": "Success" |
-                    "Failed" | "SandboxError", "message", "compile_result", "run_result": {"status":
-                    "Finished" | "TimeLimitExceeded" | "Error", "execution_time", "return_code",
-                    "stdout", "stderr"}, "executor_pod_name", "files"}
-
-Stdlib only (`http.server`, one thread per connection, the waiting ones bounded as above; each
-blocks on the thread-safe `Sandbox`).
-A client that hangs up before its answer (`Sandbox.arun` cancelled at a tool's deadline closes its
-connection) has its job killed within about 0.2 s, so it stops holding a slot. A client that
-half-closes its socket once the request is sent (shutdown(SHUT_WR), as `nc -N` does; httpx,
-requests and curl do not) reads the same way and gets no answer.
+It runs code for whoever reaches it: it binds 127.0.0.1 unless given a bearer token (from the
+environment or --token-file, never the command line), checks the token in constant time, bounds
+the connections waiting for their request head (`_Gate`) and the bodies parsed at once
+(`_ByteBudget`), clamps every limit a request asks for to the server's maxima, and admits at most
+--max-queue jobs (429 beyond). A client that hangs up has its job killed. Stdlib only
+(`http.server`, one thread per connection). Endpoints: GET /health, POST /run, and
+SandboxFusion's POST /run_code (`_server_api.py` holds the request and answer shapes).
+docs/sandbox.md describes the endpoints; docs/security.md has the threat model and its tests.
 """
 
 from __future__ import annotations
