@@ -137,8 +137,8 @@ def _launch(
     return it with the trainer's end of its socket."""
     ours, theirs = socket.socketpair()
     boot = (
-        "import sys; sys.path.append(sys.argv[1]); import _session_init; "
-        "sys.exit(_session_init.main(sys.argv[2:]))"
+        "import sys; sys.path.append(sys.argv[1]); import _session_boot; "
+        "sys.exit(_session_boot.main(sys.argv[2:]))"
     )
     where = _JAIL_VERIFY_DIR if backend == "bwrap" else _VERIFY_DIR
     tail = [python, "-I", "-c", boot, where, backend, json.dumps(cfg), str(theirs.fileno())]
