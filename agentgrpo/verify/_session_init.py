@@ -1,10 +1,6 @@
 """PID 1 of a sandbox session: the jail that holds one episode's workspace and processes.
 
-`session.py` starts it. Under `namespaces` (root), as `python -I -c BOOT VERIFY_DIR namespaces
-CONFIG SOCKET_FD`, the host process makes the session's cgroups, unshares the PID, network, IPC
-and UTS namespaces and forks the init; it waits for the init, then removes the cgroups. Under
-`bwrap` the init runs inside bubblewrap (`bwrap` mode), which built the jail and applies seccomp.
-
+`_session_boot.py` starts it: forked by the namespaces host, or directly inside bubblewrap.
 The init never runs user code. As root it joins the cgroups, builds the one-shot jobs' minimal
 read-only root (`_forkserver.assemble_root`) with the workspace at /workspace (an overlay on the
 prepared tree whose upper layer is a size-limited tmpfs, or a bind of a fork directory),

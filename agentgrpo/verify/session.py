@@ -3,20 +3,14 @@
     ws = await sandbox.session(workspace)        # a fork of the task's prepared workspace
     res = await ws.run("python -m pytest -q")    # one bash: cwd, variables, background jobs persist
     res = await ws.python("x = 41\\nx + 1")       # one Python REPL: its names persist
-    text = await ws.read("src/app.py")
-    await ws.write("notes.txt", "...")
     await ws.close()                             # with the episode: nothing of it survives
 
-A session is a jail of its own (`_session_init.py`): the one-shot jobs' isolation (mount, PID,
-IPC, UTS and an empty network namespace, a read-only minimal root, a non-root uid, no_new_privs,
-the seccomp deny-list, memory and pids cgroups, a clean environment), with /workspace and /tmp
-kept for the episode; under bwrap, bubblewrap's jail, without cgroups or a uid of its own.
-Results are `ExecResult`s; the shell's stdout holds stdout and stderr as a terminal shows them.
-Budgets: per call (`call_timeout_s`, `output_bytes`) and per episode (`episode_s` and
-`max_calls`, past which a call raises `SessionBudgetExceeded`, a `ToolError` the model reads; the
-cgroup's memory and processes and the tmpfs sizes hold for the whole session). A session that
-dies or hangs raises `SessionError`, an `InfrastructureError`: the episode is unscorable. The
-threat model (what persists, what cannot escape) is in docs/sandbox.md.
+A session is a jail of its own (`_session_init.py`) with the one-shot jobs' isolation, /workspace
+and /tmp kept for the episode; `_session_client.py` starts it and carries its calls. Budgets are
+per call (`call_timeout_s`, `output_bytes`) and per episode (`episode_s`, `max_calls`: past them
+a call raises `SessionBudgetExceeded`, a `ToolError` the model reads). A session that dies or
+hangs raises `SessionError`, an `InfrastructureError`: the episode is unscorable. docs/sandbox.md
+has the API, the limits and the threat model of sessions.
 """
 
 from __future__ import annotations
