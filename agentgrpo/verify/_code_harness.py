@@ -1,8 +1,8 @@
 """The harness of `agentgrpo.verify.code`: a script sent to the sandbox as source, never imported.
 
 The parent reads the spec, forks a child per test and prints one JSON line per finished test (so a
-job killed at its wall limit still reports the tests it finished). See code.py's docstring for
-what the child guards against.
+job killed at its wall limit still reports the tests it finished). docs/sandbox.md ("How the code
+harness runs tests") says what the child guards against.
 """
 
 import ast
