@@ -1,42 +1,14 @@
 """Environments: Gymnasium envs whose observations and actions are chat messages.
 
-One `Env` instance runs one trajectory. `reset(seed=..., options={"task": task})` returns the first
-messages; `step(assistant_message)` returns `(new_messages, reward, terminated, truncated, info)`.
-The rollout loop renders new messages with the chat template (loss mask 0) and asks the model for
-the next turn until the env terminates or a limit is hit.
-
-Decisions:
-- `reset()` without a task restarts the current task (Gymnasium's checker calls `reset()` with no
-  options). An env that was never given a task raises a ValueError saying how to pass one.
-- `step` (and `reset`) may be `async def`; the rollout awaits them natively, and runs sync ones in a
-  worker thread so they never block the event loop. `agentgrpo.check_env` handles both.
-- All members of a group are reset with the same task and seed, so their differences come from the
-  policy alone. `reset` must seed everything random with it (`super().reset(seed=seed)` seeds
-  `self.np_random`; use that RNG). An env whose outcome is not fixed by the seed (a live web
-  search, a shared database, wall-clock time) sets `stochastic = True` and says in its docstring
-  what the seed fixes and what varies; `agentgrpo.check_env` resets twice with one seed and flags
-  an env that differs without declaring it.
-- Tasks come from the env class: `load_tasks(split, seed)` returns the tasks the trainer iterates.
-- What `step` returns is converted once into a typed `EnvStep` (`EnvStep.of`, a cheap shape
-  check); `reset`'s value by `reset_messages`. A value that breaks the contract ends that
-  trajectory with ENV_ERROR naming the problem, never the whole step. The full contract is
-  checked by `check_env` (`agentgrpo check-env`) and once when training starts.
-- Verifiers stay apart from the env: an env may declare `rubric = Rubric([...])`, and `run_group`
-  scores each finished group with it (the rubric's reward replaces the env's own; see
-  `agentgrpo.env.rubric.score_group`). A `ToolEnv` with a rubric need not write `reward`.
-
-Example (a plain env: one method):
-    >>> class Echo(Env):
-    ...     '''Reward 1 when the model repeats the task's answer.'''
-    ...     def step(self, action):
-    ...         ok = action.content.strip() == str(self.task.answer)
-    ...         return [], float(ok), True, False, {}
-    >>> env = Echo()
-    >>> msgs, _ = env.reset(seed=0, options={"task": Task(id="1", prompt="Say 7", answer=7)})
-    >>> env.step(Message(role="assistant", content="7"))[1]
-    1.0
-
-Example (a tool env): see `ToolEnv`.
+One `Env` instance runs one trajectory: `reset(seed=..., options={"task": task})` returns the first
+messages, `step(assistant_message)` returns `(new_messages, reward, terminated, truncated, info)`
+(or an `EnvStep`), and the rollout asks the model for the next turn until the episode ends.
+`reset` and `step` may be `async def`; sync ones run in a worker thread. A group's members are
+reset with one task and seed, so `reset` seeds everything random with it, or the env declares
+`stochastic = True`. Tasks come from `load_tasks(split, seed)` (by default `tasks_from_file`). A
+returned value that breaks the contract ends that trajectory with ENV_ERROR, never the step;
+`check_env` checks the whole contract. Verifiers stay apart: an env may declare a `rubric`,
+whose reward replaces the env's own. docs/environments.md has the contract in full.
 """
 
 from __future__ import annotations
@@ -82,6 +54,17 @@ class Env(gymnasium.Env):
     (`Trajectory.reward`, `Score.env_reward`), counted in the reward only through the `env_reward`
     verifier (`agentgrpo.env.rubric.env_reward`). A class attribute, or a property when it depends
     on the instance.
+
+    Example (a plain env: one method; a tool env: see `ToolEnv`):
+        >>> class Echo(Env):
+        ...     '''Reward 1 when the model repeats the task's answer.'''
+        ...     def step(self, action):
+        ...         ok = action.content.strip() == str(self.task.answer)
+        ...         return [], float(ok), True, False, {}
+        >>> env = Echo()
+        >>> msgs, _ = env.reset(seed=0, options={"task": Task(id="1", prompt="Say 7", answer=7)})
+        >>> env.step(Message(role="assistant", content="7"))[1]
+        1.0
     """
 
     metadata: ClassVar[dict[str, Any]] = {"render_modes": []}
