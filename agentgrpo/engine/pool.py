@@ -192,7 +192,7 @@ class ServerPool:
         self, body: dict[str, Any], *, session_id: str | None = None
     ) -> dict[str, Any]:
         """POST a generate request with balancing, retries and the deadline; returns the output.
-        `session_id`: the episode the request belongs to (sticky routing, module docstring)."""
+        `session_id`: the episode the request belongs to (sticky routing: docs/rollouts.md)."""
         return await self._post(body, session_id, self._read_json)
 
     async def post_generate_stream(
