@@ -36,7 +36,7 @@ from typing import Any
 from starlette.responses import JSONResponse, Response
 
 from agentgrpo.agents.api_error import APIError, check_model
-from agentgrpo.agents.chat_request import _read_request
+from agentgrpo.agents.chat_request import read_request
 from agentgrpo.agents.streaming import chat_stream, stream_options
 from agentgrpo.chat.format import ChatFormat, TemplateError
 from agentgrpo.chat.parsers import ParseError
@@ -157,51 +157,18 @@ class EndpointEpisode:
 
     async def complete(self, body: Any) -> dict[str, Any]:
         """One chat completion (the request body as parsed JSON); raises APIError."""
-        req = _read_request(body)
+        req = read_request(body)
         async with self._lock:  # one call at a time: parallel calls would fork the sequence
             return await self._complete(req)
 
     async def _complete(self, req: dict[str, Any]) -> dict[str, Any]:
-        if self.cut is not None or self.infra is not None:
-            reason, detail = self.cut or self.infra  # type: ignore[misc]
-            raise APIError(
-                400, f"this episode has ended ({reason.value}: {detail})", code="episode_limit"
-            )
         k = len(self.calls) + 1
-        if self.max_calls is not None and k > self.max_calls:
-            self.cut = (StopReason.MAX_TURNS, f"{self.max_calls} turns")
-            raise APIError(400, f"this episode allows {self.max_calls} calls", code="episode_limit")
+        self._check_open(k)
         messages, tools = req["messages"], req["tools"]
-        if tools:
-            names = {t["function"]["name"] for t in tools}
-            choice = req["tool_choice"]
-            if isinstance(choice, dict) and choice["function"]["name"] not in names:
-                raise APIError(
-                    400,
-                    f"tool_choice names {choice['function']['name']!r}, which is not "
-                    f"among the tools {sorted(names)}",
-                    param="tool_choice",
-                )
-        elif req["tool_choice"] not in (None, "none", "auto"):
-            raise APIError(400, "tool_choice needs tools", param="tool_choice")
+        _check_tool_choice(req["tool_choice"], tools)
         prompt = self._prompt(messages, tools)
         params = self._params(req, k, prompt)
-        if self.clock is not None:
-            self.clock.start_turn(k)
-        try:
-            gen = self.engine.generate(prompt, params)
-            out: Completion = await (self.clock.run(gen) if self.clock is not None else gen)
-        except DeadlineExpired as e:
-            self.cut, self.deadline = (StopReason.TIMEOUT, str(e)), e.which
-            raise APIError(408, f"deadline expired: {e}", code="timeout") from e
-        except Exception as e:  # noqa: BLE001 - any engine failure is infrastructure: unscorable
-            self.infra = (StopReason.ENGINE_ERROR, f"generate raised {type(e).__name__}: {e}")
-            raise APIError(
-                503,
-                f"the engine failed: {type(e).__name__}: {e}",
-                kind="server_error",
-                code="engine_error",
-            ) from e
+        out = await self._generate(k, prompt, params)
         parse = bool(tools) and req["tool_choice"] != "none"
         turn = self.chat.parse_assistant(out.token_ids, parse_tools=parse, tools=tools)
         reply = turn.message
@@ -229,34 +196,39 @@ class EndpointEpisode:
                 kind="server_error",
                 code="aborted",
             )
-        finish = (
-            "length"
-            if out.finish_reason == "length"
-            else "tool_calls"
-            if reply.tool_calls
-            else "stop"
-        )
-        message: dict[str, Any] = {"role": "assistant", "content": reply.content or None}
-        if reply.tool_calls:
-            message["tool_calls"] = [tc.to_dict() for tc in reply.tool_calls]
-        elif message["content"] is None:
-            message["content"] = ""
-        n_out = len(out.token_ids)
-        return {
-            "id": f"chatcmpl-{secrets.token_hex(12)}",
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": req["model"],
-            "system_fingerprint": out.weight_version,
-            "choices": [
-                {"index": 0, "message": message, "finish_reason": finish, "logprobs": None}
-            ],
-            "usage": {
-                "prompt_tokens": len(prompt),
-                "completion_tokens": n_out,
-                "total_tokens": len(prompt) + n_out,
-            },
-        }
+        return _completion_object(req["model"], prompt, out, reply)
+
+    def _check_open(self, k: int) -> None:
+        """APIError when the episode has ended, or when call `k` is past `max_calls` (which
+        then ends it)."""
+        if self.cut is not None or self.infra is not None:
+            reason, detail = self.cut or self.infra  # type: ignore[misc]
+            raise APIError(
+                400, f"this episode has ended ({reason.value}: {detail})", code="episode_limit"
+            )
+        if self.max_calls is not None and k > self.max_calls:
+            self.cut = (StopReason.MAX_TURNS, f"{self.max_calls} turns")
+            raise APIError(400, f"this episode allows {self.max_calls} calls", code="episode_limit")
+
+    async def _generate(self, k: int, prompt: list[int], params: SamplingParams) -> Completion:
+        """Call `k`'s completion under the turn's deadline; an expired deadline cuts the episode
+        (408), an engine failure marks it unscorable (503)."""
+        if self.clock is not None:
+            self.clock.start_turn(k)
+        try:
+            gen = self.engine.generate(prompt, params)
+            return await (self.clock.run(gen) if self.clock is not None else gen)
+        except DeadlineExpired as e:
+            self.cut, self.deadline = (StopReason.TIMEOUT, str(e)), e.which
+            raise APIError(408, f"deadline expired: {e}", code="timeout") from e
+        except Exception as e:  # noqa: BLE001 - any engine failure is infrastructure: unscorable
+            self.infra = (StopReason.ENGINE_ERROR, f"generate raised {type(e).__name__}: {e}")
+            raise APIError(
+                503,
+                f"the engine failed: {type(e).__name__}: {e}",
+                kind="server_error",
+                code="engine_error",
+            ) from e
 
     def _prompt(self, messages: list[Message], tools: list[dict[str, Any]] | None) -> list[int]:
         """The previous call's ids + the new messages' suffix when the request continues the
@@ -350,6 +322,49 @@ class EndpointEpisode:
                 )
             ids.append(enc[0])
         return ids
+
+
+def _check_tool_choice(choice: Any, tools: list[dict[str, Any]] | None) -> None:
+    """A named tool_choice must name one of the tools; anything but none/auto needs tools."""
+    if tools:
+        names = {t["function"]["name"] for t in tools}
+        if isinstance(choice, dict) and choice["function"]["name"] not in names:
+            raise APIError(
+                400,
+                f"tool_choice names {choice['function']['name']!r}, which is not "
+                f"among the tools {sorted(names)}",
+                param="tool_choice",
+            )
+    elif choice not in (None, "none", "auto"):
+        raise APIError(400, "tool_choice needs tools", param="tool_choice")
+
+
+def _completion_object(
+    model: str, prompt: list[int], out: Completion, reply: Message
+) -> dict[str, Any]:
+    """OpenAI's `chat.completion` object for a recorded call."""
+    finish = (
+        "length" if out.finish_reason == "length" else "tool_calls" if reply.tool_calls else "stop"
+    )
+    message: dict[str, Any] = {"role": "assistant", "content": reply.content or None}
+    if reply.tool_calls:
+        message["tool_calls"] = [tc.to_dict() for tc in reply.tool_calls]
+    elif message["content"] is None:
+        message["content"] = ""
+    n_out = len(out.token_ids)
+    return {
+        "id": f"chatcmpl-{secrets.token_hex(12)}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "system_fingerprint": out.weight_version,
+        "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
+        "usage": {
+            "prompt_tokens": len(prompt),
+            "completion_tokens": n_out,
+            "total_tokens": len(prompt) + n_out,
+        },
+    }
 
 
 async def chat_answer(ep: EndpointEpisode, body: Any, served: str) -> Response:

@@ -76,10 +76,36 @@ HONOURED = frozenset(
 )
 
 
-def _read_request(body: Any) -> dict[str, Any]:
+def read_request(body: Any) -> dict[str, Any]:
     """The request's fields, checked and normalised; APIError naming the first problem."""
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
+    _check_fields(body)
+    messages = _read_messages(body.get("messages"))
+    tools = body.get("tools") or None
+    _check_tools(tools)
+    choice = body.get("tool_choice")
+    _check_tool_choice(choice)
+    stop = _read_stop(body.get("stop"))
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    _check_numbers(body, max_tokens)
+    model = body.get("model")
+    return {
+        "model": model if isinstance(model, str) else "policy",
+        "messages": messages,
+        "tools": tools,
+        "tool_choice": choice,
+        "stop": stop,
+        "temperature": body.get("temperature"),
+        "top_p": body.get("top_p"),
+        "max_tokens": None if max_tokens is None else int(max_tokens),
+        "seed": None if body.get("seed") is None else int(body["seed"]),
+    }
+
+
+def _check_fields(body: dict[str, Any]) -> None:
+    """Every field known and, where it would change sampling, at its default; `stream` a
+    boolean and `n` 1."""
     for key, value in body.items():
         if key in HONOURED or key in IGNORED_FIELDS:
             continue
@@ -103,7 +129,10 @@ def _read_request(body: Any) -> dict[str, Any]:
             param="n",
             code="unsupported_parameter",
         )
-    raw = body.get("messages")
+
+
+def _read_messages(raw: Any) -> list[Message]:
+    """The request's messages as records ("developer" read as "system")."""
     if not isinstance(raw, list) or not raw:
         raise APIError(400, "messages must be a non-empty list", param="messages")
     messages = []
@@ -131,23 +160,30 @@ def _read_request(body: Any) -> dict[str, Any]:
                 f"messages[{i}]: tool call arguments nest deeper than {MAX_JSON_DEPTH} levels",
                 param=f"messages[{i}]",
             )
-    tools = body.get("tools") or None
-    if tools is not None:
-        ok = isinstance(tools, list) and all(
-            isinstance(t, dict)
-            and t.get("type", "function") == "function"
-            and isinstance(t.get("function"), dict)
-            and isinstance(t["function"].get("name"), str)
-            for t in tools
+    return messages
+
+
+def _check_tools(tools: Any) -> None:
+    """None, or a list of OpenAI function tools each with a name."""
+    if tools is None:
+        return
+    ok = isinstance(tools, list) and all(
+        isinstance(t, dict)
+        and t.get("type", "function") == "function"
+        and isinstance(t.get("function"), dict)
+        and isinstance(t["function"].get("name"), str)
+        for t in tools
+    )
+    if not ok:
+        raise APIError(
+            400,
+            "tools must be a list of {type: function, function: {name, description, parameters}}",
+            param="tools",
         )
-        if not ok:
-            raise APIError(
-                400,
-                "tools must be a list of {type: function, function: {name, "
-                "description, parameters}}",
-                param="tools",
-            )
-    choice = body.get("tool_choice")
+
+
+def _check_tool_choice(choice: Any) -> None:
+    """none, auto, required or a named function (whether the name exists is the episode's)."""
     if not (
         choice in (None, "none", "auto", "required")
         or (
@@ -162,13 +198,20 @@ def _read_request(body: Any) -> dict[str, Any]:
             "{type: function, function: {name}}",
             param="tool_choice",
         )
-    stop = body.get("stop")
+
+
+def _read_stop(stop: Any) -> list[str]:
+    """`stop` as a list of at most 4 non-empty strings."""
     stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
     if not (
         isinstance(stop, list) and len(stop) <= 4 and all(isinstance(s, str) and s for s in stop)
     ):
         raise APIError(400, "stop must be a string or a list of at most 4 strings", param="stop")
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    return stop
+
+
+def _check_numbers(body: dict[str, Any], max_tokens: Any) -> None:
+    """temperature, top_p, max_tokens and seed: finite numbers in their range, when given."""
     checks = (
         ("temperature", body.get("temperature"), lambda x: 0 <= x <= 2, "between 0 and 2"),
         ("top_p", body.get("top_p"), lambda x: 0 < x <= 1, "in (0, 1]"),
@@ -188,18 +231,6 @@ def _read_request(body: Any) -> dict[str, Any]:
             or not good(value)
         ):
             raise APIError(400, f"{name} must be {what}, got {value!r:.50}", param=name)
-    model = body.get("model")
-    return {
-        "model": model if isinstance(model, str) else "policy",
-        "messages": messages,
-        "tools": tools,
-        "tool_choice": choice,
-        "stop": stop,
-        "temperature": body.get("temperature"),
-        "top_p": body.get("top_p"),
-        "max_tokens": None if max_tokens is None else int(max_tokens),
-        "seed": None if body.get("seed") is None else int(body["seed"]),
-    }
 
 
 def nested_deeper(value: Any, limit: int) -> bool:
