@@ -58,11 +58,13 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 import jinja2
 
+from agentgrpo.chat.errors import HistoryRewritten, TemplateError
+from agentgrpo.chat.held import _common_prefix, _map_texts, _Placeholders, _texts
 from agentgrpo.chat.parsers import (
     PARSERS,
     ParsedTurn,
@@ -71,6 +73,13 @@ from agentgrpo.chat.parsers import (
     get_parser,
     parse_hermes,
     parse_llama3_json,
+)
+from agentgrpo.chat.probes import _PROBE_TOOL
+from agentgrpo.chat.template import (
+    FAST_RENDER_CHECKS,
+    HERMES_CHATML_TEMPLATE,
+    _compiled_renderer,
+    template_supports_tools,
 )
 from agentgrpo.types import Message, ToolCall
 
@@ -103,89 +112,6 @@ def truncation_note(marker: str, omitted: int, unit: str) -> str:
     return marker.replace("{omitted}", str(omitted)).replace("{unit}", unit)
 
 
-HERMES_CHATML_TEMPLATE = (
-    "{%- if tools %}"
-    "{{- '<|im_start|>system\\n' }}"
-    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}"
-    "{{- '# Tools\\n\\nYou can call these functions. "
-    "Their signatures are inside <tools></tools>:\\n<tools>' }}"
-    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
-    "{{- '\\n</tools>\\n\\nTo call a function, reply with a JSON object inside "
-    "<tool_call></tool_call> tags:\\n"
-    '<tool_call>\\n{"name": <function-name>, "arguments": <args-json-object>}\\n'
-    "</tool_call><|im_end|>\\n' }}"
-    "{%- elif messages[0]['role'] == 'system' %}"
-    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
-    "{%- endif %}"
-    "{%- for message in messages %}"
-    "{%- if message['role'] == 'system' and loop.first %}"
-    "{%- elif message['role'] == 'assistant' %}"
-    "{{- '<|im_start|>assistant\\n' + (message['content'] or '') }}"
-    "{%- for tc in message.get('tool_calls') or [] %}"
-    "{%- if (message['content'] or '') or not loop.first %}{{- '\\n' }}{%- endif %}"
-    "{{- '<tool_call>\\n{\"name\": \"' + tc['function']['name'] + '\", \"arguments\": ' }}"
-    "{%- if tc['function']['arguments'] is string %}{{- tc['function']['arguments'] }}"
-    "{%- else %}{{- tc['function']['arguments'] | tojson }}{%- endif %}"
-    "{{- '}\\n</tool_call>' }}"
-    "{%- endfor %}"
-    "{{- '<|im_end|>\\n' }}"
-    "{%- else %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{%- endif %}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
-
-
-FAST_RENDER_CHECKS = 64  # renders per ChatFormat compared with apply_chat_template (see render)
-# The tool the end-of-turn probe calls (`ChatFormat._detected_end_of_turns`).
-_PROBE_TOOL = {
-    "type": "function",
-    "function": {
-        "name": "probe",
-        "description": "A probe.",
-        "parameters": {"type": "object", "properties": {"value": {"type": "string"}}},
-    },
-}
-
-
-def _compiled_renderer(template: str, tokenizer: Any, template_kwargs: dict[str, Any]) -> Any:
-    """`render(dicts, tools, add_generation_prompt) -> str` calling transformers' cached compiled
-    template with the variables `apply_chat_template` passes, or None when that private helper is
-    not available (then the public path is used)."""
-    try:
-        from transformers.utils.chat_template_utils import _compile_jinja_template
-
-        compiled = _compile_jinja_template(template)
-    except (ImportError, AttributeError, jinja2.TemplateError):  # private API or a broken template
-        return None
-    variables = {**tokenizer.special_tokens_map, **template_kwargs}
-
-    def render(
-        dicts: list[dict[str, Any]], tools: list[dict] | None, add_generation_prompt: bool
-    ) -> str:
-        return compiled.render(
-            messages=dicts,
-            tools=tools,
-            documents=None,
-            add_generation_prompt=add_generation_prompt,
-            **variables,
-        )
-
-    return render
-
-
-class TemplateError(ValueError):
-    """The chat template cannot produce token-exact multi-turn rollouts for this conversation."""
-
-
-class HistoryRewritten(TemplateError):
-    """The template renders the history differently once the new messages follow, or (a turn that
-    ends at the next role token) opens them with another token than the one the model stopped on,
-    so the tokens sampled so far cannot be continued as one sequence (a new segment can start
-    instead)."""
-
-
 def _utf8(text: str) -> str:
     """`text` if it can be UTF-8 encoded; otherwise with each lone UTF-16 surrogate replaced by
     U+FFFD (a surrogate pair split into two code points is joined into its character). Tokenizers
@@ -198,80 +124,13 @@ def _utf8(text: str) -> str:
     return text
 
 
-def _texts(obj: Any, key: str = "", skip: str | None = "role") -> Iterator[str]:
-    """Every string a template may print: values and keys at any depth of a message dict (content,
-    name, tool_call_id, a tool call's name and arguments), all but the `role` it branches on
-    (`skip`); of a tool schema (`skip=None`), every one (name, description, parameter names,
-    descriptions, enum values, titles)."""
-    if isinstance(obj, str) and key != skip:
-        yield obj
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            yield from _texts(k, "", skip)
-            yield from _texts(v, k, skip)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _texts(v, "", skip)
-
-
-def _map_texts(obj: Any, f: Callable[[str], str], key: str = "", skip: str | None = "role") -> Any:
-    """`obj` with `f` applied to each string `_texts` yields (a copy; `obj` is left as it is)."""
-    if isinstance(obj, str):
-        return obj if key == skip else f(obj)
-    if isinstance(obj, dict):
-        return {
-            (f(k) if isinstance(k, str) else k): _map_texts(v, f, k, skip) for k, v in obj.items()
-        }
-    if isinstance(obj, (list, tuple)):
-        return [_map_texts(v, f, "", skip) for v in obj]
-    return obj
-
-
-class _Placeholders:
-    """Message dicts and tool schemas whose special-token texts are replaced by placeholders
-    (`ChatFormat._hold`)."""
-
-    def __init__(self, dicts: list[dict[str, Any]], tools: list[dict] | None = None) -> None:
-        self.dicts, self.tools = dicts, tools
-        self.texts: list[str] = []  # the special texts, in placeholder order
-        self.pattern: re.Pattern[str] | None = None  # matches a placeholder; None: nothing held
-
-    def restore(self, text: str) -> str:
-        """`text` with the held special texts back in place of their placeholders."""
-        if self.pattern is None:
-            return text
-        return self.pattern.sub(lambda m: self.texts[int(m.group(1))], text)
-
-    def check(self, rendered: str, real: str) -> None:
-        """Raise TemplateError unless `rendered` (from `self.dicts`) with the special texts put back
-        is `real`, the template's render of the real content (a template that escapes, drops or
-        rewrites special-token text in content is refused rather than shown other text)."""
-        if self.restore(rendered) != real:
-            at = _common_prefix(self.restore(rendered), real)
-            raise TemplateError(
-                "the chat template renders special-token text inside message content or tool "
-                f"schemas differently from other text (at character {at}: "
-                f"{real[max(0, at - 40) : at + 40]!r}); it cannot be kept as plain text"
-            )
-
-
 def _last_of(text: str, tokens: Sequence[str], end: int | None = None) -> tuple[int, str]:
     """(position, token) of the last occurrence in `text[:end]` of any of `tokens`; (-1, "")."""
     return max(((text.rfind(t, 0, end), t) for t in tokens), default=(-1, ""))
 
 
-def _common_prefix(a: str, b: str) -> int:
-    return next(
-        (k for k, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
-    )
-
-
 # ---------------------------------------------------------------------------------------------
 # Rendering
-
-
-def template_supports_tools(template: str | None) -> bool:
-    return bool(template) and "tools" in template and "tool_call" in template
 
 
 class ChatFormat:
