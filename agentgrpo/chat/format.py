@@ -64,7 +64,7 @@ from typing import Any, Literal
 import jinja2
 
 from agentgrpo.chat.errors import HistoryRewritten, TemplateError
-from agentgrpo.chat.held import _common_prefix, _map_texts, _Placeholders, _texts
+from agentgrpo.chat.held import _common_prefix, _Placeholders, hold, printed
 from agentgrpo.chat.parsers import (
     PARSERS,
     ParsedTurn,
@@ -74,14 +74,18 @@ from agentgrpo.chat.parsers import (
     parse_hermes,
     parse_llama3_json,
 )
-from agentgrpo.chat.probes import _PROBE_TOOL
+from agentgrpo.chat.probes import (
+    detected_end_of_turns,
+    turn_end_opens_next,
+    wants_string_arguments,
+)
 from agentgrpo.chat.template import (
     FAST_RENDER_CHECKS,
     HERMES_CHATML_TEMPLATE,
     _compiled_renderer,
     template_supports_tools,
 )
-from agentgrpo.types import Message, ToolCall
+from agentgrpo.types import Message
 
 __all__ = [
     "HERMES_CHATML_TEMPLATE",
@@ -146,7 +150,7 @@ class ChatFormat:
             `self.parser_name` is the parser chosen.
         end_of_turn: the token that ends an assistant turn, or several (GPT-OSS ends a turn with
             `<|call|>` after a tool call and `<|return|>` after an answer); default the ones the
-            template renders (found by probe renders, `_detected_end_of_turns`), else the
+            template renders (found by probe renders, `probes.detected_end_of_turns`), else the
             tokenizer's EOS token. Every one is a stop token, and whichever the model sampled
             stays the last id of its turn. `self.end_of_turn` / `self.end_of_turn_id` are the
             first.
@@ -233,16 +237,20 @@ class ChatFormat:
             if specials
             else None
         )
-        self.string_arguments = self._wants_string_arguments()
+        self.string_arguments = wants_string_arguments(self.template, self._render_dicts)
         self._set_end_of_turns(end_of_turn)
-        self.turn_end_opens_next = self._turn_end_opens_next()
+        self.turn_end_opens_next = turn_end_opens_next(self._render_dicts, self.end_of_turns)
 
     def _set_end_of_turns(self, end_of_turn: str | Sequence[str] | None) -> None:
         """`end_of_turns`, their ids and the stop ids: `end_of_turn` where given, else the tokens
-        the template ends an assistant turn with (`_detected_end_of_turns`), else the EOS token."""
+        the template ends an assistant turn with (`detected_end_of_turns`), else the EOS token."""
         tokenizer = self.tokenizer
         eots = [end_of_turn] if isinstance(end_of_turn, str) else list(end_of_turn or [])
-        eots = eots or self._detected_end_of_turns() or [tokenizer.eos_token]
+        eots = (
+            eots
+            or detected_end_of_turns(self._render_dicts, self._template_dict, self._special_text)
+            or [tokenizer.eos_token]
+        )
         if None in eots or not all(eots):
             raise ValueError("the tokenizer has no EOS token: pass end_of_turn= explicitly")
         eot_ids = []
@@ -260,83 +268,6 @@ class ChatFormat:
         if tokenizer.eos_token_id is not None:
             stops.add(tokenizer.eos_token_id)
         self.stop_token_ids: tuple[int, ...] = tuple(sorted(stops))
-
-    def _detected_end_of_turns(self) -> list[str]:
-        """The special tokens this template ends an assistant turn with, after a tool call first,
-        then after an answer (GPT-OSS: `<|call|>`, `<|return|>`), found by probe renders: the last
-        special token rendered after the turn's text, or where the template renders none (GLM-4.5)
-        the one that opens the next message (a tool result after a call, a user message after an
-        answer: `<|observation|>`, `<|user|>`). Empty where the probes find none."""
-        if self._special_text is None:
-            return []
-        user = {"role": "user", "content": "Hi"}
-        call = ToolCall(id="call_0", name="probe", arguments={"value": "agentgrpo_probe_value"})
-        probes = [
-            (Message(role="assistant", content="", tool_calls=[call]), "agentgrpo_probe_value"),
-            (Message(role="assistant", content="agentgrpo probe answer"), "agentgrpo probe answer"),
-        ]
-        nexts = [
-            {"role": "tool", "tool_call_id": "call_0", "content": "Hi"},
-            {"role": "user", "content": "Hi"},
-        ]
-        found: list[str] = []
-        for (message, mark), follow in zip(probes, nexts, strict=True):
-            chat = [user, self._template_dict(message)]
-            try:
-                text = self._render_dicts(chat, [_PROBE_TOOL], False)
-                at = text.rfind(mark)
-                ends = [m.group() for m in self._special_text.finditer(text, max(at, 0))]
-                if at >= 0 and not ends:
-                    rest = self._render_dicts([*chat, follow], [_PROBE_TOOL], False)[len(text) :]
-                    opens = self._special_text.match(rest.lstrip())
-                    ends = [opens.group()] if opens else []
-            except TemplateError:  # a template without tool calls refuses the probe call
-                continue
-            found += [] if at < 0 or not ends or ends[-1] in found else [ends[-1]]
-        return found
-
-    def _wants_string_arguments(self) -> bool:
-        """Whether the template takes a tool call's `arguments` as a JSON string rather than an
-        object (DeepSeek-V3's concatenates them as text): a probe call it cannot render with an
-        object and renders, as the JSON text, with a string. Then the history's calls are rendered
-        from that JSON text (`_template_dict`)."""
-        if "tool_calls" not in self.template:
-            return False
-        args = {"agentgrpo_probe": 1}
-
-        def probe(arguments: Any) -> str:
-            call = {"id": "call_0", "type": "function"}
-            call["function"] = {"name": "probe", "arguments": arguments}
-            user = {"role": "user", "content": "Hi"}
-            return self._render_dicts(
-                [user, {"role": "assistant", "content": "", "tool_calls": [call]}], None, False
-            )
-
-        try:
-            probe(args)
-            return False
-        except TemplateError:
-            pass
-        try:
-            return json.dumps(args) in probe(json.dumps(args))
-        except TemplateError:
-            return False
-
-    def _turn_end_opens_next(self) -> bool:
-        """Whether the template renders an assistant turn with none of the end-of-turn tokens and
-        starts the next message with one (GLM-4.5: the model stops on the next role token). Found
-        by a probe render of a short chat with and without a user message after the answer."""
-        answer = "agentgrpo probe answer"
-        chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": answer}]
-        try:
-            alone = self._render_dicts(chat, None, False)
-            followed = self._render_dicts([*chat, {"role": "user", "content": "Hi"}], None, False)
-        except TemplateError:
-            return False
-        at = alone.rfind(answer)
-        if at < 0 or any(e in alone[at:] for e in self.end_of_turns):
-            return False
-        return followed.startswith(alone) and followed[len(alone) :].startswith(self.end_of_turns)
 
     # -- rendering ----------------------------------------------------------------------------
 
@@ -452,7 +383,7 @@ class ChatFormat:
         the real content is computed too: the placeholders avoid its text, and `_Held.check`
         requires the held render with the texts put back to equal it."""
         if self._special_text is None or not any(
-            map(self._special_text.search, self._printed(dicts, tools))
+            map(self._special_text.search, printed(dicts, tools))
         ):
             text = self._render_dicts(fixed + dicts, tools, add_generation_prompt)
             return text, _Placeholders(dicts, tools)
@@ -462,43 +393,11 @@ class ChatFormat:
         protected.check(text, real)
         return text, protected
 
-    @staticmethod
-    def _printed(dicts: list[dict[str, Any]], tools: list[dict] | None) -> list[str]:
-        """Every string of `dicts` and `tools` a template may print (`_texts`)."""
-        return [t for d in dicts for t in _texts(d)] + list(_texts(tools or [], skip=None))
-
     def _hold(
         self, dicts: list[dict[str, Any]], tools: list[dict] | None = None, avoid: str = ""
     ) -> _Placeholders:
-        """`dicts` and `tools` with every special token's text inside any string the template may
-        print (the content, and as much the tool name a model chose or a tool call id; every
-        string of a tool schema, which an MCP server or an endpoint client wrote; `_texts`)
-        replaced by a placeholder.
-
-        The placeholders are ASCII letters and digits (`agentgrpo<n>h<i>e`, `n` chosen so that
-        neither a content nor `avoid`, the real render, holds `agentgrpo<n>h`), which template
-        filters such as `trim` and `tojson` leave as they are: the template renders the real content
-        around them, and `_encode_rendered` puts the special texts back as plain text."""
-        protected = _Placeholders(dicts, tools)
-        if self._special_text is None:
-            return protected
-        contents = self._printed(dicts, tools)
-        if not any(self._special_text.search(c) for c in contents):
-            return protected
-        nonce = 0
-        while any(f"agentgrpo{nonce}h" in c for c in [*contents, avoid]):
-            nonce += 1
-
-        def mark(m: re.Match) -> str:
-            protected.texts.append(m.group())
-            return f"agentgrpo{nonce}h{len(protected.texts) - 1}e"
-
-        pattern = self._special_text
-        protected.dicts = [_map_texts(d, lambda t: pattern.sub(mark, t)) for d in dicts]
-        if tools:
-            protected.tools = _map_texts(tools, lambda t: pattern.sub(mark, t), skip=None)
-        protected.pattern = re.compile(f"agentgrpo{nonce}h([0-9]+)e")
-        return protected
+        """`dicts` and `tools` with this tokenizer's special-token texts held (`held.hold`)."""
+        return hold(self._special_text, dicts, tools, avoid)
 
     def _encode_rendered(self, text: str, protected: _Placeholders) -> list[int]:
         """Tokenize template output rendered from `protected.dicts`: the held special texts go where
@@ -619,27 +518,7 @@ class ChatFormat:
             )
             if not self.turn_end_opens_next or found == eot:
                 return self._encode_after_end_of_turn(tail, protected, found)
-        if after.startswith(before):  # only where the turn ends at the next role token
-            raise HistoryRewritten(
-                f"the model ended its turn with {eot!r}, but the chat template starts "
-                f"{[m.role for m in new_messages]} messages with {after[len(before) :][:40]!r}: "
-                "the sampled tokens cannot be continued as this template renders the "
-                "conversation (rollout.trajectory_mode=auto trains the next turn as a new segment)"
-            )
-        at = _common_prefix(before, after)
-        raise HistoryRewritten(
-            "the chat template is not prefix-preserving: adding "
-            f"{[m.role for m in new_messages]} messages changes earlier text at character {at} "
-            f"(before: {before[max(0, at - 40) : at + 40]!r}, "
-            f"after: {after[max(0, at - 40) : at + 40]!r}). "
-            "The tokens the model saw cannot be continued the way this template renders the "
-            "conversation. Use a template that keeps earlier turns verbatim "
-            "(or its own switch, e.g. "
-            "chat_template_kwargs={preserve_thinking: true}), train the turns as segments "
-            "(rollout.trajectory_mode=auto), or choose the explicit fallback "
-            "rollout.template_fallback=keep_history. `agentgrpo check-template MODEL_DIR` shows "
-            "which turns break and why."
-        )
+        raise _rewritten(before, after, eot, [m.role for m in new_messages])
 
     def _suffix_after_last_turn(
         self,
@@ -737,3 +616,30 @@ class ChatFormat:
         if not parse_tools:
             return ParsedTurn(Message(role="assistant", content=self.decode(ids).strip()))
         return self.parse(self.decode(ids), tools)
+
+
+def _rewritten(before: str, after: str, eot: str, roles: list[str]) -> HistoryRewritten:
+    """Why the sampled tokens cannot go on as the template renders history (`before`) followed
+    by new messages of `roles` (`after`): another token opens them than the one the model stopped
+    on, or the history's text changed."""
+    if after.startswith(before):  # only where the turn ends at the next role token
+        return HistoryRewritten(
+            f"the model ended its turn with {eot!r}, but the chat template starts "
+            f"{roles} messages with {after[len(before) :][:40]!r}: "
+            "the sampled tokens cannot be continued as this template renders the "
+            "conversation (rollout.trajectory_mode=auto trains the next turn as a new segment)"
+        )
+    at = _common_prefix(before, after)
+    return HistoryRewritten(
+        "the chat template is not prefix-preserving: adding "
+        f"{roles} messages changes earlier text at character {at} "
+        f"(before: {before[max(0, at - 40) : at + 40]!r}, "
+        f"after: {after[max(0, at - 40) : at + 40]!r}). "
+        "The tokens the model saw cannot be continued the way this template renders the "
+        "conversation. Use a template that keeps earlier turns verbatim "
+        "(or its own switch, e.g. "
+        "chat_template_kwargs={preserve_thinking: true}), train the turns as segments "
+        "(rollout.trajectory_mode=auto), or choose the explicit fallback "
+        "rollout.template_fallback=keep_history. `agentgrpo check-template MODEL_DIR` shows "
+        "which turns break and why."
+    )

@@ -41,7 +41,7 @@ def _map_texts(obj: Any, f: Callable[[str], str], key: str = "", skip: str | Non
 
 class _Placeholders:
     """Message dicts and tool schemas whose special-token texts are replaced by placeholders
-    (`ChatFormat._hold`)."""
+    (`hold`)."""
 
     def __init__(self, dicts: list[dict[str, Any]], tools: list[dict] | None = None) -> None:
         self.dicts, self.tools = dicts, tools
@@ -71,3 +71,44 @@ def _common_prefix(a: str, b: str) -> int:
     return next(
         (k for k, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
     )
+
+
+def printed(dicts: list[dict[str, Any]], tools: list[dict] | None) -> list[str]:
+    """Every string of `dicts` and `tools` a template may print (`_texts`)."""
+    return [t for d in dicts for t in _texts(d)] + list(_texts(tools or [], skip=None))
+
+
+def hold(
+    special_text: re.Pattern[str] | None,
+    dicts: list[dict[str, Any]],
+    tools: list[dict] | None = None,
+    avoid: str = "",
+) -> _Placeholders:
+    """`dicts` and `tools` with every match of `special_text` (the tokenizer's special tokens)
+    inside any string the template may print (the content, and as much the tool name a model
+    chose or a tool call id; every string of a tool schema, which an MCP server or an endpoint
+    client wrote; `_texts`) replaced by a placeholder.
+
+    The placeholders are ASCII letters and digits (`agentgrpo<n>h<i>e`, `n` chosen so that
+    neither a content nor `avoid`, the real render, holds `agentgrpo<n>h`), which template
+    filters such as `trim` and `tojson` leave as they are: the template renders the real content
+    around them, and `ChatFormat._encode_rendered` puts the special texts back as plain text."""
+    protected = _Placeholders(dicts, tools)
+    if special_text is None:
+        return protected
+    contents = printed(dicts, tools)
+    if not any(special_text.search(c) for c in contents):
+        return protected
+    nonce = 0
+    while any(f"agentgrpo{nonce}h" in c for c in [*contents, avoid]):
+        nonce += 1
+
+    def mark(m: re.Match) -> str:
+        protected.texts.append(m.group())
+        return f"agentgrpo{nonce}h{len(protected.texts) - 1}e"
+
+    protected.dicts = [_map_texts(d, lambda t: special_text.sub(mark, t)) for d in dicts]
+    if tools:
+        protected.tools = _map_texts(tools, lambda t: special_text.sub(mark, t), skip=None)
+    protected.pattern = re.compile(f"agentgrpo{nonce}h([0-9]+)e")
+    return protected
