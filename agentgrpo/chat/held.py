@@ -112,3 +112,47 @@ def hold(
         protected.tools = _map_texts(tools, lambda t: special_text.sub(mark, t), skip=None)
     protected.pattern = re.compile(f"agentgrpo{nonce}h([0-9]+)e")
     return protected
+
+
+def special_tokens(tokenizer: Any) -> tuple[re.Pattern[str] | None, dict[str, tuple[bool, bool]]]:
+    """A pattern matching any of the tokenizer's special tokens (None: it has none), and the
+    whitespace each added special token absorbs on its (left, right), as the tokenizer's own
+    added-token split does."""
+    decoder = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    specials = {t.content for t in decoder.values() if getattr(t, "special", False)}
+    specials = {t for t in specials | set(getattr(tokenizer, "all_special_tokens", []) or []) if t}
+    strips = {
+        t.content: (bool(getattr(t, "lstrip", False)), bool(getattr(t, "rstrip", False)))
+        for t in decoder.values()
+        if t.content in specials
+    }
+    # One alternation: ~4 us on 4 KB against Llama 3's 256 special tokens (`any(t in s)`: ~140 us).
+    pattern = (
+        re.compile("|".join(map(re.escape, sorted(specials, key=len, reverse=True))))
+        if specials
+        else None
+    )
+    return pattern, strips
+
+
+def split_at_specials(
+    text: str, special_text: re.Pattern[str] | None, strips: dict[str, tuple[bool, bool]]
+) -> Iterator[tuple[str, str | None]]:
+    """`text` as (plain piece, the special token after it or None at the end), split at the
+    template's own special tokens (held texts are placeholders there) as the tokenizer's
+    added-token split does, the whitespace a token with lstrip/rstrip absorbs left out.
+
+    Tokenizing each piece with special tokens split into plain text lets BPE merges run across
+    held text as across ordinary text, and ordinary text tokenizes as `ChatFormat.encode` does.
+    This assumes the tokenizer treats each piece between added tokens the same wherever it starts,
+    as byte-level BPE tokenizers (Qwen, Llama 3, DeepSeek-V3, SmolLM2) do; a SentencePiece one that
+    prepends "▁" to its input shows an extra "▁" after each special token on this rare path."""
+    pos, absorb_left = 0, False
+    for m in special_text.finditer(text) if special_text is not None else ():
+        lstrip, rstrip = strips.get(m.group(), (False, False))
+        piece = text[pos : m.start()]
+        piece = piece.lstrip() if absorb_left else piece
+        yield (piece.rstrip() if lstrip else piece), m.group()
+        pos, absorb_left = m.end(), rstrip
+    piece = text[pos:]
+    yield (piece.lstrip() if absorb_left else piece), None

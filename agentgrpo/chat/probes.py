@@ -10,10 +10,8 @@ from collections.abc import Callable
 from typing import Any
 
 from agentgrpo.chat.errors import TemplateError
+from agentgrpo.chat.template import Render
 from agentgrpo.types import Message, ToolCall
-
-# `render(dicts, tools, add_generation_prompt)`: the template's text, TemplateError on refusal
-Render = Callable[[list[dict[str, Any]], list[dict] | None, bool], str]
 
 # The tool the end-of-turn probe calls (`detected_end_of_turns`).
 _PROBE_TOOL = {

@@ -3,9 +3,13 @@ template through transformers' compiled Jinja instead of `apply_chat_template`."
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jinja2
+
+# `render(dicts, tools, add_generation_prompt)`: the template's text, TemplateError on refusal
+Render = Callable[[list[dict[str, Any]], list[dict] | None, bool], str]
 
 HERMES_CHATML_TEMPLATE = (
     "{%- if tools %}"
