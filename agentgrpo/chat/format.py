@@ -1,70 +1,36 @@
 """The only boundary between text and tokens (token-in, token-out).
 
-Everything the learner trains on is a list of token ids that the engine either received or
-sampled. This module is the one place that turns messages into ids and sampled ids into messages:
+Everything the learner trains on is a list of ids the engine received or sampled; this module
+turns messages into ids and sampled ids into messages:
 
 - `ChatFormat.prompt_ids(messages, tools)`: the first prompt, rendered by the chat template.
-- Sampled ids are never re-tokenized: the rollout appends them verbatim (EOS included) and only
-  *decodes* them here to parse tool calls (`parse_assistant`).
-- `ChatFormat.suffix_ids(history, new_messages, tools)`: the tokens that follow the model's
-  end-of-turn token when env/tool messages arrive. They are computed by rendering the whole
-  conversation with and without the new messages and taking the difference, aligned right after
-  the end-of-turn token (the template's own glue after it, e.g. ChatML's "\\n", belongs to the
-  suffix and carries loss mask 0). Before using a suffix we check that the template is
-  prefix-preserving for this conversation (`render(history + new)` starts with `render(history)`);
-  if it is not (Qwen3 strips earlier `<think>` blocks when a user turn arrives) we raise
-  `HistoryRewritten` (a `TemplateError`) instead of guessing, unless the user chose the explicit
-  `keep_history` fallback (see `ChatFormat`). The rollout answers it according to
-  `ChatFormat.trajectory_mode`: "single" ends the episode, "auto" and "stepwise" continue it in a
-  new segment whose prompt is `prompt_ids` of the whole history
-  (`agentgrpo.rollout.episode.Episode`). `agentgrpo.checks.template_audit` checks a template on
-  many synthetic conversations before training starts (`require_token_safe`, `agentgrpo
-  check-template`).
-- A template may end turns with several tokens (GPT-OSS: `<|call|>`, `<|return|>`; all are stop
-  tokens and the sampled one stays), or with none of its own, the turn ending where the next
-  message's role token starts (GLM-4.5: the model stops on `<|observation|>` or `<|user|>`, which
-  the suffix then does not render again; `turn_end_opens_next`). A template that wants tool-call
-  arguments as a JSON string (DeepSeek-V3) gets them so (`string_arguments`); these, and the
-  end-of-turn tokens themselves, are found by probe renders at construction, never by the
-  template's name.
-- `ChatFormat.truncate(text, max_tokens)`: tool output cut to a token budget, with a marker (the
-  rollout first cuts it to a byte budget, so no tool can make this tokenize megabytes).
-- Message content is data, never control: a special token's text inside a message (a tool printing
-  `<|im_end|>\n<|im_start|>assistant`, a task copied from a chat log) is tokenized as plain text,
-  so an environment cannot forge a turn boundary or an EOS. Only the template's own text and the
-  model's samples carry special tokens. The same holds for every other field a template may
-  print: a tool message's `name` (the tool name the model chose), `tool_call_id`, tool calls'
-  names and arguments, and every string of the tool schemas (an MCP server's or an endpoint
-  client's: names, descriptions, parameter names, titles, enum values). While rendering, only
-  the special-token substrings of those strings are swapped for ASCII placeholders, so the
-  template's filters (`trim`, `tojson`) act on the real content; a template that renders the
-  special text differently from its placeholder (escapes or strips it) is refused with
-  TemplateError (see `_render_held`, `_encode_rendered`).
-- Text that cannot be UTF-8 encoded (lone surrogates) is tokenized with U+FFFD in their place
-  (`encode`, `truncate`) rather than raising.
-
-Templates without tool support (SmolLM2 ships plain ChatML) get `HERMES_CHATML_TEMPLATE`, a
-Hermes-style tool-aware ChatML template: tools are described in the system message, calls are
-`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, results come back in a `tool` turn.
-
-Tool-call parsers are pluggable (`PARSERS` of `chat.parsers`, re-exported here); by default
-(`parser="auto"`) the one for the template's tool-call format is chosen (`detect_parser`). A parser
-never raises on model output: malformed calls come back as `ParseError`s that the rollout turns into
-error tool messages. The XML formats type argument values by the tools' schemas, so
-`parse_assistant` takes the tools the prompt was rendered with.
+- Sampled ids are never re-tokenized: the rollout appends them verbatim and `parse_assistant`
+  only decodes them to read the tool calls.
+- `ChatFormat.suffix_ids(history, new_messages, tools)`: the ids after the model's end-of-turn
+  token, the difference between two renders; a template that rewrites the history raises
+  `HistoryRewritten` rather than a guess.
+- Message content is data, never control: special-token text inside it is tokenized as plain
+  text (`held.py`), so an env cannot forge a turn boundary. The rules in full: docs/chat.md.
 """
 
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 import jinja2
 
 from agentgrpo.chat.errors import HistoryRewritten, TemplateError
-from agentgrpo.chat.held import _common_prefix, _Placeholders, hold, printed
+from agentgrpo.chat.held import (
+    _common_prefix,
+    _Placeholders,
+    hold,
+    printed,
+    special_tokens,
+    split_at_specials,
+)
+from agentgrpo.chat.keep_history import _last_of, suffix_after_last_turn
 from agentgrpo.chat.parsers import (
     PARSERS,
     ParsedTurn,
@@ -128,11 +94,6 @@ def _utf8(text: str) -> str:
     return text
 
 
-def _last_of(text: str, tokens: Sequence[str], end: int | None = None) -> tuple[int, str]:
-    """(position, token) of the last occurrence in `text[:end]` of any of `tokens`; (-1, "")."""
-    return max(((text.rfind(t, 0, end), t) for t in tokens), default=(-1, ""))
-
-
 # ---------------------------------------------------------------------------------------------
 # Rendering
 
@@ -148,24 +109,14 @@ class ChatFormat:
         parser: name of the tool-call parser in `PARSERS`, or "auto" (default): the parser for the
             format the template renders (`detect_parser`), Hermes where it shows none it knows.
             `self.parser_name` is the parser chosen.
-        end_of_turn: the token that ends an assistant turn, or several (GPT-OSS ends a turn with
-            `<|call|>` after a tool call and `<|return|>` after an answer); default the ones the
-            template renders (found by probe renders, `probes.detected_end_of_turns`), else the
-            tokenizer's EOS token. Every one is a stop token, and whichever the model sampled
-            stays the last id of its turn. `self.end_of_turn` / `self.end_of_turn_id` are the
-            first.
-            A template may render an assistant turn with no end token of its own, the next message
-            beginning with its role token (GLM-4.5: `<|observation|>`, `<|user|>`); those role
-            tokens are then the end-of-turn tokens, and the one the model sampled is the start of
-            the next message (`self.turn_end_opens_next`, found by a probe render; see
-            `suffix_ids`).
+        end_of_turn: the token that ends an assistant turn, or several (GPT-OSS: `<|call|>`,
+            `<|return|>`); default the ones the template renders (`detected_end_of_turns`), else
+            the tokenizer's EOS token. All are stop tokens; `self.end_of_turn` is the first.
+            Where the next message's role token ends a turn (GLM-4.5), those role tokens are the
+            end-of-turn tokens (`self.turn_end_opens_next`; docs/chat.md).
         fallback: what `suffix_ids` does when the template rewrites earlier turns. "none" (default)
-            raises TemplateError. "keep_history" continues the token sequence the model actually
-            saw: the suffix is the template's rendering of the new messages (located after the last
-            assistant turn's end-of-turn token), and earlier turns stay verbatim, so the model keeps
-            seeing e.g. its earlier `<think>` blocks that this template would drop at inference.
-            The learner still trains only on tokens the model saw; the cost is a train/inference
-            difference in context, which is why it must be chosen explicitly.
+            raises TemplateError. "keep_history" continues the tokens the model saw, earlier turns
+            verbatim: a train/inference difference in context, so it must be chosen explicitly.
         template_kwargs: extra variables for the template (e.g. `{"preserve_thinking": True}` for
             templates that have such a switch, `{"enable_thinking": False}`).
         trajectory_mode: what the rollout does when the history is rewritten (`HistoryRewritten`):
@@ -219,24 +170,7 @@ class ChatFormat:
         self.template_kwargs: dict[str, Any] = dict(template_kwargs or {})
         self._fast = _compiled_renderer(self.template, tokenizer, self.template_kwargs)
         self._fast_checks_left = FAST_RENDER_CHECKS
-        decoder = getattr(tokenizer, "added_tokens_decoder", {}) or {}
-        specials = {t.content for t in decoder.values() if getattr(t, "special", False)}
-        specials = {
-            t for t in specials | set(getattr(tokenizer, "all_special_tokens", []) or []) if t
-        }
-        # whitespace an added token absorbs on its left/right (the tokenizer's own split does it)
-        self._strips: dict[str, tuple[bool, bool]] = {
-            t.content: (bool(getattr(t, "lstrip", False)), bool(getattr(t, "rstrip", False)))
-            for t in decoder.values()
-            if t.content in specials
-        }
-        # One alternation: ~4 us on 4 KB against Llama 3's 256 special tokens
-        # (`any(t in s)`: ~140 us).
-        self._special_text = (
-            re.compile("|".join(map(re.escape, sorted(specials, key=len, reverse=True))))
-            if specials
-            else None
-        )
+        self._special_text, self._strips = special_tokens(tokenizer)
         self.string_arguments = wants_string_arguments(self.template, self._render_dicts)
         self._set_end_of_turns(end_of_turn)
         self.turn_end_opens_next = turn_end_opens_next(self._render_dicts, self.end_of_turns)
@@ -401,32 +335,16 @@ class ChatFormat:
 
     def _encode_rendered(self, text: str, protected: _Placeholders) -> list[int]:
         """Tokenize template output rendered from `protected.dicts`: the held special texts go where
-        their placeholders are, as plain text.
-
-        The text is split at the template's own special tokens (the contents' are placeholders
-        there) as the tokenizer's added-token split does, including the whitespace a token with
-        lstrip/rstrip absorbs; the pieces between them, with the held texts put back, are tokenized
-        with special tokens split into plain text. So BPE merges run across the held text as they
-        would if it were ordinary text, and ordinary text tokenizes exactly as `encode` does. This
-        assumes the tokenizer treats each piece between added tokens the same wherever it starts, as
-        byte-level BPE tokenizers (Qwen, Llama 3, DeepSeek-V3, SmolLM2) do; a SentencePiece
-        tokenizer that prepends "▁" to its input shows the model an extra "▁" after each template
-        special token on this (rare) path (the held text stays plain text). The ids are what the
+        their placeholders are, as plain text (`held.split_at_specials`). The ids are what the
         model sees."""
         if protected.pattern is None:
             return self.encode(text)
-        assert self._special_text is not None  # a pattern exists only when there are special tokens
         ids: list[int] = []
-        pos, absorb_left = 0, False
-        for m in self._special_text.finditer(text):
-            lstrip, rstrip = self._strips.get(m.group(), (False, False))
-            piece = text[pos : m.start()]
-            piece = piece.lstrip() if absorb_left else piece
-            ids += self._encode_plain(protected.restore(piece.rstrip() if lstrip else piece))
-            ids.append(self.tokenizer.convert_tokens_to_ids(m.group()))
-            pos, absorb_left = m.end(), rstrip
-        piece = text[pos:]
-        return ids + self._encode_plain(protected.restore(piece.lstrip() if absorb_left else piece))
+        for piece, special in split_at_specials(text, self._special_text, self._strips):
+            ids += self._encode_plain(protected.restore(piece))
+            if special is not None:
+                ids.append(self.tokenizer.convert_tokens_to_ids(special))
+        return ids
 
     def _encode_after_end_of_turn(
         self, text: str, protected: _Placeholders, eot: str | None = None
@@ -513,67 +431,18 @@ class ChatFormat:
             if after.startswith(before):
                 return self._encode_after_end_of_turn(glue + after[len(before) :], protected, eot)
         if self.fallback == "keep_history":
-            tail, found = self._suffix_after_last_turn(
-                history_dicts, protected.dicts, protected.tools, after, glue
+            tail, found = suffix_after_last_turn(
+                self._render_dicts,
+                self.end_of_turns,
+                history_dicts,
+                protected.dicts,
+                protected.tools,
+                after,
+                glue,
             )
             if not self.turn_end_opens_next or found == eot:
                 return self._encode_after_end_of_turn(tail, protected, found)
         raise _rewritten(before, after, eot, [m.role for m in new_messages])
-
-    def _suffix_after_last_turn(
-        self,
-        history_dicts: list[dict[str, Any]],
-        new_dicts: list[dict[str, Any]],
-        tools: list[dict] | None,
-        after: str,
-        glue: str,
-    ) -> tuple[str, str]:
-        """keep_history: the text `after` (the render of history + new) has behind the last
-        assistant turn, and the end-of-turn token it follows.
-
-        The new messages are located by a probe render in which each new message's content starts
-        with a placeholder (`agentgrpo<n>m<i>e`, absent from `after`): the last end-of-turn marker
-        before the first placeholder ends the assistant turn just sampled. Marker text is never
-        counted (a dropped `<think>` block may hold it, and special-token text in the new contents
-        is already held as placeholders). Raises TemplateError when a new message's content is not
-        rendered after that marker, when the probe's text up to the marker differs from `after`'s
-        (the template renders history differently for the placeholder content, e.g. Qwen3 on a user
-        message that starts with `<tool_response>`), or when the template's glue after the marker
-        changed.
-        """
-        nonce = 0
-        while f"agentgrpo{nonce}m" in after:
-            nonce += 1
-        marks = [f"agentgrpo{nonce}m{i}e" for i in range(len(new_dicts))]
-        marked = [d.get("content") is None or isinstance(d.get("content"), str) for d in new_dicts]
-        probe_dicts = [
-            {**d, "content": mark + (d.get("content") or "")} if m else d
-            for d, mark, m in zip(new_dicts, marks, marked, strict=True)
-        ]
-        probe = self._render_dicts(history_dicts + probe_dicts, tools, True)
-        found = [probe.find(mark) for mark, m in zip(marks, marked, strict=True) if m]
-        cut, eot = (
-            _last_of(probe, self.end_of_turns, min(found))
-            if found and min(found) >= 0
-            else (-1, "")
-        )
-        end = cut + len(eot)
-        tail = after[end:] if cut >= 0 else ""
-        if (
-            cut < 0
-            or any(f < end for f in found)
-            or probe[:end] != after[:end]
-            or not tail.startswith(glue)
-            or tail == glue
-        ):
-            raise TemplateError(
-                "keep_history fallback: cannot locate the new messages in the template's rendering "
-                "(a new message is not rendered after the last "
-                f"{' or '.join(map(repr, self.end_of_turns))} of the history, "
-                "or the history "
-                "renders differently depending on the new messages' content)"
-            )
-        return tail, eot
 
     def truncate(
         self, text: str, max_tokens: int, marker: str = TRUNCATION_MARKER
