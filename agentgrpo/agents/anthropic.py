@@ -12,10 +12,8 @@ The reply's reasoning, text and calls become `thinking`, `text` and `tool_use` b
 `end_turn`, `tool_use`, `max_tokens` or `stop_sequence`; `stream` sends Anthropic's events.
 Errors have Anthropic's shape, `{"type": "error", "error": {"type", "message"}}`.
 
-Not carried: images and documents, server tools (web search, code execution, ...), `top_k`
-(sampling stays the policy's), `thinking.budget_tokens` (the model thinks as its chat template
-says; the field is accepted), cache control (accepted, nothing is cached apart), and a stop
-sequence's text stays in the reply (as in chat replies) rather than being cut from it.
+Not carried (docs/agents.md lists it): images and documents, server tools, `top_k`, cache
+control; `thinking.budget_tokens` is accepted, unused; a stop sequence's text stays in the reply.
 """
 
 from __future__ import annotations

@@ -1,26 +1,14 @@
 """OpenAI's Chat Completions API in front of an `Engine`, recording every token per episode: the
-episode core that the Responses API (`agentgrpo.agents.responses`) and Anthropic's Messages API
-(`agentgrpo.agents.anthropic`) translate onto, so every call of every API lands in one record.
+episode core that the Responses API (`responses.py`) and Anthropic's Messages API
+(`anthropic.py`) translate onto, so every call of every API lands in one record.
 
-An agent written against the OpenAI client needs only a `base_url`:
-`http://HOST:PORT/episodes/<id>/v1`. Each episode has its own URL prefix, so concurrent episodes
-never mix. Per call:
-
-    chat.prompt_ids(messages, tools)      -> prompt ids (the chat template, as in training)
-    engine.generate(prompt ids)           -> sampled ids + logprobs (token-in/token-out)
-    chat.parse_assistant(sampled ids)     -> content + OpenAI tool_calls (malformed: plain content)
-
-and the call (prompt ids, sampled ids, logprobs, weight version, finish reason) is recorded in
-its episode (`EndpointEpisode.calls`). When a request's messages are the previous request's
-messages plus the reply this endpoint gave plus new messages (the usual agent loop), its prompt is
-the previous prompt + the sampled ids + `chat.suffix_ids(new messages)`, exactly as in
-`agentgrpo.rollout.episode`: the text the client sends back is never re-tokenized. Any other
-request is rendered from scratch; `EndpointEpisode.trajectory` then finds whether it still extends
-the previous call token-exactly. When it does not (the agent trimmed or summarised its history, or
-the template renders it anew), the episode goes on in a new segment, as in
-`agentgrpo.rollout.episode`, under `chat.trajectory_mode` "auto" or "stepwise" ("stepwise": every
-call renders from scratch and is a segment); under "single" the trajectory ends before that call,
-naming it.
+Per call: `chat.prompt_ids` (or, when the request continues the conversation this endpoint
+answered, the previous prompt + the sampled ids + `chat.suffix_ids` of the new messages: the
+text the client sends back is never re-tokenized), then `engine.generate`, then
+`chat.parse_assistant`; the call (prompt ids, sampled ids, logprobs, weight version, finish
+reason) is recorded in `EndpointEpisode.calls`. `EndpointEpisode.trajectory` joins the calls
+into token-exact segments, or under `chat.trajectory_mode` "single" ends before a call whose
+prompt does not extend the previous one. docs/agents.md, "From calls to a trajectory".
 """
 
 from __future__ import annotations

@@ -12,10 +12,8 @@ OpenAI does). Function tools become chat tools; `tool_choice` maps one to one. T
 calls and reasoning become `message`, `function_call` and `reasoning` output items; `stream`
 sends OpenAI's `response.*` events (`agentgrpo.agents.streaming`).
 
-Not carried: tools other than functions, non-text input (images, files), structured output
-(`text.format` other than text), `background`, `conversation`, stored prompts, and
-`reasoning.effort` (the model thinks as its chat template says; the field is accepted).
-`usage.output_tokens_details.reasoning_tokens` is 0: the reasoning's tokens are not counted apart.
+Not carried (docs/agents.md lists it): tools other than functions, non-text input, structured
+output, `background`, `conversation`, stored prompts; `reasoning.effort` is accepted, unused.
 """
 
 from __future__ import annotations

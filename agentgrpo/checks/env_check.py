@@ -4,9 +4,8 @@
 `EnvCheck` per promise of the Env contract: what was checked, whether it held, and, when it did
 not, what was found and why it matters. `check_env` (re-exported as `agentgrpo.check_env`) raises
 `EnvCheckError` listing the failures; `agentgrpo check-env MODULE:CLASS` prints the whole report.
-The conversions the rollout makes of every value (`EnvStep.of`, `agentgrpo.env.base.reset_messages`)
-live in the stage layer below this run-level checker; `check_env_at_start` is the part training and
-evaluation run once before the first rollout.
+`check_env_at_start` is the part training and evaluation run once before the first rollout (the
+conversions of every value, `EnvStep.of` and `reset_messages`, live in `agentgrpo.env`).
 
 The scripted actions: reset twice with one seed (determinism, unless the env declares
 `stochastic`); for a ToolEnv, a call to an unknown tool, a call with invalid arguments, and one call

@@ -1,47 +1,17 @@
 """Template audit: can agentgrpo continue conversations token-exactly with this chat template?
 
-The rollout never re-tokenizes history: it appends the model's sampled ids and then the *suffix*
-the template renders for the env's new messages (`ChatFormat.suffix_ids`). That is exact only when
-the template is prefix-preserving: rendering `history + new` must start with the rendering of
-`history`. Some templates rewrite earlier turns (Qwen3 drops earlier `<think>` blocks and renders
-an empty one in the last assistant turn only), and some cannot render a shape at all (Llama 3.1
-refuses parallel tool calls). This module finds out before training does.
+The rollout never re-tokenizes history: it appends the sampled ids and then the suffix the
+template renders for the env's new messages (`ChatFormat.suffix_ids`), which is exact only when
+the template is prefix-preserving. Some templates rewrite earlier turns (Qwen3 drops earlier
+`<think>` blocks) and some cannot render a shape at all (Llama 3.1 refuses parallel calls).
 
-`audit(chat, tools=..., prompt=...)` walks synthetic multi-turn conversations (plain chat, tool
-calls, parallel calls, several tool turns, user feedback after tools, reasoning blocks, awkward
-tool output). For every assistant turn it takes the template's own rendering of that turn as the
-"sampled" ids, then appends the suffix for the following env messages, and compares:
-
-- text: does `render(history + new)` start with `render(history)`? If not, which text changed and
-  why (a heuristic diagnosis: reasoning dropped, empty think block, whitespace, other rewrite);
-- the end-of-turn token: does the template end an assistant turn with one of
-  `chat.end_of_turns` (or, where `chat.turn_end_opens_next`, open the next message with one: the
-  walk then takes the token the model would stop on as the turn's last sampled id)?
-- tokens: do prompt + sampled + suffix ids equal the ids of the full render in one piece?
-- the parser: does `chat.parse_assistant` read back the calls the template rendered?
-
-What is fatal: a rewrite of history (unless the keep_history fallback is chosen and works), an
-assistant turn without the end-of-turn token, a first prompt the template cannot render, and a tool
-conversation it cannot render (every tool episode would end with ENV_ERROR, and a policy could steer
-episodes into it; a template that wants tool-call arguments as a JSON string, like DeepSeek-V3's,
-gets them so: `ChatFormat.string_arguments`), except parallel tool calls alone, which
-`rollout.max_tool_calls_per_turn=1` avoids (a warning with that advice). With tools, a template that
-does not show the tools in the prompt (it ignores `tools`, like Gemma 3's: `no_tool_support`) or
-does not render tool calls (`parser_mismatch` "no tool support") is fatal too: the model could not
-learn to call them. A plain (tool-free) shape the template cannot render is a warning (whether the
-env is multi-turn is not known here), as are differences that keep token-in/token-out exact
-(retokenization, a generation prompt the history does not repeat, a parser that reads other
-formats).
-
-The report's `mode` is what agentgrpo will do: "exact" (one sequence per episode, all suffixes
-exact), "keep_history" (the template rewrites history and the user chose that fallback, which works
-for every conversation checked), "stepwise" (`chat.trajectory_mode` is "auto" and the template
-rewrites history, or it is "stepwise": the episode goes on in new segments, each the template's own
-rendering; the walk checks each segment token-exact), or "refuse". A rewrite of history is fatal
-only with trajectory_mode "single".
-`require_token_safe` is what training calls at start-up: it raises
-TemplateError with the report when the mode is "refuse". `agentgrpo check-template MODEL_DIR`
-prints the report.
+`audit` replays synthetic conversations (`template_conversations.py`) turn by turn as the rollout
+would, the template's own rendering of each assistant turn playing the sampled ids, and checks
+the text, the end-of-turn token, the ids and the parser at every turn. The report's `mode` is
+what agentgrpo will do: "exact", "keep_history", "stepwise" or "refuse".
+`require_token_safe` is what training calls at start-up: it raises TemplateError with the report
+when the mode is "refuse". `agentgrpo check-template MODEL_DIR` prints the report. What is fatal
+and what is a warning: docs/chat.md, "The template audit".
 """
 
 from __future__ import annotations
@@ -161,7 +131,7 @@ def _common_prefix(a: str, b: str) -> int:
 
 def _render_error(name: str, conv: list[Message], turn: int, e: TemplateError) -> TemplateIssue:
     """A conversation the template cannot render: fatal for tool conversations other than parallel
-    tool calls (see the module docstring)."""
+    tool calls (docs/chat.md, "The template audit")."""
     tool_shape = any(m.tool_calls or m.role == "tool" for m in conv)
     if not tool_shape:
         why = "the template cannot render this conversation shape"
@@ -430,7 +400,7 @@ def _check_tools_shown(
 def audit(
     chat: ChatFormat, *, tools: list[dict] | None = None, prompt: list[Message] | None = None
 ) -> TemplateReport:
-    """Audit `chat`'s template on synthetic conversations (see the module docstring).
+    """Audit `chat`'s template on synthetic conversations (docs/chat.md, "The template audit").
 
     `tools`: the env's tool schemas; `[]` audits only conversations without tools, None uses a
     synthetic calculator tool. `prompt`: the env's first messages, used as every conversation's
