@@ -531,6 +531,7 @@ class Trajectory:
             "env_reward": _number(score.env_reward),
             "reward_parts": {k: _number(v) for k, v in score.parts.items()},
             "reward_detail": score.detail,
+            "reward_info": dict(score.info),
             "advantage": None if advantage is None else advantage.value,
             "turn_advantages": None if advantage is None else advantage.turn_list(),
             "num_turns": self.num_turns,
@@ -565,9 +566,17 @@ class Score:
     parts: Mapping[str, float] = field(default_factory=FrozenDict)  # each verifier's score
     detail: str = ""  # the rubric's notes: errors, verifier details, why it is unscorable
     env_reward: float | None = None  # the env's own reward, when a rubric replaced it
+    # what verifiers recorded about their judgement, by verifier name, as JSON values (an LLM
+    # judge's prompt and answer: agentgrpo.verify.judge)
+    info: Mapping[str, Any] = field(default_factory=FrozenDict)
 
     def __post_init__(self) -> None:
-        _set(self, reward=float(self.reward), parts=FrozenDict(self.parts))
+        _set(
+            self,
+            reward=float(self.reward),
+            parts=FrozenDict(self.parts),
+            info=FrozenDict(self.info),
+        )
 
     @property
     def unscorable(self) -> bool:

@@ -185,6 +185,9 @@ def run_real(args: argparse.Namespace) -> dict:
                     f"output_dir={tmp}/run",
                     f"train.steps={args.real_steps}",
                     f"train.max_staleness={k}",
+                    # every mode alike: stale ones need an importance correction
+                    "learner.old_logprobs=recompute",
+                    "loss.tis=token",
                     "rollout.group_size=4",
                     "rollout.tasks_per_step=2",
                     "log.progress=false",

@@ -52,6 +52,9 @@ def run(out: Path, url: str, steps: int, overlap: bool) -> tuple[float, list[dic
             "log.tensorboard=false",
             "eval.every=0",
             f"train.overlap_rollouts={overlap}",
+            # both runs alike: the overlapped one needs an importance correction
+            "learner.old_logprobs=recompute",
+            "loss.tis=token",
         ],
     )
     t0 = time.perf_counter()

@@ -49,7 +49,6 @@ Example:
 
 from __future__ import annotations
 
-import hashlib
 import re
 from collections.abc import Sequence
 from decimal import Decimal
@@ -59,11 +58,11 @@ from agentgrpo import EnvStep, Message, StopReason, Task, ToolEnv, tool
 from agentgrpo.verify.math import MathCheck, amath_check
 from agentgrpo.verify.sandbox import Sandbox, SandboxUnavailable
 from envs.calculator import drop_thinking
+from envs.reasoning_gym_env import reasoning_gym_tasks
 from tools.python import PythonToolConfig, make_async_python_tool
 
 DATASETS = ("gsm_symbolic", "chain_sum", "basic_arithmetic")
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:[eE][-+]?\d+)?(?:\s*/\s*\d+)?")
-_EVAL_BUCKET = 0  # sha256(question) % 10 == 0 -> eval
 _MAX_WRITTEN_EXPONENT = 100  # `1e100` is written out (101 characters); `1e101` stays as written
 
 
@@ -202,42 +201,8 @@ class PythonMathEnv(ToolEnv):
         """`n` problems of `split` ("train" or "eval") from reasoning-gym's `dataset` generator.
 
         `dataset_kwargs` go to the generator's config (an unknown one is an error that names it).
+        Split by a hash of the question (`envs.reasoning_gym_env.reasoning_gym_tasks`).
         """
-        import reasoning_gym
-        from reasoning_gym.factory import DATASETS as RG_DATASETS
-
-        if split not in ("train", "eval"):
-            raise ValueError(
-                f"PythonMathEnv.load_tasks: split must be 'train' or 'eval', got {split!r}"
-            )
-        if dataset not in RG_DATASETS:
-            raise ValueError(
-                f"unknown reasoning-gym dataset {dataset!r} (e.g. {', '.join(DATASETS)})"
-            )
-        if n < 1:
-            raise ValueError("n must be >= 1")
-        # Generation is lazy per index; the stream is long enough for the eval bucket (1 in 10) to
-        # fill n, and bounded so a tiny problem space cannot loop forever.
-        limit = 40 * n + 1000
-        try:
-            ds = reasoning_gym.create_dataset(dataset, seed=seed, size=limit, **dataset_kwargs)
-        except TypeError as e:
-            raise TypeError(f"PythonMathEnv.load_tasks: bad option for {dataset!r}: {e}") from None
-        want_eval = split == "eval"
-        tasks: list[Task] = []
-        for i in range(limit):
-            entry = ds[i]
-            bucket = int(hashlib.sha256(entry["question"].encode()).hexdigest(), 16) % 10
-            if (bucket == _EVAL_BUCKET) != want_eval:
-                continue
-            tasks.append(
-                Task(
-                    id=f"{dataset}-{seed}-{i}",
-                    prompt=entry["question"],
-                    answer=str(entry["answer"]),
-                    metadata={"dataset": dataset, "split": split, "index": i},
-                )
-            )
-            if len(tasks) == n:
-                break
-        return tasks
+        if "weight" in dataset_kwargs:
+            raise TypeError("PythonMathEnv.load_tasks: one dataset has no weight")
+        return reasoning_gym_tasks({dataset: dataset_kwargs}, split, seed, n)

@@ -24,7 +24,13 @@ class SlowTaskEnv(VariedRewardEnv):
         return super().reset(seed=seed, options=options)
 
 
-ASYNC = ("train.max_staleness=2", "env.name=tests.test_async_train:SlowTaskEnv")
+ASYNC = (
+    "train.max_staleness=2",
+    "env.name=tests.test_async_train:SlowTaskEnv",
+    # stale samples need an importance correction (agentgrpo.run.config)
+    "learner.old_logprobs=recompute",
+    "loss.tis=token",
+)
 
 
 def _positions(out):

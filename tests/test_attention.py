@@ -31,7 +31,7 @@ from agentgrpo.learner.batch import make_micro_batches
 from agentgrpo.learner.learner import Learner, LearnerConfig
 from agentgrpo.learner.logprobs import PolicyForward
 from tests.tiny import groups_of_trajectories, rows, tiny_llama, traj
-from tests.varlen_reference import reference_varlen_attn
+from tests.varlen_reference import reference_varlen_attn, top_left_varlen_attn
 
 
 def _forward_backward(model, mb, bf16=False):
@@ -240,6 +240,27 @@ def test_auto_runs_segments_only_on_rows_long_enough_to_pay():
         assert "segments" in _layout_kwargs(model, mb, False, 0.0)  # attention: segments, any row
         lp = PolicyForward(model, segment_min_share=AUTO_MIN_SHARE)(mb, 1.0)[0]
         torch.testing.assert_close(lp, PolicyForward(model)(mb, 1.0)[0], atol=1e-5, rtol=0)
+
+
+def test_take_rows_adds_repeated_rows_gradients_in_index_order():
+    """A shared prompt's keys (and its last hidden state) are gathered once per continuation, so
+    the gradient adds several rows into one. On the CPU, `x[idx]`'s backward adds them with atomic
+    adds from all threads once the tensor is large, in an order that changes from run to run (one
+    of the two reasons two runs of a config drifted apart: docs/learner.md); `take_rows` adds them
+    in index order, every time."""
+    from agentgrpo.learner.attention import take_rows
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 9, 64, generator=g).requires_grad_()  # 36864 values: torch's parallel path
+    idx = torch.randint(0, 8, (4, 96), generator=g)  # 384 gathers of 8 rows: heavy repetition
+    upstream = torch.randn(4, 96, 9, 64, generator=g) * torch.logspace(-6, 6, 64)  # order-sensitive
+    torch.testing.assert_close(take_rows(x, idx), x[idx], atol=0, rtol=0)
+    expected = torch.zeros_like(x)
+    for i, row in enumerate(idx.reshape(-1).tolist()):  # one index after another
+        expected[row] += upstream.reshape(-1, 9, 64)[i]
+    for _ in range(5):
+        (grad,) = torch.autograd.grad(take_rows(x, idx), x, upstream)
+        assert torch.equal(grad, expected)
 
 
 # --- varlen attention --------------------------------------------------------------------------
@@ -486,6 +507,99 @@ def test_the_learner_trains_with_varlen_as_with_the_mask(monkeypatch, reference_
         assert got == pytest.approx(want, rel=1e-5, abs=1e-7), key
     for name, w in weights["mask"].items():  # as in the segments test above: AdamW's ~lr * sign(g)
         torch.testing.assert_close(weights["varlen"][name], w, atol=1e-5, rtol=0, msg=name)
+
+
+# --- the start-up check of `auto`'s pick --------------------------------------------------------
+
+
+def _learner(attention="auto", kl_coef=0.05):
+    return Learner(
+        tiny_llama("sdpa"),
+        LearnerConfig(lr=1e-3, micro_batch_tokens=200, attention=attention),
+        LossConfig(kl_coef=kl_coef),
+        temperature=0.7,
+    )
+
+
+def test_auto_keeps_a_path_that_passes_its_check():
+    learner = _learner()
+    assert learner.attention.path == "segments"
+    assert "checked against the 4D mask on a probe batch" in learner.attention.reason
+    assert learner.unwrapped.config._attn_implementation == SEGMENTS
+    # asked for by name: not second-guessed, not probed
+    assert "checked" not in _learner("segments").attention.reason
+
+
+def test_the_probe_holds_every_layout_the_paths_must_keep_apart():
+    from agentgrpo.learner.attention import probe_rows, probe_trajectories
+
+    trajs = probe_trajectories(vocab_size=100)
+    (mb,) = make_micro_batches(probe_rows(vocab_size=100), 4096, mode="shared_prefix")
+    spans = Segments.of(mb).spans
+    assert mb.input_ids_RS.shape[0] > 1 and mb.needs_mask  # packed rows, one micro-batch
+    assert sum(ps < pe for _, _, _, ps, pe in spans) == 6  # six continuations of shared prompts
+    assert (mb.segment_ids_RS == 0).any()  # and row tails
+    assert any(0 in t.loss_mask[t.prompt_len :] for t in trajs)  # a tool output between turns
+
+
+@pytest.mark.parametrize("broken", ["wrong values", "raises"])
+def test_auto_falls_back_to_the_mask_when_its_kernel_fails_the_check(monkeypatch, broken):
+    real = attention_module.segment_attention
+
+    def bad_segments(module, query, key, value, attention_mask, *a, segments=None, **kw):
+        out, w = real(module, query, key, value, attention_mask, *a, segments=segments, **kw)
+        if segments is None:  # only the segment kernel itself is broken
+            return out, w
+        if broken == "raises":
+            raise RuntimeError("no kernel image is available for execution on the device")
+        return out * 1.5, w
+
+    monkeypatch.setattr(attention_module, "segment_attention", bad_segments)
+    learner = _learner()
+    choice = learner.attention
+    assert choice.path == "mask", choice
+    assert choice.reason.startswith("auto: segments failed its start-up check: "), choice
+    expect = (
+        "no kernel image"
+        if broken == "raises"
+        else r"its logprobs lie \S+ from the 4D mask's on average \(tolerance 0.001 in float32\)"
+    )
+    assert re.search(expect, choice.reason), choice.reason
+    assert choice.reason.endswith("; the 4D mask instead")
+    # policy and KL reference back on sdpa, the cost model pricing cross-sequence pairs again
+    assert learner.unwrapped.config._attn_implementation == "sdpa"
+    assert learner.ref.model.config._attn_implementation == "sdpa"
+    assert learner.pair_cost > 0
+    # and it trains as a learner on the mask does
+    trajs = groups_of_trajectories(n_groups=3, size=4, seed=5)
+    adv = [float(t.reward) - 0.5 for t in trajs]
+    got, want = learner.train_step(rows(trajs, adv)), _learner("mask").train_step(rows(trajs, adv))
+    for key in ("loss", "grad_norm", "kl"):
+        assert got[key] == pytest.approx(want[key], rel=1e-6, abs=1e-8), key
+
+
+@pytest.mark.parametrize("kernel", ["reference", "top-left causal"])
+def test_auto_checks_varlen_as_on_a_gpu(monkeypatch, kernel):
+    def as_on_a_gpu(setting, **facts):
+        gpu = {"device_type": "cuda", "capability": (9, 0), "dtype": torch.bfloat16}
+        return choose_attention(setting, **{**facts, **gpu})
+
+    wrong = kernel != "reference"
+    fn = top_left_varlen_attn if wrong else reference_varlen_attn
+    monkeypatch.setattr(attention_module, "VARLEN_KERNEL", fn)
+    monkeypatch.setattr(
+        attention_module,
+        "_kernel_params",
+        lambda k: frozenset({"window_size", "scale", "enable_gqa"}),
+    )
+    monkeypatch.setattr(learner_module, "choose_attention", as_on_a_gpu)
+    learner = _learner()
+    assert learner.attention.path == ("mask" if wrong else "varlen"), learner.attention
+    if wrong:
+        assert "varlen failed its start-up check" in learner.attention.reason
+        assert learner.unwrapped.config._attn_implementation == "sdpa"
+    else:
+        assert learner.unwrapped.config._attn_implementation == VARLEN
 
 
 def test_train_with_varlen_on_the_cpu_is_a_config_error(tmp_path, capsys, monkeypatch):

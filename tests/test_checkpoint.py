@@ -420,6 +420,8 @@ def test_time_based_checkpoints_and_overlap_never_crosses_one(tmp_path, stopping
             "train.save_every_s=0.001",
             "train.keep_checkpoints=5",
             "train.overlap_rollouts=true",
+            "learner.old_logprobs=recompute",
+            "loss.tis=token",
         )
         == 0
     )
@@ -437,6 +439,8 @@ def test_time_based_checkpoints_and_overlap_never_crosses_one(tmp_path, stopping
             "train.save_every_s=null",
             "train.keep_checkpoints=5",
             "train.overlap_rollouts=true",
+            "learner.old_logprobs=recompute",
+            "loss.tis=token",
         )
         == 0
     )

@@ -225,18 +225,31 @@ def test_tis_needs_recomputed_old_logprobs():
 def test_mis_needs_recomputed_old_logprobs_and_corrects_overlap():
     """MIS compares the same two logprobs as TIS (refused without recompute, for the same reason)
     and, like TIS, is a correction that overlapped rollouts with recomputed old logprobs accept."""
-    for mis in ("token", "sequence"):
+    for mis in ("token", "sequence", "geometric"):
         with pytest.raises(
             ConfigError, match=f"loss.mis={mis} needs learner.old_logprobs=recompute"
         ):
             load_config(None, [f"loss.mis={mis}"])
     recompute = ["learner.old_logprobs=recompute", "train.overlap_rollouts=true"]
-    cfg = load_config(None, [*recompute, "loss.mis=sequence", "loss.mis_low=0.8"])
-    assert (cfg.loss.mis, cfg.loss.mis_low, cfg.loss.mis_high) == ("sequence", 0.8, 2.0)
-    with pytest.raises(ConfigError, match="set loss.tis or loss.mis"):
-        load_config(None, recompute)
+    cfg = load_config(None, [*recompute, "loss.mis=geometric", "loss.mis_low=0.8"])
+    assert (cfg.loss.mis, cfg.loss.mis_low, cfg.loss.mis_high) == ("geometric", 0.8, 2.0)
     with pytest.raises(ConfigError, match="mis_high"):
         load_config(None, [*recompute, "loss.mis=token", "loss.mis_high=0.5"])
+
+
+@pytest.mark.parametrize("old", ["rollout", "recompute"])
+@pytest.mark.parametrize(
+    "stale", ["train.max_staleness=1", "train.overlap_rollouts=true", "train.max_staleness=3"]
+)
+def test_stale_samples_need_an_importance_correction_whatever_old_logprobs_is(old, stale):
+    with pytest.raises(
+        ConfigError, match=r"train.max_staleness=\d trains on samples .* set loss.tis"
+    ):
+        load_config(None, [stale, f"learner.old_logprobs={old}"])
+    for fix in ("loss.tis=token", "loss.mis=sequence"):
+        cfg = load_config(None, [stale, "learner.old_logprobs=recompute", fix])
+        assert cfg.train.staleness >= 1
+    assert load_config(None, [f"learner.old_logprobs={old}"]).train.staleness == 0
 
 
 def test_text_settings_take_the_override_as_written():
@@ -302,3 +315,25 @@ def test_unreadable_config_files_and_bad_yaml_are_clean_errors(tmp_path, capsys)
     for argv in (["train", str(missing)], ["eval", str(bad)]):
         assert main(argv) == 2
         assert capsys.readouterr().err.startswith("error: ")
+
+
+def test_deterministic_decodes_one_at_a_time_and_refuses_what_timing_decides():
+    cfg = load_config(None, ["deterministic=true"])
+    assert (cfg.engine.max_batch_size, cfg.engine.prefix_cache_tokens) == (1, 0)
+    again = load_config(None, ["deterministic=true", "engine.max_batch_size=1"])  # as dumped
+    assert again.engine == cfg.engine
+    assert load_config(None, []).engine.max_batch_size > 1  # untouched without it
+    with pytest.raises(ConfigError, match="engine.max_batch_size is 4; leave it unset or set 1"):
+        load_config(None, ["deterministic=true", "engine.max_batch_size=4"])
+    with pytest.raises(ConfigError, match="engine.prefix_cache_tokens is 64"):
+        load_config(None, ["deterministic=true", "engine.prefix_cache_tokens=64"])
+    stale = ["learner.old_logprobs=recompute", "loss.tis=token"]
+    load_config(None, ["deterministic=true", "train.max_staleness=1", *stale])  # one step: exact
+    for timed, match in [
+        (["train.max_staleness=2", *stale], "train.max_staleness=2"),
+        (["engine.partial_rollouts=true"], "engine.partial_rollouts"),
+        (["engine.kind=sglang", "engine.sglang.urls=[http://127.0.0.1:1]"], "engine.kind=sglang"),
+        (["engine.kind=vllm", "engine.vllm.urls=[http://127.0.0.1:1]"], "engine.kind=vllm"),
+    ]:
+        with pytest.raises(ConfigError, match=f"deterministic: true cannot hold with {match}"):
+            load_config(None, ["deterministic=true", *timed])

@@ -200,3 +200,19 @@ def test_the_local_engine_sets_threads_in_its_own_thread_only(tiny_model_dir):
         asyncio.run(engine.generate([1, 2, 3], SamplingParams(max_new_tokens=2)))
     assert seen and set(seen) == {before + 1}
     assert torch.get_num_threads() == before
+
+
+@pytest.mark.parametrize("cuda", [False, True])
+def test_deterministic_mode_is_torchs_and_warns_only_on_cuda(monkeypatch, cuda):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    try:
+        line = hardware.make_deterministic()
+        assert torch.are_deterministic_algorithms_enabled()
+        assert torch.is_deterministic_algorithms_warn_only_enabled() == cuda
+        # cuBLAS needs a fixed workspace for deterministic matmuls; the CPU nothing of the kind
+        assert ("CUBLAS_WORKSPACE_CONFIG" in hardware.os.environ) == cuda
+        assert line.startswith("deterministic algorithms")
+    finally:  # process-wide: the rest of the suite runs without it
+        torch.use_deterministic_algorithms(False)
+        hardware.os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)

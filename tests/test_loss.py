@@ -11,17 +11,20 @@ from pydantic import ValidationError
 from agentgrpo.algo.loss import (
     AGG_MODES,
     LOSSES,
+    MIS_MODES,
     LossConfig,
     aggregate,
     compute_loss,
+    geometric_mis_weights,
     get_loss_fn,
     gspo_loss,
     kl_penalty,
+    mis_weights,
     policy_loss,
     rollout_mismatch_metrics,
-    sequence_mis_mask,
+    sequence_mis_weights,
     sequence_tis_weights,
-    token_mis_mask,
+    token_mis_weights,
     token_tis_weights,
 )
 
@@ -299,7 +302,14 @@ def test_micro_batches_add_up(name, agg):
 @pytest.mark.parametrize("agg", AGG_MODES)
 @pytest.mark.parametrize(
     ("tis", "mis"),
-    [("token", "none"), ("sequence", "none"), ("none", "token"), ("token", "sequence")],
+    [
+        ("token", "none"),
+        ("sequence", "none"),
+        ("none", "token"),
+        ("none", "sequence"),
+        ("none", "geometric"),
+        ("token", "geometric"),
+    ],
 )
 def test_compute_loss_micro_batches_add_up(agg, tis, mis):
     # narrow MIS band, so that some tokens of the random batch are dropped and others kept
@@ -511,53 +521,149 @@ def test_tis_weights_are_detached_and_clamped():
 
 def test_token_mis_hand_computed():
     # old - rollout = [ln 3, ln 0.5, ln 1.5, ln 0.25, (masked)], band [0.5, 2] (ends included)
-    #   ratios 3 (out), 0.5 (in: the lower end), 1.5 (in), 0.25 (out) -> keep [0, 1, 1, 0, 0]
+    #   ratios 3 (out), 0.5 (in: the lower end), 1.5 (in), 0.25 (out)
+    #   -> keep [0, 1, 1, 0, 0], weights = ratio x keep = [0, 0.5, 1.5, 0, 0]
     #   masked_frac = 2 / 4 = 0.5 ; ratio_mean = (3 + 0.5 + 1.5 + 0.25) / 4 = 1.3125
+    #   weight_mean = (0.5 + 1.5) / 4 = 0.5
     old = t([[LN(3), LN(0.5), LN(1.5), LN(0.25), 7.0]])
     rollout, mask = torch.zeros(1, 5, dtype=F64), t([[1, 1, 1, 1, 0]])
-    keep, m = token_mis_mask(old, rollout, mask, low=0.5, high=2.0)
-    close(keep, [[0.0, 1.0, 1.0, 0.0, 0.0]])
+    w = token_mis_weights(old, rollout, mask, low=0.5, high=2.0)
+    close(w.weights_BT, [[0.0, 0.5, 1.5, 0.0, 0.0]])
+    close(w.keep_BT, [[0.0, 1.0, 1.0, 0.0, 0.0]])
+    m = w.metrics
     assert m["mis/masked_frac"] == 0.5 and m["mis/ratio_mean"] == pytest.approx(1.3125)
+    assert m["mis/weight_mean"] == pytest.approx(0.5)
     assert m["mismatch/kl"] == pytest.approx(-(LN(3) + LN(0.5) + LN(1.5) + LN(0.25)) / 4)
-    assert not keep.requires_grad
+    assert not w.weights_BT.requires_grad
+
+
+# Five rows for the two sequence variants (old - rollout per token; the 3rd of row 2 is masked):
+#   row 0: ln 3, ln 0.5        sum ln 1.5   mean ln 1.5 / 2
+#   row 1: ln 3, ln 3          sum ln 9     mean ln 3
+#   row 2: ln 4, ln 0.25       sum 0        mean 0
+#   row 3: 4 x ln 1.5          sum ln 5.0625 (= 1.5^4)   mean ln 1.5
+#   row 4: no loss tokens
+MIS_ROWS = [
+    [LN(3), LN(0.5), 0.0, 0.0],
+    [LN(3), LN(3), 0.0, 0.0],
+    [LN(4), LN(0.25), 9.0, 0.0],
+    [LN(1.5)] * 4,
+    [5.0, 5.0, 5.0, 5.0],
+]
+MIS_MASK = [[1, 1, 0, 0], [1, 1, 0, 0], [1, 1, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0]]
 
 
 def test_sequence_mis_hand_computed():
-    # geometric mean r_i = exp(mean of old - rollout over row i's loss tokens), band [0.5, 2]:
-    #   row 0: (ln 3 + ln 0.5) / 2 = ln 1.5 / 2     -> r = sqrt(1.5) = 1.22474  kept
-    #   row 1: (ln 3 + ln 3) / 2 = ln 3              -> r = 3                   dropped
-    #   row 2: (ln 4 + ln 0.25) / 2 = 0 (3rd masked) -> r = 1                   kept
-    #   row 3: 4 x ln 1.5 -> mean ln 1.5             -> r = 1.5                 kept
-    #          (the product 1.5^4 = 5.06 would drop it: a longer row, the same per-token gap)
-    #   row 4: no loss tokens                        -> 0 everywhere
-    #   masked_frac = 2 dropped / 10 loss tokens = 0.2
-    #   ratio_mean over loss tokens = (2 sqrt(1.5) + 2 * 3 + 2 * 1 + 4 * 1.5) / 10 = 1.64495
-    old = t(
-        [
-            [LN(3), LN(0.5), 0.0, 0.0],
-            [LN(3), LN(3), 0.0, 0.0],
-            [LN(4), LN(0.25), 9.0, 0.0],
-            [LN(1.5)] * 4,
-            [5.0, 5.0, 5.0, 5.0],
-        ]
-    )
-    mask = t([[1, 1, 0, 0], [1, 1, 0, 0], [1, 1, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0]])
-    keep, m = sequence_mis_mask(old, torch.zeros_like(old), mask, low=0.5, high=2.0)
-    close(keep, [[1, 1, 0, 0], [0, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0]])
-    assert m["mis/masked_frac"] == pytest.approx(0.2)
-    assert m["mis/ratio_mean"] == pytest.approx((2 * math.sqrt(1.5) + 6 + 2 + 6) / 10)
+    # product R_i = exp(sum), band [0.5, 2]: 1.5 kept, 9 rejected, 1 kept, 5.0625 rejected
+    #   weights: R_i on the kept rows' loss tokens
+    #   masked_frac = (2 + 4) / 10 = 0.6
+    #   ratio_mean = (2 * 1.5 + 2 * 9 + 2 * 1 + 4 * 5.0625) / 10 = 43.25 / 10 = 4.325
+    #   weight_mean = (2 * 1.5 + 2 * 1) / 10 = 0.5
+    old = t(MIS_ROWS)
+    w = sequence_mis_weights(old, torch.zeros_like(old), t(MIS_MASK), low=0.5, high=2.0)
+    close(w.weights_BT, [[1.5, 1.5, 0, 0], [0, 0, 0, 0], [1, 1, 0, 0], [0] * 4, [0] * 4])
+    assert w.metrics["mis/masked_frac"] == pytest.approx(0.6)
+    assert w.metrics["mis/ratio_mean"] == pytest.approx(4.325)
+    assert w.metrics["mis/weight_mean"] == pytest.approx(0.5)
 
 
-def test_mis_band_must_hold_ratio_one():
+def test_geometric_mis_hand_computed():
+    # geometric mean R_i = exp(mean), band [0.5, 2]:
+    #   sqrt(1.5) = 1.22474 kept, 3 rejected, 1 kept, 1.5 kept (a longer row with the same per-token
+    #   gap as the product's 5.0625, which the sequence variant rejects)
+    #   masked_frac = 2 / 10 = 0.2
+    #   ratio_mean = (2 sqrt(1.5) + 2 * 3 + 2 * 1 + 4 * 1.5) / 10 = 1.64495
+    #   weight_mean = (2 sqrt(1.5) + 2 * 1 + 4 * 1.5) / 10 = 1.04495
+    old, r = t(MIS_ROWS), math.sqrt(1.5)
+    w = geometric_mis_weights(old, torch.zeros_like(old), t(MIS_MASK), low=0.5, high=2.0)
+    close(w.weights_BT, [[r, r, 0, 0], [0, 0, 0, 0], [1, 1, 0, 0], [1.5] * 4, [0] * 4])
+    close(w.keep_BT, [[1, 1, 0, 0], [0, 0, 0, 0], [1, 1, 0, 0], [1] * 4, [0] * 4])
+    assert w.metrics["mis/masked_frac"] == pytest.approx(0.2)
+    assert w.metrics["mis/ratio_mean"] == pytest.approx((2 * r + 6 + 2 + 6) / 10)
+    assert w.metrics["mis/weight_mean"] == pytest.approx((2 * r + 2 + 6) / 10)
+
+
+def _trl_mask_ratio(old_BT, rollout_BT, mask_BT, mode, clip_min, clip_max):
+    """TRL's masked importance sampling ratio, as huggingface/trl computes it at commit
+    f2cd57710ae345ea6428ae95363267fcf38a3dc8 (trl/trainer/grpo_trainer.py,
+    `GRPOTrainer._generate_and_score_completions`, the `vllm_importance_sampling_correction`
+    block; modes token_mask and sequence_mask), written anew: the masked log-ratio, summed over
+    the row for the sequence mode, exponentiated without a clamp, and set to 0 outside
+    [clip_min, clip_max]. It multiplies the per-token loss, broadcast over the row's tokens."""
+    diff = (old_BT - rollout_BT) * mask_BT
+    if mode == "sequence_mask":
+        diff = diff.sum(dim=-1, keepdim=True)
+    ratio = torch.exp(diff)
+    return ratio.masked_fill((ratio < clip_min) | (ratio > clip_max), 0.0)
+
+
+def _verl_mask_weights(old_BT, rollout_BT, mask_BT, level, upper, lower):
+    """verl's MIS weights, as volcengine/verl computes them at commit
+    5d378b5f95085fabcde5447f53980ae842d0c165 (verl/trainer/ppo/mismatch_helper.py,
+    `compute_rollout_importance_weights` with rollout_is_mode="mask" and the veto off), written
+    anew: the log-ratio per token, its masked sum (sequence) or masked mean (geometric; verl's
+    masked mean divides by the count + 1e-8) per row, clamped to [-20, 20] and exponentiated;
+    weights outside [lower, upper] become 0; then times the response mask."""
+    log_ratio = old_BT - rollout_BT
+    if level == "sequence":
+        log_ratio = (log_ratio * mask_BT).sum(-1, keepdim=True)
+    elif level == "geometric":
+        count = mask_BT.sum(-1, keepdim=True) + 1e-8
+        log_ratio = (log_ratio * mask_BT).sum(-1, keepdim=True) / count
+    w = torch.exp(log_ratio.clamp(-20, 20)).expand_as(old_BT)
+    return w * ((w >= lower) & (w <= upper)).to(w.dtype) * mask_BT
+
+
+def _mismatched_logprobs(seed):
+    """Old and rollout logprobs over [6, 9] and a ragged loss mask: row 0 has no loss token, row 1
+    gaps of ~0.01 nats (inside any band, for every variant), row 2 gaps of ~1 nat (outside), the
+    other rows gaps of a few tenths (tokens on both sides of the band)."""
+    g = torch.Generator().manual_seed(seed)
+    rollout = -torch.rand(6, 9, generator=g, dtype=F64) * 3
+    scale = t([[0.0], [0.01], [0.1], [0.4], [0.4], [0.4]])
+    shift = t([[0.0], [0.0], [1.0], [0.0], [0.1], [-0.1]])
+    old = rollout + shift + torch.randn(6, 9, generator=g, dtype=F64) * scale
+    mask = (torch.rand(6, 9, generator=g) < 0.8).to(F64)
+    mask[0] = 0.0
+    mask[1:, 0] = 1.0
+    return old, rollout, mask
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_mis_equals_trl_and_verl_on_the_same_tensors(seed):
+    old, rollout, mask = _mismatched_logprobs(seed)
+    low, high = 0.7, 1.5
+    for ours, trl_mode, verl_level in [
+        ("token", "token_mask", "token"),
+        ("sequence", "sequence_mask", "sequence"),
+        ("geometric", None, "geometric"),
+    ]:
+        w = mis_weights(ours, old, rollout, mask, low, high)
+        # both kept and rejected entries are present, so the comparison tests the band too
+        assert 0 < w.metrics["mis/masked_frac"] < 1, ours
+        verl = _verl_mask_weights(old, rollout, mask, verl_level, upper=high, lower=low)
+        # rtol: verl's + 1e-8 in the mean's count moves a geometric ratio by ~1e-9 of itself
+        torch.testing.assert_close(w.weights_BT, verl, rtol=1e-9, atol=0)
+        if trl_mode is not None:  # TRL multiplies its ratio into the per-token loss, masked there
+            trl = _trl_mask_ratio(old, rollout, mask, trl_mode, low, high) * mask
+            torch.testing.assert_close(w.weights_BT, trl.expand_as(old), rtol=1e-12, atol=0)
+
+
+def test_mis_band_must_hold_ratio_one_and_variants_are_named():
     x = torch.zeros(1, 1)
     with pytest.raises(ValueError, match="0 < low <= 1 <= high"):
-        token_mis_mask(x, x, torch.ones(1, 1), low=1.2, high=2.0)
+        token_mis_weights(x, x, torch.ones(1, 1), low=1.2, high=2.0)
+    with pytest.raises(ValueError, match=r"unknown MIS variant 'product'; valid: \['geometric', "):
+        mis_weights("product", x, x, torch.ones(1, 1), 0.5, 2.0)
     with pytest.raises(ValidationError, match="mis_low"):
         LossConfig(mis="token", mis_low=1.5)
     with pytest.raises(ValidationError, match="mis_high"):
         LossConfig(mis="token", mis_high=0.9)
     with pytest.raises(ValidationError, match="mis"):
-        LossConfig(mis="geometric")
+        LossConfig(mis="product")
+    assert set(MIS_MODES) == {"token", "sequence", "geometric"}
+    for mode in MIS_MODES:
+        assert LossConfig(mis=mode).mis == mode
 
 
 # --- compute_loss --------------------------------------------------------------------------------
@@ -601,19 +707,19 @@ def test_compute_loss_applies_tis_to_policy_term_only():
     assert m["tis/clipped_frac"] == 0.5
 
 
-def test_compute_loss_mis_drops_tokens_from_the_policy_term_only():
+def test_compute_loss_mis_weighs_and_rejects_in_the_policy_term_only():
     # logp = old = [ln 3, ln 0.5, ln 1.5, ln 0.25], rollout 0: rho = 1, A = 1 -> pg losses -1 each
-    # MIS token, band [0.5, 2]: keep [0, 1, 1, 0] (test_token_mis_hand_computed)
-    #   token-mean, dropped tokens still counted: (0 - 1 - 1 + 0) / 4 = -0.5
-    #   d pg / d logp = -A rho keep / 4 = [0, -0.25, -0.25, 0] (dropped tokens get no gradient)
-    # with TIS token, cap 1.2 on top: weights min(ratio, 1.2) = [1.2, 0.5, 1.2, 0.25] x keep
-    #   = [0, 0.5, 1.2, 0] -> pg = -(0.5 + 1.2) / 4 = -0.425
-    #   gradient -w / 4 = [0, -0.125, -0.3, 0]
-    # the KL term (k1 = 0.5 per token, beta 0.1) is not masked: loss = pg + 0.05
+    # MIS token, band [0.5, 2]: weights [0, 0.5, 1.5, 0] (test_token_mis_hand_computed)
+    #   token-mean, rejected tokens still counted: (0 - 0.5 - 1.5 + 0) / 4 = -0.5
+    #   d pg / d logp = -A rho w / 4 = [0, -0.125, -0.375, 0] (rejected tokens get no gradient)
+    # with TIS token, cap 1.2 on top: TIS weighs, MIS only rejects: min(ratio, 1.2) =
+    #   [1.2, 0.5, 1.2, 0.25] x keep [0, 1, 1, 0] = [0, 0.5, 1.2, 0] -> pg = -(0.5 + 1.2) / 4
+    #   = -0.425 ; gradient -w / 4 = [0, -0.125, -0.3, 0]
+    # the KL term (k1 = 0.5 per token, beta 0.1) is not weighted: loss = pg + 0.05
     old = t([[LN(3), LN(0.5), LN(1.5), LN(0.25)]])
     rollout, mask = torch.zeros(1, 4, dtype=F64), torch.ones(1, 4)
     for tis, pg, grad in [
-        ("none", -0.5, [0, -0.25, -0.25, 0]),
+        ("none", -0.5, [0, -0.125, -0.375, 0]),
         ("token", -0.425, [0, -0.125, -0.3, 0]),
     ]:
         cfg = LossConfig(tis=tis, tis_cap=1.2, mis="token", kl_coef=0.1, kl_estimator="k1")

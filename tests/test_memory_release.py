@@ -123,7 +123,15 @@ def test_config_refuses_releasing_while_overlapped_rollouts_sample():
     with pytest.raises(
         ConfigError, match="release_memory_during_training with train.max_staleness=1"
     ):
-        load_config(None, [*sglang, "train.overlap_rollouts=true"])
+        load_config(
+            None,
+            [
+                *sglang,
+                "train.overlap_rollouts=true",
+                "learner.old_logprobs=recompute",
+                "loss.tis=token",
+            ],
+        )
 
 
 def test_a_training_run_lends_the_servers_memory_to_every_learner_step(

@@ -19,12 +19,13 @@ from agentgrpo.run.train import policy_lag
 from agentgrpo.types import StopReason, Trajectory
 from tests.test_checkpoint import _by_step, _train, _weights
 
-OVERLAP = "train.overlap_rollouts=true"
+# one step off-policy needs an importance correction (RunConfig._off_policy_is_corrected)
+OVERLAP = ("train.overlap_rollouts=true", "learner.old_logprobs=recompute", "loss.tis=token")
 
 
 def test_overlapped_rollouts_come_from_the_weights_before_the_update(tmp_path, stopping_model_dir):
     out = tmp_path / "run"
-    assert _train(out, stopping_model_dir, 3, OVERLAP) == 0
+    assert _train(out, stopping_model_dir, 3, *OVERLAP) == 0
     metrics = read_jsonl(out / "metrics.jsonl")
     # Step 1 is sampled before any update; steps 2 and 3 while the step before them trained, so the
     # engine reports the version before that update (the push waits for the sampling to finish).
@@ -50,7 +51,7 @@ def test_overlapped_run_killed_and_resumed_equals_uninterrupted(
     tmp_path, stopping_model_dir, monkeypatch
 ):
     straight = tmp_path / "straight"
-    assert _train(straight, stopping_model_dir, 4, "train.save_every=2", OVERLAP) == 0
+    assert _train(straight, stopping_model_dir, 4, "train.save_every=2", *OVERLAP) == 0
 
     from agentgrpo.learner.learner import Learner
 
@@ -68,10 +69,10 @@ def test_overlapped_run_killed_and_resumed_equals_uninterrupted(
     killed = tmp_path / "killed"
     monkeypatch.setattr(Learner, "train_step", dies_in_step_3)
     with pytest.raises(RuntimeError, match="killed"):
-        _train(killed, stopping_model_dir, 4, "train.save_every=2", OVERLAP)
+        _train(killed, stopping_model_dir, 4, "train.save_every=2", *OVERLAP)
     monkeypatch.setattr(Learner, "train_step", real_step)
     assert sampled_meanwhile and [m["step"] for m in read_jsonl(killed / "metrics.jsonl")] == [1, 2]
-    assert _train(killed, stopping_model_dir, 4, "train.save_every=2", OVERLAP) == 0
+    assert _train(killed, stopping_model_dir, 4, "train.save_every=2", *OVERLAP) == 0
 
     assert [m["policy_lag"] for m in read_jsonl(straight / "metrics.jsonl")] == [0.0, 1.0, 0.0, 1.0]
     assert _by_step(straight) == _by_step(killed)
@@ -96,7 +97,7 @@ def test_a_stop_during_overlapped_sampling_cancels_it_and_rewinds_the_data(
 
     out = tmp_path / "run"
     monkeypatch.setattr(Learner, "train_step", sigterm_in_the_first_step)
-    assert _train(out, stopping_model_dir, 3, OVERLAP) == 0
+    assert _train(out, stopping_model_dir, 3, *OVERLAP) == 0
     monkeypatch.setattr(Learner, "train_step", real_step)
     manifest = json.loads((out / "checkpoints" / "step-000001" / "trainer.json").read_text())
     assert (
@@ -104,7 +105,7 @@ def test_a_stop_during_overlapped_sampling_cancels_it_and_rewinds_the_data(
     )  # step 1's 2 tasks; step 2's were sampled, never trained on
     assert [r["step"] for r in read_jsonl(out / "trajectories.jsonl")] == [1] * 4
 
-    assert _train(out, stopping_model_dir, 3, OVERLAP) == 0
+    assert _train(out, stopping_model_dir, 3, *OVERLAP) == 0
     plain = tmp_path / "plain"
     assert _train(plain, stopping_model_dir, 3) == 0
     groups = {s: sorted(g for g, _, _ in rows) for s, rows in _by_step(out).items()}
@@ -156,10 +157,8 @@ def test_policy_lag_reads_the_engines_versions():
 
 def test_overlap_with_recomputed_old_logprobs_needs_tis():
     with pytest.raises(Exception, match="loss.tis"):
-        load_config("examples/calculator.yaml", [OVERLAP, "learner.old_logprobs=recompute"])
-    load_config(
-        "examples/calculator.yaml", [OVERLAP, "learner.old_logprobs=recompute", "loss.tis=token"]
-    )
+        load_config("examples/calculator.yaml", [OVERLAP[0], "learner.old_logprobs=recompute"])
+    load_config("examples/calculator.yaml", list(OVERLAP))
 
 
 def test_two_ranks_overlap_like_one_process(tmp_path, stopping_model_dir):
@@ -169,10 +168,10 @@ def test_two_ranks_overlap_like_one_process(tmp_path, stopping_model_dir):
     from tests.test_distributed import HANG, _train_on_rank
 
     one, two = tmp_path / "one", tmp_path / "two"
-    assert _train(one, stopping_model_dir, 3, OVERLAP) == 0
+    assert _train(one, stopping_model_dir, 3, *OVERLAP) == 0
     # (_train_on_rank checkpoints every 2 steps, where overlapping pauses; 3 lets step 3 overlap.)
     spawn_gloo(
-        _train_on_rank, str(two), str(stopping_model_dir), 3, OVERLAP, HANG, "train.save_every=3"
+        _train_on_rank, str(two), str(stopping_model_dir), 3, *OVERLAP, HANG, "train.save_every=3"
     )
     assert _by_step(one) == _by_step(two)
     m1, m2 = read_jsonl(one / "metrics.jsonl"), read_jsonl(two / "metrics.jsonl")

@@ -108,7 +108,7 @@ def test_describe_algorithm_names_every_choice():
             kl_estimator="k2",
             tis="sequence",
             tis_cap=1.5,
-            mis="sequence",
+            mis="geometric",
             mis_low=0.25,
             mis_high=4.0,
         ),
@@ -125,7 +125,8 @@ def test_describe_algorithm_names_every_choice():
         "k2",
         "beta = 0.001",
         "sequence-level, cap 1.5",
-        "sequence-level, drop where the geometric-mean ratio of each sequence is outside [0.25, 4]",
+        "geometric: 0 where the geometric mean of each sequence's token ratios is outside "
+        "[0.25, 4], else the tis weight",
         "<= 5 extra rounds",
         "last 256 tokens",
         "truncated trajectories masked",
@@ -145,7 +146,7 @@ def test_describe_algorithm_names_every_choice():
         assert piece in plain, piece
     assert text.startswith("algorithm:\n") and len(text.splitlines()) == 9
     token = describe_algorithm(AdvantageConfig(), LossConfig(mis="token"), ShapingConfig())
-    assert "mis          token-level, drop where the token ratio is outside [0.5, 2]" in token
+    assert "mis          token: weight = the token ratio, 0 outside [0.5, 2]" in token
     norm = describe_algorithm(
         AdvantageConfig(estimator="dr_grpo", batch_std=True),
         LossConfig(agg="seq-mean-token-sum-norm", max_response_len=1024),

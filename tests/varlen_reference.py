@@ -49,3 +49,21 @@ def reference_varlen_attn(
         )
         outs.append(o.transpose(0, 1))
     return torch.cat(outs)
+
+
+def top_left_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, **kw):
+    """A wrong varlen_attn for the start-up check to catch: flash-attn 2.0's causal alignment (top
+    left: query i sees keys j <= i), which is right when a sequence has as many keys as queries and
+    wrong for a continuation attending to [its prompt, itself], whose queries then miss the end of
+    the prompt."""
+    outs = []
+    for i in range(len(cu_seq_q) - 1):
+        q0, q1 = int(cu_seq_q[i]), int(cu_seq_q[i + 1])
+        k0, k1 = int(cu_seq_k[i]), int(cu_seq_k[i + 1])
+        q, k, v = (x.transpose(0, 1) for x in (query[q0:q1], key[k0:k1], value[k0:k1]))
+        mask = torch.ones(q1 - q0, k1 - k0, dtype=torch.bool, device=q.device).tril()
+        o = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=kw.get("scale"), enable_gqa=kw.get("enable_gqa", False)
+        )
+        outs.append(o.transpose(0, 1))
+    return torch.cat(outs)

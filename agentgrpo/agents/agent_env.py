@@ -16,6 +16,7 @@ not retry: a retried call would be a second turn. docs/agents.md, "AgentEnv".
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import numbers
 import secrets
@@ -46,7 +47,8 @@ class AgentEnv(Env, EpisodeRunner):
     agent code that builds its own client (the OpenAI Agents SDK, LangChain's `ChatOpenAI`;
     `self.anthropic_base_url` for Anthropic's client, which adds `/v1/messages` itself); such a
     client should not retry (`max_retries=0`). `self.api_key` is the episode's own key: it opens
-    this episode's routes and nothing else.
+    this episode's routes and nothing else. What `run` puts in `self.episode_info` (a dict of JSON
+    values) becomes the trajectory's `env_info`.
 
     Example:
         >>> class Calculator(AgentEnv):
@@ -61,6 +63,8 @@ class AgentEnv(Env, EpisodeRunner):
     anthropic_base_url: str = ""
     api_key: str = ""
     model: str = "policy"
+    # What `run` reports about its episode (JSON values), kept as the trajectory's `env_info`.
+    episode_info: dict[str, Any]
 
     async def run(self, client: openai.AsyncOpenAI, task: Task) -> float | None:
         raise NotImplementedError(f"{type(self).__name__} must implement async run(client, task)")
@@ -122,7 +126,7 @@ async def agent_episode(
         urls = episode_urls(episode, base)
         env.base_url, env.anthropic_base_url = urls["base_url"], urls["anthropic_base_url"]
         env.api_key = urls["api_key"]
-        env.model = endpoint.model
+        env.model, env.episode_info = endpoint.model, {}
         client = openai.AsyncOpenAI(base_url=env.base_url, api_key=env.api_key, max_retries=0)
         stage = "reset"
         try:
@@ -150,7 +154,9 @@ async def agent_episode(
         finally:
             endpoint.remove(episode.id)
             await client.close()
-    return sealed(env, episode, task, limits, reason, detail, reward)
+    traj = sealed(env, episode, task, limits, reason, detail, reward)
+    info = json.loads(json.dumps(env.episode_info, default=str, skipkeys=True))
+    return replace(traj, env_info=info)
 
 
 def training_episode(

@@ -41,17 +41,20 @@ from agentgrpo.algo.loss_terms import (  # noqa: F401
     LOG_RATIO_CLAMP,
     MIS_MODES,
     TIS_MODES,
+    MISWeights,
     Normaliser,
     _masked_mean,
     aggregate,
+    geometric_mis_weights,
     k1,
     k2,
     k3,
     kl_penalty,
+    mis_weights,
     rollout_mismatch_metrics,
-    sequence_mis_mask,
+    sequence_mis_weights,
     sequence_tis_weights,
-    token_mis_mask,
+    token_mis_weights,
     token_tis_weights,
 )
 
@@ -121,11 +124,10 @@ def policy_loss(
     """PPO-clip policy loss (`ppo_clip_token_loss` per token, then `aggregate`).
 
     advantages_B is [B] (one per trajectory, broadcast over its tokens) or [B, T]. Clip-higher is
-    clip_high > clip_low (DAPO: 0.2 / 0.28). `tis_weights_BT` (the rollout correction: TIS weights
-    from `token_tis_weights` / `sequence_tis_weights`, times the 0/1 mask of `token_mis_mask` /
-    `sequence_mis_mask`; detached) multiply the per-token losses before aggregation, as verl's
-    rollout importance weights. Metrics: clipfrac, clipfrac_dual, ppo_kl (mean of old - new logp),
-    loss_tokens.
+    clip_high > clip_low (DAPO: 0.2 / 0.28). `tis_weights_BT` (the rollout correction, detached:
+    TIS or MIS weights, see `compute_loss`) multiply the per-token losses before aggregation, as
+    verl's rollout importance weights and TRL's importance_sampling_ratio. Metrics: clipfrac,
+    clipfrac_dual, ppo_kl (mean of old - new logp), loss_tokens.
     """
     mask_BT, logp_BT, old_BT, adv_BT = _prepare(
         logprobs_BT, old_logprobs_BT, advantages_B, loss_mask_BT
@@ -269,12 +271,13 @@ class LossConfig(BaseModel):
     tis_cap: float = Field(
         2.0, gt=0, description="Cap C of the TIS weight min(pi_old / pi_rollout, C)."
     )
-    mis: Literal["none", "token", "sequence"] = Field(
+    mis: Literal["none", "token", "sequence", "geometric"] = Field(
         "none",
-        description="Masked importance sampling: drop from the policy loss the tokens (token) or "
-        "whole sequences (sequence: geometric mean of the ratios over the sequence's loss "
-        "tokens) whose ratio pi_old / pi_rollout lies outside [mis_low, mis_high]. Combines "
-        "with tis (dropped tokens weigh 0, the others min(ratio, tis_cap)).",
+        description="Masked importance sampling: weigh each token's policy loss by the ratio "
+        "pi_old / pi_rollout and reject (weight 0) where it lies outside [mis_low, mis_high]; the "
+        "ratio of each token (token), of each sequence as the product of its tokens' ratios "
+        "(sequence), or as their geometric mean (geometric). With tis on as well, tis gives the "
+        "weight and mis only the rejection.",
     )
     mis_low: float = Field(0.5, gt=0, le=1, description="Lower end of the MIS band (<= 1).")
     mis_high: float = Field(2.0, ge=1, description="Upper end of the MIS band (>= 1).")
@@ -307,10 +310,11 @@ def compute_loss(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The full training loss of one micro-batch, as configured:
 
-        loss = agg(l_policy · w_tis · keep_mis) + kl_coef · agg(KL) - entropy_coef · agg(entropy)
+        loss = agg(l_policy · w) + kl_coef · agg(KL) - entropy_coef · agg(entropy)
 
-    with one aggregation mode and the same step normalisers for all three terms (tokens MIS drops
-    stay in the normalisers: they count as loss tokens whose policy loss is 0). Inputs that the
+    with w the rollout correction (`_rollout_correction`; 1 without one), one aggregation mode and
+    the same step normalisers for all three terms (tokens MIS rejects stay in the normalisers, as
+    in TRL: they count as loss tokens whose policy loss is 0). Inputs that the
     config needs are required (ref logprobs when kl_coef > 0, entropy when entropy_coef != 0,
     rollout logprobs when tis or mis != none); inputs it does not use are still logged when given
     (kl, entropy, mismatch/*).
@@ -323,23 +327,8 @@ def compute_loss(
     }
     mask_BT = loss_mask_BT > 0
     metrics: dict[str, float] = {}
-    tis_weights_BT = None  # the rollout correction: TIS weights times the MIS keep mask
-    for name, mode in (("tis", cfg.tis), ("mis", cfg.mis)):
-        if mode != "none" and rollout_logprobs_BT is None:
-            raise ValueError(f"{name}={mode!r} needs rollout_logprobs_BT")
-    if cfg.tis != "none":
-        tis_weights_BT, m = TIS_MODES[cfg.tis](
-            old_logprobs_BT, rollout_logprobs_BT, mask_BT, cfg.tis_cap
-        )
-        metrics.update(m)
-    if cfg.mis != "none":
-        keep_BT, m = MIS_MODES[cfg.mis](
-            old_logprobs_BT, rollout_logprobs_BT, mask_BT, cfg.mis_low, cfg.mis_high
-        )
-        tis_weights_BT = keep_BT if tis_weights_BT is None else tis_weights_BT * keep_BT
-        metrics.update(m)
-    if cfg.tis == cfg.mis == "none" and rollout_logprobs_BT is not None:
-        metrics.update(rollout_mismatch_metrics(old_logprobs_BT, rollout_logprobs_BT, mask_BT))
+    tis_weights_BT, m = _rollout_correction(cfg, old_logprobs_BT, rollout_logprobs_BT, mask_BT)
+    metrics.update(m)
 
     loss_fn = get_loss_fn(cfg.loss)
     dual = cfg.dual_clip if cfg.loss == "ppo" else None
@@ -381,6 +370,39 @@ def compute_loss(
 
 
 # --- helpers -------------------------------------------------------------------------------------
+
+
+def _rollout_correction(
+    cfg: LossConfig,
+    old_logprobs_BT: torch.Tensor,
+    rollout_logprobs_BT: torch.Tensor | None,
+    mask_BT: torch.Tensor,
+) -> tuple[torch.Tensor | None, dict[str, float]]:
+    """The per-token factor on the policy loss (None: no correction) and its metrics: TIS's
+    capped ratio, MIS's ratio inside its band (0 outside), or with both on TIS's weight times
+    MIS's band test (verl's importance weights with rejection sampling), so that the ratio is
+    applied once."""
+    for name, mode in (("tis", cfg.tis), ("mis", cfg.mis)):
+        if mode != "none" and rollout_logprobs_BT is None:
+            raise ValueError(f"{name}={mode!r} needs rollout_logprobs_BT")
+    if rollout_logprobs_BT is None:
+        return None, {}
+    metrics: dict[str, float] = {}
+    weights_BT = None
+    if cfg.tis != "none":
+        weights_BT, m = TIS_MODES[cfg.tis](
+            old_logprobs_BT, rollout_logprobs_BT, mask_BT, cfg.tis_cap
+        )
+        metrics.update(m)
+    if cfg.mis != "none":
+        mis = mis_weights(
+            cfg.mis, old_logprobs_BT, rollout_logprobs_BT, mask_BT, cfg.mis_low, cfg.mis_high
+        )
+        weights_BT = mis.weights_BT if weights_BT is None else weights_BT * mis.keep_BT
+        metrics.update(mis.metrics)
+    if weights_BT is None:
+        metrics.update(rollout_mismatch_metrics(old_logprobs_BT, rollout_logprobs_BT, mask_BT))
+    return weights_BT, metrics
 
 
 def _prepare(

@@ -3,8 +3,8 @@ importance sampling.
 
 Pure functions over [B, T] tensors with the conventions of `agentgrpo.algo.loss` (read its
 docstring: masking before arithmetic, step-wide normalisers, metrics as Python floats). The named
-modes sit in small registries (`AGG_MODES`, `KL_ESTIMATORS`, `TIS_MODES`, `MIS_MODES`); `aggregate`
-and `kl_penalty` raise with the list of valid names.
+modes sit in small registries (`AGG_MODES`, `KL_ESTIMATORS`, `TIS_MODES`, `MIS_MODES`); `aggregate`,
+`kl_penalty` and `mis_weights` raise with the list of valid names.
 
 Why a module of its own: none of these terms depends on which policy loss is used. `loss.py` keeps
 the PPO-clip / GSPO formulas and the configured entry point (`LossConfig`, `compute_loss`) that
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Literal, NamedTuple
 
 import torch
 
@@ -178,70 +179,122 @@ TIS_MODES = {"token": token_tis_weights, "sequence": sequence_tis_weights}
 # --- masked importance sampling (rollout engine vs learner) --------------------------------------
 
 
-def token_mis_mask(
+class MISWeights(NamedTuple):
+    """What a masked importance sampling variant gives the loss: `weights_BT`, the ratio where it
+    lies in the band and 0 elsewhere (what MIS alone multiplies the policy loss by), `keep_BT`,
+    the 0/1 band test alone (what MIS multiplies TIS's weights by when both are on), both float,
+    detached and 0 at masked positions; and metrics over loss tokens."""
+
+    weights_BT: torch.Tensor
+    keep_BT: torch.Tensor
+    metrics: dict[str, float]
+
+
+def token_mis_weights(
     old_logprobs_BT: torch.Tensor,
     rollout_logprobs_BT: torch.Tensor,
     loss_mask_BT: torch.Tensor,
     low: float,
     high: float,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """Token-level MIS: keep_t = 1 if low <= r_t <= high else 0, r_t = exp(old_logp_t -
-    rollout_logp_t) (the log-ratio clamped to [-20, 20], compared in log space).
+) -> MISWeights:
+    """Token-level MIS: w_t = r_t if low <= r_t <= high else 0, with
+    r_t = exp(clamp(old_logp_t - rollout_logp_t, -20, 20)) (TRL's `token_mask`, verl's
+    `rollout_is_level: token` with `rollout_is_mode: mask`).
 
-    Where TIS caps a large ratio, MIS drops the token: a token whose behaviour probability is far
-    from pi_old (sampled by weights several updates old, or by an engine whose numbers went wrong)
-    gives no gradient at all, instead of a bounded but biased one. Returns the keep mask (float,
-    detached, 0 at masked positions) and metrics over loss tokens: mis/masked_frac (the share
-    dropped), mis/ratio_mean, plus `rollout_mismatch_metrics`.
-    """
+    Where TIS caps a large ratio, MIS rejects the token: one whose behaviour probability is far from
+    pi_old (sampled by weights several updates old, or by an engine whose numbers went wrong) gives
+    no gradient at all, and the others are importance-weighted by their ratio, uncapped inside the
+    band."""
+    return _mis(old_logprobs_BT, rollout_logprobs_BT, loss_mask_BT, low, high, None)
+
+
+def sequence_mis_weights(
+    old_logprobs_BT: torch.Tensor,
+    rollout_logprobs_BT: torch.Tensor,
+    loss_mask_BT: torch.Tensor,
+    low: float,
+    high: float,
+) -> MISWeights:
+    """Sequence-level MIS on the product of the ratios: R_i = exp(clamp(sum_t log r_t, -20, 20))
+    over row i's loss tokens, and every loss token of row i weighs R_i if low <= R_i <= high, else
+    0 (TRL's `sequence_mask`, verl's `rollout_is_level: sequence` with `mask`). R_i is the
+    importance weight of the whole sequence, what a whole-trajectory reward calls for; the product
+    of n ratios drifts with n, so long sequences leave a fixed band sooner (`geometric_mis_weights`
+    tests a per-token gap instead)."""
+    return _mis(old_logprobs_BT, rollout_logprobs_BT, loss_mask_BT, low, high, "sum")
+
+
+def geometric_mis_weights(
+    old_logprobs_BT: torch.Tensor,
+    rollout_logprobs_BT: torch.Tensor,
+    loss_mask_BT: torch.Tensor,
+    low: float,
+    high: float,
+) -> MISWeights:
+    """Sequence-level MIS on the geometric mean of the ratios: R_i = exp(mean_t log r_t) over row
+    i's loss tokens, weighing and tested as in `sequence_mis_weights` (verl's
+    `rollout_is_level: geometric` with `mask`). The mean log-ratio is per token, like GSPO's
+    sequence ratio, so the band means the same at every length: a gap of 0.002 nats a token is
+    R = 1.002 at 10 tokens and at 1000, where the product would be 1.02 and 7.4."""
+    return _mis(old_logprobs_BT, rollout_logprobs_BT, loss_mask_BT, low, high, "mean")
+
+
+MISFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float, float], MISWeights]
+MIS_MODES: dict[str, MISFn] = {
+    "token": token_mis_weights,
+    "sequence": sequence_mis_weights,
+    "geometric": geometric_mis_weights,
+}
+
+
+def mis_weights(
+    kind: str,
+    old_logprobs_BT: torch.Tensor,
+    rollout_logprobs_BT: torch.Tensor,
+    loss_mask_BT: torch.Tensor,
+    low: float,
+    high: float,
+) -> MISWeights:
+    """The MIS variant named `kind` (token | sequence | geometric); ValueError naming the valid
+    ones otherwise."""
+    if kind not in MIS_MODES:
+        raise ValueError(f"unknown MIS variant {kind!r}; valid: {sorted(MIS_MODES)}")
+    return MIS_MODES[kind](old_logprobs_BT, rollout_logprobs_BT, loss_mask_BT, low, high)
+
+
+def _mis(
+    old_logprobs_BT: torch.Tensor,
+    rollout_logprobs_BT: torch.Tensor,
+    loss_mask_BT: torch.Tensor,
+    low: float,
+    high: float,
+    per_row: Literal["sum", "mean"] | None,
+) -> MISWeights:
+    """The three variants: the log-ratio per token (`per_row` None) or per row (its sum or mean
+    over the row's loss tokens, on every token of the row), clamped to [-20, 20], then tested
+    against the band in log space and exponentiated. Metrics over loss tokens, each carrying its
+    row's value for the row variants (the learner pools micro-batches by loss tokens):
+    mis/masked_frac (the share rejected), mis/ratio_mean (the ratio the band tested),
+    mis/weight_mean (what the loss was multiplied by), plus `rollout_mismatch_metrics`."""
     mask_BT = loss_mask_BT > 0
     with torch.no_grad():
         d_BT = torch.where(mask_BT, old_logprobs_BT - rollout_logprobs_BT, 0.0)
+        if per_row == "sum":
+            d_BT = d_BT.sum(-1, keepdim=True).expand_as(d_BT)
+        elif per_row == "mean":
+            rows = d_BT.sum(-1, keepdim=True) / mask_BT.sum(-1, keepdim=True).clamp(min=1)
+            d_BT = rows.expand_as(d_BT)
         d_BT = d_BT.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
         keep_BT = mask_BT & _in_band(d_BT, low, high)
+        ratio_BT = torch.exp(d_BT)
+        weights_BT = torch.where(keep_BT, ratio_BT, 0.0)
         metrics = {
             "mis/masked_frac": _masked_mean(~keep_BT, mask_BT),
-            "mis/ratio_mean": _masked_mean(torch.exp(d_BT), mask_BT),
+            "mis/ratio_mean": _masked_mean(ratio_BT, mask_BT),
+            "mis/weight_mean": _masked_mean(weights_BT, mask_BT),
             **rollout_mismatch_metrics(old_logprobs_BT, rollout_logprobs_BT, loss_mask_BT),
         }
-    return keep_BT.to(old_logprobs_BT.dtype), metrics
-
-
-def sequence_mis_mask(
-    old_logprobs_BT: torch.Tensor,
-    rollout_logprobs_BT: torch.Tensor,
-    loss_mask_BT: torch.Tensor,
-    low: float,
-    high: float,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """Sequence-level MIS: row i is kept whole or dropped whole, by the geometric mean of its
-    token ratios, r_i = exp(mean over its loss tokens of (old_logp - rollout_logp)):
-    keep_i = 1 if low <= r_i <= high else 0.
-
-    The geometric mean, not the product exp(sum): the product of n ratios drifts with n (a mismatch
-    of 0.002 nats a token is a ratio of e^2 = 7.4 over 1000 tokens and 1.02 over 10), so one band
-    would drop long sequences for a per-token gap it lets short ones keep. The mean log-ratio is
-    per token, as GSPO's sequence ratio, so the band means the same at every length. Metrics as
-    `token_mis_mask`, over loss tokens each carrying its row's decision and ratio (the learner
-    pools micro-batches by loss tokens).
-    """
-    mask_BT = loss_mask_BT > 0
-    with torch.no_grad():
-        d_BT = torch.where(mask_BT, old_logprobs_BT - rollout_logprobs_BT, 0.0)
-        mean_B = d_BT.sum(-1) / mask_BT.sum(-1).clamp(min=1)
-        mean_B = mean_B.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-        keep_BT = mask_BT & _in_band(mean_B, low, high).unsqueeze(-1)
-        metrics = {
-            "mis/masked_frac": _masked_mean(~keep_BT, mask_BT),
-            "mis/ratio_mean": _masked_mean(
-                torch.exp(mean_B).unsqueeze(-1).expand_as(mask_BT), mask_BT
-            ),
-            **rollout_mismatch_metrics(old_logprobs_BT, rollout_logprobs_BT, loss_mask_BT),
-        }
-    return keep_BT.to(old_logprobs_BT.dtype), metrics
-
-
-MIS_MODES = {"token": token_mis_mask, "sequence": sequence_mis_mask}
+    return MISWeights(weights_BT, keep_BT.to(weights_BT.dtype), metrics)
 
 
 def _in_band(log_ratio: torch.Tensor, low: float, high: float) -> torch.Tensor:

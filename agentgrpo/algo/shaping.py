@@ -156,8 +156,17 @@ def describe_algorithm(
     tis = f"{c.tis}-level, cap {c.tis_cap:g}" if c.tis != "none" else "off"
     mis = "off"
     if c.mis != "none":
-        ratio = "geometric-mean ratio of each sequence" if c.mis == "sequence" else "token ratio"
-        mis = f"{c.mis}-level, drop where the {ratio} is outside [{c.mis_low:g}, {c.mis_high:g}]"
+        ratio = {
+            "token": "token ratio",
+            "sequence": "product of each sequence's token ratios",
+            "geometric": "geometric mean of each sequence's token ratios",
+        }[c.mis]
+        band = f"[{c.mis_low:g}, {c.mis_high:g}]"
+        mis = (
+            f"{c.mis}: 0 where the {ratio} is outside {band}, else the tis weight"
+            if c.tis != "none"
+            else f"{c.mis}: weight = the {ratio}, 0 outside {band}"
+        )
     filters = []
     filters.append(
         f"dynamic sampling (<= {s.max_extra_rounds} extra rounds)"

@@ -35,9 +35,9 @@ import asyncio
 import inspect
 import math
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from agentgrpo.env.tool import to_user_thread
 from agentgrpo.types import Score, Task, Trajectory
@@ -45,11 +45,14 @@ from agentgrpo.types import Score, Task, Trajectory
 
 @dataclass(frozen=True)
 class VerifierResult:
-    """A score with its explanation. `parts` holds named sub-scores (a Rubric fills it)."""
+    """A score with its explanation. `parts` holds named sub-scores (a Rubric fills it); `info`
+    what the verifier recorded about its judgement, as JSON values (a judge's prompt and answer),
+    which the Rubric keeps under the verifier's name in `Score.info`."""
 
     score: float
     detail: str = ""
     parts: dict[str, float] = field(default_factory=dict)
+    info: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def unscorable(self) -> bool:
@@ -106,8 +109,11 @@ class Rubric:
     non-zero weight that returns NaN, or raises, makes the reward NaN (unscorable) and the reason
     goes to `detail`; `strict=True` re-raises instead (useful in tests). Verifiers of one
     trajectory run concurrently; sync ones run in worker threads so they never block the loop.
-    `group_hook`, if given, sees a whole group's results and may return adjusted ones (for
-    within-group terms such as diversity or length ranks).
+    A verifier whose `scores_groups` is true is called once per group instead, as
+    `await verifier.score_group(trajectories, task)` returning one score per trajectory (a judge
+    that ranks a group relative to itself: `agentgrpo.verify.judge`). `group_hook`, if given,
+    sees a whole group's results and may return adjusted ones (for within-group terms such as
+    diversity or length ranks).
     """
 
     def __init__(
@@ -170,21 +176,50 @@ class Rubric:
             return VerifierResult(math.nan), f"{name}: {type(e).__name__}: {e}"
         return _as_result(name, value), ""  # a wrong return type is a bug: it raises
 
-    async def ascore(self, trajectory: Trajectory, task: Task) -> VerifierResult:
-        """Score one trajectory: total, per-verifier `parts`, and why (errors, NaNs, details)."""
-        outs = await asyncio.gather(
-            *(self._one(n, fn, trajectory, task) for n, fn, _ in self.verifiers)
-        )
-        parts, notes, total = {}, [], 0.0
+    async def _column(
+        self, name: str, fn: Callable, trajectories: Sequence[Trajectory], task: Task
+    ) -> list[tuple[VerifierResult, str]]:
+        """One verifier's results for `trajectories`: one call per trajectory, or one call for
+        all of them when the verifier scores groups (`scores_groups`, e.g. a judge ranking a
+        group)."""
+        if not getattr(fn, "scores_groups", False):
+            return list(await asyncio.gather(*(self._one(name, fn, t, task) for t in trajectories)))
+        try:
+            values = list(await fn.score_group(trajectories, task))
+        except Exception as e:  # the verifier (or what it relies on) failed: unscorable, with why
+            if self.strict:
+                raise
+            return [(VerifierResult(math.nan), f"{name}: {type(e).__name__}: {e}")] * len(
+                trajectories
+            )
+        if len(values) != len(trajectories):
+            raise TypeError(
+                f"verifier {name!r} scored {len(values)} of a group of {len(trajectories)}"
+            )
+        return [(_as_result(name, v), "") for v in values]  # a wrong return type is a bug
+
+    def _combine(self, outs: Sequence[tuple[VerifierResult, str]]) -> VerifierResult:
+        """One trajectory's total from its verifiers' results, in `self.verifiers`' order."""
+        parts, notes, info, total = {}, [], {}, 0.0
         for (name, _, weight), (res, err) in zip(self.verifiers, outs, strict=True):
             parts[name] = res.score
+            if res.info:
+                info[name] = dict(res.info)
             if err:
                 notes.append(err)
             elif res.detail:
                 notes.append(f"{name}: {res.detail}")
             if weight != 0.0:
                 total += weight * res.score  # NaN propagates: one unscorable part, unscorable total
-        return VerifierResult(total * self._scale, "; ".join(notes), parts)
+        return VerifierResult(total * self._scale, "; ".join(notes), parts, info)
+
+    async def ascore(self, trajectory: Trajectory, task: Task) -> VerifierResult:
+        """Score one trajectory: total, per-verifier `parts`, and why (errors, NaNs, details). A
+        verifier that scores groups sees a group of one."""
+        columns = await asyncio.gather(
+            *(self._column(n, fn, [trajectory], task) for n, fn, _ in self.verifiers)
+        )
+        return self._combine([c[0] for c in columns])
 
     async def __call__(self, trajectory: Trajectory, task: Task) -> VerifierResult:
         return await self.ascore(trajectory, task)
@@ -192,8 +227,12 @@ class Rubric:
     async def ascore_group(
         self, trajectories: Sequence[Trajectory], task: Task
     ) -> list[VerifierResult]:
-        """Score all trajectories of a group concurrently, then apply `group_hook`."""
-        results = list(await asyncio.gather(*(self.ascore(t, task) for t in trajectories)))
+        """Score all trajectories of a group concurrently (a verifier that scores groups once,
+        with all of them), then apply `group_hook`."""
+        columns = await asyncio.gather(
+            *(self._column(n, fn, trajectories, task) for n, fn, _ in self.verifiers)
+        )
+        results = [self._combine([c[i] for c in columns]) for i in range(len(trajectories))]
         if self.group_hook is not None:
             results = self.group_hook(trajectories, task, results)
             if len(results) != len(trajectories) or not all(
@@ -235,12 +274,12 @@ async def score_group(
 
     `Score.reward` = the rubric's weighted sum minus `tool_error_penalty` per tool error (the
     rollout's penalty applies whatever scores the episode), `parts` = each verifier's score,
-    `detail` = the rubric's notes, and `env_reward` = the trajectory's own reward. The rubric
-    replaces the env's own reward, as in willccbb/verifiers, where the rubric alone scores a
-    rollout: one place defines the reward, and the env's own stays visible in `env_reward` and
-    countable through the `env_reward` verifier. `group_hook` sees all of `trajectories` (pass the
-    group's scorable ones: infrastructure failures are NaN already and left out of the group
-    statistics anyway).
+    `detail` = the rubric's notes, `info` = what verifiers recorded (by name), and `env_reward` =
+    the trajectory's own reward. The rubric replaces the env's own reward, as in
+    willccbb/verifiers, where the rubric alone scores a rollout: one place defines the reward, and
+    the env's own stays visible in `env_reward` and countable through the `env_reward` verifier.
+    `group_hook` sees all of `trajectories` (pass the group's scorable ones: infrastructure
+    failures are NaN already and left out of the group statistics anyway).
 
     An unscorable result (a verifier raised or returned NaN, or the absolute `time.monotonic()`
     `deadline` passed while scoring) gives reward NaN, never 0, and says why in `detail`.
@@ -262,5 +301,5 @@ async def score_group(
             nan_parts = [name for name, v in r.parts.items() if math.isnan(v)]
             why = r.detail or ("NaN from " + ", ".join(nan_parts) if nan_parts else "NaN score")
             reward, detail = math.nan, f"unscorable: {why}"
-        scores.append(Score(t.id, reward, r.parts, detail, env_reward=t.reward))
+        scores.append(Score(t.id, reward, r.parts, detail, env_reward=t.reward, info=r.info))
     return scores

@@ -61,7 +61,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from agentgrpo.learner.batch import TrainBatch
+from agentgrpo.learner.batch import TrainBatch, training_rows
+from agentgrpo.types import Advantage, StopReason, TrainingRow, Trajectory
 
 SEGMENTS = "agentgrpo_segments"
 # kwargs transformers passes to attention functions that change what attention computes; a value
@@ -121,6 +122,20 @@ class Segments:
             *(_bucket([spans[i] for i in g], T, device) for g in _bucketed(spans)), strict=True
         )
         return cls(spans, list(buckets), torch.from_numpy(np.concatenate(dest)).to(device))
+
+
+def take_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """`x[idx]`: the rows of `x` at the integer indices `idx` (any shape), with a backward that
+    gives the same bits on every run. The indices repeat (a shared prompt's keys serve every
+    continuation; its last hidden state predicts every member's first token), so the backward adds
+    several gradients into one row. On the CPU, `x[idx]`'s backward (index_put_ with accumulate)
+    does that with atomic adds from all threads once the tensor is large, and the order of the
+    additions, hence their last bits, follows the thread timing; `index_select`'s backward
+    (index_add_) adds them one index after another. On CUDA it is the other way round (index_add_
+    is atomic, indexing's backward sorts the indices), so `x[idx]` stays there."""
+    if x.device.type != "cpu":
+        return x[idx]
+    return torch.index_select(x, 0, idx.reshape(-1)).view(*idx.shape, *x.shape[1:])
 
 
 _SLACK = 1.3  # a bucket may compute this many times its spans' own (query, key) rectangles
@@ -209,9 +224,9 @@ def segment_attention(
     outs = []
     for bk in segments.buckets:
         o = F.scaled_dot_product_attention(
-            q[bk.q_idx].transpose(1, 2),
-            repeat_kv(k[bk.k_idx].transpose(1, 2), rep),
-            repeat_kv(v[bk.k_idx].transpose(1, 2), rep),
+            take_rows(q, bk.q_idx).transpose(1, 2),
+            repeat_kv(take_rows(k, bk.k_idx).transpose(1, 2), rep),
+            repeat_kv(take_rows(v, bk.k_idx).transpose(1, 2), rep),
             attn_mask=bk.mask,
             dropout_p=dropout,
             scale=scaling,
@@ -371,7 +386,7 @@ def varlen_attention(
     q = query.transpose(1, 2).reshape(R * S, H, D).to(dtype)  # [R*S, H, D]
     k, v = (x.transpose(1, 2).reshape(R * S, KV, D).to(dtype) for x in (key, value))
     if varlen.k_idx is not None:  # each run's prompt, then itself
-        k, v = k[varlen.k_idx], v[varlen.k_idx]
+        k, v = take_rows(k, varlen.k_idx), take_rows(v, varlen.k_idx)
     out = causal_varlen(
         q, k, v, varlen.cu_seq_q, varlen.cu_seq_k, varlen.max_q, varlen.max_k, scale=scaling
     )
@@ -527,3 +542,56 @@ def choose_attention(
 def use_varlen(model: torch.nn.Module) -> None:
     """Switch `model` to varlen attention (as `use_segments`)."""
     _switch(model, VARLEN)
+
+
+# --- the start-up check of the path `auto` chose ----------------------------------------------
+
+# How far the chosen path may lie from the 4D mask on the probe batch (`logprobs.attention_gap`:
+# the mean absolute difference of the loss tokens' logprobs or entropies), by the dtype attention
+# runs in. On SmolLM2-135M (bench/attention_check.py, numbers in docs/learner.md) right kernels lie
+# ~1e-5 away in fp32 and ~0.06 under bf16 autocast, wrong ones (a misplaced causal diagonal,
+# sequences that see each other) ~2: the tolerances sit between, a factor of 4 or more from each.
+CHECK_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 0.25, torch.float16: 0.25}
+
+
+def probe_trajectories(vocab_size: int, seed: int = 0) -> list[Trajectory]:
+    """A small step to check an attention path on: two groups of three sharing a prompt, with
+    continuations of different lengths, one of them two sampled turns around a tool output (mask 0),
+    and a lone sequence; random token ids (a fixed generator). Packed as the learner packs, it puts
+    prompts, continuations and row tails in one row, every layout the paths must keep apart."""
+    g = torch.Generator().manual_seed(seed)
+
+    def ids(n: int) -> list[int]:
+        return torch.randint(0, vocab_size, (n,), generator=g).tolist()
+
+    def trajectory(group: str, prompt: list[int], turns: list[tuple[int, int]]) -> Trajectory:
+        token_ids, mask = list(prompt), [0] * len(prompt)
+        for n, m in turns:
+            token_ids += ids(n)
+            mask += [m] * n
+        return Trajectory(
+            task_id=group,
+            token_ids=token_ids,
+            loss_mask=mask,
+            logprobs=[-1.0 * m for m in mask],
+            prompt_len=len(prompt),
+            messages=[],
+            stop_reason=StopReason.COMPLETED,
+            reward=0.0,
+            group_id=group,
+        )
+
+    out = []
+    for group, prompt_len, turns in (
+        ("probe-a", 24, [[(9, 1)], [(5, 1)], [(3, 1), (3, 0), (6, 1)]]),
+        ("probe-b", 12, [[(15, 1)], [(2, 1)], [(7, 1)]]),
+    ):
+        prompt = ids(prompt_len)
+        out += [trajectory(group, prompt, t) for t in turns]
+    return [*out, trajectory("probe-c", ids(10), [(11, 1)])]
+
+
+def probe_rows(vocab_size: int, seed: int = 0) -> list[TrainingRow]:
+    """`probe_trajectories` as the learner trains them: one row each, advantage 0."""
+    trajs = probe_trajectories(vocab_size, seed)
+    return training_rows(trajs, {t.id: Advantage(t.id, 0.0) for t in trajs})

@@ -1,4 +1,5 @@
-"""The learner under many processes: the launches it refuses, and the FSDP2-sharded KL reference."""
+"""The learner under many processes: the launches it refuses, the FSDP2-sharded KL reference, and
+resharding after a forward no backward follows."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from agentgrpo.learner.logprobs import PolicyForward
 
@@ -86,3 +87,12 @@ def total_norm(norm: torch.Tensor) -> float:
     the reading was partial. `full_tensor()` reduces it (a no-op once replicated)."""
     full = getattr(norm, "full_tensor", None)
     return float(full() if full is not None else norm)
+
+
+def reshard(module: torch.nn.Module) -> None:
+    """Free the unsharded parameters an FSDP2 forward left behind (the root module keeps them
+    gathered after forward, for the backward it expects), when no backward follows: a no-grad
+    probe. Does nothing without FSDP."""
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()

@@ -57,7 +57,15 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from agentgrpo.algo.loss import LossConfig, compute_loss
 from agentgrpo.learner import state as learner_state
-from agentgrpo.learner.attention import AUTO_MIN_SHARE, choose_attention, use_segments, use_varlen
+from agentgrpo.learner.attention import (
+    AUTO_MIN_SHARE,
+    CHECK_TOLERANCE,
+    AttentionChoice,
+    choose_attention,
+    probe_rows,
+    use_segments,
+    use_varlen,
+)
 from agentgrpo.learner.batch import (
     PackingMode,
     TrainBatch,
@@ -65,10 +73,12 @@ from agentgrpo.learner.batch import (
     balanced_parts,
     make_micro_batches,
 )
-from agentgrpo.learner.dist import check_launch, shard_reference, total_norm
+from agentgrpo.learner.dist import check_launch, reshard, shard_reference, total_norm
 from agentgrpo.learner.logprobs import (
     PolicyForward,
+    attention_gap,
     attn_implementation,
+    causal_lm,
     sliding_window_of,
     tf32_matmuls,
     to_loss_layout,
@@ -170,7 +180,9 @@ class LearnerConfig(BaseModel):
         "mask = one call per row under a 4D mask (every pair of the row computed); auto = varlen "
         "where it runs, else on the CPU segments for micro-batches whose rows are long enough to "
         "pay (agentgrpo.learner.attention.AUTO_MIN_SHARE) and the mask for the others, the mask on "
-        "other GPUs (segments measured slower there: docs/performance.md)",
+        "other GPUs (segments measured slower there: docs/performance.md); auto's varlen or "
+        "segments pick is checked against the mask on a probe batch at start-up and replaced by "
+        "the mask where it disagrees",
     )
     ref_offload: bool = Field(
         False,
@@ -310,6 +322,7 @@ class Learner:
         # gathered weights into (the engine's probe check needs a model that runs on one process).
         self._export_copy = copy.deepcopy(model).cpu() if self.sharded and self.is_main else None
         self._prepare(model, total_steps)
+        self._check_attention()
         self.model.train()
         self.step = 0
 
@@ -318,6 +331,7 @@ class Learner:
         price of a cross-sequence pair; switches `model` to the segment or varlen kernel."""
         cfg, device = self.cfg, self.accelerator.device
         self.flash = uses_flash(model)
+        self._kernel = attn_implementation(model)  # what a failed start-up check goes back to
         # flex_attention gets each micro-batch's layout as a BlockMask
         # (agentgrpo.learner.attention.flex_block_mask)
         flex = attn_implementation(model) == "flex_attention"
@@ -358,6 +372,51 @@ class Learner:
         self.pair_cost = (
             0.0 if no_cross_pairs else attention_pair_cost(getattr(model, "config", None))
         )
+
+    def _check_attention(self) -> None:
+        """`attention: auto`'s pick (varlen on CUDA, segments on the CPU) checked once, before the
+        first step: on a probe batch packed as the learner packs (`attention.probe_rows`)
+        it must lie within `CHECK_TOLERANCE` of the 4D mask (`logprobs.attention_gap`) for the
+        dtype attention runs in. Otherwise, or when it raises, the policy and the reference go back
+        to the mask and `self.attention` says why (the start-up line prints it). A path the config
+        asked for by name is not second-guessed. Collective: every rank runs the probe, and all
+        fall back when one fails."""
+        path = self.attention.path
+        if self.cfg.attention != "auto" or path not in ("segments", "varlen"):
+            return
+        lm = causal_lm(self.unwrapped)
+        dtype = torch.bfloat16 if self.precision.bf16 else next(lm.parameters()).dtype
+        tolerance = CHECK_TOLERANCE.get(dtype, CHECK_TOLERANCE[torch.bfloat16])
+        rows = probe_rows(lm.config.vocab_size)
+        (probe,) = make_micro_batches(rows, 4096, self.pad_id, mode=self.packing)
+        self.model.eval()  # no dropout in either pass
+        try:
+            with tf32_matmuls(self.tf32):
+                gap = attention_gap(self.model, probe.to(self.accelerator.device), self.temperature)
+            failure = None
+            if not gap <= tolerance:
+                failure = (
+                    f"on a probe batch its logprobs lie {gap:.3g} from the 4D mask's on average "
+                    f"(tolerance {tolerance:g} in {str(dtype).removeprefix('torch.')})"
+                )
+        except RuntimeError as e:  # a kernel meeting this GPU for the first time may just fail
+            failure = f"it raised on a probe batch: {type(e).__name__}: {e}"
+        finally:
+            self.model.train()
+            reshard(self.model)  # no backward follows the probe
+        if self.all_ranks(failure is None):
+            checked = f"checked against the 4D mask on a probe batch: {gap:.2g} <= {tolerance:g}"
+            self.attention = AttentionChoice(path, f"{self.attention.reason}; {checked}")
+            return
+        self._fall_back_to_mask(f"{path} failed its start-up check: {failure or 'on another rank'}")
+
+    def _fall_back_to_mask(self, why: str) -> None:
+        """Put the policy and the reference back on the model's own kernel under the 4D mask."""
+        for module in (self.unwrapped, None if self.ref is None else self.ref.model):
+            if module is not None:
+                causal_lm(module).set_attn_implementation(self._kernel)
+        self.pair_cost = attention_pair_cost(causal_lm(self.unwrapped).config)
+        self.attention = AttentionChoice("mask", f"auto: {why}; the 4D mask instead")
 
     def _make_reference(self, model: torch.nn.Module) -> PolicyForward:
         """The frozen reference policy for the KL term: a copy of `model` as it starts (sharded

@@ -29,12 +29,21 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from collections.abc import Sequence
+from typing import Literal
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from agentgrpo.learner.attention import SEGMENTS, VARLEN, Segments, Varlen, flex_block_mask
+from agentgrpo.learner.attention import (
+    SEGMENTS,
+    VARLEN,
+    Segments,
+    Varlen,
+    flex_block_mask,
+    take_rows,
+)
 from agentgrpo.learner.batch import TrainBatch, attention_pair_cost
 
 
@@ -129,23 +138,25 @@ class PolicyForward(torch.nn.Module):
         *,
         disable_adapter: bool = False,
         entropy_grad: bool = False,
+        layout: Literal["configured", "chosen", "mask"] = "configured",
     ) -> tuple[torch.Tensor, torch.Tensor]:
         lm = causal_lm(self.model)
         decoder, head = lm.get_decoder(), lm.get_output_embeddings()
         device = batch.input_ids_RS.device
         off = self.model.disable_adapter() if disable_adapter else contextlib.nullcontext()
         amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.autocast_bf16)
-        layout = _layout_kwargs(lm, batch, self.autocast_bf16, self.segment_min_share)
+        share = 0.0 if layout == "chosen" else self.segment_min_share
+        layout_kw = _layout_kwargs(lm, batch, self.autocast_bf16, share, mask=layout == "mask")
         with off:
             with amp:
                 hidden_RSH = decoder(
                     input_ids=batch.input_ids_RS,
                     position_ids=batch.position_ids_RS,
                     use_cache=False,
-                    **layout,
+                    **layout_kw,
                 ).last_hidden_state
-            _check_layout_seen(lm, layout)
-            h_MH = hidden_RSH.flatten(0, 1)[batch.pred_index_M]
+            _check_layout_seen(lm, layout_kw)
+            h_MH = take_rows(hidden_RSH.flatten(0, 1), batch.pred_index_M)
             run = functools.partial(
                 _head_logprobs,
                 head,
@@ -191,13 +202,18 @@ def _head_logprobs(
 
 
 def _layout_kwargs(
-    lm: torch.nn.Module, batch: TrainBatch, bf16: bool, segment_min_share: float = 0.0
+    lm: torch.nn.Module,
+    batch: TrainBatch,
+    bf16: bool,
+    segment_min_share: float = 0.0,
+    *,
+    mask: bool = False,
 ) -> dict:
     """How the decoder learns the row layout: nothing (plain causal is exact), the runs and offsets
     for varlen attention (a model switched to `VARLEN`), the spans for segment attention
     (`agentgrpo.learner.attention`; on a switched model, for rows where masked attention would cost
     at least `segment_min_share` of the matmuls), a flex BlockMask (`flex_attention` models), or a
-    4D mask (which a switched model runs as sdpa)."""
+    4D mask (which a switched model runs as sdpa; always with `mask`)."""
     if not batch.needs_mask:
         return {"attention_mask": None}
     window = sliding_window_of(lm.config)
@@ -208,6 +224,8 @@ def _layout_kwargs(
             "the window, so its logprobs would be wrong; set learner.packing: padded"
         )
     impl = attn_implementation(lm)
+    if mask and impl in (SEGMENTS, VARLEN):
+        impl = "sdpa"
     if impl == VARLEN:
         return {"attention_mask": None, "varlen": Varlen.of(batch)}
     S = batch.input_ids_RS.shape[1]
@@ -254,6 +272,19 @@ def _check_layout_seen(lm: torch.nn.Module, layout: dict) -> None:
                 "decoder does not pass its kwargs to attention, so packed sequences would see "
                 "each other; set learner.attention: mask"
             )
+
+
+def attention_gap(forward: torch.nn.Module, batch: TrainBatch, temperature: float) -> float:
+    """How far the attention kernel `forward`'s model was switched to (`layout="chosen"`) lies
+    from the 4D mask (`layout="mask"`) on `batch`: the mean over its loss tokens of the absolute
+    difference of their logprobs, or of their entropies, whichever is larger; no gradients, NaN
+    counted as infinite. `forward` is a `PolicyForward`, possibly wrapped by accelerate (DDP,
+    FSDP: every rank calls it)."""
+    with torch.no_grad():
+        lp, ent = forward(batch, temperature, layout="chosen")
+        lp_ref, ent_ref = forward(batch, temperature, layout="mask")
+    gap = torch.maximum((lp - lp_ref).abs().mean(), (ent - ent_ref).abs().mean())
+    return math.inf if gap.isnan() else float(gap)
 
 
 def to_loss_layout(values_M: torch.Tensor, batch: TrainBatch) -> torch.Tensor:

@@ -174,3 +174,22 @@ def configure_cpu_threads() -> str:
     chosen = "from OMP_NUM_THREADS" if threads is None else "one per CPU available"
     policy = os.environ.get("OMP_WAIT_POLICY", "unset")
     return f"torch threads {torch.get_num_threads()} ({chosen}), OMP_WAIT_POLICY={policy}"
+
+
+def make_deterministic() -> str:
+    """torch's deterministic algorithms for the whole process (the run's `deterministic` setting);
+    returns a line for the run's log. On the CPU the ops whose additions follow the thread timing
+    (index_put_ with accumulate, ...) then take an ordered version, and one without any raises; the
+    learner's own gathers avoid them already (`learner.attention.take_rows`), so this guards the
+    model's code. On CUDA cuBLAS needs a fixed
+    workspace (CUBLAS_WORKSPACE_CONFIG, set here when unset, before any cuBLAS handle exists),
+    and ops with no deterministic kernel (flash attention's backward among them) warn instead of
+    failing: untested on a GPU, so not promised there."""
+    import torch
+
+    if torch.cuda.is_available():
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        return "deterministic algorithms (CUDA: warn where none exists)"
+    torch.use_deterministic_algorithms(True)
+    return "deterministic algorithms"

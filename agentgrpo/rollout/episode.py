@@ -706,13 +706,18 @@ async def _rubric_scores(
     return {s.trajectory_id: s for s in scored}
 
 
+# Which env plays a task, and under which episode limits (a mixture of envs: agentgrpo.run.mixture).
+EnvRoute = Callable[[Task], tuple[Callable[[], Env], EpisodeLimits]]
+
+
 class GroupSampler:
     """Samples groups under bounds that every group in flight shares: at most
     `max_concurrent_trajectories` episodes and `max_concurrent_requests` engine requests at once,
     however many groups run (one step's in `collect`, several steps' in the asynchronous pipeline).
     `seed` is the run's: a group's seeds follow from it and the group's draw (`episode_seed`).
     `on_done(trajectory, score)` is called as each trajectory finishes (and is scored, when the env
-    has a rubric)."""
+    has a rubric). `route`, when given, picks each task's env and episode limits (else
+    `env_factory` and `cfg`): a group is one task, so it never mixes envs."""
 
     def __init__(
         self,
@@ -724,9 +729,10 @@ class GroupSampler:
         seed: int = 0,
         context_len: int | None = None,
         on_done: Callable[[Trajectory, Score], None] | None = None,
+        route: EnvRoute | None = None,
     ) -> None:
         self.env_factory, self.chat, self.cfg, self.seed = env_factory, chat, cfg, seed
-        self.context_len, self.on_done = context_len, on_done
+        self.context_len, self.on_done, self.route = context_len, on_done, route
         self.params = cfg.sampling_params()
         self.slots = (
             None
@@ -751,8 +757,11 @@ class GroupSampler:
         of an evaluation): its members share the env seed `episode_seed(seed, draw=draw)` and
         sample from it (`run_group`). `group_id` defaults to `<draw>:<task id>`."""
         group_seed = episode_seed(self.seed, draw=draw)
+        env_factory, limits = (
+            self.route(task) if self.route is not None else (self.env_factory, self.cfg)
+        )
         return await run_group(
-            self.env_factory,
+            env_factory,
             self.engine,
             self.chat,
             task,
@@ -760,7 +769,7 @@ class GroupSampler:
             replace(self.params, seed=group_seed),
             seed=group_seed,
             group_id=group_id or f"{draw}:{task.id}",
-            limits=self.cfg,
+            limits=limits,
             context_len=self.context_len,
             deadline=deadline,
             slots=self.slots,
@@ -779,18 +788,27 @@ async def collect(
     draws: Sequence[int] | None = None,
     context_len: int | None = None,
     on_done: Callable[[Trajectory, Score], None] | None = None,
+    route: EnvRoute | None = None,
 ) -> list[Group]:
     """All groups of one step, concurrently, within the config's bounds and step deadline.
 
     `seed` is the run's; `draws` name each task's group (training: the tasks' positions in the
     task stream; default: their index), which decides its seeds (`GroupSampler.group`).
-    `on_done` is called as each trajectory finishes (and is scored, when the env has a rubric).
+    `on_done` is called as each trajectory finishes (and is scored, when the env has a rubric);
+    `route` picks each task's env and limits (`GroupSampler`).
     """
     draws = range(len(tasks)) if draws is None else draws
     if len(draws) != len(tasks):
         raise ValueError(f"{len(tasks)} tasks but {len(draws)} draws")
     sampler = GroupSampler(
-        env_factory, engine, chat, cfg, seed=seed, context_len=context_len, on_done=on_done
+        env_factory,
+        engine,
+        chat,
+        cfg,
+        seed=seed,
+        context_len=context_len,
+        on_done=on_done,
+        route=route,
     )
     deadline = None if cfg.step_timeout_s is None else time.monotonic() + cfg.step_timeout_s
     return list(

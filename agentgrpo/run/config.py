@@ -29,7 +29,7 @@ from agentgrpo.engine.config import EngineConfig
 from agentgrpo.engine.weight_sync import WeightSyncConfig
 from agentgrpo.env.base import Env, get_env_class, tasks_from_file
 from agentgrpo.learner.learner import LearnerConfig
-from agentgrpo.rollout.episode import RolloutConfig
+from agentgrpo.rollout.episode import EpisodeLimits, RolloutConfig
 from agentgrpo.run.log import mask_secrets
 from agentgrpo.types import Task
 
@@ -146,6 +146,35 @@ class EnvConfig(BaseModel):
             f"env.tasks: {env_cls.__name__}.load_tasks({split!r}) returned "
             f"{type(tasks).__name__}, not a list of Task"
         )
+
+
+class MixtureEntry(EnvConfig):
+    """One environment of a mixture (`envs:`): any env, its weight, and its own episode limits."""
+
+    weight: float = Field(1.0, gt=0, description="its share of the tasks drawn (by weight)")
+    label: str | None = Field(
+        None,
+        description="its name in metrics (env/<label>/...), task ids and the report; default: "
+        "the env's name, numbered when two entries share it",
+    )
+    rollout: dict[str, Any] = Field(
+        default_factory=dict,
+        description="episode limits of this env's episodes over the run's rollout settings: "
+        f"{', '.join(EpisodeLimits.model_fields)}",
+    )
+
+    @model_validator(mode="after")
+    def _limits_only(self) -> MixtureEntry:
+        unknown = sorted(set(self.rollout) - set(EpisodeLimits.model_fields))
+        if unknown:
+            raise ValueError(
+                f"rollout {unknown}: an env of a mixture may set only episode limits "
+                f"({', '.join(EpisodeLimits.model_fields)}); sampling and batch settings are "
+                "the run's"
+            )
+        if self.label is not None and not self.label.replace("_", "").replace("-", "").isalnum():
+            raise ValueError(f"label {self.label!r}: letters, digits, _ and - only")
+        return self
 
 
 class TrainLoopConfig(BaseModel):
@@ -278,8 +307,23 @@ class RunConfig(BaseModel):
         "runs/default", description="run directory (resumed if it holds a checkpoint)"
     )
     seed: int = Field(0, description="seed of task order, sampling and initialisation")
+    deterministic: bool = Field(
+        False,
+        description="bit-identical runs: the same config on the same machine (threads, libraries) "
+        "gives the same tokens, losses and weights at every step, also across a kill and resume. "
+        "torch's deterministic algorithms for the whole process, and the local engine decodes one "
+        "sequence at a time without its prefix cache (engine.max_batch_size: 1, "
+        "engine.prefix_cache_tokens: 0, set here), since a row's logits change in their last bits "
+        "with the rows batched beside it; not with SGLang, train.max_staleness >= 2 or "
+        "engine.partial_rollouts, whose results depend on timing (docs/learner.md)",
+    )
     model: ModelConfig = Field(default_factory=ModelConfig)
     env: EnvConfig = Field(default_factory=EnvConfig)
+    envs: list[MixtureEntry] | None = Field(
+        None,
+        description="a mixture instead of env: tasks drawn from these envs by weight, each group "
+        "from one env, metrics split by env (agentgrpo.run.mixture)",
+    )
     engine: EngineConfig = Field(default_factory=EngineConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
@@ -307,21 +351,27 @@ class RunConfig(BaseModel):
         )
 
     @model_validator(mode="after")
+    def _env_or_envs(self) -> RunConfig:
+        if self.envs is not None:
+            if "env" in self.model_fields_set:
+                raise ValueError("set env (one environment) or envs (a mixture), not both")
+            if not self.envs:
+                raise ValueError("envs is empty: name at least one environment, or use env")
+            for entry in self.envs:
+                RolloutConfig.model_validate({**self.rollout.model_dump(), **entry.rollout})
+        return self
+
+    @model_validator(mode="after")
     def _off_policy_is_corrected(self) -> RunConfig:
-        # Recomputed old logprobs come from the current weights: with overlapped rollouts that would
-        # silently drop the correction for sampling one version behind, unless TIS or MIS put it
-        # back.
-        if (
-            self.train.staleness
-            and self.learner.old_logprobs == "recompute"
-            and self.loss.tis == "none"
-            and self.loss.mis == "none"
-        ):
+        # Samples up to max_staleness updates old: an importance correction against the sampling
+        # logprobs is required (verl's rollout correction, TRL's vllm_importance_sampling_*), and
+        # both need the learner's own pi_old (`_tis_has_two_logprobs`).
+        if self.train.staleness and self.loss.tis == "none" and self.loss.mis == "none":
             raise ValueError(
-                f"train.max_staleness={self.train.staleness} with learner.old_logprobs=recompute "
-                "ignores that the rollouts came from older weights; set loss.tis or loss.mis "
-                "(token or sequence) to correct for it, or keep old_logprobs: rollout (the ratio "
-                "is then taken against the sampling weights)"
+                f"train.max_staleness={self.train.staleness} trains on samples from weights up to "
+                f"{self.train.staleness} update(s) old, and no importance correction is set: set "
+                "loss.tis (token | sequence) or loss.mis (token | sequence | geometric), with "
+                "learner.old_logprobs: recompute"
             )
         return self
 
@@ -339,12 +389,42 @@ class RunConfig(BaseModel):
             )
         if self.loss.mis != "none" and self.learner.old_logprobs != "recompute":
             raise ValueError(
-                f"loss.mis={self.loss.mis} needs learner.old_logprobs=recompute: MIS drops "
-                "tokens whose pi_old / pi_rollout lies outside [loss.mis_low, loss.mis_high] with "
-                "pi_old recomputed by the learner, and with learner.old_logprobs="
-                f"{self.learner.old_logprobs} pi_old is the rollout's own logprobs (the ratio is "
-                "always 1); set learner.old_logprobs: recompute, or loss.mis: none"
+                f"loss.mis={self.loss.mis} needs learner.old_logprobs=recompute: MIS weighs "
+                "tokens by pi_old / pi_rollout and rejects those outside [loss.mis_low, "
+                "loss.mis_high], with pi_old recomputed by the learner; with "
+                f"learner.old_logprobs={self.learner.old_logprobs} pi_old is the rollout's own "
+                "logprobs (the ratio is always 1); set learner.old_logprobs: recompute, or "
+                "loss.mis: none"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _deterministic_runs(self) -> RunConfig:
+        # What timing decides cannot repeat bit for bit: refused; the local engine's batching
+        # (which rows share a decode step) is taken out of the numbers by decoding one at a time.
+        if not self.deterministic:
+            return self
+        timed = {
+            f"engine.kind={self.engine.kind} (the servers batch requests as they arrive)": (
+                self.engine.kind in ("sglang", "vllm")
+            ),
+            f"train.max_staleness={self.train.staleness} (which groups a step trains depends on "
+            "when they finish)": self.train.staleness >= 2,
+            "engine.partial_rollouts (an update lands at whichever decode step it meets)": (
+                self.engine.partial_rollouts
+            ),
+        }
+        if clash := [name for name, on in timed.items() if on]:
+            raise ValueError(f"deterministic: true cannot hold with {'; '.join(clash)}")
+        for name, value in (("max_batch_size", 1), ("prefix_cache_tokens", 0)):
+            given = getattr(self.engine, name)
+            if name in self.engine.model_fields_set and given != value:
+                raise ValueError(
+                    f"deterministic: true decodes one sequence at a time without a prefix cache "
+                    f"(a row's logits change with the rows batched beside it), but engine.{name} "
+                    f"is {given}; leave it unset or set {value}"
+                )
+            setattr(self.engine, name, value)
         return self
 
     @model_validator(mode="after")
@@ -544,4 +624,6 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig
 
 
 def dump_config(cfg: RunConfig) -> str:
-    return yaml.safe_dump(mask_secrets(cfg.model_dump(mode="json")), sort_keys=False)
+    """The effective config as YAML, secrets masked (a mixture's without the unused `env`)."""
+    data = cfg.model_dump(mode="json", exclude={"env"} if cfg.envs is not None else None)
+    return yaml.safe_dump(mask_secrets(data), sort_keys=False)

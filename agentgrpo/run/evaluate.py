@@ -52,7 +52,7 @@ from agentgrpo.learner.learner import LearnerConfig
 from agentgrpo.learner.logprobs import PolicyForward
 from agentgrpo.learner.lora import MergedModel, apply_lora
 from agentgrpo.models.embedded import default_model_path, load_model
-from agentgrpo.rollout.episode import RolloutConfig, collect, rollout_metrics
+from agentgrpo.rollout.episode import EnvRoute, RolloutConfig, collect, rollout_metrics
 from agentgrpo.run import checkpoint
 from agentgrpo.run.config import ConfigError, EvalConfig, RunConfig
 from agentgrpo.run.log import RunLogger
@@ -117,9 +117,11 @@ async def evaluate(
     seed: int = 0,
     context_len: int | None = None,
     on_done: Callable[[Trajectory, Score], None] | None = None,
+    route: EnvRoute | None = None,
 ) -> EvalResult:
-    """Sample `cfg.samples_per_task` trajectories per task and compute the metrics. Task i's
-    group has the seeds of draw i under `seed` (`agentgrpo.rollout.seeds.episode_seed`)."""
+    """Sample `cfg.samples_per_task` trajectories per task and compute the metrics (`route`: each
+    task's env and limits, for a mixture). Task i's group has the seeds of draw i under `seed`
+    (`agentgrpo.rollout.seeds.episode_seed`)."""
     sampling = rollout.model_copy(
         update={"group_size": cfg.samples_per_task, "step_timeout_s": None}
     )
@@ -132,6 +134,7 @@ async def evaluate(
         seed=seed,
         context_len=context_len,
         on_done=on_done,
+        route=route,
     )
     return EvalResult(eval_metrics(groups, cfg.pass_k, cfg.success_threshold), groups)
 
@@ -207,6 +210,16 @@ def resolve_policy(cfg: RunConfig, base: Path) -> tuple[Path | None, int, torch.
     return path, int(manifest["step"]), loaded[-1]
 
 
+def refuse_mixture(cfg: RunConfig) -> None:
+    """`agentgrpo eval` of a mixture (`envs:`) is not built: a ConfigError naming what is."""
+    if cfg.envs is not None:
+        raise ConfigError(
+            "agentgrpo eval of a mixture (envs:) is not built yet: evaluate each env with its "
+            "own env: section, or set eval.every in training (it evaluates every env and splits "
+            "the metrics by env)"
+        )
+
+
 def run_eval(cfg: RunConfig, *, engine: Engine | None = None) -> tuple[Path, EvalResult]:
     """`agentgrpo eval`: evaluate the run's policy on `cfg.eval.split`; returns (output dir,
     result).
@@ -217,6 +230,7 @@ def run_eval(cfg: RunConfig, *, engine: Engine | None = None) -> tuple[Path, Eva
     SGLang servers always receive the weights evaluated, the base model's included, since they may
     hold any run's. `engine` replaces the engine built from the config (tests pass their own).
     """
+    refuse_mixture(cfg)
     base = Path(cfg.model.path) if cfg.model.path else default_model_path()
     tokenizer = AutoTokenizer.from_pretrained(base)
     chat = cfg.chat_format(tokenizer)

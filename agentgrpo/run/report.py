@@ -230,6 +230,18 @@ def make_plots(
             missing.append(name)
         else:
             plots.append(p)
+    by_env = sorted(
+        {
+            k
+            for m in metrics.values()
+            for k in m
+            if k.startswith("env/") and k.endswith("reward_mean")
+        }
+    )
+    if by_env:  # a mixture (envs:): env/<label>/reward_mean, env/<label>/eval/reward_mean
+        title = "Reward per environment (train, and eval where it ran)"
+        if (p := _panel(metrics, scan, "reward_by_env", title, by_env, None)) is not None:
+            plots.append(p)
     eval_keys = sorted({k for m in metrics.values() for k in m if k.startswith("eval/")})
     if len(eval_keys) > MAX_EVAL_PANELS:
         notices.append(
@@ -344,6 +356,31 @@ def _message_html(m: Any) -> str:
     )
 
 
+def _judge_html(row: dict[str, Any]) -> str:
+    """What a judge or reward model (`agentgrpo.verify.judge`) was asked and answered about this
+    trajectory: the records its rubric kept by verifier name (`reward_info`)."""
+    info = row.get("reward_info")
+    out = []
+    for name, record in info.items() if isinstance(info, dict) else ():
+        if not isinstance(record, dict) or record.get("kind") not in ("judge", "reward model"):
+            continue
+        answer = record.get("answer")
+        try:  # a chat completion: its message is what the judge said
+            answer = json.loads(answer)["choices"][0]["message"]["content"]
+        except (TypeError, ValueError, KeyError, IndexError):
+            pass
+        verdict = record.get("error") or f"score {_num(record.get('score')):.3g}"
+        who = f"{name}: {record['kind']} {record.get('model', '')}"
+        out.append(
+            f'<details class="judge"><summary>{html.escape(who)}: {html.escape(str(verdict))}'
+            f"</summary>{''.join(_message_html(m) for m in _list(record, 'prompt'))}"
+            f'<div class="msg role-judge"><div class="role">{html.escape(name)} answered</div>'
+            f"<pre>{_content(answer if answer is not None else '(no answer)')}</pre></div>"
+            "</details>"
+        )
+    return "".join(out)
+
+
 def _traj_html(row: dict[str, Any], table: dict[int, str], max_tokens: int) -> str:
     step, reward = _step(row.get("step")), _num(row.get("reward"))
     stop = str(row.get("stop_reason", "unknown"))
@@ -402,7 +439,7 @@ def _traj_html(row: dict[str, Any], table: dict[int, str], max_tokens: int) -> s
         f"<header>{' · '.join(fields)}</header>"
         '<div class="msgs">'
         f"{''.join(_message_html(m) for m in msgs) or '<p>(no messages)</p>'}</div>"
-        f"{''.join(tokens)}</article>"
+        f"{_judge_html(row)}{''.join(tokens)}</article>"
     )
 
 
@@ -411,6 +448,15 @@ def _traj_html(row: dict[str, Any], table: dict[int, str], max_tokens: int) -> s
 
 def _fmt(v: float) -> str:
     return "—" if not math.isfinite(v) else f"{v:.6g}"
+
+
+def _env_names(config: dict[str, Any]) -> str:
+    """The run's env, or a mixture's envs (`envs:`) by label, for the header."""
+    if isinstance(config.get("envs"), list):
+        return ", ".join(str(e.get("label") or e.get("name")) for e in config["envs"] if e)
+    return (
+        (config.get("env") or {}).get("name", "?") if isinstance(config.get("env"), dict) else "?"
+    )
 
 
 def _body(
@@ -425,7 +471,7 @@ def _body(
     notices: list[str],
 ) -> str:
     e = html.escape
-    env = (config.get("env") or {}).get("name", "?") if isinstance(config.get("env"), dict) else "?"
+    env = _env_names(config)
     model = (
         (config.get("model") or {}).get("path") if isinstance(config.get("model"), dict) else None
     )

@@ -38,12 +38,19 @@ from agentgrpo.learner.attention import AttentionUnavailable
 from agentgrpo.learner.batch import training_rows
 from agentgrpo.learner.learner import Learner
 from agentgrpo.models import embedded as models
-from agentgrpo.models.hardware import Precision, configure_cpu_threads, share_cpu
-from agentgrpo.rollout.episode import GroupSampler, collect, rollout_metrics
+from agentgrpo.models.hardware import (
+    Precision,
+    configure_cpu_threads,
+    make_deterministic,
+    share_cpu,
+)
+from agentgrpo.rollout.episode import EnvRoute, GroupSampler, collect, rollout_metrics
 from agentgrpo.run import checkpoint
 from agentgrpo.run.config import ConfigError, RunConfig, dump_config
 from agentgrpo.run.evaluate import evaluate
 from agentgrpo.run.log import Progress, RunLogger, aside_name, set_aside_after
+from agentgrpo.run.mixture import Mixture, MixtureStream
+from agentgrpo.run.mixture import describe as describe_mixture
 from agentgrpo.run.overlap import (
     memory_lent,
     set_train_threads,
@@ -120,10 +127,12 @@ async def collect_step(
     stream: TaskStream,
     context_len: int | None,
     on_done: Callable[[Trajectory, Score], None] | None = None,
+    route: EnvRoute | None = None,
 ) -> Rollouts:
     """The step's groups. With dynamic sampling, groups whose rewards are all equal (no learning
     signal) are dropped and more tasks are sampled, at most `max_extra_rounds` times. A group's
-    seeds follow from its position in the task stream (`episode_seed`)."""
+    seeds follow from its position in the task stream (`episode_seed`). `route`: each task's env
+    and limits (a mixture)."""
     t0 = time.perf_counter()
 
     async def draw(n: int) -> list[Group]:
@@ -138,6 +147,7 @@ async def collect_step(
             draws=positions,
             context_len=context_len,
             on_done=on_done,
+            route=route,
         )
 
     groups = await draw(cfg.rollout.tasks_per_step)
@@ -190,6 +200,7 @@ def start_pipeline(run: Run) -> StalenessPipeline[Group]:
         seed=cfg.seed,
         context_len=run.context_len,
         on_done=run.progress.rollout_done,
+        route=run.route,
     )
 
     async def produce(ticket: Ticket[Group]) -> Group:
@@ -309,6 +320,11 @@ class Run:
     saved_at: float = field(default_factory=time.monotonic)
     prefetched: Prefetched | None = None
     pipeline: StalenessPipeline[Group] | None = None  # rank 0, train.max_staleness >= 2
+    mixture: Mixture | None = None  # `envs:`: which env plays each task
+
+    @property
+    def route(self) -> EnvRoute | None:
+        return self.mixture.route if self.mixture is not None else None
 
     @property
     def is_main(self) -> bool:
@@ -325,6 +341,7 @@ class Run:
             self.stream,
             self.context_len,
             self.progress.rollout_done,
+            self.route,
         )
 
     def checkpoint_due(self, step: int) -> bool:
@@ -380,7 +397,11 @@ def run_step(run: Run, step: int) -> bool:
             if run.prefetched
             else run.loop.run_until_complete(run.collect(step))
         )
-        recheck = recheck_step(rollouts.groups, run.make_env, cfg.env.audit, seed=cfg.seed + step)
+        recheck = (
+            run.mixture.recheck_step(rollouts.groups, seed=cfg.seed + step)
+            if run.mixture
+            else recheck_step(rollouts.groups, run.make_env, cfg.env.audit, seed=cfg.seed + step)
+        )
         rollouts.groups, flaky = run.loop.run_until_complete(recheck)  # flaky groups made NaN
         rollouts.metrics["flaky_groups"] = float(flaky)
     rollouts = learner.broadcast(rollouts)  # every rank trains on rank 0's rollouts
@@ -421,6 +442,7 @@ def run_step(run: Run, step: int) -> bool:
     if run.is_main:
         metrics.update(
             rollout_metrics(rollouts.groups),
+            **(run.mixture.metrics(rollouts.groups) if run.mixture else {}),
             step_s=time.perf_counter() - t0,
             policy_lag=policy_lag(trajs, step),
             policy_lag_mean=policy_lag_mean(trajs, step),
@@ -455,9 +477,11 @@ def evaluate_now(run: Run) -> dict[str, float]:
             seed=run.cfg.seed,
             context_len=run.context_len,
             on_done=run.progress.rollout_done,
+            route=run.route,
         )
     )
-    return {f"eval/{k}": v for k, v in result.metrics.items()}
+    per_env = run.mixture.metrics(result.groups, "eval/") if run.mixture else {}
+    return {f"eval/{k}": v for k, v in result.metrics.items()} | per_env
 
 
 def train(cfg: RunConfig) -> Path:
@@ -498,9 +522,10 @@ def start_run(cfg: RunConfig) -> Run:
     run_dir = Path(cfg.output_dir)
     seed_everything(cfg.seed)
     threads = configure_cpu_threads()
+    if cfg.deterministic:  # before anything runs a kernel (docs/learner.md, reproducible runs)
+        threads = f"{threads}; {make_deterministic()}"
     # the env and its tasks before the model loads: a misspelt env or task file fails at once
-    env_cls = cfg.env.env_class()
-    train_tasks, eval_tasks = load_run_tasks(cfg, env_cls)
+    stream, make_env, eval_tasks, mixture = run_envs(cfg)
     model_path = Path(cfg.model.path) if cfg.model.path else models.default_model_path()
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     chat = cfg.chat_format(tokenizer)
@@ -519,14 +544,13 @@ def start_run(cfg: RunConfig) -> Run:
         )
     except AttentionUnavailable as e:  # e.g. learner.attention: varlen on a CPU
         raise ConfigError(str(e)) from None
-    stream = TaskStream(train_tasks, cfg.seed)
     start, found = resume_from_checkpoint(learner, run_dir, stream)
     run = Run(
         cfg=cfg,
         run_dir=run_dir,
         learner=learner,
         chat=chat,
-        make_env=lambda: env_cls(**cfg.env.kwargs),  # one env instance per trajectory
+        make_env=make_env,  # one env instance per trajectory
         stream=stream,
         context_len=getattr(model.config, "max_position_embeddings", None),
         loop=asyncio.new_event_loop(),  # one loop for the run: engine clients live on it
@@ -539,6 +563,7 @@ def start_run(cfg: RunConfig) -> Run:
         stop=checkpoint.StopRequested(),
         steps_done=start,
         saved_step=start,
+        mixture=mixture,
     )
     if learner.is_main:
         start_main_rank(
@@ -556,6 +581,22 @@ def start_run(cfg: RunConfig) -> Run:
         run.pipeline = start_pipeline(run)
     run.stop.install()  # SIGTERM/SIGINT: checkpoint after this step, exit
     return run
+
+
+def run_envs(
+    cfg: RunConfig,
+) -> tuple[TaskStream | MixtureStream, Callable[[], Env], list[Task], Mixture | None]:
+    """The run's task stream, a factory of its env (the first env's, for a mixture), its
+    evaluation tasks and, for `envs:`, the mixture that routes each task to its env."""
+    if cfg.envs is None:
+        env_cls = cfg.env.env_class()
+        train_tasks, eval_tasks = load_run_tasks(cfg, env_cls)
+        make_env = functools.partial(env_cls, **cfg.env.kwargs)
+        return TaskStream(train_tasks, cfg.seed), make_env, eval_tasks, None
+    mixture = Mixture.load(cfg, with_eval=bool(cfg.eval.every))
+    first = next(iter(mixture.sources.values()))
+    stream = mixture.stream(TaskStream)
+    return stream, first.make_env, mixture.eval_tasks(cfg.eval.num_tasks), mixture
 
 
 def load_run_tasks(cfg: RunConfig, env_cls: type) -> tuple[list[Task], list[Task]]:
@@ -638,11 +679,19 @@ def start_main_rank(
             "out, every rank trains",
             flush=True,
         )
-    check_env_at_start(run.make_env(), run.stream.tasks[0])
-    audit = audit_at_start(run.make_env, run.stream.tasks, cfg.env.audit)  # known reward hacks
-    print(run.loop.run_until_complete(audit), flush=True)
-    # Refuse a template that would make the learner see tokens the model never saw.
-    mode = require_token_safe(run.chat, run.make_env(), run.stream.tasks[0], seed=cfg.seed).mode
+    envs = (
+        [(s.make_env, s.train, s.entry.audit) for s in run.mixture.sources.values()]
+        if run.mixture
+        else [(run.make_env, run.stream.tasks, cfg.env.audit)]
+    )
+    if run.mixture:
+        print(describe_mixture(run.mixture), flush=True)
+    for make_env, tasks, audit_cfg in envs:
+        check_env_at_start(make_env(), tasks[0])
+        audit = audit_at_start(make_env, tasks, audit_cfg)  # known reward hacks
+        print(run.loop.run_until_complete(audit), flush=True)
+        # Refuse a template that would make the learner see tokens the model never saw.
+        mode = require_token_safe(run.chat, make_env(), tasks[0], seed=cfg.seed).mode
     print(f"chat template: {run.chat.template_source}, token mode: {mode}", flush=True)
     engine_threads, threads = cpu_sharing(run, threads)
     run.engine = build_engine(
