@@ -333,6 +333,7 @@ def test_deterministic_decodes_one_at_a_time_and_refuses_what_timing_decides():
         (["train.max_staleness=2", *stale], "train.max_staleness=2"),
         (["engine.partial_rollouts=true"], "engine.partial_rollouts"),
         (["engine.kind=sglang", "engine.sglang.urls=[http://127.0.0.1:1]"], "engine.kind=sglang"),
+        (["engine.kind=vllm", "engine.vllm.urls=[http://127.0.0.1:1]"], "engine.kind=vllm"),
     ]:
         with pytest.raises(ConfigError, match=f"deterministic: true cannot hold with {match}"):
             load_config(None, ["deterministic=true", *timed])
