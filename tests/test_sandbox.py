@@ -1,6 +1,6 @@
 """The sandbox against hostile programs: one test per attack, each with its exact expected outcome.
 
-The threat model these cover is in `agentgrpo/verify/sandbox.py`'s docstring; the comment on each
+The threat model these cover is in docs/sandbox.md; the comment on each
 test names the item. They run on the `namespaces` backend (root with CAP_SYS_ADMIN, as in CI) and
 skip with the reason when this host cannot start it. Network attacks only target loopback and
 this test's own sockets. A smaller set checks the bubblewrap and unsafe-local fallbacks.
