@@ -39,12 +39,8 @@ first mini-batch) and, with recomputation, `mismatch/*`; `ratio_*`, `clipfrac` s
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import resource
-import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -53,8 +49,9 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, InitProcessGroupKwargs, broadcast_object_list
 
-from agentgrpo.algo.loss import LossConfig, compute_loss
+from agentgrpo.algo.loss import LossConfig
 from agentgrpo.learner import state as learner_state
+from agentgrpo.learner import step as learner_step
 from agentgrpo.learner.attention import (
     AUTO_MIN_SHARE,
     CHECK_TOLERANCE,
@@ -66,13 +63,11 @@ from agentgrpo.learner.attention import (
 )
 from agentgrpo.learner.batch import (
     PackingMode,
-    TrainBatch,
     attention_pair_cost,
-    balanced_parts,
     make_micro_batches,
 )
 from agentgrpo.learner.config import LearnerConfig, _lr_lambda
-from agentgrpo.learner.dist import check_launch, reshard, shard_reference, total_norm
+from agentgrpo.learner.dist import check_launch, reshard, shard_reference
 from agentgrpo.learner.logprobs import (
     PolicyForward,
     attention_gap,
@@ -80,30 +75,15 @@ from agentgrpo.learner.logprobs import (
     causal_lm,
     sliding_window_of,
     tf32_matmuls,
-    to_loss_layout,
     token_logprobs,
     uses_flash,
     wants_tf32,
 )
 from agentgrpo.learner.lora import MergedModel, apply_lora, merged_state_dict
-from agentgrpo.learner.metrics import Metrics, over_ranks, step_metrics
 from agentgrpo.models.hardware import choose_bf16
 from agentgrpo.types import TrainingRow
 
 __all__ = ["Learner", "LearnerConfig", "token_logprobs"]
-
-
-@dataclass
-class _MiniBatch:
-    """One optimizer step's data on this rank: micro-batches (None: empty, to keep ranks in step),
-    the whole mini-batch's normalisers (all ranks), scored old / reference logprobs (None: not
-    needed)."""
-
-    batches: list[TrainBatch | None]
-    num_tokens: float
-    num_seqs: float
-    olds: list[torch.Tensor | None] = field(default_factory=list)
-    refs: list[torch.Tensor | None] = field(default_factory=list)
 
 
 class Learner:
@@ -391,185 +371,7 @@ class Learner:
         of the trajectories trained on, each with its advantage); returns metrics. A step without
         rows skips the update."""
         with tf32_matmuls(self.tf32):
-            return self._train_step(rows)
-
-    def _train_step(self, rows: Sequence[TrainingRow]) -> dict[str, float]:
-        if not rows:
-            return {"loss": 0.0, "skipped": 1.0}
-        t0 = time.perf_counter()
-        acc = self.accelerator
-        if acc.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(acc.device)
-        packed_mini_batches = [
-            self._pack([rows[i] for i in part])
-            for part in balanced_parts(rows, self.cfg.mini_batches)
-        ]
-        for mini_batch, n in zip(
-            packed_mini_batches,
-            self._max_over_ranks([len(m.batches) for m in packed_mini_batches]),
-            strict=True,
-        ):
-            mini_batch.batches += [None] * (n - len(mini_batch.batches))
-        self._score(packed_mini_batches)
-        # Each mini-batch's loss shares are of its own loss; scaled by its part of the batch's
-        # normaliser they add up to the batch's loss in the logged metrics (see learner_metrics).
-        by_tokens = self.loss_cfg.effective_agg == "token-mean"
-        norm = [m.num_tokens if by_tokens else m.num_seqs for m in packed_mini_batches]
-        opt_step_metrics = [
-            [Metrics() for _ in packed_mini_batches] for _ in range(self.cfg.passes)
-        ]
-        optim: list[list[dict[str, float]]] = [[] for _ in range(self.cfg.passes)]
-        for p in range(self.cfg.passes):
-            for j, mini_batch in enumerate(packed_mini_batches):  # one optimizer step each
-                for k, mb in enumerate(mini_batch.batches):
-                    sync = (
-                        k == len(mini_batch.batches) - 1
-                    )  # gradients are all-reduced once per optimizer step
-                    with contextlib.nullcontext() if sync else acc.no_sync(self.model):
-                        m = self._micro_step(mb, mini_batch, k, measure_gap=p == 0 and j == 0)
-                    if mb is not None:
-                        opt_step_metrics[p][j].add(m, float(mb.loss_mask_BT.sum()))
-                grad_norm = acc.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
-                lr = self.scheduler.get_last_lr()[0]
-                self.optimizer.step()
-                self.scheduler.step()
-                self.optimizer.zero_grad(set_to_none=True)
-                optim[p].append({"grad_norm": total_norm(grad_norm), "lr": lr})
-        self.step += 1
-        out = step_metrics(over_ranks(opt_step_metrics, acc), [n / sum(norm) for n in norm], optim)
-        batches = [b for m in packed_mini_batches for b in m.batches]
-        real = sum(b.num_real_tokens for b in batches if b is not None)
-        slots = sum(b.num_tokens for b in batches if b is not None)
-        out.update(
-            train_tokens=float(sum(len(r.token_ids) for r in rows)),
-            packed_tokens=float(real),
-            padding_frac=1 - real / max(slots, 1),
-            micro_batches=float(len(batches)),
-            row_tokens=float(
-                max((b.input_ids_RS.shape[1] for b in batches if b is not None), default=0)
-            ),
-            learner_s=time.perf_counter() - t0,
-            **self._peak_memory(),
-        )
-        return out
-
-    def _pack(self, rows: list[TrainingRow]) -> _MiniBatch:
-        """One mini-batch as a step of its size: normalisers over all ranks, this rank's shard
-        packed."""
-        acc = self.accelerator
-        idx = balanced_parts(rows, acc.num_processes, exactly_k=True)[acc.process_index]
-        batches: list[TrainBatch | None] = [
-            b.to(acc.device)
-            for b in make_micro_batches(
-                [rows[i] for i in idx],
-                self.cfg.micro_batch_tokens,
-                self.pad_id,
-                mode=self.packing,
-                one_row=self.flash,
-                row_tokens=self.cfg.row_tokens,
-                pair_cost=self.pair_cost,
-            )
-        ]
-        return _MiniBatch(batches, float(sum(r.num_sampled for r in rows)), float(len(rows)))
-
-    def _score(self, packed_mini_batches: list[_MiniBatch]) -> None:
-        """No-grad pass before any update (later mini-batches are then off-policy, as they should
-        be): recomputed old logprobs and reference logprobs, [B, T] per micro-batch."""
-        recompute, kl = self.cfg.old_logprobs == "recompute", self.loss_cfg.kl_coef > 0
-        for mini_batch in packed_mini_batches:
-            mini_batch.olds, mini_batch.refs = (
-                [None] * len(mini_batch.batches),
-                [None] * len(mini_batch.batches),
-            )
-        if not (recompute or kl):
-            return
-        if self.ref is not None and self.cfg.ref_offload:
-            self.ref.to(self.accelerator.device)
-        with torch.no_grad():
-            for mini_batch in packed_mini_batches:
-                if recompute:
-                    mini_batch.olds = [
-                        self._forward_layout(self.model, mb) for mb in mini_batch.batches
-                    ]
-                if kl and self.ref is not None:
-                    mini_batch.refs = [
-                        self._forward_layout(self.ref, mb) for mb in mini_batch.batches
-                    ]
-                elif kl:  # LoRA: the reference is the base model, adapter off
-                    mini_batch.refs = [
-                        self._forward_layout(self.model, mb, disable_adapter=True)
-                        for mb in mini_batch.batches
-                    ]
-        if self.ref is not None and self.cfg.ref_offload:
-            self.ref.to("cpu")
-
-    def _forward_layout(self, module, mb: TrainBatch | None, **kw) -> torch.Tensor | None:
-        lp_M, _ = module(
-            mb or TrainBatch.empty(self.pad_id, self.accelerator.device), self.temperature, **kw
-        )
-        return None if mb is None else to_loss_layout(lp_M, mb)
-
-    def _micro_step(
-        self, mb: TrainBatch | None, mini_batch: _MiniBatch, k: int, *, measure_gap: bool
-    ) -> dict[str, float]:
-        """Forward and backward of micro-batch `mb` (number `k` of `mini`); `measure_gap`: log the
-        rollout/learner logprob gap (only before the first update, so it measures the engine)."""
-        world = self.accelerator.num_processes
-        entropy_in_loss = self.loss_cfg.entropy_coef != 0
-        lp_M, ent_M = self.model(
-            mb or TrainBatch.empty(self.pad_id, self.accelerator.device),
-            self.temperature,
-            entropy_grad=entropy_in_loss,
-        )
-        if mb is None:  # this rank has no data left: a zero loss that still reaches every parameter
-            self.accelerator.backward(lp_M.sum() * 0.0)
-            return {}
-        lp_BT = to_loss_layout(lp_M, mb)
-        rollout_BT, mask_BT = mb.rollout_logprobs_BT, mb.loss_mask_BT
-        old_BT = rollout_BT if mini_batch.olds[k] is None else mini_batch.olds[k]
-        loss, metrics = compute_loss(
-            self.loss_cfg,
-            lp_BT,
-            old_BT,
-            mb.loss_advantages,
-            mask_BT,
-            ref_logprobs_BT=mini_batch.refs[k],
-            entropy_BT=to_loss_layout(ent_M, mb) if entropy_in_loss else None,
-            rollout_logprobs_BT=rollout_BT if self.cfg.old_logprobs == "recompute" else None,
-            num_tokens=mini_batch.num_tokens,
-            num_seqs=mini_batch.num_seqs,
-        )
-        self.accelerator.backward(loss * world)
-        with torch.no_grad():
-            m = mask_BT > 0
-            lp, old = lp_BT.detach()[m], old_BT[m]
-            ratio = torch.exp((lp - old).clamp(-20, 20))
-            out = dict(
-                metrics,
-                ratio_mean=float(ratio.mean()),
-                ratio_min=float(ratio.min()),
-                ratio_max=float(ratio.max()),
-            )
-            if not entropy_in_loss:
-                out["entropy"] = float(ent_M.detach().mean())
-            if measure_gap:
-                gap = (lp - rollout_BT[m]).abs()
-                out.update(logprob_gap_mean=float(gap.mean()), logprob_gap_max=float(gap.max()))
-        return out
-
-    def _max_over_ranks(self, ns: list[int]) -> list[int]:
-        if self.accelerator.num_processes == 1:
-            return ns
-        t = torch.tensor(ns, device=self.accelerator.device)
-        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-        return [int(n) for n in t.tolist()]
-
-    def _peak_memory(self) -> dict[str, float]:
-        device = self.accelerator.device
-        if device.type == "cuda":
-            return {"mem/peak_gb": torch.cuda.max_memory_allocated(device) / 2**30}
-        # CPU: the process's peak resident size so far (Linux reports KiB); not reset per step.
-        return {"mem/rss_peak_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+            return learner_step.train_step(self, rows)
 
     # -- checkpoints (formats: agentgrpo.learner.state) -----------------------------------------
 
