@@ -1,48 +1,16 @@
-"""Rollouts: run multi-turn episodes against an engine, token-exact, many at once, bounded in time.
+"""One episode, turn by turn, token-exact: `run_episode` and the `Episode` whose parts it runs.
 
-Each trajectory is its own asyncio task; a turn's request goes to the engine as soon as that
-trajectory is ready (no lock-step batching of turn k across trajectories), so one trajectory's tool
-latency overlaps with other trajectories' generation. Per turn:
+Per turn: the engine continues the token ids as they are (sampled ids appended verbatim, loss mask
+1, the engine's logprobs); `chat.parse_assistant` reads the message and its tool calls; the env
+steps; `TrajectoryBuilder.continue_with` appends the env's messages (loss mask 0) or opens a new
+segment, as `chat.trajectory_mode` says. The record is sealed when the episode ends.
 
-    sampled = engine.generate(token_ids)          -> appended verbatim, loss_mask 1, engine logprobs
-    message = chat.parse_assistant(sampled)       -> content + tool calls (+ malformed calls)
-    env.step(message)                             -> tool/env messages, reward, terminated
-    chat.suffix_ids(history, new messages)        -> appended, loss_mask 0, logprob 0
-
-The token sequences are the trajectory builder's (`agentgrpo.chat.trajectory`): when the template
-renders the history anew (`HistoryRewritten`: Qwen3's templates drop the reasoning of earlier
-turns) and `chat.trajectory_mode` is "auto", or at every turn under "stepwise", the trajectory goes
-on in a new segment whose prompt is `chat.prompt_ids` of the whole history; under "single" that
-ends the episode with ENV_ERROR, which the start-up audit prevents. The record is sealed (frozen)
-when the episode ends; `run_group` names it and scores the group (`Score`, joined by id).
-
-Bounds (RolloutConfig): episodes in flight per step (`max_concurrent_trajectories`, each holds an
-env), engine requests in flight (`max_concurrent_requests`), turns and tokens per trajectory, tool
-calls per turn and tool output tokens (cut with a marker). Sync env methods, tools and verifiers
-run in the `agentgrpo-user` worker threads (`agentgrpo.env.tool.to_user_thread`), async ones
-natively.
-
-Deadlines: a tool call overrunning `tool_timeout_s` is an error tool message (the model chose the
-call and may retry). A turn (generation + env step), an episode, or the step's whole collection
-overrunning its deadline ends that trajectory with `StopReason.TIMEOUT` and `stop_detail` naming
-the deadline; what was generated so far is kept, the rest of the group and step go on. Timeouts,
-like env and engine failures, are unscorable (reward NaN, left out of the group statistics): they
-measure load, not the policy (see `StopReason.is_infra_error`). Sync env code cannot be killed: a
-step that overruns keeps running in its thread, and its result is discarded.
-
-Malformed tool calls (bad JSON, unknown tool, invalid arguments, too many calls, a tool that fails)
-are answered with an error tool message, counted per kind (`Trajectory.tool_error_kinds`), and
-optionally penalised (`tool_error_penalty` per error). A call cut off by the token limit (unclosed)
-is counted and penalised too, though the cut turn ends the episode.
-
-Failures end one trajectory, never the step: an env that raises, or returns values that break its
-contract (`agentgrpo.env.base.reset_messages`, `agentgrpo.types.EnvStep.of`), ends it with ENV_ERROR
-naming the problem; any exception of the engine (`EngineError` after its retries, or anything else a
-client library raises) ends it with ENGINE_ERROR and the exception in `stop_detail`. Both are
-unscorable (reward NaN, never 0).
-
-Seeds: one rule, `agentgrpo.rollout.seeds.episode_seed`: a group's seed follows from the run's
-and the group's draw, its members share the env seed and sample with their own seed per turn.
+Contract: `run_episode` never raises for env, engine or deadline failures. User code that fails
+ends its trajectory with ENV_ERROR, the engine with ENGINE_ERROR, a deadline with TIMEOUT, all
+unscorable (reward NaN, never 0). Malformed tool calls are answered with an error tool message and
+counted per kind. Tool output is cut in bytes before anything tokenizes it. Turn k samples with
+`episode_seed(params.seed, turn=k)`. The whole story (turns, bounds, deadlines, failures):
+docs/rollouts.md ("One episode, turn by turn") and docs/environments.md ("Why an episode ended").
 """
 
 from __future__ import annotations
