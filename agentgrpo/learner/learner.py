@@ -1,40 +1,16 @@
 """The learner: policy (and at most one reference), optimizer, LR schedule, one GRPO step.
 
-torch + accelerate: the same code runs on one CPU, one GPU, or under `accelerate launch` (DDP, FSDP,
-DeepSpeed through accelerate's config). Memory holds the policy and, only when `kl_coef > 0`, a
-frozen reference (with LoRA: the same weights with the adapter disabled); no value model.
+torch + accelerate: the same code runs on one CPU, one GPU, or under `accelerate launch` (DDP or
+FSDP2). Memory holds the policy and, only when `kl_coef > 0`, a frozen reference (with LoRA: the
+same weights with the adapter off); there is no value model. The step itself is `step.py`, the
+checkpoints `state.py`; this class chooses the attention path and owns what they share.
 
-One `train_step(rows)`, on the step's `TrainingRow`s (`batch.training_rows`: a row per segment
-with a sampled token of each trajectory that has an advantage; a dropped trajectory has none):
-  1. split into `mini_batches` mini-batches of whole groups (`batch.balanced_parts`), each one
-     optimizer step that is exactly a step of its own size: its normalisers (loss tokens, sequences)
-     are counted over the whole mini-batch, on every rank alike, so each micro-batch's loss is its
-     share of the mini-batch loss: accumulated gradients equal one big batch, on one process or
-     many (DDP/FSDP average over ranks, so each share is scaled by the world size before backward);
-  2. this rank's part of each mini-batch (`balanced_parts` again) is packed into micro-batches
-     (`batch.make_micro_batches`); in every mini-batch every rank runs the same number of
-     micro-batches (a rank with fewer runs empty ones), since DDP and FSDP passes are collective;
-  3. one no-grad scoring pass when needed, before any update: recomputed old logprobs
-     (`old_logprobs: recompute`) and reference logprobs (`kl_coef > 0`), for all mini-batches;
-  4. `passes` passes, each over every mini-batch in turn, one optimizer step (clip, step,
-     schedule) per mini-batch (verl's `ppo_epochs` x mini-batches loop): `passes * mini_batches`.
-So with rollout old logprobs a step of k mini-batches is k steps of one, on the k parts; later
-mini-batches are off-policy by the earlier updates, which the ratio and its clip handle (`mb{j}/*`).
-
-Multi-process contract: every rank calls `train_step` with the *same* list (the rollouts come from
-rank 0's engine client and are broadcast; see docs/many-gpus.md). Metrics are reduced over ranks.
-`export_model`, `save` and `load` are collective too: every rank calls them, rank 0 gets the model
-to push and writes the files. Under FSDP the weights and the optimizer state are gathered to full,
-unsharded tensors keyed by parameter name (torch's `get_model_state_dict` /
-`get_optimizer_state_dict`), so a checkpoint does not depend on the number of ranks that wrote it.
-DeepSpeed is refused: its optimizer state lives in DeepSpeed's own engine, which this checkpoint
-code does not reach; so is FSDP1 (accelerate's default `fsdp_version`): the code is FSDP2's.
-With RAM-efficient loading (accelerate's `cpu_ram_efficient_loading`) ranks other than 0 may pass a
-model without weights (meta tensors): the policy and the KL reference get rank 0's.
-
-Old logprobs are the rollout's own by default (on-policy, one pass) or a recomputation by the
-learner (config); the rollout/learner gap is logged before any update (`logprob_gap_*`: first pass,
-first mini-batch) and, with recomputation, `mismatch/*`; `ratio_*`, `clipfrac` show later drift.
+Multi-process contract: every rank calls `train_step` with the same list of rows (rank 0's
+rollouts, broadcast), and `export_model`, `save` and `load` are collective; rank 0 gets the model
+to push and writes the files. Weights and optimizer state are saved keyed by parameter name, so a
+checkpoint does not depend on the number of ranks. DeepSpeed and FSDP1 are refused; ranks other
+than 0 may pass a model without weights under RAM-efficient loading. The step's order and
+normalisers: docs/learner.md ("One step"); ranks, FSDP and loading: docs/many-gpus.md.
 """
 
 from __future__ import annotations
