@@ -1,51 +1,17 @@
-"""Attention over packed rows without one kernel call under a [T, T] mask: segment by segment
-(sdpa, any device), or variable-length flash attention (CUDA; at the end of this docstring).
+"""How packed rows keep their sequences apart: the attention path, its wiring and its check.
 
-A packed row (`agentgrpo.learner.batch`) holds several sequences; under `shared_prefix` a GRPO
-group's prompt once, then every member's continuation, which sees that prompt and itself. A 4D mask
-makes this exact with one sdpa call per row, but the kernel still computes every (query, key) pair
-of the row: for 8 python_math-shaped members of ~870 tokens in one 5311-token row that is ~6x the
-pairs anyone needs, and SmolLM2's attention then costs 1.7x its matmuls (the reason `row_tokens:
-auto` splits such groups). Here every segment attends on its own: a prompt or a lone sequence
-causally to itself, a continuation to [its prompt, itself] with the causal diagonal shifted by the
-prompt's length. Segments of similar size are gathered into one padded sdpa batch (a "bucket"; a
-call per segment cost more than it saved in a CPU bf16 backward), padding bounded to
-`_SLACK` x the segments' own (query, key) rectangles. Nothing is computed across segments; the
-numbers are the masked kernel's up to float summation order (tests compare logprobs and gradients).
+Paths (`learner.attention`): `segments` (`segments.py`: each sequence on its own, sdpa, any
+device), `varlen` (here: torch's variable-length flash attention from the flat tokens and their
+sequences' offsets, no mask; CUDA, torch >= 2.10), or the 4D mask. `choose_attention` picks one
+(`auto`: varlen where `varlen_blocker` finds nothing against it, segments on long CPU rows, else
+the mask) and says why; `probe_rows` and `CHECK_TOLERANCE` are the start-up check of that pick.
 
-On the CPU it pays on long rows (whole python_math-shaped groups); on short rows (the calculator's)
-the attention pairs shrink 2x only and the gathers cost about what that saves. So
-`learner.attention: auto` runs it only on micro-batches whose rows are long enough
-(`AUTO_MIN_SHARE`) and the mask elsewhere; `segments` runs it everywhere. On an H200 it was slower
-than the masked kernel, so `auto` keeps the masked kernel on GPUs. Both choices rest on one CPU's
-and one GPU's measurements: docs/performance.md ("Segment attention against the mask").
-
-How it is wired: `use_segments(model)` registers `segment_attention` with transformers'
-`AttentionInterface` under `SEGMENTS` and switches the model to it (models that dispatch attention
-through that interface: Llama, Qwen2/3, Mistral, SmolLM2, ...). `PolicyForward` then passes
-`segments=Segments.of(batch)` through the decoder's kwargs, which transformers hands to every
-attention call. A call without `segments` (anything else that runs the model: a weight-sync probe,
-a plain `model(...)`) falls back to transformers' sdpa with its own mask, so the switched model
-stays correct for every other use. Each call counts itself on the `Segments`, and `PolicyForward`
-checks that every layer saw the layout: a model whose attention did not receive the kwarg raises
-instead of silently attending across sequences. Unsupported: logit soft-capping and attention sinks
-(a ValueError names the feature; `learner.attention: mask` runs them). A sliding window no packed
-layout expresses (segments, flex or the 4D mask): a packed sequence longer than the model's window
-is refused (`logprobs.sliding_window_of`); `learner.packing: padded` runs it with the model's masks.
-
-Variable-length flash attention (`VARLEN`, `varlen_attention`): on CUDA, torch >= 2.10 has
-`torch.nn.attention.varlen.varlen_attn`, which takes the packed tokens as one flat [tokens, heads,
-dim] tensor and the cumulative offsets of its sequences, and computes each sequence's causal
-attention with no mask and no pair across sequences. `Varlen.of(batch)` turns a micro-batch's rows
-into that call: every contiguous run of a row (a sequence, a shared prompt, a continuation, the row
-tail) is one query sequence of the flat [R*S] tokens, so the queries need no gather. A continuation
-of a shared prompt attends to [its prompt, itself]: its keys are gathered as that (`k_idx`), and
-flash attention's causal mask, aligned to the bottom right when a sequence has more keys than
-queries, lets query i see the whole prompt and its own tokens up to i; so every layout
-`agentgrpo.learner.batch` builds is expressible. Without a shared prompt the keys are the queries
-(no gather). The row tail attends causally to itself; nothing reads it. `choose_attention` decides
-where it runs (`learner.attention: auto`): CUDA, bf16 or fp16 attention, torch with the kernel, a
-GPU flash attention supports; elsewhere the path above stays.
+Wiring: `use_segments` / `use_varlen` register the path with transformers' `AttentionInterface`
+and switch the model to it; `PolicyForward` passes the micro-batch's layout (`Segments` /
+`Varlen`) through the decoder's kwargs. A call without it (a weight-sync probe, a plain
+`model(...)`) gets transformers' sdpa with its own mask, and a layer that never saw the layout
+makes `PolicyForward` raise rather than attend across sequences. Soft-capping and attention sinks
+are refused by name. Why, and what each path costs: docs/learner.md ("Packing").
 """
 
 from __future__ import annotations
@@ -165,7 +131,7 @@ VARLEN_KERNEL: Callable | None = _torch_varlen_attn()
 
 @dataclass
 class Varlen:
-    """A micro-batch's row layout as variable-length attention takes it (see the module docstring):
+    """A micro-batch's row layout as variable-length attention takes it (docs/learner.md, "Varlen"):
     the flat [R*S] tokens cut into N runs, run i's queries at [cu_seq_q[i], cu_seq_q[i+1]) and its
     keys at [cu_seq_k[i], cu_seq_k[i+1]) of the flat keys, which are the tokens themselves
     (`k_idx` None) or, with shared prompts, the tokens at `k_idx`: each run's prompt, then itself.

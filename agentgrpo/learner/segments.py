@@ -1,5 +1,13 @@
-"""Segment attention: every sequence of a packed row attends on its own, no kernel call under a
-[T, T] mask (sdpa, any device); the CPU path of `learner.attention`."""
+"""Segment attention: every sequence of a packed row attends on its own, with no kernel call under
+a [T, T] mask (sdpa, any device); the CPU path of `learner.attention`.
+
+A prompt or a lone sequence attends causally to itself, a continuation of a shared prompt to [its
+prompt, itself] with the causal diagonal shifted by the prompt's length. Segments of similar size
+are gathered into one padded sdpa call (a bucket), whose padding is bounded to `_SLACK` x the
+spans' own (query, key) rectangles. Nothing is computed across sequences, so the numbers are the
+masked kernel's up to float summation order (tests compare logprobs and gradients). Where it pays,
+and what `auto` does with it: docs/learner.md ("Segment attention").
+"""
 
 from __future__ import annotations
 

@@ -105,8 +105,8 @@ class LocalEngine:
         weight_version: version reported by completions until the first `update_weights`.
         partial_rollouts: False (default): an update waits until the running rows finish, so a
             completion comes from one version. True: it lands between two decode steps and the
-            running rows continue with the new weights over their old KV cache (module docstring,
-            Partial rollouts; `Completion.version_runs` says which version sampled which ids).
+            running rows continue with the new weights over their old KV cache (docs/rollouts.md,
+            "Partial rollouts"; `Completion.version_runs` says which version sampled which ids).
         eos_token_ids: ids that end every request; default: the EOS ids of the generation config,
             the model config and the tokenizer. `()` leaves only `params.stop_token_ids`
             (benchmarks and tests that need exact lengths).
@@ -205,8 +205,8 @@ class LocalEngine:
 
     # ----------------------------------------------------------------------------- public API
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
-        """Sample a completion of `prompt_ids`; see the module docstring for batching and
-        logprobs."""
+        """Sample a completion of `prompt_ids`; batching and logprobs: docs/rollouts.md ("How the
+        local engine works")."""
         prompt_ids = self._check_ids(prompt_ids, "prompt_ids")
         if not prompt_ids:
             raise ValueError("prompt_ids is empty")
