@@ -798,7 +798,7 @@ def test_only_the_slot_wait_is_timed_as_the_step_deadline(chat, monkeypatch):
     """run_group's step-deadline handler covers the wait for an episode slot only: a TimeoutError
     from inside an episode (run_episode ends every failure it knows as a trajectory) is a bug to
     surface, not 'step deadline expired before the episode started'."""
-    import agentgrpo.rollout.episode as rollout
+    import agentgrpo.rollout.group as rollout
 
     async def broken(*args, **kwargs):
         raise TimeoutError("a bug inside the episode")
