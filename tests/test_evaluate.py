@@ -174,17 +174,13 @@ SAME_TRAINING = {
 def runs(tmp_path_factory, stopping_model_dir):
     """One trained step per checkpoint format, all else equal: run directory and overrides. The
     runs are deterministic (`deterministic=true`), so two formats' runs train bit-identical weights
-    (the engine's batching changed their last bits otherwise, and the test failed under load);
-    torch's process-wide setting is put back for the tests that follow in this process."""
-    from tests.test_checkpoint import _train
+    (the engine's batching changed their last bits otherwise, and the test failed under load)."""
+    from tests.test_checkpoint import _train_exactly
 
     out = {}
     for name, extra in RUNS.items():
         d = tmp_path_factory.mktemp(name)
-        try:
-            assert _train(d, stopping_model_dir, 1, *extra, "deterministic=true") == 0
-        finally:
-            torch.use_deterministic_algorithms(False)
+        assert _train_exactly(d, stopping_model_dir, 1, *extra) == 0
         out[name] = (d, extra)
     return out
 
