@@ -19,6 +19,7 @@ import asyncio
 import os
 import subprocess
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -343,10 +344,17 @@ class Session:
             conn.proc.kill()
             code = conn.proc.wait()
         conn.sock.close()
+        # the namespace's last processes may still be on their way out when the jail's process is
+        # reaped (a CI run under load saw one alive at that moment): wait for them, within bounds
+        deadline = time.monotonic() + timeout_s
+        while (alive := self.processes()) and time.monotonic() < deadline:
+            time.sleep(0.01)
         if self._on_close is not None:
             self._on_close()
-        if code == 3:
-            raise SessionError("processes of the session were still alive after its close")
+        if code == 3 or alive:
+            raise SessionError(
+                f"processes of the session were still alive after its close: {alive or 'its init'}"
+            )
 
     async def close(self) -> None:
         """`close_sync` from a coroutine (in a worker thread)."""
