@@ -909,7 +909,12 @@ class Closing(Calc):
     """Records its closes; `mode` picks how its step behaves."""
 
     closed: list[int] = []
+    opened: list[int] = []
     mode = "answer"
+
+    def reset(self, *, seed=None, options=None):
+        Closing.opened.append(id(self))
+        return super().reset(seed=seed, options=options)
 
     def step(self, action):
         if self.mode == "raise":
@@ -990,13 +995,17 @@ def test_a_cancelled_episode_still_closes_its_env(chat):
     engine = ScriptedEngine(
         chat.tokenizer, ["The answer is 111."], chat.end_of_turn_id, delay_s=5.0
     )
-    Closing.closed = []
+    Closing.closed, Closing.opened = [], []
 
     async def main():
         task = asyncio.ensure_future(
             run_group(Closing, engine, chat, TASK, 2, SamplingParams(), seed=0)
         )
-        await asyncio.sleep(0.2)
+        for _ in range(1000):  # both episodes under way (a loaded machine took more than 0.2 s)
+            if len(Closing.opened) == 2:
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)  # and waiting on the engine (5 s a turn)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
