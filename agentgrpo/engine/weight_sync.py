@@ -224,7 +224,7 @@ class WeightSync:
 
     Example:
         ```python
-        sync = WeightSync(engine, WeightSyncConfig(shared_dir="/mnt/shared/agentgrpo-weights"))
+        sync = WeightSync(engine, WeightSyncConfig(shared_dir="/mnt/nfs/agentgrpo-weights"))
         for step in range(1, steps + 1):
             ...                                        # rollouts, learner.train_step(...)
             version = await sync.push(model, step)     # later completions carry `version`

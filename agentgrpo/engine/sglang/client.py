@@ -66,7 +66,7 @@ class SGLangEngine(RemoteEngine, NcclUpdates):
         c = await engine.generate(prompt_ids, SamplingParams(max_new_tokens=512,
                                                              stop_token_ids=(151645,)))
         c.token_ids, c.logprobs, c.finish_reason, c.weight_version
-        await engine.update_weights_from_disk("/shared/ckpt/step_10", version="10")
+        await engine.update_weights_from_disk("/nfs/ckpt/step_10", version="10")
         await engine.aclose()
         ```
 
