@@ -145,7 +145,15 @@ def build_parser() -> argparse.ArgumentParser:
         prog="agentgrpo", description="Agentic multi-turn GRPO for tool-using LLMs"
     )
     sub = p.add_subparsers(dest="command", required=True)
+    for add in (_train_args, _check_env_args, _eval_args, _check_template_args, _report_args):
+        add(sub)
+    for name, (_, help_text) in FORWARDED.items():
+        sub.add_parser(name, help=f"{help_text} (see: agentgrpo {name} --help)", add_help=False)
+    return p
 
+
+def _train_args(sub: argparse._SubParsersAction) -> None:
+    """`train CONFIG [key=value ...]`."""
     t = sub.add_parser("train", help="train a policy: agentgrpo train CONFIG.yaml [key=value ...]")
     t.add_argument("config", help="YAML config (see examples/)")
     t.add_argument(
@@ -153,6 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     t.set_defaults(fn=_train)
 
+
+def _check_env_args(sub: argparse._SubParsersAction) -> None:
+    """`check-env NAME|MODULE:CLASS`: constructor and task arguments, the audits."""
     c = sub.add_parser(
         "check-env", help="validate an environment: agentgrpo check-env NAME|MODULE:CLASS"
     )
@@ -186,6 +197,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.set_defaults(fn=_check_env)
 
+
+def _eval_args(sub: argparse._SubParsersAction) -> None:
+    """`eval CONFIG [key=value ...]`."""
     e = sub.add_parser(
         "eval", help="rollouts without training: agentgrpo eval CONFIG.yaml [key=value ...]"
     )
@@ -199,6 +213,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     e.set_defaults(fn=_eval)
 
+
+def _check_template_args(sub: argparse._SubParsersAction) -> None:
+    """`check-template MODEL_DIR`: the template, parser and rollout settings audited."""
     ct = sub.add_parser(
         "check-template",
         help="audit a chat template for token-in/token-out safety: "
@@ -243,6 +260,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ct.set_defaults(fn=_check_template)
 
+
+def _report_args(sub: argparse._SubParsersAction) -> None:
+    """`report RUN_DIR`: where to write and how much to embed."""
     r = sub.add_parser(
         "report", help="write RUN_DIR/report.html (plots + trajectory viewer) and RUN_DIR/plots/"
     )
@@ -255,9 +275,6 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-tokens", type=int, default=2048, help="tokens shown per trajectory at most"
     )
     r.set_defaults(fn=_report)
-    for name, (_, help_text) in FORWARDED.items():
-        sub.add_parser(name, help=f"{help_text} (see: agentgrpo {name} --help)", add_help=False)
-    return p
 
 
 def main(argv: list[str] | None = None) -> int:

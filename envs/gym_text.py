@@ -1,44 +1,13 @@
 """Any Gymnasium environment with a discrete action space, played through text.
 
 Each assistant turn is one Gymnasium step: the observation is rendered as a user message, the
-model replies, the action is read from the reply, and the wrapped env's reward is the turn's
-reward (the trajectory's reward is their sum, as Gymnasium's return). The wrapped env's own
-`terminated` / `truncated` (its TimeLimit, say) end the episode; the rollout's `max_turns` bounds
-it as well.
-
-Rendering: Gymnasium's toy-text environments have their own renderers here (`TEXT_SPECS`:
-FrozenLake, Taxi, Blackjack: rules, action words, a plain-text picture of the state). The entry is
-found by the env's class (`FrozenLake8x8-v1` is a FrozenLake, whatever its id says), else by its
-id's name (`spec.name`, for a new `TEXT_SPECS` entry). Any other env gets a generic one: its `ansi`
-render when it has one, colour codes stripped but a highlighted cell (a background colour: where
-FrozenLake's agent or Taxi's taxi is) kept visible in brackets, `[S]`; else the observation's
-repr; and action words "0".."n-1". A subclass (or a new `TEXT_SPECS` entry) gives better words
-and pictures.
-
-Action parsing: the action is the last action word in the reply (case-insensitive, whole word):
-"Going RIGHT is safe" plays RIGHT. A reply with no action word is invalid; it costs
-`invalid_penalty` (subtracted from that turn's reward), and then either the env re-prompts with
-the list of valid words (`on_invalid="reprompt"`, the default: the model gets another chance and
-the wrapped env does not move) or ends the episode (`on_invalid="end"`). After `max_invalid`
-invalid replies in one episode it ends in both modes (terminated, with
-`EnvStep.stop_reason` PARSE_ERROR, which the rollout records as the episode's stop reason), so a
-model that never answers cannot fill its whole turn budget.
-
-Tasks: one task is one start state: `metadata` holds the env id, its `gymnasium.make` arguments and
-the seed of `reset`, so every draw of a task (and every member of a group) starts from the same
-state and sees the same randomness for the same actions, whatever the rollout's seed. FrozenLake
-tasks get a random solvable map per task (`map_size`, from Gymnasium's `generate_random_map`) so
-the policy cannot memorise one map. Splits are separate seed streams ("train", "eval"); with few
-distinct start states (Blackjack has about 200) they overlap by nature.
-
-Example:
-    >>> tasks = GymTextEnv.load_tasks("train", seed=0, n=2, env_id="FrozenLake-v1", map_size=4)
-    >>> env = GymTextEnv()
-    >>> msgs, _ = env.reset(seed=0, options={"task": tasks[0]})
-    >>> [m.role for m in msgs]
-    ['system', 'user']
-    >>> env.step(Message(role="assistant", content="I move RIGHT"))[3:5]
-    (False, {'action': 'RIGHT', 'invalid_replies': 0})
+action is the last action word of the reply, and the wrapped env's reward is the turn's (the
+trajectory's is their sum). The wrapped env's `terminated` / `truncated` end the episode.
+FrozenLake, Taxi and Blackjack have their own renderers (`TEXT_SPECS`); any other env gets a
+generic one. An invalid reply costs `invalid_penalty` and re-prompts (or ends the episode);
+`max_invalid` of them end it as PARSE_ERROR. A task is one start state (env id, `make`
+arguments, reset seed), so a group's members start alike. The details: docs/environments.md
+("Gymnasium in text").
 """
 
 from __future__ import annotations
@@ -186,7 +155,8 @@ class GymTextEnv(Env):
 
     Constructor: `on_invalid` ("reprompt" | "end"), `invalid_penalty` (subtracted per invalid
     reply), `max_invalid` (invalid replies that end an episode). The task says which Gymnasium env
-    to play (see `load_tasks`); see the module docstring for rendering, parsing and rewards.
+    to play (see `load_tasks`); docs/environments.md ("Gymnasium in text") says how it is
+    rendered, parsed and rewarded.
 
     Example:
         >>> env = GymTextEnv(on_invalid="end")
@@ -194,6 +164,15 @@ class GymTextEnv(Env):
         >>> msgs, _ = env.reset(seed=0, options={"task": task})
         >>> env.step(Message(role="assistant", content="hmm"))[1:3]
         (-0.1, True)
+
+        >>> tasks = GymTextEnv.load_tasks("train", seed=0, n=2, env_id="FrozenLake-v1",
+        ...                               map_size=4)
+        >>> env = GymTextEnv()
+        >>> msgs, _ = env.reset(seed=0, options={"task": tasks[0]})
+        >>> [m.role for m in msgs]
+        ['system', 'user']
+        >>> env.step(Message(role="assistant", content="I move RIGHT"))[3:5]
+        (False, {'action': 'RIGHT', 'invalid_replies': 0})
     """
 
     def __init__(

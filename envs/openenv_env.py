@@ -2,18 +2,13 @@
 here, played over its session protocol: `env: {name: openenv, kwargs: {app: "pkg.server:app"}}`,
 or `kwargs: {url: "http://host:8000"}`.
 
-Per episode one WebSocket session (`/ws`, OpenEnv's persistent-session contract; its HTTP
-`/reset` and `/step` make a fresh env per request, so they cannot carry an episode): `reset`
-sends the task's seed, the observation becomes the first user message; each assistant turn becomes
-an action (its text in the action's one string field, or `action_key`), the observation the next
-user message (its one string field, or `observation_key`, else the observation as JSON), and the
-step's reward and `done` come back as they are. An action the server's schema rejects is the
-model's doing: the episode ends as `parse_error`, reward 0. Everything else that fails (the server
-down or unreachable, a step that raised there, a broken reply) is infrastructure: the episode is
-unscorable (NaN). A server at capacity is waited for (within the episode's deadlines).
-
-A server started here (`app`: uvicorn on a free port of 127.0.0.1, the process's working directory
-or `cwd`) serves every episode of this process and is stopped when the process exits.
+Per episode one WebSocket session (`/ws`: OpenEnv's HTTP `/reset` and `/step` make a fresh env per
+request, so they cannot carry an episode). `reset` sends the task's seed and the observation
+becomes the first user message; each assistant turn becomes an action, each observation the next
+user message, and the step's reward and `done` come back as they are. An action the server's
+schema rejects is the model's doing (`parse_error`, reward 0); any other failure (server down, a
+step that raised there, a broken reply) makes the episode unscorable (NaN). Field mapping, a
+server started here, capacity: docs/environments.md, "OpenEnv environments".
 """
 
 from __future__ import annotations

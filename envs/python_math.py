@@ -1,50 +1,13 @@
 """Word problems solved with a sandboxed `python` tool; reward by symbolic/numeric equality.
 
-Tasks are generated offline by `reasoning-gym` from a seed (no downloads): `dataset` picks the
-generator (`gsm_symbolic`: GSM8K-style word problems with fresh numbers; `chain_sum`: `a + b - c`;
-`basic_arithmetic`: expressions with * / and parentheses), and any other `load_tasks` keyword is
-that generator's own setting (`min_terms`, `max_digits`, `difficulty`, ...).
-
-Splits: one reasoning-gym stream per seed, partitioned by a hash of the question text: a question
-belongs to `eval` when `sha256(question) % 10 == 0`, to `train` otherwise. So the splits never
-share a question, whatever `n` each asks for (a partition of the question space, not of indices).
-Small problem spaces (one-digit `chain_sum`) repeat questions within a split; that is their nature.
-
-Episode: the model may call `python(code)` any number of times (each call is a fresh sandboxed
-process: see `tools.python`); its first reply without a tool call ends the episode and is scored.
-
-Final answer: the content of the last `\\boxed{...}` in that reply when there is one, else the last
-number in it (`-1,234.5`, `3/4` and `1e3` forms; thousands separators dropped, `1e3` written out as
-`1000` when the exponent is at most 100 in size, a larger one such as `1e999999999999` kept as
-written, so a hostile answer costs nothing and scores 0). That string, and for a boxed answer the
-box itself read as LaTeX (`10^{3}`), is compared with the reference by `math_check` (math-verify:
-`28080.0` equals `28080`, `1/2` equals `0.5`). Reward 1.0 when equal, 0.0 otherwise, also when
-the reply holds no number. An answer whose check uses up its CPU budget (a tower of powers sympy
-cannot finish) is the model's doing: reward 0.0, and the episode ends as `parse_error` (its output
-was unusable) with `info["math_verify"]` saying why, so it is counted (`stop/parse_error`) rather
-than passing for a plain wrong answer.
-
-Verifier failure: when math-verify could not check the answer at all (its worker failed to start or
-died, also on a retry, or was starved of CPU: see `agentgrpo.verify.math`), `MathVerifyUnavailable`
-propagates out of `step`, so the trajectory ends as `ENV_ERROR` with reward NaN, the reason in
-`stop_detail`.
-
-Sandbox failure: a `sandbox_error` during a `python` call (after the sandbox's retries) is an
-infrastructure failure, not the model's: `step` raises `SandboxUnavailable`, so the rollout ends
-the trajectory as `ENV_ERROR` with reward NaN and the group statistics leave it out. It is never
-shown to the model as a tool error and never scored 0. The failure belongs to the step whose call
-met it: a call that overran the tool deadline was already answered `TOOL_TIMEOUT` (the model did
-wait that long) and its step has returned, so when that abandoned call later ends in a
-`sandbox_error` nothing more happens; in particular no later step of the episode is failed for it.
-
-Example:
-    >>> tasks = PythonMathEnv.load_tasks("train", seed=0, n=2, dataset="chain_sum", max_terms=3)
-    >>> env = PythonMathEnv()
-    >>> msgs, _ = env.reset(seed=0, options={"task": tasks[0]})
-    >>> [m.role for m in msgs]
-    ['system', 'user']
-    >>> final_answer("x = 3, so the total is \\\\boxed{12}")
-    '12'
+Tasks are generated offline by `reasoning-gym` from a seed (`dataset`: `gsm_symbolic`,
+`chain_sum`, `basic_arithmetic`; other keywords are the generator's). Splits partition the
+questions by a hash, so they never share one. The model may call `python(code)` (a fresh
+sandboxed process each time); its first reply without a tool call is scored: the last
+`\\boxed{...}`, else the last number, against the reference by math-verify (1.0 or 0.0). An
+answer whose check exhausts its CPU budget scores 0 and ends as PARSE_ERROR. A failed verifier
+(`MathVerifyUnavailable`) or sandbox (`SandboxUnavailable`) makes the trajectory unscorable
+(ENV_ERROR, NaN), never 0. The details: docs/environments.md ("Word problems with Python").
 """
 
 from __future__ import annotations
@@ -116,12 +79,21 @@ class PythonMathEnv(ToolEnv):
     Constructor: `sandbox` (default: the process-wide `default_sandbox()`, which honours
     `AGENTGRPO_SANDBOX_URL`), `python` (a `PythonToolConfig` or its dict: limits and message size
     of one tool call), `math_timeout_s` (CPU seconds math-verify may spend checking one answer).
-    See the module docstring for tasks, answer extraction, sandbox and verifier failures.
+    Tasks, answer extraction, sandbox and verifier failures: docs/environments.md.
 
     Example:
         >>> env = PythonMathEnv(python={"max_output_chars": 1000})
         >>> task = PythonMathEnv.load_tasks("eval", seed=0, n=1)[0]
         >>> msgs, _ = env.reset(seed=0, options={"task": task})
+
+        >>> tasks = PythonMathEnv.load_tasks("train", seed=0, n=2, dataset="chain_sum",
+        ...                                   max_terms=3)
+        >>> env = PythonMathEnv()
+        >>> msgs, _ = env.reset(seed=0, options={"task": tasks[0]})
+        >>> [m.role for m in msgs]
+        ['system', 'user']
+        >>> final_answer("x = 3, so the total is \\\\boxed{12}")
+        '12'
     """
 
     system_prompt = (

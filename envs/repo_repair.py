@@ -1,36 +1,13 @@
 """Repository repair: a small Python project with a planted bug; reward = hidden tests passed.
 
-Generated tasks (`load_tasks(split, seed, n)`): a package `<name>/core.py` of three functions
-drawn from a library of ten (mean, clamp, fizzbuzz, ...), one of them with a planted bug (an
-off-by-one, a wrong comparison, a missed case), its visible tests in `tests/test_core.py` (at
-least one of them fails) and a stdlib runner, `run_tests.py`. The hidden tests are cases on which
-the bug shows, none of them among the visible ones: doing nothing scores 0, a real fix 1.
-
-Episode: the model has `bash`, `read_file`, `write_file` and `replace_in_file` in a sandbox
-session (`tools.workspace.WorkspaceEnv`); its first reply without a tool call ends the episode.
-Reward: the fraction of hidden tests passed, run in a *fresh fork* of the task's workspace into
-which only the model's source files are copied (`editable` globs; never tests, conftest.py,
-sitecustomize.py, usercustomize.py or .pth files), by the hardened harness of
-`agentgrpo.verify.code` (each test in its own process; early exits, printed verdicts and rigged
-`__eq__` do not pass). So editing or deleting the visible tests, or patching their runner, earns
-nothing. NaN (unscorable) when the sandbox fails; with `recheck=True` the tests run in two fresh
-forks and a disagreement is NaN too, with `flaky_verdict` in the trajectory's `env_info`.
-
-Your own tasks (a SWE-bench-style file: `load_tasks(file="tasks.jsonl")`), one JSON object each:
-    {"id": "...", "problem_statement": "what is wrong (the prompt)",
-     "repo": "snapshots/proj" (a directory beside the file) or {"path": "content", ...},
-     "setup": ["shell commands run once when the workspace is prepared"],
-     "tests": ["from proj.mod import f\\nassert f(2) == 4", ...]   (hidden, assert-style),
-     "support_files": {"path": "content"} (added to the fresh fork before the tests; optional),
-     "editable": ["proj/*.py"] (fnmatch patterns, `*` crossing `/`, of what is carried from the
-                  model's workspace; default every .py file but the never-carried ones)}
-
-Example:
-    >>> task = RepoRepairEnv.load_tasks("train", seed=0, n=1)[0]
-    >>> {"run_tests.py", "tests/test_core.py"} <= set(task.metadata["workspace"].files)
-    True
-    >>> len(task.metadata["hidden_tests"]) >= 3
-    True
+Generated tasks: a package of three functions, one with a planted bug, its visible tests (one
+failing at least) and a stdlib runner; the hidden tests are cases on which the bug shows. Your
+own tasks come from a SWE-bench-style JSONL file (`load_tasks(file=...)`). The model has `bash`,
+`read_file`, `write_file` and `replace_in_file` in a sandbox session. The hidden tests run in a
+fresh fork into which only the model's editable source files are copied, by the hardened harness
+of `agentgrpo.verify.code`, so editing the visible tests earns nothing. A failed sandbox, or a
+disagreement under `recheck=True`, is unscorable (NaN). The task file's format and the details:
+docs/environments.md ("Repository repair").
 """
 
 from __future__ import annotations
@@ -254,7 +231,7 @@ def _cases(
 
 
 def make_task(split: str, seed: int, i: int) -> Task:
-    """One generated repository task (see the module docstring)."""
+    """One generated repository task (what it holds: docs/environments.md, "Repository repair")."""
     rng = random.Random(f"repo/{split}/{seed}/{i}")
     while True:
         fns = rng.sample(LIBRARY, 3)
@@ -297,7 +274,7 @@ def make_task(split: str, seed: int, i: int) -> Task:
 
 
 def tasks_from_file(path: str | Path) -> list[Task]:
-    """Tasks from a SWE-bench-style JSONL (or JSON list) file; see the module docstring."""
+    """Tasks from a SWE-bench-style JSONL (or JSON list) file; its format: docs/environments.md."""
     path = Path(path)
     text = path.read_text()
     rows = (
@@ -346,7 +323,7 @@ def carried(path: str, editable: list[str]) -> bool:
 
 
 class RepoRepairEnv(WorkspaceEnv):
-    """Fix a planted bug in a small Python repository; reward = hidden tests passed (module doc).
+    """Fix a planted bug in a small Python repository; reward = hidden tests passed.
 
     Constructor: as `tools.workspace.WorkspaceEnv`, plus `recheck` (score in two fresh forks; a
     disagreement is NaN and `flaky_verdict`) and `timeout_per_test_s` (CPU seconds per test).
@@ -355,6 +332,12 @@ class RepoRepairEnv(WorkspaceEnv):
         >>> env = RepoRepairEnv(recheck=True)
         >>> sorted(env.tool_schemas()[i]["function"]["name"] for i in range(4))
         ['bash', 'read_file', 'replace_in_file', 'write_file']
+
+        >>> task = RepoRepairEnv.load_tasks("train", seed=0, n=1)[0]
+        >>> {"run_tests.py", "tests/test_core.py"} <= set(task.metadata["workspace"].files)
+        True
+        >>> len(task.metadata["hidden_tests"]) >= 3
+        True
     """
 
     system_prompt = (

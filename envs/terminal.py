@@ -1,25 +1,11 @@
 """Terminal tasks: the model works in a bash shell of its own and is scored on the end state.
 
-Tasks are generated from a seed, four kinds (`load_tasks(kinds=...)` picks some):
-- `count`: count the lines of a generated log that contain ERROR, write the number to answer.txt;
-- `find`: find which of a dozen files under docs/ holds the code word, write its path there;
-- `make`: create a file at a given path holding a given line;
-- `fix`: a small program (sum.py) prints a wrong sum of the numbers in a file: fix it.
-
-Episode: the model calls `bash(command)` in a sandbox session whose /workspace is a fork of the
-task's files (`tools.workspace.WorkspaceEnv`); its first reply without a tool call ends the
-episode. Reward: 1.0 when the end state is right, else 0.0. `count`, `find` and `make` read the
-file from the episode's session. `fix` runs the model's sum.py in a fresh fork of the task's
-workspace on a number file the model never saw, so printing the visible sum earns nothing.
-
-Splits: `train` and `eval` draw from separate seeded streams (`terminal-<split>-<seed>-<i>`).
-
-Example:
-    >>> tasks = TerminalEnv.load_tasks("train", seed=0, n=4)
-    >>> [t.metadata["kind"] for t in tasks]
-    ['count', 'find', 'make', 'fix']
-    >>> sorted(tasks[0].metadata["workspace"].files)
-    ['logs/app.log']
+Four kinds of tasks generated from a seed (`count`, `find`, `make`, `fix`; `load_tasks(kinds=...)`
+picks some). The model calls `bash(command)` in a sandbox session on a fork of the task's files;
+its first reply without a tool call ends the episode. Reward 1.0 when the end state is right:
+`fix` runs the model's program in a fresh fork on numbers it never saw, so printing the visible
+answer earns nothing. `train` and `eval` are separate seeded streams. The details:
+docs/environments.md ("Terminal tasks").
 """
 
 from __future__ import annotations
@@ -122,7 +108,7 @@ _MAKERS = {"count": _count, "find": _find, "make": _make, "fix": _fix}
 
 
 class TerminalEnv(WorkspaceEnv):
-    """Shell tasks with checkable end states; reward 1 when the end state is right (see module).
+    """Shell tasks with checkable end states; reward 1 when the end state is right.
 
     Constructor: as `tools.workspace.WorkspaceEnv` (`sandbox`, `limits`, `max_output_chars`).
 
@@ -130,6 +116,12 @@ class TerminalEnv(WorkspaceEnv):
         >>> env = TerminalEnv(limits={"call_timeout_s": 10})
         >>> env.tool_names
         ('bash',)
+
+        >>> tasks = TerminalEnv.load_tasks("train", seed=0, n=4)
+        >>> [t.metadata["kind"] for t in tasks]
+        ['count', 'find', 'make', 'fix']
+        >>> sorted(tasks[0].metadata["workspace"].files)
+        ['logs/app.log']
     """
 
     tool_names = ("bash",)

@@ -2,17 +2,14 @@
 {id: my-env, args: {...}}}`.
 
 `vf.load_environment(id, **args)` builds the environment (its module must be installed); its
-dataset gives the tasks (`get_dataset` for train, `get_eval_dataset` for eval); its own rollout
-code plays each episode against the episode's OpenAI-compatible endpoint (`AgentEnv`), so every
-call lands token-exactly in the trajectory; its rubric (`score_rollout`) gives the reward, its
-metrics go to the trajectory's `env_info`. A `Rubric` of ours can sit on top: subclass this env
-and declare one (verifiers' reward is then `env_reward`).
+dataset gives the tasks; its own rollout code plays each episode against the episode's
+OpenAI-compatible endpoint (`AgentEnv`), so every call lands token-exactly in the trajectory; its
+rubric gives the reward and its metrics go to `env_info`.
 
-What does not map is refused when the environment loads, naming it: verifiers 0.4's v1 stack (no
-`vf.Environment`), rubrics that score whole groups or compute advantages (agentgrpo's advantage
-estimator does that), and the deprecated completion (non-chat) message type. verifiers scores a
-reward function that raises as 0 and logs it; here that episode is unscorable (NaN) instead.
-The environment's own `sampling_args` are not used: the run's rollout settings sample.
+What does not map is refused when the environment loads, naming it (verifiers 0.4's v1 stack,
+group-level rubrics, completion-style messages); a reward function that raises makes the episode
+unscorable (NaN), where verifiers would score 0. What carries over and what does not:
+docs/environments.md, "verifiers environments".
 """
 
 from __future__ import annotations

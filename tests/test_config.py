@@ -337,6 +337,7 @@ def test_deterministic_decodes_one_at_a_time_and_refuses_what_timing_decides():
             "shaping.dynamic_sampling with train.max_staleness=1",
         ),
         (["engine.kind=sglang", "engine.sglang.urls=[http://127.0.0.1:1]"], "engine.kind=sglang"),
+        (["engine.kind=vllm", "engine.vllm.urls=[http://127.0.0.1:1]"], "engine.kind=vllm"),
     ]:
         with pytest.raises(ConfigError, match=f"deterministic: true cannot hold with {match}"):
             load_config(None, ["deterministic=true", *timed])

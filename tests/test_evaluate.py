@@ -172,13 +172,15 @@ SAME_TRAINING = {
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, stopping_model_dir):
-    """One trained step per checkpoint format, all else equal: run directory and overrides."""
-    from tests.test_checkpoint import _train
+    """One trained step per checkpoint format, all else equal: run directory and overrides. The
+    runs are deterministic (`deterministic=true`), so two formats' runs train bit-identical weights
+    (the engine's batching changed their last bits otherwise, and the test failed under load)."""
+    from tests.test_checkpoint import _train_exactly
 
     out = {}
     for name, extra in RUNS.items():
         d = tmp_path_factory.mktemp(name)
-        assert _train(d, stopping_model_dir, 1, *extra) == 0
+        assert _train_exactly(d, stopping_model_dir, 1, *extra) == 0
         out[name] = (d, extra)
     return out
 
@@ -235,7 +237,8 @@ def test_eval_serves_the_trained_weights_of_every_checkpoint_format(runs, stoppi
     base = load_model(stopping_model_dir).state_dict()
     served, tokens = {}, {}
     for name, (run_dir, extra) in runs.items():
-        engine = LocalEngine(stopping_model_dir, max_batch_size=32)
+        # one sequence at a time, no prefix cache: sampling does not depend on what runs beside it
+        engine = LocalEngine(stopping_model_dir, max_batch_size=1, prefix_cache_tokens=0)
         try:
             out_dir, result = run_eval(_eval_cfg(run_dir, stopping_model_dir, extra), engine=engine)
             served[name] = {k: v.clone() for k, v in engine.model.state_dict().items()}

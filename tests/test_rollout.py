@@ -798,7 +798,7 @@ def test_only_the_slot_wait_is_timed_as_the_step_deadline(chat, monkeypatch):
     """run_group's step-deadline handler covers the wait for an episode slot only: a TimeoutError
     from inside an episode (run_episode ends every failure it knows as a trajectory) is a bug to
     surface, not 'step deadline expired before the episode started'."""
-    import agentgrpo.rollout.episode as rollout
+    import agentgrpo.rollout.group as rollout
 
     async def broken(*args, **kwargs):
         raise TimeoutError("a bug inside the episode")
@@ -909,7 +909,12 @@ class Closing(Calc):
     """Records its closes; `mode` picks how its step behaves."""
 
     closed: list[int] = []
+    opened: list[int] = []
     mode = "answer"
+
+    def reset(self, *, seed=None, options=None):
+        Closing.opened.append(id(self))
+        return super().reset(seed=seed, options=options)
 
     def step(self, action):
         if self.mode == "raise":
@@ -990,13 +995,17 @@ def test_a_cancelled_episode_still_closes_its_env(chat):
     engine = ScriptedEngine(
         chat.tokenizer, ["The answer is 111."], chat.end_of_turn_id, delay_s=5.0
     )
-    Closing.closed = []
+    Closing.closed, Closing.opened = [], []
 
     async def main():
         task = asyncio.ensure_future(
             run_group(Closing, engine, chat, TASK, 2, SamplingParams(), seed=0)
         )
-        await asyncio.sleep(0.2)
+        for _ in range(1000):  # both episodes under way (a loaded machine took more than 0.2 s)
+            if len(Closing.opened) == 2:
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)  # and waiting on the engine (5 s a turn)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task

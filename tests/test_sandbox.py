@@ -1,6 +1,6 @@
 """The sandbox against hostile programs: one test per attack, each with its exact expected outcome.
 
-The threat model these cover is in `agentgrpo/verify/sandbox.py`'s docstring; the comment on each
+The threat model these cover is in docs/sandbox.md; the comment on each
 test names the item. They run on the `namespaces` backend (root with CAP_SYS_ADMIN, as in CI) and
 skip with the reason when this host cannot start it. Network attacks only target loopback and
 this test's own sockets. A smaller set checks the bubblewrap and unsafe-local fallbacks.
@@ -754,7 +754,8 @@ def test_bwrap_basic_isolation(bwrap_sb, tmp_path):
 def test_bwrap_limits(bwrap_sb):
     res = bwrap_sb.run("while True:\n    print('y' * 999)", limits=FAST)
     assert (res.status, len(res.stdout)) == ("output_limit", FAST.output_bytes)
-    res = bwrap_sb.run("print('a', flush=True)\nwhile True: pass", limits=Limits(wall_s=0.5))
+    # 3 s of wall time: under load bwrap and python took more than 0.5 s to print (CI, 2026-12-05)
+    res = bwrap_sb.run("print('a', flush=True)\nwhile True: pass", limits=Limits(wall_s=3.0))
     assert (res.status, res.stdout) == ("timeout", "a\n")
     res = bwrap_sb.run("x = bytearray(1 << 30)", limits=Limits(memory_mb=64))
     assert res.status == "memory_limit"

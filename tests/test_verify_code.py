@@ -69,7 +69,9 @@ def test_the_budget_is_cpu_time_so_waiting_is_not_charged(sb):
     tests = ["import time\ntime.sleep(1.2)\nassert add(1, 2) == 3", "while True:\n    pass"]
     res = run_tests(ADD, tests, sandbox=sb, timeout_per_test_s=0.5, wall_per_test_s=20)
     assert [t.outcome for t in res.tests] == ["passed", "timeout"], res.tests
-    assert res.tests[0].cpu_s < 0.5 and res.tests[1].cpu_s >= 0.45
+    # the loop's reported CPU can fall short of the timer's 0.5 s (0.44 s seen on a loaded machine:
+    # the timer counts the whole process, the report the test's own usage after it ended)
+    assert res.tests[0].cpu_s < 0.5 and res.tests[1].cpu_s >= 0.35
     assert "of CPU" in res.tests[1].detail
     sleeper = ["import time\ntime.sleep(60)"]
     res = run_tests(ADD, sleeper, sandbox=sb, timeout_per_test_s=0.5, wall_per_test_s=2.5)

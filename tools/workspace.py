@@ -1,13 +1,5 @@
 """Tools in a sandbox session, and `WorkspaceEnv`: the base of envs whose model works in one.
 
-    class Notes(WorkspaceEnv):
-        '''Write the answer to answer.txt.'''
-        tool_names = ("bash",)
-        def workspace(self, task):
-            return Workspace(files={"data.txt": task.metadata["data"]})
-        async def reward(self, task, messages):
-            return float((await self.session.read("answer.txt")).strip() == task.answer)
-
 Each episode has its own session (`agentgrpo.verify.sandbox.Sandbox.session`): `reset` starts it
 on a fork of the task's prepared workspace (closing the one before), `close` ends it (the rollout
 closes every episode's env), so nothing of one episode reaches another. `reset`'s info holds
@@ -16,6 +8,8 @@ showing the same value started from the same bytes. Tools, as `@tool` methods (`
 the ones the model sees): `bash(command)`, `read_file(path)`, `write_file(path, content)`,
 `replace_in_file(path, old, new)`. A session that fails raises an `InfrastructureError`
 (the episode is unscorable); a spent episode budget is a tool error the model reads.
+
+docs/environments.md ("Workspaces") walks through a subclass; `WorkspaceEnv` has an example.
 """
 
 from __future__ import annotations

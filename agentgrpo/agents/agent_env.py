@@ -2,21 +2,15 @@
 
 The subclass writes `async def run(self, client, task)`; `client` is an `openai.AsyncOpenAI`
 bound to this episode's URL on a policy endpoint (`agentgrpo.agents.endpoint`) that this process
-serves on 127.0.0.1 while AgentEnv episodes run (one server per event loop, started by the first
-episode, stopped after the last; each episode has its own key). Every call's prompt ids, sampled
-ids and logprobs are recorded there; when the episode ends the trajectory builder
-(`agentgrpo.chat.trajectory`) makes them its token sequences: one while each call's prompt extends
-the previous prompt + completion token-exactly, a new segment where one does not (the agent
-trimmed or summarised its history, or the template renders it anew) under `trajectory_mode`
-"auto", or an ENV_ERROR naming that call under "single".
+serves on 127.0.0.1 while AgentEnv episodes run (one server per event loop; each episode has its
+own key). Every call is recorded token-exactly there, and the trajectory builder makes the calls
+the episode's token sequences, segments where a prompt does not extend the previous call.
 
-Limits as for any env (`EpisodeLimits`): a call past `max_turns` or the token budget is answered
-with a 400 (`code: episode_limit`) and the episode ends as MAX_TURNS / MAX_TOKENS whether `run`
-catches it or not; every generation runs under the turn deadline, `run` under the episode and
-step deadlines (TIMEOUT, unscorable). An engine failure ends it as ENGINE_ERROR (reward NaN); an
-exception of `run` itself as ENV_ERROR. The reward is `run`'s return value, or the env's `rubric`
-when it returns None (`Trajectory.messages` is the conversation of the last call). The client
-does not retry: a retried call would be a second turn.
+Limits as for any env (`EpisodeLimits`): a call past `max_turns` or the token budget is a 400
+(`code: episode_limit`) that ends the episode as MAX_TURNS / MAX_TOKENS; deadlines end it as
+TIMEOUT, an engine failure as ENGINE_ERROR (both unscorable), an exception of `run` as ENV_ERROR.
+The reward is `run`'s return value, or the env's `rubric` when it returns None. The client does
+not retry: a retried call would be a second turn. docs/agents.md, "AgentEnv".
 """
 
 from __future__ import annotations

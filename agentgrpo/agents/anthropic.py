@@ -1,21 +1,16 @@
 """Anthropic's Messages API (`POST /episodes/<id>/v1/messages`) as a translation onto the episode's
 Chat Completions core (`EndpointEpisode.complete`), so its calls land in the same record.
 
-A request becomes chat messages: `system` (text or text blocks) a system message; a user turn's
-`tool_result` blocks tool messages (in order, before its text), its text blocks a user message;
-an assistant turn's `thinking`, `text` and `tool_use` blocks one assistant message (its content
-the thinking, joined back exactly through the block's `signature`, then the text; its calls the
-tool uses), so the conversation the client sends back continues the episode's tokens. Custom
-tools (`input_schema`) become chat tools; `tool_choice` auto / any / tool / none map to auto /
-required / a named function / none; `stop_sequences` to `stop` (one token each, as for chat).
-The reply's reasoning, text and calls become `thinking`, `text` and `tool_use` blocks, its finish
-`end_turn`, `tool_use`, `max_tokens` or `stop_sequence`; `stream` sends Anthropic's events.
-Errors have Anthropic's shape, `{"type": "error", "error": {"type", "message"}}`.
+A request becomes chat messages: `system` a system message; a user turn's `tool_result` blocks
+tool messages (before its text), its text blocks a user message; an assistant turn's `thinking`,
+`text` and `tool_use` blocks one assistant message (the thinking joined back exactly through the
+block's `signature`), so the conversation the client sends back continues the episode's tokens.
+Custom tools become chat tools, `tool_choice` and `stop_sequences` map onto chat's. The reply's
+reasoning, text and calls become `thinking`, `text` and `tool_use` blocks; `stream` sends
+Anthropic's events; errors have Anthropic's shape, `{"type": "error", "error": {...}}`.
 
-Not carried: images and documents, server tools (web search, code execution, ...), `top_k`
-(sampling stays the policy's), `thinking.budget_tokens` (the model thinks as its chat template
-says; the field is accepted), cache control (accepted, nothing is cached apart), and a stop
-sequence's text stays in the reply (as in chat replies) rather than being cut from it.
+Not carried (docs/agents.md has the field table and this list): images and documents, server
+tools, `top_k`, cache control; a stop sequence's text stays in the reply.
 """
 
 from __future__ import annotations

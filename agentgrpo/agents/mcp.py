@@ -1,37 +1,17 @@
 """MCP tools: a `ToolEnv` whose tools come from Model Context Protocol servers.
 
-`MCPToolEnv` lists the tools of each server in `mcp_servers` (a command line spoken to over
-stdio, or a streamable-HTTP URL) when an episode starts: each tool's name, description and input
-schema become a tool the model sees, next to the env's own `@tool` functions. A call goes through
-the same path as a `@tool` call (`ToolEnv._run_call`): unknown names, arguments that break the
-tool's input schema (checked here, before the server sees them), a result the server marks as an
-error and a call past `tool_timeout_s` each become an error tool message counted by
-`ToolErrorKind`. A server that cannot be reached, or dies, is not the model's doing: it raises
-`InfrastructureError`, and the rollout ends the episode as ENV_ERROR, unscorable (reward NaN).
+`MCPToolEnv` lists the tools of each server in `mcp_servers` (a command line over stdio, or a
+streamable-HTTP URL) when an episode starts; they sit next to the env's own `@tool` functions and
+a call takes the same path (`ToolEnv._run_call`): a bad name or arguments, an error result or a
+call past `tool_timeout_s` becomes an error tool message. A server that cannot be reached, or
+dies, raises `InfrastructureError`: the episode ends as ENV_ERROR, unscorable (reward NaN).
 
-Decisions:
-- One session per episode, per server: opened in `reset`, closed in `close` (the rollout closes
-  every episode's env). A stdio server is a fresh process per episode (on Linux under
-  `_reaper.py`, a subreaper that kills every process it started, daemons included, when it
-  exits), so its state starts from nothing each time (the group-comparison contract of
-  `Env.stochastic`) and a server that crashes takes one episode with it, not the step. The price
-  is a server start per episode (docs/environments.md, "MCP tools", has the measured cost); a
-  server that is slow to start and holds no per-episode state is better reached over HTTP,
-  where opening a session is one request.
-- The sessions live on one event loop of their own, in a daemon thread (`agentgrpo-mcp`). The
-  `mcp` client's streams belong to the task that opened them, while the rollout resets in a
-  worker thread and closes from yet another task (`close_env`), and `check_env` runs each call
-  under its own `asyncio.run`. A call waits on that loop without blocking the caller's.
-- `mcp` is an optional dependency (`pip install agentgrpo[mcp]`): it is imported when a session
-  opens, so importing this module needs nothing beyond agentgrpo.
-
-Example:
-    >>> class Files(MCPToolEnv):
-    ...     '''Answer questions about a folder, with a filesystem MCP server's tools.'''
-    ...     mcp_servers = [MCPServer.stdio("python", "fs_server.py", "--root", "data"),
-    ...                    MCPServer.http("http://127.0.0.1:8000/mcp", prefix="web")]
-    ...     def reward(self, task, messages):
-    ...         return float(messages[-1].content.strip() == str(task.answer))
+Decisions (docs/environments.md, "MCP tools", has the why and an example):
+- one session per episode and server, opened in `reset` and closed in `close`; a stdio server is
+  a fresh process per episode, under `_reaper.py` on Linux, so its state starts from nothing;
+- the sessions live on one event loop of their own in a daemon thread (`agentgrpo-mcp`), since
+  the `mcp` client's streams belong to the task that opened them;
+- `mcp` is optional (`pip install agentgrpo[mcp]`), imported when a session opens.
 """
 
 from __future__ import annotations

@@ -1,20 +1,16 @@
 """Runs that train on episodes played elsewhere: `env: {name: remote}` (`RemoteEnv`).
 
 Each episode of the run waits, with its task, for an agent in another process or machine: the
-agent asks serve-policy's episode API for one (`POST /episodes` on the run's server: the episode's
-id, its `base_url` / `anthropic_base_url` and the task), plays it against that URL with any of the
-endpoint's APIs, and ends it by posting a reward (`POST /episodes/<id>/reward`) or, leaving the
-score to the env's rubric, with `DELETE /episodes/<id>`. Every call is recorded token-exactly as
-for an `AgentEnv`, and the episode is trained with the same groups, seeds, limits, deadlines and
-NaN rules as any env's: one that no agent takes, or that its agent does not end, ends at its
-deadline (episode or step) as TIMEOUT, unscorable; the stop detail says which of the two.
+agent asks serve-policy's episode API for one (`POST /episodes`), plays it against the episode's
+URL with any of the endpoint's APIs, and ends it by posting a reward or, leaving the score to the
+env's rubric, with `DELETE /episodes/<id>`. Every call is recorded token-exactly as for an
+`AgentEnv`, with the same groups, seeds, limits, deadlines and NaN rules as any env's: an episode
+no agent takes or ends ends at its deadline as TIMEOUT, unscorable.
 
-The server runs on a thread of its own (`agentgrpo-remote`), from the first episode of the process
-until it exits, so agents can ask for tasks while the learner trains (they wait, `wait_s`, or get
-a 204 and ask again). Its calls generate on the run's event loop, where the engine lives. It binds
-`host`:`port` (127.0.0.1:8100 by default) and needs a token on every address, loopback too (any
-local user can reach a loopback port), read from $AGENTGRPO_POLICY_TOKEN or `token_file`: the
-episode API takes that token; an episode's calls take the `api_key` its hand-out answers.
+The server runs on a thread of its own (`agentgrpo-remote`) from the first episode until the
+process exits, so agents can ask for tasks while the learner trains; its calls generate on the
+run's event loop, where the engine lives. It needs a token on every address, loopback too.
+docs/agents.md, "Remote runs", has the API and the settings.
 """
 
 from __future__ import annotations

@@ -2,20 +2,15 @@
 Chat Completions core (`EndpointEpisode.complete`), so its calls land in the same record.
 
 A request becomes chat messages: `instructions` a system message, `input` text a user message,
-and input items in order: messages (text parts only), `function_call` / `function_call_output`
-items (a call and its result, joined by `call_id`), `reasoning` items (joined back to the reply
-text they came with: `agentgrpo.agents.thinking`), and `item_reference`s to items this episode
-returned. The items of one reply become one assistant message again, so the conversation the
-client sends back continues the episode's tokens. `previous_response_id` continues a response of
-this episode: its conversation, then the new input (its instructions are not carried over, as
-OpenAI does). Function tools become chat tools; `tool_choice` maps one to one. The reply's text,
-calls and reasoning become `message`, `function_call` and `reasoning` output items; `stream`
-sends OpenAI's `response.*` events (`agentgrpo.agents.streaming`).
+and input items in order (messages, `function_call` / `function_call_output`, `reasoning` joined
+back to its reply text by `agentgrpo.agents.thinking`, `item_reference`s to items this episode
+returned). The items of one reply become one assistant message again, so the conversation the
+client sends back continues the episode's tokens; `previous_response_id` continues a response of
+this episode. The reply's text, calls and reasoning become `message`, `function_call` and
+`reasoning` items; `stream` sends OpenAI's `response.*` events (`agentgrpo.agents.streaming`).
 
-Not carried: tools other than functions, non-text input (images, files), structured output
-(`text.format` other than text), `background`, `conversation`, stored prompts, and
-`reasoning.effort` (the model thinks as its chat template says; the field is accepted).
-`usage.output_tokens_details.reasoning_tokens` is 0: the reasoning's tokens are not counted apart.
+Not carried (docs/agents.md has the field table and this list): tools other than functions,
+non-text input, structured output, `background`, `conversation`, stored prompts.
 """
 
 from __future__ import annotations

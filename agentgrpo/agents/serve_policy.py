@@ -1,5 +1,4 @@
-"""`agentgrpo serve-policy`: the policy endpoint as a standalone server, for agents in another
-process or language.
+"""`agentgrpo serve-policy`: the policy endpoint served alone, for agents in another process.
 
     export AGENTGRPO_POLICY_TOKEN=$(openssl rand -hex 32)  # or one is made and printed
     agentgrpo serve-policy MODEL_DIR                       # the local engine over the model

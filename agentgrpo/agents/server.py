@@ -1,21 +1,16 @@
 """The policy endpoint's HTTP server: uvicorn, with bounds that hold against hostile clients.
 
-uvicorn alone counts a connection that never sends a request toward its connection limit and
-never closes it (issue 42: 40 idle connections shut out every authorised request, and under a
-256-descriptor limit the server stopped accepting while logging 31 MB of errors). Here, for every
-route alike, before any request is read:
+uvicorn alone lets a connection that never sends a request hold a connection slot forever
+(issue 42: 40 idle connections shut out every authorised request). Here, for every route alike,
+before any request is read: a waiting connection must deliver its whole request head within
+`head_timeout_s` (new) or `keep_alive_s` (kept alive), however slowly it drips it; at most
+`max_waiting` wait at once, the one waiting longest closed beyond; at most `max_connections` are
+open, fewer when the process's descriptor limit leaves less room; after authentication a body
+must arrive within `body_timeout_s`.
 
-- a connection waiting for a request head (new, or idle after a response) must deliver the whole
-  head within `head_timeout_s` (new) or `keep_alive_s` (kept alive), however slowly it drips it;
-- at most `max_waiting` wait at once: beyond, the one waiting longest is closed (an honest client
-  sends its head at once, so a flood sheds its own connections first);
-- at most `max_connections` are open, fewer when the process's descriptor limit leaves less room
-  (half of the descriptors free at start-up, so accepting never runs out of them);
-- after authentication, a request body must arrive within `body_timeout_s` (the endpoint's reader).
-
-`Auth` checks, for every route, that the Host header names this machine on a loopback bind (a web
-page cannot reach the server through DNS rebinding), then the token (`Authorization: Bearer`, or
-`x-api-key` as Anthropic's client sends it). docs/security.md has the threat model.
+`Auth` checks, for every route, that the Host header names this machine on a loopback bind (no
+DNS rebinding), then the token (`Authorization: Bearer`, or `x-api-key` as Anthropic's client
+sends it). docs/security.md has the threat model and the measured attacks.
 """
 
 from __future__ import annotations

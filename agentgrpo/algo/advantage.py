@@ -1,26 +1,12 @@
 """Group advantages: one per trajectory (outcome-only) or one per turn (turn-level).
 
-The outcome-only estimators (`ESTIMATORS`: grpo, dr_grpo, rloo) read a trajectory's reward as one
-number; its advantage is broadcast to its sampled tokens by the loss. The turn-level estimators
-(`TURN_ESTIMATORS`: turn_grpo, `compute_turn_advantages`) also read the reward each turn earned
-(`Trajectory.turn_rewards`) and give each turn its own advantage, which the learner assigns to
-that turn's sampled tokens. Groups are named by an explicit id per row (an int tensor or a list of
-any hashable labels), never by position, so rows may come in any order, groups may have unequal
-sizes and need not be contiguous.
-
-Edge cases (the same for every estimator, applied once in `compute_advantages`):
-- A NaN reward means "could not be scored" (an infrastructure failure). The row is left out of its
-  group's statistics and gets advantage 0.
-- A group with fewer than two scorable rewards, or whose scorable rewards are all exactly equal,
-  carries no learning signal: all its rows get advantage exactly 0. Equality is checked explicitly
-  (max == min) because a float formula alone leaves residues such as 1e-17 / (0 + eps) that are
-  not zero and, with a small eps, not small.
-- An infinite reward is a bug in a verifier, not a score: it raises.
-The turn-level term has its own rules at each turn index (members with fewer turns, NaN turn
-rewards): `turn_grpo_advantages`.
-
-Statistics are computed in float64 and the result is cast back to the rewards' dtype (float32 for
-integer rewards).
+Outcome-only estimators (`ESTIMATORS`: grpo, dr_grpo, rloo) give a trajectory one number, which
+the loss broadcasts to its sampled tokens; turn-level ones (`TURN_ESTIMATORS`: turn_grpo) also read
+`Trajectory.turn_rewards` and give each turn its own. Groups are named by an id per row, never by
+position. For every estimator (`compute_advantages`): a NaN reward (unscorable) is left out of its
+group's statistics and gets 0; a group with fewer than two scorable rewards, or all of them exactly
+equal (checked as max == min), gets exactly 0; an infinite reward raises. Statistics run in
+float64. The formulas and the turn term's rules: docs/learner.md ("Advantages").
 
 Example:
     >>> import torch

@@ -1,27 +1,14 @@
 """Policy losses (PPO-clip, GSPO) and the configured training loss (`LossConfig`, `compute_loss`).
 
 Pure functions over [B, T] tensors (B rows = trajectories, T = padded length). Only tokens with
-`loss_mask_BT == 1` (sampled by the policy) count; every other position is replaced by 0 *before*
-any arithmetic, so -inf or NaN logprobs at masked positions never reach a value or a gradient.
+`loss_mask_BT == 1` count; every other position is replaced by 0 before any arithmetic, so -inf or
+NaN logprobs at masked positions never reach a value or a gradient. Semantics follow verl 0.9.1's
+`core_algos` unless a docstring says otherwise (TRL's differences: docs/learner.md, "The loss").
 
-Semantics follow verl 0.9.1 `core_algos` unless a docstring says otherwise. Differences from TRL
-(GRPOTrainer): TRL does not clamp the log-ratio or k3; its `dr_grpo` loss divides by all rows x
-the max completion length (here: rows with a loss token x the configured `max_response_len`); it
-adds beta * KL per token before aggregating (here: aggregated separately with the same mode and
-normalisers, which is the same number for these linear aggregations and lets the KL be logged).
-
-Micro-batches and ranks: every loss here returns its *share* of the optimizer step's loss. With
-`num_tokens` / `num_seqs` set to the whole step's counts (all micro-batches, all ranks), the shares
-add up to the loss of one call over the whole step, and so do their gradients. The learner
-multiplies by the world size before `backward()` because DDP/FSDP average gradients over ranks.
-
-Metrics returned next to a loss are Python floats: "*loss*" entries are shares (sum them over
-micro-batches); the others are means over this call's loss tokens (average them weighted by
-"loss_tokens").
-
-The aggregation modes, KL estimators and truncated and masked importance sampling live in
-`loss_terms.py` and are re-exported here, so `from agentgrpo.algo.loss import aggregate, kl_penalty,
-...` still works.
+Every loss returns its share of the optimizer step's loss: with `num_tokens` / `num_seqs` counted
+over the whole step, the shares of all micro-batches and ranks add up to one call over the step.
+Metrics beside a loss are floats: "*loss*" entries are shares, the others means over this call's
+loss tokens. Aggregations, KL estimators, TIS and MIS live in `loss_terms.py`, re-exported here.
 """
 
 from __future__ import annotations

@@ -115,7 +115,27 @@ def describe_algorithm(
     adv_cfg: AdvantageConfig, loss_cfg: LossConfig, shaping_cfg: ShapingConfig
 ) -> str:
     """The block printed at start-up that names the effective algorithm."""
-    a, c, s = adv_cfg, loss_cfg, shaping_cfg
+    c = loss_cfg
+    kl = (
+        f"{c.kl_estimator}, beta = {c.kl_coef:g} (reference model loaded)"
+        if c.kl_coef > 0
+        else "off (no reference model)"
+    )
+    rows = [
+        ("advantage", _describe_advantage(adv_cfg)),
+        ("loss", _describe_loss(c)),
+        ("aggregation", _describe_aggregation(c)),
+        ("kl", kl),
+        ("entropy", f"coef {c.entropy_coef:g}" if c.entropy_coef else "off"),
+        ("tis", f"{c.tis}-level, cap {c.tis_cap:g}" if c.tis != "none" else "off"),
+        ("mis", _describe_mis(c)),
+        ("filters", _describe_filters(shaping_cfg)),
+    ]
+    return "algorithm:\n" + "\n".join(f"  {k:<13}{v}" for k, v in rows)
+
+
+def _describe_advantage(a: AdvantageConfig) -> str:
+    """The estimator's formula, and where it gives 0."""
     grpo = f"(r - group mean) / (group std + {a.eps:g})"
     discount = "" if a.gamma == 1.0 else f"{a.gamma:g}^(j-k) "
     est = {
@@ -135,45 +155,52 @@ def describe_algorithm(
         est += "equal-reward groups"
     else:
         est += "; A = 0 for NaN (unscorable) rewards, singletons and equal-reward groups"
+    return est
+
+
+def _describe_loss(c: LossConfig) -> str:
+    """The policy loss and its clip."""
     if c.loss == "ppo":
         loss = (
             f"ppo-clip  rho in [{1 - c.clip_low:g}, {1 + c.clip_high:g}], log-ratio clamped to +-20"
         )
-        loss += f", dual clip c = {c.dual_clip:g}" if c.dual_clip is not None else ", no dual clip"
-    else:
-        loss = (
-            f"gspo  sequence ratio in [{1 - c.clip_low:g}, {1 + c.clip_high:g}], log-ratio "
-            "capped at 10"
+        return loss + (
+            f", dual clip c = {c.dual_clip:g}" if c.dual_clip is not None else ", no dual clip"
         )
+    return (
+        f"gspo  sequence ratio in [{1 - c.clip_low:g}, {1 + c.clip_high:g}], log-ratio capped at 10"
+    )
+
+
+def _describe_aggregation(c: LossConfig) -> str:
     agg = c.effective_agg
     if agg == "seq-mean-token-sum-norm":
         agg += f"  (token sums / {c.max_response_len} / sequences)"
-    kl = (
-        f"{c.kl_estimator}, beta = {c.kl_coef:g} (reference model loaded)"
-        if c.kl_coef > 0
-        else "off (no reference model)"
-    )
-    ent = f"coef {c.entropy_coef:g}" if c.entropy_coef else "off"
-    tis = f"{c.tis}-level, cap {c.tis_cap:g}" if c.tis != "none" else "off"
-    mis = "off"
-    if c.mis != "none":
-        ratio = {
-            "token": "token ratio",
-            "sequence": "product of each sequence's token ratios",
-            "geometric": "geometric mean of each sequence's token ratios",
-        }[c.mis]
-        band = f"[{c.mis_low:g}, {c.mis_high:g}]"
-        mis = (
-            f"{c.mis}: 0 where the {ratio} is outside {band}, else the tis weight"
-            if c.tis != "none"
-            else f"{c.mis}: weight = the {ratio}, 0 outside {band}"
-        )
-    filters = []
-    filters.append(
+    return agg
+
+
+def _describe_mis(c: LossConfig) -> str:
+    """Masked importance sampling: which ratio, its band, and the weight it leaves."""
+    if c.mis == "none":
+        return "off"
+    ratio = {
+        "token": "token ratio",
+        "sequence": "product of each sequence's token ratios",
+        "geometric": "geometric mean of each sequence's token ratios",
+    }[c.mis]
+    band = f"[{c.mis_low:g}, {c.mis_high:g}]"
+    if c.tis != "none":
+        return f"{c.mis}: 0 where the {ratio} is outside {band}, else the tis weight"
+    return f"{c.mis}: weight = the {ratio}, 0 outside {band}"
+
+
+def _describe_filters(s: ShapingConfig) -> str:
+    """Dynamic sampling, the overlong penalty and truncation masking, in that order."""
+    filters = [
         f"dynamic sampling (<= {s.max_extra_rounds} extra rounds)"
         if s.dynamic_sampling
         else "no dynamic sampling"
-    )
+    ]
     if s.overlong_buffer_len is not None:
         filters.append(
             f"overlong penalty over the last {s.overlong_buffer_len} tokens "
@@ -182,14 +209,4 @@ def describe_algorithm(
     filters.append(
         "truncated trajectories masked" if s.mask_truncated else "truncated trajectories trained on"
     )
-    rows = [
-        ("advantage", est),
-        ("loss", loss),
-        ("aggregation", agg),
-        ("kl", kl),
-        ("entropy", ent),
-        ("tis", tis),
-        ("mis", mis),
-        ("filters", "; ".join(filters)),
-    ]
-    return "algorithm:\n" + "\n".join(f"  {k:<13}{v}" for k, v in rows)
+    return "; ".join(filters)

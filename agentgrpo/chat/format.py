@@ -1,68 +1,36 @@
 """The only boundary between text and tokens (token-in, token-out).
 
-Everything the learner trains on is a list of token ids that the engine either received or
-sampled. This module is the one place that turns messages into ids and sampled ids into messages:
+Everything the learner trains on is a list of ids the engine received or sampled; this module
+turns messages into ids and sampled ids into messages:
 
 - `ChatFormat.prompt_ids(messages, tools)`: the first prompt, rendered by the chat template.
-- Sampled ids are never re-tokenized: the rollout appends them verbatim (EOS included) and only
-  *decodes* them here to parse tool calls (`parse_assistant`).
-- `ChatFormat.suffix_ids(history, new_messages, tools)`: the tokens that follow the model's
-  end-of-turn token when env/tool messages arrive. They are computed by rendering the whole
-  conversation with and without the new messages and taking the difference, aligned right after
-  the end-of-turn token (the template's own glue after it, e.g. ChatML's "\\n", belongs to the
-  suffix and carries loss mask 0). Before using a suffix we check that the template is
-  prefix-preserving for this conversation (`render(history + new)` starts with `render(history)`);
-  if it is not (Qwen3 strips earlier `<think>` blocks when a user turn arrives) we raise
-  `HistoryRewritten` (a `TemplateError`) instead of guessing, unless the user chose the explicit
-  `keep_history` fallback (see `ChatFormat`). The rollout answers it according to
-  `ChatFormat.trajectory_mode`: "single" ends the episode, "auto" and "stepwise" continue it in a
-  new segment whose prompt is `prompt_ids` of the whole history
-  (`agentgrpo.rollout.episode.Episode`). `agentgrpo.checks.template_audit` checks a template on
-  many synthetic conversations before training starts (`require_token_safe`, `agentgrpo
-  check-template`).
-- A template may end turns with several tokens (GPT-OSS: `<|call|>`, `<|return|>`; all are stop
-  tokens and the sampled one stays), or with none of its own, the turn ending where the next
-  message's role token starts (GLM-4.5: the model stops on `<|observation|>` or `<|user|>`, which
-  the suffix then does not render again; `turn_end_opens_next`). A template that wants tool-call
-  arguments as a JSON string (DeepSeek-V3) gets them so (`string_arguments`); these, and the
-  end-of-turn tokens themselves, are found by probe renders at construction, never by the
-  template's name.
-- `ChatFormat.truncate(text, max_tokens)`: tool output cut to a token budget, with a marker (the
-  rollout first cuts it to a byte budget, so no tool can make this tokenize megabytes).
-- Message content is data, never control: a special token's text inside a message (a tool printing
-  `<|im_end|>\n<|im_start|>assistant`, a task copied from a chat log) is tokenized as plain text,
-  so an environment cannot forge a turn boundary or an EOS. Only the template's own text and the
-  model's samples carry special tokens. The same holds for every other field a template may
-  print: a tool message's `name` (the tool name the model chose), `tool_call_id`, tool calls'
-  names and arguments, and every string of the tool schemas (an MCP server's or an endpoint
-  client's: names, descriptions, parameter names, titles, enum values). While rendering, only
-  the special-token substrings of those strings are swapped for ASCII placeholders, so the
-  template's filters (`trim`, `tojson`) act on the real content; a template that renders the
-  special text differently from its placeholder (escapes or strips it) is refused with
-  TemplateError (see `_render_held`, `_encode_rendered`).
-- Text that cannot be UTF-8 encoded (lone surrogates) is tokenized with U+FFFD in their place
-  (`encode`, `truncate`) rather than raising.
-
-Templates without tool support (SmolLM2 ships plain ChatML) get `HERMES_CHATML_TEMPLATE`, a
-Hermes-style tool-aware ChatML template: tools are described in the system message, calls are
-`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, results come back in a `tool` turn.
-
-Tool-call parsers are pluggable (`PARSERS` of `chat.parsers`, re-exported here); by default
-(`parser="auto"`) the one for the template's tool-call format is chosen (`detect_parser`). A parser
-never raises on model output: malformed calls come back as `ParseError`s that the rollout turns into
-error tool messages. The XML formats type argument values by the tools' schemas, so
-`parse_assistant` takes the tools the prompt was rendered with.
+- Sampled ids are never re-tokenized: the rollout appends them verbatim and `parse_assistant`
+  only decodes them to read the tool calls.
+- `ChatFormat.suffix_ids(history, new_messages, tools)`: the ids after the model's end-of-turn
+  token, the difference between two renders; a template that rewrites the history raises
+  `HistoryRewritten` rather than a guess.
+- Message content is data, never control: special-token text inside it is tokenized as plain
+  text (`held.py`), so an env cannot forge a turn boundary. The rules in full: docs/chat.md.
 """
 
 from __future__ import annotations
 
 import json
-import re
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 import jinja2
 
+from agentgrpo.chat.errors import HistoryRewritten, TemplateError
+from agentgrpo.chat.held import (
+    _common_prefix,
+    _Placeholders,
+    hold,
+    printed,
+    special_tokens,
+    split_at_specials,
+)
+from agentgrpo.chat.keep_history import _last_of, suffix_after_last_turn
 from agentgrpo.chat.parsers import (
     PARSERS,
     ParsedTurn,
@@ -72,7 +40,18 @@ from agentgrpo.chat.parsers import (
     parse_hermes,
     parse_llama3_json,
 )
-from agentgrpo.types import Message, ToolCall
+from agentgrpo.chat.probes import (
+    detected_end_of_turns,
+    turn_end_opens_next,
+    wants_string_arguments,
+)
+from agentgrpo.chat.template import (
+    FAST_RENDER_CHECKS,
+    HERMES_CHATML_TEMPLATE,
+    _compiled_renderer,
+    template_supports_tools,
+)
+from agentgrpo.types import Message
 
 __all__ = [
     "HERMES_CHATML_TEMPLATE",
@@ -103,89 +82,6 @@ def truncation_note(marker: str, omitted: int, unit: str) -> str:
     return marker.replace("{omitted}", str(omitted)).replace("{unit}", unit)
 
 
-HERMES_CHATML_TEMPLATE = (
-    "{%- if tools %}"
-    "{{- '<|im_start|>system\\n' }}"
-    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}"
-    "{{- '# Tools\\n\\nYou can call these functions. "
-    "Their signatures are inside <tools></tools>:\\n<tools>' }}"
-    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
-    "{{- '\\n</tools>\\n\\nTo call a function, reply with a JSON object inside "
-    "<tool_call></tool_call> tags:\\n"
-    '<tool_call>\\n{"name": <function-name>, "arguments": <args-json-object>}\\n'
-    "</tool_call><|im_end|>\\n' }}"
-    "{%- elif messages[0]['role'] == 'system' %}"
-    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
-    "{%- endif %}"
-    "{%- for message in messages %}"
-    "{%- if message['role'] == 'system' and loop.first %}"
-    "{%- elif message['role'] == 'assistant' %}"
-    "{{- '<|im_start|>assistant\\n' + (message['content'] or '') }}"
-    "{%- for tc in message.get('tool_calls') or [] %}"
-    "{%- if (message['content'] or '') or not loop.first %}{{- '\\n' }}{%- endif %}"
-    "{{- '<tool_call>\\n{\"name\": \"' + tc['function']['name'] + '\", \"arguments\": ' }}"
-    "{%- if tc['function']['arguments'] is string %}{{- tc['function']['arguments'] }}"
-    "{%- else %}{{- tc['function']['arguments'] | tojson }}{%- endif %}"
-    "{{- '}\\n</tool_call>' }}"
-    "{%- endfor %}"
-    "{{- '<|im_end|>\\n' }}"
-    "{%- else %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{%- endif %}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
-
-
-FAST_RENDER_CHECKS = 64  # renders per ChatFormat compared with apply_chat_template (see render)
-# The tool the end-of-turn probe calls (`ChatFormat._detected_end_of_turns`).
-_PROBE_TOOL = {
-    "type": "function",
-    "function": {
-        "name": "probe",
-        "description": "A probe.",
-        "parameters": {"type": "object", "properties": {"value": {"type": "string"}}},
-    },
-}
-
-
-def _compiled_renderer(template: str, tokenizer: Any, template_kwargs: dict[str, Any]) -> Any:
-    """`render(dicts, tools, add_generation_prompt) -> str` calling transformers' cached compiled
-    template with the variables `apply_chat_template` passes, or None when that private helper is
-    not available (then the public path is used)."""
-    try:
-        from transformers.utils.chat_template_utils import _compile_jinja_template
-
-        compiled = _compile_jinja_template(template)
-    except (ImportError, AttributeError, jinja2.TemplateError):  # private API or a broken template
-        return None
-    variables = {**tokenizer.special_tokens_map, **template_kwargs}
-
-    def render(
-        dicts: list[dict[str, Any]], tools: list[dict] | None, add_generation_prompt: bool
-    ) -> str:
-        return compiled.render(
-            messages=dicts,
-            tools=tools,
-            documents=None,
-            add_generation_prompt=add_generation_prompt,
-            **variables,
-        )
-
-    return render
-
-
-class TemplateError(ValueError):
-    """The chat template cannot produce token-exact multi-turn rollouts for this conversation."""
-
-
-class HistoryRewritten(TemplateError):
-    """The template renders the history differently once the new messages follow, or (a turn that
-    ends at the next role token) opens them with another token than the one the model stopped on,
-    so the tokens sampled so far cannot be continued as one sequence (a new segment can start
-    instead)."""
-
-
 def _utf8(text: str) -> str:
     """`text` if it can be UTF-8 encoded; otherwise with each lone UTF-16 surrogate replaced by
     U+FFFD (a surrogate pair split into two code points is joined into its character). Tokenizers
@@ -198,80 +94,8 @@ def _utf8(text: str) -> str:
     return text
 
 
-def _texts(obj: Any, key: str = "", skip: str | None = "role") -> Iterator[str]:
-    """Every string a template may print: values and keys at any depth of a message dict (content,
-    name, tool_call_id, a tool call's name and arguments), all but the `role` it branches on
-    (`skip`); of a tool schema (`skip=None`), every one (name, description, parameter names,
-    descriptions, enum values, titles)."""
-    if isinstance(obj, str) and key != skip:
-        yield obj
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            yield from _texts(k, "", skip)
-            yield from _texts(v, k, skip)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _texts(v, "", skip)
-
-
-def _map_texts(obj: Any, f: Callable[[str], str], key: str = "", skip: str | None = "role") -> Any:
-    """`obj` with `f` applied to each string `_texts` yields (a copy; `obj` is left as it is)."""
-    if isinstance(obj, str):
-        return obj if key == skip else f(obj)
-    if isinstance(obj, dict):
-        return {
-            (f(k) if isinstance(k, str) else k): _map_texts(v, f, k, skip) for k, v in obj.items()
-        }
-    if isinstance(obj, (list, tuple)):
-        return [_map_texts(v, f, "", skip) for v in obj]
-    return obj
-
-
-class _Placeholders:
-    """Message dicts and tool schemas whose special-token texts are replaced by placeholders
-    (`ChatFormat._hold`)."""
-
-    def __init__(self, dicts: list[dict[str, Any]], tools: list[dict] | None = None) -> None:
-        self.dicts, self.tools = dicts, tools
-        self.texts: list[str] = []  # the special texts, in placeholder order
-        self.pattern: re.Pattern[str] | None = None  # matches a placeholder; None: nothing held
-
-    def restore(self, text: str) -> str:
-        """`text` with the held special texts back in place of their placeholders."""
-        if self.pattern is None:
-            return text
-        return self.pattern.sub(lambda m: self.texts[int(m.group(1))], text)
-
-    def check(self, rendered: str, real: str) -> None:
-        """Raise TemplateError unless `rendered` (from `self.dicts`) with the special texts put back
-        is `real`, the template's render of the real content (a template that escapes, drops or
-        rewrites special-token text in content is refused rather than shown other text)."""
-        if self.restore(rendered) != real:
-            at = _common_prefix(self.restore(rendered), real)
-            raise TemplateError(
-                "the chat template renders special-token text inside message content or tool "
-                f"schemas differently from other text (at character {at}: "
-                f"{real[max(0, at - 40) : at + 40]!r}); it cannot be kept as plain text"
-            )
-
-
-def _last_of(text: str, tokens: Sequence[str], end: int | None = None) -> tuple[int, str]:
-    """(position, token) of the last occurrence in `text[:end]` of any of `tokens`; (-1, "")."""
-    return max(((text.rfind(t, 0, end), t) for t in tokens), default=(-1, ""))
-
-
-def _common_prefix(a: str, b: str) -> int:
-    return next(
-        (k for k, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
-    )
-
-
 # ---------------------------------------------------------------------------------------------
 # Rendering
-
-
-def template_supports_tools(template: str | None) -> bool:
-    return bool(template) and "tools" in template and "tool_call" in template
 
 
 class ChatFormat:
@@ -285,24 +109,14 @@ class ChatFormat:
         parser: name of the tool-call parser in `PARSERS`, or "auto" (default): the parser for the
             format the template renders (`detect_parser`), Hermes where it shows none it knows.
             `self.parser_name` is the parser chosen.
-        end_of_turn: the token that ends an assistant turn, or several (GPT-OSS ends a turn with
-            `<|call|>` after a tool call and `<|return|>` after an answer); default the ones the
-            template renders (found by probe renders, `_detected_end_of_turns`), else the
-            tokenizer's EOS token. Every one is a stop token, and whichever the model sampled
-            stays the last id of its turn. `self.end_of_turn` / `self.end_of_turn_id` are the
-            first.
-            A template may render an assistant turn with no end token of its own, the next message
-            beginning with its role token (GLM-4.5: `<|observation|>`, `<|user|>`); those role
-            tokens are then the end-of-turn tokens, and the one the model sampled is the start of
-            the next message (`self.turn_end_opens_next`, found by a probe render; see
-            `suffix_ids`).
+        end_of_turn: the token that ends an assistant turn, or several (GPT-OSS: `<|call|>`,
+            `<|return|>`); default the ones the template renders (`detected_end_of_turns`), else
+            the tokenizer's EOS token. All are stop tokens; `self.end_of_turn` is the first.
+            Where the next message's role token ends a turn (GLM-4.5), those role tokens are the
+            end-of-turn tokens (`self.turn_end_opens_next`; docs/chat.md).
         fallback: what `suffix_ids` does when the template rewrites earlier turns. "none" (default)
-            raises TemplateError. "keep_history" continues the token sequence the model actually
-            saw: the suffix is the template's rendering of the new messages (located after the last
-            assistant turn's end-of-turn token), and earlier turns stay verbatim, so the model keeps
-            seeing e.g. its earlier `<think>` blocks that this template would drop at inference.
-            The learner still trains only on tokens the model saw; the cost is a train/inference
-            difference in context, which is why it must be chosen explicitly.
+            raises TemplateError. "keep_history" continues the tokens the model saw, earlier turns
+            verbatim: a train/inference difference in context, so it must be chosen explicitly.
         template_kwargs: extra variables for the template (e.g. `{"preserve_thinking": True}` for
             templates that have such a switch, `{"enable_thinking": False}`).
         trajectory_mode: what the rollout does when the history is rewritten (`HistoryRewritten`):
@@ -356,34 +170,21 @@ class ChatFormat:
         self.template_kwargs: dict[str, Any] = dict(template_kwargs or {})
         self._fast = _compiled_renderer(self.template, tokenizer, self.template_kwargs)
         self._fast_checks_left = FAST_RENDER_CHECKS
-        decoder = getattr(tokenizer, "added_tokens_decoder", {}) or {}
-        specials = {t.content for t in decoder.values() if getattr(t, "special", False)}
-        specials = {
-            t for t in specials | set(getattr(tokenizer, "all_special_tokens", []) or []) if t
-        }
-        # whitespace an added token absorbs on its left/right (the tokenizer's own split does it)
-        self._strips: dict[str, tuple[bool, bool]] = {
-            t.content: (bool(getattr(t, "lstrip", False)), bool(getattr(t, "rstrip", False)))
-            for t in decoder.values()
-            if t.content in specials
-        }
-        # One alternation: ~4 us on 4 KB against Llama 3's 256 special tokens
-        # (`any(t in s)`: ~140 us).
-        self._special_text = (
-            re.compile("|".join(map(re.escape, sorted(specials, key=len, reverse=True))))
-            if specials
-            else None
-        )
-        self.string_arguments = self._wants_string_arguments()
+        self._special_text, self._strips = special_tokens(tokenizer)
+        self.string_arguments = wants_string_arguments(self.template, self._render_dicts)
         self._set_end_of_turns(end_of_turn)
-        self.turn_end_opens_next = self._turn_end_opens_next()
+        self.turn_end_opens_next = turn_end_opens_next(self._render_dicts, self.end_of_turns)
 
     def _set_end_of_turns(self, end_of_turn: str | Sequence[str] | None) -> None:
         """`end_of_turns`, their ids and the stop ids: `end_of_turn` where given, else the tokens
-        the template ends an assistant turn with (`_detected_end_of_turns`), else the EOS token."""
+        the template ends an assistant turn with (`detected_end_of_turns`), else the EOS token."""
         tokenizer = self.tokenizer
         eots = [end_of_turn] if isinstance(end_of_turn, str) else list(end_of_turn or [])
-        eots = eots or self._detected_end_of_turns() or [tokenizer.eos_token]
+        eots = (
+            eots
+            or detected_end_of_turns(self._render_dicts, self._template_dict, self._special_text)
+            or [tokenizer.eos_token]
+        )
         if None in eots or not all(eots):
             raise ValueError("the tokenizer has no EOS token: pass end_of_turn= explicitly")
         eot_ids = []
@@ -401,83 +202,6 @@ class ChatFormat:
         if tokenizer.eos_token_id is not None:
             stops.add(tokenizer.eos_token_id)
         self.stop_token_ids: tuple[int, ...] = tuple(sorted(stops))
-
-    def _detected_end_of_turns(self) -> list[str]:
-        """The special tokens this template ends an assistant turn with, after a tool call first,
-        then after an answer (GPT-OSS: `<|call|>`, `<|return|>`), found by probe renders: the last
-        special token rendered after the turn's text, or where the template renders none (GLM-4.5)
-        the one that opens the next message (a tool result after a call, a user message after an
-        answer: `<|observation|>`, `<|user|>`). Empty where the probes find none."""
-        if self._special_text is None:
-            return []
-        user = {"role": "user", "content": "Hi"}
-        call = ToolCall(id="call_0", name="probe", arguments={"value": "agentgrpo_probe_value"})
-        probes = [
-            (Message(role="assistant", content="", tool_calls=[call]), "agentgrpo_probe_value"),
-            (Message(role="assistant", content="agentgrpo probe answer"), "agentgrpo probe answer"),
-        ]
-        nexts = [
-            {"role": "tool", "tool_call_id": "call_0", "content": "Hi"},
-            {"role": "user", "content": "Hi"},
-        ]
-        found: list[str] = []
-        for (message, mark), follow in zip(probes, nexts, strict=True):
-            chat = [user, self._template_dict(message)]
-            try:
-                text = self._render_dicts(chat, [_PROBE_TOOL], False)
-                at = text.rfind(mark)
-                ends = [m.group() for m in self._special_text.finditer(text, max(at, 0))]
-                if at >= 0 and not ends:
-                    rest = self._render_dicts([*chat, follow], [_PROBE_TOOL], False)[len(text) :]
-                    opens = self._special_text.match(rest.lstrip())
-                    ends = [opens.group()] if opens else []
-            except TemplateError:  # a template without tool calls refuses the probe call
-                continue
-            found += [] if at < 0 or not ends or ends[-1] in found else [ends[-1]]
-        return found
-
-    def _wants_string_arguments(self) -> bool:
-        """Whether the template takes a tool call's `arguments` as a JSON string rather than an
-        object (DeepSeek-V3's concatenates them as text): a probe call it cannot render with an
-        object and renders, as the JSON text, with a string. Then the history's calls are rendered
-        from that JSON text (`_template_dict`)."""
-        if "tool_calls" not in self.template:
-            return False
-        args = {"agentgrpo_probe": 1}
-
-        def probe(arguments: Any) -> str:
-            call = {"id": "call_0", "type": "function"}
-            call["function"] = {"name": "probe", "arguments": arguments}
-            user = {"role": "user", "content": "Hi"}
-            return self._render_dicts(
-                [user, {"role": "assistant", "content": "", "tool_calls": [call]}], None, False
-            )
-
-        try:
-            probe(args)
-            return False
-        except TemplateError:
-            pass
-        try:
-            return json.dumps(args) in probe(json.dumps(args))
-        except TemplateError:
-            return False
-
-    def _turn_end_opens_next(self) -> bool:
-        """Whether the template renders an assistant turn with none of the end-of-turn tokens and
-        starts the next message with one (GLM-4.5: the model stops on the next role token). Found
-        by a probe render of a short chat with and without a user message after the answer."""
-        answer = "agentgrpo probe answer"
-        chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": answer}]
-        try:
-            alone = self._render_dicts(chat, None, False)
-            followed = self._render_dicts([*chat, {"role": "user", "content": "Hi"}], None, False)
-        except TemplateError:
-            return False
-        at = alone.rfind(answer)
-        if at < 0 or any(e in alone[at:] for e in self.end_of_turns):
-            return False
-        return followed.startswith(alone) and followed[len(alone) :].startswith(self.end_of_turns)
 
     # -- rendering ----------------------------------------------------------------------------
 
@@ -593,7 +317,7 @@ class ChatFormat:
         the real content is computed too: the placeholders avoid its text, and `_Held.check`
         requires the held render with the texts put back to equal it."""
         if self._special_text is None or not any(
-            map(self._special_text.search, self._printed(dicts, tools))
+            map(self._special_text.search, printed(dicts, tools))
         ):
             text = self._render_dicts(fixed + dicts, tools, add_generation_prompt)
             return text, _Placeholders(dicts, tools)
@@ -603,72 +327,24 @@ class ChatFormat:
         protected.check(text, real)
         return text, protected
 
-    @staticmethod
-    def _printed(dicts: list[dict[str, Any]], tools: list[dict] | None) -> list[str]:
-        """Every string of `dicts` and `tools` a template may print (`_texts`)."""
-        return [t for d in dicts for t in _texts(d)] + list(_texts(tools or [], skip=None))
-
     def _hold(
         self, dicts: list[dict[str, Any]], tools: list[dict] | None = None, avoid: str = ""
     ) -> _Placeholders:
-        """`dicts` and `tools` with every special token's text inside any string the template may
-        print (the content, and as much the tool name a model chose or a tool call id; every
-        string of a tool schema, which an MCP server or an endpoint client wrote; `_texts`)
-        replaced by a placeholder.
-
-        The placeholders are ASCII letters and digits (`agentgrpo<n>h<i>e`, `n` chosen so that
-        neither a content nor `avoid`, the real render, holds `agentgrpo<n>h`), which template
-        filters such as `trim` and `tojson` leave as they are: the template renders the real content
-        around them, and `_encode_rendered` puts the special texts back as plain text."""
-        protected = _Placeholders(dicts, tools)
-        if self._special_text is None:
-            return protected
-        contents = self._printed(dicts, tools)
-        if not any(self._special_text.search(c) for c in contents):
-            return protected
-        nonce = 0
-        while any(f"agentgrpo{nonce}h" in c for c in [*contents, avoid]):
-            nonce += 1
-
-        def mark(m: re.Match) -> str:
-            protected.texts.append(m.group())
-            return f"agentgrpo{nonce}h{len(protected.texts) - 1}e"
-
-        pattern = self._special_text
-        protected.dicts = [_map_texts(d, lambda t: pattern.sub(mark, t)) for d in dicts]
-        if tools:
-            protected.tools = _map_texts(tools, lambda t: pattern.sub(mark, t), skip=None)
-        protected.pattern = re.compile(f"agentgrpo{nonce}h([0-9]+)e")
-        return protected
+        """`dicts` and `tools` with this tokenizer's special-token texts held (`held.hold`)."""
+        return hold(self._special_text, dicts, tools, avoid)
 
     def _encode_rendered(self, text: str, protected: _Placeholders) -> list[int]:
         """Tokenize template output rendered from `protected.dicts`: the held special texts go where
-        their placeholders are, as plain text.
-
-        The text is split at the template's own special tokens (the contents' are placeholders
-        there) as the tokenizer's added-token split does, including the whitespace a token with
-        lstrip/rstrip absorbs; the pieces between them, with the held texts put back, are tokenized
-        with special tokens split into plain text. So BPE merges run across the held text as they
-        would if it were ordinary text, and ordinary text tokenizes exactly as `encode` does. This
-        assumes the tokenizer treats each piece between added tokens the same wherever it starts, as
-        byte-level BPE tokenizers (Qwen, Llama 3, DeepSeek-V3, SmolLM2) do; a SentencePiece
-        tokenizer that prepends "▁" to its input shows the model an extra "▁" after each template
-        special token on this (rare) path (the held text stays plain text). The ids are what the
+        their placeholders are, as plain text (`held.split_at_specials`). The ids are what the
         model sees."""
         if protected.pattern is None:
             return self.encode(text)
-        assert self._special_text is not None  # a pattern exists only when there are special tokens
         ids: list[int] = []
-        pos, absorb_left = 0, False
-        for m in self._special_text.finditer(text):
-            lstrip, rstrip = self._strips.get(m.group(), (False, False))
-            piece = text[pos : m.start()]
-            piece = piece.lstrip() if absorb_left else piece
-            ids += self._encode_plain(protected.restore(piece.rstrip() if lstrip else piece))
-            ids.append(self.tokenizer.convert_tokens_to_ids(m.group()))
-            pos, absorb_left = m.end(), rstrip
-        piece = text[pos:]
-        return ids + self._encode_plain(protected.restore(piece.lstrip() if absorb_left else piece))
+        for piece, special in split_at_specials(text, self._special_text, self._strips):
+            ids += self._encode_plain(protected.restore(piece))
+            if special is not None:
+                ids.append(self.tokenizer.convert_tokens_to_ids(special))
+        return ids
 
     def _encode_after_end_of_turn(
         self, text: str, protected: _Placeholders, eot: str | None = None
@@ -755,87 +431,18 @@ class ChatFormat:
             if after.startswith(before):
                 return self._encode_after_end_of_turn(glue + after[len(before) :], protected, eot)
         if self.fallback == "keep_history":
-            tail, found = self._suffix_after_last_turn(
-                history_dicts, protected.dicts, protected.tools, after, glue
+            tail, found = suffix_after_last_turn(
+                self._render_dicts,
+                self.end_of_turns,
+                history_dicts,
+                protected.dicts,
+                protected.tools,
+                after,
+                glue,
             )
             if not self.turn_end_opens_next or found == eot:
                 return self._encode_after_end_of_turn(tail, protected, found)
-        if after.startswith(before):  # only where the turn ends at the next role token
-            raise HistoryRewritten(
-                f"the model ended its turn with {eot!r}, but the chat template starts "
-                f"{[m.role for m in new_messages]} messages with {after[len(before) :][:40]!r}: "
-                "the sampled tokens cannot be continued as this template renders the "
-                "conversation (rollout.trajectory_mode=auto trains the next turn as a new segment)"
-            )
-        at = _common_prefix(before, after)
-        raise HistoryRewritten(
-            "the chat template is not prefix-preserving: adding "
-            f"{[m.role for m in new_messages]} messages changes earlier text at character {at} "
-            f"(before: {before[max(0, at - 40) : at + 40]!r}, "
-            f"after: {after[max(0, at - 40) : at + 40]!r}). "
-            "The tokens the model saw cannot be continued the way this template renders the "
-            "conversation. Use a template that keeps earlier turns verbatim "
-            "(or its own switch, e.g. "
-            "chat_template_kwargs={preserve_thinking: true}), train the turns as segments "
-            "(rollout.trajectory_mode=auto), or choose the explicit fallback "
-            "rollout.template_fallback=keep_history. `agentgrpo check-template MODEL_DIR` shows "
-            "which turns break and why."
-        )
-
-    def _suffix_after_last_turn(
-        self,
-        history_dicts: list[dict[str, Any]],
-        new_dicts: list[dict[str, Any]],
-        tools: list[dict] | None,
-        after: str,
-        glue: str,
-    ) -> tuple[str, str]:
-        """keep_history: the text `after` (the render of history + new) has behind the last
-        assistant turn, and the end-of-turn token it follows.
-
-        The new messages are located by a probe render in which each new message's content starts
-        with a placeholder (`agentgrpo<n>m<i>e`, absent from `after`): the last end-of-turn marker
-        before the first placeholder ends the assistant turn just sampled. Marker text is never
-        counted (a dropped `<think>` block may hold it, and special-token text in the new contents
-        is already held as placeholders). Raises TemplateError when a new message's content is not
-        rendered after that marker, when the probe's text up to the marker differs from `after`'s
-        (the template renders history differently for the placeholder content, e.g. Qwen3 on a user
-        message that starts with `<tool_response>`), or when the template's glue after the marker
-        changed.
-        """
-        nonce = 0
-        while f"agentgrpo{nonce}m" in after:
-            nonce += 1
-        marks = [f"agentgrpo{nonce}m{i}e" for i in range(len(new_dicts))]
-        marked = [d.get("content") is None or isinstance(d.get("content"), str) for d in new_dicts]
-        probe_dicts = [
-            {**d, "content": mark + (d.get("content") or "")} if m else d
-            for d, mark, m in zip(new_dicts, marks, marked, strict=True)
-        ]
-        probe = self._render_dicts(history_dicts + probe_dicts, tools, True)
-        found = [probe.find(mark) for mark, m in zip(marks, marked, strict=True) if m]
-        cut, eot = (
-            _last_of(probe, self.end_of_turns, min(found))
-            if found and min(found) >= 0
-            else (-1, "")
-        )
-        end = cut + len(eot)
-        tail = after[end:] if cut >= 0 else ""
-        if (
-            cut < 0
-            or any(f < end for f in found)
-            or probe[:end] != after[:end]
-            or not tail.startswith(glue)
-            or tail == glue
-        ):
-            raise TemplateError(
-                "keep_history fallback: cannot locate the new messages in the template's rendering "
-                "(a new message is not rendered after the last "
-                f"{' or '.join(map(repr, self.end_of_turns))} of the history, "
-                "or the history "
-                "renders differently depending on the new messages' content)"
-            )
-        return tail, eot
+        raise _rewritten(before, after, eot, [m.role for m in new_messages])
 
     def truncate(
         self, text: str, max_tokens: int, marker: str = TRUNCATION_MARKER
@@ -878,3 +485,30 @@ class ChatFormat:
         if not parse_tools:
             return ParsedTurn(Message(role="assistant", content=self.decode(ids).strip()))
         return self.parse(self.decode(ids), tools)
+
+
+def _rewritten(before: str, after: str, eot: str, roles: list[str]) -> HistoryRewritten:
+    """Why the sampled tokens cannot go on as the template renders history (`before`) followed
+    by new messages of `roles` (`after`): another token opens them than the one the model stopped
+    on, or the history's text changed."""
+    if after.startswith(before):  # only where the turn ends at the next role token
+        return HistoryRewritten(
+            f"the model ended its turn with {eot!r}, but the chat template starts "
+            f"{roles} messages with {after[len(before) :][:40]!r}: "
+            "the sampled tokens cannot be continued as this template renders the "
+            "conversation (rollout.trajectory_mode=auto trains the next turn as a new segment)"
+        )
+    at = _common_prefix(before, after)
+    return HistoryRewritten(
+        "the chat template is not prefix-preserving: adding "
+        f"{roles} messages changes earlier text at character {at} "
+        f"(before: {before[max(0, at - 40) : at + 40]!r}, "
+        f"after: {after[max(0, at - 40) : at + 40]!r}). "
+        "The tokens the model saw cannot be continued the way this template renders the "
+        "conversation. Use a template that keeps earlier turns verbatim "
+        "(or its own switch, e.g. "
+        "chat_template_kwargs={preserve_thinking: true}), train the turns as segments "
+        "(rollout.trajectory_mode=auto), or choose the explicit fallback "
+        "rollout.template_fallback=keep_history. `agentgrpo check-template MODEL_DIR` shows "
+        "which turns break and why."
+    )

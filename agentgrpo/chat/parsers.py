@@ -1,38 +1,16 @@
 r"""Tool-call parsers: the model's decoded text -> an assistant Message plus malformed calls.
 
 A parser is a function `(text, tools) -> ParsedTurn`, registered by name in `PARSERS` and chosen
-with `ChatFormat(parser=...)` (config: `model.tool_parser`; `auto`, the default, picks the parser
-from the chat template with `detect_parser`). `tools` are the env's tool schemas (OpenAI style,
-`{"type": "function", "function": {"name", "parameters"}}`) or None; the XML formats need them,
-since their argument values are text that only the tool's JSON schema can type. A parser never
-raises on model output: a call it cannot use comes back as a `ParseError` with a `ToolErrorKind`,
-which the rollout answers with an error tool message so the model can try again. The kinds:
-BAD_JSON (the call's payload does not parse: JSON, or Python syntax for `pythonic`), BAD_CALL (it
-parses but is not a call: no name, stray text, arguments that are not an object or not literals),
-UNCLOSED (the call was cut off), INVALID_ARGUMENTS (an XML parameter's text is not of the type its
-schema asks for).
+with `ChatFormat(parser=...)` (config: `model.tool_parser`; `auto` picks it from the chat template
+with `detect_parser`). `tools` are the env's tool schemas or None; the XML formats need them to
+type argument values. A parser never raises on model output: a call it cannot use comes back as a
+`ParseError` with a `ToolErrorKind`, which the rollout answers with an error tool message.
 
-One module per format family, each the parser's rules in its docstring: `hermes` (Hermes, Qwen2.5,
-Qwen3), `llama3_json` (`llama3`), `qwen3_xml` (Qwen3.5/3.6, Qwen3-Coder, Nemotron 3), `glm4`
-(GLM-4.5 to 4.7), `deepseek_v3`, `harmony` (GPT-OSS), `pythonic` (LFM2/LFM2.5, Llama 3.2/4
-pythonic); `calls` holds what they share. Each accepts what SGLang's and vLLM's parsers of its
-format run, checked case by case against their own tests (tests/test_parsers_reference.py; the
-deliberate differences are in docs/environments.md).
-
-Example (a parser for `<function=NAME>{json arguments}</function>`):
-    >>> def parse_function_tags(text: str, tools: Sequence[Mapping] | None = None) -> ParsedTurn:
-    ...     calls, errors = [], []
-    ...     for name, args in re.findall(r"<function=([\w-]+)>(.*?)</function>", text, re.DOTALL):
-    ...         try:
-    ...             call = call_from_object({"name": name, "arguments": json.loads(args)}, args)
-    ...         except json.JSONDecodeError as e:
-    ...             msg = f"arguments are not valid JSON ({e.msg})"
-    ...             call = ParseError(args, msg, ToolErrorKind.BAD_JSON)
-    ...         (errors if isinstance(call, ParseError) else calls).append(call)
-    ...     content = re.sub(r"<function=.*?</function>", "", text, flags=re.DOTALL).strip()
-    ...     message = Message(role="assistant", content=content, tool_calls=calls or None)
-    ...     return ParsedTurn(message, errors)
-    >>> PARSERS["function_tags"] = parse_function_tags
+One module per format family, each the parser's rules in its docstring: `hermes`, `llama3_json`
+(`llama3`), `qwen3_xml`, `glm4`, `deepseek_v3`, `harmony` (GPT-OSS), `pythonic`; `calls` holds
+what they share. Each accepts what SGLang's and vLLM's parsers of its format accept, checked in
+tests/test_parsers_reference.py. docs/chat.md has an example parser; docs/environments.md the
+formats, the error kinds and the deliberate differences.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """The one trajectory builder: rendered turns in, token-exact segments and loss masks out.
 
 Every path that turns a conversation into training tokens goes through `TrajectoryBuilder`: the
-rollout's episodes (`agentgrpo.rollout.episode`), the calls an agent makes to the episode endpoint
-(`agentgrpo.agents.endpoint`) and the template audit's conversations
-(`agentgrpo.checks.template_audit`). Its rules:
+rollout's episodes, the calls an agent makes to the episode endpoint (`agents.chat_episode`) and
+the template audit's conversations. Its rules:
 
 - sampled ids are appended verbatim with the engine's logprobs and loss mask 1 (`sampled`); every
   other id (prompts, the env's messages, template glue) gets mask 0 and logprob 0;

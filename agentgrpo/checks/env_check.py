@@ -4,9 +4,8 @@
 `EnvCheck` per promise of the Env contract: what was checked, whether it held, and, when it did
 not, what was found and why it matters. `check_env` (re-exported as `agentgrpo.check_env`) raises
 `EnvCheckError` listing the failures; `agentgrpo check-env MODULE:CLASS` prints the whole report.
-The conversions the rollout makes of every value (`EnvStep.of`, `agentgrpo.env.base.reset_messages`)
-live in the stage layer below this run-level checker; `check_env_at_start` is the part training and
-evaluation run once before the first rollout.
+`check_env_at_start` is the part training and evaluation run once before the first rollout (the
+conversions of every value, `EnvStep.of` and `reset_messages`, live in `agentgrpo.env`).
 
 The scripted actions: reset twice with one seed (determinism, unless the env declares
 `stochastic`); for a ToolEnv, a call to an unknown tool, a call with invalid arguments, and one call
@@ -297,76 +296,93 @@ def env_report(env: Env, task: Task | None = None) -> EnvReport:
         )
         return report
     if task is None:
-        try:
-            task = next(iter(type(env).load_tasks("train", seed=0)))
-        except (NotImplementedError, StopIteration) as e:
-            report.checks.append(
-                EnvCheck(
-                    "load_tasks('train')",
-                    False,
-                    f"no task given and "
-                    f"{e or 'load_tasks returned no tasks'} (check-env: "
-                    "--tasks file=... gives a task file)",
-                )
-            )
+        task = _first_task(env, report)
+        if task is None:
             return report
+    if not _check_reset(env, task, report):
+        return report
+    report.checks += _check_schemas(env)
+    if isinstance(env, ToolEnv):
+        report.checks += _check_tools(env, task)
+    report.checks += _check_step(env, task)
+    if report.ok:
+        report.checks.append(_gym_check(env))
+    return report
+
+
+def _first_task(env: Env, report: EnvReport) -> Task | None:
+    """The first task of the env's train split; None (and a failed check) when it has none."""
+    try:
+        return next(iter(type(env).load_tasks("train", seed=0)))
+    except (NotImplementedError, StopIteration) as e:
+        report.checks.append(
+            EnvCheck(
+                "load_tasks('train')",
+                False,
+                f"no task given and "
+                f"{e or 'load_tasks returned no tasks'} (check-env: "
+                "--tasks file=... gives a task file)",
+            )
+        )
+        return None
+
+
+def _check_reset(env: Env, task: Task, report: EnvReport) -> bool:
+    """Reset's value, and a second reset with the same seed: the same messages unless the env
+    declares itself stochastic. False when reset fails (the other checks need its messages)."""
     first, failed = _call("reset", env.reset, seed=0, options={"task": task})
     if failed is not None:
         report.checks.append(failed)
-        return report
+        return False
     try:
         obs = reset_messages(first)
     except ValueError as e:
         report.checks.append(
             EnvCheck("reset", False, f"{e} (the rollout ends every episode with ENV_ERROR)")
         )
-        return report
+        return False
     report.checks.append(EnvCheck("reset", True, f"{len(obs)} message(s): {[m.role for m in obs]}"))
     again, failed = _call(
         "reset is a function of (task, seed)", env.reset, seed=0, options={"task": task}
     )
-    if failed is None:
-        same = isinstance(again, tuple) and again[0] == obs
-        if env.stochastic:
-            report.checks.append(
-                EnvCheck(
-                    "reset is a function of (task, seed)",
-                    True,
-                    "skipped: the env declares stochastic = True",
-                )
-            )
-        else:
-            report.checks.append(
-                EnvCheck(
-                    "reset is a function of (task, seed)",
-                    same,
-                    ""
-                    if same
-                    else "two resets with seed=0 gave different messages; every member of a GRPO "
-                    "group must start from the same state. Seed all randomness from reset's seed, "
-                    "or set stochastic = True and document what varies",
-                )
-            )
-    else:
+    if failed is not None:
         report.checks.append(failed)
-    report.checks += _check_schemas(env)
-    if isinstance(env, ToolEnv):
-        report.checks += _check_tools(env, task)
-    report.checks += _check_step(env, task)
-    if report.ok:
-        try:
-            view = (
-                env
-                if not (
-                    inspect.iscoroutinefunction(env.step) or inspect.iscoroutinefunction(env.reset)
-                )
-                else _SyncView(env)
+    elif env.stochastic:
+        report.checks.append(
+            EnvCheck(
+                "reset is a function of (task, seed)",
+                True,
+                "skipped: the env declares stochastic = True",
             )
-            gym_check(view, skip_render_check=True, skip_close_check=True)
-            report.checks.append(EnvCheck("gymnasium check_env", True))
-        except Exception as e:  # noqa: BLE001 - reported, not swallowed
-            report.checks.append(EnvCheck("gymnasium check_env", False, f"{type(e).__name__}: {e}"))
-    return report
+        )
+    else:
+        same = isinstance(again, tuple) and again[0] == obs
+        report.checks.append(
+            EnvCheck(
+                "reset is a function of (task, seed)",
+                same,
+                ""
+                if same
+                else "two resets with seed=0 gave different messages; every member of a GRPO "
+                "group must start from the same state. Seed all randomness from reset's seed, "
+                "or set stochastic = True and document what varies",
+            )
+        )
+    return True
+
+
+def _gym_check(env: Env) -> EnvCheck:
+    """gymnasium's own check_env, on a synchronous view of an async env."""
+    try:
+        view = (
+            env
+            if not (inspect.iscoroutinefunction(env.step) or inspect.iscoroutinefunction(env.reset))
+            else _SyncView(env)
+        )
+        gym_check(view, skip_render_check=True, skip_close_check=True)
+        return EnvCheck("gymnasium check_env", True)
+    except Exception as e:  # noqa: BLE001 - reported, not swallowed
+        return EnvCheck("gymnasium check_env", False, f"{type(e).__name__}: {e}")
 
 
 def check_env_at_start(env: Env, task: Task) -> None:

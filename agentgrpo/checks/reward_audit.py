@@ -4,9 +4,8 @@ Reward-hack audit (`audit_env`): every hack of `hacks.py` that applies is played
 episode through the user's env (reset, the hack's turns, through `step` and the env's tools);
 its reward is what `step` paid, or the env's rubric's score of the episode when it has one. A
 hack that earns reward (more than 0, or than its control: the same episode without the trick) is
-reported with its exact input. `agentgrpo check-env` prints the
-report; `train` runs it on the first task(s) at start-up and refuses to start when a hack pays,
-unless `env.audit.reward_hacks` says `warn` or `skip`.
+reported with its exact input. `agentgrpo check-env` prints the report; `train` runs it at
+start-up and refuses to start when a hack pays, unless `env.audit.reward_hacks` says otherwise.
 
 Determinism audit: each hack episode is played a second time in a separate env (a separate
 sandbox job or session); a reward (or a rubric verifier's score) that differs between the two

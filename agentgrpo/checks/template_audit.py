@@ -1,47 +1,17 @@
 """Template audit: can agentgrpo continue conversations token-exactly with this chat template?
 
-The rollout never re-tokenizes history: it appends the model's sampled ids and then the *suffix*
-the template renders for the env's new messages (`ChatFormat.suffix_ids`). That is exact only when
-the template is prefix-preserving: rendering `history + new` must start with the rendering of
-`history`. Some templates rewrite earlier turns (Qwen3 drops earlier `<think>` blocks and renders
-an empty one in the last assistant turn only), and some cannot render a shape at all (Llama 3.1
-refuses parallel tool calls). This module finds out before training does.
+The rollout never re-tokenizes history: it appends the sampled ids and then the suffix the
+template renders for the env's new messages (`ChatFormat.suffix_ids`), which is exact only when
+the template is prefix-preserving. Some templates rewrite earlier turns (Qwen3 drops earlier
+`<think>` blocks) and some cannot render a shape at all (Llama 3.1 refuses parallel calls).
 
-`audit(chat, tools=..., prompt=...)` walks synthetic multi-turn conversations (plain chat, tool
-calls, parallel calls, several tool turns, user feedback after tools, reasoning blocks, awkward
-tool output). For every assistant turn it takes the template's own rendering of that turn as the
-"sampled" ids, then appends the suffix for the following env messages, and compares:
-
-- text: does `render(history + new)` start with `render(history)`? If not, which text changed and
-  why (a heuristic diagnosis: reasoning dropped, empty think block, whitespace, other rewrite);
-- the end-of-turn token: does the template end an assistant turn with one of
-  `chat.end_of_turns` (or, where `chat.turn_end_opens_next`, open the next message with one: the
-  walk then takes the token the model would stop on as the turn's last sampled id)?
-- tokens: do prompt + sampled + suffix ids equal the ids of the full render in one piece?
-- the parser: does `chat.parse_assistant` read back the calls the template rendered?
-
-What is fatal: a rewrite of history (unless the keep_history fallback is chosen and works), an
-assistant turn without the end-of-turn token, a first prompt the template cannot render, and a tool
-conversation it cannot render (every tool episode would end with ENV_ERROR, and a policy could steer
-episodes into it; a template that wants tool-call arguments as a JSON string, like DeepSeek-V3's,
-gets them so: `ChatFormat.string_arguments`), except parallel tool calls alone, which
-`rollout.max_tool_calls_per_turn=1` avoids (a warning with that advice). With tools, a template that
-does not show the tools in the prompt (it ignores `tools`, like Gemma 3's: `no_tool_support`) or
-does not render tool calls (`parser_mismatch` "no tool support") is fatal too: the model could not
-learn to call them. A plain (tool-free) shape the template cannot render is a warning (whether the
-env is multi-turn is not known here), as are differences that keep token-in/token-out exact
-(retokenization, a generation prompt the history does not repeat, a parser that reads other
-formats).
-
-The report's `mode` is what agentgrpo will do: "exact" (one sequence per episode, all suffixes
-exact), "keep_history" (the template rewrites history and the user chose that fallback, which works
-for every conversation checked), "stepwise" (`chat.trajectory_mode` is "auto" and the template
-rewrites history, or it is "stepwise": the episode goes on in new segments, each the template's own
-rendering; the walk checks each segment token-exact), or "refuse". A rewrite of history is fatal
-only with trajectory_mode "single".
-`require_token_safe` is what training calls at start-up: it raises
-TemplateError with the report when the mode is "refuse". `agentgrpo check-template MODEL_DIR`
-prints the report.
+`audit` replays synthetic conversations (`template_conversations.py`) turn by turn as the rollout
+would, the template's own rendering of each assistant turn playing the sampled ids, and checks
+the text, the end-of-turn token, the ids and the parser at every turn. The report's `mode` is
+what agentgrpo will do: "exact", "keep_history", "stepwise" or "refuse".
+`require_token_safe` is what training calls at start-up: it raises TemplateError with the report
+when the mode is "refuse". `agentgrpo check-template MODEL_DIR` prints the report. What is fatal
+and what is a warning: docs/chat.md, "The template audit".
 """
 
 from __future__ import annotations
@@ -51,8 +21,8 @@ import difflib
 import itertools
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Any
 
 from agentgrpo.chat.format import (
     PARSERS,
@@ -63,325 +33,28 @@ from agentgrpo.chat.format import (
     TrajectoryMode,
 )
 from agentgrpo.chat.trajectory import TrajectoryBuilder
-from agentgrpo.checks.env_check import example_arguments
+from agentgrpo.checks.template_conversations import SYNTHETIC_TOOL, conversations
+from agentgrpo.checks.template_report import (
+    ONE_CALL,
+    IssueKind,
+    Mode,
+    TemplateIssue,
+    TemplateReport,
+)
 from agentgrpo.env.base import Env, run_sync
-from agentgrpo.types import Message, Task, ToolCall
+from agentgrpo.types import Message, Task
 
-IssueKind = Literal[
-    "rewrites_history",
-    "no_end_of_turn",
-    "render_error",
-    "retokenizes",
-    "parser_mismatch",
-    "generation_prompt",
-    "end_of_turn",
-    "no_tool_support",
+__all__ = [
+    "ONE_CALL",
+    "SYNTHETIC_TOOL",
+    "Mode",
+    "TemplateIssue",
+    "TemplateReport",
+    "audit",
+    "audit_template",
+    "conversations",
+    "require_token_safe",
 ]
-Mode = Literal["exact", "keep_history", "stepwise", "refuse"]
-ONE_CALL = "the template renders only the first of several tool calls in one turn"
-
-SYNTHETIC_TOOL = {
-    "type": "function",
-    "function": {
-        "name": "calculator",
-        "description": "Evaluate an arithmetic expression.",
-        "parameters": {
-            "type": "object",
-            "properties": {"expression": {"type": "string"}},
-            "required": ["expression"],
-        },
-    },
-}
-
-
-@dataclass
-class TemplateIssue:
-    conversation: str
-    turn: int  # the assistant turn (1-based) it concerns; 0 = the first prompt
-    kind: IssueKind
-    fatal: (
-        bool  # fatal issues make the learner's tokens differ from the model's (or break rollouts)
-    )
-    why: str  # the cause, shared by all occurrences of one problem (the report groups by it)
-    detail: str = ""  # this occurrence: where the text changed, what the template raised
-
-
-@dataclass
-class TemplateReport:
-    template_source: str
-    end_of_turn: str
-    parser: str
-    fallback: str
-    conversations: int = 0
-    turns: int = 0
-    issues: list[TemplateIssue] = field(default_factory=list)
-    fallback_works: bool = True  # keep_history located the new messages in every rewritten render
-    template_kwargs: dict[str, Any] = field(default_factory=dict)
-    preserve_thinking_switch: bool = False  # the template has a `preserve_thinking` variable
-    trajectory_mode: str = "single"  # the ChatFormat's (see agentgrpo.chat.format.TrajectoryMode)
-    turn_end_opens_next: bool = False  # the turn ends at the next message's role token (GLM)
-    new_segments: int = 0  # env turns after which the walk started a new segment
-
-    @property
-    def prefix_preserving(self) -> bool:
-        return not any(i.kind == "rewrites_history" for i in self.issues)
-
-    @property
-    def mode(self) -> Mode:
-        fatal = {i.kind for i in self.issues if i.fatal}
-        if not fatal:
-            return "stepwise" if self.new_segments else "exact"
-        if (
-            fatal == {"rewrites_history"}
-            and self.fallback == "keep_history"
-            and self.fallback_works
-        ):
-            return "keep_history"
-        return "refuse"
-
-    def advice(self) -> list[str]:
-        out = []
-        kinds = {i.kind for i in self.issues}
-        if "rewrites_history" in kinds:
-            if self.preserve_thinking_switch and not self.template_kwargs.get("preserve_thinking"):
-                out.append(
-                    "this template has a preserve_thinking switch: try "
-                    "rollout.chat_template_kwargs={preserve_thinking: true} and audit again"
-                )
-            if self.trajectory_mode == "single" and self.fallback != "keep_history":
-                out.append(
-                    "train each rewritten turn as its own segment: "
-                    "rollout.trajectory_mode=auto (every segment is token-exact; "
-                    "docs/learner.md says how segments weigh)"
-                )
-            single = self.trajectory_mode == "single"
-            if self.fallback != "keep_history" and self.fallback_works and single:
-                out.append(
-                    "choose rollout.template_fallback=keep_history: the model then keeps "
-                    "seeing its earlier turns verbatim (unlike this template at inference), and "
-                    "the learner trains on exactly those tokens"
-                )
-            elif not self.fallback_works:
-                out.append("keep_history cannot locate the new messages in this template's output")
-            if self.mode == "refuse":
-                out.append(
-                    "point model.chat_template at a template that keeps earlier turns verbatim"
-                )
-        if "no_end_of_turn" in kinds or "end_of_turn" in kinds:
-            out.append(
-                f"assistant turns must end with the token the model stops on ({self.end_of_turn!r} "
-                "here): pass the model's end-of-turn token (--end-of-turn) or fix the template"
-            )
-        mismatches = [
-            i.why for i in self.issues if i.kind == "parser_mismatch" and i.why != ONE_CALL
-        ]
-        if any(i.why == ONE_CALL for i in self.issues):
-            out.append(
-                "set rollout.max_tool_calls_per_turn=1: the template shows one call per turn, "
-                "and a ToolEnv then runs only that one"
-            )
-        fits = sorted(
-            {
-                m.group(1)
-                for w in mismatches
-                for m in [re.search(r"parser (\w+) reads them", w)]
-                if m
-            }
-        )
-        if any("no tool support" in w for w in mismatches) or "no_tool_support" in kinds:
-            out.append(
-                "this template cannot show tool calls: use a tool-aware template "
-                "(model.chat_template)"
-            )
-        elif fits:
-            out.append(f"set model.tool_parser={fits[0]}")
-        elif mismatches:
-            out.append(
-                "register a parser for this template's tool-call format "
-                "(agentgrpo.chat.parsers.PARSERS)"
-            )
-        if "render_error" in kinds:
-            out.append(
-                "episodes of a shape the template cannot render end with ENV_ERROR (unscorable)"
-            )
-            if {i.conversation for i in self.issues if i.kind == "render_error"} == {
-                "parallel tool calls"
-            }:
-                out.append(
-                    "this template refuses several tool calls in one turn: set "
-                    "rollout.max_tool_calls_per_turn=1; a ToolEnv then runs the first call, "
-                    "answers the others with a too_many_calls error, and the chat template renders "
-                    "only the call it ran (the model's tokens stay as sampled)"
-                )
-        return out
-
-    def format(self) -> str:
-        verdict = {
-            "exact": "token-exact (prefix-preserving)",
-            "keep_history": "not prefix-preserving; the explicit keep_history fallback is in use",
-            "stepwise": f"step-wise: {self.new_segments} env turn(s) started a new segment "
-            f"(trajectory_mode {self.trajectory_mode})",
-            "refuse": "NOT token-safe: training refuses to start",
-        }[self.mode]
-        lines = [
-            f"template: {self.template_source}; end of turn {self.end_of_turn!r}; "
-            f"parser {self.parser}; "
-            f"fallback {self.fallback}; trajectory mode {self.trajectory_mode}"
-            + (f"; kwargs {self.template_kwargs}" if self.template_kwargs else ""),
-            f"checked {self.conversations} conversations, {self.turns} assistant turns",
-            *(
-                ["the turn has no end token of its own: it ends at the next message's role token"]
-                if self.turn_end_opens_next
-                else []
-            ),
-            f"prefix-preserving: {'yes' if self.prefix_preserving else 'no'}",
-            f"mode: {self.mode} - {verdict}",
-        ]
-        if self.template_source == "agentgrpo-hermes-chatml":
-            lines.append(
-                "note: the tokenizer's own template has no tool support; agentgrpo's Hermes-style "
-                "ChatML template is used instead"
-            )
-        groups: dict[tuple[str, str], list[TemplateIssue]] = {}
-        for i in self.issues:
-            groups.setdefault((i.kind, i.why), []).append(i)
-        for (kind, why), found in groups.items():
-            first = found[0]
-            label = (
-                "fallback"
-                if kind == "rewrites_history" and self.mode == "keep_history"
-                else "segment"
-                if kind == "rewrites_history" and not first.fatal
-                else "FATAL"
-                if first.fatal
-                else "warn"
-            )
-            where = ", ".join(sorted({i.conversation for i in found}))
-            lines.append(f"  [{label}] {kind}: {why}")
-            lines.append(f"      {len(found)} turn(s) in: {where}")
-            if first.detail:
-                at = "the first prompt" if first.turn == 0 else f"after turn {first.turn}"
-                lines.append(f"      e.g. {first.conversation!r}, {at}: {first.detail}")
-        lines += [f"  advice: {a}" for a in self.advice()]
-        return "\n".join(lines)
-
-
-# ---------------------------------------------------------------------------------------------
-# Synthetic conversations
-
-
-def _a(content: str, *calls: ToolCall) -> Message:
-    return Message(role="assistant", content=content, tool_calls=list(calls) or None)
-
-
-def _t(content: str, call: ToolCall | None = None) -> Message:
-    return Message(
-        role="tool",
-        content=content,
-        tool_call_id=call.id if call else None,
-        name=call.name if call else None,
-    )
-
-
-def _u(content: str) -> Message:
-    return Message(role="user", content=content)
-
-
-def conversations(
-    tools: list[dict] | None, prompt: list[Message] | None
-) -> list[tuple[str, list[Message], int]]:
-    """The synthetic conversations the audit walks, as (name, messages, length of the head that
-    the first prompt renders): plain shapes always, tool shapes when the env has tools. `prompt`
-    (the env's first messages, which may hold worked examples) replaces the synthetic heads."""
-    head = (
-        list(prompt)
-        if prompt
-        else [
-            Message(role="system", content="You are a careful assistant."),
-            _u("What is 12 * 7 + 3?"),
-        ]
-    )
-    short = list(prompt) if prompt else [_u("Hi!")]
-    plain = [
-        ("chat", head, [_a("12 * 7 = 84, plus 3 is 87."), _u("Are you sure?"), _a("Yes: 87.")]),
-        ("chat without system", short, [_a("Hello! How can I help?"), _u("Say 4."), _a("4")]),
-        (
-            "feedback loop",
-            head,
-            [_a("86"), _u("No, try again."), _a("88"), _u("No, try again."), _a("87")],
-        ),
-        (
-            "reasoning",
-            head,
-            [
-                _a("<think>\n12 * 7 = 84.\n</think>\n\n87"),
-                _u("Are you sure?"),
-                _a("<think>\nCheck: 84 + 3 = 87.\n</think>\n\nYes, 87."),
-            ],
-        ),
-    ]
-    with_tools = []
-    if tools != []:
-        fn = (tools or [SYNTHETIC_TOOL])[0]["function"]
-        args = example_arguments(fn.get("parameters", {})) if tools else {"expression": "12*7"}
-
-        def c(i: int) -> ToolCall:
-            return ToolCall(id=f"call_{i}", name=fn["name"], arguments=args)
-
-        with_tools = [
-            ("tool call", head, [_a("", c(0)), _t("84", c(0)), _a("The answer is 87.")]),
-            (
-                "text and tool call",
-                head,
-                [_a("Let me compute 12 * 7 first.", c(0)), _t('{"result": 84}', c(0)), _a("87")],
-            ),
-            (
-                "parallel tool calls",
-                head,
-                [_a("", c(0), c(1)), _t("84", c(0)), _t("3", c(1)), _a("87")],
-            ),
-            (
-                "several tool turns",
-                head,
-                [_a("", c(0)), _t("84", c(0)), _a("", c(1)), _t("87", c(1)), _a("87")],
-            ),
-            (
-                "tool then user feedback",
-                head,
-                [
-                    _a("", c(0)),
-                    _t("84", c(0)),
-                    _a("84"),
-                    _u("Add the 3."),
-                    _a("", c(1)),
-                    _t("87", c(1)),
-                    _a("87"),
-                ],
-            ),
-            (
-                "reasoning with tools",
-                head,
-                [
-                    _a("<think>\nProduct first.\n</think>\n\n", c(0)),
-                    _t("84", c(0)),
-                    _a("<think>\nNow add 3.\n</think>\n\n87"),
-                    _u("Sure?"),
-                    _a("<think>\nYes.\n</think>\n\nYes."),
-                ],
-            ),
-            (
-                "awkward tool output",
-                head,
-                [
-                    _a("", c(0)),
-                    _t('  line 1\n\tline 2: ünïcode ✓ {"k": [1, 2]}\n', c(0)),
-                    _a("done"),
-                ],
-            ),
-            ("empty tool output", head, [_a("", c(0)), _t("", c(0)), _a("done")]),
-        ]
-    return [(name, h + rest, len(h)) for name, h, rest in plain + with_tools]
-
 
 # ---------------------------------------------------------------------------------------------
 # The audit
@@ -458,7 +131,7 @@ def _common_prefix(a: str, b: str) -> int:
 
 def _render_error(name: str, conv: list[Message], turn: int, e: TemplateError) -> TemplateIssue:
     """A conversation the template cannot render: fatal for tool conversations other than parallel
-    tool calls (see the module docstring)."""
+    tool calls (docs/chat.md, "The template audit")."""
     tool_shape = any(m.tool_calls or m.role == "tool" for m in conv)
     if not tool_shape:
         why = "the template cannot render this conversation shape"
@@ -727,7 +400,7 @@ def _check_tools_shown(
 def audit(
     chat: ChatFormat, *, tools: list[dict] | None = None, prompt: list[Message] | None = None
 ) -> TemplateReport:
-    """Audit `chat`'s template on synthetic conversations (see the module docstring).
+    """Audit `chat`'s template on synthetic conversations (docs/chat.md, "The template audit").
 
     `tools`: the env's tool schemas; `[]` audits only conversations without tools, None uses a
     synthetic calculator tool. `prompt`: the env's first messages, used as every conversation's

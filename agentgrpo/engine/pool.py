@@ -1,61 +1,34 @@
 """The server pool shared by the clients of inference servers (SGLang, vLLM): which server a request
 goes to, and which servers are in rotation.
 
-The engine clients (`sglang/client.py`, `vllm/client.py`) decide what to ask the servers (generate,
-score, weight updates) and how to read the answers; this module decides where a generate request
-goes, how many run at once and what happens when a server fails. What differs between the engines'
-protocols (paths, the request-id key, error bodies) comes in a `Wire`, one per engine. It keeps
-the state of each server (`ServerState`) and the clients that reach them: generate requests go
-over one aiohttp session per server (keep-alive connections, C-accelerated HTTP parsing; httpx
-costs many times its CPU per request, see docs/performance.md), health probes and the engine's
-control calls over one httpx client.
-
-Decisions (docs/serving.md has the server side of each):
-- Balancing: least outstanding requests over the healthy servers, at most `max_inflight_per_server`
-  requests in flight per server (callers beyond that wait for a slot).
-- Sticky routing: the requests of one episode (`SamplingParams.session_id`, the same on every
-  turn) go to the server its first request went to while that server is healthy, since its prefix
-  cache holds the episode so far; they wait for a slot there rather than go elsewhere. A new
-  session, and a request without one, takes the least loaded server. When the session's server
-  leaves the rotation, its next request takes the least loaded healthy server and the session
-  stays there (also after the old one returns). The table of sessions is bounded
-  (`max_sticky_sessions`): episodes never say they ended, so the least recently used session is
-  forgotten first; a forgotten session that comes back is routed as a new one (a cache miss, not
-  an error).
-- Failures: transport errors, 5xx and 429 take the server out of rotation and retry the request on
-  another one with exponential backoff, all within one per-request deadline. A server taken out is
-  re-probed on its health path (`Wire.health_path`) and comes back when it answers 200. Every
-  attempt gets a fresh request id (a retried request may still be running on the old server, and
-  both engines refuse or confuse duplicate ids).
-  On a generate request (aiohttp) a transport failure is: `aiohttp.ConnectionTimeoutError` (no
-  connection within connect_timeout_s: server out, retry), `TimeoutError` (the request's deadline
-  is spent: `EngineError`), `aiohttp.ClientConnectionError` (refused, reset, closed mid-answer:
-  server out, retry), `ClientPayloadError` / `ClientResponseError` (a cut or malformed answer: the
-  same). When retries or the deadline run out the call raises `EngineError`: the rollout records an
-  ENGINE_ERROR trajectory, it never sees a made-up completion.
-- A returning server must also pass the engine's `resync` (serve the current weight version, see
-  `RemoteEngine._resync`) before it rejoins; the weight logic stays in the engine clients.
-- Callers waiting for a slot sleep until a slot frees, a probe ends (it wakes them, whatever its
-  outcome) or the next probe of a server out of rotation is due; never in a polling loop, even
-  while a probe hangs for its whole timeout.
+The engine clients (`sglang/client.py`, `vllm/client.py`) decide what to ask the servers and how to
+read the answers; this module decides where a generate request goes, how many run at once, and
+what happens when a server fails. The engines' protocol differences come in a `Wire`. Requests go
+to the least loaded healthy server, at most `max_inflight_per_server` at once; an episode's
+requests (`SamplingParams.session_id`) stick to the server that holds its prefix cache, in a
+bounded LRU table. Transport errors, 5xx and 429 take a server out of rotation and retry the
+request elsewhere within one deadline, then raise `EngineError`; a server comes back once its
+health probe and the engine's `resync` pass. Generate requests go over aiohttp, probes and control
+calls over httpx. docs/rollouts.md (sticky routing, failures) and docs/serving.md (the server
+pool) have the details.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import uuid
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import aiohttp
 import httpx
 import orjson
 
 from agentgrpo.engine.base import EngineError
+from agentgrpo.engine.wire import StreamReader, Wire, error_message  # noqa: F401 - re-exported
 
 if TYPE_CHECKING:  # only the annotation needs the config
     from agentgrpo.engine.pool_config import PoolConfig
@@ -75,46 +48,6 @@ _TRANSPORT_ERRORS = (
     aiohttp.ClientPayloadError,
     aiohttp.ClientResponseError,
 )
-
-
-class StreamReader(Protocol):
-    """Folds the chunks of one streamed generate request (`Wire.new_stream`)."""
-
-    def feed(self, chunk: Mapping[str, Any]) -> None: ...
-
-
-@dataclass(frozen=True)
-class Wire:
-    """What the pool needs to know of one engine's HTTP protocol (one per engine, next to its
-    client): where requests and health probes go, how errors read."""
-
-    name: str  # in messages and logs: "SGLang", "vLLM"
-    generate_path: str  # where generate requests are POSTed
-    health_path: str  # GET: 200 once the server can generate
-    request_id_key: str  # body key of the request id, fresh per attempt
-    error_message: Callable[[bytes], str]  # the human message of an error body
-    is_context_length_error: Callable[[str], bool]  # the 400 that becomes a `length` Completion
-    not_ready_hint: str = ""  # appended to wait_ready's error
-    new_stream: Callable[[], StreamReader] | None = None  # streamed requests' chunk folder
-
-
-def error_message(body: bytes) -> str:
-    """The human message of a server's error body: OpenAI's `{"error": {"message"}}` (vLLM, SGLang),
-    `{"error": "..."}`, FastAPI's `{"message"}`/`{"detail"}`, or the text itself."""
-    try:
-        obj = json.loads(body)
-    except ValueError:
-        return body.decode("utf-8", "replace").strip()[:500]
-    if isinstance(obj, Mapping):
-        err = obj.get("error")
-        if isinstance(err, Mapping) and "message" in err:
-            return str(err["message"])
-        if isinstance(err, str):
-            return err
-        for key in ("message", "detail"):
-            if key in obj:
-                return str(obj[key])
-    return str(obj)[:500]
 
 
 @dataclass
@@ -259,7 +192,7 @@ class ServerPool:
         self, body: dict[str, Any], *, session_id: str | None = None
     ) -> dict[str, Any]:
         """POST a generate request with balancing, retries and the deadline; returns the output.
-        `session_id`: the episode the request belongs to (sticky routing, module docstring)."""
+        `session_id`: the episode the request belongs to (sticky routing: docs/rollouts.md)."""
         return await self._post(body, session_id, self._read_json)
 
     async def post_generate_stream(

@@ -1,18 +1,14 @@
 """`RemoteEngine`: what the clients of inference servers share, whatever their protocol.
 
 `SGLangEngine` and `VLLMEngine` are subclasses that say how to talk to their servers (the request
-body, the pause and continue calls, where a server reports its weight version, how a checkpoint
-is reloaded); this class holds what does not depend on that (docs/serving.md has each server's
-side):
-- the pool (`pool.py`: balancing, sticky routing, failover, health) and control calls to one or
-  every server in rotation;
-- `generate`: `max_new_tokens` clamped to the servers' context window once known (a prompt that
-  leaves no room is a `length` Completion without tokens, not a failure), the window learned from
-  the first context-length 400 and the request sent again, and a request aborted by our own
-  weight-update pause sent again once the update is done;
-- weight updates under `paused()`: new requests wait client-side, the servers pause, the body
-  updates, generation always continues; a server that returns to the rotation must serve the last
-  pushed weight version, and the last disk update is replayed on it when it does not (`_resync`).
+body, the pause and continue calls, where a server reports its weight version, how a checkpoint is
+reloaded). This class holds the rest: the pool (`pool.py`) and control calls to one or every
+server in rotation; `generate` with `max_new_tokens` clamped to the context window once known (a
+prompt that leaves no room is a `length` Completion without tokens), the window learned from the
+first context-length 400, and a request aborted by our own update pause sent again; and weight
+updates under `paused()`, after which a returning server must serve the last pushed version, the
+last disk update replayed on it when it does not (`_resync`). docs/serving.md has each server's
+side.
 """
 
 from __future__ import annotations

@@ -1,38 +1,14 @@
 """Learner -> engine weight sync: versioned, time-bounded, verified.
 
-The training loop calls `await sync.push(model, step)` after each optimizer step. One of three
-methods moves the weights:
-
-- `in_process`: the engine lives in this process (`LocalEngine`): `engine.update_weights(state_dict,
-  version=...)` with a detached copy of the weights.
-- `disk`: save safetensors (HF layout, `save_pretrained` when the model has it) into
-  `shared_dir/step_<step>`, a directory every server can read under the same path, then
-  `engine.update_weights_from_disk` (pause -> flush -> update -> continue on every server). Works
-  for any topology with a shared filesystem; the slowest but simplest method.
-- `distributed`: a process group made of this process (rank 0) and every server GPU, created once
-  (`/init_weights_update_group`), then per push a broadcast of every tensor, bucketed, while
-  `/update_weights_from_distributed` is pending on every server. NCCL between GPUs; gloo works on
-  CPU (the tests use it). The group's ranks are all the servers, so a push needs every one of them
-  (`engine.paused(every_server=True)`): one out of rotation is probed first, and if it does not
-  come back the push fails at once naming it, before anything is broadcast. The trainer's side of
-  each collective (rendezvous, broadcast) blocks in a daemon thread while the servers' HTTP calls
-  are pending; the first failure of either side is raised at once (a server that refuses the
-  group or an update says why, instead of the trainer's side timing out later).
-
-Every push has a deadline (`timeout_s`) and sets the weight version `str(step)` on the engine, which
-the completions it produces afterwards carry. On servers (SGLang, vLLM) a push aborts the requests
-in flight (they are sent again) unless `partial_rollouts` keeps them across it (`remote.py`).
-Then the push is verified: the engine scores a probe sequence (temperature 1) and the learner
-computes the same logprobs with the model
-(`sequence_logprobs`); a mean absolute difference above `probe_tolerance` raises
-`ProbeMismatchError` naming the engine's and the learner's numbers. An engine with several servers
-(`score_each`: SGLang, vLLM) is probed on every server in rotation, and the error names each
-server that kept other weights. For servers it also checks that every one reports the new version.
-vLLM joins the NCCL group with its own communicator (`trainer_join`, `trainer_broadcast` of
-`engine/vllm/nccl.py`).
-
+The training loop calls `await sync.push(model, step)` after each optimizer step. The weights move
+in process (`LocalEngine`), through safetensors in a shared directory (`disk`), or by a broadcast
+in a process group of this process and every server GPU (`distributed`: NCCL, or gloo on a CPU).
+A distributed push needs every server, so one out of rotation is probed first and the push fails
+at once naming it if it does not come back. Every push has a deadline, sets the weight version
+`str(step)`, and is verified: the engine's logprobs of a probe sequence must match the learner's
+within `probe_tolerance` (`ProbeMismatchError` otherwise), on every server in rotation.
 `push()` must run on the process that holds the full, unwrapped HF model (rank 0; gather FSDP
-shards first; merge LoRA adapters before pushing, since servers load plain checkpoint names).
+shards and merge LoRA adapters first). docs/many-gpus.md has the details of each method.
 """
 
 from __future__ import annotations
@@ -248,7 +224,7 @@ class WeightSync:
 
     Example:
         ```python
-        sync = WeightSync(engine, WeightSyncConfig(shared_dir="/mnt/shared/agentgrpo-weights"))
+        sync = WeightSync(engine, WeightSyncConfig(shared_dir="/mnt/nfs/agentgrpo-weights"))
         for step in range(1, steps + 1):
             ...                                        # rollouts, learner.train_step(...)
             version = await sync.push(model, step)     # later completions carry `version`

@@ -1,42 +1,14 @@
 """Environments: Gymnasium envs whose observations and actions are chat messages.
 
-One `Env` instance runs one trajectory. `reset(seed=..., options={"task": task})` returns the first
-messages; `step(assistant_message)` returns `(new_messages, reward, terminated, truncated, info)`.
-The rollout loop renders new messages with the chat template (loss mask 0) and asks the model for
-the next turn until the env terminates or a limit is hit.
-
-Decisions:
-- `reset()` without a task restarts the current task (Gymnasium's checker calls `reset()` with no
-  options). An env that was never given a task raises a ValueError saying how to pass one.
-- `step` (and `reset`) may be `async def`; the rollout awaits them natively, and runs sync ones in a
-  worker thread so they never block the event loop. `agentgrpo.check_env` handles both.
-- All members of a group are reset with the same task and seed, so their differences come from the
-  policy alone. `reset` must seed everything random with it (`super().reset(seed=seed)` seeds
-  `self.np_random`; use that RNG). An env whose outcome is not fixed by the seed (a live web
-  search, a shared database, wall-clock time) sets `stochastic = True` and says in its docstring
-  what the seed fixes and what varies; `agentgrpo.check_env` resets twice with one seed and flags
-  an env that differs without declaring it.
-- Tasks come from the env class: `load_tasks(split, seed)` returns the tasks the trainer iterates.
-- What `step` returns is converted once into a typed `EnvStep` (`EnvStep.of`, a cheap shape
-  check); `reset`'s value by `reset_messages`. A value that breaks the contract ends that
-  trajectory with ENV_ERROR naming the problem, never the whole step. The full contract is
-  checked by `check_env` (`agentgrpo check-env`) and once when training starts.
-- Verifiers stay apart from the env: an env may declare `rubric = Rubric([...])`, and `run_group`
-  scores each finished group with it (the rubric's reward replaces the env's own; see
-  `agentgrpo.env.rubric.score_group`). A `ToolEnv` with a rubric need not write `reward`.
-
-Example (a plain env: one method):
-    >>> class Echo(Env):
-    ...     '''Reward 1 when the model repeats the task's answer.'''
-    ...     def step(self, action):
-    ...         ok = action.content.strip() == str(self.task.answer)
-    ...         return [], float(ok), True, False, {}
-    >>> env = Echo()
-    >>> msgs, _ = env.reset(seed=0, options={"task": Task(id="1", prompt="Say 7", answer=7)})
-    >>> env.step(Message(role="assistant", content="7"))[1]
-    1.0
-
-Example (a tool env): see `ToolEnv`.
+One `Env` instance runs one trajectory: `reset(seed=..., options={"task": task})` returns the first
+messages, `step(assistant_message)` returns `(new_messages, reward, terminated, truncated, info)`
+(or an `EnvStep`), and the rollout asks the model for the next turn until the episode ends.
+`reset` and `step` may be `async def`; sync ones run in a worker thread. A group's members are
+reset with one task and seed, so `reset` seeds everything random with it, or the env declares
+`stochastic = True`. Tasks come from `load_tasks(split, seed)` (by default `tasks_from_file`). A
+returned value that breaks the contract ends that trajectory with ENV_ERROR, never the step;
+`check_env` checks the whole contract. Verifiers stay apart: an env may declare a `rubric`,
+whose reward replaces the env's own. docs/environments.md has the contract in full.
 """
 
 from __future__ import annotations
@@ -46,99 +18,20 @@ import functools
 import importlib
 import importlib.metadata
 import inspect
-import json
 import os
 import sys
 from collections import Counter
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any, ClassVar
 
 import gymnasium
-import numpy as np
 
 from agentgrpo.deadlines import run_charging_only_running_time
 from agentgrpo.env.rubric import Rubric
+from agentgrpo.env.spaces import MessageSpace, MessagesSpace, String  # noqa: F401 - re-exported
+from agentgrpo.env.tasks import tasks_from_file
 from agentgrpo.env.tool import Tool, ToolError, to_user_thread
 from agentgrpo.types import EnvStep, Message, Task, ToolCall, ToolErrorKind
-
-_ALPHABET = np.array(list("abcdefghijklmnopqrstuvwxyz 0123456789+-*/=.,"))
-
-
-class String(gymnasium.spaces.Space):
-    """Any Python string (Unicode included). Gymnasium's `Text` admits only a small charset and
-    counts characters, which fits neither model output nor tokens."""
-
-    def __init__(self, max_sample_length: int = 32, seed: int | None = None) -> None:
-        super().__init__(shape=None, dtype=None, seed=seed)
-        self.max_sample_length = max_sample_length
-
-    def sample(self, mask: Any = None, probability: Any = None) -> str:
-        n = int(self.np_random.integers(1, self.max_sample_length + 1))
-        return "".join(self.np_random.choice(_ALPHABET, size=n))
-
-    def contains(self, x: Any) -> bool:
-        return isinstance(x, str)
-
-    @property
-    def is_np_flattenable(self) -> bool:
-        return False
-
-    def __eq__(self, other: Any) -> bool:
-        return isinstance(other, String)
-
-
-class MessageSpace(gymnasium.spaces.Space):
-    """One chat message (the action space: what the model said)."""
-
-    def __init__(self, role: str = "assistant", seed: int | None = None) -> None:
-        super().__init__(shape=None, dtype=None, seed=seed)
-        self.role = role
-        self._text = String()
-
-    def seed(self, seed: int | None = None) -> list[int]:
-        out = super().seed(seed)
-        self._text.seed(int(self.np_random.integers(2**31)))
-        return out
-
-    def sample(self, mask: Any = None, probability: Any = None) -> Message:
-        return Message(role=self.role, content=self._text.sample())
-
-    def contains(self, x: Any) -> bool:
-        return isinstance(x, Message)
-
-    @property
-    def is_np_flattenable(self) -> bool:
-        return False
-
-    def __eq__(self, other: Any) -> bool:
-        return isinstance(other, MessageSpace) and other.role == self.role
-
-
-class MessagesSpace(gymnasium.spaces.Space):
-    """A list of chat messages (the observation space: what the env says)."""
-
-    def __init__(self, seed: int | None = None) -> None:
-        super().__init__(shape=None, dtype=None, seed=seed)
-        self._msg = MessageSpace(role="user")
-
-    def seed(self, seed: int | None = None) -> list[int]:
-        out = super().seed(seed)
-        self._msg.seed(int(self.np_random.integers(2**31)))
-        return out
-
-    def sample(self, mask: Any = None, probability: Any = None) -> list[Message]:
-        return [self._msg.sample() for _ in range(int(self.np_random.integers(1, 3)))]
-
-    def contains(self, x: Any) -> bool:
-        return isinstance(x, list) and all(isinstance(m, Message) for m in x)
-
-    @property
-    def is_np_flattenable(self) -> bool:
-        return False
-
-    def __eq__(self, other: Any) -> bool:
-        return isinstance(other, MessagesSpace)
 
 
 class Env(gymnasium.Env):
@@ -160,6 +53,17 @@ class Env(gymnasium.Env):
     (`Trajectory.reward`, `Score.env_reward`), counted in the reward only through the `env_reward`
     verifier (`agentgrpo.env.rubric.env_reward`). A class attribute, or a property when it depends
     on the instance.
+
+    Example (a plain env: one method; a tool env: see `ToolEnv`):
+        >>> class Echo(Env):
+        ...     '''Reward 1 when the model repeats the task's answer.'''
+        ...     def step(self, action):
+        ...         ok = action.content.strip() == str(self.task.answer)
+        ...         return [], float(ok), True, False, {}
+        >>> env = Echo()
+        >>> msgs, _ = env.reset(seed=0, options={"task": Task(id="1", prompt="Say 7", answer=7)})
+        >>> env.step(Message(role="assistant", content="7"))[1]
+        1.0
     """
 
     metadata: ClassVar[dict[str, Any]] = {"render_modes": []}
@@ -217,64 +121,6 @@ class Env(gymnasium.Env):
             f"{cls.__name__}.load_tasks is not implemented: give env.tasks.file "
             "(a JSONL file of tasks) or override load_tasks"
         )
-
-
-def tasks_from_file(
-    path: str | Path,
-    *,
-    split: str = "train",
-    prompt_key: str = "prompt",
-    answer_key: str = "answer",
-    id_key: str = "id",
-) -> list[Task]:
-    """Tasks from a JSONL file (one JSON object per line) or a JSON file holding a list of objects.
-
-    Each object gives a task: `prompt_key` holds the prompt (text, or a list of OpenAI-style
-    messages), `answer_key` the reference answer (optional), `id_key` the id (default
-    `"<split>-<row>"`); every other field goes to `metadata`. So a dataset's columns map without
-    rewriting it, e.g. `prompt_key: question` for GSM8K-style rows. A row that does not fit is a
-    ValueError naming the file, the row and the problem. (Parquet / HF datasets: export to JSONL,
-    e.g. `Dataset.to_json(path)`, which writes this format.)
-    """
-    path = Path(path)
-    text = path.read_text()
-    if path.suffix == ".json":
-        rows = json.loads(text)
-        if not isinstance(rows, list):
-            raise ValueError(
-                f"{path}: a JSON task file holds a list of objects, got {type(rows).__name__}"
-            )
-        numbered = list(enumerate(rows, 1))
-    else:
-        numbered = []
-        for n, line in enumerate(text.splitlines(), 1):
-            if line.strip():
-                try:
-                    numbered.append((n, json.loads(line)))
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{n}: not JSON ({e})") from e
-    tasks = []
-    for n, row in numbered:
-        where = f"{path}:{n}" if path.suffix != ".json" else f"{path}[{n - 1}]"
-        if not isinstance(row, dict) or prompt_key not in row:
-            raise ValueError(
-                f"{where}: expected an object with a {prompt_key!r} field (the prompt)"
-            )
-        rest = {k: v for k, v in row.items() if k not in (prompt_key, answer_key, id_key)}
-        try:
-            tasks.append(
-                Task(
-                    id=str(row.get(id_key, f"{split}-{n}")),
-                    prompt=row[prompt_key],
-                    answer=row.get(answer_key),
-                    metadata=rest,
-                )
-            )
-        except ValueError as e:
-            raise ValueError(f"{where}: {e}") from e
-    if not tasks:
-        raise ValueError(f"{path}: no tasks")
-    return tasks
 
 
 class ToolEnv(Env):

@@ -1,32 +1,16 @@
 """Rewards: the Verifier protocol and the Rubric that combines verifiers with weights.
 
-A verifier is any callable `(trajectory, task) -> float | VerifierResult`, sync or async. Plain
-functions are fine; `agentgrpo.verify.math.MathVerifier` and `agentgrpo.verify.code.CodeVerifier`
-are ready-made ones. NaN means "unscorable" (an infrastructure failure such as a sandbox error):
-the Rubric propagates it, and the advantage step leaves that trajectory out of its group instead
-of treating it as a 0.
+A verifier is any callable `(trajectory, task) -> float | VerifierResult`, sync or async (plain
+functions are fine; `verify.math.MathVerifier` and `verify.code.CodeVerifier` are ready-made).
+NaN means "unscorable" (an infrastructure failure such as a sandbox error): the Rubric propagates
+it, and the advantage step leaves that trajectory out of its group instead of treating it as 0.
 
-Example:
-    from agentgrpo.env.rubric import Rubric, VerifierResult
-    from agentgrpo.verify.math import MathVerifier
+    rubric = Rubric([("correct", MathVerifier(), 1.0), ("boxed", boxed, 0.1)])
+    result = await rubric.ascore(trajectory, task)   # result.score, result.parts["correct"]
 
-    def boxed(trajectory, task) -> float:            # a format bonus, sync
-        return float("\\\\boxed{" in trajectory.messages[-1].content)
-
-    async def short(trajectory, task) -> VerifierResult:   # async verifiers work too
-        n = trajectory.num_sampled
-        return VerifierResult(score=1.0 if n < 512 else 0.0, detail=f"{n} tokens")
-
-    rubric = Rubric(
-        [("correct", MathVerifier(), 1.0), ("boxed", boxed, 0.1), ("short", short, 0.05)]
-    )
-    result = await rubric.ascore(trajectory, task)   # result.score, result.parts["correct"], ...
-    results = await rubric.ascore_group(group.trajectories, group.task)
-    result = rubric.score(trajectory, task)          # from sync code (no running event loop)
-
-In training, declare it on the environment (`rubric = Rubric([...])` on an `Env`): `run_group` then
-scores each finished group with `score_group`, which makes every trajectory's `Score` (its reward,
-the verifiers' parts, the notes), a record of its own joined to the trajectory by id.
+Declared on an env (`rubric = Rubric([...])`), it scores each finished group in `run_group`
+(`score_group`), which makes every trajectory's `Score`, a record joined to it by id.
+docs/environments.md ("Scoring with a rubric") has the rest.
 """
 
 from __future__ import annotations

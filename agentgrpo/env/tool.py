@@ -5,26 +5,8 @@ signature (through pydantic) and its description from the docstring, so there is
 truth. Calling a tool validates the model's arguments first; every failure (bad arguments, the
 tool raising) comes back as a `ToolError` whose message is meant for the model to read.
 
-Annotations may be strings (`from __future__ import annotations`): they are evaluated in the
-function's module when `@tool` runs, so a type must be defined (or imported) before the tool. Keys
-the signature does not name are refused at every depth: a misspelt field of a nested pydantic
-model is an invalid-arguments event, not a default silently taken (on a pydantic whose
-`model_validate` takes no `extra`, 2.6 for one, only the top level is checked).
-
-Example:
-    >>> @tool
-    ... def add(a: int, b: int) -> int:
-    ...     '''Add two integers.
-    ...
-    ...     Args:
-    ...         a: the first term
-    ...         b: the second term
-    ...     '''
-    ...     return a + b
-    >>> add.schema["function"]["parameters"]["required"]
-    ['a', 'b']
-    >>> add(a=2, b=3)
-    5
+String annotations are evaluated in the function's module, and keys the signature does not name
+are refused at every depth (docs/environments.md, "With tools").
 """
 
 from __future__ import annotations
@@ -215,7 +197,23 @@ def render_result(result: Any) -> str:
 def tool(
     fn: Callable[..., Any] | None = None, *, name: str | None = None, description: str | None = None
 ) -> Any:
-    """Decorator: `@tool` or `@tool(name=..., description=...)`. See the module docstring."""
+    """Decorator: `@tool` or `@tool(name=..., description=...)`. See the module docstring.
+
+    Example:
+        >>> @tool
+        ... def add(a: int, b: int) -> int:
+        ...     '''Add two integers.
+        ...
+        ...     Args:
+        ...         a: the first term
+        ...         b: the second term
+        ...     '''
+        ...     return a + b
+        >>> add.schema["function"]["parameters"]["required"]
+        ['a', 'b']
+        >>> add(a=2, b=3)
+        5
+    """
     if fn is None:
         return lambda f: Tool(f, name=name, description=description)
     return Tool(fn, name=name, description=description)

@@ -1,44 +1,17 @@
 """Training rows -> micro-batches for the learner: packed rows in, per-sequence loss tensors out.
 
-A micro-batch has two layouts:
-
-- **model layout** `[R, S]`: what the model runs on. Sequences are *packed*: several lie one after
-  the other in a row, each with position ids starting again at 0, and an attention mask that lets a
-  token see only earlier tokens of its own sequence. Only the tail of a row is padding.
-- **loss layout** `[B, T]`: one row per training row (sequence), columns = its span from its first
-  to its last loss token. This is what `loss.compute_loss` expects (its seq-mean modes assume one
-  sequence per row), so packing never changes what the loss sees.
+A micro-batch has two layouts. The model layout `[R, S]` is what the model runs on: several
+sequences packed one after the other in a row, position ids restarting for each, a mask (or spans)
+that lets a token see only its own sequence, padding only at a row's tail. The loss layout
+`[B, T]` is one row per training row, from its first to its last loss token: what
+`loss.compute_loss` expects, so packing never changes what the loss sees. `pred_index_M`,
+`target_ids_M` and `dest_index_M` join them, so the LM head runs on the loss tokens only.
 
 What is trained is a list of `TrainingRow`s (`training_rows`: one per segment with a sampled token
-of each trajectory that has an `Advantage`; docs/learner.md: how a step-wise episode's segments
-weigh). A row with `token_advantages` (a turn-level estimator) weighs each token by its turn's
-advantage: the micro-batch then carries them per token (`TrainBatch.token_advantages_BT`).
-
-`pred_index_M` / `target_ids_M` / `dest_index_M` connect the two: loss token m is predicted by the
-hidden state at flat position `pred_index_M[m]` of `[R*S]`, is the token id `target_ids_M[m]`, and
-its logprob goes to flat position `dest_index_M[m]` of `[B*T]`. The learner therefore runs the
-LM head on the M loss positions only (not on all R*S), which is exact and saves most of the head's
-cost.
-
-Packing modes (`LearnerConfig.packing`):
-
-- `padded`: one trajectory per row, rows of similar length together, padded to the longest (the
-  classic layout; the benchmark's baseline).
-- `packed`: first-fit-decreasing bin packing of trajectories into rows as long as the longest one.
-- `shared_prefix` (default): as `packed`, but the members of a GRPO group are laid out as their
-  longest common prefix (the prompt, ~170 tokens for a tool env) followed by every member's own
-  continuation; each continuation sees the prefix and itself, with position ids continuing after
-  the prefix. A token's attention inputs, positions and therefore its output are exactly those of
-  the unshared layout, so logprobs and gradients are the same (the prefix's gradient is the sum of
-  its G uses, as it would be over G copies); the prefix is computed once instead of G times.
-
-Attention: with a 4D mask (sdpa, eager: the default GPU path) every mode is exact; so is segment
-attention (`agentgrpo.learner.attention`, on the CPU for long rows by default), which reads the same
-`segment_ids_BT` / `visible_ids_BT` as spans and computes no pair across sequences.
-Flash-attention kernels take no 4D mask but pack natively: `one_row=True` puts a whole micro-batch
-in a single row with position ids reset per sequence and no mask, which transformers turns into
-`flash_attn_varlen_func` calls (`shared_prefix` is not expressible there; the learner uses
-`packed`).
+of each trajectory that has an `Advantage`); a row with `token_advantages` weighs each token by its
+turn's advantage (`TrainBatch.token_advantages_BT`). `shared_prefix` (default) lays a group out as
+its common prompt once, then each member's continuation: exactly the unshared logprobs and
+gradients. Modes, attention and costs: docs/learner.md ("Packing, and the prompt computed once").
 """
 
 from __future__ import annotations

@@ -1,62 +1,33 @@
 """The learner: policy (and at most one reference), optimizer, LR schedule, one GRPO step.
 
-torch + accelerate: the same code runs on one CPU, one GPU, or under `accelerate launch` (DDP, FSDP,
-DeepSpeed through accelerate's config). Memory holds the policy and, only when `kl_coef > 0`, a
-frozen reference (with LoRA: the same weights with the adapter disabled); no value model.
+torch + accelerate: the same code runs on one CPU, one GPU, or under `accelerate launch` (DDP or
+FSDP2). Memory holds the policy and, only when `kl_coef > 0`, a frozen reference (with LoRA: the
+same weights with the adapter off); there is no value model. The step itself is `step.py`, the
+checkpoints `state.py`; this class chooses the attention path and owns what they share.
 
-One `train_step(rows)`, on the step's `TrainingRow`s (`batch.training_rows`: a row per segment
-with a sampled token of each trajectory that has an advantage; a dropped trajectory has none):
-  1. split into `mini_batches` mini-batches of whole groups (`batch.balanced_parts`), each one
-     optimizer step that is exactly a step of its own size: its normalisers (loss tokens, sequences)
-     are counted over the whole mini-batch, on every rank alike, so each micro-batch's loss is its
-     share of the mini-batch loss: accumulated gradients equal one big batch, on one process or
-     many (DDP/FSDP average over ranks, so each share is scaled by the world size before backward);
-  2. this rank's part of each mini-batch (`balanced_parts` again) is packed into micro-batches
-     (`batch.make_micro_batches`); in every mini-batch every rank runs the same number of
-     micro-batches (a rank with fewer runs empty ones), since DDP and FSDP passes are collective;
-  3. one no-grad scoring pass when needed, before any update: recomputed old logprobs
-     (`old_logprobs: recompute`) and reference logprobs (`kl_coef > 0`), for all mini-batches;
-  4. `passes` passes, each over every mini-batch in turn, one optimizer step (clip, step,
-     schedule) per mini-batch (verl's `ppo_epochs` x mini-batches loop): `passes * mini_batches`.
-So with rollout old logprobs a step of k mini-batches is k steps of one, on the k parts; later
-mini-batches are off-policy by the earlier updates, which the ratio and its clip handle (`mb{j}/*`).
-
-Multi-process contract: every rank calls `train_step` with the *same* list (the rollouts come from
-rank 0's engine client and are broadcast; see docs/many-gpus.md). Metrics are reduced over ranks.
-`export_model`, `save` and `load` are collective too: every rank calls them, rank 0 gets the model
-to push and writes the files. Under FSDP the weights and the optimizer state are gathered to full,
-unsharded tensors keyed by parameter name (torch's `get_model_state_dict` /
-`get_optimizer_state_dict`), so a checkpoint does not depend on the number of ranks that wrote it.
-DeepSpeed is refused: its optimizer state lives in DeepSpeed's own engine, which this checkpoint
-code does not reach; so is FSDP1 (accelerate's default `fsdp_version`): the code is FSDP2's.
-With RAM-efficient loading (accelerate's `cpu_ram_efficient_loading`) ranks other than 0 may pass a
-model without weights (meta tensors): the policy and the KL reference get rank 0's.
-
-Old logprobs are the rollout's own by default (on-policy, one pass) or a recomputation by the
-learner (config); the rollout/learner gap is logged before any update (`logprob_gap_*`: first pass,
-first mini-batch) and, with recomputation, `mismatch/*`; `ratio_*`, `clipfrac` show later drift.
+Multi-process contract: every rank calls `train_step` with the same list of rows (rank 0's
+rollouts, broadcast), and `export_model`, `save` and `load` are collective; rank 0 gets the model
+to push and writes the files. Weights and optimizer state are saved keyed by parameter name, so a
+checkpoint does not depend on the number of ranks. DeepSpeed and FSDP1 are refused; ranks other
+than 0 may pass a model without weights under RAM-efficient loading. The step's order and
+normalisers: docs/learner.md ("One step"); ranks, FSDP and loading: docs/many-gpus.md.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import math
-import resource
-import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, InitProcessGroupKwargs, broadcast_object_list
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from agentgrpo.algo.loss import LossConfig, compute_loss
+from agentgrpo.algo.loss import LossConfig
 from agentgrpo.learner import state as learner_state
+from agentgrpo.learner import step as learner_step
 from agentgrpo.learner.attention import (
     AUTO_MIN_SHARE,
     CHECK_TOLERANCE,
@@ -68,12 +39,11 @@ from agentgrpo.learner.attention import (
 )
 from agentgrpo.learner.batch import (
     PackingMode,
-    TrainBatch,
     attention_pair_cost,
-    balanced_parts,
     make_micro_batches,
 )
-from agentgrpo.learner.dist import check_launch, reshard, shard_reference, total_norm
+from agentgrpo.learner.config import LearnerConfig, _lr_lambda
+from agentgrpo.learner.dist import check_launch, reshard, shard_reference
 from agentgrpo.learner.logprobs import (
     PolicyForward,
     attention_gap,
@@ -81,176 +51,15 @@ from agentgrpo.learner.logprobs import (
     causal_lm,
     sliding_window_of,
     tf32_matmuls,
-    to_loss_layout,
     token_logprobs,
     uses_flash,
     wants_tf32,
 )
-from agentgrpo.learner.lora import LoraConfig, MergedModel, apply_lora, merged_state_dict
-from agentgrpo.learner.metrics import Metrics, over_ranks, step_metrics
+from agentgrpo.learner.lora import MergedModel, apply_lora, merged_state_dict
 from agentgrpo.models.hardware import choose_bf16
 from agentgrpo.types import TrainingRow
 
 __all__ = ["Learner", "LearnerConfig", "token_logprobs"]
-
-
-class LearnerConfig(BaseModel):
-    """Optimizer, schedule, batching and precision of the policy update."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    lr: float = Field(1e-5, gt=0, description="AdamW peak learning rate")
-    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
-    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas")
-    grad_clip: float = Field(1.0, gt=0, description="max global gradient norm")
-    lr_schedule: Literal["constant", "linear", "cosine"] = Field(
-        "constant",
-        description="after warm-up: constant, or linear / cosine decay to min_lr_ratio * lr "
-        "over the run's optimizer steps",
-    )
-    warmup_steps: int = Field(0, ge=0, description="optimizer steps of linear warm-up from 0 to lr")
-    min_lr_ratio: float = Field(
-        0.0, ge=0, le=1, description="final lr / peak lr of a decaying schedule"
-    )
-    micro_batch_tokens: int = Field(
-        4096, ge=16, description="token slots (padding included) per micro-batch"
-    )
-    packing: PackingMode = Field(
-        "shared_prefix",
-        description="shared_prefix: pack sequences, a group's common prompt computed "
-        "once; packed: pack sequences; padded: one sequence per row (see agentgrpo.learner.batch)",
-    )
-    row_tokens: Literal["auto"] | int = Field(
-        "auto",
-        description="shared_prefix: the longest a group's row may be before the group is split "
-        "(each piece with its own copy of the prompt). Under a mask attention costs the square of "
-        "the row; auto = the cap the packer's cost model finds cheapest (batch.make_micro_batches; "
-        "under segment attention never a split); an int caps it (micro_batch_tokens = no cap: a "
-        "whole group per row)",
-    )
-    old_logprobs: Literal["rollout", "recompute"] = Field(
-        "rollout",
-        description="pi_old of the ratio: the engine's sampling logprobs, or the learner's own "
-        "recomputed before the first pass (one extra no-grad forward)",
-    )
-    passes: int = Field(
-        1, ge=1, description="passes over each batch (mini_batches optimizer steps each)"
-    )
-    mini_batches: int = Field(
-        1,
-        ge=1,
-        description="optimizer steps per pass: the step's groups are split into this many "
-        "mini-batches (whole groups, balanced by tokens; fewer when the step has fewer groups), "
-        "each normalised as a step of its own",
-    )
-    dtype: Literal["float32", "bfloat16"] = Field("float32", description="parameter dtype")
-    autocast: Literal["auto", "bf16", "none"] = Field(
-        "auto",
-        description="bf16 autocast of the decoder; auto = on where bf16 is native: CUDA, "
-        "and CPUs with AVX512-BF16 or AMX (models/hardware.py); none = fp32, what CPUs without "
-        "them run fastest",
-    )
-    gradient_checkpointing: bool = Field(False, description="recompute activations in backward")
-    tf32: Literal["auto"] | bool = Field(
-        "auto",
-        description="CUDA: fp32 matmuls (the LM head under bf16 "
-        "autocast) on TF32 tensor cores; auto = under bf16 autocast "
-        "(agentgrpo.learner.logprobs.wants_tf32)",
-    )
-    head_chunk_tokens: int | None = Field(
-        None,
-        ge=1,
-        description="run the LM head over chunks of this many loss tokens, each recomputed "
-        "in backward, so only one chunk's [chunk, vocab] logits are alive (learner/logprobs.py); "
-        "None: all of a micro-batch's loss tokens at once",
-    )
-    attn_implementation: str | None = Field(
-        None,
-        description="set the model's attention kernel (sdpa, eager, flash_attention_2, "
-        "flex_attention, ...); flash kernels pack by position ids (varlen) instead of a mask, "
-        "flex_attention gets a block mask that skips the blocks across sequences (GPU only)",
-    )
-    attention: Literal["auto", "varlen", "segments", "mask"] = Field(
-        "auto",
-        description="how packed rows keep sequences apart (not with flash or flex kernels, which "
-        "do it themselves: by position ids, by a block mask): varlen = variable-length flash "
-        "attention (torch.nn.attention.varlen, torch >= 2.10, CUDA, bf16/fp16): each sequence "
-        "attends to its prompt and itself from cumulative offsets, no mask; segments = the same "
-        "pairs, sequences of similar size batched into padded sdpa calls (learner/attention.py); "
-        "mask = one call per row under a 4D mask (every pair of the row computed); auto = varlen "
-        "where it runs, else on the CPU segments for micro-batches whose rows are long enough to "
-        "pay (agentgrpo.learner.attention.AUTO_MIN_SHARE) and the mask for the others, the mask on "
-        "other GPUs (segments measured slower there: docs/performance.md); auto's varlen or "
-        "segments pick is checked against the mask on a probe batch at start-up and replaced by "
-        "the mask where it disagrees",
-    )
-    ref_offload: bool = Field(
-        False,
-        description="keep the reference model on the CPU between steps "
-        "(not with FSDP, which shards the reference like the policy)",
-    )
-    checkpoint_format: Literal["full", "sharded"] = Field(
-        "full",
-        description="full: HF safetensors + the whole optimizer state, gathered and written by "
-        "rank 0 (loads anywhere, needs the full state in rank 0's CPU memory); sharded: "
-        "torch.distributed.checkpoint, every rank writes its own shards in parallel (loads into "
-        "any number of ranks; no HF weights file). Resuming reads either format.",
-    )
-    collective_timeout_s: float = Field(
-        3600.0,
-        gt=0,
-        description="many processes: how long a rank waits in a collective (other ranks "
-        "wait for rank 0's rollouts in one) before the run fails instead of hanging",
-    )
-    lora: LoraConfig | None = Field(
-        None, description="train LoRA adapters (peft) instead of all weights"
-    )
-
-    @field_validator("row_tokens")
-    @classmethod
-    def _row_tokens_positive(cls, v: str | int) -> str | int:
-        if v != "auto" and v < 16:
-            raise ValueError(f"row_tokens must be 'auto' or an int >= 16, got {v}")
-        return v
-
-    @model_validator(mode="after")
-    def _row_tokens_need_shared_prefix(self) -> LearnerConfig:
-        if self.row_tokens != "auto" and self.packing != "shared_prefix":
-            raise ValueError(
-                f"row_tokens={self.row_tokens} caps shared-prefix rows, but packing is "
-                f"{self.packing!r}: leave row_tokens 'auto'"
-            )
-        return self
-
-
-def _lr_lambda(cfg: LearnerConfig, total: int | None):
-    def f(step: int) -> float:
-        if step < cfg.warmup_steps:
-            return (step + 1) / cfg.warmup_steps
-        if cfg.lr_schedule == "constant":
-            return 1.0
-        progress = min(1.0, (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps))
-        decay = (
-            1 - progress
-            if cfg.lr_schedule == "linear"
-            else 0.5 * (1 + math.cos(math.pi * progress))
-        )
-        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * decay
-
-    return f
-
-
-@dataclass
-class _MiniBatch:
-    """One optimizer step's data on this rank: micro-batches (None: empty, to keep ranks in step),
-    the whole mini-batch's normalisers (all ranks), scored old / reference logprobs (None: not
-    needed)."""
-
-    batches: list[TrainBatch | None]
-    num_tokens: float
-    num_seqs: float
-    olds: list[torch.Tensor | None] = field(default_factory=list)
-    refs: list[torch.Tensor | None] = field(default_factory=list)
 
 
 class Learner:
@@ -538,185 +347,7 @@ class Learner:
         of the trajectories trained on, each with its advantage); returns metrics. A step without
         rows skips the update."""
         with tf32_matmuls(self.tf32):
-            return self._train_step(rows)
-
-    def _train_step(self, rows: Sequence[TrainingRow]) -> dict[str, float]:
-        if not rows:
-            return {"loss": 0.0, "skipped": 1.0}
-        t0 = time.perf_counter()
-        acc = self.accelerator
-        if acc.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(acc.device)
-        packed_mini_batches = [
-            self._pack([rows[i] for i in part])
-            for part in balanced_parts(rows, self.cfg.mini_batches)
-        ]
-        for mini_batch, n in zip(
-            packed_mini_batches,
-            self._max_over_ranks([len(m.batches) for m in packed_mini_batches]),
-            strict=True,
-        ):
-            mini_batch.batches += [None] * (n - len(mini_batch.batches))
-        self._score(packed_mini_batches)
-        # Each mini-batch's loss shares are of its own loss; scaled by its part of the batch's
-        # normaliser they add up to the batch's loss in the logged metrics (see learner_metrics).
-        by_tokens = self.loss_cfg.effective_agg == "token-mean"
-        norm = [m.num_tokens if by_tokens else m.num_seqs for m in packed_mini_batches]
-        opt_step_metrics = [
-            [Metrics() for _ in packed_mini_batches] for _ in range(self.cfg.passes)
-        ]
-        optim: list[list[dict[str, float]]] = [[] for _ in range(self.cfg.passes)]
-        for p in range(self.cfg.passes):
-            for j, mini_batch in enumerate(packed_mini_batches):  # one optimizer step each
-                for k, mb in enumerate(mini_batch.batches):
-                    sync = (
-                        k == len(mini_batch.batches) - 1
-                    )  # gradients are all-reduced once per optimizer step
-                    with contextlib.nullcontext() if sync else acc.no_sync(self.model):
-                        m = self._micro_step(mb, mini_batch, k, measure_gap=p == 0 and j == 0)
-                    if mb is not None:
-                        opt_step_metrics[p][j].add(m, float(mb.loss_mask_BT.sum()))
-                grad_norm = acc.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
-                lr = self.scheduler.get_last_lr()[0]
-                self.optimizer.step()
-                self.scheduler.step()
-                self.optimizer.zero_grad(set_to_none=True)
-                optim[p].append({"grad_norm": total_norm(grad_norm), "lr": lr})
-        self.step += 1
-        out = step_metrics(over_ranks(opt_step_metrics, acc), [n / sum(norm) for n in norm], optim)
-        batches = [b for m in packed_mini_batches for b in m.batches]
-        real = sum(b.num_real_tokens for b in batches if b is not None)
-        slots = sum(b.num_tokens for b in batches if b is not None)
-        out.update(
-            train_tokens=float(sum(len(r.token_ids) for r in rows)),
-            packed_tokens=float(real),
-            padding_frac=1 - real / max(slots, 1),
-            micro_batches=float(len(batches)),
-            row_tokens=float(
-                max((b.input_ids_RS.shape[1] for b in batches if b is not None), default=0)
-            ),
-            learner_s=time.perf_counter() - t0,
-            **self._peak_memory(),
-        )
-        return out
-
-    def _pack(self, rows: list[TrainingRow]) -> _MiniBatch:
-        """One mini-batch as a step of its size: normalisers over all ranks, this rank's shard
-        packed."""
-        acc = self.accelerator
-        idx = balanced_parts(rows, acc.num_processes, exactly_k=True)[acc.process_index]
-        batches: list[TrainBatch | None] = [
-            b.to(acc.device)
-            for b in make_micro_batches(
-                [rows[i] for i in idx],
-                self.cfg.micro_batch_tokens,
-                self.pad_id,
-                mode=self.packing,
-                one_row=self.flash,
-                row_tokens=self.cfg.row_tokens,
-                pair_cost=self.pair_cost,
-            )
-        ]
-        return _MiniBatch(batches, float(sum(r.num_sampled for r in rows)), float(len(rows)))
-
-    def _score(self, packed_mini_batches: list[_MiniBatch]) -> None:
-        """No-grad pass before any update (later mini-batches are then off-policy, as they should
-        be): recomputed old logprobs and reference logprobs, [B, T] per micro-batch."""
-        recompute, kl = self.cfg.old_logprobs == "recompute", self.loss_cfg.kl_coef > 0
-        for mini_batch in packed_mini_batches:
-            mini_batch.olds, mini_batch.refs = (
-                [None] * len(mini_batch.batches),
-                [None] * len(mini_batch.batches),
-            )
-        if not (recompute or kl):
-            return
-        if self.ref is not None and self.cfg.ref_offload:
-            self.ref.to(self.accelerator.device)
-        with torch.no_grad():
-            for mini_batch in packed_mini_batches:
-                if recompute:
-                    mini_batch.olds = [
-                        self._forward_layout(self.model, mb) for mb in mini_batch.batches
-                    ]
-                if kl and self.ref is not None:
-                    mini_batch.refs = [
-                        self._forward_layout(self.ref, mb) for mb in mini_batch.batches
-                    ]
-                elif kl:  # LoRA: the reference is the base model, adapter off
-                    mini_batch.refs = [
-                        self._forward_layout(self.model, mb, disable_adapter=True)
-                        for mb in mini_batch.batches
-                    ]
-        if self.ref is not None and self.cfg.ref_offload:
-            self.ref.to("cpu")
-
-    def _forward_layout(self, module, mb: TrainBatch | None, **kw) -> torch.Tensor | None:
-        lp_M, _ = module(
-            mb or TrainBatch.empty(self.pad_id, self.accelerator.device), self.temperature, **kw
-        )
-        return None if mb is None else to_loss_layout(lp_M, mb)
-
-    def _micro_step(
-        self, mb: TrainBatch | None, mini_batch: _MiniBatch, k: int, *, measure_gap: bool
-    ) -> dict[str, float]:
-        """Forward and backward of micro-batch `mb` (number `k` of `mini`); `measure_gap`: log the
-        rollout/learner logprob gap (only before the first update, so it measures the engine)."""
-        world = self.accelerator.num_processes
-        entropy_in_loss = self.loss_cfg.entropy_coef != 0
-        lp_M, ent_M = self.model(
-            mb or TrainBatch.empty(self.pad_id, self.accelerator.device),
-            self.temperature,
-            entropy_grad=entropy_in_loss,
-        )
-        if mb is None:  # this rank has no data left: a zero loss that still reaches every parameter
-            self.accelerator.backward(lp_M.sum() * 0.0)
-            return {}
-        lp_BT = to_loss_layout(lp_M, mb)
-        rollout_BT, mask_BT = mb.rollout_logprobs_BT, mb.loss_mask_BT
-        old_BT = rollout_BT if mini_batch.olds[k] is None else mini_batch.olds[k]
-        loss, metrics = compute_loss(
-            self.loss_cfg,
-            lp_BT,
-            old_BT,
-            mb.loss_advantages,
-            mask_BT,
-            ref_logprobs_BT=mini_batch.refs[k],
-            entropy_BT=to_loss_layout(ent_M, mb) if entropy_in_loss else None,
-            rollout_logprobs_BT=rollout_BT if self.cfg.old_logprobs == "recompute" else None,
-            num_tokens=mini_batch.num_tokens,
-            num_seqs=mini_batch.num_seqs,
-        )
-        self.accelerator.backward(loss * world)
-        with torch.no_grad():
-            m = mask_BT > 0
-            lp, old = lp_BT.detach()[m], old_BT[m]
-            ratio = torch.exp((lp - old).clamp(-20, 20))
-            out = dict(
-                metrics,
-                ratio_mean=float(ratio.mean()),
-                ratio_min=float(ratio.min()),
-                ratio_max=float(ratio.max()),
-            )
-            if not entropy_in_loss:
-                out["entropy"] = float(ent_M.detach().mean())
-            if measure_gap:
-                gap = (lp - rollout_BT[m]).abs()
-                out.update(logprob_gap_mean=float(gap.mean()), logprob_gap_max=float(gap.max()))
-        return out
-
-    def _max_over_ranks(self, ns: list[int]) -> list[int]:
-        if self.accelerator.num_processes == 1:
-            return ns
-        t = torch.tensor(ns, device=self.accelerator.device)
-        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-        return [int(n) for n in t.tolist()]
-
-    def _peak_memory(self) -> dict[str, float]:
-        device = self.accelerator.device
-        if device.type == "cuda":
-            return {"mem/peak_gb": torch.cuda.max_memory_allocated(device) / 2**30}
-        # CPU: the process's peak resident size so far (Linux reports KiB); not reset per step.
-        return {"mem/rss_peak_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+            return learner_step.train_step(self, rows)
 
     # -- checkpoints (formats: agentgrpo.learner.state) -----------------------------------------
 

@@ -1,28 +1,16 @@
 """Token logprobs of packed micro-batches, with the LM head run only where a loss needs it.
 
-`PolicyForward` wraps a causal LM (a transformers `*ForCausalLM` or a peft model around one) so that
-one `forward` call returns the logprobs of a micro-batch's loss tokens. It is the module accelerate
-prepares (DDP/FSDP wrap it), so gradient synchronisation hooks see every forward.
-
-Why not `model(...).logits`: the LM head maps every position to the vocabulary (V = 49k for SmolLM2,
-152k for Qwen), yet a GRPO loss needs the logprob of the next token at loss positions only (the
-responses: a minority of the tokens of a tool-use trajectory whose prompt holds the tool schema).
-Here the decoder runs on all packed tokens, then the head runs on the M hidden states that predict a
-loss token: exactly the same numbers, a fraction of the head's FLOPs and of the [*, V] memory.
+`PolicyForward` wraps a causal LM (a transformers `*ForCausalLM`, or a peft model around one) so
+that one `forward` returns the logprobs of a micro-batch's loss tokens. It is the module accelerate
+prepares (DDP/FSDP wrap it), so gradient synchronisation hooks see every forward. The decoder runs
+on all packed tokens, the head only on the M hidden states that predict a loss token: the numbers
+of `model(...).logits`, for a fraction of the head's FLOPs and of its [*, V] memory.
 
 Precision: under autocast the decoder runs in bf16, but the head and the log-softmax run with
-autocast off, in the head's parameter dtype (fp32 unless the parameters were cast), then in fp32,
-so the only bf16 rounding is in the hidden states. On CUDA the head's fp32 matmuls can run on TF32
-tensor cores (`tf32_matmuls`, the learner's `tf32` option, on by default under bf16 autocast): its
-input, bf16 values, is exact in TF32, so only the head's weights and, in backward, the logits'
-gradient are rounded to TF32's 10 mantissa bits; the products still add up in fp32. On a GPU the
-fp32 head's SIMT GEMMs are a large share of a step (docs/performance.md, "On one H200").
-
-Memory: the head's [M, V] fp32 logits, and what its log-softmax keeps for backward, grow with the
-loss tokens of a micro-batch and the vocabulary (V = 152k for Qwen: 0.6 MB per loss token for each
-fp32 copy of the logits). `head_chunk_tokens` runs the head over chunks of that many loss tokens,
-each under activation checkpointing: only a chunk's logits live at once, and backward recomputes
-each chunk's head (one more head forward). The numbers are the same.
+autocast off (fp32 unless the parameters were cast), so the only bf16 rounding is in the hidden
+states; on CUDA the head may run on TF32 tensor cores (`tf32_matmuls`). `head_chunk_tokens` runs
+the head over chunks of loss tokens under activation checkpointing: the same numbers, one chunk's
+logits alive at a time. Why and what it costs: docs/learner.md ("Precision", "Head chunks").
 """
 
 from __future__ import annotations

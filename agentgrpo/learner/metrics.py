@@ -1,22 +1,14 @@
 """The learner's metrics: micro-batch metrics -> optimizer-step metrics -> one train step's metrics.
 
-Split from `learner.py` because it is its own concern (bookkeeping, not optimisation). The rules
-follow what `loss.py` returns next to a loss:
+Its own concern (bookkeeping, not optimisation), with rules that follow what `loss.py` returns
+beside a loss: names ending in "loss" are shares of their optimizer step's loss (summed over its
+micro-batches and ranks); `*_max` / `*_min` (and `*max_abs_diff`) are extremes; everything else is
+a mean over loss tokens (weighted by each micro-batch's), and counts such as `loss_tokens` add up.
 
-- entries whose name ends in "loss" are *shares* of their optimizer step's loss: summed over the
-  micro-batches (and ranks) of that optimizer step;
-- `*_max` / `*_min` (and `*max_abs_diff`) are extremes;
-- everything else (clipfrac, ratio_mean, kl, entropy, ...) is a mean over loss tokens, so it is
-  averaged weighted by each micro-batch's loss tokens; counts such as `loss_tokens` are summed.
-
-One train step has `passes x mini_batches` optimizer steps, one `Metrics` each, in a grid
-`[pass][mini-batch]` (`opt_step_metrics`).
-A pass's metrics are those of one big step over the pass's whole batch: the token-weighted means
-and extremes simply pool every micro-batch, and each mini-batch's loss shares are scaled by its
-share of the batch's normaliser (its loss tokens for token-mean, its sequences for the seq-mean
-modes), which turns the mean of each mini-batch into the mean over the batch. With lr = 0 (every
-mini-batch sees one policy) the numbers are those of `mini_batches = 1`; with one the scale is 1.
-The step's metrics are then means over passes, as before mini-batches existed.
+A step's `passes x mini_batches` optimizer steps are a grid `[pass][mini-batch]` of `Metrics`. A
+pass's metrics are those of one big step over its whole batch: each mini-batch's loss shares are
+scaled by its share of the batch's normaliser, so with lr = 0 they equal `mini_batches = 1`'s. The
+step's metrics are means over passes (docs/learner.md, "What to watch").
 """
 
 from __future__ import annotations

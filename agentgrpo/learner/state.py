@@ -1,30 +1,17 @@
 """The learner's state on disk: the two checkpoint formats `Learner.save` / `Learner.load` use.
 
-Split from `learner.py` because it is its own stage (serialisation, not optimisation); every
-function here is collective: all ranks call it with the same directory (a filesystem they all see).
-
-- `full` (default): rank 0 writes the model weights as HF safetensors (`save_pretrained`; only the
-  adapter with LoRA) and `learner.pt` with the optimizer state as full tensors keyed by parameter
-  name, plus scheduler and step. Under FSDP the shards are gathered to rank 0's CPU first (torch's
-  `get_model_state_dict` / `get_optimizer_state_dict` with full_state_dict), so the checkpoint does
-  not depend on how many ranks wrote it and loads anywhere; the price is the whole state in rank
-  0's memory.
-- `sharded`: every rank writes its own shards of weights and optimizer state under `dcp/`
-  (torch.distributed.checkpoint), in parallel, nothing gathered; rank 0 writes `learner.pt` with
-  scheduler and step. DCP reshards on load, so N ranks' checkpoint resumes on any number of ranks.
-  There is no HF weights file in it.
-
-`load` tells the formats apart by the files (a `dcp/` directory), so a run resumes from either,
-whatever `learner.checkpoint_format` says now. `load_weights` reads only the weights of either
-format into one process, with no process group and no optimizer state (`agentgrpo eval`).
-
-A checkpoint may come from someone else (a shared disk, a downloaded run), and its manifest's
-checksums prove nothing (whoever planted the files wrote the manifest too), so reading one must
-never run code. `learner.pt` is read with `weights_only=True`. DCP pickles its `.metadata` and
-the non-tensor values of a state dict (optimizer hyperparameters): torch's reader unpickles them
-with plain `pickle`, which runs whatever a planted file names. Here `.metadata` goes through an
-unpickler that builds only DCP's own metadata records (`_METADATA_TYPES`) and refuses every other
-name with `UnsafeCheckpoint`, and the non-tensor values are read with `weights_only=True`.
+Its own stage (serialisation, not optimisation); every function is collective: all ranks call it
+with the same directory, on a filesystem they all see.
+- `full` (default): rank 0 writes HF safetensors (only the adapter with LoRA) and `learner.pt`
+  (optimizer state as full tensors keyed by parameter name, scheduler, step), gathered to rank 0
+  under FSDP: it loads on any number of ranks, at the price of the whole state in rank 0's memory.
+- `sharded`: every rank writes its own shards under `dcp/` (torch.distributed.checkpoint), in
+  parallel; DCP reshards on load. There is no HF weights file in it.
+`load` tells the formats apart by the files (a `dcp/` directory); `load_weights` reads the weights
+of either into one process, with no process group (`agentgrpo eval`). Reading a checkpoint never
+runs code: `learner.pt` with `weights_only=True`, DCP's pickled `.metadata` through an unpickler
+that builds only DCP's own records (`_METADATA_TYPES`) and raises `UnsafeCheckpoint` on any other
+name. The threat: docs/security.md ("Checkpoints"); the formats: docs/learner.md.
 """
 
 from __future__ import annotations

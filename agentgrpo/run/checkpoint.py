@@ -1,33 +1,17 @@
 """Checkpoints: written atomically, verified by checksum, restored newest-first with fallback.
 
-A checkpoint is a directory `checkpoints/step-000012/` holding what the learner writes (model
-weights or the LoRA adapter as safetensors, `learner.pt` with optimizer, scheduler and step: tensors
-and plain values, read with `weights_only=True`; or, in the sharded format, every rank's shards
-under `dcp/`) and `trainer.json`: step, data position, weight version, RNG states (python, numpy,
-torch, CUDA), and the size and SHA-256 of every other file.
+A checkpoint `checkpoints/step-000012/` holds what the learner writes (weights or the LoRA adapter
+and `learner.pt`, or the sharded format's `dcp/`) and `trainer.json`, the manifest: the trainer's
+state (step, data position, weight version, RNG states) and the size and SHA-256 of every file.
 
-Writing: everything goes to `.tmp-step-000012/`, files are fsynced, `trainer.json` is written last,
-and the directory is renamed into place, so a kill at any moment leaves either the complete new
-checkpoint or none (plus a temp dir: every save first removes all `.tmp-step-*` dirs, whatever their
-step). Only then is the directory pruned: the new checkpoint and the `keep - 1` newest ones
-numbered below it stay, older ones are deleted, and any numbered above it are set aside (below);
-the one just written is never pruned. With several ranks, rank 0 creates the temp dir, every rank
-writes its part between two barriers, and rank 0 alone writes the manifest and renames (the
-directory must be on a filesystem every rank sees).
+- `save` writes into `.tmp-step-*`, fsyncs, writes the manifest last and renames, so a kill leaves
+  the complete checkpoint or none; then it prunes to `keep`.
+- `restore` tries checkpoints newest-first, skipping with a warning one that fails `verify` or
+  that the learner cannot load; with `strict`, `NoUsableCheckpoint` when all fail.
+- `set_aside_newer` renames the checkpoints above a resumed (or saved) step to `rejected-step-*`,
+  which no restore tries and no prune counts.
 
-Reading: `restore` tries checkpoints newest-first (by step number); one whose manifest is missing
-or unreadable, whose files differ in size or checksum from the manifest (truncated, bit rot), or
-that the learner fails to load is skipped with a warning naming the reason, and the previous one is
-used. With `strict=True` (the trainer) a root whose checkpoints all fail raises `NoUsableCheckpoint`
-naming each one and its reason, instead of returning None as for a root with no checkpoint at all.
-
-Resuming from step N (the trainer, on rank 0) and saving step N: `set_aside_newer` renames the
-checkpoints numbered above N, which restore skipped, to `rejected-step-*`. No later resume sees
-them: otherwise the run's new checkpoints would be pruned as the oldest ones, and a checkpoint
-that was rejected only transiently (a filesystem hiccup) would later be resumed over the newer
-work. They are kept for inspection under the rule of `keep` (`train.keep_checkpoints`): each save
-keeps the `keep` newest rejected ones (by step) and deletes the older ones. Nothing reads them,
-so `rm -r checkpoints/rejected-step-*` removes them at any time.
+docs/learner.md ("Checkpoints and resuming") gives the layout, the rules and their reasons.
 """
 
 from __future__ import annotations

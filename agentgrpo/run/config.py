@@ -402,8 +402,8 @@ class RunConfig(BaseModel):
         if not self.deterministic:
             return self
         timed = {
-            "engine.kind=sglang (the servers batch requests as they arrive)": (
-                self.engine.kind == "sglang"
+            f"engine.kind={self.engine.kind} (the servers batch requests as they arrive)": (
+                self.engine.kind in ("sglang", "vllm")
             ),
             f"train.max_staleness={self.train.max_staleness} (which groups a step trains "
             "depends on when they finish)": self.train.max_staleness >= 2,

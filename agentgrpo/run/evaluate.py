@@ -1,30 +1,17 @@
 """Evaluation: rollouts without training over a task set (`agentgrpo eval CONFIG`).
 
 `evaluate(...)` samples `samples_per_task` trajectories per task with the rollout machinery of
-training (same deadlines, limits and token handling) and reduces them to metrics: reward mean,
-pass@k, tool-call and error statistics. `run_eval(cfg)` is the command-line glue: it builds the
-engine, chat format and env from a run config, evaluates the newest checkpoint of the run (or the
-base model), and writes a run-like directory: `trajectories.jsonl` (the same rows as training,
-`step` = the checkpoint's step), `metrics.jsonl` (one row) and `eval.json` (metrics plus per-task
-pass counts). The directory holds one evaluation: a later one into it replaces all three files
-(they used to append, mixing runs of other settings under one step); give each its own
-`eval.output_dir` to keep both.
+training and reduces them to metrics: reward, pass@k, tool-call and error statistics.
+`run_eval(cfg)` is the command-line glue: it evaluates a run's checkpoint (or the base model) and
+writes a run-like directory (`trajectories.jsonl`, `metrics.jsonl`, `eval.json`), replacing the
+files of an earlier evaluation there.
 
-Decisions:
-- pass@k uses the unbiased estimator of Chen et al. (2021), `1 - C(n-c, k) / C(n, k)` per task,
-  averaged over tasks, computed as a product so large n does not overflow. A trajectory passes when
-  its reward is at least `success_threshold`.
-- Unscorable trajectories (infrastructure errors and timeouts, reward NaN) are left out of n and c,
-  as they are left out of training statistics; a task left with fewer than k scorable samples is
-  left out of pass@k, and `pass@k/tasks` says how many tasks it averages.
-- The step deadline of the rollout config does not apply: an evaluation has no step.
-- The weights reach the engine as in training: the engine starts from the base model and
-  `WeightSync` pushes the checkpoint's policy to it and verifies it with the probe. So every
-  checkpoint the trainer writes evaluates the same way, full, LoRA (adapter only: base from
-  `model.path`, merged) or sharded (`dcp/`, assembled in this process), and SGLang servers, which
-  may hold any run's weights, serve exactly the evaluated ones. The checkpoint is chosen as resume
-  chooses it: checksums verified, damaged ones skipped with a warning; a run whose checkpoints all
-  fail is an error, never silently the base model.
+Decisions (docs/learner.md, "Evaluating a checkpoint", gives the reasons):
+- pass@k is the unbiased estimator `1 - C(n-c, k) / C(n, k)`, computed as a product.
+- Unscorable trajectories (reward NaN) count in neither n nor c; the step deadline does not apply.
+- The weights reach the engine as in training (`WeightSync`, verified by the probe), so every
+  checkpoint format evaluates alike. The checkpoint is chosen as resume chooses it; a run whose
+  checkpoints all fail is an error, never silently the base model.
 """
 
 from __future__ import annotations
@@ -220,18 +207,23 @@ def refuse_mixture(cfg: RunConfig) -> None:
         )
 
 
-def run_eval(cfg: RunConfig, *, engine: Engine | None = None) -> tuple[Path, EvalResult]:
-    """`agentgrpo eval`: evaluate the run's policy on `cfg.eval.split`; returns (output dir,
-    result).
+@dataclass
+class _EvalJob:
+    """What one `agentgrpo eval` has ready before its engine starts."""
 
-    The engine is built from the base model as in training (`build_engine`), and the evaluated
-    checkpoint's weights are pushed to it by `WeightSync` (as training pushes them: in process for
-    the local engine, to the servers by `weight_sync.method` for SGLang) and verified by the probe.
-    SGLang servers always receive the weights evaluated, the base model's included, since they may
-    hold any run's. `engine` replaces the engine built from the config (tests pass their own).
-    """
-    refuse_mixture(cfg)
-    base = Path(cfg.model.path) if cfg.model.path else default_model_path()
+    tokenizer: Any
+    chat: ChatFormat
+    make_env: Callable[[], Env]
+    tasks: list[Task]
+    step: int  # the evaluated checkpoint's training step (0: the base model)
+    weights: Path  # the checkpoint directory, or the base model's
+    policy: torch.nn.Module | None  # to push; dropped once the engine holds its own copy
+    context_len: int | None
+
+
+def _prepare(cfg: RunConfig, base: Path) -> _EvalJob:
+    """Tokenizer, chat format, env and tasks, checked as training checks them at its start, and
+    the policy to evaluate (`resolve_policy`)."""
     tokenizer = AutoTokenizer.from_pretrained(base)
     chat = cfg.chat_format(tokenizer)
     env_cls = cfg.env.env_class()
@@ -251,36 +243,38 @@ def run_eval(cfg: RunConfig, *, engine: Engine | None = None) -> tuple[Path, Eva
         flush=True,
     )
     context_len = getattr(AutoConfig.from_pretrained(base), "max_position_embeddings", None)
+    return _EvalJob(tokenizer, chat, make_env, tasks, step, weights, policy, context_len)
 
+
+def _sample(cfg: RunConfig, base: Path, job: _EvalJob, engine: Engine | None) -> EvalResult:
+    """Start the engine (unless one is given), push `job.policy` to it and evaluate; an engine
+    built here is closed here."""
     owned = engine is None
     if engine is None:
-        engine = build_engine(cfg.engine, base, tokenizer, seed=cfg.seed)
+        engine = build_engine(cfg.engine, base, job.tokenizer, seed=cfg.seed)
     # Disk pushes go to a subdirectory: a training run with the same shared_dir pushes step_<N>
     # there too, and replacing or pruning its directories could pull them from under its servers.
     ws = cfg.weight_sync
     if ws.shared_dir:
         ws = ws.model_copy(update={"shared_dir": str(Path(ws.shared_dir) / "eval")})
-    sync = WeightSync(engine, ws) if policy is not None else None
+    sync = WeightSync(engine, ws) if job.policy is not None else None
     loop = asyncio.new_event_loop()  # one loop for the engine's clients, the push and the rollouts
     try:
-        loop.run_until_complete(
-            wait_ready(engine, seeded=True)
-        )  # SGLang: servers loaded, versions and window read
-        if sync is not None:
-            loop.run_until_complete(
-                sync.push(policy, step)
-            )  # verified by the probe: the engine serves them
-            del policy  # the engine holds its own copy now
-        result = loop.run_until_complete(
+        # SGLang: servers loaded, versions and window read
+        loop.run_until_complete(wait_ready(engine, seeded=True))
+        if sync is not None:  # verified by the probe: the engine serves them
+            loop.run_until_complete(sync.push(job.policy, job.step))
+            job.policy = None  # the engine holds its own copy now
+        return loop.run_until_complete(
             evaluate(
-                make_env,
+                job.make_env,
                 engine,
-                chat,
-                tasks,
+                job.chat,
+                job.tasks,
                 cfg.rollout,
                 cfg.eval,
                 seed=cfg.seed,
-                context_len=context_len,
+                context_len=job.context_len,
             )
         )
     finally:
@@ -288,17 +282,14 @@ def run_eval(cfg: RunConfig, *, engine: Engine | None = None) -> tuple[Path, Eva
             (getattr(engine, "aclose", None) or getattr(engine, "close", None)) if owned else None
         )
         close_all(loop, sync and sync.close, closer)
-    out_dir = Path(cfg.eval.output_dir or Path(cfg.output_dir) / f"eval-{cfg.eval.split}")
-    logger = RunLogger(out_dir, tensorboard=False, fresh=True)
-    try:
-        logger.log_groups(step, result.groups)
-        logger.log_step(step, result.metrics)
-    finally:
-        logger.close()
-    summary: dict[str, Any] = {
+
+
+def _eval_json(result: EvalResult, step: int, weights: Path, cfg: EvalConfig) -> dict[str, Any]:
+    """`eval.json`: the metrics (NaN written as null) and each task's passed and scored counts."""
+    return {
         "step": step,
         "weights": str(weights),
-        "split": cfg.eval.split,
+        "split": cfg.split,
         "metrics": {
             k: (None if isinstance(v, float) and math.isnan(v) else v)
             for k, v in result.metrics.items()
@@ -307,14 +298,36 @@ def run_eval(cfg: RunConfig, *, engine: Engine | None = None) -> tuple[Path, Eva
             {
                 "task_id": g.task.id,
                 "group_id": g.group_id,
-                "passed": sum(
-                    not math.isnan(r) and r >= cfg.eval.success_threshold for r in g.rewards
-                ),
+                "passed": sum(not math.isnan(r) and r >= cfg.success_threshold for r in g.rewards),
                 "scored": sum(not math.isnan(r) for r in g.rewards),
             }
             for g in result.groups
         ],
     }
+
+
+def run_eval(cfg: RunConfig, *, engine: Engine | None = None) -> tuple[Path, EvalResult]:
+    """`agentgrpo eval`: evaluate the run's policy on `cfg.eval.split`; returns (output dir,
+    result).
+
+    The engine is built from the base model as in training (`build_engine`), and the evaluated
+    checkpoint's weights are pushed to it by `WeightSync` (as training pushes them: in process for
+    the local engine, to the servers by `weight_sync.method` for SGLang) and verified by the probe.
+    SGLang servers always receive the weights evaluated, the base model's included, since they may
+    hold any run's. `engine` replaces the engine built from the config (tests pass their own).
+    """
+    refuse_mixture(cfg)
+    base = Path(cfg.model.path) if cfg.model.path else default_model_path()
+    job = _prepare(cfg, base)
+    result = _sample(cfg, base, job, engine)
+    out_dir = Path(cfg.eval.output_dir or Path(cfg.output_dir) / f"eval-{cfg.eval.split}")
+    logger = RunLogger(out_dir, tensorboard=False, fresh=True)
+    try:
+        logger.log_groups(job.step, result.groups)
+        logger.log_step(job.step, result.metrics)
+    finally:
+        logger.close()
+    summary = _eval_json(result, job.step, job.weights, cfg.eval)
     (out_dir / "eval.json").write_text(json.dumps(summary, indent=1))
     return out_dir, result
 

@@ -10,9 +10,7 @@ task is the next of that env's own shuffled stream (the rule of a single env's `
 the task at a position is a function of the position alone, and a checkpoint's data position
 resumes the mixture exactly, as it does one env.
 
-Metrics split by env: `env/<label>/<metric>` for every rollout metric of the env's groups (and
-`env/<label>/eval/<metric>` for evaluation, where each env contributes its first
-`eval.num_tasks` tasks); the report draws a reward curve per env.
+Metrics split by env as `env/<label>/<metric>` (docs/environments.md, "Mixtures", has the rest).
 """
 
 from __future__ import annotations

@@ -1,261 +1,42 @@
 """`agentgrpo report RUN_DIR`: one self-contained HTML file with a run's curves and trajectories.
 
-The report is written to `RUN_DIR/report.html` and its plots also as PNG files to `RUN_DIR/plots/`.
-It works on any run directory, including one still being written, a killed one, or one with no
-metrics or no trajectories: whatever is missing is named in a notice at the top instead of failing.
+The report is written to `RUN_DIR/report.html` and its plots also to `RUN_DIR/plots/*.png`. Any
+run directory works, one still being written or killed included: what is missing is named in a
+notice at the top instead of failing.
 
-Decisions:
-- Self-contained: plots are PNGs (matplotlib's Agg canvas, never pyplot, so the caller's backend
-  is untouched) embedded as data URIs; the CSS and the small filter script are inlined from
-  `template.html`. Nothing is fetched from the network, so a report can be mailed or
-  archived.
-- Trajectories are rendered as HTML on the server side (not built by script from embedded JSON), so
-  the viewer also works with scripts disabled and every piece of text passes through `html.escape`.
-- Curves come from `metrics.jsonl` (rows of the same step are merged: an eval row and a train row of
-  one step both count; a resumed run's repeated step keeps its last values). Per-trajectory spreads
-  (p10-p90 bands, stop reasons) come from all of `trajectories.jsonl`, read as a stream.
-- Size is bounded: at most `max_trajectories` trajectories are embedded, chosen from evenly spaced
-  steps (the last step always) and, within a step, spread over its reward range so the best and the
-  worst are both shown; each shows at most `max_tokens` tokens (its head and its tail) and messages
-  of at most `MAX_MESSAGE_CHARS` characters. Every cap that bites is stated in the report.
-- Tokens are decoded one by one with the run's tokenizer (`config.yaml`'s `model.path`; null means
-  the embedded model) so token boundaries stay visible; without a tokenizer the ids are shown.
+Decisions (docs/learner.md, "The report", gives the reasons):
+- Self-contained: embedded PNGs, inlined CSS and script (`report_template.html`), no network.
+- Trajectories are rendered here as HTML, every logged text through `html.escape`.
+- Size is bounded by `max_trajectories`, `max_tokens` and `MAX_MESSAGE_CHARS`; every cap that
+  bites is stated in the report.
+- Tokens are decoded one by one with the run's tokenizer, so token boundaries stay visible.
 
-Reading the run (metrics.jsonl, the trajectory scan and the choice of rows) is in `report_data.py`;
-this module draws the plots, renders the page and writes the files.
+Reading the run is in `report_data.py`, the plots in `report_plots.py`; the page is rendered here.
 """
 
 from __future__ import annotations
 
 import base64
 import html
-import io
 import json
 import math
 import os
 from collections import Counter
-from dataclasses import dataclass
 from datetime import datetime, timezone
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import yaml
 
 from agentgrpo.models.embedded import default_model_path, load_tokenizer
 from agentgrpo.run.log import mask_secrets
 from agentgrpo.run.report_data import TrajScan, _list, _num, _step, load_metrics, scan_trajectories
+from agentgrpo.run.report_plots import Plot, make_plots
 
 DEFAULT_MAX_TRAJECTORIES = 200
 DEFAULT_MAX_TOKENS = 2048
 MAX_MESSAGE_CHARS = 20_000
-MAX_EVAL_PANELS = 12
-
-# (file name, title, metrics keys, per-trajectory stat drawn as a p10-p90 band)
-PANELS: list[tuple[str, str, list[str], str | None]] = [
-    ("reward", "Reward per step (mean ± std)", ["reward_mean"], "reward"),
-    (
-        "response_length",
-        "Generated tokens per trajectory",
-        ["response_tokens_mean"],
-        "response_tokens",
-    ),
-    ("turns", "Turns per trajectory", ["turns_mean"], "turns"),
-    (
-        "tool_calls",
-        "Tool calls and tool errors per trajectory",
-        ["tool_calls_mean", "tool_errors_mean"],
-        "tool_calls",
-    ),
-    ("stop_reasons", "Why episodes ended (StopReason counts)", [], None),
-    ("loss", "Loss", ["loss", "pg_loss", "kl_loss", "entropy_loss"], None),
-    ("clipfrac", "Clip fraction", ["clipfrac", "clipfrac_dual"], None),
-    ("kl", "KL (ppo_kl: rollout policy vs updated; kl: vs reference)", ["ppo_kl", "kl"], None),
-    ("lr", "Learning rate", ["lr"], None),
-    (
-        "logprob_gap",
-        "Rollout vs learner logprob gap |Δ logp|",
-        ["logprob_gap_mean", "logprob_gap_max"],
-        None,
-    ),
-    ("grad_norm", "Gradient norm (before clipping)", ["grad_norm"], None),
-    ("throughput", "Sampled tokens per second (rollout)", ["tokens_per_s"], None),
-    ("time", "Seconds per step", ["rollout_s", "learner_s", "step_s"], None),
-]
-STOP_COLOURS = {
-    "completed": "#2f9a4b",
-    "truncated": "#7aa6d8",
-    "max_turns": "#c2a32f",
-    "max_tokens": "#e08a2c",
-    "parse_error": "#b04ac2",
-    "tool_error": "#d0508a",
-    "timeout": "#8c5a3c",
-    "env_error": "#c03030",
-    "engine_error": "#801818",
-    "aborted": "#555555",
-}
-
-
-@dataclass
-class Plot:
-    name: str
-    title: str
-    png: bytes
-
-
-# -- plots -------------------------------------------------------------------------------------
-
-
-def _series(metrics: dict[int, dict[str, float]], key: str) -> tuple[np.ndarray, np.ndarray] | None:
-    pts = [(s, m[key]) for s, m in metrics.items() if key in m]
-    if not pts or not any(math.isfinite(v) for _, v in pts):
-        return None
-    x, y = np.asarray(pts, dtype=float).T
-    return x, y
-
-
-def _traj_series(scan: TrajScan, stat: str, fn) -> tuple[np.ndarray, np.ndarray] | None:
-    pts = []
-    for s in sorted(scan.stats):
-        vals = np.asarray(scan.stats[s][stat], dtype=float)
-        vals = vals[np.isfinite(vals)]
-        if vals.size:
-            pts.append((s, fn(vals)))
-    if not pts:
-        return None
-    x, y = np.asarray(pts, dtype=float).T
-    return x, y
-
-
-def _figure(title: str):
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(6.4, 3.3), dpi=100, layout="constrained")
-    ax = fig.add_subplot()
-    ax.set_title(title, fontsize=10)
-    ax.set_xlabel("step", fontsize=9)
-    ax.tick_params(labelsize=8)
-    ax.grid(alpha=0.3)
-    ax.xaxis.get_major_locator().set_params(integer=True)  # steps are whole numbers
-    return fig, ax
-
-
-def _png(fig) -> bytes:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-
-    buf = io.BytesIO()
-    FigureCanvasAgg(fig).print_png(buf)
-    return buf.getvalue()
-
-
-def _line(ax, xy, label: str) -> None:
-    x, y = xy
-    ax.plot(x, y, label=label, marker="o" if len(x) <= 50 else None, markersize=3, linewidth=1.4)
-
-
-def _panel(metrics, scan: TrajScan, name: str, title: str, keys: list[str], stat: str | None):
-    fig, ax = _figure(title)
-    drawn = False
-    for key in keys:
-        xy = _series(metrics, key)
-        if xy is None and stat is not None and key == keys[0]:  # no metric: the trajectories' mean
-            xy = _traj_series(scan, stat, np.mean)
-            key = f"{key} (from trajectories)"
-        if xy is None:
-            continue
-        _line(ax, xy, key)
-        drawn = True
-        if name == "reward":
-            std = _series(metrics, "reward_std") or _traj_series(scan, "reward", np.std)
-            if std is not None and len(std[0]) == len(xy[0]):
-                ax.fill_between(xy[0], xy[1] - std[1], xy[1] + std[1], alpha=0.2, label="± std")
-    if stat is not None and drawn:
-        lo, hi = (
-            _traj_series(scan, stat, lambda v: np.percentile(v, 10)),
-            _traj_series(scan, stat, lambda v: np.percentile(v, 90)),
-        )
-        if lo is not None and hi is not None and name != "reward":
-            ax.fill_between(
-                lo[0], lo[1], hi[1], alpha=0.15, color="grey", label="p10–p90 of trajectories"
-            )
-    if name == "reward" and (ev := _series(metrics, "eval/reward_mean")) is not None:
-        _line(ax, ev, "eval/reward_mean")
-        drawn = True
-    if name == "lr" and drawn:
-        ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
-    if not drawn:
-        return None
-    ax.legend(fontsize=7)
-    return Plot(name, title, _png(fig))
-
-
-def _stop_panel(metrics, scan: TrajScan, title: str) -> Plot | None:
-    counts: dict[int, dict[str, float]] = {
-        s: {k[5:]: v for k, v in m.items() if k.startswith("stop/") and math.isfinite(v)}
-        for s, m in metrics.items()
-    }
-    counts = {s: c for s, c in counts.items() if c}
-    if not counts:  # no stop/* metrics: count the logged trajectories
-        counts = {s: dict(c) for s, c in scan.stops.items() if c}
-    if not counts:
-        return None
-    fig, ax = _figure(title)
-    steps = np.asarray(sorted(counts), dtype=float)
-    width = 0.8 * (float(np.min(np.diff(steps))) if len(steps) > 1 else 1.0)
-    reasons = sorted(
-        {r for c in counts.values() for r in c}, key=lambda r: (r not in STOP_COLOURS, r)
-    )
-    bottom = np.zeros(len(steps))
-    for r in reasons:
-        vals = np.asarray([counts[int(s)].get(r, 0.0) for s in steps])
-        ax.bar(steps, vals, width=width, bottom=bottom, label=r, color=STOP_COLOURS.get(r))
-        bottom += vals
-    ax.set_ylabel("trajectories", fontsize=9)
-    ax.legend(fontsize=7)
-    return Plot("stop_reasons", title, _png(fig))
-
-
-def make_plots(
-    metrics: dict[int, dict[str, float]], scan: TrajScan, notices: list[str]
-) -> list[Plot]:
-    plots, missing = [], []
-    for name, title, keys, stat in PANELS:
-        p = (
-            _stop_panel(metrics, scan, title)
-            if name == "stop_reasons"
-            else _panel(metrics, scan, name, title, keys, stat)
-        )
-        if p is None:
-            missing.append(name)
-        else:
-            plots.append(p)
-    by_env = sorted(
-        {
-            k
-            for m in metrics.values()
-            for k in m
-            if k.startswith("env/") and k.endswith("reward_mean")
-        }
-    )
-    if by_env:  # a mixture (envs:): env/<label>/reward_mean, env/<label>/eval/reward_mean
-        title = "Reward per environment (train, and eval where it ran)"
-        if (p := _panel(metrics, scan, "reward_by_env", title, by_env, None)) is not None:
-            plots.append(p)
-    eval_keys = sorted({k for m in metrics.values() for k in m if k.startswith("eval/")})
-    if len(eval_keys) > MAX_EVAL_PANELS:
-        notices.append(
-            f"{len(eval_keys)} eval metrics: only the first {MAX_EVAL_PANELS} are plotted"
-        )
-    for key in eval_keys[:MAX_EVAL_PANELS]:
-        p = _panel(metrics, scan, "eval_" + key[5:].replace("/", "_"), key, [key], None)
-        if p is not None:
-            plots.append(p)
-    if missing:
-        notices.append(f"no data for plot(s): {', '.join(missing)}")
-    return plots
-
-
 # -- trajectories ------------------------------------------------------------------------------
 
 
@@ -459,41 +240,31 @@ def _env_names(config: dict[str, Any]) -> str:
     )
 
 
-def _body(
-    run_dir: Path,
-    config: dict[str, Any],
-    config_text: str,
-    metrics,
-    scan: TrajScan,
-    plots: list[Plot],
-    table: dict[int, str],
-    max_tokens: int,
-    notices: list[str],
-) -> str:
+def _header_html(run_dir: Path, config: dict[str, Any], metrics, scan: TrajScan) -> str:
+    """The title line: run, env, model, how much the logs hold, and when the page was written."""
     e = html.escape
     env = _env_names(config)
     model = (
         (config.get("model") or {}).get("path") if isinstance(config.get("model"), dict) else None
     )
     when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    out = [
+    return (
         f"<header><h1>agentgrpo report · {e(run_dir.name)}</h1>"
         f'<p class="meta">{e(str(run_dir))} · env {e(str(env))} · '
         f"model {e(str(model or 'embedded SmolLM2-135M-Instruct'))}"
         f" · {len(metrics)} step(s) with metrics · {scan.total} trajectories · "
         f"written {when}</p></header>"
-    ]
-    if notices:
-        out.append(
-            '<ul class="notices">'
-            + "".join(f'<li class="notice">{e(n)}</li>' for n in notices)
-            + "</ul>"
-        )
+    )
+
+
+def _summary_html(metrics, scan: TrajScan, config_text: str) -> str:
+    """Episodes by stop reason, the last step's metrics and the config."""
+    e = html.escape
     last = next(reversed(metrics.values()), {}) if metrics else {}
     stops = Counter()
     for c in scan.stops.values():
         stops.update(c)
-    out.append('<section id="summary"><h2>Summary</h2>')
+    out = ['<section id="summary"><h2>Summary</h2>']
     if stops:
         out.append(
             "<p>Episodes by stop reason: "
@@ -512,7 +283,13 @@ def _body(
     if config_text:
         out.append(f"<details><summary>config.yaml</summary><pre>{e(config_text)}</pre></details>")
     out.append("</section>")
-    out.append('<section id="plots"><h2>Training curves</h2><div class="grid">')
+    return "\n".join(out)
+
+
+def _plots_html(plots: list[Plot]) -> str:
+    """The plots as embedded PNGs, each captioned with its file under plots/."""
+    e = html.escape
+    out = ['<section id="plots"><h2>Training curves</h2><div class="grid">']
     for p in plots:
         src = "data:image/png;base64," + base64.b64encode(p.png).decode("ascii")
         out.append(
@@ -520,7 +297,13 @@ def _body(
             f"<figcaption>{e(p.title)} · plots/{e(p.name)}.png</figcaption></figure>"
         )
     out.append("</div></section>")
-    out.append('<section id="trajectories"><h2>Trajectories</h2>')
+    return "\n".join(out)
+
+
+def _trajectories_html(scan: TrajScan, table: dict[int, str], max_tokens: int) -> str:
+    """The filters (step, reward range, stop reason) and the embedded trajectories."""
+    e = html.escape
+    out = ['<section id="trajectories"><h2>Trajectories</h2>']
     if scan.rows:
         steps = sorted({_step(r.get("step")) for r in scan.rows})
         stops_shown = sorted({str(r.get("stop_reason", "unknown")) for r in scan.rows})
@@ -539,6 +322,30 @@ def _body(
     else:
         out.append("<p>No trajectories to show.</p>")
     out.append("</section>")
+    return "\n".join(out)
+
+
+def _body(
+    run_dir: Path,
+    config: dict[str, Any],
+    config_text: str,
+    metrics,
+    scan: TrajScan,
+    plots: list[Plot],
+    table: dict[int, str],
+    max_tokens: int,
+    notices: list[str],
+) -> str:
+    out = [_header_html(run_dir, config, metrics, scan)]
+    if notices:
+        out.append(
+            '<ul class="notices">'
+            + "".join(f'<li class="notice">{html.escape(n)}</li>' for n in notices)
+            + "</ul>"
+        )
+    out.append(_summary_html(metrics, scan, config_text))
+    out.append(_plots_html(plots))
+    out.append(_trajectories_html(scan, table, max_tokens))
     return "\n".join(out)
 
 

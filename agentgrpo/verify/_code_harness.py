@@ -1,8 +1,8 @@
 """The harness of `agentgrpo.verify.code`: a script sent to the sandbox as source, never imported.
 
 The parent reads the spec, forks a child per test and prints one JSON line per finished test (so a
-job killed at its wall limit still reports the tests it finished). See code.py's docstring for
-what the child guards against.
+job killed at its wall limit still reports the tests it finished). docs/sandbox.md ("How the code
+harness runs tests") says what the child guards against.
 """
 
 import ast
@@ -175,11 +175,9 @@ def child(test, wfd, nonce):
     _exit(0)
 
 
-def run_one(i, test):
-    # The report pipe is open in the child while the solution runs, so the solution can write to it;
-    # a report counts only if it starts with this test's nonce, which lives in frames' locals alone.
-    nonce = os.urandom(16).hex()
-    pipes = [os.pipe() for _ in range(4)]  # stdin, stdout, stderr, report
+def _fork_child(test, pipes, nonce):
+    """Fork the test's child (its CPU budget set, its stdio on `pipes`, the report pipe left open)
+    and close the child's ends here; the child never returns."""
     pid = os.fork()
     if pid == 0:
         os.setpgid(0, 0)
@@ -206,7 +204,14 @@ def run_one(i, test):
         child(test, rep, nonce)
     for fd in (pipes[0][0], pipes[1][1], pipes[2][1], pipes[3][1]):
         os.close(fd)
-    stdin_fd, pending = pipes[0][1], test.get("stdin", "").encode()
+    return pid
+
+
+def _pump(pid, pipes, pending):
+    """Write `pending` to the child's stdin and read its stdout, stderr and report pipes (each
+    kept to `cap` bytes) until it exits or its wall backstop passes. Returns the three buffers,
+    whether it exited, whether it timed out, and the descriptors left to close."""
+    stdin_fd = pipes[0][1]
     os.set_blocking(stdin_fd, False)
     bufs = {pipes[1][0]: b"", pipes[2][0]: b"", pipes[3][0]: b""}
     live = set(bufs)
@@ -244,6 +249,13 @@ def run_one(i, test):
                 bufs[fd] += chunk[: cap - len(bufs[fd])]
         except BlockingIOError:
             pass
+    fds = [pidfd] + list(bufs) + ([stdin_fd] if stdin_fd >= 0 else [])
+    return list(bufs.values()), exited, timed_out, fds
+
+
+def _reap(pid):
+    """Kill the child's process group and reap it: (wait status, CPU seconds of the child and of
+    its reaped descendants)."""
     try:
         os.killpg(pid, signal.SIGKILL)
     except OSError:  # the child left its process group: kill it by pid, or waitpid below would wait
@@ -252,43 +264,50 @@ def run_one(i, test):
         except OSError:
             pass
     _, status, usage = os.wait4(pid, 0)
-    cpu = usage.ru_utime + usage.ru_stime  # the child's and its reaped descendants'
+    return status, usage.ru_utime + usage.ru_stime
+
+
+def _verdict(test, nonce, stderr, report, status, cpu, exited, timed_out):
+    """The test's (outcome, detail): its CPU or wall budget first, then the child's own report
+    (only if it starts with the nonce), then how the child ended."""
+    head, _, text = report.decode("utf-8", "replace").partition("\n")
+    outcome, _, detail = text.partition("\n") if head == nonce else ("", "", "")
     over_cpu = cpu > per_test or (
         os.WIFSIGNALED(status) and os.WTERMSIG(status) in (signal.SIGPROF, signal.SIGXCPU)
     )
-    for fd in [pidfd] + list(bufs) + ([stdin_fd] if stdin_fd >= 0 else []):
-        os.close(fd)
-    head, _, report = bufs[pipes[3][0]].decode("utf-8", "replace").partition("\n")
-    outcome, _, detail = report.partition("\n") if head == nonce else ("", "", "")
-    stderr = bufs[pipes[2][0]].decode("utf-8", "replace")
-    clean_exit = exited and os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
     if over_cpu:
-        res = {"i": i, "o": "timeout", "d": f"over {per_test:g}s of CPU"}
-    elif timed_out:
-        res = {
-            "i": i,
-            "o": "timeout",
-            "d": f"over {wall_per_test:g}s of wall time ({cpu:.2f}s of CPU): it sleeps or blocks",
-        }
-    elif outcome:
-        res = {"i": i, "o": outcome, "d": detail}
-    elif test["kind"] == "io" and clean_exit:  # os._exit(0) after printing, as a program may
-        res = {"i": i, "o": "ran", "d": ""}
-    elif bufs[pipes[3][0]]:
-        res = {
-            "i": i,
-            "o": "error",
-            "d": "the report pipe held something the harness did not write",
-        }
-    else:
-        res = {
-            "i": i,
-            "o": "error",
-            "d": ("exited before the test finished; " + stderr[-300:]).strip(),
-        }
-    res["cpu"] = round(cpu, 4)
+        return "timeout", f"over {per_test:g}s of CPU"
+    if timed_out:
+        return "timeout", (
+            f"over {wall_per_test:g}s of wall time ({cpu:.2f}s of CPU): it sleeps or blocks"
+        )
+    if outcome:
+        return outcome, detail
+    clean_exit = exited and os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+    if test["kind"] == "io" and clean_exit:  # os._exit(0) after printing, as a program may
+        return "ran", ""
+    if report:
+        return "error", "the report pipe held something the harness did not write"
+    tail = stderr.decode("utf-8", "replace")[-300:]
+    return "error", ("exited before the test finished; " + tail).strip()
+
+
+def run_one(i, test):
+    # The report pipe is open in the child while the solution runs, so the solution can write to it;
+    # a report counts only if it starts with this test's nonce, which lives in frames' locals alone.
+    nonce = os.urandom(16).hex()
+    pipes = [os.pipe() for _ in range(4)]  # stdin, stdout, stderr, report
+    pid = _fork_child(test, pipes, nonce)
+    (stdout, stderr, report), exited, timed_out, fds = _pump(
+        pid, pipes, test.get("stdin", "").encode()
+    )
+    status, cpu = _reap(pid)
+    for fd in fds:
+        os.close(fd)
+    outcome, detail = _verdict(test, nonce, stderr, report, status, cpu, exited, timed_out)
+    res = {"i": i, "o": outcome, "d": detail, "cpu": round(cpu, 4)}
     if test["kind"] == "io":  # raw bytes: JSON's escapes would make the size unbounded by `cap`
-        res["out"] = base64.b64encode(bufs[pipes[1][0]]).decode()
+        res["out"] = base64.b64encode(stdout).decode()
     out.write(json.dumps(res) + "\n")
     out.flush()
 

@@ -1,22 +1,12 @@
 """Fork server of the `namespaces` sandbox backend (runs as root, started by the supervisor).
 
-At start it builds, in a private mount namespace, a minimal read-only root (the host's /usr and
-/lib*, the Python installation, a synthetic /etc, five device nodes) and `pivot_root`s into it, so
-neither it nor any job can name a host path afterwards. It creates one empty network namespace
-per slot, opens each slot's cgroup membership files, pre-imports the stdlib, builds the seccomp
-filter, and then only forks. It never receives a job's code, files or output: the supervisor
-sends a slot number, the limits and five pipe ends (SCM_RIGHTS), and the job's own process reads
-its payload from the pipe.
-
-Per job (two forks; its cost: docs/performance.md):
-    fork server --unshare(PID), fork--> init (PID 1 of a new PID namespace, root for setup):
-        joins the slot's cgroups; new mount, IPC and UTS namespaces; enters the slot's network
-        namespace; mounts a fresh size- and inode-limited tmpfs on /tmp and a pid-only /proc;
-        forks the job, then drops to a separate init uid, reaps every process of the namespace
-        and writes the job's wait status to the status pipe. When init exits (job done, wall
-        deadline, or the fork server dying: PDEATHSIG) the kernel kills the whole namespace.
-    job: new session, fds 0-3 only, rlimits, the slot's uid with no supplementary groups,
-        no_new_privs, seccomp; reads its payload, writes its files to /tmp, runs the code.
+At start it builds a minimal read-only root and `pivot_root`s into it, makes an empty network
+namespace per slot, opens each slot's cgroup files, pre-imports the stdlib and builds the seccomp
+filter; then it only forks. It never receives a job's code, files or output: the supervisor sends
+a slot, the limits and five pipe ends. Per job it forks an init (PID 1 of a new PID namespace,
+which sets the job's namespaces and mounts up, reaps, and reports its status) and the init forks
+the job (rlimits, the slot's uid, `no_new_privs`, seccomp). docs/sandbox.md ("Inside the local
+backends") has each step.
 
 Started as `python -I -c ... _forkserver.py-dir CONFIG_JSON SOCKET_FD`; stdlib-only so a fork of it
 stays small (fork cost grows with the parent's memory).

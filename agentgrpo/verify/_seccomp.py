@@ -1,24 +1,12 @@
 """A seccomp deny-list for sandboxed jobs, as a classic BPF program built by hand.
 
-Why by hand: the filter is ~70 instructions, the kernel ABI is stable, and building it here
-keeps the sandbox free of a native dependency (libseccomp bindings are not pip-installable
-everywhere). The same bytes serve the fork-server backend (installed with `prctl`) and the
-bubblewrap backend (`bwrap --seccomp FD` reads exactly this array of `struct sock_filter`).
-
-Policy (a deny-list on top of namespaces, a non-root uid and `no_new_privs`, not a replacement):
-- a foreign architecture (i386 `int 0x80` on x86-64) or the x32 ABI kills the process, so the
-  syscall numbers below cannot be bypassed by switching ABI;
-- syscalls that reach kernel attack surface or other processes fail with EPERM: ptrace and
-  process_vm_*, pidfd_getfd, kcmp, mount and the new mount API, unshare/setns, chroot, module
-  and kexec loading, bpf, perf_event_open, userfaultfd, keyrings (per-uid state that would
-  outlive a job), io_uring (its operations bypass seccomp), clock/time setting, swap, reboot,
-  handle-based opens, ioperm/iopl;
-- `clone` with any CLONE_NEW* flag fails with EPERM (no user namespaces, which would hand the
-  job a full capability set in a fresh namespace); `clone3` fails with ENOSYS because its flags
-  live in memory seccomp cannot read, and glibc then falls back to `clone`;
-- `socket`/`socketpair` only for AF_UNIX, AF_INET, AF_INET6 (EAFNOSUPPORT otherwise: no
-  netlink, packet, vsock, bluetooth, ...);
-- `ioctl(TIOCSTI)` / `TIOCLINUX` (injecting keystrokes into a terminal) fail with EPERM.
+Built here, not with libseccomp, to keep the sandbox free of a native dependency; the same bytes
+serve the fork server (`prctl`) and bubblewrap (`bwrap --seccomp FD`). A deny-list on top of
+namespaces, a non-root uid and `no_new_privs`: a foreign architecture or ABI kills the process;
+syscalls that reach kernel attack surface or other processes (ptrace, mount, unshare, bpf,
+io_uring, keyrings, ...) fail with EPERM, as do `clone` with CLONE_NEW* flags and terminal
+keystroke injection; `clone3` fails with ENOSYS; sockets are unix, inet and inet6 only.
+docs/sandbox.md ("Inside the local backends") lists the policy in full.
 """
 
 from __future__ import annotations

@@ -1,20 +1,14 @@
 """PID 1 of a sandbox session: the jail that holds one episode's workspace and processes.
 
-`session.py` starts it. Under `namespaces` (root), as `python -I -c BOOT VERIFY_DIR namespaces
-CONFIG SOCKET_FD`, the host process makes the session's cgroups, unshares the PID, network, IPC
-and UTS namespaces and forks the init; it waits for the init, then removes the cgroups. Under
-`bwrap` the init runs inside bubblewrap (`bwrap` mode), which built the jail and applies seccomp.
-
-The init never runs user code. As root it joins the cgroups, builds the one-shot jobs' minimal
-read-only root (`_forkserver.assemble_root`) with the workspace at /workspace (an overlay on the
-prepared tree whose upper layer is a size-limited tmpfs, or a bind of a fork directory),
-`pivot_root`s, mounts a fresh /tmp and a pid-only /proc, puts the seccomp filter on itself, and
-serves requests one at a time (`_frames.py`): `run` (one bash for the session: cwd, variables and
-functions persist), `python` (one REPL, `_session_repl.py`), `exec` (a fresh process with its own
-stdout and stderr) and `close` (kill everything, answer, exit). User processes get their own
-process group, the session's uid, rlimits, no_new_privs and the filter. A call past its time or
-output budget has its process group killed (a shell or REPL restarts on the next call; files
-stay). When the init exits, the kernel kills every process left in its PID namespace.
+`_session_boot.py` starts it: forked by the namespaces host, or directly inside bubblewrap.
+The init never runs user code. As root it builds the jail (`_session_jail.py`: cgroups, the
+minimal read-only root with the workspace, /tmp, /proc, seccomp), then serves requests one at a
+time (`_frames.py`): `run` (one bash for the session: cwd, variables and functions persist),
+`python` (one REPL, `_session_repl.py`), `exec` (a fresh process with its own stdout and stderr)
+and `close` (kill everything, answer, exit). User processes get their own process group, the
+session's uid, rlimits, no_new_privs and the filter. A call past its time or output budget has
+its process group killed (a shell or REPL restarts on the next call; files stay). When the init
+exits, the kernel kills every process left in its PID namespace.
 """
 
 from __future__ import annotations
@@ -27,25 +21,20 @@ import selectors
 import signal
 import socket
 import struct
-import sys
 import time
 
 try:
-    from . import _forkserver, _runner, _seccomp
-    from ._cgroups import Cgroups
+    from . import _runner, _session_jail
     from ._frames import pack, unpack
 except ImportError:  # started as a plain script: siblings are top-level modules
-    import _forkserver
     import _runner
-    import _seccomp
-    from _cgroups import Cgroups
+    import _session_jail
     from _frames import pack, unpack
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 with open(os.path.join(_HERE, "_session_repl.py")) as _f:  # read before pivot_root hides it
     REPL_SOURCE = _f.read()
 
-_NS = {"pid": 0x20000000, "net": 0x40000000, "ipc": 0x08000000, "uts": 0x04000000}
 _GRACE_S = 0.3  # how long output is still read after a process exits (its children may hold it)
 _BASH = "/bin/bash"
 
@@ -78,60 +67,7 @@ class Init:
 
     def setup(self, cgroup_fds: list[int]) -> None:
         """Join the cgroups, build the jail's root with the workspace, mount /tmp and /proc."""
-        fs = _forkserver
-        for fd in cgroup_fds:
-            os.write(fd, b"0")
-            os.close(fd)
-        fs._libc.prctl(fs.PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # the host died: so do we
-        fs._ok(fs._libc.unshare(fs.CLONE_NEWNS), "unshare(NEWNS)")
-        fs._mount(None, "/", None, fs.MS_REC | fs.MS_PRIVATE)
-        exe_dir = os.path.dirname(os.path.realpath(sys.executable))
-        root = fs.assemble_root(
-            [sys.prefix, sys.base_prefix, exe_dir, *self.cfg["ro_paths"]],
-            [self.uid],
-            self.uid + 1,
-            home="/workspace",
-            extra_dirs=("/workspace", "/.session"),
-        )
-        detach = self._mount_workspace(root)
-        fs.enter_root(root, detach)
-        lim = self.lim
-        inodes = 1024 + 16 * lim["disk_mb"]
-        tmp_opts = f"size={lim['disk_mb']}m,nr_inodes={inodes},mode=1777"
-        fs._mount("tmpfs", "/tmp", "tmpfs", fs.MS_NOSUID | fs.MS_NODEV, tmp_opts)
-        flags = fs.MS_NOSUID | fs.MS_NODEV | fs.MS_NOEXEC
-        fs._mount("proc", "/proc", "proc", flags, "hidepid=invisible,subset=pid")
-        fs._ok(fs._libc.sethostname(b"sandbox", 7), "sethostname")
-        if _seccomp.supported():
-            _seccomp.Installer().install()  # inherited by every process started from here
-
-    def _mount_workspace(self, root: str) -> tuple[str, ...]:
-        """Mount the workspace at `root`/workspace; the mounts to detach after `pivot_root`."""
-        fs, ws = _forkserver, self.cfg["workspace"]
-        target = root + "/workspace"
-        flags = fs.MS_NOSUID | fs.MS_NODEV
-        if ws["kind"] == "bind":
-            fs._mount(ws["path"], target, None, fs.MS_BIND)
-            fs._mount(None, target, None, fs.MS_BIND | fs.MS_REMOUNT | flags)
-            os.rmdir(root + "/.session")
-            return ()
-        staging = root + "/.session"  # the upper layer's tmpfs: reachable by the overlay only
-        inodes = 1024 + 16 * self.lim["disk_mb"]
-        opts = f"size={self.lim['disk_mb']}m,nr_inodes={inodes},mode=700"
-        fs._mount("tmpfs", staging, "tmpfs", flags, opts)
-        upper, work = staging + "/upper", staging + "/work"
-        os.mkdir(upper)
-        os.mkdir(work)
-        if ws["kind"] == "overlay":
-            st = os.stat(ws["lower"])
-            os.chown(upper, st.st_uid, st.st_gid)
-            os.chmod(upper, st.st_mode & 0o7777)
-            data = f"lowerdir={ws['lower']},upperdir={upper},workdir={work}"
-            fs._mount("overlay", target, "overlay", flags, data)
-        else:  # "empty": a writable workspace of its own, in the session's tmpfs
-            os.chown(upper, self.uid, self.uid)
-            fs._mount(upper, target, None, fs.MS_BIND)
-        return ("/.session",)
+        _session_jail.setup(self.cfg, self.uid, self.lim, cgroup_fds)
 
     # ---- the control socket ---------------------------------------------------------------------
 
@@ -538,52 +474,3 @@ def _serve_init(cfg: dict, sock: socket.socket, cgroup_fds: list[int], go: int |
     init.reply({"op": "hello", "ok": True}, [])
     init.serve()
     return 0
-
-
-def _host(cfg: dict, sock_fd: int) -> int:
-    """The `namespaces` host: cgroups, namespaces, the init; then wait and clean up."""
-    sock = socket.socket(fileno=sock_fd)
-    cg = Cgroups(1)
-    cg.prepare(0, cfg["limits"])
-    fds = [os.open(p, os.O_WRONLY | os.O_CLOEXEC) for p in cg.procs_paths(0)]
-    cfg["memory_cgroup"] = cg.memory
-    fs = _forkserver
-    flags = _NS["pid"] | _NS["net"] | _NS["ipc"] | _NS["uts"]
-    fs._ok(fs._libc.unshare(flags), "unshare(PID|NET|IPC|UTS)")
-    go_r, go_w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        os.close(go_w)
-        os._exit(_serve_init(cfg, sock, fds, go_r))
-    os.close(go_r)
-    for fd in fds:
-        os.close(fd)
-    sock.sendall(pack({"op": "host", "init_pid": pid, "features": cg.features}, []))
-    sock.close()
-    os.write(go_w, b"1")
-    os.close(go_w)
-    while True:
-        try:
-            os.waitpid(pid, 0)
-            break
-        except InterruptedError:
-            continue
-    empty = False
-    for i in range(500):  # the PID namespace is gone with its init; the cgroup says so
-        if cg.empty(0):
-            empty = True
-            break
-        if i % 50 == 0:
-            cg.kill(0)
-        time.sleep(0.01)
-    cg.close()
-    return 0 if empty else 3
-
-
-def main(argv: list[str]) -> int:
-    mode, cfg, fd = argv[0], json.loads(argv[1]), int(argv[2])
-    cfg["mode"] = mode
-    if mode == "namespaces":
-        return _host(cfg, fd)
-    cfg.setdefault("memory_cgroup", False)
-    return _serve_init(cfg, socket.socket(fileno=fd), [], None)

@@ -1,24 +1,12 @@
 """Supervisor process of the local sandbox backends: slots, deadlines, output caps, kill-all.
 
-One supervisor serves one `Sandbox` client over a socketpair. It is a separate process so the
-trainer's GIL and memory never sit on the path of a job, and so the fork server can be a child of
-a small, single-threaded process. It owns:
-- slots: at most `slots` jobs run at once, each slot with its own uid, network namespace and
-  cgroups (v1 memory and pids, v2 with `cgroup.kill`, or v2 memory/pids where delegated);
-- pre-started jobs: every free slot holds a job already set up to the point of reading its
-  payload (namespaces, cgroups, limits, uid), with the limits of that slot's last job, so a
-  request only costs the payload write and the run; other limits start a job on demand;
-- the wall deadline, enforced here from the moment the payload is sent (SIGKILL through a
-  pidfd of the job's init, which takes its whole PID namespace down, plus `cgroup.kill`);
-- output caps: stdout and stderr are read here and the job is killed once either passes its cap;
-- cancels: a `{"op": "cancel", "id": N}` frame kills job N (its caller gave up, e.g. a tool call
-  past its deadline), so its slot is free again long before its wall limit; its answer still comes;
-- classification of the outcome into the typed statuses of `ExecResult`.
-
-Launchers: `namespaces` (the fork server, `_forkserver.py`), `bwrap` and `unsafe-local` (a fresh
-interpreter per job running `_runner.standalone_main`). One running job (its pipes, capped output,
-the init's status reports and the classification of its end) is `_job.py`; this module holds the
-slots, the frame format and the loop serving the client.
+One supervisor serves one `Sandbox` client over a socketpair, in a process of its own so that the
+trainer's GIL and memory never sit on a job's path. It owns the slots (each with its own uid,
+network namespace and cgroups), the pre-started job of each free slot, the wall deadline (a pidfd
+kill of the job's init and `cgroup.kill`), the output caps, cancels, and the classification of a
+job's end. One running job is `_job.py`; launchers (`namespaces`: the fork server; `bwrap`,
+`unsafe-local`: a fresh interpreter per job) are `_launchers.py`. docs/sandbox.md ("Inside the
+local backends") has the details.
 
 Stdlib only; started as `python -I -c ... VERIFY_DIR CONFIG_JSON SOCKET_FD`.
 """

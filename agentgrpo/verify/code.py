@@ -5,44 +5,12 @@
     run_tests(program, [IOTest(stdin="1 2\\n", expected="3\\n")])   # stdin/stdout cases
     CodeVerifier()(trajectory, task)               # a Verifier over task.metadata["tests"]
 
-All tests of a sample run in one sandbox call. Inside it a small harness forks one process per
-test, so a test that loops, crashes or calls `exit()` affects only itself and gets its own
-time budget; solution and test run in that child, the harness parent never runs model code and is
-the only writer of the job's stdout (children write to pipes; the parent is not dumpable, so
-they cannot reach its stdout through /proc). An assert test passes only if the child reports
-that it ran the test to its end: `sys.exit(0)` or `os._exit(0)` in the solution is an error, not a
-pass. Stdout cases are compared here, outside the sandbox (trailing whitespace ignored).
-Rigged comparisons are caught: every operand of a comparison inside an assert (and the value of a
-bare `assert x`) is checked, containers included, for objects whose class is Python code that
-defines its own `__eq__`, `__lt__`, `__bool__`, ... (an always-true `__eq__` is the classic hack);
-such a test fails with "rigged comparison". Values of C-implemented types (int, str, list, dict,
-numpy's) pass as they are; a class's flags and MRO are read through `type`'s own descriptors, so a
-metaclass cannot disguise it. The solution runs as a fresh `__main__` module (`import __main__` is
-its own namespace, as under `python prog.py`), so it cannot reach the harness's names; the report
-path and the check are bound before it runs, so patching `json`, `os` or `builtins` does not change
-them; an assert test runs in globals of its own (the solution's names as its top level left them,
-plus the check), which the solution's functions cannot rebind; a report counts only if it carries
-the test's random nonce, so writing "passed" to the inherited report pipe is an error. A
-deliberate attack on the harness's own memory (gc, frame introspection, ctypes) is not covered: the
-solution and the test share a process, so only stdin/stdout tests, compared out here, are immune to
-everything. A stdin/stdout program ends as under `python prog.py`: its non-daemon threads are
-joined and its atexit handlers run before its output is compared, and `os._exit(0)` is a normal
-end. A test whose asserts compare
-objects of classes that define comparison (dataclasses, fractions.Fraction) fails under this rule:
-compare their fields or use stdout tests.
-
-A test's budget, `timeout_per_test_s`, is CPU seconds (user + system) of its process and the
-children it reaped, as programming judges count it (isolate's --time): a correct solution that is
-slow only because the machine is loaded (rollouts, the learner and other jobs share its cores)
-still passes. Past the budget the process is killed (ITIMER_PROF, with RLIMIT_CPU behind it). The
-wall clock is a backstop for a test that sleeps or blocks: `wall_per_test_s`, by default
-3 x budget + 1 s. A process the solution forks gets its own RLIMIT_CPU; only the wall clock and
-the sandbox's limits bound the sum over such processes. `TestResult.cpu_s` is what a test used.
-
-Outcomes per test: passed | failed (assertion or wrong output) | error (exception or early
-exit) | timeout (CPU budget or wall backstop; the detail says which) | not_run (the job ended
-first: wall/memory/output limit). The score is the
-fraction passed; when the sandbox itself failed after its retries it is NaN (unscorable), never 0.
+All tests of a sample run in one sandbox call, where a harness (`_code_harness.py`) forks one
+process per test with a budget of CPU seconds, as judges count it. The known reward hacks (an
+early exit, a forged report, an always-true `__eq__`, patching the harness) are caught; an attack
+on the harness's own memory is not. Outcomes per test: passed | failed | error | timeout |
+not_run. The score is the fraction passed, or NaN (unscorable, never 0) when the sandbox failed.
+docs/sandbox.md ("How the code harness runs tests") has every rule and what it does not cover.
 """
 
 from __future__ import annotations

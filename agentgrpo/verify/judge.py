@@ -1,19 +1,14 @@
 """Rewards that need judgement: an LLM judge behind any OpenAI-compatible endpoint, or a
 reward-model server, as verifiers for a `Rubric`.
 
-`JudgeVerifier` asks a chat model (serve-policy, a vLLM or SGLang server, a hosted API) to score a
-trajectory against a rubric and answer as JSON (`{"explanation", "score"}`, by the server's
-structured output where it has one). With `group=True` it ranks a whole group in one call, each
-trajectory scored relative to the others (the idea of ART's RULER): a `Rubric` then calls its
-`score_group` once per group. `RewardModelVerifier` posts the conversation to a reward model's
-score endpoint (vLLM's `/classify`, or any that answers JSON) and reads the score from the reply.
+`JudgeVerifier` asks a chat model to score a trajectory against a rubric and answer as JSON
+(`{"explanation", "score"}`); with `group=True` it ranks a whole group in one call (ART's RULER
+idea), through the Rubric's `score_group`. `RewardModelVerifier` posts the conversation to a
+reward model's score endpoint (vLLM's `/classify`, or any that answers JSON).
 
-Both bound their requests in flight, give each a timeout, retry transport errors, 429 and 5xx
-answers (and, for the judge, answers that do not parse) with backoff, and cache answers by the
-request's content. A judge that still fails gives NaN (unscorable, left out of the group's
-statistics), never 0. What was asked and answered is the result's `info` (`kind` "judge" or
-"reward model"), which a Rubric keeps in the trajectory's `Score.info` under the verifier's name:
-`trajectories.jsonl` (`reward_info`) and the report show it.
+Both bound, time out, retry with backoff and cache their requests. A judge that still fails gives
+NaN (unscorable), never 0. What was asked and answered is the result's `info`, which a Rubric
+keeps in the trajectory's `Score.info`. Details: docs/environments.md, "Judges and reward models".
 """
 
 from __future__ import annotations

@@ -6,46 +6,12 @@
     math_check(pred, gold)                                       # MathCheck(equal, status, detail)
     MathVerifier()(trajectory, task)                             # a Verifier: 1.0 / 0.0 / NaN
 
-Why a process pool: math-verify bounds its own work with SIGALRM, which only works on the main
-thread (it raises elsewhere), and sympy can run away on inputs like `10^{10^{10}}`. So its
-timeouts are disabled and the work runs in worker processes; a worker that overruns is killed
-and replaced.
-
-Wrong answer or no check: every comparison ends in one of three ways.
-- Compared (`MathCheck.status == "ok"`): `equal` is the verdict, scored 1 or 0.
-- The input's fault, scored 0 and counted: math-verify raised on it (`"error"`, `MathPool.errors`)
-  or the comparison used up its CPU budget (`"timeout"`, `MathPool.timeouts`).
-- Infrastructure, never scored: a worker that cannot be started, dies (OOM killer, a signal, a
-  broken pipe) or never says it is ready is retried on a fresh worker (`retries`, with backoff,
-  as the sandbox does); a worker the machine starves of CPU (see below) is not retried, it
-  already had `wall_factor` times its budget. Either way `MathVerifyUnavailable` (an
-  `InfrastructureError`) is raised, counted in `MathPool.unscorable`: `MathVerifier` returns NaN
-  with the reason, and an env that lets it propagate ends the episode as ENV_ERROR (reward NaN).
-
-The timeout decision. math-verify itself scores a timeout as "not equal" (`verify` logs a
-warning and returns False), and so do verl (`compute_score(..., timeout_score=0)`) and TRL
-(`accuracy_reward` reads `verify`'s False as 0.0). That is right when the model wrote something
-pathological (a tower of exponents sympy cannot finish) and wrong when the machine is overloaded:
-their SIGALRM measures wall time, so a busy host scores correct answers 0. Here the budget
-`timeout_s` is CPU time of the worker (read from /proc while the caller waits): a comparison that
-burns `timeout_s` CPU seconds is the answer's doing and scores 0 (status "timeout", counted, and
-carried in `MathCheck.detail`, the verifier's detail and python_math's stop reason); a worker
-that gets less than that in `wall_factor * timeout_s` of wall time was starved, which says
-nothing about the answer: unscorable. Where /proc is missing (not Linux) CPU time cannot be read
-and wall time stands in for it, as in math-verify. A reference answer that itself runs away
-would score every sample 0 with status "timeout"; references come from the dataset, not the model.
-A crash that one input causes every time is indistinguishable from an OOM kill: after the retry
-it is unscorable (left out of its group), which rewards nothing.
-
-How answers are read: the reference is parsed as if boxed (`\\boxed{answer}`), so bare LaTeX
-(`\\sqrt{8}`) and plain numbers both work, except a number with one decimal comma (`1,22`,
-`-3,5`), which is read as math-verify reads it unboxed (1.22; boxed it would be the set {1, 22});
-the prediction is parsed as math-verify reads model
-output (`\\boxed{}` first, then LaTeX and plain expressions; several boxes are read as one set of
-answers, so `\\boxed{2} ... \\boxed{3}` does not equal 3: hedging across boxes earns nothing) and,
-when nothing is found in a short prediction, as an inline formula. `verify(gold, prediction)` then
-compares symbolically and numerically (fractions vs decimals, percentages, intervals, sets,
-equations `x=2` vs `2`).
+math-verify's SIGALRM works only on the main thread, so the work runs in worker processes with a
+budget of CPU time, not wall time, so that a loaded machine does not score correct answers 0.
+A comparison ends compared (`ok`), the answer's fault (`error`, `timeout`: scored 0, counted), or
+unscorable: a worker that dies, cannot start or is starved of CPU raises `MathVerifyUnavailable`
+(an `InfrastructureError`; `MathVerifier` returns NaN). docs/sandbox.md ("How math answers are
+compared") has the rules and how answers are parsed.
 """
 
 from __future__ import annotations

@@ -5,69 +5,13 @@
     res.status, res.stdout               # ("ok", "cba\\n")
     res = await sb.arun(code)            # same, from asyncio (never blocks the event loop)
 
-Statuses: ok | runtime_error (non-zero exit) | timeout (wall or CPU limit) | memory_limit (cgroup
-OOM kill, or MemoryError) | output_limit (stdout or stderr passed `output_bytes`; the job is
-killed and what came before is kept, `truncated=True`) | signaled (died of another signal) |
-sandbox_error (the sandbox itself failed). `sandbox_error` is retried here (`retries`), and a
-caller that still gets one must treat the sample as unscorable (reward NaN), never as 0.
-Stdout and stderr are unbuffered inside the sandbox, so output printed before a timeout is kept.
-Jobs beyond the free slots wait in a queue; inside a tool call that wait is not charged to the
-tool's deadline (`agentgrpo.deadlines.WaitClock`). With `remote`, waits for a busy server (429,
-retried) are not charged either, but the server's own queue (`serve-sandbox --max-queue`) is not
-visible here and counts as running time: give it `--max-queue` equal to `--slots` to keep the wait
-on this side.
-
-Backends, chosen by probing once per process, in this order; every result names its `backend`:
-- `namespaces` (root with CAP_SYS_ADMIN): a supervisor process and a fork server; each job is a
-  fork of a warm interpreter in new mount, PID, IPC and UTS namespaces and its slot's empty
-  network namespace, inside a read-only minimal root (`pivot_root`) with a fresh size- and
-  inode-limited tmpfs on /tmp and a pid-only /proc, rlimits, its slot's own uid, no
-  supplementary groups, `no_new_privs`, a seccomp deny-list (`_seccomp.py`), a PID-1 init under
-  another uid that reaps and reports, and cgroups (v1 memory/pids, v2 `cgroup.kill`, v2
-  memory/pids where delegated). Each free slot holds a job pre-started up to reading its
-  payload, so a `print(1)` costs milliseconds (bench/sandbox.py; docs/performance.md).
-- `bwrap` (bubblewrap, unprivileged user namespaces): the same namespaces and read-only binds,
-  seccomp, all capabilities dropped; memory and processes bounded by rlimits only (RLIMIT_AS is
-  coarser than a cgroup); a fresh interpreter per job (tens of ms).
-- `remote`: `Sandbox(url=...)` or AGENTGRPO_SANDBOX_URL, one or several `serve-sandbox` servers
-  (token from AGENTGRPO_SANDBOX_TOKEN); isolation is whatever that server's backend gives.
-- `unsafe-local`: only when asked for by name. A subprocess with rlimits in a temp dir, nothing
-  else: for trusted code in tests. Every result says `backend="unsafe-local"`.
-
-Threat model (namespaces backend; bwrap differs where noted). The code is hostile. It cannot:
-- read host files outside what it is given: the root is a read-only tree of /usr, /lib*, the
-  Python installation and `ro_paths`, plus a synthetic /etc (no secrets, no host /etc); /proc
-  shows only the job's own processes; /sys and /dev are absent but for null, zero, full,
-  random and urandom;
-- write outside its scratch space: everything is read-only but /tmp, a fresh tmpfs per job,
-  bounded in bytes (`disk_mb`) and inodes; RLIMIT_FSIZE bounds single files;
-- reach any network, loopback included: its network namespace has only a downed `lo`; socket
-  families other than unix/inet/inet6 are refused (no netlink, vsock, packet); abstract unix
-  sockets are per network namespace, so host ones are out of reach;
-- see the trainer's environment: the fork server starts with a fixed, clean environment;
-- signal, ptrace or inspect the trainer or other jobs: separate PID namespace, a uid per slot,
-  ptrace and process_vm_* denied by seccomp;
-- exhaust host memory, processes, disk, inodes or fds: memory and pids cgroups (rlimits as
-  fallback: RLIMIT_AS, RLIMIT_NPROC per slot uid), tmpfs size and inodes, RLIMIT_NOFILE;
-- flood the trainer: output is capped while read, and the job is killed at the cap;
-- leave processes behind: when the job's main process exits, its init exits and the kernel
-  kills every process of the PID namespace (daemons, double forks, orphans); at the wall limit
-  the supervisor kills the init through a pidfd and the slot through `cgroup.kill`;
-- persist state into the next job: fresh mount/IPC/PID/UTS namespaces and tmpfs per job; keyrings
-  (per-uid state) are denied by seccomp;
-- gain privileges: non-root uid without capabilities, `no_new_privs`, user namespaces and
-  mount/unshare/setns/bpf/perf/io_uring/module/kexec syscalls denied by seccomp.
-The sandbox always returns a typed result within the wall limit plus a small margin; it does
-not raise for anything the code does.
-
-Not covered (known limits): kernel vulnerabilities reachable through allowed syscalls (this is a
-deny-list on a shared kernel, not a VM: use gVisor/Firecracker for hostile multi-tenant use);
-CPU contention and timing side channels between concurrent jobs (no CPU quota; RLIMIT_CPU and
-the wall limit bound each job's time); reading world-readable files under the exposed /usr and
-Python trees; all jobs share the fork server's hash seed (`PYTHONHASHSEED`) and pre-imported
-module state; code that games an in-process test harness (see `verify/code.py`, which runs
-each test in a separate process for this reason). In the bwrap backend the job and its runner
-share a uid, and limits are rlimits only. `unsafe-local` protects nothing.
+Backends, probed once per process in this order: `namespaces` (root: a supervisor, a fork server,
+per-job namespaces, seccomp and cgroups), `bwrap` (unprivileged, rlimits only), `remote`
+(`serve-sandbox` servers), and `unsafe-local` (only by name: no isolation). Every result is an
+`ExecResult` naming its status and backend, within the wall limit plus a margin; nothing the code
+does raises. A `sandbox_error` is retried here, and one that remains makes the sample unscorable
+(reward NaN), never 0. Jobs past the free slots queue, uncharged to a tool's deadline.
+docs/sandbox.md has the statuses, the backends and the threat model; docs/security.md the rest.
 """
 
 from __future__ import annotations

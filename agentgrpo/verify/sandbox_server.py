@@ -1,50 +1,21 @@
 """`agentgrpo serve-sandbox`: the sandbox as an HTTP server for trainers on other machines.
 
-    # on the sandbox machine (as root for the namespaces backend)
-    export AGENTGRPO_SANDBOX_TOKEN=$(openssl rand -hex 32)     # or --token-file PATH
-    agentgrpo serve-sandbox --host 0.0.0.0 --port 8765
-    # on the trainer
-    AGENTGRPO_SANDBOX_URL=http://box1:8765,http://box2:8765 AGENTGRPO_SANDBOX_TOKEN=... \\
-        agentgrpo train ...
-    # or Sandbox(url=["http://box1:8765", ...], token=...)
+    agentgrpo serve-sandbox --host 0.0.0.0 --port 8765   # token in $AGENTGRPO_SANDBOX_TOKEN
+    AGENTGRPO_SANDBOX_URL=http://box1:8765,http://box2:8765 agentgrpo train ...  # the trainer
 
-Security: it executes code for whoever reaches it, so it binds 127.0.0.1 by default and refuses
-to bind anything else without a token (from AGENTGRPO_SANDBOX_TOKEN or --token-file, never the
-command line, where `ps` would show it). With a token every request needs
-`Authorization: Bearer <token>` (401 otherwise, compared in constant time). Before that check,
-connections that have not sent a complete request head (new or idle keep-alive ones) are at most
-`--max-waiting` (the oldest is closed beyond) and each has `--head-timeout-s` for its whole head,
-so idle or dripping clients cannot hold the server's threads and descriptors. After it, bodies
-are bounded (413), the bytes of bodies read and parsed at once are bounded (`--max-parse-mb`;
-503 with Retry-After when a body waited its head timeout for room), a malformed field is a 400
-naming it, every limit a request asks for (wall time, memory, processes, /tmp size, open files,
-output) is clamped to the server's maxima, and at most `--max-queue` requests are admitted at
-once (429 with Retry-After beyond: back-pressure the client retries). Plain HTTP: put it behind
-TLS (a reverse proxy or a private network) when the network between trainer and sandbox is not
-trusted. docs/security.md has the threat model.
-
-Endpoints:
-    GET  /health    backend, slots, isolation features
-    POST /run       {"code", "stdin" | "stdin_b64", "files" | "files_b64", "limits"} -> ExecResult
-    POST /run_code  SandboxFusion-compatible: {"code", "language": "python", "run_timeout",
-                    "memory_limit_MB", "stdin", "files": {name: base64}} -> {"status": "Success" |
-                    "Failed" | "SandboxError", "message", "compile_result", "run_result": {"status":
-                    "Finished" | "TimeLimitExceeded" | "Error", "execution_time", "return_code",
-                    "stdout", "stderr"}, "executor_pod_name", "files"}
-
-Stdlib only (`http.server`, one thread per connection, the waiting ones bounded as above; each
-blocks on the thread-safe `Sandbox`).
-A client that hangs up before its answer (`Sandbox.arun` cancelled at a tool's deadline closes its
-connection) has its job killed within about 0.2 s, so it stops holding a slot. A client that
-half-closes its socket once the request is sent (shutdown(SHUT_WR), as `nc -N` does; httpx,
-requests and curl do not) reads the same way and gets no answer.
+It runs code for whoever reaches it: it binds 127.0.0.1 unless given a bearer token (from the
+environment or --token-file, never the command line), checks the token in constant time, bounds
+the connections waiting for their request head (`_Gate`) and the bodies parsed at once
+(`_ByteBudget`), clamps every limit a request asks for to the server's maxima, and admits at most
+--max-queue jobs (429 beyond). A client that hangs up has its job killed. Stdlib only
+(`http.server`, one thread per connection). Endpoints: GET /health, POST /run, and
+SandboxFusion's POST /run_code (`_server_api.py` holds the request and answer shapes).
+docs/sandbox.md describes the endpoints; docs/security.md has the threat model and its tests.
 """
 
 from __future__ import annotations
 
 import argparse
-import base64
-import binascii
 import dataclasses
 import hmac
 import ipaddress
@@ -55,225 +26,36 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from pydantic import ValidationError
-
-from agentgrpo.verify.sandbox import Limits, Sandbox, SandboxConfig
+from agentgrpo.verify._records import ExecResult, Limits
+from agentgrpo.verify._server_api import (  # the request and answer shapes, re-exported
+    SANDBOXFUSION_OUTPUT_BYTES,
+    BadRequest,
+    ServerLimits,
+    parse_run,
+    parse_run_code,
+    to_sandboxfusion,
+)
+from agentgrpo.verify.sandbox import Sandbox, SandboxConfig
 
 TOKEN_ENV = "AGENTGRPO_SANDBOX_TOKEN"
-
-
-class ServerLimits:
-    """The most a request may ask for; requests asking for more are clamped, not refused.
-
-    Every resource a job has is clamped (wall time, memory, processes, /tmp size, open files,
-    output), and a request above `Limits`' own hard maximum is clamped too (it is a number over
-    the server's maximum like any other). Only nonsense (a negative time, a string) is a 400.
-    """
-
-    def __init__(
-        self,
-        max_body_bytes: int,
-        max_queue: int,
-        max_wall_s: float,
-        max_memory_mb: int,
-        max_output_bytes: int,
-        max_processes: int = 256,
-        max_disk_mb: int = 1024,
-        max_open_files: int = 1024,
-        *,
-        max_parse_bytes: int | None = None,
-        max_waiting: int = 128,
-        head_timeout_s: float = 10.0,
-    ) -> None:
-        self.max_body_bytes, self.max_queue = max_body_bytes, max_queue
-        # Bytes of request bodies read and parsed at once (json.loads of a body can take ~25x its
-        # size); by default one body of the largest size, or several smaller ones.
-        self.max_parse_bytes = max_parse_bytes or max_body_bytes
-        if self.max_parse_bytes < max_body_bytes:
-            raise ValueError(
-                f"--max-parse-mb must hold one body of --max-body-mb ({max_body_bytes} bytes)"
-            )
-        self.max_waiting, self.head_timeout_s = max_waiting, head_timeout_s
-        try:  # the maxima must themselves be limits a job may have
-            self.maxima = Limits(
-                wall_s=max_wall_s,
-                memory_mb=max_memory_mb,
-                output_bytes=max_output_bytes,
-                processes=max_processes,
-                disk_mb=max_disk_mb,
-                open_files=max_open_files,
-            ).model_dump()
-        except ValidationError as e:
-            err = e.errors()[0]
-            raise ValueError(f"server maximum {err['loc'][0]}: {err['msg']}") from None
-
-    def limits(self, raw: object, field: str = "limits") -> Limits:
-        """`raw` (a request's JSON) as Limits, each number above the server's maximum lowered to
-        it; BadRequest naming the field for anything else that is not a valid limit."""
-        if raw is None:
-            raw = {}
-        if not isinstance(raw, dict):
-            raise BadRequest(f"'{field}' must be a JSON object, not {_json_type(raw)}")
-        clamped = {
-            k: self.maxima[k] if k in self.maxima and _number(v) and v > self.maxima[k] else v
-            for k, v in raw.items()
-        }
-        try:
-            return Limits(**clamped)
-        except ValidationError as e:
-            err = e.errors()[0]
-            where = ".".join(str(x) for x in err["loc"])
-            raise BadRequest(f"'{field}.{where}': {err['msg']}") from None
-
-
-class BadRequest(Exception):
-    """A malformed request (400); the message goes back to the client."""
-
-
-def _json_type(value: object) -> str:
-    names = {dict: "an object", list: "a list", str: "a string", bool: "a boolean"}
-    names |= {int: "a number", float: "a number", type(None): "null"}
-    return names.get(type(value), type(value).__name__)
-
-
-def _number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _text(body: dict, field: str) -> str | None:
-    value = body.get(field)
-    if value is not None and not isinstance(value, str):
-        raise BadRequest(f"'{field}' must be a string, not {_json_type(value)}")
-    return value
-
-
-def _b64(s: object, what: str) -> bytes:
-    if not isinstance(s, str):
-        raise BadRequest(f"'{what}' must be a base64 string, not {_json_type(s)}")
-    try:
-        return base64.b64decode(s, validate=True)
-    except (binascii.Error, ValueError):
-        raise BadRequest(f"'{what}' is not valid base64") from None
-
-
-def _files(body: dict, field: str, *, b64: bool) -> dict[str, bytes]:
-    """The {name: content} object `body[field]` (text, or base64 when `b64`); {} when absent."""
-    value = body.get(field)
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        got = _json_type(value)
-        raise BadRequest(f"'{field}' must be a JSON object {{name: content}}, not {got}")
-    files = {}
-    for name, content in value.items():
-        if b64:
-            files[name] = _b64(content, f"{field}[{name!r}]")
-        elif isinstance(content, str):
-            files[name] = content.encode()
-        else:
-            raise BadRequest(f"'{field}[{name!r}]' must be a string, not {_json_type(content)}")
-    return files
-
-
-def parse_run(body: dict, srv: ServerLimits) -> tuple[str, bytes, dict[str, bytes], Limits]:
-    """Validate a /run body into arguments of `Sandbox.run`."""
-    if not isinstance(body.get("code"), str):
-        raise BadRequest("'code' (a string) is required")
-    if "stdin_b64" in body:
-        stdin = _b64(body["stdin_b64"], "stdin_b64")
-    else:
-        stdin = (_text(body, "stdin") or "").encode()
-    files = _files(body, "files", b64=False)
-    files.update(_files(body, "files_b64", b64=True))
-    return body["code"], stdin, files, srv.limits(body.get("limits"))
-
-
-SANDBOXFUSION_OUTPUT_BYTES = 1 << 20
-"""What SandboxFusion keeps of stdout and of stderr each (its runner drains the rest and drops it;
-the program runs on). `/run_code` cuts its answers to this, whatever the server's own cap."""
-
-
-def parse_run_code(body: dict, srv: ServerLimits) -> tuple[str, bytes, dict[str, bytes], Limits]:
-    """Validate a SandboxFusion /run_code body (python only).
-
-    The job may write up to the server's `--max-output-bytes` (never more: no field of the body
-    sets it) so that output past SandboxFusion's 1 MiB, which SandboxFusion drops while the
-    program goes on, does not end the job here either; `to_sandboxfusion` cuts it to 1 MiB."""
-    lang = body.get("language", "python")
-    if lang not in ("python", "python3"):
-        raise BadRequest(f"language {lang!r} is not supported here (python only)")
-    if not isinstance(body.get("code"), str):
-        raise BadRequest("'code' (a string) is required")
-    if body.get("fetch_files"):  # verl sends []; an answer without them would read as "not found"
-        raise BadRequest("'fetch_files' is not supported here: send [] or leave it out")
-    timeout, mem = body.get("run_timeout", 10), body.get("memory_limit_MB", -1)
-    for field, value in (("run_timeout", timeout), ("memory_limit_MB", mem)):
-        if value is not None and not _number(value):
-            raise BadRequest(f"'{field}' must be a number, not {_json_type(value)}")
-    lim = {"wall_s": timeout or 10, "output_bytes": srv.maxima["output_bytes"]}
-    if mem is not None and mem > 0:
-        lim["memory_mb"] = int(min(mem, srv.maxima["memory_mb"]))
-    files = body.get("files")
-    if isinstance(files, dict):  # SandboxFusion sends null for a file it does not want
-        body = {**body, "files": {k: v for k, v in files.items() if v is not None}}
-    return (
-        body["code"],
-        (_text(body, "stdin") or "").encode(),
-        _files(body, "files", b64=True),
-        srv.limits(lim, "run_timeout/memory_limit_MB"),
-    )
-
-
-def to_sandboxfusion(res) -> dict:
-    """An ExecResult in SandboxFusion's RunCodeResponse shape, with the values SandboxFusion
-    gives (what verl's `check_correctness` reads): a timeout is `TimeLimitExceeded` with
-    `return_code` null; a process a signal ended has the negative signal (Python's `returncode`
-    of a killed child; -9 for SIGKILL); stdout and stderr are cut to
-    `SANDBOXFUSION_OUTPUT_BYTES` of UTF-8 (a character split at the cut is dropped). `message`
-    names the cause of a `Failed` run; SandboxFusion leaves it empty, and verl does not read it.
-    """
-    if res.status == "sandbox_error":
-        return {
-            "status": "SandboxError",
-            "message": res.detail,
-            "compile_result": None,
-            "run_result": None,
-            "executor_pod_name": socket.gethostname(),
-            "files": {},
-        }
-    timed_out = res.status == "timeout"
-    if timed_out:
-        rc = None
-    elif res.signal:
-        rc = -res.signal
-    elif res.exit_code is None and res.status == "output_limit":
-        rc = -signal.SIGKILL  # past --max-output-bytes the sandbox kills the job (its init)
-    else:
-        rc = res.exit_code
-    return {
-        "status": "Success" if res.status == "ok" else "Failed",
-        "message": "" if res.status == "ok" else f"{res.status}: {res.detail}".rstrip(": "),
-        "compile_result": None,
-        "run_result": {
-            "status": "TimeLimitExceeded" if timed_out else "Finished",
-            "execution_time": res.wall_s,
-            "return_code": rc,
-            "stdout": _cut(res.stdout),
-            "stderr": _cut(res.stderr),
-        },
-        "executor_pod_name": socket.gethostname(),
-        "files": {},
-    }
-
-
-def _cut(text: str) -> str:
-    raw = text.encode()
-    if len(raw) <= SANDBOXFUSION_OUTPUT_BYTES:
-        return text
-    return raw[:SANDBOXFUSION_OUTPUT_BYTES].decode(errors="ignore")
+_Request = tuple[str, bytes, dict[str, bytes], Limits]  # code, stdin, files, limits
+__all__ = [
+    "SANDBOXFUSION_OUTPUT_BYTES",
+    "TOKEN_ENV",
+    "BadRequest",
+    "ServerLimits",
+    "build_parser",
+    "main",
+    "make_handler",
+    "make_server",
+    "parse_run",
+    "parse_run_code",
+    "to_sandboxfusion",
+]
 
 
 class _Gate:
@@ -361,121 +143,165 @@ class _Server(ThreadingHTTPServer):
             super().handle_error(request, client_address)
 
 
+class _Handler(BaseHTTPRequestHandler):
+    """One connection's requests. The server's state (sandbox, token, limits, gate, admission and
+    parse budgets) is bound as class attributes by `make_handler`."""
+
+    protocol_version = "HTTP/1.1"
+    server_version = "agentgrpo-sandbox"
+    sb: Sandbox
+    token: str | None
+    srv: ServerLimits
+    gate: _Gate
+    admitted: threading.BoundedSemaphore
+    parsing: _ByteBudget
+
+    def handle_one_request(self) -> None:
+        self.gate.waiting(self.connection)  # until its head is read (`do_GET` / `do_POST`)
+        try:
+            super().handle_one_request()
+        finally:
+            self.gate.arrived(self.connection)
+
+    def log_message(self, fmt: str, *args) -> None:  # one line per request, without bodies
+        sys.stderr.write(f"serve-sandbox: {self.address_string()} {fmt % args}\n")
+
+    def _send(self, code: int, obj: dict, headers: dict[str, str] | None = None) -> None:
+        data = json.dumps(obj).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _authorized(self) -> bool:
+        if self.token is None:
+            return True
+        got = self.headers.get("Authorization", "")
+        ok = got.startswith("Bearer ") and hmac.compare_digest(
+            got[7:].strip().encode(), self.token.encode()
+        )
+        if not ok:
+            self._send(401, {"error": "unauthorized"}, {"WWW-Authenticate": "Bearer"})
+        return ok
+
+    def _hung_up(self) -> bool:
+        """The client closed the connection (a trainer's tool call past its deadline): the
+        socket reads as EOF. A pipelined next request reads as data, not as a hang-up."""
+        sock = self.connection
+        timeout = sock.gettimeout()
+        sock.settimeout(0.0)  # a socket with a timeout would wait that long for data first
+        try:  # not select(): a busy server's descriptors pass FD_SETSIZE
+            return sock.recv(1, socket.MSG_PEEK) == b""
+        except BlockingIOError:  # nothing to read: still there
+            return False
+        except OSError:  # reset by the peer
+            return True
+        finally:
+            sock.settimeout(timeout)
+
+    def do_GET(self) -> None:
+        self.gate.arrived(self.connection)
+        if not self._authorized():
+            return
+        if self.path != "/health":
+            return self._send(404, {"error": f"no such endpoint {self.path}"})
+        self._send(200, {"ok": True, **self.sb.info})
+
+    def do_POST(self) -> None:
+        self.gate.arrived(self.connection)
+        if not self._authorized():
+            return
+        parser = {"/run": parse_run, "/run_code": parse_run_code}.get(self.path)
+        if parser is None:
+            return self._send(404, {"error": f"no such endpoint {self.path}"})
+        size = self._body_size()
+        if size is None:
+            return
+        request = self._parse_body(parser, size)
+        if request is None:
+            return
+        res = self._execute(*request)
+        if res is None:
+            return
+        if self._hung_up():  # nobody to answer (its job was killed when it was seen)
+            self.close_connection = True
+            return
+        if self.path == "/run":
+            self._send(200, dataclasses.asdict(res))
+        else:
+            self._send(200, to_sandboxfusion(res))
+
+    def _body_size(self) -> int | None:
+        """The body's Content-Length, with room for it reserved in the parse budget; None once an
+        error was answered (411, 413, 503), the body left unread and the connection closing."""
+        length = self.headers.get("Content-Length")
+        if length is None or not (length.isascii() and length.isdigit()):  # not '²' (isdigit)
+            self.close_connection = True
+            self._send(411, {"error": "Content-Length required"})
+            return None
+        if int(length) > self.srv.max_body_bytes:
+            self.close_connection = True  # do not read it
+            self._send(413, {"error": f"body over {self.srv.max_body_bytes} bytes"})
+            return None
+        size = int(length)
+        if not self.parsing.acquire(size, timeout=self.srv.head_timeout_s):  # parsed at once
+            self.close_connection = True  # its body is not read
+            self._send(503, {"error": "server busy parsing"}, {"Retry-After": "1"})
+            return None
+        return size
+
+    def _parse_body(self, parser: Callable[..., _Request], size: int) -> _Request | None:
+        """Read and validate the body (its `size` bytes already reserved, released here):
+        `parser`'s (code, stdin, files, limits), or None once a 400 was answered."""
+        try:
+            raw = self.rfile.read(size)
+            body = json.loads(raw)
+            del raw
+            if not isinstance(body, dict):
+                raise BadRequest("body must be a JSON object")
+            return parser(body, self.srv)
+        except (ValueError, BadRequest) as e:  # untrusted input: report, never crash
+            self._send(400, {"error": str(e)})
+        except RecursionError:  # json's parser recurses once per level of nesting
+            self._send(400, {"error": "body: JSON nested too deeply"})
+        finally:
+            self.parsing.release(size)
+        return None
+
+    def _execute(
+        self, code: str, stdin: bytes, files: dict[str, bytes], limits: Limits
+    ) -> ExecResult | None:
+        """Run the job if the queue admits it (429 otherwise): its ExecResult, or None once an
+        error was answered. The job is killed when the client hangs up."""
+        if not self.admitted.acquire(blocking=False):
+            self._send(429, {"error": "sandbox queue full"}, {"Retry-After": "1"})
+            return None
+        try:
+            return self.sb.run(code, stdin=stdin, files=files, limits=limits, gave_up=self._hung_up)
+        except ValueError as e:  # a bad file name
+            self._send(400, {"error": str(e)})
+            return None
+        finally:
+            self.admitted.release()
+
+
 def make_handler(
     sb: Sandbox, token: str | None, srv: ServerLimits, gate: _Gate | None = None
 ) -> type[BaseHTTPRequestHandler]:
-    admitted = threading.BoundedSemaphore(srv.max_queue)
-    parsing = _ByteBudget(srv.max_parse_bytes)
-    gate = gate or _Gate(srv.max_waiting, srv.head_timeout_s)
-
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-        server_version = "agentgrpo-sandbox"
-        timeout = srv.head_timeout_s  # each read and write of the socket (the body's included)
-
-        def handle_one_request(self) -> None:
-            gate.waiting(self.connection)  # until its head is read (`do_GET` / `do_POST`)
-            try:
-                super().handle_one_request()
-            finally:
-                gate.arrived(self.connection)
-
-        def log_message(self, fmt: str, *args) -> None:  # one line per request, without bodies
-            sys.stderr.write(f"serve-sandbox: {self.address_string()} {fmt % args}\n")
-
-        def _send(self, code: int, obj: dict, headers: dict[str, str] | None = None) -> None:
-            data = json.dumps(obj).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            for k, v in (headers or {}).items():
-                self.send_header(k, v)
-            self.end_headers()
-            self.wfile.write(data)
-
-        def _authorized(self) -> bool:
-            if token is None:
-                return True
-            got = self.headers.get("Authorization", "")
-            ok = got.startswith("Bearer ") and hmac.compare_digest(
-                got[7:].strip().encode(), token.encode()
-            )
-            if not ok:
-                self._send(401, {"error": "unauthorized"}, {"WWW-Authenticate": "Bearer"})
-            return ok
-
-        def _hung_up(self) -> bool:
-            """The client closed the connection (a trainer's tool call past its deadline): the
-            socket reads as EOF. A pipelined next request reads as data, not as a hang-up."""
-            sock = self.connection
-            timeout = sock.gettimeout()
-            sock.settimeout(0.0)  # a socket with a timeout would wait that long for data first
-            try:  # not select(): a busy server's descriptors pass FD_SETSIZE
-                return sock.recv(1, socket.MSG_PEEK) == b""
-            except BlockingIOError:  # nothing to read: still there
-                return False
-            except OSError:  # reset by the peer
-                return True
-            finally:
-                sock.settimeout(timeout)
-
-        def do_GET(self) -> None:
-            gate.arrived(self.connection)
-            if not self._authorized():
-                return
-            if self.path != "/health":
-                return self._send(404, {"error": f"no such endpoint {self.path}"})
-            self._send(200, {"ok": True, **sb.info})
-
-        def do_POST(self) -> None:
-            gate.arrived(self.connection)
-            if not self._authorized():
-                return
-            parser = {"/run": parse_run, "/run_code": parse_run_code}.get(self.path)
-            if parser is None:
-                return self._send(404, {"error": f"no such endpoint {self.path}"})
-            length = self.headers.get("Content-Length")
-            if length is None or not (length.isascii() and length.isdigit()):  # not '²' (isdigit)
-                self.close_connection = True
-                return self._send(411, {"error": "Content-Length required"})
-            if int(length) > srv.max_body_bytes:
-                self.close_connection = True  # do not read it
-                return self._send(413, {"error": f"body over {srv.max_body_bytes} bytes"})
-            size = int(length)
-            if not parsing.acquire(size, timeout=srv.head_timeout_s):  # bodies parsed at once
-                self.close_connection = True  # its body is not read
-                return self._send(503, {"error": "server busy parsing"}, {"Retry-After": "1"})
-            try:
-                raw = self.rfile.read(size)
-                body = json.loads(raw)
-                del raw
-                if not isinstance(body, dict):
-                    raise BadRequest("body must be a JSON object")
-                code, stdin, files, limits = parser(body, srv)
-                del body
-            except (ValueError, BadRequest) as e:  # untrusted input: report, never crash
-                return self._send(400, {"error": str(e)})
-            except RecursionError:  # json's parser recurses once per level of nesting
-                return self._send(400, {"error": "body: JSON nested too deeply"})
-            finally:
-                parsing.release(size)
-            if not admitted.acquire(blocking=False):
-                return self._send(429, {"error": "sandbox queue full"}, {"Retry-After": "1"})
-            try:
-                res = sb.run(code, stdin=stdin, files=files, limits=limits, gave_up=self._hung_up)
-            except ValueError as e:  # a bad file name
-                return self._send(400, {"error": str(e)})
-            finally:
-                admitted.release()
-            if self._hung_up():  # nobody to answer (its job was killed when it was seen)
-                self.close_connection = True
-                return
-            if self.path == "/run":
-                self._send(200, dataclasses.asdict(res))
-            else:
-                self._send(200, to_sandboxfusion(res))
-
-    return Handler
+    """A handler class bound to one server's sandbox, token, limits and waiting-connection gate."""
+    bound = {
+        "sb": sb,
+        "token": token,
+        "srv": srv,
+        "gate": gate or _Gate(srv.max_waiting, srv.head_timeout_s),
+        "admitted": threading.BoundedSemaphore(srv.max_queue),
+        "parsing": _ByteBudget(srv.max_parse_bytes),
+        "timeout": srv.head_timeout_s,  # each read and write of the socket (the body's included)
+    }
+    return type("Handler", (_Handler,), bound)
 
 
 def _read_token(token_file: str | None) -> str | None:

@@ -3,54 +3,46 @@
     ws = await sandbox.session(workspace)        # a fork of the task's prepared workspace
     res = await ws.run("python -m pytest -q")    # one bash: cwd, variables, background jobs persist
     res = await ws.python("x = 41\\nx + 1")       # one Python REPL: its names persist
-    text = await ws.read("src/app.py")
-    await ws.write("notes.txt", "...")
     await ws.close()                             # with the episode: nothing of it survives
 
-A session is a jail of its own (`_session_init.py`): the one-shot jobs' isolation (mount, PID,
-IPC, UTS and an empty network namespace, a read-only minimal root, a non-root uid, no_new_privs,
-the seccomp deny-list, memory and pids cgroups, a clean environment), with /workspace and /tmp
-kept for the episode; under bwrap, bubblewrap's jail, without cgroups or a uid of its own.
-Results are `ExecResult`s; the shell's stdout holds stdout and stderr as a terminal shows them.
-Budgets: per call (`call_timeout_s`, `output_bytes`) and per episode (`episode_s` and
-`max_calls`, past which a call raises `SessionBudgetExceeded`, a `ToolError` the model reads; the
-cgroup's memory and processes and the tmpfs sizes hold for the whole session). A session that
-dies or hangs raises `SessionError`, an `InfrastructureError`: the episode is unscorable. The
-threat model (what persists, what cannot escape) is in docs/sandbox.md.
+A session is a jail of its own (`_session_init.py`) with the one-shot jobs' isolation, /workspace
+and /tmp kept for the episode; `_session_client.py` starts it and carries its calls. Budgets are
+per call (`call_timeout_s`, `output_bytes`) and per episode (`episode_s`, `max_calls`: past them
+a call raises `SessionBudgetExceeded`, a `ToolError` the model reads). A session that dies or
+hangs raises `SessionError`, an `InfrastructureError`: the episode is unscorable. docs/sandbox.md
+has the API, the limits and the threat model of sessions.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
-import json
 import os
-import shutil
-import socket
-import struct
 import subprocess
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from agentgrpo.env.tool import ToolError
-from agentgrpo.types import InfrastructureError
-from agentgrpo.verify import _frames, _seccomp
-from agentgrpo.verify._launchers import bwrap_jail, python_paths
-from agentgrpo.verify._local_client import _recv_exact
+from agentgrpo.verify import _frames
 from agentgrpo.verify._records import ExecResult
-from agentgrpo.verify._runner import CLEAN_ENV
+from agentgrpo.verify._session_client import (  # SessionError: re-exported
+    _MARGIN_S,
+    SessionError,
+    _child_of,
+    _Conn,
+    _handshake,
+    _init_limits,
+    _launch,
+    _session_env,
+)
 
 _VERIFY_DIR = os.path.dirname(os.path.abspath(__file__))
 with open(os.path.join(_VERIFY_DIR, "_tree.py")) as _f:
     _TREE_SOURCE = _f.read()
-_JAIL_VERIFY_DIR = "/.agentgrpo-verify"  # where a bwrap session sees this folder (read-only)
-_MARGIN_S = 10.0  # beyond a call's own limit before the session counts as hung
 _WRITE = r"""set -e
 p=$1
 case $p in */*) d=${p%/*};; *) d=.;; esac
@@ -60,10 +52,6 @@ cat > "$t"
 if [ -x "$p" ]; then chmod 755 "$t"; else chmod 644 "$t"; fi
 mv -f -- "$t" "$p"
 """
-
-
-class SessionError(InfrastructureError):
-    """The session could not start, died or hung: not the model's doing (unscorable)."""
 
 
 class SessionBudgetExceeded(ToolError):
@@ -108,96 +96,6 @@ class WorkspaceMount:
 
     kind: Literal["overlay", "bind", "empty"]
     path: str = ""
-
-
-class _Conn:
-    """The trainer's end of a session: its process, its socket and a reader thread that hands each
-    answer to the future of its call."""
-
-    def __init__(self, proc: subprocess.Popen, sock: socket.socket, backend: str) -> None:
-        self.proc, self.sock, self.backend = proc, sock, backend
-        self.lock, self.send_lock = threading.Lock(), threading.Lock()
-        self.pending: dict[int, tuple[Future, float]] = {}
-        self.next_id = 0
-        self.busy_until = 0.0
-        self.dead: str | None = None
-        self.reader = threading.Thread(target=self._read, name="agentgrpo-session", daemon=True)
-
-    def request(self, header: dict, blobs: list[bytes], budget_s: float) -> tuple[int, Future]:
-        fut: Future = Future()
-        with self.lock:
-            if self.dead is not None:
-                fut.set_exception(SessionError(f"the session is gone: {self.dead}"))
-                return 0, fut
-            self.next_id += 1
-            jid = self.next_id
-            # calls run one at a time in the session: this one's clock starts after those ahead
-            self.busy_until = max(time.monotonic(), self.busy_until) + budget_s + _MARGIN_S
-            self.pending[jid] = (fut, self.busy_until)
-        self.send(_frames.pack(dict(header, id=jid), blobs))
-        return jid, fut
-
-    def send(self, frame: bytes) -> None:
-        try:
-            with self.send_lock:
-                self.sock.sendall(frame)
-        except OSError as e:
-            self.fail(f"cannot reach the session: {e}")
-
-    def _read(self) -> None:
-        buf = bytearray()
-        while True:
-            try:
-                chunk = self.sock.recv(1 << 20)
-            except TimeoutError:
-                chunk = None
-            except OSError:
-                chunk = b""
-            if chunk == b"":  # the init exited: its host cleans up and exits by itself
-                self.fail("the session's process exited", kill=False)
-                return
-            if chunk:
-                buf += chunk
-            while len(buf) >= 4 and len(buf) >= 4 + struct.unpack_from("!I", buf)[0]:
-                (n,) = struct.unpack_from("!I", buf)
-                header, blobs = _frames.unpack(bytes(buf[4 : 4 + n]))
-                del buf[: 4 + n]
-                with self.lock:
-                    entry = self.pending.pop(header.get("id"), None)
-                if entry is not None and not entry[0].done():
-                    entry[0].set_result((header, blobs))
-            with self.lock:
-                late = any(d < time.monotonic() for _, d in self.pending.values())
-            if late:
-                self.fail("a call passed its time limit without an answer: the session hung")
-                return
-
-    def fail(self, why: str, kill: bool = True) -> None:
-        """Fail every waiting call; `kill`: stop the session's process too (it hung). Without,
-        its host is left to reap its init and remove its cgroups (`close_sync` waits for it)."""
-        with self.lock:
-            self.dead = self.dead or why
-            waiting = list(self.pending.values())
-            self.pending.clear()
-        for fut, _ in waiting:
-            if not fut.done():
-                fut.set_exception(SessionError(f"{why} (backend {self.backend})"))
-        if kill:
-            _stop(self.proc)
-
-
-def _stop(proc: subprocess.Popen, grace_s: float = 0.0) -> None:
-    try:
-        proc.wait(grace_s)
-        return
-    except subprocess.TimeoutExpired:
-        proc.kill()
-    proc.wait()
-
-
-def _recv_frame(sock: socket.socket) -> tuple[dict, list[bytes]]:
-    (n,) = struct.unpack("!I", _recv_exact(sock, 4))
-    return _frames.unpack(_recv_exact(sock, n))
 
 
 class Session:
@@ -446,10 +344,17 @@ class Session:
             conn.proc.kill()
             code = conn.proc.wait()
         conn.sock.close()
+        # the namespace's last processes may still be on their way out when the jail's process is
+        # reaped (a CI run under load saw one alive at that moment): wait for them, within bounds
+        deadline = time.monotonic() + timeout_s
+        while (alive := self.processes()) and time.monotonic() < deadline:
+            time.sleep(0.01)
         if self._on_close is not None:
             self._on_close()
-        if code == 3:
-            raise SessionError("processes of the session were still alive after its close")
+        if code == 3 or alive:
+            raise SessionError(
+                f"processes of the session were still alive after its close: {alive or 'its init'}"
+            )
 
     async def close(self) -> None:
         """`close_sync` from a coroutine (in a worker thread)."""
@@ -458,137 +363,6 @@ class Session:
     def __del__(self) -> None:  # a session nobody closed: its socket's end stops the jail
         if not getattr(self, "closed", True):
             self._conn.sock.close()
-
-
-def _launch(
-    backend: str,
-    python: str,
-    ro_paths: Sequence[str],
-    mount: WorkspaceMount,
-    limits: SessionLimits,
-    cfg: dict,
-) -> tuple[subprocess.Popen, socket.socket]:
-    """Start the session's process (its host under namespaces, bubblewrap under bwrap) and
-    return it with the trainer's end of its socket."""
-    ours, theirs = socket.socketpair()
-    boot = (
-        "import sys; sys.path.append(sys.argv[1]); import _session_init; "
-        "sys.exit(_session_init.main(sys.argv[2:]))"
-    )
-    where = _JAIL_VERIFY_DIR if backend == "bwrap" else _VERIFY_DIR
-    tail = [python, "-I", "-c", boot, where, backend, json.dumps(cfg), str(theirs.fileno())]
-    jail, extra_fds = (
-        _bwrap_jail(python, ro_paths, mount, limits) if backend == "bwrap" else ([], [])
-    )
-    try:
-        proc = subprocess.Popen(
-            [*jail, *tail],
-            pass_fds=[theirs.fileno(), *extra_fds],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE if backend == "bwrap" else None,
-            env=CLEAN_ENV,
-            cwd="/",
-        )
-    finally:
-        theirs.close()
-        for fd in extra_fds:
-            os.close(fd)
-    return proc, ours
-
-
-def _handshake(proc: subprocess.Popen, sock: socket.socket, backend: str, timeout_s: float) -> dict:
-    """Wait for the host's frame (namespaces) and the init's hello; the host's frame. Raises
-    SessionError, with bubblewrap's own message where it has one, when the session did not
-    come up."""
-    sock.settimeout(timeout_s)
-    try:
-        host = _recv_frame(sock)[0] if backend == "namespaces" else {}
-        hello, _ = _recv_frame(sock)
-    except (OSError, ConnectionError, ValueError, struct.error) as e:
-        sock.close()
-        _stop(proc, 1.0)
-        why = proc.stderr.read().decode(errors="replace")[-500:] if proc.stderr else ""
-        raise SessionError(f"the session did not start: {e} {why}".strip()) from None
-    if not hello.get("ok"):
-        sock.close()
-        _stop(proc, 5.0)
-        raise SessionError(f"the session did not start: {hello.get('error')}")
-    if proc.stderr is not None:  # bwrap's own errors mattered only while it started
-        proc.stderr.close()
-        proc.stderr = None
-    return host
-
-
-def _bwrap_jail(
-    python: str, ro_paths: Sequence[str], mount: WorkspaceMount, limits: SessionLimits
-) -> tuple[list[str], list[int]]:
-    """bubblewrap's arguments for a session (its fork bound at /workspace, or an empty tmpfs
-    there; /tmp a tmpfs; seccomp), and the descriptors it must inherit (the filter's pipe)."""
-    bwrap = shutil.which("bwrap")
-    if bwrap is None:
-        raise SessionError("bwrap not found (Debian: apt-get install bubblewrap)")
-    argv = bwrap_jail(bwrap, [*_python_dirs(python), *ro_paths])
-    argv += ["--ro-bind", _VERIFY_DIR, _JAIL_VERIFY_DIR]  # the init's own (public) source
-    size = str(limits.disk_mb << 20)
-    argv += ["--size", size, "--perms", "1777", "--tmpfs", "/tmp"]
-    if mount.kind == "bind":
-        argv += ["--bind", mount.path, "/workspace"]
-    else:
-        argv += ["--size", size, "--perms", "1777", "--tmpfs", "/workspace"]
-    fds = []
-    if _seccomp.supported():
-        r, w = os.pipe()
-        os.write(w, _seccomp.build_filter())
-        os.close(w)
-        argv += ["--seccomp", str(r)]
-        fds.append(r)
-    return [*argv, "--chdir", "/workspace", "--"], fds
-
-
-@functools.lru_cache(maxsize=8)
-def _python_dirs(python: str) -> tuple[str, ...]:
-    return tuple(python_paths(python))
-
-
-def _child_of(pid: int) -> int | None:
-    """The first child of `pid` (bwrap's: the sandbox's own init), read from /proc."""
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                with open(f"/proc/{name}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        return int(name)
-            except (OSError, ValueError, IndexError):
-                continue
-    return None
-
-
-def _init_limits(lim: SessionLimits) -> dict:
-    """The limits the init applies: cgroup (memory, processes), tmpfs size, rlimits."""
-    return {
-        "memory_mb": lim.memory_mb,
-        "processes": lim.processes,
-        "disk_mb": lim.disk_mb,
-        "open_files": lim.open_files,
-        "cpu_s": int(lim.episode_s) + 1,  # RLIMIT_CPU of each process: a backstop
-        # RLIMIT_NPROC counts a uid's processes host-wide and sessions share one uid: the pids
-        # cgroup bounds each session; this only stops a runaway across all of them
-        "nproc": 64 * lim.processes,
-    }
-
-
-def _session_env(python: str) -> dict[str, str]:
-    """The variables every process of a session sees (nothing of the trainer's)."""
-    bin_dir = os.path.dirname(python)
-    return {
-        "PATH": f"{bin_dir}:/usr/local/bin:/usr/bin:/bin",
-        "HOME": "/tmp",
-        "USER": "sandbox",
-        "LOGNAME": "sandbox",
-        "TERM": "dumb",
-        "PWD": "/workspace",
-    }
 
 
 __all__ = [

@@ -1,13 +1,13 @@
 """The running batch of `LocalEngine`: prefill, the shared KV cache and one decode step.
 
-`LocalEngine` (`local.py`) is the concurrency side of the engine: the request queue, the worker
+`LocalEngine` (`engine.py`) is the concurrency side of the engine: the request queue, the worker
 thread, admission order and when weight updates land. Between two decode steps its worker hands
 the requests it admits to `_Batch`, the tensor side: it prefills them (prefixes that several share
 first, then each request from its longest cached prefix), merges their KV into the running
 left-padded cache, feeds every row its pending token, samples the next one (`sampling.sample`),
 retires finished rows (cutting cache columns nobody uses any more) and resolves their futures.
-The layout and the prefix-cache rules it implements are described in the module docstring of
-`local.py` (Layout, Prefix cache). Worker thread only: `_Batch` is given the engine and reads its
+The layout and the prefix-cache rules it implements: docs/rollouts.md ("How the local engine
+works": Layout, Prefix cache). Worker thread only: `_Batch` is given the engine and reads its
 model, device, budgets, prefix cache, stats and shared generator.
 """
 
@@ -23,7 +23,7 @@ from agentgrpo.engine.base import Completion, FinishReason, SamplingParams
 from agentgrpo.engine.local.prefix_cache import PrefixCache, shared_prefixes
 from agentgrpo.engine.local.sampling import sample
 
-if TYPE_CHECKING:  # local.py imports this module; the engine is passed in at run time
+if TYPE_CHECKING:  # engine.py imports this module; the engine is passed in at run time
     from agentgrpo.engine.local.engine import LocalEngine
 
 

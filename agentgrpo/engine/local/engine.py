@@ -1,92 +1,17 @@
 """In-process transformers engine: batches concurrent `generate` calls on one model (CPU default).
 
-`LocalEngine` is the embedded default (docs/design.md): the whole GRPO loop runs in one process on
-a CPU with no inference server. It speaks the same token-in/token-out `Engine` protocol as
-`SGLangEngine`. This module holds the engine, its request queue and worker loop and the weight
-updates; the running batch (prefill, the shared KV cache, a decode step) is `local_batch.py` and
-the sampling function `sampling.py`.
+`LocalEngine` is the embedded default: the whole GRPO loop runs in one process with no inference
+server, behind the same token-in/token-out `Engine` protocol as the server clients. This module
+holds the request queue, the worker thread that owns the model, and weight updates; the running
+batch is `batch.py`, sampling `sampling.py`, the prefix KV cache `prefix_cache.py`.
 
-How it works (decisions):
-- **Continuous batching.** One background thread owns the model and runs a hand-written decode loop
-  over a KV cache. `generate` only enqueues a request and awaits a future, so the event loop stays
-  responsive and any number of asyncio tasks can call it. Between two decode steps the worker admits
-  queued requests (up to `max_batch_size` rows): it prefills them (sorted by length, in chunks of at
-  most `prefill_tokens` padded tokens) and merges their caches into the running batch, so a new
-  turn of one trajectory does not wait for the longest sequence of the batch to finish. A request
-  that finishes leaves the batch at once and its future resolves. When the worker is idle it waits
-  `batch_window_s` after the first arrival so that a group launched together is prefilled together.
-- **Layout.** Rows are left-padded so every row's newest token sits in the last cache column; an
-  attention mask hides the padding and explicit position ids count only real tokens, so padding
-  never changes a row's numbers beyond float rounding. When rows leave, cache columns that are
-  padding for every remaining row are cut off.
-- **Logprobs.** `Completion.logprobs[i]` is `log_softmax(logits / T)[token_ids[i]]` over the full
-  vocabulary, also when top-k / top-p truncate the sampling (temperature first, then top-k, then
-  top-p, as vLLM/SGLang order them; top-p keeps the smallest prefix of the sorted distribution whose
-  mass reaches p, and always the most likely token). That is what SGLang returns and what the
-  learner computes (the policy pi_theta is the tempered full distribution), so the importance ratio
-  starts at 1 with either engine; the truncation itself is then an off-policy effect the ratio does
-  not see, as in the peers. `temperature == 0` is greedy (argmax) and reports `log_softmax(logits)`
-  (T = 1), as SGLang does.
-- **Stopping.** The model's EOS ids (generation config, config and tokenizer) plus
-  `params.stop_token_ids` end a request; the matched id is the last returned token and
-  `finish_reason == "stop"`. Reaching `max_new_tokens` gives `"length"`. Prompt + completion never
-  exceed `config.max_position_embeddings`: `max_new_tokens` is clamped to what fits and a request
-  cut by that clamp (or whose prompt already fills the context, which returns no tokens) finishes
-  with `"length"` and a `detail` saying so. `close()` finishes in-flight and queued requests with
-  `"abort"`.
-- **Seeds.** A request with `params.seed` draws its random numbers from its own `torch.Generator`
-  (one uniform per token, inverse-CDF sampling), so which other requests share its batch does not
-  change them; requests without a seed share the engine's generator (`seed=` of the constructor).
-  The logits themselves can differ in the last float bits with the batch composition (padding,
-  batch size), so a seeded request is bit-reproducible when it runs with the same companions and in
-  practice across compositions (a token flips only when its uniform lies within ~1e-6 of a CDF
-  boundary). Two requests with the same seed in one batch sample the same tokens: give the members
-  of a GRPO group distinct seeds or none.
-- **Prefix cache** (`prefix_cache.py`; `prefix_cache_tokens`, 0 disables it). After a request's
-  prefill the KV of its prompt is kept, and when it finishes, the KV of prompt + sampled ids (all
-  but the last, which was never fed). A new request takes the cached entry sharing the longest
-  common prefix with it and prefills only the rest; at least its last prompt id is always fed, for
-  the logits. Before prefilling an admitted set, every prefix that several of them share is
-  prefilled once, shortest first (the system prompt of several tasks, then each GRPO group's
-  prompt), when that saves at least `_MIN_SAVED` ids of prefill. So G copies of a prompt cost one
-  prefill plus G single ids, and turn k+1 (= turn k's prompt + sampled ids + env suffix) prefills
-  only the last sampled id and the suffix. Rows of one prefill forward may reuse different lengths:
-  every row feeds as many trailing ids as the row that needs the most (recomputing a few cached
-  ones), so the padding stays on the left. Exactness: the KV of a token depends only on the ids up
-  to it and its position id, so the result differs from a fresh prefill by float rounding only
-  (tests check 1e-4). `update_weights` empties the cache (KV of the old weights), and so does
-  `release_memory`, which the training loop calls when a step's rollouts are done: the entries are
-  dead from then on, and held up to `prefix_cache_tokens` x 45 KiB (SmolLM2-135M, fp32) while the
-  learner trained in the same process. It does not lower the default run's peak memory, which the
-  learner's activations set (docs/performance.md).
-- **Weights.** By default `update_weights` is queued behind the requests already submitted: the
-  worker stops admitting, lets the running rows finish, copies the new tensors in place (tied
-  weights stay tied), then sets `weight_version`. So every completion comes from exactly one
-  version, the one it reports.
-- **Partial rollouts** (`partial_rollouts=True`): an update does not wait for the running rows. The
-  worker applies it between two decode steps, where it finds it in the queue (ahead of requests
-  still waiting for a free row, which then start under it), and the rows carry on: they keep the
-  ids and logprobs they sampled and the KV cache they hold, and sample the rest with the new
-  weights. Each completion then reports which ids each version sampled (`Completion.version_runs`;
-  `weight_version` is the version that sampled its last id) and every logprob stays the one its id
-  was sampled with. The KV of the tokens before the update is *not* recomputed: it was computed by
-  the old weights, so a token sampled after the update comes from the new weights reading an
-  old-weight cache, a distribution neither version alone defines. The loss corrects for that as
-  for any off-policy token, through the logprob it was sampled with (`loss.tis`, `loss.mis`).
-  Recomputing the cache would cost a prefill of every running row's whole context (prompt and
-  sampled ids) at each update, the work the prefix cache exists to save, to make the version
-  labels exact; kept, an update costs only the weight copy. Such a row's KV never reaches the
-  prefix cache (emptied at the update, as in the barrier mode), so requests admitted after it are
-  computed by the new weights only.
-- **dtype.** float32 is the default. `auto` decodes in the dtype of the learner's weights
-  (`weights_dtype`), but float32 where bfloat16 is not native (CUDA, CPUs with AVX512-BF16 or AMX
-  have it; elsewhere it is emulated, many times slower): `agentgrpo.models.hardware.engine_dtype`.
-  bfloat16 decodes faster where native and halves the KV memory, but its logprobs differ from a
-  float32 forward by ~0.03 on average (SmolLM2-135M), noise that a float32 learner's importance
-  ratio would read as off-policy drift, and that fails the weight sync's probe.
-- Not done: shared storage of common prefixes between cache entries (a radix tree; see
-  `prefix_cache.py`), speculative decoding, models with sliding-window caches (rejected at
-  construction).
+Contract: `Completion.logprobs` are the tempered full distribution's (as SGLang's and the
+learner's), also under top-k / top-p; a seeded request draws from its own generator; prompt plus
+completion never exceed the model's context (cut with "length" and a detail); by default an
+update waits for the running rows, so each completion comes from the one version it reports
+(`partial_rollouts=True`: updates land between decode steps and `version_runs` says which version
+sampled which ids). The decisions behind each point: docs/rollouts.md ("How the local engine
+works", "Partial rollouts").
 """
 
 from __future__ import annotations
@@ -180,8 +105,8 @@ class LocalEngine:
         weight_version: version reported by completions until the first `update_weights`.
         partial_rollouts: False (default): an update waits until the running rows finish, so a
             completion comes from one version. True: it lands between two decode steps and the
-            running rows continue with the new weights over their old KV cache (module docstring,
-            Partial rollouts; `Completion.version_runs` says which version sampled which ids).
+            running rows continue with the new weights over their old KV cache (docs/rollouts.md,
+            "Partial rollouts"; `Completion.version_runs` says which version sampled which ids).
         eos_token_ids: ids that end every request; default: the EOS ids of the generation config,
             the model config and the tokenizer. `()` leaves only `params.stop_token_ids`
             (benchmarks and tests that need exact lengths).
@@ -280,8 +205,8 @@ class LocalEngine:
 
     # ----------------------------------------------------------------------------- public API
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
-        """Sample a completion of `prompt_ids`; see the module docstring for batching and
-        logprobs."""
+        """Sample a completion of `prompt_ids`; batching and logprobs: docs/rollouts.md ("How the
+        local engine works")."""
         prompt_ids = self._check_ids(prompt_ids, "prompt_ids")
         if not prompt_ids:
             raise ValueError("prompt_ids is empty")

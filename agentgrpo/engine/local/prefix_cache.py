@@ -1,28 +1,10 @@
 """Exact prefix KV cache for `LocalEngine`: reuse the keys and values of token ids already seen.
 
-GRPO sends the same prompt G times (a group), every task of an env shares its system prompt, and
-turn k+1 of a trajectory starts with turn k's prompt and sampled ids. The KV of a token depends only
-on the tokens up to it (causal attention) and on its absolute position (rotary embeddings, which the
-engine passes as explicit position ids), so the KV rows computed for one sequence are the KV rows of
-any other sequence that starts with the same ids. Reusing them changes nothing but float rounding.
-
-Decisions:
-- **Flat LRU, longest common prefix.** Entries are token-id tuples with one `[H, T, D]` key and
-  value tensor per layer, kept in least-recently-used order and bounded by a budget of tokens (the
-  sum of entry lengths). A lookup returns the entry sharing the longest common prefix with the ids,
-  not only entries that are whole prefixes of them: the first n rows of an entry are the KV of its
-  first n ids, so a group member's prompt + completion also serves the next group's shared system
-  prompt. Inserting an entry drops the entries that are prefixes of it (it covers them), and an
-  entry already covered by a longer one is not stored again.
-- **No shared storage between branches.** Eight members of a group each keep their own copy of the
-  common prompt once they finish (a radix tree as in SGLang would store it once). The engine's own
-  batch already holds one copy per row, so this at most doubles the KV memory of the running
-  trajectories; the token budget bounds it.
-- **Invalidation is the owner's job.** The cache knows nothing of weights: `LocalEngine` clears it
-  whenever weights change, because KV computed under old weights is wrong under new ones, and with
-  partial rollouts it never inserts the KV of a row that ran across an update (old-weight KV
-  followed by new-weight KV, which no single version would compute).
-- Single-threaded: only the engine's worker thread touches it.
+A token's KV depends only on the ids up to it and its position id, so the KV rows of one sequence
+are those of any sequence that starts with the same ids: reuse changes float rounding only. A flat
+LRU of token-id tuples, bounded by a token budget; a lookup returns the entry sharing the longest
+common prefix. The owner empties it when weights change (this cache knows nothing of them); only
+the engine's worker thread touches it. Decisions: docs/rollouts.md ("How the local engine works").
 
 Example:
     ```python

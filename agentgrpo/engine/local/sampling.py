@@ -2,8 +2,8 @@
 
 Kept apart from the engine because it is an algorithm over tensors (STYLE point 4): no model, cache
 or request inside; the per-row settings and the uniforms come in as arguments, so the tests call it
-on hand-built logits. What the logprobs mean and why every row brings its own uniform is in the
-module docstring of `local.py` (Logprobs, Seeds).
+on hand-built logits. What the logprobs mean and why every row brings its own uniform:
+docs/rollouts.md ("How the local engine works": Logprobs, Seeds).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def sample(
     so a row's randomness comes only from its own generator. Sampling follows `log_softmax(logits /
     T)`, then (if active) top-k, renormalise, top-p, renormalise, as vLLM orders them; the logprob
     returned is always the full-vocabulary `log_softmax(logits / T)` of the sampled token (SGLang's
-    convention and the learner's; see `local.py`, Logprobs). Greedy rows (T == 0) take the argmax
+    convention and the learner's; docs/rollouts.md, Logprobs). Greedy rows (T == 0) take the argmax
     and report `log_softmax(logits)`.
 
     Truncated rows sample among the `max(_CANDIDATES, top_k) + 1` most likely tokens (a `topk`,

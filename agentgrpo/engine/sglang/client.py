@@ -1,54 +1,16 @@
 """`SGLangEngine`: a client of SGLang's native `/generate` API, for one or many servers.
 
-`/generate` goes over aiohttp (`engine/pool.py`), control calls and probes over httpx; what does
-not depend on SGLang's protocol (clamping, resubmitting, pausing, resync) is `engine/remote.py`'s.
-
-Token in, token out: the client sends `input_ids` and reads the sampled ids and their logprobs from
-`meta_info.output_token_logprobs` (every SGLang version has it; `output_ids` is missing before
-v0.5.0). It sends exactly the RL sampling settings of docs/serving.md and no
-other `sampling_params` key, because SGLang answers an unknown key with a 500.
-
-Decisions (docs/serving.md has the server side of each):
-- Balancing, failures and retries live in `engine/pool.py`: least outstanding requests over the
-  healthy servers, every turn of an episode on one server (`SamplingParams.session_id`, sticky
-  routing); a failing server leaves the rotation and rejoins once healthy; a request that
-  runs out of retries or of its deadline raises `EngineError`, never a made-up completion.
-- The context window: SGLang rejects `prompt + max_new_tokens >= context_length` with a 400, so
-  `max_new_tokens` is always clamped client-side to `context_length - prompt - 1` once the window
-  is known: from `SGLangConfig.context_length`, from `/server_info` at `wait_ready()` (SGLang
-  reports it there only when launched with `--context-length`), or else from the first such 400,
-  whose message names it (the request is then sent again, clamped). Callers may thus ask for
-  `window - prompt` tokens, the local engine's rule. A prompt that leaves no room is not an
-  infrastructure failure: it becomes a `length` Completion with no tokens and the reason (the
-  server's message, when it answered) in `detail`.
-- Colocated with the learner (`release_memory_during_training`), the servers hold no GPU memory
-  between a step's rollouts and its weight push: `release_memory` pauses them (abort: SGLang asserts
-  an idle scheduler, and a request this client abandoned may still run) and frees weights and KV
-  cache; `resume_memory` takes both back and continues; then the push. Both come back before the
-  push (slime and verl resume the KV cache after in-memory updates): a disk update needs no room
-  beyond the weights, and the push's pause/flush meets an ordinary server. A server without
-  `--enable-memory-saver` would accept the release and free nothing: it is refused instead.
-- Weight updates follow pause -> flush_cache -> update -> continue on every server in rotation.
-  Requests that SGLang aborts because of our own pause are resubmitted once generation continues
-  (their partial tokens came from the old weights); new requests wait client-side until the update
-  is done.
-- Partial rollouts (`partial_rollouts`): the pause is SGLang's mode `retract` instead, which keeps
-  the requests in flight (their KV is dropped and recomputed under the new weights when they
-  continue), so an update does not wait for long episodes and throws no token away. Every request
-  is then streamed: SGLang stamps each chunk with the weight version of the moment it sent it, and
-  no token is decoded while paused, so the tokens of the chunks before the update are the old
-  version's (`StreamFold`, `Completion.version_runs`). The update itself is sent with
-  `flush_cache: false`: SGLang asserts that this flush succeeds, and stock SGLang cannot flush while
-  retracted requests wait in its queue (the scheduler dies; sgl-project/sglang#33783). The cache
-  is flushed by `/flush_cache` after the pause instead; a server that refuses (400) keeps the
-  prefixes it cached before the update, old-weight KV that later requests (the retracted ones too)
-  may reuse until it is evicted: logged once per server. Builds with sgl-project/sglang#33784
-  flush. A server that was out of rotation during an update (or restarted) must serve the
-  current weight version to rejoin, checked under the update lock (one coming back during an
-  update waits for it to end, then is checked against the new version): after a disk update the
-  client replays it on that server. An NCCL update goes to every server of the group or to none
-  (`paused(every_server=True)`, see `update_weights_from_distributed`); a server that restarted has
-  left the group and stays out, and the next NCCL push names it.
+Token in, token out: it sends `input_ids` and reads the sampled ids and their logprobs from
+`meta_info.output_token_logprobs`, with exactly the RL sampling settings of docs/serving.md (an
+unknown `sampling_params` key is a 500). Balancing and failover are `engine/pool.py`'s; clamping
+to the context window, resubmitting and the pause around an update are `engine/remote.py`'s.
+This module holds what is SGLang's: the context window from `/server_info` or its 400, the pause
+modes (`abort`, or `retract` with `partial_rollouts`, whose streamed chunks carry the weight
+version of their tokens: `StreamFold`), the cache flush after a retract pause (stock SGLang
+cannot flush inside the update then: sgl-project/sglang#33783), releasing the servers' memory
+while the learner trains (refused without `--enable-memory-saver`), and the update calls from disk
+or over NCCL. docs/rollouts.md (rollouts on SGLang, partial rollouts), docs/many-gpus.md (memory)
+and docs/serving.md (the server side) have the details.
 """
 
 from __future__ import annotations
@@ -104,7 +66,7 @@ class SGLangEngine(RemoteEngine, NcclUpdates):
         c = await engine.generate(prompt_ids, SamplingParams(max_new_tokens=512,
                                                              stop_token_ids=(151645,)))
         c.token_ids, c.logprobs, c.finish_reason, c.weight_version
-        await engine.update_weights_from_disk("/shared/ckpt/step_10", version="10")
+        await engine.update_weights_from_disk("/nfs/ckpt/step_10", version="10")
         await engine.aclose()
         ```
 

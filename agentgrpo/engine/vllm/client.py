@@ -1,28 +1,15 @@
 """`VLLMEngine`: a client of vLLM's token-in/token-out route and RL API, for one or many servers.
 
-Token in, token out: `POST /inference/v1/generate` takes `token_ids` and answers with the sampled
-ids, the logprob of each and the weight version that sampled each span of them
-(`engine/vllm/protocol.py`). No text crosses: the request asks for no detokenization. Balancing,
-sticky routing, failover, retries, deadlines, clamping to the context window and the pause around
-an update are shared with SGLang (`engine/pool.py`, `engine/remote.py`); this module says what
-differs (docs/serving.md has the server side of each):
-- The servers run in vLLM's dev mode (`VLLM_SERVER_DEV_MODE=1`, for the RL API), with
-  `--enable-scale-out` (the token route) and `--logprobs-mode processed_logprobs` (logprobs of the
-  tempered distribution, as the rollouts record them; vLLM's default is the raw logits'):
-  `wait_ready()` checks all three and refuses a server without them, naming the flag.
-- The context window is `max_model_len` from `/v1/models`; vLLM admits prompt + max_tokens up to
-  it (SGLang: strictly below).
-- Weight updates: `paused()` is `/pause` (mode `abort`, which also drops the prefix cache; with
-  `partial_rollouts` mode `keep`), the update, then with `keep` a prefix-cache reset that preempts
-  the kept requests (their KV is recomputed under the new weights) and `/resume`. From disk: the
-  `reload_weights` collective RPC, then `/update_weight_version`. Over NCCL: vLLM's weight-transfer
-  API (`nccl.py`). Each answer carries the version of each span of tokens, so a request kept across
-  an update reports its split without streaming.
-- Tied embeddings: vLLM's CPU build computes the logits with a copy of the weights prepacked at
-  load, which an in-place reload does not rebuild for a tied projection; `VLLMServer` serves an
-  untied copy on the CPU and the pushes carry the projection (`untied_checkpoints`).
-- A reload from a directory that does not exist kills vLLM's engine (it tries the hub and leaves
-  the model half-reloaded), so the client refuses a path it cannot see before sending it.
+`POST /inference/v1/generate` takes `token_ids` and answers with the sampled ids, their logprobs
+and the weight version of each span of them (`engine/vllm/protocol.py`); no text crosses.
+Balancing, failover, clamping to the window and the pause around an update are shared with SGLang
+(`engine/pool.py`, `engine/remote.py`). What is vLLM's: `wait_ready()` refuses a server without
+dev mode, `--enable-scale-out` or `--logprobs-mode processed_logprobs`; the window is
+`max_model_len`; the pause is `/pause` (`abort`, or `keep` with `partial_rollouts`, then a
+prefix-cache reset); updates are the `reload_weights` RPC from disk or the weight-transfer API
+over NCCL (`nccl.py`); pushes are untied checkpoints on the CPU build; and a reload path that does
+not exist is refused before it is sent (it would kill vLLM's engine). docs/rollouts.md and
+docs/serving.md have the details.
 """
 
 from __future__ import annotations
@@ -73,7 +60,7 @@ class VLLMEngine(RemoteEngine, VLLMNcclUpdates):
         c = await engine.generate(prompt_ids, SamplingParams(max_new_tokens=512,
                                                              stop_token_ids=(151645,)))
         c.token_ids, c.logprobs, c.finish_reason, c.weight_version
-        await engine.update_weights_from_disk("/shared/ckpt/step_10", version="10")
+        await engine.update_weights_from_disk("/nfs/ckpt/step_10", version="10")
         await engine.aclose()
         ```
 

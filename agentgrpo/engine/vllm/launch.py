@@ -2,22 +2,13 @@
 (`python -m vllm.entrypoints.openai.api_server`) in the foreground until Ctrl-C; `VLLMServer` does
 the same as a context manager (the shared machinery and defaults: `engine/launch.py`).
 
-What it adds for vLLM, each unless the user gave it (docs/rollouts.md):
-- `VLLM_SERVER_DEV_MODE=1` in the server's environment: the RL API (pause, resume, weight updates,
-  `/collective_rpc`, `/server_info`) exists only in dev mode;
-- `--enable-scale-out`: the token-in/token-out route `/inference/v1/generate`;
-- `--logprobs-mode processed_logprobs`: logprobs of the tempered distribution it samples from
-  (vLLM's default returns those of the raw logits);
-- on a machine without CUDA, `VLLM_TARGET_DEVICE=cpu` (vLLM's CPU build detects its platform only
-  so), `VLLM_CPU_KVCACHE_SPACE=1` (GiB of KV cache; without it vLLM claims 92% of the machine's
-  memory and refuses to start when less is free) and `--enforce-eager` (a multi-minute compile
-  warm-up on a small CPU, otherwise).
-- on a machine without CUDA, a model whose input embedding and output projection are tied is
-  served from an untied copy (a temporary directory, removed at `stop()`): vLLM's CPU build computes
-  the logits with a copy of the weights prepacked at load, which an in-place reload does not
-  rebuild for a tied projection, so pushes would never reach it. `VLLMEngine` pushes untied
-  checkpoints to match (`untied_checkpoints`).
-`--python` runs the server with another interpreter, e.g. the venv `scripts/vllm-setup.sh` makes.
+Unless the user gave them, it adds dev mode (`VLLM_SERVER_DEV_MODE=1`, the RL API),
+`--enable-scale-out` (the token route) and `--logprobs-mode processed_logprobs` (the tempered
+distribution's logprobs). On a machine without CUDA it also sets the CPU build's platform and KV
+cache size, runs eagerly, and serves a tied model from an untied copy (removed at `stop()`), since
+an in-place reload does not reach the CPU build's prepacked projection. docs/rollouts.md has the
+reason for each. `--python` runs the server with another interpreter, e.g. the venv
+`scripts/vllm-setup.sh` makes.
 """
 
 from __future__ import annotations

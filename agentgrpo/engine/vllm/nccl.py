@@ -1,18 +1,13 @@
 """The NCCL side of `VLLMEngine`: vLLM's weight-transfer API and the trainer's end of its group.
 
 `agentgrpo.engine.weight_sync` (method `distributed`) drives it as it drives SGLang's: once
-`init_weights_update_group` (`POST /init_weight_transfer_engine` on every server, each with its
+`init_weights_update_group` (`/init_weight_transfer_engine` on every server, each with its
 `rank_offset`, while the trainer joins as rank 0), then per push, inside
-`paused(every_server=True)`, `update_weights_from_distributed` for each bucket while the trainer
-broadcasts it. For vLLM the first bucket of a push opens the update (`/start_weight_update`),
-each bucket is one `/update_weights` (`names`, `dtype_names`, `shapes`, unpacked: one broadcast
-per tensor), and the last closes it with the version (`/finish_weight_update`). The request
-bodies follow vLLM 0.32's `entrypoints/rl/online/api_router.py` and
-`distributed/weight_transfer/nccl_engine.py`.
-
-The trainer's end is vLLM's own (`trainer_join`: its stateless process group and NCCL
-communicator, so vLLM must be installed beside the trainer, the `vllm` extra). Not run: this
-needs GPUs on both ends; the request sequence is tested against a fake server
+`paused(every_server=True)`, one `/update_weights` per bucket (one broadcast per tensor), opened by
+`/start_weight_update` and closed with the version by `/finish_weight_update`. The bodies follow
+vLLM 0.32's RL API router and NCCL weight-transfer engine (docs/serving.md). The trainer's end is
+vLLM's own communicator (`trainer_join`), so vLLM must be installed beside the trainer (the `vllm`
+extra). Not run on GPUs: the request sequence is tested against a fake server
 (tests/test_vllm_engine.py).
 """
 
