@@ -1,7 +1,8 @@
-"""`train.max_staleness`: synchronous steps, one step of overlap and the asynchronous pipeline at
-k = 2, 4, 8, on the same long-tailed multi-turn workload, in one run.
+"""`train.max_staleness` k = 0 (synchronous), 1 (one step of overlap), 2, 4 and 8 on the same
+long-tailed multi-turn workload, in one run.
 
-Simulated (the default): the real scheduler (`agentgrpo.run.pipeline.StalenessPipeline`) drives a
+Simulated (the default): the training loop's scheduler (`agentgrpo.run.pipeline.StalenessPipeline`,
+the one every k runs through) drives a
 simulated engine and learner on asyncio's clock. The engine decodes at most `--engine-slots`
 requests at once (a batch); an episode alternates model turns, which hold an engine slot for a time
 proportional to the turn's tokens, and tool calls, which hold none. Turn counts, turn lengths and
@@ -21,10 +22,11 @@ trained groups (mean, max).
     python bench/async_pipeline.py [--steps 30] [--seed 0]
     python bench/async_pipeline.py --real   # the real local engine and learner on this CPU, short
 
-`--real` trains the embedded model on the calculator env for a few steps per mode (sync, overlap,
-k = 2, 4, and k = 2 with the engine's decoding thread at full width instead of half the CPU
-threads) with the local engine in this process, and prints trajectories per second from the run's
-own metrics: what the pipeline buys when the engine and the learner share this machine's cores.
+`--real` trains the embedded model on the calculator env for a few steps per mode (k = 0, 1, 2, 4,
+and k = 2 with the engine's decoding thread at full width instead of half the CPU threads) with the
+local engine in the run's process (a fresh one per mode), and prints trajectories per second and
+the policy lag from the run's own metrics: what overlapping buys when the engine and the learner
+share this machine's cores.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import math
 import os
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -46,7 +49,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from agentgrpo.run.pipeline import StalenessPipeline, Ticket  # noqa: E402
 
-MODES = {"sync": 0, "overlap": 1, "k=2": 2, "k=4": 4, "k=8": 8}
+MODES = {"k=0": 0, "k=1": 1, "k=2": 2, "k=4": 4, "k=8": 8}
 
 
 @dataclass
@@ -127,10 +130,14 @@ async def simulate(k: int, args: argparse.Namespace, workload: Workload) -> dict
         for step in range(args.steps):
             engine._tick(0)
             marks.append((time.perf_counter(), engine.busy))
-            groups = await pipe.take(step)
+            groups = (await pipe.take(step)).groups
             waited.append(time.perf_counter() - marks[-1][0])
             lags += [step - v for _, v in groups]
             await asyncio.sleep(args.train_s)
+            if k == 1:  # as the training loop does before its push: the learner waits too
+                t_settle = time.perf_counter()
+                await pipe.settle(step + 1)
+                waited[-1] += time.perf_counter() - t_settle
             pipe.advance(step + 1)
     finally:
         await pipe.close()
@@ -153,15 +160,35 @@ async def simulate(k: int, args: argparse.Namespace, workload: Workload) -> dict
 def run_simulated(args: argparse.Namespace) -> dict:
     workload = Workload(args.seed, args.group_size, args.token_s)
     results = {name: asyncio.run(simulate(k, args, workload)) for name, k in MODES.items()}
-    base = results["sync"]
+    base = results["k=0"]
     for r in results.values():
-        r["throughput_vs_sync"] = r["trajectories_per_s"] / base["trajectories_per_s"]
-        r["utilisation_vs_sync"] = r["engine_utilisation"] / base["engine_utilisation"]
+        r["throughput_vs_k0"] = r["trajectories_per_s"] / base["trajectories_per_s"]
+        r["utilisation_vs_k0"] = r["engine_utilisation"] / base["engine_utilisation"]
     return results
 
 
+REAL_MODES = {"k=0": 0, "k=1": 1, "k=2": 2, "k=4": 4, "k=2 unsplit": 2}
+
+
 def run_real(args: argparse.Namespace) -> dict:
-    """A few steps per mode of the calculator run on the local engine, in this process."""
+    """A few steps per mode of the calculator run on the local engine, each mode in a fresh
+    process: five runs in one process held up to 10 GB (memory the earlier runs left behind), and
+    each starts with torch's thread settings as a run from the CLI does."""
+    results = {}
+    for name in REAL_MODES:
+        with tempfile.TemporaryDirectory() as tmp:
+            command = [sys.executable, os.path.abspath(__file__), "--real-mode", name]
+            command += ["--real-steps", str(args.real_steps), "--out", tmp]
+            subprocess.run(command, check=True)
+            results[name] = json.loads((Path(tmp) / "mode.json").read_text())
+    base = results["k=0"]["trajectories_per_s"]
+    for r in results.values():
+        r["throughput_vs_k0"] = r["trajectories_per_s"] / base
+    return results
+
+
+def run_real_mode(name: str, steps: int) -> dict[str, float]:
+    """One mode of `--real`, in this process."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     from agentgrpo.models.hardware import set_cpu_thread_env
@@ -173,46 +200,39 @@ def run_real(args: argparse.Namespace) -> dict:
     from agentgrpo.run.log import read_jsonl
     from agentgrpo.run.train import train
 
-    results = {}
-    modes = {"sync": (0, []), "overlap": (1, []), "k=2": (2, []), "k=4": (4, [])}
-    # k = 2 without the CPU split: the engine's decoding thread at the run's full width too
-    modes["k=2 unsplit"] = (2, [f"engine.threads={torch.get_num_threads()}"])
-    for name, (k, extra) in modes.items():
-        with tempfile.TemporaryDirectory() as tmp:
-            cfg = load_config(
-                "examples/calculator.yaml",
-                [
-                    f"output_dir={tmp}/run",
-                    f"train.steps={args.real_steps}",
-                    f"train.max_staleness={k}",
-                    # every mode alike: stale ones need an importance correction
-                    "learner.old_logprobs=recompute",
-                    "loss.tis=token",
-                    "rollout.group_size=4",
-                    "rollout.tasks_per_step=2",
-                    "log.progress=false",
-                    "log.tensorboard=false",
-                    "train.save_every_s=null",
-                    *extra,
-                ],
-            )
-            t0 = time.perf_counter()
-            train(cfg)
-            wall = time.perf_counter() - t0
-            metrics = read_jsonl(Path(tmp) / "run" / "metrics.jsonl")
-        trajectories = args.real_steps * 2 * 4
-        steps_s = sum(m["step_s"] for m in metrics)
-        results[name] = {
-            "trajectories_per_s": trajectories / steps_s,
-            "steps_s": steps_s,
-            "wall_s": wall,
-            "policy_lag_max": max(m["policy_lag"] for m in metrics),
-            "learner_wait_s": sum(m["rollout_s"] for m in metrics if k >= 2),
-        }
-    base = results["sync"]["trajectories_per_s"]
-    for r in results.values():
-        r["throughput_vs_sync"] = r["trajectories_per_s"] / base
-    return results
+    # "k=2 unsplit": the engine's decoding thread at the run's full width too, not half of it
+    extra = [f"engine.threads={torch.get_num_threads()}"] if name.endswith("unsplit") else []
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = load_config(
+            "examples/calculator.yaml",
+            [
+                f"output_dir={tmp}/run",
+                f"train.steps={steps}",
+                f"train.max_staleness={REAL_MODES[name]}",
+                # every mode alike: stale ones need an importance correction
+                "learner.old_logprobs=recompute",
+                "loss.tis=token",
+                "rollout.group_size=4",
+                "rollout.tasks_per_step=2",
+                "log.progress=false",
+                "log.tensorboard=false",
+                "train.save_every_s=null",
+                *extra,
+            ],
+        )
+        t0 = time.perf_counter()
+        train(cfg)
+        wall = time.perf_counter() - t0
+        metrics = read_jsonl(Path(tmp) / "run" / "metrics.jsonl")
+    steps_s = sum(m["step_s"] for m in metrics)
+    return {
+        "trajectories_per_s": steps * 2 * 4 / steps_s,
+        "steps_s": steps_s,
+        "wall_s": wall,
+        "policy_lag_mean": statistics.fmean(m["policy_lag_mean"] for m in metrics),
+        "policy_lag_max": max(m["policy_lag"] for m in metrics),
+        "learner_wait_s": sum(m["rollout_s"] for m in metrics),  # the whole rollout at k = 0
+    }
 
 
 def main() -> None:
@@ -233,8 +253,13 @@ def main() -> None:
     p.add_argument("--warm", type=int, default=3, help="steps left out at each end")
     p.add_argument("--real", action="store_true", help="the real local engine and learner")
     p.add_argument("--real-steps", type=int, default=4)
+    p.add_argument("--real-mode", choices=REAL_MODES, help=argparse.SUPPRESS)  # one, in-process
     p.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     args = p.parse_args()
+    if args.real_mode is not None:
+        result = run_real_mode(args.real_mode, args.real_steps)
+        (Path(args.out) / "mode.json").write_text(json.dumps(result))
+        return
     results = run_real(args) if args.real else run_simulated(args)
     name = "async_pipeline_real.json" if args.real else "async_pipeline.json"
     Path(args.out).mkdir(parents=True, exist_ok=True)

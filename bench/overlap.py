@@ -1,11 +1,11 @@
-"""`train.overlap_rollouts`: the whole loop with and without overlapping, in one run.
+"""`train.max_staleness` 0 and 1: the whole loop without and with overlapping, in one run.
 
 The rollouts come from the fake SGLang server (`tests/fake_sglang.py`) in another process, which
 answers every /generate after `--generate-delay` seconds: a stand-in for SGLang on other GPUs, whose
 generation costs this machine no CPU. The learner trains the real SmolLM2-135M here; weights reach
 the server through the disk after every step, as they would reach SGLang. The same config runs
-twice, overlap off then on, and the script prints the seconds per step of each, their ratio, and
-the phases (rollout, train, train+rollout, sync) of the overlapped run.
+twice, at k = 0 then k = 1, and the script prints the seconds per step of each, their ratio, and
+the phases (rollout, train, train+rollout, sync) of each run.
 
 Expected: a synchronous step costs rollout + train + sync; an overlapped one max(rollout, train) +
 sync, except the first step (nothing to overlap yet) and steps that end at a checkpoint. The first
@@ -33,7 +33,7 @@ from agentgrpo.run.train import train  # noqa: E402
 from tests.fake_sglang import FakeSGLangProcess  # noqa: E402
 
 
-def run(out: Path, url: str, steps: int, overlap: bool) -> tuple[float, list[dict]]:
+def run(out: Path, url: str, steps: int, k: int) -> tuple[float, list[dict]]:
     cfg = load_config(
         "examples/calculator.yaml",
         [
@@ -51,7 +51,7 @@ def run(out: Path, url: str, steps: int, overlap: bool) -> tuple[float, list[dic
             "log.progress=false",
             "log.tensorboard=false",
             "eval.every=0",
-            f"train.overlap_rollouts={overlap}",
+            f"train.max_staleness={k}",
             # both runs alike: the overlapped one needs an importance correction
             "learner.old_logprobs=recompute",
             "loss.tis=token",
@@ -85,24 +85,24 @@ def main() -> None:
         tempfile.TemporaryDirectory() as tmp,
     ):
         results = {}
-        for overlap in (False, True):
-            wall, metrics = run(Path(tmp) / f"overlap-{overlap}", server.url, args.steps, overlap)
-            results[overlap] = (wall, metrics)
+        for k in (0, 1):
+            wall, metrics = run(Path(tmp) / f"k-{k}", server.url, args.steps, k)
+            results[k] = (wall, metrics)
             step_s = [m["step_s"] for m in metrics]
             phases = {
-                k.removeprefix("phase_s/"): round(
-                    sum(m.get(k, 0.0) for m in metrics) / len(metrics), 2
+                name.removeprefix("phase_s/"): round(
+                    sum(m.get(name, 0.0) for m in metrics) / len(metrics), 2
                 )
-                for k in sorted({k for m in metrics for k in m if k.startswith("phase_s/")})
+                for name in sorted({n for m in metrics for n in m if n.startswith("phase_s/")})
             }
             print(
-                f"overlap={overlap}: run {wall:.1f} s, step_s {[round(s, 2) for s in step_s]}, "
+                f"max_staleness={k}: run {wall:.1f} s, step_s {[round(s, 2) for s in step_s]}, "
                 f"rollout_s {[round(m['rollout_s'], 2) for m in metrics]}, "
                 f"learner_s {[round(m['learner_s'], 2) for m in metrics]}, "
                 f"policy_lag {[m['policy_lag'] for m in metrics]}, mean phase s "
                 f"{json.dumps(phases)}"
             )
-        (w0, m0), (w1, m1) = results[False], results[True]
+        (w0, m0), (w1, m1) = results[0], results[1]
         later0 = sum(m["step_s"] for m in m0[2:]) / (len(m0) - 2)  # after the warm-up steps
         later1 = sum(m["step_s"] for m in m1[2:]) / (len(m1) - 2)
         print(

@@ -248,8 +248,8 @@ def test_stale_samples_need_an_importance_correction_whatever_old_logprobs_is(ol
         load_config(None, [stale, f"learner.old_logprobs={old}"])
     for fix in ("loss.tis=token", "loss.mis=sequence"):
         cfg = load_config(None, [stale, "learner.old_logprobs=recompute", fix])
-        assert cfg.train.staleness >= 1
-    assert load_config(None, [f"learner.old_logprobs={old}"]).train.staleness == 0
+        assert cfg.train.max_staleness >= 1
+    assert load_config(None, [f"learner.old_logprobs={old}"]).train.max_staleness == 0
 
 
 def test_text_settings_take_the_override_as_written():
@@ -332,6 +332,10 @@ def test_deterministic_decodes_one_at_a_time_and_refuses_what_timing_decides():
     for timed, match in [
         (["train.max_staleness=2", *stale], "train.max_staleness=2"),
         (["engine.partial_rollouts=true"], "engine.partial_rollouts"),
+        (
+            ["train.max_staleness=1", *stale, "shaping.dynamic_sampling=true"],
+            "shaping.dynamic_sampling with train.max_staleness=1",
+        ),
         (["engine.kind=sglang", "engine.sglang.urls=[http://127.0.0.1:1]"], "engine.kind=sglang"),
         (["engine.kind=vllm", "engine.vllm.urls=[http://127.0.0.1:1]"], "engine.kind=vllm"),
     ]:

@@ -6,8 +6,8 @@
   of the loss (`mask_truncated`: the loop gives them a NaN advantage, which the learner drops),
   since their reward judges an unfinished answer.
 - Dynamic sampling: groups whose scorable rewards are all equal give zero advantage and only dilute
-  the batch; `keep_informative_groups` says which groups to keep. The loop that samples more tasks
-  until the batch is full (at most `max_extra_rounds` extra rounds) lives in train.py.
+  the batch; `keep_informative_groups` says which groups to keep. The training loop's scheduler
+  replaces the dropped ones, at most `max_extra_rounds` steps' worth a step (run/pipeline.py).
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ class ShapingConfig(BaseModel):
     max_extra_rounds: int = Field(
         3,
         ge=0,
-        description="With dynamic_sampling: at most this many extra sampling rounds per step.",
+        description="With dynamic_sampling: a step replaces at most this many times "
+        "rollout.tasks_per_step dropped groups (extra rounds' worth); past that it trains fewer.",
     )
     overlong_buffer_len: int | None = Field(
         None,

@@ -200,29 +200,25 @@ class TrainLoopConfig(BaseModel):
         ge=0,
         description="how many updates behind the learner a trained sample may be (its policy lag: "
         "the learner's version minus the oldest weights that sampled any of its tokens). 0: each "
-        "step samples, then trains (synchronous); 1: the next step samples while this one trains "
-        "(as overlap_rollouts); k >= 2: groups are sampled continuously and each step takes the "
-        "ready ones, never one beyond k (agentgrpo.run.pipeline)",
+        "step samples, then trains (synchronous); 1: the next step samples while this one trains; "
+        "k: groups are sampled continuously and each step takes the ready ones, never one beyond "
+        "k. One scheduler runs them all (agentgrpo.run.pipeline)",
     )
     overlap_rollouts: bool = Field(
         False,
-        description="the same as max_staleness: 1 (kept for existing configs): sample step t+1's "
-        "rollouts while step t trains; not across a checkpoint, so resuming stays exact",
+        description="deprecated, for existing configs: the same as max_staleness: 1",
     )
 
     @model_validator(mode="after")
     def _one_staleness(self) -> TrainLoopConfig:
-        if self.overlap_rollouts and self.max_staleness not in (0, 1):
-            raise ValueError(
-                f"train.overlap_rollouts is max_staleness: 1, but max_staleness is "
-                f"{self.max_staleness}; set only max_staleness"
-            )
+        if self.overlap_rollouts:  # the old name: folded into the one the code reads
+            if self.max_staleness not in (0, 1):
+                raise ValueError(
+                    f"train.overlap_rollouts is max_staleness: 1, but max_staleness is "
+                    f"{self.max_staleness}; set only max_staleness"
+                )
+            self.max_staleness = 1
         return self
-
-    @property
-    def staleness(self) -> int:
-        """The bound in force: `max_staleness`, or 1 for `overlap_rollouts`."""
-        return max(self.max_staleness, int(self.overlap_rollouts))
 
 
 class LogConfig(BaseModel):
@@ -366,10 +362,11 @@ class RunConfig(BaseModel):
         # Samples up to max_staleness updates old: an importance correction against the sampling
         # logprobs is required (verl's rollout correction, TRL's vllm_importance_sampling_*), and
         # both need the learner's own pi_old (`_tis_has_two_logprobs`).
-        if self.train.staleness and self.loss.tis == "none" and self.loss.mis == "none":
+        k = self.train.max_staleness
+        if k and self.loss.tis == "none" and self.loss.mis == "none":
             raise ValueError(
-                f"train.max_staleness={self.train.staleness} trains on samples from weights up to "
-                f"{self.train.staleness} update(s) old, and no importance correction is set: set "
+                f"train.max_staleness={k} trains on samples from weights up to {k} update(s) old, "
+                "and no importance correction is set: set "
                 "loss.tis (token | sequence) or loss.mis (token | sequence | geometric), with "
                 "learner.old_logprobs: recompute"
             )
@@ -408,10 +405,14 @@ class RunConfig(BaseModel):
             f"engine.kind={self.engine.kind} (the servers batch requests as they arrive)": (
                 self.engine.kind in ("sglang", "vllm")
             ),
-            f"train.max_staleness={self.train.staleness} (which groups a step trains depends on "
-            "when they finish)": self.train.staleness >= 2,
+            f"train.max_staleness={self.train.max_staleness} (which groups a step trains "
+            "depends on when they finish)": self.train.max_staleness >= 2,
             "engine.partial_rollouts (an update lands at whichever decode step it meets)": (
                 self.engine.partial_rollouts
+            ),
+            "shaping.dynamic_sampling with train.max_staleness=1 (which step a replacement group "
+            "fills depends on when the groups it replaces finish)": (
+                self.shaping.dynamic_sampling and self.train.max_staleness == 1
             ),
         }
         if clash := [name for name, on in timed.items() if on]:
@@ -452,11 +453,11 @@ class RunConfig(BaseModel):
     @model_validator(mode="after")
     def _released_while_training_only(self) -> RunConfig:
         # Overlapped steps sample while the learner trains: the servers' memory cannot be lent then.
-        sglang = self.engine.sglang
-        if sglang is not None and sglang.release_memory_during_training and self.train.staleness:
+        sglang, k = self.engine.sglang, self.train.max_staleness
+        if sglang is not None and sglang.release_memory_during_training and k:
             raise ValueError(
                 "engine.sglang.release_memory_during_training with train.max_staleness="
-                f"{self.train.staleness}: the servers sample while the learner trains, so they "
+                f"{k}: the servers sample while the learner trains, so they "
                 "cannot free their memory meanwhile; turn one of them off"
             )
         return self

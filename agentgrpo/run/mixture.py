@@ -198,9 +198,7 @@ class MixtureStream:
         label, index = self._draw(position)
         return self.streams[label].task_at(index)
 
-    def next_position(self) -> int:
-        if self.resume:
-            return self.resume.pop(0)
+    def next_position(self) -> int:  # `resume` is the pipeline's to admit first, as TaskStream's
         self.position += 1
         return self.position - 1
 

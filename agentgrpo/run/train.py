@@ -6,11 +6,13 @@ Read `train()` top to bottom: each line of a step is one call into one stage mod
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import functools
 import math
 import random
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,7 +32,7 @@ from agentgrpo.chat.format import ChatFormat
 from agentgrpo.checks.env_check import check_env_at_start
 from agentgrpo.checks.reward_audit import audit_at_start, recheck_step
 from agentgrpo.checks.template_audit import require_token_safe
-from agentgrpo.engine.base import Engine, close_all, wait_ready
+from agentgrpo.engine.base import Engine, close_all, release_memory, resume_memory, wait_ready
 from agentgrpo.engine.config import build_engine
 from agentgrpo.engine.weight_sync import WeightSync
 from agentgrpo.env.base import Env
@@ -44,22 +46,16 @@ from agentgrpo.models.hardware import (
     make_deterministic,
     share_cpu,
 )
-from agentgrpo.rollout.episode import EnvRoute, GroupSampler, collect, rollout_metrics
+from agentgrpo.rollout.episode import EnvRoute, GroupSampler, rollout_metrics
 from agentgrpo.run import checkpoint
 from agentgrpo.run.config import ConfigError, RunConfig, dump_config
 from agentgrpo.run.evaluate import evaluate
 from agentgrpo.run.log import Progress, RunLogger, aside_name, set_aside_after
 from agentgrpo.run.mixture import Mixture, MixtureStream
 from agentgrpo.run.mixture import describe as describe_mixture
-from agentgrpo.run.overlap import (
-    memory_lent,
-    set_train_threads,
-    train_beside,
-    train_while_collecting,
-)
 from agentgrpo.run.pipeline import StalenessPipeline, Ticket
 from agentgrpo.run.report import write_report
-from agentgrpo.types import Advantage, Group, Score, Task, Trajectory
+from agentgrpo.types import Advantage, Group, Task, Trajectory
 
 
 def seed_everything(seed: int) -> None:
@@ -70,9 +66,9 @@ def seed_everything(seed: int) -> None:
 
 class TaskStream:
     """Tasks in a seeded order, reshuffled every epoch. A task is named by its place in that order
-    (its position); `position` is the next new one and `resume` the positions to hand out before
-    it (those a checkpoint lists as sampled but not trained on): both are what a checkpoint
-    stores."""
+    (its position); `position` is the next new one and `resume` the positions a checkpoint lists
+    as sampled but not trained on, which the pipeline admits before any new one: both are what a
+    checkpoint stores."""
 
     def __init__(
         self, tasks: Sequence[Task], seed: int, position: int = 0, resume: Sequence[int] = ()
@@ -83,8 +79,6 @@ class TaskStream:
         self.resume = list(resume)
 
     def next_position(self) -> int:
-        if self.resume:
-            return self.resume.pop(0)
         self.position += 1
         return self.position - 1
 
@@ -93,9 +87,6 @@ class TaskStream:
         order = list(range(len(self.tasks)))
         random.Random(f"{self.seed}/{epoch}").shuffle(order)
         return self.tasks[order[i]]
-
-    def take(self, n: int) -> list[Task]:
-        return [self.task_at(self.next_position()) for _ in range(n)]
 
 
 @dataclass
@@ -119,78 +110,27 @@ def describe_precision(learner: Precision, engine: Engine, threads: str) -> str:
     return f"{line}; {threads}"
 
 
-async def collect_step(
-    cfg: RunConfig,
-    make_env: Callable[[], Env],
-    engine: Engine,
-    chat: ChatFormat,
-    stream: TaskStream,
-    context_len: int | None,
-    on_done: Callable[[Trajectory, Score], None] | None = None,
-    route: EnvRoute | None = None,
-) -> Rollouts:
-    """The step's groups. With dynamic sampling, groups whose rewards are all equal (no learning
-    signal) are dropped and more tasks are sampled, at most `max_extra_rounds` times. A group's
-    seeds follow from its position in the task stream (`episode_seed`). `route`: each task's env
-    and limits (a mixture)."""
-    t0 = time.perf_counter()
-
-    async def draw(n: int) -> list[Group]:
-        positions = [stream.next_position() for _ in range(n)]
-        return await collect(
-            make_env,
-            engine,
-            chat,
-            [stream.task_at(p) for p in positions],
-            cfg.rollout,
-            seed=cfg.seed,
-            draws=positions,
-            context_len=context_len,
-            on_done=on_done,
-            route=route,
-        )
-
-    groups = await draw(cfg.rollout.tasks_per_step)
-    stats = {"groups_sampled": float(len(groups))}
-    if not cfg.shaping.dynamic_sampling:
-        stats["rollout_s"] = time.perf_counter() - t0
-        return Rollouts(groups, stats)
-    kept = [g for g, ok in zip(groups, keep_informative_groups([g.rewards for g in groups])) if ok]
-    rounds = 0
-    while len(kept) < cfg.rollout.tasks_per_step and rounds < cfg.shaping.max_extra_rounds:
-        rounds += 1
-        more = await draw(cfg.rollout.tasks_per_step - len(kept))
-        stats["groups_sampled"] += len(more)
-        kept += [g for g, ok in zip(more, keep_informative_groups([g.rewards for g in more])) if ok]
-    stats.update(
-        {
-            "dynamic/extra_rounds": float(rounds),
-            "dynamic/groups_kept": float(len(kept)),
-            "rollout_s": time.perf_counter() - t0,
-        }
-    )
-    return Rollouts(kept[: cfg.rollout.tasks_per_step], stats)
-
-
-async def take_step(pipeline: StalenessPipeline[Group], step: int) -> Rollouts:
-    """The step's groups from the asynchronous pipeline, and what waiting for them measured."""
-    t0, rejected = time.perf_counter(), pipeline.rejected
-    groups = await pipeline.take(step)
-    return Rollouts(
-        groups,
-        {
-            "rollout_s": time.perf_counter() - t0,  # the learner's wait: 0 when they were ready
-            "groups_sampled": float(len(groups) + pipeline.rejected - rejected),
-            "pipeline/in_flight": float(pipeline.in_flight()),
-            "pipeline/ready_ahead": float(pipeline.ready_ahead()),
-        },
-    )
+async def take_step(run: Run, step: int) -> Rollouts:
+    """Rank 0: the step's groups from the pipeline, and what waiting for them measured."""
+    pipeline, t0 = run.pipeline, time.perf_counter()
+    taken = await pipeline.take(step)
+    metrics = {
+        "rollout_s": time.perf_counter() - t0,  # the learner's wait: 0 when they were ready
+        "groups_sampled": float(len(taken.groups) + taken.rejected),
+        "pipeline/in_flight": float(pipeline.in_flight()),
+        "pipeline/ready_ahead": float(pipeline.ready_ahead()),
+    }
+    if run.cfg.shaping.dynamic_sampling:  # replacements counted in steps' worth of groups
+        metrics["dynamic/extra_rounds"] = taken.replaced / run.cfg.rollout.tasks_per_step
+        metrics["dynamic/groups_kept"] = float(len(taken.groups))
+    return Rollouts(taken.groups, metrics)
 
 
 def start_pipeline(run: Run) -> StalenessPipeline[Group]:
-    """Rank 0, `train.max_staleness` >= 2: the producer, started once the engine serves the
-    learner's weights. A group's task and seeds follow from its position in the task stream, so a
-    resumed run samples a pending one with the same task and seeds."""
+    """Rank 0: the producer, started once the engine serves the learner's weights. A group's task
+    and seeds follow from its position in the task stream, so a resumed run samples a pending one
+    with the same task and seeds. A planned checkpoint (`train.save_every`) fences the slots after
+    it; a time-based one fences them when it is decided (`run_step`)."""
     cfg = run.cfg
     sampler = GroupSampler(
         run.make_env,
@@ -216,16 +156,19 @@ def start_pipeline(run: Run) -> StalenessPipeline[Group]:
     def informative(group: Group) -> bool:
         return keep_informative_groups([group.rewards])[0]
 
-    dynamic = cfg.shaping.dynamic_sampling
+    dynamic, every = cfg.shaping.dynamic_sampling, cfg.train.save_every
     pipeline = StalenessPipeline(
         produce,
         run.stream.next_position,
         per_step=cfg.rollout.tasks_per_step,
-        max_staleness=cfg.train.staleness,
+        max_staleness=cfg.train.max_staleness,
         steps=cfg.train.steps,
         version=run.steps_done,
+        resume=run.stream.resume,
         keep=informative if dynamic else None,
-        max_dropped=cfg.shaping.max_extra_rounds * cfg.rollout.tasks_per_step if dynamic else None,
+        max_replaced=cfg.shaping.max_extra_rounds * cfg.rollout.tasks_per_step,
+        fenced=lambda step: bool(every) and (step + 1) % every == 0,
+        trade=not cfg.deterministic,  # timing must not decide which step trains a group
     )
     run.loop.call_soon(pipeline.start)
     return pipeline
@@ -287,16 +230,6 @@ def policy_lag_mean(trajs: Sequence[Trajectory], version: int) -> float:
 
 
 @dataclass
-class Prefetched:
-    """With `train.max_staleness: 1`: the next step's rollouts, sampled while this step trained
-    (rank 0), and the data position before them, which is what a checkpoint stores (they were not
-    trained on yet)."""
-
-    rollouts: Rollouts
-    data_position: int
-
-
-@dataclass
 class Run:
     """Everything a training run holds between steps. Rank 0 (`is_main`) alone has an engine,
     weight sync, logger and evaluation tasks; every rank has the learner."""
@@ -318,8 +251,7 @@ class Run:
     steps_done: int = 0  # the learner's version: updates applied so far
     saved_step: int = 0  # the step of the last checkpoint
     saved_at: float = field(default_factory=time.monotonic)
-    prefetched: Prefetched | None = None
-    pipeline: StalenessPipeline[Group] | None = None  # rank 0, train.max_staleness >= 2
+    pipeline: StalenessPipeline[Group] | None = None  # rank 0: the scheduler of every step
     mixture: Mixture | None = None  # `envs:`: which env plays each task
 
     @property
@@ -330,24 +262,10 @@ class Run:
     def is_main(self) -> bool:
         return self.learner.is_main
 
-    def collect(self, step: int) -> Awaitable[Rollouts]:
-        if self.pipeline is not None:
-            return take_step(self.pipeline, step)
-        return collect_step(
-            self.cfg,
-            self.make_env,
-            self.engine,
-            self.chat,
-            self.stream,
-            self.context_len,
-            self.progress.rollout_done,
-            self.route,
-        )
-
     def checkpoint_due(self, step: int) -> bool:
-        """Whether the step ending at `step` saves a checkpoint; decided before it trains (an
-        overlapped collection must not cross a checkpoint). Collective: every rank calls it, and
-        the time rule is rank 0's clock, agreed by all."""
+        """Whether the step ending at `step` saves a checkpoint; decided before it trains (no
+        collection may cross a checkpoint: `StalenessPipeline.fence`). Collective: every rank
+        calls it, and the time rule is rank 0's clock, agreed by all."""
         cfg = self.cfg.train
         if cfg.save_every_s is not None:
             late = self.is_main and time.monotonic() - self.saved_at >= cfg.save_every_s
@@ -365,15 +283,14 @@ class Run:
     def save(self, step: int) -> None:
         """A checkpoint of the run after `step`. Collective: every rank writes its part."""
         self.progress.phase("checkpoint")
-        position = self.prefetched.data_position if self.prefetched else self.stream.position
         # sampled, not trained on: the resumed run samples them again first (same tasks, seeds)
-        pending = self.pipeline.pending() if self.pipeline else list(self.stream.resume)
+        pending = self.pipeline.pending() if self.pipeline else []  # rank 0 writes the manifest
         checkpoint.save(
             self.run_dir / "checkpoints",
             step,
             self.learner.save,
             {
-                "data_position": position,
+                "data_position": self.stream.position,
                 "pending_positions": pending,
                 "weight_version": str(step),
                 "rng": checkpoint.rng_state(),
@@ -392,11 +309,7 @@ def run_step(run: Run, step: int) -> bool:
     run.progress.phase("rollout")
     rollouts = None
     if run.is_main:
-        rollouts = (
-            run.prefetched.rollouts
-            if run.prefetched
-            else run.loop.run_until_complete(run.collect(step))
-        )
+        rollouts = run.loop.run_until_complete(take_step(run, step))
         recheck = (
             run.mixture.recheck_step(rollouts.groups, seed=cfg.seed + step)
             if run.mixture
@@ -405,36 +318,21 @@ def run_step(run: Run, step: int) -> bool:
         rollouts.groups, flaky = run.loop.run_until_complete(recheck)  # flaky groups made NaN
         rollouts.metrics["flaky_groups"] = float(flaky)
     rollouts = learner.broadcast(rollouts)  # every rank trains on rank 0's rollouts
-    run.prefetched, done = None, step + 1
-    trajs = rollouts.trajectories
+    done, trajs = step + 1, rollouts.trajectories
     advantages = assign_advantages(rollouts.groups, cfg)
     update = functools.partial(learner.train_step, training_rows(trajs, advantages))
     save_now = run.checkpoint_due(done)
+    if save_now and run.pipeline is not None:  # nothing sampled before it is trained after it
+        run.pipeline.fence(step)
     metrics = dict(rollouts.metrics)
-    # One step off-policy: the next step samples with the weights before this update, while it
-    # trains (rank 0's engine in the event loop, the learner in a thread). Never across a
-    # checkpoint, so a resumed run samples exactly what an uninterrupted one did.
-    if run.is_main and cfg.train.staleness == 1 and done < cfg.train.steps and not save_now:
-        run.progress.phase("train+rollout", total=run.progress.rollouts_per_step)
-        position, resume = run.stream.position, list(run.stream.resume)
-        trained, upcoming = run.loop.run_until_complete(
-            train_while_collecting(update, run.collect(done), abandon=lambda: bool(run.stop))
-        )
-        if upcoming is None:  # a stop cancelled them: their tasks are sampled after resuming
-            run.stream.position, run.stream.resume = position, resume
-        else:
-            run.prefetched = Prefetched(upcoming, position)
-    elif run.pipeline is not None:  # the producer samples on while the learner trains
-        run.progress.phase("train")
-        trained = run.loop.run_until_complete(train_beside(update))
-    else:
-        run.progress.phase("train")
-        colocated = bool(cfg.engine.sglang and cfg.engine.sglang.release_memory_during_training)
-        with memory_lent(learner, run.engine, run.loop, colocated=colocated):
-            trained = update()
-    metrics.update(trained)
+    metrics.update(train_update(run, update))
+    if run.pipeline is not None and cfg.train.max_staleness == 1:
+        # the one-step loop: the next step's groups finish under one version before the push
+        # (exact resumes and deterministic runs); k >= 2 samples across it, keeping the engine busy
+        run.progress.phase("drain")
+        run.loop.run_until_complete(run.pipeline.settle(done))
     run.progress.phase("sync")
-    run.push_weights(done)  # after the overlapped rollouts finished: no request sees weights change
+    run.push_weights(done)  # with k >= 2 groups sample on, under the new weights
     run.steps_done = done
     if run.pipeline is not None:
         run.pipeline.advance(done)
@@ -449,8 +347,8 @@ def run_step(run: Run, step: int) -> bool:
         )
         if run.sync.last_probe_error is not None:  # this step's push, checked: engine vs learner
             metrics["sync/probe_error"] = run.sync.last_probe_error
-        # sampled while waiting (synchronous) or all along (pipeline: per step, overall)
-        sampling_s = metrics["step_s"] if run.pipeline is not None else metrics["rollout_s"]
+        # sampled while the learner waited (k = 0) or all along (k >= 1: per step, overall)
+        sampling_s = metrics["step_s"] if cfg.train.max_staleness else metrics["rollout_s"]
         metrics["tokens_per_s"] = metrics.get("sampled_tokens", 0.0) / max(sampling_s, 1e-9)
         if cfg.eval.every and done % cfg.eval.every == 0:
             metrics.update(evaluate_now(run))
@@ -461,6 +359,64 @@ def run_step(run: Run, step: int) -> bool:
         run.save(done)
     run.progress.step_done(done, metrics)
     return stopping
+
+
+def train_update(run: Run, update: Callable[[], dict[str, float]]) -> dict[str, float]:
+    """The learner's step. With `max_staleness` >= 1, rank 0 trains in the training thread while
+    its event loop samples on (the pipeline's producer and episodes); otherwise nothing samples
+    meanwhile, and the engine lends its memory for the step (`memory_lent`)."""
+    if run.is_main and run.cfg.train.max_staleness:
+        run.progress.phase("train+rollout")
+        return run.loop.run_until_complete(train_beside(update))
+    run.progress.phase("train")
+    sglang = run.cfg.engine.sglang
+    colocated = bool(sglang and sglang.release_memory_during_training)
+    with memory_lent(run.learner, run.engine, run.loop, colocated=colocated):
+        return update()
+
+
+# Rank 0 trains in this one thread while its event loop samples (max_staleness >= 1): in asyncio's
+# shared pool a step landed on another thread each time and paid torch's per-thread warm-up again
+# (docs/performance.md, "Overlapped rollouts").
+_TRAIN_THREAD = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="agentgrpo-train")
+
+
+def set_train_threads(threads: int) -> None:
+    """torch threads of the training thread (its own OpenMP team; other threads keep theirs)."""
+    _TRAIN_THREAD.submit(torch.set_num_threads, threads).result()
+
+
+async def train_beside(train_step: Callable[[], dict[str, float]]) -> dict[str, float]:
+    """Run the blocking `train_step()` in the training thread while this event loop goes on
+    running what it holds (the pipeline's producer and episodes)."""
+    return await asyncio.get_running_loop().run_in_executor(_TRAIN_THREAD, train_step)
+
+
+@contextlib.contextmanager
+def memory_lent(
+    learner: Learner, engine: Engine | None, loop: asyncio.AbstractEventLoop, *, colocated: bool
+) -> Iterator[None]:
+    """While the learner trains and nothing samples, the engine lends it its memory: rank 0 has it
+    released (`release_memory`: SGLang's weights and KV cache when `colocated`, the local engine's
+    prefix cache, dead once the weights change) and resumed before the push. `colocated`: the
+    servers share the learner's GPUs, so no rank trains before the release, and every rank returns
+    its cached CUDA blocks before the resume."""
+    sync = learner.accelerator.wait_for_everyone if colocated else lambda: None
+    if learner.is_main:
+        loop.run_until_complete(release_memory(engine))
+    sync()
+    try:
+        yield
+    except BaseException:
+        if learner.is_main:  # best effort: the step's own error is the one to report
+            with contextlib.suppress(Exception):
+                loop.run_until_complete(resume_memory(engine))
+        raise
+    if colocated and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    sync()
+    if learner.is_main:
+        loop.run_until_complete(resume_memory(engine))
 
 
 def evaluate_now(run: Run) -> dict[str, float]:
@@ -577,7 +533,7 @@ def start_run(cfg: RunConfig) -> Run:
     # Before the first rollout the engine serves the learner's weights, checked by the probe: a
     # server still holding another run's weights (or another model) is caught, not sampled from.
     run.push_weights(start)
-    if learner.is_main and cfg.train.staleness >= 2:
+    if learner.is_main:
         run.pipeline = start_pipeline(run)
     run.stop.install()  # SIGTERM/SIGINT: checkpoint after this step, exit
     return run
@@ -651,7 +607,7 @@ def cpu_sharing(run: Run, threads: str) -> tuple[int | None, str]:
     cfg = run.cfg
     if cfg.engine.kind != "local" or run.learner.accelerator.device.type != "cpu":
         return cfg.engine.threads, threads
-    if cfg.engine.threads is not None or not cfg.train.staleness:
+    if cfg.engine.threads is not None or not cfg.train.max_staleness:
         return cfg.engine.threads, threads
     engine, learner = share_cpu(torch.get_num_threads())
     set_train_threads(learner)
