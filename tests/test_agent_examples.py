@@ -6,6 +6,7 @@ on the embedded model."""
 import asyncio
 import importlib
 import math
+import os
 
 import pytest
 
@@ -26,7 +27,12 @@ CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "56+55"}
 
 def example(module, name, needs):
     pytest.importorskip(needs, exc_type=ImportError)
-    return getattr(importlib.import_module(module), name)
+    try:
+        return getattr(importlib.import_module(module), name)
+    except Exception as e:  # noqa: BLE001 - on the floors only: langgraph's langsmith needs pydantic>2.6
+        if not os.environ.get("AGENTGRPO_FLOORS"):
+            raise
+        pytest.skip(f"{needs} does not import on the dependency floors: {type(e).__name__}: {e}")
 
 
 @pytest.mark.parametrize("module,name,needs", EXAMPLES, ids=[e[2] for e in EXAMPLES])

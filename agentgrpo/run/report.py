@@ -66,6 +66,8 @@ def _decode_table(tokenizer, rows: list[dict[str, Any]], max_tokens: int) -> dic
         head, tail = _window(len(ids), max_tokens)
         shown.update(ids[:head] + ids[tail:])
     ids = sorted(i for i in shown if isinstance(i, int) and 0 <= i < vocab)
+    if not ids:  # transformers 5.17 decodes an empty batch as one empty sequence
+        return {}
     texts = tokenizer.batch_decode(
         [[i] for i in ids], skip_special_tokens=False, clean_up_tokenization_spaces=False
     )
