@@ -185,8 +185,13 @@ async def test_partial_rollout_across_a_push_reports_the_split(live, learner_mod
         await engine.wait_ready()
         (served,) = (await engine.weight_versions()).values()
         prompt = prompt_ids(live.model, "Count from 1 to 1000, one number per line.")
+        # written before the request starts: a CI machine decoded all 1024 tokens while a push
+        # was still saving the checkpoint, so only the reload (which pauses first) may race it
+        sync = WeightSync(engine, WeightSyncConfig(method="disk", shared_dir=str(tmp_path)))
+        staged = tmp_path / "step_1"
+        await asyncio.to_thread(sync._save, new_model, staged)
         request = await running_request(live, engine, prompt)  # old weights, not all tokens
-        await push(engine, new_model, tmp_path, 1)
+        await engine.update_weights_from_disk(staged, version="1")
         c = await request
         ended = f"{len(c.token_ids)} tokens, {c.finish_reason}"
         assert c.version_runs is not None and len(c.version_runs) == 2, (c.version_runs, ended)
