@@ -263,8 +263,9 @@ async def test_two_servers_sticky_one_killed_mid_step_the_step_finishes(
         homes = {s: engine._pool.session_server(s) for s in histories}
         assert set(homes.values()) == {server.url, other.url}  # balanced, then pinned
         second = asyncio.gather(*(turn(s, 1) for s in histories))
-        while engine._pool.servers[1].outstanding == 0:
-            await asyncio.sleep(0.01)
+        while engine._pool.servers[1].outstanding == 0 and not second.done():
+            await asyncio.sleep(0.005)
+        assert not second.done(), "the second turns ended before one was seen on the server"
         os.killpg(other.process.pid, signal.SIGKILL)  # mid-step, turns in flight on it
         await second
         await asyncio.gather(*(turn(s, 2) for s in histories))
