@@ -18,7 +18,7 @@ from agentgrpo.run.config import load_config
 from agentgrpo.run.log import read_jsonl
 from agentgrpo.run.train import policy_lag
 from agentgrpo.types import StopReason, Trajectory
-from tests.test_checkpoint import VariedRewardEnv, _train
+from tests.short_runs import VariedRewardEnv, train
 
 
 class SlowTaskEnv(VariedRewardEnv):
@@ -65,7 +65,7 @@ def test_k_1_samples_the_next_step_with_the_weights_before_the_update(tmp_path, 
     group sampled by the same weights is the one the synchronous loop samples: its task and seeds
     follow from its position."""
     out, plain = tmp_path / "run", tmp_path / "plain"
-    assert _train(out, stopping_model_dir, 3, *ONE) == 0
+    assert train(out, stopping_model_dir, 3, *ONE) == 0
     metrics = read_jsonl(out / "metrics.jsonl")
     assert [m["policy_lag"] for m in metrics] == [0.0, 1.0, 1.0]
     assert all("phase_s/train+rollout" in m for m in metrics)
@@ -76,7 +76,7 @@ def test_k_1_samples_the_next_step_with_the_weights_before_the_update(tmp_path, 
     for r in read_jsonl(out / "trajectories.jsonl"):
         versions.setdefault(r["step"], set()).add(tuple(r["weight_versions"]))
     assert versions == {1: {(0,)}, 2: {(0,)}, 3: {(1,)}}
-    assert _train(plain, stopping_model_dir, 3) == 0
+    assert train(plain, stopping_model_dir, 3) == 0
     assert _lags(plain) == [0.0, 0.0, 0.0]
     assert _positions(plain) == {1: [0, 1], 2: [2, 3], 3: [4, 5]}
     a, b = _groups(out), _groups(plain)
@@ -92,13 +92,13 @@ def test_k_1_never_crosses_a_checkpoint_and_a_resume_continues_from_it(
     the groups the run sampled after it, token for token (the checkpoint's weights sample all of
     them: the push waits for them); only which of steps 3 and 4 a group lands in may differ."""
     run, copy = tmp_path / "run", tmp_path / "copy"
-    assert _train(run, stopping_model_dir, 4, "train.save_every=2", *ONE) == 0
+    assert train(run, stopping_model_dir, 4, "train.save_every=2", *ONE) == 0
     assert _lags(run) == [0.0, 1.0, 0.0, 1.0]
     manifest = json.loads((run / "checkpoints" / "step-000002" / "trainer.json").read_text())
     assert manifest["data_position"] == 4 and manifest["pending_positions"] == []
     shutil.copytree(run, copy)
     shutil.rmtree(copy / "checkpoints" / "step-000004")  # as if killed in step 4
-    assert _train(copy, stopping_model_dir, 4, "train.save_every=2", *ONE) == 0
+    assert train(copy, stopping_model_dir, 4, "train.save_every=2", *ONE) == 0
     assert _lags(copy) == [0.0, 1.0, 0.0, 1.0]
     a, b = _positions(run), _positions(copy)
     assert sorted(a[3] + a[4]) == sorted(b[3] + b[4]) == [4, 5, 6, 7]
@@ -123,7 +123,7 @@ def test_a_stop_while_sampling_ahead_keeps_the_groups_for_after_the_resume(
 
     out = tmp_path / "run"
     monkeypatch.setattr(Learner, "train_step", sigterm_in_the_first_step)
-    assert _train(out, stopping_model_dir, 3, *ONE) == 0
+    assert train(out, stopping_model_dir, 3, *ONE) == 0
     monkeypatch.setattr(Learner, "train_step", real_step)
     manifest = json.loads((out / "checkpoints" / "step-000001" / "trainer.json").read_text())
     trained = _positions(out)[1]
@@ -132,7 +132,7 @@ def test_a_stop_while_sampling_ahead_keeps_the_groups_for_after_the_resume(
     )
     assert sorted(trained + manifest["pending_positions"]) == list(range(manifest["data_position"]))
 
-    assert _train(out, stopping_model_dir, 3, *ONE) == 0
+    assert train(out, stopping_model_dir, 3, *ONE) == 0
     positions = [p for ps in _positions(out).values() for p in ps]
     assert sorted(positions) == list(range(6))
 
@@ -141,7 +141,7 @@ def test_a_stop_while_sampling_ahead_keeps_the_groups_for_after_the_resume(
 def test_no_step_trains_a_sample_beyond_max_staleness(tmp_path, stopping_model_dir, partial):
     """Also with partial rollouts (a push lands between two decode steps of running requests)."""
     out = tmp_path / "run"
-    assert _train(out, stopping_model_dir, 5, *ASYNC, f"engine.partial_rollouts={partial}") == 0
+    assert train(out, stopping_model_dir, 5, *ASYNC, f"engine.partial_rollouts={partial}") == 0
     metrics = read_jsonl(out / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5]
     assert all(0 <= m["policy_lag"] <= 2 for m in metrics)
@@ -173,7 +173,7 @@ def test_a_sigterm_and_resume_lose_no_group_and_train_none_twice(
 
     out = tmp_path / "run"
     monkeypatch.setattr(Learner, "train_step", sigterm_in_step_2)
-    assert _train(out, stopping_model_dir, 5, *ASYNC) == 0
+    assert train(out, stopping_model_dir, 5, *ASYNC) == 0
     monkeypatch.setattr(Learner, "train_step", real_step)
     assert [m["step"] for m in read_jsonl(out / "metrics.jsonl")] == [1, 2]
     manifest = json.loads((out / "checkpoints" / "step-000002" / "trainer.json").read_text())
@@ -182,7 +182,7 @@ def test_a_sigterm_and_resume_lose_no_group_and_train_none_twice(
     assert pending and not set(pending) & trained_before  # in flight or ready, not trained
     assert manifest["data_position"] == len(trained_before) + len(pending)
 
-    assert _train(out, stopping_model_dir, 5, *ASYNC) == 0
+    assert train(out, stopping_model_dir, 5, *ASYNC) == 0
     by_step = _positions(out)
     assert sorted(by_step) == [1, 2, 3, 4, 5]
     positions = [p for ps in by_step.values() for p in ps]
@@ -197,7 +197,7 @@ def test_dynamic_sampling_evaluation_and_the_report_work_as_in_the_synchronous_l
 ):
     out = tmp_path / "run"
     assert (
-        _train(
+        train(
             out,
             stopping_model_dir,
             3,

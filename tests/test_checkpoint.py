@@ -7,16 +7,14 @@ import json
 import os
 import random
 import signal
-from fractions import Fraction
 
 import numpy as np
 import pytest
 import torch
 
-from agentgrpo.cli import main
 from agentgrpo.run import checkpoint
 from agentgrpo.run.log import read_jsonl
-from envs.calculator import CalculatorEnv
+from tests.short_runs import by_step, train, train_exactly, weights
 
 
 def _write(files: dict[str, bytes]):
@@ -228,64 +226,10 @@ def test_stop_requested_turns_sigterm_into_a_flag():
 # --- end to end: kill + resume == uninterrupted ------------------------------------------------
 
 
-class VariedRewardEnv(CalculatorEnv):
-    """The calculator env with a reward that varies with the (random) answer, so a tiny random model
-    gets non-zero advantages and its weights really move."""
-
-    def reward(self, task, messages) -> float:
-        return float(Fraction(len(messages[-1].content) % 3, 2))
-
-
-def _train(out, model_dir, steps, *extra):
-    return main(
-        [
-            "train",
-            "examples/calculator.yaml",
-            f"output_dir={out}",
-            f"train.steps={steps}",
-            f"model.path={model_dir}",
-            "env.name=tests.test_checkpoint:VariedRewardEnv",
-            "env.audit.reward_hacks=skip",  # a toy verifier: not what this tests
-            "rollout.group_size=2",
-            "rollout.tasks_per_step=2",
-            "rollout.max_new_tokens=12",
-            "rollout.max_tokens=40",
-            "log.progress=false",
-            "log.tensorboard=false",
-            "learner.lr=1e-3",
-            *extra,
-        ]
-    )
-
-
-def _train_exactly(out, model_dir, steps, *extra):
-    """`_train` with `deterministic=true`, for tests that compare two runs' weights bit for bit
-    (the engine's batching changes a logprob's last bits otherwise, and the weights with it: seen
-    under load); torch's process-wide setting is put back for the tests that follow."""
-    try:
-        return _train(out, model_dir, steps, *extra, "deterministic=true")
-    finally:
-        torch.use_deterministic_algorithms(False)
-
-
-def _by_step(out):
-    rows = read_jsonl(out / "trajectories.jsonl")
-    return {
-        s: sorted((r["group_id"], r["token_ids"], r["reward"]) for r in rows if r["step"] == s)
-        for s in {r["step"] for r in rows}
-    }
-
-
-def _weights(out, step):
-    from safetensors.torch import load_file
-
-    return load_file(out / "checkpoints" / f"step-{step:06d}" / "model.safetensors")
-
-
 def test_four_steps_equal_two_steps_killed_and_resumed(tmp_path, stopping_model_dir, monkeypatch):
     tiny_model_dir = stopping_model_dir
     straight = tmp_path / "straight"
-    assert _train_exactly(straight, tiny_model_dir, 4, "train.save_every=2") == 0
+    assert train_exactly(straight, tiny_model_dir, 4, "train.save_every=2") == 0
 
     from agentgrpo.learner.learner import Learner
 
@@ -303,23 +247,23 @@ def test_four_steps_equal_two_steps_killed_and_resumed(tmp_path, stopping_model_
     killed = tmp_path / "killed"
     monkeypatch.setattr(Learner, "train_step", dies_in_step_4)
     with pytest.raises(RuntimeError, match="killed"):
-        _train_exactly(killed, tiny_model_dir, 4, "train.save_every=2")
+        train_exactly(killed, tiny_model_dir, 4, "train.save_every=2")
     monkeypatch.setattr(Learner, "train_step", real_step)
     assert [m["step"] for m in read_jsonl(killed / "metrics.jsonl")] == [1, 2, 3]
     step3 = [r for r in read_jsonl(killed / "trajectories.jsonl") if r["step"] == 3]
-    assert _train_exactly(killed, tiny_model_dir, 4, "train.save_every=2") == 0
+    assert train_exactly(killed, tiny_model_dir, 4, "train.save_every=2") == 0
 
     # step 3 trained again from the step-2 checkpoint: its first rows went aside, not twice in the
     # logs
     assert [m["step"] for m in read_jsonl(killed / "metrics.jsonl")] == [1, 2, 3, 4]
     assert [m["step"] for m in read_jsonl(killed / "metrics.after-step-2.jsonl")] == [3]
     assert read_jsonl(killed / "trajectories.after-step-2.jsonl") == step3 and step3
-    a, b = _by_step(straight), _by_step(killed)
+    a, b = by_step(straight), by_step(killed)
     assert a == b  # same tasks, same sampled tokens, same rewards in every step
     assert len({r for s in a.values() for (_, _, r) in s}) > 1  # rewards vary: weights really train
-    wa, wb = _weights(straight, 4), _weights(killed, 4)
+    wa, wb = weights(straight, 4), weights(killed, 4)
     assert not torch.equal(
-        wa["model.embed_tokens.weight"], _weights(straight, 2)["model.embed_tokens.weight"]
+        wa["model.embed_tokens.weight"], weights(straight, 2)["model.embed_tokens.weight"]
     )
     for name, t in wa.items():
         torch.testing.assert_close(wb[name], t, atol=1e-6, rtol=1e-5, msg=name)
@@ -330,11 +274,11 @@ def test_four_steps_equal_two_steps_killed_and_resumed(tmp_path, stopping_model_
 
 def test_resume_uses_the_previous_checkpoint_when_the_newest_is_truncated(tmp_path, tiny_model_dir):
     out = tmp_path / "run"
-    assert _train(out, tiny_model_dir, 2, "train.save_every=1") == 0
+    assert train(out, tiny_model_dir, 2, "train.save_every=1") == 0
     newest = out / "checkpoints" / "step-000002" / "model.safetensors"
     newest.write_bytes(newest.read_bytes()[:100])
     with pytest.warns(UserWarning, match="step-000002"):
-        assert _train(out, tiny_model_dir, 3, "train.save_every=1") == 0
+        assert train(out, tiny_model_dir, 3, "train.save_every=1") == 0
     assert [m["step"] for m in read_jsonl(out / "metrics.jsonl")] == [1, 2, 3]  # step 2 redone
     assert [m["step"] for m in read_jsonl(out / "metrics.after-step-1.jsonl")] == [
         2
@@ -351,14 +295,14 @@ def test_a_run_whose_checkpoints_all_fail_to_load_stops_instead_of_restarting(
     tmp_path, tiny_model_dir, capsys
 ):
     out = tmp_path / "run"
-    assert _train(out, tiny_model_dir, 2, "train.save_every=1") == 0
+    assert train(out, tiny_model_dir, 2, "train.save_every=1") == 0
     before = {
         f: (out / f).read_bytes() for f in ("metrics.jsonl", "trajectories.jsonl", "config.yaml")
     }
     with pytest.warns(
         UserWarning, match="skipping checkpoint"
     ):  # LoRA now: no full checkpoint fits
-        assert _train(out, tiny_model_dir, 4, "train.save_every=1", "learner.lora.r=4") == 2
+        assert train(out, tiny_model_dir, 4, "train.save_every=1", "learner.lora.r=4") == 2
     err = capsys.readouterr().err
     assert "error: no checkpoint under" in err and "config.yaml" in err
     for step in (2, 1):
@@ -378,11 +322,11 @@ def test_two_fresh_runs_with_one_seed_train_the_same_weights(tmp_path, stopping_
     lora = ["learner.lora.r=4", "learner.lora.dropout=0.5", "learner.lr=1e-2", "loss.clip_high=100"]
     adapters = []
     for name in ("a", "b"):
-        assert _train_exactly(tmp_path / name, stopping_model_dir, 1, *lora) == 0
+        assert train_exactly(tmp_path / name, stopping_model_dir, 1, *lora) == 0
         adapters.append(
             load_file(tmp_path / name / "checkpoints" / "step-000001" / "adapter_model.safetensors")
         )
-    assert _by_step(tmp_path / "a") == _by_step(tmp_path / "b")
+    assert by_step(tmp_path / "a") == by_step(tmp_path / "b")
     for k, t in adapters[0].items():
         assert torch.equal(adapters[1][k], t), k
 
@@ -400,9 +344,7 @@ def test_sigterm_saves_the_finished_step_and_exits(tmp_path, tiny_model_dir, mon
 
     monkeypatch.setattr(Learner, "train_step", preempted)
     out = tmp_path / "run"
-    assert (
-        _train(out, tiny_model_dir, 4) == 0
-    )  # save_every=0: only the stop's checkpoint is written
+    assert train(out, tiny_model_dir, 4) == 0  # save_every=0: only the stop's checkpoint is written
     assert [m["step"] for m in read_jsonl(out / "metrics.jsonl")] == [1]
     assert checkpoint.latest(out / "checkpoints")[1]["step"] == 1
 
@@ -410,11 +352,11 @@ def test_sigterm_saves_the_finished_step_and_exits(tmp_path, tiny_model_dir, mon
 def test_a_lora_run_checkpoints_its_adapter_and_resumes(tmp_path, stopping_model_dir):
     out = tmp_path / "run"
     lora = ["learner.lora.r=4", "loss.kl_coef=0.1", "learner.lr=1e-2"]
-    assert _train(out, stopping_model_dir, 2, *lora) == 0
+    assert train(out, stopping_model_dir, 2, *lora) == 0
     files = {p.name for p in (out / "checkpoints" / "step-000002").iterdir()}
     assert {"adapter_model.safetensors", "adapter_config.json", "learner.pt"} <= files
     assert "model.safetensors" not in files  # the base weights come from model.path
-    assert _train(out, stopping_model_dir, 3, *lora) == 0  # every push verified the merged weights
+    assert train(out, stopping_model_dir, 3, *lora) == 0  # every push verified the merged weights
     assert [m["step"] for m in read_jsonl(out / "metrics.jsonl")] == [1, 2, 3]
 
 
@@ -423,7 +365,7 @@ def test_time_based_checkpoints_and_overlap_never_crosses_one(tmp_path, stopping
     checkpoint; with overlapped rollouts such a step samples nothing ahead (resume stays exact)."""
     out = tmp_path / "every-step"
     assert (
-        _train(
+        train(
             out,
             stopping_model_dir,
             3,
@@ -442,7 +384,7 @@ def test_time_based_checkpoints_and_overlap_never_crosses_one(tmp_path, stopping
 
     off = tmp_path / "off"
     assert (
-        _train(
+        train(
             off,
             stopping_model_dir,
             3,

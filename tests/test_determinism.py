@@ -15,14 +15,14 @@ import pytest
 import torch
 
 from agentgrpo.run.log import read_jsonl
+from tests.short_runs import VARIED_REWARD
 
 ROOT = Path(__file__).resolve().parent.parent
 # The default config, shortened: 3 steps of 2 tasks x 4 trajectories (the default: 10 x 2 x 8),
 # with a reward that varies with the answer's length: the calculator's own gave every group one
 # reward on a CI machine (all three losses 0, nothing to compare).
 SHORT = (
-    "env.name=tests.test_checkpoint:VariedRewardEnv",
-    "env.audit.reward_hacks=skip",  # a toy verifier: not what this tests
+    *VARIED_REWARD,
     "train.steps=3",
     "rollout.group_size=4",
     "rollout.tasks_per_step=2",

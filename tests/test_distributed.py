@@ -14,7 +14,7 @@ from agentgrpo.algo.loss import LossConfig
 from agentgrpo.learner.learner import Learner, LearnerConfig
 from agentgrpo.run.log import read_jsonl
 from tests.ranks import free_port, spawn_gloo
-from tests.test_checkpoint import _by_step, _train, _weights
+from tests.short_runs import by_step, train, weights
 from tests.test_learner import TEMPERATURE, assert_trained_alike, batch_and_advantages
 from tests.tiny import rows, tiny_llama
 
@@ -37,13 +37,13 @@ def _train_on_rank(rank: int, out: str, model_dir: str, steps: int, *extra: str)
         close(self)
 
     Learner.close = recording_close  # this process's own copy of the class
-    assert _train(out, model_dir, steps, "train.save_every=2", HANG, *extra) == 0
+    assert train(out, model_dir, steps, "train.save_every=2", HANG, *extra) == 0
     assert worlds == [2]  # the ranks really trained together, and the group was closed
 
 
 def test_two_ranks_run_the_loop_like_one_process_and_resume(tmp_path, stopping_model_dir):
     one, two = tmp_path / "one", tmp_path / "two"
-    assert _train(one, stopping_model_dir, 3, "train.save_every=2") == 0
+    assert train(one, stopping_model_dir, 3, "train.save_every=2") == 0
     spawn_gloo(_train_on_rank, str(two), str(stopping_model_dir), 2)
     # Rank 0 alone logged: one row per step, no second copy from rank 1.
     assert [m["step"] for m in read_jsonl(two / "metrics.jsonl")] == [1, 2]
@@ -53,13 +53,13 @@ def test_two_ranks_run_the_loop_like_one_process_and_resume(tmp_path, stopping_m
     )  # both ranks resume from step 2
     assert [m["step"] for m in read_jsonl(two / "metrics.jsonl")] == [1, 2, 3]
 
-    a, b = _by_step(one), _by_step(two)
+    a, b = by_step(one), by_step(two)
     assert a == b  # same tasks, sampled tokens and rewards in every step
     assert len({r for s in a.values() for (_, _, r) in s}) > 1  # rewards vary: the weights train
     from safetensors.torch import load_file
 
     w0 = load_file(stopping_model_dir / "model.safetensors")
-    w1, w2 = _weights(one, 3), _weights(two, 3)
+    w1, w2 = weights(one, 3), weights(two, 3)
     # Two ranks sum the gradient in another order, and Adam magnifies tiny differences on weights
     # whose gradient is ~0 (g / (|g| + eps)): measured ~0.1% of how far each tensor moved.
     for name, t in w1.items():
@@ -79,7 +79,7 @@ def test_a_launch_accelerate_would_run_as_one_process_is_refused(monkeypatch):
 
 def test_two_ranks_resume_from_sharded_checkpoints(tmp_path, stopping_model_dir):
     one, two = tmp_path / "one", tmp_path / "two"
-    assert _train(one, stopping_model_dir, 3, "train.save_every=2") == 0
+    assert train(one, stopping_model_dir, 3, "train.save_every=2") == 0
     for steps in (2, 3):  # the second run resumes from the shards both ranks wrote at step 2
         spawn_gloo(
             _train_on_rank,
@@ -90,7 +90,7 @@ def test_two_ranks_resume_from_sharded_checkpoints(tmp_path, stopping_model_dir)
         )
     assert [m["step"] for m in read_jsonl(two / "metrics.jsonl")] == [1, 2, 3]
     assert list((two / "checkpoints" / "step-000003" / "dcp").glob("*.distcp"))
-    assert _by_step(one) == _by_step(two)  # step 3 sampled the same tokens: the weights came back
+    assert by_step(one) == by_step(two)  # step 3 sampled the same tokens: the weights came back
 
 
 def _stopped_on_rank_1(rank: int, out: str, model_dir: str) -> None:
@@ -105,7 +105,7 @@ def _stopped_on_rank_1(rank: int, out: str, model_dir: str) -> None:
             return step(self, *a, **kw)
 
         Learner.train_step = signalled
-    assert _train(out, model_dir, 4, HANG) == 0
+    assert train(out, model_dir, 4, HANG) == 0
 
 
 def test_a_stop_signal_on_one_rank_stops_every_rank_after_a_checkpoint(

@@ -175,12 +175,12 @@ def runs(tmp_path_factory, stopping_model_dir):
     """One trained step per checkpoint format, all else equal: run directory and overrides. The
     runs are deterministic (`deterministic=true`), so two formats' runs train bit-identical weights
     (the engine's batching changed their last bits otherwise, and the test failed under load)."""
-    from tests.test_checkpoint import _train_exactly
+    from tests.short_runs import train_exactly
 
     out = {}
     for name, extra in RUNS.items():
         d = tmp_path_factory.mktemp(name)
-        assert _train_exactly(d, stopping_model_dir, 1, *extra) == 0
+        assert train_exactly(d, stopping_model_dir, 1, *extra) == 0
         out[name] = (d, extra)
     return out
 
@@ -189,7 +189,7 @@ def _eval_overrides(run_dir, model_dir, extra, *more):
     return [
         f"output_dir={run_dir}",
         f"model.path={model_dir}",
-        "env.name=tests.test_checkpoint:VariedRewardEnv",
+        "env.name=tests.short_runs:VariedRewardEnv",
         "env.audit.reward_hacks=skip",  # a toy verifier: not what this tests
         "rollout.max_new_tokens=12",
         "rollout.max_tokens=40",
@@ -422,7 +422,7 @@ def test_a_planted_checkpoint_runs_no_code_in_eval_or_resume(runs, stopping_mode
     the reader), with an error naming what it asked for; no file appears."""
     from agentgrpo.learner.state import UnsafeCheckpoint
     from agentgrpo.run.config import ConfigError
-    from tests.test_checkpoint import _train
+    from tests.short_runs import train
 
     marker = tmp_path / "pwned"
     for name in ("sharded", "lora-sharded"):
@@ -439,7 +439,7 @@ def test_a_planted_checkpoint_runs_no_code_in_eval_or_resume(runs, stopping_mode
             resolve_policy(_eval_cfg(run_dir, stopping_model_dir, extra), stopping_model_dir)
         for formats in (extra, [x for x in extra if "checkpoint_format" not in x]):
             assert (
-                _train(run_dir, stopping_model_dir, 2, *formats) == 2
+                train(run_dir, stopping_model_dir, 2, *formats) == 2
             )  # refused: no usable checkpoint
         assert not marker.exists()
 

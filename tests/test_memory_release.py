@@ -15,7 +15,7 @@ from agentgrpo.engine import EngineError, SamplingParams, SGLangEngine
 from agentgrpo.run.config import ConfigError, load_config
 from agentgrpo.run.log import read_jsonl
 from tests.fake_sglang import FakeSGLang, FakeSGLangProcess
-from tests.test_checkpoint import _train
+from tests.short_runs import train
 
 FAST = {"backoff_initial_s": 0.01, "probe_interval_s": 0.05, "ready_poll_s": 0.02}
 RELEASE = ["/pause_generation", "/release_memory_occupation"]
@@ -161,7 +161,7 @@ def test_a_training_run_lends_the_servers_memory_to_every_learner_step(
         str(log),
     ) as server:
         assert (
-            _train(
+            train(
                 out,
                 stopping_model_dir,
                 2,

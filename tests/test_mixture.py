@@ -12,7 +12,6 @@ from collections import Counter
 
 import pytest
 
-from agentgrpo.cli import main
 from agentgrpo.rollout.episode import RolloutConfig, collect
 from agentgrpo.run.config import ConfigError, load_config
 from agentgrpo.run.log import read_jsonl
@@ -20,8 +19,10 @@ from agentgrpo.run.mixture import Mixture, labels
 from agentgrpo.run.train import TaskStream, run_envs
 from agentgrpo.types import Group, StopReason, Trajectory
 from tests.fakes import ScriptedEngine
+from tests.short_runs import by_step, train_short
 
 EXAMPLE = "examples/mixture.yaml"
+EVAL_EVERY_2 = ("eval.every=2", "eval.num_tasks=1")
 
 
 def mixture(*overrides):
@@ -128,39 +129,11 @@ def test_labels_default_to_env_names_and_never_repeat():
         Mixture.load(bad, with_eval=False)
 
 
-def _train(out, model_dir, steps, *extra):
-    return main(
-        [
-            "train",
-            EXAMPLE,
-            f"output_dir={out}",
-            f"train.steps={steps}",
-            f"model.path={model_dir}",
-            "rollout.group_size=2",
-            "rollout.tasks_per_step=2",
-            "rollout.max_new_tokens=12",
-            "rollout.max_tokens=40",
-            "log.progress=false",
-            "log.tensorboard=false",
-            "learner.lr=1e-3",
-            *extra,
-        ]
-    )
-
-
-def _by_step(out):
-    rows = read_jsonl(out / "trajectories.jsonl")
-    return {
-        s: sorted((r["group_id"], r["token_ids"], r["reward"]) for r in rows if r["step"] == s)
-        for s in {r["step"] for r in rows}
-    }
-
-
 def test_four_steps_split_by_env_and_resumed_exactly_after_sigterm(
     tmp_path, stopping_model_dir, monkeypatch
 ):
     straight = tmp_path / "straight"
-    assert _train(straight, stopping_model_dir, 4, "eval.every=2", "eval.num_tasks=1") == 0
+    assert train_short(straight, stopping_model_dir, 4, *EVAL_EVERY_2, config=EXAMPLE) == 0
     metrics = read_jsonl(straight / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [1, 2, 3, 4]
     for m in metrics:  # every step's groups, split by env
@@ -188,11 +161,11 @@ def test_four_steps_split_by_env_and_resumed_exactly_after_sigterm(
 
     stopped = tmp_path / "stopped"
     monkeypatch.setattr(Learner, "train_step", preempted)
-    assert _train(stopped, stopping_model_dir, 4, "eval.every=2", "eval.num_tasks=1") == 0
+    assert train_short(stopped, stopping_model_dir, 4, *EVAL_EVERY_2, config=EXAMPLE) == 0
     assert [m["step"] for m in read_jsonl(stopped / "metrics.jsonl")] == [1, 2]
     monkeypatch.setattr(Learner, "train_step", real_step)
-    assert _train(stopped, stopping_model_dir, 4, "eval.every=2", "eval.num_tasks=1") == 0
-    a, b = _by_step(straight), _by_step(stopped)
+    assert train_short(stopped, stopping_model_dir, 4, *EVAL_EVERY_2, config=EXAMPLE) == 0
+    a, b = by_step(straight), by_step(stopped)
     assert a == b  # the same tasks of the same envs, the same tokens and rewards, every step
     ma, mb = read_jsonl(straight / "metrics.jsonl"), read_jsonl(stopped / "metrics.jsonl")
     assert [m["loss"] for m in ma] == pytest.approx([m["loss"] for m in mb], abs=1e-6)

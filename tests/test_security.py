@@ -288,11 +288,11 @@ def test_a_resume_skips_checkpoints_whose_files_cannot_be_parsed(tmp_path, tiny_
     import torch
 
     from agentgrpo.run.log import read_jsonl
-    from tests.test_checkpoint import _train
+    from tests.short_runs import train
 
     out = tmp_path / "run"
     keep = "train.keep_checkpoints=4"
-    assert _train(out, tiny_model_dir, 4, "train.save_every=1", keep) == 0
+    assert train(out, tiny_model_dir, 4, "train.save_every=1", keep) == 0
     listed = io.BytesIO()
     torch.save([1, 2], listed)
     ckpts = out / "checkpoints"
@@ -300,7 +300,7 @@ def test_a_resume_skips_checkpoints_whose_files_cannot_be_parsed(tmp_path, tiny_
     _replant(ckpts / "step-000003", "model.safetensors", b"\x08" + b"\x00" * 15 + b"{}")
     _replant(ckpts / "step-000002", "learner.pt", listed.getvalue())
     with pytest.warns(UserWarning) as warned:
-        assert _train(out, tiny_model_dir, 5, "train.save_every=1", keep) == 0
+        assert train(out, tiny_model_dir, 5, "train.save_every=1", keep) == 0
     skipped = "\n".join(str(w.message) for w in warned if "skipping checkpoint" in str(w.message))
     assert "step-000004: UnpicklingError" in skipped
     assert "step-000003: SafetensorError" in skipped

@@ -9,7 +9,7 @@ import pytest
 
 from agentgrpo.env.base import Env, tasks_from_file
 from agentgrpo.run.log import read_jsonl
-from tests.test_checkpoint import _train
+from tests.short_runs import train
 
 
 class FileEcho(Env):
@@ -82,7 +82,7 @@ def test_training_from_a_task_file(tmp_path, tiny_model_dir):
     )
     out = tmp_path / "run"
     assert (
-        _train(
+        train(
             out,
             tiny_model_dir,
             1,
