@@ -27,9 +27,14 @@ VARIED_REWARD = (
 )
 
 
+# A learning rate at which a tiny model's weights move in a step, and no TensorBoard files.
+MOVING = ("log.tensorboard=false", "learner.lr=1e-3")
+
+
 def train_short(out, model_dir, steps, *extra, config="examples/calculator.yaml"):
     """`agentgrpo train CONFIG` for `steps` steps of 2 tasks x 2 trajectories of at most 12 new
-    tokens on `model_dir`; `extra` overrides come last. Returns the exit code."""
+    tokens on `model_dir`, the config's other settings kept; `extra` overrides come last. Returns
+    the exit code."""
     return main(
         [
             "train",
@@ -42,16 +47,14 @@ def train_short(out, model_dir, steps, *extra, config="examples/calculator.yaml"
             "rollout.max_new_tokens=12",
             "rollout.max_tokens=40",
             "log.progress=false",
-            "log.tensorboard=false",
-            "learner.lr=1e-3",
             *extra,
         ]
     )
 
 
 def train(out, model_dir, steps, *extra):
-    """`train_short` on the calculator with `VariedRewardEnv`."""
-    return train_short(out, model_dir, steps, *VARIED_REWARD, *extra)
+    """`train_short` on the calculator with `VariedRewardEnv` and `MOVING`."""
+    return train_short(out, model_dir, steps, *VARIED_REWARD, *MOVING, *extra)
 
 
 def train_exactly(out, model_dir, steps, *extra):

@@ -19,7 +19,7 @@ from agentgrpo.run.mixture import Mixture, labels
 from agentgrpo.run.train import TaskStream, run_envs
 from agentgrpo.types import Group, StopReason, Trajectory
 from tests.fakes import ScriptedEngine
-from tests.short_runs import by_step, train_short
+from tests.short_runs import MOVING, by_step, train_short
 
 EXAMPLE = "examples/mixture.yaml"
 EVAL_EVERY_2 = ("eval.every=2", "eval.num_tasks=1")
@@ -133,7 +133,7 @@ def test_four_steps_split_by_env_and_resumed_exactly_after_sigterm(
     tmp_path, stopping_model_dir, monkeypatch
 ):
     straight = tmp_path / "straight"
-    assert train_short(straight, stopping_model_dir, 4, *EVAL_EVERY_2, config=EXAMPLE) == 0
+    assert train_short(straight, stopping_model_dir, 4, *MOVING, *EVAL_EVERY_2, config=EXAMPLE) == 0
     metrics = read_jsonl(straight / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [1, 2, 3, 4]
     for m in metrics:  # every step's groups, split by env
@@ -161,10 +161,10 @@ def test_four_steps_split_by_env_and_resumed_exactly_after_sigterm(
 
     stopped = tmp_path / "stopped"
     monkeypatch.setattr(Learner, "train_step", preempted)
-    assert train_short(stopped, stopping_model_dir, 4, *EVAL_EVERY_2, config=EXAMPLE) == 0
+    assert train_short(stopped, stopping_model_dir, 4, *MOVING, *EVAL_EVERY_2, config=EXAMPLE) == 0
     assert [m["step"] for m in read_jsonl(stopped / "metrics.jsonl")] == [1, 2]
     monkeypatch.setattr(Learner, "train_step", real_step)
-    assert train_short(stopped, stopping_model_dir, 4, *EVAL_EVERY_2, config=EXAMPLE) == 0
+    assert train_short(stopped, stopping_model_dir, 4, *MOVING, *EVAL_EVERY_2, config=EXAMPLE) == 0
     a, b = by_step(straight), by_step(stopped)
     assert a == b  # the same tasks of the same envs, the same tokens and rewards, every step
     ma, mb = read_jsonl(straight / "metrics.jsonl"), read_jsonl(stopped / "metrics.jsonl")

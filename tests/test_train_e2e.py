@@ -9,26 +9,12 @@ import pytest
 from agentgrpo.cli import main
 from agentgrpo.run.log import read_jsonl
 from agentgrpo.types import Message, StopReason, Trajectory
+from tests.short_runs import train_short
 
 
 def _run(tmp_path, model_dir, *extra):
     out = tmp_path / "run"
-    rc = main(
-        [
-            "train",
-            "examples/calculator.yaml",
-            f"output_dir={out}",
-            "train.steps=2",
-            f"model.path={model_dir}",
-            "rollout.group_size=2",
-            "rollout.tasks_per_step=2",
-            "rollout.max_new_tokens=12",
-            "rollout.max_tokens=40",
-            "log.progress=false",
-            *extra,
-        ]
-    )
-    assert rc == 0
+    assert train_short(out, model_dir, 2, *extra) == 0
     return out
 
 
@@ -73,21 +59,7 @@ def test_two_steps_with_a_tiny_model(tmp_path, tiny_model_dir):
 
 def test_rerun_resumes_instead_of_restarting(tmp_path, tiny_model_dir):
     out = _run(tmp_path, tiny_model_dir)
-    rc = main(
-        [
-            "train",
-            "examples/calculator.yaml",
-            f"output_dir={out}",
-            "train.steps=3",
-            f"model.path={tiny_model_dir}",
-            "rollout.group_size=2",
-            "rollout.tasks_per_step=2",
-            "rollout.max_new_tokens=12",
-            "rollout.max_tokens=40",
-            "log.progress=false",
-        ]
-    )
-    assert rc == 0
+    assert train_short(out, tiny_model_dir, 3) == 0
     assert [m["step"] for m in read_jsonl(out / "metrics.jsonl")] == [1, 2, 3]
 
 
