@@ -214,6 +214,7 @@ class EnvStep(tuple):
     - `tool_errors`: calls this step answered with an error message, counted by `ToolErrorKind`.
 
     Example (an answer the env cannot read ends the episode as a parse error):
+        >>> from agentgrpo.types import EnvStep, StopReason
         >>> step = EnvStep([], -1.0, True, False, {"raw": "??"}, stop_reason=StopReason.PARSE_ERROR)
         >>> step.stop_reason
         <StopReason.PARSE_ERROR: 'parse_error'>

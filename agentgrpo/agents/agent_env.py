@@ -51,6 +51,7 @@ class AgentEnv(Env, EpisodeRunner):
     values) becomes the trajectory's `env_info`.
 
     Example:
+        >>> from agentgrpo.agents.agent_env import AgentEnv
         >>> class Calculator(AgentEnv):
         ...     async def run(self, client, task):
         ...         messages = [{"role": "user", "content": task.prompt}]

@@ -47,12 +47,32 @@ class PolicyEndpoint:
     `DELETE /episodes/<id>`. With `hand_out` instead (a remote run: `agentgrpo.agents.remote`),
     `POST /episodes` hands out an episode that waits for an agent.
 
-    Example:
-        >>> endpoint = PolicyEndpoint(model="policy")
-        >>> ep = endpoint.add(EndpointEpisode(id="ep1", engine=engine, chat=chat,
-        ...                                   params=SamplingParams(max_new_tokens=64)))
-        >>> async with endpoint.serving() as base:   # http://127.0.0.1:PORT
-        ...     ...  # an OpenAI client at f"{base}/episodes/ep1/v1"
+    Example (one episode on the embedded model, called through OpenAI's client):
+        ```python
+        import asyncio
+        import openai
+        from agentgrpo.agents.endpoint import EndpointEpisode, PolicyEndpoint, episode_urls
+        from agentgrpo.chat.format import ChatFormat
+        from agentgrpo.engine import LocalEngine, SamplingParams
+        from agentgrpo.models.embedded import default_model_path
+
+        async def main():
+            with LocalEngine(default_model_path()) as engine:
+                endpoint = PolicyEndpoint(model="policy")
+                ep = endpoint.add(EndpointEpisode(id="ep1", engine=engine,
+                                                  chat=ChatFormat(engine.tokenizer),
+                                                  params=SamplingParams(max_new_tokens=64)))
+                async with endpoint.serving() as base:  # http://127.0.0.1:PORT
+                    urls = episode_urls(ep, base)  # base_url, api_key: this episode's
+                    client = openai.AsyncOpenAI(base_url=urls["base_url"],
+                                                api_key=urls["api_key"], max_retries=0)
+                    reply = await client.chat.completions.create(
+                        model="policy", messages=[{"role": "user", "content": "What is 2+3?"}])
+                    print(reply.choices[0].message.content)
+                trajectory, _ = ep.trajectory("t1")  # the call's token ids, loss mask 1 on sampled
+
+        asyncio.run(main())
+        ```
     """
 
     def __init__(

@@ -7,11 +7,6 @@ position. For every estimator (`compute_advantages`): a NaN reward (unscorable) 
 group's statistics and gets 0; a group with fewer than two scorable rewards, or all of them exactly
 equal (checked as max == min), gets exactly 0; an infinite reward raises. Statistics run in
 float64. The formulas and the turn term's rules: docs/learner.md ("Advantages").
-
-Example:
-    >>> import torch
-    >>> compute_advantages(torch.tensor([1.0, 0.0, 0.0, 5.0]), ["a", "a", "a", "b"], "rloo")
-    tensor([ 1.0000, -0.5000, -0.5000,  0.0000])
 """
 
 from __future__ import annotations
@@ -215,6 +210,7 @@ def compute_turn_advantages(
     Example (both answered right, only the first used the tool right: its first turn gets the
     credit; the answer turns' returns are equal, so they keep the outcome advantage alone):
         >>> import torch
+        >>> from agentgrpo.algo.advantage import compute_turn_advantages
         >>> adv = compute_turn_advantages(
         ...     torch.tensor([1.5, 1.0]), [[0.5, 1.0], [0.0, 1.0]], [0, 0], eps=0.0
         ... )
@@ -265,6 +261,12 @@ def compute_advantages(
     Returns:
         [B] advantages, no grad, the rewards' floating dtype: exactly 0 for unscorable rows and
         for every row of a group with no learning signal.
+
+    Example (group "b" has one member: no signal, so 0):
+        >>> import torch
+        >>> from agentgrpo.algo.advantage import compute_advantages
+        >>> compute_advantages(torch.tensor([1.0, 0.0, 0.0, 5.0]), ["a", "a", "a", "b"], "rloo")
+        tensor([ 1.0000, -0.5000, -0.5000,  0.0000])
     """
     rewards_B = _check_rewards(rewards_B)
     group_index_B, num_groups = group_index(group_ids_B, len(rewards_B), rewards_B.device)

@@ -124,11 +124,34 @@ class ChatFormat:
             new segment then, "stepwise" starts one at every turn. Not with keep_history: the two
             are different answers to the same problem.
 
-    Example:
-        >>> chat = ChatFormat(tokenizer)
-        >>> ids = chat.prompt_ids([Message(role="user", content="2+2?")], tools=[add.schema])
-        >>> turn = chat.parse_assistant(sampled_ids, tools=[add.schema])  # message + bad calls
-        >>> ids += sampled_ids + chat.suffix_ids(history, tool_messages, tools)
+    Example (a tool turn; the sampled ids stand in for an engine's `Completion.token_ids`):
+        >>> from agentgrpo.chat.format import ChatFormat
+        >>> from agentgrpo.env.tool import tool
+        >>> from agentgrpo.models.embedded import default_model_path, load_tokenizer
+        >>> from agentgrpo.types import Message
+        >>> chat = ChatFormat(load_tokenizer(default_model_path()))
+        >>> @tool
+        ... def add(a: int, b: int) -> int:
+        ...     '''Add two integers.'''
+        ...     return a + b
+        >>> history, tools = [Message(role="user", content="2+2?")], [add.schema]
+        >>> ids = chat.prompt_ids(history, tools)
+        >>> sampled_ids = chat.encode(
+        ...     '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 2}}</tool_call><|im_end|>'
+        ... )
+        >>> turn = chat.parse_assistant(sampled_ids, tools=tools)  # the message + malformed calls
+        >>> turn.message.tool_calls, turn.errors
+        ([ToolCall(id='call_...', name='add', arguments={'a': 2, 'b': 2})], [])
+        >>> call = turn.message.tool_calls[0]
+        >>> history += [turn.message]
+        >>> result = Message(role="tool", content="4", tool_call_id=call.id, name=call.name)
+        >>> suffix = chat.suffix_ids(history, [result], tools)  # after the sampled <|im_end|>
+        >>> print(chat.decode(suffix), end="")
+        <BLANKLINE>
+        <|im_start|>tool
+        4<|im_end|>
+        <|im_start|>assistant
+        >>> ids += sampled_ids + suffix  # the next prompt: the sampled ids kept as they are
     """
 
     def __init__(

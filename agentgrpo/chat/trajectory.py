@@ -42,12 +42,38 @@ class TrajectoryBuilder:
     continues); `segments()` gives the finished ones. `weight_versions` and `token_versions` say
     which weights sampled the tokens (see `Trajectory.token_versions`).
 
-    Example:
+    Example (two turns; the sampled ids and logprobs stand in for an engine's `Completion`):
+        >>> from agentgrpo.chat.format import ChatFormat
+        >>> from agentgrpo.chat.trajectory import TrajectoryBuilder
+        >>> from agentgrpo.models.embedded import default_model_path, load_tokenizer
+        >>> from agentgrpo.types import Message, StopReason, Trajectory
+        >>> chat = ChatFormat(load_tokenizer(default_model_path()))
+        >>> messages = [Message(role="user", content="Say 7, then 8.")]
         >>> b = TrajectoryBuilder(chat)
-        >>> b.open_segment(chat.prompt_ids(messages, tools))
-        >>> b.sampled(completion.token_ids, completion.logprobs)
-        >>> b.continue_with(messages + [reply], tool_messages, tools)   # True: a new segment
-        >>> trajectory = Trajectory.of_segments(b.segments(), ...)
+        >>> b.open_segment(chat.prompt_ids(messages))
+        >>> sampled = chat.encode("7<|im_end|>")  # completion.token_ids
+        >>> b.sampled(sampled, [-0.5, -0.1])  # and completion.logprobs
+        >>> messages += [chat.parse_assistant(sampled, parse_tools=False).message]
+        >>> new = [Message(role="user", content="Now 8.")]
+        >>> b.continue_with(messages, new)  # False: the suffix extends this segment
+        False
+        >>> sampled = chat.encode("8<|im_end|>")
+        >>> b.sampled(sampled, [-0.3, -0.1])
+        >>> messages += [*new, chat.parse_assistant(sampled, parse_tools=False).message]
+        >>> [(s.num_sampled, s.num_turns) for s in b.segments()]
+        [(4, 2)]
+        >>> trajectory = Trajectory.of_segments(
+        ...     b.segments(), task_id="t", messages=messages, stop_reason=StopReason.COMPLETED
+        ... )
+        >>> print(chat.decode(trajectory.token_ids))
+        <|im_start|>user
+        Say 7, then 8.<|im_end|>
+        <|im_start|>assistant
+        7<|im_end|>
+        <|im_start|>user
+        Now 8.<|im_end|>
+        <|im_start|>assistant
+        8<|im_end|>
     """
 
     def __init__(self, chat: ChatFormat) -> None:

@@ -55,6 +55,8 @@ class Env(gymnasium.Env):
     on the instance.
 
     Example (a plain env: one method; a tool env: see `ToolEnv`):
+        >>> from agentgrpo.env.base import Env
+        >>> from agentgrpo.types import Message, Task
         >>> class Echo(Env):
         ...     '''Reward 1 when the model repeats the task's answer.'''
         ...     def step(self, action):
@@ -142,15 +144,33 @@ class ToolEnv(Env):
     code marks with `agentgrpo.deadlines.waiting_for_capacity`: that wait is load, not the model's
     doing, and the turn, episode and step deadlines bound it (a TIMEOUT, unscorable).
 
-    Example:
-        >>> class Calc(ToolEnv):
-        ...     system_prompt = "Use the calculator, then give the number."
+    Example (one tool call, then the answer; `step` is async):
+        >>> import asyncio
+        >>> from agentgrpo.env.base import ToolEnv
+        >>> from agentgrpo.env.tool import tool
+        >>> from agentgrpo.types import Message, Task, ToolCall
+        >>> class Multiply(ToolEnv):
+        ...     system_prompt = "Use the tool, then give the number."
         ...     @tool
-        ...     def calculator(self, expression: str) -> str:
-        ...         '''Evaluate +, -, *, / on integers. Args: expression: e.g. "3*7"'''
-        ...         return str(safe_eval(expression))
+        ...     def multiply(self, a: int, b: int) -> int:
+        ...         '''Multiply two integers.
+        ...
+        ...         Args:
+        ...             a: the first factor
+        ...             b: the second factor
+        ...         '''
+        ...         return a * b
         ...     def reward(self, task, messages):
         ...         return float(messages[-1].content.strip() == str(task.answer))
+        >>> env = Multiply()
+        >>> msgs, _ = env.reset(options={"task": Task(id="1", prompt="3*7?", answer=21)})
+        >>> [m.role for m in msgs]
+        ['system', 'user']
+        >>> call = ToolCall(id="c1", name="multiply", arguments={"a": 3, "b": 7})
+        >>> asyncio.run(env.step(Message(role="assistant", tool_calls=[call]))).messages
+        [Message(role='tool', content='21', tool_calls=None, tool_call_id='c1', name='multiply')]
+        >>> asyncio.run(env.step(Message(role="assistant", content="21"))).reward
+        1.0
     """
 
     tools: ClassVar[Sequence[Tool]] = ()

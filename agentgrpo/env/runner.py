@@ -27,11 +27,15 @@ class EpisodeRunner(abc.ABC):
     with their stop reason), and cancellation propagates. The rollout applies the env's `rubric`
     and closes the env afterwards, as for any env.
 
-    Example:
+    Example (the declaration; `agentgrpo.agents.agent_env.AgentEnv` is a whole one):
+        >>> from agentgrpo.env.base import Env
+        >>> from agentgrpo.env.runner import EpisodeRunner
         >>> class Replay(Env, EpisodeRunner):
         ...     async def run_own_episode(self, engine, chat, task, params, *, limits, seed=None,
         ...                               context_len=None, deadline=None):
         ...         ...  # drive the engine, build the Trajectory with agentgrpo.chat.trajectory
+        >>> isinstance(Replay(), EpisodeRunner)  # what the rollout checks
+        True
     """
 
     @abc.abstractmethod

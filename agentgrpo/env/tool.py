@@ -200,6 +200,7 @@ def tool(
     """Decorator: `@tool` or `@tool(name=..., description=...)`. See the module docstring.
 
     Example:
+        >>> from agentgrpo.env.tool import tool
         >>> @tool
         ... def add(a: int, b: int) -> int:
         ...     '''Add two integers.

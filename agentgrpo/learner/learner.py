@@ -71,10 +71,23 @@ class Learner:
         pad_id: token id of row-tail padding (its value never reaches a loss).
         total_steps: `train_step` calls of the run; needed by decaying LR schedules.
 
-    Example:
-        >>> learner = Learner(model, LearnerConfig(lr=1e-6), LossConfig(), temperature=1.0)
-        >>> metrics = learner.train_step(training_rows(trajectories, advantages))
-        >>> await sync.push(learner.export_model(), step)   # merged weights with LoRA
+    Example (one step's update and push; the inputs come from the run: `agentgrpo.run.train`):
+        ```python
+        from agentgrpo.algo.loss import LossConfig
+        from agentgrpo.engine.weight_sync import WeightSync
+        from agentgrpo.learner.batch import training_rows
+        from agentgrpo.learner.config import LearnerConfig
+        from agentgrpo.learner.learner import Learner
+        from agentgrpo.models.embedded import default_model_path, load_policy
+
+        learner = Learner(load_policy(default_model_path()), LearnerConfig(lr=1e-6), LossConfig(),
+                          temperature=1.0)
+        # trajectories: the step's (agentgrpo.rollout.group.run_group); advantages: {trajectory
+        # id: Advantage} from their groups' rewards (agentgrpo.run.train.assign_advantages)
+        metrics = learner.train_step(training_rows(trajectories, advantages))
+        sync = WeightSync(engine)  # the engine that sampled them
+        await sync.push(learner.export_model(), step)  # merged weights with LoRA
+        ```
     """
 
     def __init__(

@@ -112,10 +112,15 @@ def _finite(v: Any) -> Any:
 class RunLogger:
     """Writes a run's metrics and trajectories: JSONL always, TensorBoard and W&B when enabled.
 
-    Example:
-        >>> logger = RunLogger.from_config(run_dir, cfg)  # doctest: +SKIP
-        >>> logger.log_step(1, {"reward_mean": 0.5, "loss": 0.01})  # doctest: +SKIP
-        >>> logger.close()  # doctest: +SKIP
+    Example (JSONL only; a run makes its logger with `RunLogger.from_config(run_dir, cfg)`):
+        >>> import pathlib, tempfile
+        >>> from agentgrpo.run.log import RunLogger
+        >>> with tempfile.TemporaryDirectory() as run_dir:
+        ...     logger = RunLogger(pathlib.Path(run_dir), tensorboard=False)
+        ...     logger.log_step(1, {"reward_mean": 0.5, "loss": float("nan")})  # NaN: null
+        ...     logger.close()
+        ...     print(pathlib.Path(run_dir, "metrics.jsonl").read_text(), end="")
+        {"step": 1, "reward_mean": 0.5, "loss": null}
     """
 
     def __init__(

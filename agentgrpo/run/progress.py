@@ -49,16 +49,17 @@ class Progress:
     phase. `enabled=False` turns the display off; the phase timings (`phase_times`, logged as
     `phase_s/*`) are kept either way, so metrics do not depend on whether anyone watched.
 
-    Example (the calls of the training loop):
-        >>> progress = Progress(total_steps=30, rollouts_per_step=32)
-        >>> for step in range(30):  # doctest: +SKIP
-        ...     progress.phase("rollout")
-        ...     groups = loop.run_until_complete(collect(..., on_done=progress.rollout_done))
-        ...     progress.phase("train")
-        ...     metrics = learner.train_step(rows)
-        ...     progress.phase("sync")
-        ...     ...
-        ...     progress.step_done(step + 1, metrics)
+    Example (the training loop's calls in one step, written to a log file; the clock moves 2 s
+    per reading):
+        >>> import itertools, sys
+        >>> from agentgrpo.run.progress import Progress
+        >>> clock = itertools.count(0.0, 2.0).__next__
+        >>> progress = Progress(total_steps=30, file=sys.stdout, live=False, clock=clock)
+        >>> progress.phase("rollout")  # then collect(..., on_done=progress.rollout_done)
+        >>> progress.phase("train")  # then metrics = learner.train_step(rows)
+        >>> progress.phase("sync")
+        >>> progress.step_done(1, {"reward_mean": 0.5, "loss": 0.01})
+        step 1/30 · reward 0.5 · loss 0.01 · ... · 6.0s (rollout 2.0s, train 2.0s, sync 2.0s) · ...
         >>> progress.close()
     """
 

@@ -206,10 +206,14 @@ class JudgeVerifier(_Remote):
     """An LLM judge as a verifier: `(trajectory, task) -> VerifierResult` in [0, 1], NaN when the
     judge fails. With `group=True` it scores a group in one call (`score_group`).
 
-    Example:
+    Example (an env declares `rubric = ...`; the judge is first asked when a group is scored):
+        >>> from agentgrpo.env.rubric import Rubric
+        >>> from agentgrpo.verify.judge import JudgeVerifier
+        >>> def correct(trajectory, task):
+        ...     return float(str(task.answer) in trajectory.messages[-1].content)
         >>> judge = JudgeVerifier(base_url="http://127.0.0.1:8000/v1", model="judge",
         ...                       rubric="1 for a polite, correct answer; 0 for a wrong one")
-        >>> rubric = Rubric([("correct", exact_match, 1.0), ("judge", judge, 0.5)])
+        >>> rubric = Rubric([("correct", correct, 1.0), ("judge", judge, 0.5)])
     """
 
     def __init__(self, config: JudgeConfig | None = None, **kwargs: Any) -> None:
@@ -334,9 +338,10 @@ def _at(data: Any, path: str) -> Any:
 class RewardModelVerifier(_Remote):
     """A reward model's score of the conversation as a verifier; NaN when the server fails.
 
-    Example:
+    Example (the server is first asked when a trajectory is scored):
+        >>> from agentgrpo.verify.judge import RewardModelVerifier
         >>> rm = RewardModelVerifier(base_url="http://127.0.0.1:8001", model="my-rm",
-        ...                          score_path="data.0.probs.1")  # doctest: +SKIP
+        ...                          score_path="data.0.probs.1")
     """
 
     def __init__(self, config: RewardModelConfig | None = None, **kwargs: Any) -> None:
