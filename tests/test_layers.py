@@ -43,7 +43,6 @@ APPLICATION: dict[str, set[str]] = {
 MAY_IMPORT = STAGES | APPLICATION
 # Top-level single-file modules (every other name under agentgrpo/ is a folder), and why.
 SINGLE_FILES = {
-    "types": "the records every layer shares",
     "deadlines": "a leaf below env, verify and rollout: each of them awaits under its budgets",
     "cli": "the entry point of the `agentgrpo` command (pyproject's [project.scripts])",
 }
