@@ -18,6 +18,7 @@ import torch
 from agentgrpo import Env, Message
 from agentgrpo.chat.format import ChatFormat, HistoryRewritten, TemplateError
 from agentgrpo.checks.template_audit import audit
+from agentgrpo.checks.template_conversations import SYNTHETIC_TOOL
 from agentgrpo.engine import SamplingParams
 from agentgrpo.rollout.episode import EpisodeLimits, RolloutConfig, run_episode
 from agentgrpo.run.config import load_config
@@ -25,18 +26,7 @@ from agentgrpo.types import Segment, StopReason, Task, ToolCall, Trajectory
 from tests.conftest import shipped_template, template_file
 from tests.fakes import ScriptedEngine
 
-TOOL = {
-    "type": "function",
-    "function": {
-        "name": "calculator",
-        "description": "Evaluate an arithmetic expression.",
-        "parameters": {
-            "type": "object",
-            "properties": {"expression": {"type": "string"}},
-            "required": ["expression"],
-        },
-    },
-}
+TOOL = SYNTHETIC_TOOL  # the calculator schema the template audit also uses
 TASK = Task(id="t", prompt="What is 12 * 7 + 3?", answer="87")
 
 # template -> (end-of-turn token, tokens it needs as special tokens,
